@@ -1,0 +1,90 @@
+"""Turns episodes into the padded tensors of one trainer step. Plain PyTorch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forge_rl.advantages import group_normalized_advantages
+from forge_rl.types import CompletionStatus, Episode
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's data. N = trainable completions, L = longest prompt+completion.
+
+    Row i holds prompt + completion i, right-padded with the pad id. Position j of `loss_mask_NL`
+    is True when token j was generated; the model predicts it from position j-1.
+    """
+
+    input_ids_NL: torch.Tensor
+    """[N, L] int64 token ids."""
+    loss_mask_NL: torch.Tensor
+    """[N, L] bool, True on generated tokens."""
+    behaviour_logprobs_NL: torch.Tensor
+    """[N, L] float32 logprob the generator sampled each generated token with (0 elsewhere)."""
+    policy_versions_NL: torch.Tensor
+    """[N, L] int64 version that generated each token (-1 elsewhere)."""
+    advantages_N: torch.Tensor
+    """[N] float32 group-normalized advantage of each completion."""
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(self.loss_mask_NL.sum())
+
+    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+        """Rows of data-parallel rank `rank` (contiguous blocks; N must divide evenly)."""
+        rows = self.input_ids_NL.shape[0]
+        if rows % world_size:
+            raise ValueError(f"{rows} rows do not split evenly over {world_size} data-parallel ranks")
+        per_rank = rows // world_size
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        return TrainBatch(
+            self.input_ids_NL[sl],
+            self.loss_mask_NL[sl],
+            self.behaviour_logprobs_NL[sl],
+            self.policy_versions_NL[sl],
+            self.advantages_N[sl],
+        )
+
+
+def make_train_batch(episodes: list[Episode], pad_id: int) -> TrainBatch:
+    """Pack the OK/TRUNCATED completions of `episodes`; ERRORED completions are left out."""
+    rows, masks, behaviour, versions, advantages = [], [], [], [], []
+    for episode in episodes:
+        usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
+        if not usable:
+            continue
+        group_advantages = group_normalized_advantages(
+            torch.tensor([c.reward for c in usable], dtype=torch.float32)
+        )
+        num_prompt = len(episode.prompt_token_ids)
+        for completion, advantage in zip(usable, group_advantages.tolist()):
+            rows.append(episode.prompt_token_ids + completion.token_ids)
+            masks.append([False] * num_prompt + [True] * completion.num_tokens)
+            behaviour.append([0.0] * num_prompt + completion.logprobs)
+            versions.append([-1] * num_prompt + completion.policy_versions)
+            advantages.append(advantage)
+    if not rows:
+        raise ValueError("no trainable completion in the batch (all errored)")
+    length = max(len(r) for r in rows)
+
+    def pad(values: list[list], fill, dtype) -> torch.Tensor:
+        return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
+
+    return TrainBatch(
+        input_ids_NL=pad(rows, pad_id, torch.int64),
+        loss_mask_NL=pad(masks, False, torch.bool),
+        behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
+        policy_versions_NL=pad(versions, -1, torch.int64),
+        advantages_N=torch.tensor(advantages, dtype=torch.float32),
+    )
+
+
+def token_logprobs(logits_NLV: torch.Tensor, input_ids_NL: torch.Tensor) -> torch.Tensor:
+    """Logprob of each token given its prefix, aligned to the token: [N, L] (position 0 gets 0)."""
+    logprobs_NLV = torch.log_softmax(logits_NLV[:, :-1].float(), dim=-1)
+    next_tokens = input_ids_NL[:, 1:].unsqueeze(-1)
+    picked = logprobs_NLV.gather(-1, next_tokens).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0), value=0.0)

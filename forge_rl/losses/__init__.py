@@ -1,0 +1,1 @@
+"""Policy-gradient losses as plain functions of per-token tensors. See `grpo.py`."""

@@ -1,0 +1,1 @@
+"""Models: the tiny from-scratch factory (`tiny.py`) and the TorchTitan bridge (`titan.py`)."""

@@ -1,0 +1,86 @@
+"""Create a tiny Llama-architecture model from scratch as a standard HF model directory.
+
+The directory holds config.json, model.safetensors, generation_config.json, tokenizer.json and
+tokenizer_config.json: what vLLM, `transformers` and the TorchTitan trainer all read. Nothing is
+downloaded. head_dim must be >= 32 because vLLM's CPU attention backend rejects 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from forge_rl.tasks import tokenizer as char_tokenizer
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 2
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads; head_dim = hidden_size / num_heads must be >= 32 (vLLM CPU attention)."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    max_position_embeddings: int = 128
+    """Longest sequence (prompt + completion) the model serves."""
+    seed: int = 0
+    """Initialization seed: the same seed gives the same weights."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.tiny.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.tiny.num_heads ({self.num_heads})."
+            )
+        if self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"model.tiny head_dim = hidden_size / num_heads = {self.hidden_size // self.num_heads} "
+                "is below 32, which vLLM's CPU attention rejects. Raise --model.tiny.hidden-size "
+                "or lower --model.tiny.num-heads."
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.tiny.num_heads ({self.num_heads}) must be divisible by "
+                f"model.tiny.num_kv_heads ({self.num_kv_heads})."
+            )
+
+
+def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
+    """Write a randomly initialized tiny Llama with the character tokenizer into `model_dir`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = char_tokenizer.build_char_tokenizer()
+    hf_config = LlamaConfig(
+        vocab_size=char_tokenizer.VOCAB_SIZE,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.token_to_id(char_tokenizer.BOS),
+        eos_token_id=tokenizer.token_to_id(char_tokenizer.EOS),
+        pad_token_id=tokenizer.token_to_id(char_tokenizer.PAD),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(config.seed)
+    model = LlamaForCausalLM(hf_config)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=hf_config.bos_token_id,
+        eos_token_id=hf_config.eos_token_id,
+        pad_token_id=hf_config.pad_token_id,
+    ).save_pretrained(model_dir)
+    char_tokenizer.save_char_tokenizer(model_dir)
+    return model_dir

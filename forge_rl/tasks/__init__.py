@@ -1,0 +1,1 @@
+"""Tasks: prompt generators with exact verifiers. See `synthetic.py`."""

@@ -1,0 +1,60 @@
+"""Synthetic digit tasks that a tiny model learns from scratch in about a minute of RL on a CPU.
+
+Each task maps a random draw to (prompt, answer); the reward is exact match of the completion text.
+Prompts are derived from (seed, index) alone, so the dataset cursor fully determines what comes
+next: resuming at cursor k replays exactly the prompts an uninterrupted run would have seen.
+
+    max_of_two   "M37=" -> "7"      (learns from scratch: about 0.01 -> 0.9 in 35 s of plain GRPO)
+    copy_digit   "C5="  -> "5"
+    add_mod10    "A37=" -> "0"      (needs a short supervised warm-up to leave chance level)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+TaskName = Literal["max_of_two", "copy_digit", "add_mod10"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    """Position in the task's infinite, deterministic sequence (the dataset cursor)."""
+    text: str
+    answer: str
+
+
+def _max_of_two(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randrange(10), rng.randrange(10)
+    return f"M{a}{b}=", str(max(a, b))
+
+
+def _copy_digit(rng: random.Random) -> tuple[str, str]:
+    a = rng.randrange(10)
+    return f"C{a}=", str(a)
+
+
+def _add_mod10(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randrange(10), rng.randrange(10)
+    return f"A{a}{b}=", str((a + b) % 10)
+
+
+TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "max_of_two": _max_of_two,
+    "copy_digit": _copy_digit,
+    "add_mod10": _add_mod10,
+}
+
+
+def make_prompt(task: str, seed: int, index: int) -> Prompt:
+    """The index-th prompt of `task` under `seed` (independent of any other index)."""
+    rng = random.Random(f"{task}:{seed}:{index}")
+    text, answer = TASKS[task](rng)
+    return Prompt(index=index, text=text, answer=answer)
+
+
+def exact_match_reward(completion_text: str, answer: str) -> float:
+    """1.0 when the completion is exactly the answer (surrounding whitespace ignored), else 0.0."""
+    return 1.0 if completion_text.strip() == answer else 0.0
