@@ -26,7 +26,10 @@ class GRPOLossConfig:
         for name in ("clip_eps_low", "clip_eps_high"):
             value = getattr(self, name)
             if not 0.0 < value < 10.0:
-                raise ValueError(f"loss.{name} ({value}) must be in (0, 10). Set --loss.{name.replace('_', '-')}.")
+                raise ValueError(
+                    f"trainer.loss.{name} ({value}) must be in (0, 10). "
+                    f"Set --trainer.loss.{name.replace('_', '-')}."
+                )
 
 
 def grpo_loss(

@@ -1,0 +1,235 @@
+"""Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
+
+    DatasetActor ──episodes──▶ GeneratorActor(s) ──▶ ScorerActor ──▶ ReplayBufferActor
+                                     ▲                                      │
+                         update_weights(v) (in flight)                 sample(batch)
+                                     │                                      ▼
+                       /dev/shm weight store ◀──── publish v ──── TrainerActor mesh (FSDP2/TP)
+
+Two kinds of loop run concurrently in this process:
+
+  rollout loop (one per generator)
+      consumes   prompts from the dataset
+      produces   scored episodes into the buffer
+      waits for  the staleness gate (forge_rl/staleness.py): its next episodes must be trainable
+                 within max_policy_age of the version it generates with; and for buffer room
+      unblocked  when the trainer takes a batch or the generator loads newer weights
+  train loop (one)
+      consumes   one batch of train_batch_size completions from the buffer (all fresh enough)
+      produces   policy version v+1 in the weight store, then tells every generator (not awaited)
+      waits for  the buffer to hold a full batch
+      unblocked  by rollouts
+
+With buffer.max_policy_age=0 the same program is synchronous RL: generate, train, publish, repeat.
+
+Run it with `forge-rl grpo --config configs/grpo_tiny_cpu.yaml` (or `python -m apps.grpo.main ...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import torch
+
+from forge_rl import launch
+from forge_rl.actors.buffer import ReplayBufferActor
+from forge_rl.actors.dataset import DatasetActor
+from forge_rl.actors.generator import GeneratorActor
+from forge_rl.actors.scorer import ScorerActor
+from forge_rl.actors.trainer import TrainerActor
+from forge_rl.config import GRPOConfig
+from forge_rl.metrics import MetricsLogger, batch_metrics, progress
+from forge_rl.run_dir import create_run_dir, prepare_model_dir
+from forge_rl.staleness import rollout_may_start
+from forge_rl.store.shm import SharedMemoryWeightStore, default_store_root
+from forge_rl.tasks.tokenizer import PromptTokenizer
+
+# Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches).
+_FINAL_REWARD_WINDOW = 5
+
+
+@dataclasses.dataclass
+class PipelineState:
+    """What the loops share. Only this process's event loop touches it, so it needs no locks."""
+
+    config: GRPOConfig
+    generator_versions: list[int]
+    """Policy version each generator serves now."""
+    next_train_version: int = 0
+    """Version the next batch will be trained at = batches taken so far."""
+    num_episodes_queued: int = 0
+    """Handed to rollouts and not yet taken by the trainer or dropped as stale."""
+    num_generated_tokens: int = 0
+    last_weight_update: dict = dataclasses.field(default_factory=dict)
+    changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
+
+    def may_start_rollout(self, generator_index: int) -> bool:
+        return rollout_may_start(
+            generator_version=self.generator_versions[generator_index],
+            next_train_version=self.next_train_version,
+            num_episodes_queued=self.num_episodes_queued,
+            num_new_episodes=self.config.prompts_per_request,
+            episodes_per_step=self.config.prompts_per_step,
+            max_policy_age=self.config.buffer.max_policy_age,
+        )
+
+    async def update(self, **changes) -> None:
+        """Apply counter changes and wake the loops waiting on them."""
+        async with self.changed:
+            for name, delta in changes.items():
+                setattr(self, name, getattr(self, name) + delta)
+            self.changed.notify_all()
+
+
+@dataclasses.dataclass
+class Actors:
+    dataset: DatasetActor
+    scorer: ScorerActor
+    buffer: ReplayBufferActor
+    generators: list[GeneratorActor]
+    trainer: TrainerActor
+
+
+async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None:
+    generator, config = actors.generators[index], state.config
+    while True:
+        async with state.changed:
+            await state.changed.wait_for(lambda: state.may_start_rollout(index))
+            state.num_episodes_queued += config.prompts_per_request
+        episodes = await actors.dataset.next_episodes.call_one(config.prompts_per_request)
+        episodes = await generator.generate.call_one(episodes, config.group_size)
+        state.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
+        episodes = await actors.scorer.score.call_one(episodes)
+        num_stale = await actors.buffer.put.call_one(episodes)
+        if num_stale:
+            await state.update(num_episodes_queued=-num_stale)
+
+
+async def update_generators(actors: Actors, state: PipelineState, policy_version: int, weights_dir: str) -> None:
+    """Tell every generator that `policy_version` is servable; each swaps while decoding."""
+    results = await asyncio.gather(
+        *(g.update_weights.call_one(policy_version, weights_dir) for g in actors.generators)
+    )
+    async with state.changed:
+        for index, result in enumerate(results):
+            state.generator_versions[index] = max(state.generator_versions[index], result["policy_version"])
+        state.last_weight_update = {
+            "weights/load_s": max(r["load_s"] for r in results),
+            "weights/stall_s": max(r["stall_s"] for r in results),
+        }
+        state.changed.notify_all()
+
+
+async def train_loop(actors: Actors, state: PipelineState, metrics_logger: MetricsLogger) -> list[dict]:
+    config = state.config
+    history, weight_updates = [], []
+    last_step_end, generated_at_last_step = time.monotonic(), 0
+    for step in range(1, config.steps + 1):
+        train_version = state.next_train_version
+        episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
+        await state.update(
+            next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted)
+        )
+
+        step_start = time.monotonic()
+        trainer_metrics = (await actors.trainer.train_step.call(episodes)).item(procs=0)
+        train_s = time.monotonic() - step_start
+        weights_dir = trainer_metrics.pop("weights/dir")
+        weight_updates.append(asyncio.create_task(update_generators(actors, state, train_version + 1, weights_dir)))
+
+        now = time.monotonic()
+        buffer_stats = await actors.buffer.stats.call_one()
+        metrics = {
+            "step": step,
+            "policy_version": train_version + 1,
+            "wall_time_s": now - metrics_logger.started,
+            **batch_metrics(episodes, train_version),
+            **trainer_metrics,
+            **state.last_weight_update,
+            "throughput/generated_tokens_per_s": (state.num_generated_tokens - generated_at_last_step)
+            / max(now - last_step_end, 1e-9),
+            "throughput/trained_tokens_per_s": trainer_metrics["num_tokens"] / max(train_s, 1e-9),
+            "buffer/size": buffer_stats["buffer/size"],
+            "buffer/dropped_episodes": buffer_stats["buffer/dropped_episodes"],
+            "buffer/dropped_completions": buffer_stats["buffer/dropped_completions"],
+            "generator/policy_versions": list(state.generator_versions),
+        }
+        last_step_end, generated_at_last_step = now, state.num_generated_tokens
+        metrics_logger.log(metrics)
+        history.append(metrics)
+    await asyncio.gather(*weight_updates)
+    return history
+
+
+async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len: int) -> tuple[Actors, list]:
+    """Three kinds of process: services (dataset, scorer, buffer), one per generator, trainer ranks."""
+    pad_id = PromptTokenizer(model_dir).pad_id
+    services = launch.spawn_procs("services", 1)
+    generator_procs = [launch.spawn_procs(f"generator{i}", 1) for i in range(config.num_generators)]
+    trainer_procs = await launch.spawn_trainer_procs(config.trainer.num_procs)
+    actors = Actors(
+        dataset=services.spawn("dataset", DatasetActor, config.task.name, config.task.seed, str(model_dir)),
+        scorer=services.spawn("scorer", ScorerActor),
+        buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
+        generators=[
+            procs.spawn("generator", GeneratorActor, config.generator, str(model_dir), max_model_len)
+            for procs in generator_procs
+        ],
+        trainer=trainer_procs.spawn("trainer", TrainerActor, config.trainer, str(model_dir), str(store_root), pad_id),
+    )
+    return actors, [services, *generator_procs, trainer_procs]
+
+
+async def run(config: GRPOConfig) -> dict:
+    """Run the recipe; returns the summary (also the last line of stdout from the CLI)."""
+    torch.set_num_threads(1)  # this process only orchestrates; the cores belong to engines and trainer
+    started = time.monotonic()
+    run_path = create_run_dir(config)
+    model_dir = prepare_model_dir(config, run_path)
+    max_model_len = config.model.hf_config()["max_position_embeddings"]
+    store = SharedMemoryWeightStore(default_store_root(run_path.name), model_dir)
+    progress(f"run directory {run_path}")
+    actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
+    try:
+        progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
+        starts = await asyncio.gather(
+            *(g.start.call_one() for g in actors.generators), actors.trainer.setup.call()
+        )
+        progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
+        state = PipelineState(config, generator_versions=[0] * config.num_generators)
+        metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
+        rollouts = [asyncio.create_task(rollout_loop(i, actors, state)) for i in range(config.num_generators)]
+        try:
+            history = await train_loop(actors, state, metrics_logger)
+        finally:
+            for task in rollouts:
+                task.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            metrics_logger.close()
+        await asyncio.gather(*(g.shutdown.call_one() for g in actors.generators))
+    finally:
+        await asyncio.gather(*(procs.stop() for procs in proc_meshes), return_exceptions=True)
+        store.destroy()
+    buffer_summary = history[-1]
+    summary = {
+        "final_mean_reward": sum(m["reward/mean"] for m in history[-_FINAL_REWARD_WINDOW:])
+        / len(history[-_FINAL_REWARD_WINDOW:]),
+        "wall_time_s": time.monotonic() - started,
+        "steps": len(history),
+        "max_policy_age_seen": max(m["policy_age/max"] for m in history),
+        "dropped_samples": buffer_summary["buffer/dropped_completions"],
+        "errored_samples": sum(m["completions/errored"] for m in history),
+        "engine_start_s": max(s["engine_start_s"] for s in starts[:-1]),
+        "run_dir": str(run_path),
+    }
+    (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    from forge_rl.cli import main as cli_main
+
+    cli_main(["grpo", *__import__("sys").argv[1:]])

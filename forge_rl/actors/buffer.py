@@ -1,0 +1,55 @@
+"""Replay buffer shell: backpressure for producers, blocking sample for the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from forge_rl.buffer import BufferConfig, ReplayBuffer
+from forge_rl.types import Episode
+
+
+class ReplayBufferActor(Actor):
+    def __init__(self, config: BufferConfig):
+        self.buffer = ReplayBuffer(config)
+        self.trainer_version = 0
+        """Version the next sampled batch trains at; staleness is measured against it."""
+        self.changed = asyncio.Condition()
+
+    @concurrent_endpoint
+    async def put(self, episodes: list[Episode]) -> int:
+        """Adds episodes, waiting while the buffer is full; returns how many were too stale to keep."""
+        num_stale = 0
+        async with self.changed:
+            for episode in episodes:
+                await self.changed.wait_for(lambda: self.buffer.num_free_slots > 0)
+                num_stale += not self.buffer.put(episode, self.trainer_version)
+            self.changed.notify_all()
+        return num_stale
+
+    @concurrent_endpoint
+    async def sample(self, num_episodes: int, trainer_version: int) -> tuple[list[Episode], int]:
+        """Waits until `num_episodes` groups trainable at `trainer_version` are available.
+
+        Returns the batch and how many episodes went stale (and were dropped) meanwhile.
+        """
+        dropped_before = self.buffer.dropped.episodes
+        async with self.changed:
+            self.trainer_version = trainer_version
+            while (batch := self.buffer.sample(num_episodes, trainer_version)) is None:
+                self.changed.notify_all()  # eviction may have freed room for waiting producers
+                await self.changed.wait()
+            self.changed.notify_all()
+        return batch, self.buffer.dropped.episodes - dropped_before
+
+    @endpoint
+    async def stats(self) -> dict:
+        dropped = self.buffer.dropped
+        return {
+            "buffer/size": len(self.buffer),
+            "buffer/dropped_episodes": dropped.episodes,
+            "buffer/dropped_completions": dropped.completions,
+            "buffer/dropped_tokens": dropped.tokens,
+            "dropped_episode_ids": list(dropped.episode_ids),
+        }

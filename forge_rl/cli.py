@@ -1,0 +1,83 @@
+"""`forge-rl`: the command line. Subcommands parse their config with tyro on top of an optional YAML.
+
+    forge-rl grpo --config configs/grpo_tiny_cpu.yaml --steps 50 --buffer.max-policy-age 2
+
+Order of precedence: flags > the YAML file given with --config > defaults. The config is fully
+validated (fields, cross-field rules, the model directory) before any process is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+_SUBCOMMANDS = {
+    "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
+}
+
+_USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
+    f"  {name:<8} {text}" for name, text in _SUBCOMMANDS.items()
+) + "\n\n`forge-rl SUBCOMMAND --help` lists every flag with its meaning."
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return
+    command, args = argv[0], argv[1:]
+    if command not in _SUBCOMMANDS:
+        _fail(f"unknown subcommand {command!r}.\n{_USAGE}")
+    if command == "grpo":
+        _run_grpo(args)
+
+
+def _run_grpo(args: list[str]) -> None:
+    from forge_rl.config import GRPOConfig
+    from forge_rl.yaml_config import ConfigError
+
+    try:
+        config = parse_config(GRPOConfig, args, prog="forge-rl grpo")
+    except ConfigError as e:
+        _fail(f"invalid config: {e}")
+
+    from apps.grpo.main import run
+
+    try:
+        summary = asyncio.run(run(config))
+    except ConfigError as e:
+        _fail(f"invalid config: {e}")
+    except KeyboardInterrupt:
+        print("[forge-rl] interrupted", file=sys.stderr)
+        raise SystemExit(130)
+    print(json.dumps(summary), flush=True)
+
+
+def parse_config(cls, args: list[str], prog: str):
+    """YAML from --config (if any) as the defaults, then the flags on top, validated by tyro."""
+    import tyro
+
+    from forge_rl.yaml_config import ConfigError, load_yaml_config
+
+    config_path = _find_config_path(args)
+    default = load_yaml_config(cls, config_path) if config_path else cls()
+    try:
+        return tyro.cli(cls, args=args, default=default, prog=prog, description=cls.__doc__)
+    except (ValueError, TypeError) as e:  # raised by __post_init__ after tyro filled the fields
+        raise ConfigError(str(e)) from None
+
+
+def _find_config_path(args: list[str]) -> Path | None:
+    for i, arg in enumerate(args):
+        if arg == "--config" and i + 1 < len(args):
+            return Path(args[i + 1])
+        if arg.startswith("--config="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def _fail(message: str) -> None:
+    print(f"forge-rl: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

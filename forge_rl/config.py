@@ -1,0 +1,141 @@
+"""The GRPO recipe's config: composes each component's config and checks rules that span them.
+
+Each component owns its config beside the code that reads it (`BufferConfig` in buffer.py,
+`GeneratorConfig` in engines/vllm_engine.py, `TrainerConfig` in trainer.py, ...). This module only
+composes them and validates cross-field rules in `GRPOConfig.__post_init__`, so every check runs
+when the config is built: from YAML (`load_yaml_config`), from flags (tyro), or in Python, and
+always before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forge_rl.buffer import BufferConfig
+from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.tasks.synthetic import TaskName
+from forge_rl.trainer import TrainerConfig
+from forge_rl.yaml_config import ConfigError
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: TaskName = "max_of_two"
+    """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py)."""
+    seed: int = 0
+    """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
+
+
+REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path | None = None
+    """HF model directory (config.json, model.safetensors, tokenizer.json). Unset: a tiny model is
+    created from scratch in the run directory from `model.tiny`."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Shape of the from-scratch model, used when `model.path` is unset."""
+
+    def hf_config(self) -> dict:
+        """The model's config.json as a dict (the tiny model's, derived, when path is unset)."""
+        if self.path is None:
+            tiny = self.tiny
+            return {
+                "num_attention_heads": tiny.num_heads,
+                "num_key_value_heads": tiny.num_kv_heads,
+                "max_position_embeddings": tiny.max_position_embeddings,
+            }
+        missing = [name for name in REQUIRED_MODEL_FILES if not (self.path / name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"model.path ({self.path}) lacks {', '.join(missing)}. Point --model.path at an HF "
+                f"model directory ({', '.join(REQUIRED_MODEL_FILES)}), or omit it to create a tiny "
+                "model from scratch."
+            )
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model.path ({self.path}) has a config.json that is not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    progress_every_s: float = 5.0
+    """Seconds between progress lines on stderr (every step is always in metrics.jsonl)."""
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Asynchronous GRPO: generators, scorer, replay buffer and trainer as Monarch actors."""
+
+    config: Path | None = None
+    """YAML file loaded first; flags given after it override its values."""
+    run_dir: Path = Path("runs")
+    """Parent of the run directory (config.yaml, metrics.jsonl, model/)."""
+    run_name: str | None = None
+    """Run directory name under run_dir; unset: grpo-YYYYmmdd-HHMMSS."""
+    steps: int = 100
+    """Trainer optimizer steps (= policy versions published)."""
+    train_batch_size: int = 128
+    """Completions per optimizer step; a multiple of group_size (prompts per step = batch / group)."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalized within a group."""
+    num_generators: int = 1
+    """Generator actors, each running one vLLM engine in its own process."""
+    prompts_per_request: int = 8
+    """Prompts a generator takes per request (each sampled group_size times)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Episodes (prompt groups) per optimizer step = train_batch_size / group_size."""
+        return self.train_batch_size // self.group_size
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_per_request")
+        if self.group_size < 2:
+            raise ConfigError(
+                f"group_size ({self.group_size}) must be >= 2: GRPO normalizes rewards within a group, "
+                "so a group of one has zero advantage. Set --group-size."
+            )
+        if self.train_batch_size % self.group_size:
+            raise ConfigError(
+                f"train_batch_size ({self.train_batch_size}) is not divisible by group_size "
+                f"({self.group_size}); a step trains whole groups. Set --train-batch-size to a multiple "
+                f"of {self.group_size}."
+            )
+        dp_shard = self.trainer.parallel.dp_shard
+        if self.train_batch_size % dp_shard:
+            raise ConfigError(
+                f"train_batch_size ({self.train_batch_size}) is not divisible by "
+                f"trainer.parallel.dp_shard ({dp_shard}); each data-parallel rank takes an equal share. "
+                "Set --train-batch-size or --trainer.parallel.dp-shard."
+            )
+        if self.prompts_per_request > self.prompts_per_step:
+            raise ConfigError(
+                f"prompts_per_request ({self.prompts_per_request}) exceeds the prompts of one step "
+                f"({self.prompts_per_step} = train_batch_size / group_size). Lower --prompts-per-request."
+            )
+        if self.buffer.capacity_episodes < self.prompts_per_step:
+            raise ConfigError(
+                f"buffer.capacity_episodes ({self.buffer.capacity_episodes}) is below one step's prompts "
+                f"({self.prompts_per_step}); the trainer could never fill a batch. Raise "
+                "--buffer.capacity-episodes."
+            )
+        self.trainer.validate_for_model(self.model.hf_config())
+
+
+def _check_positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ConfigError(f"{name} ({value}) must be >= 1. Set --{name.replace('_', '-')}.")

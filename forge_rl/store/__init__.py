@@ -1,0 +1,1 @@
+"""Versioned weight store between trainer and generators. See `shm.py`."""

@@ -1,0 +1,90 @@
+"""Strict YAML loading onto frozen config dataclasses.
+
+An unknown key, a wrong type or a bad literal is an error naming the dotted field and the file, so a
+typo in a config fails before anything expensive starts instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the field and the fix."""
+
+
+def load_yaml_config(cls: type[T], path: Path) -> T:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist. Pass an existing YAML file to --config.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
+    try:
+        return build_dataclass(cls, data, prefix="")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str) -> T:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(known))}"
+        )
+    kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _convert(annotation: Any, value: Any, field: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(option, value, field)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{field} ({value!r}) must be one of {', '.join(map(repr, allowed))}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{field} must be a mapping of its fields, got {value!r}")
+        return build_dataclass(annotation, value, prefix=field + ".")
+    if annotation is Path:
+        if not isinstance(value, str):
+            raise ConfigError(f"{field} must be a path string, got {value!r}")
+        return Path(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and not (
+        isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    ):
+        raise ConfigError(f"{field} must be {annotation.__name__}, got {value!r}")
+    return value

@@ -1,0 +1,23 @@
+from forge_rl.staleness import rollout_may_start
+
+
+def gate(generator_version=0, next_train_version=0, queued=0, new=8, per_step=16, max_age=1):
+    return rollout_may_start(generator_version, next_train_version, queued, new, per_step, max_age)
+
+
+def test_synchronous_mode_admits_exactly_one_step_of_work_per_version():
+    assert gate(queued=0, max_age=0)
+    assert gate(queued=8, max_age=0)
+    assert not gate(queued=16, max_age=0)  # would be trained at version 1 but generated at 0
+    assert gate(generator_version=1, next_train_version=1, queued=0, max_age=0)
+
+
+def test_async_mode_runs_ahead_by_max_policy_age_steps():
+    assert gate(queued=16, max_age=1)
+    assert gate(queued=24, max_age=1)
+    assert not gate(queued=32, max_age=1)
+
+
+def test_a_generator_with_old_weights_waits_for_the_swap():
+    assert not gate(generator_version=0, next_train_version=2, queued=0, max_age=1)
+    assert gate(generator_version=1, next_train_version=2, queued=0, max_age=1)
