@@ -44,8 +44,9 @@ def grpo_loss(
     Returns the scalar loss (differentiable through `logprobs_NL`) and detached metrics.
     """
     mask = loss_mask_NL.to(logprobs_NL.dtype)
-    # Masked-out positions carry arbitrary values; zero the log-ratio there so exp cannot overflow.
-    log_ratio_NL = (logprobs_NL - behaviour_logprobs_NL) * mask
+    # Masked-out positions carry arbitrary values (even NaN, and NaN * 0 is NaN): select, don't
+    # multiply, so nothing there can reach the loss or overflow exp.
+    log_ratio_NL = torch.where(loss_mask_NL, logprobs_NL - behaviour_logprobs_NL, 0.0)
     ratio_NL = torch.exp(log_ratio_NL)
     advantages_NL = advantages_N.unsqueeze(-1)
     unclipped = ratio_NL * advantages_NL
@@ -59,9 +60,11 @@ def grpo_loss(
         # k3 estimator of KL(behaviour || current) from tokens sampled by the behaviour policy:
         # r - 1 - log r with r = current / behaviour; unbiased and >= 0.
         mismatch_kl = ((ratio_NL - 1 - log_ratio_NL) * mask).sum() / num_tokens
+        max_abs_log_ratio = log_ratio_NL.abs().max()
     metrics = {
         "loss/clip_fraction": clipped_frac.item(),
         "loss/mean_ratio": mean_ratio.item(),
         "loss/mismatch_kl": mismatch_kl.item(),
+        "loss/max_abs_log_ratio": max_abs_log_ratio.item(),
     }
     return loss, metrics

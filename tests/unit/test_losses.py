@@ -74,3 +74,11 @@ def test_group_advantages_are_zero_mean_unit_std_and_zero_for_uniform_groups():
 def test_invalid_clip_names_the_flag():
     with pytest.raises(ValueError, match="trainer.loss.clip_eps_low"):
         GRPOLossConfig(clip_eps_low=0.0)
+
+
+def test_nan_at_masked_positions_never_reaches_the_loss():
+    current = torch.tensor([[0.0, -0.4]], requires_grad=True)
+    behaviour = torch.tensor([[float("nan"), -0.4]])
+    loss, _ = grpo_loss(current, behaviour, torch.tensor([1.0]), torch.tensor([[False, True]]), GRPOLossConfig())
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(current.grad).all()

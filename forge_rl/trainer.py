@@ -1,0 +1,198 @@
+"""The policy trainer: one GRPO optimizer step per `TrainBatch` on a TorchTitan llama3 model.
+
+One `PolicyTrainer` runs in each trainer process (rank). Every rank receives the whole batch and
+keeps its data-parallel shard; tensor-parallel ranks of one data-parallel group share rows. No
+Monarch here: a launcher (a Monarch actor, or torch.multiprocessing in the tests) sets
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and constructs one `PolicyTrainer` per process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from forge_rl.batching import TrainBatch, token_logprobs
+from forge_rl.losses.grpo import GRPOLossConfig, grpo_loss
+from forge_rl.models.titan import (
+    ParallelConfig,
+    build_titan_model,
+    export_hf_state_dict,
+    init_process_group_from_env,
+)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    num_procs: int = 1
+    """Trainer processes; must equal parallel.dp_shard * parallel.tp."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the processes split the model (FSDP2 and tensor parallelism)."""
+    lr: float = 3e-4
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon. Coordinates whose gradient is near this size get updates that swing with
+    float rounding; a larger value damps that."""
+    max_grad_norm: float = 1.0
+    """Gradients are rescaled so that their global L2 norm is at most this."""
+    seed: int = 0
+    """Torch seed of every trainer process."""
+    num_threads: int = 1
+    """Torch CPU threads per trainer process (torch.set_num_threads)."""
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    """The GRPO clipped surrogate."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_procs": (self.num_procs >= 1, ">= 1"),
+            "lr": (0.0 < self.lr < math.inf, "> 0 and finite"),
+            "weight_decay": (0.0 <= self.weight_decay < math.inf, ">= 0 and finite"),
+            "adam_eps": (0.0 < self.adam_eps < math.inf, "> 0 and finite"),
+            "max_grad_norm": (self.max_grad_norm > 0.0, "> 0 (inf disables clipping)"),
+            "num_threads": (self.num_threads >= 1, ">= 1"),
+        }
+        for name, (ok, constraint) in checks.items():
+            if not ok:
+                flag = name.replace("_", "-")
+                value = getattr(self, name)
+                raise ValueError(f"trainer.{name} ({value}) must be {constraint}. Set --trainer.{flag}.")
+
+
+def _select_device() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+class PolicyTrainer:
+    """Holds this rank's model shard and optimizer; `policy_version` counts optimizer steps."""
+
+    def __init__(self, config: TrainerConfig, model_dir: Path | str) -> None:
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.device = _select_device()
+        self.rank, world_size = init_process_group_from_env(self.device)
+        if world_size != config.num_procs:
+            raise ValueError(
+                f"trainer.num_procs ({config.num_procs}) differs from WORLD_SIZE ({world_size}) set by the "
+                "launcher. Launch trainer.num_procs processes, or set --trainer.num-procs."
+            )
+        self.model, parallel_dims = build_titan_model(model_dir, config.parallel, self.device)
+        # "batch" is TorchTitan's data-parallel mesh axis: ranks on it get different rows.
+        self._dp_group = parallel_dims.get_mesh("batch").get_group() if parallel_dims.dp_enabled else None
+        self._dp_rank = dist.get_rank(self._dp_group) if self._dp_group is not None else 0
+        self._dp_size = config.parallel.dp_shard
+        # Sequence parallelism splits positions over TP ranks, so lengths are padded to a multiple.
+        self._length_multiple = config.parallel.tp
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.lr,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            foreach=True,
+        )
+        self.policy_version = 0
+
+    def _logits(self, input_ids_NL: torch.Tensor) -> torch.Tensor:
+        """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably)."""
+        length = input_ids_NL.shape[1]
+        padding = -length % self._length_multiple
+        # Right padding cannot change earlier positions under causal attention; it is cut off again.
+        input_ids_NL = torch.nn.functional.pad(input_ids_NL, (0, padding))
+        logits_NLV = self.model(input_ids_NL.to(self.device))
+        if isinstance(logits_NLV, DTensor):
+            logits_NLV = logits_NLV.full_tensor()
+        return logits_NLV[:, :length].float()
+
+    def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
+        """Element-wise reduction over data-parallel ranks (identity on one rank)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self._dp_group is not None and values:
+            dist.all_reduce(tensor, op=op, group=self._dp_group)
+        return tensor.tolist()
+
+    def _global_metrics(self, loss: torch.Tensor, loss_metrics: dict[str, float], share: float) -> dict:
+        """Batch-wide loss and loss metrics: token means add up weighted by each shard's token share,
+        maxima ("/max_" in the name) reduce by max."""
+        maxima = {name: value for name, value in loss_metrics.items() if "/max_" in name}
+        means = {name: value * share for name, value in loss_metrics.items() if name not in maxima}
+        totals = self._dp_reduce([loss.item(), *means.values()], dist.ReduceOp.SUM)
+        metrics = {"loss": totals[0], **dict(zip(means, totals[1:]))}
+        metrics.update(zip(maxima, self._dp_reduce(list(maxima.values()), dist.ReduceOp.MAX)))
+        return metrics
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One AdamW step on the GRPO loss of `batch` (the full batch, identical on every rank).
+
+        Returns batch-wide metrics, identical on every rank (see `_global_metrics`). Raises
+        FloatingPointError, before touching the weights, when the loss or gradient norm is not finite.
+        """
+        start = time.perf_counter()
+        shard = batch.shard(self._dp_rank, self._dp_size)
+        global_tokens = max(batch.num_generated_tokens, 1)
+        local_tokens = shard.num_generated_tokens
+        logprobs_NL = token_logprobs(self._logits(shard.input_ids_NL), shard.input_ids_NL.to(self.device))
+        local_loss, loss_metrics = grpo_loss(
+            logprobs_NL,
+            shard.behaviour_logprobs_NL.to(self.device),
+            shard.advantages_N.to(self.device),
+            shard.loss_mask_NL.to(self.device),
+            self.config.loss,
+        )
+        # grpo_loss is this shard's token mean; reweighted by the shard's share of the batch's tokens,
+        # the per-rank gradients sum (FSDP2 runs without division) to the gradient of the global mean.
+        share = local_tokens / global_tokens
+        loss = local_loss * share
+        # Reduced before backward, so every rank sees the same value and raises together.
+        metrics = self._global_metrics(loss, loss_metrics, share)
+        if not math.isfinite(metrics["loss"]):
+            raise FloatingPointError(
+                f"non-finite GRPO loss ({metrics['loss']}) at policy version {self.policy_version}"
+            )
+        loss.backward()
+        metrics["grad_norm"] = self._clip_and_step()
+        metrics["num_tokens"] = float(batch.num_generated_tokens)
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    def _clip_and_step(self) -> float:
+        """Clip to max_grad_norm, then step; the norm is global (DTensor shards reduced)."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = list(self.model.parameters())
+        grad_norm = clip_grad_norm_(params, self.config.max_grad_norm, foreach=True).item()
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"non-finite gradient norm ({grad_norm}) at policy version {self.policy_version}"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy_version += 1
+        return grad_norm
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, L] fp32 logprob of each token under the current weights (0 at position 0), on CPU."""
+        shard = batch.shard(self._dp_rank, self._dp_size)
+        logprobs_NL = token_logprobs(self._logits(shard.input_ids_NL), shard.input_ids_NL.to(self.device))
+        if self._dp_group is None:
+            return logprobs_NL.cpu()
+        pieces = [torch.empty_like(logprobs_NL) for _ in range(self._dp_size)]
+        dist.all_gather(pieces, logprobs_NL, group=self._dp_group)
+        return torch.cat(pieces).cpu()
+
+    def hf_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Full weights in HF names; a collective, so call it on every rank."""
+        return export_hf_state_dict(self.model, dtype)

@@ -1,0 +1,165 @@
+"""PolicyTrainer on the tiny Llama: HF parity in one process, FSDP2 and TP parity over 2 gloo processes.
+
+The 2-process runs use torch.multiprocessing (spawn) with RANK/WORLD_SIZE/MASTER_* set per process,
+which is what the Monarch launcher provides in production.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from forge_rl.batching import TrainBatch, make_train_batch
+from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
+from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.types import Completion, Episode
+
+pytestmark = pytest.mark.integration
+
+NUM_STEPS = 3
+# AdamW moves a coordinate by lr * m / (sqrt(v) + eps). Where a gradient cancels to ~1e-8, about the
+# size of the float differences between 1 and 2 processes (which reduce in other orders), the
+# default eps 1e-8 lets those differences swing the update by a good fraction of lr (seen: 5e-5 under
+# TP). With eps 1e-5 a gradient difference of 1e-8 moves the update by at most lr * 1e-3.
+PARITY_CONFIG = TrainerConfig(adam_eps=1e-5)
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _episodes() -> list[Episode]:
+    """3 prompts x 4 completions of uneven lengths, so the two data-parallel halves (rows 0-5 and
+    6-11) hold different token counts and the loss normalization across ranks is exercised."""
+    episodes = []
+    for e, lengths in enumerate([(5, 1, 4, 2), (3, 3, 1, 2), (2, 1, 1, 2)]):
+        completions = [
+            Completion(
+                token_ids=[(7 * e + 3 * c + 5 * t) % 60 + 4 for t in range(n)],
+                logprobs=[0.0] * n,
+                policy_versions=[0] * n,
+                reward=float((c + e) % 3) / 2,
+            )
+            for c, n in enumerate(lengths)
+        ]
+        episodes.append(Episode(e, f"P{e}=", "", [1, 10 + e, 20 + e, 14], completions))
+    return episodes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    with pytest.MonkeyPatch.context() as patch:
+        for name in LAUNCH_ENV:
+            patch.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, single_process):
+    """The fixed batch (behaviour = version-0 logprobs + noise) and the 1-process run on it."""
+    trainer = PolicyTrainer(PARITY_CONFIG, model_dir)
+    batch = make_train_batch(_episodes(), pad_id=read_hf_config(model_dir)["pad_token_id"])
+    noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
+    behaviour = (trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL
+    batch = dataclasses.replace(batch, behaviour_logprobs_NL=behaviour)
+    metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
+    return batch, metrics, trainer.hf_state_dict()
+
+
+def test_logits_match_transformers(model_dir, single_process):
+    from transformers import LlamaForCausalLM
+
+    trainer = PolicyTrainer(TrainerConfig(), model_dir)
+    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (trainer.model(input_ids) - hf_model(input_ids).logits).abs().max().item()
+    assert diff < 1e-4
+
+
+def test_export_at_step_0_is_the_checkpoint(model_dir, single_process):
+    exported = PolicyTrainer(TrainerConfig(), model_dir).hf_state_dict()
+    checkpoint = load_file(model_dir / "model.safetensors")
+    assert exported.keys() == checkpoint.keys()
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_reference_run_learns_on_uneven_shards(reference):
+    batch, metrics, _ = reference
+    losses = [step["loss"] for step in metrics]
+    halves = [batch.shard(rank, 2).num_generated_tokens for rank in range(2)]
+    assert halves[0] != halves[1]
+    assert batch.advantages_N.abs().sum() > 0
+    assert losses[-1] < losses[0] - 1e-3
+
+
+def test_non_finite_loss_raises_and_leaves_weights(model_dir, reference):
+    batch, _, _ = reference
+    trainer = PolicyTrainer(TrainerConfig(), model_dir)
+    before = trainer.hf_state_dict()
+    behaviour = batch.behaviour_logprobs_NL.clone()
+    behaviour[0, -1] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite GRPO loss"):
+        trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
+    assert trainer.policy_version == 0
+    after = trainer.hf_state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
+    return {name: value for name, value in metrics.items() if name != "step_time_s"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank(rank: int, port: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    trainer = PolicyTrainer(dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel), model_dir)
+    metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
+    state_dict = trainer.hf_state_dict()
+    if rank == 0:
+        torch.save({"metrics": metrics, "state_dict": state_dict}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
+def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
+    batch, reference_metrics, reference_state_dict = reference
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_run_rank, args=(_free_port(), parallel, model_dir, batch, out), nprocs=2, join=True)
+    result = torch.load(out)
+    for step, expected in zip(result["metrics"], reference_metrics, strict=True):
+        assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)
+    checkpoint = load_file(model_dir / "model.safetensors")
+    for name, expected in reference_state_dict.items():
+        # The steps moved the weights far more than the tolerance, so agreement is meaningful.
+        assert (expected - checkpoint[name]).abs().max() > 1e-4, name
+        assert (result["state_dict"][name] - expected).abs().max() < 1e-5, name
+
+
+def test_parallelism_errors_name_the_flag(model_dir):
+    hf_config = read_hf_config(model_dir)
+    tp_error = r"trainer.parallel.tp \(3\) .* Set --trainer.parallel.tp to 1, 2 or 4"
+    with pytest.raises(ValueError, match=tp_error):
+        validate_parallelism(ParallelConfig(dp_shard=1, tp=3), 3, hf_config)
+    with pytest.raises(ValueError, match=r"must equal trainer.num_procs \(2\)"):
+        validate_parallelism(ParallelConfig(dp_shard=2, tp=2), 2, hf_config)
+    with pytest.raises(ValueError, match=r"trainer.lr \(0.0\)"):
+        TrainerConfig(lr=0.0)
