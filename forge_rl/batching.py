@@ -50,24 +50,23 @@ class TrainBatch:
 
 
 def make_train_batch(episodes: list[Episode], pad_id: int) -> TrainBatch:
-    """Pack the OK/TRUNCATED completions of `episodes`; ERRORED completions are left out."""
+    """One row per completion. ERRORED completions keep their row (so N always equals the
+    configured batch and splits evenly over data-parallel ranks) but are fully masked out, and
+    advantages are normalized over the group's other completions."""
     rows, masks, behaviour, versions, advantages = [], [], [], [], []
     for episode in episodes:
-        usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
-        if not usable:
-            continue
-        group_advantages = group_normalized_advantages(
-            torch.tensor([c.reward for c in usable], dtype=torch.float32)
-        )
+        usable = [c.status != CompletionStatus.ERRORED for c in episode.completions]
+        group_rewards = torch.tensor([c.reward for c, ok in zip(episode.completions, usable) if ok])
+        group_advantages = iter(group_normalized_advantages(group_rewards).tolist() if any(usable) else [])
         num_prompt = len(episode.prompt_token_ids)
-        for completion, advantage in zip(usable, group_advantages.tolist()):
+        for completion, ok in zip(episode.completions, usable):
             rows.append(episode.prompt_token_ids + completion.token_ids)
-            masks.append([False] * num_prompt + [True] * completion.num_tokens)
+            masks.append([False] * num_prompt + [ok] * completion.num_tokens)
             behaviour.append([0.0] * num_prompt + completion.logprobs)
             versions.append([-1] * num_prompt + completion.policy_versions)
-            advantages.append(advantage)
+            advantages.append(next(group_advantages) if ok else 0.0)
     if not rows:
-        raise ValueError("no trainable completion in the batch (all errored)")
+        raise ValueError("make_train_batch got no completions")
     length = max(len(r) for r in rows)
 
     def pad(values: list[list], fill, dtype) -> torch.Tensor:

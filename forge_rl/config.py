@@ -15,6 +15,7 @@ from pathlib import Path
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.models.titan import validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.tasks.synthetic import TaskName
 from forge_rl.trainer import TrainerConfig
@@ -131,7 +132,7 @@ class GRPOConfig:
                 f"({self.prompts_per_step}); the trainer could never fill a batch. Raise "
                 "--buffer.capacity-episodes."
             )
-        self.trainer.validate_for_model(self.model.hf_config())
+        validate_parallelism(self.trainer.parallel, self.trainer.num_procs, self.model.hf_config())
 
 
 def _check_positive(config: object, *names: str) -> None:

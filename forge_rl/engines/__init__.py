@@ -1,0 +1,1 @@
+"""Inference engines that sample rollouts. See `vllm_engine.py`."""

@@ -1,0 +1,283 @@
+"""The vLLM generator engine: samples completions and swaps weights while requests are in flight.
+
+`VLLMEngine` wraps one vLLM `AsyncLLM` (engine core and worker in their own processes) and speaks
+token ids only: callers encode prompts and decode completions (`skip_tokenizer_init=True`). It
+knows nothing of Monarch; the generator actor owns one and forwards its endpoints here.
+
+Why every token's policy version is right, even for a token decoded before a swap but delivered
+after it. The version is not stamped when a token reaches this process; vLLM labels it where it is
+sampled (sources: vllm/v1/engine/core.py, vllm/v1/engine/output_processor.py):
+
+1. `EngineCore.step` labels the outputs of each forward pass with the engine core's current weight
+   version (`_attach_weight_version`), on the busy-loop thread that also runs every utility call,
+   so `update_weight_version` can never land inside a step.
+2. `load_weights` changes the label only while paused. `pause_generation(mode="keep")` stops
+   scheduling (`PauseState.PAUSED_ALL`) and returns only once the engine is idle (`has_work()` is
+   false: no batch in flight), so every token sampled before the pause already carries the old
+   label, and nothing is sampled until `resume_generation`, after the relabel.
+3. The label travels with its tokens in the same `EngineCoreOutputs` message; the front end's
+   `OutputProcessor.track_weight_version` turns the labels into spans over each completion's
+   output tokens (`CompletionOutput.weight_versions`). When a message is delivered does not matter.
+
+Stamping on arrival in this process from a streamed output instead would need a drain barrier
+that vLLM does not promise (`pause_generation` only sleeps 20 ms for pending outputs). So requests
+use `RequestOutputKind.FINAL_ONLY`: the spans come with the final output, and streaming would only
+add traffic.
+
+vllm is imported inside methods only, so importing this module (for `GeneratorConfig`, say) costs
+nothing and does not pull vLLM into the trainer or the functional core's tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from forge_rl.types import Completion, CompletionStatus
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    max_new_tokens: int = 4
+    """Most tokens sampled per completion; a completion that reaches it without EOS is TRUNCATED."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0; greedy decoding is not RL sampling)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 keeps the whole vocabulary."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 turns the filter off (vLLM 0.32 convention)."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM decodes in one batch."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
+    kv_cache_space_gib: float = 1.0
+    """KV cache size in GiB on CPU (what VLLM_CPU_KVCACHE_SPACE sets, but fractional)."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU."""
+    seed: int = 0
+    """Seed of the engine's sampler: one engine replays the same samples for the same requests."""
+    cpu_threads: int = 1
+    """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
+            ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                flag = "--generator." + name.replace("_", "-")
+                raise ValueError(
+                    f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}."
+                )
+
+
+class VLLMEngine:
+    """One vLLM AsyncLLM; must be started, used and shut down on one asyncio event loop."""
+
+    def __init__(self, config: GeneratorConfig):
+        self.config = config
+        self.policy_version = 0
+        """Version of the weights the engine decodes with now (0 = the model directory's)."""
+        self.max_model_len = 0
+        self._llm: AsyncLLM | None = None
+        self._request_ids = itertools.count()
+
+    async def start(self, model_dir: Path, max_model_len: int) -> None:
+        """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
+        if max_model_len <= self.config.max_new_tokens:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must exceed generator.max_new_tokens "
+                f"({self.config.max_new_tokens}) to leave room for a prompt. "
+                "Lower --generator.max-new-tokens or raise max_model_len."
+            )
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
+        # The engine-core process is spawned here and the worker from it; both read these variables.
+        with _environ(self._engine_env()):
+            self._llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = max_model_len
+        await self._llm.update_weight_version(str(self.policy_version))
+
+    @property
+    def _running_llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is not running: await start() first.")
+        return self._llm
+
+    def _engine_kwargs(self, model_dir: Path, max_model_len: int) -> dict:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        memory = (
+            {"gpu_memory_utilization": self.config.gpu_memory_utilization}
+            if on_gpu
+            else {"kv_cache_memory_bytes": int(self.config.kv_cache_space_gib * 2**30)}
+        )
+        return dict(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            # bf16 on CPU would make behaviour logprobs disagree with the fp32 trainer.
+            dtype="bfloat16" if on_gpu else "float32",
+            max_model_len=max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            enforce_eager=self.config.enforce_eager,
+            seed=self.config.seed,
+            # log_softmax(logits / temperature) over the top-k/top-p kept set: the distribution
+            # tokens were actually drawn from. "raw_logprobs" would ignore the temperature. (On GPU
+            # it moves top-k/top-p sampling off FlashInfer, which cannot return these logprobs.)
+            logprobs_mode="processed_logprobs",
+            # Safe with weight swaps: every pause below clears the prefix cache (clear_cache=True).
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+            **memory,
+        )
+
+    def _engine_env(self) -> dict[str, str]:
+        """Environment of the engine-core and worker processes."""
+        import torch
+
+        # The worker in its own process: in-process was 30x slower inside an actor, and the CPU
+        # backend applies the OpenMP settings below only to a separate worker process
+        # (vllm/platforms/cpu.py, check_and_update_config).
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        if not torch.cuda.is_available():
+            # vLLM's default ("auto") pins the worker to every core of the NUMA node but one, which
+            # starves a co-located trainer, and two engines on one host would pin the same cores.
+            # Measured on 2 cores, tokens/s for 32 prompts x 8 samples, 1 vs 2 unpinned threads:
+            # tiny model (hidden 128, 2 layers) 4 tokens 15-16k vs 4-13k, 64 tokens 16-26k vs
+            # 11-20k; hidden 512, 4 layers, 64 tokens 4.0-4.2k vs 3.6-4.1k. The worker shares the
+            # machine with the engine-core and front-end processes, so a second thread mostly
+            # waits (only pinning both cores, which leaves the trainer nothing, reached 5.3k).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
+        return env
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, eos_id: int | None
+    ) -> list[Completion]:
+        """Sample `n` completions of one prompt; each token carries its logprob and policy version.
+
+        `eos_id=None` never stops early (every completion runs to max_new_tokens): for benchmarks.
+        """
+        self._check_prompt_length(len(prompt_token_ids))
+        from vllm.inputs import TokensPrompt
+
+        # One request with n children (vLLM fans them out, sharing the prompt's KV through the
+        # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
+        request_id = f"gen-{next(self._request_ids)}"
+        final = None
+        async for final in self._running_llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_token_ids),
+            self._sampling_params(n, eos_id),
+            request_id,
+        ):
+            pass  # FINAL_ONLY: one output, after the last child finished.
+        return [_to_completion(output) for output in final.outputs]
+
+    def _check_prompt_length(self, num_prompt_tokens: int) -> None:
+        limit = self.max_model_len - self.config.max_new_tokens
+        if num_prompt_tokens > limit:
+            raise ValueError(
+                f"Prompt has {num_prompt_tokens} tokens; the limit is max_model_len "
+                f"({self.max_model_len}) - generator.max_new_tokens ({self.config.max_new_tokens})"
+                f" = {limit}. Shorten the prompt, lower --generator.max-new-tokens, "
+                "or raise max_model_len."
+            )
+
+    def _sampling_params(self, n: int, eos_id: int | None) -> SamplingParams:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            max_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
+            logprobs=0,  # the sampled token's logprob only
+            # ignore_eos also drops the EOS vLLM reads from generation_config.json.
+            stop_token_ids=[] if eos_id is None else [eos_id],
+            ignore_eos=eos_id is None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def load_weights(
+        self, weights_dir: Path, policy_version: int, mode: Literal["keep", "wait"] = "keep"
+    ) -> float:
+        """Swap to the weights in `weights_dir` (model.safetensors + config.json, HF names).
+
+        mode="keep" freezes in-flight requests between two forward passes and continues them on
+        the new weights; mode="wait" lets them finish first (new requests queue meanwhile).
+        Returns the stall: seconds from pausing to resuming (for "wait", the drain included).
+        """
+        started = time.perf_counter()
+        # clear_cache=True preempts the frozen requests and drops every KV block, so on resume
+        # their prefixes are recomputed with the new weights: tokens labelled `policy_version`
+        # are then exactly samples of that policy, and no prefix-cache hit can serve old KV.
+        await self._running_llm.pause_generation(mode=mode, clear_cache=True)
+        try:
+            # reload_weights, not the worker's per-tensor load_weights: the CPU backend repacks
+            # linear weights after loading, which only the full reload path redoes.
+            await self._running_llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": str(weights_dir)}
+            )
+            # The engine core labels every token sampled from now on with it (module docstring).
+            await self._running_llm.update_weight_version(str(policy_version))
+            self.policy_version = policy_version
+        finally:
+            await self._running_llm.resume_generation()
+        return time.perf_counter() - started
+
+    async def shutdown(self) -> None:
+        """Stop the engine-core process; the engine cannot be restarted."""
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _to_completion(output: CompletionOutput) -> Completion:
+    """Token ids as vLLM sampled them (EOS included), their logprobs and version spans."""
+    token_ids = list(output.token_ids)
+    logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs)]
+    policy_versions = [
+        int(span.version)
+        for span in output.weight_versions or []
+        for _ in range(span.start, span.end)
+    ]
+    status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
+    return Completion(token_ids, logprobs, policy_versions, status=status)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the processes started inside the block, then restore them."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
