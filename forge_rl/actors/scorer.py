@@ -7,13 +7,13 @@ import traceback
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.tasks.synthetic import exact_match_reward
+from forge_rl.tasks.synthetic import leading_number_reward
 from forge_rl.types import CompletionStatus, Episode
 
 
 class ScorerActor(Actor):
     def __init__(self) -> None:
-        self.reward_fn = exact_match_reward
+        self.reward_fn = leading_number_reward
 
     @endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

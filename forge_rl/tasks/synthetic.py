@@ -1,6 +1,6 @@
 """Synthetic digit tasks that a tiny model learns from scratch in about a minute of RL on a CPU.
 
-Each task maps a random draw to (prompt, answer); the reward is exact match of the completion text.
+Each task maps a random draw to (prompt, answer); the reward checks the number the completion starts with.
 Prompts are derived from (seed, index) alone, so the dataset cursor fully determines what comes
 next: resuming at cursor k replays exactly the prompts an uninterrupted run would have seen.
 
@@ -12,6 +12,7 @@ next: resuming at cursor k replays exactly the prompts an uninterrupted run woul
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -55,6 +56,16 @@ def make_prompt(task: str, seed: int, index: int) -> Prompt:
     return Prompt(index=index, text=text, answer=answer)
 
 
-def exact_match_reward(completion_text: str, answer: str) -> float:
-    """1.0 when the completion is exactly the answer (surrounding whitespace ignored), else 0.0."""
-    return 1.0 if completion_text.strip() == answer else 0.0
+def leading_number_reward(completion_text: str, answer: str) -> float:
+    """1.0 when the number the completion starts with is exactly the answer, else 0.0.
+
+    Like answer extraction in GSM8K-style verifiers, what follows the answer is ignored ("7<eos>",
+    "7=" and "7 " all score for answer "7"; "73" does not). A random model thus scores about
+    1/vocab_size, which gives GRPO a signal from step one; exact match of the whole completion
+    would need EOS too and start near 1/vocab_size**2.
+    """
+    match = _LEADING_NUMBER.match(completion_text)
+    return 1.0 if match is not None and match.group(1) == answer else 0.0
+
+
+_LEADING_NUMBER = re.compile(r"\s*(\d+)")
