@@ -15,6 +15,7 @@ from pathlib import Path
 
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
+    "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
 }
 
 _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"unknown subcommand {command!r}.\n{_USAGE}")
     if command == "grpo":
         _run_grpo(args)
+    elif command == "plot":
+        _run_plot(args)
 
 
 def _run_grpo(args: list[str]) -> None:
@@ -53,6 +56,18 @@ def _run_grpo(args: list[str]) -> None:
         print("[forge-rl] interrupted", file=sys.stderr)
         raise SystemExit(130)
     print(json.dumps(summary), flush=True)
+
+
+def _run_plot(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.plot import PlotArgs, plot_dashboard
+
+    plot_args = tyro.cli(PlotArgs, args=args, prog="forge-rl plot", description=_SUBCOMMANDS["plot"])
+    try:
+        print(plot_dashboard(plot_args))
+    except FileNotFoundError as e:
+        _fail(str(e))
 
 
 def parse_config(cls, args: list[str], prog: str):
@@ -81,3 +96,7 @@ def _find_config_path(args: list[str]) -> Path | None:
 def _fail(message: str) -> None:
     print(f"forge-rl: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -62,5 +62,6 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
         "completions/errored": num_errored,
         "completions/mean_tokens": sum(ages.values()) / max(len(rewards), 1),
         "policy_age/max": max(ages, default=0),
+        "policy_age/mean": sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         "policy_age/histogram": {str(age): count for age, count in sorted(ages.items())},
     }

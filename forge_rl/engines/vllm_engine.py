@@ -67,6 +67,8 @@ class GeneratorConfig:
     """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU."""
     seed: int = 0
     """Seed of the engine's sampler: one engine replays the same samples for the same requests."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """vLLM's log level in the engine processes (INFO logs every request batch and swap)."""
     cpu_threads: int = 1
     """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
 
@@ -108,12 +110,13 @@ class VLLMEngine:
                 f"({self.config.max_new_tokens}) to leave room for a prompt. "
                 "Lower --generator.max-new-tokens or raise max_model_len."
             )
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
-        # The engine-core process is spawned here and the worker from it; both read these variables.
+        # vLLM reads these when first imported (its logger) and when spawning the engine-core and
+        # worker processes, so both happen inside the block.
         with _environ(self._engine_env()):
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
             self._llm = AsyncLLM.from_engine_args(args)
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
@@ -149,6 +152,8 @@ class VLLMEngine:
             # Safe with weight swaps: every pause below clears the prefix cache (clear_cache=True).
             enable_prefix_caching=True,
             disable_log_stats=True,
+            # A progress bar per weight reload (one per policy version) would flood the log.
+            use_tqdm_on_load=False,
             **memory,
         )
 
@@ -159,7 +164,7 @@ class VLLMEngine:
         # The worker in its own process: in-process was 30x slower inside an actor, and the CPU
         # backend applies the OpenMP settings below only to a separate worker process
         # (vllm/platforms/cpu.py, check_and_update_config).
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": self.config.log_level}
         if not torch.cuda.is_available():
             # vLLM's default ("auto") pins the worker to every core of the NUMA node but one, which
             # starves a co-located trainer, and two engines on one host would pin the same cores.

@@ -1,0 +1,95 @@
+"""Config validation: every bad value fails at construction, naming the field and the fix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge_rl.cli import parse_config
+from forge_rl.config import GRPOConfig
+from forge_rl.yaml_config import ConfigError, load_yaml_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_yaml(tmp_path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("config_file", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(config_file):
+    assert isinstance(load_yaml_config(GRPOConfig, config_file), GRPOConfig)
+
+
+@pytest.mark.parametrize(
+    "yaml_text,message",
+    [
+        ("stpes: 3\n", "unknown key(s) stpes"),
+        ("buffer:\n  max_age: 1\n", "unknown key(s) buffer.max_age"),
+        ("buffer:\n  max_policy_age: -1\n", "buffer.max_policy_age (-1) must be >= 0"),
+        ("steps: ten\n", "steps must be int"),
+        ("task:\n  name: sort\n", "task.name ('sort') must be one of"),
+        ("train_batch_size: 100\ngroup_size: 8\n", "train_batch_size (100) is not divisible by group_size (8)"),
+        ("trainer:\n  num_procs: 3\n  parallel:\n    tp: 3\n", "trainer.parallel.tp (3) must divide"),
+        ("trainer:\n  num_procs: 2\n  parallel:\n    tp: 1\n", "must equal trainer.num_procs (2)"),
+        ("model:\n  path: /no/such/model\n", "model.path (/no/such/model) lacks config.json"),
+        ("model:\n  tiny:\n    hidden_size: 64\n", "head_dim"),
+        ("group_size: 1\ntrain_batch_size: 8\n", "group_size (1) must be >= 2"),
+        ("generator:\n  temperature: 0\n", "generator.temperature (0.0) must be > 0"),
+        ("buffer:\n  capacity_episodes: 4\n", "buffer.capacity_episodes (4) is below one step's prompts (16)"),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
+def test_invalid_yaml_fails_naming_the_field(tmp_path, yaml_text, message):
+    with pytest.raises(ConfigError) as error:
+        load_yaml_config(GRPOConfig, write_yaml(tmp_path, yaml_text))
+    assert message in str(error.value)
+
+
+def test_flags_override_the_yaml_which_overrides_defaults(tmp_path):
+    path = write_yaml(tmp_path, "steps: 7\nbuffer:\n  max_policy_age: 3\n")
+    config = parse_config(GRPOConfig, ["--config", str(path), "--buffer.max-policy-age", "0"], prog="forge-rl grpo")
+    assert config.steps == 7
+    assert config.buffer.max_policy_age == 0
+    assert config.group_size == GRPOConfig().group_size
+
+
+def test_a_user_model_directory_is_checked_against_the_parallelism(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2}))
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\)"):
+        load_yaml_config(
+            GRPOConfig,
+            write_yaml(tmp_path, f"model:\n  path: {tmp_path}\ntrainer:\n  num_procs: 3\n  parallel:\n    tp: 3\n"),
+        )
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "forge_rl.cli", *args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_help_lists_subcommands_and_every_grpo_option_with_its_meaning():
+    assert "grpo" in run_cli("--help").stdout
+    help_text = run_cli("grpo", "--help").stdout
+    for flag in (
+        "--buffer.max-policy-age",
+        "--trainer.parallel.tp",
+        "--trainer.parallel.dp-shard",
+        "--generator.max-new-tokens",
+        "--model.path",
+        "--train-batch-size",
+    ):
+        assert flag in help_text
+    assert "Largest allowed (trainer version - token version)" in help_text
+
+
+def test_an_invalid_config_exits_before_starting_anything(tmp_path):
+    result = run_cli("grpo", "--buffer.max-policy-age", "-1", "--run-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "buffer.max_policy_age (-1) must be >= 0" in " ".join(result.stderr.replace("│", " ").split())
+    assert not any(tmp_path.iterdir())  # no run directory was written
