@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[$(ENGINE),dev]"
 	# vLLM pulls CUDA-linked torchvision/torchaudio/torchcodec wheels from PyPI that break
-	# `transformers` imports on CPU; text models need none of them (see docs/install.md).
+	# `transformers` imports on CPU; text models need none of them (docs/architecture.md).
 	if [ "$(ENGINE)" = "cpu" ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 

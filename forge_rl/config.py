@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
@@ -28,6 +29,25 @@ class TaskConfig:
     """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py)."""
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
+    completion_lengths: Literal["natural", "long_tail"] = "natural"
+    """natural: completions end at EOS (or generator.max_new_tokens). long_tail: each prompt's
+    completions are forced to a Pareto-distributed length (EOS ignored), capped at
+    generator.max_new_tokens: the straggler-heavy workload of `forge-rl bench async-vs-sync`."""
+    long_tail_min_tokens: int = 2
+    """Shortest forced completion (long_tail only)."""
+    long_tail_alpha: float = 1.0
+    """Pareto shape of forced lengths (long_tail only); smaller means a heavier tail."""
+
+    def __post_init__(self) -> None:
+        if self.long_tail_min_tokens < 1:
+            raise ValueError(
+                f"task.long_tail_min_tokens ({self.long_tail_min_tokens}) must be >= 1. "
+                "Set --task.long-tail-min-tokens."
+            )
+        if self.long_tail_alpha <= 0:
+            raise ValueError(
+                f"task.long_tail_alpha ({self.long_tail_alpha}) must be > 0. Set --task.long-tail-alpha."
+            )
 
 
 REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -87,8 +107,9 @@ class GRPOConfig:
     """Completions sampled per prompt; advantages are normalized within a group."""
     num_generators: int = 1
     """Generator actors, each running one vLLM engine in its own process."""
-    prompts_per_request: int = 8
-    """Prompts a generator takes per request (each sampled group_size times)."""
+    prompts_in_flight_per_generator: int = 16
+    """Prompts (each a group of group_size samples) a generator decodes concurrently. Each is its
+    own request, so vLLM batches them continuously and a long completion holds back no other."""
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
@@ -102,7 +123,9 @@ class GRPOConfig:
         return self.train_batch_size // self.group_size
 
     def __post_init__(self) -> None:
-        _check_positive(self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_per_request")
+        _check_positive(
+            self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator"
+        )
         if self.group_size < 2:
             raise ConfigError(
                 f"group_size ({self.group_size}) must be >= 2: GRPO normalizes rewards within a group, "
@@ -120,11 +143,6 @@ class GRPOConfig:
                 f"train_batch_size ({self.train_batch_size}) is not divisible by "
                 f"trainer.parallel.dp_shard ({dp_shard}); each data-parallel rank takes an equal share. "
                 "Set --train-batch-size or --trainer.parallel.dp-shard."
-            )
-        if self.prompts_per_request > self.prompts_per_step:
-            raise ConfigError(
-                f"prompts_per_request ({self.prompts_per_request}) exceeds the prompts of one step "
-                f"({self.prompts_per_step} = train_batch_size / group_size). Lower --prompts-per-request."
             )
         if self.buffer.capacity_episodes < self.prompts_per_step:
             raise ConfigError(

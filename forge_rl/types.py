@@ -83,6 +83,9 @@ class Episode:
     """What the verifier compares against."""
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
+    forced_length: int | None = None
+    """When set, every completion is generated exactly this long (EOS ignored): how a task imposes
+    a completion-length distribution, e.g. the long tail of the async-vs-sync benchmark."""
 
     @property
     def oldest_policy_version(self) -> int:

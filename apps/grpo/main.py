@@ -8,8 +8,8 @@
 
 Two kinds of loop run concurrently in this process:
 
-  rollout loop (one per generator)
-      consumes   prompts from the dataset
+  rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
+      consumes   a prompt from the dataset
       produces   scored episodes into the buffer
       waits for  the staleness gate (forge_rl/staleness.py): its next episodes must be trainable
                  within max_policy_age of the version it generates with; and for buffer room
@@ -28,6 +28,7 @@ Run it with `forge-rl grpo --config configs/grpo_tiny_cpu.yaml` (or `python -m a
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import time
@@ -43,7 +44,7 @@ from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.run_dir import create_run_dir, prepare_model_dir
-from forge_rl.staleness import rollout_may_start
+from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
 from forge_rl.store.shm import SharedMemoryWeightStore, default_store_root
 from forge_rl.tasks.tokenizer import PromptTokenizer
 
@@ -62,6 +63,8 @@ class PipelineState:
     """Version the next batch will be trained at = batches taken so far."""
     num_episodes_queued: int = 0
     """Handed to rollouts and not yet taken by the trainer or dropped as stale."""
+    in_flight_versions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Generator version at the start of each episode still being generated or scored."""
     num_generated_tokens: int = 0
     last_weight_update: dict = dataclasses.field(default_factory=dict)
     changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
@@ -71,9 +74,14 @@ class PipelineState:
             generator_version=self.generator_versions[generator_index],
             next_train_version=self.next_train_version,
             num_episodes_queued=self.num_episodes_queued,
-            num_new_episodes=self.config.prompts_per_request,
+            num_new_episodes=1,
             episodes_per_step=self.config.prompts_per_step,
             max_policy_age=self.config.buffer.max_policy_age,
+        )
+
+    def may_sample_batch(self) -> bool:
+        return batch_may_be_sampled(
+            self.in_flight_versions, self.next_train_version, self.config.buffer.max_policy_age
         )
 
     async def update(self, **changes) -> None:
@@ -94,18 +102,23 @@ class Actors:
 
 
 async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None:
+    """One prompt at a time on generator `index`; many of these run per generator."""
     generator, config = actors.generators[index], state.config
     while True:
         async with state.changed:
             await state.changed.wait_for(lambda: state.may_start_rollout(index))
-            state.num_episodes_queued += config.prompts_per_request
-        episodes = await actors.dataset.next_episodes.call_one(config.prompts_per_request)
+            state.num_episodes_queued += 1
+            start_version = state.generator_versions[index]
+            state.in_flight_versions[start_version] += 1
+        episodes = await actors.dataset.next_episodes.call_one(1)
         episodes = await generator.generate.call_one(episodes, config.group_size)
         state.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         episodes = await actors.scorer.score.call_one(episodes)
         num_stale = await actors.buffer.put.call_one(episodes)
-        if num_stale:
-            await state.update(num_episodes_queued=-num_stale)
+        async with state.changed:
+            state.in_flight_versions[start_version] -= 1
+            state.num_episodes_queued -= num_stale
+            state.changed.notify_all()
 
 
 async def update_generators(actors: Actors, state: PipelineState, policy_version: int, weights_dir: str) -> None:
@@ -129,6 +142,8 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
     last_step_end, generated_at_last_step = time.monotonic(), 0
     for step in range(1, config.steps + 1):
         train_version = state.next_train_version
+        async with state.changed:
+            await state.changed.wait_for(state.may_sample_batch)
         episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
         await state.update(
             next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted)
@@ -171,7 +186,7 @@ async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len:
     generator_procs = [launch.spawn_procs(f"generator{i}", 1) for i in range(config.num_generators)]
     trainer_procs = await launch.spawn_trainer_procs(config.trainer.num_procs)
     actors = Actors(
-        dataset=services.spawn("dataset", DatasetActor, config.task.name, config.task.seed, str(model_dir)),
+        dataset=services.spawn("dataset", DatasetActor, config.task, str(model_dir), config.generator.max_new_tokens),
         scorer=services.spawn("scorer", ScorerActor),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=[
@@ -201,7 +216,11 @@ async def run(config: GRPOConfig) -> dict:
         progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
         state = PipelineState(config, generator_versions=[0] * config.num_generators)
         metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
-        rollouts = [asyncio.create_task(rollout_loop(i, actors, state)) for i in range(config.num_generators)]
+        rollouts = [
+            asyncio.create_task(rollout_loop(i, actors, state))
+            for i in range(config.num_generators)
+            for _ in range(config.prompts_in_flight_per_generator)
+        ]
         try:
             history = await train_loop(actors, state, metrics_logger)
         finally:

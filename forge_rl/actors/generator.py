@@ -40,7 +40,10 @@ class GeneratorActor(Actor):
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
         started = time.perf_counter()
         groups = await asyncio.gather(
-            *(self.engine.generate(e.prompt_token_ids, group_size, self.tokenizer.eos_id) for e in episodes)
+            *(
+                self.engine.generate(e.prompt_token_ids, group_size, self.tokenizer.eos_id, e.forced_length)
+                for e in episodes
+            )
         )
         for episode, completions in zip(episodes, groups):
             for completion in completions:

@@ -178,11 +178,13 @@ class VLLMEngine:
         return env
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, eos_id: int | None
+        self, prompt_token_ids: list[int], n: int, eos_id: int | None, forced_length: int | None = None
     ) -> list[Completion]:
         """Sample `n` completions of one prompt; each token carries its logprob and policy version.
 
-        `eos_id=None` never stops early (every completion runs to max_new_tokens): for benchmarks.
+        `eos_id=None` never stops early (every completion runs to max_new_tokens). `forced_length`
+        makes every completion exactly that long (EOS ignored, at most max_new_tokens): workloads
+        with a controlled length distribution, such as the async-vs-sync benchmark's long tail.
         """
         self._check_prompt_length(len(prompt_token_ids))
         from vllm.inputs import TokensPrompt
@@ -193,7 +195,7 @@ class VLLMEngine:
         final = None
         async for final in self._running_llm.generate(
             TokensPrompt(prompt_token_ids=prompt_token_ids),
-            self._sampling_params(n, eos_id),
+            self._sampling_params(n, None if forced_length else eos_id, forced_length),
             request_id,
         ):
             pass  # FINAL_ONLY: one output, after the last child finished.
@@ -209,13 +211,13 @@ class VLLMEngine:
                 "or raise max_model_len."
             )
 
-    def _sampling_params(self, n: int, eos_id: int | None) -> SamplingParams:
+    def _sampling_params(self, n: int, eos_id: int | None, forced_length: int | None) -> SamplingParams:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=n,
-            max_tokens=self.config.max_new_tokens,
+            max_tokens=min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens),
             temperature=self.config.temperature,
             top_p=self.config.top_p,
             top_k=self.config.top_k,

@@ -56,6 +56,16 @@ def make_prompt(task: str, seed: int, index: int) -> Prompt:
     return Prompt(index=index, text=text, answer=answer)
 
 
+def long_tail_length(seed: int, index: int, min_tokens: int, alpha: float, max_tokens: int) -> int:
+    """A Pareto(alpha) completion length >= min_tokens, capped at max_tokens, for prompt `index`.
+
+    Most draws are short and a few are orders of magnitude longer, as with reasoning traces: the
+    regime where a synchronous step waits for its slowest completion.
+    """
+    rng = random.Random(f"length:{seed}:{index}")
+    return min(max_tokens, int(min_tokens * rng.paretovariate(alpha)))
+
+
 def leading_number_reward(completion_text: str, answer: str) -> float:
     """1.0 when the number the completion starts with is exactly the answer, else 0.0.
 

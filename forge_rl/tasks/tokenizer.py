@@ -1,7 +1,11 @@
-"""The character-level tokenizer of the tiny demo models, stored as a standard tokenizer.json.
+"""Tokenizers of model directories: `PromptTokenizer` for any HF directory, and the tiny models'
+character-level tokenizer.
 
-It is a Hugging Face `tokenizers` BPE model with no merges (so every character is one token), which
-`transformers.AutoTokenizer` and `tokenizers.Tokenizer.from_file` both load offline.
+`PromptTokenizer` reads the directory's tokenizer.json (HF `tokenizers`) and its special-token
+files, and renders chat templates through `transformers` when the directory has one. The character
+tokenizer is a `tokenizers` BPE model with no merges (so every character is one token), stored as a
+standard tokenizer.json that `transformers.AutoTokenizer` and `tokenizers.Tokenizer.from_file` both
+load offline.
 """
 
 from __future__ import annotations
@@ -46,29 +50,117 @@ def save_char_tokenizer(model_dir: Path) -> None:
     )
 
 
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, an AddedToken dict, or null."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _as_ids(value) -> list[int]:
+    """An `eos_token_id` field: an int, a list of ints (Llama 3, Qwen3 instruct), or null."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 class PromptTokenizer:
     """Encodes prompts and decodes completions with a model directory's tokenizer.json.
 
     Generator and trainer share token ids end to end: completions are never re-tokenized.
+
+    Special tokens, from the directory's own files:
+    - bos: tokenizer_config.json `bos_token`. `encode_prompt` prepends it when there is one; Qwen
+      directories set it to null, so their prompts start with the text itself.
+    - eos: tokenizer_config.json `eos_token`, else generation_config.json `eos_token_id` (its
+      first entry when a list), else config.json `eos_token_id`. `eos_ids` holds every id these
+      files call an end of sequence, `eos_id` first (instruct models list several).
+    - pad: tokenizer_config.json `pad_token`, else eos (padding is masked out of the loss anyway).
     """
 
     def __init__(self, model_dir: Path):
         from tokenizers import Tokenizer
 
-        path = Path(model_dir) / "tokenizer.json"
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} is missing. A model directory needs tokenizer.json beside config.json; "
                 "re-create the tiny model (omit --model.path) or copy the tokenizer files in."
             )
         self._tokenizer = Tokenizer.from_file(str(path))
-        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
-        self.bos_id = self._tokenizer.token_to_id(config["bos_token"])
-        self.eos_id = self._tokenizer.token_to_id(config["eos_token"])
-        self.pad_id = self._tokenizer.token_to_id(config["pad_token"])
+        self._config = _read_json(self.model_dir / "tokenizer_config.json")
+        self.bos_id = self._special_id("bos_token")
+        self.eos_ids = self._eos_ids()
+        self.eos_id = self.eos_ids[0]
+        pad_id = self._special_id("pad_token")
+        self.pad_id: int = self.eos_id if pad_id is None else pad_id
+        self._hf_tokenizer = None
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        named = self._special_id("eos_token")
+        generation = _read_json(self.model_dir / "generation_config.json").get("eos_token_id")
+        model = _read_json(self.model_dir / "config.json").get("eos_token_id")
+        ids = ([] if named is None else [named]) + _as_ids(generation) + _as_ids(model)
+        if not ids:
+            raise ValueError(
+                f"{self.model_dir} names no end-of-sequence token: set eos_token in "
+                "tokenizer_config.json or eos_token_id in generation_config.json."
+            )
+        return tuple(dict.fromkeys(ids))
+
+    def _special_id(self, key: str) -> int | None:
+        """Id of tokenizer_config.json's `key` token; None when the config leaves it unset."""
+        content = _token_content(self._config.get(key))
+        if content is None:
+            return None
+        token_id = self._tokenizer.token_to_id(content)
+        if token_id is None:
+            raise ValueError(
+                f"{self.model_dir / 'tokenizer_config.json'} sets {key}={content!r}, which is not in "
+                "tokenizer.json's vocabulary. Fix the tokenizer files of the model directory."
+            )
+        return token_id
 
     def encode_prompt(self, text: str) -> list[int]:
-        return [self.bos_id] + self._tokenizer.encode(text, add_special_tokens=False).ids
+        """bos (when the tokenizer has one) + the text's tokens, no other special tokens."""
+        prefix = [] if self.bos_id is None else [self.bos_id]
+        return prefix + self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """tokenizer_config.json `chat_template` (transformers < 5) or chat_template.jinja/.json
+        beside it (transformers 5 writes the template there)."""
+        return bool(self._config.get("chat_template")) or any(
+            (self.model_dir / name).is_file() for name in ("chat_template.jinja", "chat_template.json")
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` ([{"role": "user", "content": "..."}, ...]) rendered by the
+        directory's chat template, ending with the assistant header when add_generation_prompt.
+
+        The template writes its own special tokens (bos included), so nothing is prepended.
+        """
+        if not self.has_chat_template:
+            raise ValueError(
+                f"{self.model_dir} has no chat template (no chat_template in tokenizer_config.json, "
+                "no chat_template.jinja). Use plain-text prompts (encode_prompt), or point "
+                "--model.path at a chat model's directory."
+            )
+        if self._hf_tokenizer is None:
+            # transformers is imported only here: plain prompts never pay for it (about 1 s).
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return list(
+            self._hf_tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -27,7 +27,6 @@ def finished_run(request, tmp_path_factory):
         steps=NUM_STEPS,
         train_batch_size=32,
         group_size=4,
-        prompts_per_request=4,
         generator=GeneratorConfig(max_new_tokens=3),
         trainer=TrainerConfig(num_procs=2, parallel=parallel),
         buffer=BufferConfig(max_policy_age=MAX_POLICY_AGE, capacity_episodes=32),

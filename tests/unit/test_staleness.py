@@ -21,3 +21,11 @@ def test_async_mode_runs_ahead_by_max_policy_age_steps():
 def test_a_generator_with_old_weights_waits_for_the_swap():
     assert not gate(generator_version=0, next_train_version=2, queued=0, max_age=1)
     assert gate(generator_version=1, next_train_version=2, queued=0, max_age=1)
+
+
+def test_the_train_loop_waits_for_in_flight_episodes_this_step_is_the_last_chance_for():
+    from forge_rl.staleness import batch_may_be_sampled
+
+    assert not batch_may_be_sampled({3: 1}, train_version=4, max_policy_age=1)
+    assert batch_may_be_sampled({4: 2, 3: 0}, train_version=4, max_policy_age=1)
+    assert not batch_may_be_sampled({4: 1}, train_version=4, max_policy_age=0)  # sync: the whole step
