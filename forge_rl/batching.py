@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_rl.advantages import group_normalized_advantages
-from forge_rl.types import CompletionStatus, Episode
+from forge_rl.advantages import episode_advantages
+from forge_rl.types import Episode
 
 
 @dataclass
@@ -15,7 +15,8 @@ class TrainBatch:
     """One optimizer step's data. N = trainable completions, L = longest prompt+completion.
 
     Row i holds prompt + completion i, right-padded with the pad id. Position j of `loss_mask_NL`
-    is True when token j was generated; the model predicts it from position j-1.
+    is True when token j was generated and may reach the loss (see `Completion.loss_mask`); the
+    model predicts it from position j-1.
     """
 
     input_ids_NL: torch.Tensor
@@ -27,7 +28,10 @@ class TrainBatch:
     policy_versions_NL: torch.Tensor
     """[N, L] int64 version that generated each token (-1 elsewhere)."""
     advantages_N: torch.Tensor
-    """[N] float32 group-normalized advantage of each completion."""
+    """[N] float32 group advantage of each completion (see `forge_rl.advantages`)."""
+    reference_logprobs_NL: torch.Tensor | None = None
+    """[N, L] float32 logprob of each token under the frozen reference model, for the KL penalty
+    (`LossConfig.kl_beta` > 0); None when no reference model runs."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -40,31 +44,33 @@ class TrainBatch:
             raise ValueError(f"{rows} rows do not split evenly over {world_size} data-parallel ranks")
         per_rank = rows // world_size
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        reference = self.reference_logprobs_NL
         return TrainBatch(
             self.input_ids_NL[sl],
             self.loss_mask_NL[sl],
             self.behaviour_logprobs_NL[sl],
             self.policy_versions_NL[sl],
             self.advantages_N[sl],
+            None if reference is None else reference[sl],
         )
 
 
-def make_train_batch(episodes: list[Episode], pad_id: int) -> TrainBatch:
-    """One row per completion. ERRORED completions keep their row (so N always equals the
-    configured batch and splits evenly over data-parallel ranks) but are fully masked out, and
-    advantages are normalized over the group's other completions."""
+def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True) -> TrainBatch:
+    """One row per completion. A token reaches the loss only where `Completion.loss_mask` says so:
+    ERRORED completions and rows whose tokens are all untrainable keep their row (so N always
+    equals the configured batch and splits evenly over data-parallel ranks) but are fully masked.
+
+    `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO).
+    """
     rows, masks, behaviour, versions, advantages = [], [], [], [], []
     for episode in episodes:
-        usable = [c.status != CompletionStatus.ERRORED for c in episode.completions]
-        group_rewards = torch.tensor([c.reward for c, ok in zip(episode.completions, usable) if ok])
-        group_advantages = iter(group_normalized_advantages(group_rewards).tolist() if any(usable) else [])
         num_prompt = len(episode.prompt_token_ids)
-        for completion, ok in zip(episode.completions, usable):
+        advantages.extend(episode_advantages(episode, normalize_advantage_std))
+        for completion in episode.completions:
             rows.append(episode.prompt_token_ids + completion.token_ids)
-            masks.append([False] * num_prompt + [ok] * completion.num_tokens)
+            masks.append([False] * num_prompt + completion.loss_mask)
             behaviour.append([0.0] * num_prompt + completion.logprobs)
             versions.append([-1] * num_prompt + completion.policy_versions)
-            advantages.append(next(group_advantages) if ok else 0.0)
     if not rows:
         raise ValueError("make_train_batch got no completions")
     length = max(len(r) for r in rows)

@@ -1,25 +1,33 @@
 """The replay buffer: bounded, version-aware, group-preserving. Plain Python (no Monarch).
 
-Invariant: no episode whose oldest token is more than `max_policy_age` versions behind the trainer
-ever leaves `sample()`. It is checked where episodes enter (`put`) and again where they leave
-(`sample`), because the trainer's version advances while episodes wait. Whatever is dropped is
-counted, with its length, since dropping stale work biases training toward short completions.
+Invariant: no trainable token more than `max_policy_age` versions behind the trainer ever leaves
+`sample()`. The bound is applied where episodes enter (`put`) and again where they leave (`sample`),
+because the trainer's version advances while episodes wait. `drop_policy` decides what an over-age
+token costs: its whole episode (`drop_episode`), or only itself (`mask_tokens`: the token is marked
+untrainable in `Completion.trainable`; the completion's reward still counts for its group's
+baseline). Whatever is lost is counted with its completion lengths (`dropped`), beside the lengths
+of what was handed to the trainer (`trained`): dropping stale work biases training toward short
+completions, and the two length distributions show by how much. Admission control, which pauses
+generation so that nothing needs dropping, is `forge_rl/staleness.py`.
 
-The buffer never grows past `capacity_episodes`: `put` on a full buffer raises `BufferFull`, and the
-actor shell turns that into backpressure (the producer waits for room).
+The buffer never holds more than `capacity_episodes` episodes nor `capacity_tokens` tokens: `put`
+without room raises `BufferFull`, and the actor shell turns that into backpressure (the producer
+waits until `has_room`).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from forge_rl.types import Episode
+from forge_rl.types import Completion, Episode
 
 
 class BufferFull(RuntimeError):
-    """Raised by `put` when the buffer holds `capacity_episodes`; the producer must wait."""
+    """Raised by `put` when the episode does not fit (episodes or tokens); the producer must wait."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +36,16 @@ class BufferConfig:
     """Largest allowed (trainer version - token version) of any trained token. 0 = synchronous RL."""
     capacity_episodes: int = 64
     """Most episodes (prompt groups) held at once; producers are paced when it is full."""
+    capacity_tokens: int | None = None
+    """Most tokens held at once (each episode's prompt plus all its completions); producers are paced
+    when the next episode would not fit. None: bounded by capacity_episodes only."""
+    drop_policy: Literal["drop_episode", "mask_tokens"] = "drop_episode"
+    """What a token older than max_policy_age costs: its whole episode (drop_episode), or only itself
+    (mask_tokens: it gets no loss; a completion left with no trainable token counts as dropped)."""
     sampling: Literal["fifo", "freshest"] = "fifo"
-    """Which episodes a batch takes first: the oldest (fifo) or the newest (freshest)."""
+    """Which episodes a batch takes first. fifo: the oldest policy version first, in arrival order
+    within a version, so an episode that finished late is trained before it can expire (what
+    admission control relies on). freshest: the newest version first."""
 
     def __post_init__(self) -> None:
         if self.max_policy_age < 0:
@@ -42,70 +58,232 @@ class BufferConfig:
                 f"buffer.capacity_episodes ({self.capacity_episodes}) must be >= 1. "
                 "Set --buffer.capacity-episodes to at least one step's prompts."
             )
+        if self.capacity_tokens is not None and self.capacity_tokens < 1:
+            raise ValueError(
+                f"buffer.capacity_tokens ({self.capacity_tokens}) must be >= 1, or unset. "
+                "Set --buffer.capacity-tokens to at least one step's tokens."
+            )
 
 
 @dataclass
-class DropStats:
-    """What the staleness bound threw away."""
+class CompletionTally:
+    """What left the buffer one way (dropped, or handed to the trainer), with the length (generated
+    tokens) of every completion counted, for the length-distribution metrics."""
 
     episodes: int = 0
+    """Whole episodes."""
     completions: int = 0
+    """Completions that had trainable tokens (dropped: that lost their last one)."""
     tokens: int = 0
-    completion_lengths: list[int] = field(default_factory=list)
+    """Trainable tokens."""
+    completion_lengths: dict[int, int] = field(default_factory=dict)
+    """Histogram (length -> completions) of the completions counted in `completions`; bounded by
+    generator.max_new_tokens, so a long run's memory does not grow with it."""
     episode_ids: list[int] = field(default_factory=list)
+    """Id of each episode counted in `episodes`."""
+
+    def length_metrics(self, prefix: str) -> dict[str, float]:
+        """Mean, median, 90th percentile and max completion length, names starting with `prefix`."""
+        histogram = sorted(self.completion_lengths.items()) or [(0, 1)]
+        total = sum(count for _, count in histogram)
+
+        def quantile(q: float) -> float:
+            rank, seen = int(q * (total - 1)), 0
+            for length, count in histogram:
+                seen += count
+                if seen > rank:
+                    return float(length)
+            return float(histogram[-1][0])
+
+        return {
+            f"{prefix}completion_len_mean": sum(length * count for length, count in histogram) / total,
+            f"{prefix}completion_len_p50": quantile(0.5),
+            f"{prefix}completion_len_p90": quantile(0.9),
+            f"{prefix}completion_len_max": float(histogram[-1][0]),
+        }
+
+    def count_completion(self, completion: Completion, num_tokens: int) -> None:
+        self.completions += 1
+        self.tokens += num_tokens
+        self.completion_lengths[completion.num_tokens] = self.completion_lengths.get(completion.num_tokens, 0) + 1
+
+    def count_episode(self, episode: Episode) -> None:
+        """The episode and each of its completions that has trainable tokens."""
+        self.episodes += 1
+        self.episode_ids.append(episode.episode_id)
+        for completion in episode.completions:
+            if completion.num_trainable_tokens:
+                self.count_completion(completion, completion.num_trainable_tokens)
 
 
 class ReplayBuffer:
     def __init__(self, config: BufferConfig):
         self.config = config
         self._episodes: collections.deque[Episode] = collections.deque()
-        self.dropped = DropStats()
+        self.dropped = CompletionTally()
+        """Lost to the age bound."""
+        self.trained = CompletionTally()
+        """Handed to the trainer by `sample`."""
 
     def __len__(self) -> int:
         return len(self._episodes)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens held (what capacity_tokens bounds)."""
+        return sum(e.num_tokens for e in self._episodes)
+
+    @property
     def num_free_slots(self) -> int:
         return self.config.capacity_episodes - len(self._episodes)
 
-    def is_fresh(self, episode: Episode, trainer_version: int) -> bool:
-        return trainer_version - episode.oldest_policy_version <= self.config.max_policy_age
+    def has_room(self, episode: Episode) -> bool:
+        """Whether `put(episode)` fits now, in episodes and in tokens."""
+        capacity_tokens = self.config.capacity_tokens
+        fits_tokens = capacity_tokens is None or self.num_tokens + episode.num_tokens <= capacity_tokens
+        return self.num_free_slots > 0 and fits_tokens
 
     def put(self, episode: Episode, trainer_version: int) -> bool:
-        """Add an episode; returns False if it was already too stale to keep (it is counted)."""
-        if not self.is_fresh(episode, trainer_version):
-            self._drop(episode)
+        """Add an episode; returns False if the age bound left it nothing to train (it is counted).
+
+        Raises BufferFull when it does not fit now, and ValueError when it never can.
+        """
+        capacity_tokens = self.config.capacity_tokens
+        if capacity_tokens is not None and episode.num_tokens > capacity_tokens:
+            raise ValueError(
+                f"episode {episode.episode_id} holds {episode.num_tokens} tokens, more than "
+                f"buffer.capacity_tokens ({capacity_tokens}); it could never be stored. Raise "
+                "--buffer.capacity-tokens to at least group_size * (prompt + generator.max_new_tokens)."
+            )
+        aged = self._apply_age_bound(episode, trainer_version)
+        if aged is None:
             return False
-        if self.num_free_slots <= 0:
-            raise BufferFull(f"replay buffer holds {len(self._episodes)} episodes (its capacity)")
-        self._episodes.append(episode)
+        if not self.has_room(aged):
+            raise BufferFull(
+                f"replay buffer holds {len(self._episodes)} episodes and {self.num_tokens} tokens; "
+                f"episode {episode.episode_id} ({episode.num_tokens} tokens) does not fit"
+            )
+        self._episodes.append(aged)
         return True
 
     def evict_stale(self, trainer_version: int) -> int:
-        """Drop every episode that trainer_version made too old; returns how many."""
-        keep = [e for e in self._episodes if self.is_fresh(e, trainer_version)]
-        for episode in self._episodes:
-            if not self.is_fresh(episode, trainer_version):
-                self._drop(episode)
-        num_dropped = len(self._episodes) - len(keep)
-        self._episodes = collections.deque(keep)
-        return num_dropped
+        """Apply the age bound at `trainer_version` to every held episode; returns how many were dropped."""
+        aged = [self._apply_age_bound(e, trainer_version) for e in self._episodes]
+        self._episodes = collections.deque(e for e in aged if e is not None)
+        return aged.count(None)
 
     def sample(self, num_episodes: int, trainer_version: int) -> list[Episode] | None:
         """Take `num_episodes` whole groups trainable at `trainer_version`, or None if too few."""
         self.evict_stale(trainer_version)
         if len(self._episodes) < num_episodes:
             return None
-        if self.config.sampling == "freshest":
-            self._episodes = collections.deque(
-                sorted(self._episodes, key=lambda e: e.oldest_policy_version, reverse=True)
+        # sorted() is stable: episodes of one version keep their arrival order.
+        self._episodes = collections.deque(
+            sorted(
+                self._episodes,
+                key=lambda e: e.oldest_policy_version,
+                reverse=self.config.sampling == "freshest",
             )
-        return [self._episodes.popleft() for _ in range(num_episodes)]
+        )
+        batch = [self._episodes.popleft() for _ in range(num_episodes)]
+        for episode in batch:
+            self.trained.count_episode(episode)
+        return batch
 
-    def _drop(self, episode: Episode) -> None:
-        self.dropped.episodes += 1
-        self.dropped.episode_ids.append(episode.episode_id)
-        for completion in episode.completions:
-            self.dropped.completions += 1
-            self.dropped.tokens += completion.num_tokens
-            self.dropped.completion_lengths.append(completion.num_tokens)
+    def state_dict(self) -> dict[str, Any]:
+        """Held episodes (in order) and both tallies, as plain lists, numbers and strings."""
+        return {
+            "episodes": [e.to_dict() for e in self._episodes],
+            "dropped": dataclasses.asdict(self.dropped),
+            "trained": dataclasses.asdict(self.trained),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned; the buffer then behaves exactly as the saved one did."""
+        state = copy.deepcopy(state)
+        episodes = [Episode.from_dict(e) for e in state["episodes"]]
+        if len(episodes) > self.config.capacity_episodes:
+            raise ValueError(
+                f"buffer.capacity_episodes ({self.config.capacity_episodes}) is below the {len(episodes)} "
+                "episodes in the checkpoint. Raise --buffer.capacity-episodes."
+            )
+        num_tokens = sum(e.num_tokens for e in episodes)
+        if self.config.capacity_tokens is not None and num_tokens > self.config.capacity_tokens:
+            raise ValueError(
+                f"buffer.capacity_tokens ({self.config.capacity_tokens}) is below the {num_tokens} tokens "
+                "in the checkpoint. Raise --buffer.capacity-tokens."
+            )
+        self._episodes = collections.deque(episodes)
+        self.dropped = _tally_from_dict(state["dropped"])
+        self.trained = _tally_from_dict(state["trained"])
+
+    def _apply_age_bound(self, episode: Episode, trainer_version: int) -> Episode | None:
+        """`episode` with no trainable token older than max_policy_age, or None if it is dropped;
+        counts what was lost. Returns `episode` itself when nothing was over age."""
+        oldest_allowed = trainer_version - self.config.max_policy_age
+        if not episode.completions or episode.oldest_policy_version >= oldest_allowed:
+            return episode  # the common case, without copying any token list
+        aged = dataclasses.replace(
+            episode, completions=[_without_tokens_before(c, oldest_allowed) for c in episode.completions]
+        )
+        if aged.num_trainable_tokens == episode.num_trainable_tokens:
+            return episode
+        if self.config.drop_policy == "drop_episode" or aged.num_trainable_tokens == 0:
+            self.dropped.count_episode(episode)
+            return None
+        for before, after in zip(episode.completions, aged.completions):
+            lost = before.num_trainable_tokens - after.num_trainable_tokens
+            if lost and after.num_trainable_tokens == 0:
+                self.dropped.count_completion(before, lost)
+            elif lost:
+                self.dropped.tokens += lost
+        return aged
+
+
+def _tally_from_dict(state: dict[str, Any]) -> CompletionTally:
+    # A JSON round trip turns the histogram's int keys into strings.
+    lengths = {int(length): count for length, count in state["completion_lengths"].items()}
+    return CompletionTally(**{**state, "completion_lengths": lengths})
+
+
+def _without_tokens_before(completion: Completion, oldest_allowed_version: int) -> Completion:
+    """`completion` with every token decoded before `oldest_allowed_version` marked untrainable."""
+    trainable = [t and v >= oldest_allowed_version for t, v in zip(completion.trainable, completion.policy_versions)]
+    return dataclasses.replace(completion, trainable=trainable)
+
+
+def shard_for_rank(episodes: list[Episode], rank: int, world_size: int) -> list[Episode]:
+    """What data-parallel rank `rank` of `world_size` trains: the episodes covering its rows.
+
+    Rows are the completions in order (as `make_train_batch` lays them out) and rank r owns the
+    contiguous block [r * n / world_size, (r + 1) * n / world_size) of the n rows, the same rows
+    `TrainBatch.shard` gives it. A group inside the block is handed over whole. A group that a block
+    boundary cuts is handed whole to every rank it touches (its advantages need every reward of the
+    group), with the completions outside this rank's rows made untrainable, so each completion
+    trains on exactly one rank; that costs the cut group's foreign rows as fully masked padding.
+    No group is cut when the rows per rank are a multiple of the group size.
+    """
+    num_rows = sum(len(e.completions) for e in episodes)
+    if not 0 <= rank < world_size or num_rows % world_size:
+        raise ValueError(
+            f"cannot shard {num_rows} completions for rank {rank} of {world_size} data-parallel ranks: the "
+            "rank must be in [0, world_size) and the completions must split evenly. Set --train-batch-size "
+            "to a multiple of --trainer.parallel.dp-shard."
+        )
+    rows_per_rank = num_rows // world_size
+    first, end = rank * rows_per_rank, (rank + 1) * rows_per_rank
+    shard, row = [], 0
+    for episode in episodes:
+        rows = range(row, row + len(episode.completions))
+        row = rows.stop
+        if rows.stop <= first or rows.start >= end:
+            continue
+        if first <= rows.start and rows.stop <= end:
+            shard.append(episode)
+            continue
+        completions = [
+            c if first <= r < end else dataclasses.replace(c, trainable=[False] * c.num_tokens)
+            for r, c in zip(rows, episode.completions)
+        ]
+        shard.append(dataclasses.replace(episode, completions=completions))
+    return shard

@@ -15,6 +15,7 @@ from pathlib import Path
 
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
+    "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
 }
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_grpo(args)
     elif command == "plot":
         _run_plot(args)
+    elif command == "bench":
+        _run_bench(args)
 
 
 def _run_grpo(args: list[str]) -> None:
@@ -56,6 +59,33 @@ def _run_grpo(args: list[str]) -> None:
         print("[forge-rl] interrupted", file=sys.stderr)
         raise SystemExit(130)
     print(json.dumps(summary), flush=True)
+
+
+_BENCHMARKS = {
+    "async-vs-sync": "The same recipe synchronous (max_policy_age=0) and asynchronous: speedup, idle, timeline.",
+}
+
+
+def _run_bench(args: list[str]) -> None:
+    if not args or args[0] in ("-h", "--help") or args[0] not in _BENCHMARKS:
+        listing = "\n".join(f"  {name:<14} {text}" for name, text in _BENCHMARKS.items())
+        print(f"usage: forge-rl bench {{{','.join(_BENCHMARKS)}}} [FLAGS]\n\n{listing}")
+        if args and args[0] not in ("-h", "--help"):
+            _fail(f"unknown benchmark {args[0]!r}")
+        return
+    import tyro
+
+    from forge_rl.bench import async_vs_sync
+    from forge_rl.yaml_config import ConfigError
+
+    bench_args = tyro.cli(
+        async_vs_sync.AsyncVsSyncArgs, args=args[1:], prog="forge-rl bench async-vs-sync", description=_BENCHMARKS[args[0]]
+    )
+    try:
+        summary = async_vs_sync.main(bench_args)
+    except ConfigError as e:
+        _fail(f"invalid config: {e}")
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}), flush=True)
 
 
 def _run_plot(args: list[str]) -> None:

@@ -16,7 +16,8 @@ from typing import Literal
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.models.titan import validate_parallelism
+from forge_rl.models.hf_checkpoint import weight_files
+from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.tasks.synthetic import TaskName
 from forge_rl.trainer import TrainerConfig
@@ -50,14 +51,15 @@ class TaskConfig:
             )
 
 
-REQUIRED_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+"""Besides the safetensors weights: model.safetensors, or shards listed in model.safetensors.index.json."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path | None = None
-    """HF model directory (config.json, model.safetensors, tokenizer.json). Unset: a tiny model is
-    created from scratch in the run directory from `model.tiny`."""
+    """HF model directory (config.json, safetensors weights, tokenizer.json) of a llama3 or qwen3
+    model. Unset: a tiny model is created from scratch in the run directory from `model.tiny`."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the from-scratch model, used when `model.path` is unset."""
 
@@ -74,13 +76,16 @@ class ModelConfig:
         if missing:
             raise ConfigError(
                 f"model.path ({self.path}) lacks {', '.join(missing)}. Point --model.path at an HF "
-                f"model directory ({', '.join(REQUIRED_MODEL_FILES)}), or omit it to create a tiny "
-                "model from scratch."
+                f"model directory ({', '.join(REQUIRED_MODEL_FILES)} and safetensors weights), or omit "
+                "it to create a tiny model from scratch."
             )
         try:
-            return json.loads((self.path / "config.json").read_text())
+            weight_files(self.path)
+            return read_hf_config(self.path)
         except json.JSONDecodeError as e:
             raise ConfigError(f"model.path ({self.path}) has a config.json that is not valid JSON: {e}") from None
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model.path ({self.path}): {e}") from None
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,14 @@ class GRPOConfig:
                 f"buffer.capacity_episodes ({self.buffer.capacity_episodes}) is below one step's prompts "
                 f"({self.prompts_per_step}); the trainer could never fill a batch. Raise "
                 "--buffer.capacity-episodes."
+            )
+        loss = self.trainer.loss
+        if loss.name == "dr_grpo" and loss.length_normalizer != self.generator.max_new_tokens:
+            raise ConfigError(
+                f"trainer.loss.length_normalizer ({loss.length_normalizer}) must equal "
+                f"generator.max_new_tokens ({self.generator.max_new_tokens}) for dr_grpo: Dr. GRPO "
+                "divides by the longest possible completion. Set --trainer.loss.length-normalizer "
+                f"{self.generator.max_new_tokens}."
             )
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, self.model.hf_config())
 

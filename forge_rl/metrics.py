@@ -16,7 +16,6 @@ class MetricsLogger:
         self.path = path
         self.total_steps = total_steps
         self.progress_every_s = progress_every_s
-        self.started = time.monotonic()
         self._last_progress = float("-inf")
         self._file = open(path, "a", buffering=1)
 

@@ -32,7 +32,7 @@ def plot_dashboard(args: PlotArgs) -> Path:
 
     metrics = read_metrics(args.run_dir)
     wall = [m["wall_time_s"] for m in metrics]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     panels = [
         (axes[0, 0], "mean reward", [("reward/mean", "reward")]),
         (
@@ -46,6 +46,12 @@ def plot_dashboard(args: PlotArgs) -> Path:
             "weight update (s)",
             [("weights/publish_s", "publish"), ("weights/load_s", "generator load"), ("weights/stall_s", "decode stall")],
         ),
+        (
+            axes[0, 2],
+            "idle fraction since start",
+            [("idle_fraction/trainer", "trainer"), ("idle_fraction/generators", "generators")],
+        ),
+        (axes[1, 2], "replay buffer (episodes)", [("buffer/size", "held"), ("buffer/dropped_episodes", "dropped (total)")]),
     ]
     for axis, title, series in panels:
         for key, label in series:

@@ -1,4 +1,4 @@
-"""The policy trainer: one GRPO optimizer step per `TrainBatch` on a TorchTitan llama3 model.
+"""The policy trainer: one optimizer step of the policy loss per `TrainBatch` on a TorchTitan llama3 model.
 
 One `PolicyTrainer` runs in each trainer process (rank). Every rank receives the whole batch and
 keeps its data-parallel shard; tensor-parallel ranks of one data-parallel group share rows. No
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forge_rl.batching import TrainBatch, token_logprobs
-from forge_rl.losses.grpo import GRPOLossConfig, grpo_loss
+from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss
 from forge_rl.models.titan import (
     ParallelConfig,
     build_titan_model,
@@ -47,8 +47,8 @@ class TrainerConfig:
     """Torch seed of every trainer process."""
     num_threads: int = 1
     """Torch CPU threads per trainer process (torch.set_num_threads)."""
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    """The GRPO clipped surrogate."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss (grpo, dr_grpo, dapo, gspo, cispo), its off-policy corrections and KL penalty."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -133,7 +133,7 @@ class PolicyTrainer:
         return metrics
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One AdamW step on the GRPO loss of `batch` (the full batch, identical on every rank).
+        """One AdamW step on the policy loss of `batch` (the full batch, identical on every rank).
 
         Returns batch-wide metrics, identical on every rank (see `_global_metrics`). Raises
         FloatingPointError, before touching the weights, when the loss or gradient norm is not finite.
@@ -143,22 +143,27 @@ class PolicyTrainer:
         global_tokens = max(batch.num_generated_tokens, 1)
         local_tokens = shard.num_generated_tokens
         logprobs_NL = token_logprobs(self._logits(shard.input_ids_NL), shard.input_ids_NL.to(self.device))
-        local_loss, loss_metrics = grpo_loss(
+        reference_NL = shard.reference_logprobs_NL
+        local_loss, loss_metrics = policy_loss(
             logprobs_NL,
             shard.behaviour_logprobs_NL.to(self.device),
             shard.advantages_N.to(self.device),
             shard.loss_mask_NL.to(self.device),
             self.config.loss,
+            None if reference_NL is None else reference_NL.to(self.device),
         )
-        # grpo_loss is this shard's token mean; reweighted by the shard's share of the batch's tokens,
-        # the per-rank gradients sum (FSDP2 runs without division) to the gradient of the global mean.
+        # policy_loss is this shard's mean over its loss units (tokens, or sequences for gspo and
+        # dr_grpo); reweighted by the shard's share of the batch's units, the per-rank gradients sum
+        # (FSDP2 runs without division) to the gradient of the whole batch's loss. Metrics are token
+        # means, so they are reweighted by the token share.
+        global_units = max(num_loss_units(batch.loss_mask_NL, self.config.loss), 1)
+        loss = local_loss * (num_loss_units(shard.loss_mask_NL, self.config.loss) / global_units)
         share = local_tokens / global_tokens
-        loss = local_loss * share
         # Reduced before backward, so every rank sees the same value and raises together.
         metrics = self._global_metrics(loss, loss_metrics, share)
         if not math.isfinite(metrics["loss"]):
             raise FloatingPointError(
-                f"non-finite GRPO loss ({metrics['loss']}) at policy version {self.policy_version}"
+                f"non-finite {self.config.loss.name} loss ({metrics['loss']}) at policy version {self.policy_version}"
             )
         loss.backward()
         metrics["grad_norm"] = self._clip_and_step()

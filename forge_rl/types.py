@@ -17,14 +17,17 @@ Worked example (task "max of two digits", group size 2, policy version 3 swapped
         ],
     )
 
-Lengths: for each completion, `token_ids`, `logprobs` and `policy_versions` all have the same
-length (the number of generated tokens, EOS included when it was sampled).
+Lengths: for each completion, `token_ids`, `logprobs`, `policy_versions` and `trainable` all have the
+same length (the number of generated tokens, EOS included when it was sampled). `trainable` starts all
+True; the replay buffer's `mask_tokens` drop policy turns over-age tokens False, so they reach no loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class CompletionStatus(str, enum.Enum):
@@ -54,13 +57,22 @@ class Completion:
     status: CompletionStatus = CompletionStatus.OK
     error: str | None = None
     """For ERRORED completions: the exception the reward function raised."""
+    trainable: list[bool] | None = None
+    """Whether each token may still reach a loss, [T]; None (the default) means all True and is
+    replaced by that list on construction. Tokens turned False keep their place (and their reward
+    counts for the group's advantage baseline) but get no gradient."""
 
     def __post_init__(self) -> None:
-        if not (len(self.token_ids) == len(self.logprobs) == len(self.policy_versions)):
-            raise ValueError(
-                f"Completion fields disagree in length: token_ids={len(self.token_ids)}, "
-                f"logprobs={len(self.logprobs)}, policy_versions={len(self.policy_versions)}"
-            )
+        if self.trainable is None:
+            self.trainable = [True] * len(self.token_ids)
+        lengths = {
+            "token_ids": len(self.token_ids),
+            "logprobs": len(self.logprobs),
+            "policy_versions": len(self.policy_versions),
+            "trainable": len(self.trainable),
+        }
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"Completion fields disagree in length: {lengths}")
 
     @property
     def oldest_policy_version(self) -> int:
@@ -70,6 +82,17 @@ class Completion:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def loss_mask(self) -> list[bool]:
+        """Per token, [T]: does it reach the loss? `trainable`, and nothing of an ERRORED completion."""
+        if self.status == CompletionStatus.ERRORED:
+            return [False] * self.num_tokens
+        return list(self.trainable)
+
+    @property
+    def num_trainable_tokens(self) -> int:
+        return sum(self.loss_mask)
 
 
 @dataclass
@@ -100,5 +123,26 @@ class Episode:
         return sum(c.num_tokens for c in self.completions)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the episode holds: the prompt once plus every completion (what buffer capacity counts)."""
+        return len(self.prompt_token_ids) + self.num_generated_tokens
+
+    @property
+    def num_trainable_tokens(self) -> int:
+        return sum(c.num_trainable_tokens for c in self.completions)
+
+    @property
     def rewards(self) -> list[float]:
         return [c.reward for c in self.completions]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists, numbers and strings (status as its value): what checkpoints store."""
+        return dataclasses.asdict(self) | {
+            "completions": [dataclasses.asdict(c) | {"status": c.status.value} for c in self.completions]
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Episode":
+        """Inverse of `to_dict`."""
+        completions = [Completion(**c | {"status": CompletionStatus(c["status"])}) for c in data["completions"]]
+        return cls(**data | {"completions": completions})

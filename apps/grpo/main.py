@@ -31,6 +31,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import sys
 import time
 
 import torch
@@ -47,6 +48,7 @@ from forge_rl.run_dir import create_run_dir, prepare_model_dir
 from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
 from forge_rl.store.shm import SharedMemoryWeightStore, default_store_root
 from forge_rl.tasks.tokenizer import PromptTokenizer
+from forge_rl.timeline import Timeline, busy_s
 
 # Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches).
 _FINAL_REWARD_WINDOW = 5
@@ -66,6 +68,10 @@ class PipelineState:
     in_flight_versions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Generator version at the start of each episode still being generated or scored."""
     num_generated_tokens: int = 0
+    generated_tokens_at_last_step: int = 0
+    last_step_end_s: float = 0.0
+    timeline: Timeline = dataclasses.field(default_factory=Timeline)
+    """Busy intervals of every component; its origin is when the loops started."""
     last_weight_update: dict = dataclasses.field(default_factory=dict)
     changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
 
@@ -103,7 +109,7 @@ class Actors:
 
 async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None:
     """One prompt at a time on generator `index`; many of these run per generator."""
-    generator, config = actors.generators[index], state.config
+    generator, config, timeline = actors.generators[index], state.config, state.timeline
     while True:
         async with state.changed:
             await state.changed.wait_for(lambda: state.may_start_rollout(index))
@@ -111,9 +117,11 @@ async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None
             start_version = state.generator_versions[index]
             state.in_flight_versions[start_version] += 1
         episodes = await actors.dataset.next_episodes.call_one(1)
-        episodes = await generator.generate.call_one(episodes, config.group_size)
+        with timeline.busy(f"generator{index}", num_sequences=config.group_size):
+            episodes = await generator.generate.call_one(episodes, config.group_size)
         state.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
-        episodes = await actors.scorer.score.call_one(episodes)
+        with timeline.busy("scorer"):
+            episodes = await actors.scorer.score.call_one(episodes)
         num_stale = await actors.buffer.put.call_one(episodes)
         async with state.changed:
             state.in_flight_versions[start_version] -= 1
@@ -121,62 +129,70 @@ async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None
             state.changed.notify_all()
 
 
-async def update_generators(actors: Actors, state: PipelineState, policy_version: int, weights_dir: str) -> None:
-    """Tell every generator that `policy_version` is servable; each swaps while decoding."""
-    results = await asyncio.gather(
-        *(g.update_weights.call_one(policy_version, weights_dir) for g in actors.generators)
-    )
+async def update_generator(index: int, actors: Actors, state: PipelineState, policy_version: int, weights_dir: str) -> None:
+    """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+    with state.timeline.busy(f"weights{index}"):
+        result = await actors.generators[index].update_weights.call_one(policy_version, weights_dir)
     async with state.changed:
-        for index, result in enumerate(results):
-            state.generator_versions[index] = max(state.generator_versions[index], result["policy_version"])
-        state.last_weight_update = {
-            "weights/load_s": max(r["load_s"] for r in results),
-            "weights/stall_s": max(r["stall_s"] for r in results),
-        }
+        state.generator_versions[index] = max(state.generator_versions[index], result["policy_version"])
+        state.last_weight_update = {"weights/load_s": result["load_s"], "weights/stall_s": result["stall_s"]}
         state.changed.notify_all()
 
 
 async def train_loop(actors: Actors, state: PipelineState, metrics_logger: MetricsLogger) -> list[dict]:
-    config = state.config
+    config, timeline = state.config, state.timeline
     history, weight_updates = [], []
-    last_step_end, generated_at_last_step = time.monotonic(), 0
     for step in range(1, config.steps + 1):
         train_version = state.next_train_version
         async with state.changed:
             await state.changed.wait_for(state.may_sample_batch)
         episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
-        await state.update(
-            next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted)
-        )
+        await state.update(next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted))
 
-        step_start = time.monotonic()
-        trainer_metrics = (await actors.trainer.train_step.call(episodes)).item(procs=0)
-        train_s = time.monotonic() - step_start
+        step_start = timeline.now()
+        with timeline.busy("trainer"):
+            trainer_metrics = (await actors.trainer.train_step.call(episodes)).item(procs=0)
+        trained_tokens_per_s = trainer_metrics["num_tokens"] / max(timeline.now() - step_start, 1e-9)
         weights_dir = trainer_metrics.pop("weights/dir")
-        weight_updates.append(asyncio.create_task(update_generators(actors, state, train_version + 1, weights_dir)))
+        weight_updates += [
+            asyncio.create_task(update_generator(i, actors, state, train_version + 1, weights_dir))
+            for i in range(config.num_generators)
+        ]
 
-        now = time.monotonic()
-        buffer_stats = await actors.buffer.stats.call_one()
         metrics = {
             "step": step,
             "policy_version": train_version + 1,
-            "wall_time_s": now - metrics_logger.started,
             **batch_metrics(episodes, train_version),
             **trainer_metrics,
             **state.last_weight_update,
-            "throughput/generated_tokens_per_s": (state.num_generated_tokens - generated_at_last_step)
-            / max(now - last_step_end, 1e-9),
-            "throughput/trained_tokens_per_s": trainer_metrics["num_tokens"] / max(train_s, 1e-9),
-            "buffer/size": buffer_stats["buffer/size"],
-            "buffer/dropped_episodes": buffer_stats["buffer/dropped_episodes"],
-            "buffer/dropped_completions": buffer_stats["buffer/dropped_completions"],
-            "generator/policy_versions": list(state.generator_versions),
+            "throughput/trained_tokens_per_s": trained_tokens_per_s,
+            **await pipeline_metrics(actors, state),
         }
-        last_step_end, generated_at_last_step = now, state.num_generated_tokens
         metrics_logger.log(metrics)
         history.append(metrics)
     await asyncio.gather(*weight_updates)
     return history
+
+
+async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
+    """Generation rate since the previous step, idle fractions since the loops started, buffer."""
+    timeline, now = state.timeline, state.timeline.now()
+    trainer_busy = busy_s(timeline.intervals, "trainer", 0.0, now)
+    generator_busy = [busy_s(timeline.intervals, f"generator{i}", 0.0, now) for i in range(state.config.num_generators)]
+    generated_tokens_per_s = (state.num_generated_tokens - state.generated_tokens_at_last_step) / max(
+        now - state.last_step_end_s, 1e-9
+    )
+    state.generated_tokens_at_last_step, state.last_step_end_s = state.num_generated_tokens, now
+    buffer_stats = await actors.buffer.stats.call_one()
+    return {
+        "wall_time_s": now,
+        "tokens/generated_total": state.num_generated_tokens,
+        "throughput/generated_tokens_per_s": generated_tokens_per_s,
+        "idle_fraction/trainer": 1.0 - trainer_busy / max(now, 1e-9),
+        "idle_fraction/generators": 1.0 - sum(generator_busy) / max(now * len(generator_busy), 1e-9),
+        **buffer_stats,
+        "generator/policy_versions": list(state.generator_versions),
+    }
 
 
 async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len: int) -> tuple[Actors, list]:
@@ -228,20 +244,24 @@ async def run(config: GRPOConfig) -> dict:
                 task.cancel()
             await asyncio.gather(*rollouts, return_exceptions=True)
             metrics_logger.close()
+            state.timeline.save(run_path / "timeline.json")
         await asyncio.gather(*(g.shutdown.call_one() for g in actors.generators))
     finally:
         await asyncio.gather(*(procs.stop() for procs in proc_meshes), return_exceptions=True)
         store.destroy()
-    buffer_summary = history[-1]
+    last = history[-1]
     summary = {
         "final_mean_reward": sum(m["reward/mean"] for m in history[-_FINAL_REWARD_WINDOW:])
         / len(history[-_FINAL_REWARD_WINDOW:]),
         "wall_time_s": time.monotonic() - started,
         "steps": len(history),
         "max_policy_age_seen": max(m["policy_age/max"] for m in history),
-        "dropped_samples": buffer_summary["buffer/dropped_completions"],
+        "dropped_samples": last["buffer/dropped_completions"],
         "errored_samples": sum(m["completions/errored"] for m in history),
         "engine_start_s": max(s["engine_start_s"] for s in starts[:-1]),
+        "loop_time_s": last["wall_time_s"],
+        "trainer_idle_fraction": last["idle_fraction/trainer"],
+        "generator_idle_fraction": last["idle_fraction/generators"],
         "run_dir": str(run_path),
     }
     (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -251,4 +271,4 @@ async def run(config: GRPOConfig) -> dict:
 if __name__ == "__main__":
     from forge_rl.cli import main as cli_main
 
-    cli_main(["grpo", *__import__("sys").argv[1:]])
+    cli_main(["grpo", *sys.argv[1:]])

@@ -23,7 +23,7 @@ class ReplayBufferActor(Actor):
         num_stale = 0
         async with self.changed:
             for episode in episodes:
-                await self.changed.wait_for(lambda: self.buffer.num_free_slots > 0)
+                await self.changed.wait_for(lambda: self.buffer.has_room(episode))
                 num_stale += not self.buffer.put(episode, self.trainer_version)
             self.changed.notify_all()
         return num_stale
@@ -48,8 +48,10 @@ class ReplayBufferActor(Actor):
         dropped = self.buffer.dropped
         return {
             "buffer/size": len(self.buffer),
+            "buffer/tokens": self.buffer.num_tokens,
             "buffer/dropped_episodes": dropped.episodes,
             "buffer/dropped_completions": dropped.completions,
             "buffer/dropped_tokens": dropped.tokens,
-            "dropped_episode_ids": list(dropped.episode_ids),
+            **dropped.length_metrics("buffer/dropped_"),
+            **self.buffer.trained.length_metrics("buffer/trained_"),
         }

@@ -40,7 +40,7 @@ class TrainerActor(Actor):
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
         """One optimizer step on `episodes`, then publish the new version to the weight store."""
-        batch = make_train_batch(episodes, self.pad_id)
+        batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
         metrics = self.trainer.train_step(batch)
         metrics.update(self._publish())
         return metrics
@@ -48,7 +48,9 @@ class TrainerActor(Actor):
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
-        return self.trainer.compute_logprobs(make_train_batch(episodes, self.pad_id))
+        return self.trainer.compute_logprobs(
+            make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
+        )
 
     def _publish(self) -> dict:
         started = time.perf_counter()

@@ -81,6 +81,14 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
             f"trainer.parallel.tp ({parallel.tp}) must divide the model's num_attention_heads ({n_heads}) "
             f"and num_key_value_heads ({n_kv_heads}). Set --trainer.parallel.tp to {choices}."
         )
+    if hf_config.get("tie_word_embeddings") and parallel.tp > 1 and parallel.dp_shard > 1:
+        # See _retie_embeddings: the tie can be restored after TP only while FSDP2 is off.
+        raise ValueError(
+            f"trainer.parallel.tp ({parallel.tp}) together with trainer.parallel.dp_shard "
+            f"({parallel.dp_shard}) cannot train a checkpoint with tie_word_embeddings=true: TorchTitan "
+            "0.3.0's TP unties embed_tokens and lm_head before FSDP2 wraps them. Set "
+            "--trainer.parallel.tp 1 (FSDP2 only) or --trainer.parallel.dp-shard 1 (TP only)."
+        )
 
 
 def _inner_attention_config():
@@ -141,11 +149,28 @@ def _parallelize(model, family: ModelFamily, parallelism, parallel_dims) -> None
         ac_config=None,
         dump_folder="",
     )
+    if model.enable_weight_tying and parallel_dims.tp_enabled:
+        _retie_embeddings(model)
     if dist.get_backend() == "gloo":
         # Gloo has no PREMUL_SUM, which FSDP2 uses for its gradient reduction by default.
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _retie_embeddings(model) -> None:
+    """Share lm_head's weight with tok_embeddings again after TP (FSDP2 off: validate_parallelism).
+
+    TorchTitan 0.3.0's `Module._distribute_states` (protocols/module.py) replaces each module's
+    weight by a new DTensor Parameter, one module at a time, so after TP the two modules hold two
+    Parameters: each trains on its own half of the gradient and the export (embed_tokens only)
+    drifts from a 1-process run. Both are Shard(0) over the tp mesh with equal values here, so
+    pointing the embedding at lm_head's Parameter restores the tie exactly.
+    """
+    embedding, head = model.tok_embeddings.weight, model.lm_head.weight
+    if embedding is not head:
+        assert embedding.placements == head.placements and torch.equal(embedding.to_local(), head.to_local())
+        model.tok_embeddings.weight = head
 
 
 def build_titan_model(model_dir: Path | str, parallel: ParallelConfig, device: torch.device):

@@ -111,7 +111,7 @@ def test_non_finite_loss_raises_and_leaves_weights(model_dir, reference):
     before = trainer.hf_state_dict()
     behaviour = batch.behaviour_logprobs_NL.clone()
     behaviour[0, -1] = float("nan")
-    with pytest.raises(FloatingPointError, match="non-finite GRPO loss"):
+    with pytest.raises(FloatingPointError, match="non-finite grpo loss"):
         trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
     assert trainer.policy_version == 0
     after = trainer.hf_state_dict()

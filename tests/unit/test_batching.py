@@ -2,16 +2,15 @@ import pytest
 import torch
 
 from forge_rl.batching import make_train_batch, token_logprobs
-from forge_rl.types import CompletionStatus
+from forge_rl.types import Completion, CompletionStatus
 
-from .builders import make_episode
+from .builders import make_completion, make_episode
 
 
 def test_rows_are_prompt_plus_completion_with_the_loss_on_generated_tokens_only():
     episode = make_episode(prompt_token_ids=(1, 5, 6), rewards=(1.0, 0.0), num_tokens=2)
-    episode.completions[1].token_ids = [30]  # a shorter completion gets right-padded
-    episode.completions[1].logprobs = [-0.5]
-    episode.completions[1].policy_versions = [0]
+    # a shorter completion gets right-padded
+    episode.completions[1] = Completion(token_ids=[30], logprobs=[-0.5], policy_versions=[0], reward=0.0)
     batch = make_train_batch([episode], pad_id=0)
     assert batch.input_ids_NL.tolist() == [[1, 5, 6, 10, 11], [1, 5, 6, 30, 0]]
     assert batch.loss_mask_NL.tolist() == [[False, False, False, True, True], [False, False, False, True, False]]
@@ -41,3 +40,31 @@ def test_token_logprobs_align_each_token_with_the_prediction_from_its_prefix():
     assert logprobs[0, 0].item() == 0.0
     assert logprobs[0, 1].item() > -1e-3
     assert logprobs[0, 2].item() == torch.log_softmax(torch.zeros(4), 0)[3].item()
+
+
+def test_untrainable_tokens_keep_their_place_but_get_no_loss():
+    episode = make_episode(rewards=(1.0, 0.0), num_tokens=3)
+    episode.completions[0] = make_completion(3, policy_version=[0, 1, 1], reward=1.0)
+    episode.completions[0].trainable = [False, True, True]
+    batch = make_train_batch([episode], pad_id=0)
+    assert batch.loss_mask_NL[0].tolist() == [False, False, False, False, True, True]
+    assert batch.policy_versions_NL[0, 3].item() == 0  # still recorded, only masked
+    assert batch.advantages_N.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+
+
+def test_dr_grpo_advantages_are_centered_but_not_divided_by_the_group_std():
+    episode = make_episode(rewards=(1.0, 0.0, 0.0, 0.0))
+    normalized = make_train_batch([episode], pad_id=0).advantages_N
+    centered = make_train_batch([episode], pad_id=0, normalize_advantage_std=False).advantages_N
+    assert centered.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    assert normalized[0].item() == pytest.approx(0.75 / 0.4330127, rel=1e-5)
+
+
+def test_shards_carry_their_rows_of_the_reference_logprobs():
+    batch = make_train_batch([make_episode(i) for i in range(2)], pad_id=0)
+    batch.reference_logprobs_NL = torch.arange(batch.input_ids_NL.numel(), dtype=torch.float32).view_as(
+        batch.behaviour_logprobs_NL
+    )
+    shard = batch.shard(1, 2)
+    assert torch.equal(shard.reference_logprobs_NL, batch.reference_logprobs_NL[2:])
+    assert batch.shard(0, 2).reference_logprobs_NL.shape[0] == 2

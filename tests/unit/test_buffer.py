@@ -1,10 +1,16 @@
+import copy
+import json
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer
+from forge_rl.batching import make_train_batch
+from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, shard_for_rank
+from forge_rl.types import Episode
 
-from .builders import make_episode
+from .builders import make_completion, make_episode
 
 
 def test_sample_returns_none_until_a_full_batch_is_fresh():
@@ -54,7 +60,7 @@ def test_freshest_sampling_takes_the_newest_groups_first():
     assert [e.episode_id for e in buffer.sample(2, trainer_version=2)] == [2, 1]
 
 
-@pytest.mark.parametrize("field,value", [("max_policy_age", -1), ("capacity_episodes", 0)])
+@pytest.mark.parametrize("field,value", [("max_policy_age", -1), ("capacity_episodes", 0), ("capacity_tokens", 0)])
 def test_invalid_buffer_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"buffer.{field}"):
         BufferConfig(**{field: value})
@@ -85,3 +91,225 @@ def test_no_sampled_episode_exceeds_max_policy_age_and_capacity_holds(ops, max_p
         elif op == "advance":
             trainer_version += arg
         assert len(buffer) <= capacity
+
+
+def mask_buffer(max_policy_age: int = 0, **kwargs) -> ReplayBuffer:
+    return ReplayBuffer(BufferConfig(max_policy_age=max_policy_age, drop_policy="mask_tokens", **kwargs))
+
+
+def swapped_episode(episode_id: int, *versions: list[int]) -> Episode:
+    """An episode whose completion i has per-token versions versions[i] (weights swapped mid-decode)."""
+    completions = [make_completion(policy_version=v, reward=float(i % 2)) for i, v in enumerate(versions)]
+    return Episode(episode_id, "M56=", "6", [1, 5, 6], completions)
+
+
+def test_token_capacity_paces_producers_before_the_episode_capacity_does():
+    buffer = ReplayBuffer(BufferConfig(capacity_episodes=8, capacity_tokens=14))  # episodes hold 3 + 2 * 2
+    for episode_id in range(2):
+        buffer.put(make_episode(episode_id), trainer_version=0)
+    assert buffer.num_tokens == 14
+    assert not buffer.has_room(make_episode(2))
+    with pytest.raises(BufferFull):
+        buffer.put(make_episode(2), trainer_version=0)
+
+
+def test_an_episode_larger_than_the_token_capacity_is_refused_naming_the_flag():
+    buffer = ReplayBuffer(BufferConfig(capacity_tokens=6))
+    with pytest.raises(ValueError, match=r"buffer.capacity_tokens \(6\).*--buffer.capacity-tokens"):
+        buffer.put(make_episode(0), trainer_version=0)
+
+
+def test_mask_tokens_keeps_the_fresh_part_of_a_sequence_swapped_mid_decode():
+    buffer = mask_buffer(max_policy_age=0)
+    assert buffer.put(swapped_episode(0, [0, 1], [1, 1]), trainer_version=1)
+    (episode,) = buffer.sample(1, trainer_version=1)
+    assert [c.trainable for c in episode.completions] == [[False, True], [True, True]]
+    assert (buffer.dropped.tokens, buffer.dropped.completions, buffer.dropped.episodes) == (1, 0, 0)
+
+
+def test_mask_tokens_counts_a_completion_left_without_trainable_tokens_as_dropped():
+    buffer = mask_buffer(max_policy_age=0)
+    assert buffer.put(swapped_episode(0, [0, 0], [1, 1]), trainer_version=1)
+    assert buffer.dropped.completions == 1
+    assert buffer.dropped.completion_lengths == {2: 1}
+    assert buffer.dropped.episodes == 0
+
+
+def test_mask_tokens_drops_an_episode_with_nothing_left_to_train():
+    buffer = mask_buffer(max_policy_age=1)
+    assert buffer.put(swapped_episode(0, [0, 1], [1, 1]), trainer_version=1)
+    assert buffer.sample(1, trainer_version=3) is None
+    assert buffer.dropped.episode_ids == [0]
+    assert buffer.dropped.completions == 2
+    assert buffer.dropped.tokens == 4
+
+
+def test_the_age_bound_is_applied_again_when_sampling():
+    buffer = mask_buffer(max_policy_age=1)
+    buffer.put(swapped_episode(0, [1, 2], [2, 2]), trainer_version=2)
+    (episode,) = buffer.sample(1, trainer_version=3)
+    assert episode.completions[0].trainable == [False, True]
+
+
+def test_length_distributions_of_dropped_and_trained_completions_are_kept_apart():
+    buffer = ReplayBuffer(BufferConfig(max_policy_age=0))
+    buffer.put(make_episode(0, policy_version=0, num_tokens=9), trainer_version=1)  # dropped
+    buffer.put(make_episode(1, policy_version=1, num_tokens=2), trainer_version=1)
+    buffer.sample(1, trainer_version=1)
+    assert buffer.dropped.completion_lengths == {9: 2}
+    assert buffer.trained.completion_lengths == {2: 2}
+    assert buffer.trained.tokens == 4 and buffer.trained.episode_ids == [1]
+    metrics = buffer.dropped.length_metrics("buffer/dropped_")
+    assert metrics["buffer/dropped_completion_len_mean"] == 9.0
+    assert metrics["buffer/dropped_completion_len_max"] == 9.0
+
+
+def test_state_dict_round_trips_exactly_and_is_plain_json():
+    buffer = mask_buffer(max_policy_age=1, sampling="freshest")
+    buffer.put(swapped_episode(0, [0, 1], [1, 1]), trainer_version=1)
+    buffer.put(swapped_episode(1, [1, 2], [2, 2]), trainer_version=2)
+    buffer.put(swapped_episode(2, [2, 2], [2, 2]), trainer_version=2)
+    buffer.put(swapped_episode(3, [1, 1], [1, 2]), trainer_version=2)
+    buffer.sample(1, trainer_version=2)
+    state = buffer.state_dict()
+    restored = mask_buffer(max_policy_age=1, sampling="freshest")
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.state_dict() == state
+    assert restored.sample(2, trainer_version=3) == buffer.sample(2, trainer_version=3)
+
+
+def test_restoring_more_than_the_capacity_is_refused():
+    buffer = ReplayBuffer(BufferConfig(capacity_episodes=2))
+    buffer.put(make_episode(0), trainer_version=0)
+    buffer.put(make_episode(1), trainer_version=0)
+    with pytest.raises(ValueError, match=r"buffer.capacity_episodes \(1\) is below the 2 episodes"):
+        ReplayBuffer(BufferConfig(capacity_episodes=1)).load_state_dict(buffer.state_dict())
+
+
+def trained_rows(episodes: list[Episode]) -> list[tuple[int, int]]:
+    """(episode id, completion index) of every completion with a token that reaches the loss."""
+    return [(e.episode_id, i) for e in episodes for i, c in enumerate(e.completions) if any(c.loss_mask)]
+
+
+def test_shards_hand_each_rank_whole_groups_when_they_divide_evenly():
+    episodes = [make_episode(i) for i in range(4)]
+    assert [e.episode_id for e in shard_for_rank(episodes, 1, 2)] == [2, 3]
+    full = make_train_batch(episodes, pad_id=0)
+    mine = make_train_batch(shard_for_rank(episodes, 1, 2), pad_id=0)
+    assert torch.equal(mine.input_ids_NL, full.shard(1, 2).input_ids_NL)
+
+
+def test_a_group_cut_by_a_shard_boundary_trains_each_completion_on_exactly_one_rank():
+    episodes = [make_episode(i, rewards=(1.0, 0.0, 0.5)) for i in range(2)]  # 2 rows per rank cut group 0 and 1
+    shards = [shard_for_rank(episodes, rank, 3) for rank in range(3)]
+    assert sorted(row for shard in shards for row in trained_rows(shard)) == trained_rows(episodes)
+    full_advantages = make_train_batch(episodes, pad_id=0).advantages_N.tolist()
+    for rank, shard in enumerate(shards):
+        batch = make_train_batch(shard, pad_id=0)
+        trained = batch.loss_mask_NL.any(-1)
+        # Each cut group arrives whole, so its advantages are those of the full batch.
+        assert batch.advantages_N[trained].tolist() == pytest.approx(full_advantages[2 * rank : 2 * rank + 2])
+
+
+def test_shards_that_cannot_split_evenly_name_the_flags():
+    with pytest.raises(ValueError, match="--train-batch-size to a multiple of --trainer.parallel.dp-shard"):
+        shard_for_rank([make_episode(0, rewards=(1.0, 0.0, 0.5))], 0, 2)
+
+
+completion_specs = st.lists(
+    # (length, token index where the weights were swapped, versions the swap moved them ahead)
+    st.tuples(st.integers(1, 5), st.integers(0, 4), st.integers(0, 3)),
+    min_size=1,
+    max_size=3,
+)
+puts = st.tuples(st.just("put"), st.tuples(st.integers(0, 4), completion_specs))  # started this far behind
+interleavings = st.lists(
+    # puts twice as often as the rest, so that batches fill and the buffer reaches its capacities
+    st.one_of(
+        puts,
+        puts,
+        st.tuples(st.just("sample"), st.integers(1, 2)),
+        st.tuples(st.just("advance"), st.integers(1, 2)),
+    ),
+    min_size=5,
+    max_size=50,
+)
+
+
+def rollout(episode_id: int, trainer_version: int, lag: int, specs: list[tuple[int, int, int]]) -> Episode:
+    """Completions started `lag` versions behind; tokens from `swap` on were decoded `bump` versions later."""
+    start = max(trainer_version - lag, 0)
+    completions = [
+        make_completion(policy_version=[min(start + bump * (t >= swap), trainer_version) for t in range(length)])
+        for length, swap, bump in specs
+    ]
+    return Episode(episode_id, "M56=", "6", [1, 5], completions)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=interleavings,
+    max_policy_age=st.integers(0, 3),
+    capacity_episodes=st.integers(1, 6),
+    capacity_tokens=st.one_of(st.none(), st.integers(17, 60)),  # 17: the largest episode (2 + 3 * 5)
+    drop_policy=st.sampled_from(["drop_episode", "mask_tokens"]),
+    sampling=st.sampled_from(["fifo", "freshest"]),
+    snapshot_fraction=st.floats(0.0, 1.0),
+)
+def test_no_over_age_token_reaches_a_batch_capacity_holds_and_restored_state_behaves_the_same(
+    ops, max_policy_age, capacity_episodes, capacity_tokens, drop_policy, sampling, snapshot_fraction
+):
+    snapshot_at = int(snapshot_fraction * len(ops))
+    config = BufferConfig(
+        max_policy_age=max_policy_age,
+        capacity_episodes=capacity_episodes,
+        capacity_tokens=capacity_tokens,
+        drop_policy=drop_policy,
+        sampling=sampling,
+    )
+    buffers = [ReplayBuffer(config)]
+    trainer_version, handed_out_tokens = 0, 0
+    for step, (op, arg) in enumerate(ops):
+        if step == snapshot_at:  # from here on a restored copy must do exactly what the original does
+            restored = ReplayBuffer(config)
+            restored.load_state_dict(buffers[0].state_dict())
+            assert restored.state_dict() == buffers[0].state_dict()
+            buffers.append(restored)
+        if op == "put":
+            episode = rollout(step, trainer_version, *arg)
+            outcomes = [_put_if_room(buffer, copy.deepcopy(episode), trainer_version) for buffer in buffers]
+            assert len(set(outcomes)) == 1
+        elif op == "sample":
+            batches = [buffer.sample(arg, trainer_version) for buffer in buffers]
+            assert all(batch == batches[0] for batch in batches)
+            if batches[0]:
+                batch = make_train_batch(batches[0], pad_id=0)
+                trained_versions = batch.policy_versions_NL[batch.loss_mask_NL]
+                assert (trainer_version - trained_versions <= max_policy_age).all()
+                handed_out_tokens += batch.num_generated_tokens
+        elif op == "advance":
+            trainer_version += arg
+        for buffer in buffers:
+            assert len(buffer) <= capacity_episodes
+            assert capacity_tokens is None or buffer.num_tokens <= capacity_tokens
+    assert buffers[0].trained.tokens == handed_out_tokens
+    assert all(buffer.state_dict() == buffers[0].state_dict() for buffer in buffers)
+
+
+def _put_if_room(buffer: ReplayBuffer, episode: Episode, trainer_version: int) -> str:
+    """Put as the actor shell would; `has_room` must predict whether it fits, and a full buffer
+    must refuse (BufferFull), never grow."""
+    room = buffer.has_room(episode)
+    try:
+        return "kept" if buffer.put(episode, trainer_version) else "dropped"
+    except BufferFull:
+        assert not room
+        return "full"
+
+
+def test_fifo_serves_the_stalest_version_first_so_a_late_finisher_cannot_expire():
+    buffer = ReplayBuffer(BufferConfig(max_policy_age=1, capacity_episodes=8))
+    buffer.put(make_episode(1, policy_version=1), trainer_version=1)
+    buffer.put(make_episode(2, policy_version=1), trainer_version=1)
+    buffer.put(make_episode(0, policy_version=0), trainer_version=1)  # started first, finished last
+    assert [e.episode_id for e in buffer.sample(2, trainer_version=1)] == [0, 1]

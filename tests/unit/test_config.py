@@ -59,7 +59,8 @@ def test_flags_override_the_yaml_which_overrides_defaults(tmp_path):
 
 
 def test_a_user_model_directory_is_checked_against_the_parallelism(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_key_value_heads": 2}))
+    hf_config = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text("")
     with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\)"):
@@ -67,6 +68,22 @@ def test_a_user_model_directory_is_checked_against_the_parallelism(tmp_path):
             GRPOConfig,
             write_yaml(tmp_path, f"model:\n  path: {tmp_path}\ntrainer:\n  num_procs: 3\n  parallel:\n    tp: 3\n"),
         )
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError, match="supports: LlamaForCausalLM"):
+        load_yaml_config(GRPOConfig, write_yaml(tmp_path, f"model:\n  path: {tmp_path}\n"))
+
+
+def test_a_model_directory_without_weights_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(ConfigError, match="neither model.safetensors nor"):
+        load_yaml_config(GRPOConfig, write_yaml(tmp_path, f"model:\n  path: {tmp_path}\n"))
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,1 @@
+"""Benchmarks: `forge-rl bench ...` commands that print and save their figures."""

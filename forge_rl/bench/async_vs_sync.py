@@ -1,0 +1,187 @@
+"""`forge-rl bench async-vs-sync`: one recipe run twice, synchronous and asynchronous.
+
+Both runs use the same config, processes and engine settings; only `buffer.max_policy_age`
+differs (0: generate, train, publish, swap, repeat; A > 0: generation runs up to A versions ahead).
+From each run's timeline (busy intervals per component) it derives:
+
+    wall per step          loop time / steps (engine start excluded, the first fill included)
+    idle fraction          1 - busy time / loop time, per component
+    pipeline bound         max(generator busy, trainer busy): the loop time a perfect overlap needs
+    pipeline efficiency    pipeline bound / loop time
+    overlap bound          (G + T) / max(G, T) with G, T the synchronous busy times: the speedup
+                           overlap alone could give; stragglers can add to it, because a
+                           synchronous step also waits for its slowest completion
+
+Figures go to OUT_DIR/async_vs_sync.json, a Gantt chart and a reward-vs-time chart; the last line
+of stdout is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from forge_rl.config import GRPOConfig
+from forge_rl.plot import read_metrics
+from forge_rl.timeline import Interval, Timeline, busy_s, mean_sequences_in_flight, merged
+
+# Reward curves are smoothed over this many steps before reading off the time to a target.
+_SMOOTHING_STEPS = 5
+
+
+@dataclass(frozen=True)
+class AsyncVsSyncArgs:
+    config: Path = Path("configs/bench_long_tail_cpu.yaml")
+    """Recipe config both modes run. configs/grpo_tiny_cpu.yaml compares reward vs time on the demo."""
+    max_policy_age: int = 2
+    """Staleness bound of the asynchronous run (the synchronous run uses 0)."""
+    steps: int | None = None
+    """Trainer steps per run; unset: the config's."""
+    out_dir: Path = Path("runs/bench-async-vs-sync")
+    """Where both run directories, the JSON figures and the charts go."""
+    target_reward: float = 0.9
+    """Reward whose first crossing (smoothed) is timed in both runs."""
+
+
+def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age: int) -> Path:
+    from apps.grpo.main import run
+
+    config = dataclasses.replace(
+        base,
+        run_dir=args.out_dir,
+        run_name=mode,
+        steps=args.steps or base.steps,
+        buffer=dataclasses.replace(base.buffer, max_policy_age=max_policy_age),
+    )
+    asyncio.run(run(config))
+    return args.out_dir / mode
+
+
+def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
+    metrics = read_metrics(run_path)
+    intervals = Timeline.load(run_path / "timeline.json")
+    loop_s = metrics[-1]["wall_time_s"]
+    generator_busy = max(busy_s(intervals, f"generator{i}", 0.0, loop_s) for i in range(num_generators))
+    trainer_busy = busy_s(intervals, "trainer", 0.0, loop_s)
+    bound = max(generator_busy, trainer_busy)
+    return {
+        "steps": len(metrics),
+        "loop_time_s": loop_s,
+        "wall_per_step_s": loop_s / len(metrics),
+        "generator_busy_s": generator_busy,
+        "trainer_busy_s": trainer_busy,
+        "trainer_idle_fraction": 1 - trainer_busy / loop_s,
+        "generator_idle_fraction": 1 - generator_busy / loop_s,
+        "pipeline_bound_s": bound,
+        "pipeline_efficiency": bound / loop_s,
+        "generated_tokens_per_s": metrics[-1]["tokens/generated_total"] / loop_s,
+        "trained_tokens_per_s": sum(m["num_tokens"] for m in metrics) / loop_s,
+        "mean_sequences_in_flight": mean_sequences_in_flight(intervals, "generator0", 0.0, loop_s),
+        "max_policy_age_seen": max(m["policy_age/max"] for m in metrics),
+        "dropped_samples": metrics[-1]["buffer/dropped_completions"],
+        "final_mean_reward": sum(m["reward/mean"] for m in metrics[-_SMOOTHING_STEPS:]) / _SMOOTHING_STEPS,
+        "time_to_target_reward_s": time_to_reward(metrics, target_reward),
+    }
+
+
+def time_to_reward(metrics: list[dict], target: float) -> float | None:
+    rewards = [m["reward/mean"] for m in metrics]
+    for i in range(_SMOOTHING_STEPS - 1, len(rewards)):
+        if sum(rewards[i - _SMOOTHING_STEPS + 1 : i + 1]) / _SMOOTHING_STEPS >= target:
+            return metrics[i]["wall_time_s"]
+    return None
+
+
+def compare(sync: dict, asynchronous: dict) -> dict:
+    overlap_bound = (sync["generator_busy_s"] + sync["trainer_busy_s"]) / max(
+        sync["generator_busy_s"], sync["trainer_busy_s"]
+    )
+    times = (sync["time_to_target_reward_s"], asynchronous["time_to_target_reward_s"])
+    return {
+        "speedup": sync["wall_per_step_s"] / asynchronous["wall_per_step_s"],
+        "pipeline_efficiency": asynchronous["pipeline_efficiency"],
+        "trainer_idle_fraction_async": asynchronous["trainer_idle_fraction"],
+        "generator_idle_fraction_async": asynchronous["generator_idle_fraction"],
+        "trainer_idle_fraction_sync": sync["trainer_idle_fraction"],
+        "generator_idle_fraction_sync": sync["generator_idle_fraction"],
+        "overlap_bound": overlap_bound,
+        "time_to_target_ratio": times[0] / times[1] if None not in times else None,
+    }
+
+
+def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> None:
+    """Busy intervals of each component over a few steady-state steps of each run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), squeeze=False)
+    for axis, (mode, run_path) in zip(axes[:, 0], runs.items()):
+        metrics, intervals = read_metrics(run_path), Timeline.load(run_path / "timeline.json")
+        middle = len(metrics) // 2
+        start = metrics[middle - 1]["wall_time_s"]
+        end = metrics[min(middle + num_steps_shown, len(metrics)) - 1]["wall_time_s"]
+        components = sorted({i.component for i in intervals}, key=_component_order)
+        for row, component in enumerate(components):
+            own = [i for i in intervals if i.component == component]
+            spans = [(s, e - s) for s, e in merged(own, start, end)]
+            axis.broken_barh(spans, (row - 0.4, 0.8), color=f"C{row}")
+        axis.set_yticks(range(len(components)), components)
+        axis.set_xlim(start, end)
+        axis.set_title(f"{mode}: {num_steps_shown} steps from step {middle}")
+        axis.set_xlabel("seconds since the loops started")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _component_order(component: str) -> tuple[int, str]:
+    order = ("generator", "scorer", "trainer", "weights")
+    return next((i for i, prefix in enumerate(order) if component.startswith(prefix)), len(order)), component
+
+
+def plot_reward(runs: dict[str, Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4))
+    for mode, run_path in runs.items():
+        metrics = read_metrics(run_path)
+        axis.plot([m["wall_time_s"] for m in metrics], [m["reward/mean"] for m in metrics], label=mode)
+    axis.set_xlabel("seconds since the loops started")
+    axis.set_ylabel("mean reward")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(args: AsyncVsSyncArgs) -> dict:
+    from forge_rl.metrics import progress
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, args.config)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for mode, max_policy_age in (("sync", 0), ("async", args.max_policy_age)):
+        progress(f"bench async-vs-sync: {mode} run (max_policy_age={max_policy_age})")
+        runs[mode] = run_mode(base, args, mode, max_policy_age)
+    per_mode = {mode: analyze(path, base.num_generators, args.target_reward) for mode, path in runs.items()}
+    plot_gantt(runs, args.out_dir / "timeline.png")
+    plot_reward(runs, args.out_dir / "reward_vs_time.png")
+    summary = {
+        **compare(per_mode["sync"], per_mode["async"]),
+        "config": str(args.config),
+        "max_policy_age_async": args.max_policy_age,
+        "sync": per_mode["sync"],
+        "async": per_mode["async"],
+    }
+    (args.out_dir / "async_vs_sync.json").write_text(json.dumps(summary, indent=2))
+    return summary
