@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -52,13 +53,23 @@ def _run_grpo(args: list[str]) -> None:
     from apps.grpo.main import run
 
     try:
-        summary = asyncio.run(run(config))
+        summary = asyncio.run(_cancelled_by_sigterm(run(config)))
     except ConfigError as e:
         _fail(f"invalid config: {e}")
-    except KeyboardInterrupt:
-        print("[forge-rl] interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: asyncio.run cancelled the run, which shut its processes down
+        print("[forge-rl] interrupted (SIGINT); all processes of the run stopped", file=sys.stderr)
         raise SystemExit(130)
+    except asyncio.CancelledError:
+        print("[forge-rl] terminated (SIGTERM); all processes of the run stopped", file=sys.stderr)
+        raise SystemExit(143)
     print(json.dumps(summary), flush=True)
+
+
+async def _cancelled_by_sigterm(coroutine):
+    """Run `coroutine`, cancelling it on SIGTERM the way asyncio.run already does on SIGINT."""
+    task = asyncio.ensure_future(coroutine)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
 
 
 _BENCHMARKS = {

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import sys
@@ -52,6 +53,9 @@ from forge_rl.timeline import Timeline, busy_s
 
 # Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches).
 _FINAL_REWARD_WINDOW = 5
+# Shutdown must finish within the 10 s a user (or a scheduler's SIGTERM grace period) waits.
+_ENGINE_STOP_TIMEOUT_S = 4.0
+_MESH_STOP_TIMEOUT_S = 4.0
 
 
 @dataclasses.dataclass
@@ -215,7 +219,11 @@ async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len:
 
 
 async def run(config: GRPOConfig) -> dict:
-    """Run the recipe; returns the summary (also the last line of stdout from the CLI)."""
+    """Run the recipe; returns the summary (also the last line of stdout from the CLI).
+
+    However it ends (finished, failed, Ctrl-C or SIGTERM cancelling this coroutine), generation is
+    stopped and every process of the run is shut down before this returns or raises.
+    """
     torch.set_num_threads(1)  # this process only orchestrates; the cores belong to engines and trainer
     started = time.monotonic()
     run_path = create_run_dir(config)
@@ -226,29 +234,11 @@ async def run(config: GRPOConfig) -> dict:
     actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
     try:
         progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
-        starts = await asyncio.gather(
-            *(g.start.call_one() for g in actors.generators), actors.trainer.setup.call()
-        )
+        starts = await asyncio.gather(*(g.start.call_one() for g in actors.generators), actors.trainer.setup.call())
         progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
-        state = PipelineState(config, generator_versions=[0] * config.num_generators)
-        metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
-        rollouts = [
-            asyncio.create_task(rollout_loop(i, actors, state))
-            for i in range(config.num_generators)
-            for _ in range(config.prompts_in_flight_per_generator)
-        ]
-        try:
-            history = await train_loop(actors, state, metrics_logger)
-        finally:
-            for task in rollouts:
-                task.cancel()
-            await asyncio.gather(*rollouts, return_exceptions=True)
-            metrics_logger.close()
-            state.timeline.save(run_path / "timeline.json")
-        await asyncio.gather(*(g.shutdown.call_one() for g in actors.generators))
+        history = await run_loops(actors, config, run_path)
     finally:
-        await asyncio.gather(*(procs.stop() for procs in proc_meshes), return_exceptions=True)
-        store.destroy()
+        await shutdown(actors, proc_meshes, store)
     last = history[-1]
     summary = {
         "final_mean_reward": sum(m["reward/mean"] for m in history[-_FINAL_REWARD_WINDOW:])
@@ -266,6 +256,37 @@ async def run(config: GRPOConfig) -> dict:
     }
     (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> list[dict]:
+    """The rollout loops and the train loop until `config.steps` steps are trained."""
+    state = PipelineState(config, generator_versions=[0] * config.num_generators)
+    metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
+    rollouts = [
+        asyncio.create_task(rollout_loop(i, actors, state))
+        for i in range(config.num_generators)
+        for _ in range(config.prompts_in_flight_per_generator)
+    ]
+    try:
+        return await train_loop(actors, state, metrics_logger)
+    finally:
+        for task in rollouts:
+            task.cancel()
+        await asyncio.gather(*rollouts, return_exceptions=True)
+        metrics_logger.close()
+        state.timeline.save(run_path / "timeline.json")
+
+
+async def shutdown(actors: Actors, proc_meshes: list, store: SharedMemoryWeightStore) -> None:
+    """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
+    engine_stops = [g.shutdown.call_one() for g in actors.generators]
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*engine_stops, return_exceptions=True), _ENGINE_STOP_TIMEOUT_S)
+    with contextlib.suppress(Exception, asyncio.TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(procs.stop() for procs in proc_meshes), return_exceptions=True), _MESH_STOP_TIMEOUT_S
+        )
+    store.destroy()
 
 
 if __name__ == "__main__":
