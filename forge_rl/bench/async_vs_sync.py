@@ -18,18 +18,15 @@ of stdout is the JSON summary.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from forge_rl.bench.common import final_reward, run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.plot import read_metrics
-from forge_rl.timeline import Interval, Timeline, busy_s, mean_sequences_in_flight, merged
-
-# Reward curves are smoothed over this many steps before reading off the time to a target.
-_SMOOTHING_STEPS = 5
+from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 
 
 @dataclass(frozen=True)
@@ -47,17 +44,13 @@ class AsyncVsSyncArgs:
 
 
 def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age: int) -> Path:
-    from apps.grpo.main import run
-
-    config = dataclasses.replace(
+    return run_variant(
         base,
-        run_dir=args.out_dir,
-        run_name=mode,
+        args.out_dir,
+        mode,
         steps=args.steps or base.steps,
         buffer=dataclasses.replace(base.buffer, max_policy_age=max_policy_age),
     )
-    asyncio.run(run(config))
-    return args.out_dir / mode
 
 
 def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
@@ -82,17 +75,9 @@ def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
         "mean_sequences_in_flight": mean_sequences_in_flight(intervals, "generator0", 0.0, loop_s),
         "max_policy_age_seen": max(m["policy_age/max"] for m in metrics),
         "dropped_samples": metrics[-1]["buffer/dropped_completions"],
-        "final_mean_reward": sum(m["reward/mean"] for m in metrics[-_SMOOTHING_STEPS:]) / _SMOOTHING_STEPS,
+        "final_mean_reward": final_reward(metrics),
         "time_to_target_reward_s": time_to_reward(metrics, target_reward),
     }
-
-
-def time_to_reward(metrics: list[dict], target: float) -> float | None:
-    rewards = [m["reward/mean"] for m in metrics]
-    for i in range(_SMOOTHING_STEPS - 1, len(rewards)):
-        if sum(rewards[i - _SMOOTHING_STEPS + 1 : i + 1]) / _SMOOTHING_STEPS >= target:
-            return metrics[i]["wall_time_s"]
-    return None
 
 
 def compare(sync: dict, asynchronous: dict) -> dict:

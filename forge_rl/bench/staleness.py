@@ -1,0 +1,125 @@
+"""`forge-rl bench staleness`: what bounded staleness costs, with and without IS correction.
+
+Runs one recipe for every (max_policy_age, correction) pair at an equal sample budget (same steps
+and batch size), and reports each run's final reward (mean of the last `final_window_steps` steps)
+and the time until the smoothed reward reaches `target_reward`. max_policy_age 0 is the synchronous
+baseline. Figures go to OUT_DIR/staleness.json and OUT_DIR/staleness.png; the last stdout line is
+the JSON summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from forge_rl.bench.common import final_reward, run_variant, time_to_reward
+from forge_rl.config import GRPOConfig
+from forge_rl.plot import read_metrics
+
+
+@dataclass(frozen=True)
+class StalenessArgs:
+    config: Path = Path("configs/grpo_tiny_cpu.yaml")
+    """Recipe config every run uses (only the staleness bound and the correction change)."""
+    max_policy_ages: tuple[int, ...] = (0, 1, 2, 4, 8)
+    """Staleness bounds to run; 0 is synchronous RL."""
+    corrections: tuple[Literal["none", "tis", "mis"], ...] = ("none", "tis")
+    """Off-policy corrections to run at every bound above 0 (trainer.loss.correction)."""
+    steps: int | None = None
+    """Trainer steps per run (the sample budget); unset: the config's."""
+    out_dir: Path = Path("runs/bench-staleness")
+    """Where the run directories, staleness.json and staleness.png go."""
+    target_reward: float = 0.9
+    """Smoothed reward whose first crossing is timed."""
+    final_window_steps: int = 20
+    """Final reward = mean reward of this many last steps."""
+
+
+def variants(args: StalenessArgs) -> list[tuple[int, str]]:
+    pairs = [(0, "none")]
+    pairs += [(age, c) for age in args.max_policy_ages if age > 0 for c in args.corrections]
+    return pairs
+
+
+def run_one(base: GRPOConfig, args: StalenessArgs, max_policy_age: int, correction: str) -> Path:
+    # Room for max_policy_age + 1 steps of episodes, so the bound, not the buffer, limits run-ahead.
+    capacity = max(base.buffer.capacity_episodes, (max_policy_age + 1) * base.prompts_per_step)
+    return run_variant(
+        base,
+        args.out_dir,
+        f"age{max_policy_age}-{correction}",
+        steps=args.steps or base.steps,
+        buffer=dataclasses.replace(base.buffer, max_policy_age=max_policy_age, capacity_episodes=capacity),
+        trainer=dataclasses.replace(
+            base.trainer, loss=dataclasses.replace(base.trainer.loss, correction=correction)
+        ),
+    )
+
+
+def summarize(run_path: Path, args: StalenessArgs) -> dict:
+    metrics = read_metrics(run_path)
+    return {
+        "final_reward": final_reward(metrics, args.final_window_steps),
+        "time_to_target_s": time_to_reward(metrics, args.target_reward),
+        "loop_time_s": metrics[-1]["wall_time_s"],
+        "mean_policy_age": sum(m["policy_age/mean"] for m in metrics) / len(metrics),
+        "max_policy_age_seen": max(m["policy_age/max"] for m in metrics),
+        "dropped_samples": metrics[-1]["buffer/dropped_completions"],
+    }
+
+
+def plot(runs: dict[str, Path], per_run: dict[str, dict], out: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, times) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, run_path in runs.items():
+        metrics = read_metrics(run_path)
+        curves.plot([m["wall_time_s"] for m in metrics], [m["reward/mean"] for m in metrics], label=name, lw=1)
+    curves.axhline(target, color="gray", ls="--", lw=0.8)
+    curves.set_xlabel("seconds since the loops started")
+    curves.set_ylabel("mean reward")
+    curves.legend(fontsize=7)
+    for correction in sorted({name.split("-")[1] for name in runs}):
+        points = [
+            (int(name.split("-")[0][3:]), summary["time_to_target_s"])
+            for name, summary in per_run.items()
+            if (name.endswith(correction) or name.startswith("age0-")) and summary["time_to_target_s"]
+        ]
+        times.plot(*zip(*sorted(points)), marker="o", label=f"correction={correction}")
+    times.set_xlabel("max_policy_age")
+    times.set_ylabel(f"seconds to smoothed reward {target}")
+    times.legend()
+    for axis in (curves, times):
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(args: StalenessArgs) -> dict:
+    from forge_rl.metrics import progress
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, args.config)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for max_policy_age, correction in variants(args):
+        progress(f"bench staleness: max_policy_age={max_policy_age} correction={correction}")
+        runs[f"age{max_policy_age}-{correction}"] = run_one(base, args, max_policy_age, correction)
+    per_run = {name: summarize(path, args) for name, path in runs.items()}
+    plot(runs, per_run, args.out_dir / "staleness.png", args.target_reward)
+    sync_final = per_run["age0-none"]["final_reward"]
+    corrected = [s["final_reward"] for name, s in per_run.items() if not name.endswith("-none")]
+    summary = {
+        "sync_final_reward": sync_final,
+        "max_gap_to_sync_with_correction": max((sync_final - r for r in corrected), default=None),
+        "runs": per_run,
+    }
+    (args.out_dir / "staleness.json").write_text(json.dumps(summary, indent=2))
+    return summary
