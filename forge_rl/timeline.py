@@ -28,6 +28,8 @@ class Interval:
 class Timeline:
     def __init__(self) -> None:
         self.origin = time.monotonic()
+        self.origin_unix_time = time.time()
+        """The origin on the wall clock, to relate the timeline to events timed elsewhere."""
         self.intervals: list[Interval] = []
 
     def now(self) -> float:

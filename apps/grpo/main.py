@@ -40,9 +40,10 @@ import torch
 from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
-from forge_rl.actors.generator import GeneratorActor
+from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
+from forge_rl.accounting import PromptAccounting
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.run_dir import create_run_dir, prepare_model_dir
@@ -50,6 +51,7 @@ from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
 from forge_rl.store.shm import SharedMemoryWeightStore, default_store_root
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.timeline import Timeline, busy_s
+from forge_rl.types import Episode
 
 # Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches).
 _FINAL_REWARD_WINDOW = 5
@@ -71,6 +73,9 @@ class PipelineState:
     """Handed to rollouts and not yet taken by the trainer or dropped as stale."""
     in_flight_versions: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Generator version at the start of each episode still being generated or scored."""
+    requeued: collections.deque = dataclasses.field(default_factory=collections.deque)
+    """Prompts (episode shells) whose generator died mid-request; handed out again first."""
+    accounting: PromptAccounting = dataclasses.field(default_factory=PromptAccounting)
     num_generated_tokens: int = 0
     generated_tokens_at_last_step: int = 0
     last_step_end_s: float = 0.0
@@ -107,36 +112,59 @@ class Actors:
     dataset: DatasetActor
     scorer: ScorerActor
     buffer: ReplayBufferActor
-    generators: list[GeneratorActor]
+    generators: GeneratorPool
+    """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
     trainer: TrainerActor
 
 
 async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None:
     """One prompt at a time on generator `index`; many of these run per generator."""
-    generator, config, timeline = actors.generators[index], state.config, state.timeline
+    config, timeline = state.config, state.timeline
     while True:
         async with state.changed:
             await state.changed.wait_for(lambda: state.may_start_rollout(index))
             state.num_episodes_queued += 1
             start_version = state.generator_versions[index]
             state.in_flight_versions[start_version] += 1
-        episodes = await actors.dataset.next_episodes.call_one(1)
+        prompts = [state.requeued.popleft()] if state.requeued else await next_prompts(actors, state)
         with timeline.busy(f"generator{index}", num_sequences=config.group_size):
-            episodes = await generator.generate.call_one(episodes, config.group_size)
+            episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
+        if episodes is None:  # the generator died; the pool is replacing it
+            state.requeued.extend(prompts)
+            state.accounting.requeued += len(prompts)
+            await finish_rollout(state, start_version, num_not_queued=len(prompts))
+            replacement_version = await actors.generators.wait_until_serving.call_one(index)
+            async with state.changed:
+                state.generator_versions[index] = max(state.generator_versions[index], replacement_version)
+                state.changed.notify_all()
+            continue
         state.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         with timeline.busy("scorer"):
             episodes = await actors.scorer.score.call_one(episodes)
         num_stale = await actors.buffer.put.call_one(episodes)
-        async with state.changed:
-            state.in_flight_versions[start_version] -= 1
-            state.num_episodes_queued -= num_stale
-            state.changed.notify_all()
+        await finish_rollout(state, start_version, num_not_queued=num_stale)
+
+
+async def next_prompts(actors: Actors, state: PipelineState) -> list[Episode]:
+    prompts = await actors.dataset.next_episodes.call_one(1)
+    state.accounting.handed_out += len(prompts)
+    return prompts
+
+
+async def finish_rollout(state: PipelineState, start_version: int, num_not_queued: int) -> None:
+    """The rollout left flight; `num_not_queued` of its episodes did not reach the buffer."""
+    async with state.changed:
+        state.in_flight_versions[start_version] -= 1
+        state.num_episodes_queued -= num_not_queued
+        state.changed.notify_all()
 
 
 async def update_generator(index: int, actors: Actors, state: PipelineState, policy_version: int, weights_dir: str) -> None:
     """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
     with state.timeline.busy(f"weights{index}"):
-        result = await actors.generators[index].update_weights.call_one(policy_version, weights_dir)
+        result = await actors.generators.update_weights.call_one(index, policy_version, weights_dir)
+    if result is None:  # the generator died; its replacement loads the newest version itself
+        return
     async with state.changed:
         state.generator_versions[index] = max(state.generator_versions[index], result["policy_version"])
         state.last_weight_update = {"weights/load_s": result["load_s"], "weights/stall_s": result["stall_s"]}
@@ -151,6 +179,7 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         async with state.changed:
             await state.changed.wait_for(state.may_sample_batch)
         episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
+        state.accounting.count_trained(episodes)
         await state.update(next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted))
 
         step_start = timeline.now()
@@ -200,22 +229,21 @@ async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
 
 
 async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len: int) -> tuple[Actors, list]:
-    """Three kinds of process: services (dataset, scorer, buffer), one per generator, trainer ranks."""
+    """Services (dataset, scorer, buffer, and the generator pool, which spawns one process per
+    generator itself) and the trainer ranks."""
     pad_id = PromptTokenizer(model_dir).pad_id
     services = launch.spawn_procs("services", 1)
-    generator_procs = [launch.spawn_procs(f"generator{i}", 1) for i in range(config.num_generators)]
     trainer_procs = await launch.spawn_trainer_procs(config.trainer.num_procs)
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, str(model_dir), config.generator.max_new_tokens),
         scorer=services.spawn("scorer", ScorerActor),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
-        generators=[
-            procs.spawn("generator", GeneratorActor, config.generator, str(model_dir), max_model_len)
-            for procs in generator_procs
-        ],
+        generators=services.spawn(
+            "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators
+        ),
         trainer=trainer_procs.spawn("trainer", TrainerActor, config.trainer, str(model_dir), str(store_root), pad_id),
     )
-    return actors, [services, *generator_procs, trainer_procs]
+    return actors, [services, trainer_procs]
 
 
 async def run(config: GRPOConfig) -> dict:
@@ -234,9 +262,12 @@ async def run(config: GRPOConfig) -> dict:
     actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
     try:
         progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
-        starts = await asyncio.gather(*(g.start.call_one() for g in actors.generators), actors.trainer.setup.call())
+        generator_starts, _ = await asyncio.gather(actors.generators.start.call_one(), actors.trainer.setup.call())
+        processes = await actors.generators.processes.call_one()
+        (run_path / "processes.json").write_text(json.dumps({"generators": processes}))
         progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
-        history = await run_loops(actors, config, run_path)
+        history, accounting = await run_loops(actors, config, run_path)
+        recoveries = await actors.generators.recovery_events.call_one()
     finally:
         await shutdown(actors, proc_meshes, store)
     last = history[-1]
@@ -248,7 +279,9 @@ async def run(config: GRPOConfig) -> dict:
         "max_policy_age_seen": max(m["policy_age/max"] for m in history),
         "dropped_samples": last["buffer/dropped_completions"],
         "errored_samples": sum(m["completions/errored"] for m in history),
-        "engine_start_s": max(s["engine_start_s"] for s in starts[:-1]),
+        "engine_start_s": max(s["engine_start_s"] for s in generator_starts),
+        "generator_recoveries": recoveries,
+        "accounting": accounting,
         "loop_time_s": last["wall_time_s"],
         "trainer_idle_fraction": last["idle_fraction/trainer"],
         "generator_idle_fraction": last["idle_fraction/generators"],
@@ -258,7 +291,7 @@ async def run(config: GRPOConfig) -> dict:
     return summary
 
 
-async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> list[dict]:
+async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[dict], dict]:
     """The rollout loops and the train loop until `config.steps` steps are trained."""
     state = PipelineState(config, generator_versions=[0] * config.num_generators)
     metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
@@ -268,20 +301,22 @@ async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> list[dict]:
         for _ in range(config.prompts_in_flight_per_generator)
     ]
     try:
-        return await train_loop(actors, state, metrics_logger)
+        history = await train_loop(actors, state, metrics_logger)
     finally:
         for task in rollouts:
             task.cancel()
         await asyncio.gather(*rollouts, return_exceptions=True)
         metrics_logger.close()
         state.timeline.save(run_path / "timeline.json")
+        (run_path / "timeline_origin.json").write_text(json.dumps({"unix_time": state.timeline.origin_unix_time}))
+    buffer_stats = await actors.buffer.stats.call_one()
+    return history, state.accounting.summary(buffer_stats["buffer/dropped_episodes"])
 
 
 async def shutdown(actors: Actors, proc_meshes: list, store: SharedMemoryWeightStore) -> None:
     """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
-    engine_stops = [g.shutdown.call_one() for g in actors.generators]
     with contextlib.suppress(Exception, asyncio.TimeoutError):
-        await asyncio.wait_for(asyncio.gather(*engine_stops, return_exceptions=True), _ENGINE_STOP_TIMEOUT_S)
+        await asyncio.wait_for(actors.generators.shutdown.call_one(), _ENGINE_STOP_TIMEOUT_S)
     with contextlib.suppress(Exception, asyncio.TimeoutError):
         await asyncio.wait_for(
             asyncio.gather(*(procs.stop() for procs in proc_meshes), return_exceptions=True), _MESH_STOP_TIMEOUT_S

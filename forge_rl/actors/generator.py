@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
@@ -34,7 +35,10 @@ class GeneratorActor(Actor):
     async def start(self) -> dict:
         started = time.perf_counter()
         await self.engine.start(self.model_dir, self.max_model_len)
-        return {"engine_start_s": time.perf_counter() - started, "pid": os.getpid()}
+        # vLLM's engine-core and worker processes: the pool watches them too, since the engine can
+        # die while this actor lives on.
+        engine_pids = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+        return {"engine_start_s": time.perf_counter() - started, "pid": os.getpid(), "engine_pids": engine_pids}
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:

@@ -67,8 +67,9 @@ class GeneratorConfig:
     """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU."""
     seed: int = 0
     """Seed of the engine's sampler: one engine replays the same samples for the same requests."""
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
-    """vLLM's log level in the engine processes (INFO logs every request batch and swap)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
+    """vLLM's log level in the engine processes. WARNING repeats a benign warning at every weight
+    reload (rotary embeddings have no weights to load), INFO logs every request batch and swap."""
     cpu_threads: int = 1
     """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
 

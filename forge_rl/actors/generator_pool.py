@@ -1,0 +1,213 @@
+"""The generator pool: owns every generator's proc mesh, so a dead generator is replaced, not fatal.
+
+Monarch reports a failure to the owner of the failed mesh. Owning the generator meshes here (not in
+the controller) means a crash reaches `__supervise__`, which handles it, instead of the client's
+default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
+the pool also watches its generators' OS processes (actor and vLLM engine processes, same host) and
+acts on a death within `_POLL_INTERVAL_S`:
+
+    SERVING ──(a process died, or a call failed)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
+       calls in flight on the dead generator, and calls made while it recovers, return None at
+       once; the controller re-queues their prompts and waits in `wait_until_serving`. A
+       replacement starts on a fresh proc mesh (spawning onto the damaged one hangs), loads the
+       newest published weights and serves again; the other generators keep serving throughout.
+
+Only a dead process triggers a replacement (Monarch's SupervisionError, or the watchdog); an
+exception raised by a generator's endpoint (a prompt longer than the context, say) reaches the
+caller unchanged.
+
+The controller talks to generator i through `generate(i, ...)` and `update_weights(i, ...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import re
+import time
+import psutil
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import Actor, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+
+from forge_rl.actors.generator import GeneratorActor
+from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.metrics import progress
+from forge_rl.types import Episode
+
+# How often the pool checks that its generators' processes are alive.
+_POLL_INTERVAL_S = 0.5
+# Stopping a damaged mesh can hang on the dead process; the replacement does not wait longer.
+_STOP_TIMEOUT_S = 5.0
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"
+    """The engine is starting; calls wait for it."""
+    SERVING = "serving"
+    """Calls are forwarded to the generator."""
+    RECOVERING = "recovering"
+    """A process died; a replacement is starting on a fresh proc mesh."""
+
+
+@dataclasses.dataclass
+class GeneratorSlot:
+    index: int
+    state: SlotState = SlotState.STARTING
+    procs: ProcMesh | None = None
+    actor: GeneratorActor | None = None
+    pids: list[int] = dataclasses.field(default_factory=list)
+    """The actor's process and its vLLM engine processes."""
+    serving: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
+    incarnation: int = 0
+
+    @property
+    def mesh_name(self) -> str:
+        """Names this incarnation's meshes, so Monarch's failure reports can be told apart."""
+        return f"generator{self.index}-r{self.incarnation}"
+
+
+class GeneratorPool(Actor):
+    def __init__(self, config: GeneratorConfig, model_dir: str, max_model_len: int, num_generators: int):
+        self.config = config
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.slots = [GeneratorSlot(i) for i in range(num_generators)]
+        self.latest_weights: tuple[int, str] | None = None
+        """(policy_version, weights_dir) of the newest published version: what a replacement loads."""
+        self.recoveries: list[dict] = []
+        self._watchdog: asyncio.Task | None = None
+        self._stopping = False
+        """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
+
+    @endpoint
+    async def start(self) -> list[dict]:
+        """Spawn and start every generator; returns each one's start figures."""
+        starts = await asyncio.gather(*(self._start_slot(slot) for slot in self.slots))
+        self._watchdog = asyncio.create_task(self._watch_processes())
+        return starts
+
+    @concurrent_endpoint
+    async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode] | None:
+        """Episodes with completions from generator `index`, or None if it died meanwhile."""
+        return await self._forward(self.slots[index], lambda actor: actor.generate.call_one(episodes, group_size))
+
+    @concurrent_endpoint
+    async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict | None:
+        """Swap generator `index` to `policy_version`; None if it died (its replacement loads the newest)."""
+        if self.latest_weights is None or policy_version > self.latest_weights[0]:
+            self.latest_weights = (policy_version, weights_dir)
+        slot = self.slots[index]
+        return await self._forward(slot, lambda actor: actor.update_weights.call_one(policy_version, weights_dir))
+
+    @endpoint
+    async def wait_until_serving(self, index: int) -> int:
+        """Returns once generator `index` serves again, with the policy version it serves."""
+        await self.slots[index].serving.wait()
+        return self.latest_weights[0] if self.latest_weights else 0
+
+    @endpoint
+    async def processes(self) -> list[list[int]]:
+        """OS pids of each generator (actor process first, then its engine processes)."""
+        return [list(slot.pids) for slot in self.slots]
+
+    @endpoint
+    async def recovery_events(self) -> list[dict]:
+        return list(self.recoveries)
+
+    @endpoint
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await asyncio.gather(
+            *(slot.actor.shutdown.call_one() for slot in self.slots if slot.state == SlotState.SERVING),
+            return_exceptions=True,
+        )
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:
+        """A generator mesh failed: recover it (unless the watchdog already did) and keep going.
+
+        A report about an earlier incarnation (the watchdog was faster) names a mesh that is
+        already replaced, so it matches no serving slot and is only acknowledged.
+        """
+        for slot in self.slots:
+            if slot.state == SlotState.SERVING and re.search(rf"{slot.mesh_name}(?![0-9])", str(failure)):
+                self._begin_recovery(slot, reason=f"monarch supervision: {failure}")
+        return True  # handled: a generator failure must never reach the controller's fault hook
+
+    async def _forward(self, slot: GeneratorSlot, call):
+        if slot.state != SlotState.SERVING:
+            return None
+        task = asyncio.ensure_future(call(slot.actor))
+        slot.in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and slot.state == SlotState.RECOVERING:
+                return None  # cancelled by the recovery, not by our caller
+            raise
+        except SupervisionError as e:  # the generator's process died
+            if slot.state == SlotState.SERVING:
+                self._begin_recovery(slot, reason=f"call failed: {e}")
+            return None
+        finally:
+            slot.in_flight.discard(task)
+
+    async def _start_slot(self, slot: GeneratorSlot) -> dict:
+        slot.incarnation += 1
+        slot.procs = this_host().spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
+        slot.actor = slot.procs.spawn(slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len)
+        started = await slot.actor.start.call_one()
+        if self.latest_weights is not None:
+            await slot.actor.update_weights.call_one(*self.latest_weights)
+        slot.pids = [started["pid"], *started["engine_pids"]]
+        slot.state = SlotState.SERVING
+        slot.serving.set()
+        return started
+
+    async def _watch_processes(self) -> None:
+        while True:
+            await asyncio.sleep(_POLL_INTERVAL_S)
+            for slot in self.slots:
+                if slot.state == SlotState.SERVING and not all(_is_alive(pid) for pid in slot.pids):
+                    self._begin_recovery(slot, reason="a generator process exited")
+
+    def _begin_recovery(self, slot: GeneratorSlot, reason: str) -> None:
+        if self._stopping:
+            return
+        slot.state = SlotState.RECOVERING
+        slot.serving.clear()
+        event = {"generator": slot.index, "reason": reason, "detected_at": time.time()}
+        self.recoveries.append(event)
+        progress(f"generator {slot.index} failed ({reason}); starting a replacement")
+        for task in list(slot.in_flight):
+            task.cancel()
+        asyncio.create_task(self._replace(slot, event))
+
+    async def _replace(self, slot: GeneratorSlot, event: dict) -> None:
+        broken = slot.procs
+        asyncio.create_task(_stop_quietly(broken))  # do not wait on the dead process
+        event["respawn_started_at"] = time.time()
+        started = await self._start_slot(slot)
+        event.update(
+            serving_at=time.time(),
+            engine_start_s=started["engine_start_s"],
+            policy_version=self.latest_weights[0] if self.latest_weights else 0,
+        )
+        progress(f"generator {slot.index} replaced and serving at policy version {event['policy_version']}")
+
+
+async def _stop_quietly(procs: ProcMesh) -> None:
+    try:
+        await asyncio.wait_for(procs.stop(), _STOP_TIMEOUT_S)
+    except Exception:  # the mesh is broken; a fresh one already replaces it
+        pass
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,13 @@
+from forge_rl.accounting import PromptAccounting
+
+from .builders import make_episode
+
+
+def test_counts_add_up_and_a_prompt_trained_twice_is_reported():
+    accounting = PromptAccounting(handed_out=5)
+    accounting.count_trained([make_episode(0), make_episode(1)])
+    accounting.count_trained([make_episode(3), make_episode(1)])
+    summary = accounting.summary(num_dropped=1)
+    assert summary["trained"] == 3
+    assert summary["unfinished_at_stop"] == 1
+    assert summary["trained_more_than_once"] == 1
