@@ -38,6 +38,7 @@ def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
         ("forge_rl.actors.scorer", "ScorerActor"),
         ("forge_rl.actors.buffer", "ReplayBufferActor"),
         ("forge_rl.actors.generator", "GeneratorActor"),
+        ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),
     ],
 )
