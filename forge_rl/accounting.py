@@ -17,6 +17,8 @@ class PromptAccounting:
     """Prompts the dataset handed out (a re-queued prompt is not handed out again)."""
     requeued: int = 0
     """Times a prompt was generated again because its generator died mid-request."""
+    skipped_nonfinite: int = 0
+    """Prompts of batches whose step was skipped for a NaN/inf loss or gradient (never trained)."""
     _times_trained: bytearray = dataclasses.field(default_factory=bytearray)
 
     def count_trained(self, episodes: list[Episode]) -> None:
@@ -26,13 +28,14 @@ class PromptAccounting:
             self._times_trained[episode.episode_id] = min(self._times_trained[episode.episode_id] + 1, 255)
 
     def summary(self, num_dropped: int) -> dict:
-        """Counts that add up: handed_out = trained + dropped + unfinished_at_stop."""
+        """Counts that add up: handed_out = trained + dropped + skipped_nonfinite + unfinished_at_stop."""
         trained = sum(1 for count in self._times_trained if count)
         return {
             "prompts_handed_out": self.handed_out,
             "trained": trained,
             "dropped": num_dropped,
-            "unfinished_at_stop": self.handed_out - trained - num_dropped,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "unfinished_at_stop": self.handed_out - trained - num_dropped - self.skipped_nonfinite,
             "trained_more_than_once": sum(1 for count in self._times_trained if count > 1),
             "requeued_after_generator_failure": self.requeued,
         }

@@ -54,8 +54,8 @@ def _run_grpo(args: list[str]) -> None:
 
     try:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
-    except ConfigError as e:
-        _fail(f"invalid config: {e}")
+    except ConfigError as e:  # preflight (forge_rl/preflight.py): this machine or these files cannot run it
+        _fail(f"cannot start the run: {e}")
     except KeyboardInterrupt:  # Ctrl-C: asyncio.run cancelled the run, which shut its processes down
         print("[forge-rl] interrupted (SIGINT); all processes of the run stopped", file=sys.stderr)
         raise SystemExit(130)
@@ -74,6 +74,8 @@ async def _cancelled_by_sigterm(coroutine):
 
 _BENCHMARKS = {
     "async-vs-sync": "The same recipe synchronous (max_policy_age=0) and asynchronous: speedup, idle, timeline.",
+    "staleness": "Final reward and time to a target reward across max_policy_age, with and without IS correction.",
+    "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
 }
 
 
@@ -86,14 +88,18 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync
+    from forge_rl.bench import async_vs_sync, staleness, weight_sync
     from forge_rl.yaml_config import ConfigError
 
-    bench_args = tyro.cli(
-        async_vs_sync.AsyncVsSyncArgs, args=args[1:], prog="forge-rl bench async-vs-sync", description=_BENCHMARKS[args[0]]
-    )
+    name = args[0]
+    module, args_type = {
+        "async-vs-sync": (async_vs_sync, async_vs_sync.AsyncVsSyncArgs),
+        "staleness": (staleness, staleness.StalenessArgs),
+        "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
+    }[name]
+    bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:
-        summary = async_vs_sync.main(bench_args)
+        summary = module.main(bench_args)
     except ConfigError as e:
         _fail(f"invalid config: {e}")
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}), flush=True)
@@ -107,7 +113,7 @@ def _run_plot(args: list[str]) -> None:
     plot_args = tyro.cli(PlotArgs, args=args, prog="forge-rl plot", description=_SUBCOMMANDS["plot"])
     try:
         print(plot_dashboard(plot_args))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
 
 

@@ -19,6 +19,8 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.scoring import ScorerConfig
+from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.tasks.synthetic import TaskName
 from forge_rl.trainer import TrainerConfig
 from forge_rl.yaml_config import ConfigError
@@ -30,6 +32,9 @@ class TaskConfig:
     """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py)."""
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
+    reward: str = "leading_number"
+    """Reward function: a registered name (leading_number, exact_match) or "package.module:function"
+    taking (completion_text, answer) -> float (see forge_rl/tasks/rewards.py)."""
     completion_lengths: Literal["natural", "long_tail"] = "natural"
     """natural: completions end at EOS (or generator.max_new_tokens). long_tail: each prompt's
     completions are forced to a Pareto-distributed length (EOS ignored), capped at
@@ -40,6 +45,7 @@ class TaskConfig:
     """Pareto shape of forced lengths (long_tail only); smaller means a heavier tail."""
 
     def __post_init__(self) -> None:
+        resolve_reward_fn(self.reward)
         if self.long_tail_min_tokens < 1:
             raise ValueError(
                 f"task.long_tail_min_tokens ({self.long_tail_min_tokens}) must be >= 1. "
@@ -82,16 +88,36 @@ class ModelConfig:
         try:
             weight_files(self.path)
             return read_hf_config(self.path)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model.path ({self.path}) has a config.json that is not valid JSON: {e}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"model.path ({self.path}) has a config.json that is not valid JSON ({e}). Fix the file, or "
+                "re-export the model directory with save_pretrained."
+            ) from None
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model.path ({self.path}): {e}") from None
 
 
 @dataclass(frozen=True)
 class LogConfig:
+    """Where metrics go besides RUN_DIR/metrics.jsonl, which always gets every step (docs/observability.md)."""
+
     progress_every_s: float = 5.0
     """Seconds between progress lines on stderr (every step is always in metrics.jsonl)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+    wandb: bool = False
+    """Also log to Weights & Biases, into RUN_DIR/wandb. Offline by default (see wandb_mode)."""
+    wandb_project: str = "forge_rl"
+    """W&B project name; the W&B run is named after the run directory."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
+    online streams to the W&B server (needs `wandb login`)."""
+
+    def __post_init__(self) -> None:
+        if not self.progress_every_s >= 0:
+            raise ValueError(
+                f"log.progress_every_s ({self.progress_every_s}) must be >= 0. Set --log.progress-every-s."
+            )
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,7 @@ class GRPOConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,10 @@ class TrainerConfig:
     """Torch CPU threads per trainer process (torch.set_num_threads)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss (grpo, dr_grpo, dapo, gspo, cispo), its off-policy corrections and KL penalty."""
+    max_consecutive_nonfinite_steps: int = 3
+    """A step whose loss or gradient norm is NaN/inf is skipped (weights, optimizer state and policy
+    version untouched); this many non-finite steps in a row stop the run with an error (so 1 stops
+    at the first)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -58,6 +63,7 @@ class TrainerConfig:
             "adam_eps": (0.0 < self.adam_eps < math.inf, "> 0 and finite"),
             "max_grad_norm": (self.max_grad_norm > 0.0, "> 0 (inf disables clipping)"),
             "num_threads": (self.num_threads >= 1, ">= 1"),
+            "max_consecutive_nonfinite_steps": (self.max_consecutive_nonfinite_steps >= 1, ">= 1"),
         }
         for name, (ok, constraint) in checks.items():
             if not ok:
@@ -75,7 +81,14 @@ def _select_device() -> torch.device:
 
 
 class PolicyTrainer:
-    """Holds this rank's model shard and optimizer; `policy_version` counts optimizer steps."""
+    """Holds this rank's model shard and optimizer; `policy_version` counts optimizer steps.
+
+    A batch whose loss or global gradient norm is not finite is skipped: no optimizer step, so the
+    weights, the AdamW moments and `policy_version` stay as they were, and the metrics say
+    `step_skipped: 1`. Both values are reduced over all ranks first, so every rank skips together
+    and no collective is left half-joined. `trainer.max_consecutive_nonfinite_steps` skips in a row
+    raise FloatingPointError: by then the weights themselves are likely broken, or every batch is.
+    """
 
     def __init__(self, config: TrainerConfig, model_dir: Path | str) -> None:
         torch.set_num_threads(config.num_threads)
@@ -103,6 +116,7 @@ class PolicyTrainer:
             foreach=True,
         )
         self.policy_version = 0
+        self.num_consecutive_nonfinite_steps = 0
 
     def _logits(self, input_ids_NL: torch.Tensor) -> torch.Tensor:
         """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably)."""
@@ -135,8 +149,9 @@ class PolicyTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One AdamW step on the policy loss of `batch` (the full batch, identical on every rank).
 
-        Returns batch-wide metrics, identical on every rank (see `_global_metrics`). Raises
-        FloatingPointError, before touching the weights, when the loss or gradient norm is not finite.
+        Returns batch-wide metrics, identical on every rank (see `_global_metrics`), with
+        `step_skipped` 1 when the loss or gradient norm was not finite and the step was skipped (see
+        the class docstring); raises FloatingPointError after too many such steps in a row.
         """
         start = time.perf_counter()
         shard = batch.shard(self._dp_rank, self._dp_size)
@@ -159,33 +174,54 @@ class PolicyTrainer:
         global_units = max(num_loss_units(batch.loss_mask_NL, self.config.loss), 1)
         loss = local_loss * (num_loss_units(shard.loss_mask_NL, self.config.loss) / global_units)
         share = local_tokens / global_tokens
-        # Reduced before backward, so every rank sees the same value and raises together.
+        # Reduced before backward, so every rank sees the same value and skips together.
         metrics = self._global_metrics(loss, loss_metrics, share)
-        if not math.isfinite(metrics["loss"]):
-            raise FloatingPointError(
-                f"non-finite {self.config.loss.name} loss ({metrics['loss']}) at policy version {self.policy_version}"
-            )
-        loss.backward()
-        metrics["grad_norm"] = self._clip_and_step()
         metrics["num_tokens"] = float(batch.num_generated_tokens)
-        metrics["step_time_s"] = time.perf_counter() - start
-        return metrics
-
-    def _clip_and_step(self) -> float:
-        """Clip to max_grad_norm, then step; the norm is global (DTensor shards reduced)."""
-        from torchtitan.distributed.utils import clip_grad_norm_
-
-        params = list(self.model.parameters())
-        grad_norm = clip_grad_norm_(params, self.config.max_grad_norm, foreach=True).item()
-        if not math.isfinite(grad_norm):
+        if not math.isfinite(metrics["loss"]):
+            return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
+        loss.backward()
+        metrics["grad_norm"] = self._clip_grad_norm()
+        if not math.isfinite(metrics["grad_norm"]):
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"non-finite gradient norm ({grad_norm}) at policy version {self.policy_version}"
-            )
+            return self._skip_step(metrics, f"non-finite gradient norm ({metrics['grad_norm']})", start)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
-        return grad_norm
+        self.num_consecutive_nonfinite_steps = 0
+        metrics["step_skipped"] = 0
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    def _clip_grad_norm(self) -> float:
+        """Clip to max_grad_norm; returns the global norm before clipping (DTensor shards reduced)."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = list(self.model.parameters())
+        return clip_grad_norm_(params, self.config.max_grad_norm, foreach=True).item()
+
+    def _skip_step(self, metrics: dict, reason: str, start: float) -> dict:
+        """Leave weights, optimizer and version as they are; raise after too many skips in a row."""
+        self.num_consecutive_nonfinite_steps += 1
+        count, limit = self.num_consecutive_nonfinite_steps, self.config.max_consecutive_nonfinite_steps
+        if count >= limit:
+            raise FloatingPointError(
+                f"{reason} at policy version {self.policy_version}: {count} consecutive steps were not "
+                f"finite (trainer.max_consecutive_nonfinite_steps = {limit}), so training stops; the "
+                "weights are those of the last finite step. Lower --trainer.lr, check the reward function "
+                "and the batch for NaN/inf, or raise --trainer.max-consecutive-nonfinite-steps."
+            )
+        if self.rank == 0:
+            print(
+                f"[forge-rl] trainer: skipped a step, {reason} at policy version {self.policy_version}; "
+                f"weights and optimizer untouched ({count} of {limit} allowed in a row, "
+                "--trainer.max-consecutive-nonfinite-steps)",
+                file=sys.stderr,
+                flush=True,
+            )
+        metrics.setdefault("grad_norm", math.nan)
+        metrics["step_skipped"] = 1
+        metrics["step_time_s"] = time.perf_counter() - start
+        return metrics
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:

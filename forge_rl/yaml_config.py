@@ -24,17 +24,34 @@ class ConfigError(ValueError):
 def load_yaml_config(cls: type[T], path: Path) -> T:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist. Pass an existing YAML file to --config.")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}. Pass an existing YAML file to --config.")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        raise ConfigError(_yaml_error_message(path, text, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
     try:
         return build_dataclass(cls, data, prefix="")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _yaml_error_message(path: Path, text: str, error: yaml.YAMLError) -> str:
+    """Where the YAML breaks, in the file's own line and column numbers, and how to fix it."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    lines = text.splitlines()
+    line = lines[mark.line] if mark is not None and mark.line < len(lines) else ""
+    hint = (
+        " YAML indents with spaces only: replace the tab(s)."
+        if "\t" in line or "\t" in problem
+        else " Fix the syntax there (mappings are `key: value`, nested ones indented with spaces)."
+    )
+    return f"{path} is not valid YAML: {problem}{where}: {line.strip()!r}.{hint}"
 
 
 def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str) -> T:
@@ -71,7 +88,10 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(annotation)
         if value not in allowed:
-            raise ConfigError(f"{field} ({value!r}) must be one of {', '.join(map(repr, allowed))}")
+            raise ConfigError(
+                f"{field} ({value!r}) must be one of {', '.join(map(repr, allowed))}. Fix it in the file "
+                f"or set {_flag(field)}."
+            )
         return value
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
@@ -86,5 +106,12 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
-        raise ConfigError(f"{field} must be {annotation.__name__}, got {value!r}")
+        raise ConfigError(
+            f"{field} must be {annotation.__name__}, got {value!r}. Fix it in the file or set {_flag(field)}."
+        )
     return value
+
+
+def _flag(field: str) -> str:
+    """The command-line flag of a dotted config field: trainer.num_procs -> --trainer.num-procs."""
+    return "--" + field.replace("_", "-")

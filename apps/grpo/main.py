@@ -45,10 +45,11 @@ from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.accounting import PromptAccounting
 from forge_rl.config import GRPOConfig
-from forge_rl.metrics import MetricsLogger, batch_metrics, progress
-from forge_rl.run_dir import create_run_dir, prepare_model_dir
+from forge_rl.metrics import MetricsLogger, batch_metrics, open_sinks, progress
+from forge_rl.run_dir import config_to_dict, create_run_dir, prepare_model_dir, remove_unstarted_run_dir
 from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
-from forge_rl.store.shm import SharedMemoryWeightStore, default_store_root
+from forge_rl.store.actors import spawn_store
+from forge_rl.store.shm import SharedMemorySnapshots, default_store_root
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.timeline import Timeline, busy_s
 from forge_rl.types import Episode
@@ -167,7 +168,8 @@ async def update_generator(index: int, actors: Actors, state: PipelineState, pol
         return
     async with state.changed:
         state.generator_versions[index] = max(state.generator_versions[index], result["policy_version"])
-        state.last_weight_update = {"weights/load_s": result["load_s"], "weights/stall_s": result["stall_s"]}
+        # Per-update figures of the weight store (forge_rl/store/loader.py): stall, stage, bytes, GB/s...
+        state.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
         state.changed.notify_all()
 
 
@@ -179,22 +181,26 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         async with state.changed:
             await state.changed.wait_for(state.may_sample_batch)
         episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
-        state.accounting.count_trained(episodes)
         await state.update(next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted))
 
         step_start = timeline.now()
         with timeline.busy("trainer"):
             trainer_metrics = (await actors.trainer.train_step.call(episodes)).item(procs=0)
         trained_tokens_per_s = trainer_metrics["num_tokens"] / max(timeline.now() - step_start, 1e-9)
-        weights_dir = trainer_metrics.pop("weights/dir")
-        weight_updates += [
-            asyncio.create_task(update_generator(i, actors, state, train_version + 1, weights_dir))
-            for i in range(config.num_generators)
-        ]
+        if trainer_metrics["step_skipped"]:
+            # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
+            state.accounting.skipped_nonfinite += len(episodes)
+            await state.update(next_train_version=-1)
+        else:
+            state.accounting.count_trained(episodes)
+            weights_dir = trainer_metrics.pop("weights/dir")
+            weight_updates += [
+                asyncio.create_task(update_generator(i, actors, state, trainer_metrics["policy_version"], weights_dir))
+                for i in range(config.num_generators)
+            ]
 
         metrics = {
             "step": step,
-            "policy_version": train_version + 1,
             **batch_metrics(episodes, train_version),
             **trainer_metrics,
             **state.last_weight_update,
@@ -224,24 +230,28 @@ async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
         "idle_fraction/trainer": 1.0 - trainer_busy / max(now, 1e-9),
         "idle_fraction/generators": 1.0 - sum(generator_busy) / max(now * len(generator_busy), 1e-9),
         **buffer_stats,
+        **await actors.scorer.stats.call_one(),
         "generator/policy_versions": list(state.generator_versions),
     }
 
 
 async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len: int) -> tuple[Actors, list]:
-    """Services (dataset, scorer, buffer, and the generator pool, which spawns one process per
-    generator itself) and the trainer ranks."""
+    """Services (dataset, scorer, buffer, the weight store's index and volume, and the generator
+    pool, which spawns one process per generator itself) and the trainer ranks."""
     pad_id = PromptTokenizer(model_dir).pad_id
     services = launch.spawn_procs("services", 1)
     trainer_procs = await launch.spawn_trainer_procs(config.trainer.num_procs)
+    store_index, _ = await spawn_store(services, store_root, extra_files_dir=model_dir)
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, str(model_dir), config.generator.max_new_tokens),
-        scorer=services.spawn("scorer", ScorerActor),
+        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
-            "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators
+            "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators, store_index
         ),
-        trainer=trainer_procs.spawn("trainer", TrainerActor, config.trainer, str(model_dir), str(store_root), pad_id),
+        trainer=trainer_procs.spawn(
+            "trainer", TrainerActor, config.trainer, str(model_dir), store_index, str(store_root), pad_id
+        ),
     )
     return actors, [services, trainer_procs]
 
@@ -257,19 +267,23 @@ async def run(config: GRPOConfig) -> dict:
     run_path = create_run_dir(config)
     model_dir = prepare_model_dir(config, run_path)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
-    store = SharedMemoryWeightStore(default_store_root(run_path.name), model_dir)
+    store = SharedMemorySnapshots(default_store_root(run_path.name), model_dir)
     progress(f"run directory {run_path}")
-    actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
     try:
-        progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
-        generator_starts, _ = await asyncio.gather(actors.generators.start.call_one(), actors.trainer.setup.call())
-        processes = await actors.generators.processes.call_one()
-        (run_path / "processes.json").write_text(json.dumps({"generators": processes}))
-        progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
-        history, accounting = await run_loops(actors, config, run_path)
-        recoveries = await actors.generators.recovery_events.call_one()
-    finally:
-        await shutdown(actors, proc_meshes, store)
+        actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
+        try:
+            progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
+            generator_starts, _ = await asyncio.gather(actors.generators.start.call_one(), actors.trainer.setup.call())
+            processes = await actors.generators.processes.call_one()
+            (run_path / "processes.json").write_text(json.dumps({"generators": processes}))
+            progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
+            history, accounting = await run_loops(actors, config, run_path)
+            recoveries = await actors.generators.recovery_events.call_one()
+        finally:
+            await shutdown(actors, proc_meshes, store)
+    except BaseException:
+        remove_unstarted_run_dir(run_path)  # a run that trained no step leaves nothing to resume from
+        raise
     last = history[-1]
     summary = {
         "final_mean_reward": sum(m["reward/mean"] for m in history[-_FINAL_REWARD_WINDOW:])
@@ -294,7 +308,12 @@ async def run(config: GRPOConfig) -> dict:
 async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[dict], dict]:
     """The rollout loops and the train loop until `config.steps` steps are trained."""
     state = PipelineState(config, generator_versions=[0] * config.num_generators)
-    metrics_logger = MetricsLogger(run_path / "metrics.jsonl", config.steps, config.log.progress_every_s)
+    metrics_logger = MetricsLogger(
+        run_path / "metrics.jsonl",
+        config.steps,
+        config.log.progress_every_s,
+        sinks=open_sinks(config.log, run_path, config_to_dict(config)),
+    )
     rollouts = [
         asyncio.create_task(rollout_loop(i, actors, state))
         for i in range(config.num_generators)
@@ -313,7 +332,7 @@ async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[
     return history, state.accounting.summary(buffer_stats["buffer/dropped_episodes"])
 
 
-async def shutdown(actors: Actors, proc_meshes: list, store: SharedMemoryWeightStore) -> None:
+async def shutdown(actors: Actors, proc_meshes: list, store: SharedMemorySnapshots) -> None:
     """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
     with contextlib.suppress(Exception, asyncio.TimeoutError):
         await asyncio.wait_for(actors.generators.shutdown.call_one(), _ENGINE_STOP_TIMEOUT_S)

@@ -1,8 +1,9 @@
 """Generator shell: one vLLM engine per actor, many requests in flight, weight swaps in between.
 
-`generate` and `update_weights` are concurrent endpoints: a swap pauses the engine at a decode-step
-boundary (vLLM's pause in "keep" mode), reloads the newest snapshot and resumes, so requests in
-flight continue and their later tokens carry the new policy version.
+`generate` and `update_weights` are concurrent endpoints: an update waits for the version in the
+weight store, stages it in the engine while decoding continues, then swaps at a decode-step
+boundary (vLLM's pause in "keep" mode), so requests in flight continue and their later tokens
+carry the new policy version (forge_rl/store/loader.py).
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.store.actors import StoreIndexActor
+from forge_rl.store.client import WeightStore
+from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
 
 class GeneratorActor(Actor):
-    def __init__(self, config: GeneratorConfig, model_dir: str, max_model_len: int):
+    def __init__(self, config: GeneratorConfig, model_dir: str, max_model_len: int, store_index: StoreIndexActor):
         self.engine = VLLMEngine(config)
+        self.store_index = store_index
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
         self.tokenizer = PromptTokenizer(self.model_dir)
         # One swap at a time; a swap for an older version than the loaded one is a no-op.
         self.swap_lock = asyncio.Lock()
+        self.store: WeightStore | None = None
         self.num_generated_tokens = 0
         self.busy_s = 0.0
 
@@ -59,17 +65,23 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def update_weights(self, policy_version: int, weights_dir: str) -> dict:
-        """Loads `weights_dir` as `policy_version` unless a newer version is already served."""
+        """Serve `policy_version`, or the newest complete version after it, from the weight store.
+
+        `weights_dir` is where the trainer writes that version; its parent names the store. The
+        version may still be being written: the store says when it is complete, and keeps it
+        until loaded. Prefetch and staging run while the engine decodes; the swap itself happens
+        per `GeneratorConfig.swap_mode`. Returns the update's metrics (forge_rl/store/loader.py).
+        """
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
-                return {"policy_version": self.engine.policy_version, "stall_s": 0.0, "load_s": 0.0}
-            started = time.perf_counter()
-            stall_s = await self.engine.load_weights(Path(weights_dir), policy_version)
-            return {
-                "policy_version": policy_version,
-                "stall_s": stall_s,
-                "load_s": time.perf_counter() - started,
-            }
+                return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
+            store = await self._weight_store(Path(weights_dir).parent)
+            return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode)
+
+    async def _weight_store(self, root: Path) -> WeightStore:
+        if self.store is None or self.store.local.root != root:
+            self.store = WeightStore(self.store_index, root, extra_files_dir=self.model_dir)
+        return self.store
 
     @endpoint
     async def stats(self) -> dict:
@@ -82,3 +94,5 @@ class GeneratorActor(Actor):
     @endpoint
     async def shutdown(self) -> None:
         await self.engine.shutdown()
+        if self.store is not None:  # leases of an update cut short, fetched copies
+            await self.store.close()

@@ -33,6 +33,7 @@ from monarch.actor import Actor, MeshFailure, ProcMesh, concurrent_endpoint, end
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.metrics import progress
+from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
 # How often the pool checks that its generators' processes are alive.
@@ -69,8 +70,16 @@ class GeneratorSlot:
 
 
 class GeneratorPool(Actor):
-    def __init__(self, config: GeneratorConfig, model_dir: str, max_model_len: int, num_generators: int):
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        model_dir: str,
+        max_model_len: int,
+        num_generators: int,
+        store_index: StoreIndexActor,
+    ):
         self.config = config
+        self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.slots = [GeneratorSlot(i) for i in range(num_generators)]
@@ -158,7 +167,9 @@ class GeneratorPool(Actor):
     async def _start_slot(self, slot: GeneratorSlot) -> dict:
         slot.incarnation += 1
         slot.procs = this_host().spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
-        slot.actor = slot.procs.spawn(slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len)
+        slot.actor = slot.procs.spawn(
+            slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index
+        )
         started = await slot.actor.start.call_one()
         if self.latest_weights is not None:
             await slot.actor.update_weights.call_one(*self.latest_weights)

@@ -1,7 +1,8 @@
 """Trainer shell: one actor per trainer rank (FSDP2/TP on a DeviceMesh), publishing each version.
 
 Every endpoint is called on all ranks at once (`.call()`): the step and the weight export are
-collectives. Rank 0 writes the snapshot and reports global metrics.
+collectives. Rank 0 publishes the snapshot (in the background, forge_rl/store/publisher.py) and
+reports global metrics.
 """
 
 from __future__ import annotations
@@ -14,16 +15,30 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.batching import make_train_batch
-from forge_rl.store.shm import SharedMemoryWeightStore
+from forge_rl.store.actors import StoreIndexActor
+from forge_rl.store.client import WeightStore
+from forge_rl.store.index import version_key
+from forge_rl.store.publisher import PublishConfig, WeightPublisher
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
 
 class TrainerActor(Actor):
-    def __init__(self, config: TrainerConfig, model_dir: str, store_root: str, pad_id: int):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model_dir: str,
+        store_index: StoreIndexActor,
+        store_root: str,
+        pad_id: int,
+        publish: PublishConfig = PublishConfig(),
+    ):
         self.config = config
+        self.store_index = store_index
         self.model_dir = Path(model_dir)
-        self.store = SharedMemoryWeightStore(Path(store_root), self.model_dir)
+        self.store_root = Path(store_root)
+        self.publish_config = publish
+        self.publisher: WeightPublisher | None = None
         self.pad_id = pad_id
         self.rank = int(os.environ.get("RANK", "0"))
         self.trainer: PolicyTrainer | None = None
@@ -35,14 +50,24 @@ class TrainerActor(Actor):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             torch.distributed.init_process_group(backend)
         self.trainer = PolicyTrainer(self.config, self.model_dir)
+        if self.rank == 0:
+            store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
+            self.publisher = WeightPublisher(store, self.publish_config)
         return {"trainer_setup_s": time.perf_counter() - started}
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
-        """One optimizer step on `episodes`, then publish the new version to the weight store."""
+        """One optimizer step on `episodes`, then publish the new version to the weight store.
+
+        The metrics carry `policy_version` (after the step) and `step_skipped`: 1 when the loss or
+        gradient was not finite, in which case nothing was published (no `weights/*` keys) and the
+        version did not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
+        """
         batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
         metrics = self.trainer.train_step(batch)
-        metrics.update(self._publish())
+        metrics["policy_version"] = self.trainer.policy_version
+        if not metrics["step_skipped"]:
+            metrics.update(await self._publish())
         return metrics
 
     @endpoint
@@ -52,16 +77,22 @@ class TrainerActor(Actor):
             make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
         )
 
-    def _publish(self) -> dict:
+    @endpoint
+    async def flush_weights(self) -> None:
+        """Wait until the last published version is complete in the store."""
+        if self.publisher is not None:
+            await self.publisher.flush()
+
+    async def _publish(self) -> dict:
+        """Snapshot the weights (a collective), then write them in the background (rank 0)."""
         started = time.perf_counter()
-        hf_state_dict = self.trainer.hf_state_dict(torch.float32)  # collective: every rank joins
-        gather_s = time.perf_counter() - started
+        # Gathered once per version in the dtype the generator serves; private CPU copies, so the
+        # next optimizer step cannot change them while they are written.
+        snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype())
+        snapshot_s = time.perf_counter() - started
         if self.rank != 0:
             return {}
-        stats = self.store.publish(self.trainer.policy_version, hf_state_dict)
-        return {
-            "weights/gather_s": gather_s,
-            "weights/publish_s": stats.write_s,
-            "weights/bytes": stats.num_bytes,
-            "weights/dir": str(self.store.path(stats.policy_version)),
-        }
+        version = self.trainer.policy_version
+        metrics = await self.publisher.publish(version, snapshot, snapshot_s)
+        # Where the version will be once complete; generators wait for it through the store.
+        return {**metrics, "weights/dir": str(self.store_root / version_key(version))}

@@ -30,6 +30,7 @@ nothing and does not pull vLLM into the trainer or the functional core's tests.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -72,6 +73,20 @@ class GeneratorConfig:
     reload (rotary embeddings have no weights to load), INFO logs every request batch and swap."""
     cpu_threads: int = 1
     """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
+    swap_mode: Literal["in_flight", "drain", "abort_resubmit"] = "in_flight"
+    """How a weight swap treats requests in flight: "in_flight" freezes them between two decode
+    steps and continues them on the new weights; "drain" lets them finish on the old weights first
+    (new requests wait); "abort_resubmit" aborts them and resubmits prompt + tokens so far."""
+    swap_loader: Literal["staged", "reload"] = "staged"
+    """"staged": load and repack the new weights in a worker thread while decoding continues, then
+    swap references while paused (forge_rl/store/vllm_staging.py); "reload": vLLM's stock
+    reload_weights from the snapshot directory while paused. Staged needs enforce_eager (else reload)."""
+    swap_kv: Literal["recompute", "keep"] = "recompute"
+    """KV of in-flight requests at a swap: "recompute" drops it so their prefixes are recomputed
+    with the new weights (every token labelled v is an exact sample of v; costs a prefill of all
+    in-flight tokens); "keep" continues on the old KV (no recompute, as PipelineRL does: tokens
+    after the swap see a prefix encoded by v-1). "keep" turns vLLM's prefix caching off, so no new
+    request can reuse a block encoded by older weights."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +98,8 @@ class GeneratorConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
             ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
+            ("swap_kv", self.swap_kv == "recompute" or self.swap_mode == "in_flight",
+             '"recompute" unless swap_mode is "in_flight" (only a frozen request keeps its KV)'),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -102,6 +119,10 @@ class VLLMEngine:
         self.max_model_len = 0
         self._llm: AsyncLLM | None = None
         self._request_ids = itertools.count()
+        self._staged_version: int | None = None
+        """Version staged in the worker and not yet swapped in (staged loader)."""
+        self._abort_epoch = 0
+        """Swaps in "abort" mode so far; a request aborted across one is resubmitted."""
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
         """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
@@ -150,8 +171,11 @@ class VLLMEngine:
             # tokens were actually drawn from. "raw_logprobs" would ignore the temperature. (On GPU
             # it moves top-k/top-p sampling off FlashInfer, which cannot return these logprobs.)
             logprobs_mode="processed_logprobs",
-            # Safe with weight swaps: every pause below clears the prefix cache (clear_cache=True).
-            enable_prefix_caching=True,
+            # Safe with weight swaps while every pause clears the prefix cache (swap_kv="recompute");
+            # with swap_kv="keep" the cache cannot be cleared under running requests, so it is off.
+            enable_prefix_caching=self.config.swap_kv == "recompute",
+            # The staged swap's worker side (collective_rpc("forge_...")); inert otherwise.
+            worker_extension_cls="forge_rl.store.vllm_staging.StagedWeightsExtension",
             disable_log_stats=True,
             # A progress bar per weight reload (one per policy version) would flood the log.
             use_tqdm_on_load=False,
@@ -188,19 +212,56 @@ class VLLMEngine:
         with a controlled length distribution, such as the async-vs-sync benchmark's long tail.
         """
         self._check_prompt_length(len(prompt_token_ids))
-        from vllm.inputs import TokensPrompt
-
         # One request with n children (vLLM fans them out, sharing the prompt's KV through the
         # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
-        request_id = f"gen-{next(self._request_ids)}"
+        epoch = self._abort_epoch
+        max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
+        eos_id = None if forced_length else eos_id
+        final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens))
+        completions = [_to_completion(output) for output in final.outputs]
+        if self._abort_epoch == epoch:
+            return completions
+        # A swap in "abort" mode ran meanwhile: resubmit what it aborted, prompt + tokens so far.
+        return list(
+            await asyncio.gather(
+                *(
+                    self._continue_aborted(prompt_token_ids, completion, eos_id, max_tokens)
+                    if output.finish_reason == "abort"
+                    else _done(completion)
+                    for output, completion in zip(final.outputs, completions)
+                )
+            )
+        )
+
+    async def _request(self, prompt_token_ids: list[int], params: SamplingParams):
+        from vllm.inputs import TokensPrompt
+
         final = None
         async for final in self._running_llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids),
-            self._sampling_params(n, None if forced_length else eos_id, forced_length),
-            request_id,
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, f"gen-{next(self._request_ids)}"
         ):
             pass  # FINAL_ONLY: one output, after the last child finished.
-        return [_to_completion(output) for output in final.outputs]
+        return final
+
+    async def _continue_aborted(
+        self, prompt_token_ids: list[int], completion: Completion, eos_id: int | None, max_tokens: int
+    ) -> Completion:
+        """Resubmit an aborted completion's prefix until it finishes; the pieces are joined.
+
+        Tokens before the abort keep the old version, tokens after carry the new one; the
+        resubmitted prefix is prefilled with the new weights (like swap_kv="recompute").
+        """
+        while completion.num_tokens < max_tokens:
+            epoch = self._abort_epoch
+            params = self._sampling_params(1, eos_id, max_tokens - completion.num_tokens)
+            output = (await self._request(prompt_token_ids + completion.token_ids, params)).outputs[0]
+            completion = _join(completion, _to_completion(output))
+            if output.finish_reason != "abort" or self._abort_epoch == epoch:
+                break
+        ended_on_eos = eos_id is not None and completion.token_ids[-1:] == [eos_id]
+        if completion.num_tokens >= max_tokens and not ended_on_eos:
+            completion.status = CompletionStatus.TRUNCATED
+        return completion
 
     def _check_prompt_length(self, num_prompt_tokens: int) -> None:
         limit = self.max_model_len - self.config.max_new_tokens
@@ -212,13 +273,13 @@ class VLLMEngine:
                 "or raise max_model_len."
             )
 
-    def _sampling_params(self, n: int, eos_id: int | None, forced_length: int | None) -> SamplingParams:
+    def _sampling_params(self, n: int, eos_id: int | None, max_tokens: int) -> SamplingParams:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=n,
-            max_tokens=min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens),
+            max_tokens=max_tokens,
             temperature=self.config.temperature,
             top_p=self.config.top_p,
             top_k=self.config.top_k,
@@ -230,31 +291,97 @@ class VLLMEngine:
         )
 
     async def load_weights(
-        self, weights_dir: Path, policy_version: int, mode: Literal["keep", "wait"] = "keep"
+        self, weights_dir: Path, policy_version: int, mode: Literal["keep", "wait", "abort"] = "keep"
     ) -> float:
         """Swap to the weights in `weights_dir` (model.safetensors + config.json, HF names).
 
         mode="keep" freezes in-flight requests between two forward passes and continues them on
-        the new weights; mode="wait" lets them finish first (new requests queue meanwhile).
-        Returns the stall: seconds from pausing to resuming (for "wait", the drain included).
+        the new weights; mode="wait" lets them finish first (new requests queue meanwhile);
+        mode="abort" aborts them and `generate` resubmits their prefixes. Returns the stall:
+        seconds from asking for the pause to resuming (for "wait", the drain included).
         """
+        stats = await self.swap_weights(Path(weights_dir), policy_version, mode)
+        return stats.stall_s
+
+    async def stage_weights(self, weights_dir: Path, policy_version: int, poll_s: float = 0.005) -> dict:
+        """Load and repack `weights_dir` in the worker while the engine keeps decoding.
+
+        Returns the worker's timings once `policy_version` is staged; `swap_weights` then only
+        swaps references. A staged version the engine never swaps in is dropped by the next stage.
+        """
+        if not self._can_stage():
+            return {}
+        llm = self._running_llm
+        await llm.collective_rpc("forge_stage_weights", args=(str(weights_dir), policy_version))
+        while True:  # each poll is a utility call the engine core answers between two steps
+            (status,) = await llm.collective_rpc("forge_staging_status")
+            if status["done"]:
+                break
+            await asyncio.sleep(poll_s)
+        if status["error"]:
+            raise RuntimeError(f"staging version {policy_version} failed in the vLLM worker:\n{status['error']}")
+        self._staged_version = policy_version
+        return status
+
+    async def swap_weights(
+        self,
+        weights_dir: Path,
+        policy_version: int,
+        mode: Literal["keep", "wait", "abort"] = "keep",
+        loader: Literal["staged", "reload"] | None = None,
+        swap_kv: Literal["recompute", "keep"] | None = None,
+    ) -> SwapStats:
+        """Pause (per `mode`), swap in `policy_version`, relabel, resume; see `load_weights`.
+
+        `loader` and `swap_kv` override the config's for this swap (benchmarks compare them;
+        swap_kv="keep" is only safe on an engine started with it, which turns prefix caching off).
+        With the staged loader the version is staged first if `stage_weights` was not called.
+        """
+        loader = loader or self.config.swap_loader
+        stage = {}
+        if loader == "staged" and self._can_stage() and self._staged_version != policy_version:
+            stage = await self.stage_weights(weights_dir, policy_version)
+        use_staged = loader == "staged" and self._staged_version == policy_version
+        llm = self._running_llm
+        # swap_kv="recompute" clears every KV block (frozen requests are preempted and their
+        # prefixes recomputed with the new weights, so tokens labelled `policy_version` are exact
+        # samples of it, and no prefix-cache hit can serve old KV); "keep" leaves the KV alone.
+        clear_cache = (swap_kv or self.config.swap_kv) == "recompute"
         started = time.perf_counter()
-        # clear_cache=True preempts the frozen requests and drops every KV block, so on resume
-        # their prefixes are recomputed with the new weights: tokens labelled `policy_version`
-        # are then exactly samples of that policy, and no prefix-cache hit can serve old KV.
-        await self._running_llm.pause_generation(mode=mode, clear_cache=True)
+        if mode == "abort":
+            self._abort_epoch += 1  # generate() resubmits what this pause aborts
+        await _pause(llm, mode, clear_cache)
+        paused = time.perf_counter()
         try:
-            # reload_weights, not the worker's per-tensor load_weights: the CPU backend repacks
-            # linear weights after loading, which only the full reload path redoes.
-            await self._running_llm.collective_rpc(
-                "reload_weights", kwargs={"weights_path": str(weights_dir)}
-            )
+            if use_staged:
+                await llm.collective_rpc("forge_commit_staged", args=(policy_version,))
+                self._staged_version = None
+            else:
+                # reload_weights, not the worker's per-tensor load_weights: the CPU backend repacks
+                # linear weights after loading, which only the full reload path redoes.
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+            loaded = time.perf_counter()
             # The engine core labels every token sampled from now on with it (module docstring).
-            await self._running_llm.update_weight_version(str(policy_version))
+            await llm.update_weight_version(str(policy_version))
             self.policy_version = policy_version
         finally:
-            await self._running_llm.resume_generation()
-        return time.perf_counter() - started
+            await llm.resume_generation()
+        resumed = time.perf_counter()
+        return SwapStats(
+            policy_version=policy_version,
+            mode=mode,
+            loader="staged" if use_staged else "reload",
+            stage_s=stage.get("stage_s", 0.0),
+            pause_s=paused - started,
+            load_s=loaded - paused,
+            stall_s=resumed - started,
+            paused_s=resumed - paused,
+            num_bytes=stage.get("num_bytes", 0),
+        )
+
+    def _can_stage(self) -> bool:
+        """The staged loader needs eager mode (see forge_rl/store/vllm_staging.py)."""
+        return self.config.swap_loader == "staged" and self.config.enforce_eager
 
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
@@ -274,6 +401,58 @@ def _to_completion(output: CompletionOutput) -> Completion:
     ]
     status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
     return Completion(token_ids, logprobs, policy_versions, status=status)
+
+
+async def _done(completion: Completion) -> Completion:
+    return completion
+
+
+def _join(head: Completion, tail: Completion) -> Completion:
+    """One completion from a prefix sampled before an abort and its continuation after it."""
+    return Completion(
+        head.token_ids + tail.token_ids,
+        head.logprobs + tail.logprobs,
+        head.policy_versions + tail.policy_versions,
+        status=tail.status,
+    )
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """One weight swap, timed from the generator's side. Seconds throughout."""
+
+    policy_version: int
+    mode: str
+    """vLLM pause mode: keep (in flight), wait (drain) or abort (abort and resubmit)."""
+    loader: str
+    """"staged" (references swapped while paused) or "reload" (vLLM's reload_weights while paused)."""
+    stage_s: float
+    """Staging in the worker while the engine decoded (0 when staged beforehand or reloading)."""
+    pause_s: float
+    """From asking for the pause to the engine being paused: the current step finishing
+    (keep), every in-flight request finishing (wait), or the abort (abort)."""
+    load_s: float
+    """Paused, swapping (staged: a reference swap; reload: the whole reload)."""
+    stall_s: float
+    """From asking for the pause to resuming: `pause_s` + the paused time."""
+    paused_s: float
+    """From paused to resumed: the time the engine could not decode at all."""
+    num_bytes: int
+
+
+async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:
+    """`AsyncLLM.pause_generation` without its trailing 20 ms sleep.
+
+    vLLM sleeps there only so that outputs of requests finished before the pause reach their
+    callers first ("not required for correctness", vllm/v1/engine/async_llm.py); the version labels
+    are attached by the engine core, not on arrival (module docstring), so the sleep would only
+    lengthen every stall. The multimodal cache it also clears does not exist for text models.
+    """
+    engine_core = getattr(llm, "engine_core", None)
+    if engine_core is None or not hasattr(engine_core, "pause_scheduler_async"):
+        await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        return
+    await engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
 
 
 @contextlib.contextmanager

@@ -1,30 +1,56 @@
-"""Versioned weight snapshots in host shared memory, in the HF wire format vLLM reloads.
+"""Snapshots in host shared memory (/dev/shm files): the same-host transport of the weight store.
 
-Layout under `root` (a /dev/shm directory on Linux):
+Layout under `root`:
 
-    v00000003/model.safetensors    HF parameter names, the dtype the generator serves
-    v00000003/config.json          copied from the model directory (vLLM's reload needs it)
+    v00000003/model.safetensors    one flat buffer in the safetensors format (store/layout.py)
+    v00000003/config.json          copied from `extra_files_dir` (vLLM's reload reads it)
+    v00000004.partial/...          being written; never read
+    .free/<n>.bin                  files of deleted snapshots, kept for reuse
 
-A snapshot is written to `v00000003.partial/` and renamed into place, so a reader that sees
-`v00000003/` sees a complete version (rename is atomic within one filesystem). The newest
-`keep_versions` snapshots are kept; generators always load the newest, so an older one is only
-deleted once `keep_versions - 1` newer ones exist.
+A snapshot is written into `<key>.partial/` and renamed into place, so a reader that sees `<key>/`
+sees a complete snapshot (rename is atomic within one filesystem). The writer maps the file and
+copies each tensor straight into its slot: one memcpy per tensor, dtype conversion fused in.
+
+Why recycle files and keep mappings: the first write to a fresh tmpfs page faults and zeroes it,
+and every page of a fresh mapping faults once more to enter the page table. Measured on this
+machine (1 thread, 500 MB): memcpy 19 GB/s; into a fresh /dev/shm file 2.7-3.4 GB/s; into an
+existing file through a fresh mapping 4.6 GB/s (reading 10 GB/s); through a mapping kept from
+before 18.8 GB/s (reading 19.5 GB/s). So a deleted snapshot's file moves to `.free/`, the next
+write of about the same size takes it (`max_free_files` bounds the pool), and every process keeps
+its mappings per inode (`map_file`), so a recycled file is written and read through page tables
+that already exist. A mapping is dropped once its file is unlinked (its pages are then freed).
+Deleting is safe only once no reader holds the snapshot: the index's leases decide that
+(store/index.py), never this class.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import os
-import re
 import shutil
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-_VERSION_DIR = re.compile(r"^v(\d{8})$")
-_CONFIG_FILES = ("config.json", "generation_config.json")
+from forge_rl.store.layout import (
+    SAFETENSORS_FILE,
+    SnapshotLayout,
+    header_length,
+    layout_of,
+    parse_header,
+    tensor_checksum,
+)
+
+_PARTIAL = ".partial"
+_FREE_DIR = ".free"
+# Files next to the weights that vLLM's reload_weights needs (it re-reads the model config).
+EXTRA_FILES = ("config.json", "generation_config.json")
 
 
 def default_store_root(run_name: str) -> Path:
@@ -34,49 +60,239 @@ def default_store_root(run_name: str) -> Path:
 
 
 @dataclass(frozen=True)
-class PublishStats:
-    policy_version: int
+class WriteStats:
+    key: str
     num_bytes: int
+    """Bytes of the file (header + tensors)."""
     write_s: float
+    recycled: bool
+    """Whether the file reused a deleted snapshot's pages (see the module docstring)."""
+    layout: SnapshotLayout
 
 
-class SharedMemoryWeightStore:
-    def __init__(self, root: Path, model_dir: Path, keep_versions: int = 3):
+class SharedMemorySnapshots:
+    """Complete, immutable snapshots under one directory of host shared memory."""
+
+    def __init__(
+        self, root: Path, extra_files_dir: Path | None = None, max_free_files: int = 2, create: bool = True
+    ):
         self.root = Path(root)
-        self.model_dir = Path(model_dir)
-        self.keep_versions = keep_versions
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.extra_files_dir = Path(extra_files_dir) if extra_files_dir else None
+        self.max_free_files = max_free_files
+        if create:  # a reader of another process's directory passes create=False
+            (self.root / _FREE_DIR).mkdir(parents=True, exist_ok=True)
+        self._names = itertools.count()
 
-    def path(self, policy_version: int) -> Path:
-        return self.root / f"v{policy_version:08d}"
+    def path(self, key: str) -> Path:
+        """Directory of a complete snapshot (what vLLM's reload_weights takes)."""
+        return self.root / key
 
-    def versions(self) -> list[int]:
-        found = (_VERSION_DIR.match(p.name) for p in self.root.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+    def file(self, key: str) -> Path:
+        return self.root / key / SAFETENSORS_FILE
 
-    def latest_version(self) -> int | None:
-        versions = self.versions()
-        return versions[-1] if versions else None
+    def keys(self) -> list[str]:
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(_PARTIAL)
+        )
 
-    def publish(self, policy_version: int, hf_state_dict: dict[str, torch.Tensor]) -> PublishStats:
-        start = time.perf_counter()
-        final = self.path(policy_version)
-        partial = final.with_name(final.name + ".partial")
+    def exists(self, key: str) -> bool:
+        return self.file(key).is_file()
+
+    def write(
+        self,
+        key: str,
+        state_dict: dict[str, torch.Tensor],
+        dtype: torch.dtype | None = None,
+        checksum: bool = True,
+        metadata: dict[str, str] | None = None,
+    ) -> WriteStats:
+        """Write `state_dict` (converted to `dtype` if given) as snapshot `key`; returns when complete."""
+        started = time.perf_counter()
+        final = self.path(key)
+        if final.exists():
+            raise FileExistsError(f"snapshot {key!r} already exists in {self.root}; snapshots are immutable")
+        layout = layout_of(state_dict, dtype, **(metadata or {}))
+        partial = self.root / (key + _PARTIAL)
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        tensors = {name: t.detach().contiguous().cpu() for name, t in hf_state_dict.items()}
-        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-        for name in _CONFIG_FILES:
-            if (self.model_dir / name).is_file():
-                shutil.copy2(self.model_dir / name, partial / name)
+        recycled = self._allocate(partial / SAFETENSORS_FILE, layout.num_bytes)
+        buffer = map_file(partial / SAFETENSORS_FILE, layout.num_bytes)
+        # Checksums in a second thread, one tensor behind the copy (XXH3 outruns memcpy and
+        # releases the GIL), so they add almost nothing to the write on two cores or more.
+        with torch.no_grad(), concurrent.futures.ThreadPoolExecutor(1) as hasher:
+            pending = {}
+            for slot in layout.slots:
+                destination = slot.view(buffer)
+                destination.copy_(state_dict[slot.name])
+                if checksum:
+                    pending[slot.name] = hasher.submit(tensor_checksum, destination)
+            checksums = {name: future.result() for name, future in pending.items()}
+        layout = layout.with_checksums(checksums)
+        buffer[: layout.header_size].copy_(torch.frombuffer(bytearray(layout.header_bytes()), dtype=torch.uint8))
+        del buffer
+        self._copy_extra_files(partial)
         partial.rename(final)
-        self._collect_garbage()
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return PublishStats(policy_version, num_bytes, time.perf_counter() - start)
+        return WriteStats(key, layout.num_bytes, time.perf_counter() - started, recycled, layout)
 
-    def _collect_garbage(self) -> None:
-        for version in self.versions()[: -self.keep_versions]:
-            shutil.rmtree(self.path(version), ignore_errors=True)
+    def reserve(self, key: str, num_bytes: int) -> torch.Tensor:
+        """A writable `num_bytes` file for snapshot `key` (for a transport that fills it whole)."""
+        partial = self.root / (key + _PARTIAL)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        self._allocate(partial / SAFETENSORS_FILE, num_bytes)
+        return map_file(partial / SAFETENSORS_FILE, num_bytes)
+
+    def commit_reserved(self, key: str) -> None:
+        """Make a filled reservation a complete snapshot (drop the tensor `reserve` returned first)."""
+        partial = self.root / (key + _PARTIAL)
+        self._copy_extra_files(partial)
+        partial.rename(self.path(key))
+
+    def discard_reserved(self, key: str) -> None:
+        shutil.rmtree(self.root / (key + _PARTIAL), ignore_errors=True)
+
+    def layout(self, key: str) -> SnapshotLayout:
+        with open(self.file(key), "rb") as f:
+            prefix = f.read(8)
+            f.seek(0)
+            return parse_header(f.read(header_length(prefix)))
+
+    @contextmanager
+    def open(self, key: str) -> Iterator[dict[str, torch.Tensor]]:
+        """Zero-copy tensors of a complete snapshot. Read them only: the mapping is shared."""
+        layout = self.layout(key)
+        buffer = map_file(self.file(key), layout.num_bytes)
+        try:
+            yield {slot.name: slot.view(buffer) for slot in layout.slots}
+        finally:
+            del buffer
+
+    def read_into(self, key: str, destination: dict[str, torch.Tensor], verify: bool = False) -> int:
+        """Copy snapshot `key` into `destination` (same names and shapes); returns bytes copied."""
+        layout = self.layout(key)
+        checksums = dict(layout.checksums)
+        num_bytes = 0
+        with self.open(key) as tensors, torch.no_grad():
+            for name, tensor in tensors.items():
+                destination[name].copy_(tensor)
+                num_bytes += tensor.numel() * tensor.element_size()
+                if verify and name in checksums and tensor_checksum(tensor) != checksums[name]:
+                    raise ChecksumError(f"snapshot {key!r}: tensor {name!r} does not match its checksum")
+        return num_bytes
+
+    def verify(self, key: str) -> dict[str, int]:
+        """The checksum of every tensor as read now; raises ChecksumError on a mismatch with the header."""
+        expected = dict(self.layout(key).checksums)
+        with self.open(key) as tensors:
+            actual = {name: tensor_checksum(tensor) for name, tensor in tensors.items()}
+        bad = [name for name, value in expected.items() if actual.get(name) != value]
+        if bad or not expected:
+            raise ChecksumError(f"snapshot {key!r}: {len(bad)} tensors differ from their checksum ({bad[:3]})"
+                                if bad else f"snapshot {key!r} carries no checksums")
+        return actual
+
+    def delete(self, key: str) -> None:
+        """Remove a snapshot; its file joins the free pool. Only call when no reader holds it."""
+        file = self.file(key)
+        if file.is_file():
+            free = self.root / _FREE_DIR / f"{os.getpid()}-{next(self._names)}.bin"
+            os.rename(file, free)
+            self._trim_free_pool()
+        shutil.rmtree(self.path(key), ignore_errors=True)
 
     def destroy(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        _MAPPINGS.drop_unlinked()
+
+    def _allocate(self, path: Path, num_bytes: int) -> bool:
+        """Create `path` with `num_bytes`, reusing a free file (closest in size) when there is one."""
+        free = sorted(
+            (p for p in (self.root / _FREE_DIR).glob("*.bin")),
+            key=lambda p: abs(_size(p) - num_bytes),
+        )
+        for candidate in free:
+            try:
+                os.rename(candidate, path)  # another writer may have taken it first
+            except FileNotFoundError:
+                continue
+            os.truncate(path, num_bytes)
+            return True
+        with open(path, "wb") as f:
+            f.truncate(num_bytes)
+        return False
+
+    def _trim_free_pool(self) -> None:
+        free = sorted((self.root / _FREE_DIR).glob("*.bin"), key=_mtime)
+        for stale in free[: max(0, len(free) - self.max_free_files)]:
+            stale.unlink(missing_ok=True)
+
+    def _copy_extra_files(self, directory: Path) -> None:
+        if self.extra_files_dir is None:
+            return
+        for name in EXTRA_FILES:
+            if (self.extra_files_dir / name).is_file():
+                shutil.copy2(self.extra_files_dir / name, directory / name)
+
+
+class _Mappings:
+    """This process's shared mappings of snapshot files, one per inode (module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (dev, inode) -> (fd, bytes)
+
+    def get(self, path: Path, num_bytes: int) -> torch.Tensor:
+        with self._lock:
+            self._drop_unlinked()
+            try:
+                fd, shared = os.open(path, os.O_RDWR), True
+            except PermissionError:  # a read-only checkpoint: a private mapping reads it as well
+                fd, shared = os.open(path, os.O_RDONLY), False
+            stat = os.fstat(fd)
+            key = (stat.st_dev, stat.st_ino)
+            cached = self._maps.get(key)
+            if cached is not None and cached[1].numel() >= num_bytes:
+                os.close(fd)
+                return cached[1][:num_bytes]
+            if cached is not None:  # the file grew since: map it again
+                os.close(cached[0])
+            mapped = torch.from_file(str(path), shared=shared, size=stat.st_size, dtype=torch.uint8)
+            self._maps[key] = (fd, mapped)  # the fd tells us when the file is unlinked
+            return mapped[:num_bytes]
+
+    def drop_unlinked(self) -> None:
+        with self._lock:
+            self._drop_unlinked()
+
+    def _drop_unlinked(self) -> None:
+        for key, (fd, _) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                del self._maps[key]
+
+
+_MAPPINGS = _Mappings()
+
+
+def map_file(path: Path, num_bytes: int) -> torch.Tensor:
+    """The first `num_bytes` of a /dev/shm file as a shared uint8 tensor, reusing this process's
+    mapping of the same inode. Never touch bytes past the file's current size."""
+    return _MAPPINGS.get(Path(path), num_bytes)
+
+
+class ChecksumError(RuntimeError):
+    """A snapshot's bytes do not match the checksum its writer recorded."""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0

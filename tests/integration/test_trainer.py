@@ -7,6 +7,7 @@ which is what the Monarch launcher provides in production.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 from pathlib import Path
@@ -105,17 +106,65 @@ def test_reference_run_learns_on_uneven_shards(reference):
     assert losses[-1] < losses[0] - 1e-3
 
 
-def test_non_finite_loss_raises_and_leaves_weights(model_dir, reference):
-    batch, _, _ = reference
-    trainer = PolicyTrainer(TrainerConfig(), model_dir)
-    before = trainer.hf_state_dict()
+def _with_nan_behaviour(batch: TrainBatch) -> TrainBatch:
     behaviour = batch.behaviour_logprobs_NL.clone()
     behaviour[0, -1] = float("nan")
-    with pytest.raises(FloatingPointError, match="non-finite grpo loss"):
-        trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
+    return dataclasses.replace(batch, behaviour_logprobs_NL=behaviour)
+
+
+def _snapshot(trainer: PolicyTrainer) -> tuple[dict, dict]:
+    weights = trainer.hf_state_dict()
+    moments = {
+        (i, key): value.clone()
+        for i, state in enumerate(trainer.optimizer.state.values())
+        for key, value in state.items()
+    }
+    return weights, moments
+
+
+def _assert_unchanged(before: tuple[dict, dict], after: tuple[dict, dict]) -> None:
+    for old, new in zip(before, after, strict=True):
+        assert old.keys() == new.keys()
+        assert all(torch.equal(old[key], new[key]) for key in old)
+
+
+def test_a_non_finite_loss_skips_the_step_leaving_weights_optimizer_and_version(model_dir, reference):
+    batch, _, _ = reference
+    trainer = PolicyTrainer(TrainerConfig(), model_dir)
+    assert trainer.train_step(batch)["step_skipped"] == 0  # AdamW moments now exist
+    before = _snapshot(trainer)
+    metrics = trainer.train_step(_with_nan_behaviour(batch))
+    assert metrics["step_skipped"] == 1
+    assert trainer.policy_version == 1
+    _assert_unchanged(before, _snapshot(trainer))
+
+
+def test_a_non_finite_gradient_skips_the_step_and_a_finite_step_resets_the_count(model_dir, reference):
+    batch, _, _ = reference
+    trainer = PolicyTrainer(TrainerConfig(max_consecutive_nonfinite_steps=2), model_dir)
+    before = _snapshot(trainer)
+    parameter = next(trainer.model.parameters())
+    hook = parameter.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    metrics = trainer.train_step(batch)
+    assert metrics["step_skipped"] == 1 and not math.isfinite(metrics["grad_norm"])
+    assert math.isfinite(metrics["loss"])
+    _assert_unchanged(before, _snapshot(trainer))
+    hook.remove()
+    assert trainer.train_step(batch)["step_skipped"] == 0
+    assert trainer.policy_version == 1
+    assert trainer.train_step(_with_nan_behaviour(batch))["step_skipped"] == 1  # 1 of 2 again, not 2
+
+
+def test_consecutive_non_finite_steps_stop_training_naming_the_flag(model_dir, reference):
+    batch, _, _ = reference
+    trainer = PolicyTrainer(TrainerConfig(max_consecutive_nonfinite_steps=2), model_dir)
+    assert trainer.train_step(_with_nan_behaviour(batch))["step_skipped"] == 1
+    with pytest.raises(FloatingPointError) as error:
+        trainer.train_step(_with_nan_behaviour(batch))
+    message = str(error.value)
+    assert "non-finite grpo loss" in message and "2 consecutive steps" in message
+    assert "--trainer.max-consecutive-nonfinite-steps" in message
     assert trainer.policy_version == 0
-    after = trainer.hf_state_dict()
-    assert all(torch.equal(before[name], after[name]) for name in before)
 
 
 def _without_timing(metrics: dict[str, float]) -> dict[str, float]:

@@ -51,8 +51,10 @@ def served(tmp_path_factory):
     model_dir = create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("model"))
     loop = asyncio.new_event_loop()
     engine = VLLMEngine(CONFIG)
+    # Earlier tests in this pytest process may have left long-lived helpers (wandb's service).
+    before = {p.pid for p in spawned_processes()}
     loop.run_until_complete(engine.start(model_dir, MAX_MODEL_LEN))
-    engine_processes = spawned_processes()
+    engine_processes = [p for p in spawned_processes() if p.pid not in before]
     assert engine_processes, "vLLM runs its engine core in-process; multiprocessing must be on"
     yield Served(engine, loop, model_dir)
     loop.run_until_complete(engine.shutdown())

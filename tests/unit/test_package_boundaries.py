@@ -18,6 +18,11 @@ CORE_MODULES = [
     "forge_rl.tasks.synthetic",
     "forge_rl.store.shm",
     "forge_rl.metrics",
+    "forge_rl.accounting",
+    "forge_rl.timeline",
+    "forge_rl.scoring",
+    "forge_rl.preflight",
+    "forge_rl.tasks.rewards",
 ]
 
 

@@ -1,0 +1,150 @@
+"""Checks that need the file system or the machine, run before the run directory is committed.
+
+`GRPOConfig.__post_init__` checks what the config alone decides (fields, cross-field rules, the
+model directory's config.json). What depends on this machine or on file contents is checked here,
+by `forge_rl.run_dir.create_run_dir`, before any process starts: where the run directory goes,
+whether the tokenizer loads and renders the task's prompts within the model's context, and whether
+the machine has the cores, memory and GPUs the config asks for. Every failure is a ConfigError
+that names the problem and the flag or file that fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from forge_rl.config import GRPOConfig
+from forge_rl.tasks.synthetic import make_prompt
+from forge_rl.yaml_config import ConfigError
+
+NUM_PROMPTS_CHECKED = 256
+"""Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""
+
+MAX_COMPUTE_THREADS_PER_CORE = 4
+"""Past this oversubscription every process crawls and collective and engine timeouts fire; below
+it a run is slow but sound (the CPU tests run 3 compute threads on 2 cores)."""
+
+
+def check_machine(config: GRPOConfig) -> None:
+    """Run-directory location, cores, memory and GPUs: what the machine must offer the config."""
+    check_run_dir_location(config.run_dir)
+    import torch
+
+    if torch.cuda.is_available():
+        num_gpus = torch.cuda.device_count()
+        if config.trainer.num_procs > num_gpus:
+            raise ConfigError(
+                f"trainer.num_procs ({config.trainer.num_procs}) exceeds the {num_gpus} visible GPU(s); "
+                "each trainer rank needs its own. Lower --trainer.num-procs (and the parallel sizes), or "
+                "make more GPUs visible (CUDA_VISIBLE_DEVICES)."
+            )
+        return
+    _check_cpu_threads(config)
+    _check_kv_cache_memory(config)
+
+
+def check_run_dir_location(run_dir: Path) -> None:
+    """`run_dir` is a directory we can create run directories in, or can be created."""
+    existing = Path(run_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"run_dir ({run_dir}) cannot be created: {existing} is a file, not a directory. "
+            "Set --run-dir to a directory path."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"run_dir ({run_dir}) is not writable: no write permission on {existing}. "
+            "Set --run-dir to a writable directory."
+        )
+
+
+def _check_cpu_threads(config: GRPOConfig) -> None:
+    trainer, generator = config.trainer, config.generator
+    num_threads = trainer.num_procs * trainer.num_threads + config.num_generators * generator.cpu_threads
+    num_cores = len(os.sched_getaffinity(0))
+    if num_threads > MAX_COMPUTE_THREADS_PER_CORE * num_cores:
+        raise ConfigError(
+            f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads}) + "
+            f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads}) = "
+            f"{num_threads} compute threads on {num_cores} CPU core(s), more than "
+            f"{MAX_COMPUTE_THREADS_PER_CORE} per core: the run would crawl until timeouts fire. Lower "
+            "--trainer.num-procs or --num-generators (or their thread counts), or use a larger machine."
+        )
+
+
+def _check_kv_cache_memory(config: GRPOConfig) -> None:
+    available_gib = _available_memory_gib()
+    needed_gib = config.generator.kv_cache_space_gib * config.num_generators
+    if available_gib is not None and needed_gib > available_gib:
+        raise ConfigError(
+            f"generator.kv_cache_space_gib ({config.generator.kv_cache_space_gib}) x num_generators "
+            f"({config.num_generators}) = {needed_gib:.1f} GiB of KV cache exceeds this machine's "
+            f"available memory ({available_gib:.1f} GiB). Lower --generator.kv-cache-space-gib or "
+            "--num-generators."
+        )
+
+
+def _available_memory_gib() -> float | None:
+    """MemAvailable from /proc/meminfo (Linux); None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
+    """The tokenizer of `model_dir` loads and renders every checked task prompt, and each prompt
+    plus `generator.max_new_tokens` fits in the model's context."""
+    tokenizer = _load_tokenizer(model_dir)
+    max_model_len = config.model.hf_config()["max_position_embeddings"]
+    max_new_tokens = config.generator.max_new_tokens
+    for index in range(NUM_PROMPTS_CHECKED):
+        prompt = make_prompt(config.task.name, config.task.seed, index)
+        token_ids = tokenizer.encode_prompt(prompt.text)
+        if tokenizer.decode(token_ids).strip() != prompt.text.strip():
+            raise ConfigError(
+                f"task {config.task.name!r} prompt {index} ({prompt.text!r}) does not survive "
+                f"{model_dir / 'tokenizer.json'}: it decodes back as {tokenizer.decode(token_ids)!r} "
+                "(characters missing from the vocabulary). Use a tokenizer that covers the task's "
+                "characters, or omit --model.path to use the tiny model's."
+            )
+        if len(token_ids) + max_new_tokens > max_model_len:
+            raise ConfigError(
+                f"task {config.task.name!r} prompt {index} ({prompt.text!r}) is {len(token_ids)} tokens; with "
+                f"generator.max_new_tokens ({max_new_tokens}) it needs {len(token_ids) + max_new_tokens} "
+                f"positions, more than the model's context (max_position_embeddings = {max_model_len}). "
+                "Lower --generator.max-new-tokens, or use a model with a longer context "
+                "(--model.tiny.max-position-embeddings for the tiny model)."
+            )
+
+
+def _load_tokenizer(model_dir: Path):
+    from forge_rl.tasks.tokenizer import PromptTokenizer
+
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        path = model_dir / name
+        try:
+            if path.is_file():
+                json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                f"{path} is not valid JSON ({e}). Fix the file or re-export the model directory "
+                "(save_pretrained)."
+            ) from None
+    try:
+        return PromptTokenizer(model_dir)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:  # special tokens missing from the vocabulary, or no EOS named
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # tokenizers raises its own Exception type for a malformed file
+        raise ConfigError(
+            f"{model_dir / 'tokenizer.json'} cannot be loaded ({type(e).__name__}: {e}). Re-export the "
+            "tokenizer (tokenizer.save_pretrained) or copy a working tokenizer.json into the model directory."
+        ) from None

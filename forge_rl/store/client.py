@@ -1,0 +1,251 @@
+"""`WeightStore`: the client every process uses, with torchstore's interface.
+
+    store = WeightStore(index, root)                    # index: a StoreIndexActor
+    await store.put_state_dict(state_dict, "v00000003")  # write to this host's /dev/shm, commit
+    await store.get_state_dict("v00000003")              # a copy (or into user_state_dict)
+    await store.put("bias", tensor); await store.get("bias")
+    await store.keys("v"), await store.exists(key), await store.delete(key)
+
+and, for policy versions (keys `version_key(v)`), what generators need:
+
+    async with store.lease(min_version=3) as snapshot:   # waits; leases the newest >= 3
+        snapshot.version, snapshot.path        # a local /dev/shm directory vLLM can load
+                                               # (never deleted while the lease is held)
+
+Transports, chosen per read: "shm" maps the writer's file when the snapshot has a location on
+this host (no copy at all); "rdma" reads the whole file with one `RDMABuffer.read_into` from the
+storage volume that holds it into a file of this host's own /dev/shm (the prefetch), then maps
+that. "auto" takes shm when it can. torchstore semantics kept: a key is written once (delete it
+to write it again); `get(key)` of a one-tensor snapshot returns the tensor, `get("key/name")` one
+tensor of a state dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from forge_rl.store.actors import location_of, split_location
+from forge_rl.store.index import key_version, version_key
+from forge_rl.store.shm import SharedMemorySnapshots, WriteStats
+
+Transport = Literal["auto", "shm", "rdma"]
+_SINGLE_TENSOR = "tensor"  # the name of the one tensor of a `put(key, tensor)` snapshot
+_clients = itertools.count()
+
+
+@dataclass
+class LocalSnapshot:
+    """A leased snapshot, readable on this host for as long as the lease is held."""
+
+    key: str
+    version: int | None
+    path: Path
+    """Directory with model.safetensors (+ config.json): what vLLM's reload_weights takes."""
+    num_bytes: int
+    info: dict
+    """The writer's metadata: timings (`publish_started_at` wall clock), checksums flag."""
+    transport: str
+    """"shm" (mapped in place) or "rdma" (fetched to this host)."""
+    fetch_s: float = 0.0
+    """Seconds spent fetching over RDMA (0 for shm)."""
+    snapshots: SharedMemorySnapshots = field(repr=False, default=None)
+
+    def open(self):
+        """Zero-copy tensors (a context manager)."""
+        return self.snapshots.open(self.key)
+
+    def verify(self) -> dict[str, int]:
+        """The checksum of every tensor, checked against the writer's; raises ChecksumError."""
+        return self.snapshots.verify(self.key)
+
+
+class WeightStore:
+    """A client of one store: its index actor and this host's shared-memory directory."""
+
+    def __init__(
+        self,
+        index,
+        root: Path | str,
+        client_id: str | None = None,
+        transport: Transport = "auto",
+        extra_files_dir: Path | str | None = None,
+        checksum: bool = True,
+    ):
+        self.index = index
+        self.local = SharedMemorySnapshots(Path(root), Path(extra_files_dir) if extra_files_dir else None)
+        self.location = location_of(root)
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{next(_clients)}"
+        self.transport = transport
+        self.checksum = checksum
+        """Writers record a checksum per tensor (XXH3-64, faster than memcpy) for readers to verify."""
+        self._cache: SharedMemorySnapshots | None = None
+        self._extra_files_dir = Path(extra_files_dir) if extra_files_dir else None
+
+    # torchstore's interface ---------------------------------------------------------------------
+
+    async def put(self, key: str, value: torch.Tensor) -> WriteStats:
+        return await self.put_state_dict({_SINGLE_TENSOR: value}, key)
+
+    async def get(self, key: str, inplace_tensor: torch.Tensor | None = None) -> torch.Tensor:
+        snapshot_key, _, name = key.partition("/")
+        async with self.lease(snapshot_key) as snapshot:
+            with snapshot.open() as tensors:
+                tensor = tensors[name or _single_name(tensors, key)]
+                return inplace_tensor.copy_(tensor) if inplace_tensor is not None else tensor.clone()
+
+    async def put_state_dict(
+        self, state_dict: dict[str, torch.Tensor], key: str, dtype: torch.dtype | None = None, info: dict | None = None
+    ) -> WriteStats:
+        """Write `state_dict` (in `dtype` if given) as snapshot `key`; readable once this returns.
+
+        The bytes are copied in a worker thread, so the caller's event loop keeps running.
+        """
+        return await asyncio.to_thread(self.put_state_dict_blocking, state_dict, key, dtype, info)
+
+    def put_state_dict_blocking(
+        self, state_dict: dict[str, torch.Tensor], key: str, dtype: torch.dtype | None = None, info: dict | None = None
+    ) -> WriteStats:
+        """`put_state_dict` for a plain thread: its index calls block instead of awaiting, so it
+        completes even while the owning actor's event loop is busy (a training step runs there)."""
+        info = {"publish_started_at": time.time(), **(info or {})}
+        begun = self.index.begin.call_one(key, self.location)  # its round trip overlaps the write
+        try:
+            stats = self.local.write(key, state_dict, dtype, self.checksum)
+            begun.get()
+        except BaseException:
+            self.index.abort.call_one(key).get()
+            raise
+        info.update(write_s=stats.write_s, recycled=stats.recycled, checksums=bool(stats.layout.checksums),
+                    committed_at=time.time())
+        self.index.commit.call_one(key, stats.num_bytes, info).get()
+        return stats
+
+    async def get_state_dict(
+        self, key: str, user_state_dict: dict[str, torch.Tensor] | None = None, strict: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """A copy of snapshot `key`, or its tensors copied into `user_state_dict` (returned)."""
+        async with self.lease(key) as snapshot:
+            with snapshot.open() as tensors:
+                if user_state_dict is None:
+                    return {name: tensor.clone() for name, tensor in tensors.items()}
+                if strict and set(user_state_dict) != set(tensors):
+                    missing, extra = set(user_state_dict) - set(tensors), set(tensors) - set(user_state_dict)
+                    raise KeyError(f"snapshot {key!r} and user_state_dict differ: missing {sorted(missing)[:3]}, "
+                                   f"unexpected {sorted(extra)[:3]} (pass strict=False to copy the overlap)")
+                await asyncio.to_thread(_copy_into, user_state_dict, tensors)
+                return user_state_dict
+
+    async def keys(self, prefix: str | None = None) -> list[str]:
+        return await self.index.keys.call_one(prefix)
+
+    async def exists(self, key: str) -> bool:
+        return await self.index.exists.call_one(key)
+
+    async def delete(self, key: str) -> None:
+        """Delete `key` now, or once the last reader releases it."""
+        await self.index.delete.call_one(key)
+
+    # Policy versions ----------------------------------------------------------------------------
+
+    async def publish(self, policy_version: int, state_dict: dict[str, torch.Tensor], **kwargs) -> WriteStats:
+        return await self.put_state_dict(state_dict, version_key(policy_version), **kwargs)
+
+    def publish_blocking(self, policy_version: int, state_dict: dict[str, torch.Tensor], **kwargs) -> WriteStats:
+        return self.put_state_dict_blocking(state_dict, version_key(policy_version), **kwargs)
+
+    async def latest_version(self) -> int | None:
+        return await self.index.latest_version.call_one()
+
+    async def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
+        return await self.index.wait_for_version.call_one(min_version, timeout_s)
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, key: str | None = None, transport: Transport | None = None, min_version: int | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[LocalSnapshot]:
+        """Hold snapshot `key` readable on this host. Without a key: the newest policy version,
+        once one >= `min_version` is complete (waiting for it, then leasing it, atomically)."""
+        if key is None and min_version is not None:
+            record = await self.index.acquire_newest.call_one(self.client_id, min_version, timeout_s)
+        else:
+            record = await self.index.acquire.call_one(self.client_id, key)
+        key = record["key"]
+        fetched = False
+        try:
+            snapshot = await self._localize(record, transport or self.transport)
+            fetched = snapshot.transport == "rdma"
+            yield snapshot
+        finally:
+            if fetched:
+                self._cache_snapshots().delete(key)
+            await self.index.release.call_one(self.client_id, key)
+
+    async def close(self) -> None:
+        """Release every lease this client still holds (a reader that stops)."""
+        await self.index.drop_reader.call_one(self.client_id)
+        if self._cache is not None:
+            self._cache.destroy()
+
+    # Transports ---------------------------------------------------------------------------------
+
+    async def _localize(self, record: dict, transport: Transport) -> LocalSnapshot:
+        key, host = record["key"], socket.gethostname()
+        local = [loc for loc in record["locations"] if split_location(loc)[0] == host]
+        if transport != "rdma" and local:
+            snapshots = SharedMemorySnapshots(split_location(local[0])[1], create=False)
+            return LocalSnapshot(key, key_version(key), snapshots.path(key), record["num_bytes"], record["info"],
+                                 "shm", 0.0, snapshots)
+        if transport == "shm":
+            raise FileNotFoundError(f"snapshot {key!r} has no copy on host {host} ({record['locations']}); "
+                                    "use transport='rdma' or 'auto'")
+        return await self._fetch_rdma(record)
+
+    async def _fetch_rdma(self, record: dict) -> LocalSnapshot:
+        """Read the whole snapshot file from its volume into this host's /dev/shm (one RDMA read)."""
+        key = record["key"]
+        started = time.perf_counter()
+        volume = await self.index.volume.call_one(record["locations"][0])
+        buffer, num_bytes = await volume.rdma_buffer.call_one(key)
+        cache = self._cache_snapshots()
+        destination = cache.reserve(key, num_bytes)
+        try:
+            await buffer.read_into(destination)
+        except BaseException:
+            cache.discard_reserved(key)
+            raise
+        del destination
+        cache.commit_reserved(key)
+        return LocalSnapshot(key, key_version(key), cache.path(key), num_bytes, record["info"], "rdma",
+                             time.perf_counter() - started, cache)
+
+    def _cache_snapshots(self) -> SharedMemorySnapshots:
+        """This client's own /dev/shm directory for fetched snapshots (recycled like any other)."""
+        if self._cache is None:
+            root = self.local.root.parent / f"{self.local.root.name}-fetched-{self.client_id}"
+            self._cache = SharedMemorySnapshots(root, self._extra_files_dir)
+        return self._cache
+
+
+def _single_name(tensors: dict[str, torch.Tensor], key: str) -> str:
+    if _SINGLE_TENSOR in tensors and len(tensors) == 1:
+        return _SINGLE_TENSOR
+    raise KeyError(f"{key!r} holds {len(tensors)} tensors; get one as '{key}/<name>' or use get_state_dict")
+
+
+def _copy_into(destination: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, tensor in source.items():
+            if name in destination:
+                destination[name].copy_(tensor)

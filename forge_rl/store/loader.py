@@ -1,0 +1,82 @@
+"""The generator's side: bring version >= v from the store into a running engine.
+
+    wait until complete ──▶ lease ──▶ prefetch to this host ──▶ stage in the engine ──▶ swap
+      (index wakes us)       (no GC)   (shm: nothing to do;     (worker thread; the    (pause between two
+                                        rdma: one read into     engine keeps decoding   decode steps, swap
+                                        local /dev/shm)         with v-1)               references, resume)
+
+The lease is released as soon as the engine holds its own copy (after staging, or after the
+stock reload), so the store can collect the snapshot while the engine serves it. A generator that
+falls behind loads the newest complete version, not every one in between (`skipped_versions`).
+
+Metric names (per update; seconds unless named otherwise) are the constants below, so the
+controller, the benchmark and the docs say the same thing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+# What each metric means, by its name in the update's result (and the run's metrics.jsonl).
+PUBLISH_S = "weights/publish_s"  # trainer: snapshot + write to /dev/shm of this version
+WAIT_S = "weights/wait_s"  # generator: asked to update until the version was complete
+PREFETCH_S = "weights/prefetch_s"  # lease + fetch to this host (0 when mapped in place) + checksum check if asked
+STAGE_S = "weights/stage_s"  # engine worker: load + repack beside the served version
+STALL_S = "weights/stall_s"  # pause asked to resume: includes finishing the current step
+PAUSED_S = "weights/paused_s"  # paused to resumed: the engine could not decode at all
+LOAD_S = "weights/load_s"  # this update end to end (kept for the controller's metrics)
+BYTES = "weights/bytes"  # bytes of the snapshot moved into the engine
+GBPS = "weights/gbps"  # bytes / (prefetch + stage + paused)
+PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish call to serving (wall clock)
+
+_PAUSE_MODES = {"in_flight": "keep", "drain": "wait", "abort_resubmit": "abort"}
+
+
+async def load_version(
+    engine, store, min_version: int, swap_mode: str = "in_flight", verify: bool = False, **swap_overrides
+) -> dict:
+    """Serve the newest complete version >= `min_version` on `engine`; returns the update's metrics.
+
+    `verify` checks every tensor's checksum against the writer's before the engine reads it
+    (XXH3-64, off the critical path), raising ChecksumError on a mismatch. `swap_overrides`
+    (loader=, swap_kv=) go to `engine.swap_weights` (benchmarks compare them).
+    """
+    started = time.perf_counter()
+    async with store.lease(min_version=min_version) as snapshot:  # waits until one is complete
+        version = snapshot.version
+        complete = time.perf_counter() - snapshot.fetch_s  # the RDMA fetch counts as prefetch
+        if version <= engine.policy_version:
+            return {"policy_version": engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
+        if verify:
+            snapshot.verify()
+        fetched = time.perf_counter()
+        stage = {}
+        if swap_overrides.get("loader", "staged") == "staged":
+            stage = await engine.stage_weights(snapshot.path, version)  # {} when the engine cannot stage
+        staged = time.perf_counter()
+        if not stage:  # stock reload reads the files while paused: keep the lease through the swap
+            swap = await engine.swap_weights(snapshot.path, version, _PAUSE_MODES[swap_mode], **swap_overrides)
+    if stage:
+        swap = await engine.swap_weights(Path(snapshot.path), version, _PAUSE_MODES[swap_mode], **swap_overrides)
+    serving_at = time.time()
+    moved_s = (fetched - complete) + (staged - fetched) + swap.paused_s
+    info = snapshot.info
+    return {
+        "policy_version": version,
+        "skipped_versions": version - min_version,
+        "transport": snapshot.transport,
+        "loader": swap.loader,
+        "swap_mode": swap_mode,
+        "verified": verify,
+        PUBLISH_S: info.get("snapshot_s", 0.0) + info.get("write_s", 0.0),
+        WAIT_S: complete - started,
+        PREFETCH_S: fetched - complete,
+        STAGE_S: staged - fetched,
+        STALL_S: swap.stall_s,
+        PAUSED_S: swap.paused_s,
+        LOAD_S: time.perf_counter() - started,
+        BYTES: snapshot.num_bytes,
+        GBPS: snapshot.num_bytes / max(moved_s, 1e-9) / 1e9,
+        PUBLISH_TO_SERVABLE_S: serving_at - info.get("publish_started_at", serving_at),
+    }

@@ -1,0 +1,72 @@
+"""The scorer actor on a real proc mesh: reward faults cost one completion each, and no reward
+worker outlives the mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from monarch.actor import this_host
+
+from forge_rl.actors.scorer import ScorerActor
+from forge_rl.scoring import ScorerConfig
+from forge_rl.types import Completion, CompletionStatus, Episode
+
+pytestmark = pytest.mark.integration
+
+SCRIPTED = "tests.unit.faulty_rewards:scripted"
+
+
+def episode(episode_id: int, *texts: str) -> Episode:
+    completions = [Completion(token_ids=[5], logprobs=[-1.0], policy_versions=[0], text=text) for text in texts]
+    return Episode(episode_id, "M12=", "2", [1, 2], completions)
+
+
+def reward_worker_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"forge_rl.scoring" in cmdline and SCRIPTED.encode() in cmdline:
+            pids.add(int(proc.name))
+    return pids
+
+
+def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
+        scorer = procs.spawn("scorer", ScorerActor, ScorerConfig(reward_timeout_s=1.0, num_workers=2), SCRIPTED)
+        try:
+            scored = await asyncio.gather(
+                scorer.score.call_one([episode(0, "ok", "raise", "ok")]),
+                scorer.score.call_one([episode(1, "hang", "ok"), episode(2, "nan", "exit", "ok")]),
+            )
+            stats = await scorer.stats.call_one()
+            pids = reward_worker_pids()
+        finally:
+            await procs.stop()
+        return [e for batch in scored for e in batch], stats, pids
+
+    episodes, stats, pids = asyncio.run(main())
+    statuses = [[c.status for c in e.completions] for e in episodes]
+    ok, errored = CompletionStatus.OK, CompletionStatus.ERRORED
+    assert statuses == [[ok, errored, ok], [errored, ok], [errored, errored, ok]]
+    errors = [c.error for e in episodes for c in e.completions if c.error]
+    assert errors[0] == "ValueError: verifier bug on purpose"
+    assert "timed out after 1.0 s" in errors[1]
+    assert "returned nan" in errors[2] and "exit code 3" in errors[3]
+    assert stats == {
+        "scorer/completions": 8,
+        "scorer/errored": 4,
+        "scorer/timed_out": 1,
+        "scorer/worker_restarts": 2,
+    }
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while reward_worker_pids() & pids and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not reward_worker_pids() & pids, "a reward worker outlived its proc mesh"

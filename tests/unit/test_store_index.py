@@ -1,0 +1,157 @@
+"""The weight store's index rules (forge_rl/store/index.py), driven without Monarch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from forge_rl.store.index import SnapshotState, StoreError, VersionIndex, key_version, version_key
+
+HERE = "host:/dev/shm/forge_rl-test"
+
+
+def committed(index: VersionIndex, *versions: int) -> list[str]:
+    """Begin and commit each version; returns what the last commit made collectable."""
+    collectable = []
+    for version in versions:
+        index.begin(version_key(version), HERE)
+        collectable = index.commit(version_key(version), num_bytes=100)
+    return collectable
+
+
+def test_version_keys_round_trip_and_sort_like_versions():
+    assert version_key(3) == "v00000003"
+    assert key_version(version_key(12345)) == 12345
+    assert key_version("bias") is None
+    assert sorted(version_key(v) for v in (10, 9, 100)) == [version_key(v) for v in (9, 10, 100)]
+
+
+def test_a_version_being_written_is_invisible_to_readers():
+    index = VersionIndex()
+    index.begin(version_key(1), HERE)
+
+    assert index.latest_version() is None
+    assert index.keys() == []
+    assert not index.exists(version_key(1))
+    with pytest.raises(StoreError, match="still being written"):
+        index.acquire("generator0", version_key(1))
+    with pytest.raises(StoreError, match="no complete policy version"):
+        index.acquire("generator0")
+
+    index.commit(version_key(1), num_bytes=100)
+    assert index.acquire("generator0").key == version_key(1)
+
+
+def test_a_late_reader_gets_the_newest_complete_version():
+    index = VersionIndex(keep_latest=2)
+    committed(index, 1, 2, 3)
+    index.begin(version_key(4), HERE)  # in progress: not the newest complete one
+
+    record = index.acquire("late-generator")
+
+    assert record.version == 3
+    assert record.state is SnapshotState.COMPLETE
+
+
+def test_snapshots_are_immutable_once_complete():
+    index = VersionIndex()
+    committed(index, 1)
+
+    with pytest.raises(StoreError, match="immutable"):
+        index.begin(version_key(1), HERE)
+
+
+def test_gc_keeps_the_newest_versions_and_collects_older_unheld_ones():
+    index = VersionIndex(keep_latest=1)
+
+    assert committed(index, 1) == []
+    assert committed(index, 2) == [version_key(1)]
+    index.forget(version_key(1))
+    assert index.complete_versions() == [2]
+
+
+def test_gc_never_collects_a_held_version():
+    index = VersionIndex(keep_latest=1)
+    committed(index, 1)
+    index.acquire("generator0", version_key(1))
+
+    assert committed(index, 2, 3) == [version_key(2)]  # 1 is held, 3 is the newest
+    with pytest.raises(StoreError, match="held by"):
+        index.forget(version_key(1))
+
+    assert index.release("generator0", version_key(1)) == [version_key(1), version_key(2)]
+
+
+def test_every_lease_must_be_released_before_collection():
+    index = VersionIndex(keep_latest=1)
+    committed(index, 1)
+    index.acquire("generator0", version_key(1))
+    index.acquire("generator0", version_key(1))
+    index.acquire("generator1", version_key(1))
+    committed(index, 2)
+
+    assert index.release("generator0", version_key(1)) == []
+    assert index.release("generator1", version_key(1)) == []
+    assert index.holders(version_key(1)) == {"generator0": 1}
+    assert index.release("generator0", version_key(1)) == [version_key(1)]
+
+
+def test_a_dead_readers_leases_are_dropped():
+    index = VersionIndex(keep_latest=1)
+    committed(index, 1)
+    index.acquire("generator0", version_key(1))
+    committed(index, 2)
+
+    assert index.drop_reader("generator0") == [version_key(1)]
+
+
+def test_releasing_an_unheld_lease_is_an_error():
+    index = VersionIndex()
+    committed(index, 1)
+
+    with pytest.raises(StoreError, match="holds no lease"):
+        index.release("generator0", version_key(1))
+
+
+def test_explicit_delete_waits_for_the_last_reader_and_blocks_new_leases():
+    index = VersionIndex(keep_latest=5)
+    index.begin("bias", HERE)
+    index.commit("bias", num_bytes=4)
+    index.acquire("reader", "bias")
+
+    assert index.delete("bias") == []
+    with pytest.raises(StoreError, match="being deleted"):
+        index.acquire("another", "bias")
+    assert index.release("reader", "bias") == ["bias"]
+
+
+def test_a_failed_write_can_be_aborted_and_retried():
+    index = VersionIndex()
+    index.begin(version_key(1), HERE)
+    index.abort(version_key(1))
+    index.begin(version_key(1), HERE)
+    index.commit(version_key(1), num_bytes=1)
+
+    assert index.keys("v") == [version_key(1)]
+
+
+def test_replicas_add_locations():
+    index = VersionIndex()
+    committed(index, 1)
+    index.add_location(version_key(1), "other-host:/dev/shm/forge_rl-test")
+
+    assert index.record(version_key(1)).locations == {HERE, "other-host:/dev/shm/forge_rl-test"}
+
+
+def test_keep_latest_must_keep_at_least_one_version():
+    with pytest.raises(ValueError, match="keep_latest"):
+        VersionIndex(keep_latest=0)
+
+
+def test_store_core_modules_import_neither_monarch_nor_vllm():
+    modules = ["forge_rl.store.index", "forge_rl.store.layout", "forge_rl.store.shm", "forge_rl.store.publisher"]
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
+        "print(','.join(m for m in ('monarch', 'vllm', 'torchtitan') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
