@@ -75,6 +75,7 @@ async def _cancelled_by_sigterm(coroutine):
 _BENCHMARKS = {
     "async-vs-sync": "The same recipe synchronous (max_policy_age=0) and asynchronous: speedup, idle, timeline.",
     "staleness": "Final reward and time to a target reward across max_policy_age, with and without IS correction.",
+    "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
 }
 
@@ -88,13 +89,14 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, staleness, weight_sync
+    from forge_rl.bench import async_vs_sync, soak, staleness, weight_sync
     from forge_rl.yaml_config import ConfigError
 
     name = args[0]
     module, args_type = {
         "async-vs-sync": (async_vs_sync, async_vs_sync.AsyncVsSyncArgs),
         "staleness": (staleness, staleness.StalenessArgs),
+        "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])

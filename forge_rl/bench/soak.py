@@ -1,0 +1,128 @@
+"""`forge-rl bench soak`: run the recipe for a long time and watch its memory.
+
+Starts `forge-rl grpo` as a subprocess with an unreachable step count, samples the memory of every
+process of the run (the controller and all its descendants: actors, vLLM engines, trainer ranks)
+every `sample_every_s`, and stops the run with SIGINT after `duration_s`. Reports the growth of
+the total unique memory (USS: pages no other process shares, so mapped /dev/shm snapshots are not
+counted once per reader) between the end of the warm-up and the end of the run, and the largest
+replay-buffer occupancy logged, against its capacity. Not a test: a command for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from forge_rl.config import GRPOConfig
+from forge_rl.plot import read_metrics
+
+# Samples averaged at each end of the comparison, so one noisy sample cannot decide it.
+_SAMPLES_PER_END = 3
+
+
+@dataclass(frozen=True)
+class SoakArgs:
+    config: Path = Path("configs/grpo_tiny_cpu.yaml")
+    """Recipe config of the soaked run."""
+    duration_s: float = 1800.0
+    """How long the run trains before it is stopped with SIGINT."""
+    warmup_s: float = 180.0
+    """Memory growth is measured from this long after the first step (caches and pools fill first)."""
+    sample_every_s: float = 10.0
+    """Seconds between memory samples."""
+    out_dir: Path = Path("runs/bench-soak")
+    """Where the run directory, soak.json and soak.png go."""
+
+
+def process_tree_memory(root: psutil.Process) -> tuple[int, int]:
+    """(total RSS, total USS) in bytes of `root` and its descendants."""
+    rss = uss = 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            info = process.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += info.rss
+        uss += info.uss
+    return rss, uss
+
+
+def main(args: SoakArgs) -> dict:
+    from forge_rl.metrics import progress
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, args.config)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    run_path = args.out_dir / "soak"
+    command = [
+        sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(args.config), "--steps", "100000000",
+        "--run-dir", str(args.out_dir), "--run-name", "soak", "--log.progress-every-s", "60",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    samples, first_step_at = [], None
+    deadline = None
+    try:
+        while process.poll() is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(args.sample_every_s)
+            if first_step_at is None and (run_path / "metrics.jsonl").is_file():
+                first_step_at = time.monotonic()
+                deadline = first_step_at + args.duration_s
+                progress(f"bench soak: training; sampling memory for {args.duration_s:.0f} s")
+            if first_step_at is not None:
+                rss, uss = process_tree_memory(psutil.Process(process.pid))
+                samples.append({"t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss})
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    summary = summarize(samples, read_metrics(run_path), base, args)
+    (args.out_dir / "soak.json").write_text(json.dumps({**summary, "samples": samples}, indent=2))
+    plot(samples, args, args.out_dir / "soak.png")
+    return summary
+
+
+def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args: SoakArgs) -> dict:
+    after_warmup = [s for s in samples if s["t_s"] >= args.warmup_s]
+    if len(after_warmup) < 2 * _SAMPLES_PER_END:
+        raise RuntimeError(f"only {len(after_warmup)} samples after warm-up: raise --duration-s")
+
+    def mean_uss(window: list[dict]) -> float:
+        return sum(s["uss_bytes"] for s in window) / len(window)
+
+    start, end = mean_uss(after_warmup[:_SAMPLES_PER_END]), mean_uss(after_warmup[-_SAMPLES_PER_END:])
+    return {
+        "duration_s": samples[-1]["t_s"],
+        "steps": len(metrics),
+        "uss_after_warmup_mb": start / 2**20,
+        "uss_at_end_mb": end / 2**20,
+        "memory_growth_fraction": (end - start) / start,
+        "buffer_max_episodes": max(m["buffer/size"] for m in metrics),
+        "buffer_capacity_episodes": config.buffer.capacity_episodes,
+        "final_mean_reward": metrics[-1]["reward/mean"],
+    }
+
+
+def plot(samples: list[dict], args: SoakArgs, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 4))
+    t = [s["t_s"] / 60 for s in samples]
+    axis.plot(t, [s["uss_bytes"] / 2**30 for s in samples], label="USS (unique)")
+    axis.plot(t, [s["rss_bytes"] / 2**30 for s in samples], label="RSS (shared pages counted per process)")
+    axis.axvline(args.warmup_s / 60, color="gray", ls="--", lw=0.8)
+    axis.set_xlabel("minutes since the first step")
+    axis.set_ylabel("GiB, all processes of the run")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
