@@ -29,6 +29,16 @@ class PlotArgs:
     """PNG to write; unset: RUN_DIR/dashboard.png."""
 
 
+def headless_pyplot():
+    """matplotlib's pyplot drawing to files only (the Agg backend): no display on servers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -40,10 +50,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot_dashboard(args: PlotArgs) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on servers
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     run_dir = Path(args.run_dir)
     metrics = read_metrics(run_dir)

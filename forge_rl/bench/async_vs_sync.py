@@ -25,7 +25,7 @@ from pathlib import Path
 
 from forge_rl.bench.common import final_reward, run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import read_metrics
+from forge_rl.plot import headless_pyplot, read_metrics
 from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 
 
@@ -99,10 +99,7 @@ def compare(sync: dict, asynchronous: dict) -> dict:
 
 def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> None:
     """Busy intervals of each component over a few steady-state steps of each run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), squeeze=False)
     for axis, (mode, run_path) in zip(axes[:, 0], runs.items()):
@@ -130,10 +127,7 @@ def _component_order(component: str) -> tuple[int, str]:
 
 
 def plot_reward(runs: dict[str, Path], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     fig, axis = plt.subplots(figsize=(7, 4))
     for mode, run_path in runs.items():

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import read_metrics
+from forge_rl.plot import headless_pyplot, read_metrics
 
 # Samples averaged at each end of the comparison, so one noisy sample cannot decide it.
 _SAMPLES_PER_END = 3
@@ -109,10 +109,7 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
 
 
 def plot(samples: list[dict], args: SoakArgs, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     fig, axis = plt.subplots(figsize=(8, 4))
     t = [s["t_s"] / 60 for s in samples]

@@ -17,7 +17,7 @@ from typing import Literal
 
 from forge_rl.bench.common import final_reward, run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import read_metrics
+from forge_rl.plot import headless_pyplot, read_metrics
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,7 @@ def summarize(run_path: Path, args: StalenessArgs) -> dict:
 
 
 def plot(runs: dict[str, Path], per_run: dict[str, dict], out: Path, target: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = headless_pyplot()
 
     fig, (curves, times) = plt.subplots(1, 2, figsize=(13, 4.5))
     for name, run_path in runs.items():
