@@ -64,12 +64,15 @@ def served(tmp_path_factory):
 
 
 def spawned_processes() -> list[psutil.Process]:
-    """This process's descendants, less multiprocessing's resource tracker (it lives on)."""
-    return [
-        process
-        for process in psutil.Process().children(recursive=True)
-        if "resource_tracker" not in " ".join(process.cmdline())
-    ]
+    """This process's live descendants, less multiprocessing's resource tracker (it lives on)."""
+    alive = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(process.cmdline()):
+                alive.append(process)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited, not yet reaped: not running
+            pass
+    return alive
 
 
 @functools.cache
