@@ -43,8 +43,7 @@ class GeneratorActor(Actor):
         await self.engine.start(self.model_dir, self.max_model_len)
         # vLLM's engine-core and worker processes: the pool watches them too, since the engine can
         # die while this actor lives on.
-        engine_pids = [p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
-        return {"engine_start_s": time.perf_counter() - started, "pid": os.getpid(), "engine_pids": engine_pids}
+        return {"engine_start_s": time.perf_counter() - started, "pid": os.getpid(), "engine_pids": _engine_pids()}
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
@@ -96,3 +95,16 @@ class GeneratorActor(Actor):
         await self.engine.shutdown()
         if self.store is not None:  # leases of an update cut short, fetched copies
             await self.store.close()
+
+
+def _engine_pids() -> list[int]:
+    """This process's live descendants (vLLM's engine core and worker), less multiprocessing's
+    resource tracker, which is not part of the engine."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited already: nothing to watch
+            pass
+    return pids
