@@ -2,7 +2,9 @@
 
 Starts `forge-rl grpo` as a subprocess with an unreachable step count, samples the memory of every
 process of the run (the controller and all its descendants: actors, vLLM engines, trainer ranks)
-every `sample_every_s`, and stops the run with SIGINT after `duration_s`. Reports the growth of
+every `sample_every_s` (each sample is appended to OUT_DIR/samples.jsonl as it is taken, so nothing
+is lost if the driver dies), and stops the run with SIGTERM after `duration_s`. SIGTERM, not SIGINT:
+a run started from a background shell inherits an ignored SIGINT and would not stop. Reports the growth of
 the total unique memory (USS: pages no other process shares, so mapped /dev/shm snapshots are not
 counted once per reader) between the end of the warm-up and the end of the run, and the largest
 replay-buffer occupancy logged, against its capacity. Not a test: a command for docs/benchmarks.md.
@@ -32,7 +34,7 @@ class SoakArgs:
     config: Path = Path("configs/grpo_tiny_cpu.yaml")
     """Recipe config of the soaked run."""
     duration_s: float = 1800.0
-    """How long the run trains before it is stopped with SIGINT."""
+    """How long the run trains before it is stopped with SIGTERM."""
     warmup_s: float = 180.0
     """Memory growth is measured from this long after the first step (caches and pools fill first)."""
     sample_every_s: float = 10.0
@@ -68,6 +70,7 @@ def main(args: SoakArgs) -> dict:
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     samples, first_step_at = [], None
     deadline = None
+    samples_file = open(args.out_dir / "samples.jsonl", "w", buffering=1)
     try:
         while process.poll() is None and (deadline is None or time.monotonic() < deadline):
             time.sleep(args.sample_every_s)
@@ -78,13 +81,25 @@ def main(args: SoakArgs) -> dict:
             if first_step_at is not None:
                 rss, uss = process_tree_memory(psutil.Process(process.pid))
                 samples.append({"t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss})
+                samples_file.write(json.dumps(samples[-1]) + "\n")
     finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
+        samples_file.close()
+        stop(process)
     summary = summarize(samples, read_metrics(run_path), base, args)
     (args.out_dir / "soak.json").write_text(json.dumps({**summary, "samples": samples}, indent=2))
     plot(samples, args, args.out_dir / "soak.png")
     return summary
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the run (it stops every process of its own); kill what is left after a minute."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+        process.kill()
 
 
 def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args: SoakArgs) -> dict:
