@@ -39,6 +39,25 @@ def headless_pyplot():
     return plt
 
 
+def save_figure(fig, out: Path) -> None:
+    """Lay out `fig`, write it to `out` (PNG) and free it (pyplot keeps open figures alive)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def plot_reward_curves(axis, runs: dict[str, Path]) -> None:
+    """Mean reward vs seconds since the loops started, one line per run directory."""
+    for name, run_path in runs.items():
+        metrics = read_metrics(run_path)
+        axis.plot([m["wall_time_s"] for m in metrics], [m["reward/mean"] for m in metrics], label=name, lw=1)
+    axis.set_xlabel("seconds since the loops started")
+    axis.set_ylabel("mean reward")
+    axis.grid(alpha=0.3)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -78,10 +97,8 @@ def plot_dashboard(args: PlotArgs) -> Path:
     for axis in axes.flat:
         axis.grid(alpha=0.3)
     fig.suptitle(f"{run_dir} ({len(metrics)} steps)")
-    fig.tight_layout()
     out = args.out or run_dir / "dashboard.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
 
 

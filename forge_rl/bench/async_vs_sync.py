@@ -25,7 +25,7 @@ from pathlib import Path
 
 from forge_rl.bench.common import final_reward, run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import headless_pyplot, read_metrics
+from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 
 
@@ -116,9 +116,7 @@ def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> No
         axis.set_xlim(start, end)
         axis.set_title(f"{mode}: {num_steps_shown} steps from step {middle}")
         axis.set_xlabel("seconds since the loops started")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def _component_order(component: str) -> tuple[int, str]:
@@ -130,16 +128,9 @@ def plot_reward(runs: dict[str, Path], out: Path) -> None:
     plt = headless_pyplot()
 
     fig, axis = plt.subplots(figsize=(7, 4))
-    for mode, run_path in runs.items():
-        metrics = read_metrics(run_path)
-        axis.plot([m["wall_time_s"] for m in metrics], [m["reward/mean"] for m in metrics], label=mode)
-    axis.set_xlabel("seconds since the loops started")
-    axis.set_ylabel("mean reward")
-    axis.grid(alpha=0.3)
+    plot_reward_curves(axis, runs)
     axis.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def main(args: AsyncVsSyncArgs) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import headless_pyplot, read_metrics
+from forge_rl.plot import headless_pyplot, read_metrics, save_figure
 
 # Samples averaged at each end of the comparison, so one noisy sample cannot decide it.
 _SAMPLES_PER_END = 3
@@ -135,6 +135,4 @@ def plot(samples: list[dict], args: SoakArgs, out: Path) -> None:
     axis.set_ylabel("GiB, all processes of the run")
     axis.grid(alpha=0.3)
     axis.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out)

@@ -17,7 +17,7 @@ from typing import Literal
 
 from forge_rl.bench.common import final_reward, run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import headless_pyplot, read_metrics
+from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,8 @@ def plot(runs: dict[str, Path], per_run: dict[str, dict], out: Path, target: flo
     plt = headless_pyplot()
 
     fig, (curves, times) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for name, run_path in runs.items():
-        metrics = read_metrics(run_path)
-        curves.plot([m["wall_time_s"] for m in metrics], [m["reward/mean"] for m in metrics], label=name, lw=1)
+    plot_reward_curves(curves, runs)
     curves.axhline(target, color="gray", ls="--", lw=0.8)
-    curves.set_xlabel("seconds since the loops started")
-    curves.set_ylabel("mean reward")
     curves.legend(fontsize=7)
     for correction in sorted({name.split("-")[1] for name in runs}):
         points = [
@@ -92,11 +88,8 @@ def plot(runs: dict[str, Path], per_run: dict[str, dict], out: Path, target: flo
     times.set_xlabel("max_policy_age")
     times.set_ylabel(f"seconds to smoothed reward {target}")
     times.legend()
-    for axis in (curves, times):
-        axis.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    times.grid(alpha=0.3)
+    save_figure(fig, out)
 
 
 def main(args: StalenessArgs) -> dict:

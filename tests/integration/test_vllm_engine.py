@@ -131,9 +131,17 @@ def test_too_long_prompt_is_rejected_before_submission(served):
 
 
 async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode):
-    """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s."""
+    """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s.
+
+    The swap waits for a 3-token probe submitted just before the batch: once the probe is done, the
+    requests scheduled with it have decoded tokens and still have most of their 48 to go. (A fixed
+    sleep landed the swap before the first decode step on a machine with a slow prefill; a probe
+    submitted after the batch queues behind it once the batch fills max_num_seqs.)
+    """
+    probe = asyncio.ensure_future(engine.generate(prompts[0], n=1, eos_id=None, forced_length=3))
+    await asyncio.sleep(0.01)  # the probe's request goes in first
     batch = asyncio.gather(*[engine.generate(p, n=4, eos_id=None) for p in prompts])
-    await asyncio.sleep(0.1)  # the batch takes most of a second on a 2-core CPU
+    await probe
     stall_s = await engine.load_weights(weights_dir, policy_version, mode=mode)
     groups = await batch
     return [(p, c) for p, group in zip(prompts, groups) for c in group], stall_s
