@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,13 @@ class TrainBatch:
     """[N, L] int64 version that generated each token (-1 elsewhere)."""
     advantages_N: torch.Tensor
     """[N] float32 group advantage of each completion (see `forge_rl.advantages`)."""
+    temperature_N: torch.Tensor | None = None
+    """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
+    its logits by it so that its logprobs describe the distribution the generator sampled from."""
+    support_NLK: torch.Tensor | None = None
+    """[N, L, K] int64: at each generated token, the ids top-k/top-p kept when it was sampled,
+    padded with -1 (K = the largest kept set in the batch); all -1 where nothing was filtered.
+    None when no completion of the batch was filtered. See `token_logprobs`."""
     reference_logprobs_NL: torch.Tensor | None = None
     """[N, L] float32 logprob of each token under the frozen reference model, for the KL penalty
     (`LossConfig.kl_beta` > 0); None when no reference model runs."""
@@ -43,15 +51,13 @@ class TrainBatch:
         if rows % world_size:
             raise ValueError(f"{rows} rows do not split evenly over {world_size} data-parallel ranks")
         per_rank = rows // world_size
-        sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        reference = self.reference_logprobs_NL
+        rank_rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        # Every field is a tensor (or None) whose first dimension is the row.
         return TrainBatch(
-            self.input_ids_NL[sl],
-            self.loss_mask_NL[sl],
-            self.behaviour_logprobs_NL[sl],
-            self.policy_versions_NL[sl],
-            self.advantages_N[sl],
-            None if reference is None else reference[sl],
+            **{
+                f.name: None if (value := getattr(self, f.name)) is None else value[rank_rows]
+                for f in dataclasses.fields(self)
+            }
         )
 
 
@@ -62,7 +68,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
 
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO).
     """
-    rows, masks, behaviour, versions, advantages = [], [], [], [], []
+    rows, masks, behaviour, versions, advantages, temperatures, supports, references = ([] for _ in range(8))
     for episode in episodes:
         num_prompt = len(episode.prompt_token_ids)
         advantages.extend(episode_advantages(episode, normalize_advantage_std))
@@ -71,8 +77,14 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
             masks.append([False] * num_prompt + completion.loss_mask)
             behaviour.append([0.0] * num_prompt + completion.logprobs)
             versions.append([-1] * num_prompt + completion.policy_versions)
+            temperatures.append(episode.temperature)
+            supports.append([[]] * num_prompt + (completion.sampling_support or [[]] * completion.num_tokens))
+            if completion.reference_logprobs is not None:
+                references.append([0.0] * num_prompt + completion.reference_logprobs)
     if not rows:
         raise ValueError("make_train_batch got no completions")
+    if references and len(references) != len(rows):
+        raise ValueError(f"{len(rows) - len(references)} of {len(rows)} completions lack reference logprobs")
     length = max(len(r) for r in rows)
 
     def pad(values: list[list], fill, dtype) -> torch.Tensor:
@@ -84,12 +96,54 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         policy_versions_NL=pad(versions, -1, torch.int64),
         advantages_N=torch.tensor(advantages, dtype=torch.float32),
+        temperature_N=torch.tensor(temperatures, dtype=torch.float32),
+        support_NLK=_pad_supports(supports, length),
+        reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
     )
 
 
-def token_logprobs(logits_NLV: torch.Tensor, input_ids_NL: torch.Tensor) -> torch.Tensor:
-    """Logprob of each token given its prefix, aligned to the token: [N, L] (position 0 gets 0)."""
-    logprobs_NLV = torch.log_softmax(logits_NLV[:, :-1].float(), dim=-1)
-    next_tokens = input_ids_NL[:, 1:].unsqueeze(-1)
-    picked = logprobs_NLV.gather(-1, next_tokens).squeeze(-1)
-    return torch.nn.functional.pad(picked, (1, 0), value=0.0)
+def _pad_supports(supports: list[list[list[int]]], length: int) -> torch.Tensor | None:
+    """[N, L, K] kept-set ids padded with -1, or None when no position has a kept set."""
+    width = max((len(ids) for row in supports for ids in row), default=0)
+    if width == 0:
+        return None
+    support_NLK = torch.full((len(supports), length, width), -1, dtype=torch.int64)
+    for n, row in enumerate(supports):
+        for position, ids in enumerate(row):
+            if ids:
+                support_NLK[n, position, : len(ids)] = torch.tensor(ids)
+    return support_NLK
+
+
+_NOT_KEPT = -1e30
+
+
+def token_logprobs(
+    logits_NLV: torch.Tensor,
+    input_ids_NL: torch.Tensor,
+    temperature_N: torch.Tensor | None = None,
+    support_NLK: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logprob of each token given its prefix, aligned to the token: [N, L] (position 0 gets 0).
+
+    The distribution the generator sampled from: softmax(logits / temperature), restricted to the
+    token's kept set where `support_NLK` has one (top-k/top-p) and renormalized over it. Without
+    the restriction every filtered token would look less likely to the trainer than it was to the
+    generator (by the mass top-p cut off), and every importance ratio would be biased below 1.
+    """
+    scaled_NLV = logits_NLV[:, :-1].float()
+    if temperature_N is not None:
+        scaled_NLV = scaled_NLV / temperature_N.to(scaled_NLV.device)[:, None, None]
+    next_tokens_NL = input_ids_NL[:, 1:]
+    picked_NL = scaled_NLV.gather(-1, next_tokens_NL.unsqueeze(-1)).squeeze(-1)
+    log_normalizer_NL = torch.logsumexp(scaled_NLV, dim=-1)
+    if support_NLK is not None:
+        support_NLK = support_NLK[:, 1:].to(scaled_NLV.device)
+        kept_NLK = support_NLK >= 0
+        # A large finite fill, not -inf: a position with no kept set would get logsumexp(-inf...)
+        # = -inf, whose gradient is NaN, and torch.where passes NaN * 0 = NaN to the unused branch.
+        kept_logits_NLK = scaled_NLV.gather(-1, support_NLK.clamp(min=0)).masked_fill(~kept_NLK, _NOT_KEPT)
+        log_normalizer_NL = torch.where(
+            kept_NLK.any(-1), torch.logsumexp(kept_logits_NLK, dim=-1), log_normalizer_NL
+        )
+    return torch.nn.functional.pad(picked_NL - log_normalizer_NL, (1, 0), value=0.0)

@@ -42,6 +42,13 @@ class BufferConfig:
     drop_policy: Literal["drop_episode", "mask_tokens"] = "drop_episode"
     """What a token older than max_policy_age costs: its whole episode (drop_episode), or only itself
     (mask_tokens: it gets no loss; a completion left with no trainable token counts as dropped)."""
+    admission: Literal["pause", "drop"] = "pause"
+    """How the age bound is kept. pause: admission control (forge_rl/staleness.py) starts a
+    rollout only if its episodes can still be trained in time, and the trainer waits for
+    stragglers that the next step is the last chance for, so nothing needs dropping. drop:
+    generation never waits for the bound; episodes that grow too old are dropped (and counted,
+    with their lengths, which skew long: `buffer/dropped_completion_len_*` vs
+    `buffer/trained_completion_len_*`)."""
     sampling: Literal["fifo", "freshest"] = "fifo"
     """Which episodes a batch takes first. fifo: the oldest policy version first, in arrival order
     within a version, so an episode that finished late is trained before it can expire (what

@@ -75,6 +75,7 @@ async def _cancelled_by_sigterm(coroutine):
 _BENCHMARKS = {
     "async-vs-sync": "The same recipe synchronous (max_policy_age=0) and asynchronous: speedup, idle, timeline.",
     "staleness": "Final reward and time to a target reward across max_policy_age, with and without IS correction.",
+    "sampling-support": "Importance ratios under top-p with the trainer normalizing over the full vocabulary vs the kept sets.",
     "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
 }
@@ -82,20 +83,21 @@ _BENCHMARKS = {
 
 def _run_bench(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help") or args[0] not in _BENCHMARKS:
-        listing = "\n".join(f"  {name:<14} {text}" for name, text in _BENCHMARKS.items())
+        listing = "\n".join(f"  {name:<17} {text}" for name, text in _BENCHMARKS.items())
         print(f"usage: forge-rl bench {{{','.join(_BENCHMARKS)}}} [FLAGS]\n\n{listing}")
         if args and args[0] not in ("-h", "--help"):
             _fail(f"unknown benchmark {args[0]!r}")
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, soak, staleness, weight_sync
+    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, weight_sync
     from forge_rl.yaml_config import ConfigError
 
     name = args[0]
     module, args_type = {
         "async-vs-sync": (async_vs_sync, async_vs_sync.AsyncVsSyncArgs),
         "staleness": (staleness, staleness.StalenessArgs),
+        "sampling-support": (sampling_support, sampling_support.SamplingSupportArgs),
         "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
     }[name]

@@ -19,6 +19,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.reference import ReferenceConfig
 from forge_rl.scoring import ScorerConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.tasks.synthetic import TaskName
@@ -141,12 +142,18 @@ class GRPOConfig:
     prompts_in_flight_per_generator: int = 16
     """Prompts (each a group of group_size samples) a generator decodes concurrently. Each is its
     own request, so vLLM batches them continuously and a long completion holds back no other."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose completions all scored the same (zero advantage,
+    no learning signal) is filtered out before the buffer, so every batch is made of groups with
+    a signal; filtered prompts are counted (accounting.filtered_zero_advantage)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen reference model of the KL penalty; spawned only when trainer.loss.kl_beta > 0."""
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -190,7 +197,22 @@ class GRPOConfig:
                 "divides by the longest possible completion. Set --trainer.loss.length-normalizer "
                 f"{self.generator.max_new_tokens}."
             )
-        validate_parallelism(self.trainer.parallel, self.trainer.num_procs, self.model.hf_config())
+        overlong_buffer = self.scorer.overlong_buffer
+        if overlong_buffer is not None and overlong_buffer > self.generator.max_new_tokens:
+            raise ConfigError(
+                f"scorer.overlong_buffer ({overlong_buffer}) exceeds generator.max_new_tokens "
+                f"({self.generator.max_new_tokens}): the penalty ramps over the last overlong_buffer tokens "
+                "of the budget. Set --scorer.overlong-buffer to at most generator.max_new_tokens."
+            )
+        hf_config = self.model.hf_config()
+        validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
+        if self.uses_reference_model:
+            validate_parallelism(self.reference.parallel, self.reference.num_procs, hf_config, section="reference")
+
+    @property
+    def uses_reference_model(self) -> bool:
+        """Whether a frozen reference model runs (for the KL penalty)."""
+        return self.trainer.loss.kl_beta > 0
 
 
 def _check_positive(config: object, *names: str) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from forge_rl.advantages import has_reward_spread
 from forge_rl.types import CompletionStatus, Episode
 
 if TYPE_CHECKING:
@@ -204,4 +205,7 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
         "policy_age/max": max(ages, default=0),
         "policy_age/mean": sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         POLICY_AGE_HISTOGRAM: {str(age): count for age, count in sorted(ages.items())},
+        # Groups whose rewards are all equal carry no signal (zero advantage); dynamic sampling
+        # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
+        "groups/zero_advantage_fraction": sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
     }

@@ -38,6 +38,10 @@ class ScorerConfig:
     num_workers: int = 1
     """Reward worker processes; each scores one episode at a time, so this many episodes are
     scored in parallel."""
+    overlong_buffer: int | None = None
+    """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
+    ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
+    linearly, down to -1 for one that is truncated. Unset: no penalty."""
 
     def __post_init__(self) -> None:
         if not 0 < self.reward_timeout_s < math.inf:
@@ -47,6 +51,11 @@ class ScorerConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
+        if self.overlong_buffer is not None and self.overlong_buffer < 0:
+            raise ValueError(
+                f"scorer.overlong_buffer ({self.overlong_buffer}) must be >= 0, or unset for no penalty. "
+                "Set --scorer.overlong-buffer."
+            )
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,16 @@ class PolicyTrainer:
             logits_NLV = logits_NLV.full_tensor()
         return logits_NLV[:, :length].float()
 
+    def _token_logprobs(self, shard: TrainBatch) -> torch.Tensor:
+        """[N, L] logprobs of the shard's tokens under the distribution the generator sampled from
+        (its temperature and top-k/top-p kept sets; see `token_logprobs`)."""
+        return token_logprobs(
+            self._logits(shard.input_ids_NL),
+            shard.input_ids_NL.to(self.device),
+            shard.temperature_N,
+            shard.support_NLK,
+        )
+
     def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         """Element-wise reduction over data-parallel ranks (identity on one rank)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -157,7 +167,7 @@ class PolicyTrainer:
         shard = batch.shard(self._dp_rank, self._dp_size)
         global_tokens = max(batch.num_generated_tokens, 1)
         local_tokens = shard.num_generated_tokens
-        logprobs_NL = token_logprobs(self._logits(shard.input_ids_NL), shard.input_ids_NL.to(self.device))
+        logprobs_NL = self._token_logprobs(shard)
         reference_NL = shard.reference_logprobs_NL
         local_loss, loss_metrics = policy_loss(
             logprobs_NL,
@@ -227,7 +237,7 @@ class PolicyTrainer:
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[N, L] fp32 logprob of each token under the current weights (0 at position 0), on CPU."""
         shard = batch.shard(self._dp_rank, self._dp_size)
-        logprobs_NL = token_logprobs(self._logits(shard.input_ids_NL), shard.input_ids_NL.to(self.device))
+        logprobs_NL = self._token_logprobs(shard)
         if self._dp_group is None:
             return logprobs_NL.cpu()
         pieces = [torch.empty_like(logprobs_NL) for _ in range(self._dp_size)]

@@ -61,6 +61,13 @@ class Completion:
     """Whether each token may still reach a loss, [T]; None (the default) means all True and is
     replaced by that list on construction. Tokens turned False keep their place (and their reward
     counts for the group's advantage baseline) but get no gradient."""
+    sampling_support: list[list[int]] | None = None
+    """Per token, the ids the generator could have drawn it from after top-k/top-p filtering
+    (vLLM's sampling mask), [T][k_t]; None when sampling kept the whole vocabulary. The behaviour
+    logprob is normalized over this set, so the trainer renormalizes its own over the same set."""
+    reference_logprobs: list[float] | None = None
+    """Logprob of each token under the frozen reference model, [T]; set only when the KL penalty
+    is on (trainer.loss.kl_beta > 0)."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -71,6 +78,9 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
+        for name in ("sampling_support", "reference_logprobs"):
+            if getattr(self, name) is not None:
+                lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:
             raise ValueError(f"Completion fields disagree in length: {lengths}")
 
@@ -109,6 +119,10 @@ class Episode:
     forced_length: int | None = None
     """When set, every completion is generated exactly this long (EOS ignored): how a task imposes
     a completion-length distribution, e.g. the long tail of the async-vs-sync benchmark."""
+    temperature: float = 1.0
+    """Temperature the completions were sampled at (set by the generator). Behaviour logprobs are
+    log_softmax(logits / temperature); the trainer divides its logits by the same value, or its
+    importance ratios would compare two different distributions."""
 
     @property
     def oldest_policy_version(self) -> int:

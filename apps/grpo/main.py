@@ -21,6 +21,8 @@ Two kinds of loop run concurrently in this process:
       unblocked  by rollouts
 
 With buffer.max_policy_age=0 the same program is synchronous RL: generate, train, publish, repeat.
+With buffer.admission=drop the staleness gate is off: generation only waits for buffer room, and the
+buffer drops what grows too old.
 
 Run it with `forge-rl grpo --config configs/grpo_tiny_cpu.yaml` (or `python -m apps.grpo.main ...`).
 """
@@ -41,9 +43,11 @@ from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
 from forge_rl.actors.generator_pool import GeneratorPool
+from forge_rl.actors.reference import ReferenceActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.accounting import PromptAccounting
+from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import MetricsLogger, batch_metrics, open_sinks, progress
 from forge_rl.run_dir import config_to_dict, create_run_dir, prepare_model_dir, remove_unstarted_run_dir
@@ -86,6 +90,8 @@ class PipelineState:
     changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
 
     def may_start_rollout(self, generator_index: int) -> bool:
+        if self.config.buffer.admission == "drop":
+            return True  # only the buffer's capacity paces generation
         return rollout_may_start(
             generator_version=self.generator_versions[generator_index],
             next_train_version=self.next_train_version,
@@ -96,6 +102,8 @@ class PipelineState:
         )
 
     def may_sample_batch(self) -> bool:
+        if self.config.buffer.admission == "drop":
+            return True  # stragglers that miss their last step are dropped, not waited for
         return batch_may_be_sampled(
             self.in_flight_versions, self.next_train_version, self.config.buffer.max_policy_age
         )
@@ -116,6 +124,8 @@ class Actors:
     generators: GeneratorPool
     """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
     trainer: TrainerActor
+    reference: ReferenceActor | None = None
+    """The frozen reference model, on its own processes; only when trainer.loss.kl_beta > 0."""
 
 
 async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None:
@@ -142,8 +152,16 @@ async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None
         state.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         with timeline.busy("scorer"):
             episodes = await actors.scorer.score.call_one(episodes)
-        num_stale = await actors.buffer.put.call_one(episodes)
-        await finish_rollout(state, start_version, num_not_queued=num_stale)
+        num_filtered = 0
+        if config.dynamic_sampling:
+            episodes, filtered = filter_zero_advantage_groups(episodes)
+            num_filtered = len(filtered)
+            state.accounting.filtered_zero_advantage += num_filtered
+        if actors.reference is not None and episodes:
+            with timeline.busy("reference"):
+                episodes = (await actors.reference.annotate.call(episodes)).item(procs=0)
+        num_stale = await actors.buffer.put.call_one(episodes) if episodes else 0
+        await finish_rollout(state, start_version, num_not_queued=num_stale + num_filtered)
 
 
 async def next_prompts(actors: Actors, state: PipelineState) -> list[Episode]:
@@ -244,7 +262,7 @@ async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len:
     store_index, _ = await spawn_store(services, store_root, extra_files_dir=model_dir)
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, str(model_dir), config.generator.max_new_tokens),
-        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward),
+        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward, config.generator.max_new_tokens),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators, store_index
@@ -253,7 +271,12 @@ async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len:
             "trainer", TrainerActor, config.trainer, str(model_dir), store_index, str(store_root), pad_id
         ),
     )
-    return actors, [services, trainer_procs]
+    proc_meshes = [services, trainer_procs]
+    if config.uses_reference_model:
+        reference_procs = await launch.spawn_trainer_procs(config.reference.num_procs, name="reference")
+        actors.reference = reference_procs.spawn("reference", ReferenceActor, config.reference, str(model_dir), pad_id)
+        proc_meshes.append(reference_procs)
+    return actors, proc_meshes
 
 
 async def run(config: GRPOConfig) -> dict:
@@ -273,7 +296,11 @@ async def run(config: GRPOConfig) -> dict:
         actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
         try:
             progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
-            generator_starts, _ = await asyncio.gather(actors.generators.start.call_one(), actors.trainer.setup.call())
+            generator_starts, *_ = await asyncio.gather(
+                actors.generators.start.call_one(),
+                actors.trainer.setup.call(),
+                *([actors.reference.setup.call()] if actors.reference is not None else []),
+            )
             processes = await actors.generators.processes.call_one()
             (run_path / "processes.json").write_text(json.dumps({"generators": processes}))
             progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")

@@ -59,6 +59,7 @@ class GeneratorActor(Actor):
                 completion.text = self.tokenizer.decode(completion.token_ids)
                 self.num_generated_tokens += completion.num_tokens
             episode.completions = completions
+            episode.temperature = self.engine.config.temperature
         self.busy_s += time.perf_counter() - started
         return episodes
 

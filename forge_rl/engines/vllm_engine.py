@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -58,6 +59,15 @@ class GeneratorConfig:
     """Nucleus sampling mass in (0, 1]; 1 keeps the whole vocabulary."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 turns the filter off (vLLM 0.32 convention)."""
+    record_sampling_support: bool = True
+    """With top_p < 1 or top_k > 0: record each token's kept set (`Completion.sampling_support`)
+    so the trainer renormalizes its logprobs over it. Off saves the memory of those sets (up to
+    top-k ids per token), at the price of importance ratios biased below 1 by the filtered mass."""
+    max_support_ids: int = 64
+    """Engines without vLLM's sampling masks (its model runner V2 needs Triton, which has no CPU
+    backend) read each token's kept set from its `max_support_ids` most likely processed logprobs
+    instead (a filtered token's is -inf). Exact while kept sets are no larger (always, for a vocabulary
+    of at most this many tokens, or top_k <= it); a larger set is recorded as its most likely ids."""
     max_num_seqs: int = 256
     """Most sequences vLLM decodes in one batch."""
     gpu_memory_utilization: float = 0.5
@@ -88,6 +98,12 @@ class GeneratorConfig:
     after the swap see a prefix encoded by v-1). "keep" turns vLLM's prefix caching off, so no new
     request can reuse a block encoded by older weights."""
 
+    @property
+    def records_sampling_support(self) -> bool:
+        """Whether each token's kept set is recorded: top-k/top-p can leave tokens out, and
+        `record_sampling_support` is on."""
+        return self.record_sampling_support and (self.top_p < 1.0 or self.top_k > 0)
+
     def __post_init__(self) -> None:
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
@@ -95,6 +111,7 @@ class GeneratorConfig:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_support_ids", self.max_support_ids >= 1, ">= 1"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
             ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
@@ -123,6 +140,8 @@ class VLLMEngine:
         """Version staged in the worker and not yet swapped in (staged loader)."""
         self._abort_epoch = 0
         """Swaps in "abort" mode so far; a request aborted across one is resubmitted."""
+        self._support_source: Literal["none", "sampling_mask", "top_logprobs"] = "none"
+        """Where `Completion.sampling_support` comes from (see `_pick_support_source`)."""
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
         """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
@@ -138,10 +157,20 @@ class VLLMEngine:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            self._support_source = self._pick_support_source()
             args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
             self._llm = AsyncLLM.from_engine_args(args)
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
+
+    def _pick_support_source(self) -> Literal["none", "sampling_mask", "top_logprobs"]:
+        """vLLM's sampling masks where its model runner V2 runs (it needs Triton for the device:
+        GPUs), else the top processed logprobs (`GeneratorConfig.max_support_ids`)."""
+        if not self.config.records_sampling_support:
+            return "none"
+        from vllm.triton_utils import HAS_TRITON
+
+        return "sampling_mask" if HAS_TRITON else "top_logprobs"
 
     @property
     def _running_llm(self) -> AsyncLLM:
@@ -171,6 +200,10 @@ class VLLMEngine:
             # tokens were actually drawn from. "raw_logprobs" would ignore the temperature. (On GPU
             # it moves top-k/top-p sampling off FlashInfer, which cannot return these logprobs.)
             logprobs_mode="processed_logprobs",
+            # The kept set of every sampled token, so the trainer can renormalize over it
+            # (Completion.sampling_support). Needs vLLM's model runner V2 (the default with Triton).
+            return_sampling_mask=self._support_source == "sampling_mask",
+            max_logprobs=max(20, self.config.max_support_ids),
             # Safe with weight swaps while every pause clears the prefix cache (swap_kv="recompute");
             # with swap_kv="keep" the cache cannot be cleared under running requests, so it is off.
             enable_prefix_caching=self.config.swap_kv == "recompute",
@@ -218,7 +251,7 @@ class VLLMEngine:
         max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id
         final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens))
-        completions = [_to_completion(output) for output in final.outputs]
+        completions = [_to_completion(output, self._support_source) for output in final.outputs]
         if self._abort_epoch == epoch:
             return completions
         # A swap in "abort" mode ran meanwhile: resubmit what it aborted, prompt + tokens so far.
@@ -255,7 +288,7 @@ class VLLMEngine:
             epoch = self._abort_epoch
             params = self._sampling_params(1, eos_id, max_tokens - completion.num_tokens)
             output = (await self._request(prompt_token_ids + completion.token_ids, params)).outputs[0]
-            completion = _join(completion, _to_completion(output))
+            completion = _join(completion, _to_completion(output, self._support_source))
             if output.finish_reason != "abort" or self._abort_epoch == epoch:
                 break
         ended_on_eos = eos_id is not None and completion.token_ids[-1:] == [eos_id]
@@ -283,7 +316,8 @@ class VLLMEngine:
             temperature=self.config.temperature,
             top_p=self.config.top_p,
             top_k=self.config.top_k,
-            logprobs=0,  # the sampled token's logprob only
+            # The sampled token's logprob, plus the most likely ones when they give the kept set.
+            logprobs=self.config.max_support_ids if self._support_source == "top_logprobs" else 0,
             # ignore_eos also drops the EOS vLLM reads from generation_config.json.
             stop_token_ids=[] if eos_id is None else [eos_id],
             ignore_eos=eos_id is None,
@@ -390,8 +424,8 @@ class VLLMEngine:
             self._llm = None
 
 
-def _to_completion(output: CompletionOutput) -> Completion:
-    """Token ids as vLLM sampled them (EOS included), their logprobs and version spans."""
+def _to_completion(output: CompletionOutput, support_source: str) -> Completion:
+    """Token ids as vLLM sampled them (EOS included), their logprobs, version spans and kept sets."""
     token_ids = list(output.token_ids)
     logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs)]
     policy_versions = [
@@ -400,7 +434,12 @@ def _to_completion(output: CompletionOutput) -> Completion:
         for _ in range(span.start, span.end)
     ]
     status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
-    return Completion(token_ids, logprobs, policy_versions, status=status)
+    support = None
+    if support_source == "sampling_mask":
+        support = [list(ids) for ids in output.sampling_mask.token_ids]
+    elif support_source == "top_logprobs":  # processed logprobs: -inf where top-k/top-p filtered
+        support = [[t for t, lp in position.items() if lp.logprob > -math.inf] for position in output.logprobs]
+    return Completion(token_ids, logprobs, policy_versions, status=status, sampling_support=support)
 
 
 async def _done(completion: Completion) -> Completion:
@@ -409,11 +448,13 @@ async def _done(completion: Completion) -> Completion:
 
 def _join(head: Completion, tail: Completion) -> Completion:
     """One completion from a prefix sampled before an abort and its continuation after it."""
+    support = None if head.sampling_support is None else head.sampling_support + tail.sampling_support
     return Completion(
         head.token_ids + tail.token_ids,
         head.logprobs + tail.logprobs,
         head.policy_versions + tail.policy_versions,
         status=tail.status,
+        sampling_support=support,
     )
 
 

@@ -63,14 +63,17 @@ def read_hf_config(model_dir: Path | str) -> dict:
     return hf_config
 
 
-def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: dict) -> None:
-    """Raise ValueError naming field, value and fix when `parallel` cannot run this model."""
+def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: dict, section: str = "trainer") -> None:
+    """Raise ValueError naming field, value and fix when `parallel` cannot run this model.
+
+    `section` is the config section the fields live in: "trainer", or "reference" for the frozen
+    reference model of the KL penalty."""
     if parallel.dp_shard * parallel.tp != num_procs:
         raise ValueError(
-            f"trainer.parallel.dp_shard ({parallel.dp_shard}) * trainer.parallel.tp ({parallel.tp}) = "
-            f"{parallel.dp_shard * parallel.tp} must equal trainer.num_procs ({num_procs}). Set "
-            f"--trainer.parallel.dp-shard and --trainer.parallel.tp so that their product is {num_procs}, "
-            f"or set --trainer.num-procs {parallel.dp_shard * parallel.tp}."
+            f"{section}.parallel.dp_shard ({parallel.dp_shard}) * {section}.parallel.tp ({parallel.tp}) = "
+            f"{parallel.dp_shard * parallel.tp} must equal {section}.num_procs ({num_procs}). Set "
+            f"--{section}.parallel.dp-shard and --{section}.parallel.tp so that their product is {num_procs}, "
+            f"or set --{section}.num-procs {parallel.dp_shard * parallel.tp}."
         )
     n_heads = hf_config["num_attention_heads"]
     n_kv_heads = hf_config.get("num_key_value_heads") or n_heads
@@ -78,16 +81,16 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
         valid = [t for t in range(1, n_kv_heads + 1) if n_heads % t == 0 and n_kv_heads % t == 0]
         choices = ", ".join(map(str, valid[:-1])) + f" or {valid[-1]}" if len(valid) > 1 else str(valid[0])
         raise ValueError(
-            f"trainer.parallel.tp ({parallel.tp}) must divide the model's num_attention_heads ({n_heads}) "
-            f"and num_key_value_heads ({n_kv_heads}). Set --trainer.parallel.tp to {choices}."
+            f"{section}.parallel.tp ({parallel.tp}) must divide the model's num_attention_heads ({n_heads}) "
+            f"and num_key_value_heads ({n_kv_heads}). Set --{section}.parallel.tp to {choices}."
         )
     if hf_config.get("tie_word_embeddings") and parallel.tp > 1 and parallel.dp_shard > 1:
         # See _retie_embeddings: the tie can be restored after TP only while FSDP2 is off.
         raise ValueError(
-            f"trainer.parallel.tp ({parallel.tp}) together with trainer.parallel.dp_shard "
+            f"{section}.parallel.tp ({parallel.tp}) together with {section}.parallel.dp_shard "
             f"({parallel.dp_shard}) cannot train a checkpoint with tie_word_embeddings=true: TorchTitan "
             "0.3.0's TP unties embed_tokens and lm_head before FSDP2 wraps them. Set "
-            "--trainer.parallel.tp 1 (FSDP2 only) or --trainer.parallel.dp-shard 1 (TP only)."
+            f"--{section}.parallel.tp 1 (FSDP2 only) or --{section}.parallel.dp-shard 1 (TP only)."
         )
 
 

@@ -9,7 +9,9 @@ from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
+from forge_rl.scoring import ScorerConfig
 from forge_rl.trainer import TrainerConfig
 
 pytestmark = pytest.mark.integration
@@ -18,27 +20,57 @@ NUM_STEPS = 4
 MAX_POLICY_AGE = 1
 
 
-@pytest.fixture(scope="module", params=["fsdp", "tp"])
-def finished_run(request, tmp_path_factory):
-    parallel = ParallelConfig(dp_shard=2) if request.param == "fsdp" else ParallelConfig(tp=2)
+# Each variant also runs recipe options that only a whole loop can check end to end:
+#   fsdp  DAPO's dynamic sampling and soft overlong penalty;
+#   tp    temperature and top-p (the trainer must renormalize over the generator's kept sets to
+#         agree with its logprobs) and the KL penalty to a reference model on its own process.
+VARIANTS = {
+    "fsdp": dict(
+        trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
+        generator=GeneratorConfig(max_new_tokens=3),
+        dynamic_sampling=True,
+        scorer=ScorerConfig(overlong_buffer=1),
+    ),
+    "tp": dict(
+        trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(tp=2), loss=LossConfig(kl_beta=0.05)),
+        generator=GeneratorConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
+    ),
+}
+
+
+def run_variant(name: str, tmp_path_factory):
     config = GRPOConfig(
         run_dir=tmp_path_factory.mktemp("runs"),
-        run_name=f"loop-{request.param}",
+        run_name=f"loop-{name}",
         steps=NUM_STEPS,
         train_batch_size=32,
         group_size=4,
-        generator=GeneratorConfig(max_new_tokens=3),
-        trainer=TrainerConfig(num_procs=2, parallel=parallel),
         buffer=BufferConfig(max_policy_age=MAX_POLICY_AGE, capacity_episodes=32),
+        **VARIANTS[name],
     )
     summary = asyncio.run(run(config))
     run_path = config.run_dir / config.run_name
     metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics, run_path
+    return summary, metrics, run_path, config
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    return run_variant("fsdp", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    return run_variant("tp", tmp_path_factory)
+
+
+@pytest.fixture(params=list(VARIANTS))
+def finished_run(request):
+    return request.getfixturevalue(f"{request.param}_run")
 
 
 def test_the_run_trains_every_step_and_writes_its_outputs(finished_run):
-    summary, metrics, run_path = finished_run
+    summary, metrics, run_path, _ = finished_run
     assert summary["steps"] == NUM_STEPS
     assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1))
     assert (run_path / "config.yaml").is_file()
@@ -48,7 +80,7 @@ def test_the_run_trains_every_step_and_writes_its_outputs(finished_run):
 
 
 def test_generators_serve_the_versions_the_trainer_publishes(finished_run):
-    _, metrics, _ = finished_run
+    _, metrics, _, _ = finished_run
     # Weight updates are not awaited by the train loop, so by the last step a generator holds at
     # least the version published max_policy_age + 1 steps earlier.
     assert min(metrics[-1]["generator/policy_versions"]) >= NUM_STEPS - MAX_POLICY_AGE - 1
@@ -56,15 +88,33 @@ def test_generators_serve_the_versions_the_trainer_publishes(finished_run):
 
 
 def test_no_trained_token_is_older_than_max_policy_age(finished_run):
-    summary, metrics, _ = finished_run
+    summary, metrics, _, _ = finished_run
     assert summary["max_policy_age_seen"] <= MAX_POLICY_AGE
     for m in metrics:
         assert all(int(age) <= MAX_POLICY_AGE for age in m["policy_age/histogram"])
 
 
 def test_trainer_and_generator_logprobs_agree_at_version_zero(finished_run):
-    _, metrics, _ = finished_run
+    _, metrics, _, _ = finished_run
     first = metrics[0]  # step 1 trains version-0 tokens with version-0 weights: ratio must be 1
     assert first["policy_age/max"] == 0
     assert first["loss/mismatch_kl"] < 1e-5
     assert first["loss/max_abs_log_ratio"] < 1e-3
+
+
+def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
+    summary, metrics, _, config = fsdp_run
+    assert all(m["groups/zero_advantage_fraction"] == 0 for m in metrics)
+    accounting = summary["accounting"]
+    assert accounting["filtered_zero_advantage"] > 0  # a random policy solves few prompts
+    assert accounting["trained"] == NUM_STEPS * config.prompts_per_step
+    assert accounting["trained_more_than_once"] == 0
+    # max_new_tokens 3, overlong_buffer 1: a 3-token (truncated) completion loses 1.
+    assert metrics[-1]["scorer/overlong_penalized"] > 0
+
+
+def test_reference_model_is_the_initial_policy(tp_run):
+    _, metrics, _, _ = tp_run
+    # Step 1 trains with the initial weights, which the reference model holds: KL(pi || ref) = 0.
+    assert metrics[0]["loss/ref_kl"] < 1e-6
+    assert metrics[-1]["loss/ref_kl"] > metrics[0]["loss/ref_kl"]

@@ -24,9 +24,10 @@ from forge_rl.types import Completion, CompletionStatus
 pytestmark = pytest.mark.integration
 
 MAX_MODEL_LEN = 128
-# Long enough that a weight swap lands mid-request; temperature != 1 checks that the behaviour
-# logprobs include it.
-CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8)
+# Long enough that a weight swap lands mid-request; temperature != 1 and top_p < 1 check that the
+# behaviour logprobs are those of the distribution sampled from: scaled, and renormalized over the
+# kept set that every completion records.
+CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8, top_p=0.9)
 LOGPROB_ATOL = 1e-3
 
 
@@ -83,12 +84,15 @@ def hf_model(model_dir: Path):
 
 
 def hf_logprobs(model_dir: Path, prompt: list[int], completion: Completion) -> list[float]:
-    """log_softmax(logits / temperature) of the completion's tokens under `transformers`, fp32."""
+    """log_softmax(logits / temperature) of the completion's tokens under `transformers`, fp32,
+    over each token's recorded kept set (top-p)."""
     input_ids = torch.tensor([prompt + completion.token_ids])
     with torch.no_grad():
-        logits = hf_model(model_dir)(input_ids).logits[0, len(prompt) - 1 : -1]
-    logprobs = torch.log_softmax(logits / CONFIG.temperature, dim=-1)
-    return logprobs.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0].tolist()
+        logits = hf_model(model_dir)(input_ids).logits[0, len(prompt) - 1 : -1] / CONFIG.temperature
+    return [
+        (logits_V[token] - torch.logsumexp(logits_V[kept], dim=0)).item()
+        for logits_V, token, kept in zip(logits, completion.token_ids, completion.sampling_support)
+    ]
 
 
 def test_config_errors_name_the_field_the_value_and_the_flag():
@@ -112,6 +116,18 @@ def test_generate_returns_n_completions_with_per_token_fields(served):
             assert completion.token_ids[-1] == served.tokenizer.eos_id  # EOS kept for training
         else:
             assert completion.num_tokens == CONFIG.max_new_tokens
+
+
+def test_top_p_records_each_tokens_kept_set(served):
+    completions = served.run(served.engine.generate(served.prompts(1)[0], n=8, eos_id=None))
+
+    vocab_size = hf_model(served.model_dir).config.vocab_size
+    for completion in completions:
+        assert len(completion.sampling_support) == completion.num_tokens
+        for token, kept in zip(completion.token_ids, completion.sampling_support):
+            assert token in kept and len(set(kept)) == len(kept)
+    sizes = [len(kept) for c in completions for kept in c.sampling_support]
+    assert max(sizes) < vocab_size  # top_p = 0.9 cut something off
 
 
 def test_behaviour_logprobs_match_transformers(served):

@@ -121,6 +121,16 @@ CASES: list = [
     ("yaml_syntax", lambda s: s.load_yaml("steps: [3\ngroup_size: 4\n"), ("not valid YAML", "line 2", "Fix the syntax")),
     ("yaml_unknown_key", lambda s: s.load_yaml("trainer:\n  learning_rate: 0.1\n"), ("trainer.learning_rate", "valid keys")),
     ("negative_lr", lambda s: s.load_yaml("trainer:\n  lr: -0.001\n"), ("trainer.lr (-0.001) must be > 0", "--trainer.lr")),
+    (
+        "overlong_buffer_past_the_budget",
+        lambda s: s.load_yaml("generator:\n  max_new_tokens: 4\nscorer:\n  overlong_buffer: 8\n"),
+        ("scorer.overlong_buffer (8) exceeds generator.max_new_tokens (4)", "--scorer.overlong-buffer"),
+    ),
+    (
+        "reference_mesh_mismatch",
+        lambda s: s.load_yaml("trainer:\n  loss:\n    kl_beta: 0.1\nreference:\n  num_procs: 2\n"),
+        ("must equal reference.num_procs (2)", "--reference.num-procs 1"),
+    ),
     ("unknown_task", lambda s: s.load_yaml("task:\n  name: sort\n"), ("task.name ('sort') must be one of", "--task.name")),
     ("unknown_reward", lambda s: s.load_yaml("task:\n  reward: exact\n"), ("task.reward ('exact') is not a registered", "--task.reward")),
     (

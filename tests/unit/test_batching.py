@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -68,3 +70,49 @@ def test_shards_carry_their_rows_of_the_reference_logprobs():
     shard = batch.shard(1, 2)
     assert torch.equal(shard.reference_logprobs_NL, batch.reference_logprobs_NL[2:])
     assert batch.shard(0, 2).reference_logprobs_NL.shape[0] == 2
+
+
+def _reference_logprob(logits_V: torch.Tensor, token: int, temperature: float, kept: list[int] | None) -> float:
+    """log p(token) under softmax(logits / temperature) restricted to `kept`, written out by hand."""
+    scaled = [x / temperature for x in logits_V.tolist()]
+    support = kept if kept is not None else range(len(scaled))
+    return scaled[token] - math.log(sum(math.exp(scaled[v]) for v in support))
+
+
+def test_token_logprobs_divide_by_temperature_and_renormalize_over_the_kept_set():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 6)
+    ids = torch.tensor([[0, 3, 1, 5], [2, 2, 4, 0]])
+    temperature = torch.tensor([0.7, 1.3])
+    support = torch.full((2, 4, 3), -1)
+    support[0, 2] = torch.tensor([1, 4, 2])  # token 1 drawn from {1, 4, 2}
+    support[1, 3, :2] = torch.tensor([0, 5])  # token 0 drawn from {0, 5}; other positions: whole vocab
+    logprobs = token_logprobs(logits, ids, temperature, support)
+    for n in range(2):
+        for j in range(1, 4):
+            kept = [v for v in support[n, j].tolist() if v >= 0] or None
+            expected = _reference_logprob(logits[n, j - 1], ids[n, j].item(), temperature[n].item(), kept)
+            assert logprobs[n, j].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_renormalized_logprobs_have_finite_gradients_where_nothing_was_filtered():
+    logits = torch.randn(1, 3, 5, requires_grad=True)
+    support = torch.full((1, 3, 2), -1)
+    support[0, 1] = torch.tensor([4, 1])
+    token_logprobs(logits, torch.tensor([[0, 1, 3]]), None, support).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_batches_carry_temperature_and_kept_sets_aligned_to_their_tokens():
+    episode = make_episode(rewards=(1.0, 0.0), num_tokens=2)
+    episode.temperature = 0.8
+    episode.completions[0].sampling_support = [[5, 7], [9]]
+    batch = make_train_batch([episode], pad_id=0)
+    num_prompt = len(episode.prompt_token_ids)
+    assert batch.temperature_N.tolist() == pytest.approx([0.8, 0.8])
+    assert batch.support_NLK.shape == (2, num_prompt + 2, 2)
+    assert batch.support_NLK[0, num_prompt].tolist() == [5, 7]
+    assert batch.support_NLK[0, num_prompt + 1].tolist() == [9, -1]
+    assert (batch.support_NLK[1] == -1).all() and (batch.support_NLK[0, :num_prompt] == -1).all()
+    shard = batch.shard(1, 2)
+    assert torch.equal(shard.support_NLK, batch.support_NLK[1:]) and shard.temperature_N.shape == (1,)

@@ -23,6 +23,7 @@ CORE_MODULES = [
     "forge_rl.scoring",
     "forge_rl.preflight",
     "forge_rl.tasks.rewards",
+    "forge_rl.reference",
 ]
 
 
@@ -45,6 +46,7 @@ def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
         ("forge_rl.actors.generator", "GeneratorActor"),
         ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),
+        ("forge_rl.actors.reference", "ReferenceActor"),
     ],
 )
 def test_every_actor_endpoint_is_async(module, name):

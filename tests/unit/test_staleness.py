@@ -1,3 +1,5 @@
+import pytest
+
 from forge_rl.staleness import rollout_may_start
 
 
@@ -29,3 +31,18 @@ def test_the_train_loop_waits_for_in_flight_episodes_this_step_is_the_last_chanc
     assert not batch_may_be_sampled({3: 1}, train_version=4, max_policy_age=1)
     assert batch_may_be_sampled({4: 2, 3: 0}, train_version=4, max_policy_age=1)
     assert not batch_may_be_sampled({4: 1}, train_version=4, max_policy_age=0)  # sync: the whole step
+
+
+@pytest.mark.parametrize("admission,gated", [("pause", True), ("drop", False)])
+def test_admission_mode_decides_whether_rollouts_wait_for_the_age_bound(admission, gated):
+    from apps.grpo.main import PipelineState
+    from forge_rl.buffer import BufferConfig
+    from forge_rl.config import GRPOConfig
+
+    config = GRPOConfig(train_batch_size=8, group_size=4, buffer=BufferConfig(max_policy_age=0, admission=admission))
+    # One step's episodes (2) are already queued at version 0, and one more, started at version 0,
+    # is still generating while the trainer is about to train version 0.
+    state = PipelineState(config, generator_versions=[0], num_episodes_queued=2)
+    state.in_flight_versions[0] = 1
+    assert state.may_start_rollout(0) is not gated
+    assert state.may_sample_batch() is not gated

@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+from forge_rl.reference import attach_reference_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 from .builders import make_completion, make_episode
@@ -29,3 +31,19 @@ def test_episodes_round_trip_through_plain_dicts():
     data = episode.to_dict()
     assert data["completions"][1]["status"] == "truncated"
     assert Episode.from_dict(data) == episode
+
+
+def test_reference_logprobs_are_attached_per_completion_without_the_prompt():
+    episodes = [make_episode(0, num_tokens=2), make_episode(1, num_tokens=2)]
+    num_prompt = len(episodes[0].prompt_token_ids)
+    rows = sum(len(e.completions) for e in episodes)
+    logprobs_NL = torch.arange(rows * (num_prompt + 2), dtype=torch.float32).reshape(rows, -1)
+    attach_reference_logprobs(episodes, logprobs_NL)
+    assert episodes[1].completions[0].reference_logprobs == logprobs_NL[len(episodes[0].completions), num_prompt:].tolist()
+    with pytest.raises(ValueError, match="rows of reference logprobs"):
+        attach_reference_logprobs(episodes[:1], logprobs_NL)
+
+
+def test_per_token_fields_must_match_the_completion_length():
+    with pytest.raises(ValueError, match="sampling_support"):
+        Completion([1, 2], [-0.1, -0.2], [0, 0], sampling_support=[[1]])

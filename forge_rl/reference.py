@@ -1,0 +1,49 @@
+"""The frozen reference policy of the KL penalty (`trainer.loss.kl_beta` > 0). Plain PyTorch.
+
+The reference model is the initial policy, never trained. It runs on its own processes
+(forge_rl/actors/reference.py), between the scorer and the replay buffer: every completion enters
+the buffer with `Completion.reference_logprobs`, so the trainer step needs no second model. Its
+logprobs are taken like the trainer's (the generator's temperature and top-k/top-p kept sets,
+`forge_rl.batching.token_logprobs`), so the KL compares two distributions over the same support.
+With kl_beta = 0 (the default) nothing of this runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from forge_rl.models.titan import ParallelConfig
+from forge_rl.types import Episode
+
+
+@dataclass(frozen=True)
+class ReferenceConfig:
+    num_procs: int = 1
+    """Processes of the reference model; must equal parallel.dp_shard * parallel.tp. Spawned only
+    when trainer.loss.kl_beta > 0."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the reference processes split the model (FSDP2 shards the frozen weights too)."""
+    num_threads: int = 1
+    """Torch CPU threads per reference process."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_procs", "num_threads"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise ValueError(f"reference.{name} ({getattr(self, name)}) must be >= 1. Set --reference.{flag}.")
+
+
+def attach_reference_logprobs(episodes: list[Episode], logprobs_NL: torch.Tensor) -> list[Episode]:
+    """Store row n of `logprobs_NL` (rows in `make_train_batch` order: episode by episode, each
+    completion a row of prompt + completion) on the completions, without the prompt positions."""
+    row = 0
+    for episode in episodes:
+        start = len(episode.prompt_token_ids)
+        for completion in episode.completions:
+            completion.reference_logprobs = logprobs_NL[row, start : start + completion.num_tokens].tolist()
+            row += 1
+    if row != logprobs_NL.shape[0]:
+        raise ValueError(f"{logprobs_NL.shape[0]} rows of reference logprobs for {row} completions")
+    return episodes
