@@ -32,10 +32,21 @@ class TrainBatch:
     reference_logprobs_NL: torch.Tensor | None = None
     """[N, L] float32 logprob of each token under the frozen reference model, for the KL penalty
     (`LossConfig.kl_beta` > 0); None when no reference model runs."""
+    lengths_N: torch.Tensor | None = None
+    """[N] int64 real tokens (prompt + completion) of each row, the rest is padding; None means
+    every row is L long. The trainer's forward layout (`forge_rl.packing`) reads it."""
 
     @property
     def num_generated_tokens(self) -> int:
+        """Tokens that may reach the loss: real generated tokens, never padding."""
         return int(self.loss_mask_NL.sum())
+
+    @property
+    def row_lengths(self) -> list[int]:
+        """Real tokens of each row (`lengths_N`, or L for every row when it is None)."""
+        if self.lengths_N is None:
+            return [self.input_ids_NL.shape[1]] * self.input_ids_NL.shape[0]
+        return self.lengths_N.tolist()
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
         """Rows of data-parallel rank `rank` (contiguous blocks; N must divide evenly)."""
@@ -52,6 +63,7 @@ class TrainBatch:
             self.policy_versions_NL[sl],
             self.advantages_N[sl],
             None if reference is None else reference[sl],
+            None if self.lengths_N is None else self.lengths_N[sl],
         )
 
 
@@ -84,6 +96,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         policy_versions_NL=pad(versions, -1, torch.int64),
         advantages_N=torch.tensor(advantages, dtype=torch.float32),
+        lengths_N=torch.tensor([len(r) for r in rows], dtype=torch.int64),
     )
 
 
