@@ -40,10 +40,21 @@ class TrainBatch:
     reference_logprobs_NL: torch.Tensor | None = None
     """[N, L] float32 logprob of each token under the frozen reference model, for the KL penalty
     (`LossConfig.kl_beta` > 0); None when no reference model runs."""
+    lengths_N: torch.Tensor | None = None
+    """[N] int64 real tokens (prompt + completion) of each row, the rest is padding; None means
+    every row is L long. The trainer's forward layout (`forge_rl.packing`) reads it."""
 
     @property
     def num_generated_tokens(self) -> int:
+        """Tokens that may reach the loss: real generated tokens, never padding."""
         return int(self.loss_mask_NL.sum())
+
+    @property
+    def row_lengths(self) -> list[int]:
+        """Real tokens of each row (`lengths_N`, or L for every row when it is None)."""
+        if self.lengths_N is None:
+            return [self.input_ids_NL.shape[1]] * self.input_ids_NL.shape[0]
+        return self.lengths_N.tolist()
 
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
         """Rows of data-parallel rank `rank` (contiguous blocks; N must divide evenly)."""
@@ -99,6 +110,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=_pad_supports(supports, length),
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
+        lengths_N=torch.tensor([len(r) for r in rows], dtype=torch.int64),
     )
 
 
@@ -121,7 +133,7 @@ _NOT_KEPT = -1e30
 def token_logprobs(
     logits_NLV: torch.Tensor,
     input_ids_NL: torch.Tensor,
-    temperature_N: torch.Tensor | None = None,
+    temperature_NL: torch.Tensor | None = None,
     support_NLK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logprob of each token given its prefix, aligned to the token: [N, L] (position 0 gets 0).
@@ -130,10 +142,11 @@ def token_logprobs(
     token's kept set where `support_NLK` has one (top-k/top-p) and renormalized over it. Without
     the restriction every filtered token would look less likely to the trainer than it was to the
     generator (by the mass top-p cut off), and every importance ratio would be biased below 1.
+    `temperature_NL` is per token (its sequence's temperature; rows may pack several sequences).
     """
     scaled_NLV = logits_NLV[:, :-1].float()
-    if temperature_N is not None:
-        scaled_NLV = scaled_NLV / temperature_N.to(scaled_NLV.device)[:, None, None]
+    if temperature_NL is not None:
+        scaled_NLV = scaled_NLV / temperature_NL[:, 1:, None].to(scaled_NLV.device)
     next_tokens_NL = input_ids_NL[:, 1:]
     picked_NL = scaled_NLV.gather(-1, next_tokens_NL.unsqueeze(-1)).squeeze(-1)
     log_normalizer_NL = torch.logsumexp(scaled_NLV, dim=-1)

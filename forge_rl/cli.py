@@ -78,6 +78,7 @@ _BENCHMARKS = {
     "sampling-support": "Importance ratios under top-p with the trainer normalizing over the full vocabulary vs the kept sets.",
     "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
+    "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
 }
 
 
@@ -90,7 +91,7 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, weight_sync
+    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, trainer, weight_sync
     from forge_rl.yaml_config import ConfigError
 
     name = args[0]
@@ -100,6 +101,7 @@ def _run_bench(args: list[str]) -> None:
         "sampling-support": (sampling_support, sampling_support.SamplingSupportArgs),
         "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
+        "trainer": (trainer, trainer.TrainerBenchArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

@@ -176,12 +176,13 @@ class GRPOConfig:
                 f"({self.group_size}); a step trains whole groups. Set --train-batch-size to a multiple "
                 f"of {self.group_size}."
             )
-        dp_shard = self.trainer.parallel.dp_shard
-        if self.train_batch_size % dp_shard:
+        parallel = self.trainer.parallel
+        if self.train_batch_size % parallel.dp_degree:
             raise ConfigError(
-                f"train_batch_size ({self.train_batch_size}) is not divisible by "
-                f"trainer.parallel.dp_shard ({dp_shard}); each data-parallel rank takes an equal share. "
-                "Set --train-batch-size or --trainer.parallel.dp-shard."
+                f"train_batch_size ({self.train_batch_size}) is not divisible by trainer.parallel.dp_replicate "
+                f"({parallel.dp_replicate}) * trainer.parallel.dp_shard ({parallel.dp_shard}) = "
+                f"{parallel.dp_degree}; each data-parallel rank takes an equal share. Set --train-batch-size, "
+                "--trainer.parallel.dp-shard or --trainer.parallel.dp-replicate."
             )
         if self.buffer.capacity_episodes < self.prompts_per_step:
             raise ConfigError(

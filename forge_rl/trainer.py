@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from forge_rl.batching import TrainBatch, token_logprobs
+from forge_rl.batching import TrainBatch
 from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss
+from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.models.titan import (
     ParallelConfig,
     build_titan_model,
@@ -32,7 +33,7 @@ from forge_rl.models.titan import (
 @dataclass(frozen=True)
 class TrainerConfig:
     num_procs: int = 1
-    """Trainer processes; must equal parallel.dp_shard * parallel.tp."""
+    """Trainer processes; must equal parallel.dp_replicate * parallel.dp_shard * parallel.tp."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the processes split the model (FSDP2 and tensor parallelism)."""
     lr: float = 3e-4
@@ -54,6 +55,18 @@ class TrainerConfig:
     """A step whose loss or gradient norm is NaN/inf is skipped (weights, optimizer state and policy
     version untouched); this many non-finite steps in a row stop the run with an error (so 1 stops
     at the first)."""
+    batching: str = "pack"
+    """How each rank lays its rows out for the forward pass (forge_rl/packing.py): "pad" (one row
+    per completion, padded to the longest), "bucket" (rows sorted by length into a few micro-batches,
+    each padded to its own longest) or "pack" (several completions per row, attention kept within
+    each, positions restarting at 0). Logprobs and loss are the same in all three."""
+    activation_checkpointing: str = "none"
+    """"full" recomputes each transformer block's activations in the backward pass (TorchTitan's
+    FullAC, torch's checkpoint wrapper per block): less memory, about one more forward of compute."""
+    mixed_precision: str = "fp32"
+    """"bf16": forward and backward in bfloat16 with fp32 master weights, gradient reduction and
+    optimizer (FSDP2's MixedPrecisionPolicy over several processes, torch.autocast on one). Trainer
+    logprobs then differ from an fp32 generator's by bf16 rounding. "fp32": everything in fp32."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -64,6 +77,9 @@ class TrainerConfig:
             "max_grad_norm": (self.max_grad_norm > 0.0, "> 0 (inf disables clipping)"),
             "num_threads": (self.num_threads >= 1, ">= 1"),
             "max_consecutive_nonfinite_steps": (self.max_consecutive_nonfinite_steps >= 1, ">= 1"),
+            "batching": (self.batching in BATCHING_MODES, "one of " + ", ".join(BATCHING_MODES)),
+            "activation_checkpointing": (self.activation_checkpointing in ("none", "full"), "none or full"),
+            "mixed_precision": (self.mixed_precision in ("fp32", "bf16"), "fp32 or bf16"),
         }
         for name, (ok, constraint) in checks.items():
             if not ok:
@@ -101,11 +117,16 @@ class PolicyTrainer:
                 f"trainer.num_procs ({config.num_procs}) differs from WORLD_SIZE ({world_size}) set by the "
                 "launcher. Launch trainer.num_procs processes, or set --trainer.num-procs."
             )
-        self.model, parallel_dims = build_titan_model(model_dir, config.parallel, self.device)
-        # "batch" is TorchTitan's data-parallel mesh axis: ranks on it get different rows.
+        self.model, parallel_dims = build_titan_model(
+            model_dir, config.parallel, self.device, config.activation_checkpointing, config.mixed_precision
+        )
+        # One process has no FSDP2 MixedPrecisionPolicy; bf16 compute comes from autocast instead.
+        self._autocast_bf16 = config.mixed_precision == "bf16" and world_size == 1
+        # "batch" is TorchTitan's data-parallel mesh axis (dp_replicate x dp_shard): ranks on it get
+        # different rows.
         self._dp_group = parallel_dims.get_mesh("batch").get_group() if parallel_dims.dp_enabled else None
         self._dp_rank = dist.get_rank(self._dp_group) if self._dp_group is not None else 0
-        self._dp_size = config.parallel.dp_shard
+        self._dp_size = config.parallel.dp_degree
         # Sequence parallelism splits positions over TP ranks, so lengths are padded to a multiple.
         self._length_multiple = config.parallel.tp
         self.optimizer = torch.optim.AdamW(
@@ -118,26 +139,39 @@ class PolicyTrainer:
         self.policy_version = 0
         self.num_consecutive_nonfinite_steps = 0
 
-    def _logits(self, input_ids_NL: torch.Tensor) -> torch.Tensor:
-        """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably)."""
+    def _logits(
+        self, input_ids_NL: torch.Tensor, positions_NL: torch.Tensor | None = None, mask_N1LL: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably).
+
+        Without `positions_NL`/`mask_N1LL` each row is one causal sequence; with them (a packed
+        row, `forge_rl.packing.document_mask`) attention stays within each sequence.
+        """
         length = input_ids_NL.shape[1]
         padding = -length % self._length_multiple
-        # Right padding cannot change earlier positions under causal attention; it is cut off again.
-        input_ids_NL = torch.nn.functional.pad(input_ids_NL, (0, padding))
-        logits_NLV = self.model(input_ids_NL.to(self.device))
+        if padding:  # the packing layouts are already multiples
+            # Right padding cannot change earlier positions under causal attention; it is cut off again.
+            assert positions_NL is None and mask_N1LL is None
+            input_ids_NL = torch.nn.functional.pad(input_ids_NL, (0, padding))
+        positions_NL = None if positions_NL is None else positions_NL.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast_bf16):
+            logits_NLV = self.model(input_ids_NL.to(self.device), positions=positions_NL, attention_masks=mask_N1LL)
         if isinstance(logits_NLV, DTensor):
             logits_NLV = logits_NLV.full_tensor()
         return logits_NLV[:, :length].float()
 
-    def _token_logprobs(self, shard: TrainBatch) -> torch.Tensor:
-        """[N, L] logprobs of the shard's tokens under the distribution the generator sampled from
-        (its temperature and top-k/top-p kept sets; see `token_logprobs`)."""
-        return token_logprobs(
-            self._logits(shard.input_ids_NL),
-            shard.input_ids_NL.to(self.device),
-            shard.temperature_N,
-            shard.support_NLK,
+    def _token_logprobs(self, shard: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """[N, L] logprobs of the shard's tokens through the `trainer.batching` layout, under the
+        distribution the generator sampled from (temperature, top-k/top-p kept sets), and this
+        rank's token counts: real tokens through the model and slots (real + padding)."""
+        lengths = shard.row_lengths
+        microbatches = plan_microbatches(
+            lengths, self.config.batching, self._length_multiple, width=shard.input_ids_NL.shape[1]
         )
+        logprobs_NL = layout_token_logprobs(
+            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK
+        )
+        return logprobs_NL, {"input_tokens": float(sum(lengths)), "slots": float(sum(m.num_slots for m in microbatches))}
 
     def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         """Element-wise reduction over data-parallel ranks (identity on one rank)."""
@@ -167,7 +201,7 @@ class PolicyTrainer:
         shard = batch.shard(self._dp_rank, self._dp_size)
         global_tokens = max(batch.num_generated_tokens, 1)
         local_tokens = shard.num_generated_tokens
-        logprobs_NL = self._token_logprobs(shard)
+        logprobs_NL, layout_counts = self._token_logprobs(shard)
         reference_NL = shard.reference_logprobs_NL
         local_loss, loss_metrics = policy_loss(
             logprobs_NL,
@@ -186,7 +220,9 @@ class PolicyTrainer:
         share = local_tokens / global_tokens
         # Reduced before backward, so every rank sees the same value and skips together.
         metrics = self._global_metrics(loss, loss_metrics, share)
+        # Real generated tokens (the loss's tokens); padding is never counted.
         metrics["num_tokens"] = float(batch.num_generated_tokens)
+        metrics.update(self._layout_metrics(layout_counts))
         if not math.isfinite(metrics["loss"]):
             return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
         loss.backward()
@@ -201,6 +237,12 @@ class PolicyTrainer:
         metrics["step_skipped"] = 0
         metrics["step_time_s"] = time.perf_counter() - start
         return metrics
+
+    def _layout_metrics(self, counts: dict[str, float]) -> dict[str, float]:
+        """Batch-wide real tokens through the model (prompt + completion) and the fraction of
+        forward slots that were padding under `trainer.batching`."""
+        input_tokens, slots = self._dp_reduce([counts["input_tokens"], counts["slots"]], dist.ReduceOp.SUM)
+        return {"num_input_tokens": input_tokens, "padding_fraction": 1.0 - input_tokens / max(slots, 1.0)}
 
     def _clip_grad_norm(self) -> float:
         """Clip to max_grad_norm; returns the global norm before clipping (DTensor shards reduced)."""
@@ -235,9 +277,10 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[N, L] fp32 logprob of each token under the current weights (0 at position 0), on CPU."""
+        """[N, L] fp32 logprob of each token under the current weights (0 at position 0 and on
+        padding), on CPU."""
         shard = batch.shard(self._dp_rank, self._dp_size)
-        logprobs_NL = self._token_logprobs(shard)
+        logprobs_NL, _ = self._token_logprobs(shard)
         if self._dp_group is None:
             return logprobs_NL.cpu()
         pieces = [torch.empty_like(logprobs_NL) for _ in range(self._dp_size)]

@@ -33,8 +33,12 @@ from forge_rl.models.hf_checkpoint import load_hf_state_dict
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the trainer's processes split the model: trainer.num_procs = dp_shard * tp."""
+    """How the trainer's processes split the model: trainer.num_procs = dp_replicate * dp_shard * tp."""
 
+    dp_replicate: int = 1
+    """HSDP replica groups: each of dp_replicate groups of dp_shard ranks holds a full FSDP2-sharded
+    copy of the model; gradients are reduce-scattered within a group and all-reduced across groups.
+    Ranks of different groups train on different rows, like dp_shard ranks."""
     dp_shard: int = 1
     """FSDP2 degree: ranks that shard parameters, gradients and optimizer state, each training on
     its own slice of the batch rows (the batch's row count must divide evenly by it)."""
@@ -42,8 +46,13 @@ class ParallelConfig:
     """Tensor-parallel degree: ranks that split attention heads and MLP columns and see the same
     rows. Must divide the model's num_attention_heads and num_key_value_heads."""
 
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks, each with its own rows: dp_replicate * dp_shard."""
+        return self.dp_replicate * self.dp_shard
+
     def __post_init__(self) -> None:
-        for name in ("dp_shard", "tp"):
+        for name in ("dp_replicate", "dp_shard", "tp"):
             value = getattr(self, name)
             if value < 1:
                 flag = name.replace("_", "-")
@@ -68,12 +77,14 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
 
     `section` is the config section the fields live in: "trainer", or "reference" for the frozen
     reference model of the KL penalty."""
-    if parallel.dp_shard * parallel.tp != num_procs:
+    product = parallel.dp_replicate * parallel.dp_shard * parallel.tp
+    if product != num_procs:
         raise ValueError(
-            f"{section}.parallel.dp_shard ({parallel.dp_shard}) * {section}.parallel.tp ({parallel.tp}) = "
-            f"{parallel.dp_shard * parallel.tp} must equal {section}.num_procs ({num_procs}). Set "
+            f"{section}.parallel.dp_replicate ({parallel.dp_replicate}) * {section}.parallel.dp_shard "
+            f"({parallel.dp_shard}) * {section}.parallel.tp ({parallel.tp}) = {product} must equal "
+            f"{section}.num_procs ({num_procs}). Set --{section}.parallel.dp-replicate, "
             f"--{section}.parallel.dp-shard and --{section}.parallel.tp so that their product is {num_procs}, "
-            f"or set --{section}.num-procs {parallel.dp_shard * parallel.tp}."
+            f"or set --{section}.num-procs {product}."
         )
     n_heads = hf_config["num_attention_heads"]
     n_kv_heads = hf_config.get("num_key_value_heads") or n_heads
@@ -84,23 +95,24 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
             f"{section}.parallel.tp ({parallel.tp}) must divide the model's num_attention_heads ({n_heads}) "
             f"and num_key_value_heads ({n_kv_heads}). Set --{section}.parallel.tp to {choices}."
         )
-    if hf_config.get("tie_word_embeddings") and parallel.tp > 1 and parallel.dp_shard > 1:
+    if hf_config.get("tie_word_embeddings") and parallel.tp > 1 and parallel.dp_degree > 1:
         # See _retie_embeddings: the tie can be restored after TP only while FSDP2 is off.
         raise ValueError(
             f"{section}.parallel.tp ({parallel.tp}) together with {section}.parallel.dp_shard "
-            f"({parallel.dp_shard}) cannot train a checkpoint with tie_word_embeddings=true: TorchTitan "
-            "0.3.0's TP unties embed_tokens and lm_head before FSDP2 wraps them. Set "
-            f"--{section}.parallel.tp 1 (FSDP2 only) or --{section}.parallel.dp-shard 1 (TP only)."
+            f"({parallel.dp_shard}) * {section}.parallel.dp_replicate ({parallel.dp_replicate}) > 1 cannot "
+            "train a checkpoint with tie_word_embeddings=true: TorchTitan 0.3.0's TP unties embed_tokens "
+            f"and lm_head before FSDP2 wraps them. Set --{section}.parallel.tp 1 (FSDP2 only) or "
+            f"--{section}.parallel.dp-shard 1 --{section}.parallel.dp-replicate 1 (TP only)."
         )
 
 
 def _inner_attention_config():
-    """SDPA, not TorchTitan's flex/varlen: each row is one right-padded sequence, so plain causal
-    attention is exact, and flex has no CPU backward while varlen has no CPU kernel. The model is
-    then called without attention masks."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    """SDPA, not TorchTitan's flex/varlen (flex has no CPU backward, varlen no CPU kernel): plain
+    causal when the model is called without attention masks (a right-padded sequence per row), or
+    restricted to documents by a boolean mask when sequences are packed (`forge_rl.packing`)."""
+    from forge_rl.models.document_attention import DocumentCausalSDPA
 
-    return ScaledDotProductAttention.Config()
+    return DocumentCausalSDPA.Config()
 
 
 def _point_torchtitan_at_cpu() -> None:
@@ -120,6 +132,7 @@ def _parallelism_config(parallel: ParallelConfig):
 
     # partial_dtensor: DTensors on the TP axis only; the default spmd_types and full_dtensor fail on CPU.
     return ParallelismConfig(
+        data_parallel_replicate_degree=parallel.dp_replicate,
         data_parallel_shard_degree=parallel.dp_shard,
         tensor_parallel_degree=parallel.tp,
         spmd_backend="partial_dtensor",
@@ -136,20 +149,30 @@ def init_process_group_from_env(device: torch.device) -> tuple[int, int]:
     return rank, world_size
 
 
-def _parallelize(model, family: ModelFamily, parallelism, parallel_dims) -> None:
-    """The family's own TorchTitan TP + FSDP2 recipe, in fp32 so trainer and generator logprobs agree."""
+def _activation_checkpointing_config(activation_checkpointing: str):
+    """TorchTitan's full AC (each transformer block recomputed in backward), or None."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    return FullAC.Config() if activation_checkpointing == "full" else None
+
+
+def _parallelize(model, family: ModelFamily, parallelism, parallel_dims, ac_config, mixed_precision: str) -> None:
+    """The family's own TorchTitan TP + AC + FSDP2 recipe. FSDP2 computes in fp32 (trainer and
+    generator logprobs agree) or, with mixed_precision "bf16", casts parameters to bf16 for the
+    forward and backward while gradients are reduced and the optimizer steps in fp32."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.utils import set_spmd_backend
 
     set_spmd_backend(parallelism.spmd_backend)
+    param_dtype = "bfloat16" if mixed_precision == "bf16" else "float32"
     resolve(family.parallelize_fn)(
         model,
         parallel_dims=parallel_dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
+        training=TrainingConfig(mixed_precision_param=param_dtype, mixed_precision_reduce="float32"),
         parallelism=parallelism,
         compile_config=CompileConfig(),
-        ac_config=None,
+        ac_config=ac_config,
         dump_folder="",
     )
     if model.enable_weight_tying and parallel_dims.tp_enabled:
@@ -176,9 +199,19 @@ def _retie_embeddings(model) -> None:
         model.tok_embeddings.weight = head
 
 
-def build_titan_model(model_dir: Path | str, parallel: ParallelConfig, device: torch.device):
+def build_titan_model(
+    model_dir: Path | str,
+    parallel: ParallelConfig,
+    device: torch.device,
+    activation_checkpointing: str = "none",
+    mixed_precision: str = "fp32",
+):
     """(model, ParallelDims): the HF checkpoint as its TorchTitan family's model, parallelized over
-    WORLD_SIZE.
+    WORLD_SIZE, with `activation_checkpointing` ("none" | "full") applied per transformer block.
+
+    `mixed_precision` "bf16" is FSDP2's MixedPrecisionPolicy (bf16 parameters in forward/backward,
+    fp32 reduction) over more than one process; on one process there is no FSDP2 and the caller
+    runs the forward under torch.autocast instead (see PolicyTrainer).
 
     Every rank reads the full checkpoint, then TP/FSDP keep each rank's shard. FSDP2 gradient
     division is off (TorchTitan's choice): gradients are summed over data-parallel ranks, so the
@@ -201,8 +234,11 @@ def build_titan_model(model_dir: Path | str, parallel: ParallelConfig, device: t
     adapter = resolve(family.adapter_class)(model_config, None)
     model.load_state_dict(adapter.from_hf(load_hf_state_dict(model_dir)), strict=True)
     parallel_dims = ParallelDims.from_config(parallelism, world_size)
+    ac_config = _activation_checkpointing_config(activation_checkpointing)
     if world_size > 1:
-        _parallelize(model, family, parallelism, parallel_dims)
+        _parallelize(model, family, parallelism, parallel_dims, ac_config, mixed_precision)
+    elif ac_config is not None:
+        ac_config.build(dump_folder="").apply(model)
     return model, parallel_dims
 
 

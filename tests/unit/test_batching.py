@@ -87,7 +87,7 @@ def test_token_logprobs_divide_by_temperature_and_renormalize_over_the_kept_set(
     support = torch.full((2, 4, 3), -1)
     support[0, 2] = torch.tensor([1, 4, 2])  # token 1 drawn from {1, 4, 2}
     support[1, 3, :2] = torch.tensor([0, 5])  # token 0 drawn from {0, 5}; other positions: whole vocab
-    logprobs = token_logprobs(logits, ids, temperature, support)
+    logprobs = token_logprobs(logits, ids, temperature[:, None].expand(2, 4), support)
     for n in range(2):
         for j in range(1, 4):
             kept = [v for v in support[n, j].tolist() if v >= 0] or None

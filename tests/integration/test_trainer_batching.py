@@ -1,0 +1,172 @@
+"""Trainer layouts and options on the tiny Llama: pad, bucket and pack give the same logprobs, loss
+and weights (1 process, and FSDP2 / TP / HSDP over 2 gloo processes); activation checkpointing
+changes nothing but memory; bf16 mixed precision trains close to fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from forge_rl.batching import make_train_batch
+from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.models.titan import ParallelConfig
+from forge_rl.packing import layout_token_logprobs, plan_microbatches
+from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.types import Completion, Episode
+from tests.integration.test_trainer import LAUNCH_ENV, PARITY_CONFIG, _free_port
+
+pytestmark = pytest.mark.integration
+
+NUM_STEPS = 2
+TOLERANCE = 1e-5
+# Depend on the layout by definition, or on the clock.
+LAYOUT_METRICS = ("padding_fraction", "step_time_s")
+
+
+def long_tail_episodes(num_episodes: int = 4, group_size: int = 4, seed: int = 0) -> list[Episode]:
+    """Completions of Pareto(1)-like lengths 2..80 after a 4-token prompt: most short, a few long."""
+    rng = random.Random(seed)
+    episodes = []
+    for e in range(num_episodes):
+        completions = []
+        for _ in range(group_size):
+            n = min(int(2 / (1 - rng.random())), 80)
+            completions.append(
+                Completion(
+                    token_ids=[rng.randrange(4, 60) for _ in range(n)],
+                    logprobs=[rng.uniform(-3.0, -0.1) for _ in range(n)],
+                    policy_versions=[0] * n,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
+        episodes.append(Episode(e, f"P{e}=", "", [1, 10 + e, 20 + e, 14], completions))
+    return episodes
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    with pytest.MonkeyPatch.context() as patch:
+        for name in LAUNCH_ENV:
+            patch.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_train_batch(long_tail_episodes(), pad_id=0)
+
+
+def _run(config: TrainerConfig, model_dir: Path, batch) -> dict:
+    trainer = PolicyTrainer(config, model_dir)
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
+    return {"logprobs": logprobs, "metrics": metrics, "state_dict": trainer.hf_state_dict()}
+
+
+@pytest.fixture(scope="module")
+def padded(model_dir, batch, single_process):
+    return _run(dataclasses.replace(PARITY_CONFIG, batching="pad"), model_dir, batch)
+
+
+def _assert_same_run(result: dict, expected: dict, batch, tolerance: float = TOLERANCE) -> None:
+    real = torch.zeros_like(batch.loss_mask_NL)
+    for i, n in enumerate(batch.row_lengths):
+        real[i, 1:n] = True  # position 0 has no prediction; the rest of the row is padding
+    assert (result["logprobs"] - expected["logprobs"])[real].abs().max() < tolerance
+    assert (result["logprobs"][~real] == 0).all()
+    for step, reference in zip(result["metrics"], expected["metrics"], strict=True):
+        comparable = {k: v for k, v in reference.items() if k not in LAYOUT_METRICS}
+        assert {k: step[k] for k in comparable} == pytest.approx(comparable, abs=tolerance)
+    for name, tensor in expected["state_dict"].items():
+        assert (result["state_dict"][name] - tensor).abs().max() < tolerance, name
+
+
+def test_the_long_tail_batch_really_packs(batch):
+    lengths = batch.row_lengths
+    assert max(lengths) >= 4 * sorted(lengths)[len(lengths) // 2]
+    (packed,) = plan_microbatches(lengths, "pack")
+    assert packed.num_rows < len(lengths) / 2
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"batching": "bucket"}, {"batching": "pack"}, {"batching": "pack", "activation_checkpointing": "full"}],
+    ids=["bucket", "pack", "pack+full_ac"],
+)
+def test_layouts_give_the_padded_logprobs_loss_and_weights(options, model_dir, batch, padded, single_process):
+    result = _run(dataclasses.replace(PARITY_CONFIG, **options), model_dir, batch)
+    _assert_same_run(result, padded, batch)
+    assert result["metrics"][0]["padding_fraction"] < padded["metrics"][0]["padding_fraction"] / 2
+    # Trained tokens are real generated tokens in every layout, padding never.
+    assert result["metrics"][0]["num_tokens"] == padded["metrics"][0]["num_tokens"] == batch.loss_mask_NL.sum()
+    assert result["metrics"][0]["num_input_tokens"] == sum(batch.row_lengths)
+
+
+def test_packed_rows_without_the_document_mask_would_leak_across_sequences(model_dir, batch, single_process):
+    """Guards the test above: it can only pass if the mask and restarted positions do their job."""
+    trainer = PolicyTrainer(PARITY_CONFIG, model_dir)
+    lengths, ids = batch.row_lengths, batch.input_ids_NL
+    with torch.no_grad():
+        masked = layout_token_logprobs(trainer._logits, ids, lengths, plan_microbatches(lengths, "pack"))
+        unmasked = layout_token_logprobs(
+            lambda ids_RW, positions, mask: trainer._logits(ids_RW), ids, lengths, plan_microbatches(lengths, "pack")
+        )
+    assert (masked - unmasked).abs().max() > 1e-2
+
+
+def test_bf16_mixed_precision_trains_close_to_fp32(model_dir, batch, padded, single_process):
+    result = _run(dataclasses.replace(PARITY_CONFIG, mixed_precision="bf16"), model_dir, batch)
+    difference = (result["logprobs"] - padded["logprobs"])[batch.loss_mask_NL].abs().max()
+    assert 1e-4 < difference < 5e-2  # bf16 rounding shows, and stays small
+    assert result["metrics"][-1]["loss"] == pytest.approx(padded["metrics"][-1]["loss"], abs=1e-2)
+
+
+def _run_rank(rank: int, port: int, config: TrainerConfig, model_dir: Path, batch, out: Path):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    result = _run(config, model_dir, batch)
+    if rank == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "parallel,options",
+    [
+        (ParallelConfig(dp_shard=2), {"batching": "pack"}),
+        (ParallelConfig(tp=2), {"batching": "pack"}),
+        (ParallelConfig(dp_replicate=2), {"batching": "bucket", "activation_checkpointing": "full"}),
+    ],
+    ids=["fsdp2_pack", "tp2_pack", "hsdp_replicate2_bucket_ac"],
+)
+def test_two_processes_in_any_layout_match_one_padded(parallel, options, model_dir, batch, padded, tmp_path):
+    out = tmp_path / "rank0.pt"
+    config = dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel, **options)
+    mp.spawn(_run_rank, args=(_free_port(), config, model_dir, batch, out), nprocs=2, join=True)
+    _assert_same_run(torch.load(out), padded, batch)
+
+
+def test_bf16_over_fsdp2_on_two_processes_trains_close_to_fp32(model_dir, batch, padded, tmp_path):
+    out = tmp_path / "rank0.pt"
+    config = dataclasses.replace(
+        PARITY_CONFIG, num_procs=2, parallel=ParallelConfig(dp_shard=2), mixed_precision="bf16"
+    )
+    mp.spawn(_run_rank, args=(_free_port(), config, model_dir, batch, out), nprocs=2, join=True)
+    result = torch.load(out)
+    difference = (result["logprobs"] - padded["logprobs"])[batch.loss_mask_NL].abs().max()
+    assert 1e-4 < difference < 5e-2  # bf16 rounding shows, and stays small
+    assert result["metrics"][-1]["loss"] == pytest.approx(padded["metrics"][-1]["loss"], abs=1e-2)
