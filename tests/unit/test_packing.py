@@ -81,6 +81,23 @@ def test_layouts_map_logprobs_back_to_the_padded_rows(mode):
         assert padded[i, 0] == 0 and (padded[i, n:] == 0).all() and (padded[i, 1:n] != 0).all()
 
 
+@pytest.mark.parametrize("mode", ["bucket", "pack"])
+def test_layouts_keep_each_sequences_temperature_and_kept_sets(mode):
+    lengths = [6, 1, 3, 2, 5]
+    ids = torch.randint(0, 8, (5, 6), generator=torch.Generator().manual_seed(0))
+    temperature = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3])
+    support = torch.full((5, 6, 3), -1)
+    support[0, 2] = torch.tensor([ids[0, 2].item(), (ids[0, 2].item() + 1) % 8, (ids[0, 2].item() + 2) % 8])
+    support[4, 3, 0] = ids[4, 3]  # a kept set of one token: logprob 0
+    forward = _bag_of_prefix_forward()
+    padded = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, "pad"), temperature, support)
+    other = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, mode), temperature, support)
+    assert torch.allclose(padded, other, atol=1e-6)
+    assert padded[4, 3].item() == pytest.approx(0.0, abs=1e-6)
+    plain = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, "pad"))
+    assert not torch.allclose(plain[0], padded[0])  # temperature 0.5 changes row 0
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="'zip' is not one of pad, bucket, pack"):
         plan_microbatches([1], "zip")
