@@ -1,5 +1,5 @@
-"""`forge-rl plot RUN_DIR`: a PNG dashboard of a run's metrics.jsonl (and timeline.json, once the run
-has ended). Works on a live run too: it reads whatever steps are logged so far.
+"""`forge-rl plot RUN_DIR`: a PNG dashboard of a run's metrics.jsonl and timeline.jsonl. Works on a
+live run too: it reads whatever steps and intervals are logged so far.
 
     reward               | tokens/s (generated, trained) | policy-age histogram (all steps)
     policy age over time | weight publish / load times    | replay buffer occupancy vs capacity
@@ -132,9 +132,9 @@ def _policy_age_histogram(axis, metrics: list[dict]) -> None:
 
 
 def _idle_fractions(axis, run_dir: Path, metrics: list[dict]) -> None:
-    """Per component from timeline.json (written when the run ends); while a run is live, the
-    controller's running idle fractions from metrics.jsonl."""
-    timeline_path = run_dir / "timeline.json"
+    """Per component from timeline.jsonl; before the run's
+    first interval ends, the controller's running idle fractions from metrics.jsonl."""
+    timeline_path = run_dir / "timeline.jsonl"
     if not timeline_path.is_file():
         keys = sorted({k for m in metrics for k in m if k.startswith("idle_fraction/")})
         _lines(axis, "idle fraction since start", [(k, k.removeprefix("idle_fraction/")) for k in keys], metrics)

@@ -1,7 +1,8 @@
 """Busy intervals of each component, for idle fractions, pipeline bounds and Gantt charts.
 
 The controller records an interval around every call it makes to a component (a generator's
-`generate`, the scorer, the trainer's step, a weight update). Times are seconds since the origin
+`generate`, the scorer, the trainer's step, a weight update), appended to RUN_DIR/timeline.jsonl as
+it ends. Times are seconds since the origin
 (the start of the run's loops) on the controller's monotonic clock. Concurrent calls on one
 component overlap; busy time is the length of their union.
 """
@@ -26,11 +27,22 @@ class Interval:
 
 
 class Timeline:
-    def __init__(self) -> None:
+    """Records busy intervals as they end: appended to a JSON-lines file (when given a path), and
+    summed per component in memory, so a run of any length keeps constant memory and computes its
+    idle fractions in constant time per step (a list of every interval, re-merged every step, grew
+    without bound and made each step slower than the last)."""
+
+    def __init__(self, path: Path | None = None) -> None:
         self.origin = time.monotonic()
         self.origin_unix_time = time.time()
         """The origin on the wall clock, to relate the timeline to events timed elsewhere."""
-        self.intervals: list[Interval] = []
+        self._file = None if path is None else open(path, "a", buffering=1)
+        self._active: dict[str, int] = {}
+        """Calls in progress per component."""
+        self._busy_since: dict[str, float] = {}
+        """When each component with calls in progress became busy."""
+        self._busy_total_s: dict[str, float] = {}
+        """Busy time (union of intervals) of each component up to its last idle moment."""
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -38,17 +50,35 @@ class Timeline:
     @contextlib.contextmanager
     def busy(self, component: str, num_sequences: int = 0) -> Iterator[None]:
         start = self.now()
+        if not self._active.get(component):
+            self._busy_since[component] = start
+        self._active[component] = self._active.get(component, 0) + 1
         try:
             yield
         finally:
-            self.intervals.append(Interval(component, start, self.now(), num_sequences))
+            end = self.now()
+            self._active[component] -= 1
+            if not self._active[component]:
+                self._busy_total_s[component] = self._busy_total_s.get(component, 0.0) + end - self._busy_since[component]
+            if self._file is not None:
+                self._file.write(json.dumps(asdict(Interval(component, start, end, num_sequences))) + "\n")
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps([asdict(i) for i in self.intervals]))
+    def busy_s(self, component: str) -> float:
+        """Busy time of `component` from the origin until now (overlapping calls count once)."""
+        total = self._busy_total_s.get(component, 0.0)
+        if self._active.get(component):
+            total += self.now() - self._busy_since[component]
+        return total
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     @staticmethod
     def load(path: Path) -> list[Interval]:
-        return [Interval(**i) for i in json.loads(path.read_text())]
+        """The intervals a run wrote (RUN_DIR/timeline.jsonl), in the order they ended."""
+        return [Interval(**json.loads(line)) for line in path.read_text().splitlines() if line]
 
 
 def merged(intervals: list[Interval], start_s: float, end_s: float) -> list[tuple[float, float]]:

@@ -55,7 +55,7 @@ from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
 from forge_rl.store.actors import spawn_store
 from forge_rl.store.shm import SharedMemorySnapshots, default_store_root
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.timeline import Timeline, busy_s
+from forge_rl.timeline import Timeline
 from forge_rl.types import Episode
 
 # Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches).
@@ -234,8 +234,8 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
 async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
     """Generation rate since the previous step, idle fractions since the loops started, buffer."""
     timeline, now = state.timeline, state.timeline.now()
-    trainer_busy = busy_s(timeline.intervals, "trainer", 0.0, now)
-    generator_busy = [busy_s(timeline.intervals, f"generator{i}", 0.0, now) for i in range(state.config.num_generators)]
+    trainer_busy = timeline.busy_s("trainer")
+    generator_busy = [timeline.busy_s(f"generator{i}") for i in range(state.config.num_generators)]
     generated_tokens_per_s = (state.num_generated_tokens - state.generated_tokens_at_last_step) / max(
         now - state.last_step_end_s, 1e-9
     )
@@ -334,7 +334,9 @@ async def run(config: GRPOConfig) -> dict:
 
 async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[dict], dict]:
     """The rollout loops and the train loop until `config.steps` steps are trained."""
-    state = PipelineState(config, generator_versions=[0] * config.num_generators)
+    state = PipelineState(
+        config, generator_versions=[0] * config.num_generators, timeline=Timeline(run_path / "timeline.jsonl")
+    )
     metrics_logger = MetricsLogger(
         run_path / "metrics.jsonl",
         config.steps,
@@ -353,7 +355,7 @@ async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[
             task.cancel()
         await asyncio.gather(*rollouts, return_exceptions=True)
         metrics_logger.close()
-        state.timeline.save(run_path / "timeline.json")
+        state.timeline.close()
         (run_path / "timeline_origin.json").write_text(json.dumps({"unix_time": state.timeline.origin_unix_time}))
     buffer_stats = await actors.buffer.stats.call_one()
     return history, state.accounting.summary(buffer_stats["buffer/dropped_episodes"])

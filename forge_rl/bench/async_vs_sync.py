@@ -55,7 +55,7 @@ def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age:
 
 def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
     metrics = read_metrics(run_path)
-    intervals = Timeline.load(run_path / "timeline.json")
+    intervals = Timeline.load(run_path / "timeline.jsonl")
     loop_s = metrics[-1]["wall_time_s"]
     generator_busy = max(busy_s(intervals, f"generator{i}", 0.0, loop_s) for i in range(num_generators))
     trainer_busy = busy_s(intervals, "trainer", 0.0, loop_s)
@@ -103,7 +103,7 @@ def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> No
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 * len(runs)), squeeze=False)
     for axis, (mode, run_path) in zip(axes[:, 0], runs.items()):
-        metrics, intervals = read_metrics(run_path), Timeline.load(run_path / "timeline.json")
+        metrics, intervals = read_metrics(run_path), Timeline.load(run_path / "timeline.jsonl")
         middle = len(metrics) // 2
         start = metrics[middle - 1]["wall_time_s"]
         end = metrics[min(middle + num_steps_shown, len(metrics)) - 1]["wall_time_s"]

@@ -43,17 +43,45 @@ class SoakArgs:
     """Where the run directory, soak.json and soak.png go."""
 
 
-def process_tree_memory(root: psutil.Process) -> tuple[int, int]:
-    """(total RSS, total USS) in bytes of `root` and its descendants."""
+def process_tree_memory(root: psutil.Process) -> tuple[int, int, dict[str, int]]:
+    """(total RSS, total USS, USS by role) in bytes of `root` and its descendants (see `role`)."""
     rss = uss = 0
+    by_role: dict[str, int] = {}
     for process in [root, *root.children(recursive=True)]:
         try:
             info = process.memory_full_info()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            name = role(process, root)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         rss += info.rss
         uss += info.uss
-    return rss, uss
+        by_role[name] = by_role.get(name, 0) + info.uss
+    return rss, uss, by_role
+
+
+def role(process: psutil.Process, root: psutil.Process) -> str:
+    """What a process of the run is, from its command line and its children: the controller, a
+    Monarch proc hosting a generator (its child is vLLM's engine core), the services (their
+    children are reward workers), a trainer or reference rank (any other Monarch proc), or one
+    of vLLM's and the scorer's own processes."""
+    if process.pid == root.pid:
+        return "controller"
+    command = " ".join(process.cmdline())
+    name = process.name()
+    if "EngineCore" in name or "EngineCore" in command:
+        return "vllm_engine_core"
+    if "Worker" in name and "VLLM" in name:
+        return "vllm_worker"
+    if "forge_rl.scoring" in command:
+        return "reward_worker"
+    if "monarch" not in command:
+        return "other"
+    children = " ".join(" ".join(c.cmdline()) + c.name() for c in process.children())
+    if "EngineCore" in children:
+        return "generator_proc"
+    if "forge_rl.scoring" in children:
+        return "services_proc"
+    return "trainer_proc"
 
 
 def main(args: SoakArgs) -> dict:
@@ -79,13 +107,19 @@ def main(args: SoakArgs) -> dict:
                 deadline = first_step_at + args.duration_s
                 progress(f"bench soak: training; sampling memory for {args.duration_s:.0f} s")
             if first_step_at is not None:
-                rss, uss = process_tree_memory(psutil.Process(process.pid))
-                samples.append({"t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss})
+                rss, uss, by_role = process_tree_memory(psutil.Process(process.pid))
+                samples.append(
+                    {"t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss, "uss_by_role": by_role}
+                )
                 samples_file.write(json.dumps(samples[-1]) + "\n")
     finally:
         samples_file.close()
         stop(process)
     summary = summarize(samples, read_metrics(run_path), base, args)
+    print(f"USS after warm-up {summary['uss_after_warmup_mb']:.0f} MB, at the end {summary['uss_at_end_mb']:.0f} MB "
+          f"({summary['memory_growth_fraction']:+.1%}); growth by process role:")
+    for name, growth_mb in summary["uss_growth_mb_by_role"].items():
+        print(f"  {name:<18}{growth_mb:+9.1f} MB")
     (args.out_dir / "soak.json").write_text(json.dumps({**summary, "samples": samples}, indent=2))
     plot(samples, args, args.out_dir / "soak.png")
     return summary
@@ -111,12 +145,24 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
         return sum(s["uss_bytes"] for s in window) / len(window)
 
     start, end = mean_uss(after_warmup[:_SAMPLES_PER_END]), mean_uss(after_warmup[-_SAMPLES_PER_END:])
+
+    def mean_by_role(window: list[dict]) -> dict[str, float]:
+        roles = {name for s in window for name in s.get("uss_by_role", {})}
+        return {name: sum(s.get("uss_by_role", {}).get(name, 0) for s in window) / len(window) for name in roles}
+
+    role_start = mean_by_role(after_warmup[:_SAMPLES_PER_END])
+    role_end = mean_by_role(after_warmup[-_SAMPLES_PER_END:])
     return {
         "duration_s": samples[-1]["t_s"],
         "steps": len(metrics),
         "uss_after_warmup_mb": start / 2**20,
         "uss_at_end_mb": end / 2**20,
         "memory_growth_fraction": (end - start) / start,
+        # Which processes grew: the place to look when the total does.
+        "uss_growth_mb_by_role": {
+            name: (role_end.get(name, 0.0) - role_start.get(name, 0.0)) / 2**20
+            for name in sorted(set(role_start) | set(role_end))
+        },
         "buffer_max_episodes": max(m["buffer/size"] for m in metrics),
         "buffer_capacity_episodes": config.buffer.capacity_episodes,
         "final_mean_reward": metrics[-1]["reward/mean"],

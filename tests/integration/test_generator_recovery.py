@@ -81,7 +81,7 @@ def test_the_replacement_serves_within_its_engine_start_plus_ten_seconds_at_the_
 def test_the_other_generator_keeps_serving_meanwhile(recovered_run):
     summary, killed_at, _, run_path, _ = recovered_run
     [event] = summary["generator_recoveries"]
-    intervals = Timeline.load(run_path / "timeline.json")
+    intervals = Timeline.load(run_path / "timeline.jsonl")
     started = json.loads((run_path / "timeline_origin.json").read_text())["unix_time"]
     outage = (killed_at - started, event["serving_at"] - started)
     served = [i for i in intervals if i.component == "generator1" and outage[0] < i.end_s < outage[1]]

@@ -36,7 +36,6 @@ pytestmark = pytest.mark.integration
 FAMILIES = ("llama3", "qwen3")
 LOGITS_ATOL = 1e-4
 MAX_MISMATCH_KL = 1e-3
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Per family: (transformers config class, fields that differ, save_pretrained max_shard_size).
 CHECKPOINTS = {
     "llama3": ("LlamaConfig", dict(head_dim=32, tie_word_embeddings=False, rope_theta=10000.0), "200KB"),
@@ -112,14 +111,6 @@ def _episodes() -> list[Episode]:
         ]
         episodes.append(Episode(e, f"P{e}=", "", [1, 10 + e, 20 + e, 14], completions))
     return episodes
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    with pytest.MonkeyPatch.context() as patch:
-        for name in LAUNCH_ENV:
-            patch.delenv(name, raising=False)
-        yield
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

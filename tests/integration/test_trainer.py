@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from forge_rl.batching import TrainBatch, make_train_batch
-from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
@@ -32,7 +31,6 @@ NUM_STEPS = 3
 # default eps 1e-8 lets those differences swing the update by a good fraction of lr (seen: 5e-5 under
 # TP). With eps 1e-5 a gradient difference of 1e-8 moves the update by at most lr * 1e-3.
 PARITY_CONFIG = TrainerConfig(adam_eps=1e-5)
-LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _episodes() -> list[Episode]:
@@ -51,19 +49,6 @@ def _episodes() -> list[Episode]:
         ]
         episodes.append(Episode(e, f"P{e}=", "", [1, 10 + e, 20 + e, 14], completions))
     return episodes
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    with pytest.MonkeyPatch.context() as patch:
-        for name in LAUNCH_ENV:
-            patch.delenv(name, raising=False)
-        yield
 
 
 @pytest.fixture(scope="module")

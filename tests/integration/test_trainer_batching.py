@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from forge_rl.batching import make_train_batch
-from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.bench.trainer import TrainerBenchArgs
+from forge_rl.bench.trainer import long_tail_episodes as bench_episodes
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.integration.test_trainer import LAUNCH_ENV, PARITY_CONFIG, _free_port
+from tests.integration.test_trainer import PARITY_CONFIG, _free_port
 
 pytestmark = pytest.mark.integration
 
@@ -31,37 +31,10 @@ TOLERANCE = 1e-5
 LAYOUT_METRICS = ("padding_fraction", "step_time_s")
 
 
-def long_tail_episodes(num_episodes: int = 4, group_size: int = 4, seed: int = 0) -> list[Episode]:
-    """Completions of Pareto(1)-like lengths 2..80 after a 4-token prompt: most short, a few long."""
-    rng = random.Random(seed)
-    episodes = []
-    for e in range(num_episodes):
-        completions = []
-        for _ in range(group_size):
-            n = min(int(2 / (1 - rng.random())), 80)
-            completions.append(
-                Completion(
-                    token_ids=[rng.randrange(4, 60) for _ in range(n)],
-                    logprobs=[rng.uniform(-3.0, -0.1) for _ in range(n)],
-                    policy_versions=[0] * n,
-                    reward=float(rng.random() < 0.5),
-                )
-            )
-        episodes.append(Episode(e, f"P{e}=", "", [1, 10 + e, 20 + e, 14], completions))
-    return episodes
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def single_process():
-    with pytest.MonkeyPatch.context() as patch:
-        for name in LAUNCH_ENV:
-            patch.delenv(name, raising=False)
-        yield
+def long_tail_episodes() -> list[Episode]:
+    """4 groups of 4 completions of Pareto(1)-like lengths 2..80 after a 4-token prompt: most
+    short, a few long (the trainer benchmark's workload, smaller)."""
+    return bench_episodes(TrainerBenchArgs(num_prompts=4, group_size=4, min_completion=2, max_completion=80, prompt_tokens=4))
 
 
 @pytest.fixture(scope="module")

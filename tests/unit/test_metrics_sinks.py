@@ -185,7 +185,7 @@ def fabricated_run(run_path: Path, num_steps: int = 6, with_timeline: bool = Tru
     if with_timeline:
         intervals = [Interval("trainer", 2.0 * s, 2.0 * s + 0.5) for s in range(num_steps)]
         intervals += [Interval("generator0", 0.0, 2.0 * num_steps - 1, 8), Interval("scorer", 1.0, 1.1)]
-        (run_path / "timeline.json").write_text(json.dumps([i.__dict__ for i in intervals]))
+        (run_path / "timeline.jsonl").write_text("".join(json.dumps(i.__dict__) + "\n" for i in intervals))
     return run_path
 
 
