@@ -28,7 +28,7 @@ import re
 import time
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import Actor, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
@@ -77,8 +77,11 @@ class GeneratorPool(Actor):
         max_model_len: int,
         num_generators: int,
         store_index: StoreIndexActor,
+        hosts: list[HostMesh] | None = None,
     ):
         self.config = config
+        self.hosts = hosts
+        """Host of each generator (forge_rl/launch.py); None: this actor's host."""
         self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -166,7 +169,8 @@ class GeneratorPool(Actor):
 
     async def _start_slot(self, slot: GeneratorSlot) -> dict:
         slot.incarnation += 1
-        slot.procs = this_host().spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
+        host = this_host() if self.hosts is None else self.hosts[slot.index]
+        slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
         slot.actor = slot.procs.spawn(
             slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index
         )
