@@ -29,12 +29,15 @@ from forge_rl.placement import (
     HostFacts,
     LaunchConfig,
     check_host_facts,
+    check_hostname_routable,
     check_host_indices,
     check_reachable,
     demand_of,
     hostnames_resolve_apart,
+    is_loopback,
+    parse_worker_address,
     reference_hosts,
-    slurm_worker_addresses,
+    worker_addresses,
 )
 from forge_rl.yaml_config import ConfigError
 
@@ -106,25 +109,18 @@ class Hosts:
                 await asyncio.wait_for(self.host_mesh.stop(), _STOP_TIMEOUT_S)
 
 
-def worker_addresses(launch: LaunchConfig) -> tuple[list[str], str]:
-    """The workers' addresses and where they came from (for messages)."""
-    if launch.hosts == "list":
-        return list(launch.workers), "launch.workers"
-    return slurm_worker_addresses(launch.worker_port), "the SLURM allocation (SLURM_JOB_NODELIST)"
-
-
 async def start_hosts(config, model_dir) -> Hosts:
     """Attach to the run's hosts and check them against the placement; nothing of the run is
     spawned yet. Raises ConfigError (naming the host and the fix) if the placement cannot run."""
     launch: LaunchConfig = config.launch
     if launch.is_local:
         return Hosts(launch)
-    addresses, source = worker_addresses(launch)
+    addresses, source = worker_addresses(launch)  # preflight checked them; they may have gone since
     check_host_indices(launch.placement, len(addresses), source)
     check_reachable(addresses, launch.connect_timeout_s)
-    # Remote hosts dial back to this process: serve on TCP, not Monarch's default Unix sockets.
-    # Must precede any other Monarch call of this process.
-    enable_transport("tcp")
+    # The workers dial back to this process and to each other: TCP, not Monarch's default Unix
+    # sockets. Must precede any other Monarch call of this process.
+    enable_transport(_transport_for(addresses))
     host_mesh = attach_to_workers(ca="trust_all_connections", workers=addresses, name="forge_rl_hosts")
     try:
         await asyncio.wait_for(_initialized(host_mesh), launch.connect_timeout_s * 4)
@@ -146,6 +142,17 @@ async def start_hosts(config, model_dir) -> Hosts:
         raise
     progress("hosts: " + ", ".join(f"{i}={f.hostname} ({f.num_gpus} GPU, {f.num_cpus} CPU)" for i, f in enumerate(hosts.facts)))
     return hosts
+
+
+def _transport_for(addresses: list[str]):
+    """TCP on this machine's hostname, or on localhost when every worker is on this machine
+    (Monarch's hostname transport refuses a hostname that resolves only to loopback)."""
+    from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+
+    if all(is_loopback(parse_worker_address(address)[0]) for address in addresses):
+        return ChannelTransport.TcpWithLocalhost
+    check_hostname_routable()
+    return ChannelTransport.TcpWithHostname
 
 
 async def _initialized(host_mesh: HostMesh) -> None:

@@ -144,6 +144,16 @@ class LaunchConfig:
         return self.hosts == "local"
 
 
+@dataclass(frozen=True)
+class WorkerArgs:
+    """`forge-rl worker`: one per host; runs until killed (or until its allocation ends)."""
+
+    port: int = DEFAULT_WORKER_PORT
+    """TCP port to serve on; the controller lists tcp://HOST:PORT in launch.workers."""
+    host: str | None = None
+    """Name or address the worker serves and is reached at; unset: this machine's hostname."""
+
+
 def parse_worker_address(address: str) -> tuple[str, int]:
     """(host, port) of "tcp://HOST:PORT"; a ConfigError naming the address otherwise."""
     match = _ADDRESS.match(address) if isinstance(address, str) else None
@@ -201,12 +211,11 @@ def check_placement(launch: LaunchConfig, demand: RoleDemand) -> None:
                 f"launch.placement.{name} ({_show(hosts)}); each host runs the same number of ranks. Set "
                 f"--{role}.num-procs to a multiple of {len(hosts)}, or change --launch.placement.{name.replace('_', '-')}."
             )
-    if launch.is_local or launch.allow_shared_hosts:
-        return
     ranked = set(placement.trainer_hosts) | (set(reference_hosts(placement)) if demand.reference_procs else set())
     generator_hosts = {placement.generator_host(i) for i in range(demand.num_generators)}
     shared = sorted(ranked & generator_hosts)
-    if shared:
+    one_host = len(ranked | generator_hosts) == 1  # sharing is the only option (preflight's checks apply)
+    if shared and not (launch.is_local or launch.allow_shared_hosts or one_host):
         raise ConfigError(
             f"host {shared[0]} runs trainer/reference ranks and generators (launch.placement.trainer_hosts "
             f"{_show(placement.trainer_hosts)}, generator_hosts {_show(placement.generator_hosts)}); they would "
@@ -237,12 +246,12 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
     """Per-host resources and transports against the placement. Raises ConfigError on what cannot
     run; returns notes worth printing (slow but working choices)."""
     placement, notes = launch.placement, []
-    per_host = [dict(gpus=0, threads=0, roles=[]) for _ in facts]
+    per_host = [dict(gpus=0, threads=0, roles={}) for _ in facts]
 
     def add(host: int, role: str, num: int, threads: int) -> None:
         per_host[host]["gpus"] += num
         per_host[host]["threads"] += num * threads
-        per_host[host]["roles"].append(f"{num} {role}")
+        per_host[host]["roles"][role] = per_host[host]["roles"].get(role, 0) + num
 
     for role, num_procs, hosts, threads in (
         ("trainer rank(s)", demand.trainer_procs, placement.trainer_hosts, demand.trainer_threads),
@@ -258,17 +267,16 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
         where = f"host {host} ({fact.hostname}, {fact.address})"
         if not load["roles"]:
             continue
+        roles = " + ".join(f"{num} {role}" for role, num in load["roles"].items())
         if fact.num_gpus:
             if load["gpus"] > fact.num_gpus:
                 raise ConfigError(
-                    f"{where} has {fact.num_gpus} GPU(s) but the placement puts {' + '.join(load['roles'])} "
-                    f"= {load['gpus']} GPU process(es) on it; each needs its own GPU. Move roles to other hosts "
+                    f"{where} has {fact.num_gpus} GPU(s) but the placement puts {roles} = {load['gpus']} GPU process(es) on it; each needs its own GPU. Move roles to other hosts "
                     "(--launch.placement.*) or lower --trainer.num-procs / --num-generators."
                 )
         elif load["threads"] > MAX_COMPUTE_THREADS_PER_CORE * fact.num_cpus:
             raise ConfigError(
-                f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {' + '.join(load['roles'])} "
-                f"= {load['threads']} compute threads on it, more than {MAX_COMPUTE_THREADS_PER_CORE} per core. "
+                f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {roles} = {load['threads']} compute threads on it, more than {MAX_COMPUTE_THREADS_PER_CORE} per core. "
                 "Move roles to other hosts (--launch.placement.*) or lower their process or thread counts."
             )
         if not fact.run_dir_visible:
@@ -323,6 +331,25 @@ def _same_machine(a: str, b: str) -> bool:
     return resolve(a) == resolve(b) or {resolve(a), resolve(b)} <= {"127.0.0.1", "::1"}
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def check_hostname_routable() -> None:
+    """Workers on other hosts connect back to this machine by its hostname (Monarch's TCP
+    transport), so it must resolve to an address they can reach, not only to loopback."""
+    hostname = socket.gethostname()
+    if is_loopback(hostname):
+        raise ConfigError(
+            f"this machine's hostname {hostname!r} resolves only to a loopback address, so workers on other "
+            "hosts cannot connect back to it. Map it to a routable address (/etc/hosts or DNS), or run "
+            "forge-rl on a host whose hostname resolves (e.g. a node of the allocation)."
+        )
+
+
 def check_reachable(addresses: list[str], timeout_s: float) -> None:
     """Every worker's TCP port accepts a connection within `timeout_s` (checked in parallel)."""
     import concurrent.futures
@@ -343,6 +370,13 @@ def check_reachable(addresses: list[str], timeout_s: float) -> None:
             "each host (`forge-rl worker --port PORT`, same Python environment and forge_rl version as here), "
             "check the address and that the port is open between the hosts, or raise --launch.connect-timeout-s."
         )
+
+
+def worker_addresses(launch: LaunchConfig) -> tuple[list[str], str]:
+    """The workers' addresses (hosts=list or slurm) and where they came from, for messages."""
+    if launch.hosts == "list":
+        return list(launch.workers), "launch.workers"
+    return slurm_worker_addresses(launch.worker_port), "the SLURM allocation (SLURM_JOB_NODELIST)"
 
 
 def slurm_worker_addresses(port: int, environ: dict[str, str] | None = None) -> list[str]:
