@@ -30,6 +30,7 @@ DEFAULT_WORKER_PORT = 26600
 MAX_COMPUTE_THREADS_PER_CORE = 4
 """Same bound as forge_rl/preflight.py, applied per host."""
 
+_RETRY_S = 0.2
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]+)$")
 
 
@@ -351,16 +352,22 @@ def check_hostname_routable() -> None:
 
 
 def check_reachable(addresses: list[str], timeout_s: float) -> None:
-    """Every worker's TCP port accepts a connection within `timeout_s` (checked in parallel)."""
+    """Every worker's TCP port accepts a connection within `timeout_s` (checked in parallel,
+    retried until then: workers started alongside the controller, as under srun, may be late)."""
     import concurrent.futures
+    import time
 
     def probe(address: str) -> str | None:
         host, port = parse_worker_address(address)
-        try:
-            with socket.create_connection((host, port), timeout=timeout_s):
-                return None
-        except OSError as e:
-            return f"{address} ({e.strerror or type(e).__name__})"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
+                    return None
+            except OSError as e:
+                if time.monotonic() + _RETRY_S >= deadline:
+                    return f"{address} ({e.strerror or type(e).__name__})"
+            time.sleep(_RETRY_S)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
         failures = [f for f in pool.map(probe, addresses) if f]

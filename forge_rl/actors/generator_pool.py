@@ -3,8 +3,9 @@
 Monarch reports a failure to the owner of the failed mesh. Owning the generator meshes here (not in
 the controller) means a crash reaches `__supervise__`, which handles it, instead of the client's
 default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
-the pool also watches its generators' OS processes (actor and vLLM engine processes, same host) and
-acts on a death within `_POLL_INTERVAL_S`:
+the pool also watches the OS processes (actor and vLLM engine processes) of the generators on its
+own host and acts on a death within `_POLL_INTERVAL_S`; a generator on another host (launch.py's
+placement) is left to Monarch's report:
 
     SERVING ──(a process died, or a call failed)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
        calls in flight on the dead generator, and calls made while it recovers, return None at
@@ -25,6 +26,7 @@ import asyncio
 import dataclasses
 import enum
 import re
+import socket
 import time
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
@@ -58,7 +60,7 @@ class GeneratorSlot:
     procs: ProcMesh | None = None
     actor: GeneratorActor | None = None
     pids: list[int] = dataclasses.field(default_factory=list)
-    """The actor's process and its vLLM engine processes."""
+    """The actor's process and its vLLM engine processes, when they run on the pool's host."""
     serving: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
     incarnation: int = 0
@@ -177,7 +179,8 @@ class GeneratorPool(Actor):
         started = await slot.actor.start.call_one()
         if self.latest_weights is not None:
             await slot.actor.update_weights.call_one(*self.latest_weights)
-        slot.pids = [started["pid"], *started["engine_pids"]]
+        # Only processes on this host can be polled; Monarch's supervision covers the others.
+        slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
         slot.state = SlotState.SERVING
         slot.serving.set()
         return started

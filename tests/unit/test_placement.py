@@ -158,7 +158,7 @@ def test_reachability_is_checked_with_a_short_timeout_and_names_the_host():
         started = time.monotonic()
         with pytest.raises(ConfigError) as error:
             check_reachable([open_address, closed_address], timeout_s=1.0)
-    assert time.monotonic() - started < 2.0
+    assert 1.0 - 0.3 < time.monotonic() - started < 2.5  # retried until the timeout, not longer
     message = str(error.value)
     assert closed_address in message and open_address not in message.split("within")[0]
     assert "forge-rl worker --port PORT" in message
