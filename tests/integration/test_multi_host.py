@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 ATTACH_BUDGET_S = 60
+GRPO_BUDGET_S = 240
 
 
 class WhereAmI(Actor):
@@ -104,6 +105,35 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
         for worker in workers:
             _stop(worker)
     assert all(w.poll() is not None for w in workers)
+
+
+def test_grpo_over_a_localhost_host_list(tmp_path):
+    """The whole recipe through the CLI: services and trainer on worker 0, the generator (vLLM) on
+    worker 1. When the run ends, both workers are alive and have no process of the run left."""
+    ports = [_free_port(), _free_port()]
+    workers = [_start_worker(port) for port in ports]
+    try:
+        started = time.monotonic()
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
+                "--steps", "3", "--train-batch-size", "32", "--run-dir", str(tmp_path), "--log.progress-every-s", "0",
+                "--launch.hosts", "list", "--launch.workers", *(f"tcp://127.0.0.1:{port}" for port in ports),
+                "--launch.placement.generator-hosts", "1",
+            ],
+            cwd=REPO, capture_output=True, text=True, timeout=GRPO_BUDGET_S,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        summary = json.loads(run.stdout.strip().splitlines()[-1])
+        assert summary["steps"] == 3
+        time.sleep(2)  # the workers reap what the run left
+        assert all(w.poll() is None for w in workers), "a worker exited with the run"
+        leftovers = [p.pid for w in workers for p in psutil.Process(w.pid).children(recursive=True)]
+        assert leftovers == [], f"processes of the run still on the workers: {leftovers}"
+        print(f"grpo over 2 localhost workers: {time.monotonic() - started:.1f} s")
+    finally:
+        for worker in workers:
+            _stop(worker)
 
 
 async def _controller(model_dir: str, ports: list[str]) -> dict:
