@@ -140,7 +140,9 @@ async def start_hosts(config, model_dir) -> Hosts:
     except BaseException:
         await hosts.stop()
         raise
-    progress("hosts: " + ", ".join(f"{i}={f.hostname} ({f.num_gpus} GPU, {f.num_cpus} CPU)" for i, f in enumerate(hosts.facts)))
+    progress("hosts: " + ", ".join(
+        f"{i}={fact.hostname} ({fact.num_gpus} GPU, {fact.num_cpus} CPU)" for i, fact in enumerate(hosts.facts)
+    ))
     return hosts
 
 

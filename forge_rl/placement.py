@@ -272,12 +272,14 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
         if fact.num_gpus:
             if load["gpus"] > fact.num_gpus:
                 raise ConfigError(
-                    f"{where} has {fact.num_gpus} GPU(s) but the placement puts {roles} = {load['gpus']} GPU process(es) on it; each needs its own GPU. Move roles to other hosts "
-                    "(--launch.placement.*) or lower --trainer.num-procs / --num-generators."
+                    f"{where} has {fact.num_gpus} GPU(s) but the placement puts {roles} = {load['gpus']} GPU "
+                    "process(es) on it; each needs its own GPU. Move roles to other hosts (--launch.placement.*) "
+                    "or lower --trainer.num-procs / --num-generators."
                 )
         elif load["threads"] > MAX_COMPUTE_THREADS_PER_CORE * fact.num_cpus:
             raise ConfigError(
-                f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {roles} = {load['threads']} compute threads on it, more than {MAX_COMPUTE_THREADS_PER_CORE} per core. "
+                f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {roles} = "
+                f"{load['threads']} compute threads on it, more than {MAX_COMPUTE_THREADS_PER_CORE} per core. "
                 "Move roles to other hosts (--launch.placement.*) or lower their process or thread counts."
             )
         if not fact.run_dir_visible:
