@@ -34,7 +34,11 @@ GRPO_BUDGET_S = 240
 class WhereAmI(Actor):
     @endpoint
     async def where(self) -> dict:
-        return {"pid": os.getpid(), "rank": os.environ.get("RANK"), "world_size": os.environ.get("WORLD_SIZE")}
+        return {
+            "ancestors": [p.pid for p in psutil.Process().parents()],  # the run stops it before the test looks
+            "rank": os.environ.get("RANK"),
+            "world_size": os.environ.get("WORLD_SIZE"),
+        }
 
     @endpoint
     async def spawn_on(self, host_mesh) -> dict:
@@ -75,11 +79,11 @@ def _stop(worker: subprocess.Popen) -> None:
     worker.wait(timeout=10)
 
 
-def _worker_of(pid: int, worker_pids: list[int]) -> int | None:
-    """Index of the worker that `pid` descends from (the "host" it runs on)."""
-    for ancestor in psutil.Process(pid).parents():
-        if ancestor.pid in worker_pids:
-            return worker_pids.index(ancestor.pid)
+def _worker_of(ancestors: list[int], worker_pids: list[int]) -> int | None:
+    """Index of the worker a process descends from (the "host" it runs on)."""
+    for ancestor in ancestors:
+        if ancestor in worker_pids:
+            return worker_pids.index(ancestor)
     return None
 
 
@@ -95,7 +99,7 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
         assert client.returncode == 0, client.stderr[-3000:]
         report = json.loads(client.stdout.strip().splitlines()[-1])
         worker_pids = [w.pid for w in workers]
-        hosts = {role: _worker_of(pid, worker_pids) for role, pid in report["pids"].items()}
+        hosts = {role: _worker_of(ancestors, worker_pids) for role, ancestors in report["ancestors"].items()}
         assert hosts == {"services": 0, "trainer0": 1, "trainer1": 1, "store_volume": 1, "spawned_by_actor": 1}
         assert report["ranks"] == [["0", "2"], ["1", "2"]]
         assert [f["num_cpus"] for f in report["facts"]] == [len(os.sched_getaffinity(0))] * 2
@@ -163,12 +167,12 @@ async def _controller(model_dir: str, ports: list[str]) -> dict:
         generator_host = hosts.generator_hosts(config.num_generators)[0]
         return {
             "facts": [vars(f) for f in hosts.facts],
-            "pids": {
-                "services": (await service_actor.where.call_one())["pid"],
-                "trainer0": trainer_ranks[0]["pid"],
-                "trainer1": trainer_ranks[1]["pid"],
-                "store_volume": (await volume_procs.spawn("where", WhereAmI).where.call_one())["pid"],
-                "spawned_by_actor": (await service_actor.spawn_on.call_one(generator_host))["pid"],
+            "ancestors": {
+                "services": (await service_actor.where.call_one())["ancestors"],
+                "trainer0": trainer_ranks[0]["ancestors"],
+                "trainer1": trainer_ranks[1]["ancestors"],
+                "store_volume": (await volume_procs.spawn("where", WhereAmI).where.call_one())["ancestors"],
+                "spawned_by_actor": (await service_actor.spawn_on.call_one(generator_host))["ancestors"],
             },
             "ranks": [[r["rank"], r["world_size"]] for r in trainer_ranks],
             "volume_location": await volume.location.call_one(),
