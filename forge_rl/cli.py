@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
+    "worker": "Serve this host to multi-host runs: a Monarch worker on tcp://HOSTNAME:PORT (docs/multi_host.md).",
 }
 
 _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_plot(args)
     elif command == "bench":
         _run_bench(args)
+    elif command == "worker":
+        _run_worker(args)
 
 
 def _run_grpo(args: list[str]) -> None:
@@ -121,6 +124,16 @@ def _run_plot(args: list[str]) -> None:
         print(plot_dashboard(plot_args))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
+
+
+def _run_worker(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.launch import run_worker
+    from forge_rl.placement import WorkerArgs
+
+    worker_args = tyro.cli(WorkerArgs, args=args, prog="forge-rl worker", description=_SUBCOMMANDS["worker"])
+    run_worker(worker_args.port, worker_args.host)
 
 
 def parse_config(cls, args: list[str], prog: str):

@@ -19,6 +19,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scoring import ScorerConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
@@ -155,6 +156,8 @@ class GRPOConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The frozen reference model of the KL penalty; spawned only when trainer.loss.kl_beta > 0."""
     log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """The hosts of the run and where each role runs (docs/multi_host.md); this machine by default."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -209,6 +212,7 @@ class GRPOConfig:
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
         if self.uses_reference_model:
             validate_parallelism(self.reference.parallel, self.reference.num_procs, hf_config, section="reference")
+        check_placement(self.launch, demand_of(self))
 
     @property
     def uses_reference_model(self) -> bool:

@@ -1,18 +1,186 @@
-"""Process meshes for a run on this host. The only module besides actors/ that imports Monarch."""
+"""Host and proc meshes by role: the one place that turns a `LaunchConfig` into Monarch meshes.
+The only module besides actors/ that imports Monarch.
+
+    hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
+    services = hosts.spawn_services()                # dataset, scorer, buffer, store index, pool
+    trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
+    pool = services.spawn(..., hosts.generator_hosts(config.num_generators))
+    ...
+    await hosts.stop()                               # every proc mesh spawned here, then the hosts
+
+With `launch.hosts: local` every mesh is spawned on this machine (`this_host()`). Otherwise this
+process (the controller) attaches to one Monarch worker per host (`attach_to_workers`) after
+checking that each worker's port answers, and probes every host (GPUs, cores, RDMA backend, the
+run directory) before placing anything there: the checks are in forge_rl/placement.py. The
+controller itself runs no actor of the run; every role lives on a worker host.
+"""
 
 from __future__ import annotations
 
-from monarch.actor import ProcMesh, this_host
+import asyncio
+import contextlib
+import sys
+
+from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
+from forge_rl.metrics import progress
+from forge_rl.placement import (
+    HostFacts,
+    LaunchConfig,
+    check_host_facts,
+    check_hostname_routable,
+    check_host_indices,
+    check_reachable,
+    demand_of,
+    hostnames_resolve_apart,
+    is_loopback,
+    parse_worker_address,
+    reference_hosts,
+    worker_addresses,
+)
+from forge_rl.yaml_config import ConfigError
 
-def spawn_procs(name: str, num_procs: int) -> ProcMesh:
-    return this_host().spawn_procs(per_host={"procs": num_procs}, name=name)
+# Within the 4 s the recipe's shutdown gives all meshes: procs first, the rest to release the hosts.
+_STOP_TIMEOUT_S = 3.0
 
 
-async def spawn_trainer_procs(num_procs: int, name: str = "trainer") -> ProcMesh:
-    """Ranks of one torch.distributed world (the trainer's, or the reference model's) with
-    RANK/WORLD_SIZE/MASTER_* set, ready for init_process_group."""
-    procs = spawn_procs(name, num_procs)
-    await setup_torch_elastic_env_async(procs)
-    return procs
+class Hosts:
+    """The run's hosts: spawns each role's processes where the placement puts them."""
+
+    def __init__(self, launch: LaunchConfig, host_mesh: HostMesh | None = None, facts: list[HostFacts] = ()):
+        self.launch = launch
+        self.host_mesh = host_mesh
+        """Every worker host, in launch order; None with hosts=local."""
+        self.facts = list(facts)
+        self.proc_meshes: list[ProcMesh] = []
+
+    def host(self, index: int) -> HostMesh:
+        """Host `index` as a one-host mesh (this machine with hosts=local)."""
+        return this_host() if self.host_mesh is None else self.host_mesh.slice(hosts=index)
+
+    def spawn_procs(self, name: str, num_procs: int, host: int) -> ProcMesh:
+        procs = self.host(host).spawn_procs(per_host={"procs": num_procs}, name=name)
+        self.proc_meshes.append(procs)
+        return procs
+
+    def spawn_services(self) -> ProcMesh:
+        return self.spawn_procs("services", 1, self.launch.placement.services_host)
+
+    async def spawn_ranks(self, role: str, num_procs: int) -> ProcMesh:
+        """Ranks of one torch.distributed world (role "trainer" or "reference") on the role's hosts,
+        split evenly, with RANK/WORLD_SIZE/MASTER_* set, ready for init_process_group."""
+        placement = self.launch.placement
+        hosts = placement.trainer_hosts if role == "trainer" else reference_hosts(placement)
+        if self.host_mesh is None or len(hosts) == 1:
+            procs = self.spawn_procs(role, num_procs, hosts[0])
+        else:
+            host_slice = self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1))
+            procs = host_slice.spawn_procs(per_host={"procs": num_procs // len(hosts)}, name=role)
+            self.proc_meshes.append(procs)
+        await setup_torch_elastic_env_async(procs)
+        return procs
+
+    def store_volume_procs(self, services: ProcMesh) -> ProcMesh:
+        """Where the weight store's volume runs: on the trainer's (first) host, because it serves
+        the snapshot files rank 0 writes there to readers on other hosts. The services process
+        when it shares that host (always with hosts=local), else a process of its own."""
+        placement = self.launch.placement
+        if self.host_mesh is None or placement.services_host == placement.trainer_hosts[0]:
+            return services
+        return self.spawn_procs("store_volume", 1, placement.trainer_hosts[0])
+
+    def generator_hosts(self, num_generators: int) -> list[HostMesh] | None:
+        """The host of each generator, for the GeneratorPool (which spawns and respawns them);
+        None with hosts=local, where the pool spawns on its own host."""
+        if self.host_mesh is None:
+            return None
+        return [self.host(self.launch.placement.generator_host(i)) for i in range(num_generators)]
+
+    async def stop(self) -> None:
+        """Every proc mesh spawned here (bounded), then release the workers (they keep running,
+        ready for the next run)."""
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(procs.stop() for procs in self.proc_meshes), return_exceptions=True), _STOP_TIMEOUT_S
+            )
+        if self.host_mesh is not None:
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(self.host_mesh.stop(), _STOP_TIMEOUT_S)
+
+
+async def start_hosts(config, model_dir) -> Hosts:
+    """Attach to the run's hosts and check them against the placement; nothing of the run is
+    spawned yet. Raises ConfigError (naming the host and the fix) if the placement cannot run."""
+    launch: LaunchConfig = config.launch
+    if launch.is_local:
+        return Hosts(launch)
+    addresses, source = worker_addresses(launch)  # preflight checked them; they may have gone since
+    check_host_indices(launch.placement, len(addresses), source)
+    check_reachable(addresses, launch.connect_timeout_s)
+    # The workers dial back to this process and to each other: TCP, not Monarch's default Unix
+    # sockets. Must precede any other Monarch call of this process.
+    enable_transport(_transport_for(addresses))
+    host_mesh = attach_to_workers(ca="trust_all_connections", workers=addresses, name="forge_rl_hosts")
+    try:
+        await asyncio.wait_for(_initialized(host_mesh), launch.connect_timeout_s * 4)
+    except asyncio.TimeoutError:
+        raise ConfigError(
+            f"the workers at {', '.join(addresses)} accept connections but did not attach as Monarch hosts "
+            f"within {launch.connect_timeout_s * 4:g} s. Check that each runs `forge-rl worker` with the same "
+            "torchmonarch version as here, and that this machine's hostname resolves from the workers "
+            "(they connect back to it)."
+        ) from None
+    hosts = Hosts(launch, host_mesh)
+    try:
+        hosts.facts = await _probe(host_mesh, addresses, str(model_dir))
+        hostnames_resolve_apart(hosts.facts)
+        for note in check_host_facts(launch, demand_of(config), hosts.facts, str(model_dir)):
+            progress(note)
+    except BaseException:
+        await hosts.stop()
+        raise
+    progress("hosts: " + ", ".join(
+        f"{i}={fact.hostname} ({fact.num_gpus} GPU, {fact.num_cpus} CPU)" for i, fact in enumerate(hosts.facts)
+    ))
+    return hosts
+
+
+def _transport_for(addresses: list[str]):
+    """TCP on this machine's hostname, or on localhost when every worker is on this machine
+    (Monarch's hostname transport refuses a hostname that resolves only to loopback)."""
+    from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+
+    if all(is_loopback(parse_worker_address(address)[0]) for address in addresses):
+        return ChannelTransport.TcpWithLocalhost
+    check_hostname_routable()
+    return ChannelTransport.TcpWithHostname
+
+
+async def _initialized(host_mesh: HostMesh) -> None:
+    await host_mesh.initialized
+
+
+async def _probe(host_mesh: HostMesh, addresses: list[str], model_dir: str) -> list[HostFacts]:
+    from forge_rl.actors.host_probe import HostProbe
+
+    procs = host_mesh.spawn_procs(per_host={"procs": 1}, name="host_probe")
+    try:
+        reports = await procs.spawn("host_probe", HostProbe).facts.call(model_dir)
+        by_host = [report for _, report in reports.items()]  # rank order = host order (one proc per host)
+    finally:
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(procs.stop(), _STOP_TIMEOUT_S)
+    return [HostFacts(address=addresses[i], **by_host[i]) for i in range(len(addresses))]
+
+
+def run_worker(port: int, host: str | None = None) -> None:
+    """This host's Monarch worker (`forge-rl worker`): serves tcp://HOST:PORT until killed; a run's
+    controller attaches to it, spawns processes here, and releases it when the run ends."""
+    import socket
+
+    from monarch.actor import run_worker_loop_forever
+
+    address = f"tcp://{host or socket.gethostname()}:{port}"
+    print(f"[forge-rl worker] serving {address}", file=sys.stderr, flush=True)
+    run_worker_loop_forever(address=address, ca="trust_all_connections")

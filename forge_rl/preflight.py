@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
+from forge_rl.placement import check_host_indices, check_reachable, worker_addresses
 from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.yaml_config import ConfigError
 
@@ -27,8 +28,15 @@ it a run is slow but sound (the CPU tests run 3 compute threads on 2 cores)."""
 
 
 def check_machine(config: GRPOConfig) -> None:
-    """Run-directory location, cores, memory and GPUs: what the machine must offer the config."""
+    """Run-directory location, cores, memory and GPUs: what the machine must offer the config.
+    For a multi-host run: the worker hosts instead (listed, placed, reachable); their GPUs, cores
+    and RDMA are checked by launch.start_hosts, which asks each host before spawning anything."""
     check_run_dir_location(config.run_dir)
+    if not config.launch.is_local:
+        addresses, source = worker_addresses(config.launch)
+        check_host_indices(config.launch.placement, len(addresses), source)
+        check_reachable(addresses, config.launch.connect_timeout_s)
+        return
     import torch
 
     if torch.cuda.is_available():

@@ -255,28 +255,39 @@ async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
 
 async def spawn_actors(config: GRPOConfig, model_dir, store_root, max_model_len: int) -> tuple[Actors, list]:
     """Services (dataset, scorer, buffer, the weight store's index and volume, and the generator
-    pool, which spawns one process per generator itself) and the trainer ranks."""
+    pool, which spawns one process per generator itself) and the trainer ranks, on the hosts
+    `config.launch` places them (forge_rl/launch.py; this machine by default)."""
     pad_id = PromptTokenizer(model_dir).pad_id
-    services = launch.spawn_procs("services", 1)
-    trainer_procs = await launch.spawn_trainer_procs(config.trainer.num_procs)
-    store_index, _ = await spawn_store(services, store_root, extra_files_dir=model_dir)
+    hosts = await launch.start_hosts(config, model_dir)
+    try:
+        return await _spawn_on(hosts, config, model_dir, store_root, max_model_len, pad_id)
+    except BaseException:
+        await hosts.stop()
+        raise
+
+
+async def _spawn_on(hosts: launch.Hosts, config: GRPOConfig, model_dir, store_root, max_model_len: int, pad_id: int):
+    services = hosts.spawn_services()
+    trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
+    store_index, _ = await spawn_store(
+        services, store_root, extra_files_dir=model_dir, volume_procs=hosts.store_volume_procs(services)
+    )
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, str(model_dir), config.generator.max_new_tokens),
         scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward, config.generator.max_new_tokens),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
-            "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators, store_index
+            "generators", GeneratorPool, config.generator, str(model_dir), max_model_len, config.num_generators,
+            store_index, hosts.generator_hosts(config.num_generators),
         ),
         trainer=trainer_procs.spawn(
             "trainer", TrainerActor, config.trainer, str(model_dir), store_index, str(store_root), pad_id
         ),
     )
-    proc_meshes = [services, trainer_procs]
     if config.uses_reference_model:
-        reference_procs = await launch.spawn_trainer_procs(config.reference.num_procs, name="reference")
+        reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
         actors.reference = reference_procs.spawn("reference", ReferenceActor, config.reference, str(model_dir), pad_id)
-        proc_meshes.append(reference_procs)
-    return actors, proc_meshes
+    return actors, [hosts]  # hosts.stop() stops every proc mesh it spawned, then releases the hosts
 
 
 async def run(config: GRPOConfig) -> dict:

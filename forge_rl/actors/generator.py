@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -43,7 +44,12 @@ class GeneratorActor(Actor):
         await self.engine.start(self.model_dir, self.max_model_len)
         # vLLM's engine-core and worker processes: the pool watches them too, since the engine can
         # die while this actor lives on.
-        return {"engine_start_s": time.perf_counter() - started, "pid": os.getpid(), "engine_pids": _engine_pids()}
+        return {
+            "engine_start_s": time.perf_counter() - started,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "engine_pids": _engine_pids(),
+        }
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:

@@ -3,8 +3,9 @@
 Monarch reports a failure to the owner of the failed mesh. Owning the generator meshes here (not in
 the controller) means a crash reaches `__supervise__`, which handles it, instead of the client's
 default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
-the pool also watches its generators' OS processes (actor and vLLM engine processes, same host) and
-acts on a death within `_POLL_INTERVAL_S`:
+the pool also watches the OS processes (actor and vLLM engine processes) of the generators on its
+own host and acts on a death within `_POLL_INTERVAL_S`; a generator on another host (launch.py's
+placement) is left to Monarch's report:
 
     SERVING ──(a process died, or a call failed)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
        calls in flight on the dead generator, and calls made while it recovers, return None at
@@ -25,10 +26,11 @@ import asyncio
 import dataclasses
 import enum
 import re
+import socket
 import time
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import Actor, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
@@ -58,7 +60,7 @@ class GeneratorSlot:
     procs: ProcMesh | None = None
     actor: GeneratorActor | None = None
     pids: list[int] = dataclasses.field(default_factory=list)
-    """The actor's process and its vLLM engine processes."""
+    """The actor's process and its vLLM engine processes, when they run on the pool's host."""
     serving: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
     incarnation: int = 0
@@ -77,8 +79,11 @@ class GeneratorPool(Actor):
         max_model_len: int,
         num_generators: int,
         store_index: StoreIndexActor,
+        hosts: list[HostMesh] | None = None,
     ):
         self.config = config
+        self.hosts = hosts
+        """Host of each generator (forge_rl/launch.py); None: this actor's host."""
         self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -166,14 +171,16 @@ class GeneratorPool(Actor):
 
     async def _start_slot(self, slot: GeneratorSlot) -> dict:
         slot.incarnation += 1
-        slot.procs = this_host().spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
+        host = this_host() if self.hosts is None else self.hosts[slot.index]
+        slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
         slot.actor = slot.procs.spawn(
             slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index
         )
         started = await slot.actor.start.call_one()
         if self.latest_weights is not None:
             await slot.actor.update_weights.call_one(*self.latest_weights)
-        slot.pids = [started["pid"], *started["engine_pids"]]
+        # Only processes on this host can be polled; Monarch's supervision covers the others.
+        slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
         slot.state = SlotState.SERVING
         slot.serving.set()
         return started

@@ -55,14 +55,18 @@ async def open_store(root: Path | str, extra_files_dir: Path | str | None = None
     return index, volume
 
 
-async def spawn_store(procs, root: Path | str, extra_files_dir: Path | str | None = None, keep_latest: int = 1):
-    """A run's store on `procs`: its index and this host's volume, owned by the owner of `procs`,
-    so they stop with the run (unlike `open_store`'s process-wide singletons, which outlive it).
+async def spawn_store(
+    procs, root: Path | str, extra_files_dir: Path | str | None = None, keep_latest: int = 1, volume_procs=None
+):
+    """A run's store on `procs`: its index and a volume, owned by the owner of `procs`, so they
+    stop with the run (unlike `open_store`'s process-wide singletons, which outlive it). The volume
+    goes on `volume_procs` (default `procs`), which must be on the writer's host: it serves the
+    files written there to readers on other hosts, and registers under its own host's name.
     Pass the returned index to every reader and writer. Returns (index, volume)."""
     index = procs.spawn("store_index", StoreIndexActor, keep_latest)
     extra = str(extra_files_dir) if extra_files_dir else None
-    volume = procs.spawn("store_volume", StorageVolumeActor, str(root), extra)
-    await index.register_volume.call_one(location_of(root), volume)
+    volume = (volume_procs or procs).spawn("store_volume", StorageVolumeActor, str(root), extra)
+    await index.register_volume.call_one(await volume.location.call_one(), volume)
     return index, volume
 
 

@@ -153,6 +153,53 @@ CASES: list = [
         lambda s: s.load_yaml("trainer:\n  max_consecutive_nonfinite_steps: 0\n"),
         ("trainer.max_consecutive_nonfinite_steps (0) must be >= 1", "--trainer.max-consecutive-nonfinite-steps"),
     ),
+    # hosts and placement (multi-host launching, forge_rl/placement.py)
+    (
+        "host_list_without_workers",
+        lambda s: s.load_yaml("launch:\n  hosts: list\n"),
+        ("launch.workers is empty", "forge-rl worker --port"),
+    ),
+    (
+        "worker_address_malformed",
+        lambda s: s.load_yaml("launch:\n  hosts: list\n  workers: [node1:26600]\n"),
+        ("'node1:26600' is not a worker address tcp://HOST:PORT", "tcp://node1:26600"),
+    ),
+    (
+        "placement_names_a_missing_host",
+        lambda s: s.load_yaml(
+            "launch:\n  hosts: list\n  workers: [tcp://a:26600, tcp://b:26600]\n"
+            "  placement:\n    generator_hosts: [2]\n"
+        ),
+        ("launch.placement.generator_hosts ([2]) names host 2, but launch.workers has 2 host(s)", "--launch.placement.generator-hosts"),
+    ),
+    (
+        "remote_placement_on_one_machine",
+        lambda s: s.load_yaml("launch:\n  placement:\n    trainer_hosts: [1]\n"),
+        ("names a host other than 0, but launch.hosts is 'local'", "--launch.hosts list"),
+    ),
+    (
+        "trainer_and_generators_share_a_host",
+        lambda s: s.load_yaml(
+            "num_generators: 2\nlaunch:\n  hosts: list\n  workers: [tcp://a:26600, tcp://b:26600]\n"
+            "  placement:\n    trainer_hosts: [1]\n    generator_hosts: [0, 1]\n"
+        ),
+        ("host 1 runs trainer/reference ranks and generators", "--launch.allow-shared-hosts true"),
+    ),
+    (
+        "trainer_ranks_do_not_split_over_hosts",
+        lambda s: s.load_yaml(
+            "trainer:\n  num_procs: 3\n  parallel:\n    dp_shard: 3\ntrain_batch_size: 24\n"
+            "launch:\n  hosts: list\n  workers: [tcp://a:1, tcp://b:1, tcp://c:1]\n"
+            "  placement:\n    trainer_hosts: [0, 1]\n    generator_hosts: [2]\n"
+        ),
+        ("trainer.num_procs (3) is not divisible by the 2 host(s)", "--trainer.num-procs to a multiple of 2"),
+    ),
+    (
+        "trainer_hosts_not_consecutive",
+        lambda s: s.load_yaml("launch:\n  hosts: list\n  workers: [tcp://a:1, tcp://b:1, tcp://c:1]\n"
+                              "  placement:\n    trainer_hosts: [0, 2]\n    generator_hosts: [1]\n"),
+        ("must be consecutive, increasing host indices", "Reorder launch.workers"),
+    ),
     # model directory
     ("model_dir_missing", lambda s: ModelConfig(path=s.tmp_path / "nope").hf_config(), ("lacks config.json", "--model.path")),
     (
@@ -290,6 +337,17 @@ CLI_CASES = [
     ("unknown_flag", ["grpo", "--stepz", "3"], ("--stepz", "--steps")),
     ("missing_config_file", ["grpo", "--config", "{tmp}/nope.yaml"], ("nope.yaml does not exist", "--config")),
     ("plot_without_metrics", ["plot", "{tmp}"], ("metrics.jsonl not found", "forge-rl grpo")),
+    (
+        "worker_not_listening",
+        ["grpo", "--run-dir", "{tmp}/runs", "--steps", "1", "--launch.hosts", "list",
+         "--launch.workers", "tcp://127.0.0.1:9", "--launch.connect-timeout-s", "1"],
+        ("cannot reach the Monarch worker(s) at tcp://127.0.0.1:9", "forge-rl worker --port PORT"),
+    ),
+    (
+        "slurm_outside_an_allocation",
+        ["grpo", "--run-dir", "{tmp}/runs", "--steps", "1", "--launch.hosts", "slurm"],
+        ("SLURM_JOB_NODELIST is not set", "sbatch configs/slurm_grpo.sbatch"),
+    ),
     (
         "broken_tokenizer_through_grpo",
         ["grpo", "--model.path", "{model}", "--run-dir", "{tmp}/runs", "--steps", "1"],

@@ -24,6 +24,7 @@ CORE_MODULES = [
     "forge_rl.preflight",
     "forge_rl.tasks.rewards",
     "forge_rl.reference",
+    "forge_rl.placement",
 ]
 
 

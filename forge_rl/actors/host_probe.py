@@ -1,0 +1,25 @@
+"""One process per host that reports what the host offers, before the run spawns anything costly."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from monarch.actor import Actor, endpoint
+
+
+class HostProbe(Actor):
+    @endpoint
+    async def facts(self, model_dir: str) -> dict:
+        """Hostname, GPUs, usable cores, Monarch's RDMA backend, and whether `model_dir` is there."""
+        import torch
+        from monarch.rdma import get_rdma_backend
+
+        return {
+            "hostname": socket.gethostname(),
+            "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "num_cpus": len(os.sched_getaffinity(0)),
+            "rdma_backend": get_rdma_backend(),
+            "run_dir_visible": Path(model_dir).is_dir(),
+        }

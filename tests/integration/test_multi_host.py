@@ -1,0 +1,185 @@
+"""Multi-host launching on one machine: two real Monarch workers (`forge-rl worker`, listening on
+tcp://127.0.0.1:PORT) stand in for two hosts, and a controller attaches to them through
+forge_rl/launch.py with a host-list config. It checks that every role lands on the host the
+placement names (a process is on worker w's "host" when w is its ancestor), that trainer ranks get
+their torch.distributed environment, that a mesh passed to an actor spawns there (the generator
+pool's path), and that the weight store's volume registers on the trainer's host.
+
+The controller runs as a subprocess (`python -m tests.integration.test_multi_host`): a host list
+makes it switch Monarch to TCP, which must happen before any other Monarch call of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from monarch.actor import Actor, endpoint
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+ATTACH_BUDGET_S = 60
+GRPO_BUDGET_S = 240
+
+
+class WhereAmI(Actor):
+    @endpoint
+    async def where(self) -> dict:
+        return {
+            "ancestors": [p.pid for p in psutil.Process().parents()],  # the run stops it before the test looks
+            "rank": os.environ.get("RANK"),
+            "world_size": os.environ.get("WORLD_SIZE"),
+        }
+
+    @endpoint
+    async def spawn_on(self, host_mesh) -> dict:
+        """Spawn a process on `host_mesh` from inside an actor, as the GeneratorPool does."""
+        procs = host_mesh.spawn_procs(per_host={"procs": 1}, name="child")
+        try:
+            return await procs.spawn("child", WhereAmI).where.call_one()
+        finally:
+            await procs.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_worker(port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(port), "--host", "127.0.0.1"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def _stop(worker: subprocess.Popen) -> None:
+    """The worker and every process it spawned (its session)."""
+    try:
+        family = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=10)
+    worker.wait(timeout=10)
+
+
+def _worker_of(ancestors: list[int], worker_pids: list[int]) -> int | None:
+    """Index of the worker a process descends from (the "host" it runs on)."""
+    for ancestor in ancestors:
+        if ancestor in worker_pids:
+            return worker_pids.index(ancestor)
+    return None
+
+
+def test_a_host_list_places_each_role_on_its_worker(tmp_path):
+    ports = [_free_port(), _free_port()]
+    workers = [_start_worker(port) for port in ports]
+    try:
+        started = time.monotonic()
+        client = subprocess.run(
+            [sys.executable, "-m", "tests.integration.test_multi_host", str(tmp_path), *map(str, ports)],
+            cwd=REPO, capture_output=True, text=True, timeout=ATTACH_BUDGET_S,
+        )
+        assert client.returncode == 0, client.stderr[-3000:]
+        report = json.loads(client.stdout.strip().splitlines()[-1])
+        worker_pids = [w.pid for w in workers]
+        hosts = {role: _worker_of(ancestors, worker_pids) for role, ancestors in report["ancestors"].items()}
+        assert hosts == {"services": 0, "trainer0": 1, "trainer1": 1, "store_volume": 1, "spawned_by_actor": 1}
+        assert report["ranks"] == [["0", "2"], ["1", "2"]]
+        assert [f["num_cpus"] for f in report["facts"]] == [len(os.sched_getaffinity(0))] * 2
+        assert report["volume_location"].startswith(socket.gethostname() + ":")
+        assert time.monotonic() - started < ATTACH_BUDGET_S
+    finally:
+        for worker in workers:
+            _stop(worker)
+    assert all(w.poll() is not None for w in workers)
+
+
+def test_grpo_over_a_localhost_host_list(tmp_path):
+    """The whole recipe through the CLI: services and trainer on worker 0, the generator (vLLM) on
+    worker 1. When the run ends, both workers are alive and have no process of the run left."""
+    ports = [_free_port(), _free_port()]
+    workers = [_start_worker(port) for port in ports]
+    try:
+        started = time.monotonic()
+        run = subprocess.run(
+            [
+                sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
+                "--steps", "3", "--train-batch-size", "32", "--run-dir", str(tmp_path), "--log.progress-every-s", "0",
+                "--launch.hosts", "list", "--launch.workers", *(f"tcp://127.0.0.1:{port}" for port in ports),
+                "--launch.placement.generator-hosts", "1",
+            ],
+            cwd=REPO, capture_output=True, text=True, timeout=GRPO_BUDGET_S,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        summary = json.loads(run.stdout.strip().splitlines()[-1])
+        assert summary["steps"] == 3
+        time.sleep(2)  # the workers reap what the run left
+        assert all(w.poll() is None for w in workers), "a worker exited with the run"
+        leftovers = [p.pid for w in workers for p in psutil.Process(w.pid).children(recursive=True)]
+        assert leftovers == [], f"processes of the run still on the workers: {leftovers}"
+        print(f"grpo over 2 localhost workers: {time.monotonic() - started:.1f} s")
+    finally:
+        for worker in workers:
+            _stop(worker)
+
+
+async def _controller(model_dir: str, ports: list[str]) -> dict:
+    from forge_rl import launch
+    from forge_rl.config import GRPOConfig
+    from forge_rl.models.titan import ParallelConfig
+    from forge_rl.placement import LaunchConfig, PlacementConfig
+    from forge_rl.store.actors import StorageVolumeActor
+    from forge_rl.trainer import TrainerConfig
+
+    config = GRPOConfig(
+        trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
+        launch=LaunchConfig(
+            hosts="list",
+            workers=tuple(f"tcp://127.0.0.1:{port}" for port in ports),
+            placement=PlacementConfig(services_host=0, trainer_hosts=(1,), generator_hosts=(1,)),
+        ),
+    )
+    hosts = await launch.start_hosts(config, model_dir)
+    try:
+        services = hosts.spawn_services()
+        trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
+        volume_procs = hosts.store_volume_procs(services)
+        volume = volume_procs.spawn("store_volume", StorageVolumeActor, str(Path(model_dir) / "store"))
+        service_actor = services.spawn("where", WhereAmI)
+        trainer_ranks = [r for _, r in (await trainer.spawn("where", WhereAmI).where.call()).items()]
+        generator_host = hosts.generator_hosts(config.num_generators)[0]
+        return {
+            "facts": [vars(f) for f in hosts.facts],
+            "ancestors": {
+                "services": (await service_actor.where.call_one())["ancestors"],
+                "trainer0": trainer_ranks[0]["ancestors"],
+                "trainer1": trainer_ranks[1]["ancestors"],
+                "store_volume": (await volume_procs.spawn("where", WhereAmI).where.call_one())["ancestors"],
+                "spawned_by_actor": (await service_actor.spawn_on.call_one(generator_host))["ancestors"],
+            },
+            "ranks": [[r["rank"], r["world_size"]] for r in trainer_ranks],
+            "volume_location": await volume.location.call_one(),
+        }
+    finally:
+        await hosts.stop()
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(_controller(sys.argv[1], sys.argv[2:]))), flush=True)

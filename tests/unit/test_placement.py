@@ -1,0 +1,164 @@
+"""Multi-host launching without Monarch: SLURM nodelists, worker addresses, placement and host checks."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from forge_rl.placement import (
+    HostFacts,
+    LaunchConfig,
+    PlacementConfig,
+    RoleDemand,
+    check_host_facts,
+    check_placement,
+    check_reachable,
+    expand_nodelist,
+    hostnames_resolve_apart,
+    parse_worker_address,
+    slurm_worker_addresses,
+)
+from forge_rl.yaml_config import ConfigError
+
+
+@pytest.mark.parametrize(
+    "nodelist,expected",
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("gpu[01-03,07],cpu-a1", ["gpu01", "gpu02", "gpu03", "gpu07", "cpu-a1"]),
+        ("a[8-10]", ["a8", "a9", "a10"]),
+        ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+        ("rack[1-2]-ib", ["rack1-ib", "rack2-ib"]),
+        ("x[001-002],y[9]", ["x001", "x002", "y9"]),
+    ],
+)
+def test_slurm_nodelists_expand_like_scontrol_show_hostnames(nodelist, expected):
+    assert expand_nodelist(nodelist) == expected
+
+
+@pytest.mark.parametrize("nodelist", ["node[1-3", "node[3-1]", "node[a-b]", "a,,b"])
+def test_malformed_nodelists_are_refused(nodelist):
+    with pytest.raises(ConfigError, match="SLURM nodelist"):
+        expand_nodelist(nodelist)
+
+
+def test_slurm_workers_come_from_the_allocation():
+    environ = {"SLURM_JOB_NODELIST": "gpu[1-2]"}
+    assert slurm_worker_addresses(26600, environ) == ["tcp://gpu1:26600", "tcp://gpu2:26600"]
+    with pytest.raises(ConfigError, match="not a SLURM allocation.*sbatch"):
+        slurm_worker_addresses(26600, {})
+
+
+@pytest.mark.parametrize("address,expected", [
+    ("tcp://node1:26600", ("node1", 26600)),
+    ("tcp://10.0.0.5:1", ("10.0.0.5", 1)),
+    ("tcp://[::1]:26600", ("::1", 26600)),
+])
+def test_worker_addresses_parse(address, expected):
+    assert parse_worker_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["node1:26600", "tcp://node1", "tcp://node1:0", "tcp://node1:70000", "ipc://x", "tcp://a b:1"])
+def test_malformed_worker_addresses_name_the_entry_and_the_form(address):
+    with pytest.raises(ConfigError) as error:
+        parse_worker_address(address)
+    assert repr(address) in str(error.value) and "tcp://HOST:PORT" in str(error.value)
+
+
+def _list(num_hosts: int, **placement) -> LaunchConfig:
+    return LaunchConfig(
+        hosts="list", workers=tuple(f"tcp://h{i}:26600" for i in range(num_hosts)), placement=PlacementConfig(**placement)
+    )
+
+
+def test_placement_rules_that_need_no_host():
+    demand = RoleDemand(trainer_procs=4, reference_procs=0, num_generators=2)
+    check_placement(_list(3, trainer_hosts=(0, 1), generator_hosts=(2,)), demand)  # 2 ranks per host
+    with pytest.raises(ConfigError, match=r"trainer.num_procs \(4\) is not divisible by the 3 host"):
+        check_placement(_list(4, trainer_hosts=(0, 1, 2), generator_hosts=(3,)), demand)
+    with pytest.raises(ConfigError, match="host 1 runs trainer/reference ranks and generators.*allow-shared-hosts"):
+        check_placement(_list(2, trainer_hosts=(0, 1), generator_hosts=(1,)), demand)
+    allowed = LaunchConfig(hosts="list", workers=("tcp://h0:1", "tcp://h1:1"), allow_shared_hosts=True,
+                           placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1,)))
+    check_placement(allowed, demand)
+    check_placement(LaunchConfig(), demand)  # one machine shares by definition (preflight checks it)
+
+
+def test_generators_cycle_over_their_hosts():
+    placement = PlacementConfig(generator_hosts=(1, 2))
+    assert [placement.generator_host(i) for i in range(5)] == [1, 2, 1, 2, 1]
+
+
+def _facts(hostname: str, gpus: int = 0, cpus: int = 8, rdma: str = "ibverbs", visible: bool = True) -> HostFacts:
+    return HostFacts(f"tcp://{hostname}:26600", hostname, gpus, cpus, rdma, visible)
+
+
+def test_host_facts_allow_a_placement_that_fits():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=8, reference_procs=0, num_generators=8)
+    notes = check_host_facts(launch, demand, [_facts("a", gpus=8), _facts("b", gpus=8)], "/shared/run/model")
+    assert notes == []
+
+
+def test_host_facts_refuse_more_gpu_processes_than_gpus():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=8, reference_procs=0, num_generators=9)
+    with pytest.raises(ConfigError, match=r"host 1 \(b, tcp://b:26600\) has 8 GPU\(s\).*9 generator\(s\) = 9.*--launch.placement"):
+        check_host_facts(launch, demand, [_facts("a", gpus=8), _facts("b", gpus=8)], "/m")
+
+
+def test_host_facts_refuse_oversubscribed_cpu_hosts():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=2, reference_procs=0, num_generators=9, generator_threads=1)
+    with pytest.raises(ConfigError, match=r"host 1 \(b.*no GPU and 2 core\(s\).*9 compute threads"):
+        check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")
+
+
+def test_host_facts_need_the_run_directory_on_every_host():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1)
+    with pytest.raises(ConfigError, match="host 1 .* cannot see the run's model directory /tmp/r/model.*shared"):
+        check_host_facts(launch, demand, [_facts("a"), _facts("b", visible=False)], "/tmp/r/model")
+
+
+def test_cross_host_weights_need_an_rdma_backend_and_tcp_fallback_is_noted():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1)
+    with pytest.raises(ConfigError, match="no RDMA backend on the generator's host b.*rdma-core"):
+        check_host_facts(launch, demand, [_facts("a"), _facts("b", rdma="none")], "/m")
+    notes = check_host_facts(launch, demand, [_facts("a"), _facts("b", rdma="tcp")], "/m")
+    assert len(notes) == 1 and "TCP fallback" in notes[0]
+    same_host = check_host_facts(launch, demand, [_facts("a", rdma="none"), _facts("a", rdma="none")], "/m")
+    assert same_host == []  # generators on the trainer's host map /dev/shm: no RDMA needed
+
+
+def test_two_hosts_with_one_hostname_are_refused_unless_they_are_one_machine():
+    hostnames_resolve_apart([
+        HostFacts("tcp://127.0.0.1:1", "vm", 0, 2, "tcp", True),
+        HostFacts("tcp://localhost:2", "vm", 0, 2, "tcp", True),
+    ])
+    with pytest.raises(ConfigError, match="both report hostname 'n'.*unique hostname"):
+        hostnames_resolve_apart([
+            HostFacts("tcp://10.0.0.1:1", "n", 0, 2, "tcp", True), HostFacts("tcp://10.0.0.2:1", "n", 0, 2, "tcp", True)
+        ])
+
+
+def test_reachability_is_checked_with_a_short_timeout_and_names_the_host():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        open_address = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            closed_address = f"tcp://127.0.0.1:{closed.getsockname()[1]}"  # bound, not listening
+        check_reachable([open_address], timeout_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as error:
+            check_reachable([open_address, closed_address], timeout_s=1.0)
+    assert 1.0 - 0.3 < time.monotonic() - started < 2.5  # retried until the timeout, not longer
+    message = str(error.value)
+    assert closed_address in message and open_address not in message.split("within")[0]
+    assert "forge-rl worker --port PORT" in message
