@@ -64,6 +64,7 @@ def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
         "scorer/errored": 4,
         "scorer/timed_out": 1,
         "scorer/worker_restarts": 2,
+        "scorer/overlong_penalized": 0,  # no overlong penalty configured
     }
     assert len(pids) == 2
     deadline = time.monotonic() + 5
