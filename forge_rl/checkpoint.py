@@ -212,7 +212,7 @@ def resume_hint(run_path: Path, config: CheckpointConfig) -> str:
         )
     return (
         "Checkpoints are disabled (checkpoint.enabled is false), so it cannot be continued; start it again "
-        "with --checkpoint.enabled True (and --checkpoint.every-n-steps N) to be able to resume."
+        "with --checkpoint.enabled (and --checkpoint.every-n-steps N) to be able to resume."
     )
 
 

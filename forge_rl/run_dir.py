@@ -122,7 +122,7 @@ def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]
         raise ConfigError(
             f"--resume {run_path}: no complete checkpoint under {checkpoints_root(run_path)} (a save cut "
             "short does not count). The run had checkpoints off or stopped before its first one; start "
-            "it again with --checkpoint.enabled True."
+            "it again with --checkpoint.enabled."
         )
     saved = load_yaml_config(GRPOConfig, saved_path)
     conflicts = [

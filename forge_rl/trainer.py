@@ -300,9 +300,19 @@ class PolicyTrainer:
         parameters are taken as the model registers them, and the AdamW state per parameter, created
         empty first on a fresh optimizer so that a load has tensors to fill. The LR is constant
         (trainer.lr, from the config), so there is no schedule to save."""
+        from torch.distributed.fsdp import FSDPModule
         from torch.optim.optimizer import _get_scalar_dtype
 
+        # FSDP2 registers the unsharded parameters while a module is unsharded (the root stays so
+        # after a no-grad forward such as compute_logprobs); resharded, the registered parameters
+        # are the sharded ones the optimizer steps.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         params = dict(self.model.named_parameters())
+        stepped = {id(param) for group in self.optimizer.param_groups for param in group["params"]}
+        if any(id(param) not in stepped for param in params.values()):
+            raise RuntimeError("the model's registered parameters are not those the optimizer steps")
         optimizer = {}
         for name, param in params.items():
             moments = self.optimizer.state[param]
