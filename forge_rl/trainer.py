@@ -280,7 +280,7 @@ class PolicyTrainer:
         collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._checkpoint_state(), checkpoint_id=str(path))
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
     def load_checkpoint(self, path: Path | str) -> None:
         """Restore what `save_checkpoint` wrote (same model and parallelism): weights, AdamW moments
@@ -288,7 +288,7 @@ class PolicyTrainer:
         import torch.distributed.checkpoint as dcp
 
         state = self._checkpoint_state()
-        dcp.load(state, checkpoint_id=str(path))  # in place, into this rank's shards
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())  # in place, into this rank's shards
         torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         self.policy_version = int(state["progress"]["policy_version"])
         self.num_consecutive_nonfinite_steps = int(state["progress"]["num_consecutive_nonfinite_steps"])
