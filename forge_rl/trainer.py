@@ -309,7 +309,8 @@ class PolicyTrainer:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        params = dict(self.model.named_parameters())
+        # Names without activation checkpointing's wrapper, so a resume may switch it on or off.
+        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in self.model.named_parameters()}
         stepped = {id(param) for group in self.optimizer.param_groups for param in group["params"]}
         if any(id(param) not in stepped for param in params.values()):
             raise RuntimeError("the model's registered parameters are not those the optimizer steps")
