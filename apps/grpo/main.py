@@ -243,10 +243,10 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         async with state.changed:
             await state.changed.wait_for(state.may_sample_batch)
         episodes, num_evicted = await actors.buffer.sample.call_one(config.prompts_per_step, train_version)
-        state.step_in_flight = True
         await state.update(next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted))
 
         step_start = timeline.now()
+        state.step_in_flight = True  # until the step is accounted for, with no await in between
         with timeline.busy("trainer"):
             values, stopped = await finish_despite_stop(actors.trainer.train_step.call(episodes), state)
             trainer_metrics = values.item(procs=0)
@@ -254,6 +254,7 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         if trainer_metrics["step_skipped"]:
             # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
             state.accounting.count_skipped(episodes)
+            state.step, state.step_in_flight = step, False
             await state.update(next_train_version=-1)
         else:
             state.accounting.count_trained(episodes)
@@ -262,6 +263,7 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
                 asyncio.create_task(update_generator(i, actors, state, trainer_metrics["policy_version"], weights_dir))
                 for i in range(config.num_generators)
             ]
+            state.step, state.step_in_flight = step, False
 
         metrics = {
             "step": step,
@@ -271,7 +273,6 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
             "throughput/trained_tokens_per_s": trained_tokens_per_s,
             **await pipeline_metrics(actors, state),
         }
-        state.step, state.step_in_flight = step, False
         metrics_logger.log(metrics)
         history.append(metrics)
         if stopped:

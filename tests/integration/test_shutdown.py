@@ -48,8 +48,9 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         assert not alive, f"still alive after {SHUTDOWN_BUDGET_S} s: {[p.pid for p in alive]}"
         assert process.returncode == exit_code
         assert "all processes of the run stopped" in stderr_path.read_text()
-        assert newest_complete_checkpoint(tmp_path / "interrupted") is not None
-        assert f"forge-rl grpo --resume {tmp_path / 'interrupted'}" in stderr_path.read_text()
+        log = stderr_path.read_text()
+        assert newest_complete_checkpoint(tmp_path / "interrupted") is not None, log[-3000:]
+        assert f"forge-rl grpo --resume {tmp_path / 'interrupted'}" in log
     finally:
         for child in psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []:
             child.kill()
