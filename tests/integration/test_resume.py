@@ -33,7 +33,6 @@ import torch.multiprocessing as mp
 
 from forge_rl.batching import make_train_batch
 from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
-from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 
@@ -69,8 +68,7 @@ def _train_rank(rank: int, port: int, model_dir: Path, checkpoint: Path, out: Pa
     dist.destroy_process_group()
 
 
-def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(tmp_path):
-    model_dir = create_tiny_model(TinyModelConfig(), tmp_path / "model")
+def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(model_dir, tmp_path):
     checkpoint = tmp_path / "checkpoint"
     runs = {}
     for resume in (False, True):  # fresh processes each time: nothing survives but the checkpoint
