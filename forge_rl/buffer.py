@@ -197,10 +197,11 @@ class ReplayBuffer:
             self.trained.count_episode(episode)
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
-        """Held episodes (in order) and both tallies, as plain lists, numbers and strings."""
+    def state_dict(self, include_episodes: bool = True) -> dict[str, Any]:
+        """Held episodes (in order; none unless `include_episodes`) and both tallies, as plain
+        lists, numbers and strings."""
         return {
-            "episodes": [e.to_dict() for e in self._episodes],
+            "episodes": [e.to_dict() for e in self._episodes] if include_episodes else [],
             "dropped": dataclasses.asdict(self.dropped),
             "trained": dataclasses.asdict(self.trained),
         }

@@ -1,9 +1,11 @@
 """`forge-rl`: the command line. Subcommands parse their config with tyro on top of an optional YAML.
 
     forge-rl grpo --config configs/grpo_tiny_cpu.yaml --steps 50 --buffer.max-policy-age 2
+    forge-rl grpo --resume runs/grpo-20261121-120000 --steps 600
 
-Order of precedence: flags > the YAML file given with --config > defaults. The config is fully
-validated (fields, cross-field rules, the model directory) before any process is started.
+Order of precedence: flags > the YAML file given with --config (with --resume and no --config: the
+run directory's config.yaml) > defaults. The config is fully validated (fields, cross-field rules,
+the model directory) before any process is started.
 """
 
 from __future__ import annotations
@@ -48,17 +50,26 @@ def _run_grpo(args: list[str]) -> None:
     from forge_rl.config import GRPOConfig
     from forge_rl.yaml_config import ConfigError
 
+    from forge_rl.run_dir import saved_config_path
+
+    resume = _flag_value(args, "--resume")
     try:
-        config = parse_config(GRPOConfig, args, prog="forge-rl grpo")
+        if resume is not None and _flag_value(args, "--config") is None and not saved_config_path(resume).is_file():
+            raise ConfigError(f"--resume {resume}: {saved_config_path(resume)} does not exist; not a run directory.")
+        defaults_file = saved_config_path(resume) if resume is not None else None
+        config = parse_config(GRPOConfig, args, prog="forge-rl grpo", defaults_file=defaults_file)
     except ConfigError as e:
         _fail(f"invalid config: {e}")
 
-    from apps.grpo.main import run
+    from apps.grpo.main import ProcessDied, run
 
     try:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
     except ConfigError as e:  # preflight (forge_rl/preflight.py): this machine or these files cannot run it
         _fail(f"cannot start the run: {e}")
+    except ProcessDied as e:  # a trainer rank or a service died; every other process was stopped
+        print(f"forge-rl: error: {e}", file=sys.stderr)
+        raise SystemExit(1)
     except KeyboardInterrupt:  # Ctrl-C: asyncio.run cancelled the run, which shut its processes down
         print("[forge-rl] interrupted (SIGINT); all processes of the run stopped", file=sys.stderr)
         raise SystemExit(130)
@@ -136,13 +147,14 @@ def _run_worker(args: list[str]) -> None:
     run_worker(worker_args.port, worker_args.host)
 
 
-def parse_config(cls, args: list[str], prog: str):
-    """YAML from --config (if any) as the defaults, then the flags on top, validated by tyro."""
+def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = None):
+    """YAML from --config (else `defaults_file`, if any) as the defaults, then the flags on top,
+    validated by tyro."""
     import tyro
 
     from forge_rl.yaml_config import ConfigError, load_yaml_config
 
-    config_path = _find_config_path(args)
+    config_path = _flag_value(args, "--config") or defaults_file
     default = load_yaml_config(cls, config_path) if config_path else cls()
     try:
         return tyro.cli(cls, args=args, default=default, prog=prog, description=cls.__doc__)
@@ -150,11 +162,12 @@ def parse_config(cls, args: list[str], prog: str):
         raise ConfigError(str(e)) from None
 
 
-def _find_config_path(args: list[str]) -> Path | None:
+def _flag_value(args: list[str], flag: str) -> Path | None:
+    """The path given to `flag` (`--flag PATH` or `--flag=PATH`), read before tyro parses the rest."""
     for i, arg in enumerate(args):
-        if arg == "--config" and i + 1 < len(args):
+        if arg == flag and i + 1 < len(args):
             return Path(args[i + 1])
-        if arg.startswith("--config="):
+        if arg.startswith(f"{flag}="):
             return Path(arg.split("=", 1)[1])
     return None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from forge_rl.buffer import BufferConfig
+from forge_rl.checkpoint import CheckpointConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
@@ -132,6 +133,10 @@ class GRPOConfig:
     """Parent of the run directory (config.yaml, metrics.jsonl, model/)."""
     run_name: str | None = None
     """Run directory name under run_dir; unset: grpo-YYYYmmdd-HHMMSS."""
+    resume: Path | None = None
+    """Run directory to continue from its newest complete checkpoint (`forge-rl grpo --resume
+    runs/NAME`). Its config.yaml is the base; flags may change steps, logging, checkpointing and
+    the like, not the model, task, group size or trainer parallelism (docs/checkpointing.md)."""
     steps: int = 100
     """Trainer optimizer steps (= policy versions published)."""
     train_batch_size: int = 128
@@ -158,6 +163,7 @@ class GRPOConfig:
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """The hosts of the run and where each role runs (docs/multi_host.md); this machine by default."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def prompts_per_step(self) -> int:

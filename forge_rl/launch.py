@@ -20,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from collections.abc import Callable, Iterator
 
+import monarch.actor
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
@@ -184,3 +187,26 @@ def run_worker(port: int, host: str | None = None) -> None:
     address = f"tcp://{host or socket.gethostname()}:{port}"
     print(f"[forge-rl worker] serving {address}", file=sys.stderr, flush=True)
     run_worker_loop_forever(address=address, ca="trust_all_connections")
+
+
+@contextlib.contextmanager
+def on_process_failure(callback: Callable[[str], None]) -> Iterator[None]:
+    """While inside, a failed process of a mesh this process owns (the services or the trainer;
+    generator meshes are supervised by their pool) calls `callback(description)` instead of
+    Monarch's default fault hook, which exits this process as if Ctrl-C had been pressed. The
+    callback may run on another thread."""
+
+    def hook(failure) -> None:
+        callback(str(failure).strip().splitlines()[0][:500])
+
+    previous = monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = hook
+    try:
+        yield
+    finally:
+        monarch.actor.unhandled_fault_hook = previous
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """Whether `error`, raised by an endpoint call, says the actor's process died."""
+    return isinstance(error, SupervisionError)

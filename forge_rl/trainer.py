@@ -275,6 +275,67 @@ class PolicyTrainer:
         metrics["step_time_s"] = time.perf_counter() - start
         return metrics
 
+    def save_checkpoint(self, path: Path | str) -> None:
+        """Write this rank's part of the training state to the DCP checkpoint `path`: a
+        collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+    def load_checkpoint(self, path: Path | str) -> None:
+        """Restore what `save_checkpoint` wrote (same model and parallelism): weights, AdamW moments
+        and step counts, this rank's torch RNG state, the policy version. A collective."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())  # in place, into this rank's shards
+        torch.set_rng_state(state["rng"][f"rank{self.rank}"])
+        self.policy_version = int(state["progress"]["policy_version"])
+        self.num_consecutive_nonfinite_steps = int(state["progress"]["num_consecutive_nonfinite_steps"])
+
+    def _checkpoint_state(self) -> dict:
+        """What a checkpoint holds, keyed by parameter name; the tensors are the live ones, so DCP
+        loads in place. The fused QKV module defeats `torch.distributed.checkpoint.state_dict`
+        (`get_state_dict` walks the un-fused names that `model.state_dict()` reports), so the
+        parameters are taken as the model registers them, and the AdamW state per parameter, created
+        empty first on a fresh optimizer so that a load has tensors to fill. The LR is constant
+        (trainer.lr, from the config), so there is no schedule to save."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        # FSDP2 registers the unsharded parameters while a module is unsharded (the root stays so
+        # after a no-grad forward such as compute_logprobs); resharded, the registered parameters
+        # are the sharded ones the optimizer steps.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        # Names without activation checkpointing's wrapper, so a resume may switch it on or off.
+        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in self.model.named_parameters()}
+        stepped = {id(param) for group in self.optimizer.param_groups for param in group["params"]}
+        if any(id(param) not in stepped for param in params.values()):
+            raise RuntimeError("the model's registered parameters are not those the optimizer steps")
+        optimizer = {}
+        for name, param in params.items():
+            moments = self.optimizer.state[param]
+            if not moments:
+                moments.update(
+                    step=torch.tensor(0.0, dtype=_get_scalar_dtype()),
+                    exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
+                )
+            for key, value in moments.items():
+                optimizer[f"{name}.{key}"] = value
+        return {
+            "model": params,
+            "optimizer": optimizer,
+            # One key per rank: each restores its own stream (DCP would keep one copy of a shared key).
+            "rng": {f"rank{self.rank}": torch.get_rng_state()},
+            "progress": {
+                "policy_version": self.policy_version,
+                "num_consecutive_nonfinite_steps": self.num_consecutive_nonfinite_steps,
+            },
+        }
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[N, L] fp32 logprob of each token under the current weights (0 at position 0 and on

@@ -24,6 +24,10 @@ With buffer.max_policy_age=0 the same program is synchronous RL: generate, train
 With buffer.admission=drop the staleness gate is off: generation only waits for buffer room, and the
 buffer drops what grows too old.
 
+With checkpoint.enabled, the train loop checkpoints between two steps every
+checkpoint.every_n_steps (forge_rl/checkpoint.py), and `forge-rl grpo --resume RUN_DIR` continues
+from the newest complete one: prompts that were in flight then are handed out again.
+
 Run it with `forge-rl grpo --config configs/grpo_tiny_cpu.yaml` (or `python -m apps.grpo.main ...`).
 """
 
@@ -48,9 +52,29 @@ from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.accounting import PromptAccounting
 from forge_rl.advantages import filter_zero_advantage_groups
+from forge_rl.checkpoint import (
+    TRAINER_DIR,
+    ControllerState,
+    begin_checkpoint,
+    capture_rng_state,
+    commit_checkpoint,
+    complete_checkpoints,
+    prompts_to_reissue,
+    prune_checkpoints,
+    read_controller_state,
+    restore_rng_state,
+    resume_hint,
+)
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import MetricsLogger, batch_metrics, open_sinks, progress
-from forge_rl.run_dir import config_to_dict, create_run_dir, prepare_model_dir, remove_unstarted_run_dir
+from forge_rl.run_dir import (
+    config_to_dict,
+    create_run_dir,
+    open_run_dir_for_resume,
+    prepare_model_dir,
+    remove_unstarted_run_dir,
+    truncate_metrics,
+)
 from forge_rl.staleness import batch_may_be_sampled, rollout_may_start
 from forge_rl.store.actors import spawn_store
 from forge_rl.store.shm import SharedMemorySnapshots, default_store_root
@@ -63,6 +87,14 @@ _FINAL_REWARD_WINDOW = 5
 # Shutdown must finish within the 10 s a user (or a scheduler's SIGTERM grace period) waits.
 _ENGINE_STOP_TIMEOUT_S = 4.0
 _MESH_STOP_TIMEOUT_S = 4.0
+# On Ctrl-C / SIGTERM with checkpoint.on_shutdown: how long the optimizer step in flight may take to
+# finish, then how long the checkpoint may take (a tiny model's takes well under a second).
+_STOP_STEP_TIMEOUT_S = 2.0
+_STOP_CHECKPOINT_TIMEOUT_S = 3.0
+
+
+class ProcessDied(RuntimeError):
+    """A process of the run (a trainer rank, or the services) died; the message says how to resume."""
 
 
 @dataclasses.dataclass
@@ -87,6 +119,12 @@ class PipelineState:
     timeline: Timeline = dataclasses.field(default_factory=Timeline)
     """Busy intervals of every component; its origin is when the loops started."""
     last_weight_update: dict = dataclasses.field(default_factory=dict)
+    step: int = 0
+    """Train-loop steps done, skipped non-finite steps included (restored by a resume)."""
+    step_in_flight: bool = False
+    """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
+    process_failures: list[str] = dataclasses.field(default_factory=list)
+    """Processes of the run that died (from Monarch's fault hook); the run stops at the first."""
     changed: asyncio.Condition = dataclasses.field(default_factory=asyncio.Condition)
 
     def may_start_rollout(self, generator_index: int) -> bool:
@@ -156,7 +194,7 @@ async def rollout_loop(index: int, actors: Actors, state: PipelineState) -> None
         if config.dynamic_sampling:
             episodes, filtered = filter_zero_advantage_groups(episodes)
             num_filtered = len(filtered)
-            state.accounting.filtered_zero_advantage += num_filtered
+            state.accounting.count_filtered(filtered)
         if actors.reference is not None and episodes:
             with timeline.busy("reference"):
                 episodes = (await actors.reference.annotate.call(episodes)).item(procs=0)
@@ -191,10 +229,16 @@ async def update_generator(index: int, actors: Actors, state: PipelineState, pol
         state.changed.notify_all()
 
 
-async def train_loop(actors: Actors, state: PipelineState, metrics_logger: MetricsLogger) -> list[dict]:
+async def train_loop(actors: Actors, state: PipelineState, metrics_logger: MetricsLogger, run_path) -> list[dict]:
+    """Steps state.step + 1 to config.steps; checkpoints after a step per config.checkpoint.
+
+    A stop (Ctrl-C, SIGTERM) while the trainer steps lets that step finish and be accounted for
+    when a shutdown checkpoint is wanted, so that checkpoint matches the trainer's weights.
+    """
     config, timeline = state.config, state.timeline
+    checkpoints = config.checkpoint
     history, weight_updates = [], []
-    for step in range(1, config.steps + 1):
+    for step in range(state.step + 1, config.steps + 1):
         train_version = state.next_train_version
         async with state.changed:
             await state.changed.wait_for(state.may_sample_batch)
@@ -202,12 +246,15 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         await state.update(next_train_version=1, num_episodes_queued=-(config.prompts_per_step + num_evicted))
 
         step_start = timeline.now()
+        state.step_in_flight = True  # until the step is accounted for, with no await in between
         with timeline.busy("trainer"):
-            trainer_metrics = (await actors.trainer.train_step.call(episodes)).item(procs=0)
+            values, stopped = await finish_despite_stop(actors.trainer.train_step.call(episodes), state)
+            trainer_metrics = values.item(procs=0)
         trained_tokens_per_s = trainer_metrics["num_tokens"] / max(timeline.now() - step_start, 1e-9)
         if trainer_metrics["step_skipped"]:
             # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
-            state.accounting.skipped_nonfinite += len(episodes)
+            state.accounting.count_skipped(episodes)
+            state.step, state.step_in_flight = step, False
             await state.update(next_train_version=-1)
         else:
             state.accounting.count_trained(episodes)
@@ -216,6 +263,7 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
                 asyncio.create_task(update_generator(i, actors, state, trainer_metrics["policy_version"], weights_dir))
                 for i in range(config.num_generators)
             ]
+            state.step, state.step_in_flight = step, False
 
         metrics = {
             "step": step,
@@ -227,8 +275,120 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         }
         metrics_logger.log(metrics)
         history.append(metrics)
+        if stopped:
+            raise asyncio.CancelledError
+        if checkpoints.enabled and (
+            step % checkpoints.every_n_steps == 0 or (step == config.steps and checkpoints.on_shutdown)
+        ):
+            # Finished even if the run is stopped meanwhile: a stop then needs no checkpoint of its own.
+            _, stopped = await finish_despite_stop(save_checkpoint(actors, state, run_path), state)
+            if stopped:
+                raise asyncio.CancelledError
     await asyncio.gather(*weight_updates)
     return history
+
+
+async def finish_despite_stop(awaitable, state: PipelineState):
+    """(result, stopped): awaits `awaitable` to its end even if the run is stopped (Ctrl-C, SIGTERM)
+    meanwhile, when a shutdown checkpoint is wanted, up to _STOP_STEP_TIMEOUT_S after the stop.
+    Otherwise a stop, or a dead process, cancels at once."""
+    task = asyncio.ensure_future(awaitable)
+    checkpoints = state.config.checkpoint
+    if not (checkpoints.enabled and checkpoints.on_shutdown):
+        return await task, False
+    try:
+        return await asyncio.shield(task), False
+    except asyncio.CancelledError:
+        if state.process_failures:
+            task.cancel()
+            raise
+        try:
+            return await asyncio.wait_for(task, _STOP_STEP_TIMEOUT_S), True
+        except asyncio.TimeoutError:
+            raise asyncio.CancelledError from None
+
+
+async def save_checkpoint(actors: Actors, state: PipelineState, run_path) -> None:
+    """Checkpoint after step `state.step` (forge_rl/checkpoint.py); generation goes on meanwhile.
+
+    The buffer is read before the dataset cursor, so every prompt in the buffer's snapshot is below
+    that cursor; a prompt handed out after the read is above it and is simply handed out again.
+    """
+    started = time.monotonic()
+    partial = begin_checkpoint(run_path, state.step)
+    saved = (await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR))).item(procs=0)
+    buffer_state = await actors.buffer.state_dict.call_one(state.config.checkpoint.save_buffer)
+    dataset = await actors.dataset.state.call_one()
+    settled = [
+        *state.accounting.trained_ids(),
+        *state.accounting.skipped_ids,
+        *state.accounting.filtered_ids,
+        *buffer_state["dropped"]["episode_ids"],
+        *(episode["episode_id"] for episode in buffer_state["episodes"]),
+    ]
+    controller = ControllerState(
+        step=state.step,
+        policy_version=saved["policy_version"],
+        dataset_cursor=dataset["cursor"],
+        reissue=prompts_to_reissue(dataset["cursor"], settled),
+        accounting=state.accounting.state_dict(),
+        buffer=buffer_state,
+        num_generated_tokens=state.num_generated_tokens,
+        rng=capture_rng_state(),
+    )
+    path = commit_checkpoint(partial, controller)
+    prune_checkpoints(run_path, state.config.checkpoint.keep_last)
+    progress(
+        f"checkpoint {path} (policy version {saved['policy_version']}, "
+        f"{len(controller.reissue)} prompts to re-issue on resume, {time.monotonic() - started:.2f}s)"
+    )
+
+
+async def checkpoint_at_stop(actors: Actors, state: PipelineState, run_path) -> None:
+    """The shutdown checkpoint (checkpoint.on_shutdown), bounded by _STOP_CHECKPOINT_TIMEOUT_S."""
+    checkpoints = state.config.checkpoint
+    if not (checkpoints.enabled and checkpoints.on_shutdown) or state.process_failures or state.step == 0:
+        return
+    if state.step_in_flight:
+        progress("no checkpoint at stop: the optimizer step in flight did not finish in time")
+        return
+    if any(step == state.step for step, _ in complete_checkpoints(run_path)):
+        return
+    try:
+        await asyncio.wait_for(save_checkpoint(actors, state, run_path), _STOP_CHECKPOINT_TIMEOUT_S)
+    except (Exception, asyncio.TimeoutError) as e:
+        progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
+
+
+async def resume_from(checkpoint, actors: Actors, state: PipelineState) -> None:
+    """Load `checkpoint` into the trainer, buffer, dataset and `state`, and have every generator
+    serve its policy version before any rollout starts."""
+    saved = read_controller_state(checkpoint)
+    loaded = (await actors.trainer.load_checkpoint.call(str(checkpoint / TRAINER_DIR))).item(procs=0)
+    if loaded["policy_version"] != saved.policy_version:
+        raise RuntimeError(
+            f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "
+            f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
+        )
+    num_buffered = await actors.buffer.load_state_dict.call_one(saved.buffer, saved.policy_version)
+    await actors.dataset.load_state.call_one(saved.dataset_cursor, saved.reissue)
+    restore_rng_state(saved.rng)
+    state.step, state.next_train_version, state.num_episodes_queued = saved.step, saved.policy_version, num_buffered
+    state.accounting = PromptAccounting.from_state_dict(
+        saved.accounting, handed_out=saved.dataset_cursor - len(saved.reissue)
+    )
+    state.accounting.reissued_after_resume += len(saved.reissue)
+    state.num_generated_tokens = state.generated_tokens_at_last_step = saved.num_generated_tokens
+    await asyncio.gather(
+        *(
+            update_generator(i, actors, state, saved.policy_version, loaded["weights/dir"])
+            for i in range(state.config.num_generators)
+        )
+    )
+    progress(
+        f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "
+        f"{num_buffered} buffered episodes, {len(saved.reissue)} prompts re-issued"
+    )
 
 
 async def pipeline_metrics(actors: Actors, state: PipelineState) -> dict:
@@ -291,36 +451,71 @@ async def _spawn_on(hosts: launch.Hosts, config: GRPOConfig, model_dir, store_ro
 
 
 async def run(config: GRPOConfig) -> dict:
-    """Run the recipe; returns the summary (also the last line of stdout from the CLI).
+    """Run the recipe (or continue it, with `config.resume`); returns the summary (also the last
+    line of stdout from the CLI).
 
     However it ends (finished, failed, Ctrl-C or SIGTERM cancelling this coroutine), generation is
-    stopped and every process of the run is shut down before this returns or raises.
+    stopped and every process of the run is shut down before this returns or raises. If a process
+    of the run dies, this raises ProcessDied, whose message says how to resume.
     """
     torch.set_num_threads(1)  # this process only orchestrates; the cores belong to engines and trainer
     started = time.monotonic()
-    run_path = create_run_dir(config)
+    if config.resume is None:
+        run_path, checkpoint = create_run_dir(config), None
+    else:
+        config, run_path, checkpoint = open_run_dir_for_resume(config)
     model_dir = prepare_model_dir(config, run_path)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     store = SharedMemorySnapshots(default_store_root(run_path.name), model_dir)
     progress(f"run directory {run_path}")
+    state = PipelineState(config, generator_versions=[0] * config.num_generators)
+    loops: asyncio.Task | None = None
+    event_loop = asyncio.get_running_loop()
+
+    def process_died(description: str) -> None:  # Monarch's fault hook; may run on another thread
+        state.process_failures.append(description)
+        if loops is not None:
+            event_loop.call_soon_threadsafe(loops.cancel)
+
     try:
-        actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
-        try:
-            progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
-            generator_starts, *_ = await asyncio.gather(
-                actors.generators.start.call_one(),
-                actors.trainer.setup.call(),
-                *([actors.reference.setup.call()] if actors.reference is not None else []),
-            )
-            processes = await actors.generators.processes.call_one()
-            (run_path / "processes.json").write_text(json.dumps({"generators": processes}))
-            progress(f"ready in {time.monotonic() - started:.1f}s; training {config.steps} steps")
-            history, accounting = await run_loops(actors, config, run_path)
-            recoveries = await actors.generators.recovery_events.call_one()
-        finally:
-            await shutdown(actors, proc_meshes, store)
-    except BaseException:
+        with launch.on_process_failure(process_died):
+            actors, proc_meshes = await spawn_actors(config, model_dir, store.root, max_model_len)
+            try:
+                progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
+                generator_starts, trainer_starts, *_ = await asyncio.gather(
+                    actors.generators.start.call_one(),
+                    actors.trainer.setup.call(),
+                    *([actors.reference.setup.call()] if actors.reference is not None else []),
+                )
+                processes = {
+                    "generators": await actors.generators.processes.call_one(),
+                    "trainer": [start["pid"] for start in trainer_starts.values()],
+                }
+                (run_path / "processes.json").write_text(json.dumps(processes))
+                previous_history = []
+                if checkpoint is not None:
+                    await resume_from(checkpoint, actors, state)
+                    previous_history = truncate_metrics(run_path, state.step)
+                    (run_path / "timeline.jsonl").unlink(missing_ok=True)  # the timeline covers one segment
+                progress(f"ready in {time.monotonic() - started:.1f}s; training to step {config.steps}")
+                loops = asyncio.ensure_future(run_loops(actors, state, run_path))
+                history, accounting = await loops
+                history = previous_history + history
+                recoveries = await actors.generators.recovery_events.call_one()
+            finally:
+                loops = None  # a failure reported from here on is the shutdown's own
+                await shutdown(actors, proc_meshes, store)
+    except BaseException as e:
         remove_unstarted_run_dir(run_path)  # a run that trained no step leaves nothing to resume from
+        hint = resume_hint(run_path, config.checkpoint)
+        if state.process_failures or (isinstance(e, Exception) and launch.is_process_failure(e)):
+            cause = state.process_failures[0] if state.process_failures else f"{type(e).__name__}: {e}"
+            raise ProcessDied(f"a process of run {run_path} died ({cause}); the run stopped. {hint}") from e
+        if run_path.exists():
+            if isinstance(e, Exception):
+                e.add_note(f"[forge-rl] {hint}")
+            else:  # stopped by Ctrl-C or SIGTERM
+                progress(hint)
         raise
     last = history[-1]
     summary = {
@@ -338,16 +533,17 @@ async def run(config: GRPOConfig) -> dict:
         "trainer_idle_fraction": last["idle_fraction/trainer"],
         "generator_idle_fraction": last["idle_fraction/generators"],
         "run_dir": str(run_path),
+        "resumed_from": None if checkpoint is None else str(checkpoint),
     }
     (run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[dict], dict]:
-    """The rollout loops and the train loop until `config.steps` steps are trained."""
-    state = PipelineState(
-        config, generator_versions=[0] * config.num_generators, timeline=Timeline(run_path / "timeline.jsonl")
-    )
+async def run_loops(actors: Actors, state: PipelineState, run_path) -> tuple[list[dict], dict]:
+    """The rollout loops and the train loop until `config.steps` steps are trained; a stop
+    (Ctrl-C, SIGTERM) writes a checkpoint first when checkpoint.on_shutdown says so."""
+    config = state.config
+    state.timeline = Timeline(run_path / "timeline.jsonl")  # its origin is when the loops start
     metrics_logger = MetricsLogger(
         run_path / "metrics.jsonl",
         config.steps,
@@ -360,7 +556,10 @@ async def run_loops(actors: Actors, config: GRPOConfig, run_path) -> tuple[list[
         for _ in range(config.prompts_in_flight_per_generator)
     ]
     try:
-        history = await train_loop(actors, state, metrics_logger)
+        history = await train_loop(actors, state, metrics_logger, run_path)
+    except asyncio.CancelledError:
+        await checkpoint_at_stop(actors, state, run_path)
+        raise
     finally:
         for task in rollouts:
             task.cancel()

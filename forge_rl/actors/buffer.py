@@ -44,6 +44,20 @@ class ReplayBufferActor(Actor):
         return batch, self.buffer.dropped.episodes - dropped_before
 
     @endpoint
+    async def state_dict(self, include_episodes: bool) -> dict:
+        """The buffer's tallies, and its held episodes if `include_episodes` (for a checkpoint)."""
+        return self.buffer.state_dict(include_episodes)
+
+    @endpoint
+    async def load_state_dict(self, state: dict, trainer_version: int) -> int:
+        """Restore a checkpoint's buffer; returns how many episodes it holds now."""
+        async with self.changed:
+            self.buffer.load_state_dict(state)
+            self.trainer_version = trainer_version
+            self.changed.notify_all()
+        return len(self.buffer)
+
+    @endpoint
     async def stats(self) -> dict:
         dropped = self.buffer.dropped
         return {

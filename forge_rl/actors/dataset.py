@@ -1,7 +1,12 @@
-"""Hands out prompts as Episode shells (no completions yet), tokenized, with a resumable cursor."""
+"""Hands out prompts as Episode shells (no completions yet), tokenized, with a resumable cursor.
+
+After a resume, the prompts a checkpoint left unsettled (forge_rl/checkpoint.py) are handed out
+again first, under their own index, then the cursor continues where it stopped.
+"""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 from monarch.actor import Actor, endpoint
@@ -18,23 +23,28 @@ class DatasetActor(Actor):
         self.max_new_tokens = max_new_tokens
         self.tokenizer = PromptTokenizer(Path(model_dir))
         self.cursor = 0
-        """Index of the next prompt; episode ids are cursor positions, so they never repeat."""
+        """Index of the next new prompt; episode ids are prompt indices, so a prompt is counted by its id."""
+        self.reissue: collections.deque[int] = collections.deque()
+        """Indices below the cursor to hand out again before new ones (set by a resume)."""
 
     @endpoint
     async def next_episodes(self, num_prompts: int) -> list[Episode]:
         episodes = []
         for _ in range(num_prompts):
-            prompt = make_prompt(self.task.name, self.task.seed, self.cursor)
+            if self.reissue:
+                index = self.reissue.popleft()
+            else:
+                index, self.cursor = self.cursor, self.cursor + 1
+            prompt = make_prompt(self.task.name, self.task.seed, index)
             episodes.append(
                 Episode(
-                    episode_id=self.cursor,
+                    episode_id=index,
                     prompt_text=prompt.text,
                     answer=prompt.answer,
                     prompt_token_ids=self.tokenizer.encode_prompt(prompt.text),
-                    forced_length=self._forced_length(self.cursor),
+                    forced_length=self._forced_length(index),
                 )
             )
-            self.cursor += 1
         return episodes
 
     def _forced_length(self, index: int) -> int | None:
@@ -46,4 +56,9 @@ class DatasetActor(Actor):
 
     @endpoint
     async def state(self) -> dict:
-        return {"cursor": self.cursor}
+        return {"cursor": self.cursor, "reissue": list(self.reissue)}
+
+    @endpoint
+    async def load_state(self, cursor: int, reissue: list[int]) -> None:
+        self.cursor = cursor
+        self.reissue = collections.deque(reissue)

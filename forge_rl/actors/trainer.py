@@ -53,7 +53,7 @@ class TrainerActor(Actor):
         if self.rank == 0:
             store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
             self.publisher = WeightPublisher(store, self.publish_config)
-        return {"trainer_setup_s": time.perf_counter() - started}
+        return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid()}
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> dict:
@@ -76,6 +76,22 @@ class TrainerActor(Actor):
         return self.trainer.compute_logprobs(
             make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
         )
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> dict:
+        """Every rank writes its shards of the training state to the DCP checkpoint `path`
+        (forge_rl/checkpoint.py). Returns the policy version saved."""
+        started = time.perf_counter()
+        self.trainer.save_checkpoint(path)
+        return {"policy_version": self.trainer.policy_version, "checkpoint/save_s": time.perf_counter() - started}
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> dict:
+        """Restore the training state from the DCP checkpoint `path`, then publish its policy
+        version to the weight store, so generators can serve it. Returns the version and, on rank 0,
+        where its weights will be (`weights/dir`)."""
+        self.trainer.load_checkpoint(path)
+        return {"policy_version": self.trainer.policy_version, **await self._publish()}
 
     @endpoint
     async def flush_weights(self) -> None:

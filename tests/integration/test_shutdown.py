@@ -1,4 +1,5 @@
-"""Ctrl-C or SIGTERM on a running `forge-rl grpo` stops every process of the run within 10 s."""
+"""Ctrl-C or SIGTERM on a running `forge-rl grpo` stops every process of the run within 10 s, having
+written a checkpoint first (the demo config enables checkpoint.on_shutdown)."""
 
 import signal
 import subprocess
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from forge_rl.checkpoint import newest_complete_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +48,9 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         assert not alive, f"still alive after {SHUTDOWN_BUDGET_S} s: {[p.pid for p in alive]}"
         assert process.returncode == exit_code
         assert "all processes of the run stopped" in stderr_path.read_text()
+        log = stderr_path.read_text()
+        assert newest_complete_checkpoint(tmp_path / "interrupted") is not None, log[-3000:]
+        assert f"forge-rl grpo --resume {tmp_path / 'interrupted'}" in log
     finally:
         for child in psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []:
             child.kill()

@@ -1,0 +1,236 @@
+"""Checkpoint layout, picking the newest complete one, pruning, resume config checks, re-issue."""
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from forge_rl.accounting import PromptAccounting
+from forge_rl.buffer import BufferConfig, ReplayBuffer
+from forge_rl.checkpoint import (
+    COMPLETE_FILE,
+    CheckpointConfig,
+    ControllerState,
+    begin_checkpoint,
+    capture_rng_state,
+    checkpoints_root,
+    commit_checkpoint,
+    complete_checkpoints,
+    newest_complete_checkpoint,
+    prompts_to_reissue,
+    prune_checkpoints,
+    read_controller_state,
+    restore_rng_state,
+    resume_hint,
+)
+from forge_rl.cli import parse_config
+from forge_rl.config import GRPOConfig
+from forge_rl.models.titan import ParallelConfig
+from forge_rl.run_dir import (
+    config_to_dict,
+    create_run_dir,
+    open_run_dir_for_resume,
+    remove_unstarted_run_dir,
+    saved_config_path,
+    truncate_metrics,
+)
+from forge_rl.trainer import TrainerConfig
+from forge_rl.yaml_config import ConfigError, load_yaml_config
+
+from .builders import make_episode
+
+
+def controller_state(step: int, **changes) -> ControllerState:
+    fields = dict(
+        step=step,
+        policy_version=step,
+        dataset_cursor=4 * step,
+        reissue=[],
+        accounting=PromptAccounting().state_dict(),
+        buffer=ReplayBuffer(BufferConfig()).state_dict(),
+        num_generated_tokens=0,
+        rng=capture_rng_state(),
+    )
+    return ControllerState(**fields | changes)
+
+
+def save_checkpoint(run_path, step: int) -> None:
+    partial = begin_checkpoint(run_path, step)
+    (partial / "trainer").mkdir()
+    commit_checkpoint(partial, controller_state(step))
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("every_n_steps", 0, "checkpoint.every_n_steps (0) must be >= 1. Set --checkpoint.every-n-steps."),
+        ("keep_last", 0, "checkpoint.keep_last (0) must be >= 1"),
+    ],
+)
+def test_invalid_checkpoint_config_names_the_field_value_and_flag(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CheckpointConfig(**{field: value})
+
+
+def test_checkpoint_config_is_read_from_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  enabled: true\n  every_n_steps: 5\n  keep_last: 3\n  save_buffer: true\n")
+    checkpoint = load_yaml_config(GRPOConfig, path).checkpoint
+    assert (checkpoint.enabled, checkpoint.every_n_steps, checkpoint.keep_last, checkpoint.save_buffer) == (
+        True, 5, 3, True,
+    )
+    path.write_text("checkpoint:\n  keep_last: 0\n")
+    with pytest.raises(ConfigError, match="checkpoint.keep_last"):
+        load_yaml_config(GRPOConfig, path)
+
+
+def test_a_committed_checkpoint_is_complete_and_round_trips(tmp_path):
+    partial = begin_checkpoint(tmp_path, 7)
+    assert newest_complete_checkpoint(tmp_path) is None  # still being written
+    state = controller_state(7, reissue=[3, 5], num_generated_tokens=99)
+    path = commit_checkpoint(partial, state)
+    assert path == checkpoints_root(tmp_path) / "step-000007" and not partial.exists()
+    assert newest_complete_checkpoint(tmp_path) == path
+    assert read_controller_state(path) == state
+    assert json.loads((path / COMPLETE_FILE).read_text()) == {"step": 7, "policy_version": 7}
+
+
+def test_the_newest_complete_checkpoint_is_picked_and_half_written_ones_are_ignored(tmp_path):
+    for step in (2, 10):
+        save_checkpoint(tmp_path, step)
+    root = checkpoints_root(tmp_path)
+    (root / "step-000012").mkdir()  # final name but no COMPLETE: never trusted
+    cut_short = begin_checkpoint(tmp_path, 14)  # killed mid-save: still .partial
+    (cut_short / COMPLETE_FILE).write_text("{}")
+    (root / "notes").mkdir()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 10]
+    assert newest_complete_checkpoint(tmp_path) == root / "step-000010"
+    assert newest_complete_checkpoint(tmp_path / "elsewhere") is None
+
+
+def test_pruning_keeps_the_newest_complete_ones_and_drops_saves_cut_short(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step)
+    begin_checkpoint(tmp_path, 5)
+    deleted = prune_checkpoints(tmp_path, keep_last=2)
+    assert sorted(path.name for path in deleted) == [".step-000005.partial", "step-000001", "step-000002"]
+    assert sorted(path.name for path in checkpoints_root(tmp_path).iterdir()) == ["step-000003", "step-000004"]
+    assert prune_checkpoints(tmp_path, keep_last=2) == []
+
+
+def test_checkpointing_a_step_again_replaces_its_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 4)
+    commit_checkpoint(begin_checkpoint(tmp_path, 4), controller_state(4, num_generated_tokens=5))
+    assert read_controller_state(newest_complete_checkpoint(tmp_path)).num_generated_tokens == 5
+
+
+def test_prompts_not_settled_at_the_checkpoint_are_reissued_in_order():
+    # 0-9 handed out: 0-3 trained, 5 dropped, 8 in the saved buffer; 4, 6, 7, 9 were in flight.
+    assert prompts_to_reissue(10, [0, 1, 2, 3, 5, 8]) == [4, 6, 7, 9]
+    assert prompts_to_reissue(3, [0, 1, 2]) == []
+
+
+def test_accounting_continues_across_a_resume():
+    accounting = PromptAccounting(handed_out=6)
+    accounting.count_trained([make_episode(0), make_episode(1), make_episode(2)])
+    accounting.count_skipped([make_episode(3)])
+    settled = [*accounting.trained_ids(), *accounting.skipped_ids]
+    reissue = prompts_to_reissue(6, settled)
+    assert reissue == [4, 5]
+    resumed = PromptAccounting.from_state_dict(accounting.state_dict(), handed_out=6 - len(reissue))
+    resumed.handed_out += 2  # the two re-issued prompts
+    resumed.count_trained([make_episode(4), make_episode(5)])
+    summary = resumed.summary(num_dropped=0)
+    assert summary["trained"] == 5 and summary["skipped_nonfinite"] == 1
+    assert summary["unfinished_at_stop"] == 0 and summary["trained_more_than_once"] == 0
+    resumed.count_trained([make_episode(0)])
+    assert resumed.summary(num_dropped=0)["trained_more_than_once"] == 1
+
+
+def test_rng_states_round_trip_through_json():
+    import numpy as np
+
+    state = json.loads(json.dumps(capture_rng_state()))
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_the_buffer_checkpoint_holds_episodes_only_when_asked():
+    buffer = ReplayBuffer(BufferConfig())
+    buffer.put(make_episode(3), trainer_version=0)
+    assert buffer.state_dict(include_episodes=False)["episodes"] == []
+    restored = ReplayBuffer(BufferConfig())
+    restored.load_state_dict(buffer.state_dict())
+    assert [e.episode_id for e in restored.sample(1, 0)] == [3]
+
+
+def test_resume_hint_names_the_command_or_how_to_enable_checkpoints(tmp_path):
+    assert "--checkpoint.enabled" in resume_hint(tmp_path, CheckpointConfig())
+    assert "no complete checkpoint yet" in resume_hint(tmp_path, CheckpointConfig(enabled=True))
+    save_checkpoint(tmp_path, 3)
+    hint = resume_hint(tmp_path, CheckpointConfig(enabled=True))
+    assert f"forge-rl grpo --resume {tmp_path}" in hint and "step-000003" in hint
+
+
+@pytest.fixture
+def stopped_run(tmp_path):
+    """A run directory as a run leaves it: config.yaml (steps 4) and a checkpoint at step 2."""
+    config = GRPOConfig(run_dir=tmp_path, run_name="r", steps=4, train_batch_size=8, group_size=4)
+    run_path = tmp_path / "r"
+    run_path.mkdir()
+    saved_config_path(run_path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    save_checkpoint(run_path, 2)
+    return run_path
+
+
+def test_resume_continues_with_the_saved_config_and_may_change_steps(stopped_run):
+    config = parse_config(
+        GRPOConfig, ["--resume", str(stopped_run), "--steps", "6"], prog="forge-rl grpo",
+        defaults_file=saved_config_path(stopped_run),
+    )
+    assert (config.group_size, config.train_batch_size, config.steps) == (4, 8, 6)
+    config, run_path, checkpoint = open_run_dir_for_resume(config)
+    assert run_path == stopped_run and checkpoint.name == "step-000002"
+    assert (config.run_dir, config.run_name) == (stopped_run.parent, "r")
+    assert load_yaml_config(GRPOConfig, saved_config_path(stopped_run)).steps == 6  # the next resume's base
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(group_size=2), "group_size (2; the run has 4)"),
+        (dict(trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2))), "trainer.num_procs (2; the run has 1)"),
+        (dict(steps=2), "is at step 2 and steps is 2, so nothing is left to train. Raise --steps"),
+    ],
+)
+def test_resume_refuses_a_config_that_conflicts_with_the_checkpoint(stopped_run, changes, message):
+    saved = load_yaml_config(GRPOConfig, saved_config_path(stopped_run))
+    config = GRPOConfig(**{**saved.__dict__, "resume": stopped_run, **changes})
+    with pytest.raises(ConfigError) as error:
+        open_run_dir_for_resume(config)
+    assert message in str(error.value)
+
+
+def test_resume_refuses_a_run_without_a_complete_checkpoint(stopped_run):
+    (checkpoints_root(stopped_run) / "step-000002" / COMPLETE_FILE).unlink()
+    config = GRPOConfig(resume=stopped_run, steps=6, train_batch_size=8, group_size=4)
+    with pytest.raises(ConfigError, match="no complete checkpoint under"):
+        open_run_dir_for_resume(config)
+    with pytest.raises(ConfigError, match="is not a forge-rl run directory"):
+        open_run_dir_for_resume(GRPOConfig(resume=stopped_run / "nope"))
+
+
+def test_a_run_directory_with_checkpoints_is_kept_and_its_name_points_at_resume(stopped_run):
+    assert not remove_unstarted_run_dir(stopped_run)  # no metrics yet, but a checkpoint
+    assert stopped_run.is_dir()
+    with pytest.raises(ConfigError, match=f"forge-rl grpo --resume {stopped_run}"):
+        create_run_dir(GRPOConfig(run_dir=stopped_run.parent, run_name="r"))
+
+
+def test_a_resume_drops_the_metrics_of_steps_after_its_checkpoint(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": -s}) + "\n" for s in (1, 2, 3)))
+    assert truncate_metrics(tmp_path, 2) == [{"step": 1, "loss": -1}, {"step": 2, "loss": -2}]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
