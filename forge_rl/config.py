@@ -23,6 +23,7 @@ from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scoring import ScorerConfig
+from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.tasks.synthetic import TaskName
 from forge_rl.trainer import TrainerConfig
@@ -160,6 +161,9 @@ class GRPOConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The frozen reference model of the KL penalty; spawned only when trainer.loss.kl_beta > 0."""
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    """How the trainer publishes each version to the weight store (dtype, background write,
+    checksums): forge_rl/store/publisher.py, docs/weight_store.md."""
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """The hosts of the run and where each role runs (docs/multi_host.md); this machine by default."""

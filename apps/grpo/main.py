@@ -441,7 +441,8 @@ async def _spawn_on(hosts: launch.Hosts, config: GRPOConfig, model_dir, store_ro
             store_index, hosts.generator_hosts(config.num_generators),
         ),
         trainer=trainer_procs.spawn(
-            "trainer", TrainerActor, config.trainer, str(model_dir), store_index, str(store_root), pad_id
+            "trainer", TrainerActor, config.trainer, str(model_dir), store_index, str(store_root), pad_id,
+            config.publish,
         ),
     )
     if config.uses_reference_model:

@@ -66,6 +66,8 @@ class WeightSyncArgs:
     """Requests kept in flight by the load generator (besides the probe)."""
     max_new_tokens: int = 48
     """Tokens per load request (drain waits for the longest in flight)."""
+    policies: tuple[str, ...] = ("in_flight", "in_flight_recompute", "in_flight_stock_reload", "drain", "abort_resubmit")
+    """Swap policies of part 3 (POLICIES); the summary needs in_flight and drain."""
 
 
 # Part 1: the store ----------------------------------------------------------------------------
@@ -294,14 +296,13 @@ class Load:
 
     async def _probe(self) -> None:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(max_tokens=1900, ignore_eos=True, temperature=1.0,
                                 output_kind=RequestOutputKind.DELTA)
         while not self.stopping:  # restarted if an abort-mode swap aborts it
             async for _ in self.engine._running_llm.generate(
-                TokensPrompt(prompt_token_ids=[1, 5, 6, 7]), params, f"probe-{time.monotonic_ns()}"
+                self.engine.prompt([1, 5, 6, 7]), params, f"probe-{time.monotonic_ns()}"
             ):
                 self.token_times.append(time.perf_counter())
                 if self.stopping:
@@ -346,6 +347,7 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
     from forge_rl.store.actors import open_store
     from forge_rl.store.client import WeightStore
+    from forge_rl.store import loader
     from forge_rl.store.loader import GBPS, PAUSED_S, PUBLISH_TO_SERVABLE_S, STAGE_S, STALL_S, load_version
 
     memcpy = memcpy_gbps(served_bytes)
@@ -364,7 +366,8 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
                "served_bytes": served_bytes}
     version = 0
     try:
-        for policy, (swap_mode, overrides, probe) in POLICIES.items():
+        for policy in args.policies:
+            swap_mode, overrides, probe = POLICIES[policy]
             load = Load(engine, args, probe)
             await asyncio.sleep(3.0)  # the load reaches steady state
             updates = []
@@ -373,7 +376,7 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
                 publish = asyncio.ensure_future(writer.publish(version, perturbed(base, version)))
                 metrics = await load_version(engine, reader, version, swap_mode, **overrides)
                 resumed = time.perf_counter()
-                await publish
+                write = await publish
                 await asyncio.sleep(1.5)  # tokens after the swap, for the probe's gap
                 stall = load.stall_across(resumed - metrics[PAUSED_S], resumed) if probe else None
                 updates.append({
@@ -381,6 +384,10 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
                     "probe_stall_s": stall[0] if stall else None, "probe_median_gap_s": stall[1] if stall else None,
                     "publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S], "gbps": metrics[GBPS],
                     "loader": metrics["loader"],
+                    # where publish-to-servable goes: write, commit to lease, staging (copy, repack), swap
+                    "write_s": write.write_s, "notice_s": metrics[loader.NOTICE_S],
+                    "stage_load_s": metrics[loader.STAGE_LOAD_S], "stage_process_s": metrics[loader.STAGE_PROCESS_S],
+                    "stage_minor_faults": metrics[loader.STAGE_FAULTS],
                 })
             await load.stop()
             results[policy] = _summarize_updates(updates, memcpy_s, served_bytes, memcpy)
@@ -490,9 +497,10 @@ def summarize(figures: dict) -> dict:
             "decode_stall_vs_memcpy_inflight_max": engine["in_flight"]["decode_stall_vs_memcpy_max"],
             "paused_ms_inflight_max": engine["in_flight"]["paused_ms_max"],
             "decode_stall_ms_drain_max": engine["drain"]["stall_ms_max"],
-            "decode_stall_ms_inflight_recompute_max": engine["in_flight_recompute"]["probe_stall_ms_max"],
-            "decode_stall_ms_stock_reload_max": engine["in_flight_stock_reload"]["probe_stall_ms_max"],
-            "decode_stall_ms_abort_resubmit_max": engine["abort_resubmit"]["probe_stall_ms_max"],
+            **{f"decode_stall_ms_{name}_max": engine[policy]["probe_stall_ms_max"]
+               for name, policy in (("inflight_recompute", "in_flight_recompute"),
+                                    ("stock_reload", "in_flight_stock_reload"), ("abort_resubmit", "abort_resubmit"))
+               if policy in engine},
             "drain_over_inflight": engine["drain"]["stall_ms_max"] / max(engine["in_flight"]["probe_stall_ms_max"], 1e-3),
             "engine_publish_to_servable_vs_memcpy": engine["in_flight"]["publish_to_servable_vs_memcpy"],
             "engine_rdma_publish_to_servable_s": engine["rdma"]["publish_to_servable_s"],

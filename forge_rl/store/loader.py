@@ -21,8 +21,14 @@ from pathlib import Path
 # What each metric means, by its name in the update's result (and the run's metrics.jsonl).
 PUBLISH_S = "weights/publish_s"  # trainer: snapshot + write to /dev/shm of this version
 WAIT_S = "weights/wait_s"  # generator: asked to update until the version was complete
+NOTICE_S = "weights/notice_s"  # writer's commit to this generator holding the lease (wall clock)
 PREFETCH_S = "weights/prefetch_s"  # lease + fetch to this host (0 when mapped in place) + checksum check if asked
 STAGE_S = "weights/stage_s"  # engine worker: load + repack beside the served version
+# The worker's own split of staging (absent with the stock reload): shadow modules, copying the
+# snapshot into them, vLLM's processing (the CPU repack), and the page faults that cost.
+STAGE_LOAD_S = "weights/stage_load_s"
+STAGE_PROCESS_S = "weights/stage_process_s"
+STAGE_FAULTS = "weights/stage_minor_faults"
 STALL_S = "weights/stall_s"  # pause asked to resume: includes finishing the current step
 PAUSED_S = "weights/paused_s"  # paused to resumed: the engine could not decode at all
 LOAD_S = "weights/load_s"  # this update end to end (kept for the controller's metrics)
@@ -45,6 +51,7 @@ async def load_version(
     started = time.perf_counter()
     async with store.lease(min_version=min_version) as snapshot:  # waits until one is complete
         version = snapshot.version
+        leased_at = time.time() - snapshot.fetch_s  # an RDMA fetch counts as prefetch
         complete = time.perf_counter() - snapshot.fetch_s  # the RDMA fetch counts as prefetch
         if version <= engine.policy_version:
             return {"policy_version": engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
@@ -71,8 +78,12 @@ async def load_version(
         "verified": verify,
         PUBLISH_S: info.get("snapshot_s", 0.0) + info.get("write_s", 0.0),
         WAIT_S: complete - started,
+        NOTICE_S: max(0.0, leased_at - info.get("committed_at", leased_at)),
         PREFETCH_S: fetched - complete,
         STAGE_S: staged - fetched,
+        STAGE_LOAD_S: stage.get("load_s", 0.0),
+        STAGE_PROCESS_S: stage.get("process_s", 0.0),
+        STAGE_FAULTS: stage.get("minor_faults", 0),
         STALL_S: swap.stall_s,
         PAUSED_S: swap.paused_s,
         LOAD_S: time.perf_counter() - started,

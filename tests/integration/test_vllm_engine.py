@@ -27,7 +27,9 @@ MAX_MODEL_LEN = 128
 # Long enough that a weight swap lands mid-request; temperature != 1 and top_p < 1 check that the
 # behaviour logprobs are those of the distribution sampled from: scaled, and renormalized over the
 # kept set that every completion records.
-CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8, top_p=0.9)
+# swap_kv="recompute": these tests check that every token's logprob is exactly that of the version
+# it is labelled with; the default "keep" is checked by its own test.
+CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8, top_p=0.9, swap_kv="recompute")
 LOGPROB_ATOL = 1e-3
 
 
@@ -146,7 +148,7 @@ def test_too_long_prompt_is_rejected_before_submission(served):
         served.run(served.engine.generate(too_long, n=1, eos_id=None))
 
 
-async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode):
+async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode, swap_kv=None):
     """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s.
 
     The swap waits for a 3-token probe submitted just before the batch: once the probe is done, the
@@ -158,7 +160,7 @@ async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode):
     await asyncio.sleep(0.01)  # the probe's request goes in first
     batch = asyncio.gather(*[engine.generate(p, n=4, eos_id=None) for p in prompts])
     await probe
-    stall_s = await engine.load_weights(weights_dir, policy_version, mode=mode)
+    stall_s = (await engine.swap_weights(Path(weights_dir), policy_version, mode, swap_kv=swap_kv)).stall_s
     groups = await batch
     return [(p, c) for p, group in zip(prompts, groups) for c in group], stall_s
 
@@ -207,3 +209,27 @@ def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(
     assert all(len(set(c.policy_versions)) == 1 for _, c in sampled)
     assert any(c.policy_versions[0] == 1 for _, c in sampled)
     assert served.engine.policy_version == 2
+
+
+def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_exactly(
+    served, tmp_path_factory
+):
+    """swap_kv="keep" (the default): tokens before the swap are the old model's, later ones are
+    sampled by the new weights over the old KV (no recompute), and a request submitted after the
+    swap never reuses a prefix-cache block of the old weights (requests are salted by version)."""
+    new_dir = create_tiny_model(TinyModelConfig(seed=3), tmp_path_factory.mktemp("model_v3"))
+    version = served.engine.policy_version + 1
+    before = served.engine.policy_version
+    sampled, stall_s = served.run(
+        generate_and_swap(served.engine, served.prompts(64), new_dir, policy_version=version, mode="keep", swap_kv="keep")
+    )
+    assert stall_s < 2.0
+    straddling = [(p, c) for p, c in sampled if c.policy_versions[0] < c.policy_versions[-1]]
+    assert straddling, "the swap landed outside every request; lengthen the batch"
+    for _, completion in straddling:
+        assert completion.policy_versions == sorted(completion.policy_versions)
+        assert set(completion.policy_versions) == {before, version}
+    prompt = served.prompts(1)[0]
+    for completion in served.run(served.engine.generate(prompt, n=2, eos_id=None)):
+        assert completion.policy_versions == [version] * completion.num_tokens
+        assert completion.logprobs == pytest.approx(hf_logprobs(new_dir, prompt, completion), abs=LOGPROB_ATOL)

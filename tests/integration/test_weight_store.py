@@ -236,14 +236,13 @@ def engines(tmp_path_factory):
 async def seeded_samples(engine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     """One sample per prompt with a fixed per-request seed: equal weights give equal samples."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     async def one(i: int, prompt: list[int]):
         params = SamplingParams(max_tokens=16, temperature=TEMPERATURE, seed=1000 + i, logprobs=0,
                                 ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for final in engine._running_llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"seeded-{i}-{time.monotonic_ns()}"):
+        async for final in engine._running_llm.generate(engine.prompt(prompt), params, f"seeded-{i}-{time.monotonic_ns()}"):
             pass
         out = final.outputs[0]
         return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]

@@ -9,6 +9,7 @@ import pytest
 
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
+from forge_rl.store.publisher import PublishConfig
 from forge_rl.yaml_config import ConfigError, load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +43,7 @@ def test_every_shipped_config_parses(config_file):
         ("generator:\n  temperature: 0\n", "generator.temperature (0.0) must be > 0"),
         ("buffer:\n  capacity_episodes: 4\n", "buffer.capacity_episodes (4) is below one step's prompts (16)"),
         ("- a\n- b\n", "must hold a mapping"),
+        ("publish:\n  dtype: int8\n", "publish.dtype"),
     ],
 )
 def test_invalid_yaml_fails_naming_the_field(tmp_path, yaml_text, message):
@@ -110,3 +112,10 @@ def test_an_invalid_config_exits_before_starting_anything(tmp_path):
     assert result.returncode != 0
     assert "buffer.max_policy_age (-1) must be >= 0" in " ".join(result.stderr.replace("│", " ").split())
     assert not any(tmp_path.iterdir())  # no run directory was written
+
+
+def test_the_publish_section_reaches_the_trainer_config(tmp_path):
+    path = write_yaml(tmp_path, "publish:\n  dtype: bfloat16\n  background: false\n")
+    config = parse_config(GRPOConfig, ["--config", str(path), "--publish.no-checksum"], prog="forge-rl grpo")
+    assert (config.publish.dtype, config.publish.background, config.publish.checksum) == ("bfloat16", False, False)
+    assert GRPOConfig().publish == PublishConfig()
