@@ -20,6 +20,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, CompletionStatus
+from tests.integration.conftest import decoding_batch
 
 pytestmark = pytest.mark.integration
 
@@ -149,17 +150,8 @@ def test_too_long_prompt_is_rejected_before_submission(served):
 
 
 async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode, swap_kv=None):
-    """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s.
-
-    The swap waits for a 3-token probe submitted just before the batch: once the probe is done, the
-    requests scheduled with it have decoded tokens and still have most of their 48 to go. (A fixed
-    sleep landed the swap before the first decode step on a machine with a slow prefill; a probe
-    submitted after the batch queues behind it once the batch fills max_num_seqs.)
-    """
-    probe = asyncio.ensure_future(engine.generate(prompts[0], n=1, eos_id=None, forced_length=3))
-    await asyncio.sleep(0.01)  # the probe's request goes in first
-    batch = asyncio.gather(*[engine.generate(p, n=4, eos_id=None) for p in prompts])
-    await probe
+    """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s."""
+    batch = await decoding_batch(engine, prompts, 4)
     stall_s = (await engine.swap_weights(Path(weights_dir), policy_version, mode, swap_kv=swap_kv)).stall_s
     groups = await batch
     return [(p, c) for p, group in zip(prompts, groups) for c in group], stall_s

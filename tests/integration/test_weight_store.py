@@ -19,6 +19,7 @@ from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.layout import tensor_checksum
+from tests.integration.conftest import decoding_batch
 
 pytestmark = pytest.mark.integration
 
@@ -257,8 +258,7 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
     from forge_rl.store.loader import PAUSED_S, STAGE_S, load_version
 
     async def swap_under_load():
-        batch = asyncio.gather(*(engines.swapping.generate(p, 4, None) for p in PROMPTS))
-        await asyncio.sleep(0.1)
+        batch = await decoding_batch(engines.swapping, PROMPTS, 4)
         metrics = await load_version(engines.swapping, engines.store, 1, "in_flight", verify=True)
         return metrics, await batch
 
@@ -284,8 +284,7 @@ def test_drain_lets_requests_finish_on_the_old_weights(engines):
 
     async def swap_under_load():
         await engines.store.publish(2, load_file(str(engines.model_dirs[2] / "model.safetensors")))
-        batch = asyncio.gather(*(engines.swapping.generate(p, 2, None) for p in PROMPTS))
-        await asyncio.sleep(0.1)
+        batch = await decoding_batch(engines.swapping, PROMPTS, 2)
         metrics = await load_version(engines.swapping, engines.store, 2, "drain")
         return metrics, await batch
 
@@ -297,12 +296,11 @@ def test_drain_lets_requests_finish_on_the_old_weights(engines):
 def test_abort_and_resubmit_keeps_every_completion_whole(engines):
     from safetensors.torch import load_file
 
+    from forge_rl.store.loader import load_version
+
     async def swap_under_load():
         await engines.store.publish(3, load_file(str(engines.model_dirs[1] / "model.safetensors")))
-        batch = asyncio.gather(*(engines.swapping.generate(p, 2, None) for p in PROMPTS))
-        await asyncio.sleep(0.1)
-        from forge_rl.store.loader import load_version
-
+        batch = await decoding_batch(engines.swapping, PROMPTS, 2)
         metrics = await load_version(engines.swapping, engines.store, 3, "abort_resubmit")
         return metrics, await batch
 
