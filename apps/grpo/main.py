@@ -259,7 +259,11 @@ async def train_loop(actors: Actors, state: PipelineState, metrics_logger: Metri
         else:
             state.accounting.count_trained(episodes)
             weights_dir = trainer_metrics.pop("weights/dir")
-            weight_updates += [
+            # Finished updates are dropped (their errors raised here), so a long run holds only
+            # the updates in flight, not one task per generator per step.
+            for task in [t for t in weight_updates if t.done()]:
+                task.result()
+            weight_updates = [t for t in weight_updates if not t.done()] + [
                 asyncio.create_task(update_generator(i, actors, state, trainer_metrics["policy_version"], weights_dir))
                 for i in range(config.num_generators)
             ]
