@@ -75,3 +75,26 @@ def test_the_whole_loop_runs_on_one_gpu(tmp_path):
     assert summary["max_policy_age_seen"] <= 1
     metrics = [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["loss/mismatch_kl"] < 1e-2
+
+
+def test_cuda_vllm_returns_sampling_masks_and_the_trainer_renormalizes_over_them(model_dir):
+    """On GPUs vLLM's model runner V2 runs, so kept sets come from its sampling masks (on CPU they
+    are read from the top processed logprobs instead; tests/integration/test_vllm_engine.py)."""
+    tokenizer = PromptTokenizer(model_dir)
+    engine = VLLMEngine(GeneratorConfig(max_new_tokens=8, temperature=0.8, top_p=0.8))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(engine.start(model_dir, 128))
+        assert engine._support_source == "sampling_mask"
+        prompt = tokenizer.encode_prompt("M37=")
+        completions = loop.run_until_complete(engine.generate(prompt, 8, tokenizer.eos_id))
+        loop.run_until_complete(engine.shutdown())
+    finally:
+        loop.close()
+    for completion in completions:
+        assert all(token in kept for token, kept in zip(completion.token_ids, completion.sampling_support))
+    episode = Episode(0, "M37=", "7", prompt, completions, temperature=0.8)
+    batch = make_train_batch([episode], tokenizer.pad_id)
+    logprobs = PolicyTrainer(TrainerConfig(), model_dir).compute_logprobs(batch)
+    ratio = (logprobs - batch.behaviour_logprobs_NL)[batch.loss_mask_NL].exp()
+    assert abs(ratio.mean().item() - 1.0) < 5e-2  # bf16 engine; without the kept sets ~0.8
