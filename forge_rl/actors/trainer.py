@@ -46,9 +46,8 @@ class TrainerActor(Actor):
     @endpoint
     async def setup(self) -> dict:
         started = time.perf_counter()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            torch.distributed.init_process_group(backend)
+        # PolicyTrainer joins the process group itself (init_process_group_from_env), after
+        # picking its device.
         self.trainer = PolicyTrainer(self.config, self.model_dir)
         if self.rank == 0:
             store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
