@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run_grpo(args: list[str]) -> None:
     from forge_rl.config import GRPOConfig
-    from forge_rl.yaml_config import ConfigError
+    from forge_rl.errors import ConfigError
 
     from forge_rl.run_dir import saved_config_path
 
@@ -61,8 +61,10 @@ def _run_grpo(args: list[str]) -> None:
     except ConfigError as e:
         _fail(f"invalid config: {e}")
 
-    from apps.grpo.main import ProcessDied, run
+    from forge_rl.errors import ProcessDied
+    from forge_rl.recipes import recipe
 
+    run = recipe("grpo")
     try:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
     except ConfigError as e:  # preflight (forge_rl/preflight.py): this machine or these files cannot run it
@@ -106,7 +108,7 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, trainer, weight_sync
-    from forge_rl.yaml_config import ConfigError
+    from forge_rl.errors import ConfigError
 
     name = args[0]
     module, args_type = {
@@ -152,7 +154,9 @@ def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = N
     validated by tyro."""
     import tyro
 
-    from forge_rl.yaml_config import ConfigError, load_yaml_config
+    from forge_rl.errors import ConfigError
+
+    from forge_rl.yaml_config import load_yaml_config
 
     config_path = _flag_value(args, "--config") or defaults_file
     default = load_yaml_config(cls, config_path) if config_path else cls()

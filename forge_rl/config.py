@@ -27,7 +27,7 @@ from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.tasks.synthetic import TaskName
 from forge_rl.trainer import TrainerConfig
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,31 @@ class GRPOConfig:
         """Episodes (prompt groups) per optimizer step = train_batch_size / group_size."""
         return self.train_batch_size // self.group_size
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + completion) the model serves: its max_position_embeddings."""
+        return self.model.hf_config()["max_position_embeddings"]
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """Most tokens one episode can hold (what buffer.capacity_tokens counts): a prompt of at most
+        max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens."""
+        max_new_tokens = self.generator.max_new_tokens
+        return self.max_model_len - max_new_tokens + self.group_size * max_new_tokens
+
+    @property
+    def max_episodes_queued(self) -> int:
+        """Most episodes admitted and not yet trained (forge_rl/admission.py) = min(
+        (buffer.max_policy_age + 1) * prompts_per_step with admission "pause", buffer.capacity_episodes,
+        buffer.capacity_tokens // max_episode_tokens). Never more than the buffer can hold, so no
+        admitted episode ever waits for room while the trainer waits for it."""
+        bounds = [self.buffer.capacity_episodes]
+        if self.buffer.admission == "pause":
+            bounds.append((self.buffer.max_policy_age + 1) * self.prompts_per_step)
+        if self.buffer.capacity_tokens is not None:
+            bounds.append(self.buffer.capacity_tokens // self.max_episode_tokens)
+        return min(bounds)
+
     def __post_init__(self) -> None:
         _check_positive(
             self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator"
@@ -202,6 +227,16 @@ class GRPOConfig:
                 f"buffer.capacity_episodes ({self.buffer.capacity_episodes}) is below one step's prompts "
                 f"({self.prompts_per_step}); the trainer could never fill a batch. Raise "
                 "--buffer.capacity-episodes."
+            )
+        capacity_tokens = self.buffer.capacity_tokens
+        if capacity_tokens is not None and capacity_tokens < self.prompts_per_step * self.max_episode_tokens:
+            raise ConfigError(
+                f"buffer.capacity_tokens ({capacity_tokens}) is below one step's prompts ({self.prompts_per_step}) "
+                f"times the most tokens an episode can hold ({self.max_episode_tokens}: a prompt of up to "
+                f"max_model_len - generator.max_new_tokens, plus group_size ({self.group_size}) completions of "
+                f"generator.max_new_tokens ({self.generator.max_new_tokens})); the trainer could wait forever for a "
+                f"batch. Set --buffer.capacity-tokens to at least {self.prompts_per_step * self.max_episode_tokens}, "
+                "or leave it unset."
             )
         loss = self.trainer.loss
         if loss.name == "dr_grpo" and loss.length_normalizer != self.generator.max_new_tokens:

@@ -42,7 +42,7 @@ from forge_rl.placement import (
     reference_hosts,
     worker_addresses,
 )
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 # Within the 4 s the recipe's shutdown gives all meshes: procs first, the rest to release the hosts.
 _STOP_TIMEOUT_S = 3.0

@@ -24,8 +24,34 @@ from forge_rl.types import CompletionStatus, Episode
 if TYPE_CHECKING:
     from forge_rl.config import LogConfig
 
+# Names of the metrics that more than one module reads (the loop writes them; the summary, the
+# progress line, the plots and the benchmarks read them). docs/observability.md lists them all.
+STEP = "step"
+WALL_TIME_S = "wall_time_s"
+"""Seconds since the loops started (the timeline's origin)."""
+REWARD_MEAN = "reward/mean"
+LOSS = "loss"
+COMPLETIONS_ERRORED = "completions/errored"
+POLICY_AGE_MAX = "policy_age/max"
+POLICY_AGE_MEAN = "policy_age/mean"
 POLICY_AGE_HISTOGRAM = "policy_age/histogram"
 """{age: number of trained tokens} of one step, ages as strings (JSON object keys)."""
+ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
+TRAINED_TOKENS = "num_tokens"
+"""Tokens the step trained (reported by the trainer)."""
+STEP_SKIPPED = "step_skipped"
+GENERATED_TOKENS_TOTAL = "tokens/generated_total"
+GENERATED_TOKENS_PER_S = "throughput/generated_tokens_per_s"
+TRAINED_TOKENS_PER_S = "throughput/trained_tokens_per_s"
+TRAINER_IDLE_FRACTION = "idle_fraction/trainer"
+GENERATORS_IDLE_FRACTION = "idle_fraction/generators"
+"""Both since the loops started, by `timeline.idle_fraction` (generator-seconds for several)."""
+DROPPED_COMPLETIONS = "buffer/dropped_completions"
+DROPPED_EPISODES = "buffer/dropped_episodes"
+GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
+
+FINAL_REWARD_WINDOW = 5
+"""Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches)."""
 
 
 class MetricsSink(Protocol):
@@ -49,20 +75,20 @@ class MetricsLogger:
         self._file.write(json.dumps(metrics) + "\n")
         for sink in list(self.sinks):
             try:
-                sink.log(metrics["step"], metrics)
+                sink.log(metrics[STEP], metrics)
             except Exception as e:  # a dashboard outage must not cost the run
                 progress(f"metrics sink {type(sink).__name__} failed and is turned off: {type(e).__name__}: {e}")
                 self.sinks.remove(sink)
-        self._num_skipped_steps += bool(metrics.get("step_skipped"))
-        self._num_errored += metrics.get("completions/errored", 0)
+        self._num_skipped_steps += bool(metrics.get(STEP_SKIPPED))
+        self._num_errored += metrics.get(COMPLETIONS_ERRORED, 0)
         now = time.monotonic()
-        if now - self._last_progress >= self.progress_every_s or metrics["step"] >= self.total_steps:
+        if now - self._last_progress >= self.progress_every_s or metrics[STEP] >= self.total_steps:
             self._last_progress = now
             progress(self.progress_line(metrics))
 
     def progress_line(self, metrics: dict) -> str:
         """step 40/300 | reward 0.812 | loss -0.0123 | gen 950 tok/s | train 3100 tok/s | age<=1 | ..."""
-        step, wall_time_s = metrics["step"], metrics.get("wall_time_s", 0.0)
+        step, wall_time_s = metrics[STEP], metrics.get(WALL_TIME_S, 0.0)
         parts = [
             f"step {step}/{self.total_steps}",
             f"reward {metrics.get('reward/mean', math.nan):.3f}",
@@ -182,30 +208,55 @@ class WandbSink:
         self.run.finish()
 
 
+def final_reward(history: Sequence[dict], num_steps: int = FINAL_REWARD_WINDOW) -> float:
+    """Mean reward of the last `num_steps` steps: the figure a run and every benchmark report."""
+    tail = history[-num_steps:]
+    return sum(m[REWARD_MEAN] for m in tail) / len(tail)
+
+
+def run_summary(history: Sequence[dict]) -> dict:
+    """What a run reports about its training, from its per-step metrics (the run adds how it ran:
+    wall time, engine start, recoveries, accounting). Benchmarks read the same function."""
+    last = history[-1]
+    return {
+        "final_mean_reward": final_reward(history),
+        "steps": len(history),
+        "max_policy_age_seen": max(m[POLICY_AGE_MAX] for m in history),
+        "dropped_samples": last[DROPPED_COMPLETIONS],
+        "errored_samples": sum(m[COMPLETIONS_ERRORED] for m in history),
+        "loop_time_s": last[WALL_TIME_S],
+        "trainer_idle_fraction": last[TRAINER_IDLE_FRACTION],
+        "generator_idle_fraction": last[GENERATORS_IDLE_FRACTION],
+    }
+
+
 def progress(message: str) -> None:
     """Human-facing status on stderr, so stdout stays machine-readable (the summary JSON line)."""
     print(f"[forge-rl] {message}", file=sys.stderr, flush=True)
 
 
 def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
-    """Reward and staleness of the episodes one step trained at `train_version`."""
+    """Reward and staleness of the episodes one step trained at `train_version`. Policy ages count
+    the tokens that reach the loss only: a token masked for its age (`drop_policy: mask_tokens`)
+    was never trained, so it must not raise `policy_age/max` above the bound."""
     rewards, ages = [], collections.Counter()
-    num_errored = 0
+    num_errored = num_tokens = 0
     for episode in episodes:
         for completion in episode.completions:
             if completion.status == CompletionStatus.ERRORED:
                 num_errored += 1
                 continue
             rewards.append(completion.reward)
-            ages.update(train_version - v for v in completion.policy_versions)
+            num_tokens += completion.num_tokens
+            ages.update(train_version - v for v, trained in zip(completion.policy_versions, completion.loss_mask) if trained)
     return {
-        "reward/mean": sum(rewards) / max(len(rewards), 1),
-        "completions/errored": num_errored,
-        "completions/mean_tokens": sum(ages.values()) / max(len(rewards), 1),
-        "policy_age/max": max(ages, default=0),
-        "policy_age/mean": sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
+        REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
+        COMPLETIONS_ERRORED: num_errored,
+        "completions/mean_tokens": num_tokens / max(len(rewards), 1),
+        POLICY_AGE_MAX: max(ages, default=0),
+        POLICY_AGE_MEAN: sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         POLICY_AGE_HISTOGRAM: {str(age): count for age, count in sorted(ages.items())},
         # Groups whose rewards are all equal carry no signal (zero advantage); dynamic sampling
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
-        "groups/zero_advantage_fraction": sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
+        ZERO_ADVANTAGE_FRACTION: sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
     }

@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Literal
 
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 DEFAULT_WORKER_PORT = 26600
 MAX_COMPUTE_THREADS_PER_CORE = 4

@@ -17,7 +17,7 @@ from pathlib import Path
 from forge_rl.config import GRPOConfig
 from forge_rl.placement import check_host_indices, check_reachable, worker_addresses
 from forge_rl.tasks.synthetic import make_prompt
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 NUM_PROMPTS_CHECKED = 256
 """Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""

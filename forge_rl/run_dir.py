@@ -15,7 +15,8 @@ from forge_rl.checkpoint import checkpoints_root, newest_complete_checkpoint, re
 from forge_rl.config import GRPOConfig
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.preflight import check_machine, check_model_inputs
-from forge_rl.yaml_config import ConfigError, load_yaml_config
+from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import load_yaml_config
 
 RESUME_FIXED_FIELDS = ("model", "task", "group_size", "trainer.num_procs", "trainer.parallel")
 """What a resumed run may not change: the checkpoint's shards are laid out for the model and the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,6 +79,13 @@ class Timeline:
     def load(path: Path) -> list[Interval]:
         """The intervals a run wrote (RUN_DIR/timeline.jsonl), in the order they ended."""
         return [Interval(**json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def idle_fraction(busy_s: Sequence[float], elapsed_s: float) -> float:
+    """The one definition of idle, for the run's metrics and every benchmark: the fraction of the
+    components' available time that none of their calls covered, 1 - sum(busy_s) / (len(busy_s) *
+    elapsed_s). For several generators it is generator-seconds idle over generator-seconds."""
+    return 1.0 - sum(busy_s) / max(len(busy_s) * elapsed_s, 1e-9)
 
 
 def merged(intervals: list[Interval], start_s: float, end_s: float) -> list[tuple[float, float]]:

@@ -14,11 +14,9 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from forge_rl.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the field and the fix."""
 
 
 def load_yaml_config(cls: type[T], path: Path) -> T:

@@ -32,16 +32,23 @@ class ReplayBufferActor(Actor):
     async def sample(self, num_episodes: int, trainer_version: int) -> tuple[list[Episode], int]:
         """Waits until `num_episodes` groups trainable at `trainer_version` are available.
 
-        Returns the batch and how many episodes went stale (and were dropped) meanwhile.
+        Returns the batch and how many held episodes this call evicted as stale. Episodes that
+        `put` refused meanwhile are not among them: `put` reports those to its own caller, and
+        counting them twice would make the admission gate admit too much.
         """
-        dropped_before = self.buffer.dropped.episodes
+        num_evicted = 0
         async with self.changed:
             self.trainer_version = trainer_version
-            while (batch := self.buffer.sample(num_episodes, trainer_version)) is None:
+            while True:
+                dropped_before = self.buffer.dropped.episodes  # no await until the count is read
+                batch = self.buffer.sample(num_episodes, trainer_version)
+                num_evicted += self.buffer.dropped.episodes - dropped_before
+                if batch is not None:
+                    break
                 self.changed.notify_all()  # eviction may have freed room for waiting producers
                 await self.changed.wait()
             self.changed.notify_all()
-        return batch, self.buffer.dropped.episodes - dropped_before
+        return batch, num_evicted
 
     @endpoint
     async def state_dict(self, include_episodes: bool) -> dict:

@@ -8,10 +8,13 @@ own host and acts on a death within `_POLL_INTERVAL_S`; a generator on another h
 placement) is left to Monarch's report:
 
     SERVING ──(a process died, or a call failed)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
-       calls in flight on the dead generator, and calls made while it recovers, return None at
-       once; the controller re-queues their prompts and waits in `wait_until_serving`. A
-       replacement starts on a fresh proc mesh (spawning onto the damaged one hangs), loads the
-       newest published weights and serves again; the other generators keep serving throughout.
+       calls in flight on the dead generator, and calls made while it recovers, raise
+       GeneratorLost (forge_rl/errors.py) at once; the controller re-queues their prompts and
+       waits in `wait_until_serving`. A replacement starts on a fresh proc mesh (spawning onto
+       the damaged one hangs), loads the newest published weights (again, until no newer version
+       was published while it loaded) and serves again; the other generators keep serving
+       throughout. A replacement that fails to start is retried; after _MAX_START_ATTEMPTS the
+       slot is FAILED and `wait_until_serving` raises, which stops the run with the cause.
 
 Only a dead process triggers a replacement (Monarch's SupervisionError, or the watchdog); an
 exception raised by a generator's endpoint (a prompt longer than the context, say) reaches the
@@ -34,6 +37,7 @@ from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_end
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.errors import GeneratorLost
 from forge_rl.metrics import progress
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
@@ -42,6 +46,8 @@ from forge_rl.types import Episode
 _POLL_INTERVAL_S = 0.5
 # Stopping a damaged mesh can hang on the dead process; the replacement does not wait longer.
 _STOP_TIMEOUT_S = 5.0
+# Attempts to start a replacement before its slot is given up (an engine that cannot start at all).
+_MAX_START_ATTEMPTS = 3
 
 
 class SlotState(enum.Enum):
@@ -51,6 +57,8 @@ class SlotState(enum.Enum):
     """Calls are forwarded to the generator."""
     RECOVERING = "recovering"
     """A process died; a replacement is starting on a fresh proc mesh."""
+    FAILED = "failed"
+    """No replacement could be started; the run cannot use this slot again."""
 
 
 @dataclasses.dataclass
@@ -64,6 +72,11 @@ class GeneratorSlot:
     serving: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     in_flight: set[asyncio.Task] = dataclasses.field(default_factory=set)
     incarnation: int = 0
+    policy_version: int = 0
+    """Version this incarnation loaded (what `wait_until_serving` reports)."""
+    failure: str | None = None
+    """Why the slot is FAILED."""
+    recovery: asyncio.Task | None = None
 
     @property
     def mesh_name(self) -> str:
@@ -103,23 +116,29 @@ class GeneratorPool(Actor):
         return starts
 
     @concurrent_endpoint
-    async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode] | None:
-        """Episodes with completions from generator `index`, or None if it died meanwhile."""
+    async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode]:
+        """Episodes with completions from generator `index`; raises GeneratorLost if it died meanwhile."""
         return await self._forward(self.slots[index], lambda actor: actor.generate.call_one(episodes, group_size))
 
     @concurrent_endpoint
-    async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict | None:
-        """Swap generator `index` to `policy_version`; None if it died (its replacement loads the newest)."""
+    async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict:
+        """Swap generator `index` to `policy_version`; raises GeneratorLost if it died (its
+        replacement loads the newest version itself)."""
         if self.latest_weights is None or policy_version > self.latest_weights[0]:
             self.latest_weights = (policy_version, weights_dir)
         slot = self.slots[index]
-        return await self._forward(slot, lambda actor: actor.update_weights.call_one(policy_version, weights_dir))
+        result = await self._forward(slot, lambda actor: actor.update_weights.call_one(policy_version, weights_dir))
+        slot.policy_version = max(slot.policy_version, result["policy_version"])
+        return result
 
     @endpoint
     async def wait_until_serving(self, index: int) -> int:
-        """Returns once generator `index` serves again, with the policy version it serves."""
-        await self.slots[index].serving.wait()
-        return self.latest_weights[0] if self.latest_weights else 0
+        """Returns once generator `index` serves again, with the policy version it loaded."""
+        slot = self.slots[index]
+        await slot.serving.wait()
+        if slot.state == SlotState.FAILED:
+            raise RuntimeError(f"generator {index} could not be replaced: {slot.failure}")
+        return slot.policy_version
 
     @endpoint
     async def processes(self) -> list[list[int]]:
@@ -153,19 +172,19 @@ class GeneratorPool(Actor):
 
     async def _forward(self, slot: GeneratorSlot, call):
         if slot.state != SlotState.SERVING:
-            return None
+            raise GeneratorLost(slot.index, f"it is {slot.state.value}")
         task = asyncio.ensure_future(call(slot.actor))
         slot.in_flight.add(task)
         try:
             return await task
         except asyncio.CancelledError:
             if task.cancelled() and slot.state == SlotState.RECOVERING:
-                return None  # cancelled by the recovery, not by our caller
+                raise GeneratorLost(slot.index, "it died during the call") from None  # cancelled by the recovery
             raise
         except SupervisionError as e:  # the generator's process died
             if slot.state == SlotState.SERVING:
                 self._begin_recovery(slot, reason=f"call failed: {e}")
-            return None
+            raise GeneratorLost(slot.index, f"its process died: {e}") from None
         finally:
             slot.in_flight.discard(task)
 
@@ -177,8 +196,12 @@ class GeneratorPool(Actor):
             slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index
         )
         started = await slot.actor.start.call_one()
-        if self.latest_weights is not None:
-            await slot.actor.update_weights.call_one(*self.latest_weights)
+        slot.policy_version = 0
+        # Updates published while this engine started or loaded were not forwarded to it (the
+        # slot was not serving): catch up until it holds the newest.
+        while self.latest_weights is not None and self.latest_weights[0] > slot.policy_version:
+            loaded = await slot.actor.update_weights.call_one(*self.latest_weights)
+            slot.policy_version = loaded["policy_version"]
         # Only processes on this host can be polled; Monarch's supervision covers the others.
         slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
         slot.state = SlotState.SERVING
@@ -202,19 +225,24 @@ class GeneratorPool(Actor):
         progress(f"generator {slot.index} failed ({reason}); starting a replacement")
         for task in list(slot.in_flight):
             task.cancel()
-        asyncio.create_task(self._replace(slot, event))
+        slot.recovery = asyncio.create_task(self._replace(slot, event))
 
     async def _replace(self, slot: GeneratorSlot, event: dict) -> None:
-        broken = slot.procs
-        asyncio.create_task(_stop_quietly(broken))  # do not wait on the dead process
         event["respawn_started_at"] = time.time()
-        started = await self._start_slot(slot)
-        event.update(
-            serving_at=time.time(),
-            engine_start_s=started["engine_start_s"],
-            policy_version=self.latest_weights[0] if self.latest_weights else 0,
-        )
-        progress(f"generator {slot.index} replaced and serving at policy version {event['policy_version']}")
+        for attempt in range(1, _MAX_START_ATTEMPTS + 1):
+            broken = slot.procs
+            asyncio.create_task(_stop_quietly(broken))  # do not wait on the dead process
+            try:
+                started = await self._start_slot(slot)
+                break
+            except Exception as e:  # an engine that fails to start: try a fresh mesh again
+                progress(f"generator {slot.index}: replacement attempt {attempt} failed: {type(e).__name__}: {e}")
+                if attempt == _MAX_START_ATTEMPTS:
+                    slot.state, slot.failure = SlotState.FAILED, f"{_MAX_START_ATTEMPTS} attempts failed, last: {e}"
+                    slot.serving.set()  # wakes wait_until_serving, which raises
+                    return
+        event.update(serving_at=time.time(), engine_start_s=started["engine_start_s"], policy_version=slot.policy_version)
+        progress(f"generator {slot.index} replaced and serving at policy version {slot.policy_version}")
 
 
 async def _stop_quietly(procs: ProcMesh) -> None:

@@ -23,7 +23,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import final_reward, run_variant, time_to_reward
+from forge_rl.bench.common import run_variant, time_to_reward
+from forge_rl.metrics import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S, run_summary
 from forge_rl.config import GRPOConfig
 from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
@@ -54,28 +55,26 @@ def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age:
 
 
 def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
+    """The run's own summary (metrics.run_summary: final reward, idle fractions, ...) plus what
+    this benchmark reads from its timeline: busy times and the pipeline bound."""
     metrics = read_metrics(run_path)
+    summary = run_summary(metrics)
     intervals = Timeline.load(run_path / "timeline.jsonl")
-    loop_s = metrics[-1]["wall_time_s"]
+    loop_s = summary["loop_time_s"]
+    # The busiest generator bounds the pipeline.
     generator_busy = max(busy_s(intervals, f"generator{i}", 0.0, loop_s) for i in range(num_generators))
     trainer_busy = busy_s(intervals, "trainer", 0.0, loop_s)
     bound = max(generator_busy, trainer_busy)
     return {
-        "steps": len(metrics),
-        "loop_time_s": loop_s,
+        **summary,
         "wall_per_step_s": loop_s / len(metrics),
         "generator_busy_s": generator_busy,
         "trainer_busy_s": trainer_busy,
-        "trainer_idle_fraction": 1 - trainer_busy / loop_s,
-        "generator_idle_fraction": 1 - generator_busy / loop_s,
         "pipeline_bound_s": bound,
         "pipeline_efficiency": bound / loop_s,
-        "generated_tokens_per_s": metrics[-1]["tokens/generated_total"] / loop_s,
-        "trained_tokens_per_s": sum(m["num_tokens"] for m in metrics) / loop_s,
+        "generated_tokens_per_s": metrics[-1][GENERATED_TOKENS_TOTAL] / loop_s,
+        "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / loop_s,
         "mean_sequences_in_flight": mean_sequences_in_flight(intervals, "generator0", 0.0, loop_s),
-        "max_policy_age_seen": max(m["policy_age/max"] for m in metrics),
-        "dropped_samples": metrics[-1]["buffer/dropped_completions"],
-        "final_mean_reward": final_reward(metrics),
         "time_to_target_reward_s": time_to_reward(metrics, target_reward),
     }
 
@@ -105,8 +104,8 @@ def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> No
     for axis, (mode, run_path) in zip(axes[:, 0], runs.items()):
         metrics, intervals = read_metrics(run_path), Timeline.load(run_path / "timeline.jsonl")
         middle = len(metrics) // 2
-        start = metrics[middle - 1]["wall_time_s"]
-        end = metrics[min(middle + num_steps_shown, len(metrics)) - 1]["wall_time_s"]
+        start = metrics[middle - 1][WALL_TIME_S]
+        end = metrics[min(middle + num_steps_shown, len(metrics)) - 1][WALL_TIME_S]
         components = sorted({i.component for i in intervals}, key=_component_order)
         for row, component in enumerate(components):
             own = [i for i in intervals if i.component == component]

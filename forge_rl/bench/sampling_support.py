@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import final_reward, run_variant
+from forge_rl.bench.common import run_variant
+from forge_rl.metrics import final_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.plot import headless_pyplot, read_metrics, save_figure
 

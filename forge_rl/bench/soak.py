@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from forge_rl.config import GRPOConfig
+from forge_rl.metrics import final_reward
 from forge_rl.plot import headless_pyplot, read_metrics, save_figure
 
 # Samples averaged at each end of the comparison, so one noisy sample cannot decide it.
@@ -165,7 +166,7 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
         },
         "buffer_max_episodes": max(m["buffer/size"] for m in metrics),
         "buffer_capacity_episodes": config.buffer.capacity_episodes,
-        "final_mean_reward": metrics[-1]["reward/mean"],
+        "final_mean_reward": final_reward(metrics),
     }
 
 

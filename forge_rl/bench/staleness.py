@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from forge_rl.bench.common import final_reward, run_variant, time_to_reward
+from forge_rl.bench.common import run_variant, time_to_reward
+from forge_rl.metrics import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S, final_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 
@@ -64,10 +65,10 @@ def summarize(run_path: Path, args: StalenessArgs) -> dict:
     return {
         "final_reward": final_reward(metrics, args.final_window_steps),
         "time_to_target_s": time_to_reward(metrics, args.target_reward),
-        "loop_time_s": metrics[-1]["wall_time_s"],
-        "mean_policy_age": sum(m["policy_age/mean"] for m in metrics) / len(metrics),
-        "max_policy_age_seen": max(m["policy_age/max"] for m in metrics),
-        "dropped_samples": metrics[-1]["buffer/dropped_completions"],
+        "loop_time_s": metrics[-1][WALL_TIME_S],
+        "mean_policy_age": sum(m[POLICY_AGE_MEAN] for m in metrics) / len(metrics),
+        "max_policy_age_seen": max(m[POLICY_AGE_MAX] for m in metrics),
+        "dropped_samples": metrics[-1][DROPPED_COMPLETIONS],
     }
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
 
-from forge_rl.store.index import SnapshotRecord, StoreError, VersionIndex
+from forge_rl.errors import StoreError
+from forge_rl.store.index import SnapshotRecord, VersionIndex
 from forge_rl.store.shm import SharedMemorySnapshots
 
 

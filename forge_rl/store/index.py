@@ -27,6 +27,8 @@ import enum
 import re
 from dataclasses import dataclass, field
 
+from forge_rl.errors import StoreError
+
 _VERSION_KEY = re.compile(r"^v(\d{8})$")
 
 
@@ -69,10 +71,6 @@ class SnapshotRecord:
     @property
     def held(self) -> bool:
         return sum(self.holders.values()) > 0
-
-
-class StoreError(RuntimeError):
-    """A store call that breaks a rule of the index (see the module docstring)."""
 
 
 class VersionIndex:

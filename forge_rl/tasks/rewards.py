@@ -16,7 +16,7 @@ import inspect
 from typing import Callable
 
 from forge_rl.tasks.synthetic import leading_number_reward
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 RewardFn = Callable[[str, str], float]
 

@@ -26,7 +26,8 @@ from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.run_dir import create_run_dir, remove_unstarted_run_dir
 from forge_rl.trainer import TrainerConfig
-from forge_rl.yaml_config import ConfigError, load_yaml_config
+from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]
 

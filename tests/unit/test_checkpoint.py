@@ -37,7 +37,8 @@ from forge_rl.run_dir import (
     truncate_metrics,
 )
 from forge_rl.trainer import TrainerConfig
-from forge_rl.yaml_config import ConfigError, load_yaml_config
+from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import load_yaml_config
 
 from .builders import make_episode
 

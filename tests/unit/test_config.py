@@ -10,7 +10,8 @@ import pytest
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.store.publisher import PublishConfig
-from forge_rl.yaml_config import ConfigError, load_yaml_config
+from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]
 

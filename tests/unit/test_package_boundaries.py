@@ -1,16 +1,46 @@
-"""The functional core imports neither Monarch nor vLLM; every actor endpoint is async."""
+"""Which modules may import Monarch, vLLM and TorchTitan, checked over the whole package; every actor
+endpoint is async.
 
+The rule (docs/architecture.md): Monarch is imported by the actor shells and what owns processes
+(actors/, launch, lifecycle, the store's actor and client, a benchmark that spawns actors); vLLM by
+nobody at import time (the engine imports it inside its methods); TorchTitan only by the model
+layer (models/). Everything else is plain Python and PyTorch: the functional core.
+"""
+
+import ast
 import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+PACKAGE = Path(__file__).resolve().parents[2] / "forge_rl"
+HEAVY = ("monarch", "vllm", "torchtitan")
+ALLOWED = {
+    "monarch": (
+        "forge_rl.actors.",
+        "forge_rl.launch",
+        "forge_rl.lifecycle",
+        "forge_rl.store.actors",
+        "forge_rl.store.client",
+        "forge_rl.bench.weight_sync",
+    ),
+    "vllm": (),
+    "torchtitan": ("forge_rl.models.",),
+}
+"""Module-name prefixes that may import each package (directly or through other forge_rl modules)."""
+
+# A sample of the core checked at run time too: the static check below reads only forge_rl's own
+# imports, this one also catches a third-party package that pulls Monarch in.
 CORE_MODULES = [
     "forge_rl.types",
+    "forge_rl.errors",
     "forge_rl.config",
     "forge_rl.buffer",
-    "forge_rl.staleness",
+    "forge_rl.admission",
+    "forge_rl.loop",
+    "forge_rl.recipes",
     "forge_rl.advantages",
     "forge_rl.batching",
     "forge_rl.losses.policy",
@@ -26,6 +56,76 @@ CORE_MODULES = [
     "forge_rl.reference",
     "forge_rl.placement",
 ]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_time_imports(path: Path) -> set[str]:
+    """Modules `path` imports when it is imported: module level, not under `if TYPE_CHECKING:`,
+    not inside functions (a lazy import is the sanctioned way to use a heavy package)."""
+    name, found = module_name(path), set()
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(filter(None, [base, node.module]))
+                found.add(module)
+                found.update(f"{module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def heavy_imports_by_module() -> dict[str, set[str]]:
+    """module -> the heavy packages importing it imports, through any chain of forge_rl modules."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    direct = {name: import_time_imports(path) for name, path in modules.items()}
+
+    def forge_modules(imported: str) -> list[str]:  # a.b.c imports the packages a and a.b too
+        parts = imported.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules]
+
+    result = {}
+    for name in modules:
+        seen, stack, heavy = {name}, [name], set()
+        while stack:
+            for imported in direct[stack.pop()]:
+                if imported.split(".")[0] in HEAVY:
+                    heavy.add(imported.split(".")[0])
+                for module in forge_modules(imported):
+                    if module not in seen:
+                        seen.add(module)
+                        stack.append(module)
+        result[name] = heavy
+    return result
+
+
+def test_only_the_shells_import_monarch_and_only_the_model_layer_imports_torchtitan():
+    violations = [
+        f"{module} imports {package}"
+        for module, packages in sorted(heavy_imports_by_module().items())
+        for package in sorted(packages)
+        if not module.startswith(ALLOWED[package])
+    ]
+    assert violations == []
+
+
+def test_the_boundary_check_sees_imports_through_other_modules():
+    heavy = heavy_imports_by_module()
+    assert "monarch" in heavy["forge_rl.lifecycle"]  # through forge_rl.launch
+    assert heavy["forge_rl.loop"] == set()
 
 
 def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():

@@ -20,7 +20,7 @@ from forge_rl.placement import (
     parse_worker_address,
     slurm_worker_addresses,
 )
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 
 @pytest.mark.parametrize(

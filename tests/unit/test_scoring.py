@@ -10,7 +10,7 @@ import pytest
 
 from forge_rl.scoring import RewardWorkerPool, ScorerConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
-from forge_rl.yaml_config import ConfigError
+from forge_rl.errors import ConfigError
 
 SCRIPTED = "tests.unit.faulty_rewards:scripted"
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from forge_rl.store.index import SnapshotState, StoreError, VersionIndex, key_version, version_key
+from forge_rl.errors import StoreError
+from forge_rl.store.index import SnapshotState, VersionIndex, key_version, version_key
 
 HERE = "host:/dev/shm/forge_rl-test"
 

@@ -6,7 +6,8 @@ import pytest
 from forge_rl.config import GRPOConfig
 from forge_rl.models.titan import ParallelConfig, validate_parallelism
 from forge_rl.trainer import TrainerConfig
-from forge_rl.yaml_config import ConfigError, load_yaml_config
+from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import load_yaml_config
 
 HF_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": True}
 

@@ -1,0 +1,48 @@
+"""The failures forge_rl names, in one place, and what each one does to a run.
+
+Recoverable: the run goes on.
+    GeneratorLost    a generator's process died during a call; the rollout loop hands its prompts
+                     out again and waits for the replacement (forge_rl/actors/generator_pool.py).
+Fatal: the run stops, every process of it is shut down, and the message says what to do.
+    ConfigError      a config, file or machine that cannot run it; raised before anything
+                     expensive starts (forge_rl/config.py, forge_rl/preflight.py).
+    ProcessDied      a trainer rank or a service process died; the message names the command
+                     that resumes the run (forge_rl/lifecycle.py).
+    StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
+                     published twice, a lease on a version that is gone.
+
+Plain Python: importing this module imports nothing else of forge_rl, Monarch or vLLM.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the field, the value and the flag that fixes it."""
+
+
+class GeneratorLost(RuntimeError):
+    """Generator `index` died while serving a call (or is being replaced); nothing it was asked
+    for came back. Recoverable: hand the call's prompts out again once it serves again."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"generator {index} lost: {reason}")
+        self.index = index
+        self.reason = reason
+
+    def __reduce__(self):  # crosses process boundaries (raised in the pool, caught in the loop)
+        return type(self), (self.index, self.reason)
+
+
+class ProcessDied(RuntimeError):
+    """A process of the run (a trainer rank, or the services) died; the message says how to resume."""
+
+
+class StoreError(RuntimeError):
+    """The weight store refused an operation; the message says which version and why."""
+
+
+def raised_by_actor(error: BaseException) -> BaseException:
+    """The exception an actor's endpoint raised, unwrapped from Monarch's ActorError (which keeps
+    it as `.exception`), so callers can catch the types above without importing Monarch."""
+    return getattr(error, "exception", None) or error

@@ -1,0 +1,299 @@
+"""A run's lifecycle around its loops: directory, checkpoints, resume, stop, failures, shutdown.
+
+    Lifecycle.open(config)        a new run directory, or the one `--resume` continues (and its
+                                  newest complete checkpoint); the model directory; the store root
+    async with lifecycle.owning(...)  installs the fault hook for the run's processes; on the way
+                                  out, however the run ends, stops the engines, every process and
+                                  the store, and turns a dead process into ProcessDied whose
+                                  message names the resume command
+    lifecycle.resume(pipeline)    loads the checkpoint into trainer, buffer, dataset and the loops'
+                                  state, and has every generator serve its version (fresh run: no-op)
+    lifecycle.run_loops(pipeline) the loops (forge_rl/loop.py) until config.steps; a checkpoint every
+                                  checkpoint.every_n_steps and, on Ctrl-C/SIGTERM, at the stop
+    lifecycle.summary(...)        the summary line (and RUN_DIR/summary.json)
+
+The checkpoint layout, and why it is consistent while generation goes on, is forge_rl/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forge_rl import launch
+from forge_rl.accounting import PromptAccounting
+from forge_rl.checkpoint import (
+    TRAINER_DIR,
+    ControllerState,
+    begin_checkpoint,
+    capture_rng_state,
+    commit_checkpoint,
+    complete_checkpoints,
+    prompts_to_reissue,
+    prune_checkpoints,
+    read_controller_state,
+    restore_rng_state,
+    resume_hint,
+)
+from forge_rl.errors import ProcessDied
+from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
+from forge_rl.run_dir import (
+    config_to_dict,
+    create_run_dir,
+    open_run_dir_for_resume,
+    prepare_model_dir,
+    remove_unstarted_run_dir,
+    truncate_metrics,
+)
+from forge_rl.store.shm import SharedMemorySnapshots, default_store_root
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
+    from forge_rl.loop import Pipeline
+
+# Shutdown must finish within the 10 s a user (or a scheduler's SIGTERM grace period) waits.
+_ENGINE_STOP_TIMEOUT_S = 4.0
+_MESH_STOP_TIMEOUT_S = 4.0
+# On Ctrl-C / SIGTERM with checkpoint.on_shutdown: how long the optimizer step in flight may take to
+# finish, then how long the checkpoint may take (a tiny model's takes well under a second).
+_STOP_STEP_TIMEOUT_S = 2.0
+_STOP_CHECKPOINT_TIMEOUT_S = 3.0
+
+
+class Lifecycle:
+    def __init__(self, config: GRPOConfig, run_path: Path, checkpoint: Path | None):
+        self.started = time.monotonic()
+        self.config = config
+        """The run's config; for a resume, the run directory's, with the flags given on top."""
+        self.run_path = run_path
+        self.checkpoint = checkpoint
+        """The checkpoint a resume continues from; None for a fresh run."""
+        self.model_dir = prepare_model_dir(config, run_path)
+        self.store = SharedMemorySnapshots(default_store_root(run_path.name), self.model_dir)
+        self.process_failures: list[str] = []
+        """Processes of the run that died (from Monarch's fault hook); the run stops at the first."""
+        self._generators: Any = None
+        self._proc_meshes: list = []
+        self._loops: asyncio.Task | None = None
+
+    @classmethod
+    def open(cls, config: GRPOConfig) -> Lifecycle:
+        """A new run directory for `config`, or the run `config.resume` names (validated first)."""
+        if config.resume is None:
+            return cls(config, create_run_dir(config), checkpoint=None)
+        return cls(*open_run_dir_for_resume(config))
+
+    # Processes --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def owning_processes(self) -> AsyncIterator[None]:
+        """While inside, a process of the run that dies stops the run (instead of Monarch's default
+        hook exiting this process). However the block ends, every process is shut down before this
+        returns or raises; a death is raised as ProcessDied with the resume command."""
+        progress(f"run directory {self.run_path}")
+        event_loop = asyncio.get_running_loop()
+
+        def process_died(description: str) -> None:  # Monarch's fault hook; may run on another thread
+            self.process_failures.append(description)
+            if self._loops is not None:
+                event_loop.call_soon_threadsafe(self._loops.cancel)
+
+        try:
+            with launch.on_process_failure(process_died):
+                try:
+                    yield
+                finally:
+                    self._loops = None  # a failure reported from here on is the shutdown's own
+                    await self._shutdown()
+        except BaseException as e:
+            translated = self._translated(e)
+            if translated is e:
+                raise
+            raise translated from e
+
+    def stop_at_exit(self, generators: Any, proc_meshes: list) -> None:
+        """The generator pool (its engines are stopped first) and every proc mesh of the run."""
+        self._generators, self._proc_meshes = generators, proc_meshes
+
+    async def _shutdown(self) -> None:
+        """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
+        if self._generators is not None:
+            with contextlib.suppress(Exception, asyncio.TimeoutError):
+                await asyncio.wait_for(self._generators.shutdown.call_one(), _ENGINE_STOP_TIMEOUT_S)
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
+                _MESH_STOP_TIMEOUT_S,
+            )
+        self.store.destroy()
+
+    def _translated(self, error: BaseException) -> BaseException:
+        """The exception the run ends with: ProcessDied for a dead process, else `error` with the
+        resume command attached (a Ctrl-C or SIGTERM prints it)."""
+        remove_unstarted_run_dir(self.run_path)  # a run that trained no step leaves nothing to resume from
+        hint = resume_hint(self.run_path, self.config.checkpoint)
+        if self.process_failures or (isinstance(error, Exception) and launch.is_process_failure(error)):
+            cause = self.process_failures[0] if self.process_failures else f"{type(error).__name__}: {error}"
+            return ProcessDied(f"a process of run {self.run_path} died ({cause}); the run stopped. {hint}")
+        if self.run_path.exists():
+            if isinstance(error, Exception):
+                error.add_note(f"[forge-rl] {hint}")
+            else:  # stopped by Ctrl-C or SIGTERM
+                progress(hint)
+        return error
+
+    # Loops ------------------------------------------------------------------------------------
+
+    async def run_loops(self, pipeline: Pipeline) -> tuple[list[dict], dict]:
+        """The loops until config.steps; returns every step's metrics (a resumed run's earlier
+        steps included) and the prompt accounting."""
+        previous_history = []
+        if self.checkpoint is not None:
+            previous_history = truncate_metrics(self.run_path, pipeline.step)
+            (self.run_path / "timeline.jsonl").unlink(missing_ok=True)  # the timeline covers one segment
+        progress(f"ready in {time.monotonic() - self.started:.1f}s; training to step {self.config.steps}")
+        metrics_logger = MetricsLogger(
+            self.run_path / "metrics.jsonl",
+            self.config.steps,
+            self.config.log.progress_every_s,
+            sinks=open_sinks(self.config.log, self.run_path, config_to_dict(self.config)),
+        )
+        self._loops = asyncio.ensure_future(pipeline.run(self.run_path, metrics_logger, self))
+        try:
+            history, accounting = await self._loops
+        finally:
+            metrics_logger.close()
+            origin = {"unix_time": pipeline.timeline.origin_unix_time}
+            (self.run_path / "timeline_origin.json").write_text(json.dumps(origin))
+        return previous_history + history, accounting
+
+    async def after_step(self, pipeline: Pipeline) -> None:
+        """Checkpoint after this step if it is due (every_n_steps, or the last step)."""
+        checkpoints, step = self.config.checkpoint, pipeline.step
+        due = step % checkpoints.every_n_steps == 0 or (step == self.config.steps and checkpoints.on_shutdown)
+        if checkpoints.enabled and due:
+            # Finished even if the run is stopped meanwhile: a stop then needs no checkpoint of its own.
+            _, stopped = await self.finish_despite_stop(self.save_checkpoint(pipeline))
+            if stopped:
+                raise asyncio.CancelledError
+
+    async def finish_despite_stop(self, awaitable) -> tuple[Any, bool]:
+        """(result, stopped): awaits `awaitable` to its end even if the run is stopped (Ctrl-C,
+        SIGTERM) meanwhile, when a shutdown checkpoint is wanted, up to _STOP_STEP_TIMEOUT_S after
+        the stop. Otherwise a stop, or a dead process, cancels at once."""
+        task = asyncio.ensure_future(awaitable)
+        checkpoints = self.config.checkpoint
+        if not (checkpoints.enabled and checkpoints.on_shutdown):
+            return await task, False
+        try:
+            return await asyncio.shield(task), False
+        except asyncio.CancelledError:
+            if self.process_failures:
+                task.cancel()
+                raise
+            try:
+                return await asyncio.wait_for(task, _STOP_STEP_TIMEOUT_S), True
+            except asyncio.TimeoutError:
+                raise asyncio.CancelledError from None
+
+    # Checkpoints ------------------------------------------------------------------------------
+
+    async def save_checkpoint(self, pipeline: Pipeline) -> None:
+        """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile.
+
+        The buffer is read before the dataset cursor, so every prompt in the buffer's snapshot is below
+        that cursor; a prompt handed out after the read is above it and is simply handed out again.
+        """
+        started, actors, accounting = time.monotonic(), pipeline.actors, pipeline.accounting
+        partial = begin_checkpoint(self.run_path, pipeline.step)
+        saved = (await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR))).item(procs=0)
+        buffer_state = await actors.buffer.state_dict.call_one(self.config.checkpoint.save_buffer)
+        dataset = await actors.dataset.state.call_one()
+        settled = [
+            *accounting.trained_ids(),
+            *accounting.skipped_ids,
+            *accounting.filtered_ids,
+            *buffer_state["dropped"]["episode_ids"],
+            *(episode["episode_id"] for episode in buffer_state["episodes"]),
+        ]
+        controller = ControllerState(
+            step=pipeline.step,
+            policy_version=saved["policy_version"],
+            dataset_cursor=dataset["cursor"],
+            reissue=prompts_to_reissue(dataset["cursor"], settled),
+            accounting=accounting.state_dict(),
+            buffer=buffer_state,
+            num_generated_tokens=pipeline.num_generated_tokens,
+            rng=capture_rng_state(),
+        )
+        path = commit_checkpoint(partial, controller)
+        prune_checkpoints(self.run_path, self.config.checkpoint.keep_last)
+        progress(
+            f"checkpoint {path} (policy version {saved['policy_version']}, "
+            f"{len(controller.reissue)} prompts to re-issue on resume, {time.monotonic() - started:.2f}s)"
+        )
+
+    async def checkpoint_at_stop(self, pipeline: Pipeline) -> None:
+        """The shutdown checkpoint (checkpoint.on_shutdown), bounded by _STOP_CHECKPOINT_TIMEOUT_S."""
+        checkpoints = self.config.checkpoint
+        if not (checkpoints.enabled and checkpoints.on_shutdown) or self.process_failures or pipeline.step == 0:
+            return
+        if pipeline.step_in_flight:
+            progress("no checkpoint at stop: the optimizer step in flight did not finish in time")
+            return
+        if any(step == pipeline.step for step, _ in complete_checkpoints(self.run_path)):
+            return
+        try:
+            await asyncio.wait_for(self.save_checkpoint(pipeline), _STOP_CHECKPOINT_TIMEOUT_S)
+        except (Exception, asyncio.TimeoutError) as e:
+            progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
+
+    async def resume(self, pipeline: Pipeline) -> None:
+        """Load the checkpoint into the trainer, buffer, dataset and `pipeline`, and have every
+        generator serve its policy version before any rollout starts. A fresh run: nothing to do."""
+        if self.checkpoint is None:
+            return
+        checkpoint, actors = self.checkpoint, pipeline.actors
+        saved = read_controller_state(checkpoint)
+        loaded = (await actors.trainer.load_checkpoint.call(str(checkpoint / TRAINER_DIR))).item(procs=0)
+        if loaded["policy_version"] != saved.policy_version:
+            raise RuntimeError(
+                f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "
+                f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
+            )
+        num_buffered = await actors.buffer.load_state_dict.call_one(saved.buffer, saved.policy_version)
+        await actors.dataset.load_state.call_one(saved.dataset_cursor, saved.reissue)
+        restore_rng_state(saved.rng)
+        pipeline.step = saved.step
+        pipeline.gate.restore(saved.policy_version, num_buffered)
+        pipeline.accounting = PromptAccounting.from_state_dict(
+            saved.accounting, handed_out=saved.dataset_cursor - len(saved.reissue)
+        )
+        pipeline.accounting.reissued_after_resume += len(saved.reissue)
+        pipeline.num_generated_tokens = pipeline.generated_tokens_at_last_step = saved.num_generated_tokens
+        await pipeline.update_all_generators(saved.policy_version, loaded["weights/dir"])
+        progress(
+            f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "
+            f"{num_buffered} buffered episodes, {len(saved.reissue)} prompts re-issued"
+        )
+
+    # Summary ----------------------------------------------------------------------------------
+
+    def summary(self, history: list[dict], accounting: dict, **how_it_ran: Any) -> dict:
+        """The run's summary: `metrics.run_summary` of its steps, the accounting, `how_it_ran`
+        (engine start, recoveries, ...); also written to RUN_DIR/summary.json."""
+        summary = {
+            **run_summary(history),
+            "wall_time_s": time.monotonic() - self.started,
+            **how_it_ran,
+            "accounting": accounting,
+            "run_dir": str(self.run_path),
+            "resumed_from": None if self.checkpoint is None else str(self.checkpoint),
+        }
+        (self.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

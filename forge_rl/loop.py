@@ -1,0 +1,282 @@
+"""The run's loops: rollouts on every generator and the trainer, concurrent in the controller.
+
+    rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
+        consumes   a prompt (a re-queued one first) and an admission from the gate
+        produces   scored episodes into the buffer (the recipe's `score` stage runs between)
+        waits for  the admission gate (forge_rl/admission.py): its episodes must be trainable
+                   within max_policy_age of the version it generates with, and fit in the buffer
+        unblocked  when the trainer takes a batch or its generator loads newer weights
+    train loop (one)
+        consumes   one batch of prompts_per_step episodes from the buffer (all fresh enough)
+        produces   policy version v+1 in the weight store, then tells every generator (not awaited);
+                   a checkpoint every checkpoint.every_n_steps (forge_rl/lifecycle.py)
+        waits for  the gate's "no episode this step is the last chance for is still in flight",
+                   then the buffer to hold a full batch
+        unblocked  by rollouts
+
+The library owns these loops; a recipe supplies its actors and the stage between generation and
+the buffer (`RunActors.score`: verifier, reward model, reference logprobs, filters), so the next
+workloads extend the loops without copying them. Nothing here imports Monarch: the actors are
+handles whose endpoints are called with `.call_one()` / `.call()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forge_rl import metrics as m
+from forge_rl.accounting import PromptAccounting
+from forge_rl.admission import AdmissionGate
+from forge_rl.errors import GeneratorLost, raised_by_actor
+from forge_rl.metrics import MetricsLogger, batch_metrics
+from forge_rl.timeline import Timeline, idle_fraction
+from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
+    from forge_rl.lifecycle import Lifecycle
+
+
+@dataclasses.dataclass
+class RunActors:
+    """The actor handles the loops call; a recipe spawns them (apps/grpo/main.py)."""
+
+    dataset: Any
+    """`next_episodes(n)`: the next prompts as episode shells; `state()`, `load_state(...)`."""
+    generators: Any
+    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)`,
+    `update_weights(i, ...)`, `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
+    buffer: Any
+    """The replay buffer: `put`, `sample`, `stats`, `state_dict`, `load_state_dict`."""
+    trainer: Any
+    """The trainer mesh: `train_step`, `save_checkpoint`, `load_checkpoint` (rank 0 answers)."""
+    score: Callable[[list[Episode], Timeline], Awaitable[list[Episode]]]
+    """The recipe's stage from generated to buffered: returns the episodes to keep; those it
+    leaves out are counted as filtered (never trained)."""
+    stats: Callable[[], Awaitable[dict]]
+    """The recipe's per-step metrics of that stage (the scorer's failures, say)."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one train-loop step hands the loop: its metrics, and whether a stop arrived meanwhile."""
+
+    metrics: dict
+    stopped: bool
+
+
+class Pipeline:
+    """What the loops share: the admission gate, prompt accounting, counters, the timeline.
+    Only the controller's event loop touches it."""
+
+    def __init__(self, config: GRPOConfig, actors: RunActors):
+        self.config = config
+        self.actors = actors
+        self.gate = AdmissionGate(
+            num_generators=config.num_generators,
+            episodes_per_step=config.prompts_per_step,
+            max_policy_age=config.buffer.max_policy_age,
+            max_episodes_queued=config.max_episodes_queued,
+            admission=config.buffer.admission,
+        )
+        self.accounting = PromptAccounting()
+        self.requeued: collections.deque[Episode] = collections.deque()
+        """Prompts whose generator died mid-request; handed out again first."""
+        self.step = 0
+        """Train-loop steps done, skipped non-finite steps included (restored by a resume)."""
+        self.step_in_flight = False
+        """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
+        self.num_generated_tokens = 0
+        self.generated_tokens_at_last_step = 0
+        self._last_step_end_s = 0.0
+        self.last_weight_update: dict = {}
+        """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
+        self.timeline = Timeline()
+        """Busy intervals of every component; `run` restarts it (with a file) when the loops start."""
+
+    # Rollouts ---------------------------------------------------------------------------------
+
+    async def rollout_loop(self, index: int) -> None:
+        """One prompt at a time on generator `index`; many of these run per generator."""
+        while True:
+            start_version = await self.gate.admit(index)
+            prompts = [self.requeued.popleft()] if self.requeued else await self._next_prompts()
+            try:
+                num_buffered = await self._rollout(index, prompts)
+            except GeneratorLost:
+                await self._requeue_after_loss(index, prompts, start_version)
+                continue
+            except BaseException:
+                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+                raise
+            await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
+
+    async def _rollout(self, index: int, prompts: list[Episode]) -> int:
+        """Generate, score and buffer `prompts` on generator `index`; returns how many reached the buffer."""
+        config, actors = self.config, self.actors
+        with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
+            try:
+                episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
+            except Exception as e:
+                raise raised_by_actor(e) from None
+        self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
+        kept = await actors.score(episodes, self.timeline)
+        kept_ids = {e.episode_id for e in kept}
+        self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
+        num_stale = await actors.buffer.put.call_one(kept) if kept else 0
+        return len(kept) - num_stale
+
+    async def _next_prompts(self) -> list[Episode]:
+        prompts = await self.actors.dataset.next_episodes.call_one(1)
+        self.accounting.handed_out += len(prompts)
+        return prompts
+
+    async def _requeue_after_loss(self, index: int, prompts: list[Episode], start_version: int) -> None:
+        """The generator died mid-request: its prompts go out again once it (replaced) serves."""
+        self.requeued.extend(prompts)
+        self.accounting.requeued += len(prompts)
+        await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+        loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        await self.gate.generator_serves(index, loaded_version)
+
+    # Weights ----------------------------------------------------------------------------------
+
+    async def update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
+        """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+        with self.timeline.busy(f"weights{index}"):
+            try:
+                result = await self.actors.generators.update_weights.call_one(index, policy_version, weights_dir)
+            except Exception as e:
+                if isinstance(raised_by_actor(e), GeneratorLost):
+                    return  # its replacement loads the newest version itself
+                raise
+        await self.gate.generator_serves(index, result["policy_version"])
+        self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
+
+    async def update_all_generators(self, policy_version: int, weights_dir: str) -> None:
+        await asyncio.gather(
+            *(self.update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
+        )
+
+    # Training ---------------------------------------------------------------------------------
+
+    async def train_loop(self, metrics_logger: MetricsLogger, lifecycle: Lifecycle) -> list[dict]:
+        """Steps self.step + 1 to config.steps; `lifecycle` checkpoints between steps and lets a
+        stop (Ctrl-C, SIGTERM) wait for the step in flight when a shutdown checkpoint is wanted."""
+        history: list[dict] = []
+        weight_updates: list[asyncio.Task] = []
+        for step in range(self.step + 1, self.config.steps + 1):
+            result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
+            metrics_logger.log(result.metrics)
+            history.append(result.metrics)
+            if result.stopped:
+                raise asyncio.CancelledError
+            await lifecycle.after_step(self)
+        await asyncio.gather(*weight_updates)
+        return history
+
+    async def _train_step(
+        self, step: int, lifecycle: Lifecycle, weight_updates: list[asyncio.Task]
+    ) -> tuple[StepResult, list[asyncio.Task]]:
+        """Take a batch, train it, publish the new version to every generator (not awaited)."""
+        actors, timeline = self.actors, self.timeline
+        train_version = await self.gate.wait_for_batch()
+        episodes, num_evicted = await actors.buffer.sample.call_one(self.config.prompts_per_step, train_version)
+        await self.gate.took_batch(len(episodes), num_evicted)
+
+        step_start = timeline.now()
+        self.step_in_flight = True  # until the step is accounted for, with no await in between
+        with timeline.busy("trainer"):
+            values, stopped = await lifecycle.finish_despite_stop(actors.trainer.train_step.call(episodes))
+            trainer_metrics = values.item(procs=0)
+        trained_tokens_per_s = trainer_metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
+        if trainer_metrics[m.STEP_SKIPPED]:
+            # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
+            self.accounting.count_skipped(episodes)
+            await self.gate.step_skipped()
+        else:
+            self.accounting.count_trained(episodes)
+            weights_dir = trainer_metrics.pop("weights/dir")
+            # Finished updates are dropped (their errors raised here), so a long run holds only
+            # the updates in flight, not one task per generator per step.
+            for task in [t for t in weight_updates if t.done()]:
+                task.result()
+            weight_updates = [t for t in weight_updates if not t.done()] + [
+                asyncio.create_task(self.update_generator(i, trainer_metrics["policy_version"], weights_dir))
+                for i in range(self.config.num_generators)
+            ]
+        self.step, self.step_in_flight = step, False
+        step_metrics = {
+            m.STEP: step,
+            **batch_metrics(episodes, train_version),
+            **trainer_metrics,
+            **self.last_weight_update,
+            m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
+            **await self._pipeline_metrics(),
+        }
+        return StepResult(step_metrics, stopped), weight_updates
+
+    async def _pipeline_metrics(self) -> dict:
+        """Generation rate since the previous step, idle fractions since the loops started, buffer."""
+        timeline, now = self.timeline, self.timeline.now()
+        generator_busy_s = [timeline.busy_s(f"generator{i}") for i in range(self.config.num_generators)]
+        generated_tokens_per_s = (self.num_generated_tokens - self.generated_tokens_at_last_step) / max(
+            now - self._last_step_end_s, 1e-9
+        )
+        self.generated_tokens_at_last_step, self._last_step_end_s = self.num_generated_tokens, now
+        return {
+            m.WALL_TIME_S: now,
+            m.GENERATED_TOKENS_TOTAL: self.num_generated_tokens,
+            m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
+            m.TRAINER_IDLE_FRACTION: idle_fraction([timeline.busy_s("trainer")], now),
+            m.GENERATORS_IDLE_FRACTION: idle_fraction(generator_busy_s, now),
+            **await self.actors.buffer.stats.call_one(),
+            **await self.actors.stats(),
+            m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
+        }
+
+    # Both -------------------------------------------------------------------------------------
+
+    async def run(self, run_path: Path, metrics_logger: MetricsLogger, lifecycle: Lifecycle) -> tuple[list[dict], dict]:
+        """The rollout loops and the train loop until config.steps steps are trained; returns the
+        steps' metrics and the prompt accounting. A stop checkpoints first when configured."""
+        self.timeline = Timeline(run_path / "timeline.jsonl")  # its origin is when the loops start
+        rollouts = [
+            asyncio.create_task(self.rollout_loop(i))
+            for i in range(self.config.num_generators)
+            for _ in range(self.config.prompts_in_flight_per_generator)
+        ]
+        # A rollout that fails (anything but a lost generator, which it handles) fails the run at
+        # once, instead of dying unseen while the train loop waits for its episodes.
+        train = asyncio.create_task(self.train_loop(metrics_logger, lifecycle))
+        try:
+            done, _ = await asyncio.wait([train, *rollouts], return_when=asyncio.FIRST_COMPLETED)
+            if train not in done:
+                next(iter(done)).result()  # raises the rollout's error
+                raise RuntimeError("a rollout loop returned; rollout loops run until cancelled")
+            history = train.result()
+        except asyncio.CancelledError:
+            await _cancelled(train)
+            await lifecycle.checkpoint_at_stop(self)
+            raise
+        except BaseException:
+            await _cancelled(train)
+            raise
+        finally:
+            for task in rollouts:
+                task.cancel()
+            await asyncio.gather(*rollouts, return_exceptions=True)
+            self.timeline.close()
+        buffer_stats = await self.actors.buffer.stats.call_one()
+        return history, self.accounting.summary(buffer_stats[m.DROPPED_EPISODES])
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it has finished unwinding."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
