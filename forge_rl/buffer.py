@@ -8,7 +8,7 @@ untrainable in `Completion.trainable`; the completion's reward still counts for 
 baseline). Whatever is lost is counted with its completion lengths (`dropped`), beside the lengths
 of what was handed to the trainer (`trained`): dropping stale work biases training toward short
 completions, and the two length distributions show by how much. Admission control, which pauses
-generation so that nothing needs dropping, is `forge_rl/staleness.py`.
+generation so that nothing needs dropping, is `forge_rl/admission.py`.
 
 The buffer never holds more than `capacity_episodes` episodes nor `capacity_tokens` tokens: `put`
 without room raises `BufferFull`, and the actor shell turns that into backpressure (the producer
@@ -43,7 +43,7 @@ class BufferConfig:
     """What a token older than max_policy_age costs: its whole episode (drop_episode), or only itself
     (mask_tokens: it gets no loss; a completion left with no trainable token counts as dropped)."""
     admission: Literal["pause", "drop"] = "pause"
-    """How the age bound is kept. pause: admission control (forge_rl/staleness.py) starts a
+    """How the age bound is kept. pause: admission control (forge_rl/admission.py) starts a
     rollout only if its episodes can still be trained in time, and the trainer waits for
     stragglers that the next step is the last chance for, so nothing needs dropping. drop:
     generation never waits for the bound; episodes that grow too old are dropped (and counted,

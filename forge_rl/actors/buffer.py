@@ -69,6 +69,7 @@ class ReplayBufferActor(Actor):
         dropped = self.buffer.dropped
         return {
             "buffer/size": len(self.buffer),
+            "buffer/trainer_version": self.trainer_version,
             "buffer/tokens": self.buffer.num_tokens,
             "buffer/dropped_episodes": dropped.episodes,
             "buffer/dropped_completions": dropped.completions,

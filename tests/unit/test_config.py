@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from forge_rl.cli import parse_config
+from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.errors import ConfigError
@@ -120,3 +121,16 @@ def test_the_publish_section_reaches_the_trainer_config(tmp_path):
     config = parse_config(GRPOConfig, ["--config", str(path), "--publish.no-checksum"], prog="forge-rl grpo")
     assert (config.publish.dtype, config.publish.background, config.publish.checksum) == ("bfloat16", False, False)
     assert GRPOConfig().publish == PublishConfig()
+
+
+def test_a_token_capacity_below_one_step_is_refused_before_anything_starts():
+    # 4 prompts per step; an episode holds up to 128 - 4 + 8 * 4 = 156 tokens (tiny model: 128 positions).
+    with pytest.raises(ConfigError, match=r"buffer.capacity_tokens \(300\) is below one step's prompts \(4\)"):
+        GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(capacity_tokens=300))
+
+
+def test_the_gate_admits_no_more_than_the_buffer_holds():
+    config = GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(max_policy_age=3, capacity_episodes=6))
+    assert config.max_episodes_queued == 6  # the age bound alone would admit (3 + 1) * 4 = 16
+    tokens = GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(capacity_tokens=10 * config.max_episode_tokens))
+    assert tokens.max_episodes_queued == min(8, 10)  # (1 + 1) * 4 by age, 10 by tokens
