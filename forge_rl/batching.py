@@ -26,8 +26,6 @@ class TrainBatch:
     """[N, L] bool, True on generated tokens."""
     behaviour_logprobs_NL: torch.Tensor
     """[N, L] float32 logprob the generator sampled each generated token with (0 elsewhere)."""
-    policy_versions_NL: torch.Tensor
-    """[N, L] int64 version that generated each token (-1 elsewhere)."""
     advantages_N: torch.Tensor
     """[N] float32 group advantage of each completion (see `forge_rl.advantages`)."""
     temperature_N: torch.Tensor | None = None
@@ -79,7 +77,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
 
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO).
     """
-    rows, masks, behaviour, versions, advantages, temperatures, supports, references = ([] for _ in range(8))
+    rows, masks, behaviour, advantages, temperatures, supports, references = ([] for _ in range(7))
     for episode in episodes:
         num_prompt = len(episode.prompt_token_ids)
         advantages.extend(episode_advantages(episode, normalize_advantage_std))
@@ -87,7 +85,6 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
             rows.append(episode.prompt_token_ids + completion.token_ids)
             masks.append([False] * num_prompt + completion.loss_mask)
             behaviour.append([0.0] * num_prompt + completion.logprobs)
-            versions.append([-1] * num_prompt + completion.policy_versions)
             temperatures.append(episode.temperature)
             supports.append([[]] * num_prompt + (completion.sampling_support or [[]] * completion.num_tokens))
             if completion.reference_logprobs is not None:
@@ -105,7 +102,6 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         input_ids_NL=pad(rows, pad_id, torch.int64),
         loss_mask_NL=pad(masks, False, torch.bool),
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
-        policy_versions_NL=pad(versions, -1, torch.int64),
         advantages_N=torch.tensor(advantages, dtype=torch.float32),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=_pad_supports(supports, length),

@@ -129,10 +129,6 @@ class Episode:
         return min(c.oldest_policy_version for c in self.completions)
 
     @property
-    def newest_policy_version(self) -> int:
-        return max(max(c.policy_versions, default=0) for c in self.completions)
-
-    @property
     def num_generated_tokens(self) -> int:
         return sum(c.num_tokens for c in self.completions)
 

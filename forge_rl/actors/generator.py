@@ -35,8 +35,6 @@ class GeneratorActor(Actor):
         # One swap at a time; a swap for an older version than the loaded one is a no-op.
         self.swap_lock = asyncio.Lock()
         self.store: WeightStore | None = None
-        self.num_generated_tokens = 0
-        self.busy_s = 0.0
 
     @endpoint
     async def start(self) -> dict:
@@ -53,7 +51,6 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
-        started = time.perf_counter()
         groups = await asyncio.gather(
             *(
                 self.engine.generate(e.prompt_token_ids, group_size, self.tokenizer.eos_id, e.forced_length)
@@ -63,10 +60,8 @@ class GeneratorActor(Actor):
         for episode, completions in zip(episodes, groups):
             for completion in completions:
                 completion.text = self.tokenizer.decode(completion.token_ids)
-                self.num_generated_tokens += completion.num_tokens
             episode.completions = completions
             episode.temperature = self.engine.config.temperature
-        self.busy_s += time.perf_counter() - started
         return episodes
 
     @concurrent_endpoint
@@ -88,14 +83,6 @@ class GeneratorActor(Actor):
         if self.store is None or self.store.local.root != root:
             self.store = WeightStore(self.store_index, root, extra_files_dir=self.model_dir)
         return self.store
-
-    @endpoint
-    async def stats(self) -> dict:
-        return {
-            "policy_version": self.engine.policy_version,
-            "generated_tokens": self.num_generated_tokens,
-            "busy_s": self.busy_s,
-        }
 
     @endpoint
     async def shutdown(self) -> None:

@@ -77,6 +77,7 @@ class GeneratorSlot:
     failure: str | None = None
     """Why the slot is FAILED."""
     recovery: asyncio.Task | None = None
+    """The replacement under way; held here because the event loop keeps only weak references to tasks."""
 
     @property
     def mesh_name(self) -> str:

@@ -92,12 +92,6 @@ class TrainerActor(Actor):
         self.trainer.load_checkpoint(path)
         return {"policy_version": self.trainer.policy_version, **await self._publish()}
 
-    @endpoint
-    async def flush_weights(self) -> None:
-        """Wait until the last published version is complete in the store."""
-        if self.publisher is not None:
-            await self.publisher.flush()
-
     async def _publish(self) -> dict:
         """Snapshot the weights (a collective), then write them in the background (rank 0)."""
         started = time.perf_counter()

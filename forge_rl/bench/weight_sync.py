@@ -332,11 +332,11 @@ def perturbed(base: dict[str, torch.Tensor], version: int) -> dict[str, torch.Te
 
 POLICIES = {
     # name: (swap_mode, overrides for swap_weights, probe)
-    "in_flight": ("in_flight", {"loader": "staged", "swap_kv": "keep"}, True),
-    "in_flight_recompute": ("in_flight", {"loader": "staged", "swap_kv": "recompute"}, True),
-    "in_flight_stock_reload": ("in_flight", {"loader": "reload", "swap_kv": "keep"}, True),
-    "drain": ("drain", {"loader": "staged", "swap_kv": "keep"}, False),
-    "abort_resubmit": ("abort_resubmit", {"loader": "staged", "swap_kv": "keep"}, True),
+    "in_flight": ("keep", {"loader": "staged", "swap_kv": "reuse"}, True),
+    "in_flight_recompute": ("keep", {"loader": "staged", "swap_kv": "recompute"}, True),
+    "in_flight_stock_reload": ("keep", {"loader": "reload", "swap_kv": "reuse"}, True),
+    "drain": ("wait", {"loader": "staged", "swap_kv": "reuse"}, False),
+    "abort_resubmit": ("abort", {"loader": "staged", "swap_kv": "reuse"}, True),
 }
 
 
@@ -358,7 +358,7 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     index, _ = await open_store(root, model_dir, keep_latest=1, procs=volume_procs)
     writer = WeightStore(index, root, client_id="bench-trainer", extra_files_dir=model_dir)
     reader = WeightStore(index, root, client_id="bench-generator", extra_files_dir=model_dir)
-    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, swap_kv="keep", max_num_seqs=64,
+    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, swap_kv="reuse", max_num_seqs=64,
                                         kv_cache_space_gib=2.0))
     started = time.perf_counter()
     await engine.start(model_dir, 2048)
@@ -412,7 +412,7 @@ async def _rdma_update(engine, index, root, model_dir, writer, base, version, ar
     load = Load(engine, args, probe=False)
     await asyncio.sleep(2.0)
     publish = asyncio.ensure_future(writer.publish(version, perturbed(base, version)))
-    metrics = await load_version(engine, remote, version, "in_flight", verify=True, loader="staged", swap_kv="keep")
+    metrics = await load_version(engine, remote, version, "keep", verify=True, loader="staged", swap_kv="reuse")
     await publish
     await load.stop()
     await remote.close()

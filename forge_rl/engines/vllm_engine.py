@@ -11,7 +11,7 @@ sampled (sources: vllm/v1/engine/core.py, vllm/v1/engine/output_processor.py):
 1. `EngineCore.step` labels the outputs of each forward pass with the engine core's current weight
    version (`_attach_weight_version`), on the busy-loop thread that also runs every utility call,
    so `update_weight_version` can never land inside a step.
-2. `load_weights` changes the label only while paused. `pause_generation(mode="keep")` stops
+2. `swap_weights` changes the label only while paused. `pause_generation(mode="keep")` stops
    scheduling (`PauseState.PAUSED_ALL`) and returns only once the engine is idle (`has_work()` is
    false: no batch in flight), so every token sampled before the pause already carries the old
    label, and nothing is sampled until `resume_generation`, after the relabel.
@@ -83,16 +83,16 @@ class GeneratorConfig:
     reload (rotary embeddings have no weights to load), INFO logs every request batch and swap."""
     cpu_threads: int = 1
     """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
-    swap_mode: Literal["in_flight", "drain", "abort_resubmit"] = "in_flight"
-    """How a weight swap treats requests in flight: "in_flight" freezes them between two decode
-    steps and continues them on the new weights; "drain" lets them finish on the old weights first
-    (new requests wait); "abort_resubmit" aborts them and resubmits prompt + tokens so far."""
+    swap_mode: Literal["keep", "wait", "abort"] = "keep"
+    """How a weight swap treats requests in flight (vLLM's pause modes, same words): "keep" freezes
+    them between two decode steps and continues them on the new weights; "wait" lets them finish on
+    the old weights first (new requests wait); "abort" aborts them and resubmits prompt + tokens so far."""
     swap_loader: Literal["staged", "reload"] = "staged"
     """"staged": load and repack the new weights in a worker thread while decoding continues, then
     swap references while paused (forge_rl/store/vllm_staging.py); "reload": vLLM's stock
     reload_weights from the snapshot directory while paused. Staged needs enforce_eager (else reload)."""
-    swap_kv: Literal["keep", "recompute"] = "keep"
-    """KV of in-flight requests at a swap: "keep" continues on it (as PipelineRL does): tokens
+    swap_kv: Literal["reuse", "recompute"] = "reuse"
+    """KV of in-flight requests at a swap: "reuse" continues on it (as PipelineRL does): tokens
     after the swap are sampled by v attending to a prefix encoded by v-1, and their recorded
     logprobs are those of that distribution, so the off-policy correction stays exact; the pause
     is a reference swap (3 ms measured). "recompute" drops it and re-prefills every in-flight
@@ -206,7 +206,7 @@ class VLLMEngine:
             max_logprobs=max(20, self.config.max_support_ids),
             # Safe with weight swaps: every request is salted with the version it was submitted
             # under (`_request`), so no request reuses a block encoded by older weights, whether
-            # or not a swap clears the cache (swap_kv="keep" cannot: requests hold blocks).
+            # or not a swap clears the cache (swap_kv="reuse" cannot: requests hold blocks).
             enable_prefix_caching=True,
             # The staged swap's worker side (collective_rpc("forge_...")); inert otherwise.
             worker_extension_cls="forge_rl.store.vllm_staging.StagedWeightsExtension",
@@ -335,19 +335,6 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def load_weights(
-        self, weights_dir: Path, policy_version: int, mode: Literal["keep", "wait", "abort"] = "keep"
-    ) -> float:
-        """Swap to the weights in `weights_dir` (model.safetensors + config.json, HF names).
-
-        mode="keep" freezes in-flight requests between two forward passes and continues them on
-        the new weights; mode="wait" lets them finish first (new requests queue meanwhile);
-        mode="abort" aborts them and `generate` resubmits their prefixes. Returns the stall:
-        seconds from asking for the pause to resuming (for "wait", the drain included).
-        """
-        stats = await self.swap_weights(Path(weights_dir), policy_version, mode)
-        return stats.stall_s
-
     async def stage_weights(self, weights_dir: Path, policy_version: int, poll_s: float = 0.005) -> dict:
         """Load and repack `weights_dir` in the worker while the engine keeps decoding.
 
@@ -374,9 +361,14 @@ class VLLMEngine:
         policy_version: int,
         mode: Literal["keep", "wait", "abort"] = "keep",
         loader: Literal["staged", "reload"] | None = None,
-        swap_kv: Literal["recompute", "keep"] | None = None,
+        swap_kv: Literal["reuse", "recompute"] | None = None,
     ) -> SwapStats:
-        """Pause (per `mode`), swap in `policy_version`, relabel, resume; see `load_weights`.
+        """Pause (per `mode`), swap in `policy_version`, relabel, resume.
+
+        mode="keep" freezes in-flight requests between two forward passes and continues them on
+        the new weights; mode="wait" lets them finish first (new requests queue meanwhile);
+        mode="abort" aborts them and `generate` resubmits their prefixes. The returned stall runs
+        from asking for the pause to resuming (for "wait", the drain included).
 
         `loader` and `swap_kv` override the config's for this swap (benchmarks compare them).
         With the staged loader the version is staged first if `stage_weights` was not called.
@@ -389,7 +381,7 @@ class VLLMEngine:
         llm = self._running_llm
         # swap_kv="recompute" clears every KV block (frozen requests are preempted and their
         # prefixes recomputed with the new weights, so tokens labelled `policy_version` are exact
-        # samples of it, and no prefix-cache hit can serve old KV); "keep" leaves the KV alone.
+        # samples of it, and no prefix-cache hit can serve old KV); "reuse" leaves the KV alone.
         clear_cache = (swap_kv or self.config.swap_kv) == "recompute"
         started = time.perf_counter()
         if mode == "abort":

@@ -83,10 +83,6 @@ class SnapshotLayout:
         """Size of the whole file."""
         return self.header_size + sum(slot.num_bytes for slot in self.slots)
 
-    @property
-    def data_bytes(self) -> int:
-        return sum(slot.num_bytes for slot in self.slots)
-
     def slot(self, name: str) -> TensorSlot:
         for slot in self.slots:
             if slot.name == name:

@@ -36,11 +36,10 @@ BYTES = "weights/bytes"  # bytes of the snapshot moved into the engine
 GBPS = "weights/gbps"  # bytes / (prefetch + stage + paused)
 PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish call to serving (wall clock)
 
-_PAUSE_MODES = {"in_flight": "keep", "drain": "wait", "abort_resubmit": "abort"}
 
 
 async def load_version(
-    engine, store, min_version: int, swap_mode: str = "in_flight", verify: bool = False, **swap_overrides
+    engine, store, min_version: int, swap_mode: str = "keep", verify: bool = False, **swap_overrides
 ) -> dict:
     """Serve the newest complete version >= `min_version` on `engine`; returns the update's metrics.
 
@@ -63,9 +62,9 @@ async def load_version(
             stage = await engine.stage_weights(snapshot.path, version)  # {} when the engine cannot stage
         staged = time.perf_counter()
         if not stage:  # stock reload reads the files while paused: keep the lease through the swap
-            swap = await engine.swap_weights(snapshot.path, version, _PAUSE_MODES[swap_mode], **swap_overrides)
+            swap = await engine.swap_weights(snapshot.path, version, swap_mode, **swap_overrides)
     if stage:
-        swap = await engine.swap_weights(Path(snapshot.path), version, _PAUSE_MODES[swap_mode], **swap_overrides)
+        swap = await engine.swap_weights(Path(snapshot.path), version, swap_mode, **swap_overrides)
     serving_at = time.time()
     moved_s = (fetched - complete) + (staged - fetched) + swap.paused_s
     info = snapshot.info

@@ -29,7 +29,7 @@ MAX_MODEL_LEN = 128
 # behaviour logprobs are those of the distribution sampled from: scaled, and renormalized over the
 # kept set that every completion records.
 # swap_kv="recompute": these tests check that every token's logprob is exactly that of the version
-# it is labelled with; the default "keep" is checked by its own test.
+# it is labelled with; the default "reuse" is checked by its own test.
 CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8, top_p=0.9, swap_kv="recompute")
 LOGPROB_ATOL = 1e-3
 
@@ -206,14 +206,14 @@ def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(
 def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_exactly(
     served, tmp_path_factory
 ):
-    """swap_kv="keep" (the default): tokens before the swap are the old model's, later ones are
+    """swap_kv="reuse" (the default): tokens before the swap are the old model's, later ones are
     sampled by the new weights over the old KV (no recompute), and a request submitted after the
     swap never reuses a prefix-cache block of the old weights (requests are salted by version)."""
     new_dir = create_tiny_model(TinyModelConfig(seed=3), tmp_path_factory.mktemp("model_v3"))
     version = served.engine.policy_version + 1
     before = served.engine.policy_version
     sampled, stall_s = served.run(
-        generate_and_swap(served.engine, served.prompts(64), new_dir, policy_version=version, mode="keep", swap_kv="keep")
+        generate_and_swap(served.engine, served.prompts(64), new_dir, policy_version=version, mode="keep", swap_kv="reuse")
     )
     assert stall_s < 2.0
     straddling = [(p, c) for p, c in sampled if c.policy_versions[0] < c.policy_versions[-1]]

@@ -219,7 +219,7 @@ def engines(tmp_path_factory):
     async def build():
         index, _ = await open_store(root, model_dirs[0], keep_latest=1)
         store = WeightStore(index, root, extra_files_dir=model_dirs[0])
-        swapping = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, swap_kv="keep"))
+        swapping = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, swap_kv="reuse"))
         fresh = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE))
         await swapping.start(model_dirs[0], MAX_MODEL_LEN)
         await fresh.start(model_dirs[1], MAX_MODEL_LEN)
@@ -259,7 +259,7 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
 
     async def swap_under_load():
         batch = await decoding_batch(engines.swapping, PROMPTS, 4)
-        metrics = await load_version(engines.swapping, engines.store, 1, "in_flight", verify=True)
+        metrics = await load_version(engines.swapping, engines.store, 1, "keep", verify=True)
         return metrics, await batch
 
     metrics, groups = engines.run(swap_under_load())
@@ -285,7 +285,7 @@ def test_drain_lets_requests_finish_on_the_old_weights(engines):
     async def swap_under_load():
         await engines.store.publish(2, load_file(str(engines.model_dirs[2] / "model.safetensors")))
         batch = await decoding_batch(engines.swapping, PROMPTS, 2)
-        metrics = await load_version(engines.swapping, engines.store, 2, "drain")
+        metrics = await load_version(engines.swapping, engines.store, 2, "wait")
         return metrics, await batch
 
     metrics, groups = engines.run(swap_under_load())
@@ -301,7 +301,7 @@ def test_abort_and_resubmit_keeps_every_completion_whole(engines):
     async def swap_under_load():
         await engines.store.publish(3, load_file(str(engines.model_dirs[1] / "model.safetensors")))
         batch = await decoding_batch(engines.swapping, PROMPTS, 2)
-        metrics = await load_version(engines.swapping, engines.store, 3, "abort_resubmit")
+        metrics = await load_version(engines.swapping, engines.store, 3, "abort")
         return metrics, await batch
 
     metrics, groups = engines.run(swap_under_load())
@@ -324,9 +324,9 @@ def test_a_staged_swap_after_a_stock_reload_loads_every_module(engines):
 
     async def reload_then_stage():
         await engines.store.publish(4, load_file(str(engines.model_dirs[2] / "model.safetensors")))
-        reload = await load_version(engines.swapping, engines.store, 4, "in_flight", loader="reload")
+        reload = await load_version(engines.swapping, engines.store, 4, "keep", loader="reload")
         await engines.store.publish(5, load_file(str(engines.model_dirs[1] / "model.safetensors")))
-        staged = await load_version(engines.swapping, engines.store, 5, "in_flight", verify=True)
+        staged = await load_version(engines.swapping, engines.store, 5, "keep", verify=True)
         return reload, staged
 
     reload, staged = engines.run(reload_then_stage())

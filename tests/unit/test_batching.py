@@ -50,7 +50,7 @@ def test_untrainable_tokens_keep_their_place_but_get_no_loss():
     episode.completions[0].trainable = [False, True, True]
     batch = make_train_batch([episode], pad_id=0)
     assert batch.loss_mask_NL[0].tolist() == [False, False, False, False, True, True]
-    assert batch.policy_versions_NL[0, 3].item() == 0  # still recorded, only masked
+    assert batch.input_ids_NL[0, 3].item() == episode.completions[0].token_ids[0]  # in place, only masked
     assert batch.advantages_N.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
 
 

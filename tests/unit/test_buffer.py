@@ -284,8 +284,14 @@ def test_no_over_age_token_reaches_a_batch_capacity_holds_and_restored_state_beh
             assert all(batch == batches[0] for batch in batches)
             if batches[0]:
                 batch = make_train_batch(batches[0], pad_id=0)
-                trained_versions = batch.policy_versions_NL[batch.loss_mask_NL]
-                assert (trainer_version - trained_versions <= max_policy_age).all()
+                trained_versions = [
+                    version
+                    for episode in batches[0]
+                    for completion in episode.completions
+                    for version, trained in zip(completion.policy_versions, completion.loss_mask)
+                    if trained
+                ]
+                assert all(trainer_version - version <= max_policy_age for version in trained_versions)
                 handed_out_tokens += batch.num_generated_tokens
         elif op == "advance":
             trainer_version += arg
