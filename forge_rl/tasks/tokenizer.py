@@ -16,8 +16,9 @@ from pathlib import Path
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ=+-*/ "
-# Padded so the vocabulary splits evenly across tensor-parallel ranks (TP shards the embedding).
-VOCAB_SIZE = 64
+# The real vocabulary, unpadded: padding rows would never be a target, yet a from-scratch model
+# gives them probability mass at every early sample. vLLM pads its embedding rows itself.
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(ALPHABET)
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET):
