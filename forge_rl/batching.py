@@ -32,9 +32,11 @@ class TrainBatch:
     """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
     its logits by it so that its logprobs describe the distribution the generator sampled from."""
     support_NLK: torch.Tensor | None = None
-    """[N, L, K] int64: at each generated token, the ids top-k/top-p kept when it was sampled,
-    padded with -1 (K = the largest kept set in the batch); all -1 where nothing was filtered.
-    None when no completion of the batch was filtered. See `token_logprobs`."""
+    """At each generated token, the ids top-k/top-p kept when it was sampled, in whichever of two
+    encodings is smaller for the batch (`kept_sets`): int32 ids padded with -1 (K = the largest
+    kept set), or a uint8 bitmask (id v is bit v % 8 of byte v // 8; K = bytes up to the largest id).
+    Empty (all -1, all 0) where nothing was filtered; None when no completion of the batch was
+    filtered. See `token_logprobs`."""
     reference_logprobs_NL: torch.Tensor | None = None
     """[N, L] float32 logprob of each token under the frozen reference model, for the KL penalty
     (`LossConfig.kl_beta` > 0); None when no reference model runs."""
@@ -104,23 +106,56 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         advantages_N=torch.tensor(advantages, dtype=torch.float32),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
-        support_NLK=_pad_supports(supports, length),
+        support_NLK=kept_sets(supports, length),
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
         lengths_N=torch.tensor([len(r) for r in rows], dtype=torch.int64),
     )
 
 
-def _pad_supports(supports: list[list[list[int]]], length: int) -> torch.Tensor | None:
-    """[N, L, K] kept-set ids padded with -1, or None when no position has a kept set."""
+def kept_sets(supports: list[list[list[int]]], length: int) -> torch.Tensor | None:
+    """[N, L, K] kept sets of `supports` (per row, per position, the kept ids; [] where nothing was
+    filtered), as int32 ids padded with -1 or as a uint8 bitmask, whichever takes fewer bytes; None
+    when no position has a kept set.
+
+    Why two: a dense id list costs 4 bytes times the batch's largest kept set at every position,
+    and top-p alone keeps thousands of ids where the model is unsure (one such token sizes the
+    whole batch), while the bitmask costs vocabulary / 8 bytes per position whatever the set.
+    Small sets (top-k, peaked distributions) are cheaper as ids.
+    """
     width = max((len(ids) for row in supports for ids in row), default=0)
     if width == 0:
         return None
-    support_NLK = torch.full((len(supports), length, width), -1, dtype=torch.int64)
+    num_bytes = max(max(ids) for row in supports for ids in row if ids) // 8 + 1
+    if num_bytes >= 4 * width:
+        support_NLK = torch.full((len(supports), length, width), -1, dtype=torch.int32)
+        for n, row in enumerate(supports):
+            for position, ids in enumerate(row):
+                if ids:
+                    support_NLK[n, position, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return support_NLK
+    bits_NLK = torch.zeros((len(supports), length, num_bytes), dtype=torch.uint8)
+    bit_values = 1 << torch.arange(8, dtype=torch.int32)
     for n, row in enumerate(supports):
+        kept_LV = torch.zeros((length, num_bytes * 8), dtype=torch.bool)  # one row at a time
         for position, ids in enumerate(row):
             if ids:
-                support_NLK[n, position, : len(ids)] = torch.tensor(ids)
-    return support_NLK
+                kept_LV[position, ids] = True
+        bits_NLK[n] = (kept_LV.view(length, num_bytes, 8) * bit_values).sum(-1).to(torch.uint8)
+    return bits_NLK
+
+
+def empty_kept_set(support_NLK: torch.Tensor) -> int:
+    """The fill of a position with no kept set in `support_NLK`'s encoding (see `kept_sets`)."""
+    return 0 if support_NLK.dtype == torch.uint8 else -1
+
+
+def _unpack_kept(bits_NLK: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L, V] bool from a `kept_sets` bitmask (ids past its last byte are not kept)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits_NLK.device)
+    kept_NLV = ((bits_NLK.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
+    if kept_NLV.shape[-1] >= vocab_size:
+        return kept_NLV[..., :vocab_size]
+    return torch.nn.functional.pad(kept_NLV, (0, vocab_size - kept_NLV.shape[-1]), value=False)
 
 
 _NOT_KEPT = -1e30
@@ -148,11 +183,15 @@ def token_logprobs(
     log_normalizer_NL = torch.logsumexp(scaled_NLV, dim=-1)
     if support_NLK is not None:
         support_NLK = support_NLK[:, 1:].to(scaled_NLV.device)
-        kept_NLK = support_NLK >= 0
         # A large finite fill, not -inf: a position with no kept set would get logsumexp(-inf...)
         # = -inf, whose gradient is NaN, and torch.where passes NaN * 0 = NaN to the unused branch.
-        kept_logits_NLK = scaled_NLV.gather(-1, support_NLK.clamp(min=0)).masked_fill(~kept_NLK, _NOT_KEPT)
-        log_normalizer_NL = torch.where(
-            kept_NLK.any(-1), torch.logsumexp(kept_logits_NLK, dim=-1), log_normalizer_NL
-        )
+        if support_NLK.dtype == torch.uint8:  # bitmask (see `kept_sets`)
+            kept_NLV = _unpack_kept(support_NLK, scaled_NLV.shape[-1])
+            filtered_NL = kept_NLV.any(-1)
+            kept_logits = scaled_NLV.masked_fill(~kept_NLV, _NOT_KEPT)
+        else:  # ids padded with -1
+            kept_NLK = support_NLK >= 0
+            filtered_NL = kept_NLK.any(-1)
+            kept_logits = scaled_NLV.gather(-1, support_NLK.long().clamp(min=0)).masked_fill(~kept_NLK, _NOT_KEPT)
+        log_normalizer_NL = torch.where(filtered_NL, torch.logsumexp(kept_logits, dim=-1), log_normalizer_NL)
     return torch.nn.functional.pad(picked_NL - log_normalizer_NL, (1, 0), value=0.0)

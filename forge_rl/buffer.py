@@ -65,6 +65,14 @@ class BufferConfig:
                 f"buffer.capacity_episodes ({self.capacity_episodes}) must be >= 1. "
                 "Set --buffer.capacity-episodes to at least one step's prompts."
             )
+        if self.sampling == "freshest" and self.admission == "pause":
+            raise ValueError(
+                "buffer.sampling (freshest) cannot go with buffer.admission (pause): admission control "
+                "admits a rollout only if the oldest-first order trains it before it expires, and "
+                "freshest-first lets an admitted episode age past buffer.max_policy_age while newer ones "
+                "are trained (then it is dropped, or the trainer waits for it). Set --buffer.sampling fifo, "
+                "or --buffer.admission drop to sample freshest-first and drop what expires."
+            )
         if self.capacity_tokens is not None and self.capacity_tokens < 1:
             raise ValueError(
                 f"buffer.capacity_tokens ({self.capacity_tokens}) must be >= 1, or unset. "

@@ -257,6 +257,16 @@ class GRPOConfig:
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
         if self.uses_reference_model:
             validate_parallelism(self.reference.parallel, self.reference.num_procs, hf_config, section="reference")
+            reference_dp = self.reference.parallel.dp_degree
+            if self.group_size % reference_dp:
+                raise ConfigError(
+                    f"group_size ({self.group_size}) is not divisible by reference.parallel.dp_replicate "
+                    f"({self.reference.parallel.dp_replicate}) * reference.parallel.dp_shard "
+                    f"({self.reference.parallel.dp_shard}) = {reference_dp}: the reference model scores one "
+                    "group at a time, split evenly over its data-parallel ranks, so the first rollout would "
+                    f"fail. Set --group-size to a multiple of {reference_dp}, or --reference.parallel.dp-shard "
+                    "(with --reference.num-procs) to a divisor of it."
+                )
         check_placement(self.launch, demand_of(self))
 
     @property

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from forge_rl.batching import token_logprobs
+from forge_rl.batching import empty_kept_set, token_logprobs
 
 BATCHING_MODES = ("pad", "bucket", "pack")
 # Each forward pass has a fixed cost (kernel launches, Python, FSDP all-gathers per block); 4
@@ -155,7 +155,9 @@ def layout_token_logprobs(
     for mb in microbatches:
         ids_RW = torch.zeros((mb.num_rows, mb.width), dtype=input_ids_NL.dtype)
         temperature_RW = None if temperature_N is None else torch.ones((mb.num_rows, mb.width))
-        support_RWK = None if support_NLK is None else torch.full((mb.num_rows, mb.width, support_NLK.shape[-1]), -1)
+        support_RWK = None if support_NLK is None else support_NLK.new_full(
+            (mb.num_rows, mb.width, support_NLK.shape[-1]), empty_kept_set(support_NLK)
+        )
         for i, row, offset in mb.placements:
             n = min(lengths[i], mb.width - offset)
             ids_RW[row, offset : offset + n] = input_ids_NL[i, :n]

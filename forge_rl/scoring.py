@@ -51,10 +51,14 @@ class ScorerConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
-        if self.overlong_buffer is not None and self.overlong_buffer < 0:
+        if self.overlong_buffer is not None and self.overlong_buffer < 1:
+            # 0 would penalize only completions longer than generator.max_new_tokens, and the
+            # engine stops every completion at that length: a penalty that never applies.
             raise ValueError(
-                f"scorer.overlong_buffer ({self.overlong_buffer}) must be >= 0, or unset for no penalty. "
-                "Set --scorer.overlong-buffer."
+                f"scorer.overlong_buffer ({self.overlong_buffer}) must be >= 1: with 0 the penalty applies "
+                "only past generator.max_new_tokens, a length the engine never produces, so it would do "
+                "nothing. Set --scorer.overlong-buffer 1 or more (1 penalizes truncated completions only), "
+                "or leave it unset for no penalty."
             )
 
 

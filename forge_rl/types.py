@@ -65,6 +65,10 @@ class Completion:
     """Per token, the ids the generator could have drawn it from after top-k/top-p filtering
     (vLLM's sampling mask), [T][k_t]; None when sampling kept the whole vocabulary. The behaviour
     logprob is normalized over this set, so the trainer renormalizes its own over the same set."""
+    num_truncated_support: int = 0
+    """Tokens whose kept set may be incomplete: on engines that read it from the top
+    `generator.max_support_ids` logprobs (CPU), a set that filled them all. The trainer
+    renormalizes those tokens over too few ids, which biases their importance ratios above 1."""
     reference_logprobs: list[float] | None = None
     """Logprob of each token under the frozen reference model, [T]; set only when the KL penalty
     is on (trainer.loss.kl_beta > 0)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import os
 import time
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from forge_rl.types import Completion, CompletionStatus
+
+_logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -67,7 +70,8 @@ class GeneratorConfig:
     """Engines without vLLM's sampling masks (its model runner V2 needs Triton, which has no CPU
     backend) read each token's kept set from its `max_support_ids` most likely processed logprobs
     instead (a filtered token's is -inf). Exact while kept sets are no larger (always, for a vocabulary
-    of at most this many tokens, or top_k <= it); a larger set is recorded as its most likely ids."""
+    of at most this many tokens, or top_k <= it); a larger set is recorded as its most likely ids,
+    counted (`Completion.num_truncated_support`) and warned about once per engine."""
     max_num_seqs: int = 256
     """Most sequences vLLM decodes in one batch."""
     gpu_memory_utilization: float = 0.5
@@ -142,6 +146,9 @@ class VLLMEngine:
         """Swaps in "abort" mode so far; a request aborted across one is resubmitted."""
         self._support_source: Literal["none", "sampling_mask", "top_logprobs"] = "none"
         """Where `Completion.sampling_support` comes from (see `_pick_support_source`)."""
+        self._vocab_size = 0
+        self.num_truncated_support = 0
+        """Tokens so far whose kept set may have been cut to max_support_ids (warned once)."""
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
         """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
@@ -160,6 +167,7 @@ class VLLMEngine:
             self._support_source = self._pick_support_source()
             args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
             self._llm = AsyncLLM.from_engine_args(args)
+        self._vocab_size = self._llm.model_config.get_vocab_size()
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
 
@@ -257,7 +265,7 @@ class VLLMEngine:
         max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id
         final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens))
-        completions = [_to_completion(output, self._support_source) for output in final.outputs]
+        completions = [self._completion(output) for output in final.outputs]
         if self._abort_epoch == epoch:
             return completions
         # A swap in "abort" mode ran meanwhile: resubmit what it aborted, prompt + tokens so far.
@@ -271,6 +279,27 @@ class VLLMEngine:
                 )
             )
         )
+
+    @property
+    def _num_support_logprobs(self) -> int:
+        """Most likely logprobs asked of vLLM per token on the top-logprobs path."""
+        return min(self.config.max_support_ids, self._vocab_size)
+
+    def _completion(self, output: CompletionOutput) -> Completion:
+        top_k, cap = self.config.top_k, self._num_support_logprobs
+        # top_k <= what vLLM returns, or the whole vocabulary returned: every kept set fits, even a full one.
+        fits = 0 < top_k <= cap or cap >= self._vocab_size
+        completion = _to_completion(output, self._support_source, None if fits else cap)
+        if completion.num_truncated_support and not self.num_truncated_support:
+            _logger.warning(
+                "a top-p/top-k kept set filled all generator.max_support_ids (%d) slots, so it may hold "
+                "more tokens than were recorded: the trainer renormalizes such tokens over too few, and "
+                "their importance ratios are biased above 1. Counted per completion "
+                "(Completion.num_truncated_support). Raise --generator.max-support-ids, or lower "
+                "--generator.top-k to at most it.", self.config.max_support_ids,
+            )
+        self.num_truncated_support += completion.num_truncated_support
+        return completion
 
     def prompt(self, prompt_token_ids: list[int]):
         """vLLM's prompt for `prompt_token_ids`, its prefix-cache blocks salted by the version
@@ -299,7 +328,7 @@ class VLLMEngine:
             epoch = self._abort_epoch
             params = self._sampling_params(1, eos_id, max_tokens - completion.num_tokens)
             output = (await self._request(prompt_token_ids + completion.token_ids, params)).outputs[0]
-            completion = _join(completion, _to_completion(output, self._support_source))
+            completion = _join(completion, self._completion(output))
             if output.finish_reason != "abort" or self._abort_epoch == epoch:
                 break
         ended_on_eos = eos_id is not None and completion.token_ids[-1:] == [eos_id]
@@ -328,7 +357,9 @@ class VLLMEngine:
             top_p=self.config.top_p,
             top_k=self.config.top_k,
             # The sampled token's logprob, plus the most likely ones when they give the kept set.
-            logprobs=self.config.max_support_ids if self._support_source == "top_logprobs" else 0,
+            # No more than the vocabulary: vLLM's CPU sampler takes a top-k of that many and fails
+            # past it ("selected index k out of range").
+            logprobs=self._num_support_logprobs if self._support_source == "top_logprobs" else 0,
             # ignore_eos also drops the EOS vLLM reads from generation_config.json.
             stop_token_ids=[] if eos_id is None else [eos_id],
             ignore_eos=eos_id is None,
@@ -426,8 +457,11 @@ class VLLMEngine:
             self._llm = None
 
 
-def _to_completion(output: CompletionOutput, support_source: str) -> Completion:
-    """Token ids as vLLM sampled them (EOS included), their logprobs, version spans and kept sets."""
+def _to_completion(output: CompletionOutput, support_source: str, max_support_ids: int | None) -> Completion:
+    """Token ids as vLLM sampled them (EOS included), their logprobs, version spans and kept sets.
+
+    `max_support_ids`: how many most likely logprobs vLLM returned per token, when a kept set
+    that fills them may be larger; None when every kept set fits."""
     token_ids = list(output.token_ids)
     logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs)]
     policy_versions = [
@@ -436,12 +470,17 @@ def _to_completion(output: CompletionOutput, support_source: str) -> Completion:
         for _ in range(span.start, span.end)
     ]
     status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
-    support = None
+    support, num_truncated = None, 0
     if support_source == "sampling_mask":
         support = [list(ids) for ids in output.sampling_mask.token_ids]
     elif support_source == "top_logprobs":  # processed logprobs: -inf where top-k/top-p filtered
         support = [[t for t, lp in position.items() if lp.logprob > -math.inf] for position in output.logprobs]
-    return Completion(token_ids, logprobs, policy_versions, status=status, sampling_support=support)
+        # Every one of the max_support_ids most likely tokens kept (the sampled token may add one):
+        # the set may go on past what vLLM returned.
+        if max_support_ids is not None:
+            num_truncated = sum(len(kept) >= max_support_ids for kept in support)
+    return Completion(token_ids, logprobs, policy_versions, status=status, sampling_support=support,
+                      num_truncated_support=num_truncated)
 
 
 async def _done(completion: Completion) -> Completion:
@@ -457,6 +496,7 @@ def _join(head: Completion, tail: Completion) -> Completion:
         head.policy_versions + tail.policy_versions,
         status=tail.status,
         sampling_support=support,
+        num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
     )
 
 

@@ -1,7 +1,8 @@
 """Snapshots in host shared memory (/dev/shm files): the same-host transport of the weight store.
 
-Layout under `root`:
+Layout under `root` (one per launch of a run, `default_store_root`):
 
+    .owner                         {"host", "pid", "start_ticks"} of the launch's controller
     v00000003/model.safetensors    one flat buffer in the safetensors format (store/layout.py)
     v00000003/config.json          copied from `extra_files_dir` (vLLM's reload reads it)
     v00000004.partial/...          being written; never read
@@ -26,9 +27,13 @@ Deleting is safe only once no reader holds the snapshot: the index's leases deci
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import itertools
+import json
 import os
+import secrets
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,14 +54,90 @@ from forge_rl.store.layout import (
 
 _PARTIAL = ".partial"
 _FREE_DIR = ".free"
+_OWNER_FILE = ".owner"
 # Files next to the weights that vLLM's reload_weights needs (it re-reads the model config).
 EXTRA_FILES = ("config.json", "generation_config.json")
 
 
-def default_store_root(run_name: str) -> Path:
-    """Host shared memory where the OS has it (Linux), else a temp directory."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"forge_rl-{run_name}"
+def default_store_root(run_name: str, base: Path | None = None) -> Path:
+    """A new, empty store root for this launch of run `run_name`, owned by this process.
+
+    In host shared memory where the OS has it (Linux), else a temp directory (or `base`). Named
+    per launch (`forge_rl-<run>-<pid>-<nonce>`), not per run: after a crash the dead launch's root
+    is still there with its versions, and a resumed run republishes those version numbers.
+    First removes the roots of launches whose owner is dead (`sweep_stale_roots`), since a
+    killed controller never runs its cleanup; the owner is recorded in the root (`.owner`).
+    """
+    base = Path(base) if base is not None else _store_base()
+    sweep_stale_roots(base)
+    root = base / f"forge_rl-{run_name}-{os.getpid()}-{secrets.token_hex(4)}"
+    root.mkdir(parents=True)
+    partial = root / (_OWNER_FILE + _PARTIAL)
+    partial.write_text(json.dumps(_this_process()))
+    partial.rename(root / _OWNER_FILE)  # a sweeper sees a complete record or none
+    return root
+
+
+def sweep_stale_roots(base: Path) -> list[Path]:
+    """Remove the store roots under `base` whose owning process is dead, with the caches of
+    fetched snapshots named after them (`<root>-fetched-<client>`); returns what was removed.
+
+    A root is removed only when its `.owner` says it belongs to this host and that process is
+    gone (or its pid now names a process started later). A root with no owner record (being
+    created, or written before owners were recorded) or another host's is left alone.
+    """
+    removed = []
+    for root in sorted(Path(base).glob("forge_rl-*")):
+        owner = _read_owner(root / _OWNER_FILE)
+        if owner is None or _is_alive(owner):
+            continue
+        for path in [root, *Path(base).glob(glob.escape(root.name) + "-fetched-*")]:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        _MAPPINGS.drop_unlinked()
+    return removed
+
+
+def _store_base() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def _this_process() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())}
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22); None
+    where /proc is absent. Tells a live owner from a later process that reuses its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the command name start at 3
+
+
+def _read_owner(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # another host's process: nothing here can tell
+    pid = owner.get("pid")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    except (TypeError, OverflowError):
+        return True  # not a pid we wrote: leave the root alone
+    recorded = owner.get("start_ticks")
+    return recorded is None or _start_ticks(pid) in (None, recorded)
 
 
 @dataclass(frozen=True)

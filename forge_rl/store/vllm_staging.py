@@ -25,8 +25,9 @@ What this does instead, off the critical path (a thread, while the engine decode
    from the metadata vLLM records for reloading, `LAYERWISE_INFO`). Tied parameters stay tied.
 2. The model's own `load_weights` runs on the shadow root, so vLLM's routing (q/k/v into qkv_proj,
    gate/up into gate_up_proj, name mappers) and weight loaders fill the shadow parameters. A
-   dispatch mode counts the elements copied into each shadow parameter; a module that was only
-   partly loaded is an error (no partial version is ever served).
+   dispatch mode counts the elements copied into each shadow parameter; a module with parameters
+   that was loaded only in part, or not at all, is an error (no partial version is ever served).
+   A vocabulary's padding rows (vLLM pads to 64 rows) are not part of what must be loaded.
 3. Each loaded shadow module runs its quant method's `process_weights_after_loading`, the same
    call vLLM makes after a first load: on CPU that builds new oneDNN handles (the repack).
 
@@ -262,27 +263,51 @@ def _fresh_parameter(
 
 
 def _check_complete(shadows: list[_Shadow], params: dict[int, torch.Tensor], copied: dict[int, int]) -> list[_Shadow]:
-    """Shadows whose parameters were loaded; raises if any parameter was loaded only in part."""
+    """Shadows whose parameters were loaded; raises if any module with parameters was loaded only
+    in part or not at all (serving it would mix the previous version's weights into this one)."""
     by_storage = {}
     for param in params.values():
         if param.numel():
             by_storage[param.untyped_storage().data_ptr()] = param
     copied_per_param = {id(by_storage[ptr]): n for ptr, n in copied.items() if ptr in by_storage}
-    touched, partial = [], []
+    touched, partial, unloaded = [], [], []
     for entry in shadows:
         own = [p for p in entry.shadow._parameters.values() if p is not None and p.numel()]
+        if not own:
+            continue  # nothing to load (rotary embeddings, containers)
         counts = [copied_per_param.get(id(p), 0) for p in own]
-        if not own or not any(counts):
-            continue
-        if any(n < getattr(p, "weight_loader_numel", p.numel()) for n, p in zip(counts, own)):
+        if not any(counts):
+            unloaded.append(type(entry.live).__name__)
+        elif any(n < _loadable_numel(entry.shadow, p) for n, p in zip(counts, own)):
             partial.append(type(entry.live).__name__)
-            continue
-        touched.append(entry)
-    if partial:
-        raise RuntimeError(f"snapshot loads {len(partial)} modules only in part ({partial[:3]}); refusing it")
+        else:
+            touched.append(entry)
     if not touched:
         raise RuntimeError("snapshot loaded no parameter of the served model; wrong checkpoint?")
+    if partial:
+        raise RuntimeError(f"snapshot loads {len(partial)} modules only in part ({partial[:3]}); refusing it")
+    if unloaded:
+        raise RuntimeError(
+            f"snapshot loads no parameter of {len(unloaded)} modules ({unloaded[:3]}) that the other "
+            "modules' parameters came with; refusing it, as those modules would keep the previous "
+            "version's weights. Does the snapshot lack tensors the model has (a different architecture)?"
+        )
     return touched
+
+
+def _loadable_numel(module: torch.nn.Module, param: torch.Tensor) -> int:
+    """Elements of `param` a checkpoint fills. vLLM pads the rows of a vocabulary-parallel
+    embedding and of the LM head to a multiple of its vocabulary padding (64 rows); their weight
+    loader copies the checkpoint's rows and zero-fills the rest (`fill_`, not a copy), so those
+    padding rows are not missing. Elsewhere: what vLLM's own reload expects (`weight_loader_numel`,
+    set by layers that pad, such as MoE experts)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    numel = getattr(param, "weight_loader_numel", param.numel())
+    output_dim = getattr(param, "output_dim", None)
+    if not isinstance(module, VocabParallelEmbedding) or output_dim is None:
+        return numel
+    return numel // param.shape[output_dim] * module.shard_indices.num_org_elements
 
 
 def _lookup_only_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -16,14 +16,16 @@ from pathlib import Path
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ=+-*/ "
-# Padded so the vocabulary splits evenly across tensor-parallel ranks (TP shards the embedding).
-VOCAB_SIZE = 64
+# The real vocabulary, unpadded: padding rows would never be a target, yet a from-scratch model
+# gives them probability mass at every early sample. vLLM pads its embedding rows itself.
+VOCAB_SIZE = len(SPECIAL_TOKENS) + len(ALPHABET)
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(alphabet: str = ALPHABET):
+    """Ids: the special tokens (0-3), then one per character of `alphabet`, in order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(alphabet))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -31,9 +33,9 @@ def build_char_tokenizer():
     return tokenizer
 
 
-def save_char_tokenizer(model_dir: Path) -> None:
+def save_char_tokenizer(model_dir: Path, alphabet: str = ALPHABET) -> None:
     """Write tokenizer.json and tokenizer_config.json so AutoTokenizer loads the directory."""
-    build_char_tokenizer().save(str(model_dir / "tokenizer.json"))
+    build_char_tokenizer(alphabet).save(str(model_dir / "tokenizer.json"))
     (model_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {

@@ -13,7 +13,7 @@ import torch
 from forge_rl.batching import make_train_batch, token_logprobs
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.tasks.tokenizer import PromptTokenizer
+from forge_rl.tasks.tokenizer import VOCAB_SIZE, PromptTokenizer
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
@@ -30,7 +30,7 @@ def test_trainer_on_cuda_matches_transformers_logits(model_dir):
 
     trainer = PolicyTrainer(TrainerConfig(), model_dir)
     assert trainer.device.type == "cuda"
-    input_ids = torch.randint(3, 64, (4, 12))
+    input_ids = torch.randint(3, VOCAB_SIZE, (4, 12))
     ours = trainer._logits(input_ids).cpu()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     theirs = reference(input_ids.cuda()).logits.float().cpu()

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from forge_rl.batching import TrainBatch, make_train_batch
 from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
+from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
 
@@ -68,7 +69,7 @@ def test_logits_match_transformers(model_dir, single_process):
 
     trainer = PolicyTrainer(TrainerConfig(), model_dir)
     hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    input_ids = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(1))
+    input_ids = torch.randint(0, VOCAB_SIZE, (4, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (trainer.model(input_ids) - hf_model(input_ids).logits).abs().max().item()
     assert diff < 1e-4

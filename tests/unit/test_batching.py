@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch, token_logprobs
+from forge_rl.batching import kept_sets, make_train_batch, token_logprobs
 from forge_rl.types import Completion, CompletionStatus
 
 from .builders import make_completion, make_episode
@@ -110,9 +110,58 @@ def test_batches_carry_temperature_and_kept_sets_aligned_to_their_tokens():
     batch = make_train_batch([episode], pad_id=0)
     num_prompt = len(episode.prompt_token_ids)
     assert batch.temperature_N.tolist() == pytest.approx([0.8, 0.8])
-    assert batch.support_NLK.shape == (2, num_prompt + 2, 2)
-    assert batch.support_NLK[0, num_prompt].tolist() == [5, 7]
-    assert batch.support_NLK[0, num_prompt + 1].tolist() == [9, -1]
-    assert (batch.support_NLK[1] == -1).all() and (batch.support_NLK[0, :num_prompt] == -1).all()
+    kept = [[kept_ids(batch.support_NLK[n, j]) for j in range(num_prompt + 2)] for n in range(2)]
+    assert kept[0] == [[]] * num_prompt + [[5, 7], [9]]
+    assert kept[1] == [[]] * (num_prompt + 2)
     shard = batch.shard(1, 2)
     assert torch.equal(shard.support_NLK, batch.support_NLK[1:]) and shard.temperature_N.shape == (1,)
+
+
+def kept_ids(support_K: torch.Tensor) -> list[int]:
+    """The kept ids of one position, in either encoding of `kept_sets`."""
+    if support_K.dtype == torch.uint8:
+        return [v for v in range(8 * len(support_K)) if support_K[v // 8] >> (v % 8) & 1]
+    return [v for v in support_K.tolist() if v >= 0]
+
+
+VOCAB = 4096
+
+
+def top_p_like_supports(num_positions: int, large: int) -> list[list[int]]:
+    """Kept sets as top-p leaves them: mostly a few ids, and one position unsure over `large`."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [large] + [int(k) for k in torch.randint(1, 4, (num_positions - 1,), generator=generator)]
+    return [sorted(torch.randperm(VOCAB, generator=generator)[:k].tolist()) for k in sizes]
+
+
+def test_large_kept_sets_cost_a_bitmask_of_vocabulary_over_8_bytes_per_token_not_the_largest_set():
+    supports = top_p_like_supports(64, large=3000)
+    support_NLK = kept_sets([supports], length=64)
+
+    assert support_NLK.dtype == torch.uint8 and support_NLK.shape == (1, 64, VOCAB // 8)  # 512 B, not 3000 ids
+    assert [kept_ids(support_NLK[0, j]) for j in range(64)] == supports
+
+
+def test_small_kept_sets_stay_int32_ids():
+    supports = [[3, 4000], [17], []]
+    support_NLK = kept_sets([supports], length=3)
+    assert support_NLK.dtype == torch.int32 and support_NLK.shape == (1, 3, 2)
+    assert [kept_ids(support_NLK[0, j]) for j in range(3)] == supports
+
+
+def test_both_encodings_renormalize_exactly_as_the_written_out_formula():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, VOCAB, requires_grad=True)
+    supports = top_p_like_supports(6, large=3000)
+    supports[2] = []  # nothing filtered here: the whole vocabulary
+    ids = torch.tensor([[supports[j - 1][0] if j and supports[j - 1] else 7 for j in range(6)]])
+    shifted = [[]] + supports[:-1]  # the kept set of token j was recorded at position j
+    bitmask, id_lists = kept_sets([shifted], 6), kept_sets([[s[:3] for s in shifted]], 6)
+    assert (bitmask.dtype, id_lists.dtype) == (torch.uint8, torch.int32)
+    for support_NLK, kept_per_position in ((bitmask, shifted), (id_lists, [s[:3] for s in shifted])):
+        logprobs = token_logprobs(logits, ids, None, support_NLK)
+        for j in range(1, 6):
+            expected = _reference_logprob(logits[0, j - 1].detach(), ids[0, j].item(), 1.0, kept_per_position[j] or None)
+            assert logprobs[0, j].item() == pytest.approx(expected, abs=1e-4)
+    token_logprobs(logits, ids, None, bitmask).sum().backward()
+    assert torch.isfinite(logits.grad).all()

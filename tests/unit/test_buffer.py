@@ -54,7 +54,7 @@ def test_put_on_a_full_buffer_raises_so_the_shell_can_apply_backpressure():
 
 
 def test_freshest_sampling_takes_the_newest_groups_first():
-    buffer = ReplayBuffer(BufferConfig(max_policy_age=5, capacity_episodes=8, sampling="freshest"))
+    buffer = ReplayBuffer(BufferConfig(max_policy_age=5, capacity_episodes=8, sampling="freshest", admission="drop"))
     for version in (0, 2, 1):
         buffer.put(make_episode(version, policy_version=version), trainer_version=2)
     assert [e.episode_id for e in buffer.sample(2, trainer_version=2)] == [2, 1]
@@ -165,14 +165,14 @@ def test_length_distributions_of_dropped_and_trained_completions_are_kept_apart(
 
 
 def test_state_dict_round_trips_exactly_and_is_plain_json():
-    buffer = mask_buffer(max_policy_age=1, sampling="freshest")
+    buffer = mask_buffer(max_policy_age=1, sampling="freshest", admission="drop")
     buffer.put(swapped_episode(0, [0, 1], [1, 1]), trainer_version=1)
     buffer.put(swapped_episode(1, [1, 2], [2, 2]), trainer_version=2)
     buffer.put(swapped_episode(2, [2, 2], [2, 2]), trainer_version=2)
     buffer.put(swapped_episode(3, [1, 1], [1, 2]), trainer_version=2)
     buffer.sample(1, trainer_version=2)
     state = buffer.state_dict()
-    restored = mask_buffer(max_policy_age=1, sampling="freshest")
+    restored = mask_buffer(max_policy_age=1, sampling="freshest", admission="drop")
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert restored.state_dict() == state
     assert restored.sample(2, trainer_version=3) == buffer.sample(2, trainer_version=3)
@@ -266,6 +266,7 @@ def test_no_over_age_token_reaches_a_batch_capacity_holds_and_restored_state_beh
         capacity_tokens=capacity_tokens,
         drop_policy=drop_policy,
         sampling=sampling,
+        admission="drop" if sampling == "freshest" else "pause",  # the buffer itself ignores it
     )
     buffers = [ReplayBuffer(config)]
     trainer_version, handed_out_tokens = 0, 0

@@ -46,12 +46,34 @@ def test_every_shipped_config_parses(config_file):
         ("buffer:\n  capacity_episodes: 4\n", "buffer.capacity_episodes (4) is below one step's prompts (16)"),
         ("- a\n- b\n", "must hold a mapping"),
         ("publish:\n  dtype: int8\n", "publish.dtype"),
+        ("scorer:\n  overlong_buffer: 0\n", "scorer.overlong_buffer (0) must be >= 1"),
+        (
+            "buffer:\n  sampling: freshest\n",
+            "buffer.sampling (freshest) cannot go with buffer.admission (pause)",
+        ),
+        (
+            "group_size: 6\ntrain_batch_size: 96\ntrainer:\n  loss:\n    kl_beta: 0.1\n"
+            "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
+            "group_size (6) is not divisible by reference.parallel.dp_replicate (1) * "
+            "reference.parallel.dp_shard (4) = 4",
+        ),
     ],
 )
 def test_invalid_yaml_fails_naming_the_field(tmp_path, yaml_text, message):
     with pytest.raises(ConfigError) as error:
         load_yaml_config(GRPOConfig, write_yaml(tmp_path, yaml_text))
     assert message in str(error.value)
+
+
+def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
+    """Each refusal above is about the relation it names, not about its fields alone."""
+    for text in (
+        "scorer:\n  overlong_buffer: 1\n",
+        "buffer:\n  sampling: freshest\n  admission: drop\n",
+        "group_size: 8\ntrain_batch_size: 96\ntrainer:\n  loss:\n    kl_beta: 0.1\n"
+        "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
+    ):
+        assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 
 
 def test_flags_override_the_yaml_which_overrides_defaults(tmp_path):

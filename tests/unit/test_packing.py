@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from forge_rl.batching import kept_sets
 from forge_rl.packing import document_mask, layout_token_logprobs, plan_microbatches
 
 
@@ -81,14 +82,18 @@ def test_layouts_map_logprobs_back_to_the_padded_rows(mode):
         assert padded[i, 0] == 0 and (padded[i, n:] == 0).all() and (padded[i, 1:n] != 0).all()
 
 
+@pytest.mark.parametrize("encoding", ["ids", "bitmask"])
 @pytest.mark.parametrize("mode", ["bucket", "pack"])
-def test_layouts_keep_each_sequences_temperature_and_kept_sets(mode):
+def test_layouts_keep_each_sequences_temperature_and_kept_sets(mode, encoding):
     lengths = [6, 1, 3, 2, 5]
     ids = torch.randint(0, 8, (5, 6), generator=torch.Generator().manual_seed(0))
     temperature = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3])
-    support = torch.full((5, 6, 3), -1)
+    support = torch.full((5, 6, 3), -1, dtype=torch.int32)
     support[0, 2] = torch.tensor([ids[0, 2].item(), (ids[0, 2].item() + 1) % 8, (ids[0, 2].item() + 2) % 8])
     support[4, 3, 0] = ids[4, 3]  # a kept set of one token: logprob 0
+    if encoding == "bitmask":  # what `kept_sets` picks for sets this large against a vocabulary of 8
+        support = kept_sets([[[v for v in k.tolist() if v >= 0] for k in row] for row in support], 6)
+        assert support.dtype == torch.uint8
     forward = _bag_of_prefix_forward()
     padded = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, "pad"), temperature, support)
     other = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, mode), temperature, support)

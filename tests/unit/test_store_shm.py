@@ -1,5 +1,9 @@
 """Snapshot layout and the shared-memory transport (forge_rl/store/layout.py, shm.py)."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -7,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge_rl.store.layout import layout_of, parse_header, tensor_checksum
-from forge_rl.store.shm import ChecksumError, SharedMemorySnapshots
+from forge_rl.store.shm import ChecksumError, SharedMemorySnapshots, default_store_root, sweep_stale_roots
 
 
 def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -144,3 +148,38 @@ def test_the_free_pool_is_bounded(snapshots):
         snapshots.delete(f"v{version:08d}")
 
     assert len(list((snapshots.root / ".free").glob("*.bin"))) == snapshots.max_free_files
+
+
+def crashed_launch_root(base, run_name: str) -> str:
+    """The root of a launch whose controller died without cleaning up (as under kill -9)."""
+    code = f"from forge_rl.store.shm import default_store_root; print(default_store_root({run_name!r}, {str(base)!r}))"
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_resumed_launch_can_republish_the_versions_a_crashed_launch_left(tmp_path):
+    crashed = SharedMemorySnapshots(default_store_root("run", tmp_path))
+    crashed.write("v00000115", state_dict())
+
+    resumed = SharedMemorySnapshots(default_store_root("run", tmp_path))
+    resumed.write("v00000115", state_dict(1))  # no FileExistsError: a root of its own
+
+    assert resumed.root != crashed.root and crashed.exists("v00000115")  # the first owner is alive
+    assert json.loads((resumed.root / ".owner").read_text())["pid"] == os.getpid()
+
+
+def test_a_new_launch_sweeps_the_roots_of_dead_launches_only(tmp_path):
+    dead = crashed_launch_root(tmp_path, "run")
+    fetched = tmp_path / (os.path.basename(dead) + "-fetched-host-123-0")
+    (fetched / ".free").mkdir(parents=True)
+    SharedMemorySnapshots(dead).write("v00000003", state_dict())
+    live = default_store_root("other", tmp_path)
+    unowned = tmp_path / "forge_rl-older-layout"  # no owner record: could be anyone's
+    unowned.mkdir()
+    reused_pid = default_store_root("reused", tmp_path)  # this pid, but a process started earlier
+    owner = json.loads((reused_pid / ".owner").read_text())
+    (reused_pid / ".owner").write_text(json.dumps(owner | {"start_ticks": owner["start_ticks"] - 1}))
+
+    new = default_store_root("run", tmp_path)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, unowned.name, new.name])
+    assert sweep_stale_roots(tmp_path) == []

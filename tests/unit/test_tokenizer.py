@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.tasks.tokenizer import BOS, EOS, PAD, PromptTokenizer, build_char_tokenizer, save_char_tokenizer
+from forge_rl.tasks.synthetic import TASKS, make_prompt
+from forge_rl.tasks.tokenizer import (
+    BOS, EOS, PAD, VOCAB_SIZE, PromptTokenizer, build_char_tokenizer, save_char_tokenizer,
+)
 
 TOKEN_ID = build_char_tokenizer().token_to_id
 # A miniature of the ChatML-like templates of Qwen/SmolLM: role header, content, end-of-turn token.
@@ -83,3 +86,15 @@ def test_special_token_missing_from_the_vocabulary_is_named(char_dir):
     (char_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
     with pytest.raises(ValueError, match=r"eos_token='<\|im_end\|>', which is not in tokenizer.json"):
         PromptTokenizer(char_dir)
+
+
+def test_the_tiny_models_vocabulary_is_the_tokenizers_with_no_unused_rows(char_dir):
+    """Every row of the tiny model's embedding is a token (no padding rows taking probability
+    mass from early samples), and every task prompt and answer encodes without <unk>."""
+    assert VOCAB_SIZE == build_char_tokenizer().get_vocab_size()
+    tokenizer = PromptTokenizer(char_dir)
+    unk = TOKEN_ID("<unk>")
+    for task in TASKS:
+        for index in range(50):
+            prompt = make_prompt(task, 0, index)
+            assert unk not in tokenizer.encode_prompt(prompt.text + prompt.answer)
