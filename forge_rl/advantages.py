@@ -68,19 +68,17 @@ def overlong_penalty(num_tokens: int, max_new_tokens: int, overlong_buffer: int)
     With L_max = max_new_tokens and L_cache = overlong_buffer:
         0                                    if num_tokens <= L_max - L_cache
         ((L_max - L_cache) - num_tokens) / L_cache   in between (0 down to -1, linearly)
-        -1                                   if num_tokens > L_max
     so a completion that hits the budget (truncated, num_tokens = L_max) gets -1, and one that
     ends within the last L_cache tokens is penalized in proportion to how far into them it ran.
-    overlong_buffer = 0 penalizes only num_tokens > L_max.
+    The engine never samples more than L_max tokens. overlong_buffer = 0 would penalize only
+    lengths the engine cannot produce, so it is refused (as scorer.overlong_buffer is).
     """
-    if not 0 <= overlong_buffer <= max_new_tokens:
+    if not 1 <= overlong_buffer <= max_new_tokens:
         raise ValueError(
-            f"overlong_buffer ({overlong_buffer}) must be in [0, max_new_tokens ({max_new_tokens})]: "
+            f"overlong_buffer ({overlong_buffer}) must be in [1, max_new_tokens ({max_new_tokens})]: "
             "it is the stretch before the length budget over which the penalty ramps from 0 to -1."
         )
+    if not 0 <= num_tokens <= max_new_tokens:
+        raise ValueError(f"a completion of {num_tokens} tokens cannot exist with max_new_tokens {max_new_tokens}")
     soft_start = max_new_tokens - overlong_buffer
-    if num_tokens <= soft_start:
-        return 0.0
-    if num_tokens > max_new_tokens:
-        return -1.0
-    return (soft_start - num_tokens) / overlong_buffer
+    return min(0.0, (soft_start - num_tokens) / overlong_buffer)

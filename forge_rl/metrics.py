@@ -37,6 +37,9 @@ POLICY_AGE_MEAN = "policy_age/mean"
 POLICY_AGE_HISTOGRAM = "policy_age/histogram"
 """{age: number of trained tokens} of one step, ages as strings (JSON object keys)."""
 ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
+TRUNCATED_KEPT_SETS = "completions/truncated_kept_sets"
+"""Trained tokens whose top-k/top-p kept set may have been cut to generator.max_support_ids (CPU
+engines): their importance ratios are biased above 1. 0 unless that limit is too low."""
 TRAINED_TOKENS = "num_tokens"
 """Tokens the step trained (reported by the trainer)."""
 STEP_SKIPPED = "step_skipped"
@@ -240,7 +243,7 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
     the tokens that reach the loss only: a token masked for its age (`drop_policy: mask_tokens`)
     was never trained, so it must not raise `policy_age/max` above the bound."""
     rewards, ages = [], collections.Counter()
-    num_errored = num_tokens = 0
+    num_errored = num_tokens = num_truncated = 0
     for episode in episodes:
         for completion in episode.completions:
             if completion.status == CompletionStatus.ERRORED:
@@ -248,10 +251,12 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
                 continue
             rewards.append(completion.reward)
             num_tokens += completion.num_tokens
+            num_truncated += completion.num_truncated_support
             ages.update(train_version - v for v, trained in zip(completion.policy_versions, completion.loss_mask) if trained)
     return {
         REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
         COMPLETIONS_ERRORED: num_errored,
+        TRUNCATED_KEPT_SETS: num_truncated,
         "completions/mean_tokens": num_tokens / max(len(rewards), 1),
         POLICY_AGE_MAX: max(ages, default=0),
         POLICY_AGE_MEAN: sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),

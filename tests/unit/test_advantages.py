@@ -44,17 +44,20 @@ def test_dynamic_sampling_filters_groups_whose_rewards_are_all_equal():
 
 @pytest.mark.parametrize(
     "num_tokens,expected",
-    [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (16, -1.0), (17, -1.0)],
+    [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (15, -0.75), (16, -1.0)],
 )
 def test_overlong_penalty_ramps_from_zero_to_minus_one_over_the_buffer(num_tokens, expected):
     assert overlong_penalty(num_tokens, max_new_tokens=16, overlong_buffer=4) == pytest.approx(expected)
 
 
-def test_overlong_penalty_without_a_buffer_only_punishes_exceeding_the_budget():
-    assert overlong_penalty(16, max_new_tokens=16, overlong_buffer=0) == 0.0
-    assert overlong_penalty(17, max_new_tokens=16, overlong_buffer=0) == -1.0
+def test_overlong_penalty_refuses_what_the_engine_cannot_produce():
+    """No buffer would penalize only lengths above the budget, which the engine never samples."""
+    with pytest.raises(ValueError, match=r"overlong_buffer \(0\) must be in \[1"):
+        overlong_penalty(16, max_new_tokens=16, overlong_buffer=0)
+    with pytest.raises(ValueError, match="a completion of 17 tokens cannot exist"):
+        overlong_penalty(17, max_new_tokens=16, overlong_buffer=4)
 
 
 def test_overlong_buffer_longer_than_the_budget_is_refused():
-    with pytest.raises(ValueError, match=r"overlong_buffer \(20\) must be in \[0, max_new_tokens \(16\)\]"):
+    with pytest.raises(ValueError, match=r"overlong_buffer \(20\) must be in \[1, max_new_tokens \(16\)\]"):
         overlong_penalty(3, max_new_tokens=16, overlong_buffer=20)
