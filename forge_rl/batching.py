@@ -28,6 +28,8 @@ class TrainBatch:
     """[N, L] float32 logprob the generator sampled each generated token with (0 elsewhere)."""
     advantages_N: torch.Tensor
     """[N] float32 group advantage of each completion (see `forge_rl.advantages`)."""
+    generator_N: torch.Tensor | None = None
+    """[N] int64 index of the generator that sampled each completion (-1: unknown)."""
     temperature_N: torch.Tensor | None = None
     """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
     its logits by it so that its logprobs describe the distribution the generator sampled from."""
@@ -79,11 +81,12 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
 
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO).
     """
-    rows, masks, behaviour, advantages, temperatures, supports, references = ([] for _ in range(7))
+    rows, masks, behaviour, advantages, temperatures, supports, references, generators = ([] for _ in range(8))
     for episode in episodes:
         num_prompt = len(episode.prompt_token_ids)
         advantages.extend(episode_advantages(episode, normalize_advantage_std))
         for completion in episode.completions:
+            generators.append(-1 if episode.generator_index is None else episode.generator_index)
             rows.append(episode.prompt_token_ids + completion.token_ids)
             masks.append([False] * num_prompt + completion.loss_mask)
             behaviour.append([0.0] * num_prompt + completion.logprobs)
@@ -105,6 +108,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         loss_mask_NL=pad(masks, False, torch.bool),
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         advantages_N=torch.tensor(advantages, dtype=torch.float32),
+        generator_N=torch.tensor(generators, dtype=torch.int64),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=kept_sets(supports, length),
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
@@ -195,3 +199,18 @@ def token_logprobs(
             kept_logits = scaled_NLV.gather(-1, support_NLK.long().clamp(min=0)).masked_fill(~kept_NLK, _NOT_KEPT)
         log_normalizer_NL = torch.where(filtered_NL, torch.logsumexp(kept_logits, dim=-1), log_normalizer_NL)
     return torch.nn.functional.pad(picked_NL - log_normalizer_NL, (1, 0), value=0.0)
+
+
+@torch.no_grad()
+def token_entropy(logits_NLV: torch.Tensor, temperature_NL: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, L] entropy (nats) of the policy's next-token distribution softmax(logits / temperature)
+    over the whole vocabulary, aligned like `token_logprobs` (position 0 gets 0). A metric, never a
+    loss: computed without gradient. Entropy collapsing toward 0 early is the usual sign of a run
+    that stopped exploring."""
+    scaled_NLV = logits_NLV[:, :-1].float()
+    if temperature_NL is not None:
+        scaled_NLV = scaled_NLV / temperature_NL[:, 1:, None].to(scaled_NLV.device)
+    log_p_NLV = torch.log_softmax(scaled_NLV, dim=-1)
+    entropy_NL = -(log_p_NLV.exp() * log_p_NLV).sum(-1)
+    return torch.nn.functional.pad(entropy_NL, (1, 0), value=0.0)
+

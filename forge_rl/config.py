@@ -17,6 +17,7 @@ from typing import Literal
 from forge_rl.buffer import BufferConfig
 from forge_rl.checkpoint import CheckpointConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
@@ -113,6 +114,8 @@ class LogConfig:
     """Also log to Weights & Biases, into RUN_DIR/wandb. Offline by default (see wandb_mode)."""
     wandb_project: str = "forge_rl"
     """W&B project name; the W&B run is named after the run directory."""
+    mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)
+    """Warn when a generator's sampler mismatch jumps (forge_rl/health.py): on by default."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
     online streams to the W&B server (needs `wandb login`)."""

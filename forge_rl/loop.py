@@ -33,7 +33,8 @@ from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
 from forge_rl.errors import GeneratorLost, raised_by_actor
-from forge_rl.metrics import MetricsLogger, batch_metrics
+from forge_rl.health import MismatchAlarm
+from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.timeline import Timeline, idle_fraction
 from forge_rl.types import Episode
 
@@ -98,6 +99,7 @@ class Pipeline:
         """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
         self.timeline = Timeline()
         """Busy intervals of every component; `run` restarts it (with a file) when the loops start."""
+        self.mismatch_alarm = MismatchAlarm(config.log.mismatch_alarm)
 
     # Rollouts ---------------------------------------------------------------------------------
 
@@ -219,6 +221,10 @@ class Pipeline:
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             **await self._pipeline_metrics(),
         }
+        alarms = self.mismatch_alarm.observe(step, step_metrics, episodes, train_version)
+        for warning in alarms:
+            progress(f"WARNING {warning}")
+        step_metrics[m.MISMATCH_ALARMS] = len(alarms)
         return StepResult(step_metrics, stopped), weight_updates
 
     async def _pipeline_metrics(self) -> dict:

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from forge_rl.batching import empty_kept_set, token_logprobs
+from forge_rl.batching import empty_kept_set, token_entropy, token_logprobs
 
 BATCHING_MODES = ("pad", "bucket", "pack")
 # Each forward pass has a fixed cost (kernel launches, Python, FSDP all-gathers per block); 4
@@ -143,15 +143,18 @@ def layout_token_logprobs(
     microbatches: list[MicroBatch],
     temperature_N: torch.Tensor | None = None,
     support_NLK: torch.Tensor | None = None,
+    entropy_NL: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[N, L] fp32 logprob of each token given its own sequence's prefix, through `microbatches`,
     under each sequence's sampling temperature and kept sets (`forge_rl.batching.token_logprobs`).
 
     Position 0 of every sequence and positions at or past its length are 0. Differentiable: the
-    gathers from each micro-batch's logprobs join one autograd graph.
+    gathers from each micro-batch's logprobs join one autograd graph. Given `entropy_NL` (an [N, L]
+    tensor), also fills it with the policy's entropy at each position (`token_entropy`), from the
+    same forward passes.
     """
     num_rows, length = input_ids_NL.shape
-    values, destinations = [], []
+    values, entropies, destinations = [], [], []
     for mb in microbatches:
         ids_RW = torch.zeros((mb.num_rows, mb.width), dtype=input_ids_NL.dtype)
         temperature_RW = None if temperature_N is None else torch.ones((mb.num_rows, mb.width))
@@ -168,6 +171,8 @@ def layout_token_logprobs(
         positions_RW, mask = document_mask(mb, lengths) if mb.packed else (None, None)
         logits_RWV = forward(ids_RW, positions_RW, mask)
         logprobs_RW = token_logprobs(logits_RWV, ids_RW.to(logits_RWV.device), temperature_RW, support_RWK)
+        if entropy_NL is not None:
+            entropies.append(token_entropy(logits_RWV, temperature_RW).flatten())
         source, destination = [], []
         for i, row, offset in mb.placements:
             n = min(lengths[i], length)
@@ -176,8 +181,12 @@ def layout_token_logprobs(
             destination.append(torch.arange(i * length + 1, i * length + n))
         source_index = torch.cat(source).to(logprobs_RW.device)
         values.append(logprobs_RW.flatten().index_select(0, source_index))
+        if entropy_NL is not None:
+            entropies[-1] = entropies[-1].index_select(0, source_index)
         destinations.append(torch.cat(destination).to(logprobs_RW.device))
-    flat = torch.cat(values)
+    flat, destination_index = torch.cat(values), torch.cat(destinations)
+    if entropy_NL is not None:
+        entropy_NL.view(-1).index_copy_(0, destination_index.to(entropy_NL.device), torch.cat(entropies).to(entropy_NL))
     out = torch.zeros(num_rows * length, dtype=flat.dtype, device=flat.device)
-    return out.index_copy(0, torch.cat(destinations), flat).view(num_rows, length)
+    return out.index_copy(0, destination_index, flat).view(num_rows, length)
 

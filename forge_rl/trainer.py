@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forge_rl.batching import TrainBatch
-from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss
+from forge_rl.losses.corrections import k3_kl_NL
+from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, token_mean
+from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.models.titan import (
     ParallelConfig,
@@ -160,18 +162,21 @@ class PolicyTrainer:
             logits_NLV = logits_NLV.full_tensor()
         return logits_NLV[:, :length].float()
 
-    def _token_logprobs(self, shard: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _token_logprobs(self, shard: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """[N, L] logprobs of the shard's tokens through the `trainer.batching` layout, under the
-        distribution the generator sampled from (temperature, top-k/top-p kept sets), and this
-        rank's token counts: real tokens through the model and slots (real + padding)."""
+        distribution the generator sampled from (temperature, top-k/top-p kept sets), [N, L] the
+        policy's entropy there, and this rank's token counts: real tokens through the model and
+        slots (real + padding)."""
         lengths = shard.row_lengths
         microbatches = plan_microbatches(
             lengths, self.config.batching, self._length_multiple, width=shard.input_ids_NL.shape[1]
         )
+        entropy_NL = torch.zeros(shard.input_ids_NL.shape, device=self.device)
         logprobs_NL = layout_token_logprobs(
-            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK
+            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK, entropy_NL
         )
-        return logprobs_NL, {"input_tokens": float(sum(lengths)), "slots": float(sum(m.num_slots for m in microbatches))}
+        counts = {"input_tokens": float(sum(lengths)), "slots": float(sum(m.num_slots for m in microbatches))}
+        return logprobs_NL, entropy_NL, counts
 
     def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         """Element-wise reduction over data-parallel ranks (identity on one rank)."""
@@ -190,6 +195,33 @@ class PolicyTrainer:
         metrics.update(zip(maxima, self._dp_reduce(list(maxima.values()), dist.ReduceOp.MAX)))
         return metrics
 
+    def _mismatch_by_generator(
+        self,
+        batch: TrainBatch,
+        shard: TrainBatch,
+        logprobs_NL: torch.Tensor,
+        behaviour_NL: torch.Tensor,
+        loss_mask_NL: torch.Tensor,
+    ) -> dict[str, float]:
+        """Trainer-vs-sampler mismatch KL (k3, token mean) of each generator's completions in the
+        batch, `mismatch_kl/generator/<i>`: a generator whose weights are not what its version
+        labels say stands out here long before the reward shows it (forge_rl/health.py)."""
+        generators = sorted({g for g in batch.generator_N.tolist() if g >= 0}) if batch.generator_N is not None else []
+        if not generators:
+            return {}
+        kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
+        owner_N = shard.generator_N.to(self.device)
+        sums, counts = [], []
+        for generator in generators:
+            mask_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
+            sums.append(torch.where(mask_NL, kl_NL, 0.0).sum().item())
+            counts.append(float(mask_NL.sum().item()))
+        totals = self._dp_reduce(sums + counts, dist.ReduceOp.SUM)
+        return {
+            f"{MISMATCH_KL_BY_GENERATOR}/{g}": total / max(count, 1.0)
+            for g, total, count in zip(generators, totals[: len(generators)], totals[len(generators) :])
+        }
+
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One AdamW step on the policy loss of `batch` (the full batch, identical on every rank).
 
@@ -201,16 +233,18 @@ class PolicyTrainer:
         shard = batch.shard(self._dp_rank, self._dp_size)
         global_tokens = max(batch.num_generated_tokens, 1)
         local_tokens = shard.num_generated_tokens
-        logprobs_NL, layout_counts = self._token_logprobs(shard)
+        logprobs_NL, entropy_NL, layout_counts = self._token_logprobs(shard)
         reference_NL = shard.reference_logprobs_NL
+        behaviour_NL, loss_mask_NL = shard.behaviour_logprobs_NL.to(self.device), shard.loss_mask_NL.to(self.device)
         local_loss, loss_metrics = policy_loss(
             logprobs_NL,
-            shard.behaviour_logprobs_NL.to(self.device),
+            behaviour_NL,
             shard.advantages_N.to(self.device),
-            shard.loss_mask_NL.to(self.device),
+            loss_mask_NL,
             self.config.loss,
             None if reference_NL is None else reference_NL.to(self.device),
         )
+        loss_metrics[POLICY_ENTROPY] = token_mean(entropy_NL, loss_mask_NL)
         # policy_loss is this shard's mean over its loss units (tokens, or sequences for gspo and
         # dr_grpo); reweighted by the shard's share of the batch's units, the per-rank gradients sum
         # (FSDP2 runs without division) to the gradient of the whole batch's loss. Metrics are token
@@ -220,6 +254,7 @@ class PolicyTrainer:
         share = local_tokens / global_tokens
         # Reduced before backward, so every rank sees the same value and skips together.
         metrics = self._global_metrics(loss, loss_metrics, share)
+        metrics.update(self._mismatch_by_generator(batch, shard, logprobs_NL, behaviour_NL, loss_mask_NL))
         # Real generated tokens (the loss's tokens); padding is never counted.
         metrics["num_tokens"] = float(batch.num_generated_tokens)
         metrics.update(self._layout_metrics(layout_counts))
@@ -341,7 +376,7 @@ class PolicyTrainer:
         """[N, L] fp32 logprob of each token under the current weights (0 at position 0 and on
         padding), on CPU."""
         shard = batch.shard(self._dp_rank, self._dp_size)
-        logprobs_NL, _ = self._token_logprobs(shard)
+        logprobs_NL, _, _ = self._token_logprobs(shard)
         if self._dp_group is None:
             return logprobs_NL.cpu()
         pieces = [torch.empty_like(logprobs_NL) for _ in range(self._dp_size)]

@@ -123,6 +123,9 @@ class Episode:
     forced_length: int | None = None
     """When set, every completion is generated exactly this long (EOS ignored): how a task imposes
     a completion-length distribution, e.g. the long tail of the async-vs-sync benchmark."""
+    generator_index: int | None = None
+    """The generator that sampled the completions (set by the generator pool); the trainer reports
+    the sampler mismatch per generator, so one serving stale weights stands out."""
     temperature: float = 1.0
     """Temperature the completions were sampled at (set by the generator). Behaviour logprobs are
     log_softmax(logits / temperature); the trainer divides its logits by the same value, or its

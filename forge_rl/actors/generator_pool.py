@@ -119,7 +119,10 @@ class GeneratorPool(Actor):
     @concurrent_endpoint
     async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode]:
         """Episodes with completions from generator `index`; raises GeneratorLost if it died meanwhile."""
-        return await self._forward(self.slots[index], lambda actor: actor.generate.call_one(episodes, group_size))
+        episodes = await self._forward(self.slots[index], lambda actor: actor.generate.call_one(episodes, group_size))
+        for episode in episodes:
+            episode.generator_index = index
+        return episodes
 
     @concurrent_endpoint
     async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.common import run_variant
-from forge_rl.metrics import final_reward
+from forge_rl.metrics import MISMATCH_KL, final_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.plot import headless_pyplot, read_metrics, save_figure
 
@@ -47,8 +47,8 @@ def summarize(run_path: Path) -> dict:
     return {
         "mean_ratio": sum(m["loss/mean_ratio"] for m in metrics) / len(metrics),
         "mean_ratio_step1": metrics[0]["loss/mean_ratio"],
-        "mismatch_kl": sum(m["loss/mismatch_kl"] for m in metrics) / len(metrics),
-        "mismatch_kl_step1": metrics[0]["loss/mismatch_kl"],
+        "mismatch_kl": sum(m[MISMATCH_KL] for m in metrics) / len(metrics),
+        "mismatch_kl_step1": metrics[0][MISMATCH_KL],
         "final_reward": final_reward(metrics),
     }
 

@@ -64,6 +64,7 @@ class TrainerBenchArgs:
 
 
 def long_tail_episodes(args: TrainerBenchArgs) -> list:
+    from forge_rl.tasks.tokenizer import VOCAB_SIZE
     from forge_rl.types import Completion, Episode
 
     rng = random.Random(args.seed)
@@ -74,13 +75,13 @@ def long_tail_episodes(args: TrainerBenchArgs) -> list:
             n = min(int(args.min_completion / (1.0 - rng.random())), args.max_completion)
             completions.append(
                 Completion(
-                    token_ids=[rng.randrange(4, 60) for _ in range(n)],
+                    token_ids=[rng.randrange(4, VOCAB_SIZE) for _ in range(n)],
                     logprobs=[rng.uniform(-3.0, -0.1) for _ in range(n)],
                     policy_versions=[0] * n,
                     reward=float(rng.random() < 0.5),
                 )
             )
-        prompt = [1] + [rng.randrange(4, 60) for _ in range(args.prompt_tokens - 1)]
+        prompt = [1] + [rng.randrange(4, VOCAB_SIZE) for _ in range(args.prompt_tokens - 1)]
         episodes.append(Episode(e, f"P{e}", "", prompt, completions))
     return episodes
 

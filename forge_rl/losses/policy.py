@@ -223,12 +223,12 @@ def policy_loss(
         stats_NL["loss/ref_kl"] = ref_kl_NL
 
     loss = _aggregate(torch.where(keep_NL, per_token_NL, 0.0), loss_mask_NL, config)
-    metrics = {name: _token_mean(values_NL, loss_mask_NL) for name, values_NL in stats_NL.items()}
+    metrics = {name: token_mean(values_NL, loss_mask_NL) for name, values_NL in stats_NL.items()}
     metrics["loss/max_abs_log_ratio"] = raw_log_ratio_NL.detach().abs().max().item()
     return loss, metrics
 
 
-def _token_mean(values_NL: torch.Tensor, loss_mask_NL: torch.Tensor) -> float:
+def token_mean(values_NL: torch.Tensor, loss_mask_NL: torch.Tensor) -> float:
     """Mean over the loss tokens (bool values: the fraction that is True), detached."""
     total = torch.where(loss_mask_NL, values_NL.detach().double(), 0.0).sum()
     return (total / loss_mask_NL.sum().clamp(min=1)).item()

@@ -102,7 +102,7 @@ def _episodes() -> list[Episode]:
     for e, lengths in enumerate([(5, 2, 4), (3, 6, 1)]):
         completions = [
             Completion(
-                token_ids=[(7 * e + 3 * c + 5 * t) % 60 + 4 for t in range(n)],
+                token_ids=[(7 * e + 3 * c + 5 * t) % (char_tokenizer.VOCAB_SIZE - 4) + 4 for t in range(n)],
                 logprobs=[0.0] * n,
                 policy_versions=[0] * n,
                 reward=float(c == e),

@@ -41,7 +41,7 @@ def _episodes() -> list[Episode]:
     for e, lengths in enumerate([(5, 1, 4, 2), (3, 3, 1, 2), (2, 1, 1, 2)]):
         completions = [
             Completion(
-                token_ids=[(7 * e + 3 * c + 5 * t) % 60 + 4 for t in range(n)],
+                token_ids=[(7 * e + 3 * c + 5 * t) % (VOCAB_SIZE - 4) + 4 for t in range(n)],
                 logprobs=[0.0] * n,
                 policy_versions=[0] * n,
                 reward=float((c + e) % 3) / 2,

@@ -1,0 +1,96 @@
+"""Run-health checks on the per-step metrics: warnings a person would want before the reward shows it.
+
+`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL
+(`mismatch_kl/generator/<i>`, reported by the trainer). With the weights a token's version names,
+the two logprobs differ only by numerics (and, with swap_kv=reuse, a token's prefix KV one version
+old), so the KL sits at a steady small level. A generator that serves other weights than its
+version labels say (an update that silently failed to apply, a stale adapter, another request's
+weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
+this is how silently stale weights were caught. The alarm compares each generator's KL with its own
+running level and with the other generators' at the same step, and warns with the step, the
+generator and the versions its tokens were labelled with.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import statistics
+from collections.abc import Sequence
+
+from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR
+from forge_rl.types import Episode
+
+
+@dataclasses.dataclass(frozen=True)
+class MismatchAlarmConfig:
+    factor: float = 10.0
+    """Warn when a generator's mismatch KL exceeds this many times its reference level (its own
+    running level, or the other generators' median at the same step, whichever is lower). 0 turns
+    the alarm off."""
+    min_kl: float = 1e-3
+    """Never warn below this KL: tiny models at fp32 sit near 1e-10, where any ratio is noise."""
+    warmup_steps: int = 2
+    """Steps a generator's running level is learned over before its own history can raise the alarm."""
+
+    def __post_init__(self) -> None:
+        if self.factor < 0 or (0 < self.factor <= 1):
+            raise ValueError(
+                f"log.mismatch_alarm.factor ({self.factor}) must be > 1, or 0 to turn the alarm off. "
+                "Set --log.mismatch-alarm.factor."
+            )
+        if self.min_kl < 0:
+            raise ValueError(f"log.mismatch_alarm.min_kl ({self.min_kl}) must be >= 0. Set --log.mismatch-alarm.min-kl.")
+
+
+class MismatchAlarm:
+    # A generator's running level = median of its last few steps: one spike (the alarm itself, or
+    # a noisy step) cannot raise it enough to hide the next.
+    _HISTORY_STEPS = 8
+
+    def __init__(self, config: MismatchAlarmConfig):
+        self.config = config
+        self._history: dict[int, collections.deque[float]] = {}
+
+    def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
+        """The warnings for this step (empty when all is well); updates the running levels."""
+        if not self.config.factor:
+            return []
+        kl_by_generator = {
+            int(name.rsplit("/", 1)[1]): value
+            for name, value in metrics.items()
+            if name.startswith(MISMATCH_KL_BY_GENERATOR + "/")
+        }
+        warnings = []
+        for generator, kl in sorted(kl_by_generator.items()):
+            reference = self._reference_level(generator, kl_by_generator)
+            if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
+                versions = _versions_of(episodes, generator)
+                warnings.append(
+                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} is {kl / max(reference, 1e-30):.3g}x "
+                    f"its reference level {reference:.3g}; its tokens are labelled with policy versions {versions} "
+                    f"(trained at {train_version}). Its weights may not be what their version says (an update "
+                    "that did not apply?)."
+                )
+            self._update_level(generator, kl)
+        return warnings
+
+    def _reference_level(self, generator: int, kl_by_generator: dict[int, float]) -> float | None:
+        levels = []
+        history = self._history.get(generator, ())
+        if len(history) >= self.config.warmup_steps:
+            levels.append(statistics.median(history))
+        others = [kl for g, kl in kl_by_generator.items() if g != generator]
+        if others:
+            levels.append(statistics.median(others))
+        return min(levels) if levels else None
+
+    def _update_level(self, generator: int, kl: float) -> None:
+        self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
+
+
+def _versions_of(episodes: Sequence[Episode], generator: int) -> str:
+    versions = [v for e in episodes if e.generator_index == generator for c in e.completions for v in c.policy_versions]
+    if not versions:
+        return "none"
+    return str(min(versions)) if min(versions) == max(versions) else f"{min(versions)}..{max(versions)}"

@@ -1,0 +1,45 @@
+"""The mismatch alarm (forge_rl/health.py) on fabricated per-step metrics."""
+
+import pytest
+
+from forge_rl.health import MismatchAlarm, MismatchAlarmConfig
+from tests.unit.builders import make_episode
+
+
+def step_metrics(**kl_by_generator: float) -> dict:
+    return {f"mismatch_kl/generator/{name.removeprefix('g')}": kl for name, kl in kl_by_generator.items()}
+
+
+def episodes_of(generator: int, policy_version: int):
+    episode = make_episode(policy_version=policy_version)
+    episode.generator_index = generator
+    return [episode]
+
+
+def test_a_generator_whose_mismatch_jumps_above_the_others_is_named_with_its_versions():
+    alarm = MismatchAlarm(MismatchAlarmConfig())
+    assert alarm.observe(1, step_metrics(g0=2e-3, g1=2.1e-3), episodes_of(1, 0), train_version=1) == []
+    (warning,) = alarm.observe(2, step_metrics(g0=2e-3, g1=0.5), episodes_of(1, 1), train_version=2)
+    assert "step 2: generator 1's sampler mismatch KL 0.5" in warning
+    assert "policy versions 1 (trained at 2)" in warning
+
+
+def test_a_single_generator_is_compared_with_its_own_running_level_after_warmup():
+    alarm = MismatchAlarm(MismatchAlarmConfig(warmup_steps=2))
+    assert alarm.observe(1, step_metrics(g0=0.5), [], 1) == []  # nothing to compare with yet
+    for step in (2, 3):
+        assert alarm.observe(step, step_metrics(g0=2e-3), [], step) == []
+    assert alarm.observe(4, step_metrics(g0=3e-3), [], 4) == []  # noise, not a jump
+    assert len(alarm.observe(5, step_metrics(g0=0.2), [], 5)) == 1
+
+
+def test_kl_at_numerical_noise_never_warns_and_factor_0_turns_the_alarm_off():
+    alarm = MismatchAlarm(MismatchAlarmConfig())
+    assert alarm.observe(1, step_metrics(g0=1e-12, g1=1e-8), [], 1) == []  # 10000x, but below min_kl
+    off = MismatchAlarm(MismatchAlarmConfig(factor=0))
+    assert off.observe(1, step_metrics(g0=1e-3, g1=1.0), [], 1) == []
+
+
+def test_a_factor_that_cannot_mean_a_jump_is_refused():
+    with pytest.raises(ValueError, match=r"log.mismatch_alarm.factor \(0.5\) must be > 1"):
+        MismatchAlarmConfig(factor=0.5)
