@@ -25,41 +25,9 @@ from forge_rl.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scoring import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
-from forge_rl.tasks.rewards import resolve_reward_fn
-from forge_rl.tasks.synthetic import TaskName
+from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
 from forge_rl.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class TaskConfig:
-    name: TaskName = "max_of_two"
-    """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py)."""
-    seed: int = 0
-    """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
-    reward: str = "leading_number"
-    """Reward function: a registered name (leading_number, exact_match) or "package.module:function"
-    taking (completion_text, answer) -> float (see forge_rl/tasks/rewards.py)."""
-    completion_lengths: Literal["natural", "long_tail"] = "natural"
-    """natural: completions end at EOS (or generator.max_new_tokens). long_tail: each prompt's
-    completions are forced to a Pareto-distributed length (EOS ignored), capped at
-    generator.max_new_tokens: the straggler-heavy workload of `forge-rl bench async-vs-sync`."""
-    long_tail_min_tokens: int = 2
-    """Shortest forced completion (long_tail only)."""
-    long_tail_alpha: float = 1.0
-    """Pareto shape of forced lengths (long_tail only); smaller means a heavier tail."""
-
-    def __post_init__(self) -> None:
-        resolve_reward_fn(self.reward)
-        if self.long_tail_min_tokens < 1:
-            raise ValueError(
-                f"task.long_tail_min_tokens ({self.long_tail_min_tokens}) must be >= 1. "
-                "Set --task.long-tail-min-tokens."
-            )
-        if self.long_tail_alpha <= 0:
-            raise ValueError(
-                f"task.long_tail_alpha ({self.long_tail_alpha}) must be > 0. Set --task.long-tail-alpha."
-            )
 
 
 REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -203,6 +171,15 @@ class GRPOConfig:
         return min(bounds)
 
     def __post_init__(self) -> None:
+        """Every rule that spans components, in the order a user fixes them: batch shape, buffer,
+        loss, model and parallelism, placement."""
+        self._check_batch_shape()
+        self._check_buffer()
+        self._check_loss_and_scorer()
+        self._check_model_and_parallelism()
+        check_placement(self.launch, demand_of(self))
+
+    def _check_batch_shape(self) -> None:
         _check_positive(
             self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator"
         )
@@ -225,6 +202,8 @@ class GRPOConfig:
                 f"{parallel.dp_degree}; each data-parallel rank takes an equal share. Set --train-batch-size, "
                 "--trainer.parallel.dp-shard or --trainer.parallel.dp-replicate."
             )
+
+    def _check_buffer(self) -> None:
         if self.buffer.capacity_episodes < self.prompts_per_step:
             raise ConfigError(
                 f"buffer.capacity_episodes ({self.buffer.capacity_episodes}) is below one step's prompts "
@@ -241,6 +220,8 @@ class GRPOConfig:
                 f"batch. Set --buffer.capacity-tokens to at least {self.prompts_per_step * self.max_episode_tokens}, "
                 "or leave it unset."
             )
+
+    def _check_loss_and_scorer(self) -> None:
         loss = self.trainer.loss
         if loss.name == "dr_grpo" and loss.length_normalizer != self.generator.max_new_tokens:
             raise ConfigError(
@@ -256,6 +237,8 @@ class GRPOConfig:
                 f"({self.generator.max_new_tokens}): the penalty ramps over the last overlong_buffer tokens "
                 "of the budget. Set --scorer.overlong-buffer to at most generator.max_new_tokens."
             )
+
+    def _check_model_and_parallelism(self) -> None:
         hf_config = self.model.hf_config()
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
         if self.uses_reference_model:
@@ -270,7 +253,6 @@ class GRPOConfig:
                     f"fail. Set --group-size to a multiple of {reference_dp}, or --reference.parallel.dp-shard "
                     "(with --reference.num-procs) to a divisor of it."
                 )
-        check_placement(self.launch, demand_of(self))
 
     @property
     def uses_reference_model(self) -> bool:

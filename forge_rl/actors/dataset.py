@@ -11,7 +11,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.config import TaskConfig
+from forge_rl.tasks import TaskConfig
 from forge_rl.tasks.synthetic import long_tail_length, make_prompt
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode

@@ -10,7 +10,8 @@ import pytest
 
 from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
-from forge_rl.config import GRPOConfig, LogConfig, TaskConfig
+from forge_rl.config import GRPOConfig, LogConfig
+from forge_rl.tasks import TaskConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.scoring import ScorerConfig
 
