@@ -37,7 +37,7 @@ from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_end
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.errors import GeneratorLost
+from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
@@ -189,6 +189,15 @@ class GeneratorPool(Actor):
             if slot.state == SlotState.SERVING:
                 self._begin_recovery(slot, reason=f"call failed: {e}")
             raise GeneratorLost(slot.index, f"its process died: {e}") from None
+        except Exception as e:
+            # Only the engine core died (the actor lives on): vLLM raises EngineDeadError, which
+            # can reach us before the watchdog sees the process gone. Recoverable like a death;
+            # any other endpoint error (a prompt too long, say) is the caller's.
+            if not _is_engine_dead(e):
+                raise
+            if slot.state == SlotState.SERVING:
+                self._begin_recovery(slot, reason=f"its vLLM engine died: {e}")
+            raise GeneratorLost(slot.index, f"its vLLM engine died: {e}") from None
         finally:
             slot.in_flight.discard(task)
 
@@ -254,6 +263,12 @@ async def _stop_quietly(procs: ProcMesh) -> None:
         await asyncio.wait_for(procs.stop(), _STOP_TIMEOUT_S)
     except Exception:  # the mesh is broken; a fresh one already replaces it
         pass
+
+
+def _is_engine_dead(error: BaseException) -> bool:
+    """Whether `error` (as the generator actor raised it) is vLLM's EngineDeadError. Matched by
+    name: the pool does not import vLLM (vllm/v1/engine/exceptions.py)."""
+    return type(raised_by_actor(error)).__name__ == "EngineDeadError"
 
 
 def _is_alive(pid: int) -> bool:

@@ -1,0 +1,98 @@
+"""Named fakes for unit tests of core logic: stand-ins for actor handles, never for the real path.
+
+A fake endpoint has the shape the loops call (`call_one`, and `call` whose result has
+`.item(procs=0)`), so forge_rl/loop.py runs against it without Monarch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from forge_rl.buffer import BufferConfig, ReplayBuffer
+from forge_rl.tasks.synthetic import make_prompt
+from forge_rl.types import Completion, Episode
+
+
+class FakeEndpoint:
+    def __init__(self, function: Callable[..., Awaitable[Any]]):
+        self.function = function
+
+    async def call_one(self, *args, **kwargs):
+        return await self.function(*args, **kwargs)
+
+    async def call(self, *args, **kwargs):
+        return FakeValues(await self.function(*args, **kwargs))
+
+
+class FakeValues:
+    """What Monarch's `call()` returns, for a mesh of one."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def item(self, **_):
+        return self.value
+
+
+def endpoints(**functions) -> Any:
+    """An object whose attributes are FakeEndpoints: `endpoints(stats=f).stats.call_one()`."""
+    return type("FakeActor", (), {name: FakeEndpoint(f) for name, f in functions.items()})()
+
+
+class FakeDataset:
+    def __init__(self):
+        self.cursor = 0
+        self.next_episodes = FakeEndpoint(self._next)
+
+    async def _next(self, num_prompts: int) -> list[Episode]:
+        episodes = []
+        for _ in range(num_prompts):
+            prompt = make_prompt("max_of_two", 0, self.cursor)
+            episodes.append(Episode(self.cursor, prompt.text, prompt.answer, [1, 2, 3]))
+            self.cursor += 1
+        return episodes
+
+
+class FakeBuffer:
+    """A real ReplayBuffer behind fake endpoints; `sample` polls (a fake needs no condition)."""
+
+    def __init__(self, config: BufferConfig):
+        self.buffer = ReplayBuffer(config)
+        self.trainer_version = 0
+        self.put = FakeEndpoint(self._put)
+        self.sample = FakeEndpoint(self._sample)
+        self.stats = FakeEndpoint(self._stats)
+
+    async def _put(self, episodes: list[Episode]) -> int:
+        return sum(not self.buffer.put(e, self.trainer_version) for e in episodes)
+
+    async def _sample(self, num_episodes: int, trainer_version: int):
+        self.trainer_version = trainer_version
+        while (batch := self.buffer.sample(num_episodes, trainer_version)) is None:
+            await asyncio.sleep(0)  # yields to the rollouts; no time passes in the test's terms
+        return batch, 0
+
+    async def _stats(self) -> dict:
+        return {"buffer/size": len(self.buffer), "buffer/dropped_episodes": 0, "buffer/dropped_completions": 0}
+
+
+def completions_for(episode: Episode, group_size: int, policy_version: int) -> list[Completion]:
+    """`group_size` two-token completions sampled at `policy_version`, half of them rewarded."""
+    return [
+        Completion([5, 2], [-0.5, -0.5], [policy_version] * 2, reward=float(i % 2)) for i in range(group_size)
+    ]
+
+
+class FakeLifecycle:
+    """Checkpoints nothing and never stops: the loops' view of forge_rl/lifecycle.py."""
+
+    async def after_step(self, pipeline) -> None:
+        pass
+
+    async def finish_despite_stop(self, awaitable):
+        return await awaitable, False
+
+    async def checkpoint_at_stop(self, pipeline) -> None:
+        pass

@@ -1,0 +1,87 @@
+"""The loops (forge_rl/loop.py) against named fakes of the actors: what they do with failures."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from forge_rl.buffer import BufferConfig
+from forge_rl.config import GRPOConfig
+from forge_rl.errors import GeneratorLost
+from forge_rl.loop import Pipeline, RunActors
+from forge_rl.metrics import MetricsLogger
+from tests.fakes import FakeBuffer, FakeDataset, FakeLifecycle, completions_for, endpoints
+
+CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
+                    buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
+
+
+def make_pipeline(generate, config: GRPOConfig = CONFIG) -> Pipeline:
+    state = {"version": 0}
+
+    async def train_step(episodes):
+        state["version"] += 1
+        return {"num_tokens": 8, "step_skipped": 0, "policy_version": state["version"], "weights/dir": "/nowhere"}
+
+    async def update_weights(index, policy_version, weights_dir):
+        return {"policy_version": policy_version}
+
+    async def wait_until_serving(index):
+        return state["version"]
+
+    async def score(episodes, timeline):
+        return episodes
+
+    async def no_stats():
+        return {}
+
+    actors = RunActors(
+        dataset=FakeDataset(),
+        generators=endpoints(generate=generate, update_weights=update_weights, wait_until_serving=wait_until_serving),
+        buffer=FakeBuffer(config.buffer),
+        trainer=endpoints(train_step=train_step),
+        score=score,
+        stats=no_stats,
+    )
+    return Pipeline(config, actors)
+
+
+def run(pipeline: Pipeline, tmp_path):
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", pipeline.config.steps, progress_every_s=1e9)
+    try:
+        return asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, FakeLifecycle()), 30))
+    finally:
+        logger.close()
+
+
+def test_a_rollout_that_fails_unexpectedly_fails_the_run_instead_of_dying_unseen(tmp_path):
+    """Before, a rollout task's exception stayed inside gather(return_exceptions=True), its episode
+    stayed counted in flight, and the train loop waited for it forever."""
+
+    async def generate(index, prompts, group_size):
+        raise ValueError("the engine died in a way nobody expected")
+
+    with pytest.raises(ValueError, match="nobody expected"):
+        run(make_pipeline(generate), tmp_path)
+
+
+def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained_twice(tmp_path):
+    calls = {"n": 0}
+
+    async def generate(index, prompts, group_size):
+        calls["n"] += 1
+        await asyncio.sleep(0)  # a remote call yields to the event loop
+        if calls["n"] == 2:  # the second call's generator dies mid-request
+            raise GeneratorLost(index, "its process died")
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline = make_pipeline(generate)
+    history, accounting = run(pipeline, tmp_path)
+
+    assert len(history) == CONFIG.steps
+    assert accounting["requeued_after_generator_failure"] == 1
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
