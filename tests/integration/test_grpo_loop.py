@@ -17,21 +17,23 @@ from forge_rl.trainer import TrainerConfig
 pytestmark = pytest.mark.integration
 
 NUM_STEPS = 4
-MAX_POLICY_AGE = 1
 
 
 # Each variant also runs recipe options that only a whole loop can check end to end:
-#   fsdp  DAPO's dynamic sampling and soft overlong penalty;
-#   tp    temperature and top-p (the trainer must renormalize over the generator's kept sets to
-#         agree with its logprobs) and the KL penalty to a reference model on its own process.
+#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty;
+#   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
+#         the generator's kept sets to agree with its logprobs) and the KL penalty to a reference
+#         model on its own process.
 VARIANTS = {
     "fsdp": dict(
+        buffer=BufferConfig(max_policy_age=0, capacity_episodes=32),
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
         generator=GeneratorConfig(max_new_tokens=3),
         dynamic_sampling=True,
         scorer=ScorerConfig(overlong_buffer=1),
     ),
     "tp": dict(
+        buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(tp=2), loss=LossConfig(kl_beta=0.05)),
         generator=GeneratorConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
     ),
@@ -45,7 +47,6 @@ def run_variant(name: str, tmp_path_factory):
         steps=NUM_STEPS,
         train_batch_size=32,
         group_size=4,
-        buffer=BufferConfig(max_policy_age=MAX_POLICY_AGE, capacity_episodes=32),
         **VARIANTS[name],
     )
     summary = asyncio.run(run(config))
@@ -80,18 +81,31 @@ def test_the_run_trains_every_step_and_writes_its_outputs(finished_run):
 
 
 def test_generators_serve_the_versions_the_trainer_publishes(finished_run):
-    _, metrics, _, _ = finished_run
+    _, metrics, _, config = finished_run
     # Weight updates are not awaited by the train loop, so by the last step a generator holds at
     # least the version published max_policy_age + 1 steps earlier.
-    assert min(metrics[-1]["generator/policy_versions"]) >= NUM_STEPS - MAX_POLICY_AGE - 1
-    assert max(m["policy_age/max"] for m in metrics) >= 0
+    assert min(metrics[-1]["generator/policy_versions"]) >= NUM_STEPS - config.buffer.max_policy_age - 1
 
 
 def test_no_trained_token_is_older_than_max_policy_age(finished_run):
-    summary, metrics, _, _ = finished_run
-    assert summary["max_policy_age_seen"] <= MAX_POLICY_AGE
+    summary, metrics, _, config = finished_run
+    assert summary["max_policy_age_seen"] <= config.buffer.max_policy_age
     for m in metrics:
-        assert all(int(age) <= MAX_POLICY_AGE for age in m["policy_age/histogram"])
+        assert all(int(age) <= config.buffer.max_policy_age for age in m["policy_age/histogram"])
+
+
+def test_every_version_label_names_the_weights_that_sampled_the_token(fsdp_run):
+    """Synchronous RL trains every token at the version it is labelled with, so the trainer's
+    logprob under those weights must equal the generator's, at every step: a generator still
+    sampling with older weights under a newer label (an update that did not apply) breaks this
+    from step 2 on, by orders of magnitude."""
+    _, metrics, _, _ = fsdp_run
+    for m in metrics:
+        assert m["policy_age/histogram"].keys() == {"0"}
+        assert m["loss/mismatch_kl"] < 1e-5, m["step"]
+        assert m["loss/max_abs_log_ratio"] < 1e-3, m["step"]
+        assert m["health/mismatch_alarms"] == 0
+    assert metrics[-1]["policy/entropy"] > 0
 
 
 def test_trainer_and_generator_logprobs_agree_at_version_zero(finished_run):

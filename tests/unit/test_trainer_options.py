@@ -26,11 +26,14 @@ def test_an_unknown_option_value_is_refused_naming_the_flag(field, value, messag
     assert message in str(error.value)
 
 
-def test_every_option_value_is_accepted():
+def test_every_option_value_is_accepted_and_kept():
     for batching in ("pad", "bucket", "pack"):
         for checkpointing in ("none", "full"):
             for precision in ("fp32", "bf16"):
-                TrainerConfig(batching=batching, activation_checkpointing=checkpointing, mixed_precision=precision)
+                config = TrainerConfig(batching=batching, activation_checkpointing=checkpointing, mixed_precision=precision)
+                assert (config.batching, config.activation_checkpointing, config.mixed_precision) == (
+                    batching, checkpointing, precision
+                )
 
 
 def test_dp_replicate_counts_in_the_process_product():
