@@ -419,6 +419,9 @@ class VLLMEngine:
             self._abort_epoch += 1  # generate() resubmits what this pause aborts
         await _pause(llm, mode, clear_cache)
         paused = time.perf_counter()
+        # Requests frozen by a "keep" pause that continue on their KV: their later tokens carry
+        # `policy_version` but attend to a prefix encoded by older weights (docs/weight_store.md).
+        continued_over_older_kv = llm.get_num_unfinished_requests() if mode == "keep" and not clear_cache else 0
         try:
             if use_staged:
                 await llm.collective_rpc("forge_commit_staged", args=(policy_version,))
@@ -444,6 +447,7 @@ class VLLMEngine:
             stall_s=resumed - started,
             paused_s=resumed - paused,
             num_bytes=stage.get("num_bytes", 0),
+            num_requests_over_older_kv=continued_over_older_kv,
         )
 
     def _can_stage(self) -> bool:
@@ -521,6 +525,10 @@ class SwapStats:
     paused_s: float
     """From paused to resumed: the time the engine could not decode at all."""
     num_bytes: int
+    num_requests_over_older_kv: int = 0
+    """Requests that continued across the swap on KV computed by older weights (swap_kv="reuse"):
+    their later tokens are labelled with the new version, one version younger than the oldest
+    weights they depend on."""
 
 
 async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:

@@ -35,6 +35,7 @@ LOAD_S = "weights/load_s"  # this update end to end (kept for the controller's m
 BYTES = "weights/bytes"  # bytes of the snapshot moved into the engine
 GBPS = "weights/gbps"  # bytes / (prefetch + stage + paused)
 PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish call to serving (wall clock)
+REQUESTS_OVER_OLDER_KV = "weights/requests_over_older_kv"  # swap_kv=reuse: requests continued on older KV
 
 
 
@@ -89,4 +90,5 @@ async def load_version(
         BYTES: snapshot.num_bytes,
         GBPS: snapshot.num_bytes / max(moved_s, 1e-9) / 1e9,
         PUBLISH_TO_SERVABLE_S: serving_at - info.get("publish_started_at", serving_at),
+        REQUESTS_OVER_OLDER_KV: swap.num_requests_over_older_kv,
     }

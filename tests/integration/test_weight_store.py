@@ -255,7 +255,7 @@ PROMPTS = [[1, 4 + i, 5 + (i * 3) % 7, 6] for i in range(8)]
 
 
 def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
-    from forge_rl.store.loader import PAUSED_S, STAGE_S, load_version
+    from forge_rl.store.loader import PAUSED_S, REQUESTS_OVER_OLDER_KV, STAGE_S, load_version
 
     async def swap_under_load():
         batch = await decoding_batch(engines.swapping, PROMPTS, 4)
@@ -269,6 +269,7 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
     completions = [c for group in groups for c in group]
     assert all(c.num_tokens == NEW_TOKENS for c in completions)  # in-flight requests continued
     assert any(c.policy_versions[0] == 0 and c.policy_versions[-1] == 1 for c in completions)
+    assert metrics[REQUESTS_OVER_OLDER_KV] > 0  # they continued on KV of version 0 (swap_kv=reuse)
 
     swapped = engines.run(seeded_samples(engines.swapping, PROMPTS))
     fresh = engines.run(seeded_samples(engines.fresh, PROMPTS))
@@ -280,7 +281,7 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
 def test_drain_lets_requests_finish_on_the_old_weights(engines):
     from safetensors.torch import load_file
 
-    from forge_rl.store.loader import load_version
+    from forge_rl.store.loader import REQUESTS_OVER_OLDER_KV, load_version
 
     async def swap_under_load():
         await engines.store.publish(2, load_file(str(engines.model_dirs[2] / "model.safetensors")))
@@ -291,6 +292,7 @@ def test_drain_lets_requests_finish_on_the_old_weights(engines):
     metrics, groups = engines.run(swap_under_load())
     assert metrics["policy_version"] == 2
     assert all(set(c.policy_versions) == {1} for group in groups for c in group)
+    assert metrics[REQUESTS_OVER_OLDER_KV] == 0  # nothing continued across the swap
 
 
 def test_abort_and_resubmit_keeps_every_completion_whole(engines):
