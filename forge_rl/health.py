@@ -8,7 +8,8 @@ version labels say (an update that silently failed to apply, a stale adapter, an
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
 this is how silently stale weights were caught. The alarm compares each generator's KL with its own
 running level and with the other generators' at the same step, and warns with the step, the
-generator and the versions its tokens were labelled with.
+generator and the versions its tokens were labelled with. Staleness raises the KL legitimately, so
+a generator's own history counts only its steps whose trained tokens were at least as stale as now.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR
+from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_AGE_MAX
 from forge_rl.types import Episode
 
 
@@ -30,8 +31,9 @@ class MismatchAlarmConfig:
     the alarm off."""
     min_kl: float = 1e-3
     """Never warn below this KL: tiny models at fp32 sit near 1e-10, where any ratio is noise."""
-    warmup_steps: int = 2
-    """Steps a generator's running level is learned over before its own history can raise the alarm."""
+    warmup_steps: int = 3
+    """Steps (at least as stale as the current one) a generator's running level is learned over
+    before its own history can raise the alarm."""
 
     def __post_init__(self) -> None:
         if self.factor < 0 or (0 < self.factor <= 1):
@@ -50,7 +52,8 @@ class MismatchAlarm:
 
     def __init__(self, config: MismatchAlarmConfig):
         self.config = config
-        self._history: dict[int, collections.deque[float]] = {}
+        self._history: dict[int, collections.deque[tuple[float, int]]] = {}
+        """generator -> (mismatch KL, policy_age/max) of its recent steps."""
 
     def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
         """The warnings for this step (empty when all is well); updates the running levels."""
@@ -61,9 +64,10 @@ class MismatchAlarm:
             for name, value in metrics.items()
             if name.startswith(MISMATCH_KL_BY_GENERATOR + "/")
         }
+        max_age = metrics.get(POLICY_AGE_MAX, 0)
         warnings = []
         for generator, kl in sorted(kl_by_generator.items()):
-            reference = self._reference_level(generator, kl_by_generator)
+            reference = self._reference_level(generator, kl_by_generator, max_age)
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
                 versions = _versions_of(episodes, generator)
                 warnings.append(
@@ -72,21 +76,18 @@ class MismatchAlarm:
                     f"(trained at {train_version}). Its weights may not be what their version says (an update "
                     "that did not apply?)."
                 )
-            self._update_level(generator, kl)
+            self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append((kl, max_age))
         return warnings
 
-    def _reference_level(self, generator: int, kl_by_generator: dict[int, float]) -> float | None:
+    def _reference_level(self, generator: int, kl_by_generator: dict[int, float], max_age: int) -> float | None:
         levels = []
-        history = self._history.get(generator, ())
-        if len(history) >= self.config.warmup_steps:
-            levels.append(statistics.median(history))
+        comparable = [kl for kl, age in self._history.get(generator, ()) if age >= max_age]
+        if len(comparable) >= self.config.warmup_steps:
+            levels.append(statistics.median(comparable))
         others = [kl for g, kl in kl_by_generator.items() if g != generator]
         if others:
             levels.append(statistics.median(others))
         return min(levels) if levels else None
-
-    def _update_level(self, generator: int, kl: float) -> None:
-        self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
 
 
 def _versions_of(episodes: Sequence[Episode], generator: int) -> str:

@@ -33,6 +33,14 @@ def test_a_single_generator_is_compared_with_its_own_running_level_after_warmup(
     assert len(alarm.observe(5, step_metrics(g0=0.2), [], 5)) == 1
 
 
+def test_staler_tokens_than_the_history_has_seen_are_not_a_jump():
+    """Tokens one version old legitimately disagree more with the trainer than fresh ones."""
+    alarm = MismatchAlarm(MismatchAlarmConfig(warmup_steps=2))
+    for step in (1, 2, 3):
+        assert alarm.observe(step, step_metrics(g0=1e-10) | {"policy_age/max": 0}, [], step) == []
+    assert alarm.observe(4, step_metrics(g0=1e-2) | {"policy_age/max": 1}, [], 4) == []
+
+
 def test_kl_at_numerical_noise_never_warns_and_factor_0_turns_the_alarm_off():
     alarm = MismatchAlarm(MismatchAlarmConfig())
     assert alarm.observe(1, step_metrics(g0=1e-12, g1=1e-8), [], 1) == []  # 10000x, but below min_kl
