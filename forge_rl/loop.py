@@ -41,6 +41,7 @@ from forge_rl.types import Episode
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
     from forge_rl.lifecycle import Lifecycle
+    from forge_rl.trainer import TrainStepResult
 
 
 @dataclasses.dataclass
@@ -195,28 +196,27 @@ class Pipeline:
         self.step_in_flight = True  # until the step is accounted for, with no await in between
         with timeline.busy("trainer"):
             values, stopped = await lifecycle.finish_despite_stop(actors.trainer.train_step.call(episodes))
-            trainer_metrics = values.item(procs=0)
-        trained_tokens_per_s = trainer_metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
-        if trainer_metrics[m.STEP_SKIPPED]:
+            trained: TrainStepResult = values.item(procs=0)
+        trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
+        if trained.skipped:
             # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
             self.accounting.count_skipped(episodes)
             await self.gate.step_skipped()
         else:
             self.accounting.count_trained(episodes)
-            weights_dir = trainer_metrics.pop("weights/dir")
             # Finished updates are dropped (their errors raised here), so a long run holds only
             # the updates in flight, not one task per generator per step.
             for task in [t for t in weight_updates if t.done()]:
                 task.result()
             weight_updates = [t for t in weight_updates if not t.done()] + [
-                asyncio.create_task(self.update_generator(i, trainer_metrics["policy_version"], weights_dir))
+                asyncio.create_task(self.update_generator(i, trained.policy_version, trained.weights_dir))
                 for i in range(self.config.num_generators)
             ]
         self.step, self.step_in_flight = step, False
         step_metrics = {
             m.STEP: step,
             **batch_metrics(episodes, train_version),
-            **trainer_metrics,
+            **trained.metrics,
             **self.last_weight_update,
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             **await self._pipeline_metrics(),

@@ -90,6 +90,20 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{name} ({value}) must be {constraint}. Set --trainer.{flag}.")
 
 
+@dataclass(frozen=True)
+class TrainStepResult:
+    """What one trainer step hands the train loop: what it decides on, apart from what it logs."""
+
+    policy_version: int
+    """The trainer's version after the step (unchanged when skipped)."""
+    skipped: bool
+    """The loss or gradient was not finite: no optimizer step, nothing published."""
+    weights_dir: str | None
+    """Where the new version will be in the weight store (rank 0; None when skipped)."""
+    metrics: dict[str, float]
+    """Batch-wide metrics for the log (`step_skipped` and `policy_version` among them)."""
+
+
 def _select_device() -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

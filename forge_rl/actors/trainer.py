@@ -19,7 +19,7 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.trainer import PolicyTrainer, TrainerConfig, TrainStepResult
 from forge_rl.types import Episode
 
 
@@ -55,19 +55,19 @@ class TrainerActor(Actor):
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid()}
 
     @endpoint
-    async def train_step(self, episodes: list[Episode]) -> dict:
+    async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
         """One optimizer step on `episodes`, then publish the new version to the weight store.
 
-        The metrics carry `policy_version` (after the step) and `step_skipped`: 1 when the loss or
-        gradient was not finite, in which case nothing was published (no `weights/*` keys) and the
-        version did not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
+        A step whose loss or gradient was not finite is skipped: nothing is published and the
+        version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
         batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
         metrics = self.trainer.train_step(batch)
         metrics["policy_version"] = self.trainer.policy_version
-        if not metrics["step_skipped"]:
-            metrics.update(await self._publish())
-        return metrics
+        skipped = bool(metrics["step_skipped"])
+        published = {} if skipped else await self._publish()
+        weights_dir = published.pop("weights/dir", None)
+        return TrainStepResult(self.trainer.policy_version, skipped, weights_dir, metrics | published)
 
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:

@@ -12,6 +12,7 @@ from forge_rl.config import GRPOConfig
 from forge_rl.errors import GeneratorLost
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
+from forge_rl.trainer import TrainStepResult
 from tests.fakes import FakeBuffer, FakeDataset, FakeLifecycle, completions_for, endpoints
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
@@ -23,7 +24,8 @@ def make_pipeline(generate, config: GRPOConfig = CONFIG) -> Pipeline:
 
     async def train_step(episodes):
         state["version"] += 1
-        return {"num_tokens": 8, "step_skipped": 0, "policy_version": state["version"], "weights/dir": "/nowhere"}
+        metrics = {"num_tokens": 8, "step_skipped": 0, "policy_version": state["version"]}
+        return TrainStepResult(state["version"], skipped=False, weights_dir="/nowhere", metrics=metrics)
 
     async def update_weights(index, policy_version, weights_dir):
         return {"policy_version": policy_version}
