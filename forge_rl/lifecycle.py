@@ -56,13 +56,17 @@ if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
     from forge_rl.loop import Pipeline
 
-# Shutdown must finish within the 10 s a user (or a scheduler's SIGTERM grace period) waits.
-_ENGINE_STOP_TIMEOUT_S = 4.0
-_MESH_STOP_TIMEOUT_S = 4.0
-# On Ctrl-C / SIGTERM with checkpoint.on_shutdown: how long the optimizer step in flight may take to
-# finish, then how long the checkpoint may take (a tiny model's takes well under a second).
+# A stop (Ctrl-C, SIGTERM) must finish within the 10 s a user (or a scheduler's SIGTERM grace
+# period) waits: every stage below takes at most its own bound and never more than is left of
+# _STOP_BUDGET_S since the stop (the rest is the processes exiting).
+_STOP_BUDGET_S = 9.0
+# With checkpoint.on_shutdown: how long the optimizer step in flight may take to finish, then how
+# long the checkpoint may take (a tiny model's takes well under a second).
 _STOP_STEP_TIMEOUT_S = 2.0
 _STOP_CHECKPOINT_TIMEOUT_S = 3.0
+# Then the engines, then every process of the run.
+_ENGINE_STOP_TIMEOUT_S = 4.0
+_MESH_STOP_TIMEOUT_S = 4.0
 
 
 class Lifecycle:
@@ -80,6 +84,8 @@ class Lifecycle:
         self._generators: Any = None
         self._proc_meshes: list = []
         self._loops: asyncio.Task | None = None
+        self._stopped_at: float | None = None
+        """When a stop (or failure) began to unwind the run: the clock of _STOP_BUDGET_S."""
 
     @classmethod
     def open(cls, config: GRPOConfig) -> Lifecycle:
@@ -120,15 +126,23 @@ class Lifecycle:
         """The generator pool (its engines are stopped first) and every proc mesh of the run."""
         self._generators, self._proc_meshes = generators, proc_meshes
 
+    def _stop_timeout(self, bound_s: float) -> float:
+        """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts)."""
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+        return max(0.0, min(bound_s, self._stopped_at + _STOP_BUDGET_S - time.monotonic()))
+
     async def _shutdown(self) -> None:
         """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
         if self._generators is not None:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await asyncio.wait_for(self._generators.shutdown.call_one(), _ENGINE_STOP_TIMEOUT_S)
+                await asyncio.wait_for(self._generators.shutdown.call_one(), self._stop_timeout(_ENGINE_STOP_TIMEOUT_S))
         with contextlib.suppress(Exception, asyncio.TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
-                _MESH_STOP_TIMEOUT_S,
+                # A mesh stop gets at least a second, so processes are asked to exit even when the
+                # earlier stages used the budget up.
+                max(1.0, self._stop_timeout(_MESH_STOP_TIMEOUT_S)),
             )
         self.store.destroy()
 
@@ -197,7 +211,7 @@ class Lifecycle:
                 task.cancel()
                 raise
             try:
-                return await asyncio.wait_for(task, _STOP_STEP_TIMEOUT_S), True
+                return await asyncio.wait_for(task, self._stop_timeout(_STOP_STEP_TIMEOUT_S)), True
             except asyncio.TimeoutError:
                 raise asyncio.CancelledError from None
 
@@ -249,7 +263,7 @@ class Lifecycle:
         if any(step == pipeline.step for step, _ in complete_checkpoints(self.run_path)):
             return
         try:
-            await asyncio.wait_for(self.save_checkpoint(pipeline), _STOP_CHECKPOINT_TIMEOUT_S)
+            await asyncio.wait_for(self.save_checkpoint(pipeline), self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S))
         except (Exception, asyncio.TimeoutError) as e:
             progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
 
