@@ -6,10 +6,9 @@
     reaper.dismiss()                                    # this process cleaned up itself
 
 `Reaper.start` runs `python -m forge_rl.reaper` beside the calling process (its parent). When the
-parent exits, however it exits, the reaper terminates the process trees it was given (SIGTERM, so
-they run their own cleanup, then SIGKILL after `_GRACE_S`), removes the paths matching its
-patterns, and exits. It also exits, doing nothing, once every process it was given has exited on
-its own (and it has no paths to remove), or when dismissed.
+parent exits, however it exits, the reaper kills the process trees it was given, removes the paths
+matching its patterns, and exits. It also exits, doing nothing, once every process it was given
+has exited on its own (and it has no paths to remove), or when dismissed.
 
 Why a separate process: a killed process runs no cleanup, and what it leaves is not always something
 that dies with it. Processes that we start ourselves die with their parent through PR_SET_PDEATHSIG
@@ -19,7 +18,7 @@ vLLM starts its engine core itself, with no hook to run code in that process, an
 launch left only when the next run starts on that host, which may be never.
 
 Why polling the parent pid, not a pipe whose end the parent holds: vLLM forks its engine core from
-the parent (multiprocessing's fork start method), and a forked child inherits every descriptor, so
+the parent (its default multiprocessing start method), and a forked child inherits every descriptor, so
 the pipe would not close while the engine core lives, which is exactly the case to catch. The
 reaper's parent changes (to init or a subreaper) the moment the parent exits; polling every
 `_POLL_S` costs nothing measurable.
@@ -30,6 +29,7 @@ is never signalled), and paths named per launch, so another run on the same host
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -43,9 +43,6 @@ from collections.abc import Iterable
 import psutil
 
 _POLL_S = 0.1
-_GRACE_S = 3.0
-"""How long the processes may take to exit on SIGTERM before they are killed. vLLM's engine core
-shuts its workers down and frees its shared memory on SIGTERM in well under a second on a CPU."""
 
 
 class Reaper:
@@ -56,7 +53,7 @@ class Reaper:
 
     @classmethod
     def start(cls, kill: Iterable[psutil.Process] = (), remove: Iterable[str] = ()) -> Reaper:
-        """Guard this process: when it exits, terminate `kill` (with their descendants) and remove
+        """Guard this process: when it exits, kill `kill` (with their descendants) and remove
         the paths matching the glob patterns `remove`."""
         spec = {
             "parent": os.getpid(),
@@ -85,7 +82,7 @@ def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
         if not remove and not any(_is_running(process) for process in kill):
             return  # they exited on their own (a normal engine shutdown): nothing left to guard
         time.sleep(_POLL_S)
-    _terminate(kill)
+    _kill_trees(kill)
     for pattern in remove:
         for path in glob.glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
@@ -93,22 +90,20 @@ def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
         _note(f"process {parent} exited; stopped {len(kill)} process tree(s) it left, removed {remove}")
 
 
-def _terminate(processes: list[psutil.Process]) -> None:
-    """SIGTERM to `processes`, SIGKILL after _GRACE_S to them and to every descendant they had."""
-    everything = list(processes)
+def _kill_trees(processes: list[psutil.Process]) -> None:
+    """SIGKILL to `processes` and every descendant they have. No SIGTERM first: what a graceful stop
+    would do is talk to the process that just died. vLLM's engine core, given SIGTERM, shut its
+    worker down but then lingered on its output socket to the dead front end (zmq linger, 4 s) until
+    killed, measured here; what it holds in shared memory is unlinked either way, by the resource
+    tracker (see vllm_engine.VLLMEngine.start)."""
     for process in processes:
         try:
-            everything += process.children(recursive=True)  # before the parent goes: they may be reparented
-            process.terminate()  # psutil checks the start time first: a reused pid is left alone
+            tree = [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(everything, timeout=_GRACE_S)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=_GRACE_S)
+            continue
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()  # psutil checks the start time first: a reused pid is left alone
 
 
 def _is_running(process: psutil.Process) -> bool:

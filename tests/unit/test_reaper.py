@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ne
 
 DEADLINE_S = 10
 
-# A guarded process: starts a child that ignores SIGTERM (like multiprocessing's resource tracker,
-# the worst case: the reaper must escalate to SIGKILL), a grandchild, and a reaper; prints the pids.
+# A guarded process: starts a child that ignores SIGTERM (like multiprocessing's resource tracker)
+# with a child of its own, and a reaper guarding both; prints the three pids.
 GUARDED = textwrap.dedent("""
     import subprocess, sys, time
     import psutil
@@ -27,9 +27,9 @@ GUARDED = textwrap.dedent("""
     while not psutil.Process(child.pid).children():
         time.sleep(0.05)
     reaper = Reaper.start(kill=[psutil.Process(child.pid)], remove=[sys.argv[1] + "*"])
-    print(child.pid, psutil.Process(child.pid).children()[0].pid, reaper.process.pid, flush=True)
     if sys.argv[2] == "dismiss":
         reaper.dismiss()
+    print(child.pid, psutil.Process(child.pid).children()[0].pid, reaper.process.pid, flush=True)
     time.sleep(600)
 """)
 
@@ -38,15 +38,16 @@ def start_guarded(tmp_path, mode: str):
     process = subprocess.Popen(
         [sys.executable, "-c", GUARDED, str(tmp_path / "shm-"), mode], stdout=subprocess.PIPE, text=True
     )
-    pids = [int(pid) for pid in process.stdout.readline().split()]
-    return process, [psutil.Process(pid) for pid in pids]
+    child, grandchild, reaper = (int(pid) for pid in process.stdout.readline().split())
+    return process, psutil.Process(child), psutil.Process(grandchild), reaper
 
 
 def test_a_killed_process_leaves_no_process_tree_and_no_path_behind(tmp_path):
     (tmp_path / "shm-root").mkdir()
     (tmp_path / "shm-root-fetched-1").mkdir()
     (tmp_path / "other-run").mkdir()
-    process, (child, grandchild, reaper) = start_guarded(tmp_path, "guard")
+    process, child, grandchild, reaper = start_guarded(tmp_path, "guard")
+    reaper = psutil.Process(reaper)
     process.kill()
     process.wait()
     _, alive = psutil.wait_procs([child, grandchild, reaper], timeout=DEADLINE_S)
@@ -56,9 +57,9 @@ def test_a_killed_process_leaves_no_process_tree_and_no_path_behind(tmp_path):
 
 def test_a_dismissed_reaper_touches_nothing(tmp_path):
     (tmp_path / "shm-root").mkdir()
-    process, (child, grandchild, reaper) = start_guarded(tmp_path, "dismiss")
+    process, child, grandchild, reaper = start_guarded(tmp_path, "dismiss")
     try:
-        reaper.wait(timeout=DEADLINE_S)
+        assert not psutil.pid_exists(reaper)
         process.kill()
         process.wait()
         time.sleep(0.5)  # what the reaper would have needed to act: it must not have
