@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import json
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ from forge_rl.checkpoint import (
 )
 from forge_rl.errors import ProcessDied
 from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
+from forge_rl.reaper import Reaper
 from forge_rl.run_dir import (
     config_to_dict,
     create_run_dir,
@@ -79,6 +81,11 @@ class Lifecycle:
         """The checkpoint a resume continues from; None for a fresh run."""
         self.model_dir = prepare_model_dir(config, run_path)
         self.store = SharedMemorySnapshots(default_store_root(run_path.name), self.model_dir)
+        # A killed controller runs no cleanup, and every other process of the run dies with it, so
+        # the store's shared memory (a whole model per version kept) would stay until the next
+        # run on this host sweeps it. The reaper, outside the run, removes it when this process exits.
+        root = glob.escape(str(self.store.root))
+        self._store_reaper = Reaper.start(remove=[root, root + "-fetched-*"])
         self.process_failures: list[str] = []
         """Processes of the run that died (from Monarch's fault hook); the run stops at the first."""
         self._generators: Any = None
@@ -145,6 +152,7 @@ class Lifecycle:
                 max(1.0, self._stop_timeout(_MESH_STOP_TIMEOUT_S)),
             )
         self.store.destroy()
+        self._store_reaper.dismiss()
 
     def _translated(self, error: BaseException) -> BaseException:
         """The exception the run ends with: ProcessDied for a dead process, else `error` with the

@@ -14,7 +14,6 @@ import socket
 import time
 from pathlib import Path
 
-import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
@@ -46,7 +45,7 @@ class GeneratorActor(Actor):
             "engine_start_s": time.perf_counter() - started,
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
-            "engine_pids": _engine_pids(),
+            "engine_pids": self.engine.process_ids(),
         }
 
     @concurrent_endpoint
@@ -90,15 +89,3 @@ class GeneratorActor(Actor):
         if self.store is not None:  # leases of an update cut short, fetched copies
             await self.store.close()
 
-
-def _engine_pids() -> list[int]:
-    """This process's live descendants (vLLM's engine core and worker), less multiprocessing's
-    resource tracker, which is not part of the engine."""
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                pids.append(child.pid)
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # exited already: nothing to watch
-            pass
-    return pids

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import psutil
+
+from forge_rl.reaper import Reaper
 from forge_rl.types import Completion, CompletionStatus
 
 _logger = logging.getLogger(__name__)
@@ -149,6 +152,9 @@ class VLLMEngine:
         self._vocab_size = 0
         self.num_truncated_support = 0
         """Tokens so far whose kept set may have been cut to max_support_ids (warned once)."""
+        self._engine_processes: list[psutil.Process] = []
+        """The processes vLLM started (its engine core; their children are its workers)."""
+        self._reaper: Reaper | None = None
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
         """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
@@ -160,6 +166,7 @@ class VLLMEngine:
             )
         # vLLM reads these when first imported (its logger) and when spawning the engine-core and
         # worker processes, so both happen inside the block.
+        children_before = {child.pid for child in psutil.Process().children()}
         with _environ(self._engine_env()):
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -167,6 +174,16 @@ class VLLMEngine:
             self._support_source = self._pick_support_source()
             args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
             self._llm = AsyncLLM.from_engine_args(args)
+        self._engine_processes = [
+            child for child in psutil.Process().children()
+            if child.pid not in children_before and not _is_resource_tracker(child)
+        ]
+        # vLLM's engine core has no way to notice that this process died: a SIGKILL here (ours,
+        # or Monarch's parent-death signal when the controller is killed) would leave it, its
+        # worker, and the shared memory both hold, for good. The reaper stops it when this process
+        # exits; its worker follows (vLLM's death pipe) and multiprocessing's resource tracker, once
+        # no process holds it any more, unlinks the psm_* and sem.* files they created.
+        self._reaper = Reaper.start(kill=self._engine_processes)
         self._vocab_size = self._llm.model_config.get_vocab_size()
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
@@ -454,11 +471,30 @@ class VLLMEngine:
         """The staged loader needs eager mode (see forge_rl/store/vllm_staging.py)."""
         return self.config.swap_loader == "staged" and self.config.enforce_eager
 
+    def process_ids(self) -> list[int]:
+        """OS pids of vLLM's engine-core process(es) and their workers, while they live."""
+        pids = []
+        for process in self._engine_processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                pids += [process.pid, *(child.pid for child in process.children(recursive=True))]
+        return pids
+
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._reaper is not None:
+            self._reaper.dismiss()
+            self._reaper = None
+
+
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    """multiprocessing's resource tracker (started by vLLM's shared memory), which is not part of
+    the engine: it exits on its own once no process holds it."""
+    with contextlib.suppress(psutil.Error):
+        return "resource_tracker" in " ".join(process.cmdline())
+    return False
 
 
 def _to_completion(output: CompletionOutput, support_source: str, max_support_ids: int | None) -> Completion:
