@@ -19,6 +19,7 @@ from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.layout import tensor_checksum
+from tests.helpers import HANG_S
 from tests.integration.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
@@ -115,11 +116,15 @@ def test_readers_get_every_version_intact_through_both_transports(cluster):
 
 
 def test_a_reader_waiting_for_a_version_gets_it_only_once_complete(cluster):
-    loop, writer, shm_reader, _, _ = cluster
+    loop, writer, shm_reader, _, index = cluster
 
     async def scenario():
         pending = asyncio.ensure_future(shm_reader.read.call_one(10))
-        await asyncio.sleep(0.5)
+        # The reader's call is waiting inside the index (a state, not a guess at how long it takes).
+        deadline = time.monotonic() + HANG_S
+        while (await index.describe.call_one())["_waiting"] != 1:
+            assert not pending.done(), pending.result()
+            assert time.monotonic() < deadline, "the reader never started waiting for version 10"
         assert not pending.done()  # nothing >= 10 is complete yet
         await writer.publish(10, weights(10))
         return await pending
