@@ -29,15 +29,14 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from forge_rl.batching import make_train_batch
 from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import wait_until
+from tests.helpers import spawn_ranks, wait_until
 
-from .test_trainer import _episodes, _free_port
+from .test_trainer import _episodes
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +45,9 @@ STEPS_BEFORE_SAVE = 2
 STEPS_AFTER_SAVE = 2
 
 
-def _train_rank(rank: int, port: int, model_dir: Path, checkpoint: Path, out: Path, resume: bool) -> None:
+def _train_rank(rank: int, model_dir: Path, checkpoint: Path, out: Path, resume: bool) -> None:
     """One FSDP2 rank: either 2 steps, save, 2 more (`resume` False) or load, 2 steps (True)."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
     trainer = PolicyTrainer(TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)), model_dir)
     batch = make_train_batch(_episodes(), pad_id=read_hf_config(model_dir)["pad_token_id"])
     noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
@@ -74,7 +71,7 @@ def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(mo
     runs = {}
     for resume in (False, True):  # fresh processes each time: nothing survives but the checkpoint
         out = tmp_path / f"resume-{resume}.pt"
-        mp.spawn(_train_rank, args=(_free_port(), model_dir, checkpoint, out, resume), nprocs=2, join=True)
+        spawn_ranks(_train_rank, model_dir, checkpoint, out, resume)
         runs[resume] = torch.load(out)
     assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per rank
     uninterrupted, resumed = runs[False], runs[True]
