@@ -82,6 +82,8 @@ class StoreIndexActor(Actor):
         self.volumes: dict[str, StorageVolumeActor] = {}
         self._changed: asyncio.Condition | None = None
         self.num_deleted = 0
+        self.num_waiting = 0
+        """Calls waiting for a policy version that is not complete yet (`wait_for_version`, `acquire_newest`)."""
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -143,8 +145,12 @@ class StoreIndexActor(Actor):
             latest = self.index.latest_version()
             return latest is not None and latest >= min_version
 
-        async with self.changed:
-            await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
+        self.num_waiting += 1
+        try:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
+        finally:
+            self.num_waiting -= 1
 
     @concurrent_endpoint
     async def latest_version(self) -> int | None:
@@ -171,11 +177,12 @@ class StoreIndexActor(Actor):
 
     @concurrent_endpoint
     async def describe(self) -> dict:
-        """Every snapshot: state, locations, holders, bytes (for logs and tests)."""
+        """Every snapshot: state, locations, holders, bytes; and counts of deleted snapshots and of
+        calls waiting for a version (for logs and tests)."""
         return {
             key: {**_describe(record), "state": record.state.value}
             for key, record in self.index._records.items()
-        } | {"_deleted": self.num_deleted}
+        } | {"_deleted": self.num_deleted, "_waiting": self.num_waiting}
 
     async def _collect(self, keys: list[str]) -> list[str]:
         # Forget every record before the first await, so no reader can lease one meanwhile.

@@ -17,7 +17,7 @@ from forge_rl.tasks.tokenizer import VOCAB_SIZE, PromptTokenizer
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from forge_rl.batching import make_train_batch
 from forge_rl.models.hf_checkpoint import INDEX_FILE, export_hf_model_dir, weight_files
@@ -30,6 +27,7 @@ from forge_rl.models.titan import ParallelConfig, build_titan_model, read_hf_con
 from forge_rl.tasks import tokenizer as char_tokenizer
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -287,21 +285,13 @@ def _parallel_batch(trainer: PolicyTrainer):
     return dataclasses.replace(batch, behaviour_logprobs_NL=(trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL)
 
 
-def _run_rank(rank: int, port: int, parallel: ParallelConfig, model_dir: Path, batch, out: Path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch, out: Path):
     trainer = PolicyTrainer(dataclasses.replace(PARALLEL_CONFIG, num_procs=2, parallel=parallel), model_dir)
     losses = [trainer.train_step(batch)["loss"] for _ in range(NUM_PARALLEL_STEPS)]
     state_dict = trainer.hf_state_dict()
     if rank == 0:
         torch.save({"losses": losses, "state_dict": state_dict}, out)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +310,7 @@ def test_qwen3_with_tied_embeddings_trains_the_same_on_two_processes(parallel, q
     titan.py re-ties them): 5 losses equal to 4 decimals, final weights within 1e-6."""
     model_dir, batch, reference_losses, reference_state_dict = qwen3_reference
     out = tmp_path / "rank0.pt"
-    mp.spawn(_run_rank, args=(_free_port(), parallel, model_dir, batch, out), nprocs=2, join=True)
+    spawn_ranks(_run_rank, parallel, model_dir, batch, out)
     result = torch.load(out)
     assert len(set(reference_losses)) == NUM_PARALLEL_STEPS  # every step changed the loss
     assert result["losses"] == pytest.approx(reference_losses, abs=1e-4)

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from forge_rl.batching import TrainBatch, make_train_batch
@@ -23,6 +20,7 @@ from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_paral
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
+from tests.helpers import spawn_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -158,15 +156,7 @@ def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
     return {name: value for name, value in metrics.items() if name not in ("step_time_s", "padding_fraction")}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run_rank(rank: int, port: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
     trainer = PolicyTrainer(dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel), model_dir)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
     state_dict = trainer.hf_state_dict()
@@ -179,7 +169,7 @@ def _run_rank(rank: int, port: int, parallel: ParallelConfig, model_dir: Path, b
 def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
     batch, reference_metrics, reference_state_dict = reference
     out = tmp_path / "rank0.pt"
-    mp.spawn(_run_rank, args=(_free_port(), parallel, model_dir, batch, out), nprocs=2, join=True)
+    spawn_ranks(_run_rank, parallel, model_dir, batch, out)
     result = torch.load(out)
     for step, expected in zip(result["metrics"], reference_metrics, strict=True):
         assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)

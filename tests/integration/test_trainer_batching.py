@@ -6,13 +6,11 @@ changes nothing but memory; bf16 mixed precision trains close to fp32.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from forge_rl.batching import make_train_batch
 from forge_rl.bench.trainer import TrainerBenchArgs
@@ -21,7 +19,8 @@ from forge_rl.models.titan import ParallelConfig
 from forge_rl.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.integration.test_trainer import PARITY_CONFIG, _free_port
+from tests.helpers import spawn_ranks
+from tests.integration.test_trainer import PARITY_CONFIG
 
 pytestmark = pytest.mark.integration
 
@@ -107,9 +106,7 @@ def test_bf16_mixed_precision_trains_close_to_fp32(model_dir, batch, padded, sin
     assert result["metrics"][-1]["loss"] == pytest.approx(padded["metrics"][-1]["loss"], abs=1e-2)
 
 
-def _run_rank(rank: int, port: int, config: TrainerConfig, model_dir: Path, batch, out: Path):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+def _run_rank(rank: int, config: TrainerConfig, model_dir: Path, batch, out: Path):
     torch.set_num_threads(1)
     result = _run(config, model_dir, batch)
     if rank == 0:
@@ -129,7 +126,7 @@ def _run_rank(rank: int, port: int, config: TrainerConfig, model_dir: Path, batc
 def test_two_processes_in_any_layout_match_one_padded(parallel, options, model_dir, batch, padded, tmp_path):
     out = tmp_path / "rank0.pt"
     config = dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel, **options)
-    mp.spawn(_run_rank, args=(_free_port(), config, model_dir, batch, out), nprocs=2, join=True)
+    spawn_ranks(_run_rank, config, model_dir, batch, out)
     _assert_same_run(torch.load(out), padded, batch)
 
 
@@ -138,7 +135,7 @@ def test_bf16_over_fsdp2_on_two_processes_trains_close_to_fp32(model_dir, batch,
     config = dataclasses.replace(
         PARITY_CONFIG, num_procs=2, parallel=ParallelConfig(dp_shard=2), mixed_precision="bf16"
     )
-    mp.spawn(_run_rank, args=(_free_port(), config, model_dir, batch, out), nprocs=2, join=True)
+    spawn_ranks(_run_rank, config, model_dir, batch, out)
     result = torch.load(out)
     difference = (result["logprobs"] - padded["logprobs"])[batch.loss_mask_NL].abs().max()
     assert 1e-4 < difference < 5e-2  # bf16 rounding shows, and stays small

@@ -2,7 +2,9 @@
 
 One engine serves the whole module: starting one takes 10-30 s on CPU. An AsyncLLM is bound to the
 event loop that created it, so every test drives its coroutines on the module's loop.
-The weight-swap tests change the engine's weights and run last (pytest keeps file order).
+The weight-swap tests change the engine's weights and run last (pytest keeps file order). They
+swap while the engine is held mid-request (tests/integration/held_engine.py): every request of the
+batch has decoded HOLD_AFTER_TOKENS tokens and has the rest to go, by construction, not by timing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, CompletionStatus
-from tests.integration.conftest import decoding_batch
+from tests.integration.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +34,10 @@ MAX_MODEL_LEN = 128
 # it is labelled with; the default "reuse" is checked by its own test.
 CONFIG = GeneratorConfig(max_new_tokens=48, temperature=0.8, top_p=0.9, swap_kv="recompute")
 LOGPROB_ATOL = 1e-3
+HOLD_AFTER_TOKENS = 5
+"""Tokens every request of a swap test decodes on the old weights before the swap."""
+SWAP_BATCH_PROMPTS = 32
+"""x 4 samples + the holder fit one step (max_num_seqs 256), so all start together."""
 
 
 class Served:
@@ -54,7 +60,7 @@ class Served:
 def served(tmp_path_factory):
     model_dir = create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("model"))
     loop = asyncio.new_event_loop()
-    engine = VLLMEngine(CONFIG)
+    engine = HoldableEngine(CONFIG)
     # Earlier tests in this pytest process may have left long-lived helpers (wandb's service).
     before = {p.pid for p in spawned_processes()}
     loop.run_until_complete(engine.start(model_dir, MAX_MODEL_LEN))
@@ -150,11 +156,17 @@ def test_too_long_prompt_is_rejected_before_submission(served):
 
 
 async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode, swap_kv=None):
-    """Start 4 samples of each prompt, swap weights while they decode; (prompt, completion)s."""
-    batch = await decoding_batch(engine, prompts, 4)
-    stall_s = (await engine.swap_weights(Path(weights_dir), policy_version, mode, swap_kv=swap_kv)).stall_s
+    """Start 4 samples of each prompt, hold the engine mid-request, swap: ((prompt, completion)s, stall).
+
+    The version is staged first, so the swap itself is a pause and a reference swap (as in the
+    run, where the generator stages while it decodes).
+    """
+    await engine.stage_weights(Path(weights_dir), policy_version)
+    batch = await start_held_batch(engine, prompts, 4, HOLD_AFTER_TOKENS)
+    stats = await engine.swap_weights(Path(weights_dir), policy_version, mode, swap_kv=swap_kv)
+    assert stats.stage_s == 0.0  # staged before the batch: nothing staged inside the swap
     groups = await batch
-    return [(p, c) for p, group in zip(prompts, groups) for c in group], stall_s
+    return [(p, c) for p, group in zip(prompts, groups) for c in group], stats.stall_s
 
 
 def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(
@@ -162,18 +174,18 @@ def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(
 ):
     new_dir = create_tiny_model(TinyModelConfig(seed=1), tmp_path_factory.mktemp("model_v1"))
     sampled, stall_s = served.run(
-        generate_and_swap(served.engine, served.prompts(64), new_dir, policy_version=1, mode="keep")
+        generate_and_swap(served.engine, served.prompts(SWAP_BATCH_PROMPTS), new_dir, policy_version=1, mode="keep")
     )
     print(f"keep-mode swap stall: {stall_s:.3f} s")
 
-    assert stall_s < 2.0
+    assert stall_s < 2.0  # a pause and a reference swap; measured in milliseconds
+    # Held after HOLD_AFTER_TOKENS tokens: every request has exactly those on the old weights.
     for _, completion in sampled:
-        assert completion.policy_versions == sorted(completion.policy_versions)
-    straddling = [(p, c) for p, c in sampled if c.policy_versions[0] < c.policy_versions[-1]]
-    assert straddling, "the swap landed outside every request; lengthen the batch"
+        assert completion.num_tokens == CONFIG.max_new_tokens
+        assert completion.policy_versions == [0] * HOLD_AFTER_TOKENS + [1] * (CONFIG.max_new_tokens - HOLD_AFTER_TOKENS)
     # Each token's logprob must come from the weights its version names: tokens decoded before the
     # pause from the old model, tokens after it from the new one (prefix recomputed on resume).
-    for prompt, completion in straddling[:8]:
+    for prompt, completion in sampled[:8]:
         old = hf_logprobs(served.model_dir, prompt, completion)
         new = hf_logprobs(new_dir, prompt, completion)
         expected = [o if v == 0 else n for o, n, v in zip(old, new, completion.policy_versions)]
@@ -197,9 +209,8 @@ def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(
     )
     print(f"wait-mode swap stall (drain included): {stall_s:.3f} s")
 
-    # Requests already decoding finish on version 1; any still queued would run wholly on 2.
-    assert all(len(set(c.policy_versions)) == 1 for _, c in sampled)
-    assert any(c.policy_versions[0] == 1 for _, c in sampled)
+    # Every request was mid-decode at the swap (held there): all finish on version 1.
+    assert all(c.policy_versions == [1] * CONFIG.max_new_tokens for _, c in sampled)
     assert served.engine.policy_version == 2
 
 
@@ -213,14 +224,15 @@ def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_
     version = served.engine.policy_version + 1
     before = served.engine.policy_version
     sampled, stall_s = served.run(
-        generate_and_swap(served.engine, served.prompts(64), new_dir, policy_version=version, mode="keep", swap_kv="reuse")
+        generate_and_swap(
+            served.engine, served.prompts(SWAP_BATCH_PROMPTS), new_dir, policy_version=version, mode="keep", swap_kv="reuse"
+        )
     )
-    assert stall_s < 2.0
-    straddling = [(p, c) for p, c in sampled if c.policy_versions[0] < c.policy_versions[-1]]
-    assert straddling, "the swap landed outside every request; lengthen the batch"
-    for _, completion in straddling:
-        assert completion.policy_versions == sorted(completion.policy_versions)
-        assert set(completion.policy_versions) == {before, version}
+    assert stall_s < 2.0  # a pause and a reference swap; measured in milliseconds
+    for _, completion in sampled:
+        assert completion.policy_versions == (
+            [before] * HOLD_AFTER_TOKENS + [version] * (CONFIG.max_new_tokens - HOLD_AFTER_TOKENS)
+        )
     prompt = served.prompts(1)[0]
     for completion in served.run(served.engine.generate(prompt, n=2, eos_id=None)):
         assert completion.policy_versions == [version] * completion.num_tokens

@@ -19,7 +19,8 @@ from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.layout import tensor_checksum
-from tests.integration.conftest import decoding_batch
+from tests.helpers import HANG_S
+from tests.integration.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
 
@@ -115,11 +116,15 @@ def test_readers_get_every_version_intact_through_both_transports(cluster):
 
 
 def test_a_reader_waiting_for_a_version_gets_it_only_once_complete(cluster):
-    loop, writer, shm_reader, _, _ = cluster
+    loop, writer, shm_reader, _, index = cluster
 
     async def scenario():
         pending = asyncio.ensure_future(shm_reader.read.call_one(10))
-        await asyncio.sleep(0.5)
+        # The reader's call is waiting inside the index (a state, not a guess at how long it takes).
+        deadline = time.monotonic() + HANG_S
+        while (await index.describe.call_one())["_waiting"] != 1:
+            assert not pending.done(), pending.result()
+            assert time.monotonic() < deadline, "the reader never started waiting for version 10"
         assert not pending.done()  # nothing >= 10 is complete yet
         await writer.publish(10, weights(10))
         return await pending
@@ -192,6 +197,7 @@ def test_torchstore_style_put_get_keys_delete(cluster):
 
 MAX_MODEL_LEN = 128
 NEW_TOKENS = 96
+HOLD_AFTER_TOKENS = 4
 TEMPERATURE = 0.8
 
 
@@ -219,7 +225,8 @@ def engines(tmp_path_factory):
     async def build():
         index, _ = await open_store(root, model_dirs[0], keep_latest=1)
         store = WeightStore(index, root, extra_files_dir=model_dirs[0])
-        swapping = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, swap_kv="reuse"))
+        # Held mid-request for each swap test (tests/integration/held_engine.py).
+        swapping = HoldableEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, swap_kv="reuse"))
         fresh = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE))
         await swapping.start(model_dirs[0], MAX_MODEL_LEN)
         await fresh.start(model_dirs[1], MAX_MODEL_LEN)
@@ -258,7 +265,7 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
     from forge_rl.store.loader import PAUSED_S, REQUESTS_OVER_OLDER_KV, STAGE_S, load_version
 
     async def swap_under_load():
-        batch = await decoding_batch(engines.swapping, PROMPTS, 4)
+        batch = await start_held_batch(engines.swapping, PROMPTS, 4, HOLD_AFTER_TOKENS)
         metrics = await load_version(engines.swapping, engines.store, 1, "keep", verify=True)
         return metrics, await batch
 
@@ -267,8 +274,8 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
     assert metrics["policy_version"] == 1 and metrics["loader"] == "staged" and metrics["verified"]
     assert metrics[STAGE_S] > 0 and metrics[PAUSED_S] < 1.0
     completions = [c for group in groups for c in group]
-    assert all(c.num_tokens == NEW_TOKENS for c in completions)  # in-flight requests continued
-    assert any(c.policy_versions[0] == 0 and c.policy_versions[-1] == 1 for c in completions)
+    # Held after HOLD_AFTER_TOKENS tokens, every request continued on version 1 from there.
+    assert all(c.policy_versions == [0] * HOLD_AFTER_TOKENS + [1] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions)
     assert metrics[REQUESTS_OVER_OLDER_KV] > 0  # they continued on KV of version 0 (swap_kv=reuse)
 
     swapped = engines.run(seeded_samples(engines.swapping, PROMPTS))
@@ -285,7 +292,7 @@ def test_drain_lets_requests_finish_on_the_old_weights(engines):
 
     async def swap_under_load():
         await engines.store.publish(2, load_file(str(engines.model_dirs[2] / "model.safetensors")))
-        batch = await decoding_batch(engines.swapping, PROMPTS, 2)
+        batch = await start_held_batch(engines.swapping, PROMPTS, 2, HOLD_AFTER_TOKENS)
         metrics = await load_version(engines.swapping, engines.store, 2, "wait")
         return metrics, await batch
 
@@ -302,16 +309,15 @@ def test_abort_and_resubmit_keeps_every_completion_whole(engines):
 
     async def swap_under_load():
         await engines.store.publish(3, load_file(str(engines.model_dirs[1] / "model.safetensors")))
-        batch = await decoding_batch(engines.swapping, PROMPTS, 2)
+        batch = await start_held_batch(engines.swapping, PROMPTS, 2, HOLD_AFTER_TOKENS)
         metrics = await load_version(engines.swapping, engines.store, 3, "abort")
         return metrics, await batch
 
     metrics, groups = engines.run(swap_under_load())
     completions = [c for group in groups for c in group]
     assert metrics["policy_version"] == 3
-    assert all(c.num_tokens == NEW_TOKENS for c in completions)
-    assert any(c.policy_versions[0] < 3 and c.policy_versions[-1] == 3 for c in completions)  # resubmitted
-    assert all(c.policy_versions == sorted(c.policy_versions) for c in completions)
+    # Every request was aborted after HOLD_AFTER_TOKENS tokens and resubmitted: whole, old then new.
+    assert all(c.policy_versions == [2] * HOLD_AFTER_TOKENS + [3] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions)
     # Served weights are version 1's again (version 3 = model 1): a fresh engine agrees.
     swapped = engines.run(seeded_samples(engines.swapping, PROMPTS))
     fresh = engines.run(seeded_samples(engines.fresh, PROMPTS))

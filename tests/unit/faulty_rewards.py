@@ -2,10 +2,24 @@
 
 import os
 import time
+from pathlib import Path
+
+HANG_TIMEOUT_S = 5.0
+"""scorer.reward_timeout_s of the tests that wait for a hung reward: what the hang costs them. Every
+other reward here returns in microseconds, far from it even on a loaded host (the pool starts the
+clock once the worker has reported ready, so its start-up is not counted)."""
+
+MEET_TIMEOUT_S = 60.0
+"""How long "meet" waits for the other worker: bounds a hang, never reached when workers overlap."""
 
 
 def scripted(completion_text: str, answer: str) -> float:
-    """Behaves as the completion text says: raise, hang, nan, exit, slow; anything else scores 1.0."""
+    """Behaves as the completion text says: raise, hang, nan, exit, spin, meet; anything else scores 1.0.
+
+    "spin" and "meet" read the answer as a directory: "spin" marks `answer/spinning` and then hangs;
+    "meet" waits until two "meet" calls (two workers) are inside it at once (a barrier through the
+    directory), so it scores only if the pool runs them in parallel.
+    """
     if completion_text == "raise":
         raise ValueError("verifier bug on purpose")
     if completion_text == "hang":
@@ -15,8 +29,22 @@ def scripted(completion_text: str, answer: str) -> float:
         return float("nan")
     if completion_text == "exit":
         os._exit(3)
-    if completion_text == "slow":
-        time.sleep(0.2)
+    if completion_text == "spin":
+        (Path(answer) / "spinning").touch()
+        while True:
+            pass
+    if completion_text == "meet":
+        return _meet(Path(answer), parties=2)
+    return 1.0
+
+
+def _meet(directory: Path, parties: int) -> float:
+    (directory / f"arrived-{os.getpid()}").touch()
+    deadline = time.monotonic() + MEET_TIMEOUT_S
+    while len(list(directory.glob("arrived-*"))) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no other worker arrived in {MEET_TIMEOUT_S} s: rewards ran one at a time")
+        time.sleep(0.01)
     return 1.0
 
 

@@ -68,7 +68,7 @@ def test_wandb_offline_writes_history_and_config_without_network(tmp_path, monke
     assert config["trainer"] == {"lr": 3e-4}
 
 
-def wait_for_wandb_history(run_path: Path, num_steps: int, timeout_s: float = 30.0):
+def wait_for_wandb_history(run_path: Path, num_steps: int, timeout_s: float = 120.0):
     """The offline log's records and history rows, once `num_steps` rows are there: wandb's service
     process writes the log asynchronously, and may still be writing after `finish()` on a busy machine."""
     deadline = time.monotonic() + timeout_s
