@@ -4,7 +4,7 @@ The only module besides actors/ that imports Monarch.
     hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
     services = hosts.spawn_services()                # dataset, scorer, buffer, store index, pool
     trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
-    pool = services.spawn(..., hosts.generator_hosts(config.num_generators))
+    pool = services.spawn(..., hosts.generator_hosts(config.num_generators))   # hosts + GPU blocks
     ...
     await hosts.stop()                               # every proc mesh spawned here, then the hosts
 
@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
@@ -31,11 +32,13 @@ from forge_rl.metrics import progress
 from forge_rl.placement import (
     HostFacts,
     LaunchConfig,
+    RoleDemand,
     check_host_facts,
     check_hostname_routable,
     check_host_indices,
     check_reachable,
     demand_of,
+    generator_devices,
     hostnames_resolve_apart,
     is_loopback,
     parse_worker_address,
@@ -44,6 +47,9 @@ from forge_rl.placement import (
 )
 from forge_rl.errors import ConfigError
 
+if TYPE_CHECKING:
+    from forge_rl.actors.generator_pool import GeneratorPlacement
+
 # Within the 4 s the recipe's shutdown gives all meshes: procs first, the rest to release the hosts.
 _STOP_TIMEOUT_S = 3.0
 
@@ -51,8 +57,12 @@ _STOP_TIMEOUT_S = 3.0
 class Hosts:
     """The run's hosts: spawns each role's processes where the placement puts them."""
 
-    def __init__(self, launch: LaunchConfig, host_mesh: HostMesh | None = None, facts: list[HostFacts] = ()):
+    def __init__(
+        self, launch: LaunchConfig, demand: RoleDemand, host_mesh: HostMesh | None = None, facts: list[HostFacts] = ()
+    ):
         self.launch = launch
+        self.demand = demand
+        """Processes per role, which fix each generator's GPUs (`generator_hosts`)."""
         self.host_mesh = host_mesh
         """Every worker host, in launch order; None with hosts=local."""
         self.facts = list(facts)
@@ -93,12 +103,18 @@ class Hosts:
             return services
         return self.spawn_procs("store_volume", 1, placement.trainer_hosts[0])
 
-    def generator_hosts(self, num_generators: int) -> list[HostMesh] | None:
-        """The host of each generator, for the GeneratorPool (which spawns and respawns them);
-        None with hosts=local, where the pool spawns on its own host."""
-        if self.host_mesh is None:
-            return None
-        return [self.host(self.launch.placement.generator_host(i)) for i in range(num_generators)]
+    def generator_hosts(self, num_generators: int) -> list[GeneratorPlacement]:
+        """The host and GPU block of each generator, for the GeneratorPool (which spawns and
+        respawns them there). The host is None with hosts=local, where the pool spawns on its own."""
+        from forge_rl.actors.generator_pool import GeneratorPlacement
+
+        if num_generators != self.demand.num_generators:
+            raise ValueError(f"{num_generators} generators asked for, but the run's config has {self.demand.num_generators}")
+        placement = self.launch.placement
+        return [
+            GeneratorPlacement(None if self.host_mesh is None else self.host(placement.generator_host(i)), devices)
+            for i, devices in enumerate(generator_devices(self.launch, self.demand))
+        ]
 
     async def stop(self) -> None:
         """Every proc mesh spawned here (bounded), then release the workers (they keep running,
@@ -117,7 +133,7 @@ async def start_hosts(config, model_dir) -> Hosts:
     spawned yet. Raises ConfigError (naming the host and the fix) if the placement cannot run."""
     launch: LaunchConfig = config.launch
     if launch.is_local:
-        return Hosts(launch)
+        return Hosts(launch, demand_of(config))
     addresses, source = worker_addresses(launch)  # preflight checked them; they may have gone since
     check_host_indices(launch.placement, len(addresses), source)
     check_reachable(addresses, launch.connect_timeout_s)
@@ -134,7 +150,7 @@ async def start_hosts(config, model_dir) -> Hosts:
             "torchmonarch version as here, and that this machine's hostname resolves from the workers "
             "(they connect back to it)."
         ) from None
-    hosts = Hosts(launch, host_mesh)
+    hosts = Hosts(launch, demand_of(config), host_mesh)
     try:
         hosts.facts = await _probe(host_mesh, addresses, str(model_dir))
         hostnames_resolve_apart(hosts.facts)

@@ -98,6 +98,11 @@ class LaunchConfig:
     allow_shared_hosts: bool = False
     """With several hosts, a host that runs trainer (or reference) ranks may also run generators
     only when this is true (they would compete for its GPUs, cores and memory bandwidth)."""
+    share_gpus: bool = False
+    """On a GPU host with trainer (or reference) ranks, generators use the ranks' GPUs (their
+    device blocks start at device 0) instead of GPUs of their own after them: the whole loop on
+    one GPU. vLLM then takes generator.gpu_memory_utilization of each such GPU and the rank the
+    rest (`generator_devices`)."""
     connect_timeout_s: float = 5.0
     """Seconds to wait for each worker's TCP port before the run is refused, and for all
     workers to attach."""
@@ -196,6 +201,8 @@ class RoleDemand:
     trainer_threads: int = 1
     reference_threads: int = 1
     generator_threads: int = 1
+    generator_gpus: int = 1
+    """CUDA devices per generator on a GPU host: generator.tensor_parallel_size."""
 
 
 def check_placement(launch: LaunchConfig, demand: RoleDemand) -> None:
@@ -229,6 +236,83 @@ def reference_hosts(placement: PlacementConfig) -> tuple[int, ...]:
     return placement.reference_hosts or placement.trainer_hosts
 
 
+def ranked_devices(placement: PlacementConfig, demand: RoleDemand, host: int) -> int:
+    """CUDA devices the trainer and reference ranks on `host` use: each rank takes device
+    LOCAL_RANK (forge_rl/trainer.py, `_select_device`), and both worlds number their local ranks
+    from 0, so reference ranks on a trainer host run on the trainer ranks' devices."""
+    per_world = [0]
+    for num_procs, hosts in (
+        (demand.trainer_procs, placement.trainer_hosts),
+        (demand.reference_procs, reference_hosts(placement)),
+    ):
+        if num_procs and host in hosts:
+            per_world.append(num_procs // len(hosts))
+    return max(per_world)
+
+
+def generator_devices(launch: LaunchConfig, demand: RoleDemand) -> list[tuple[int, ...]]:
+    """The CUDA device indices each generator uses on its host (as the host numbers its visible
+    devices): a contiguous block of `demand.generator_gpus`, the k-th block for the host's k-th
+    generator (in generator index order), after the devices of the host's ranks
+    (`ranked_devices`), or from device 0 with `launch.share_gpus`. Pure: whether the host has
+    that many GPUs is `check_gpus`'s question; on a CPU host the indices are unused.
+
+        trainer_procs 2 on host 0, generators 0..2 all on host 0, generator_gpus 2:
+            [(2, 3), (4, 5), (6, 7)]
+        generator_hosts (1, 2), 4 generators, generator_gpus 1 (no ranks there):
+            [(0,), (0,), (1,), (1,)]        # generator 2 is host 1's second generator
+    """
+    placement, blocks, num_placed = launch.placement, [], {}
+    for index in range(demand.num_generators):
+        host = placement.generator_host(index)
+        slot = num_placed.get(host, 0)
+        num_placed[host] = slot + 1
+        first = (0 if launch.share_gpus else ranked_devices(placement, demand, host)) + slot * demand.generator_gpus
+        blocks.append(tuple(range(first, first + demand.generator_gpus)))
+    return blocks
+
+
+def check_gpus(launch: LaunchConfig, demand: RoleDemand, host: int, num_gpus: int, where: str) -> None:
+    """The devices the placement gives host `host`'s roles exist there (`num_gpus` visible), and
+    a host without GPUs is asked for no tensor-parallel generator. `where` names the host."""
+    placement = launch.placement
+    generators = [i for i in range(demand.num_generators) if placement.generator_host(i) == host]
+    if not num_gpus:
+        if generators and demand.generator_gpus > 1:
+            raise ConfigError(
+                f"{where} has no GPU, but generator.tensor_parallel_size ({demand.generator_gpus}) > 1. On CPU "
+                "forge_rl runs vLLM's CPU backend with one worker (one unpinned OpenMP thread group, "
+                "VLLM_CPU_OMP_THREADS_BIND=nobind); its tensor parallelism would need a pinned thread group per "
+                "rank, which forge_rl does not set up. Set --generator.tensor-parallel-size 1."
+            )
+        return
+    ranked = ranked_devices(placement, demand, host)
+    blocks = generator_devices(launch, demand)
+    needed = max([ranked] + [blocks[i][-1] + 1 for i in generators])
+    if needed <= num_gpus:
+        return
+    roles = []
+    for role, num_procs, hosts in (
+        ("trainer rank(s) on devices 0..", demand.trainer_procs, placement.trainer_hosts),
+        ("reference rank(s) on devices 0..", demand.reference_procs, reference_hosts(placement)),
+    ):
+        if num_procs and host in hosts:
+            roles.append(f"{num_procs // len(hosts)} {role}{num_procs // len(hosts) - 1}")
+    if generators:
+        roles.append(f"{len(generators)} generator(s) x {demand.generator_gpus} GPU(s) "
+                     f"(generator.tensor_parallel_size) from device {blocks[generators[0]][0]}")
+    share = "" if launch.share_gpus or not (ranked and generators) else (
+        ", or let generators use the ranks' GPUs (--launch.share-gpus true, with --generator.gpu-memory-utilization "
+        "leaving the trainer room)"
+    )
+    raise ConfigError(
+        f"{where} has {num_gpus} GPU(s) but the placement needs {needed} there: {' + '.join(roles)}. Each rank "
+        "and each generator's tensor-parallel block needs GPUs of its own, or the engine fails at start. Move roles "
+        "to other hosts (--launch.placement.*), lower --trainer.num-procs, --num-generators or "
+        f"--generator.tensor-parallel-size{share}."
+    )
+
+
 @dataclass(frozen=True)
 class HostFacts:
     """What one host reports (launch.py's probe runs on every host before the run starts)."""
@@ -247,10 +331,9 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
     """Per-host resources and transports against the placement. Raises ConfigError on what cannot
     run; returns notes worth printing (slow but working choices)."""
     placement, notes = launch.placement, []
-    per_host = [dict(gpus=0, threads=0, roles={}) for _ in facts]
+    per_host = [dict(threads=0, roles={}) for _ in facts]
 
     def add(host: int, role: str, num: int, threads: int) -> None:
-        per_host[host]["gpus"] += num
         per_host[host]["threads"] += num * threads
         per_host[host]["roles"][role] = per_host[host]["roles"].get(role, 0) + num
 
@@ -269,14 +352,8 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
         if not load["roles"]:
             continue
         roles = " + ".join(f"{num} {role}" for role, num in load["roles"].items())
-        if fact.num_gpus:
-            if load["gpus"] > fact.num_gpus:
-                raise ConfigError(
-                    f"{where} has {fact.num_gpus} GPU(s) but the placement puts {roles} = {load['gpus']} GPU "
-                    "process(es) on it; each needs its own GPU. Move roles to other hosts (--launch.placement.*) "
-                    "or lower --trainer.num-procs / --num-generators."
-                )
-        elif load["threads"] > MAX_COMPUTE_THREADS_PER_CORE * fact.num_cpus:
+        check_gpus(launch, demand, host, fact.num_gpus, where)
+        if not fact.num_gpus and load["threads"] > MAX_COMPUTE_THREADS_PER_CORE * fact.num_cpus:
             raise ConfigError(
                 f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {roles} = "
                 f"{load['threads']} compute threads on it, more than {MAX_COMPUTE_THREADS_PER_CORE} per core. "
@@ -461,5 +538,6 @@ def demand_of(config) -> RoleDemand:
         trainer_threads=config.trainer.num_threads,
         reference_threads=config.reference.num_threads,
         generator_threads=config.generator.cpu_threads,
+        generator_gpus=config.generator.tensor_parallel_size,
     )
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
-from forge_rl.placement import check_host_indices, check_reachable, worker_addresses
+from forge_rl.placement import check_gpus, check_host_indices, check_reachable, demand_of, worker_addresses
 from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.errors import ConfigError
 
@@ -39,14 +39,9 @@ def check_machine(config: GRPOConfig) -> None:
         return
     import torch
 
-    if torch.cuda.is_available():
-        num_gpus = torch.cuda.device_count()
-        if config.trainer.num_procs > num_gpus:
-            raise ConfigError(
-                f"trainer.num_procs ({config.trainer.num_procs}) exceeds the {num_gpus} visible GPU(s); "
-                "each trainer rank needs its own. Lower --trainer.num-procs (and the parallel sizes), or "
-                "make more GPUs visible (CUDA_VISIBLE_DEVICES)."
-            )
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_gpus(config.launch, demand_of(config), 0, num_gpus, "this machine")
+    if num_gpus:
         return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)

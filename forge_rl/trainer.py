@@ -397,6 +397,7 @@ class PolicyTrainer:
         dist.all_gather(pieces, logprobs_NL, group=self._dp_group)
         return torch.cat(pieces).cpu()
 
-    def hf_state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """Full weights in HF names; a collective, so call it on every rank."""
-        return export_hf_state_dict(self.model, dtype)
+    def hf_state_dict(self, dtype: torch.dtype = torch.float32, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights in HF names; a collective, so call it on every rank. `keep=False` (ranks
+        that do not publish) joins the gathers without copying anything to host memory: {}."""
+        return export_hf_state_dict(self.model, dtype, keep)

@@ -25,8 +25,17 @@ from forge_rl.types import Episode
 
 
 class GeneratorActor(Actor):
-    def __init__(self, config: GeneratorConfig, model_dir: str, max_model_len: int, store_index: StoreIndexActor):
-        self.engine = VLLMEngine(config)
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        model_dir: str,
+        max_model_len: int,
+        store_index: StoreIndexActor,
+        cuda_devices: tuple[int, ...] | None = None,
+    ):
+        # `cuda_devices`: this generator's block of its host's GPUs (forge_rl/placement.py); the
+        # engine's processes see only those. Ignored on CPU.
+        self.engine = VLLMEngine(config, cuda_devices)
         self.store_index = store_index
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
@@ -46,6 +55,7 @@ class GeneratorActor(Actor):
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "engine_pids": self.engine.process_ids(),
+            "devices": await self.engine.worker_devices(),
         }
 
     @concurrent_endpoint

@@ -20,6 +20,10 @@ Only a dead process triggers a replacement (Monarch's SupervisionError, or the w
 exception raised by a generator's endpoint (a prompt longer than the context, say) reaches the
 caller unchanged.
 
+Each generator runs where `placements[i]` says (forge_rl/launch.py): a host, and a block of that
+host's GPUs that its vLLM processes alone see (forge_rl/placement.py, `generator_devices`); a
+replacement starts on the same host and devices.
+
 The controller talks to generator i through `generate(i, ...)` and `update_weights(i, ...)`.
 """
 
@@ -61,6 +65,17 @@ class SlotState(enum.Enum):
     """No replacement could be started; the run cannot use this slot again."""
 
 
+@dataclasses.dataclass(frozen=True)
+class GeneratorPlacement:
+    """Where one generator runs (forge_rl/launch.py, `Hosts.generator_hosts`): a replacement
+    starts at the same place."""
+
+    host: HostMesh | None
+    """None: the pool's own host (launch.hosts local)."""
+    cuda_devices: tuple[int, ...]
+    """Its block of that host's GPUs (forge_rl/placement.py, `generator_devices`); unused on CPU."""
+
+
 @dataclasses.dataclass
 class GeneratorSlot:
     index: int
@@ -93,11 +108,11 @@ class GeneratorPool(Actor):
         max_model_len: int,
         num_generators: int,
         store_index: StoreIndexActor,
-        hosts: list[HostMesh] | None = None,
+        placements: list[GeneratorPlacement],
     ):
         self.config = config
-        self.hosts = hosts
-        """Host of each generator (forge_rl/launch.py); None: this actor's host."""
+        self.placements = placements
+        """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_hosts`)."""
         self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -203,10 +218,12 @@ class GeneratorPool(Actor):
 
     async def _start_slot(self, slot: GeneratorSlot) -> dict:
         slot.incarnation += 1
-        host = this_host() if self.hosts is None else self.hosts[slot.index]
+        placement = self.placements[slot.index]
+        host = this_host() if placement.host is None else placement.host
         slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
         slot.actor = slot.procs.spawn(
-            slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index
+            slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index,
+            placement.cuda_devices,
         )
         started = await slot.actor.start.call_one()
         slot.policy_version = 0

@@ -96,10 +96,12 @@ class TrainerActor(Actor):
         """Snapshot the weights (a collective), then write them in the background (rank 0)."""
         started = time.perf_counter()
         # Gathered once per version in the dtype the generator serves; private CPU copies, so the
-        # next optimizer step cannot change them while they are written.
-        snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype())
+        # next optimizer step cannot change them while they are written. Every rank joins the
+        # gathers; only rank 0, which writes, copies the whole model to host memory.
+        writes = self.rank == 0
+        snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype(), keep=writes)
         snapshot_s = time.perf_counter() - started
-        if self.rank != 0:
+        if not writes:
             return {}
         version = self.trainer.policy_version
         metrics = await self.publisher.publish(version, snapshot, snapshot_s)

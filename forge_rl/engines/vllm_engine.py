@@ -77,6 +77,10 @@ class GeneratorConfig:
     counted (`Completion.num_truncated_support`) and warned about once per engine."""
     max_num_seqs: int = 256
     """Most sequences vLLM decodes in one batch."""
+    tensor_parallel_size: int = 1
+    """GPUs per generator: vLLM shards the model over this many (one worker process each), a
+    contiguous block of its host's devices (forge_rl/placement.py, `generator_devices`). GPU
+    only; with more than 1 the swap uses vLLM's stock reload (the staged loader is TP 1 only)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
     kv_cache_space_gib: float = 1.0
@@ -120,6 +124,7 @@ class GeneratorConfig:
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
             ("max_support_ids", self.max_support_ids >= 1, ">= 1"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
@@ -136,8 +141,11 @@ class GeneratorConfig:
 class VLLMEngine:
     """One vLLM AsyncLLM; must be started, used and shut down on one asyncio event loop."""
 
-    def __init__(self, config: GeneratorConfig):
+    def __init__(self, config: GeneratorConfig, cuda_devices: tuple[int, ...] | None = None):
         self.config = config
+        self.cuda_devices = cuda_devices
+        """Indices, among this host's visible CUDA devices, of the devices the engine's workers
+        use (forge_rl/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
         self.policy_version = 0
         """Version of the weights the engine decodes with now (0 = the model directory's)."""
         self.max_model_len = 0
@@ -164,6 +172,7 @@ class VLLMEngine:
                 f"({self.config.max_new_tokens}) to leave room for a prompt. "
                 "Lower --generator.max-new-tokens or raise max_model_len."
             )
+        self._check_devices()
         # vLLM reads these when first imported (its logger) and when spawning the engine-core and
         # worker processes, so both happen inside the block.
         children_before = {child.pid for child in psutil.Process().children()}
@@ -187,6 +196,25 @@ class VLLMEngine:
         self._vocab_size = self._llm.model_config.get_vocab_size()
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
+
+    def _check_devices(self) -> None:
+        """Before vLLM starts: tensor parallelism only on GPUs, one assigned device per TP rank."""
+        import torch
+
+        tp_size = self.config.tensor_parallel_size
+        if tp_size > 1 and not torch.cuda.is_available():
+            raise ValueError(
+                f"generator.tensor_parallel_size ({tp_size}) > 1 needs GPUs, and this host has none. On CPU "
+                "forge_rl runs vLLM's CPU backend with one worker (one unpinned OpenMP thread group); its tensor "
+                "parallelism would need a pinned thread group per rank, which forge_rl does not set up. Set "
+                "--generator.tensor-parallel-size 1."
+            )
+        if self.cuda_devices is not None and len(self.cuda_devices) != tp_size:
+            raise ValueError(
+                f"the engine was assigned {len(self.cuda_devices)} CUDA device(s) {list(self.cuda_devices)} but "
+                f"generator.tensor_parallel_size is {tp_size}; assign one device per tensor-parallel rank "
+                "(forge_rl/placement.py, generator_devices)."
+            )
 
     def _pick_support_source(self) -> Literal["none", "sampling_mask", "top_logprobs"]:
         """vLLM's sampling masks where its model runner V2 runs (it needs Triton for the device:
@@ -219,6 +247,7 @@ class VLLMEngine:
             dtype="bfloat16" if on_gpu else "float32",
             max_model_len=max_model_len,
             max_num_seqs=self.config.max_num_seqs,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             enforce_eager=self.config.enforce_eager,
             seed=self.config.seed,
             # log_softmax(logits / temperature) over the top-k/top-p kept set: the distribution
@@ -249,6 +278,10 @@ class VLLMEngine:
         # backend applies the OpenMP settings below only to a separate worker process
         # (vllm/platforms/cpu.py, check_and_update_config).
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": self.config.log_level}
+        if torch.cuda.is_available() and self.cuda_devices is not None:
+            # The workers see only this generator's block, as their devices 0..tp-1 (vLLM puts TP
+            # rank r on cuda:r). Without it every engine on a host would start on cuda:0.
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.cuda_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if not torch.cuda.is_available():
             # vLLM's default ("auto") pins the worker to every core of the NUMA node but one, which
             # starves a co-located trainer, and two engines on one host would pin the same cores.
@@ -468,8 +501,13 @@ class VLLMEngine:
         )
 
     def _can_stage(self) -> bool:
-        """The staged loader needs eager mode (see forge_rl/store/vllm_staging.py)."""
-        return self.config.swap_loader == "staged" and self.config.enforce_eager
+        """The staged loader needs eager mode and one worker (see forge_rl/store/vllm_staging.py)."""
+        return self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
+
+    async def worker_devices(self) -> list[dict]:
+        """Per worker (TP rank order): its device and, on GPU, that device's UUID and what
+        CUDA_VISIBLE_DEVICES it was started with (to check placement from outside)."""
+        return await self._running_llm.collective_rpc("forge_worker_device")
 
     def process_ids(self) -> list[int]:
         """OS pids of vLLM's engine-core process(es) and their workers, while they live."""
@@ -580,6 +618,27 @@ async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:
         await llm.pause_generation(mode=mode, clear_cache=clear_cache)
         return
     await engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+def visible_devices(cuda_devices: tuple[int, ...], inherited: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine assigned `cuda_devices`, indices among the devices this
+    process sees. When this process already has a CUDA_VISIBLE_DEVICES (a SLURM job step sets one
+    for its GPUs), the indices pick entries of it, so the engine stays on the job's GPUs:
+
+        visible_devices((1,), None)       -> "1"
+        visible_devices((1,), "4,5,6,7")  -> "5"
+    """
+    if not inherited or not inherited.strip():
+        return ",".join(str(index) for index in cuda_devices)
+    entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
+    outside = [index for index in cuda_devices if index >= len(entries)]
+    if outside:
+        raise ValueError(
+            f"the engine was assigned CUDA device {outside[0]}, but this process sees {len(entries)} "
+            f"(CUDA_VISIBLE_DEVICES={inherited}). Place fewer generators or ranks on this host "
+            "(--launch.placement.*, --num-generators, --generator.tensor-parallel-size)."
+        )
+    return ",".join(entries[index] for index in cuda_devices)
 
 
 @contextlib.contextmanager

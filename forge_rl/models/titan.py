@@ -250,16 +250,18 @@ def _family_of(model) -> ModelFamily:
     raise TypeError(f"{type(model).__name__} is not a model of any family in {[f.name for f in FAMILIES]}.")
 
 
-def export_hf_state_dict(model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def export_hf_state_dict(model, dtype: torch.dtype = torch.float32, keep: bool = True) -> dict[str, torch.Tensor]:
     """The full weights in HF names and layout, as CPU copies in `dtype`.
 
-    Gathers DTensor shards, so every rank must call it (same order of collectives); every rank
-    gets the full dict. `model.state_dict()` already splits the fused QKV into wq/wk/wv. With tied
-    embeddings the adapter leaves lm_head.weight out, as HF checkpoints do.
+    Gathers DTensor shards, so every rank must call it (same order of collectives). `keep=False`
+    joins the gathers and keeps nothing (returns {}): the ranks that do not publish skip the
+    copy of the whole model to host memory. `model.state_dict()` already splits the fused QKV
+    into wq/wk/wv. With tied embeddings the adapter leaves lm_head.weight out, as HF checkpoints do.
     """
     full = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()
-        full[name] = value.detach().to(device="cpu", dtype=dtype, copy=True)
-    return resolve(_family_of(model).adapter_class)(model.config, None).to_hf(full)
+            value = value.full_tensor()  # a collective: every rank, in the same order
+        if keep:
+            full[name] = value.detach().to(device="cpu", dtype=dtype, copy=True)
+    return resolve(_family_of(model).adapter_class)(model.config, None).to_hf(full) if keep else {}

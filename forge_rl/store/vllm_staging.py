@@ -7,6 +7,7 @@ imported only there, in the engine's worker process). `VLLMEngine` drives it by 
     forge_stage_weights(path, version)   returns at once; a worker thread loads and processes v
     forge_staging_status()               {"version", "done", "error", timings, bytes}
     forge_commit_staged(version)         while generation is paused: swap v in (microseconds)
+    forge_worker_device()                the worker's device (placement checks; not part of staging)
 
 Why not vLLM's `reload_weights` in the pause. On CPU, vLLM "repacks" linear weights after loading:
 `UnquantizedLinearMethod.process_weights_after_loading` calls `dispatch_cpu_unquantized_gemm`
@@ -36,7 +37,8 @@ modules: parameters, buffers, and the attributes processing set (such as `cpu_li
 reference assignments, so the pause costs no copy at all, and the old version is freed after.
 
 Limits: eager mode only (CUDA graphs and torch.compile capture tensor addresses; with them
-`VLLMEngine` uses the stock reload), tensor parallel size 1, unquantized models. Correctness is
+`VLLMEngine` uses the stock reload), tensor parallel size 1 (likewise: the shadow
+load is unverified on sharded parameters), unquantized models. Correctness is
 checked by tests/integration/test_weight_store.py: logprobs after a staged swap equal those of a
 fresh engine started on the same weights.
 """
@@ -115,6 +117,20 @@ class StagedWeightsExtension:
 
     def forge_discard_staged(self) -> None:
         self._forge_staging = None
+
+    def forge_worker_device(self) -> dict:
+        """The device this worker runs on; on GPU with its UUID and the CUDA_VISIBLE_DEVICES the
+        worker process started with (`VLLMEngine.worker_devices`: placement checks from outside)."""
+        import os
+
+        if not torch.cuda.is_available():
+            return {"device": "cpu"}
+        index = torch.cuda.current_device()
+        return {
+            "device": f"cuda:{index}",
+            "uuid": str(torch.cuda.get_device_properties(index).uuid),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
 
     def _forge_stage(self, staging: _Staging) -> None:
         try:

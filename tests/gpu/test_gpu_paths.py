@@ -61,6 +61,7 @@ def test_the_whole_loop_runs_on_one_gpu(tmp_path):
     from apps.grpo.main import run
     from forge_rl.buffer import BufferConfig
     from forge_rl.config import GRPOConfig
+    from forge_rl.placement import LaunchConfig
 
     config = GRPOConfig(
         run_dir=tmp_path,
@@ -69,6 +70,7 @@ def test_the_whole_loop_runs_on_one_gpu(tmp_path):
         train_batch_size=32,
         group_size=4,
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=16),
+        launch=LaunchConfig(share_gpus=True),  # trainer rank and generator on device 0
     )
     summary = asyncio.run(run(config))
     assert summary["steps"] == 3

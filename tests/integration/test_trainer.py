@@ -159,9 +159,12 @@ def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
 def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
     trainer = PolicyTrainer(dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel), model_dir)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
-    state_dict = trainer.hf_state_dict()
+    # As the trainer actor publishes: every rank joins the gathers, only rank 0 keeps a copy.
+    state_dict = trainer.hf_state_dict(keep=rank == 0)
     if rank == 0:
         torch.save({"metrics": metrics, "state_dict": state_dict}, out)
+    else:
+        assert state_dict == {}
     dist.destroy_process_group()
 
 

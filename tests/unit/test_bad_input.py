@@ -98,6 +98,21 @@ def _more_trainer_ranks_than_gpus(scene: Scene) -> Path:
     return scene.start(trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)))
 
 
+def _generator_without_a_gpu_of_its_own(scene: Scene) -> Path:
+    import torch
+
+    scene.monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    scene.monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    return scene.start()  # 1 trainer rank on device 0, the generator on device 1
+
+
+def _tensor_parallel_generator_on_cpu(scene: Scene) -> Path:
+    import torch
+
+    scene.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return scene.start(generator=GeneratorConfig(tensor_parallel_size=2))
+
+
 def _run_dir_under_a_file(scene: Scene) -> Path:
     (scene.tmp_path / "a_file").write_text("")
     return scene.start(run_dir=scene.tmp_path / "a_file" / "runs")
@@ -252,7 +267,12 @@ CASES: list = [
         lambda s: s.start(generator=GeneratorConfig(kv_cache_space_gib=1e6)),
         ("GiB of KV cache exceeds this machine's available memory", "--generator.kv-cache-space-gib"),
     ),
-    ("more_trainer_ranks_than_gpus", _more_trainer_ranks_than_gpus, ("trainer.num_procs (2) exceeds the 1 visible GPU(s)", "--trainer.num-procs")),
+    ("more_trainer_ranks_than_gpus", _more_trainer_ranks_than_gpus,
+     ("this machine has 1 GPU(s) but the placement needs 3 there: 2 trainer rank(s)", "--trainer.num-procs")),
+    ("generator_without_a_gpu_of_its_own", _generator_without_a_gpu_of_its_own,
+     ("this machine has 1 GPU(s) but the placement needs 2 there", "--launch.share-gpus true")),
+    ("tensor_parallel_generator_on_cpu", _tensor_parallel_generator_on_cpu,
+     ("generator.tensor_parallel_size (2) > 1", "--generator.tensor-parallel-size 1")),
     ("run_dir_under_a_file", _run_dir_under_a_file, ("is a file, not a directory", "--run-dir")),
     ("run_dir_not_creatable", lambda s: s.start(run_dir=Path("/proc/forge_rl_runs")), ("cannot create run directory", "--run-dir")),
     pytest.param(

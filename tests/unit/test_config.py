@@ -43,6 +43,10 @@ def test_every_shipped_config_parses(config_file):
         ("model:\n  tiny:\n    hidden_size: 64\n", "head_dim"),
         ("group_size: 1\ntrain_batch_size: 8\n", "group_size (1) must be >= 2"),
         ("generator:\n  temperature: 0\n", "generator.temperature (0.0) must be > 0"),
+        (
+            "generator:\n  tensor_parallel_size: 0\n",
+            "generator.tensor_parallel_size (0) must be >= 1. Set --generator.tensor-parallel-size.",
+        ),
         ("buffer:\n  capacity_episodes: 4\n", "buffer.capacity_episodes (4) is below one step's prompts (16)"),
         ("- a\n- b\n", "must hold a mapping"),
         ("publish:\n  dtype: int8\n", "publish.dtype"),

@@ -1,9 +1,13 @@
-"""How `VLLMEngine` turns vLLM's outputs into Completions (no engine: outputs built by hand)."""
+"""How `VLLMEngine` turns vLLM's outputs into Completions, and what it refuses before vLLM starts (no engine runs)."""
 
+import asyncio
 import math
 from types import SimpleNamespace
 
-from forge_rl.engines.vllm_engine import _join, _to_completion
+import pytest
+import torch
+
+from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _join, _to_completion, visible_devices
 
 
 def output(kept_per_token: list[list[int]], returned: int, finish_reason: str = "stop") -> SimpleNamespace:
@@ -36,3 +40,26 @@ def test_a_resubmitted_completion_keeps_the_count_of_both_pieces():
     head = _to_completion(output([[7, 8, 9, 10]], returned=4, finish_reason="abort"), "top_logprobs", 4)
     tail = _to_completion(output([[1, 2, 3, 4], [5]], returned=4), "top_logprobs", 4)
     assert _join(head, tail).num_truncated_support == 2
+
+
+def test_an_engine_sees_its_assigned_devices_through_the_devices_its_process_sees():
+    assert visible_devices((1,), None) == "1"
+    assert visible_devices((2, 3), "") == "2,3"
+    assert visible_devices((1,), "4,5,6,7") == "5"  # a SLURM job step's GPUs
+    assert visible_devices((0, 1), "GPU-aa, GPU-bb") == "GPU-aa,GPU-bb"
+    with pytest.raises(ValueError, match=r"assigned CUDA device 2, but this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5\)"):
+        visible_devices((2,), "4,5")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_tensor_parallelism_is_refused_on_cpu_before_vllm_starts(tmp_path):
+    engine = VLLMEngine(GeneratorConfig(tensor_parallel_size=2), cuda_devices=(0, 1))
+    with pytest.raises(ValueError, match=r"generator.tensor_parallel_size \(2\) > 1 needs GPUs.*vLLM's CPU backend "
+                       r"with one worker.*--generator.tensor-parallel-size 1"):
+        asyncio.run(engine.start(tmp_path, 64))
+
+
+def test_an_engine_needs_one_assigned_device_per_tensor_parallel_rank(tmp_path):
+    engine = VLLMEngine(GeneratorConfig(), cuda_devices=(0, 1))
+    with pytest.raises(ValueError, match=r"assigned 2 CUDA device\(s\) \[0, 1\] but generator.tensor_parallel_size is 1"):
+        asyncio.run(engine.start(tmp_path, 64))

@@ -13,9 +13,11 @@ from forge_rl.placement import (
     PlacementConfig,
     RoleDemand,
     check_host_facts,
+    check_gpus,
     check_placement,
     check_reachable,
     expand_nodelist,
+    generator_devices,
     hostnames_resolve_apart,
     parse_worker_address,
     slurm_worker_addresses,
@@ -106,8 +108,75 @@ def test_host_facts_allow_a_placement_that_fits():
 def test_host_facts_refuse_more_gpu_processes_than_gpus():
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
     demand = RoleDemand(trainer_procs=8, reference_procs=0, num_generators=9)
-    with pytest.raises(ConfigError, match=r"host 1 \(b, tcp://b:26600\) has 8 GPU\(s\).*9 generator\(s\) = 9.*--launch.placement"):
+    with pytest.raises(ConfigError, match=r"host 1 \(b, tcp://b:26600\) has 8 GPU\(s\) but the placement needs 9 there: "
+                       r"9 generator\(s\) x 1 GPU\(s\).*--launch.placement.*--num-generators"):
         check_host_facts(launch, demand, [_facts("a", gpus=8), _facts("b", gpus=8)], "/m")
+
+
+def _demand(trainer_procs: int = 0, num_generators: int = 1, generator_gpus: int = 1, reference_procs: int = 0) -> RoleDemand:
+    return RoleDemand(trainer_procs=trainer_procs, reference_procs=reference_procs, num_generators=num_generators,
+                      generator_gpus=generator_gpus)
+
+
+def test_generators_on_one_host_take_one_device_each_after_the_trainer_ranks():
+    assert generator_devices(LaunchConfig(), _demand(trainer_procs=2, num_generators=3)) == [(2,), (3,), (4,)]
+    assert generator_devices(LaunchConfig(), _demand(trainer_procs=1, num_generators=1)) == [(1,)]
+
+
+def test_a_generator_device_is_its_index_among_its_hosts_generators():
+    launch = _list(3, trainer_hosts=(0,), generator_hosts=(1, 2))
+    assert generator_devices(launch, _demand(trainer_procs=8, num_generators=5)) == [(0,), (0,), (1,), (1,), (2,)]
+
+
+def test_generators_on_a_host_shared_with_trainer_ranks_start_after_the_ranks_devices():
+    launch = LaunchConfig(hosts="list", workers=("tcp://h0:1", "tcp://h1:1"), allow_shared_hosts=True,
+                          placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1, 0, 1)))
+    # 4 ranks per host on devices 0..3; host 1 holds generators 0 and 2, host 0 generator 1.
+    assert generator_devices(launch, _demand(trainer_procs=8, num_generators=3)) == [(4,), (4,), (5,)]
+    # Reference ranks number their local ranks from 0 too: they share the trainer ranks' devices.
+    with_reference = _demand(trainer_procs=8, reference_procs=12, num_generators=3)
+    assert generator_devices(launch, with_reference) == [(6,), (6,), (7,)]
+
+
+def test_tensor_parallel_generators_take_contiguous_blocks():
+    assert generator_devices(LaunchConfig(), _demand(trainer_procs=2, num_generators=3, generator_gpus=2)) == [
+        (2, 3), (4, 5), (6, 7)
+    ]
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    assert generator_devices(launch, _demand(trainer_procs=4, num_generators=2, generator_gpus=4)) == [
+        (0, 1, 2, 3), (4, 5, 6, 7)
+    ]
+
+
+def test_share_gpus_puts_generators_on_the_ranks_devices():
+    share = LaunchConfig(share_gpus=True)
+    assert generator_devices(share, _demand(trainer_procs=1, num_generators=1)) == [(0,)]
+    assert generator_devices(share, _demand(trainer_procs=4, num_generators=2, generator_gpus=2)) == [(0, 1), (2, 3)]
+    check_gpus(share, _demand(trainer_procs=1, num_generators=1), 0, 1, "this machine")  # the whole loop on one GPU
+
+
+def test_gpu_check_names_the_host_the_roles_the_counts_and_the_flags():
+    check_gpus(LaunchConfig(), _demand(trainer_procs=2, num_generators=3, generator_gpus=2), 0, 8, "this machine")
+    with pytest.raises(ConfigError, match=r"this machine has 1 GPU\(s\) but the placement needs 2 there: 1 trainer "
+                       r"rank\(s\) on devices 0..0 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 1.*"
+                       r"--launch.share-gpus true"):
+        check_gpus(LaunchConfig(), _demand(trainer_procs=1, num_generators=1), 0, 1, "this machine")
+    with pytest.raises(ConfigError, match=r"has 8 GPU\(s\) but the placement needs 10 there.*"
+                       r"5 generator\(s\) x 2 GPU\(s\) \(generator.tensor_parallel_size\).*--generator.tensor-parallel-size"):
+        check_gpus(_list(2, trainer_hosts=(0,), generator_hosts=(1,)), _demand(trainer_procs=8, num_generators=5,
+                   generator_gpus=2), 1, 8, "host 1")
+    with pytest.raises(ConfigError, match=r"needs 5 there: 4 trainer rank\(s\) on devices 0..3 \+ 2 reference "
+                       r"rank\(s\) on devices 0..1 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 4"):
+        check_gpus(LaunchConfig(), _demand(trainer_procs=4, reference_procs=2, num_generators=1), 0, 4, "this machine")
+
+
+def test_tensor_parallel_generators_are_refused_on_a_host_without_gpus():
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    with pytest.raises(ConfigError, match=r"host 1 \(b.*has no GPU, but generator.tensor_parallel_size \(2\) > 1.*"
+                       r"vLLM's CPU backend with one worker.*--generator.tensor-parallel-size 1"):
+        check_host_facts(launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2),
+                         [_facts("a"), _facts("b")], "/m")
+    check_gpus(launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2), 0, 0, "host 0")  # no generator there
 
 
 def test_host_facts_refuse_oversubscribed_cpu_hosts():
