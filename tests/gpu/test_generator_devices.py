@@ -19,7 +19,7 @@ from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
 _NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(_NUM_GPUS < 2, reason=f"requires at least 2 GPUs, got {_NUM_GPUS}")
