@@ -46,3 +46,10 @@ def raised_by_actor(error: BaseException) -> BaseException:
     """The exception an actor's endpoint raised, unwrapped from Monarch's ActorError (which keeps
     it as `.exception`), so callers can catch the types above without importing Monarch."""
     return getattr(error, "exception", None) or error
+
+
+def generator_lost(error: BaseException) -> GeneratorLost | None:
+    """The GeneratorLost that `error` carries (raised by the pool, wrapped by Monarch), else None.
+    Callers re-raise anything else unchanged, with Monarch's report of where it was raised."""
+    unwrapped = raised_by_actor(error)
+    return unwrapped if isinstance(unwrapped, GeneratorLost) else None

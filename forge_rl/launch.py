@@ -4,7 +4,7 @@ The only module besides actors/ that imports Monarch.
     hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
     services = hosts.spawn_services()                # dataset, scorer, buffer, store index, pool
     trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
-    pool = services.spawn(..., hosts.generator_hosts(config.num_generators))   # hosts + GPU blocks
+    pool = services.spawn(..., hosts.generator_placements())   # hosts + GPU blocks
     ...
     await hosts.stop()                               # every proc mesh spawned here, then the hosts
 
@@ -62,7 +62,7 @@ class Hosts:
     ):
         self.launch = launch
         self.demand = demand
-        """Processes per role, which fix each generator's GPUs (`generator_hosts`)."""
+        """Processes per role, which fix each generator's GPUs (`generator_placements`)."""
         self.host_mesh = host_mesh
         """Every worker host, in launch order; None with hosts=local."""
         self.facts = list(facts)
@@ -103,13 +103,12 @@ class Hosts:
             return services
         return self.spawn_procs("store_volume", 1, placement.trainer_hosts[0])
 
-    def generator_hosts(self, num_generators: int) -> list[GeneratorPlacement]:
-        """The host and GPU block of each generator, for the GeneratorPool (which spawns and
-        respawns them there). The host is None with hosts=local, where the pool spawns on its own."""
+    def generator_placements(self) -> list[GeneratorPlacement]:
+        """The host and GPU block of each of the run's generators, for the GeneratorPool (which
+        spawns and respawns them there). The host is None with hosts=local, where the pool spawns
+        on its own."""
         from forge_rl.actors.generator_pool import GeneratorPlacement
 
-        if num_generators != self.demand.num_generators:
-            raise ValueError(f"{num_generators} generators asked for, but the run's config has {self.demand.num_generators}")
         placement = self.launch.placement
         return [
             GeneratorPlacement(None if self.host_mesh is None else self.host(placement.generator_host(i)), devices)

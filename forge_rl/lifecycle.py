@@ -129,9 +129,15 @@ class Lifecycle:
                 raise
             raise translated from e
 
-    def stop_at_exit(self, generators: Any, proc_meshes: list) -> None:
-        """The generator pool (its engines are stopped first) and every proc mesh of the run."""
-        self._generators, self._proc_meshes = generators, proc_meshes
+    def stop_at_exit(self, *proc_meshes: Any) -> None:
+        """Stop these proc meshes (or hosts, whose `stop` stops every mesh spawned on them) when
+        the run ends; call it as soon as they exist, so a failure while spawning stops them too."""
+        self._proc_meshes = list(proc_meshes)
+
+    def stop_engines_first(self, generators: Any) -> None:
+        """The generator pool's engines are stopped before the proc meshes (vLLM's engine processes
+        are children of the actor processes, not of Monarch)."""
+        self._generators = generators
 
     def _stop_timeout(self, bound_s: float) -> float:
         """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts)."""

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
-from forge_rl.errors import GeneratorLost, raised_by_actor
+from forge_rl.errors import GeneratorLost, generator_lost
 from forge_rl.health import MismatchAlarm
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.timeline import Timeline, idle_fraction
@@ -126,7 +126,10 @@ class Pipeline:
             try:
                 episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
             except Exception as e:
-                raise raised_by_actor(e) from None
+                lost = generator_lost(e)
+                if lost is None:
+                    raise
+                raise lost from None
         self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         kept = await actors.score(episodes, self.timeline)
         kept_ids = {e.episode_id for e in kept}
@@ -155,9 +158,9 @@ class Pipeline:
             try:
                 result = await self.actors.generators.update_weights.call_one(index, policy_version, weights_dir)
             except Exception as e:
-                if isinstance(raised_by_actor(e), GeneratorLost):
-                    return  # its replacement loads the newest version itself
-                raise
+                if generator_lost(e) is None:
+                    raise
+                return  # its replacement loads the newest version itself
         await self.gate.generator_serves(index, result["policy_version"])
         self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
 

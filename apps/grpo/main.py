@@ -112,7 +112,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     model_dir, store_root = str(lifecycle.model_dir), lifecycle.store.root
     pad_id = PromptTokenizer(model_dir).pad_id
     hosts = await launch.start_hosts(config, model_dir)
-    lifecycle.stop_at_exit(generators=None, proc_meshes=[hosts])  # hosts.stop() stops every mesh it spawned
+    lifecycle.stop_at_exit(hosts)
     services = hosts.spawn_services()
     trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
     store_index, _ = await spawn_store(
@@ -125,13 +125,13 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
-            store_index, hosts.generator_hosts(config.num_generators),
+            store_index, hosts.generator_placements(),
         ),
         trainer=trainer_procs.spawn(
             "trainer", TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
-    lifecycle.stop_at_exit(generators=actors.generators, proc_meshes=[hosts])
+    lifecycle.stop_engines_first(actors.generators)
     if config.uses_reference_model:
         reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
         actors.reference = reference_procs.spawn("reference", ReferenceActor, config.reference, model_dir, pad_id)

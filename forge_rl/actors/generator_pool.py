@@ -67,7 +67,7 @@ class SlotState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class GeneratorPlacement:
-    """Where one generator runs (forge_rl/launch.py, `Hosts.generator_hosts`): a replacement
+    """Where one generator runs (forge_rl/launch.py, `Hosts.generator_placements`): a replacement
     starts at the same place."""
 
     host: HostMesh | None
@@ -112,7 +112,7 @@ class GeneratorPool(Actor):
     ):
         self.config = config
         self.placements = placements
-        """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_hosts`)."""
+        """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_placements`)."""
         self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len

@@ -67,6 +67,7 @@ def analyze(run_path: Path, num_generators: int, target_reward: float) -> dict:
     bound = max(generator_busy, trainer_busy)
     return {
         **summary,
+        "steps": len(metrics),
         "wall_per_step_s": loop_s / len(metrics),
         "generator_busy_s": generator_busy,
         "trainer_busy_s": trainer_busy,
@@ -84,8 +85,10 @@ def compare(sync: dict, asynchronous: dict) -> dict:
         sync["generator_busy_s"], sync["trainer_busy_s"]
     )
     times = (sync["time_to_target_reward_s"], asynchronous["time_to_target_reward_s"])
+    speedup = sync["wall_per_step_s"] / asynchronous["wall_per_step_s"]
     return {
-        "speedup": sync["wall_per_step_s"] / asynchronous["wall_per_step_s"],
+        "speedup": speedup,
+        "warnings": caveats(speedup, overlap_bound, min(sync["steps"], asynchronous["steps"])),
         "pipeline_efficiency": asynchronous["pipeline_efficiency"],
         "trainer_idle_fraction_async": asynchronous["trainer_idle_fraction"],
         "generator_idle_fraction_async": asynchronous["generator_idle_fraction"],
@@ -94,6 +97,28 @@ def compare(sync: dict, asynchronous: dict) -> dict:
         "overlap_bound": overlap_bound,
         "time_to_target_ratio": times[0] / times[1] if None not in times else None,
     }
+
+
+MIN_STEADY_STEPS = 30
+"""Fewer steps than this and the first fill (in wall per step) and a few stragglers weigh enough to
+move the speedup by tens of percent: a 12-step run measured 2.18 against an overlap bound of 1.25."""
+
+
+def caveats(speedup: float, overlap_bound: float, steps: int) -> list[str]:
+    """What makes this comparison's speedup not a steady-state figure, in words for the reader."""
+    found = []
+    if steps < MIN_STEADY_STEPS:
+        found.append(
+            f"only {steps} steps per run: the first fill and stragglers dominate wall per step; "
+            f"pass --steps {MIN_STEADY_STEPS} or more for a steady-state speedup"
+        )
+    if speedup > 1.1 * overlap_bound:
+        found.append(
+            f"speedup {speedup:.2f} exceeds the overlap bound {overlap_bound:.2f}: the synchronous run "
+            "waited on stragglers (or on its first fill) more than the asynchronous one; check the "
+            "Gantt chart and run more steps before quoting it"
+        )
+    return found
 
 
 def plot_gantt(runs: dict[str, Path], out: Path, num_steps_shown: int = 6) -> None:
@@ -153,4 +178,6 @@ def main(args: AsyncVsSyncArgs) -> dict:
         "async": per_mode["async"],
     }
     (args.out_dir / "async_vs_sync.json").write_text(json.dumps(summary, indent=2))
+    for warning in summary["warnings"]:
+        progress(f"WARNING bench async-vs-sync: {warning}")
     return summary

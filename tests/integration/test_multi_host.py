@@ -188,7 +188,7 @@ async def _controller(model_dir: str, ports: list[str]) -> dict:
         volume = volume_procs.spawn("store_volume", StorageVolumeActor, str(Path(model_dir) / "store"))
         service_actor = services.spawn("where", WhereAmI)
         trainer_ranks = [r for _, r in (await trainer.spawn("where", WhereAmI).where.call()).items()]
-        generator_host = hosts.generator_hosts(config.num_generators)[0].host
+        generator_host = hosts.generator_placements()[0].host
         return {
             "facts": [vars(f) for f in hosts.facts],
             "ancestors": {

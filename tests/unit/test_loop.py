@@ -87,3 +87,30 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
     assert accounting["requeued_after_generator_failure"] == 1
     assert accounting["trained_more_than_once"] == 0
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
+
+
+class FakeActorError(Exception):
+    """Stands in for Monarch's ActorError: the endpoint's exception travels as `.exception`."""
+
+    def __init__(self, exception: BaseException):
+        super().__init__(f"actor failed: {exception!r} (traceback of the remote process)")
+        self.exception = exception
+
+
+def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):
+    calls = {"n": 0}
+
+    async def generate(index, prompts, group_size):
+        calls["n"] += 1
+        await asyncio.sleep(0)
+        if calls["n"] == 2:
+            raise FakeActorError(GeneratorLost(index, "its process died"))
+        if calls["n"] == 5:
+            raise FakeActorError(ValueError("prompt longer than the context"))
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline = make_pipeline(generate)
+    with pytest.raises(FakeActorError, match="traceback of the remote process"):
+        run(pipeline, tmp_path)
+    assert pipeline.accounting.requeued == 1
