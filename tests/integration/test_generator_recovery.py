@@ -4,9 +4,12 @@ Checks: the run finishes; the failure is detected within 5 s of the kill and the
 spawned at once; the replacement serves at the current policy version; the other generator keeps
 serving meanwhile; no prompt is lost or trained twice.
 
-Time bounds cover only what the pool controls, not how fast this machine spawns and imports: the
-kill happens when a state is reached (KILL_AFTER_STEP trained steps), detection is the pool's own
-0.5 s process poll, and the respawn starts in the same event-loop turn as the detection.
+The run is driven to each state instead of timed: the kill happens right after step KILL_AFTER_STEP
+is checkpoint-due (from the lifecycle's between-steps hook, so at a known step), and the train loop
+waits after step REPLACED_BY_STEP until the replacement serves, so the run cannot end before the
+recovery however slow this machine's engine start is. Time bounds cover only what the pool
+controls: detection is its own 0.5 s process poll, and the respawn starts in the same event-loop
+turn as the detection.
 """
 
 import asyncio
@@ -21,12 +24,15 @@ from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.lifecycle import Lifecycle
 from forge_rl.timeline import Timeline
-from tests.helpers import wait_until_async
 
 pytestmark = pytest.mark.integration
 
-KILL_AFTER_STEP = 20
+KILL_AFTER_STEP = 5
+REPLACED_BY_STEP = 15
+"""The train loop waits after this step until generator 0 serves again."""
+STEPS = 25
 DETECTION_BOUND_S = 5.0
 """The pool polls its generators' processes every 0.5 s: 10 polls. Only a detection that waits for
 something else (Monarch's own report took about 9 s) or never comes exceeds it."""
@@ -35,41 +41,37 @@ RESPAWN_BOUND_S = 2.0
 to the pool's 5 s stop timeout, which it must not wait for) would exceed it."""
 
 
-async def kill_generator_zero_after(run_path, step: int) -> tuple[float, int]:
-    """SIGKILL generator 0's processes once `step` steps are trained; returns (time, version)."""
-    metrics_path, processes_path = run_path / "metrics.jsonl", run_path / "processes.json"
-    await wait_until_async(
-        lambda: metrics_path.exists() and len(metrics_path.read_text().splitlines()) >= step,
-        f"{step} trained steps",
-        timeout_s=900,
-    )
-    version_at_kill = len(metrics_path.read_text().splitlines())
-    killed_at = time.time()
-    for pid in json.loads(processes_path.read_text())["generators"][0]:
-        os.kill(pid, signal.SIGKILL)
-    return killed_at, version_at_kill
-
-
 @pytest.fixture(scope="module")
 def recovered_run(tmp_path_factory):
     config = GRPOConfig(
         run_dir=tmp_path_factory.mktemp("runs"),
         run_name="recovery",
-        steps=500,
+        steps=STEPS,
         num_generators=2,
         prompts_in_flight_per_generator=8,
         generator=GeneratorConfig(max_new_tokens=2),
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
     )
     run_path = config.run_dir / config.run_name
+    kill = {}
+    after_step = Lifecycle.after_step
 
-    async def main():
-        kill = asyncio.ensure_future(kill_generator_zero_after(run_path, KILL_AFTER_STEP))
-        summary = await run(config)
-        return summary, await kill
+    async def after_step_driving_the_recovery(lifecycle, pipeline):
+        await after_step(lifecycle, pipeline)
+        pool = pipeline.actors.generators
+        if pipeline.step == KILL_AFTER_STEP:  # SIGKILL generator 0's actor and engine processes
+            kill.update(killed_at=time.time(), version_at_kill=pipeline.step)
+            for pid in json.loads((run_path / "processes.json").read_text())["generators"][0]:
+                os.kill(pid, signal.SIGKILL)
+        if pipeline.step == REPLACED_BY_STEP:
+            while not await pool.recovery_events.call_one():  # the pool's poll has not seen it yet
+                await asyncio.sleep(0.1)
+            await pool.wait_until_serving.call_one(0)
 
-    summary, (killed_at, version_at_kill) = asyncio.run(main())
-    return summary, killed_at, version_at_kill, run_path, config
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Lifecycle, "after_step", after_step_driving_the_recovery)
+        summary = asyncio.run(run(config))
+    return summary, kill["killed_at"], kill["version_at_kill"], run_path, config
 
 
 def test_the_run_finishes(recovered_run):

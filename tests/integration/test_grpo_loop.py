@@ -7,11 +7,12 @@ import pytest
 
 from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
-from forge_rl.config import GRPOConfig
+from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.scoring import ScorerConfig
+from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
 
 pytestmark = pytest.mark.integration
@@ -22,8 +23,9 @@ NUM_STEPS = 4
 # Each variant also runs recipe options that only a whole loop can check end to end:
 #   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty;
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
-#         the generator's kept sets to agree with its logprobs) and the KL penalty to a reference
-#         model on its own process.
+#         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
+#         model on its own process, a reward function that raises and hangs (it must cost
+#         completions, not the run), and every metrics sink (TensorBoard, W&B offline).
 VARIANTS = {
     "fsdp": dict(
         buffer=BufferConfig(max_policy_age=0, capacity_episodes=32),
@@ -36,6 +38,9 @@ VARIANTS = {
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(tp=2), loss=LossConfig(kl_beta=0.05)),
         generator=GeneratorConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
+        task=TaskConfig(reward="tests.unit.faulty_rewards:flaky_leading_number"),
+        scorer=ScorerConfig(reward_timeout_s=0.5),
+        log=LogConfig(tensorboard=True, wandb=True),
     ),
 }
 
@@ -62,7 +67,9 @@ def fsdp_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
-    return run_variant("tp", tmp_path_factory)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # offline must not touch the network
+        return run_variant("tp", tmp_path_factory)
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -132,3 +139,19 @@ def test_reference_model_is_the_initial_policy(tp_run):
     # Step 1 trains with the initial weights, which the reference model holds: KL(pi || ref) = 0.
     assert metrics[0]["loss/ref_kl"] < 1e-6
     assert metrics[-1]["loss/ref_kl"] > metrics[0]["loss/ref_kl"]
+
+
+def test_a_faulty_reward_function_costs_completions_not_the_run(tp_run):
+    """Completions starting with A-F make the reward raise, with Z hang past its 0.5 s timeout."""
+    _, metrics, run_path, _ = tp_run
+    assert all(m["step_skipped"] == 0 for m in metrics)
+    # A random tiny model starts about 6 in 46 completions with A-F: dozens over the run.
+    assert metrics[-1]["scorer/errored"] > 0
+    assert sum(m["completions/errored"] for m in metrics) > 0
+    assert metrics[-1]["scorer/worker_restarts"] == metrics[-1]["scorer/timed_out"]
+
+
+def test_every_metrics_sink_holds_the_steps(tp_run):
+    _, _, run_path, _ = tp_run
+    assert list((run_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert list(run_path.glob("wandb/offline-run-*/run-*.wandb"))
