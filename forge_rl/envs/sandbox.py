@@ -21,7 +21,8 @@ Landlock enabled; tested on 6.18, tests/unit/test_envs.py tries each escape):
   services), and io_uring, which could open sockets around that; where user and network namespaces
   are permitted it also sits in an empty network namespace, and on Landlock >= 4 TCP is denied too.
 - Other processes: it cannot signal any (Landlock's signal scope on kernels >= 6.12; elsewhere
-  kill, tkill, tgkill, the sigqueue calls and pidfd_send_signal are denied), trace them, read or
+  kill, tkill, tgkill, the sigqueue calls and pidfd_send_signal are denied; on every kernel the
+  fcntl and ioctl commands that have a file signal a chosen process are denied), trace them, read or
   write their memory (ptrace, process_vm_readv/writev, pidfd_getfd, perf_event_open denied) or use
   the user's key ring.
 - Privileges: no_new_privs; where user namespaces are permitted it runs as "nobody" inside one, so
@@ -432,7 +433,7 @@ _SECCOMP_ARCHES = {
         "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
         "perf_event_open": 298, "keyctl": 250, "add_key": 248, "request_key": 249,
         "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
-        "pidfd_send_signal": 424,
+        "pidfd_send_signal": 424, "fcntl": 72, "ioctl": 16,
     }),
     "aarch64": (0xC00000B7, {
         "clone": 220, "clone3": 435,
@@ -440,10 +441,13 @@ _SECCOMP_ARCHES = {
         "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
         "perf_event_open": 241, "keyctl": 219, "add_key": 217, "request_key": 218,
         "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
-        "pidfd_send_signal": 424,
+        "pidfd_send_signal": 424, "fcntl": 25, "ioctl": 29,
     }),
 }
 _SIGNAL_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal")
+_SIGIO_OWNER_COMMANDS = {"fcntl": (8, 15, 10), "ioctl": (0x8901, 0x8902)}
+"""F_SETOWN, F_SETOWN_EX, F_SETSIG; FIOSETOWN, SIOCSPGRP: they make the kernel signal a process of
+the code's choosing when a file is ready (SIGIO, or any signal), which kill's denial would miss."""
 _X32_SYSCALL_BIT = 0x40000000
 
 
@@ -457,22 +461,50 @@ def _apply_seccomp(deny_signals: bool) -> None:
     if machine not in _SECCOMP_ARCHES:
         raise _Missing(f"the sandbox's seccomp filter knows x86_64 and aarch64 system calls, not {machine}.")
     audit_arch, numbers = _SECCOMP_ARCHES[machine]
-    denied = [number for name, number in numbers.items() if deny_signals or name not in _SIGNAL_SYSCALLS]
-    load_word, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
-    kill_process, allow, deny = 0x80000000, 0x7FFF0000, 0x00050000 | errno.EPERM
-    # Jump offsets count instructions skipped: the last two instructions are "allow" then "deny".
-    program = [
-        (load_word, 0, 0, 4),  # seccomp_data.arch
-        (jump_eq, 1, 0, audit_arch),
-        (ret, 0, 0, kill_process),
-        (load_word, 0, 0, 0),  # seccomp_data.nr
-        (jump_ge, len(denied) + 1, 0, _X32_SYSCALL_BIT),  # x32 calls on x86_64: denied
+    denied = [
+        number for name, number in numbers.items()
+        if name not in _SIGIO_OWNER_COMMANDS and (deny_signals or name not in _SIGNAL_SYSCALLS)
     ]
-    program += [(jump_eq, len(denied) - i, 0, number) for i, number in enumerate(denied)]
-    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
-    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
-    fprog = struct.pack("=HxxxxxxQ", len(program), ctypes.addressof(filters))  # struct sock_fprog
+    load, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+    kill_process, allow, deny = 0x80000000, 0x7FFF0000, 0x00050000 | errno.EPERM
+    nr, arch, command = 0, 4, 24  # offsets in struct seccomp_data; command: low half of args[1]
+    # (code, k, jump target if true, if false); a string is a label, targets name labels.
+    program: list = [
+        (load, arch, None, None),
+        (jump_eq, audit_arch, "native", None),
+        (ret, kill_process, None, None),
+        "native",
+        (load, nr, None, None),
+        (jump_ge, _X32_SYSCALL_BIT, "deny", None),  # x32 calls on x86_64
+        *[(jump_eq, numbers[name], name, None) for name in _SIGIO_OWNER_COMMANDS],
+        *[(jump_eq, number, "deny", None) for number in denied],
+        (ret, allow, None, None),
+    ]
+    for name, commands in _SIGIO_OWNER_COMMANDS.items():
+        program += [name, (load, command, None, None)]
+        program += [(jump_eq, command, "deny", None) for command in commands] + [(ret, allow, None, None)]
+    program += ["deny", (ret, deny, None, None)]
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in _assemble(program)))
+    fprog = struct.pack("=HxxxxxxQ", len(filters) // 8, ctypes.addressof(filters))  # struct sock_fprog
     _check_prctl(_libc().prctl(22, 2, ctypes.c_char_p(fprog), 0, 0), "PR_SET_SECCOMP")  # 2: MODE_FILTER
+
+
+def _assemble(program: list) -> list[tuple[int, int, int, int]]:
+    """Classic BPF (code, jt, jf, k) from instructions whose jumps name labels: a jump's offset is
+    the number of instructions it skips, forward only."""
+    labels, instructions = {}, []
+    for item in program:
+        if isinstance(item, str):
+            labels[item] = len(instructions)
+        else:
+            instructions.append(item)
+
+    def offset(index: int, label: str | None) -> int:
+        return 0 if label is None else labels[label] - index - 1
+
+    return [
+        (code, offset(i, if_true), offset(i, if_false), k) for i, (code, k, if_true, if_false) in enumerate(instructions)
+    ]
 
 
 if __name__ == "__main__":

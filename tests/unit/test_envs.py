@@ -436,6 +436,9 @@ def test_sandboxed_code_cannot_open_a_socket_to_a_local_listener(sandbox):
 def test_sandboxed_code_cannot_signal_its_parent(sandbox):
     result = run("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n")
     assert result.exit_code == 1 and "PermissionError" in result.stderr
+    # Nor have the kernel signal it when a file is ready (F_SETOWN); other fcntl commands work.
+    result = run("import fcntl, os\nfcntl.fcntl(1, fcntl.F_GETFL)\nfcntl.fcntl(1, fcntl.F_SETOWN, os.getppid())\n")
+    assert result.exit_code == 1 and "PermissionError" in result.stderr and "F_SETOWN" in result.stderr
 
 
 def test_long_output_is_truncated(sandbox):
