@@ -40,7 +40,7 @@ class Message:
     content: str
 
 
-Observation = Union[str, "list[Message]"]
+Observation = Union[str, list[Message]]
 """What the model reads next: raw text (the tiny models' plain format), or chat messages. Raw text
 given to a chat template is one user message."""
 

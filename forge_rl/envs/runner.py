@@ -62,12 +62,12 @@ class EpisodeLimits:
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_tokens_per_turn"):
             if getattr(self, name) < 1:
-                raise ValueError(f"env.limits.{name} ({getattr(self, name)}) must be >= 1.")
+                raise ValueError(f"EpisodeLimits.{name} ({getattr(self, name)}) must be >= 1.")
         if self.max_malformed_turns < 0:
-            raise ValueError(f"env.limits.max_malformed_turns ({self.max_malformed_turns}) must be >= 0.")
+            raise ValueError(f"EpisodeLimits.max_malformed_turns ({self.max_malformed_turns}) must be >= 0.")
         if not 0 < self.env_step_timeout_s < math.inf:
             raise ValueError(
-                f"env.limits.env_step_timeout_s ({self.env_step_timeout_s}) must be > 0 and finite: a "
+                f"EpisodeLimits.env_step_timeout_s ({self.env_step_timeout_s}) must be > 0 and finite: a "
                 "hung environment would otherwise hold its episode forever."
             )
 

@@ -92,7 +92,7 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value > 0:
-                raise ValueError(f"sandbox.{name} ({value}) must be > 0: a limit of 0 would refuse every run.")
+                raise ValueError(f"SandboxConfig.{name} ({value}) must be > 0: a limit of 0 would refuse every run.")
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,9 @@ class TrajectoryBuilder:
 
     def start(self, first_observation: Observation) -> bool:
         """Render the prompt; False (and nothing started) when it leaves no room for a turn."""
-        self.conversation += as_messages(first_observation)
-        token_ids = self.renderer.render(self.conversation)
+        conversation = as_messages(first_observation)
+        token_ids = self.renderer.render(conversation)
+        self.conversation = conversation
         if len(token_ids) >= self.max_total_tokens:
             return False
         self.samples.append(TrajectorySample([ContextSpan(tuple(token_ids))]))

@@ -304,6 +304,15 @@ def test_step_result_refuses_an_end_without_a_reward_and_a_reward_without_an_end
         StepResult(done=True, final_reward=float("nan"))
 
 
+def test_limits_that_would_stop_everything_or_nothing_are_refused_with_the_field():
+    with pytest.raises(ValueError, match=r"EpisodeLimits.max_turns \(0\)"):
+        EpisodeLimits(max_turns=0)
+    with pytest.raises(ValueError, match=r"env_step_timeout_s \(inf\).*hung environment"):
+        EpisodeLimits(env_step_timeout_s=float("inf"))
+    with pytest.raises(ValueError, match=r"SandboxConfig.max_wall_time_s \(0\)"):
+        SandboxConfig(max_wall_time_s=0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The calculator
 # ---------------------------------------------------------------------------------------------------
@@ -473,3 +482,4 @@ def test_the_custom_environment_of_the_docs_runs(capsys):
     code = page.split("```python\n")[1].split("```")[0]
     exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs_example"})
     assert capsys.readouterr().out == "done 3 1.0\n"
+
