@@ -10,6 +10,8 @@ Fatal: the run stops, every process of it is shut down, and the message says wha
                      that resumes the run (forge_rl/lifecycle.py).
     StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
                      published twice, a lease on a version that is gone.
+    SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
+                     forge_rl/envs/sandbox.py promises; raised at its first use, never worked around.
 
 Plain Python: importing this module imports nothing else of forge_rl, Monarch or vLLM.
 """
@@ -53,3 +55,9 @@ def generator_lost(error: BaseException) -> GeneratorLost | None:
     Callers re-raise anything else unchanged, with Monarch's report of where it was raised."""
     unwrapped = raised_by_actor(error)
     return unwrapped if isinstance(unwrapped, GeneratorLost) else None
+
+
+class SandboxUnavailable(ConfigError):
+    """This machine cannot confine untrusted code as forge_rl/envs/sandbox.py states (no Landlock,
+    no seccomp, not Linux, ...): the message names the missing mechanism and how to get it. Fatal:
+    every episode that runs code would fail the same way, and running it unconfined is not an option."""

@@ -1,7 +1,8 @@
 """Named fakes for unit tests of core logic: stand-ins for actor handles, never for the real path.
 
 A fake endpoint has the shape the loops call (`call_one`, and `call` whose result has
-`.item(procs=0)`), so forge_rl/loop.py runs against it without Monarch.
+`.item(procs=0)`), so forge_rl/loop.py runs against it without Monarch. `FakeGenerate` samples
+scripted turns for forge_rl/envs/runner.py.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from forge_rl.buffer import BufferConfig, ReplayBuffer
+from forge_rl.envs.runner import SampledTurn
 from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.types import Completion, Episode
 
@@ -96,3 +98,22 @@ class FakeLifecycle:
 
     async def checkpoint_at_stop(self, pipeline) -> None:
         pass
+
+
+class FakeGenerate:
+    """A fake of a generator's turn sampler (forge_rl/envs/runner.py `GenerateTurn`): returns the
+    scripted turns in order, cut to the budget it is given as an engine would ("length"), and
+    records every prefix and budget it was asked for."""
+
+    def __init__(self, turns: list[SampledTurn]):
+        self.turns = list(turns)
+        self.calls: list[tuple[list[int], int]] = []
+
+    async def __call__(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+        self.calls.append((list(prefix_token_ids), max_new_tokens))
+        turn = self.turns.pop(0)
+        if len(turn.token_ids) <= max_new_tokens:
+            return turn
+        return SampledTurn(
+            turn.token_ids[:max_new_tokens], turn.logprobs[:max_new_tokens], turn.policy_versions[:max_new_tokens], "length"
+        )

@@ -131,7 +131,11 @@ class PromptTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """bos (when the tokenizer has one) + the text's tokens, no other special tokens."""
         prefix = [] if self.bos_id is None else [self.bos_id]
-        return prefix + self._tokenizer.encode(text, add_special_tokens=False).ids
+        return prefix + self.encode_text(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        """The text's tokens alone: no bos, no special tokens (a piece of a longer sequence)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     @property
     def has_chat_template(self) -> bool:

@@ -4,7 +4,8 @@ endpoint is async.
 The rule (docs/architecture.md): Monarch is imported by the actor shells and what owns processes
 (actors/, launch, lifecycle, the store's actor and client, a benchmark that spawns actors); vLLM by
 nobody at import time (the engine imports it inside its methods); TorchTitan only by the model
-layer (models/). Everything else is plain Python and PyTorch: the functional core.
+layer (models/). Everything else is plain Python and PyTorch: the functional core. Environments
+(envs/) import not even torch or transformers.
 """
 
 import ast
@@ -55,7 +56,17 @@ CORE_MODULES = [
     "forge_rl.tasks.rewards",
     "forge_rl.reference",
     "forge_rl.placement",
+    "forge_rl.envs.environment",
+    "forge_rl.envs.trajectory",
+    "forge_rl.envs.renderers",
+    "forge_rl.envs.runner",
+    "forge_rl.envs.calculator",
+    "forge_rl.envs.python_tool",
+    "forge_rl.envs.sandbox",
 ]
+ENV_MODULES = [m for m in CORE_MODULES if m.startswith("forge_rl.envs.")]
+"""Environments are lighter still: the rollout shell may run them in processes of their own, beside
+the generators, where importing torch (seconds, hundreds of MB) would be pure cost."""
 
 
 def module_name(path: Path) -> str:
@@ -133,6 +144,16 @@ def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
         "import sys\n"
         + "".join(f"import {m}\n" for m in CORE_MODULES)
         + "print(','.join(m for m in ('monarch', 'vllm', 'torchtitan') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
+
+
+def test_environments_import_not_even_torch_or_transformers():
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in ENV_MODULES)
+        + "print(','.join(m for m in ('torch', 'transformers', 'monarch', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""

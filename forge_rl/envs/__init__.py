@@ -1,0 +1,13 @@
+"""Multi-turn environments and token-in/token-out trajectories: the functional core (no Monarch, no
+vLLM, no torch) that the rollout shell runs beside the generators.
+
+    environment.py   the interface: async reset / step, StepResult, MalformedTurn
+    trajectory.py    spans (generated or context), samples, statuses, the builder
+    renderers.py     conversation -> token ids: chat template, or the tiny models' plain format
+    runner.py        run_episode: one episode within its limits, over any `generate` coroutine
+    calculator.py    calculator tool for the tiny models (products of two-digit numbers)
+    python_tool.py   Python tool for chat models, running code in the sandbox
+    sandbox.py       untrusted code in a confined process: what it guarantees and what it does not
+
+docs/environments.md shows a custom environment and what the sandbox guarantees.
+"""
