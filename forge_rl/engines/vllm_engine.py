@@ -2,7 +2,9 @@
 
 `VLLMEngine` wraps one vLLM `AsyncLLM` (engine core and worker in their own processes) and speaks
 token ids only: callers encode prompts and decode completions (`skip_tokenizer_init=True`). It
-knows nothing of Monarch; the generator actor owns one and forwards its endpoints here.
+knows nothing of Monarch; the generator actor owns one and forwards its endpoints here. Two ways
+to sample: `generate` (n completions of one prompt: the single-turn path) and `generate_turn` (one
+turn continuing a multi-turn trajectory's token prefix: the `generate` of forge_rl/envs/runner.py).
 
 Why every token's policy version is right, even for a token decoded before a swap but delivered
 after it. The version is not stamped when a token reaches this process; vLLM labels it where it is
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Literal
 
 import psutil
 
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.reaper import Reaper
 from forge_rl.types import Completion, CompletionStatus
 
@@ -85,6 +88,11 @@ class GeneratorConfig:
     """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
     kv_cache_space_gib: float = 1.0
     """KV cache size in GiB on CPU (what VLLM_CPU_KVCACHE_SPACE sets, but fractional)."""
+    kv_block_size: int | None = None
+    """Tokens per KV-cache block; None: vLLM's default (16 on GPU, 128 on CPU). The prefix cache
+    reuses whole blocks only, so a multi-turn episode's earlier turns are served from it only in
+    whole blocks: on CPU's 128, a tiny model (context 128) never hits it. 32 suits the tiny models
+    on CPU (the CPU attention backend wants multiples of 32)."""
     enforce_eager: bool = True
     """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU."""
     seed: int = 0
@@ -129,6 +137,7 @@ class GeneratorConfig:
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
             ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
+            ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -262,6 +271,7 @@ class VLLMEngine:
             # under (`_request`), so no request reuses a block encoded by older weights, whether
             # or not a swap clears the cache (swap_kv="reuse" cannot: requests hold blocks).
             enable_prefix_caching=True,
+            **({} if self.config.kv_block_size is None else {"block_size": self.config.kv_block_size}),
             # The staged swap's worker side (collective_rpc("forge_...")); inert otherwise.
             worker_extension_cls="forge_rl.store.vllm_staging.StagedWeightsExtension",
             disable_log_stats=True,
@@ -329,6 +339,55 @@ class VLLMEngine:
                 )
             )
         )
+
+    async def generate_turn(
+        self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None
+    ) -> SampledTurn:
+        """Sample one turn of a multi-turn episode after exactly `prefix_token_ids`: the `generate`
+        of forge_rl/envs/runner.py, as `functools.partial(engine.generate_turn, eos_id=...)`.
+
+        The prefix is the trajectory's tokens as it holds them (prompt, earlier turns as sampled,
+        rendered observations), sent as ids and never re-tokenized. The turn comes back exactly as
+        vLLM sampled it (the stop token included), with each token's behaviour logprob, policy
+        version and top-k/top-p kept set (as `generate`'s completions), the versions labelled
+        where sampled (module docstring): a swap during the turn labels the tokens before it and
+        after it apart, whatever the swap mode.
+
+        Earlier turns are not prefilled again while their KV blocks stay cached under the version
+        served now: only whole blocks are cached (`GeneratorConfig.kv_block_size`), and requests are
+        salted by version, so after a swap the next turn's prefix is encoded by the new weights.
+
+        At most `max_new_tokens`, and no further than the context (`max_model_len`): a turn cut
+        there ends "length". A prefix that leaves no room raises ContextExhausted before anything
+        is sent (the runner ends the episode TRUNCATED_TOKENS). `eos_id=None` never stops early.
+        """
+        room = self.max_model_len - len(prefix_token_ids)
+        if room < 1:
+            raise ContextExhausted(
+                f"the prefix has {len(prefix_token_ids)} tokens and the generator's context "
+                f"(max_model_len) is {self.max_model_len}: no room for one more token. Set "
+                "EpisodeLimits.max_total_tokens to at most max_model_len so the episode ends within it, "
+                "or raise max_model_len."
+            )
+        max_tokens = min(max_new_tokens, room)
+        turn: Completion | None = None
+        while turn is None or turn.num_tokens < max_tokens:
+            sampled_so_far = [] if turn is None else turn.token_ids
+            epoch = self._abort_epoch
+            params = self._sampling_params(1, eos_id, max_tokens - len(sampled_so_far))
+            output = (await self._request(prefix_token_ids + sampled_so_far, params)).outputs[0]
+            piece = self._completion(output)
+            turn = piece if turn is None else _join(turn, piece)
+            if output.finish_reason != "abort":
+                break
+            if self._abort_epoch == epoch:
+                raise RuntimeError(
+                    f"vLLM aborted a turn after {turn.num_tokens} tokens, and no abort-mode weight swap "
+                    "did (those are resubmitted): the engine is shutting down or was told to abort it."
+                )
+            # An abort-mode swap: resubmit prefix + tokens so far; the rest carries the new version.
+        finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
+        return SampledTurn(turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support)
 
     @property
     def _num_support_logprobs(self) -> int:

@@ -9,5 +9,8 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     python_tool.py   Python tool for chat models, running code in the sandbox
     sandbox.py       untrusted code in a confined process: what it guarantees and what it does not
 
-docs/environments.md shows a custom environment and what the sandbox guarantees.
+On the real engine, the runner's `generate` is `VLLMEngine.generate_turn`
+(forge_rl/engines/vllm_engine.py), which this package does not import.
+docs/environments.md shows a custom environment, how episodes run on the engine, and what the
+sandbox guarantees.
 """

@@ -2,16 +2,19 @@
 episode's limits; returns the Trajectory.
 
 The runner knows no engine: `generate` is any coroutine that, given the token prefix and a token
-budget, samples the next turn (the rollout shell passes one backed by a vLLM generator; tests pass
-a named fake). Each turn continues the same token sequence (prefix caching makes earlier turns
-free), and every token keeps the policy version that decoded it, so an episode may span weight
-updates.
+budget, samples the next turn. On the real engine it is `VLLMEngine.generate_turn`
+(forge_rl/engines/vllm_engine.py) with the tokenizer's eos bound; tests of the core pass a named
+fake (tests/fakes.py). Each turn continues the same token sequence (vLLM's prefix cache serves
+the earlier turns' whole KV blocks), and every token keeps the policy version that decoded it, so
+an episode may span weight updates.
 
 What ends an episode (TrajectoryStatus):
     reset raises, or runs past env_step_timeout_s          ENV_ERROR, ENV_TIMEOUT
     the prompt leaves no room for a turn                   TRUNCATED_TOKENS
   then, turn after turn:
     max_turns turns were taken                             TRUNCATED_TURNS
+    generate raises ContextExhausted (the engine's own     TRUNCATED_TOKENS
+      context is full, whatever max_total_tokens allows)
     the turn used the last of max_total_tokens             TRUNCATED_TOKENS (the environment never sees it)
     step raises, or runs past env_step_timeout_s           ENV_ERROR, ENV_TIMEOUT
     step raises MalformedTurn once more than allowed       PARSE_ERROR (until then: its observation is shown)
@@ -82,10 +85,22 @@ class SampledTurn:
     finish_reason: Literal["stop", "length"]
     """"stop": it ended on a stop token (included in token_ids, as sampled); "length": it used its
     whole token budget."""
+    sampling_support: list[list[int]] | None = None
+    """Per token, the ids top-k/top-p kept when it was sampled (the trainer renormalizes its
+    logprobs over them); None when nothing was filtered out or the generator does not record them."""
 
 
 GenerateTurn = Callable[[list[int], int], Awaitable[SampledTurn]]
-"""generate(prefix_token_ids, max_new_tokens) -> the turn sampled after exactly that prefix."""
+"""generate(prefix_token_ids, max_new_tokens) -> the turn sampled after exactly that prefix.
+May sample fewer than max_new_tokens ("length") where its own context ends, and raises
+ContextExhausted when that context has no room left for one token."""
+
+
+class ContextExhausted(Exception):
+    """Raised by `generate` when the prefix leaves no room in the generator's context (its
+    max_model_len) for one more token, before anything is sent to the engine. The runner ends the
+    episode TRUNCATED_TOKENS with this message: the model's context is full, as when
+    max_total_tokens is, and the episode is trained with the reward it earned (none)."""
 
 
 async def run_episode(
@@ -116,9 +131,13 @@ async def run_episode(
             return end(TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) reached")
         room = limits.max_total_tokens - builder.num_tokens
         max_new_tokens = min(limits.max_tokens_per_turn, room)
-        turn = await generate(builder.prefix, max_new_tokens)
+        try:
+            turn = await generate(builder.prefix, max_new_tokens)
+        except ContextExhausted as full:
+            return end(TrajectoryStatus.TRUNCATED_TOKENS, f"turn {record.num_turns + 1}: {full}")
         _check_turn(turn, max_new_tokens)
-        span = GeneratedSpan(tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions))
+        support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
+        span = GeneratedSpan(tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support)
         turn_text = builder.add_turn(span)
         record.num_turns += 1
         if turn.finish_reason == "length" and max_new_tokens == room:
@@ -200,9 +219,12 @@ async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record) -> T:
 def _check_turn(turn: SampledTurn, max_new_tokens: int) -> None:
     """A broken `generate` is a bug of the caller's, not an episode outcome: raise."""
     lengths = {len(turn.token_ids), len(turn.logprobs), len(turn.policy_versions)}
+    num_supports = "no" if turn.sampling_support is None else len(turn.sampling_support)
+    if turn.sampling_support is not None:
+        lengths.add(len(turn.sampling_support))
     if len(lengths) > 1 or not 1 <= len(turn.token_ids) <= max_new_tokens:
         raise ValueError(
-            f"generate returned {len(turn.token_ids)} token ids, {len(turn.logprobs)} logprobs and "
-            f"{len(turn.policy_versions)} policy versions for a turn of 1 to {max_new_tokens} tokens: "
-            "they must agree, within the budget it was given."
+            f"generate returned {len(turn.token_ids)} token ids, {len(turn.logprobs)} logprobs, "
+            f"{len(turn.policy_versions)} policy versions and {num_supports} kept sets for a turn of 1 to "
+            f"{max_new_tokens} tokens: they must agree, within the budget it was given."
         )

@@ -29,7 +29,8 @@ second turn). One sample, four spans:
     Trajectory(samples=[TrajectorySample(spans=[...the four above])], status=DONE,
                final_reward=1.0, num_turns=2, ...)
 
-Lengths: in each GeneratedSpan, token_ids, logprobs and policy_versions have one entry per token.
+Lengths: in each GeneratedSpan, token_ids, logprobs, policy_versions (and sampling_support, when
+recorded) have one entry per token.
 A sample's token_ids is its spans' ids concatenated; its loss_mask is True on generated tokens.
 
 Today's single-turn `Completion` (forge_rl/types.py) is the one-turn trajectory, and the migration
@@ -70,10 +71,15 @@ class GeneratedSpan:
     """Behaviour logprob of each token under the weights that sampled it, [T]."""
     policy_versions: tuple[int, ...]
     """Policy version that decoded each token, [T] (weights can change mid-turn)."""
+    sampling_support: tuple[tuple[int, ...], ...] | None = None
+    """Per token, the ids top-k/top-p kept when it was sampled, [T][kept] (as
+    `Completion.sampling_support`); None when nothing was filtered or none were recorded."""
 
     def __post_init__(self) -> None:
         lengths = {"token_ids": len(self.token_ids), "logprobs": len(self.logprobs),
                    "policy_versions": len(self.policy_versions)}
+        if self.sampling_support is not None:
+            lengths["sampling_support"] = len(self.sampling_support)
         if len(set(lengths.values())) > 1:
             raise ValueError(f"GeneratedSpan fields disagree in length: {lengths}")
 

@@ -17,24 +17,29 @@ by construction, from what vLLM 0.32 guarantees (vllm/v1/engine/core.py, v1/core
    `forced_length=k` started with the batch thus stops the engine exactly when every request of
    the batch has decoded k tokens; nothing is sampled until someone resumes (a weight swap does).
 
-`start_held_batch` strings these together. The engine is a test subclass, not a library feature:
-the hold exists only to make a race testable. Nothing here imports vLLM (collecting the tests
+`hold_mid_request` strings these together; `start_held_batch` is it for a batch of `generate`
+calls. The engine is a test subclass, not a library feature: the hold exists only to make a race
+testable. Nothing here imports vLLM (collecting the tests
 stays cheap); the scheduler module is imported by the engine-core process only.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from forge_rl.engines.vllm_engine import VLLMEngine
 from tests.helpers import wait_until_async
+
+T = TypeVar("T")
 
 HOLD_PROMPT = [1, 3, 3, 3, 3, 2]
 """The holder's prompt; no other test sends it (the scheduler recognises the holder by it)."""
 
 
 class HoldableEngine(VLLMEngine):
-    """A VLLMEngine whose engine core runs `HoldingScheduler`, with the calls `start_held_batch` needs."""
+    """A VLLMEngine whose engine core runs `HoldingScheduler`, with the calls `hold_mid_request` needs."""
 
     def _engine_kwargs(self, model_dir, max_model_len) -> dict:
         return super()._engine_kwargs(model_dir, max_model_len) | {
@@ -65,15 +70,30 @@ async def start_held_batch(
     `hold_after_tokens` tokens, none has finished, and nothing decodes until the next resume (a
     weight swap resumes). The batch plus the holder must fit one step (`max_num_seqs`).
     """
+    return await hold_mid_request(
+        engine,
+        lambda: asyncio.gather(*(engine.generate(p, n=n, eos_id=None) for p in prompts)),
+        num_requests=len(prompts) * n,
+        hold_after_tokens=hold_after_tokens,
+    )
+
+
+async def hold_mid_request(
+    engine: HoldableEngine, submit: Callable[[], Awaitable[T]], num_requests: int, hold_after_tokens: int
+) -> asyncio.Future[T]:
+    """Run `submit()` (which sends `num_requests` requests to the engine, none of which may stop
+    before `hold_after_tokens` tokens: eos ignored) and return its future once the engine is held
+    with each of them `hold_after_tokens` tokens in; nothing decodes until the next resume.
+    """
     await engine.pause()
-    expected = engine.num_submitted() + len(prompts) * n + 1
-    batch = asyncio.gather(*(engine.generate(p, n=n, eos_id=None) for p in prompts))
+    expected = engine.num_submitted() + num_requests + 1
+    requests = asyncio.ensure_future(submit())
     holder = asyncio.ensure_future(
         engine.generate(HOLD_PROMPT, n=1, eos_id=None, forced_length=hold_after_tokens)
     )
     # Every request is sent before the resume, so all start in the first step after it.
-    await wait_until_async(lambda: engine.num_submitted() == expected, "the batch reaching the engine")
+    await wait_until_async(lambda: engine.num_submitted() == expected, "the requests reaching the engine")
     await engine.resume()
     (held,) = await holder  # finished: the engine has paused itself in the same step
     assert held.num_tokens == hold_after_tokens
-    return batch
+    return requests

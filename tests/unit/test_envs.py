@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from forge_rl.envs.calculator import MALFORMED_CALL, MALFORMED_TURN, CalculatorE
 from forge_rl.envs.environment import MalformedTurn, Message, StepResult
 from forge_rl.envs.python_tool import PythonToolEnv
 from forge_rl.envs.renderers import PlainTextRenderer
-from forge_rl.envs.runner import EpisodeLimits, SampledTurn, run_episode
+from forge_rl.envs.runner import ContextExhausted, EpisodeLimits, SampledTurn, run_episode
 from forge_rl.envs.sandbox import SandboxConfig, run_python
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus
 from forge_rl.errors import GeneratorLost, SandboxUnavailable
@@ -128,6 +129,19 @@ def test_the_trainer_sees_exactly_the_sampled_ids_turn_after_turn(tokenizer, ren
     assert [m.content for m in trajectory.conversation] == ["37*52=", "C37*52", "R1924=", "1924"]
 
 
+def test_each_tokens_kept_set_travels_with_its_turn_and_must_match_its_length(tokenizer, renderer):
+    """top-k/top-p kept sets (SampledTurn.sampling_support) land in the GeneratedSpan as sampled;
+    a generate whose kept sets disagree with its tokens is a caller's bug and raises."""
+    turn = sampled(tokenizer, "1924")
+    kept = [[token_id, 3] for token_id in turn.token_ids]
+    trajectory, _ = play(CalculatorEnv(37, 52), [replace(turn, sampling_support=kept)], renderer)
+    [span] = trajectory.generated_spans
+    assert span.sampling_support == tuple(tuple(k) for k in kept)
+
+    with pytest.raises(ValueError, match="5 token ids, 5 logprobs, 5 policy versions and 4 kept sets"):
+        play(CalculatorEnv(37, 52), [replace(turn, sampling_support=kept[:4])], renderer)
+
+
 def test_a_single_turn_task_is_the_one_turn_trajectory(tokenizer, renderer):
     """Today's Completion, played as an environment: prompt context, one generated span, its reward."""
     prompt = make_prompt("max_of_two", seed=0, index=3)
@@ -235,6 +249,24 @@ def test_an_observation_that_overflows_the_context_truncates_and_is_not_added(to
 def test_a_prompt_longer_than_the_context_truncates_before_any_turn(renderer):
     trajectory, generate = play(ScriptedEnv(prompt="Q" * 40), [], renderer, max_total_tokens=30)
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and generate.calls == [] and trajectory.samples == []
+
+
+def test_a_generator_whose_context_is_full_truncates_the_episode_with_its_reason(tokenizer, renderer):
+    """max_total_tokens (the default 4096) beyond the generator's own context: generate raises
+    ContextExhausted (VLLMEngine.generate_turn does, before sending anything) and the episode ends
+    TRUNCATED_TOKENS, trainable, with the generator's reason."""
+    first_turn = sampled(tokenizer, "C37*52")
+
+    async def generate(prefix, max_new_tokens):
+        if prefix == tokenizer.encode_prompt("37*52="):
+            return first_turn
+        raise ContextExhausted(f"the prefix has {len(prefix)} tokens and the generator's context is 16")
+
+    trajectory = asyncio.run(run_episode(CalculatorEnv(37, 52), generate, renderer, EpisodeLimits()))
+    assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.status.trainable
+    assert trajectory.error == "turn 2: the prefix has 20 tokens and the generator's context is 16"
+    assert trajectory.num_turns == 1 and trajectory.final_reward == 0.0
+    assert trajectory.samples[0].token_ids[-6:] == tokenizer.encode_text("R1924=")  # answered, then no room
 
 
 def test_a_malformed_tool_call_gets_an_error_observation_and_the_episode_goes_on(tokenizer, renderer):
