@@ -58,6 +58,11 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 
+_SHUTDOWN_GRACE_S = 1.0
+"""How long `shutdown` lets the engine core exit after SIGTERM before it is killed (measured on
+2 cores: the engine's processes are gone 2.2 s after the call, against 5.1 s with vLLM's default)."""
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     max_new_tokens: int = 4
@@ -579,7 +584,12 @@ class VLLMEngine:
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
         if self._llm is not None:
-            self._llm.shutdown()
+            # vLLM's default waits 5 s for the engine core after SIGTERM, because the core waits
+            # that long for its worker, which does not exit on its own here: every stop of a run
+            # cost 5 s (4 s of it past the lifecycle's engine-stop bound). Nothing the engine
+            # holds needs a graceful exit (weights live in the store, the KV cache is discarded),
+            # so the core is killed after _SHUTDOWN_GRACE_S; the worker follows its parent's death.
+            self._llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
             self._llm = None
         if self._reaper is not None:
             self._reaper.dismiss()
