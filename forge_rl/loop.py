@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
-from forge_rl.errors import GeneratorLost, generator_lost
+from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost
 from forge_rl.health import MismatchAlarm
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.timeline import Timeline, idle_fraction
@@ -198,7 +198,7 @@ class Pipeline:
         step_start = timeline.now()
         self.step_in_flight = True  # until the step is accounted for, with no await in between
         with timeline.busy("trainer"):
-            values, stopped = await lifecycle.finish_despite_stop(actors.trainer.train_step.call(episodes))
+            values, stopped = await lifecycle.finish_despite_stop(self._trained(step, episodes))
             trained: TrainStepResult = values.item(procs=0)
         trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
         if trained.skipped:
@@ -229,6 +229,20 @@ class Pipeline:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
         return StepResult(step_metrics, stopped), weight_updates
+
+    async def _trained(self, step: int, episodes: list[Episode]):
+        """The trainer's step `step` on every rank; raises TrainStepTimedOut past
+        config.train_step_timeout_s, so a hung rank or collective stops the run instead of hanging it."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation (a stop)
+        # that lands as the step finishes, and the train loop then carries on.
+        deadline = asyncio.timeout(self.config.train_step_timeout_s)
+        try:
+            async with deadline:
+                return await self.actors.trainer.train_step.call(episodes)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TrainStepTimedOut(step, self.config.train_step_timeout_s) from None
 
     async def _pipeline_metrics(self) -> dict:
         """Generation rate since the previous step, idle fractions since the loops started, buffer."""

@@ -118,6 +118,15 @@ class GeneratorConfig:
     prefix with v (every token labelled v is an exact sample of v), a prefill of all tokens in
     flight while nothing decodes (0.5-0.65 s measured on CPU). Either way no new request reuses a
     prefix-cache block of an older version (requests are salted by version). docs/weight_store.md."""
+    generate_timeout_s: float | None = None
+    """Most seconds one generate call (one prompt's group of completions) may take. A call past it
+    is treated like a dead generator (forge_rl/actors/generator_pool.py): the generator is killed
+    and replaced on a fresh proc mesh, and the call's prompt is handed out again. Unset: derived
+    from what a call can legitimately take (`GRPOConfig.generate_timeout_s` has the formula)."""
+    update_timeout_s: float | None = None
+    """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
+    past it the generator is replaced the same way, and its replacement loads the newest version
+    itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
 
     @property
     def records_sampling_support(self) -> bool:
@@ -138,6 +147,8 @@ class GeneratorConfig:
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
             ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
             ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
+            ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
+            ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -145,6 +156,10 @@ class GeneratorConfig:
                 raise ValueError(
                     f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}."
                 )
+
+
+def _unset_or_finite_positive(seconds: float | None) -> bool:
+    return seconds is None or 0 < seconds < math.inf
 
 
 class VLLMEngine:

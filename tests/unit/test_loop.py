@@ -9,7 +9,7 @@ import pytest
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
-from forge_rl.errors import GeneratorLost
+from forge_rl.errors import GeneratorLost, TrainStepTimedOut
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
 from forge_rl.trainer import TrainStepResult
@@ -114,3 +114,26 @@ def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_rem
     with pytest.raises(FakeActorError, match="traceback of the remote process"):
         run(pipeline, tmp_path)
     assert pipeline.accounting.requeued == 1
+
+
+def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout_and_the_flag(tmp_path):
+    """A hung trainer (its step never returns, by construction) stops the run instead of hanging it;
+    forge_rl/lifecycle.py then adds the resume command to the message (tests/unit/test_checkpoint.py)."""
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, 0)) for p in prompts]
+
+    async def train_step_that_hangs(episodes):
+        await asyncio.Event().wait()  # never set
+
+    pipeline = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
+    pipeline.actors.trainer = endpoints(train_step=train_step_that_hangs)
+
+    with pytest.raises(TrainStepTimedOut) as raised:
+        run(pipeline, tmp_path)
+    assert raised.value.step == 1
+    assert "train step 1 did not finish within train_step_timeout_s (0.5 s)" in str(raised.value)
+    assert "raise --train-step-timeout-s" in str(raised.value)
+
+
