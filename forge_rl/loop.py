@@ -176,14 +176,19 @@ class Pipeline:
         stop (Ctrl-C, SIGTERM) wait for the step in flight when a shutdown checkpoint is wanted."""
         history: list[dict] = []
         weight_updates: list[asyncio.Task] = []
-        for step in range(self.step + 1, self.config.steps + 1):
-            result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
-            metrics_logger.log(result.metrics)
-            history.append(result.metrics)
-            if result.stopped:
-                raise asyncio.CancelledError
-            await lifecycle.after_step(self)
-        await asyncio.gather(*weight_updates)
+        try:
+            for step in range(self.step + 1, self.config.steps + 1):
+                result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
+                metrics_logger.log(result.metrics)
+                history.append(result.metrics)
+                if result.stopped:
+                    raise asyncio.CancelledError
+                await lifecycle.after_step(self)
+            await asyncio.gather(*weight_updates)
+        finally:
+            # A stop or a failure leaves updates in flight; once the run's processes stop they would
+            # fail with nobody to see it ("Task exception was never retrieved" at every Ctrl-C).
+            await _cancelled(*weight_updates)
         return history
 
     async def _train_step(
@@ -299,7 +304,8 @@ class Pipeline:
         return history, self.accounting.summary(buffer_stats[m.DROPPED_EPISODES])
 
 
-async def _cancelled(task: asyncio.Task) -> None:
-    """Cancel `task` and wait until it has finished unwinding."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+async def _cancelled(*tasks: asyncio.Task) -> None:
+    """Cancel `tasks` (those not done) and wait until they have finished unwinding."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
