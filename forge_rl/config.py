@@ -10,6 +10,7 @@ always before any process starts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -32,6 +33,23 @@ from forge_rl.errors import ConfigError
 
 REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 """Besides the safetensors weights: model.safetensors, or shards listed in model.safetensors.index.json."""
+
+# What the derived generator timeouts are made of (GRPOConfig.generate_timeout_s, update_timeout_s).
+# A timeout turns a hung generator into a replaced one; one that fires on a healthy generator
+# throws its work away and restarts its engine, so these are far above anything measured.
+_GENERATE_TIMEOUT_BASE_S = 300.0
+"""The part of a generate call that does not scale with its length: its prefill, waiting out a
+weight swap's pause (a whole reload with swap_loader "reload"), a loaded host's scheduling."""
+_DECODE_STEP_ALLOWANCE_S = 1.0
+"""Seconds allowed per decode step a call may wait for. Measured decode steps of 256 sequences on 2
+CPU cores: about 16 ms for the demo's tiny model (forge_rl/engines/vllm_engine.py, `_engine_env`),
+26-28 ms for a 100M-parameter model (docs/benchmarks.md); on a GPU, tens of ms. A second per step
+is reached only by an engine that has all but stopped."""
+_UPDATE_TIMEOUT_S = 600.0
+"""A weight update end to end (forge_rl/store/loader.py): measured 0.2-1.2 s for a 398 MB model on
+2 CPU cores, cross-host included (docs/benchmarks.md); the slowest legitimate case in view, a
+100+ GB model fetched over Monarch's TCP fallback (0.46 GB/s measured), takes about 5 minutes.
+Updates of one generator run one at a time, so an update may first wait out the one before it."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,12 @@ class GRPOConfig:
     prompts_in_flight_per_generator: int = 16
     """Prompts (each a group of group_size samples) a generator decodes concurrently. Each is its
     own request, so vLLM batches them continuously and a long completion holds back no other."""
+    train_step_timeout_s: float = 1800.0
+    """Most seconds one train step (the optimizer step on every trainer rank, then the snapshot its
+    publish starts from) may take. A step past it means a hung rank or collective: the run stops with
+    TrainStepTimedOut, naming the command that resumes it. Half an hour: steps take about 1 s in the
+    async-vs-sync benchmark and 1.6 s for a 100M-parameter model on 2 CPU cores (docs/benchmarks.md),
+    and minutes for large batches of long sequences; raise it for steps longer than that."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose completions all scored the same (zero advantage,
     no learning signal) is filtered out before the buffer, so every batch is made of groups with
@@ -170,13 +194,37 @@ class GRPOConfig:
             bounds.append(self.buffer.capacity_tokens // self.max_episode_tokens)
         return min(bounds)
 
+    @property
+    def generate_timeout_s(self) -> float:
+        """generator.generate_timeout_s, or when unset: what a generate call can legitimately take,
+        with a wide margin = _GENERATE_TIMEOUT_BASE_S (300 s) + decode_rounds x
+        generator.max_new_tokens x _DECODE_STEP_ALLOWANCE_S (1 s per decode step), where
+        decode_rounds = ceil(prompts_in_flight_per_generator x group_size / generator.max_num_seqs):
+        the sequences a generator has in flight may exceed what vLLM decodes at once, and a call
+        may then wait for earlier ones to finish. The demo's: 300 + 1 x 2 x 1 = 302 s."""
+        if self.generator.generate_timeout_s is not None:
+            return self.generator.generate_timeout_s
+        sequences_in_flight = self.prompts_in_flight_per_generator * self.group_size
+        decode_rounds = -(-sequences_in_flight // self.generator.max_num_seqs)
+        return _GENERATE_TIMEOUT_BASE_S + decode_rounds * self.generator.max_new_tokens * _DECODE_STEP_ALLOWANCE_S
+
+    @property
+    def update_timeout_s(self) -> float:
+        """generator.update_timeout_s, or when unset: _UPDATE_TIMEOUT_S (600 s), plus
+        `generate_timeout_s` with generator.swap_mode "wait", whose swap first waits for every
+        request in flight to finish."""
+        if self.generator.update_timeout_s is not None:
+            return self.generator.update_timeout_s
+        return _UPDATE_TIMEOUT_S + (self.generate_timeout_s if self.generator.swap_mode == "wait" else 0.0)
+
     def __post_init__(self) -> None:
         """Every rule that spans components, in the order a user fixes them: batch shape, buffer,
-        loss, model and parallelism, placement."""
+        loss, model and parallelism, timeouts, placement."""
         self._check_batch_shape()
         self._check_buffer()
         self._check_loss_and_scorer()
         self._check_model_and_parallelism()
+        self._check_timeouts()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -253,6 +301,21 @@ class GRPOConfig:
                     f"fail. Set --group-size to a multiple of {reference_dp}, or --reference.parallel.dp-shard "
                     "(with --reference.num-procs) to a divisor of it."
                 )
+
+    def _check_timeouts(self) -> None:
+        if not 0 < self.train_step_timeout_s < math.inf:
+            raise ConfigError(
+                f"train_step_timeout_s ({self.train_step_timeout_s}) must be > 0 and finite: it is what turns a "
+                "hung trainer into a stopped run. Set --train-step-timeout-s."
+            )
+        if self.generator.swap_mode == "wait" and self.update_timeout_s < self.generate_timeout_s:
+            raise ConfigError(
+                f"generator.update_timeout_s ({self.update_timeout_s:g}) is below the generate timeout "
+                f"({self.generate_timeout_s:g} s) with generator.swap_mode wait: such a swap first waits for every "
+                "request in flight to finish, so a healthy update can take as long as a generate call, and its "
+                f"generator would be replaced as hung. Set --generator.update-timeout-s to at least "
+                f"{self.generate_timeout_s:g}, or leave it unset."
+            )
 
     @property
     def uses_reference_model(self) -> bool:

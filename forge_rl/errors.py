@@ -1,13 +1,16 @@
 """The failures forge_rl names, in one place, and what each one does to a run.
 
 Recoverable: the run goes on.
-    GeneratorLost    a generator's process died during a call; the rollout loop hands its prompts
-                     out again and waits for the replacement (forge_rl/actors/generator_pool.py).
+    GeneratorLost    a generator's process died during a call, or the call outlived its timeout
+                     (a hung generator is replaced like a dead one); the rollout loop hands its
+                     prompts out again and waits for the replacement (forge_rl/actors/generator_pool.py).
 Fatal: the run stops, every process of it is shut down, and the message says what to do.
     ConfigError      a config, file or machine that cannot run it; raised before anything
                      expensive starts (forge_rl/config.py, forge_rl/preflight.py).
     ProcessDied      a trainer rank or a service process died; the message names the command
                      that resumes the run (forge_rl/lifecycle.py).
+    TrainStepTimedOut  a train step outlived train_step_timeout_s (a hung rank or collective); the
+                     message names the flag that raises it and the command that resumes the run.
     StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
                      published twice, a lease on a version that is gone.
     SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
@@ -38,6 +41,22 @@ class GeneratorLost(RuntimeError):
 
 class ProcessDied(RuntimeError):
     """A process of the run (a trainer rank, or the services) died; the message says how to resume."""
+
+
+class TrainStepTimedOut(RuntimeError):
+    """Train step `step` did not finish within `timeout_s` (GRPOConfig.train_step_timeout_s).
+
+    Raised by the train loop (forge_rl/loop.py) without `resume_hint`; the lifecycle, which knows
+    the run directory and its checkpoints, raises it again with the hint (forge_rl/lifecycle.py)."""
+
+    def __init__(self, step: int, timeout_s: float, resume_hint: str = ""):
+        super().__init__(
+            f"train step {step} did not finish within train_step_timeout_s ({timeout_s:g} s): a trainer rank "
+            "or one of its collectives is hung, so the run stopped. If steps of this run legitimately take "
+            f"longer, raise --train-step-timeout-s. {resume_hint}".rstrip()
+        )
+        self.step = step
+        self.timeout_s = timeout_s
 
 
 class StoreError(RuntimeError):

@@ -41,7 +41,7 @@ from forge_rl.checkpoint import (
     restore_rng_state,
     resume_hint,
 )
-from forge_rl.errors import ProcessDied
+from forge_rl.errors import ProcessDied, TrainStepTimedOut
 from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
 from forge_rl.reaper import Reaper
 from forge_rl.run_dir import (
@@ -161,13 +161,16 @@ class Lifecycle:
         self._store_reaper.dismiss()
 
     def _translated(self, error: BaseException) -> BaseException:
-        """The exception the run ends with: ProcessDied for a dead process, else `error` with the
-        resume command attached (a Ctrl-C or SIGTERM prints it)."""
+        """The exception the run ends with: ProcessDied for a dead process, a hung train step's
+        TrainStepTimedOut with the resume command in its message, else `error` with the resume
+        command attached (a Ctrl-C or SIGTERM prints it)."""
         remove_unstarted_run_dir(self.run_path)  # a run that trained no step leaves nothing to resume from
         hint = resume_hint(self.run_path, self.config.checkpoint)
         if self.process_failures or (isinstance(error, Exception) and launch.is_process_failure(error)):
             cause = self.process_failures[0] if self.process_failures else f"{type(error).__name__}: {error}"
             return ProcessDied(f"a process of run {self.run_path} died ({cause}); the run stopped. {hint}")
+        if isinstance(error, TrainStepTimedOut):
+            return TrainStepTimedOut(error.step, error.timeout_s, resume_hint=hint)
         if self.run_path.exists():
             if isinstance(error, Exception):
                 error.add_note(f"[forge-rl] {hint}")

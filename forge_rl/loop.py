@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
-from forge_rl.errors import GeneratorLost, generator_lost
+from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost
 from forge_rl.health import MismatchAlarm
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
 from forge_rl.timeline import Timeline, idle_fraction
@@ -176,14 +176,19 @@ class Pipeline:
         stop (Ctrl-C, SIGTERM) wait for the step in flight when a shutdown checkpoint is wanted."""
         history: list[dict] = []
         weight_updates: list[asyncio.Task] = []
-        for step in range(self.step + 1, self.config.steps + 1):
-            result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
-            metrics_logger.log(result.metrics)
-            history.append(result.metrics)
-            if result.stopped:
-                raise asyncio.CancelledError
-            await lifecycle.after_step(self)
-        await asyncio.gather(*weight_updates)
+        try:
+            for step in range(self.step + 1, self.config.steps + 1):
+                result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
+                metrics_logger.log(result.metrics)
+                history.append(result.metrics)
+                if result.stopped:
+                    raise asyncio.CancelledError
+                await lifecycle.after_step(self)
+            await asyncio.gather(*weight_updates)
+        finally:
+            # A stop or a failure leaves updates in flight; once the run's processes stop they would
+            # fail with nobody to see it ("Task exception was never retrieved" at every Ctrl-C).
+            await _cancelled(*weight_updates)
         return history
 
     async def _train_step(
@@ -198,7 +203,7 @@ class Pipeline:
         step_start = timeline.now()
         self.step_in_flight = True  # until the step is accounted for, with no await in between
         with timeline.busy("trainer"):
-            values, stopped = await lifecycle.finish_despite_stop(actors.trainer.train_step.call(episodes))
+            values, stopped = await lifecycle.finish_despite_stop(self._trained(step, episodes))
             trained: TrainStepResult = values.item(procs=0)
         trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
         if trained.skipped:
@@ -229,6 +234,20 @@ class Pipeline:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
         return StepResult(step_metrics, stopped), weight_updates
+
+    async def _trained(self, step: int, episodes: list[Episode]):
+        """The trainer's step `step` on every rank; raises TrainStepTimedOut past
+        config.train_step_timeout_s, so a hung rank or collective stops the run instead of hanging it."""
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation (a stop)
+        # that lands as the step finishes, and the train loop then carries on.
+        deadline = asyncio.timeout(self.config.train_step_timeout_s)
+        try:
+            async with deadline:
+                return await self.actors.trainer.train_step.call(episodes)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TrainStepTimedOut(step, self.config.train_step_timeout_s) from None
 
     async def _pipeline_metrics(self) -> dict:
         """Generation rate since the previous step, idle fractions since the loops started, buffer."""
@@ -285,7 +304,8 @@ class Pipeline:
         return history, self.accounting.summary(buffer_stats[m.DROPPED_EPISODES])
 
 
-async def _cancelled(task: asyncio.Task) -> None:
-    """Cancel `task` and wait until it has finished unwinding."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+async def _cancelled(*tasks: asyncio.Task) -> None:
+    """Cancel `tasks` (those not done) and wait until they have finished unwinding."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

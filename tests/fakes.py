@@ -8,6 +8,7 @@ scripted turns for forge_rl/envs/runner.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -117,3 +118,68 @@ class FakeGenerate:
         return SampledTurn(
             turn.token_ids[:max_new_tokens], turn.logprobs[:max_new_tokens], turn.policy_versions[:max_new_tokens], "length"
         )
+
+
+class FakeGeneratorHost:
+    """Stands in for the Monarch host a GeneratorPool spawns its generators on (its placement's
+    `host`): every `spawn_procs` is one incarnation of a generator, named as the pool names its mesh
+    ("generator0-r1"), whose FakeGenerator answers at once, except the endpoints `hang` lists for
+    that incarnation, which never return (a hung generator, by construction)."""
+
+    def __init__(self, hang: dict[str, set[str]] | None = None):
+        self.hang = hang or {}
+        self.meshes: list[FakeGeneratorProcs] = []
+        """Every incarnation spawned, in order."""
+
+    def spawn_procs(self, per_host: dict, name: str) -> FakeGeneratorProcs:
+        procs = FakeGeneratorProcs(name, self.hang.get(name, set()))
+        self.meshes.append(procs)
+        return procs
+
+
+class FakeGeneratorProcs:
+    """One incarnation's proc mesh: spawns its FakeGenerator, records being stopped."""
+
+    def __init__(self, name: str, hung_endpoints: set[str]):
+        self.name = name
+        self.hung_endpoints = hung_endpoints
+        self.stopped = False
+
+    def spawn(self, name: str, actor_class: type, *args) -> FakeGenerator:
+        return FakeGenerator(self.hung_endpoints)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+class FakeGenerator:
+    """A generator actor's endpoints (`start`, `generate`, `update_weights`, `shutdown`) without an
+    engine: completions are `completions_for` at the version it serves."""
+
+    def __init__(self, hung_endpoints: set[str]):
+        self.hung_endpoints = hung_endpoints
+        self.policy_version = 0
+        self.start = FakeEndpoint(self._start)
+        self.generate = FakeEndpoint(self._generate)
+        self.update_weights = FakeEndpoint(self._update_weights)
+        self.shutdown = FakeEndpoint(self._shutdown)
+
+    async def _start(self) -> dict:
+        # Another host's name: the pool then leaves its processes to Monarch's supervision (there are none).
+        return {"engine_start_s": 0.0, "hostname": "fake-generator-host", "pid": 0, "engine_pids": [], "devices": []}
+
+    async def _generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
+        await self._hang_if("generate")
+        return [dataclasses.replace(e, completions=completions_for(e, group_size, self.policy_version)) for e in episodes]
+
+    async def _update_weights(self, policy_version: int, weights_dir: str) -> dict:
+        await self._hang_if("update_weights")
+        self.policy_version = max(self.policy_version, policy_version)
+        return {"policy_version": self.policy_version}
+
+    async def _shutdown(self) -> None:
+        pass
+
+    async def _hang_if(self, endpoint: str) -> None:
+        if endpoint in self.hung_endpoints:
+            await asyncio.Event().wait()  # never set: this call never returns

@@ -125,7 +125,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
-            store_index, hosts.generator_placements(),
+            store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
         ),
         trainer=trainer_procs.spawn(
             "trainer", TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,

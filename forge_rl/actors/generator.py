@@ -31,12 +31,16 @@ class GeneratorActor(Actor):
         model_dir: str,
         max_model_len: int,
         store_index: StoreIndexActor,
+        store_client_id: str,
         cuda_devices: tuple[int, ...] | None = None,
     ):
-        # `cuda_devices`: this generator's block of its host's GPUs (forge_rl/placement.py); the
-        # engine's processes see only those. Ignored on CPU.
+        # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
+        # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
+        # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
+        # Ignored on CPU.
         self.engine = VLLMEngine(config, cuda_devices)
         self.store_index = store_index
+        self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
         self.tokenizer = PromptTokenizer(self.model_dir)
@@ -90,12 +94,21 @@ class GeneratorActor(Actor):
 
     async def _weight_store(self, root: Path) -> WeightStore:
         if self.store is None or self.store.local.root != root:
-            self.store = WeightStore(self.store_index, root, extra_files_dir=self.model_dir)
+            self.store = WeightStore(self.store_index, root, self.store_client_id, extra_files_dir=self.model_dir)
         return self.store
 
     @endpoint
     async def shutdown(self) -> None:
+        await self._stop_engine_and_store()
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        # Also when the actor is stopped without `shutdown`: its pool retiring it as hung. Else
+        # vLLM's AsyncLLM.__del__ stops the engine at interpreter exit and prints a traceback.
+        await self._stop_engine_and_store()
+
+    async def _stop_engine_and_store(self) -> None:
         await self.engine.shutdown()
         if self.store is not None:  # leases of an update cut short, fetched copies
             await self.store.close()
+            self.store = None
 

@@ -7,18 +7,23 @@ the pool also watches the OS processes (actor and vLLM engine processes) of the 
 own host and acts on a death within `_POLL_INTERVAL_S`; a generator on another host (launch.py's
 placement) is left to Monarch's report:
 
-    SERVING ──(a process died, or a call failed)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
+    SERVING ──(a process died, a call failed, or a call hung)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
        calls in flight on the dead generator, and calls made while it recovers, raise
        GeneratorLost (forge_rl/errors.py) at once; the controller re-queues their prompts and
-       waits in `wait_until_serving`. A replacement starts on a fresh proc mesh (spawning onto
+       waits in `wait_until_serving`. The dead incarnation's mesh is stopped without waiting on
+       it, and its weight-store leases are dropped (its reader id is its mesh name), so the
+       versions it held can be collected. A replacement starts on a fresh proc mesh (spawning onto
        the damaged one hangs), loads the newest published weights (again, until no newer version
        was published while it loaded) and serves again; the other generators keep serving
-       throughout. A replacement that fails to start is retried; after _MAX_START_ATTEMPTS the
-       slot is FAILED and `wait_until_serving` raises, which stops the run with the cause.
+       throughout. A replacement that fails to start, or whose load hangs, is retried; after
+       _MAX_START_ATTEMPTS the slot is FAILED and `wait_until_serving` raises, which stops the run
+       with the cause.
 
-Only a dead process triggers a replacement (Monarch's SupervisionError, or the watchdog); an
-exception raised by a generator's endpoint (a prompt longer than the context, say) reaches the
-caller unchanged.
+A replacement is triggered by a dead process (Monarch's SupervisionError, or the watchdog), a dead
+vLLM engine, or a hung generator: a generate call past `generate_timeout_s` or a weight update past
+`update_timeout_s` (GRPOConfig derives both; they are far above what a call legitimately takes).
+Any other exception raised by a generator's endpoint (a prompt longer than the context, say)
+reaches the caller unchanged.
 
 Each generator runs where `placements[i]` says (forge_rl/launch.py): a host, and a block of that
 host's GPUs that its vLLM processes alone see (forge_rl/placement.py, `generator_devices`); a
@@ -99,6 +104,12 @@ class GeneratorSlot:
         """Names this incarnation's meshes, so Monarch's failure reports can be told apart."""
         return f"generator{self.index}-r{self.incarnation}"
 
+    @property
+    def store_reader_id(self) -> str:
+        """This incarnation's id as a weight-store reader (its WeightStore's client_id): the pool
+        knows it, so it can drop the leases of an incarnation that died holding some."""
+        return self.mesh_name
+
 
 class GeneratorPool(Actor):
     def __init__(
@@ -109,10 +120,19 @@ class GeneratorPool(Actor):
         num_generators: int,
         store_index: StoreIndexActor,
         placements: list[GeneratorPlacement],
+        generate_timeout_s: float,
+        update_timeout_s: float,
+        generator_class: type[GeneratorActor] = GeneratorActor,
     ):
         self.config = config
         self.placements = placements
         """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_placements`)."""
+        self.generate_timeout_s = generate_timeout_s
+        """A generate call past it is a hung generator (GRPOConfig.generate_timeout_s)."""
+        self.update_timeout_s = update_timeout_s
+        """A weight update past it is a hung generator (GRPOConfig.update_timeout_s)."""
+        self.generator_class = generator_class
+        """The actor each slot runs: GeneratorActor, or a test's subclass whose engine it can hold."""
         self.store_index = store_index
         self.model_dir = model_dir
         self.max_model_len = max_model_len
@@ -121,6 +141,9 @@ class GeneratorPool(Actor):
         """(policy_version, weights_dir) of the newest published version: what a replacement loads."""
         self.recoveries: list[dict] = []
         self._watchdog: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        """Stops of dead meshes and drops of their leases, not waited for; held here because the
+        event loop keeps only weak references to tasks."""
         self._stopping = False
         """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
 
@@ -134,19 +157,29 @@ class GeneratorPool(Actor):
     @concurrent_endpoint
     async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode]:
         """Episodes with completions from generator `index`; raises GeneratorLost if it died meanwhile."""
-        episodes = await self._forward(self.slots[index], lambda actor: actor.generate.call_one(episodes, group_size))
+        episodes = await self._forward(
+            self.slots[index],
+            lambda actor: actor.generate.call_one(episodes, group_size),
+            self.generate_timeout_s,
+            "generate call ran past generator.generate_timeout_s",
+        )
         for episode in episodes:
             episode.generator_index = index
         return episodes
 
     @concurrent_endpoint
     async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict:
-        """Swap generator `index` to `policy_version`; raises GeneratorLost if it died (its
-        replacement loads the newest version itself)."""
+        """Swap generator `index` to `policy_version`; raises GeneratorLost if it died or the update
+        hung (its replacement loads the newest version itself)."""
         if self.latest_weights is None or policy_version > self.latest_weights[0]:
             self.latest_weights = (policy_version, weights_dir)
         slot = self.slots[index]
-        result = await self._forward(slot, lambda actor: actor.update_weights.call_one(policy_version, weights_dir))
+        result = await self._forward(
+            slot,
+            lambda actor: actor.update_weights.call_one(policy_version, weights_dir),
+            self.update_timeout_s,
+            "weight update ran past generator.update_timeout_s",
+        )
         slot.policy_version = max(slot.policy_version, result["policy_version"])
         return result
 
@@ -189,13 +222,26 @@ class GeneratorPool(Actor):
                 self._begin_recovery(slot, reason=f"monarch supervision: {failure}")
         return True  # handled: a generator failure must never reach the controller's fault hook
 
-    async def _forward(self, slot: GeneratorSlot, call):
+    async def _forward(self, slot: GeneratorSlot, call, timeout_s: float, hung: str):
+        """`call(slot.actor)`. A call that outlives `timeout_s` is a hung generator, treated like a
+        dead one: the slot begins its recovery, and the caller gets GeneratorLost saying `hung`."""
         if slot.state != SlotState.SERVING:
             raise GeneratorLost(slot.index, f"it is {slot.state.value}")
         task = asyncio.ensure_future(call(slot.actor))
         slot.in_flight.add(task)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that lands
+        # as the call finishes.
+        deadline = asyncio.timeout(timeout_s)
         try:
-            return await task
+            async with deadline:
+                return await task
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            reason = f"hung: a {hung} ({timeout_s:g} s)"
+            if slot.state == SlotState.SERVING:
+                self._begin_recovery(slot, reason=reason)
+            raise GeneratorLost(slot.index, reason) from None
         except asyncio.CancelledError:
             if task.cancelled() and slot.state == SlotState.RECOVERING:
                 raise GeneratorLost(slot.index, "it died during the call") from None  # cancelled by the recovery
@@ -222,15 +268,26 @@ class GeneratorPool(Actor):
         host = this_host() if placement.host is None else placement.host
         slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
         slot.actor = slot.procs.spawn(
-            slot.mesh_name, GeneratorActor, self.config, self.model_dir, self.max_model_len, self.store_index,
-            placement.cuda_devices,
+            slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, self.store_index,
+            slot.store_reader_id, placement.cuda_devices,
         )
         started = await slot.actor.start.call_one()
         slot.policy_version = 0
         # Updates published while this engine started or loaded were not forwarded to it (the
         # slot was not serving): catch up until it holds the newest.
         while self.latest_weights is not None and self.latest_weights[0] > slot.policy_version:
-            loaded = await slot.actor.update_weights.call_one(*self.latest_weights)
+            policy_version = self.latest_weights[0]
+            deadline = asyncio.timeout(self.update_timeout_s)
+            try:
+                async with deadline:
+                    loaded = await slot.actor.update_weights.call_one(*self.latest_weights)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise TimeoutError(  # a hung load: this start attempt failed, the next one is on a fresh mesh
+                    f"loading policy version {policy_version} ran past generator.update_timeout_s "
+                    f"({self.update_timeout_s:g} s)"
+                ) from None
             slot.policy_version = loaded["policy_version"]
         # Only processes on this host can be polled; Monarch's supervision covers the others.
         slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
@@ -260,8 +317,7 @@ class GeneratorPool(Actor):
     async def _replace(self, slot: GeneratorSlot, event: dict) -> None:
         event["respawn_started_at"] = time.time()
         for attempt in range(1, _MAX_START_ATTEMPTS + 1):
-            broken = slot.procs
-            asyncio.create_task(_stop_quietly(broken))  # do not wait on the dead process
+            self._retire(slot)
             try:
                 started = await self._start_slot(slot)
                 break
@@ -273,6 +329,21 @@ class GeneratorPool(Actor):
                     return
         event.update(serving_at=time.time(), engine_start_s=started["engine_start_s"], policy_version=slot.policy_version)
         progress(f"generator {slot.index} replaced and serving at policy version {slot.policy_version}")
+
+    def _retire(self, slot: GeneratorSlot) -> None:
+        """Let go of the incarnation `slot` holds (dead, hung, or a replacement that failed to
+        start) without waiting on it: stop its mesh, and drop its weight-store leases, so the
+        versions it held can be collected (the store also refuses it new ones, should it still run)."""
+        for retiring in (_stop_quietly(slot.procs), self._drop_leases(slot.store_reader_id)):
+            task = asyncio.create_task(retiring)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _drop_leases(self, reader_id: str) -> None:
+        try:
+            await asyncio.wait_for(self.store_index.drop_reader.call_one(reader_id), _STOP_TIMEOUT_S)
+        except Exception as e:  # the store's index is gone or stuck: the run fails on it elsewhere
+            progress(f"could not drop the weight-store leases of {reader_id}: {type(e).__name__}: {e}")
 
 
 async def _stop_quietly(procs: ProcMesh) -> None:

@@ -52,15 +52,19 @@ from forge_rl.types import Completion, CompletionStatus
 
 _logger = logging.getLogger(__name__)
 
+_SHUTDOWN_GRACE_S = 1.0
+"""How long `shutdown` lets vLLM's engine core exit on SIGTERM before vLLM kills it. vLLM's default
+is 5 s, and the core takes about 4 of them, lingering on its output socket to the front end
+(vllm/v1/engine/core.py): most of a stop's 10 s budget. Killed, the core and its worker are gone at
+once, and multiprocessing's resource tracker unlinks the shared memory they held (it prints a
+warning that it did), as after a crash (forge_rl/reaper.py). Measured here, Ctrl-C or SIGTERM on
+the demo to every process gone (tests/integration/test_shutdown.py): 6.5-9.5 s with vLLM's 5 s,
+4.2-5.9 s with 1 s; an engine alone is gone 2.2 s after `shutdown` against 5.1 s."""
+
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
-
-
-_SHUTDOWN_GRACE_S = 1.0
-"""How long `shutdown` lets the engine core exit after SIGTERM before it is killed (measured on
-2 cores: the engine's processes are gone 2.2 s after the call, against 5.1 s with vLLM's default)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,15 @@ class GeneratorConfig:
     prefix with v (every token labelled v is an exact sample of v), a prefill of all tokens in
     flight while nothing decodes (0.5-0.65 s measured on CPU). Either way no new request reuses a
     prefix-cache block of an older version (requests are salted by version). docs/weight_store.md."""
+    generate_timeout_s: float | None = None
+    """Most seconds one generate call (one prompt's group of completions) may take. A call past it
+    is treated like a dead generator (forge_rl/actors/generator_pool.py): the generator is killed
+    and replaced on a fresh proc mesh, and the call's prompt is handed out again. Unset: derived
+    from what a call can legitimately take (`GRPOConfig.generate_timeout_s` has the formula)."""
+    update_timeout_s: float | None = None
+    """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
+    past it the generator is replaced the same way, and its replacement loads the newest version
+    itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
 
     @property
     def records_sampling_support(self) -> bool:
@@ -143,6 +156,8 @@ class GeneratorConfig:
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
             ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
             ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
+            ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
+            ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -150,6 +165,10 @@ class GeneratorConfig:
                 raise ValueError(
                     f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}."
                 )
+
+
+def _unset_or_finite_positive(seconds: float | None) -> bool:
+    return seconds is None or 0 < seconds < math.inf
 
 
 class VLLMEngine:
@@ -584,11 +603,6 @@ class VLLMEngine:
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
         if self._llm is not None:
-            # vLLM's default waits 5 s for the engine core after SIGTERM, because the core waits
-            # that long for its worker, which does not exit on its own here: every stop of a run
-            # cost 5 s (4 s of it past the lifecycle's engine-stop bound). Nothing the engine
-            # holds needs a graceful exit (weights live in the store, the KV cache is discarded),
-            # so the core is killed after _SHUTDOWN_GRACE_S; the worker follows its parent's death.
             self._llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
             self._llm = None
         if self._reaper is not None:

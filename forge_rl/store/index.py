@@ -17,7 +17,9 @@ Rules
     3. Garbage collection: a policy-version snapshot is collectable when it is complete, not held,
        and older than the newest `keep_latest` complete versions. `delete(key)` marks a snapshot
        collectable at once (if held, it goes when the last lease is released).
-    4. Reader failure: `drop_reader` releases every lease of a reader that died.
+    4. Reader failure: `drop_reader` releases every lease of a reader that died (or closed), and
+       refuses it new ones: a call of a dead reader still in flight, such as one parked waiting for
+       a version, must not pin that version after the death. A reader id is used once.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class VersionIndex:
             raise ValueError(f"keep_latest ({keep_latest}) must be >= 1: readers need the newest version")
         self.keep_latest = keep_latest
         self._records: dict[str, SnapshotRecord] = {}
+        self._dropped_readers: set[str] = set()
+        """Readers `drop_reader` was called for (rule 4)."""
 
     # Writers -------------------------------------------------------------------------------
 
@@ -111,6 +115,11 @@ class VersionIndex:
 
     def acquire(self, reader: str, key: str | None = None) -> SnapshotRecord:
         """Lease `key` (default: the newest complete policy version) for `reader`."""
+        if reader in self._dropped_readers:
+            raise StoreError(
+                f"reader {reader!r} was dropped (it died or closed) and cannot lease {key or 'a version'}; "
+                "a reader that starts again needs a new id"
+            )
         if key is None:
             newest = self.latest_version()
             if newest is None:
@@ -132,6 +141,8 @@ class VersionIndex:
         return self.collectable()
 
     def drop_reader(self, reader: str) -> list[str]:
+        """Release every lease of `reader` and refuse it new ones (rule 4)."""
+        self._dropped_readers.add(reader)
         for record in self._records.values():
             record.holders.pop(reader, None)
         return self.collectable()

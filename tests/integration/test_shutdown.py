@@ -1,14 +1,24 @@
 """Ctrl-C or SIGTERM on a running `forge-rl grpo` stops every process of the run within 10 s, having
 written a checkpoint first (the demo config enables checkpoint.on_shutdown).
 
-The signal is sent once the run is in a known state (training, step 2 logged), not after a time.
-The 10 s is a product promise and stays, measured on what the run controls: its bounded waits
-for the step in flight and for stopping engines and proc meshes. The shutdown checkpoint is left
-out of it: that is disk and trainer work the user asked for, bounded by its own timeout, and on a
-loaded host it is what varies. No process may be left behind at all (a leak fails however long
-the test waits).
+Ctrl-C is sent as a terminal sends it: SIGINT to the run's whole process group (the run is started
+in a session of its own, as a shell starts a job); SIGTERM goes to the controller alone, as a
+scheduler or `kill PID` sends it. (Monarch starts each proc in a process group of its own, so the
+group's SIGINT reaches the controller and what it started in its own group; every other process
+of the run stops because the controller stops it.) The signal is sent once the run is in a known state (training,
+step 2 logged), not after a time.
+
+The 10 s is a product promise (docs/architecture.md, docs/checkpointing.md) and is checked twice:
+for the whole stop, from the signal to every process gone, shutdown checkpoint included (the
+lifecycle gives every stage of a stop, checkpoint included, one 9 s budget, `_STOP_BUDGET_S`; the
+rest is the processes exiting), and for what the run controls, the shutdown checkpoint's own
+time left out (disk and trainer work the user asked for; on a loaded host it is what varies). No
+process may be left behind at all (a leak fails however long the test waits), nor die with a
+traceback.
 """
 
+import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -28,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300
 """Bounds a hang before training starts (engine start is about 30 s on CPU)."""
 SHUTDOWN_BUDGET_S = 10
-"""The promise: from the signal to every process gone, less the shutdown checkpoint's own time."""
+"""The promise: from the signal to every process gone."""
 EXIT_TIMEOUT_S = 120
 """Bounds a hang of the stopping run; the pass condition is SHUTDOWN_BUDGET_S."""
 CHECKPOINT_LINE = re.compile(r"checkpoint \S+ \(policy version \d+, .*?, ([0-9.]+)s\)")
@@ -42,36 +52,69 @@ def wait_for_training(process: subprocess.Popen, stderr_path: Path) -> None:
     wait_until(training, "the run to train its second step", timeout_s=STARTUP_TIMEOUT_S)
 
 
+def processes_of_session(session_id: int) -> list[psutil.Process]:
+    """Processes in the run's session (the controller's own, which every process of the run inherits
+    but the reapers, which leave it), however and whenever they were started."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getsid(process.pid) == session_id:
+                found.append(process)
+    return found
+
+
+def described(processes: list[psutil.Process]) -> list[str]:
+    names = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names.append(f"{process.pid} {' '.join(process.cmdline())[:200]}")
+    return names
+
+
 def checkpoint_seconds(log_after_signal: str) -> float:
     """Seconds the shutdown checkpoint took, from the run's own log line (0 if it wrote none)."""
     return sum(float(seconds) for seconds in CHECKPOINT_LINE.findall(log_after_signal))
 
 
-@pytest.mark.parametrize("sig,exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
-def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_code):
+@pytest.mark.parametrize(
+    "sig,exit_code,to_whole_group",
+    [(signal.SIGINT, 130, True), (signal.SIGTERM, 143, False)],
+    ids=["sigint-to-the-process-group", "sigterm-to-the-controller"],
+)
+def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_code, to_whole_group):
     stderr_path = tmp_path / "stderr.txt"
     command = [
         sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
         "--steps", "100000", "--run-dir", str(tmp_path), "--run-name", "interrupted", "--log.progress-every-s", "0",
     ]
     with open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+        process = subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
     try:
         wait_for_training(process, stderr_path)
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert descendants, "expected actor and engine processes"
         log_before = len(stderr_path.read_text())
         signalled = time.monotonic()
-        process.send_signal(sig)
+        if to_whole_group:
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
         process.wait(timeout=EXIT_TIMEOUT_S)
-        _, alive = psutil.wait_procs(descendants, timeout=EXIT_TIMEOUT_S)
+        # Those started after the signal too (a replacement generator, say): the session has them.
+        _, alive = psutil.wait_procs(descendants + processes_of_session(process.pid), timeout=EXIT_TIMEOUT_S)
         stopped_s = time.monotonic() - signalled
-        assert not alive, f"processes of the run left behind: {[p.pid for p in alive]}"
+        assert not alive, f"processes of the run left behind: {described(alive)}"
         log = stderr_path.read_text()
-        checkpoint_s = checkpoint_seconds(log[log_before:])
+        log_after_signal = log[log_before:]
+        checkpoint_s = checkpoint_seconds(log_after_signal)
+        print(f"stopped in {stopped_s:.2f} s, of which {checkpoint_s:.2f} s writing the checkpoint")
+        assert stopped_s < SHUTDOWN_BUDGET_S, f"stopped in {stopped_s:.1f} s, checkpoint ({checkpoint_s:.1f} s) included"
         assert stopped_s - checkpoint_s < SHUTDOWN_BUDGET_S, (
             f"stopped in {stopped_s:.1f} s, of which {checkpoint_s:.1f} s writing the checkpoint"
         )
+        assert "Traceback" not in log_after_signal, log_after_signal[-3000:]
         assert process.returncode == exit_code
         assert "all processes of the run stopped" in log
         assert newest_complete_checkpoint(tmp_path / "interrupted") is not None, log[-3000:]

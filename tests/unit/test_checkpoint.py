@@ -37,7 +37,7 @@ from forge_rl.run_dir import (
     truncate_metrics,
 )
 from forge_rl.trainer import TrainerConfig
-from forge_rl.errors import ConfigError
+from forge_rl.errors import ConfigError, TrainStepTimedOut
 from forge_rl.yaml_config import load_yaml_config
 
 from .builders import make_episode
@@ -174,6 +174,17 @@ def test_resume_hint_names_the_command_or_how_to_enable_checkpoints(tmp_path):
     save_checkpoint(tmp_path, 3)
     hint = resume_hint(tmp_path, CheckpointConfig(enabled=True))
     assert f"forge-rl grpo --resume {tmp_path}" in hint and "step-000003" in hint
+
+
+def test_a_timed_out_train_steps_message_names_the_step_the_flag_and_the_resume_command(tmp_path):
+    """What forge_rl/lifecycle.py raises when a train step hangs: the loop's TrainStepTimedOut with
+    the run's resume hint."""
+    save_checkpoint(tmp_path, 4)
+    message = str(TrainStepTimedOut(5, 1800.0, resume_hint(tmp_path, CheckpointConfig(enabled=True))))
+
+    assert message.startswith("train step 5 did not finish within train_step_timeout_s (1800 s)")
+    assert "raise --train-step-timeout-s" in message
+    assert message.endswith(f"({checkpoints_root(tmp_path) / 'step-000004'}) with: forge-rl grpo --resume {tmp_path}")
 
 
 @pytest.fixture

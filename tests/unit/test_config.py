@@ -10,6 +10,7 @@ import pytest
 from forge_rl.cli import parse_config
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
@@ -61,6 +62,15 @@ def test_every_shipped_config_parses(config_file):
             "group_size (6) is not divisible by reference.parallel.dp_replicate (1) * "
             "reference.parallel.dp_shard (4) = 4",
         ),
+        ("train_step_timeout_s: 0\n", "train_step_timeout_s (0.0) must be > 0 and finite"),
+        (
+            "generator:\n  generate_timeout_s: -1\n",
+            "generator.generate_timeout_s (-1.0) must be > 0 and finite, or unset. Set --generator.generate-timeout-s.",
+        ),
+        (
+            "generator:\n  swap_mode: wait\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
+            "generator.update_timeout_s (600) is below the generate timeout (900 s) with generator.swap_mode wait",
+        ),
     ],
 )
 def test_invalid_yaml_fails_naming_the_field(tmp_path, yaml_text, message):
@@ -76,6 +86,7 @@ def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
         "buffer:\n  sampling: freshest\n  admission: drop\n",
         "group_size: 8\ntrain_batch_size: 96\ntrainer:\n  loss:\n    kl_beta: 0.1\n"
         "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
+        "generator:\n  swap_mode: keep\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
     ):
         assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 
@@ -160,3 +171,19 @@ def test_the_gate_admits_no_more_than_the_buffer_holds():
     assert config.max_episodes_queued == 6  # the age bound alone would admit (3 + 1) * 4 = 16
     tokens = GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(capacity_tokens=10 * config.max_episode_tokens))
     assert tokens.max_episodes_queued == min(8, 10)  # (1 + 1) * 4 by age, 10 by tokens
+
+
+def test_generator_timeouts_are_derived_from_what_a_call_can_legitimately_take():
+    demo = load_yaml_config(GRPOConfig, REPO / "configs" / "grpo_tiny_cpu.yaml")
+    # 16 prompts x 8 samples in flight fit one vLLM batch (256): one round of 2 decode steps.
+    assert demo.generate_timeout_s == 300 + 1 * 2 * 1.0
+    assert demo.update_timeout_s == 600
+    # 64 x 16 = 1024 sequences in flight: a call may wait out 4 rounds of 512 decode steps.
+    queued = GRPOConfig(prompts_in_flight_per_generator=64, group_size=16, train_batch_size=128,
+                        generator=GeneratorConfig(max_new_tokens=512))
+    assert queued.generate_timeout_s == 300 + 4 * 512 * 1.0
+    # A "wait" swap first drains every request in flight: an update may take a whole generate call.
+    draining = GRPOConfig(generator=GeneratorConfig(swap_mode="wait"))
+    assert draining.update_timeout_s == 600 + draining.generate_timeout_s
+    explicit = GRPOConfig(generator=GeneratorConfig(generate_timeout_s=5, update_timeout_s=7))
+    assert (explicit.generate_timeout_s, explicit.update_timeout_s) == (5, 7)

@@ -9,11 +9,12 @@ import pytest
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
-from forge_rl.errors import GeneratorLost
+from forge_rl.errors import GeneratorLost, TrainStepTimedOut
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
 from forge_rl.trainer import TrainStepResult
 from tests.fakes import FakeBuffer, FakeDataset, FakeLifecycle, completions_for, endpoints
+from tests.helpers import wait_until_async
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
                     buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
@@ -114,3 +115,63 @@ def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_rem
     with pytest.raises(FakeActorError, match="traceback of the remote process"):
         run(pipeline, tmp_path)
     assert pipeline.accounting.requeued == 1
+
+
+def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout_and_the_flag(tmp_path):
+    """A hung trainer (its step never returns, by construction) stops the run instead of hanging it;
+    forge_rl/lifecycle.py then adds the resume command to the message (tests/unit/test_checkpoint.py)."""
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, 0)) for p in prompts]
+
+    async def train_step_that_hangs(episodes):
+        await asyncio.Event().wait()  # never set
+
+    pipeline = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
+    pipeline.actors.trainer = endpoints(train_step=train_step_that_hangs)
+
+    with pytest.raises(TrainStepTimedOut) as raised:
+        run(pipeline, tmp_path)
+    assert raised.value.step == 1
+    assert "train step 1 did not finish within train_step_timeout_s (0.5 s)" in str(raised.value)
+    assert "raise --train-step-timeout-s" in str(raised.value)
+
+
+
+def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_fail_unseen(tmp_path):
+    """Before, updates still in flight at Ctrl-C outlived the loops, then failed when the pool
+    stopped, and asyncio printed "Task exception was never retrieved" for each."""
+    updates_in_flight, updates_cancelled = [], []
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, 0)) for p in prompts]
+
+    async def update_weights_that_hang(index, policy_version, weights_dir):
+        updates_in_flight.append(policy_version)
+        try:
+            await asyncio.Event().wait()  # never set
+        except asyncio.CancelledError:
+            updates_cancelled.append(policy_version)
+            raise
+
+    async def wait_until_serving(index):
+        return 0
+
+    pipeline = make_pipeline(generate)
+    pipeline.actors.generators = endpoints(
+        generate=generate, update_weights=update_weights_that_hang, wait_until_serving=wait_until_serving
+    )
+
+    async def stopped_with_an_update_in_flight():
+        logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+        loops = asyncio.ensure_future(pipeline.run(tmp_path, logger, FakeLifecycle()))
+        await wait_until_async(lambda: updates_in_flight, "a weight update in flight")
+        loops.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loops
+        logger.close()
+
+    asyncio.run(asyncio.wait_for(stopped_with_an_update_in_flight(), 30))
+    assert updates_in_flight and updates_cancelled == updates_in_flight

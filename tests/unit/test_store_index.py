@@ -106,6 +106,20 @@ def test_a_dead_readers_leases_are_dropped():
     assert index.drop_reader("generator0") == [version_key(1)]
 
 
+def test_a_dropped_reader_is_refused_new_leases():
+    """A dead reader's call still in flight (one parked waiting for a version, say) must not pin a
+    version after its leases were dropped; its replacement reads under a new id."""
+    index = VersionIndex(keep_latest=1)
+    committed(index, 1)
+    index.drop_reader("generator0-r1")
+
+    with pytest.raises(StoreError, match="'generator0-r1' was dropped"):
+        index.acquire("generator0-r1")
+    committed(index, 2)
+    assert index.holders(version_key(2)) == {}
+    assert index.acquire("generator0-r2").version == 2
+
+
 def test_releasing_an_unheld_lease_is_an_error():
     index = VersionIndex()
     committed(index, 1)

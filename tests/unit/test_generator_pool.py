@@ -1,0 +1,96 @@
+"""The generator pool (forge_rl/actors/generator_pool.py) with hung generators: a call past its
+timeout is handled like a dead generator, and the dead incarnation's weight-store leases are dropped.
+
+The pool's endpoints run in this process, on named fakes of the host it spawns generators on and
+of the store index (tests/fakes.py); no Monarch runtime. A hung endpoint never returns (by
+construction), so the timeout under test is the only thing that ends its call; endpoints that
+answer do so at once. tests/integration/test_hung_generator.py holds a real vLLM engine instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
+from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.errors import GeneratorLost
+from tests.fakes import FakeDataset, FakeGeneratorHost, endpoints
+from tests.helpers import HANG_S, wait_until_async
+
+TIMEOUT_S = 0.5
+"""Both of the pool's timeouts: what a hung endpoint runs past."""
+
+
+class PoolUnderTest:
+    """A one-generator pool on `host`, and the reader ids it asked the store index to drop."""
+
+    def __init__(self, host: FakeGeneratorHost):
+        self.dropped_readers: list[str] = []
+
+        async def drop_reader(reader: str) -> list[str]:
+            self.dropped_readers.append(reader)
+            return []
+
+        self.pool = GeneratorPool(
+            GeneratorConfig(), "/nowhere", 64, 1, endpoints(drop_reader=drop_reader),
+            [GeneratorPlacement(host, ())], generate_timeout_s=TIMEOUT_S, update_timeout_s=TIMEOUT_S,
+        )
+
+    async def call(self, endpoint: str, *args):
+        """Endpoint `endpoint`'s body, run here as Monarch runs it on the actor (a concurrent
+        endpoint's wraps it in a task that answers on a port: unwrapped here)."""
+        body = inspect.unwrap(getattr(GeneratorPool, endpoint)._method)
+        return await body(self.pool, *args)
+
+
+def run(scenario) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), HANG_S))
+
+
+def test_a_generate_call_past_its_timeout_loses_the_generator_and_a_replacement_serves():
+    host = FakeGeneratorHost(hang={"generator0-r1": {"generate"}})
+    under_test = PoolUnderTest(host)
+
+    async def scenario():
+        prompts = await FakeDataset()._next(1)
+        await under_test.call("start")
+        with pytest.raises(GeneratorLost, match=r"hung: a generate call ran past generator.generate_timeout_s"):
+            await under_test.call("generate", 0, prompts, 2)
+        assert await under_test.call("wait_until_serving", 0) == 0
+        [episode] = await under_test.call("generate", 0, prompts, 2)
+        assert len(episode.completions) == 2
+        [event] = await under_test.call("recovery_events")
+        assert event["reason"].startswith("hung: a generate call")
+        await wait_until_async(lambda: host.meshes[0].stopped, "the hung incarnation's mesh stopped")
+        await wait_until_async(lambda: under_test.dropped_readers, "the hung incarnation's leases dropped")
+        await under_test.call("shutdown")
+
+    run(scenario)
+    assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2"]
+    assert not host.meshes[1].stopped
+    assert under_test.dropped_readers == ["generator0-r1"]
+
+
+def test_a_weight_update_past_its_timeout_is_retried_on_fresh_meshes_until_one_loads_the_newest_version():
+    """Incarnation 1 hangs in the update; its replacement 2 hangs in its catch-up load (a failed
+    start attempt); 3 loads the version. Both hung incarnations are stopped and their leases dropped."""
+    hung_update = {"update_weights"}
+    host = FakeGeneratorHost(hang={"generator0-r1": hung_update, "generator0-r2": hung_update})
+    under_test = PoolUnderTest(host)
+
+    async def scenario():
+        await under_test.call("start")
+        with pytest.raises(GeneratorLost, match=r"hung: a weight update ran past generator.update_timeout_s"):
+            await under_test.call("update_weights", 0, 3, "/store/v00000003")
+        assert await under_test.call("wait_until_serving", 0) == 3
+        await wait_until_async(lambda: host.meshes[1].stopped, "the second hung incarnation's mesh stopped")
+        await wait_until_async(lambda: len(under_test.dropped_readers) == 2, "both hung incarnations' leases dropped")
+        await under_test.call("shutdown")
+
+    run(scenario)
+    assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2", "generator0-r3"]
+    assert [procs.stopped for procs in host.meshes] == [True, True, False]
+    assert under_test.dropped_readers == ["generator0-r1", "generator0-r2"]
