@@ -165,6 +165,7 @@ class FakeGenerator:
         self.shutdown = FakeEndpoint(self._shutdown)
 
     async def _start(self) -> dict:
+        await self._hang_if("start")
         # Another host's name: the pool then leaves its processes to Monarch's supervision (there are none).
         return {"engine_start_s": 0.0, "hostname": "fake-generator-host", "pid": 0, "engine_pids": [], "devices": []}
 

@@ -15,7 +15,7 @@ placement) is left to Monarch's report:
        versions it held can be collected. A replacement starts on a fresh proc mesh (spawning onto
        the damaged one hangs), loads the newest published weights (again, until no newer version
        was published while it loaded) and serves again; the other generators keep serving
-       throughout. A replacement that fails to start, or whose load hangs, is retried; after
+       throughout. A replacement that fails to start, or whose start (generator.start_timeout_s) or load hangs, is retried; after
        _MAX_START_ATTEMPTS the slot is FAILED and `wait_until_serving` raises, which stops the run
        with the cause.
 
@@ -271,7 +271,18 @@ class GeneratorPool(Actor):
             slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, self.store_index,
             slot.store_reader_id, placement.cuda_devices,
         )
-        started = await slot.actor.start.call_one()
+        deadline = asyncio.timeout(self.config.start_timeout_s)
+        try:
+            async with deadline:
+                started = await slot.actor.start.call_one()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TimeoutError(  # a hung start: this attempt failed (a replacement retries on a fresh mesh)
+                f"generator {slot.index}'s engine did not start within generator.start_timeout_s "
+                f"({self.config.start_timeout_s:g} s). If the model needs longer to load, raise "
+                "--generator.start-timeout-s; otherwise the engine's log above says where it stopped."
+            ) from None
         slot.policy_version = 0
         # Updates published while this engine started or loaded were not forwarded to it (the
         # slot was not serving): catch up until it holds the newest.

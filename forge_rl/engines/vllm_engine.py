@@ -136,6 +136,11 @@ class GeneratorConfig:
     """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
     past it the generator is replaced the same way, and its replacement loads the newest version
     itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
+    start_timeout_s: float = 900.0
+    """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
+    before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
+    large model on a GPU. A replacement that runs past it is retried on a fresh proc mesh; the
+    run's first start that does fails the run, naming this flag."""
 
     @property
     def records_sampling_support(self) -> bool:
@@ -158,6 +163,7 @@ class GeneratorConfig:
             ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
             ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
             ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),
+            ("start_timeout_s", 0 < self.start_timeout_s < math.inf, "> 0 and finite"),
         ]
         for name, ok, rule in checks:
             if not ok:

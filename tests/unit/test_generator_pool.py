@@ -21,7 +21,7 @@ from tests.fakes import FakeDataset, FakeGeneratorHost, endpoints
 from tests.helpers import HANG_S, wait_until_async
 
 TIMEOUT_S = 0.5
-"""Both of the pool's timeouts: what a hung endpoint runs past."""
+"""Each of the pool's timeouts (generate, update, start): what a hung endpoint runs past."""
 
 
 class PoolUnderTest:
@@ -35,7 +35,7 @@ class PoolUnderTest:
             return []
 
         self.pool = GeneratorPool(
-            GeneratorConfig(), "/nowhere", 64, 1, endpoints(drop_reader=drop_reader),
+            GeneratorConfig(start_timeout_s=TIMEOUT_S), "/nowhere", 64, 1, endpoints(drop_reader=drop_reader),
             [GeneratorPlacement(host, ())], generate_timeout_s=TIMEOUT_S, update_timeout_s=TIMEOUT_S,
         )
 
@@ -94,3 +94,35 @@ def test_a_weight_update_past_its_timeout_is_retried_on_fresh_meshes_until_one_l
     assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2", "generator0-r3"]
     assert [procs.stopped for procs in host.meshes] == [True, True, False]
     assert under_test.dropped_readers == ["generator0-r1", "generator0-r2"]
+
+
+def test_a_first_start_past_its_timeout_fails_naming_the_flag():
+    under_test = PoolUnderTest(FakeGeneratorHost(hang={"generator0-r1": {"start"}}))
+
+    async def scenario():
+        with pytest.raises(TimeoutError, match=r"did not start within generator.start_timeout_s \(0.5 s\).*--generator.start-timeout-s"):
+            await under_test.call("start")
+
+    run(scenario)
+
+
+def test_a_replacement_whose_start_hangs_is_retried_on_a_fresh_mesh():
+    """Incarnation 1 hangs in a generate call; its replacement 2 hangs while starting (a failed
+    attempt, not a slot recovering forever); 3 serves."""
+    host = FakeGeneratorHost(hang={"generator0-r1": {"generate"}, "generator0-r2": {"start"}})
+    under_test = PoolUnderTest(host)
+
+    async def scenario():
+        prompts = await FakeDataset()._next(1)
+        await under_test.call("start")
+        with pytest.raises(GeneratorLost):
+            await under_test.call("generate", 0, prompts, 2)
+        assert await under_test.call("wait_until_serving", 0) == 0
+        [episode] = await under_test.call("generate", 0, prompts, 2)
+        assert len(episode.completions) == 2
+        await wait_until_async(lambda: host.meshes[1].stopped, "the hung start's mesh stopped")
+        await under_test.call("shutdown")
+
+    run(scenario)
+    assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2", "generator0-r3"]
+    assert [procs.stopped for procs in host.meshes] == [True, True, False]
