@@ -139,24 +139,23 @@ def test_the_boundary_check_sees_imports_through_other_modules():
     assert heavy["forge_rl.loop"] == set()
 
 
-def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
+def loaded_in_a_fresh_interpreter(modules: list[str], heavy: tuple[str, ...]) -> str:
+    """Which of `heavy` a fresh interpreter holds after importing `modules` (comma-separated)."""
     code = (
         "import sys\n"
-        + "".join(f"import {m}\n" for m in CORE_MODULES)
-        + "print(','.join(m for m in ('monarch', 'vllm', 'torchtitan') if m in sys.modules))"
+        + "".join(f"import {m}\n" for m in modules)
+        + f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    return result.stdout.strip()
+
+
+def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
+    assert loaded_in_a_fresh_interpreter(CORE_MODULES, ("monarch", "vllm", "torchtitan")) == ""
 
 
 def test_environments_import_not_even_torch_or_transformers():
-    code = (
-        "import sys\n"
-        + "".join(f"import {m}\n" for m in ENV_MODULES)
-        + "print(','.join(m for m in ('torch', 'transformers', 'monarch', 'vllm') if m in sys.modules))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == ""
+    assert loaded_in_a_fresh_interpreter(ENV_MODULES, ("torch", "transformers", "monarch", "vllm")) == ""
 
 
 @pytest.mark.parametrize(
