@@ -28,6 +28,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
+from forge_rl.deadlines import within
 from forge_rl.metrics import progress
 from forge_rl.placement import (
     HostFacts,
@@ -119,12 +120,12 @@ class Hosts:
         """Every proc mesh spawned here (bounded), then release the workers (they keep running,
         ready for the next run)."""
         with contextlib.suppress(Exception, asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(procs.stop() for procs in self.proc_meshes), return_exceptions=True), _STOP_TIMEOUT_S
+            await within(
+                _STOP_TIMEOUT_S, asyncio.gather(*(procs.stop() for procs in self.proc_meshes), return_exceptions=True)
             )
         if self.host_mesh is not None:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await asyncio.wait_for(self.host_mesh.stop(), _STOP_TIMEOUT_S)
+                await within(_STOP_TIMEOUT_S, self.host_mesh.stop())
 
 
 async def start_hosts(config, model_dir) -> Hosts:
@@ -141,7 +142,7 @@ async def start_hosts(config, model_dir) -> Hosts:
     enable_transport(_transport_for(addresses))
     host_mesh = attach_to_workers(ca="trust_all_connections", workers=addresses, name="forge_rl_hosts")
     try:
-        await asyncio.wait_for(_initialized(host_mesh), launch.connect_timeout_s * 4)
+        await within(launch.connect_timeout_s * 4, _initialized(host_mesh))
     except asyncio.TimeoutError:
         raise ConfigError(
             f"the workers at {', '.join(addresses)} accept connections but did not attach as Monarch hosts "
@@ -188,7 +189,7 @@ async def _probe(host_mesh: HostMesh, addresses: list[str], model_dir: str) -> l
         by_host = [report for _, report in reports.items()]  # rank order = host order (one proc per host)
     finally:
         with contextlib.suppress(Exception, asyncio.TimeoutError):
-            await asyncio.wait_for(procs.stop(), _STOP_TIMEOUT_S)
+            await within(_STOP_TIMEOUT_S, procs.stop())
     return [HostFacts(address=addresses[i], **by_host[i]) for i in range(len(addresses))]
 
 

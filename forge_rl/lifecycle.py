@@ -41,6 +41,7 @@ from forge_rl.checkpoint import (
     restore_rng_state,
     resume_hint,
 )
+from forge_rl.deadlines import within
 from forge_rl.errors import ProcessDied, TrainStepTimedOut
 from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
 from forge_rl.reaper import Reaper
@@ -149,13 +150,13 @@ class Lifecycle:
         """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
         if self._generators is not None:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await asyncio.wait_for(self._generators.shutdown.call_one(), self._stop_timeout(_ENGINE_STOP_TIMEOUT_S))
+                await within(self._stop_timeout(_ENGINE_STOP_TIMEOUT_S), self._generators.shutdown.call_one())
         with contextlib.suppress(Exception, asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
+            await within(
                 # A mesh stop gets at least a second, so processes are asked to exit even when the
                 # earlier stages used the budget up.
                 max(1.0, self._stop_timeout(_MESH_STOP_TIMEOUT_S)),
+                asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
             )
         self.store.destroy()
         self._store_reaper.dismiss()
@@ -228,7 +229,7 @@ class Lifecycle:
                 task.cancel()
                 raise
             try:
-                return await asyncio.wait_for(task, self._stop_timeout(_STOP_STEP_TIMEOUT_S)), True
+                return await within(self._stop_timeout(_STOP_STEP_TIMEOUT_S), task), True
             except asyncio.TimeoutError:
                 raise asyncio.CancelledError from None
 
@@ -280,7 +281,7 @@ class Lifecycle:
         if any(step == pipeline.step for step, _ in complete_checkpoints(self.run_path)):
             return
         try:
-            await asyncio.wait_for(self.save_checkpoint(pipeline), self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S))
+            await within(self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S), self.save_checkpoint(pipeline))
         except (Exception, asyncio.TimeoutError) as e:
             progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
 

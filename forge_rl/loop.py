@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
+from forge_rl.deadlines import within
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost
 from forge_rl.health import MismatchAlarm
 from forge_rl.metrics import MetricsLogger, batch_metrics, progress
@@ -238,16 +239,11 @@ class Pipeline:
     async def _trained(self, step: int, episodes: list[Episode]):
         """The trainer's step `step` on every rank; raises TrainStepTimedOut past
         config.train_step_timeout_s, so a hung rank or collective stops the run instead of hanging it."""
-        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation (a stop)
-        # that lands as the step finishes, and the train loop then carries on.
-        deadline = asyncio.timeout(self.config.train_step_timeout_s)
-        try:
-            async with deadline:
-                return await self.actors.trainer.train_step.call(episodes)
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            raise TrainStepTimedOut(step, self.config.train_step_timeout_s) from None
+        return await within(
+            self.config.train_step_timeout_s,
+            self.actors.trainer.train_step.call(episodes),
+            lambda: TrainStepTimedOut(step, self.config.train_step_timeout_s),
+        )
 
     async def _pipeline_metrics(self) -> dict:
         """Generation rate since the previous step, idle fractions since the loops started, buffer."""

@@ -26,6 +26,8 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from forge_rl.deadlines import within
+
 _WORKER_START_TIMEOUT_S = 120.0
 """How long a new worker may take to import and report ready (a busy CPU host can be slow)."""
 
@@ -104,7 +106,7 @@ class RewardWorker:
             readable = loop.create_future()
             loop.add_reader(self.results.fileno(), lambda: readable.done() or readable.set_result(None))
             try:
-                await asyncio.wait_for(readable, timeout_s)
+                await within(timeout_s, readable)
             finally:
                 loop.remove_reader(self.results.fileno())
         return self.results.recv()

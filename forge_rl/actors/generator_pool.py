@@ -45,6 +45,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
+from forge_rl.deadlines import within
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
@@ -229,19 +230,15 @@ class GeneratorPool(Actor):
             raise GeneratorLost(slot.index, f"it is {slot.state.value}")
         task = asyncio.ensure_future(call(slot.actor))
         slot.in_flight.add(task)
-        # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that lands
-        # as the call finishes.
-        deadline = asyncio.timeout(timeout_s)
-        try:
-            async with deadline:
-                return await task
-        except TimeoutError:
-            if not deadline.expired():
-                raise
+
+        def hung_lost() -> GeneratorLost:
             reason = f"hung: a {hung} ({timeout_s:g} s)"
             if slot.state == SlotState.SERVING:
                 self._begin_recovery(slot, reason=reason)
-            raise GeneratorLost(slot.index, reason) from None
+            return GeneratorLost(slot.index, reason)
+
+        try:
+            return await within(timeout_s, task, hung_lost)
         except asyncio.CancelledError:
             if task.cancelled() and slot.state == SlotState.RECOVERING:
                 raise GeneratorLost(slot.index, "it died during the call") from None  # cancelled by the recovery
@@ -271,34 +268,30 @@ class GeneratorPool(Actor):
             slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, self.store_index,
             slot.store_reader_id, placement.cuda_devices,
         )
-        deadline = asyncio.timeout(self.config.start_timeout_s)
-        try:
-            async with deadline:
-                started = await slot.actor.start.call_one()
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            raise TimeoutError(  # a hung start: this attempt failed (a replacement retries on a fresh mesh)
+        started = await within(
+            self.config.start_timeout_s,
+            slot.actor.start.call_one(),
+            # A hung start: this attempt failed (a replacement retries on a fresh mesh).
+            lambda: TimeoutError(
                 f"generator {slot.index}'s engine did not start within generator.start_timeout_s "
                 f"({self.config.start_timeout_s:g} s). If the model needs longer to load, raise "
                 "--generator.start-timeout-s; otherwise the engine's log above says where it stopped."
-            ) from None
+            ),
+        )
         slot.policy_version = 0
         # Updates published while this engine started or loaded were not forwarded to it (the
         # slot was not serving): catch up until it holds the newest.
         while self.latest_weights is not None and self.latest_weights[0] > slot.policy_version:
             policy_version = self.latest_weights[0]
-            deadline = asyncio.timeout(self.update_timeout_s)
-            try:
-                async with deadline:
-                    loaded = await slot.actor.update_weights.call_one(*self.latest_weights)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                raise TimeoutError(  # a hung load: this start attempt failed, the next one is on a fresh mesh
+            loaded = await within(
+                self.update_timeout_s,
+                slot.actor.update_weights.call_one(*self.latest_weights),
+                # A hung load: this start attempt failed, the next one is on a fresh mesh.
+                lambda: TimeoutError(
                     f"loading policy version {policy_version} ran past generator.update_timeout_s "
                     f"({self.update_timeout_s:g} s)"
-                ) from None
+                ),
+            )
             slot.policy_version = loaded["policy_version"]
         # Only processes on this host can be polled; Monarch's supervision covers the others.
         slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
@@ -352,14 +345,14 @@ class GeneratorPool(Actor):
 
     async def _drop_leases(self, reader_id: str) -> None:
         try:
-            await asyncio.wait_for(self.store_index.drop_reader.call_one(reader_id), _STOP_TIMEOUT_S)
+            await within(_STOP_TIMEOUT_S, self.store_index.drop_reader.call_one(reader_id))
         except Exception as e:  # the store's index is gone or stuck: the run fails on it elsewhere
             progress(f"could not drop the weight-store leases of {reader_id}: {type(e).__name__}: {e}")
 
 
 async def _stop_quietly(procs: ProcMesh) -> None:
     try:
-        await asyncio.wait_for(procs.stop(), _STOP_TIMEOUT_S)
+        await within(_STOP_TIMEOUT_S, procs.stop())
     except Exception:  # the mesh is broken; a fresh one already replaces it
         pass
 

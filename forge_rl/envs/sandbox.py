@@ -192,11 +192,15 @@ async def _supervise(process, report_pipe, config: SandboxConfig) -> SandboxResu
     finally:
         stdout.cancel()
         stderr.cancel()
-    if "isolation" not in report:
+    if "error" in report:  # a mechanism this machine lacks: the child said which
         from forge_rl.errors import SandboxUnavailable  # here: forge_rl is not importable in the child
 
-        reason = report.get("error", "the sandbox process exited before reporting its confinement:")
-        raise SandboxUnavailable(f"{reason} {stderr_bytes.decode(errors='replace')}".strip())
+        raise SandboxUnavailable(f"{report['error']} {stderr_bytes.decode(errors='replace')}".strip())
+    if "isolation" not in report:  # the child crashed before confining itself: a defect, never a skip
+        raise RuntimeError(
+            f"sandbox process {process.pid} exited before reporting its confinement: "
+            f"{stderr_bytes.decode(errors='replace').strip()}"
+        )
     return SandboxResult(
         exit_code=process.wait(),
         stdout=stdout_bytes.decode(errors="replace"),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
 
+from forge_rl.deadlines import within
 from forge_rl.errors import StoreError
 from forge_rl.store.index import SnapshotRecord, VersionIndex
 from forge_rl.store.shm import SharedMemorySnapshots
@@ -148,7 +149,7 @@ class StoreIndexActor(Actor):
         self.num_waiting += 1
         try:
             async with self.changed:
-                await asyncio.wait_for(self.changed.wait_for(ready), timeout_s)
+                await within(timeout_s, self.changed.wait_for(ready))
         finally:
             self.num_waiting -= 1
 
