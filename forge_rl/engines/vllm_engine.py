@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 
+_IN_ENGINE_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+"""vLLM's single-process executor by qualified name (see `_engine_kwargs`)."""
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     max_new_tokens: int = 4
@@ -305,6 +308,11 @@ class VLLMEngine:
             # The staged swap's worker side (collective_rpc("forge_...")); inert otherwise.
             worker_extension_cls="forge_rl.store.vllm_staging.StagedWeightsExtension",
             disable_log_stats=True,
+            # On CPU the worker runs inside the engine-core process: vLLM's CPU platform turns "uni"
+            # into "mp" (a third process, one more ~13 s vLLM import on every engine start) because
+            # it cannot pin OpenMP threads in-process; forge_rl pins none ("nobind" below), so naming
+            # the executor class keeps it. Engine start 42 -> 33 s on the demo (docs/benchmarks.md).
+            **({} if on_gpu else {"distributed_executor_backend": _IN_ENGINE_CORE_EXECUTOR}),
             # A progress bar per weight reload (one per policy version) would flood the log.
             use_tqdm_on_load=False,
             **memory,
@@ -314,9 +322,9 @@ class VLLMEngine:
         """Environment of the engine-core and worker processes."""
         import torch
 
-        # The worker in its own process: in-process was 30x slower inside an actor, and the CPU
-        # backend applies the OpenMP settings below only to a separate worker process
-        # (vllm/platforms/cpu.py, check_and_update_config).
+        # The engine core in its own process: in-process (inside the actor) was 30x slower. On CPU
+        # the worker shares the engine core's process (_IN_ENGINE_CORE_EXECUTOR), which inherits the
+        # OpenMP settings below at its start.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": self.config.log_level}
         if torch.cuda.is_available() and self.cuda_devices is not None:
             # The workers see only this generator's block, as their devices 0..tp-1 (vLLM puts TP
