@@ -20,7 +20,9 @@ from forge_rl.metrics import MetricsLogger
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.trainer import TrainStepResult
 from forge_rl.types import Completion, Episode
-from tests.fakes import FakeBuffer, FakeDataset, FakeEndpoint, FakeLifecycle, completions_for, endpoints
+from tests.fakes import (
+    FakeActorError, FakeBuffer, FakeDataset, FakeEndpoint, FakeLifecycle, completions_for, endpoints,
+)
 from tests.helpers import wait_until_async
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
@@ -96,14 +98,6 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
     assert accounting["requeued_after_generator_failure"] == 1
     assert accounting["trained_more_than_once"] == 0
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
-
-
-class FakeActorError(Exception):
-    """Stands in for Monarch's ActorError: the endpoint's exception travels as `.exception`."""
-
-    def __init__(self, exception: BaseException):
-        super().__init__(f"actor failed: {exception!r} (traceback of the remote process)")
-        self.exception = exception
 
 
 def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):
