@@ -88,6 +88,8 @@ def resolve_environment(name: str) -> MakeEnvironment:
 async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> list[Trajectory]:
     """Play `envs` concurrently, one episode each; their trajectories, in order. An exception from
     `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
+    for env in envs:
+        check_step_timeout(env, limits)
     tasks = [asyncio.ensure_future(run_episode(env, generate, renderer, limits)) for env in envs]
     try:
         return list(await asyncio.gather(*tasks))
@@ -96,6 +98,20 @@ async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: 
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
+    """ConfigError when env_step_timeout_s is below the environment's own `max_step_s` (a sandbox's
+    start-up plus its whole run): every such step could be killed mid-run."""
+    needed_s = getattr(env, "max_step_s", None)
+    if needed_s is not None and limits.env_step_timeout_s < needed_s:
+        raise ConfigError(
+            f"environment.limits.env_step_timeout_s ({limits.env_step_timeout_s:g}) is below what one step of "
+            f"{type(getattr(env, 'env', env)).__name__} may take ({needed_s:g} s: its sandbox's start-up and whole "
+            "run), so a step could be timed out with its sandbox mid-run and the episode blamed on the "
+            f"environment. Set --environment.limits.env-step-timeout-s to at least {needed_s:g}, or lower the "
+            "sandbox's max_wall_time_s."
+        )
 
 
 _COMPLETION_STATUS = {
@@ -198,6 +214,7 @@ class TimedEnvironment:
 
     def __init__(self, env: Environment, clock: EnvWaitClock, index: int):
         self.env, self.clock, self.index = env, clock, index
+        self.max_step_s = getattr(env, "max_step_s", None)
 
     async def reset(self) -> Observation:
         with self.clock.env_call(self.index):

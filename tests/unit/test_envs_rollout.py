@@ -13,8 +13,10 @@ from forge_rl.buffer import BufferConfig, ReplayBuffer
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.environment import StepResult
 from forge_rl.envs.renderers import PlainTextRenderer
-from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, play_group, trajectory_completion
+from forge_rl.envs.python_tool import PythonToolEnv
+from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
+from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError, GeneratorLost
 from forge_rl.metrics import EpisodeStats
@@ -167,3 +169,18 @@ def test_an_environment_must_fit_the_models_context_and_be_one_that_exists():
         EnvironmentConfig(name="no_such_pkg:make")
     config = GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=128)))
     assert config.max_episode_tokens == config.group_size * 128
+
+
+def test_a_step_timeout_shorter_than_a_sandboxs_start_up_and_run_is_refused_before_any_episode(renderer):
+    """A known failure elsewhere: sandboxes killed mid-rollout. The python tool's step runs one
+    sandbox, so env_step_timeout_s must cover its start-up and whole run (SandboxConfig.max_run_s)."""
+    env = PythonToolEnv("1+1?", "2", SandboxConfig(max_wall_time_s=10))
+
+    async def generate(prefix, max_new_tokens):
+        raise AssertionError("no turn may be sampled")
+
+    with pytest.raises(ConfigError, match=r"env_step_timeout_s \(30\) is below what one step of PythonToolEnv may take \(45 s"):
+        asyncio.run(play_group([env], generate, renderer, EpisodeLimits(env_step_timeout_s=30)))
+    timed = TimedEnvironment(env, EnvWaitClock(1), 0)
+    with pytest.raises(ConfigError, match="--environment.limits.env-step-timeout-s to at least 45"):
+        asyncio.run(play_group([timed], generate, renderer, EpisodeLimits(env_step_timeout_s=44)))
