@@ -237,6 +237,25 @@ def hf_logprobs(model_dir: Path, prefix: list[int], span: GeneratedSpan) -> list
     ]
 
 
+def swapping_during_turn_2(engine, new_dir: Path, new_version: int, hold_after_tokens: int):
+    """A `generate` whose turns run their whole budget (eos ignored) and whose second turn is held
+    after `hold_after_tokens` tokens, swapped to `new_version` (staged already; keep mode), resumed."""
+    num_turns_started = 0
+
+    async def generate(prefix, max_new_tokens):
+        nonlocal num_turns_started
+        num_turns_started += 1
+        if num_turns_started == 2:
+            turn = await hold_mid_request(
+                engine, lambda: engine.generate_turn(prefix, max_new_tokens, eos_id=None), 1, hold_after_tokens
+            )
+            await engine.swap_weights(new_dir, new_version, mode="keep")
+            return await turn
+        return await engine.generate_turn(prefix, max_new_tokens, eos_id=None)
+
+    return generate
+
+
 def test_an_episode_spanning_a_weight_swap_keeps_the_version_of_every_token(served, tmp_path_factory):
     """Turn 1 on version 0; turn 2 held after HOLD_AFTER_TOKENS tokens, swapped to version 1 (keep
     mode), resumed; turn 3 sampled after the swap, its prefix encoded by version 1."""
@@ -244,19 +263,7 @@ def test_an_episode_spanning_a_weight_swap_keeps_the_version_of_every_token(serv
     new_dir = create_tiny_model(TinyModelConfig(seed=1), tmp_path_factory.mktemp("model_v1"))
     engine = served.engine
     served.run(engine.stage_weights(new_dir, 1))  # the swap itself is then a reference swap
-
-    num_turns_started = 0
-
-    async def generate(prefix, max_new_tokens):  # eos ignored: every turn runs its whole budget
-        nonlocal num_turns_started
-        num_turns_started += 1
-        if num_turns_started == 2:
-            turn = await hold_mid_request(
-                engine, lambda: engine.generate_turn(prefix, max_new_tokens, eos_id=None), 1, hold_after_tokens
-            )
-            await engine.swap_weights(new_dir, 1, mode="keep")
-            return await turn
-        return await engine.generate_turn(prefix, max_new_tokens, eos_id=None)
+    generate = swapping_during_turn_2(engine, new_dir, 1, hold_after_tokens)
 
     limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
     trajectory = served.play(make_calculator_env(seed=3, index=0), limits, generate)
@@ -319,18 +326,7 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     old_version, new_version = engine.policy_version, engine.policy_version + 1
     new_dir = create_tiny_model(TinyModelConfig(seed=5), tmp_path_factory.mktemp("model_v3"))
     served.run(engine.stage_weights(new_dir, new_version))
-    num_turns_started = 0
-
-    async def generate(prefix, max_new_tokens):  # eos ignored: every turn runs its whole budget
-        nonlocal num_turns_started
-        num_turns_started += 1
-        if num_turns_started == 2:
-            turn = await hold_mid_request(
-                engine, lambda: engine.generate_turn(prefix, max_new_tokens, eos_id=None), 1, hold_after_tokens
-            )
-            await engine.swap_weights(new_dir, new_version, mode="keep")
-            return await turn
-        return await engine.generate_turn(prefix, max_new_tokens, eos_id=None)
+    generate = swapping_during_turn_2(engine, new_dir, new_version, hold_after_tokens)
 
     limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
     [trajectory] = served.run(play_group([make_calculator_env(seed=5, index=0)], generate, served.renderer, limits))
