@@ -253,6 +253,7 @@ def run_summary(history: Sequence[dict]) -> dict:
     wall time, engine start, recoveries, accounting). Benchmarks read the same function."""
     last = history[-1]
     return {
+        **_environment_summary(history),
         "final_mean_reward": final_reward(history),
         "steps": len(history),
         "max_policy_age_seen": max(m[POLICY_AGE_MAX] for m in history),
@@ -261,6 +262,19 @@ def run_summary(history: Sequence[dict]) -> dict:
         "loop_time_s": last[WALL_TIME_S],
         "trainer_idle_fraction": last[TRAINER_IDLE_FRACTION],
         "generator_idle_fraction": last[GENERATORS_IDLE_FRACTION],
+    }
+
+
+def _environment_summary(history: Sequence[dict], num_steps: int = FINAL_REWARD_WINDOW) -> dict:
+    """For a run on an environment: turns per episode over the episodes of the last `num_steps`
+    steps (the window of the final reward), and the generators' idle waiting on environments."""
+    if TURNS_PER_EPISODE not in history[-1]:
+        return {}
+    tail = history[-num_steps:]
+    num_episodes = sum(m[EPISODES_PLAYED] for m in tail)
+    return {
+        "mean_turns_per_episode": sum(m[TURNS_PER_EPISODE] * m[EPISODES_PLAYED] for m in tail) / max(num_episodes, 1),
+        "generator_idle_waiting_on_env_fraction": history[-1][GENERATORS_IDLE_ON_ENV_FRACTION],
     }
 
 
