@@ -31,7 +31,7 @@ from forge_rl.envs.rollout import play_group, trajectory_completion
 from forge_rl.envs.runner import EpisodeLimits, run_episode
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectoryStatus
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.tasks.tokenizer import PromptTokenizer
+from forge_rl.tasks.tokenizer import ALPHABET, PromptTokenizer
 from forge_rl.types import Episode
 from tests.integration.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
 
@@ -51,11 +51,18 @@ LOGPROB_ATOL = 1e-3
 
 
 class RecordingEngine(HoldableEngine):
-    """Records each request vLLM answered: the prompt ids sent and vLLM's final output."""
+    """Records each request vLLM answered: the prompt ids sent and vLLM's final output. A test may
+    restrict sampling to `allowed_token_ids` (vLLM's own sampling parameter)."""
 
     def __init__(self, config: GeneratorConfig):
         super().__init__(config)
         self.requests: list[tuple[list[int], object]] = []
+        self.allowed_token_ids: list[int] | None = None
+
+    def _sampling_params(self, n, eos_id, max_tokens):
+        params = super()._sampling_params(n, eos_id, max_tokens)
+        params.allowed_token_ids = self.allowed_token_ids
+        return params
 
     async def _request(self, prompt_token_ids, params):
         final = await super()._request(prompt_token_ids, params)
@@ -329,7 +336,18 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     generate = swapping_during_turn_2(engine, new_dir, new_version, hold_after_tokens)
 
     limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
-    [trajectory] = served.run(play_group([make_calculator_env(seed=5, index=0)], generate, served.renderer, limits))
+    # The held turn ignores eos, so every turn here is cut at its budget, and the plain format
+    # (which closes a turn with eos) would fork the trajectory at each one, as would a special token
+    # sampled inside a turn (it decodes to nothing). So: turns of the alphabet only, rendered
+    # unclosed; then the trajectory is one sample, and the trainer's row holds all three turns.
+    engine.allowed_token_ids = served.tokenizer.encode_text(ALPHABET)
+    try:
+        [trajectory] = served.run(
+            play_group([make_calculator_env(seed=5, index=0)], generate, UnclosedTurnsRenderer(served.tokenizer), limits)
+        )
+    finally:
+        engine.allowed_token_ids = None
+    assert len(trajectory.samples) == 1
     completion = trajectory_completion(trajectory)
 
     # Each generated run of the trainer's row is a turn exactly as vLLM sampled it, after exactly
@@ -367,6 +385,13 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     assert trained_versions(max_policy_age=0, drop_policy="mask_tokens") == {new_version}
     assert trained_versions(max_policy_age=0, drop_policy="drop_episode") is None
     assert trained_versions(max_policy_age=1) == {old_version, new_version}
+
+
+class UnclosedTurnsRenderer(PlainTextRenderer):
+    """The plain format without the eos that closes each assistant turn: for turns cut at their budget."""
+
+    def render(self, conversation):
+        return [self.tokenizer.bos_id] + [t for message in conversation for t in self.tokenizer.encode_text(message.content)]
 
 
 def turn_starts(completion) -> list[int]:
