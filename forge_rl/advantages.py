@@ -3,6 +3,7 @@
 - `group_advantages`: GRPO's group baseline, with (GRPO, DAPO, GSPO, CISPO) or without (Dr. GRPO)
   division by the group's standard deviation.
 - `episode_advantages`: the same for one `Episode`, leaving ERRORED completions out of the statistics.
+- `completion_reward`: what a completion's advantage is computed from (the seam for per-turn rewards).
 - `filter_zero_advantage_groups`: DAPO's dynamic sampling, which keeps only groups with a signal.
 - `overlong_penalty`: DAPO's soft penalty for completions that run into the length budget.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from forge_rl.types import CompletionStatus, Episode
+from forge_rl.types import Completion, CompletionStatus, Episode
 
 # Keeps a group whose rewards are all equal at advantage 0 instead of dividing by zero.
 _STD_EPS = 1e-6
@@ -32,6 +33,19 @@ def group_advantages(rewards_G: torch.Tensor, normalize_std: bool) -> torch.Tens
     return centered_G / (rewards_G.std(unbiased=False) + _STD_EPS)
 
 
+def completion_reward(completion: Completion) -> float:
+    """The reward a completion's advantage is computed from: its final reward (a single-turn
+    completion's score, an environment episode's closing reward). Every advantage reads it here.
+
+    The seam for per-turn (process) rewards: a multi-turn completion records them in
+    `Completion.turn_rewards`, one per environment step, and its `generated` mask marks where each
+    turn's tokens lie (turn k = the k-th run of generated tokens). Turning them into per-token
+    advantages (a return per turn, credited to that turn's tokens) replaces this scalar with one
+    value per token; that belongs to the scorer work of issue 14, and until then per-turn rewards
+    are recorded, not trained on."""
+    return completion.reward
+
+
 def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
     """One advantage per completion of `episode`, in order. ERRORED completions get 0 and are left
     out of the group's mean and std (their reward is not a measurement). Completions whose tokens
@@ -39,7 +53,9 @@ def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
     usable = [c.status != CompletionStatus.ERRORED for c in episode.completions]
     if not any(usable):
         return [0.0] * len(episode.completions)
-    rewards_G = torch.tensor([c.reward for c, ok in zip(episode.completions, usable) if ok], dtype=torch.float64)
+    rewards_G = torch.tensor(
+        [completion_reward(c) for c, ok in zip(episode.completions, usable) if ok], dtype=torch.float64
+    )
     advantages = iter(group_advantages(rewards_G, normalize_std).tolist())
     return [next(advantages) if ok else 0.0 for ok in usable]
 
@@ -48,7 +64,7 @@ def has_reward_spread(episode: Episode) -> bool:
     """True when the group's usable (not ERRORED) rewards are not all equal, i.e. its advantages
     are not all zero. Compares rewards, not advantages, so float rounding of the mean cannot turn a
     uniform group into a "signal"."""
-    rewards = [c.reward for c in episode.completions if c.status != CompletionStatus.ERRORED]
+    rewards = [completion_reward(c) for c in episode.completions if c.status != CompletionStatus.ERRORED]
     return len(rewards) >= 2 and max(rewards) > min(rewards)
 
 

@@ -18,6 +18,7 @@ from typing import Literal
 from forge_rl.buffer import BufferConfig
 from forge_rl.checkpoint import CheckpointConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.titan import read_hf_config, validate_parallelism
@@ -149,6 +150,9 @@ class GRPOConfig:
     no learning signal) is filtered out before the buffer, so every batch is made of groups with
     a signal; filtered prompts are counted (accounting.filtered_zero_advantage)."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn episodes against an environment (forge_rl/envs/, docs/environments.md) instead of
+    the task's single-turn prompts; unset by default."""
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
@@ -177,9 +181,21 @@ class GRPOConfig:
     @property
     def max_episode_tokens(self) -> int:
         """Most tokens one episode can hold (what buffer.capacity_tokens counts): a prompt of at most
-        max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens."""
+        max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens;
+        with an environment, group_size trajectories of environment.limits.max_total_tokens (each
+        holds its own prompt)."""
+        if self.environment.name is not None:
+            return self.group_size * self.environment.limits.max_total_tokens
         max_new_tokens = self.generator.max_new_tokens
         return self.max_model_len - max_new_tokens + self.group_size * max_new_tokens
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        """Most tokens one generator request samples: generator.max_new_tokens, or with an
+        environment one turn's environment.limits.max_tokens_per_turn."""
+        if self.environment.name is not None:
+            return self.environment.limits.max_tokens_per_turn
+        return self.generator.max_new_tokens
 
     @property
     def max_episodes_queued(self) -> int:
@@ -201,12 +217,14 @@ class GRPOConfig:
         generator.max_new_tokens x _DECODE_STEP_ALLOWANCE_S (1 s per decode step), where
         decode_rounds = ceil(prompts_in_flight_per_generator x group_size / generator.max_num_seqs):
         the sequences a generator has in flight may exceed what vLLM decodes at once, and a call
-        may then wait for earlier ones to finish. The demo's: 300 + 1 x 2 x 1 = 302 s."""
+        may then wait for earlier ones to finish. The demo's: 300 + 1 x 2 x 1 = 302 s. With an
+        environment a call is one turn, of environment.limits.max_tokens_per_turn
+        (`max_tokens_per_request`)."""
         if self.generator.generate_timeout_s is not None:
             return self.generator.generate_timeout_s
         sequences_in_flight = self.prompts_in_flight_per_generator * self.group_size
         decode_rounds = -(-sequences_in_flight // self.generator.max_num_seqs)
-        return _GENERATE_TIMEOUT_BASE_S + decode_rounds * self.generator.max_new_tokens * _DECODE_STEP_ALLOWANCE_S
+        return _GENERATE_TIMEOUT_BASE_S + decode_rounds * self.max_tokens_per_request * _DECODE_STEP_ALLOWANCE_S
 
     @property
     def update_timeout_s(self) -> float:
@@ -224,6 +242,7 @@ class GRPOConfig:
         self._check_buffer()
         self._check_loss_and_scorer()
         self._check_model_and_parallelism()
+        self._check_environment()
         self._check_timeouts()
         check_placement(self.launch, demand_of(self))
 
@@ -301,6 +320,25 @@ class GRPOConfig:
                     f"fail. Set --group-size to a multiple of {reference_dp}, or --reference.parallel.dp-shard "
                     "(with --reference.num-procs) to a divisor of it."
                 )
+
+    def _check_environment(self) -> None:
+        if self.environment.name is None:
+            return
+        max_total_tokens = self.environment.limits.max_total_tokens
+        if max_total_tokens > self.max_model_len:
+            raise ConfigError(
+                f"environment.limits.max_total_tokens ({max_total_tokens}) exceeds the model's context "
+                f"(max_model_len, its max_position_embeddings: {self.max_model_len}): an episode would "
+                "outgrow what the generator can read and end truncated at the context instead of at the "
+                f"budget. Set --environment.limits.max-total-tokens to at most {self.max_model_len}."
+            )
+        if self.scorer.overlong_buffer is not None:
+            raise ConfigError(
+                f"scorer.overlong_buffer ({self.scorer.overlong_buffer}) is set with environment.name "
+                f"({self.environment.name!r}): an environment's episodes take their reward from the "
+                "environment, never from the scorer, so the penalty would not apply. Unset "
+                "--scorer.overlong-buffer, or fold a length penalty into the environment's reward."
+            )
 
     def _check_timeouts(self) -> None:
         if not 0 < self.train_step_timeout_s < math.inf:

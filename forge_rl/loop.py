@@ -2,7 +2,9 @@
 
     rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
         consumes   a prompt (a re-queued one first) and an admission from the gate
-        produces   scored episodes into the buffer (the recipe's `score` stage runs between)
+        produces   scored episodes into the buffer (the recipe's `score` stage runs between); with
+                   `environment.name` set, a prompt is group_size episodes of the environment,
+                   played turn by turn on the generator (forge_rl/envs/rollout.py), rewarded by it
         waits for  the admission gate (forge_rl/admission.py): its episodes must be trainable
                    within max_policy_age of the version it generates with, and fit in the buffer
         unblocked  when the trainer takes a batch or its generator loads newer weights
@@ -33,9 +35,12 @@ from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
 from forge_rl.deadlines import within
-from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
+from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost, raised_by_actor
 from forge_rl.health import MismatchAlarm
-from forge_rl.metrics import MetricsLogger, batch_metrics, progress
+from forge_rl.metrics import EpisodeStats, MetricsLogger, batch_metrics, progress
 from forge_rl.timeline import Timeline, idle_fraction
 from forge_rl.types import Episode
 
@@ -52,8 +57,9 @@ class RunActors:
     dataset: Any
     """`next_episodes(n)`: the next prompts as episode shells; `state()`, `load_state(...)`."""
     generators: Any
-    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)`,
-    `update_weights(i, ...)`, `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
+    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)` (single-turn
+    prompts), `generate_turn(i, ...)` (environment episodes), `update_weights(i, ...)`,
+    `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
     buffer: Any
     """The replay buffer: `put`, `sample`, `stats`, `state_dict`, `load_state_dict`."""
     trainer: Any
@@ -63,6 +69,9 @@ class RunActors:
     leaves out are counted as filtered (never trained)."""
     stats: Callable[[], Awaitable[dict]]
     """The recipe's per-step metrics of that stage (the scorer's failures, say)."""
+    renderer: Renderer | None = None
+    """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
+    when config.environment.name is set."""
 
 
 @dataclasses.dataclass
@@ -102,6 +111,13 @@ class Pipeline:
         self.timeline = Timeline()
         """Busy intervals of every component; `run` restarts it (with a file) when the loops start."""
         self.mismatch_alarm = MismatchAlarm(config.log.mismatch_alarm)
+        self.make_env = None if config.environment.name is None else config.environment.make_env()
+        if self.make_env is not None and actors.renderer is None:
+            raise ValueError("environment.name is set but RunActors.renderer is None: episodes need a renderer")
+        self.episode_stats = EpisodeStats()
+        """Environment episodes played since the last step's metrics."""
+        self.env_waits = EnvWaitClock(config.num_generators)
+        """Generator idle time while episodes wait on environments; `run` restarts it with the timeline."""
 
     # Rollouts ---------------------------------------------------------------------------------
 
@@ -123,20 +139,56 @@ class Pipeline:
     async def _rollout(self, index: int, prompts: list[Episode]) -> int:
         """Generate, score and buffer `prompts` on generator `index`; returns how many reached the buffer."""
         config, actors = self.config, self.actors
-        with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
-            try:
-                episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
-            except Exception as e:
-                lost = generator_lost(e)
-                if lost is None:
-                    raise
-                raise lost from None
+        if self.make_env is not None:
+            episodes = [await self._play(index, prompt) for prompt in prompts]
+        else:
+            with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
+                try:
+                    episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
+                except Exception as e:
+                    lost = generator_lost(e)
+                    if lost is None:
+                        raise
+                    raise lost from None
         self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         kept = await actors.score(episodes, self.timeline)
         kept_ids = {e.episode_id for e in kept}
         self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
         num_stale = await actors.buffer.put.call_one(kept) if kept else 0
         return len(kept) - num_stale
+
+    async def _play(self, index: int, prompt: Episode) -> Episode:
+        """`prompt` as group_size episodes of the environment played on generator `index`: one
+        completion per trajectory, its reward the environment's (forge_rl/envs/rollout.py)."""
+        config = self.config
+        envs = [
+            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id), self.env_waits, index)
+            for _ in range(config.group_size)
+        ]
+
+        async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+            with self.timeline.busy(f"generator{index}", num_sequences=1), self.env_waits.turn(index):
+                try:
+                    return await self.actors.generators.generate_turn.call_one(index, prefix_token_ids, max_new_tokens)
+                except Exception as e:
+                    raised = raised_by_actor(e)
+                    if isinstance(raised, (GeneratorLost, ContextExhausted)):
+                        raise raised from None
+                    raise
+
+        trajectories = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
+        for trajectory in trajectories:
+            self.episode_stats.observe(trajectory)
+        first_observation = trajectories[0].conversation[0].content if trajectories[0].conversation else ""
+        return dataclasses.replace(
+            prompt,
+            prompt_text=first_observation,
+            answer="",
+            prompt_token_ids=[],  # each trajectory holds its prompt as context
+            completions=[trajectory_completion(t) for t in trajectories],
+            generator_index=index,
+            temperature=config.generator.temperature,
+        )
 
     async def _next_prompts(self) -> list[Episode]:
         prompts = await self.actors.dataset.next_episodes.call_one(1)
@@ -259,10 +311,21 @@ class Pipeline:
             m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
             m.TRAINER_IDLE_FRACTION: idle_fraction([timeline.busy_s("trainer")], now),
             m.GENERATORS_IDLE_FRACTION: idle_fraction(generator_busy_s, now),
+            **self._episode_metrics(now),
             **await self.actors.buffer.stats.call_one(),
             **await self.actors.stats(),
             m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
         }
+
+    def _episode_metrics(self, now: float) -> dict:
+        """Environment episodes played since the previous step, and the generators' idle time
+        waiting on environments since the loops started (none without an environment)."""
+        if self.make_env is None:
+            return {}
+        figures, self.episode_stats = self.episode_stats.figures(), EpisodeStats()
+        waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in range(self.config.num_generators))
+        figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * self.config.num_generators, 1e-9)
+        return figures
 
     # Both -------------------------------------------------------------------------------------
 
@@ -270,6 +333,7 @@ class Pipeline:
         """The rollout loops and the train loop until config.steps steps are trained; returns the
         steps' metrics and the prompt accounting. A stop checkpoints first when configured."""
         self.timeline = Timeline(run_path / "timeline.jsonl")  # its origin is when the loops start
+        self.env_waits = EnvWaitClock(self.config.num_generators)
         rollouts = [
             asyncio.create_task(self.rollout_loop(i))
             for i in range(self.config.num_generators)

@@ -10,6 +10,7 @@ a histogram. A sink that fails is reported once and dropped; it never stops a ru
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from forge_rl.advantages import has_reward_spread
+from forge_rl.envs.trajectory import Trajectory
 from forge_rl.types import CompletionStatus, Episode
 
 if TYPE_CHECKING:
@@ -60,6 +62,27 @@ GENERATORS_IDLE_FRACTION = "idle_fraction/generators"
 DROPPED_COMPLETIONS = "buffer/dropped_completions"
 DROPPED_EPISODES = "buffer/dropped_episodes"
 GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
+
+# Environment episodes (forge_rl/envs/rollout.py), over those played since the previous step.
+EPISODES_PLAYED = "episodes/played"
+TURNS_PER_EPISODE = "episodes/turns_mean"
+TOKENS_PER_EPISODE = "episodes/tokens_mean"
+"""Tokens of the trajectory's sequences, context included (what the context budget counts)."""
+GENERATED_TOKENS_PER_EPISODE = "episodes/generated_tokens_mean"
+TOOL_ERROR_RATE = "episodes/tool_error_rate"
+"""Malformed turns (a tool call that does not parse, an unknown tool) per model turn."""
+SPANNED_WEIGHT_UPDATE_FRACTION = "episodes/spanned_weight_update_fraction"
+"""Episodes whose generated tokens carry more than one policy version (a partial rollout)."""
+ENV_STEP_LATENCY_P50_S = "env/step_latency_p50_s"
+ENV_STEP_LATENCY_P99_S = "env/step_latency_p99_s"
+"""Wall time of environment resets and steps that answered (timeouts are counted as statuses)."""
+FORKED_SAMPLES_DROPPED = "episodes/forked_samples_dropped"
+"""Samples after a prefix break, not trained (forge_rl/envs/rollout.py says why)."""
+EPISODE_STATUS_PREFIX = "episodes/status/"
+"""`episodes/status/<status>`: episodes that ended so (forge_rl/envs/trajectory.py, TrajectoryStatus)."""
+GENERATORS_IDLE_ON_ENV_FRACTION = "idle_fraction/generators_waiting_on_env"
+"""Since the loops started, generator-seconds with no turn in flight while episodes waited on
+environment calls (forge_rl/envs/rollout.py, EnvWaitClock), over all generator-seconds."""
 
 FINAL_REWARD_WINDOW = 5
 """Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches)."""
@@ -230,6 +253,7 @@ def run_summary(history: Sequence[dict]) -> dict:
     wall time, engine start, recoveries, accounting). Benchmarks read the same function."""
     last = history[-1]
     return {
+        **_environment_summary(history),
         "final_mean_reward": final_reward(history),
         "steps": len(history),
         "max_policy_age_seen": max(m[POLICY_AGE_MAX] for m in history),
@@ -238,6 +262,19 @@ def run_summary(history: Sequence[dict]) -> dict:
         "loop_time_s": last[WALL_TIME_S],
         "trainer_idle_fraction": last[TRAINER_IDLE_FRACTION],
         "generator_idle_fraction": last[GENERATORS_IDLE_FRACTION],
+    }
+
+
+def _environment_summary(history: Sequence[dict], num_steps: int = FINAL_REWARD_WINDOW) -> dict:
+    """For a run on an environment: turns per episode over the episodes of the last `num_steps`
+    steps (the window of the final reward), and the generators' idle waiting on environments."""
+    if TURNS_PER_EPISODE not in history[-1]:
+        return {}
+    tail = history[-num_steps:]
+    num_episodes = sum(m[EPISODES_PLAYED] for m in tail)
+    return {
+        "mean_turns_per_episode": sum(m[TURNS_PER_EPISODE] * m[EPISODES_PLAYED] for m in tail) / max(num_episodes, 1),
+        "generator_idle_waiting_on_env_fraction": history[-1][GENERATORS_IDLE_ON_ENV_FRACTION],
     }
 
 
@@ -273,3 +310,54 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
         ZERO_ADVANTAGE_FRACTION: sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
     }
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+    """Figures of the environment episodes played between two train steps; the loop starts a
+    fresh one after each step's `figures`."""
+
+    num_episodes: int = 0
+    num_turns: int = 0
+    num_malformed_turns: int = 0
+    num_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_spanning_update: int = 0
+    num_forked_samples_dropped: int = 0
+    env_latencies_s: list[float] = dataclasses.field(default_factory=list)
+    statuses: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def observe(self, trajectory: Trajectory) -> None:
+        self.num_episodes += 1
+        self.num_turns += trajectory.num_turns
+        self.num_malformed_turns += trajectory.num_malformed_turns
+        self.num_tokens += sum(sample.num_tokens for sample in trajectory.samples)
+        self.num_generated_tokens += trajectory.num_generated_tokens
+        versions = {v for span in trajectory.generated_spans for v in span.policy_versions}
+        self.num_spanning_update += len(versions) > 1
+        self.num_forked_samples_dropped += trajectory.num_forks
+        self.env_latencies_s += trajectory.env_latencies_s
+        self.statuses[trajectory.status.value] = self.statuses.get(trajectory.status.value, 0) + 1
+
+    def figures(self) -> dict:
+        episodes = max(self.num_episodes, 1)
+        return {
+            EPISODES_PLAYED: self.num_episodes,
+            TURNS_PER_EPISODE: self.num_turns / episodes,
+            TOKENS_PER_EPISODE: self.num_tokens / episodes,
+            GENERATED_TOKENS_PER_EPISODE: self.num_generated_tokens / episodes,
+            TOOL_ERROR_RATE: self.num_malformed_turns / max(self.num_turns, 1),
+            SPANNED_WEIGHT_UPDATE_FRACTION: self.num_spanning_update / episodes,
+            ENV_STEP_LATENCY_P50_S: percentile(self.env_latencies_s, 50),
+            ENV_STEP_LATENCY_P99_S: percentile(self.env_latencies_s, 99),
+            FORKED_SAMPLES_DROPPED: self.num_forked_samples_dropped,
+            **{f"{EPISODE_STATUS_PREFIX}{status}": count for status, count in sorted(self.statuses.items())},
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of `values` (nearest rank); 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]

@@ -74,7 +74,9 @@ def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, w
     if mode == "pad":
         return [MicroBatch(len(lengths), _round_up(width or longest, length_multiple),
                            tuple((i, i, 0) for i in range(len(lengths))))]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # An empty sequence (an environment episode whose reset failed: no token at all) has nothing
+    # to compute and would make a bucket of width 0; it is left out, its logprobs stay 0.
+    order = sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: (-lengths[i], i))
     if mode == "bucket":
         return [
             MicroBatch(len(group), _round_up(lengths[group[0]], length_multiple),
@@ -175,7 +177,7 @@ def layout_token_logprobs(
             entropies.append(token_entropy(logits_RWV, temperature_RW).flatten())
         source, destination = [], []
         for i, row, offset in mb.placements:
-            n = min(lengths[i], length)
+            n = max(min(lengths[i], length), 1)  # an empty sequence (pad layout) predicts nothing, like one of 1
             # position t of sequence i is predicted at row `row`, position offset + t
             source.append(torch.arange(row * mb.width + offset + 1, row * mb.width + offset + n))
             destination.append(torch.arange(i * length + 1, i * length + n))

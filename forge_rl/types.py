@@ -20,6 +20,19 @@ Worked example (task "max of two digits", group size 2, policy version 3 swapped
 Lengths: for each completion, `token_ids`, `logprobs`, `policy_versions` and `trainable` all have the
 same length (the number of generated tokens, EOS included when it was sampled). `trainable` starts all
 True; the replay buffer's `mask_tokens` drop policy turns over-age tokens False, so they reach no loss.
+
+Trajectories, not prompts (a multi-turn episode against an environment, forge_rl/envs/): the same
+`Completion` holds one trajectory's token sequence, where each token is generated (sampled by the
+policy) or context (the prompt, the environment's observations, tool output), per `generated`. A
+single-turn completion is the one-turn trajectory: every token generated, `generated` None. Worked
+example (calculator, as forge_rl/envs/trajectory.py; the episode's prompt_token_ids is empty, since the
+trajectory holds its own prompt as context):
+
+    Completion(token_ids=[1, 7, 11, 43, 9, 6, 40,  16, 7, 11, 43, 9, 6, 2,  31, 5, 13, 6, 8, 40,  5, 13, 6, 8, 2],
+               generated=[False] * 7 + [True] * 7 + [False] * 6 + [True] * 5,
+               logprobs=[0.0] * 7 + [-0.9, ...] + [0.0] * 6 + [-0.4, ...],    # 0.0 on context
+               policy_versions=[3] * 7 + [3] * 7 + [3] * 6 + [3, 3, 4, 4, 4],   # context: see the field
+               reward=1.0, num_turns=2, turn_rewards=[None, None], end_reason="done")
 """
 
 from __future__ import annotations
@@ -72,6 +85,26 @@ class Completion:
     reference_logprobs: list[float] | None = None
     """Logprob of each token under the frozen reference model, [T]; set only when the KL penalty
     is on (trainer.loss.kl_beta > 0)."""
+    generated: list[bool] | None = None
+    """Per token, [T]: sampled by the policy (True) or context the model read but did not write
+    (False: the prompt, observations, tool output), which is in the sequence and never in a loss.
+    None (the default, every single-turn completion) means all generated. A context token's logprob
+    is 0.0, its kept set empty, and its policy version that of the generated token before it (the
+    first generated token's, before any): never older than the trajectory's oldest generated token,
+    so staleness is decided by generated tokens alone."""
+    num_turns: int = 1
+    """Model turns of the trajectory (1 for a single-turn completion)."""
+    num_malformed_turns: int = 0
+    """Turns the environment rejected as malformed (bad tool calls): the tool error count."""
+    turn_rewards: list[float | None] = field(default_factory=list)
+    """Per environment step, the turn's own reward (a process reward) or None; recorded, not yet
+    in the advantage (forge_rl/advantages.py, `completion_rewards`)."""
+    env_latencies_s: list[float] = field(default_factory=list)
+    """Wall time of each environment reset and step that answered."""
+    end_reason: str | None = None
+    """Why an environment's episode ended (forge_rl/envs/trajectory.py, TrajectoryStatus value:
+    done, truncated_turns, truncated_tokens, parse_error, env_error, env_timeout); None for a
+    single-turn completion, whose `status` says it."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -82,27 +115,40 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
-        for name in ("sampling_support", "reference_logprobs"):
+        for name in ("sampling_support", "reference_logprobs", "generated"):
             if getattr(self, name) is not None:
                 lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:
             raise ValueError(f"Completion fields disagree in length: {lengths}")
 
     @property
+    def generated_mask(self) -> list[bool]:
+        """Per token, [T]: sampled by the policy (`generated`, all True when it is None)."""
+        return [True] * self.num_tokens if self.generated is None else list(self.generated)
+
+    @property
     def oldest_policy_version(self) -> int:
-        """The version that bounds this completion's staleness (its oldest token)."""
-        return min(self.policy_versions) if self.policy_versions else 0
+        """The version that bounds this completion's staleness: its oldest generated token's (0
+        without one)."""
+        versions = [v for v, sampled in zip(self.policy_versions, self.generated_mask) if sampled]
+        return min(versions, default=0)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence, context included (its row length in a batch)."""
         return len(self.token_ids)
 
     @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.generated_mask)
+
+    @property
     def loss_mask(self) -> list[bool]:
-        """Per token, [T]: does it reach the loss? `trainable`, and nothing of an ERRORED completion."""
+        """Per token, [T]: does it reach the loss? Generated and `trainable`, and nothing of an
+        ERRORED completion."""
         if self.status == CompletionStatus.ERRORED:
             return [False] * self.num_tokens
-        return list(self.trainable)
+        return [t and g for t, g in zip(self.trainable, self.generated_mask)]
 
     @property
     def num_trainable_tokens(self) -> int:
@@ -119,6 +165,8 @@ class Episode:
     answer: str
     """What the verifier compares against."""
     prompt_token_ids: list[int]
+    """Empty for an environment's episode: each trajectory holds its own prompt as context (an
+    environment may render it differently per trajectory, and a forked sample re-renders it)."""
     completions: list[Completion] = field(default_factory=list)
     forced_length: int | None = None
     """When set, every completion is generated exactly this long (EOS ignored): how a task imposes
@@ -137,12 +185,14 @@ class Episode:
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.completions)
+        """Tokens the policy sampled (a trajectory's context excluded)."""
+        return sum(c.num_generated_tokens for c in self.completions)
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the episode holds: the prompt once plus every completion (what buffer capacity counts)."""
-        return len(self.prompt_token_ids) + self.num_generated_tokens
+        """Tokens the episode holds: the prompt once plus every completion, context included (what
+        buffer capacity counts)."""
+        return len(self.prompt_token_ids) + sum(c.num_tokens for c in self.completions)
 
     @property
     def num_trainable_tokens(self) -> int:

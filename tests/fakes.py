@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from forge_rl.buffer import BufferConfig, ReplayBuffer
-from forge_rl.envs.runner import SampledTurn
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.types import Completion, Episode
 
@@ -37,6 +37,14 @@ class FakeValues:
 
     def item(self, **_):
         return self.value
+
+
+class FakeActorError(Exception):
+    """Stands in for Monarch's ActorError: the endpoint's exception travels as `.exception`."""
+
+    def __init__(self, exception: BaseException):
+        super().__init__(f"actor failed: {exception!r} (traceback of the remote process)")
+        self.exception = exception
 
 
 def endpoints(**functions) -> Any:
@@ -153,14 +161,19 @@ class FakeGeneratorProcs:
 
 
 class FakeGenerator:
-    """A generator actor's endpoints (`start`, `generate`, `update_weights`, `shutdown`) without an
-    engine: completions are `completions_for` at the version it serves."""
+    """A generator actor's endpoints (`start`, `generate`, `generate_turn`, `update_weights`,
+    `shutdown`) without an engine: completions are `completions_for` at the version it serves; a
+    turn is one eos token, and a prefix of `CONTEXT` tokens or more raises ContextExhausted as the
+    actor would (wrapped, as Monarch delivers an endpoint's exception)."""
+
+    CONTEXT = 64
 
     def __init__(self, hung_endpoints: set[str]):
         self.hung_endpoints = hung_endpoints
         self.policy_version = 0
         self.start = FakeEndpoint(self._start)
         self.generate = FakeEndpoint(self._generate)
+        self.generate_turn = FakeEndpoint(self._generate_turn)
         self.update_weights = FakeEndpoint(self._update_weights)
         self.shutdown = FakeEndpoint(self._shutdown)
 
@@ -172,6 +185,12 @@ class FakeGenerator:
     async def _generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
         await self._hang_if("generate")
         return [dataclasses.replace(e, completions=completions_for(e, group_size, self.policy_version)) for e in episodes]
+
+    async def _generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+        await self._hang_if("generate_turn")
+        if len(prefix_token_ids) >= self.CONTEXT:
+            raise FakeActorError(ContextExhausted(f"the prefix has {len(prefix_token_ids)} tokens"))
+        return SampledTurn([2], [-0.1], [self.policy_version], "stop")
 
     async def _update_weights(self, policy_version: int, weights_dir: str) -> dict:
         await self._hang_if("update_weights")

@@ -10,7 +10,10 @@ Two kinds of loop run concurrently in this process (forge_rl/loop.py owns them):
 
   rollout loop (prompts_in_flight_per_generator per generator)   prompt -> group_size completions ->
       `score` below -> buffer; paced by the admission gate (forge_rl/admission.py): its episodes must
-      be trainable within buffer.max_policy_age versions, and fit in the buffer
+      be trainable within buffer.max_policy_age versions, and fit in the buffer. With
+      `environment.name` set, a prompt is group_size multi-turn episodes of that environment, each
+      turn sampled on the generator while other episodes' environments step; the environment gives
+      the reward, so `score` skips the scorer (forge_rl/envs/rollout.py, docs/environments.md)
   train loop (one)   batch from the buffer -> one optimizer step -> policy version v+1 in the weight
       store -> every generator swaps to it between two decode steps, without draining its requests
 
@@ -39,6 +42,7 @@ from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.config import GRPOConfig
+from forge_rl.envs.renderers import make_renderer
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import progress
@@ -68,6 +72,7 @@ async def run(config: GRPOConfig) -> dict:
             trainer=actors.trainer,
             score=lambda episodes, timeline: score(episodes, actors, config, timeline),
             stats=actors.scorer.stats.call_one,
+            renderer=make_renderer(config.environment.renderer, lifecycle.model_dir),
         ))
         await lifecycle.resume(pipeline)
         history, accounting = await lifecycle.run_loops(pipeline)
@@ -81,10 +86,12 @@ async def run(config: GRPOConfig) -> dict:
 
 
 async def score(episodes: list[Episode], actors: Actors, config: GRPOConfig, timeline: Timeline) -> list[Episode]:
-    """Generated to buffered: rewards, then (DAPO) drop groups without signal, then (KL penalty) the
-    reference model's logprobs. Episodes left out are counted as filtered by the loop."""
-    with timeline.busy("scorer"):
-        episodes = await actors.scorer.score.call_one(episodes)
+    """Generated to buffered: rewards (the environment's already, for its episodes), then (DAPO)
+    drop groups without signal, then (KL penalty) the reference model's logprobs. Episodes left
+    out are counted as filtered by the loop."""
+    if config.environment.name is None:
+        with timeline.busy("scorer"):
+            episodes = await actors.scorer.score.call_one(episodes)
     if config.dynamic_sampling:
         episodes, _ = filter_zero_advantage_groups(episodes)
     if actors.reference is not None and episodes:

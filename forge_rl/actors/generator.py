@@ -17,6 +17,7 @@ from pathlib import Path
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.envs.runner import SampledTurn
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
@@ -76,6 +77,12 @@ class GeneratorActor(Actor):
             episode.completions = completions
             episode.temperature = self.engine.config.temperature
         return episodes
+
+    @concurrent_endpoint
+    async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+        """One turn of an environment episode after exactly `prefix_token_ids` (the rollout loop's
+        `generate` for forge_rl/envs/runner.py); raises ContextExhausted when the context is full."""
+        return await self.engine.generate_turn(prefix_token_ids, max_new_tokens, eos_id=self.tokenizer.eos_id)
 
     @concurrent_endpoint
     async def update_weights(self, policy_version: int, weights_dir: str) -> dict:

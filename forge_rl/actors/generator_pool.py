@@ -47,6 +47,7 @@ from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_end
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.deadlines import within
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
 from forge_rl.store.actors import StoreIndexActor
@@ -167,6 +168,23 @@ class GeneratorPool(Actor):
         for episode in episodes:
             episode.generator_index = index
         return episodes
+
+    @concurrent_endpoint
+    async def generate_turn(self, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+        """One turn of an environment episode from generator `index`; raises GeneratorLost if it
+        died meanwhile, and ContextExhausted (unwrapped, so the caller's runner sees its own type)
+        when the prefix fills the context."""
+        try:
+            return await self._forward(
+                self.slots[index],
+                lambda actor: actor.generate_turn.call_one(prefix_token_ids, max_new_tokens),
+                self.generate_timeout_s,
+                "generate_turn call ran past generator.generate_timeout_s",
+            )
+        except Exception as e:
+            if isinstance(raised_by_actor(e), ContextExhausted):
+                raise raised_by_actor(e) from None
+            raise
 
     @concurrent_endpoint
     async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict:

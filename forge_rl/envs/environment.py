@@ -93,7 +93,12 @@ class Environment(Protocol):
     """One episode's world. Both methods are coroutines: an environment that waits (a tool, a
     sandbox, a remote service) awaits, so that other episodes decode meanwhile. Blocking code in
     them stalls every episode of the process and cannot be timed out: run it with
-    asyncio.to_thread, or in the sandbox (forge_rl/envs/sandbox.py) if it is untrusted."""
+    asyncio.to_thread, or in the sandbox (forge_rl/envs/sandbox.py) if it is untrusted.
+
+    Optional: an environment whose step may legitimately take long (it starts a sandbox, runs a
+    test suite) says how long with a `max_step_s` attribute; the rollout refuses limits whose
+    env_step_timeout_s would cut such a step short (forge_rl/envs/rollout.py), since the timeout
+    would kill the sandbox mid-run and blame the environment."""
 
     async def reset(self) -> Observation:
         """The first observation: the prompt."""

@@ -38,6 +38,11 @@ class PythonToolEnv:
     """The expected answer, compared with the text after "Answer:" (surrounding space stripped)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
+    @property
+    def max_step_s(self) -> float:
+        """A step runs one sandbox, start-up included: EpisodeLimits.env_step_timeout_s must cover it."""
+        return self.sandbox.max_run_s
+
     async def reset(self) -> list[Message]:
         return [Message("system", INSTRUCTIONS), Message("user", self.question)]
 

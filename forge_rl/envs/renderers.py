@@ -80,3 +80,9 @@ class ChatTemplateRenderer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
+
+
+def make_renderer(kind: str, model_dir) -> Renderer:
+    """The renderer `environment.renderer` names ("plain" or "chat_template") for the model in `model_dir`."""
+    tokenizer = PromptTokenizer(model_dir)
+    return PlainTextRenderer(tokenizer) if kind == "plain" else ChatTemplateRenderer(tokenizer)

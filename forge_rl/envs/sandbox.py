@@ -94,6 +94,13 @@ class SandboxConfig:
             if not value > 0:
                 raise ValueError(f"SandboxConfig.{name} ({value}) must be > 0: a limit of 0 would refuse every run.")
 
+    @property
+    def max_run_s(self) -> float:
+        """The longest one `run_python` can legitimately take, start-up included = the child's time
+        to confine itself (_REPORT_TIMEOUT_S, 30 s) + max_wall_time_s + the output drain after a
+        kill (_OUTPUT_DRAIN_TIMEOUT_S, 5 s). A caller that times it out sooner kills a sandbox mid-run."""
+        return _REPORT_TIMEOUT_S + self.max_wall_time_s + _OUTPUT_DRAIN_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class SandboxResult:

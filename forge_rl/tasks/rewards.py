@@ -35,7 +35,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 def resolve_reward_fn(spec: str) -> RewardFn:
     """The reward function `spec` names; ConfigError naming the fix when there is none."""
     if ":" in spec:
-        reward_fn = _import_reward_fn(spec)
+        reward_fn = import_function(spec, "task.reward")
     elif spec in REWARD_FUNCTIONS:
         reward_fn = REWARD_FUNCTIONS[spec]
     else:
@@ -55,19 +55,22 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return reward_fn
 
 
-def _import_reward_fn(spec: str) -> RewardFn:
+def import_function(spec: str, field: str):
+    """The function `spec` ("package.module:function") names; ConfigError naming `field` (the
+    config field that holds it, e.g. "task.reward") and the fix when there is none."""
     module_name, _, attribute = spec.partition(":")
+    flag = "--" + field.replace("_", "-")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or anything the module raises while importing
         raise ConfigError(
-            f"task.reward ({spec!r}): module {module_name!r} cannot be imported ({type(e).__name__}: {e}). "
+            f"{field} ({spec!r}): module {module_name!r} cannot be imported ({type(e).__name__}: {e}). "
             "Make it importable (installed, or on PYTHONPATH) in every process of the run."
         ) from None
-    reward_fn = getattr(module, attribute, None)
-    if not callable(reward_fn):
+    function = getattr(module, attribute, None)
+    if not callable(function):
         raise ConfigError(
-            f"task.reward ({spec!r}): module {module_name!r} has no function {attribute!r}. "
-            "Set --task.reward to 'package.module:function'."
+            f"{field} ({spec!r}): module {module_name!r} has no function {attribute!r}. "
+            f"Set {flag} to 'package.module:function'."
         )
-    return reward_fn
+    return function

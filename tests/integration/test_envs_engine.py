@@ -8,7 +8,8 @@ the version that sampled it), statuses and limits, never a reward. `RecordingEng
 request vLLM answered, prompt and output, as the witness of what was sampled.
 
 The weight-swap tests change the engine's weights and run last (pytest keeps file order). They hold
-a turn mid-decode by construction (tests/integration/held_engine.py), not by timing.
+a turn mid-decode by construction (tests/integration/held_engine.py), not by timing. The last one
+plays the rollout loop's path (forge_rl/envs/rollout.py) into the buffer and the trainer's batch.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from forge_rl.batching import make_train_batch
+from forge_rl.buffer import BufferConfig, ReplayBuffer
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
+from forge_rl.envs.rollout import play_group, trajectory_completion
 from forge_rl.envs.runner import EpisodeLimits, run_episode
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectoryStatus
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.tasks.tokenizer import PromptTokenizer
+from forge_rl.tasks.tokenizer import ALPHABET, PromptTokenizer
+from forge_rl.types import Episode
 from tests.integration.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
 
 pytestmark = pytest.mark.integration
@@ -46,11 +51,18 @@ LOGPROB_ATOL = 1e-3
 
 
 class RecordingEngine(HoldableEngine):
-    """Records each request vLLM answered: the prompt ids sent and vLLM's final output."""
+    """Records each request vLLM answered: the prompt ids sent and vLLM's final output. A test may
+    restrict sampling to `allowed_token_ids` (vLLM's own sampling parameter)."""
 
     def __init__(self, config: GeneratorConfig):
         super().__init__(config)
         self.requests: list[tuple[list[int], object]] = []
+        self.allowed_token_ids: list[int] | None = None
+
+    def _sampling_params(self, n, eos_id, max_tokens):
+        params = super()._sampling_params(n, eos_id, max_tokens)
+        params.allowed_token_ids = self.allowed_token_ids
+        return params
 
     async def _request(self, prompt_token_ids, params):
         final = await super()._request(prompt_token_ids, params)
@@ -232,6 +244,25 @@ def hf_logprobs(model_dir: Path, prefix: list[int], span: GeneratedSpan) -> list
     ]
 
 
+def swapping_during_turn_2(engine, new_dir: Path, new_version: int, hold_after_tokens: int):
+    """A `generate` whose turns run their whole budget (eos ignored) and whose second turn is held
+    after `hold_after_tokens` tokens, swapped to `new_version` (staged already; keep mode), resumed."""
+    num_turns_started = 0
+
+    async def generate(prefix, max_new_tokens):
+        nonlocal num_turns_started
+        num_turns_started += 1
+        if num_turns_started == 2:
+            turn = await hold_mid_request(
+                engine, lambda: engine.generate_turn(prefix, max_new_tokens, eos_id=None), 1, hold_after_tokens
+            )
+            await engine.swap_weights(new_dir, new_version, mode="keep")
+            return await turn
+        return await engine.generate_turn(prefix, max_new_tokens, eos_id=None)
+
+    return generate
+
+
 def test_an_episode_spanning_a_weight_swap_keeps_the_version_of_every_token(served, tmp_path_factory):
     """Turn 1 on version 0; turn 2 held after HOLD_AFTER_TOKENS tokens, swapped to version 1 (keep
     mode), resumed; turn 3 sampled after the swap, its prefix encoded by version 1."""
@@ -239,19 +270,7 @@ def test_an_episode_spanning_a_weight_swap_keeps_the_version_of_every_token(serv
     new_dir = create_tiny_model(TinyModelConfig(seed=1), tmp_path_factory.mktemp("model_v1"))
     engine = served.engine
     served.run(engine.stage_weights(new_dir, 1))  # the swap itself is then a reference swap
-
-    num_turns_started = 0
-
-    async def generate(prefix, max_new_tokens):  # eos ignored: every turn runs its whole budget
-        nonlocal num_turns_started
-        num_turns_started += 1
-        if num_turns_started == 2:
-            turn = await hold_mid_request(
-                engine, lambda: engine.generate_turn(prefix, max_new_tokens, eos_id=None), 1, hold_after_tokens
-            )
-            await engine.swap_weights(new_dir, 1, mode="keep")
-            return await turn
-        return await engine.generate_turn(prefix, max_new_tokens, eos_id=None)
+    generate = swapping_during_turn_2(engine, new_dir, 1, hold_after_tokens)
 
     limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
     trajectory = served.play(make_calculator_env(seed=3, index=0), limits, generate)
@@ -301,3 +320,81 @@ def test_a_turn_aborted_by_an_abort_mode_swap_is_resubmitted_and_joined(served, 
     assert aborted.outputs[0].finish_reason == "abort"
     assert second_prompt == first_prompt + list(span.token_ids[:hold_after_tokens])  # resubmitted as sampled
     assert list(span.token_ids) == list(aborted.outputs[0].token_ids) + list(rest.outputs[0].token_ids)
+
+
+def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_ids_within_the_age_bound(
+    served, tmp_path_factory
+):
+    """What the rollout loop does with an environment (forge_rl/envs/rollout.py: play_group, then
+    one completion per trajectory), on the real engine, then the buffer's age bound and the trainer's
+    batch: turn 2 is held mid-decode and swapped to a new version (keep mode)."""
+    hold_after_tokens, turn_tokens = 4, 10
+    engine = served.engine
+    old_version, new_version = engine.policy_version, engine.policy_version + 1
+    new_dir = create_tiny_model(TinyModelConfig(seed=5), tmp_path_factory.mktemp("model_v3"))
+    served.run(engine.stage_weights(new_dir, new_version))
+    generate = swapping_during_turn_2(engine, new_dir, new_version, hold_after_tokens)
+
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
+    # The held turn ignores eos, so every turn here is cut at its budget, and the plain format
+    # (which closes a turn with eos) would fork the trajectory at each one, as would a special token
+    # sampled inside a turn (it decodes to nothing). So: turns of the alphabet only, rendered
+    # unclosed; then the trajectory is one sample, and the trainer's row holds all three turns.
+    engine.allowed_token_ids = served.tokenizer.encode_text(ALPHABET)
+    try:
+        [trajectory] = served.run(
+            play_group([make_calculator_env(seed=5, index=0)], generate, UnclosedTurnsRenderer(served.tokenizer), limits)
+        )
+    finally:
+        engine.allowed_token_ids = None
+    assert len(trajectory.samples) == 1
+    completion = trajectory_completion(trajectory)
+
+    # Each generated run of the trainer's row is a turn exactly as vLLM sampled it, after exactly
+    # the tokens before it in that row; context (prompt, observations) is never in the loss.
+    batch = make_train_batch([Episode(0, "", "", [], [completion])], pad_id=served.tokenizer.pad_id)
+    row = batch.input_ids_NL[0].tolist()
+    assert row == completion.token_ids and batch.loss_mask_NL[0].tolist() == completion.generated
+    runs = [(start, start + len(span.token_ids)) for start, span in zip(turn_starts(completion), trajectory.generated_spans)]
+    assert len(runs) == trajectory.num_turns == 3
+    sampled_versions = []
+    for start, end in runs:
+        ids, logprobs, versions, _ = vllm_turn(sampled_by_vllm(served, row[:start]))
+        assert row[start:end] == ids and completion.policy_versions[start:end] == versions
+        assert batch.behaviour_logprobs_NL[0, start:end].tolist() == pytest.approx(logprobs, abs=1e-6)
+        sampled_versions.append(versions)
+    assert sampled_versions == [
+        [old_version] * turn_tokens,
+        [old_version] * hold_after_tokens + [new_version] * (turn_tokens - hold_after_tokens),
+        [new_version] * turn_tokens,
+    ]
+    assert completion.oldest_policy_version == old_version
+
+    # The age bound reads the oldest generated token: at max_policy_age 0 and trainer version
+    # new_version, every token of the old version leaves the loss (mask_tokens) or the episode is
+    # dropped (drop_episode); at age 1 all of it trains.
+    def trained_versions(**buffer):
+        replay = ReplayBuffer(BufferConfig(capacity_episodes=2, **buffer))
+        replay.put(Episode(0, "", "", [], [completion]), trainer_version=new_version)
+        sampled = replay.sample(1, trainer_version=new_version)
+        if sampled is None:
+            return None
+        [trained] = sampled[0].completions
+        return {v for v, trains in zip(trained.policy_versions, trained.loss_mask) if trains}
+
+    assert trained_versions(max_policy_age=0, drop_policy="mask_tokens") == {new_version}
+    assert trained_versions(max_policy_age=0, drop_policy="drop_episode") is None
+    assert trained_versions(max_policy_age=1) == {old_version, new_version}
+
+
+class UnclosedTurnsRenderer(PlainTextRenderer):
+    """The plain format without the eos that closes each assistant turn: for turns cut at their budget."""
+
+    def render(self, conversation):
+        return [self.tokenizer.bos_id] + [t for message in conversation for t in self.tokenizer.encode_text(message.content)]
+
+
+def turn_starts(completion) -> list[int]:
+    """Where each run of generated tokens starts in the completion's sequence."""
+    mask = completion.generated
+    return [i for i, generated in enumerate(mask) if generated and (i == 0 or not mask[i - 1])]

@@ -16,6 +16,7 @@ import pytest
 
 from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.envs.runner import ContextExhausted
 from forge_rl.errors import GeneratorLost
 from tests.fakes import FakeDataset, FakeGeneratorHost, endpoints
 from tests.helpers import HANG_S, wait_until_async
@@ -72,6 +73,38 @@ def test_a_generate_call_past_its_timeout_loses_the_generator_and_a_replacement_
     assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2"]
     assert not host.meshes[1].stopped
     assert under_test.dropped_readers == ["generator0-r1"]
+
+
+def test_a_turn_comes_back_as_sampled_and_a_full_context_as_the_runners_own_error():
+    """ContextExhausted reaches the controller's runner unwrapped (it ends the episode truncated);
+    it is no fault of the generator."""
+    under_test = PoolUnderTest(FakeGeneratorHost())
+
+    async def scenario():
+        await under_test.call("start")
+        turn = await under_test.call("generate_turn", 0, [1, 5], 8)
+        assert (turn.token_ids, turn.policy_versions) == ([2], [0])
+        with pytest.raises(ContextExhausted, match="the prefix has 64 tokens"):
+            await under_test.call("generate_turn", 0, [5] * 64, 8)
+        assert await under_test.call("recovery_events") == []
+        await under_test.call("shutdown")
+
+    run(scenario)
+
+
+def test_a_turn_past_its_timeout_loses_the_generator_as_a_hung_generate_call_does():
+    under_test = PoolUnderTest(FakeGeneratorHost(hang={"generator0-r1": {"generate_turn"}}))
+
+    async def scenario():
+        await under_test.call("start")
+        with pytest.raises(GeneratorLost, match=r"hung: a generate_turn call ran past generator.generate_timeout_s"):
+            await under_test.call("generate_turn", 0, [1, 5], 8)
+        await under_test.call("wait_until_serving", 0)
+        turn = await under_test.call("generate_turn", 0, [1, 5], 8)  # the replacement serves
+        assert turn.token_ids == [2]
+        await under_test.call("shutdown")
+
+    run(scenario)
 
 
 def test_a_weight_update_past_its_timeout_is_retried_on_fresh_meshes_until_one_loads_the_newest_version():

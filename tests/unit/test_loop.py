@@ -7,20 +7,29 @@ import dataclasses
 
 import pytest
 
+from forge_rl import metrics as m
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.envs.calculator import make_calculator_env
+from forge_rl.envs.renderers import PlainTextRenderer
+from forge_rl.envs.rollout import EnvironmentConfig
+from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
+from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.trainer import TrainStepResult
-from tests.fakes import FakeBuffer, FakeDataset, FakeLifecycle, completions_for, endpoints
+from forge_rl.types import Completion, Episode
+from tests.fakes import (
+    FakeActorError, FakeBuffer, FakeDataset, FakeEndpoint, FakeLifecycle, completions_for, endpoints,
+)
 from tests.helpers import wait_until_async
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
                     buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
 
 
-def make_pipeline(generate, config: GRPOConfig = CONFIG) -> Pipeline:
+def make_pipeline(generate, config: GRPOConfig = CONFIG, renderer=None) -> Pipeline:
     state = {"version": 0}
 
     async def train_step(episodes):
@@ -47,6 +56,7 @@ def make_pipeline(generate, config: GRPOConfig = CONFIG) -> Pipeline:
         trainer=endpoints(train_step=train_step),
         score=score,
         stats=no_stats,
+        renderer=renderer,
     )
     return Pipeline(config, actors)
 
@@ -88,14 +98,6 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
     assert accounting["requeued_after_generator_failure"] == 1
     assert accounting["trained_more_than_once"] == 0
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
-
-
-class FakeActorError(Exception):
-    """Stands in for Monarch's ActorError: the endpoint's exception travels as `.exception`."""
-
-    def __init__(self, exception: BaseException):
-        super().__init__(f"actor failed: {exception!r} (traceback of the remote process)")
-        self.exception = exception
 
 
 def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):
@@ -175,3 +177,166 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
 
     asyncio.run(asyncio.wait_for(stopped_with_an_update_in_flight(), 30))
     assert updates_in_flight and updates_cancelled == updates_in_flight
+
+
+# Environment episodes ------------------------------------------------------------------------------
+# The same loops with `environment.name` set: a prompt is group_size calculator episodes, each turn
+# sampled by `generate_turn` on the generator (here ScriptedCalculatorPolicy, a named fake that
+# stamps each token with the version its generator serves), rewarded by the environment.
+
+ENV_CONFIG = dataclasses.replace(
+    CONFIG,
+    environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=3, max_total_tokens=64, max_tokens_per_turn=16)),
+)
+
+
+class ScriptedCalculatorPolicy:
+    """A fake generator that solves the calculator: the tool call on the first turn, the tool's
+    result on the second. Records each turn it samples (prefix, ids, versions), the witness of
+    what the trainer must see."""
+
+    def __init__(self, tokenizer: PromptTokenizer, pipeline_versions):
+        self.tokenizer = tokenizer
+        self.versions = pipeline_versions
+        """generator index -> the policy version it serves now."""
+        self.turns: list[tuple[list[int], list[int], list[int]]] = []
+
+    async def generate_turn(self, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+        await asyncio.sleep(0)  # a remote call yields to the event loop
+        text = self.tokenizer.decode(prefix_token_ids)
+        reply = text.rsplit("R", 1)[1].rstrip("=") if "R" in text else "C" + text.split("=")[0]
+        token_ids = self.tokenizer.encode_text(reply) + [self.tokenizer.eos_id]
+        versions = [self.versions(index)] * len(token_ids)
+        self.turns.append((list(prefix_token_ids), token_ids, versions))
+        return SampledTurn(token_ids, [-0.25] * len(token_ids), versions, "stop")
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer(tmp_path_factory) -> PromptTokenizer:
+    model_dir = tmp_path_factory.mktemp("char_tokenizer")
+    save_char_tokenizer(model_dir)
+    return PromptTokenizer(model_dir)
+
+
+def make_env_pipeline(tokenizer: PromptTokenizer, config: GRPOConfig = ENV_CONFIG):
+    """The loops over fakes, with environment episodes; returns (pipeline, policy, trained batches)."""
+
+    async def generate(index, prompts, group_size):
+        raise AssertionError("environment episodes are sampled turn by turn, never as single-turn prompts")
+
+    pipeline = make_pipeline(generate, config, PlainTextRenderer(tokenizer))
+    policy = ScriptedCalculatorPolicy(tokenizer, lambda index: pipeline.gate.generator_versions[index])
+    pipeline.actors.generators.generate_turn = FakeEndpoint(policy.generate_turn)
+    trained: list[tuple[int, list[Episode]]] = []
+    train_step = pipeline.actors.trainer.train_step.function
+
+    async def recording_train_step(episodes):
+        trained.append((pipeline.gate.next_train_version - 1, episodes))
+        return await train_step(episodes)
+
+    pipeline.actors.trainer = endpoints(train_step=recording_train_step)
+    return pipeline, policy, trained
+
+
+def test_environment_episodes_reach_the_trainer_as_sampled_with_context_masked_and_the_environment_reward(
+    tmp_path, char_tokenizer
+):
+    pipeline, policy, trained = make_env_pipeline(char_tokenizer)
+    history, accounting = run(pipeline, tmp_path)
+
+    assert accounting["trained"] == ENV_CONFIG.steps * ENV_CONFIG.prompts_per_step
+    sampled = {tuple(prefix + ids): (prefix, ids) for prefix, ids, _ in policy.turns}
+    for _, episodes in trained:
+        for episode in episodes:
+            assert episode.prompt_token_ids == [] and len(episode.completions) == ENV_CONFIG.group_size
+            for completion in episode.completions:
+                # Two turns (call, answer), rewarded by the calculator; every generated run of the
+                # sequence is a turn exactly as the generator sampled it, after exactly its prefix.
+                assert (completion.reward, completion.num_turns, completion.end_reason) == (1.0, 2, "done")
+                runs = generated_runs(completion)
+                assert len(runs) == 2
+                for start, end in runs:
+                    prefix, ids = sampled[tuple(completion.token_ids[:end])]
+                    assert (prefix, ids) == (completion.token_ids[:start], completion.token_ids[start:end])
+                # Context (prompt, tool result) is in the sequence, never in the loss, no logprob.
+                assert completion.loss_mask == completion.generated
+                assert all(lp == 0.0 for lp, g in zip(completion.logprobs, completion.generated) if not g)
+                assert char_tokenizer.decode(completion.token_ids).startswith(episode.prompt_text)
+    last = history[-1]
+    assert last[m.TURNS_PER_EPISODE] == 2 and last[m.TOOL_ERROR_RATE] == 0
+    assert last[f"{m.EPISODE_STATUS_PREFIX}done"] == last[m.EPISODES_PLAYED] > 0
+    assert 0 <= last[m.GENERATORS_IDLE_ON_ENV_FRACTION] <= 1 and last[m.ENV_STEP_LATENCY_P99_S] >= 0
+
+
+def generated_runs(completion: Completion) -> list[tuple[int, int]]:
+    """[start, end) of each run of generated tokens: one per turn."""
+    runs, start = [], None
+    for position, generated in enumerate(completion.generated + [False]):
+        if generated and start is None:
+            start = position
+        elif not generated and start is not None:
+            runs.append((start, position))
+            start = None
+    return runs
+
+
+class ToolWaitingForAnUpdate:
+    """A calculator whose tool, for episodes of one prompt, answers only once the generator serves
+    a newer version: those episodes span a weight update by construction."""
+
+    def __init__(self, env, waits: bool, updated: asyncio.Event, on_wait):
+        self.env, self.waits, self.updated, self.on_wait = env, waits, updated, on_wait
+
+    async def reset(self):
+        return await self.env.reset()
+
+    async def step(self, turn_text):
+        if self.waits and turn_text.startswith("C"):
+            self.on_wait()
+            await self.updated.wait()
+        return await self.env.step(turn_text)
+
+
+def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_flight_and_trains_within_the_age_bound(
+    tmp_path, char_tokenizer
+):
+    pipeline, policy, trained = make_env_pipeline(char_tokenizer)
+    updated = asyncio.Event()
+    in_flight_while_waiting = []
+
+    def make_env(seed, index):
+        def on_wait():
+            in_flight_while_waiting.append(dict(pipeline.gate.in_flight_versions))
+
+        return ToolWaitingForAnUpdate(make_calculator_env(seed, index), index == 1, updated, on_wait)
+
+    pipeline.make_env = make_env
+    update_weights = pipeline.actors.generators.update_weights.function
+
+    async def update_then_release(index, policy_version, weights_dir):
+        result = await update_weights(index, policy_version, weights_dir)
+        await pipeline.gate.generator_serves(index, policy_version)
+        updated.set()
+        return result
+
+    pipeline.actors.generators.update_weights = FakeEndpoint(update_then_release)
+    history, _ = run(pipeline, tmp_path)
+
+    # While its tool waits, the episode is counted in flight at the version it started at, so the
+    # train loop cannot take the last batch that may still train it without it.
+    assert len(in_flight_while_waiting) == ENV_CONFIG.group_size
+    assert all(in_flight.get(0, 0) >= 1 for in_flight in in_flight_while_waiting)
+    spanning = [
+        (train_version, c) for train_version, episodes in trained for e in episodes if e.episode_id == 1
+        for c in e.completions
+    ]
+    assert len(spanning) == ENV_CONFIG.group_size
+    for train_version, completion in spanning:
+        generated_versions = [v for v, g in zip(completion.policy_versions, completion.generated) if g]
+        assert generated_versions[0] == 0 and generated_versions[-1] == 1  # the call at 0, the answer at 1
+        assert completion.oldest_policy_version == 0
+    for train_version, episodes in trained:  # the bound holds on every trained token
+        for completion in (c for e in episodes for c in e.completions):
+            ages = [train_version - v for v, trains in zip(completion.policy_versions, completion.loss_mask) if trains]
+            assert max(ages) <= ENV_CONFIG.buffer.max_policy_age
+    assert max(step[m.SPANNED_WEIGHT_UPDATE_FRACTION] for step in history) > 0

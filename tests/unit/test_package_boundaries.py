@@ -63,6 +63,7 @@ CORE_MODULES = [
     "forge_rl.envs.calculator",
     "forge_rl.envs.python_tool",
     "forge_rl.envs.sandbox",
+    "forge_rl.envs.rollout",
 ]
 ENV_MODULES = [m for m in CORE_MODULES if m.startswith("forge_rl.envs.")]
 """Environments are lighter still: the rollout shell may run them in processes of their own, beside

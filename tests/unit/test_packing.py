@@ -82,6 +82,20 @@ def test_layouts_map_logprobs_back_to_the_padded_rows(mode):
         assert padded[i, 0] == 0 and (padded[i, n:] == 0).all() and (padded[i, 1:n] != 0).all()
 
 
+@pytest.mark.parametrize("mode", ["bucket", "pack"])
+def test_an_empty_sequence_gets_no_forward_pass_and_zero_logprobs(mode):
+    """An environment episode whose reset failed has no token: it keeps its (fully masked) row."""
+    lengths = [4, 0, 2]
+    ids = torch.randint(1, 8, (3, 4), generator=torch.Generator().manual_seed(0))
+    microbatches = plan_microbatches(lengths, mode)
+    assert all(mb.width > 0 for mb in microbatches)
+    assert all(i != 1 for mb in microbatches for i, _, _ in mb.placements)
+    forward = _bag_of_prefix_forward()
+    padded = layout_token_logprobs(forward, ids, lengths, plan_microbatches(lengths, "pad"))
+    assert torch.allclose(layout_token_logprobs(forward, ids, lengths, microbatches), padded, atol=1e-6)
+    assert (padded[1] == 0).all()
+
+
 @pytest.mark.parametrize("encoding", ["ids", "bitmask"])
 @pytest.mark.parametrize("mode", ["bucket", "pack"])
 def test_layouts_keep_each_sequences_temperature_and_kept_sets(mode, encoding):

@@ -28,9 +28,26 @@ def test_episodes_round_trip_through_plain_dicts():
     episode.completions[1] = Completion(
         [4, 2], [-0.3, -0.1], [3, 4], "x", 0.5, CompletionStatus.TRUNCATED, trainable=[False, True]
     )
+    episode.completions.append(Completion(  # a two-turn trajectory: context, turn, observation, turn
+        [1, 5, 2, 6, 7, 2], [0.0, -0.2, -0.1, 0.0, -0.4, -0.3], [3, 3, 3, 3, 4, 4],
+        generated=[False, True, True, False, True, True], num_turns=2, turn_rewards=[None, 1.0],
+        env_latencies_s=[0.01, 0.02], end_reason="done",
+    ))
     data = episode.to_dict()
     assert data["completions"][1]["status"] == "truncated"
     assert Episode.from_dict(data) == episode
+
+
+def test_context_tokens_of_a_trajectory_reach_no_loss_and_do_not_age_it():
+    completion = Completion(
+        [1, 5, 2, 6, 7, 2], [0.0, -0.2, -0.1, 0.0, -0.4, -0.3], [0, 3, 3, 3, 4, 4],
+        generated=[False, True, True, False, True, True], trainable=[True, True, False, True, True, True],
+    )
+    assert completion.loss_mask == [False, True, False, False, True, True]
+    assert completion.oldest_policy_version == 3  # the context token stamped 0 does not count
+    assert completion.num_generated_tokens == 4 and completion.num_tokens == 6
+    with pytest.raises(ValueError, match="'generated': 2"):
+        Completion([1, 2, 3], [0.0, -0.1, -0.2], [0, 0, 0], generated=[False, True])
 
 
 def test_reference_logprobs_are_attached_per_completion_without_the_prompt():

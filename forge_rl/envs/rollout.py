@@ -1,0 +1,225 @@
+"""Environment episodes as GRPO groups: what the rollout loop (forge_rl/loop.py) runs when
+`environment.name` is set. Functional core: no Monarch, no vLLM.
+
+One prompt hand-out (an episode id) becomes `group_size` episodes of the environment, each a fresh
+instance made by `make_env(seed, episode_id)`, played concurrently by forge_rl/envs/runner.py. Each
+turn is sampled on the rollout's generator (`generate`, the pool's `generate_turn` endpoint), so
+while one episode waits on its environment (a tool, a sandbox) the engine decodes the others, and
+those of every other rollout on that generator. The group is admitted once and counted in flight
+until its last episode ends (forge_rl/admission.py), however many weight updates it spans; every
+token keeps the version that decoded it, and the buffer's age bound reads the oldest generated one.
+
+Each trajectory becomes one `Completion` (forge_rl/types.py): its token sequence with a
+`generated` mask (prompt and observations are context, never in a loss), behaviour logprobs and
+versions on generated tokens, the environment's final reward as its reward (the advantage's input,
+forge_rl/advantages.py `completion_rewards`), its per-turn rewards recorded beside it, and
+`end_reason` saying why it ended. A single-turn prompt is the same thing with one turn and no
+context in the completion (its prompt is the episode's), which is why both reach the buffer, the
+trainer and the loss through one path.
+
+A trajectory that forked (its renderer re-rendered an earlier turn differently: see
+forge_rl/envs/trajectory.py) trains its first sample only; the later samples are counted
+(`episodes/forked_samples_dropped`), not trained. One row per trajectory keeps a group's rows at
+group_size, which GRPO's per-group baseline and the trainer's even split of rows over
+data-parallel ranks both rely on. The tiny models' plain renderer forks only when the model
+samples a special token inside a turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from forge_rl.envs.calculator import make_calculator_env
+from forge_rl.envs.environment import Environment, Observation, StepResult
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
+from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
+from forge_rl.errors import ConfigError
+from forge_rl.tasks.rewards import import_function
+from forge_rl.types import Completion, CompletionStatus
+
+MakeEnvironment = Callable[[int, int], Environment]
+"""make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode)."""
+
+ENVIRONMENTS: dict[str, MakeEnvironment] = {"calculator": make_calculator_env}
+"""Environments known by name; any other is given as "package.module:function"."""
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    name: str | None = None
+    """The environment every episode plays: a registered name (calculator) or
+    "package.module:function" taking (seed, index) and returning a fresh Environment
+    (forge_rl/envs/environment.py); seed is task.seed, index the prompt's episode id. Unset: the
+    single-turn prompts of `task`, scored by task.reward."""
+    renderer: Literal["plain", "chat_template"] = "plain"
+    """How observations become tokens: the tiny models' plain format, or the model's chat template."""
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Per-episode limits: turns, total tokens (at most the model's context), tokens per turn,
+    malformed turns, seconds per environment call."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            resolve_environment(self.name)
+
+    def make_env(self) -> MakeEnvironment:
+        if self.name is None:
+            raise ValueError("environment.name is unset: the run plays single-turn prompts, no environment")
+        return resolve_environment(self.name)
+
+
+def resolve_environment(name: str) -> MakeEnvironment:
+    """The environment factory `name` names; ConfigError naming the fix when there is none."""
+    if ":" in name:
+        return import_function(name, "environment.name")
+    if name not in ENVIRONMENTS:
+        raise ConfigError(
+            f"environment.name ({name!r}) is not a registered environment. Set --environment.name to one of "
+            f"{', '.join(sorted(ENVIRONMENTS))}, or to 'package.module:function' returning an Environment."
+        )
+    return ENVIRONMENTS[name]
+
+
+async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> list[Trajectory]:
+    """Play `envs` concurrently, one episode each; their trajectories, in order. An exception from
+    `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
+    for env in envs:
+        check_step_timeout(env, limits)
+    tasks = [asyncio.ensure_future(run_episode(env, generate, renderer, limits)) for env in envs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
+    """ConfigError when env_step_timeout_s is below the environment's own `max_step_s` (a sandbox's
+    start-up plus its whole run): every such step could be killed mid-run."""
+    needed_s = getattr(env, "max_step_s", None)
+    if needed_s is not None and limits.env_step_timeout_s < needed_s:
+        raise ConfigError(
+            f"environment.limits.env_step_timeout_s ({limits.env_step_timeout_s:g}) is below what one step of "
+            f"{type(getattr(env, 'env', env)).__name__} may take ({needed_s:g} s: its sandbox's start-up and whole "
+            "run), so a step could be timed out with its sandbox mid-run and the episode blamed on the "
+            f"environment. Set --environment.limits.env-step-timeout-s to at least {needed_s:g}, or lower the "
+            "sandbox's max_wall_time_s."
+        )
+
+
+_COMPLETION_STATUS = {
+    TrajectoryStatus.TRUNCATED_TURNS: CompletionStatus.TRUNCATED,
+    TrajectoryStatus.TRUNCATED_TOKENS: CompletionStatus.TRUNCATED,
+    TrajectoryStatus.ENV_ERROR: CompletionStatus.ERRORED,
+    TrajectoryStatus.ENV_TIMEOUT: CompletionStatus.ERRORED,
+}
+"""Every other end (DONE, PARSE_ERROR: the model's own doing, trained with its reward) is OK."""
+
+
+def trajectory_completion(trajectory: Trajectory) -> Completion:
+    """The trajectory's first sample as one completion (module docstring): ids exactly as sampled
+    and rendered, generated tokens marked, context tokens carrying logprob 0.0 and the version of
+    the generated token before them (the first generated token's before any)."""
+    sample = trajectory.samples[0] if trajectory.samples else TrajectorySample()
+    first_versions = [span.policy_versions[0] for span in sample.generated_spans if span.token_ids]
+    version = first_versions[0] if first_versions else 0
+    token_ids, generated, logprobs, versions, supports = [], [], [], [], []
+    for span in sample.spans:
+        num_tokens = len(span.token_ids)
+        token_ids += span.token_ids
+        if isinstance(span, GeneratedSpan):
+            generated += [True] * num_tokens
+            logprobs += span.logprobs
+            versions += span.policy_versions
+            supports += [list(kept) for kept in span.sampling_support] if span.sampling_support else [[]] * num_tokens
+            version = span.policy_versions[-1] if num_tokens else version
+        else:
+            generated += [False] * num_tokens
+            logprobs += [0.0] * num_tokens
+            versions += [version] * num_tokens
+            supports += [[]] * num_tokens
+    last_turn = next((m.content for m in reversed(trajectory.conversation) if m.role == "assistant"), "")
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        policy_versions=versions,
+        generated=generated,
+        sampling_support=supports if any(supports) else None,
+        text=last_turn,
+        reward=trajectory.final_reward,
+        status=_COMPLETION_STATUS.get(trajectory.status, CompletionStatus.OK),
+        error=trajectory.error,
+        num_turns=trajectory.num_turns,
+        num_malformed_turns=trajectory.num_malformed_turns,
+        turn_rewards=list(trajectory.turn_rewards),
+        env_latencies_s=list(trajectory.env_latencies_s),
+        end_reason=trajectory.status.value,
+    )
+
+
+class EnvWaitClock:
+    """Per generator, the time it sat idle while episodes waited on their environments: no turn
+    of this controller's in flight on it, and at least one environment call of its episodes running.
+    That is the idle an agentic workload adds, and what concurrent episodes are there to fill."""
+
+    def __init__(self, num_generators: int, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._turns = [0] * num_generators
+        self._env_calls = [0] * num_generators
+        self._since = [clock()] * num_generators
+        self._idle_waiting_s = [0.0] * num_generators
+
+    @contextlib.contextmanager
+    def turn(self, index: int) -> Iterator[None]:
+        """A turn being sampled on generator `index`."""
+        with self._counted(self._turns, index):
+            yield
+
+    @contextlib.contextmanager
+    def env_call(self, index: int) -> Iterator[None]:
+        """An environment reset or step of an episode on generator `index`."""
+        with self._counted(self._env_calls, index):
+            yield
+
+    def idle_waiting_s(self, index: int) -> float:
+        self._advance(index)
+        return self._idle_waiting_s[index]
+
+    @contextlib.contextmanager
+    def _counted(self, counts: list[int], index: int) -> Iterator[None]:
+        self._advance(index)
+        counts[index] += 1
+        try:
+            yield
+        finally:
+            self._advance(index)
+            counts[index] -= 1
+
+    def _advance(self, index: int) -> None:
+        now = self.clock()
+        if self._turns[index] == 0 and self._env_calls[index] > 0:
+            self._idle_waiting_s[index] += now - self._since[index]
+        self._since[index] = now
+
+
+class TimedEnvironment:
+    """`env` with each reset and step counted as an environment call of generator `index` (EnvWaitClock)."""
+
+    def __init__(self, env: Environment, clock: EnvWaitClock, index: int):
+        self.env, self.clock, self.index = env, clock, index
+        self.max_step_s = getattr(env, "max_step_s", None)
+
+    async def reset(self) -> Observation:
+        with self.clock.env_call(self.index):
+            return await self.env.reset()
+
+    async def step(self, turn_text: str) -> StepResult:
+        with self.clock.env_call(self.index):
+            return await self.env.step(turn_text)
