@@ -1,9 +1,19 @@
-"""The real loop for a few steps: Monarch actors, a vLLM CPU engine, a 2-process TorchTitan trainer."""
+"""The real loop for a few steps: Monarch actors, a vLLM CPU engine, a 2-process TorchTitan trainer.
+
+The fsdp variant runs in this process (`run(config)`, as a notebook does); the tp variant runs the
+CLI over a host list of two localhost workers (services and trainer on one, the generator on the
+other), so one run also covers the whole multi-host path: attach, cross-host weight fetch, and
+workers left alive with none of the run's processes once it ends.
+"""
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
@@ -11,9 +21,13 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
+from forge_rl.placement import LaunchConfig, PlacementConfig
+from forge_rl.run_dir import config_to_dict
 from forge_rl.scoring import ScorerConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
+from tests.helpers import wait_until
+from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -45,16 +59,23 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, tmp_path_factory):
-    config = GRPOConfig(
+RUN_HANG_S = 600
+"""Bounds a hang of the CLI run; the pass condition is its summary and what it left behind."""
+
+
+def variant_config(name: str, tmp_path_factory, **overrides) -> GRPOConfig:
+    return GRPOConfig(
         run_dir=tmp_path_factory.mktemp("runs"),
         run_name=f"loop-{name}",
         steps=NUM_STEPS,
         train_batch_size=32,
         group_size=4,
         **VARIANTS[name],
+        **overrides,
     )
-    summary = asyncio.run(run(config))
+
+
+def finished(summary: dict, config: GRPOConfig):
     run_path = config.run_dir / config.run_name
     metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     return summary, metrics, run_path, config
@@ -62,14 +83,46 @@ def run_variant(name: str, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    return run_variant("fsdp", tmp_path_factory)
+    config = variant_config("fsdp", tmp_path_factory)
+    return finished(asyncio.run(run(config)), config)
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # offline must not touch the network
-        return run_variant("tp", tmp_path_factory)
+def tp_workers_after_the_run():
+    """Two localhost workers; after the tp run, whether both are alive (filled in by tp_run)."""
+    ports, workers = start_workers(2)
+    after = {"ports": ports, "workers": workers}
+    yield after
+    for worker in workers:
+        stop_worker(worker)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, tp_workers_after_the_run):
+    after = tp_workers_after_the_run
+    workers = after["workers"]
+    config = variant_config(
+        "tp", tmp_path_factory,
+        launch=LaunchConfig(
+            hosts="list",
+            workers=tuple(f"tcp://127.0.0.1:{port}" for port in after["ports"]),
+            placement=PlacementConfig(generator_hosts=(1,)),
+        ),
+    )
+    config_path = config.run_dir / "tp.yaml"
+    config_path.write_text(yaml.safe_dump(config_to_dict(config)))
+    cli = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(config_path), "--log.progress-every-s", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_HANG_S,
+        env={**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9"},  # offline must not touch the network
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    after["alive_at_the_end"] = all(w.poll() is None for w in workers)
+    # The run's processes on a worker end when the worker has stopped them, a little after the
+    # run: wait for that state (a leak fails at the deadline, naming what is left).
+    wait_until(lambda: not run_processes_left(workers), "the workers to reap the run's processes")
+    after["alive_after_reaping"] = all(w.poll() is None for w in workers)
+    return finished(json.loads(cli.stdout.strip().splitlines()[-1]), config)
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -155,3 +208,8 @@ def test_every_metrics_sink_holds_the_steps(tp_run):
     _, _, run_path, _ = tp_run
     assert list((run_path / "tensorboard").glob("events.out.tfevents.*"))
     assert list(run_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_workers_outlive_a_run_over_a_host_list_and_keep_none_of_its_processes(tp_run, tp_workers_after_the_run):
+    assert tp_workers_after_the_run["alive_at_the_end"], "a worker exited with the run"
+    assert tp_workers_after_the_run["alive_after_reaping"], "a worker exited while reaping the run"

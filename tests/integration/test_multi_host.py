@@ -7,6 +7,7 @@ pool's path), and that the weight store's volume registers on the trainer's host
 
 The controller runs as a subprocess (`python -m tests.integration.test_multi_host`): a host list
 makes it switch Monarch to TCP, which must happen before any other Monarch call of the process.
+The whole recipe over a host list runs in tests/integration/test_grpo_loop.py (its tp variant).
 """
 
 from __future__ import annotations
@@ -17,22 +18,19 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 from monarch.actor import Actor, endpoint
 
-from tests.helpers import free_port, wait_until
+from tests.integration.workers import start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 ATTACH_HANG_S = 300
 """Bounds a hang of the placement controller; the pass condition is where each role landed."""
-GRPO_HANG_S = 600
-"""Bounds a hang of the 3-step run; the pass condition is its summary and what it left behind."""
 
 
 class WhereAmI(Actor):
@@ -54,58 +52,6 @@ class WhereAmI(Actor):
             await procs.stop()
 
 
-def _start_workers(count: int) -> tuple[list[int], list[subprocess.Popen]]:
-    """`count` workers, returned once each listens: the controller's own reachability check gives
-    up after launch.connect_timeout_s (5 s), and a worker importing Monarch on a loaded host can
-    take longer than that."""
-    ports = [free_port() for _ in range(count)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    workers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(port), "--host", "127.0.0.1"],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        for port in ports
-    ]
-    try:
-        for port, worker in zip(ports, workers):
-            wait_until(lambda: _listening(port, worker), f"the worker on port {port} to listen")
-    except BaseException:
-        for worker in workers:
-            _stop(worker)
-        raise
-    return ports, workers
-
-
-def _listening(port: int, worker: subprocess.Popen) -> bool:
-    assert worker.poll() is None, f"the worker for port {port} exited with {worker.returncode}"
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _run_processes_left(workers: list[subprocess.Popen]) -> list[int]:
-    """Processes still under the workers (each reaps its share of the run after it ends)."""
-    return [p.pid for w in workers for p in psutil.Process(w.pid).children(recursive=True)]
-
-
-def _stop(worker: subprocess.Popen) -> None:
-    """The worker and every process it spawned (its session)."""
-    try:
-        family = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    for process in family:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=10)
-    worker.wait(timeout=10)
-
-
 def _worker_of(ancestors: list[int], worker_pids: list[int]) -> int | None:
     """Index of the worker a process descends from (the "host" it runs on)."""
     for ancestor in ancestors:
@@ -115,7 +61,7 @@ def _worker_of(ancestors: list[int], worker_pids: list[int]) -> int | None:
 
 
 def test_a_host_list_places_each_role_on_its_worker(tmp_path):
-    ports, workers = _start_workers(2)
+    ports, workers = start_workers(2)
     try:
         client = subprocess.run(
             [sys.executable, "-m", "tests.integration.test_multi_host", str(tmp_path), *map(str, ports)],
@@ -131,37 +77,8 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
         assert report["volume_location"].startswith(socket.gethostname() + ":")
     finally:
         for worker in workers:
-            _stop(worker)
+            stop_worker(worker)
     assert all(w.poll() is not None for w in workers)
-
-
-def test_grpo_over_a_localhost_host_list(tmp_path):
-    """The whole recipe through the CLI: services and trainer on worker 0, the generator (vLLM) on
-    worker 1. When the run ends, both workers are alive and have no process of the run left."""
-    ports, workers = _start_workers(2)
-    try:
-        started = time.monotonic()
-        run = subprocess.run(
-            [
-                sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
-                "--steps", "3", "--train-batch-size", "32", "--run-dir", str(tmp_path), "--log.progress-every-s", "0",
-                "--launch.hosts", "list", "--launch.workers", *(f"tcp://127.0.0.1:{port}" for port in ports),
-                "--launch.placement.generator-hosts", "1",
-            ],
-            cwd=REPO, capture_output=True, text=True, timeout=GRPO_HANG_S,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        summary = json.loads(run.stdout.strip().splitlines()[-1])
-        assert summary["steps"] == 3
-        assert all(w.poll() is None for w in workers), "a worker exited with the run"
-        # The run's processes on a worker end when the worker has stopped them, a little after
-        # the run: wait for that state (a leak fails at the deadline, naming what is left).
-        wait_until(lambda: not _run_processes_left(workers), "the workers to reap the run's processes")
-        assert all(w.poll() is None for w in workers), "a worker exited with the run"
-        print(f"grpo over 2 localhost workers: {time.monotonic() - started:.1f} s")
-    finally:
-        for worker in workers:
-            _stop(worker)
 
 
 async def _controller(model_dir: str, ports: list[str]) -> dict:
