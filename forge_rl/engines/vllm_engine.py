@@ -1,10 +1,11 @@
 """The vLLM generator engine: samples completions and swaps weights while requests are in flight.
 
-`VLLMEngine` wraps one vLLM `AsyncLLM` (engine core and worker in their own processes) and speaks
-token ids only: callers encode prompts and decode completions (`skip_tokenizer_init=True`). It
-knows nothing of Monarch; the generator actor owns one and forwards its endpoints here. Two ways
-to sample: `generate` (n completions of one prompt: the single-turn path) and `generate_turn` (one
-turn continuing a multi-turn trajectory's token prefix: the `generate` of forge_rl/envs/runner.py).
+`VLLMEngine` wraps one vLLM `AsyncLLM` (its engine core in its own process; the model worker runs
+inside it on CPU, in processes of its own on GPUs) and speaks token ids only: callers encode prompts
+and decode completions (`skip_tokenizer_init=True`). It knows nothing of Monarch; the generator
+actor owns one and forwards its endpoints here. Two ways to sample: `generate` (n completions of one
+prompt: the single-turn path) and `generate_turn` (one turn continuing a multi-turn trajectory's
+token prefix: the `generate` of forge_rl/envs/runner.py).
 
 Why every token's policy version is right, even for a token decoded before a swap but delivered
 after it. The version is not stamped when a token reaches this process; vLLM labels it where it is
@@ -232,8 +233,9 @@ class VLLMEngine:
         # vLLM's engine core has no way to notice that this process died: a SIGKILL here (ours,
         # or Monarch's parent-death signal when the controller is killed) would leave it, its
         # worker, and the shared memory both hold, for good. The reaper stops it when this process
-        # exits; its worker follows (vLLM's death pipe) and multiprocessing's resource tracker, once
-        # no process holds it any more, unlinks the psm_* and sem.* files they created.
+        # exits; workers in processes of their own (GPUs) follow (vLLM's death pipe), and
+        # multiprocessing's resource tracker, once no process holds it any more, unlinks the psm_*
+        # and sem.* files they created.
         self._reaper = Reaper.start(kill=self._engine_processes)
         self._vocab_size = self._llm.model_config.get_vocab_size()
         self.max_model_len = max_model_len

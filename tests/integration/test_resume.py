@@ -5,17 +5,23 @@ Two levels, and which one is exact:
 - Trainer (exact): two FSDP2 ranks train 2 steps on a fixed batch and write a DCP checkpoint; fresh
   processes load it and train 2 more. Their losses and weights equal those of 4 uninterrupted steps
   (to 1e-6; they are in fact bit-identical).
-- Whole loop (continuity, not equality): `forge-rl grpo` runs synchronously (max_policy_age 0) with a
-  checkpoint every 2 steps until a trainer process is killed. The run must stop on its own, naming
-  the resume command and the newest checkpoint. `forge-rl grpo --resume RUN_DIR` then continues:
-  step numbers, policy versions and the dataset cursor go on from the checkpoint, the prompts that
-  were unsettled at the checkpoint are trained (none skipped), and no prompt is trained twice over
-  the whole run. Completions after a resume are not those of an uninterrupted run: vLLM's sampler
-  restarts from its seed and async generation interleaves differently (docs/checkpointing.md).
+- Whole loop (continuity, not equality), one run in three segments, each ended a different way:
+  1. `forge-rl grpo` runs synchronously (max_policy_age 0) with a checkpoint every 2 steps until a
+     trainer process is killed. The run must stop on its own, naming the resume command and the
+     newest checkpoint, and leave no process behind.
+  2. `forge-rl grpo --resume RUN_DIR` goes on until its next checkpoint; then its controller is
+     killed with SIGKILL (it runs no cleanup). Within 10 s no process of the run is left and nothing
+     of it in host shared memory (the weight store's root, vLLM's psm_* segments and sem.* semaphores).
+  3. A second resume runs 2 steps past the newest checkpoint and ends normally: step numbers, policy
+     versions and the dataset cursor go on from the checkpoint, the prompts that were unsettled at
+     it are trained (none skipped), and no prompt is trained twice over the whole run.
+  Completions after a resume are not those of an uninterrupted run: vLLM's sampler restarts from
+  its seed and async generation interleaves differently (docs/checkpointing.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -83,8 +89,11 @@ def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(mo
 
 # --- the whole loop ----------------------------------------------------------------------------
 
+SHM = Path("/dev/shm")
 CHECKPOINT_EVERY = 2
 KILL_AT_CHECKPOINT_STEP = 4
+CLEANUP_BUDGET_S = 10
+STEPS_AFTER_LAST_RESUME = 2
 HANG_S = 600
 """Bounds a hang of a run (starting it, reaching a checkpoint, stopping); never a pass condition."""
 
@@ -93,44 +102,83 @@ def _grpo(*args: str) -> list[str]:
     return [sys.executable, "-m", "forge_rl.cli", "grpo", *args, "--log.progress-every-s", "0"]
 
 
-def _wait_for(predicate, process: subprocess.Popen, stderr_path: Path, what: str) -> None:
-    """Until `predicate()` holds; fails at once if the run exits first."""
+def _started(command: list[str], stderr_path: Path) -> subprocess.Popen:
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _wait_for_checkpoint(step: int, process: subprocess.Popen, run_path: Path, stderr_path: Path) -> None:
+    """Until the checkpoint of `step` is complete; fails at once if the run exits first."""
+    complete = run_path / "checkpoints" / f"step-{step:06d}" / "COMPLETE"
 
     def reached() -> bool:
         assert process.poll() is None, stderr_path.read_text()[-3000:]
-        return predicate()
+        return complete.is_file()
 
-    wait_until(reached, what, timeout_s=HANG_S)
-
-
-def _kill_tree(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        for child in psutil.Process(process.pid).children(recursive=True):
-            child.kill()
-        process.kill()
+    wait_until(reached, f"checkpoint step-{step:06d}", timeout_s=HANG_S)
 
 
-@pytest.fixture(scope="module")
-def killed_then_resumed(tmp_path_factory):
-    """Segment 1 until its trainer is killed after the step-4 checkpoint; segment 2 resumed to
-    2 steps past the newest checkpoint."""
-    tmp_path = tmp_path_factory.mktemp("resume")
-    run_path = tmp_path / "run"
+def _run_processes(controller: subprocess.Popen, run_path: Path) -> list[psutil.Process]:
+    """Every process of the run: the controller's descendants (actors, vLLM's engine processes,
+    reward workers, ...) and the pids the run recorded."""
+    processes = psutil.Process(controller.pid).children(recursive=True)
+    recorded = json.loads((run_path / "processes.json").read_text())
+    for pid in [*recorded["trainer"], *(pid for generator in recorded["generators"] for pid in generator)]:
+        if pid not in {process.pid for process in processes}:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                processes.append(psutil.Process(pid))
+    return processes
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+    return alive
+
+
+def _describe(processes: list[psutil.Process]) -> list[str]:
+    described = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            described.append(f"{process.pid} (parent {process.ppid()}): {' '.join(process.cmdline())[:160]}")
+    return described
+
+
+def _kill_leftovers(controller: subprocess.Popen, processes: list[psutil.Process]) -> None:
+    """Whatever of the run a failed segment left; resource trackers are spared, as they unlink the
+    shared memory they track once the processes holding them are gone."""
+    if controller.poll() is None:
+        processes = [*processes, *psutil.Process(controller.pid).children(recursive=True)]
+        controller.kill()
+    for process in _alive(processes):
+        if not any("resource_tracker" in part for part in _describe([process])):
+            process.kill()
+
+
+def _poll(condition, deadline: float) -> None:
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
     stderr_path = tmp_path / "first.stderr"
-    first = _grpo(
-        "--config", "configs/grpo_tiny_cpu.yaml", "--steps", "1000", "--train-batch-size", "32", "--group-size", "4",
-        "--prompts-in-flight-per-generator", "8", "--buffer.max-policy-age", "0",
-        "--checkpoint.enabled", "--checkpoint.every-n-steps", str(CHECKPOINT_EVERY),
-        "--checkpoint.keep-last", "2", "--run-dir", str(tmp_path), "--run-name", "run",
+    process = _started(
+        _grpo(
+            "--config", "configs/grpo_tiny_cpu.yaml", "--steps", "1000", "--train-batch-size", "32", "--group-size", "4",
+            "--prompts-in-flight-per-generator", "8", "--buffer.max-policy-age", "0",
+            "--checkpoint.enabled", "--checkpoint.every-n-steps", str(CHECKPOINT_EVERY),
+            "--checkpoint.keep-last", "2", "--run-dir", str(tmp_path), "--run-name", "run",
+        ),
+        stderr_path,
     )
-    with open(stderr_path, "w") as stderr:
-        process = subprocess.Popen(first, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr)
+    descendants = []
     try:
-        checkpoint = run_path / "checkpoints" / f"step-{KILL_AT_CHECKPOINT_STEP:06d}"
-        _wait_for(lambda: (checkpoint / "COMPLETE").is_file(), process, stderr_path, f"checkpoint {checkpoint.name}")
+        _wait_for_checkpoint(KILL_AT_CHECKPOINT_STEP, process, run_path, stderr_path)
         descendants = psutil.Process(process.pid).children(recursive=True)
-        trainer_pid = json.loads((run_path / "processes.json").read_text())["trainer"][0]
-        os.kill(trainer_pid, signal.SIGKILL)
+        os.kill(json.loads((run_path / "processes.json").read_text())["trainer"][0], signal.SIGKILL)
         killed_at = time.monotonic()
         # The pass condition is that the run stops on its own (exit code 1, checked below) and
         # leaves no process behind; how long detection takes on this machine is only reported.
@@ -138,25 +186,61 @@ def killed_then_resumed(tmp_path_factory):
         stopped_s = time.monotonic() - killed_at
         _, alive = psutil.wait_procs(descendants, timeout=HANG_S)
     finally:
-        _kill_tree(process)
+        _kill_leftovers(process, descendants)
     resumed_from = newest_complete_checkpoint(run_path)
-    first_result = {
+    return {
         "returncode": process.returncode, "stderr": stderr_path.read_text(), "stopped_s": stopped_s,
         "alive": alive, "resumed_from": resumed_from, "state": read_controller_state(resumed_from),
-        "metrics_lines": len((run_path / "metrics.jsonl").read_text().splitlines()),
+        "checkpoints_kept": sorted(p.name for p in (run_path / "checkpoints").iterdir()),
     }
-    steps = first_result["state"].step + 2
-    second = subprocess.run(
+
+
+def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
+    shm_before = set(os.listdir(SHM))
+    resumed_at = read_controller_state(newest_complete_checkpoint(run_path)).step
+    stderr_path = tmp_path / "second.stderr"
+    controller = _started(_grpo("--resume", str(run_path), "--steps", "1000"), stderr_path)
+    run_processes = []
+    try:
+        _wait_for_checkpoint(resumed_at + CHECKPOINT_EVERY, controller, run_path, stderr_path)
+        run_processes = _run_processes(controller, run_path)
+        os.kill(controller.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        controller.wait()
+        deadline = killed_at + CLEANUP_BUDGET_S
+        _poll(lambda: not _alive(run_processes), deadline)
+        survivors = _describe(_alive(run_processes))
+        _poll(lambda: not set(os.listdir(SHM)) - shm_before, deadline)
+        left_in_shm = sorted(set(os.listdir(SHM)) - shm_before)
+        cleaned_up_s = time.monotonic() - killed_at
+    finally:
+        _kill_leftovers(controller, run_processes)
+    return {"survivors": survivors, "left_in_shm": left_in_shm, "cleaned_up_s": cleaned_up_s, "shm_before": shm_before}
+
+
+@pytest.fixture(scope="module")
+def three_segments(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("resume")
+    run_path = tmp_path / "run"
+    first = _first_segment_killed_trainer(tmp_path, run_path)
+    second = _second_segment_killed_controller(tmp_path, run_path) if SHM.is_dir() else None
+    last_resumed_from = newest_complete_checkpoint(run_path)
+    at_last_resume = read_controller_state(last_resumed_from)
+    steps = at_last_resume.step + STEPS_AFTER_LAST_RESUME
+    third = subprocess.run(
         _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
-    assert second.returncode == 0, second.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads(second.stdout.strip().splitlines()[-1])
-    return first_result, summary, metrics, run_path, steps
+    assert third.returncode == 0, third.stderr[-3000:]
+    return {
+        "first": first, "second": second, "last_resumed_from": last_resumed_from, "at_last_resume": at_last_resume,
+        "steps": steps, "run_path": run_path,
+        "summary": json.loads(third.stdout.strip().splitlines()[-1]),
+        "metrics": [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()],
+    }
 
 
-def test_a_dead_trainer_stops_the_run_naming_the_resume_command(killed_then_resumed):
-    first, _, _, run_path, _ = killed_then_resumed
+def test_a_dead_trainer_stops_the_run_naming_the_resume_command(three_segments):
+    first, run_path = three_segments["first"], three_segments["run_path"]
     assert first["returncode"] == 1, first["stderr"][-3000:]
     assert not first["alive"], "processes of the run outlived it"
     print(f"the run stopped {first['stopped_s']:.1f} s after its trainer was killed")
@@ -165,15 +249,26 @@ def test_a_dead_trainer_stops_the_run_naming_the_resume_command(killed_then_resu
     assert f"forge-rl grpo --resume {run_path}" in message
     assert first["resumed_from"].name in message  # the newest complete checkpoint
     assert first["state"].step >= KILL_AT_CHECKPOINT_STEP
-    kept = sorted(p.name for p in (run_path / "checkpoints").iterdir())
+    kept = first["checkpoints_kept"]
     assert len(kept) <= 2 and "step-000002" not in kept  # keep_last 2: the oldest was pruned
 
 
-def test_the_resumed_run_continues_steps_versions_and_metrics(killed_then_resumed):
-    first, summary, metrics, _, steps = killed_then_resumed
-    state = first["state"]
-    assert summary["steps"] == steps and summary["resumed_from"] == str(first["resumed_from"])
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # steps after the checkpoint were redone
+@pytest.mark.skipif(not SHM.is_dir(), reason="needs host shared memory at /dev/shm (Linux)")
+def test_a_killed_controller_leaves_no_process_and_no_shared_memory(three_segments):
+    second = three_segments["second"]
+    assert not second["survivors"], f"alive {CLEANUP_BUDGET_S} s after the controller was killed: {second['survivors']}"
+    assert not second["left_in_shm"], (
+        f"left in /dev/shm {CLEANUP_BUDGET_S} s after the controller was killed: {second['left_in_shm']}"
+    )
+    assert second["cleaned_up_s"] < CLEANUP_BUDGET_S
+    print(f"everything of the run was gone {second['cleaned_up_s']:.1f} s after its controller was killed")
+
+
+def test_the_resumed_run_continues_steps_versions_and_metrics(three_segments):
+    state, summary, metrics, steps = (three_segments[k] for k in ("at_last_resume", "summary", "metrics", "steps"))
+    assert summary["steps"] == steps
+    assert summary["resumed_from"] == str(three_segments["last_resumed_from"])
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # steps after each checkpoint were redone
     resumed = metrics[state.step:]
     assert resumed[0]["policy_version"] == state.policy_version + 1 - resumed[0]["step_skipped"]
     # Synchronous RL: the first resumed batch was generated by the checkpoint's policy version, so
@@ -182,9 +277,8 @@ def test_the_resumed_run_continues_steps_versions_and_metrics(killed_then_resume
     assert all(min(m["generator/policy_versions"]) >= state.policy_version for m in resumed)
 
 
-def test_no_prompt_is_skipped_or_trained_twice_across_the_resume(killed_then_resumed):
-    first, summary, _, run_path, steps = killed_then_resumed
-    at_resume = first["state"]
+def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments):
+    at_resume, summary, run_path, steps = (three_segments[k] for k in ("at_last_resume", "summary", "run_path", "steps"))
     accounting = summary["accounting"]
     assert accounting["trained_more_than_once"] == 0
     assert accounting["reissued_after_resume"] == len(at_resume.reissue)
@@ -198,7 +292,10 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resume(killed_then_res
     trained = bytearray.fromhex(at_end.accounting["times_trained"])
     settled_or_pending = {
         *(i for i, count in enumerate(trained) if count), *at_end.buffer["dropped"]["episode_ids"],
-        *at_end.accounting["skipped_ids"], *at_end.reissue,
+        *at_end.accounting["skipped_ids"], *at_end.accounting["filtered_ids"], *at_end.reissue,
     }
     assert set(at_resume.reissue) <= settled_or_pending
     assert set(range(at_end.dataset_cursor)) == settled_or_pending
+    second = three_segments["second"]
+    if second is not None:
+        assert not set(os.listdir(SHM)) - second["shm_before"], "the resumed run left shared memory behind"
