@@ -35,6 +35,10 @@ class TaskConfig:
     reasoning_gym_options: dict[str, int] = field(default_factory=dict)
     """Fields of that dataset's config (task reasoning_gym only), e.g. {min_terms: 2, max_digits: 1};
     unset fields keep reasoning-gym's defaults."""
+    reasoning_gym_extract: Literal["tag_or_all", "last_number"] = "tag_or_all"
+    """What of a completion the reasoning-gym verifier scores (task reasoning_gym only): tag_or_all,
+    the text in its last <answer></answer> tags, else all of it (reasoning-gym's convention); or
+    last_number, the last number in it (numeric datasets, models too small to write tags)."""
     prompt_format: Literal["plain", "chat"] = "plain"
     """plain: the prompt text itself, after the tokenizer's bos (the tiny models). chat: the text as
     one user message rendered by the model directory's chat template, ending with the assistant
@@ -72,7 +76,9 @@ class TaskConfig:
 def make_task_prompt(task: TaskConfig, index: int) -> Prompt:
     """The index-th prompt of the task (independent of any other index)."""
     if task.name == "reasoning_gym":
-        return make_reasoning_gym_prompt(task.reasoning_gym_dataset, task.reasoning_gym_options, task.seed, index)
+        return make_reasoning_gym_prompt(
+            task.reasoning_gym_dataset, task.reasoning_gym_options, task.seed, index, task.reasoning_gym_extract
+        )
     return make_prompt(task.name, task.seed, index)
 
 

@@ -14,19 +14,26 @@ metadata (and some give partial credit, e.g. the oracle found inside a longer an
       reward: reasoning_gym
       prompt_format: chat        # an instruct model: the question as a user message
 
-What the completion is scored on: the text inside its last <answer>...</answer> tags when it
-writes them (reasoning-gym's convention), else the whole completion, stripped.
+What the completion is scored on (`task.reasoning_gym_extract`):
+- "tag_or_all": the text inside its last <answer>...</answer> tags when it writes them
+  (reasoning-gym's convention), else the whole completion, stripped.
+- "last_number": the last number in the completion, as GSM8K-style verifiers extract it: for
+  numeric datasets and models too small to follow the tag format. SmolLM2-135M-Instruct answers
+  "1 + 5 =" with "The answer is 6." and rarely tags anything; scored whole, that earns
+  reasoning-gym's partial credit len("6") / len(completion), about 0.01 (docs/recipes.md).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 
 from forge_rl.errors import ConfigError
 from forge_rl.tasks.synthetic import Prompt
 
 INSTALL = 'pip install -e ".[tasks]"'
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _reasoning_gym():
@@ -72,16 +79,23 @@ def check_dataset(name: str, options: dict, seed: int) -> None:
     _dataset(name, json.dumps(options, sort_keys=True), seed)
 
 
-def make_reasoning_gym_prompt(name: str, options: dict, seed: int, index: int) -> Prompt:
-    """The index-th question of dataset `name`; its answer is the key `reasoning_gym_reward` reads."""
+def make_reasoning_gym_prompt(name: str, options: dict, seed: int, index: int, extract: str = "tag_or_all") -> Prompt:
+    """The index-th question of dataset `name`; its answer is the key `reasoning_gym_reward` reads
+    (which also says how to extract the completion's answer)."""
     options_json = json.dumps(options, sort_keys=True)
     entry = _dataset(name, options_json, seed)[index]
-    key = json.dumps({"dataset": name, "options": options, "seed": seed, "index": index}, sort_keys=True)
+    key = json.dumps(
+        {"dataset": name, "options": options, "seed": seed, "index": index, "extract": extract}, sort_keys=True
+    )
     return Prompt(index=index, text=entry["question"], answer=key)
 
 
-def extract_answer(completion_text: str) -> str:
-    """The last <answer>...</answer> span when there is one, else the whole completion, stripped."""
+def extract_answer(completion_text: str, extract: str = "tag_or_all") -> str:
+    """tag_or_all: the last <answer>...</answer> span when there is one, else the whole completion,
+    stripped. last_number: the last number in the completion ("" when there is none)."""
+    if extract == "last_number":
+        numbers = _NUMBER.findall(completion_text)
+        return numbers[-1] if numbers else ""
     from reasoning_gym.utils import extract_answer as tagged
 
     answer = tagged(completion_text)
@@ -99,4 +113,5 @@ def reasoning_gym_reward(completion_text: str, answer: str) -> float:
             f"the answer {answer[:80]!r} is not a reasoning-gym question key: task.reward 'reasoning_gym' scores "
             "only prompts of task.name 'reasoning_gym'."
         ) from None
-    return float(dataset.score_answer(extract_answer(completion_text), dataset[key["index"]]))
+    answer_text = extract_answer(completion_text, key.get("extract", "tag_or_all"))
+    return float(dataset.score_answer(answer_text, dataset[key["index"]]))

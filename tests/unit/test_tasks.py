@@ -86,3 +86,17 @@ def test_reasoning_gym_task_and_reward_go_together(changes):
 def test_the_reasoning_gym_reward_refuses_an_answer_that_is_not_a_question_key():
     with pytest.raises(ValueError, match="not a reasoning-gym question key"):
         resolve_reward_fn("reasoning_gym")("7", "7")
+
+
+@needs_reasoning_gym
+def test_last_number_extraction_scores_the_last_number_of_a_wordy_answer():
+    task = TaskConfig(**CHAIN_SUM, reasoning_gym_extract="last_number")
+    prompt = make_task_prompt(task, 5)
+    oracle = eval(prompt.text.rsplit(":", 1)[1].strip(" ="))  # "5 - 9" -> -4
+    reward = resolve_reward_fn(task.reward)
+    assert reward(f"The answer to this problem is {oracle}.", prompt.answer) == 1.0
+    assert reward(f"It is {oracle + 1}, not {oracle}... no: {oracle + 1}", prompt.answer) == 0.0
+    assert reward("no number here", prompt.answer) == 0.0
+    # The same wording under the default extraction earns only reasoning-gym's partial credit.
+    whole = make_task_prompt(TaskConfig(**CHAIN_SUM), 5)
+    assert reward(f"The answer to this problem is {oracle}.", whole.answer) < 0.1
