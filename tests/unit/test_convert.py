@@ -45,10 +45,31 @@ def test_a_truncated_gguf_is_refused_as_damaged(tmp_path):
     check_gguf(path)  # the whole file is fine
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # an interrupted download: header intact, data cut
-    with pytest.raises(ConfigError, match=r"model\.gguf is a damaged GGUF file \(truncated or corrupt\).*Re-install"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"model\.gguf is a damaged GGUF file \(truncated or corrupt\): its tensors end at byte {len(data)} "
+        rf"but the file has {len(data) // 2} bytes.*Re-install",
+    ):
         check_gguf(path)
     path.write_bytes(data[:40])  # cut inside the metadata
-    with pytest.raises(ConfigError, match="damaged GGUF file"):
+    with pytest.raises(ConfigError, match=r"damaged GGUF file .*past the end of the file"):
+        check_gguf(path)
+
+
+def test_a_gguf_with_a_corrupt_header_is_refused_saying_what_broke(tmp_path):
+    path = tmp_path / "model.gguf"
+    _write_gguf(path)
+    data = bytearray(path.read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")  # the version field
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=r"damaged GGUF file .*GGUF version 99"):
+        check_gguf(path)
+
+
+def test_a_gguf_without_tensors_is_not_a_model(tmp_path):
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, num_tensors=0)
+    with pytest.raises(ConfigError, match="holds no tensors"):
         check_gguf(path)
 
 
