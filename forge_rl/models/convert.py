@@ -208,13 +208,14 @@ def convert_gguf(gguf: Path, out: Path, dtype: str = "float32") -> Path:
     check_gguf(gguf)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory. Remove it or pick another --out.")
-    # No model hub here: every read is local, and a lookup would only wait for a network timeout.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # local_files_only: no model hub here; a lookup would only wait for a network timeout.
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     config = clean_config(loaded.config.to_dict())
     family_for(config, source=f"{gguf} (its metadata as config.json)")
     # A fresh model from the clean config: transformers will not save one that still carries the
@@ -245,10 +246,8 @@ def _check_written(model_dir: Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         if not (model_dir / name).is_file():
             raise RuntimeError(f"conversion wrote no {name} in {model_dir}; transformers' save layout changed.")
-    config = json.loads((model_dir / "config.json").read_text())
-    leftover = [key for key in DROPPED_CONFIG_KEYS[:1] if key in config]
-    if leftover:
-        raise RuntimeError(f"{model_dir / 'config.json'} still holds {leftover}; vLLM would look for the GGUF.")
+    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+        raise RuntimeError(f"{model_dir / 'config.json'} still holds quantization_config; vLLM would look for the GGUF.")
 
 
 def main(args: ConvertArgs) -> dict:
