@@ -3,8 +3,8 @@
 TorchTitan trainer compared (docs/models.md records the figures).
 
 Skipped unless the optional package is installed (`make venv` installs it, so CI runs this).
-Measured here: about 90 s (the conversion 45 s: transformers parses the GGUF's metadata three
-times; vLLM's start 20-30 s, while the trainer and transformers load beside it).
+Measured here: 86 s (the conversion 39 s: transformers parses the GGUF's metadata three times;
+the comparison 46 s, mostly vLLM's start, while the trainer and transformers load beside it).
 """
 
 from __future__ import annotations
