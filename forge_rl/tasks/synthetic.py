@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-TaskName = Literal["max_of_two", "copy_digit", "add_mod10"]
+SyntheticTaskName = Literal["max_of_two", "copy_digit", "add_mod10"]
 
 
 @dataclass(frozen=True)

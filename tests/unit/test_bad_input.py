@@ -25,6 +25,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.run_dir import create_run_dir, remove_unstarted_run_dir
+from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
 from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
@@ -259,6 +260,11 @@ CASES: list = [
         "prompt_outside_vocabulary",
         lambda s: s.start_with_model(_drop_vocabulary_entry("M")),
         ("prompt 0", "does not survive", "covers the task's characters"),
+    ),
+    (
+        "chat_prompts_without_a_chat_template",
+        lambda s: s.start(model=ModelConfig(path=s.model(lambda d: None)), task=TaskConfig(prompt_format="chat")),
+        ("task.prompt_format ('chat')", "has no chat template", "--task.prompt-format plain"),
     ),
     # resources and the run directory
     ("too_many_compute_threads", _many_compute_threads, ("compute threads on", "--trainer.num-procs or --num-generators")),

@@ -79,3 +79,11 @@ def test_a_model_without_a_chat_template_is_refused_with_the_fix(tmp_path):
     save_char_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="PlainTextRenderer"):
         ChatTemplateRenderer(PromptTokenizer(tmp_path))
+
+
+def test_a_chat_task_prompt_is_one_user_message_ending_with_the_assistant_header(tokenizer):
+    from forge_rl.tasks import TaskConfig, encode_task_prompt
+
+    chat = encode_task_prompt(TaskConfig(prompt_format="chat"), tokenizer, "M37=")
+    assert chat == tokenizer.encode_text("<bos>U=M37=<eos><bos>A=")
+    assert encode_task_prompt(TaskConfig(), tokenizer, "M37=") == tokenizer.encode_prompt("M37=")
