@@ -52,6 +52,7 @@ CORE_MODULES = [
     "forge_rl.accounting",
     "forge_rl.timeline",
     "forge_rl.scoring",
+    "forge_rl.scorers",
     "forge_rl.preflight",
     "forge_rl.tasks.rewards",
     "forge_rl.reference",
