@@ -27,12 +27,13 @@ import asyncio
 import math
 import sys
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
 from forge_rl.advantages import overlong_penalty
-from forge_rl.scoring import RewardWorkerPool, ScorerConfig
+from forge_rl.reward_model import RewardModelConfig, reward_model_input
+from forge_rl.scoring import RewardWorkerPool
 from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
 
 
@@ -69,6 +70,51 @@ class ScoreFailure:
 
 
 ScoreResult = Union[Score, ScoreFailure]
+
+
+@dataclass(frozen=True)
+class ScorerConfig:
+    reward_timeout_s: float = 10.0
+    """Seconds one completion's reward may take. Past it the completion is ERRORED, and the worker
+    process running it is killed and replaced (a hung reward function cannot be interrupted)."""
+    num_workers: int = 1
+    """Reward worker processes; each scores one episode at a time, so this many episodes are
+    scored in parallel."""
+    reward_fn_weight: float = 1.0
+    """Weight of the task's reward function (task.reward) in the reward. 0 with a reward model: the
+    model's score is what trains, and the verifier still runs, logged as reward/components/reward_fn
+    (how to see that the policy learns the task, not the reward model's mistakes)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model added to the reward (forge_rl/reward_model.py); off unless its path is set."""
+    overlong_buffer: int | None = None
+    """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
+    ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
+    linearly, down to -1 for one that is truncated. Unset: no penalty."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.reward_timeout_s < math.inf:
+            raise ValueError(
+                f"scorer.reward_timeout_s ({self.reward_timeout_s}) must be > 0 and finite. "
+                "Set --scorer.reward-timeout-s."
+            )
+        if self.num_workers < 1:
+            raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
+        if not math.isfinite(self.reward_fn_weight):
+            raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
+        if self.reward_fn_weight == 0 and self.reward_model.path is None:
+            raise ValueError(
+                "scorer.reward_fn_weight (0) with no scorer.reward_model.path leaves every reward 0: nothing "
+                "would train. Set --scorer.reward-model.path DIR, or --scorer.reward-fn-weight above 0."
+            )
+        if self.overlong_buffer is not None and self.overlong_buffer < 1:
+            # 0 would penalize only completions longer than generator.max_new_tokens, and the
+            # engine stops every completion at that length: a penalty that never applies.
+            raise ValueError(
+                f"scorer.overlong_buffer ({self.overlong_buffer}) must be >= 1: with 0 the penalty applies "
+                "only past generator.max_new_tokens, a length the engine never produces, so it would do "
+                "nothing. Set --scorer.overlong-buffer 1 or more (1 penalizes truncated completions only), "
+                "or leave it unset for no penalty."
+            )
 
 
 class Scorer:
@@ -216,6 +262,34 @@ class RewardFunctionScorer(Scorer):
 
     def close(self) -> None:
         self.pool.close()
+
+
+class RewardModelScorer(Scorer):
+    """Scores each completion with `client(texts) -> scores` (the reward model actor's `score`
+    endpoint), one request per group; the reward is the model's scalar."""
+
+    name = "reward_model"
+
+    def __init__(self, client: Callable[[list[str]], Awaitable[list[float]]]):
+        self.client = client
+
+    async def score_group(self, episode: Episode) -> list[ScoreResult]:
+        texts = [reward_model_input(episode.prompt_text, c.text) for c in episode.completions]
+        return [Score(float(value)) for value in await self.client(texts)]
+
+
+def build_scorer(
+    config: ScorerConfig, reward: str, reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None
+) -> Scorer:
+    """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or
+    with the reward model's client `reward_model`, their weighted sum (config.reward_fn_weight,
+    config.reward_model.weight)."""
+    reward_fn = RewardFunctionScorer(reward, config)
+    if reward_model is None:
+        if config.reward_fn_weight != 1.0:
+            return WeightedSum([(reward_fn, config.reward_fn_weight)])
+        return reward_fn
+    return WeightedSum([(reward_fn, config.reward_fn_weight), (RewardModelScorer(reward_model), config.reward_model.weight)])
 
 
 def step_ends(token_ids: list[int], boundary_ids: set[int]) -> list[int]:

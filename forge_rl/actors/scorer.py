@@ -1,7 +1,8 @@
 """Scores completions: the actor shell around forge_rl/scorers.py's `ScoringStage`.
 
-Today's scorer is the task's reward function, run in sandboxed worker processes
-(`RewardFunctionScorer`). A reward function that raises, returns a non-finite value, exceeds
+The scorer is the task's reward function, run in sandboxed worker processes
+(`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
+(`RewardModelScorer`, calling the RewardModelActor on its own mesh). A reward function that raises, returns a non-finite value, exceeds
 `scorer.reward_timeout_s` or crashes its process marks that completion ERRORED (never trained,
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
@@ -11,14 +12,19 @@ from __future__ import annotations
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.scorers import RewardFunctionScorer, ScoringStage
-from forge_rl.scoring import ScorerConfig
+from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
 from forge_rl.types import Episode
 
 
 class ScorerActor(Actor):
-    def __init__(self, config: ScorerConfig = ScorerConfig(), reward: str = "leading_number", max_new_tokens: int = 0):
-        self.stage = ScoringStage(RewardFunctionScorer(reward, config), config.overlong_buffer, max_new_tokens)
+    def __init__(
+        self, config: ScorerConfig = ScorerConfig(), reward: str = "leading_number", max_new_tokens: int = 0,
+        reward_model=None,
+    ):
+        """`reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py) when
+        scorer.reward_model.path is set; its `score` endpoint is the reward model scorer's client."""
+        client = None if reward_model is None else reward_model.score.call_one
+        self.stage = ScoringStage(build_scorer(config, reward, client), config.overlong_buffer, max_new_tokens)
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

@@ -11,7 +11,7 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.scoring import ScorerConfig
+from forge_rl.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
 
