@@ -160,28 +160,24 @@ def model_inputs(tokenizer, texts: list[str]):
 
 def synthetic_reward_examples(task: str, seed: int, count: int) -> list[tuple[str, float]]:
     """(prompt + completion, correctness label) pairs for `task`, labelled by the task's verifier
-    (forge_rl/tasks/synthetic.py `leading_number_reward`). Completions mimic what a policy samples
-    while it learns: the answer, a wrong digit, a digit run, any character of the alphabet, each
-    followed by some noise; about half are correct."""
+    (forge_rl/tasks/synthetic.py `leading_number_reward`). Completions cover what a policy can
+    sample there: 40% are the answer, alone or followed by one non-digit; 60% are any one or two
+    characters of the alphabet (what a fresh policy emits, mostly wrong). A policy trained on the
+    model pushes wherever the model errs, so the wrong answers must cover its whole support, not
+    only near misses: a first version that drew wrong completions from a narrower mix was hacked
+    (docs/scoring.md)."""
     from forge_rl.tasks.synthetic import leading_number_reward, make_prompt
     from forge_rl.tasks.tokenizer import ALPHABET
 
     rng = random.Random(f"reward-model:{task}:{seed}")
-    digits, others = "0123456789", [c for c in ALPHABET if not c.isdigit()]
+    non_digits = [c for c in ALPHABET if not c.isdigit()]
     examples = []
     for index in range(count):
         prompt = make_prompt(task, seed, index)
-        kind = rng.random()
-        if kind < 0.5:
-            head = prompt.answer
-        elif kind < 0.8:
-            head = rng.choice([d for d in digits if d != prompt.answer])
-        elif kind < 0.9:
-            head = prompt.answer + rng.choice(digits)
+        if rng.random() < 0.4:
+            completion = prompt.answer + (rng.choice(non_digits) if rng.random() < 0.5 else "")
         else:
-            head = rng.choice(others)
-        tail = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(4)))
-        completion = head + (tail if not tail[:1].isdigit() else "")
+            completion = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 2)))
         examples.append((reward_model_input(prompt.text, completion), leading_number_reward(completion, prompt.answer)))
     return examples
 
@@ -194,7 +190,7 @@ class RewardModelTraining:
     """Directory the model is written to (then --scorer.reward-model.path OUT)."""
     task: str = "max_of_two"
     """Synthetic task whose verifier labels the examples (max_of_two, copy_digit, add_mod10)."""
-    num_examples: int = 4096
+    num_examples: int = 8192
     """Training examples (prompt + completion, 0/1 label); 512 more are held out for accuracy."""
     steps: int = 1000
     """Optimizer steps (AdamW)."""

@@ -96,7 +96,7 @@ def test_reward_model_config_errors_name_the_flag(tmp_path):
         ScorerConfig(reward_fn_weight=0.0)
 
 
-def test_synthetic_examples_are_labelled_by_the_tasks_verifier_about_half_correct():
+def test_synthetic_examples_are_labelled_by_the_tasks_verifier_about_forty_percent_correct():
     examples = synthetic_reward_examples("max_of_two", seed=0, count=2000)
-    assert examples[0][0].startswith("M") and "=" in examples[0][0]
-    assert 0.4 < sum(label for _, label in examples) / len(examples) < 0.6
+    assert all(text.startswith("M") and text.index("=") == 3 for text, _ in examples)
+    assert 0.35 < sum(label for _, label in examples) / len(examples) < 0.5
