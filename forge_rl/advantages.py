@@ -4,6 +4,8 @@
   division by the group's standard deviation.
 - `episode_advantages`: the same for one `Episode`, leaving ERRORED completions out of the statistics.
 - `completion_reward`: what a completion's advantage is computed from (the seam for per-turn rewards).
+- `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
+  rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md.
 - `filter_zero_advantage_groups`: DAPO's dynamic sampling, which keeps only groups with a signal.
 - `overlong_penalty`: DAPO's soft penalty for completions that run into the length budget.
 """
@@ -58,6 +60,62 @@ def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
     )
     advantages = iter(group_advantages(rewards_G, normalize_std).tolist())
     return [next(advantages) if ok else 0.0 for ok in usable]
+
+
+def token_advantages(episode: Episode, normalize_std: bool, step_discount: float = 1.0) -> list[list[float]]:
+    """Per completion of `episode`, the advantage of each of its tokens, [G][T]:
+
+        A_it = A_i + sum_{k >= k(t)} step_discount^(k - k(t)) * r~_ik + d_it
+
+    A_i is the completion's group advantage (`episode_advantages`); k(t) is the step holding token
+    t; r~_ik = (r_ik - mean(R)) / (std(R) + eps), R being every step reward of the group's usable
+    completions (centered only when not `normalize_std`), so a step is judged against the steps of
+    its group, as DeepSeekMath's GRPO with process supervision does (Shao et al. 2024, Sec. 4.1.3,
+    step_discount = 1: a token is credited with its own step and every later one); step_discount
+    = 0 credits a token with its own step only. d_it is the token's dense reward (`token_rewards`),
+    unnormalized (a teacher's per-token log ratio is already on a per-token scale). Without step
+    or token rewards A_it = A_i: plain GRPO. A turn of a multi-turn episode is a step. ERRORED
+    completions get zeros. Worked example and reasoning: docs/scoring.md."""
+    if not 0.0 <= step_discount <= 1.0:
+        raise ValueError(f"step_discount ({step_discount}) must be in [0, 1]")
+    usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
+    step_rewards = [r for c in usable for r in c.step_rewards or ()]
+    if step_rewards:
+        normalized = group_advantages(torch.tensor(step_rewards, dtype=torch.float64), normalize_std).tolist()
+    normalized_steps = iter(normalized if step_rewards else ())
+    result = []
+    for completion, advantage in zip(episode.completions, episode_advantages(episode, normalize_std)):
+        if completion.status == CompletionStatus.ERRORED:
+            result.append([0.0] * completion.num_tokens)
+            continue
+        steps = [next(normalized_steps) for _ in completion.step_rewards or ()]
+        per_token = [advantage] * completion.num_tokens
+        if steps:
+            credits = place_on_steps(completion.step_ends, returns_to_go(steps, step_discount))
+            per_token = [a + c for a, c in zip(per_token, credits)]
+        if completion.token_rewards is not None:
+            per_token = [a + d for a, d in zip(per_token, completion.token_rewards)]
+        result.append(per_token)
+    return result
+
+
+def returns_to_go(step_values: list[float], discount: float) -> list[float]:
+    """G_k = sum_{j >= k} discount^(j - k) * value_j, for each step k (0^0 = 1: discount 0 is each step alone)."""
+    returns, running = [], 0.0
+    for value in reversed(step_values):
+        running = value + discount * running
+        returns.append(running)
+    return returns[::-1]
+
+
+def place_on_steps(step_ends: list[int], step_values: list[float]) -> list[float]:
+    """Each step's value on each of its tokens: tokens [step_ends[k-1], step_ends[k]) get
+    step_values[k] (step 0 starts at token 0), [T] with T = step_ends[-1]."""
+    per_token, start = [], 0
+    for end, value in zip(step_ends, step_values, strict=True):
+        per_token.extend([value] * (end - start))
+        start = end
+    return per_token
 
 
 def has_reward_spread(episode: Episode) -> bool:

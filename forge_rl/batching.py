@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_rl.advantages import episode_advantages
+from forge_rl.advantages import token_advantages
 from forge_rl.types import Episode
 
 
@@ -26,8 +26,9 @@ class TrainBatch:
     """[N, L] bool, True on generated tokens."""
     behaviour_logprobs_NL: torch.Tensor
     """[N, L] float32 logprob the generator sampled each generated token with (0 elsewhere)."""
-    advantages_N: torch.Tensor
-    """[N] float32 group advantage of each completion (see `forge_rl.advantages`)."""
+    advantages_NL: torch.Tensor
+    """[N, L] float32 advantage of each generated token (0 elsewhere): the completion's group
+    advantage, plus its process and dense rewards when it has any (`forge_rl.advantages.token_advantages`)."""
     generator_N: torch.Tensor | None = None
     """[N] int64 index of the generator that sampled each completion (-1: unknown)."""
     temperature_N: torch.Tensor | None = None
@@ -74,18 +75,22 @@ class TrainBatch:
         )
 
 
-def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True) -> TrainBatch:
+def make_train_batch(
+    episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True, step_discount: float = 1.0
+) -> TrainBatch:
     """One row per completion. A token reaches the loss only where `Completion.loss_mask` says so:
     ERRORED completions and rows whose tokens are all untrainable keep their row (so N always
     equals the configured batch and splits evenly over data-parallel ranks) but are fully masked.
 
-    `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO).
+    `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO),
+    `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
     """
     rows, masks, behaviour, advantages, temperatures, supports, references, generators = ([] for _ in range(8))
     for episode in episodes:
         num_prompt = len(episode.prompt_token_ids)
-        advantages.extend(episode_advantages(episode, normalize_advantage_std))
-        for completion in episode.completions:
+        per_token_advantages = token_advantages(episode, normalize_advantage_std, step_discount)
+        for completion, completion_advantages in zip(episode.completions, per_token_advantages):
+            advantages.append([0.0] * num_prompt + completion_advantages)
             generators.append(-1 if episode.generator_index is None else episode.generator_index)
             rows.append(episode.prompt_token_ids + completion.token_ids)
             masks.append([False] * num_prompt + completion.loss_mask)
@@ -107,7 +112,7 @@ def make_train_batch(episodes: list[Episode], pad_id: int, normalize_advantage_s
         input_ids_NL=pad(rows, pad_id, torch.int64),
         loss_mask_NL=pad(masks, False, torch.bool),
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
-        advantages_N=torch.tensor(advantages, dtype=torch.float32),
+        advantages_NL=pad(advantages, 0.0, torch.float32),
         generator_N=torch.tensor(generators, dtype=torch.int64),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=kept_sets(supports, length),

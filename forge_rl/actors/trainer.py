@@ -61,7 +61,7 @@ class TrainerActor(Actor):
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
-        batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
+        batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
         metrics = self.trainer.train_step(batch)
         metrics["policy_version"] = self.trainer.policy_version
         skipped = bool(metrics["step_skipped"])
@@ -73,7 +73,7 @@ class TrainerActor(Actor):
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
         return self.trainer.compute_logprobs(
-            make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std)
+            make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
         )
 
     @endpoint

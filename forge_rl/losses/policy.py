@@ -3,7 +3,8 @@
 One entry point, `policy_loss`, configured by `LossConfig` (`--trainer.loss.*`). Shapes: N
 completions (rows), L positions; `_NL` per token, `_N` per completion. Notation: pi = the trainer's
 current policy (`logprobs_NL`, differentiable), b = the generator that sampled each token
-(`behaviour_logprobs_NL`), A = the completion's advantage, lo = 1 - eps_low, hi = 1 + eps_high,
+(`behaviour_logprobs_NL`), A = the token's advantage (its completion's group advantage, plus process
+and dense rewards: forge_rl/advantages.py `token_advantages`), lo = 1 - eps_low, hi = 1 + eps_high,
 sg = stop-gradient (detach).
 
 The ratio
@@ -124,6 +125,10 @@ class LossConfig:
     outside [1/x, x]; combines with any correction."""
     kl_beta: float = 0.0
     """Weight of the k3 KL penalty to a frozen reference model; 0 means no reference model runs."""
+    step_discount: float = 1.0
+    """Process rewards (per step or per turn): a token's advantage adds its own step's normalized
+    reward and step_discount^j times that of the step j later (1: every later step, DeepSeekMath's
+    GRPO; 0: its own step only). No effect on completions without step rewards. docs/scoring.md."""
 
     def __post_init__(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
@@ -144,6 +149,8 @@ class LossConfig:
             _fail("seq_mask_geo_mean", self.seq_mask_geo_mean, "must be > 1 and finite, or unset")
         if not 0.0 <= self.kl_beta < math.inf:
             _fail("kl_beta", self.kl_beta, "must be >= 0 and finite")
+        if not 0.0 <= self.step_discount <= 1.0:
+            _fail("step_discount", self.step_discount, "must be in [0, 1]")
 
     @property
     def eps_low(self) -> float:
@@ -178,14 +185,15 @@ def num_loss_units(loss_mask_NL: torch.Tensor, config: LossConfig) -> int:
 def policy_loss(
     logprobs_NL: torch.Tensor,
     behaviour_logprobs_NL: torch.Tensor,
-    advantages_N: torch.Tensor,
+    advantages_NL: torch.Tensor,
     loss_mask_NL: torch.Tensor,
     config: LossConfig,
     reference_logprobs_NL: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The configured loss (see the module docstring), differentiable through `logprobs_NL`, and
     detached metrics: token means over `loss_mask_NL` (so shards combine weighted by their token
-    share), except names holding "/max_", which combine by max."""
+    share), except names holding "/max_", which combine by max. `advantages_NL` is per token, [N, L]
+    (a per-completion advantage as [N, 1] broadcasts)."""
     if config.kl_beta > 0 and reference_logprobs_NL is None:
         raise ValueError(
             f"trainer.loss.kl_beta ({config.kl_beta}) > 0 needs reference_logprobs_NL from a reference "
@@ -201,7 +209,7 @@ def policy_loss(
 
     ratio_NL = _ratio_NL(log_ratio_NL, keep_NL, _VARIANTS[config.name].ratio)
     per_token_NL, weight_NL, clipped_low_NL, clipped_high_NL = _objective(
-        ratio_NL, torch.where(keep_NL, logprobs_NL, 0.0), advantages_N.unsqueeze(-1), config
+        ratio_NL, torch.where(keep_NL, logprobs_NL, 0.0), advantages_NL, config
     )
     stats_NL = {
         "loss/mean_ratio": log_ratio_NL.exp(),
@@ -244,7 +252,7 @@ def _ratio_NL(log_ratio_NL: torch.Tensor, keep_NL: torch.Tensor, level: str) -> 
 
 
 def _objective(
-    ratio_NL: torch.Tensor, logprobs_NL: torch.Tensor, advantages_N1: torch.Tensor, config: LossConfig
+    ratio_NL: torch.Tensor, logprobs_NL: torch.Tensor, advantages_NL: torch.Tensor, config: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss, the (detached) importance weight its gradient carries, and where the clip
     acted low / high: for ppo_clip where it zeroed the gradient, for cispo where it bounded the weight."""
@@ -252,10 +260,10 @@ def _objective(
     clipped_NL = ratio_NL.clamp(low, high)
     if _VARIANTS[config.name].objective == "cispo":
         weight_NL = clipped_NL.detach()
-        return -weight_NL * advantages_N1 * logprobs_NL, weight_NL, ratio_NL < low, ratio_NL > high
-    per_token_NL = -torch.minimum(ratio_NL * advantages_N1, clipped_NL * advantages_N1)
-    clipped_low_NL = (advantages_N1 < 0) & (ratio_NL < low)
-    clipped_high_NL = (advantages_N1 > 0) & (ratio_NL > high)
+        return -weight_NL * advantages_NL * logprobs_NL, weight_NL, ratio_NL < low, ratio_NL > high
+    per_token_NL = -torch.minimum(ratio_NL * advantages_NL, clipped_NL * advantages_NL)
+    clipped_low_NL = (advantages_NL < 0) & (ratio_NL < low)
+    clipped_high_NL = (advantages_NL > 0) & (ratio_NL > high)
     return per_token_NL, ratio_NL.detach(), clipped_low_NL, clipped_high_NL
 
 

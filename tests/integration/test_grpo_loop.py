@@ -23,7 +23,7 @@ from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.placement import LaunchConfig, PlacementConfig
 from forge_rl.run_dir import config_to_dict
-from forge_rl.scoring import ScorerConfig
+from forge_rl.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.trainer import TrainerConfig
 from tests.helpers import wait_until

@@ -10,7 +10,7 @@ import pytest
 from monarch.actor import this_host
 
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.scoring import ScorerConfig
+from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.helpers import wait_until
 from tests.unit.faulty_rewards import HANG_TIMEOUT_S

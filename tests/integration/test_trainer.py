@@ -86,7 +86,7 @@ def test_reference_run_learns_on_uneven_shards(reference):
     losses = [step["loss"] for step in metrics]
     halves = [batch.shard(rank, 2).num_generated_tokens for rank in range(2)]
     assert halves[0] != halves[1]
-    assert batch.advantages_N.abs().sum() > 0
+    assert batch.advantages_NL.abs().sum() > 0
     assert losses[-1] < losses[0] - 1e-3
 
 

@@ -36,3 +36,10 @@ def make_episode(
         prompt_token_ids=list(prompt_token_ids),
         completions=[make_completion(num_tokens, policy_version, r) for r in rewards],
     )
+
+
+def completion_advantages(batch) -> list[float]:
+    """Each row's advantage, for batches whose completions carry no step or token rewards (so every
+    generated token of a row has the same advantage, and prompt and padding have 0): the row's
+    value of largest magnitude."""
+    return [max(row.tolist(), key=abs) for row in batch.advantages_NL]

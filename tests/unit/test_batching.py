@@ -6,7 +6,7 @@ import torch
 from forge_rl.batching import kept_sets, make_train_batch, token_logprobs
 from forge_rl.types import Completion, CompletionStatus
 
-from .builders import make_completion, make_episode
+from .builders import completion_advantages, make_completion, make_episode
 
 
 def test_rows_are_prompt_plus_completion_with_the_loss_on_generated_tokens_only():
@@ -16,7 +16,7 @@ def test_rows_are_prompt_plus_completion_with_the_loss_on_generated_tokens_only(
     batch = make_train_batch([episode], pad_id=0)
     assert batch.input_ids_NL.tolist() == [[1, 5, 6, 10, 11], [1, 5, 6, 30, 0]]
     assert batch.loss_mask_NL.tolist() == [[False, False, False, True, True], [False, False, False, True, False]]
-    assert batch.advantages_N.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert completion_advantages(batch) == pytest.approx([1.0, -1.0], abs=1e-5)
 
 
 def test_errored_completions_keep_their_row_fully_masked_with_zero_advantage():
@@ -25,8 +25,7 @@ def test_errored_completions_keep_their_row_fully_masked_with_zero_advantage():
     batch = make_train_batch([episode], pad_id=0)
     assert batch.input_ids_NL.shape[0] == 3
     assert not batch.loss_mask_NL[2].any()
-    assert batch.advantages_N.tolist()[2] == 0.0
-    assert batch.advantages_N[:2].tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert completion_advantages(batch) == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
 
 
 def test_shards_split_rows_evenly_across_data_parallel_ranks():
@@ -51,15 +50,15 @@ def test_untrainable_tokens_keep_their_place_but_get_no_loss():
     batch = make_train_batch([episode], pad_id=0)
     assert batch.loss_mask_NL[0].tolist() == [False, False, False, False, True, True]
     assert batch.input_ids_NL[0, 3].item() == episode.completions[0].token_ids[0]  # in place, only masked
-    assert batch.advantages_N.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert completion_advantages(batch) == pytest.approx([1.0, -1.0], abs=1e-5)
 
 
 def test_dr_grpo_advantages_are_centered_but_not_divided_by_the_group_std():
     episode = make_episode(rewards=(1.0, 0.0, 0.0, 0.0))
-    normalized = make_train_batch([episode], pad_id=0).advantages_N
-    centered = make_train_batch([episode], pad_id=0, normalize_advantage_std=False).advantages_N
-    assert centered.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
-    assert normalized[0].item() == pytest.approx(0.75 / 0.4330127, rel=1e-5)
+    normalized = completion_advantages(make_train_batch([episode], pad_id=0))
+    centered = completion_advantages(make_train_batch([episode], pad_id=0, normalize_advantage_std=False))
+    assert centered == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    assert normalized[0] == pytest.approx(0.75 / 0.4330127, rel=1e-5)
 
 
 def test_shards_carry_their_rows_of_the_reference_logprobs():

@@ -10,7 +10,7 @@ from forge_rl.batching import make_train_batch
 from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, shard_for_rank
 from forge_rl.types import Episode
 
-from .builders import make_completion, make_episode
+from .builders import completion_advantages, make_completion, make_episode
 
 
 def test_sample_returns_none_until_a_full_batch_is_fresh():
@@ -203,12 +203,12 @@ def test_a_group_cut_by_a_shard_boundary_trains_each_completion_on_exactly_one_r
     episodes = [make_episode(i, rewards=(1.0, 0.0, 0.5)) for i in range(2)]  # 2 rows per rank cut group 0 and 1
     shards = [shard_for_rank(episodes, rank, 3) for rank in range(3)]
     assert sorted(row for shard in shards for row in trained_rows(shard)) == trained_rows(episodes)
-    full_advantages = make_train_batch(episodes, pad_id=0).advantages_N.tolist()
+    full_advantages = completion_advantages(make_train_batch(episodes, pad_id=0))
     for rank, shard in enumerate(shards):
         batch = make_train_batch(shard, pad_id=0)
         trained = batch.loss_mask_NL.any(-1)
         # Each cut group arrives whole, so its advantages are those of the full batch.
-        assert batch.advantages_N[trained].tolist() == pytest.approx(full_advantages[2 * rank : 2 * rank + 2])
+        assert [a for a, t in zip(completion_advantages(batch), trained) if t] == pytest.approx(full_advantages[2 * rank : 2 * rank + 2])
 
 
 def test_shards_that_cannot_split_evenly_name_the_flags():

@@ -79,7 +79,7 @@ def run_loss(config, logprobs=LOGPROBS, behaviour=BEHAVIOUR, advantages=ADVANTAG
     loss, metrics = policy_loss(
         current,
         torch.tensor(behaviour, dtype=torch.float64),
-        torch.tensor(advantages, dtype=torch.float64),
+        torch.tensor(advantages, dtype=torch.float64).unsqueeze(-1),
         torch.tensor(mask),
         config,
         torch.tensor(reference, dtype=torch.float64),
@@ -123,7 +123,7 @@ def test_every_loss_takes_its_ratio_against_the_behaviour_logprobs_not_a_detache
     assert grad[0][1] == pytest.approx(-ratio / normalizer, rel=1e-6)
     # The bug this guards against, reproduced: the ratio against a detached copy corrects nothing.
     current = torch.tensor([[0.0, -0.4]], requires_grad=True)
-    loss, _ = policy_loss(current, current.detach(), torch.tensor([1.0]), torch.tensor([[False, True]]), config)
+    loss, _ = policy_loss(current, current.detach(), torch.tensor([[1.0]]), torch.tensor([[False, True]]), config)
     loss.backward()
     assert current.grad[0, 1].item() == pytest.approx(-1.0 / normalizer, rel=1e-6)
 
@@ -215,10 +215,10 @@ def test_kl_penalty_needs_reference_logprobs_and_reports_its_value():
     current = torch.tensor([[-0.3, -1.2]])
     mask = torch.tensor([[True, True]])
     with pytest.raises(ValueError, match="trainer.loss.kl_beta"):
-        policy_loss(current, current, torch.tensor([1.0]), mask, make_config("grpo", kl_beta=0.1))
-    _, without = policy_loss(current, current, torch.tensor([1.0]), mask, make_config("grpo"))
+        policy_loss(current, current, torch.tensor([[1.0]]), mask, make_config("grpo", kl_beta=0.1))
+    _, without = policy_loss(current, current, torch.tensor([[1.0]]), mask, make_config("grpo"))
     config = make_config("grpo", kl_beta=0.1)
-    _, with_kl = policy_loss(current, current, torch.tensor([1.0]), mask, config, current - 0.5)
+    _, with_kl = policy_loss(current, current, torch.tensor([[1.0]]), mask, config, current - 0.5)
     assert "loss/ref_kl" not in without
     assert with_kl["loss/ref_kl"] == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-5)
 
@@ -226,8 +226,8 @@ def test_kl_penalty_needs_reference_logprobs_and_reports_its_value():
 def test_mismatch_kl_is_zero_on_policy_and_positive_off_policy():
     mask = torch.tensor([[True, True]])
     same = torch.tensor([[-0.3, -1.2]])
-    _, on_policy = policy_loss(same, same, torch.tensor([1.0]), mask, make_config("grpo"))
-    _, off_policy = policy_loss(same, same - 0.5, torch.tensor([1.0]), mask, make_config("grpo"))
+    _, on_policy = policy_loss(same, same, torch.tensor([[1.0]]), mask, make_config("grpo"))
+    _, off_policy = policy_loss(same, same - 0.5, torch.tensor([[1.0]]), mask, make_config("grpo"))
     assert on_policy["loss/mismatch_kl"] == pytest.approx(0.0, abs=1e-7)
     assert off_policy["loss/mismatch_kl"] > 0.0
     assert off_policy["loss/max_abs_log_ratio"] == pytest.approx(0.5)  # "/max_": reduced with max
@@ -240,7 +240,7 @@ def test_nan_at_masked_positions_never_reaches_the_loss(name):
     config = make_config(name, correction="tis", seq_mask_geo_mean=2.0, kl_beta=0.1)
     mask = torch.tensor([[False, True]])
     with_nan = torch.tensor([[nan, -0.4]])
-    loss, metrics = policy_loss(current, with_nan, torch.tensor([1.0]), mask, config, with_nan)
+    loss, metrics = policy_loss(current, with_nan, torch.tensor([[1.0]]), mask, config, with_nan)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(current.grad).all()
     assert all(math.isfinite(v) for v in metrics.values())
@@ -252,7 +252,7 @@ def test_shard_losses_weighted_by_their_loss_units_add_up_to_the_batch_loss(name
     generator = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(4, 6, generator=generator, dtype=torch.float64)
     behaviour = logprobs - 0.3 * torch.randn(4, 6, generator=generator, dtype=torch.float64)
-    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2], dtype=torch.float64)
+    advantages = torch.tensor([[1.0], [-0.5], [0.3], [-1.2]], dtype=torch.float64)
     mask = torch.rand(4, 6, generator=generator) < 0.7
     mask[3] = False  # a fully masked row (an ERRORED completion)
     config = make_config(name, correction="tis", is_cap=1.2)

@@ -52,6 +52,8 @@ CORE_MODULES = [
     "forge_rl.accounting",
     "forge_rl.timeline",
     "forge_rl.scoring",
+    "forge_rl.scorers",
+    "forge_rl.reward_model",
     "forge_rl.preflight",
     "forge_rl.tasks.rewards",
     "forge_rl.tasks.reasoning_gym",
@@ -172,6 +174,7 @@ def test_environments_import_not_even_torch_or_transformers():
         ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),
         ("forge_rl.actors.reference", "ReferenceActor"),
+        ("forge_rl.actors.reward_model", "RewardModelActor"),
     ],
 )
 def test_every_actor_endpoint_is_async(module, name):

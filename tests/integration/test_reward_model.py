@@ -1,0 +1,67 @@
+"""The reward model on its own proc mesh: concurrent requests are scored in shared batches with the
+model's own values, and a model that returns NaN marks its completions ERRORED, counted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from monarch.actor import this_host
+
+from forge_rl.actors.reward_model import RewardModelActor
+from forge_rl.actors.scorer import ScorerActor
+from forge_rl.reward_model import RewardModelConfig, RewardModelTraining, SequenceClassifier, train_reward_model
+from forge_rl.scorers import ScorerConfig
+from forge_rl.types import Completion, CompletionStatus, Episode
+
+pytestmark = pytest.mark.integration
+
+
+def untrained_reward_model(path: Path, nan_head: bool = False) -> Path:
+    """A tiny classifier as `forge-rl train-reward-model` writes it, without the training; with
+    `nan_head`, its score head is NaN, so every score is."""
+    train_reward_model(RewardModelTraining(out=path, steps=0))
+    if nan_head:
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(path / "model.safetensors")
+        weights["score.weight"].fill_(float("nan"))
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def episode(episode_id: int, *texts: str) -> Episode:
+    completions = [Completion(token_ids=[5], logprobs=[-1.0], policy_versions=[0], text=text) for text in texts]
+    return Episode(episode_id, "M37=", "7", [1, 2], completions)
+
+
+def test_the_reward_model_actor_batches_requests_and_a_nan_model_errors_its_completions(tmp_path):
+    good = untrained_reward_model(tmp_path / "good")
+    nan = untrained_reward_model(tmp_path / "nan", nan_head=True)
+    texts = [["M37=7", "M37=3"], ["M90=9"], ["M11=1K", "M45=", "M00=0"]]
+
+    async def main():
+        meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=name) for name in ("rm", "rm_nan", "scorer")]
+        try:
+            model = meshes[0].spawn("rm", RewardModelActor, RewardModelConfig(path=good, max_wait_ms=50))
+            nan_model = meshes[1].spawn("rm", RewardModelActor, RewardModelConfig(path=nan))
+            await asyncio.gather(model.setup.call_one(), nan_model.setup.call_one())
+            scores = await asyncio.gather(*(model.score.call_one(batch) for batch in texts))
+            model_stats = await model.stats.call_one()
+            config = ScorerConfig(reward_model=RewardModelConfig(path=nan))
+            scorer = meshes[2].spawn("scorer", ScorerActor, config, "leading_number", 0, nan_model)
+            scored = await scorer.score.call_one([episode(0, "7", "3")])
+            return scores, model_stats, scored, await scorer.stats.call_one()
+        finally:
+            for mesh in meshes:
+                await mesh.stop()
+
+    scores, model_stats, (scored,), stats = asyncio.run(main())
+    direct = SequenceClassifier(good).forward([t for batch in texts for t in batch])
+    assert [s for batch in scores for s in batch] == pytest.approx(direct, abs=1e-5)
+    assert model_stats["texts"] == 6 and model_stats["batches"] < 3  # three callers, fewer forwards
+    assert all(c.status == CompletionStatus.ERRORED for c in scored.completions)
+    assert scored.completions[0].error.startswith("reward_model: non-finite reward (nan")
+    assert stats["scorer/errored"] == 2 and stats["scorer/reward_model/errored"] == 2
+    assert stats["scorer/reward_fn/errored"] == 0

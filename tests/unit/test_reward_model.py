@@ -1,0 +1,102 @@
+"""The reward model's core: requests batched across concurrent callers, NaN scores ERRORED and
+counted, a tiny model trained from scratch reads prompt + completion."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from forge_rl.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
+from forge_rl.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
+from forge_rl.types import Completion, CompletionStatus, Episode
+
+
+def group(prompt: str, *texts: str) -> Episode:
+    completions = [Completion(token_ids=[5], logprobs=[-1.0], policy_versions=[0], text=t) for t in texts]
+    return Episode(0, prompt, "7", [1, 2], completions)
+
+
+def test_concurrent_requests_share_forward_passes_up_to_the_batch_size():
+    forwards: list[list[str]] = []
+
+    def forward(texts):
+        forwards.append(texts)
+        return [float(len(t)) for t in texts]
+
+    async def main():
+        batcher = RewardBatcher(forward, max_batch_size=4, max_wait_s=0.01)
+        return await asyncio.gather(*(batcher.score(["a" * i, "b"]) for i in range(1, 4)))
+
+    results = asyncio.run(main())
+    assert results == [[1.0, 1.0], [2.0, 1.0], [3.0, 1.0]]
+    assert [len(batch) for batch in forwards] == [4, 2]  # 6 texts from 3 callers, in 2 forwards
+
+
+def test_a_forward_that_raises_fails_its_callers_and_the_batcher_serves_the_next():
+    calls = iter([RuntimeError("CUDA error"), None])
+
+    def forward(texts):
+        error = next(calls)
+        if error:
+            raise error
+        return [1.0] * len(texts)
+
+    async def main():
+        batcher = RewardBatcher(forward, max_batch_size=8, max_wait_s=0.0)
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            await batcher.score(["x"])
+        return await batcher.score(["y"])
+
+    assert asyncio.run(main()) == [1.0]
+
+
+def test_the_reward_model_reads_prompt_plus_completion_and_a_nan_score_errors_that_completion():
+    seen = []
+
+    async def client(texts):
+        seen.extend(texts)
+        return [math.nan if t.endswith("?") else 0.25 for t in texts]
+
+    stage = ScoringStage(RewardModelScorer(client))
+    (episode,) = asyncio.run(stage.score([group("M37=", "7", "?")]))
+    assert seen == ["M37=7", "M37=?"]
+    assert episode.completions[0].reward == 0.25
+    assert episode.completions[1].status == CompletionStatus.ERRORED
+    assert "non-finite" in episode.completions[1].error
+    assert stage.stats()["scorer/errored"] == 1
+
+
+def test_with_a_reward_model_the_reward_is_the_weighted_sum_and_the_verifier_is_still_logged(tmp_path):
+    async def client(texts):
+        return [0.5] * len(texts)
+
+    (tmp_path / "config.json").write_text("{}")  # the config checks for a model directory; the client fakes the model
+    config = ScorerConfig(reward_fn_weight=0.0, reward_model=RewardModelConfig(path=tmp_path, weight=2.0))
+    scorer = build_scorer(config, "leading_number", client)
+    stage = ScoringStage(scorer)
+    try:
+        (episode,) = asyncio.run(stage.score([group("M37=", "7", "3")]))
+    finally:
+        stage.close()
+    assert episode.rewards == [1.0, 1.0]
+    assert [c.reward_components for c in episode.completions] == [
+        {"reward_fn": 1.0, "reward_model": 0.5},
+        {"reward_fn": 0.0, "reward_model": 0.5},
+    ]
+
+
+def test_reward_model_config_errors_name_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="--scorer.reward-model.path"):
+        RewardModelConfig(path=tmp_path)
+    with pytest.raises(ValueError, match="--scorer.reward-model.max-batch-size"):
+        RewardModelConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="nothing would train"):
+        ScorerConfig(reward_fn_weight=0.0)
+
+
+def test_synthetic_examples_are_labelled_by_the_tasks_verifier_about_forty_percent_correct():
+    examples = synthetic_reward_examples("max_of_two", seed=0, count=2000)
+    assert all(text.startswith("M") and text.index("=") == 3 for text, _ in examples)
+    assert 0.35 < sum(label for _, label in examples) / len(examples) < 0.5
