@@ -3,7 +3,7 @@
 - `group_advantages`: GRPO's group baseline, with (GRPO, DAPO, GSPO, CISPO) or without (Dr. GRPO)
   division by the group's standard deviation.
 - `episode_advantages`: the same for one `Episode`, leaving ERRORED completions out of the statistics.
-- `completion_reward`: what a completion's advantage is computed from (the seam for per-turn rewards).
+- `completion_reward`: what a completion's group advantage is computed from.
 - `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
   rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md.
 - `filter_zero_advantage_groups`: DAPO's dynamic sampling, which keeps only groups with a signal.
@@ -36,15 +36,10 @@ def group_advantages(rewards_G: torch.Tensor, normalize_std: bool) -> torch.Tens
 
 
 def completion_reward(completion: Completion) -> float:
-    """The reward a completion's advantage is computed from: its final reward (a single-turn
-    completion's score, an environment episode's closing reward). Every advantage reads it here.
-
-    The seam for per-turn (process) rewards: a multi-turn completion records them in
-    `Completion.turn_rewards`, one per environment step, and its `generated` mask marks where each
-    turn's tokens lie (turn k = the k-th run of generated tokens). Turning them into per-token
-    advantages (a return per turn, credited to that turn's tokens) replaces this scalar with one
-    value per token; that belongs to the scorer work of issue 14, and until then per-turn rewards
-    are recorded, not trained on."""
+    """The reward a completion's group advantage is computed from: its final reward (a single-turn
+    completion's score, an environment episode's closing reward). Per-turn rewards of a multi-turn
+    episode are process rewards on top of it (forge_rl/envs/rollout.py `turn_steps`, then
+    `token_advantages`)."""
     return completion.reward
 
 

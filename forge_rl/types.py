@@ -97,8 +97,8 @@ class Completion:
     num_malformed_turns: int = 0
     """Turns the environment rejected as malformed (bad tool calls): the tool error count."""
     turn_rewards: list[float | None] = field(default_factory=list)
-    """Per environment step, the turn's own reward (a process reward) or None; recorded, not yet
-    in the advantage (forge_rl/advantages.py, `completion_rewards`)."""
+    """Per environment step, the turn's own reward (a process reward) or None; trained as
+    `step_rewards` over the turns' tokens (forge_rl/envs/rollout.py, `turn_steps`)."""
     env_latencies_s: list[float] = field(default_factory=list)
     """Wall time of each environment reset and step that answered."""
     end_reason: str | None = None

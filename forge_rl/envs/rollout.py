@@ -146,6 +146,7 @@ def trajectory_completion(trajectory: Trajectory) -> Completion:
             versions += [version] * num_tokens
             supports += [[]] * num_tokens
     last_turn = next((m.content for m in reversed(trajectory.conversation) if m.role == "assistant"), "")
+    step_ends, step_rewards = turn_steps(sample, trajectory.turn_rewards)
     return Completion(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -159,9 +160,32 @@ def trajectory_completion(trajectory: Trajectory) -> Completion:
         num_turns=trajectory.num_turns,
         num_malformed_turns=trajectory.num_malformed_turns,
         turn_rewards=list(trajectory.turn_rewards),
+        step_ends=step_ends,
+        step_rewards=step_rewards,
         env_latencies_s=list(trajectory.env_latencies_s),
         end_reason=trajectory.status.value,
     )
+
+
+def turn_steps(sample: TrajectorySample, turn_rewards: list[float | None]) -> tuple[list[int] | None, list[float] | None]:
+    """Per-turn rewards as process rewards (`Completion.step_ends`/`step_rewards`, which
+    forge_rl/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
+    generated tokens and the context after them, up to the next turn (step 0 also holds the
+    prompt: context tokens are never in a loss, so only where generated tokens fall matters).
+    A turn whose environment step gave no reward (None) counts as 0; without any turn reward,
+    none are set and the completion trains on its final reward alone (plain GRPO). A forked
+    trajectory's first sample holds only its first turns: it takes their rewards."""
+    turns = [span for span in sample.generated_spans if span.token_ids]
+    rewards = list(turn_rewards[: len(turns)])
+    if not turns or all(r is None for r in rewards):
+        return None, None
+    turn_ids, starts, position = {id(span) for span in turns}, [], 0
+    for span in sample.spans:
+        if id(span) in turn_ids:
+            starts.append(position)
+        position += len(span.token_ids)
+    rewards += [None] * (len(turns) - len(rewards))  # a last turn with no environment step after it
+    return [*starts[1:], position], [0.0 if r is None else float(r) for r in rewards]
 
 
 class EnvWaitClock:

@@ -51,17 +51,43 @@ def test_a_trajectory_is_one_completion_with_its_context_masked_and_its_ids_as_s
     assert completion.oldest_policy_version == 3 and completion.num_generated_tokens == 5
     assert (completion.reward, completion.status, completion.end_reason) == (1.0, CompletionStatus.OK, "done")
     assert (completion.num_turns, completion.turn_rewards) == (2, [None, 0.5])
+    # The turns' rewards are process rewards: step 0 = prompt, call, tool result; step 1 = the answer.
+    assert (completion.step_ends, completion.step_rewards) == ([10, 12], [0.0, 0.5])
 
 
 def test_the_trainer_trains_only_generated_tokens_of_a_trajectory_with_their_behaviour_logprobs():
-    completions = [trajectory_completion(trajectory(PROMPT, CALL, RESULT, ANSWER, final_reward=r)) for r in (1.0, 0.0)]
+    completions = [
+        trajectory_completion(trajectory(PROMPT, CALL, RESULT, ANSWER, final_reward=r, turn_rewards=[None, None]))
+        for r in (1.0, 0.0)
+    ]
     batch = make_train_batch([Episode(0, "", "", [], completions)], pad_id=0)
 
     assert batch.input_ids_NL[0].tolist() == completions[0].token_ids
     assert batch.loss_mask_NL[0].tolist() == completions[0].generated
     assert batch.behaviour_logprobs_NL[0].tolist() == pytest.approx(completions[0].logprobs)
     assert batch.num_generated_tokens == 10  # 5 per trajectory: no prompt, no tool output
-    assert batch.advantages_N.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)  # from the final reward
+    # No turn rewards: every token's advantage is the group's, from the final reward.
+    assert batch.advantages_NL[:, 0].tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert (batch.advantages_NL[0] == batch.advantages_NL[0, 0]).all()
+
+
+def test_each_turns_reward_reaches_exactly_that_turns_tokens():
+    """Two trajectories with the same final reward, the second one's answer turn rewarded. With
+    step_discount 0 a turn's reward is credited to its own tokens only: the answer's (step 1,
+    positions 10 and 11) are above the first trajectory's, and nothing else differs.
+    With the default discount 1 the call's tokens (step 0) share the answer's credit."""
+    completions = [
+        trajectory_completion(trajectory(PROMPT, CALL, RESULT, ANSWER, final_reward=1.0, turn_rewards=rewards))
+        for rewards in ([0.0, 0.0], [0.0, 1.0])
+    ]
+    episode = Episode(0, "", "", [], completions)
+
+    plain, rewarded = make_train_batch([episode], pad_id=0, step_discount=0.0).advantages_NL.tolist()
+    assert plain[:10] == pytest.approx(rewarded[:10])  # step 0: the same reward (0) in both
+    assert rewarded[10] == rewarded[11] > plain[10] == plain[11]
+
+    plain, rewarded = make_train_batch([episode], pad_id=0).advantages_NL.tolist()
+    assert rewarded[4] > plain[4]  # step_discount 1: the answer's reward reaches back to the call
 
 
 def test_the_age_bound_masks_a_trajectorys_turns_older_than_it_and_keeps_the_rest():
