@@ -16,6 +16,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.store.actors import StoreIndexActor
@@ -38,8 +39,8 @@ class GeneratorActor(Actor):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
         # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
-        # Ignored on CPU.
-        self.engine = VLLMEngine(config, cuda_devices)
+        # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model).
+        self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices)
         self.store_index = store_index
         self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)
@@ -96,6 +97,8 @@ class GeneratorActor(Actor):
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
                 return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
+            if isinstance(self.engine, SimulatedEngine):  # the simulated trainer publishes no weights
+                return await self.engine.load_version(policy_version)
             store = await self._weight_store(Path(weights_dir).parent)
             return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode)
 
