@@ -33,6 +33,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class ScaleArgs:
     """Wall seconds per simulated second, both parts (0.1: ten times faster than the GPUs would)."""
     async_generators: int = 8
     """Generators of the async-vs-sync part."""
-    async_steps: int = 12
+    async_steps: int = 30
     """Train steps per run of the async-vs-sync part."""
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous run."""
@@ -225,7 +226,7 @@ def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dic
     config = dataclasses.replace(
         base,
         run_dir=args.out_dir / f"g{num_generators}",
-        run_name="run",
+        run_name=None,
         steps=args.steps,
         num_generators=num_generators,
         prompts_in_flight_per_generator=args.prompts_in_flight_per_generator,
@@ -256,13 +257,13 @@ def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dic
 
 def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     """Both modes on the GPU-calibrated long-tail workload; the analytic bound from the sync run."""
-    runs = {}
+    runs, steady = {}, {}
     for mode, max_policy_age in (("sync", 0), ("async", args.async_max_policy_age)):
         progress(f"bench scale: {mode} run, {args.async_generators} simulated generators")
         config = dataclasses.replace(
             base,
-            run_dir=args.out_dir / "async_vs_sync",
-            run_name=mode,
+            run_dir=args.out_dir / "async_vs_sync" / mode,
+            run_name=None,
             steps=args.async_steps,
             num_generators=args.async_generators,
             prompts_in_flight_per_generator=max(
@@ -279,26 +280,30 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
                 capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * base.prompts_per_step),
             ),
         )
-        _, runs[mode] = run_probed(config)
-    per_mode = {mode: analyze(path, args.async_generators, target_reward=2.0) for mode, path in runs.items()}
+        steady[mode], runs[mode] = run_probed(config)
+    # The timeline analysis of bench async-vs-sync (busy times, pipeline efficiency); no reward to
+    # time: a simulation learns nothing.
+    per_mode = {mode: analyze(path, args.async_generators, target_reward=math.inf) for mode, path in runs.items()}
     sync, asynchronous = per_mode["sync"], per_mode["async"]
-    speedup = sync["wall_per_step_s"] / asynchronous["wall_per_step_s"]
+    # Steady state: the first step (the first fill) excluded, as in the control-plane figures.
+    wall_per_step = {mode: 1.0 / figures["steps_per_s"] for mode, figures in steady.items()}
+    speedup = wall_per_step["sync"] / wall_per_step["async"]
     # The analytic bound, from the sync run's own busy times (docs/benchmarks.md): a synchronous
     # step is the straggler's generation then the train step; an asynchronous one can be no
     # shorter than the train step, than the generation work, or than the straggler spread over the
     # A + 1 versions it may span.
     sync_train = sync["trainer_busy_s"] / sync["steps"]
-    sync_generate = sync["wall_per_step_s"] - sync_train
+    sync_generate = wall_per_step["sync"] - sync_train
     generate = _generation_s(config, sync["generated_tokens_per_s"] * sync["wall_per_step_s"])
     async_floor = max(sync_train, generate, sync_generate / (args.async_max_policy_age + 1))
-    bound = sync["wall_per_step_s"] / async_floor
+    bound = wall_per_step["sync"] / async_floor
     return {
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
         "sim_efficiency_vs_bound": speedup / bound,
         "sim_pipeline_efficiency": asynchronous["pipeline_efficiency"],
-        "sim_sync_wall_per_step_s": sync["wall_per_step_s"],
-        "sim_async_wall_per_step_s": asynchronous["wall_per_step_s"],
+        "sim_sync_wall_per_step_s": wall_per_step["sync"],
+        "sim_async_wall_per_step_s": wall_per_step["async"],
         "sim_train_step_s": sync_train,
         "sim_async_floor_s": async_floor,
         "sim_generation_s": generate,
