@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,7 @@ class ScaleArgs:
     """Simulation config both parts start from (generator.engine and trainer.engine sim)."""
     generator_counts: tuple[int, ...] = (1, 8, 32, 128)
     """Generator counts of the control-plane part."""
-    steps: int = 8
+    steps: int = 20
     """Train steps per control-plane run (the first is excluded from the steady-state figures)."""
     prompts_per_generator_step: int = 1
     """Prompts per train step per generator in the control-plane part (P = this x G)."""
@@ -147,17 +148,19 @@ class _Probe:
             loop.Pipeline, "_train_step", original_step
         )
 
-    async def watch(self, run_root: Path) -> None:
-        """Lag probe; and once the run wrote processes.json, the generators' resident memory."""
+    async def watch_lag(self) -> None:
+        """How late a timer fires on the controller's event loop, every _LAG_PROBE_S."""
         loop = asyncio.get_running_loop()
-        next_rss = loop.time() + 1.0
         while True:
             due = loop.time() + _LAG_PROBE_S
             await asyncio.sleep(_LAG_PROBE_S)
             self.lags_s.append(max(0.0, loop.time() - due))
-            if loop.time() >= next_rss:
-                next_rss = loop.time() + 2.0
-                self._sample_rss(run_root)
+
+    def watch_memory(self, run_root: Path, stop: threading.Event) -> None:
+        """In a thread, so sampling many processes never delays the event loop it measures:
+        once the run wrote processes.json, its generators' resident memory every 0.5 s."""
+        while not stop.wait(0.5):
+            self._sample_rss(run_root)
 
     def _sample_rss(self, run_root: Path) -> None:
         for path in run_root.glob("*/processes.json"):
@@ -193,15 +196,20 @@ def run_probed(config: GRPOConfig) -> tuple[dict, Path]:
     restore = probe.install()
 
     async def measured():
-        watcher = asyncio.create_task(probe.watch(config.run_dir))
+        watcher = asyncio.create_task(probe.watch_lag())
         try:
             return await recipe("grpo")(config)
         finally:
             watcher.cancel()
 
+    stop = threading.Event()
+    memory = threading.Thread(target=probe.watch_memory, args=(config.run_dir, stop), daemon=True)
+    memory.start()
     try:
         summary = asyncio.run(measured())
     finally:
+        stop.set()
+        memory.join()
         restore()
     return {**probe.steady(), "simulated": summary["simulated"], "accounting": summary["accounting"]}, Path(
         summary["run_dir"]
@@ -323,6 +331,17 @@ def _generation_s(config: GRPOConfig, tokens_per_step: float) -> float:
     return tokens_per_step / (config.num_generators * batch / step_s) * sim.time_scale
 
 
+def _accounting_ok(record: dict, steps: int) -> bool:
+    """Every step trained a full batch of distinct prompts, none twice, and no prompt is missing
+    (unfinished_at_stop is what remains of those handed out, so it must not be negative)."""
+    accounting = record["accounting"]
+    return (
+        accounting["trained"] == steps * record["prompts_per_step"]
+        and accounting["trained_more_than_once"] == 0
+        and accounting["unfinished_at_stop"] >= 0
+    )
+
+
 def main(args: ScaleArgs) -> dict:
     from forge_rl.yaml_config import load_yaml_config
 
@@ -338,19 +357,25 @@ def main(args: ScaleArgs) -> dict:
     per_count = []
     for num_generators in args.generator_counts:
         progress(f"bench scale: control plane with {num_generators} simulated generators")
-        per_count.append(control_plane(base, args, num_generators))
+        try:
+            per_count.append(control_plane(base, args, num_generators))
+        except Exception as e:  # recorded: how many generators fit is one of the figures
+            progress(f"bench scale: {num_generators} generators failed: {type(e).__name__}: {e}")
+            per_count.append({"num_generators": num_generators, "error": f"{type(e).__name__}: {e}"})
         (args.out_dir / "scale.json").write_text(json.dumps({"control_plane": per_count}, indent=2))
+    ok = [r for r in per_count if "error" not in r]
     summary = {
         "simulated": True,
         "date": time.strftime("%Y-%m-%d"),
         "generator_counts": [r["num_generators"] for r in per_count],
-        "controller_calls_per_step": [r["controller_calls_per_step"] for r in per_count],
-        "steps_per_s": [r["steps_per_s"] for r in per_count],
-        "event_loop_lag_p99_ms": [r["event_loop_lag_p99_ms"] for r in per_count],
-        "max_concurrent_rollouts": [r["max_concurrent_rollouts"] for r in per_count],
-        "generator_rss_mib": [r["generator_rss_mib"] for r in per_count],
-        "max_generators_sustained": max(r["num_generators"] for r in per_count),
-        "max_concurrent_rollouts_sustained": max(r["max_concurrent_rollouts"] for r in per_count),
+        "controller_calls_per_step": [r.get("controller_calls_per_step") for r in per_count],
+        "steps_per_s": [r.get("steps_per_s") for r in per_count],
+        "event_loop_lag_p99_ms": [r.get("event_loop_lag_p99_ms") for r in per_count],
+        "max_concurrent_rollouts": [r.get("max_concurrent_rollouts") for r in per_count],
+        "generator_rss_mib": [r.get("generator_rss_mib") for r in per_count],
+        "max_generators_sustained": max((r["num_generators"] for r in ok), default=0),
+        "max_concurrent_rollouts_sustained": max((r["max_concurrent_rollouts"] for r in ok), default=0),
+        "accounting_ok": all(_accounting_ok(r, args.steps) for r in ok),
         "time_scale": args.time_scale,
         "control_plane": per_count,
     }
