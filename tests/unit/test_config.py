@@ -198,3 +198,12 @@ def test_generator_timeouts_are_derived_from_what_a_call_can_legitimately_take()
     assert draining.update_timeout_s == 600 + draining.generate_timeout_s
     explicit = GRPOConfig(generator=GeneratorConfig(generate_timeout_s=5, update_timeout_s=7))
     assert (explicit.generate_timeout_s, explicit.update_timeout_s) == (5, 7)
+
+
+def test_simulated_roles_place_no_compute_threads(tmp_path):
+    """A simulated engine or trainer step is a timed wait: 128 of them fit a 2-core host."""
+    from forge_rl.placement import demand_of
+
+    config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
+    demand = demand_of(config)
+    assert config.simulated and demand.generator_threads == 0 and demand.trainer_threads == 0
