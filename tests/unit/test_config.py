@@ -207,3 +207,13 @@ def test_simulated_roles_place_no_compute_threads(tmp_path):
     config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
     demand = demand_of(config)
     assert config.simulated and demand.generator_threads == 0 and demand.trainer_threads == 0
+
+
+def test_the_machine_check_lets_128_simulated_generators_run_on_this_host(tmp_path):
+    """The core and KV-memory checks guard real engines; simulated ones use neither."""
+    import dataclasses
+
+    from forge_rl.preflight import check_machine
+
+    config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
+    check_machine(dataclasses.replace(config, num_generators=128, run_dir=tmp_path))
