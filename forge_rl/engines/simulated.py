@@ -224,15 +224,12 @@ class _Pause:
 class SimulatedEngine:
     """A simulated vLLM engine: same interface as `VLLMEngine`, no model (module docstring)."""
 
-    simulated = True
-
     def __init__(self, config, cuda_devices: tuple[int, ...] | None = None):
         # `config` is the GeneratorConfig (engines/vllm_engine.py); its `sim` holds this engine's own.
         self.config = config
         self.sim: SimEngineConfig = config.sim
         self.policy_version = 0
         self.max_model_len: int | None = None
-        self.num_truncated_support = 0
         self._rng = random.Random(config.seed)
         self._waiting: list[tuple[_Sequence, int]] = []
         """Admitted by `generate`, not yet prefilled: (sequence, prompt tokens to prefill)."""

@@ -49,6 +49,12 @@ def run_virtual(coroutine):
     try:
         return loop.run_until_complete(coroutine)
     finally:
+        # Engines a test did not shut down: their loops end here, not as "Task was destroyed".
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending))
         loop.close()
 
 
