@@ -280,6 +280,12 @@ class SimulatedEngine:
         ends_on_eos = eos_id is not None and not forced_length
         return [self._completion(s, max_tokens, eos_id if ends_on_eos else None) for s in sequences]
 
+    async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None):
+        raise NotImplementedError(
+            "the simulated engine (generator.engine sim) samples single-turn groups only; multi-turn "
+            "environment episodes need generator.engine vllm."
+        )
+
     def _completion(self, sequence: _Sequence, max_tokens: int, eos_id: int | None) -> Completion:
         truncated = eos_id is None or sequence.generated >= max_tokens
         token_ids = [PLACEHOLDER_TOKEN_ID] * sequence.generated
