@@ -102,6 +102,7 @@ _BENCHMARKS = {
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
+    "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
 }
 
 
@@ -114,7 +115,7 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, task_baseline, trainer, weight_sync
+    from forge_rl.bench import async_vs_sync, sampling_support, scale, soak, staleness, task_baseline, trainer, weight_sync
     from forge_rl.errors import ConfigError
 
     name = args[0]
@@ -126,6 +127,7 @@ def _run_bench(args: list[str]) -> None:
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
+        "scale": (scale, scale.ScaleArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

@@ -244,6 +244,7 @@ class GRPOConfig:
         self._check_model_and_parallelism()
         self._check_environment()
         self._check_timeouts()
+        self._check_simulation()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -353,6 +354,34 @@ class GRPOConfig:
                 "request in flight to finish, so a healthy update can take as long as a generate call, and its "
                 f"generator would be replaced as hung. Set --generator.update-timeout-s to at least "
                 f"{self.generate_timeout_s:g}, or leave it unset."
+            )
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this run is a SIMULATION (generator.engine and trainer.engine sim): no model runs,
+        tokens are placeholders, nothing is trained (forge_rl/engines/simulated.py)."""
+        return self.generator.engine == "sim"
+
+    def _check_simulation(self) -> None:
+        generator, trainer = self.generator.engine, self.trainer.engine
+        if (generator == "sim") != (trainer == "sim"):
+            raise ConfigError(
+                f"generator.engine ({generator}) and trainer.engine ({trainer}) must both be sim or neither: a "
+                "simulated trainer publishes version numbers without weights, and a real one would train on a "
+                "simulated engine's placeholder tokens. Set --generator.engine sim --trainer.engine sim for a "
+                "simulation of the control plane, or --generator.engine vllm --trainer.engine torchtitan."
+            )
+        if not self.simulated:
+            return
+        if self.uses_reference_model:
+            raise ConfigError(
+                f"trainer.loss.kl_beta ({self.trainer.loss.kl_beta}) > 0 needs the reference model, which a "
+                "simulation (generator.engine sim) does not run. Set --trainer.loss.kl-beta 0."
+            )
+        if self.checkpoint.enabled:
+            raise ConfigError(
+                "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "
+                "checkpoint. Set --checkpoint.enabled false."
             )
 
     @property

@@ -535,9 +535,10 @@ def demand_of(config) -> RoleDemand:
         trainer_procs=config.trainer.num_procs,
         reference_procs=config.reference.num_procs if config.uses_reference_model else 0,
         num_generators=config.num_generators,
-        trainer_threads=config.trainer.num_threads,
+        # A simulated engine or trainer step is a timed wait: no compute threads to place.
+        trainer_threads=0 if config.trainer.engine == "sim" else config.trainer.num_threads,
         reference_threads=config.reference.num_threads,
-        generator_threads=config.generator.cpu_threads,
+        generator_threads=0 if config.generator.engine == "sim" else config.generator.cpu_threads,
         generator_gpus=config.generator.tensor_parallel_size,
     )
 

@@ -43,6 +43,8 @@ def check_machine(config: GRPOConfig) -> None:
     check_gpus(config.launch, demand_of(config), 0, num_gpus, "this machine")
     if num_gpus:
         return
+    if config.simulated:  # timed waits: no compute threads, no KV cache (forge_rl/engines/simulated.py)
+        return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)
 

@@ -14,12 +14,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forge_rl.batching import TrainBatch
+from forge_rl.engines.simulated import SimTrainerConfig
 from forge_rl.losses.corrections import k3_kl_NL
 from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, token_mean
 from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
@@ -34,6 +36,12 @@ from forge_rl.models.titan import (
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    engine: Literal["torchtitan", "sim"] = "torchtitan"
+    """"torchtitan": the real trainer. "sim": a SIMULATED step with no model (a wait computed from
+    the batch's tokens, then a new policy version with no weights: forge_rl/actors/simulated_trainer.py),
+    for testing the control plane at scale; needs generator.engine sim too."""
+    sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
+    """The simulated step's timing (read only with engine sim)."""
     num_procs: int = 1
     """Trainer processes; must equal parallel.dp_replicate * parallel.dp_shard * parallel.tp."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -41,6 +41,7 @@ from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.reference import ReferenceActor
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
+from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.config import GRPOConfig
@@ -84,6 +85,8 @@ async def run(config: GRPOConfig) -> dict:
         accounting,
         engine_start_s=max(start["engine_start_s"] for start in generator_starts),
         generator_recoveries=recoveries,
+        # A simulation (generator.engine sim) ran no model: its figures are the control plane's only.
+        simulated=config.simulated,
     )
 
 
@@ -144,7 +147,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
         ),
         trainer=trainer_procs.spawn(
-            "trainer", TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
+            "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
     actors.reward_model = reward_model

@@ -13,16 +13,23 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
-from forge_rl.store.actors import StoreIndexActor
-from forge_rl.store.client import WeightStore
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    # Imported where used: the store's client imports torch (300 MiB resident per process where
+    # Monarch alone takes 95), which a simulated generator never needs; that difference is what
+    # lets 128 simulated generators fit in one machine's memory (docs/benchmarks.md).
+    from forge_rl.store.actors import StoreIndexActor
+    from forge_rl.store.client import WeightStore
 
 
 class GeneratorActor(Actor):
@@ -31,15 +38,16 @@ class GeneratorActor(Actor):
         config: GeneratorConfig,
         model_dir: str,
         max_model_len: int,
-        store_index: StoreIndexActor,
+        store_index: StoreIndexActor | None,
         store_client_id: str,
         cuda_devices: tuple[int, ...] | None = None,
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
         # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
-        # Ignored on CPU.
-        self.engine = VLLMEngine(config, cuda_devices)
+        # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model, no
+        # weights: `store_index` is None).
+        self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices)
         self.store_index = store_index
         self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)
@@ -96,10 +104,14 @@ class GeneratorActor(Actor):
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
                 return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
+            if isinstance(self.engine, SimulatedEngine):  # the simulated trainer publishes no weights
+                return await self.engine.load_version(policy_version)
             store = await self._weight_store(Path(weights_dir).parent)
             return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode)
 
     async def _weight_store(self, root: Path) -> WeightStore:
+        from forge_rl.store.client import WeightStore
+
         if self.store is None or self.store.local.root != root:
             self.store = WeightStore(self.store_index, root, self.store_client_id, extra_files_dir=self.model_dir)
         return self.store

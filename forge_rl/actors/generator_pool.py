@@ -282,8 +282,11 @@ class GeneratorPool(Actor):
         placement = self.placements[slot.index]
         host = this_host() if placement.host is None else placement.host
         slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
+        # A simulated generator loads no weights: without the store's handle its process never
+        # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
+        store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
-            slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, self.store_index,
+            slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, store_index,
             slot.store_reader_id, placement.cuda_devices,
         )
         started = await within(

@@ -41,12 +41,13 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import psutil
 
+from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.reaper import Reaper
 from forge_rl.types import Completion, CompletionStatus
@@ -73,6 +74,12 @@ _IN_ENGINE_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
 @dataclass(frozen=True)
 class GeneratorConfig:
+    engine: Literal["vllm", "sim"] = "vllm"
+    """"vllm": the real engine. "sim": a SIMULATED engine with no model (placeholder tokens,
+    decode timed by a GPU-calibrated latency model: forge_rl/engines/simulated.py), for testing the
+    control plane at scale; needs trainer.engine sim too, and never trains anything."""
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    """The simulated engine's latency model and completion lengths (read only with engine sim)."""
     max_new_tokens: int = 4
     """Most tokens sampled per completion; a completion that reaches it without EOS is TRUNCATED."""
     temperature: float = 1.0

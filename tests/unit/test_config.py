@@ -71,6 +71,16 @@ def test_every_shipped_config_parses(config_file):
             "generator:\n  swap_mode: wait\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
             "generator.update_timeout_s (600) is below the generate timeout (900 s) with generator.swap_mode wait",
         ),
+        ("generator:\n  engine: sim\n", "generator.engine (sim) and trainer.engine (torchtitan) must both be sim"),
+        ("trainer:\n  engine: sim\n", "generator.engine (vllm) and trainer.engine (sim) must both be sim"),
+        (
+            "generator:\n  engine: sim\ntrainer:\n  engine: sim\ncheckpoint:\n  enabled: true\n",
+            "a simulated trainer (trainer.engine sim) has no state to checkpoint. Set --checkpoint.enabled false",
+        ),
+        (
+            "generator:\n  engine: sim\n  sim:\n    length_sigma: -1\ntrainer:\n  engine: sim\n",
+            "generator.sim.length_sigma (-1.0) must be >= 0 and finite. Set --generator.sim.length-sigma.",
+        ),
     ],
 )
 def test_invalid_yaml_fails_naming_the_field(tmp_path, yaml_text, message):
@@ -87,6 +97,7 @@ def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
         "group_size: 8\ntrain_batch_size: 96\ntrainer:\n  loss:\n    kl_beta: 0.1\n"
         "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
         "generator:\n  swap_mode: keep\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
+        "generator:\n  engine: sim\ntrainer:\n  engine: sim\n",
     ):
         assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 
@@ -187,3 +198,22 @@ def test_generator_timeouts_are_derived_from_what_a_call_can_legitimately_take()
     assert draining.update_timeout_s == 600 + draining.generate_timeout_s
     explicit = GRPOConfig(generator=GeneratorConfig(generate_timeout_s=5, update_timeout_s=7))
     assert (explicit.generate_timeout_s, explicit.update_timeout_s) == (5, 7)
+
+
+def test_simulated_roles_place_no_compute_threads(tmp_path):
+    """A simulated engine or trainer step is a timed wait: 128 of them fit a 2-core host."""
+    from forge_rl.placement import demand_of
+
+    config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
+    demand = demand_of(config)
+    assert config.simulated and demand.generator_threads == 0 and demand.trainer_threads == 0
+
+
+def test_the_machine_check_lets_128_simulated_generators_run_on_this_host(tmp_path):
+    """The core and KV-memory checks guard real engines; simulated ones use neither."""
+    import dataclasses
+
+    from forge_rl.preflight import check_machine
+
+    config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
+    check_machine(dataclasses.replace(config, num_generators=128, run_dir=tmp_path))

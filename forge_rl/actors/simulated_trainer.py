@@ -1,0 +1,63 @@
+"""A SIMULATED trainer shell (`trainer.engine: sim`): the TrainerActor's endpoints with no model.
+
+Each step waits `SimTrainerConfig.step_s(tokens in the batch)` (forge_rl/engines/simulated.py has
+the calibration) and advances the policy version; nothing is published to the weight store, since
+the simulated generators (`generator.engine: sim`) load no weights, only version numbers. For
+testing the control plane at scale only: it trains nothing, and never replaces the real trainer
+in the demo, the recipes' defaults or the integration tests of the real path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from monarch.actor import Actor, endpoint
+
+from forge_rl import metrics as m
+from forge_rl.errors import ConfigError
+from forge_rl.trainer import TrainerConfig, TrainStepResult
+from forge_rl.types import Episode
+
+
+class SimulatedTrainerActor(Actor):
+    def __init__(self, config: TrainerConfig, *_unused):
+        # Spawned with the TrainerActor's arguments (model_dir, store, ...), which it does not need.
+        self.config = config
+        self.policy_version = 0
+
+    @endpoint
+    async def setup(self) -> dict:
+        return {"trainer_setup_s": 0.0, "pid": os.getpid(), "simulated": True}
+
+    @endpoint
+    async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
+        num_tokens = sum(
+            len(e.prompt_token_ids) * len(e.completions) + e.num_generated_tokens for e in episodes
+        )
+        started = time.perf_counter()
+        await asyncio.sleep(self.config.sim.step_s(num_tokens))
+        self.policy_version += 1
+        metrics = {
+            m.TRAINED_TOKENS: sum(e.num_generated_tokens for e in episodes),
+            m.STEP_SKIPPED: 0,
+            "policy_version": self.policy_version,
+            "simulated": 1,
+            "simulated/step_s": time.perf_counter() - started,
+        }
+        return TrainStepResult(self.policy_version, False, f"simulated://policy-{self.policy_version}", metrics)
+
+    @endpoint
+    async def save_checkpoint(self, path: str) -> dict:
+        raise ConfigError(_NO_CHECKPOINTS)
+
+    @endpoint
+    async def load_checkpoint(self, path: str) -> dict:
+        raise ConfigError(_NO_CHECKPOINTS)
+
+
+_NO_CHECKPOINTS = (
+    "a simulated trainer (trainer.engine sim) has no state to checkpoint. Run it with "
+    "--checkpoint.enabled false, or use trainer.engine torchtitan."
+)
