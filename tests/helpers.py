@@ -77,3 +77,17 @@ def spawn_ranks(fn: Callable[..., None], *args, nprocs: int = 2) -> None:
 def _as_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     os.environ.update(rank_env(rank, world_size, port))
     fn(rank, *args)
+
+
+def described(processes) -> list[str]:
+    """`pid (parent ppid): command line` of each of `psutil` `processes` still there: what a test
+    names when processes outlive what should have stopped them."""
+    import psutil
+
+    names = []
+    for process in processes:
+        try:
+            names.append(f"{process.pid} (parent {process.ppid()}): {' '.join(process.cmdline())[:200]}")
+        except psutil.Error:
+            pass
+    return names

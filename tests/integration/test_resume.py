@@ -40,7 +40,7 @@ from forge_rl.batching import make_train_batch
 from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import spawn_ranks, wait_until
+from tests.helpers import described, spawn_ranks, wait_until
 
 from .test_trainer import _episodes
 
@@ -139,14 +139,6 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
-def _describe(processes: list[psutil.Process]) -> list[str]:
-    described = []
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            described.append(f"{process.pid} (parent {process.ppid()}): {' '.join(process.cmdline())[:160]}")
-    return described
-
-
 def _kill_leftovers(controller: subprocess.Popen, processes: list[psutil.Process]) -> None:
     """Whatever of the run a failed segment left; resource trackers are spared, as they unlink the
     shared memory they track once the processes holding them are gone."""
@@ -154,7 +146,7 @@ def _kill_leftovers(controller: subprocess.Popen, processes: list[psutil.Process
         processes = [*processes, *psutil.Process(controller.pid).children(recursive=True)]
         controller.kill()
     for process in _alive(processes):
-        if not any("resource_tracker" in part for part in _describe([process])):
+        if not any("resource_tracker" in part for part in described([process])):
             process.kill()
 
 
@@ -208,7 +200,7 @@ def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
         controller.wait()
         deadline = killed_at + CLEANUP_BUDGET_S
         _poll(lambda: not _alive(run_processes), deadline)
-        survivors = _describe(_alive(run_processes))
+        survivors = described(_alive(run_processes))
         _poll(lambda: not set(os.listdir(SHM)) - shm_before, deadline)
         left_in_shm = sorted(set(os.listdir(SHM)) - shm_before)
         cleaned_up_s = time.monotonic() - killed_at

@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from forge_rl.checkpoint import newest_complete_checkpoint
-from tests.helpers import wait_until
+from tests.helpers import described, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -61,14 +61,6 @@ def processes_of_session(session_id: int) -> list[psutil.Process]:
             if os.getsid(process.pid) == session_id:
                 found.append(process)
     return found
-
-
-def described(processes: list[psutil.Process]) -> list[str]:
-    names = []
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            names.append(f"{process.pid} {' '.join(process.cmdline())[:200]}")
-    return names
 
 
 def checkpoint_seconds(log_after_signal: str) -> float:
