@@ -42,6 +42,11 @@ class CalculatorEnv:
     async def reset(self) -> str:
         return f"{self.left}*{self.right}="
 
+    def demonstration(self) -> list[str]:
+        """A well-formed episode's turns: the call, then its result copied (the supervised warm-up's
+        material, forge_rl/envs/demonstrations.py)."""
+        return [f"C{self.left}*{self.right}", str(self.left * self.right)]
+
     async def step(self, turn_text: str) -> StepResult:
         text = turn_text.strip()
         if text.startswith("C"):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from forge_rl.envs.calculator import make_calculator_env
+from forge_rl.envs.demonstrations import WarmupConfig
 from forge_rl.envs.environment import Environment, Observation, StepResult
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
@@ -62,6 +63,9 @@ class EnvironmentConfig:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Per-episode limits: turns, total tokens (at most the model's context), tokens per turn,
     malformed turns, seconds per environment call."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up of the from-scratch model on the environment's demonstrations before RL
+    (forge_rl/warmup.py); off unless warmup.episodes > 0."""
 
     def __post_init__(self) -> None:
         if self.name is not None:
