@@ -95,6 +95,7 @@ _BENCHMARKS = {
     "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
+    "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
 }
 
 
@@ -107,7 +108,7 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, sampling_support, soak, staleness, trainer, weight_sync
+    from forge_rl.bench import async_vs_sync, multi_turn, sampling_support, soak, staleness, trainer, weight_sync
     from forge_rl.errors import ConfigError
 
     name = args[0]
@@ -118,6 +119,7 @@ def _run_bench(args: list[str]) -> None:
         "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
+        "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

@@ -37,6 +37,7 @@ from typing import Literal
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.demonstrations import WarmupConfig
 from forge_rl.envs.environment import Environment, Observation, StepResult
+from forge_rl.envs.long_tail import make_long_tail_env
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
@@ -47,7 +48,7 @@ from forge_rl.types import Completion, CompletionStatus
 MakeEnvironment = Callable[[int, int], Environment]
 """make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode)."""
 
-ENVIRONMENTS: dict[str, MakeEnvironment] = {"calculator": make_calculator_env}
+ENVIRONMENTS: dict[str, MakeEnvironment] = {"calculator": make_calculator_env, "long_tail": make_long_tail_env}
 """Environments known by name; any other is given as "package.module:function"."""
 
 
