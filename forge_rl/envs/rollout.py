@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from forge_rl.envs.calculator import make_calculator_env
+from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
 from forge_rl.envs.demonstrations import WarmupConfig
 from forge_rl.envs.environment import Environment, Observation, StepResult
 from forge_rl.envs.long_tail import make_long_tail_env
@@ -48,7 +48,11 @@ from forge_rl.types import Completion, CompletionStatus
 MakeEnvironment = Callable[[int, int], Environment]
 """make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode)."""
 
-ENVIRONMENTS: dict[str, MakeEnvironment] = {"calculator": make_calculator_env, "long_tail": make_long_tail_env}
+ENVIRONMENTS: dict[str, MakeEnvironment] = {
+    "calculator": make_calculator_env,
+    "calculator_no_tool": make_calculator_env_without_tool,
+    "long_tail": make_long_tail_env,
+}
 """Environments known by name; any other is given as "package.module:function"."""
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from forge_rl.config import GRPOConfig
-from forge_rl.envs.calculator import CalculatorEnv, make_calculator_env
+from forge_rl.envs.calculator import CalculatorEnv, make_calculator_env, make_calculator_env_without_tool
+from forge_rl.envs.environment import MalformedTurn
 from forge_rl.envs.demonstrations import WarmupConfig, demonstration_sample
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
@@ -113,3 +114,13 @@ def test_a_warm_up_without_an_environment_or_the_plain_format_is_refused(overrid
 def test_warmup_config_names_the_bad_field():
     with pytest.raises(ValueError, match="environment.warmup.steps"):
         WarmupConfig(steps=0)
+
+
+def test_the_no_tool_baseline_demonstrates_a_bare_answer_and_refuses_calls(tokenizer):
+    renderer = PlainTextRenderer(tokenizer)
+    env = make_calculator_env_without_tool(0, 3)
+    assert (env.left, env.right) == (make_calculator_env(0, 3).left, make_calculator_env(0, 3).right)
+    sample = asyncio.run(demonstration_sample(env, renderer, LIMITS))
+    assert tokenizer.decode(sample.token_ids) == f"{env.left}*{env.right}={env.left * env.right}"
+    with pytest.raises(MalformedTurn):
+        asyncio.run(make_calculator_env_without_tool(0, 3).step("C1*2"))
