@@ -44,7 +44,7 @@ class AsyncVsSyncArgs:
     """Reward whose first crossing (smoothed) is timed in both runs."""
 
 
-def run_mode(base: GRPOConfig, args, mode: str, max_policy_age: int) -> Path:
+def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age: int) -> Path:
     return run_variant(
         base,
         args.out_dir,
@@ -163,10 +163,10 @@ def main(args: AsyncVsSyncArgs) -> dict:
     return summary
 
 
-def run_sync_and_async(args, bench_name: str) -> dict:
+def run_sync_and_async(args: AsyncVsSyncArgs, bench_name: str) -> dict:
     """Run `args.config` synchronously (max_policy_age 0) then asynchronously (args.max_policy_age)
-    into args.out_dir, chart both, and compare them; `args` has AsyncVsSyncArgs' fields (the
-    multi-turn benchmark reuses this on its own workload)."""
+    into args.out_dir, chart both, and compare them (the multi-turn benchmark reuses this on its
+    own workload)."""
     from forge_rl.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.async_vs_sync import run_sync_and_async, write_summary
+from forge_rl.bench.async_vs_sync import AsyncVsSyncArgs, run_sync_and_async, write_summary
 from forge_rl.metrics import (
     ENV_STEP_LATENCY_P50_S,
     ENV_STEP_LATENCY_P99_S,
@@ -30,17 +30,11 @@ from forge_rl.plot import read_metrics
 
 
 @dataclass(frozen=True)
-class MultiTurnArgs:
+class MultiTurnArgs(AsyncVsSyncArgs):
     config: Path = Path("configs/bench_multi_turn_cpu.yaml")
     """Recipe config both modes run: an environment with heavy-tailed turns and latencies."""
-    max_policy_age: int = 2
-    """Staleness bound of the asynchronous run (the synchronous run uses 0)."""
-    steps: int | None = None
-    """Trainer steps per run; unset: the config's."""
     out_dir: Path = Path("runs/bench-multi-turn")
     """Where both run directories, the JSON figures and the charts go."""
-    target_reward: float = 0.9
-    """Reward whose first crossing (smoothed) is timed in both runs."""
 
 
 def environment_figures(run_path: Path) -> dict:
