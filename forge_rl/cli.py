@@ -103,6 +103,7 @@ _BENCHMARKS = {
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
+    "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
 }
 
 
@@ -115,7 +116,9 @@ def _run_bench(args: list[str]) -> None:
         return
     import tyro
 
-    from forge_rl.bench import async_vs_sync, sampling_support, scale, soak, staleness, task_baseline, trainer, weight_sync
+    from forge_rl.bench import (
+        async_vs_sync, multi_turn, sampling_support, scale, soak, staleness, task_baseline, trainer, weight_sync,
+    )
     from forge_rl.errors import ConfigError
 
     name = args[0]
@@ -128,6 +131,7 @@ def _run_bench(args: list[str]) -> None:
         "trainer": (trainer, trainer.TrainerBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
         "scale": (scale, scale.ScaleArgs),
+        "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

@@ -323,6 +323,15 @@ class GRPOConfig:
                 )
 
     def _check_environment(self) -> None:
+        warmup = self.environment.warmup.episodes > 0
+        if warmup and (self.environment.name is None or self.model.path is not None or self.environment.renderer != "plain"):
+            raise ConfigError(
+                f"environment.warmup.episodes ({self.environment.warmup.episodes}) needs an environment "
+                f"(environment.name: {self.environment.name!r}), a from-scratch model (model.path unset: "
+                f"{self.model.path}) and the plain renderer ({self.environment.renderer!r}): the warm-up trains "
+                "the tiny model the run creates, on its plain format. Set --environment.warmup.episodes 0, or "
+                "those fields."
+            )
         if self.environment.name is None:
             return
         max_total_tokens = self.environment.limits.max_total_tokens

@@ -13,6 +13,7 @@ import yaml
 
 from forge_rl.checkpoint import checkpoints_root, newest_complete_checkpoint, read_controller_state
 from forge_rl.config import GRPOConfig
+from forge_rl.metrics import progress
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.preflight import check_machine, check_model_inputs
 from forge_rl.errors import ConfigError
@@ -66,7 +67,16 @@ def create_run_dir(config: GRPOConfig) -> Path:
     try:
         (partial / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
         if config.model.path is None:
-            check_model_inputs(config, create_tiny_model(config.model.tiny, partial / "model"))
+            model_dir = create_tiny_model(config.model.tiny, partial / "model")
+            if config.environment.warmup.episodes:
+                from forge_rl.warmup import warm_up_model  # torch and TorchTitan: only for a warm-up
+
+                figures = warm_up_model(model_dir, config.environment)
+                (partial / "warmup.json").write_text(json.dumps(figures, indent=2) + "\n")
+                progress(f"warm-up: {figures['warmup/episodes']} demonstrations, {figures['warmup/steps']} steps, "
+                         f"loss {figures['warmup/first_loss']:.3f} -> {figures['warmup/final_loss']:.3f}, "
+                         f"{figures['warmup/seconds']:.1f} s")
+            check_model_inputs(config, model_dir)
         if path.exists():
             path.rmdir()  # empty, checked above
         partial.rename(path)

@@ -158,6 +158,15 @@ def plot_reward(runs: dict[str, Path], out: Path) -> None:
 
 
 def main(args: AsyncVsSyncArgs) -> dict:
+    summary = run_sync_and_async(args, "async-vs-sync")
+    write_summary(summary, args.out_dir / "async_vs_sync.json", "async-vs-sync")
+    return summary
+
+
+def run_sync_and_async(args: AsyncVsSyncArgs, bench_name: str) -> dict:
+    """Run `args.config` synchronously (max_policy_age 0) then asynchronously (args.max_policy_age)
+    into args.out_dir, chart both, and compare them (the multi-turn benchmark reuses this on its
+    own workload)."""
     from forge_rl.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
@@ -165,19 +174,23 @@ def main(args: AsyncVsSyncArgs) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
     for mode, max_policy_age in (("sync", 0), ("async", args.max_policy_age)):
-        progress(f"bench async-vs-sync: {mode} run (max_policy_age={max_policy_age})")
+        progress(f"bench {bench_name}: {mode} run (max_policy_age={max_policy_age})")
         runs[mode] = run_mode(base, args, mode, max_policy_age)
     per_mode = {mode: analyze(path, base.num_generators, args.target_reward) for mode, path in runs.items()}
     plot_gantt(runs, args.out_dir / "timeline.png")
     plot_reward(runs, args.out_dir / "reward_vs_time.png")
-    summary = {
+    return {
         **compare(per_mode["sync"], per_mode["async"]),
         "config": str(args.config),
         "max_policy_age_async": args.max_policy_age,
         "sync": per_mode["sync"],
         "async": per_mode["async"],
     }
-    (args.out_dir / "async_vs_sync.json").write_text(json.dumps(summary, indent=2))
+
+
+def write_summary(summary: dict, path: Path, bench_name: str) -> None:
+    from forge_rl.metrics import progress
+
+    path.write_text(json.dumps(summary, indent=2))
     for warning in summary["warnings"]:
-        progress(f"WARNING bench async-vs-sync: {warning}")
-    return summary
+        progress(f"WARNING bench {bench_name}: {warning}")

@@ -7,6 +7,8 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     runner.py        run_episode: one episode within its limits, over any `generate` coroutine
     calculator.py    calculator tool for the tiny models (products of two-digit numbers)
     python_tool.py   Python tool for chat models, running code in the sandbox
+    long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
+    demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/warmup.py)
     sandbox.py       untrusted code in a confined process: what it guarantees and what it does not
 
 On the real engine, the runner's `generate` is `VLLMEngine.generate_turn`

@@ -9,7 +9,8 @@ had to be added to its vocabulary:
     environment: its result   "R1924="         context, never trained
     model: answer             "1924"           a bare number; closes the episode
     environment: error        "E CALL=" (a call that does not parse), "E FORMAT=" (neither a call
-                              nor a number): a malformed turn, answered and counted
+                              nor a number), "E NOTOOL=" (a call in the no-tool baseline,
+                              `calculator_no_tool`): a malformed turn, answered and counted
 
 Reward: 1.0 when the answer is the product, else 0.0; the tool earns nothing by itself. One
 episode with a call, as the tiny model reads it (25 tokens, within its 128):
@@ -30,6 +31,7 @@ _CALL = re.compile(r"C(\d{1,6})([+*-])(\d{1,6})")
 _ANSWER = re.compile(r"-?\d{1,12}")
 MALFORMED_CALL = "E CALL="
 MALFORMED_TURN = "E FORMAT="
+NO_TOOL = "E NOTOOL="
 
 
 @dataclass
@@ -38,13 +40,23 @@ class CalculatorEnv:
 
     left: int
     right: int
+    tool: bool = True
+    """False: the no-tool baseline, the same problem with every call refused (a malformed turn)."""
 
     async def reset(self) -> str:
         return f"{self.left}*{self.right}="
 
+    def demonstration(self) -> list[str]:
+        """A well-formed episode's turns: the call, then its result copied (the supervised warm-up's
+        material, forge_rl/envs/demonstrations.py)."""
+        answer = str(self.left * self.right)
+        return [f"C{self.left}*{self.right}", answer] if self.tool else [answer]
+
     async def step(self, turn_text: str) -> StepResult:
         text = turn_text.strip()
         if text.startswith("C"):
+            if not self.tool:
+                raise MalformedTurn(NO_TOOL)
             return StepResult(observation=f"R{calculate(text)}=")
         if _ANSWER.fullmatch(text):
             return StepResult(done=True, final_reward=float(int(text) == self.left * self.right))
@@ -65,3 +77,11 @@ def make_calculator_env(seed: int, index: int) -> CalculatorEnv:
     index (as forge_rl/tasks/synthetic.make_prompt, so a dataset cursor replays exactly)."""
     rng = random.Random(f"calculator:{seed}:{index}")
     return CalculatorEnv(rng.randrange(10, 100), rng.randrange(10, 100))
+
+
+def make_calculator_env_without_tool(seed: int, index: int) -> CalculatorEnv:
+    """The same problem as `make_calculator_env(seed, index)`, to be answered without the tool: the
+    baseline the calculator recipe is measured against (docs/environments.md)."""
+    env = make_calculator_env(seed, index)
+    env.tool = False
+    return env

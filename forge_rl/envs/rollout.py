@@ -34,8 +34,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from forge_rl.envs.calculator import make_calculator_env
+from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
+from forge_rl.envs.demonstrations import WarmupConfig
 from forge_rl.envs.environment import Environment, Observation, StepResult
+from forge_rl.envs.long_tail import make_long_tail_env
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
@@ -46,7 +48,11 @@ from forge_rl.types import Completion, CompletionStatus
 MakeEnvironment = Callable[[int, int], Environment]
 """make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode)."""
 
-ENVIRONMENTS: dict[str, MakeEnvironment] = {"calculator": make_calculator_env}
+ENVIRONMENTS: dict[str, MakeEnvironment] = {
+    "calculator": make_calculator_env,
+    "calculator_no_tool": make_calculator_env_without_tool,
+    "long_tail": make_long_tail_env,
+}
 """Environments known by name; any other is given as "package.module:function"."""
 
 
@@ -62,6 +68,9 @@ class EnvironmentConfig:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Per-episode limits: turns, total tokens (at most the model's context), tokens per turn,
     malformed turns, seconds per environment call."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up of the from-scratch model on the environment's demonstrations before RL
+    (forge_rl/warmup.py); off unless warmup.episodes > 0."""
 
     def __post_init__(self) -> None:
         if self.name is not None:
