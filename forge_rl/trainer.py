@@ -24,6 +24,7 @@ from forge_rl.batching import TrainBatch
 from forge_rl.engines.simulated import SimTrainerConfig
 from forge_rl.losses.corrections import k3_kl_NL
 from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, token_mean
+from forge_rl.models.lora import LoRAConfig
 from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.models.titan import (
@@ -60,6 +61,8 @@ class TrainerConfig:
     num_threads: int = 1
     """Torch CPU threads per trainer process (torch.set_num_threads)."""
     loss: LossConfig = field(default_factory=LossConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on a frozen base (off by default: full fine-tuning)."""
     """The policy loss (grpo, dr_grpo, dapo, gspo, cispo), its off-policy corrections and KL penalty."""
     max_consecutive_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (weights, optimizer state and policy

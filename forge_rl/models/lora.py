@@ -32,6 +32,8 @@ MLP_TARGETS = ("w1", "w2", "w3")
 
 @dataclass(frozen=True)
 class LoRAConfig:
+    enabled: bool = False
+    """Train low-rank adapters on a frozen base instead of every weight (and sync only the adapters)."""
     rank: int = 16
     """Rank r of every adapter: A is [r, in_features], B is [out_features, r]. At most
     min(in_features, out_features) of each targeted layer (more would add nothing a full update lacks)."""
