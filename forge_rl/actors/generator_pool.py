@@ -42,11 +42,13 @@ import socket
 import time
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+from monarch.actor import (
+    Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, default_bootstrap_cmd, endpoint, this_host,
+)
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.deadlines import within
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.vllm_engine import GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
@@ -281,7 +283,10 @@ class GeneratorPool(Actor):
         slot.incarnation += 1
         placement = self.placements[slot.index]
         host = this_host() if placement.host is None else placement.host
-        slot.procs = host.spawn_procs(per_host={"procs": 1}, name=slot.mesh_name)
+        slot.procs = host.spawn_procs(
+            per_host={"procs": 1}, name=slot.mesh_name,
+            bootstrap_command=default_bootstrap_cmd().with_env(engine_process_env()),
+        )
         # A simulated generator loads no weights: without the store's handle its process never
         # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
         store_index = None if self.config.engine == "sim" else self.store_index

