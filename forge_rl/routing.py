@@ -194,3 +194,17 @@ def routing_differs_NL(a_NLXK: torch.Tensor, b_NLXK: torch.Tensor) -> torch.Tens
     """[N, L] True where the two routings choose a different expert set in any layer (order within
     the top-k ignored)."""
     return (a_NLXK.long().sort(-1).values != b_NLXK.long().sort(-1).values).flatten(-2).any(-1)
+
+
+def keep_routing_metrics(batch) -> dict[str, float]:
+    """Batch-wide Keep Routing coverage of a `TrainBatch`: completions with generated tokens but no
+    record (they fell back to the trainer's own routing) and the fraction of generated tokens with one."""
+    generated_N = batch.loss_mask_NL.any(-1)
+    if batch.routed_NL is None:
+        return {"keep_routing/completions_without_record": float(generated_N.sum()), "keep_routing/routed_token_fraction": 0.0}
+    recorded_N = batch.routed_NL.any(-1)
+    routed = (batch.routed_NL & batch.loss_mask_NL).sum()
+    return {
+        "keep_routing/completions_without_record": float((generated_N & ~recorded_N).sum()),
+        "keep_routing/routed_token_fraction": float(routed) / max(float(batch.loss_mask_NL.sum()), 1.0),
+    }

@@ -1,0 +1,158 @@
+"""Keep Routing (forge_rl/routing.py) on the tiny Qwen3-MoE, one trainer process: the replayed
+forward uses exactly the recorded experts, a record equal to the trainer's own routing changes
+nothing, bad records are refused, completions without one fall back and are counted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from forge_rl.batching import make_train_batch
+from forge_rl.models.moe import last_routing
+from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.routing import RoutingRecord, replay_topk, routing_differs_NL
+from forge_rl.tasks.tokenizer import VOCAB_SIZE
+from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.types import Completion, Episode
+from tests.helpers import rank_env
+
+TINY_MOE = TinyModelConfig(
+    hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
+NUM_LAYERS, TOP_K, NUM_EXPERTS = TINY_MOE.num_layers, TINY_MOE.num_experts_per_tok, TINY_MOE.num_experts
+PROMPT = [1, 14, 9, 7, 40]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return create_tiny_model(TINY_MOE, tmp_path_factory.mktemp("moe") / "model")
+
+
+@pytest.fixture(scope="module")
+def trainer(moe_dir):
+    with pytest.MonkeyPatch.context() as patch:
+        for name in rank_env(rank=0, world_size=1, master_port=0):
+            patch.delenv(name, raising=False)
+        # "pad": one micro-batch whose rows are the batch's rows, so positions compare directly.
+        yield PolicyTrainer(TrainerConfig(keep_routing=True, batching="pad"), moe_dir)
+
+
+def _random_record(num_tokens: int, seed: int, num_layers=NUM_LAYERS, top_k=TOP_K) -> RoutingRecord:
+    """Distinct experts per token and layer, as a router picks them."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand((num_tokens, num_layers, NUM_EXPERTS), generator=generator)
+    return RoutingRecord(scores.topk(top_k, dim=-1).indices.to(torch.uint8))
+
+
+def _episode(records: list[RoutingRecord | None], lengths=(4, 3)) -> Episode:
+    completions = [
+        Completion(
+            token_ids=[(5 * c + 3 * t) % (VOCAB_SIZE - 4) + 4 for t in range(n)], logprobs=[-1.0] * n,
+            policy_versions=[0] * n, reward=float(c), routed_experts=record,
+        )
+        for c, (n, record) in enumerate(zip(lengths, records))
+    ]
+    return Episode(0, "", "", PROMPT, completions)
+
+
+def test_the_replayed_forward_routes_every_recorded_token_through_its_recorded_experts(trainer):
+    records = [_random_record(4, seed=1), _random_record(3, seed=2)]
+    batch = make_train_batch([_episode(records)], pad_id=0)
+    trainer.compute_logprobs(batch)
+    used_NLXK = last_routing(trainer.model)  # pad layout: row n, position p
+    num_prompt = len(PROMPT)
+    for n, record in enumerate(records):
+        # Token t of the completion (sequence position num_prompt + t) was sampled by the pass at
+        # the position before it.
+        used = used_NLXK[n, num_prompt - 1 : num_prompt - 1 + record.num_tokens]
+        assert torch.equal(used.sort(-1).values, record.expert_ids_GXK.long().sort(-1).values)
+    # The prompt but its last token routes normally: as without any record.
+    replayed = used_NLXK[:, : num_prompt - 1].clone()
+    trainer.compute_logprobs(dataclasses.replace(batch, routed_experts_NLXK=None, routed_NL=None))
+    assert torch.equal(replayed, last_routing(trainer.model)[:, : num_prompt - 1])
+
+
+def test_a_record_of_the_trainers_own_routing_changes_no_logprob(trainer):
+    """The gate weights of replayed tokens are recomputed with the router's own formula, so
+    replaying the router's own choice is the unreplayed forward, to float rounding."""
+    batch = make_train_batch([_episode([None, None])], pad_id=0)
+    free = trainer.compute_logprobs(batch)
+    own_NLXK = last_routing(trainer.model)
+    num_prompt = len(PROMPT)
+    records = [
+        RoutingRecord(own_NLXK[n, num_prompt - 1 : num_prompt - 1 + length].to(torch.uint8)) for n, length in enumerate((4, 3))
+    ]
+    replayed = trainer.compute_logprobs(make_train_batch([_episode(records)], pad_id=0))
+    torch.testing.assert_close(replayed, free, rtol=0, atol=1e-6)
+    # and a foreign record does change them
+    foreign = trainer.compute_logprobs(make_train_batch([_episode([_random_record(4, 3), _random_record(3, 4)])], pad_id=0))
+    assert (foreign - free).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (_random_record(4, 5, num_layers=NUM_LAYERS + 1), "3 MoE layers x top-2 experts per token, but the model has 2"),
+        (_random_record(4, 5, top_k=TOP_K + 1), "2 MoE layers x top-3 experts per token, but the model has 2 MoE layers x top-2"),
+        (RoutingRecord(torch.full((4, NUM_LAYERS, TOP_K), NUM_EXPERTS, dtype=torch.uint8)), "names expert 8, but the model has 8 experts"),
+    ],
+)
+def test_a_record_that_does_not_fit_the_model_is_refused(trainer, record, message):
+    batch = make_train_batch([_episode([record, None])], pad_id=0)
+    with pytest.raises(ValueError, match=message):
+        trainer.compute_logprobs(batch)
+
+
+def test_completions_without_a_record_route_normally_and_are_counted(trainer):
+    batch = make_train_batch([_episode([_random_record(4, 6), None])], pad_id=0)
+    metrics = trainer.train_step(batch)
+    assert metrics["keep_routing/completions_without_record"] == 1.0
+    assert metrics["keep_routing/routed_token_fraction"] == pytest.approx(4 / 7)
+
+
+def test_keep_routing_is_refused_on_a_dense_model_and_with_what_it_cannot_replay(tmp_path):
+    dense_dir = create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "dense")
+    with pytest.raises(ValueError, match="dense model"):
+        PolicyTrainer(TrainerConfig(keep_routing=True), dense_dir)
+    with pytest.raises(ValueError, match="--trainer.activation-checkpointing none"):
+        TrainerConfig(keep_routing=True, activation_checkpointing="full")
+
+
+def test_the_record_travels_compactly_through_a_checkpoint_and_must_cover_the_generated_tokens():
+    record = _random_record(4, seed=7)
+    assert record.expert_ids_GXK.dtype == torch.uint8 and record.bytes_per_token == NUM_LAYERS * TOP_K
+    episode = _episode([record, None])
+    restored = Episode.from_dict(episode.to_dict())
+    assert torch.equal(restored.completions[0].routed_experts.expert_ids_GXK, record.expert_ids_GXK)
+    assert restored.completions[1].routed_experts is None
+    with pytest.raises(ValueError, match="3 tokens' routing for 4 generated tokens"):
+        Completion([4, 5, 6, 7], [0.0] * 4, [0] * 4, routed_experts=_random_record(3, 8))
+
+
+def test_replayed_gate_weights_are_the_softmax_over_the_recorded_experts():
+    logits_BLE = torch.randn(1, 3, 8)
+    scores_BLE = logits_BLE.softmax(-1)
+    own_scores, own_ids = scores_BLE.topk(2, dim=-1)
+    recorded = torch.tensor([[[0, 1], [2, 3], [4, 5]]])
+    weights, ids = replay_topk(scores_BLE, own_ids, own_scores, recorded, torch.tensor([[True, False, True]]), True, 1.0)
+    assert torch.equal(ids[0, [0, 2]], recorded[0, [0, 2]]) and torch.equal(ids[0, 1], own_ids[0, 1])
+    torch.testing.assert_close(weights[0, 0], logits_BLE[0, 0, [0, 1]].softmax(-1))
+    torch.testing.assert_close(weights[0, 1], own_scores[0, 1])  # not replayed: the router's own
+    assert routing_differs_NL(recorded[..., None, :], recorded.flip(-1)[..., None, :]).sum() == 0
+
+
+@pytest.mark.parametrize("mode", ["bucket", "pack"])
+def test_every_batching_layout_replays_the_same_routing(trainer, mode):
+    from forge_rl.packing import layout_token_logprobs, plan_microbatches
+
+    batch = make_train_batch([_episode([_random_record(4, 9), _random_record(3, 10)])], pad_id=0)
+    padded = trainer.compute_logprobs(batch)
+    lengths = batch.row_lengths
+    laid_out = layout_token_logprobs(
+        trainer._logits, batch.input_ids_NL, lengths, plan_microbatches(lengths, mode),
+        routing=(batch.routed_experts_NLXK, batch.routed_NL),
+    )
+    torch.testing.assert_close(laid_out.detach(), padded, rtol=0, atol=1e-5)
