@@ -33,7 +33,8 @@ Worked example (2 MoE layers, top-2 of 8 experts, prompt of 3 tokens, completion
          [[3, 5], [7, 2]]],     # token 2 (EOS): the routing at position 3 (token 9's)
         dtype=torch.uint8)))
 
-No TorchTitan and no vLLM here: the trainer's router (forge_rl/models/moe.py) and the generator's
+No TorchTitan and no vLLM here, and torch only inside functions (forge_rl/types.py imports this
+module, and environments import types without torch): the trainer's router (forge_rl/models/moe.py) and the generator's
 capture hook (forge_rl/engines/routing_capture.py) call into it.
 """
 
@@ -41,12 +42,15 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def expert_id_dtype(num_experts: int) -> torch.dtype:
     """The smallest integer type holding expert ids 0..num_experts-1."""
+    import torch
     if 1 <= num_experts <= 256:
         return torch.uint8
     if num_experts <= 2**15:
@@ -63,6 +67,7 @@ class RoutingRecord:
     rank among the token's top-k (the order within K carries no meaning)."""
 
     def __post_init__(self) -> None:
+        import torch
         ids = self.expert_ids_GXK
         if ids.dim() != 3 or ids.dtype not in (torch.uint8, torch.int16):
             raise ValueError(
@@ -97,6 +102,7 @@ class RoutingRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> "RoutingRecord":
+        import torch
         raw = bytearray(base64.b64decode(data["data"]))
         dtype = getattr(torch, data["dtype"])
         ids = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
@@ -105,6 +111,7 @@ class RoutingRecord:
     @classmethod
     def concat(cls, records: list["RoutingRecord"]) -> "RoutingRecord":
         """The records of consecutive pieces (turns, or a request resumed after an abort) as one."""
+        import torch
         return cls(torch.cat([r.expert_ids_GXK for r in records]))
 
 
@@ -144,6 +151,7 @@ def batch_routing(
     """([N, L, X, K] expert ids, [N, L] bool "has a record") of a batch's rows; None when no row has
     a record. Row n's record fills its generated positions in order (`generated[n]`, [L_n] over
     the row's tokens, prompt included); a row without a record routes normally everywhere."""
+    import torch
     present = [r for r in records if r is not None]
     if not present:
         return None
@@ -182,6 +190,7 @@ def replay_topk(
     `route_scale`: the same formula the router applies to its own top-k, so a token whose recorded
     experts are the router's own gets exactly the router's weights.
     """
+    import torch
     mask_BL1 = replay_mask_BL.unsqueeze(-1)
     ids_BLK = torch.where(mask_BL1, replay_ids_BLK.long(), expert_ids_BLK)
     picked_BLK = scores_BLE.gather(-1, ids_BLK)

@@ -156,3 +156,22 @@ def test_every_batching_layout_replays_the_same_routing(trainer, mode):
         routing=(batch.routed_experts_NLXK, batch.routed_NL),
     )
     torch.testing.assert_close(laid_out.detach(), padded, rtol=0, atol=1e-5)
+
+
+def test_the_capture_keeps_the_row_that_sampled_each_token_per_request_and_child():
+    from forge_rl.engines.routing_capture import RoutingCapture
+
+    capture = RoutingCapture(num_layers=2, top_k=1, num_experts=8)
+    rows = lambda *ids: [torch.tensor([[i] for i in ids]), torch.tensor([[i + 1] for i in ids])]  # noqa: E731
+    # Step 1: prefill of a 3-token prompt for two children (prompt positions 0..2 each).
+    capture.add_step(["0_gen-1-abcd1234", "1_gen-1-abcd1234"], [3, 3], [3, 3], torch.tensor([0, 1, 2, 0, 1, 2]), rows(0, 1, 2, 3, 4, 5))
+    # Step 2: one decode row each (position 3); then child 0 recomputes position 3 (ignored: first row wins).
+    capture.add_step(["0_gen-1-abcd1234", "1_gen-1-abcd1234"], [1, 1], [3, 3], torch.tensor([3, 3, 99]), rows(6, 7, 0))
+    capture.add_step(["0_gen-1-abcd1234"], [1], [3], torch.tensor([3]), rows(0))
+    records = capture.take("gen-1", {0: 2, 1: 2})
+    assert records[0].expert_ids_GXK[:, :, 0].tolist() == [[2, 3], [6, 7]]
+    assert records[1].expert_ids_GXK[:, :, 0].tolist() == [[5, 6], [7, 8]]
+    assert capture.num_requests == 0
+    # A completion whose rows have a gap gets no record (the trainer routes it and counts it).
+    capture.add_step(["gen-2-abcd1234"], [1], [3], torch.tensor([2]), rows(1))
+    assert capture.take("gen-2", {0: 2}) == {}
