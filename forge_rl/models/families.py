@@ -1,6 +1,7 @@
 """Which Hugging Face checkpoints the TorchTitan trainer can train, and how each family is built.
 
-`FAMILIES` has one row per TorchTitan model family: the config.json `architectures` it serves,
+`FAMILIES` has one row per TorchTitan model family (Qwen3-MoE is the qwen3 row with MoE blocks,
+forge_rl/models/moe.py): the config.json `architectures` it serves,
 the TorchTitan classes that rebuild it (model, block, RoPE flavour), the state-dict adapter that
 renames HF weights, the parallelize function, and the config.json values it can represent.
 Adding a dense family that TorchTitan already ships is one more row, not another branch.
