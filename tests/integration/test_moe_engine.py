@@ -24,10 +24,8 @@ pytestmark = pytest.mark.integration
 NUM_SAMPLES, NUM_NEW_TOKENS = 4, 6
 
 
-@pytest.fixture(scope="module")
-def sampled(tmp_path_factory):
-    """(model dir, an episode of 4 completions of 6 tokens sampled by vLLM with routing recorded)."""
-    model_dir = create_tiny_model(TINY_MOE, tmp_path_factory.mktemp("moe") / "model")
+def _sample(model_dir) -> Episode:
+    """An episode of 4 completions of 6 tokens sampled by vLLM with routing recorded."""
     engine = VLLMEngine(GeneratorConfig(max_new_tokens=NUM_NEW_TOKENS, record_routing=True))
     loop = asyncio.new_event_loop()
     try:
@@ -36,7 +34,13 @@ def sampled(tmp_path_factory):
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
-    return model_dir, Episode(0, "", "", PROMPT, completions)
+    return Episode(0, "", "", PROMPT, completions)
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    model_dir = create_tiny_model(TINY_MOE, tmp_path_factory.mktemp("moe") / "model")
+    return model_dir, _sample(model_dir)
 
 
 def test_the_cpu_hook_records_every_generated_token_at_every_moe_layer(sampled):
@@ -66,15 +70,6 @@ def test_vllm_and_torchtitan_agree_on_logprobs_and_on_the_routing_that_sampled_e
 @pytest.mark.gpu
 def test_vllms_own_routed_experts_become_the_record_on_gpu(tmp_path):
     """On GPU the record comes from vLLM (enable_return_routed_experts), not forge_rl's hook."""
-    model_dir = create_tiny_model(TINY_MOE, tmp_path / "model")
-    engine = VLLMEngine(GeneratorConfig(max_new_tokens=NUM_NEW_TOKENS, record_routing=True))
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(engine.start(model_dir, max_model_len=64))
-        completions = loop.run_until_complete(engine.generate(PROMPT, NUM_SAMPLES, eos_id=None))
-    finally:
-        loop.run_until_complete(engine.shutdown())
-        loop.close()
-    for completion in completions:
+    for completion in _sample(create_tiny_model(TINY_MOE, tmp_path / "model")).completions:
         assert completion.routed_experts is not None
         assert completion.routed_experts.expert_ids_GXK.shape == (NUM_NEW_TOKENS, NUM_LAYERS, TOP_K)
