@@ -245,6 +245,7 @@ class GRPOConfig:
         self._check_environment()
         self._check_timeouts()
         self._check_simulation()
+        self._check_keep_routing()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -391,6 +392,14 @@ class GRPOConfig:
             raise ConfigError(
                 "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "
                 "checkpoint. Set --checkpoint.enabled false."
+            )
+
+    def _check_keep_routing(self) -> None:
+        if self.trainer.keep_routing and not self.generator.record_routing:
+            raise ConfigError(
+                "trainer.keep_routing is on but generator.record_routing is off: no completion would carry a "
+                "routing record, so every one would fall back to the trainer's own routing. Set "
+                "--generator.record-routing True, or --trainer.keep-routing False."
             )
 
     @property

@@ -152,7 +152,8 @@ class GeneratorConfig:
     """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
     generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
     On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
-    captures them (forge_rl/engines/routing_capture.py). Single-turn `generate` only for now."""
+    captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
+    turn (`GeneratedSpan.routed_experts`)."""
     start_timeout_s: float = 900.0
     """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
     before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
@@ -431,7 +432,9 @@ class VLLMEngine:
         while turn is None or turn.num_tokens < max_tokens:
             sampled_so_far = [] if turn is None else turn.token_ids
             epoch = self._abort_epoch
-            params = self._sampling_params(1, eos_id, max_tokens - len(sampled_so_far))
+            params = self._sampling_params(
+                1, eos_id, max_tokens - len(sampled_so_far), len(prefix_token_ids) + len(sampled_so_far)
+            )
             output = (await self._request(prefix_token_ids + sampled_so_far, params)).outputs[0]
             piece = self._completion(output)
             turn = piece if turn is None else _join(turn, piece)
@@ -444,7 +447,9 @@ class VLLMEngine:
                 )
             # An abort-mode swap: resubmit prefix + tokens so far; the rest carries the new version.
         finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
-        return SampledTurn(turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support)
+        return SampledTurn(
+            turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts
+        )
 
     @property
     def _num_support_logprobs(self) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from forge_rl.batching import make_train_batch
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.envs.runner import SampledTurn
 from forge_rl.models.moe import last_routing
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.routing import routing_differs_NL
@@ -24,27 +25,30 @@ pytestmark = pytest.mark.integration
 NUM_SAMPLES, NUM_NEW_TOKENS = 4, 6
 
 
-def _sample(model_dir) -> Episode:
-    """An episode of 4 completions of 6 tokens sampled by vLLM with routing recorded."""
+def _sample(model_dir) -> tuple[Episode, SampledTurn]:
+    """An episode of 4 completions of 6 tokens sampled by vLLM with routing recorded, and a turn of
+    3 tokens continuing the first (the multi-turn path, `generate_turn`)."""
     engine = VLLMEngine(GeneratorConfig(max_new_tokens=NUM_NEW_TOKENS, record_routing=True))
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(engine.start(model_dir, max_model_len=64))
         completions = loop.run_until_complete(engine.generate(PROMPT, NUM_SAMPLES, eos_id=None))
+        turn = loop.run_until_complete(engine.generate_turn(PROMPT + completions[0].token_ids, 3, eos_id=None))
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
-    return Episode(0, "", "", PROMPT, completions)
+    return Episode(0, "", "", PROMPT, completions), turn
 
 
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
     model_dir = create_tiny_model(TINY_MOE, tmp_path_factory.mktemp("moe") / "model")
-    return model_dir, _sample(model_dir)
+    return model_dir, *_sample(model_dir)
 
 
 def test_the_cpu_hook_records_every_generated_token_at_every_moe_layer(sampled):
-    _, episode = sampled
+    _, episode, turn = sampled
+    assert turn.routed_experts is not None and turn.routed_experts.expert_ids_GXK.shape == (3, NUM_LAYERS, TOP_K)
     for completion in episode.completions:
         record = completion.routed_experts
         assert record is not None and record.expert_ids_GXK.shape == (NUM_NEW_TOKENS, NUM_LAYERS, TOP_K)
@@ -55,7 +59,7 @@ def test_the_cpu_hook_records_every_generated_token_at_every_moe_layer(sampled):
 
 
 def test_vllm_and_torchtitan_agree_on_logprobs_and_on_the_routing_that_sampled_each_token(sampled, single_process):
-    model_dir, episode = sampled
+    model_dir, episode, _ = sampled
     batch = make_train_batch([episode], pad_id=0)
     trainer = PolicyTrainer(TrainerConfig(batching="pad"), model_dir)
     logprobs = trainer.compute_logprobs(batch)
@@ -70,6 +74,8 @@ def test_vllm_and_torchtitan_agree_on_logprobs_and_on_the_routing_that_sampled_e
 @pytest.mark.gpu
 def test_vllms_own_routed_experts_become_the_record_on_gpu(tmp_path):
     """On GPU the record comes from vLLM (enable_return_routed_experts), not forge_rl's hook."""
-    for completion in _sample(create_tiny_model(TINY_MOE, tmp_path / "model")).completions:
+    episode, turn = _sample(create_tiny_model(TINY_MOE, tmp_path / "model"))
+    assert turn.routed_experts is not None
+    for completion in episode.completions:
         assert completion.routed_experts is not None
         assert completion.routed_experts.expert_ids_GXK.shape == (NUM_NEW_TOKENS, NUM_LAYERS, TOP_K)

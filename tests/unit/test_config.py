@@ -72,6 +72,11 @@ def test_every_shipped_config_parses(config_file):
             "generator.update_timeout_s (600) is below the generate timeout (900 s) with generator.swap_mode wait",
         ),
         ("generator:\n  engine: sim\n", "generator.engine (sim) and trainer.engine (torchtitan) must both be sim"),
+        ("trainer:\n  keep_routing: true\n", "trainer.keep_routing is on but generator.record_routing is off"),
+        (
+            "trainer:\n  keep_routing: true\n  activation_checkpointing: full\n",
+            "trainer.keep_routing cannot run with trainer.activation_checkpointing ('full')",
+        ),
         ("trainer:\n  engine: sim\n", "generator.engine (vllm) and trainer.engine (sim) must both be sim"),
         (
             "generator:\n  engine: sim\ntrainer:\n  engine: sim\ncheckpoint:\n  enabled: true\n",

@@ -175,3 +175,26 @@ def test_the_capture_keeps_the_row_that_sampled_each_token_per_request_and_child
     # A completion whose rows have a gap gets no record (the trainer routes it and counts it).
     capture.add_step(["gen-2-abcd1234"], [1], [3], torch.tensor([2]), rows(1))
     assert capture.take("gen-2", {0: 2}) == {}
+
+
+def test_a_trajectorys_turn_records_join_into_one_and_land_on_its_generated_tokens_only():
+    from forge_rl.envs.rollout import trajectory_completion
+    from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
+
+    first, second = _random_record(2, seed=11), _random_record(1, seed=12)
+    spans = [
+        ContextSpan((1, 7, 40)), GeneratedSpan((16, 2), (-0.5, -0.1), (0, 0), None, first),
+        ContextSpan((31, 40)), GeneratedSpan((5,), (-0.2,), (0,), None, second),
+    ]
+    trajectory = Trajectory(
+        samples=[TrajectorySample(spans)], status=TrajectoryStatus.DONE, final_reward=1.0, turn_rewards=[None, None],
+        conversation=[], num_turns=2, num_malformed_turns=0, env_latencies_s=[],
+    )
+    completion = trajectory_completion(trajectory)
+    assert torch.equal(completion.routed_experts.expert_ids_GXK, torch.cat([first.expert_ids_GXK, second.expert_ids_GXK]))
+    batch = make_train_batch([Episode(0, "", "", [], [completion, dataclasses.replace(completion, routed_experts=None)])], pad_id=0)
+    assert batch.routed_NL[0].tolist() == [False, False, False, True, True, False, False, True]
+    assert torch.equal(batch.routed_experts_NLXK[0, 7], second.expert_ids_GXK[0])
+    assert not batch.routed_NL[1].any()
+    with pytest.raises(ValueError, match="disagree in length"):
+        GeneratedSpan((16, 2), (-0.5, -0.1), (0, 0), None, second)
