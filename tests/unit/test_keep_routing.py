@@ -198,3 +198,17 @@ def test_a_trajectorys_turn_records_join_into_one_and_land_on_its_generated_toke
     assert not batch.routed_NL[1].any()
     with pytest.raises(ValueError, match="disagree in length"):
         GeneratedSpan((16, 2), (-0.5, -0.1), (0, 0), None, second)
+
+
+def test_expert_parallelism_is_validated_against_the_ranks_and_the_expert_count(moe_dir, tmp_path):
+    from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
+
+    hf_config = read_hf_config(moe_dir)
+    validate_parallelism(ParallelConfig(dp_shard=2, ep=2), 2, hf_config)
+    with pytest.raises(ValueError, match=r"trainer.parallel.ep \(4\) must divide .* = 2 .* 8 experts per layer. Set --trainer.parallel.ep to one of \[1, 2\]"):
+        validate_parallelism(ParallelConfig(dp_shard=2, ep=4), 2, hf_config)
+    with pytest.raises(ValueError, match=r"experts per layer"):
+        validate_parallelism(ParallelConfig(dp_shard=3, ep=3), 3, hf_config)
+    dense = read_hf_config(create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"needs a mixture-of-experts model"):
+        validate_parallelism(ParallelConfig(dp_shard=2, ep=2), 2, dense)
