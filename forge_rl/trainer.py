@@ -371,7 +371,10 @@ class PolicyTrainer:
         from torchtitan.distributed.utils import clip_grad_norm_
 
         params = list(self.model.parameters())
-        return clip_grad_norm_(params, self.config.max_grad_norm, foreach=True).item()
+        # Under EP the expert gradients live on another mesh than the rest: TorchTitan norms each
+        # group over its own mesh, then combines them.
+        ep_enabled = self.config.parallel.ep > 1
+        return clip_grad_norm_(params, self.config.max_grad_norm, foreach=True, ep_enabled=ep_enabled).item()
 
     def _skip_step(self, metrics: dict, reason: str, start: float) -> dict:
         """Leave weights, optimizer and version as they are; raise after too many skips in a row."""
