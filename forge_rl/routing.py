@@ -134,7 +134,7 @@ class RoutingShape:
                 f"{where}: the routing record has {layers} MoE layers x top-{top_k} experts per token, but the "
                 f"model has {self.num_layers} MoE layers x top-{self.top_k}. The record was sampled by another "
                 "model (check generator and trainer load the same checkpoint), or switch Keep Routing off "
-                "(--trainer.keep-routing False)."
+                "(--trainer.no-keep-routing)."
             )
         if expert_ids_XK_last.numel() and int(expert_ids_XK_last.max()) >= self.num_experts:
             raise ValueError(

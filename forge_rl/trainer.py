@@ -119,13 +119,13 @@ def _check_keep_routing(config: TrainerConfig) -> None:
         raise ValueError(
             "trainer.keep_routing cannot run with trainer.activation_checkpointing "
             f"({config.activation_checkpointing!r}): the recomputation in the backward pass would route without "
-            "the replay. Set --trainer.activation-checkpointing none or --trainer.keep-routing False."
+            "the replay. Set --trainer.activation-checkpointing none or --trainer.no-keep-routing."
         )
     if config.parallel.tp > 1:
         raise ValueError(
             f"trainer.keep_routing does not support trainer.parallel.tp ({config.parallel.tp}) > 1 yet: under "
             "sequence parallelism each rank routes a slice of the positions. Use data parallelism "
-            "(--trainer.parallel.dp-shard) or --trainer.keep-routing False."
+            "(--trainer.parallel.dp-shard) or --trainer.no-keep-routing."
         )
 
 
@@ -204,7 +204,7 @@ class PolicyTrainer:
         if "num_experts_per_tok" not in hf_config:
             raise ValueError(
                 f"trainer.keep_routing is on but {model_dir} is a dense model ({hf_config.get('architectures')}): "
-                "there is no routing to keep. Set --trainer.keep-routing False."
+                "there is no routing to keep. Set --trainer.no-keep-routing."
             )
         return routing_shape(hf_config)
 

@@ -3,10 +3,11 @@ mixture-of-experts policy, with and without Keep Routing (forge_rl/routing.py), 
 routing record costs.
 
 One tiny Qwen3-MoE from scratch (`TinyModelConfig` with experts). vLLM samples a GRPO batch of the
-task (version 0) with routing recorded (generator.record_routing, the CPU capture hook). Then one
-trainer process measures the batch at staleness 0, takes an optimizer step on it (Keep Routing
-on), measures again at staleness 1, and so on up to `max_staleness`. At each staleness, over the
-generated tokens:
+task (version 0) with routing recorded (generator.record_routing, the CPU capture hook), in
+bfloat16 by default while the trainer computes in float32: the numerics gap between a GPU
+generator and its trainer, which is what flips routings at equal weights. Then one trainer process
+measures the batch at staleness 0, takes an optimizer step on it (Keep Routing on), measures again
+at staleness 1, and so on up to `max_staleness`. At each staleness, over the generated tokens:
 
     mismatch_kl              token mean of k3 KL between trainer and behaviour logprobs (what
                              the trainer logs as mismatch_kl), with and without the replay
@@ -14,9 +15,11 @@ generated tokens:
     routing_differs_fraction tokens whose sampling pass the trainer routes, left alone, to another
                              expert set than the record in at least one layer
 
-`mismatch_kl_ratio` is with over without at the same staleness; the headline is its mean over
-staleness 1..max_staleness (at staleness 0 both sides are fp32 on CPU and route identically, so
-both KLs are float noise). `routing_bytes_per_token` is the record's size per generated token.
+`mismatch_kl_ratio` is with over without at the same staleness; the headline is staleness 0 (the
+training-inference mismatch Keep Routing is for), `mismatch_kl_ratio_stale` the mean over
+1..max_staleness, where the weights themselves have moved. With `--generator-dtype float32` both
+sides compute the same function on CPU and route identically at staleness 0 (both KLs are 0).
+`routing_bytes_per_token` is the record's size per generated token.
 Reward curves with and without need two GRPO runs (`forge-rl grpo` with
 --trainer.keep-routing on and off); this benchmark does not run them. Figures go to
 OUT_DIR/keep_routing.json; the last stdout line is the JSON summary.
@@ -30,6 +33,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from forge_rl.models.tiny import TinyModelConfig
 
@@ -54,6 +58,8 @@ class KeepRoutingArgs:
     """Trainer learning rate (the demo's)."""
     seed: int = 0
     """Model initialization and sampling seed."""
+    generator_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """vLLM's dtype (generator.dtype); the trainer computes in float32."""
     out_dir: Path = Path("runs/bench-keep-routing")
     """Where the model and keep_routing.json go."""
 
@@ -68,7 +74,9 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
 
     task, tokenizer = TaskConfig(), PromptTokenizer(model_dir)
     reward_fn = resolve_reward_fn(task.reward)
-    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed))
+    engine = VLLMEngine(GeneratorConfig(
+        max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed, dtype=args.generator_dtype
+    ))
     loop = asyncio.new_event_loop()
     episodes = []
     try:
@@ -107,7 +115,9 @@ def _measure(trainer, batch) -> dict[str, float]:
             differs_NL = routing_differs_NL(own_NLXK, batch.routed_experts_NLXK[:, 1:])
             recorded_NL = batch.routed_NL[:, 1:] & mask_NL[:, 1:]
             out["routing_differs_fraction"] = differs_NL[recorded_NL].float().mean().item()
-    out["mismatch_kl_ratio"] = out["mismatch_kl_with"] / max(out["mismatch_kl_without"], 1e-30)
+    # No mismatch to remove (an fp32 generator at staleness 0): no ratio.
+    without = out["mismatch_kl_without"]
+    out["mismatch_kl_ratio"] = out["mismatch_kl_with"] / without if without > 0 else None
     return out
 
 
@@ -133,13 +143,17 @@ def main(args: KeepRoutingArgs) -> dict:
     per_staleness = []
     for staleness in range(args.max_staleness + 1):
         measured = {"staleness": staleness, **_measure(trainer, batch)}
-        progress("bench keep-routing: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items()))
+        progress("bench keep-routing: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items() if v is not None))
         per_staleness.append(measured)
         if staleness < args.max_staleness:
             trainer.train_step(batch)
-    stale = [m["mismatch_kl_ratio"] for m in per_staleness if m["staleness"] > 0] or [per_staleness[0]["mismatch_kl_ratio"]]
+    stale = [m["mismatch_kl_ratio"] for m in per_staleness if m["staleness"] > 0 and m["mismatch_kl_ratio"] is not None]
     summary = {
-        "mismatch_kl_ratio": statistics.mean(stale),
+        "mismatch_kl_ratio": per_staleness[0]["mismatch_kl_ratio"],
+        "mismatch_kl_ratio_stale": statistics.mean(stale) if stale else None,
+        "mismatch_kl_without": per_staleness[0]["mismatch_kl_without"],
+        "mismatch_kl_with": per_staleness[0]["mismatch_kl_with"],
+        "generator_dtype": args.generator_dtype,
         "routing_bytes_per_token": record.bytes_per_token,
         "routing_differs_fraction_max": max(m["routing_differs_fraction"] for m in per_staleness),
         "num_generated_tokens": batch.num_generated_tokens,

@@ -148,6 +148,10 @@ class GeneratorConfig:
     """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
     past it the generator is replaced the same way, and its replacement loads the newest version
     itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype of the engine. "auto": bfloat16 on GPU, float32 on CPU (where it
+    matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
+    against an fp32 trainer (`forge-rl bench keep-routing`)."""
     record_routing: bool = False
     """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
     generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
@@ -304,7 +308,7 @@ class VLLMEngine:
             model=str(model_dir),
             skip_tokenizer_init=True,
             # bf16 on CPU would make behaviour logprobs disagree with the fp32 trainer.
-            dtype="bfloat16" if on_gpu else "float32",
+            dtype=self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
             max_model_len=max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
