@@ -263,6 +263,15 @@ class PolicyTrainer:
         self._routing_shape.check(shard.routed_experts_NLXK, "trainer.keep_routing")
         return shard.routed_experts_NLXK, shard.routed_NL
 
+    def _keep_routing_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        """Record coverage of the batch, and over the step's replayed (token, MoE layer) pairs the
+        fraction whose recorded experts differ from the trainer's own choice: the routing mismatch
+        Keep Routing removed (`keep_routing/overridden_fraction`)."""
+        from forge_rl.models.moe import take_replay_counts
+
+        replayed, overridden = self._dp_reduce(list(take_replay_counts(self.model)), dist.ReduceOp.SUM)
+        return keep_routing_metrics(batch) | {"keep_routing/overridden_fraction": overridden / max(replayed, 1.0)}
+
     def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         """Element-wise reduction over data-parallel ranks (identity on one rank)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -344,7 +353,7 @@ class PolicyTrainer:
         metrics["num_tokens"] = float(batch.num_generated_tokens)
         metrics.update(self._layout_metrics(layout_counts))
         if self._routing_shape is not None:
-            metrics.update(keep_routing_metrics(batch))
+            metrics.update(self._keep_routing_metrics(batch))
         if not math.isfinite(metrics["loss"]):
             return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
         loss.backward()

@@ -26,7 +26,7 @@ from torchtitan.models.common.config_utils import make_moe_config, make_routed_e
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
 
-from forge_rl.routing import RoutingShape, replay_topk
+from forge_rl.routing import RoutingShape, replay_topk, routing_differs_NL
 
 
 class ReplayRouter(TokenChoiceTopKRouter):
@@ -42,6 +42,10 @@ class ReplayRouter(TokenChoiceTopKRouter):
         """(recorded expert ids [B, L, K], [B, L] bool: has a record) for the next forward passes."""
         self.last_expert_ids_BLK: torch.Tensor | None = None
         """The experts the last forward pass used (detached)."""
+        self.num_replayed = 0
+        """Tokens replayed since `take_replay_counts`."""
+        self.num_overridden = 0
+        """Of those, tokens whose own top-k the record replaced by another expert set."""
 
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         topk_scores_BLK, expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
@@ -52,11 +56,16 @@ class ReplayRouter(TokenChoiceTopKRouter):
                     f"routing replay of shape {tuple(replay_ids_BLK.shape)} for a forward of {tuple(expert_ids_BLK.shape)} "
                     "(rows, positions, top_k)"
                 )
+            own_ids_BLK = expert_ids_BLK
+            replay_mask_BL = replay_mask_BL.to(expert_ids_BLK.device)
             topk_scores_BLK, expert_ids_BLK = replay_topk(
-                scores_BLE, expert_ids_BLK, topk_scores_BLK,
-                replay_ids_BLK.to(expert_ids_BLK.device), replay_mask_BL.to(expert_ids_BLK.device),
+                scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
                 self.route_norm, self.route_scale,
             )
+            with torch.no_grad():
+                differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
+                self.num_replayed += int(replay_mask_BL.sum())
+                self.num_overridden += int((differs_BL & replay_mask_BL).sum())
         self.last_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
@@ -136,6 +145,16 @@ def routing_replay(model, expert_ids_BLXK: torch.Tensor, replay_mask_BL: torch.T
     finally:
         for router in routers:
             router.replay = None
+
+
+def take_replay_counts(model) -> tuple[int, int]:
+    """(token-layer pairs replayed, of which the router alone would have chosen other experts)
+    since the last call, over every MoE layer; the counters restart at 0."""
+    routers = replay_routers(model)
+    counts = sum(r.num_replayed for r in routers), sum(r.num_overridden for r in routers)
+    for router in routers:
+        router.num_replayed = router.num_overridden = 0
+    return counts
 
 
 def last_routing(model) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from forge_rl.batching import make_train_batch
-from forge_rl.models.moe import last_routing
+from forge_rl.models.moe import last_routing, take_replay_counts
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.routing import RoutingRecord, replay_topk, routing_differs_NL
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
@@ -85,8 +85,10 @@ def test_a_record_of_the_trainers_own_routing_changes_no_logprob(trainer):
     records = [
         RoutingRecord(own_NLXK[n, num_prompt - 1 : num_prompt - 1 + length].to(torch.uint8)) for n, length in enumerate((4, 3))
     ]
+    take_replay_counts(trainer.model)
     replayed = trainer.compute_logprobs(make_train_batch([_episode(records)], pad_id=0))
     torch.testing.assert_close(replayed, free, rtol=0, atol=1e-6)
+    assert take_replay_counts(trainer.model) == (7 * NUM_LAYERS, 0)  # every token replayed, none changed
     # and a foreign record does change them
     foreign = trainer.compute_logprobs(make_train_batch([_episode([_random_record(4, 3), _random_record(3, 4)])], pad_id=0))
     assert (foreign - free).abs().max() > 1e-3
@@ -111,6 +113,8 @@ def test_completions_without_a_record_route_normally_and_are_counted(trainer):
     metrics = trainer.train_step(batch)
     assert metrics["keep_routing/completions_without_record"] == 1.0
     assert metrics["keep_routing/routed_token_fraction"] == pytest.approx(4 / 7)
+    # A random record of 2 of 8 experts almost never is the router's own choice.
+    assert 0.5 < metrics["keep_routing/overridden_fraction"] <= 1.0
 
 
 def test_keep_routing_is_refused_on_a_dense_model_and_with_what_it_cannot_replay(tmp_path):
