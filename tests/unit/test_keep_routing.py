@@ -216,3 +216,16 @@ def test_expert_parallelism_is_validated_against_the_ranks_and_the_expert_count(
     dense = read_hf_config(create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "d"))
     with pytest.raises(ValueError, match=r"needs a mixture-of-experts model"):
         validate_parallelism(ParallelConfig(dp_shard=2, ep=2), 2, dense)
+
+
+def test_the_benchmark_measures_the_mismatch_the_replay_removes(trainer):
+    """`forge-rl bench keep-routing`'s measurement on a batch whose behaviour logprobs are the
+    replayed forward's own: with the replay nothing is left, without it the foreign routing shows."""
+    from forge_rl.bench.keep_routing import _measure
+
+    batch = make_train_batch([_episode([_random_record(4, 30), _random_record(3, 31)])], pad_id=0)
+    batch = dataclasses.replace(batch, behaviour_logprobs_NL=trainer.compute_logprobs(batch))
+    measured = _measure(trainer, batch)
+    assert measured["mismatch_kl_with"] == pytest.approx(0.0, abs=1e-10)
+    assert measured["mismatch_kl_without"] > 1e-6 and measured["mismatch_kl_ratio"] < 1e-3
+    assert measured["routing_differs_fraction"] > 0.5
