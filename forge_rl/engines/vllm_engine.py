@@ -490,15 +490,14 @@ class VLLMEngine:
         async for final in self._running_llm.generate(self.prompt(prompt_token_ids), params, request_id):
             pass  # FINAL_ONLY: one output, after the last child finished.
         if self.config.record_routing:
-            await self._attach_routing(request_id, len(prompt_token_ids), final)
+            await self._attach_routing(request_id, final)
         return final
 
-    async def _attach_routing(self, request_id: str, num_prompt_tokens: int, final) -> None:
+    async def _attach_routing(self, request_id: str, final) -> None:
         """Set `forge_routed_experts` (a RoutingRecord, or None: the trainer routes those tokens
-        itself and counts them) on each of the request's outputs, for `_completion`."""
-        from forge_rl.routing import RoutingRecord
-
-        if torch_cuda_available():  # vLLM's rows from position num_prompt_tokens - 1 on (`_sampling_params`)
+        itself and counts them) on each of the request's outputs (vLLM's plain CompletionOutput
+        objects), which `_completion` moves onto the Completion it builds."""
+        if torch_cuda_available():  # vLLM's rows start at the prompt's last token (`_sampling_params`)
             for output in final.outputs:
                 rows = output.routed_experts
                 enough = rows is not None and len(rows) >= len(output.token_ids)
