@@ -1,6 +1,7 @@
-"""Keep Routing (forge_rl/routing.py) on the tiny Qwen3-MoE, one trainer process: the replayed
-forward uses exactly the recorded experts, a record equal to the trainer's own routing changes
-nothing, bad records are refused, completions without one fall back and are counted."""
+"""The tiny Qwen3-MoE in one trainer process: the TorchTitan model is the HF checkpoint in and out,
+and Keep Routing (forge_rl/routing.py) replays exactly the recorded experts, a record equal to the
+trainer's own routing changes nothing, bad records are refused, completions without one fall back
+and are counted, records travel through trajectories, batches and checkpoints, EP is validated."""
 
 from __future__ import annotations
 
@@ -229,3 +230,20 @@ def test_the_benchmark_measures_the_mismatch_the_replay_removes(trainer):
     assert measured["mismatch_kl_with"] == pytest.approx(0.0, abs=1e-10)
     assert measured["mismatch_kl_without"] > 1e-6 and measured["mismatch_kl_ratio"] < 1e-3
     assert measured["routing_differs_fraction"] > 0.5
+
+
+def test_the_torchtitan_moe_is_the_hf_qwen3_moe_checkpoint_in_and_out(moe_dir):
+    """Logits equal transformers' Qwen3MoeForCausalLM (fp32) and the export is the checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from forge_rl.models.titan import ParallelConfig, build_titan_model, export_hf_state_dict
+
+    model, _ = build_titan_model(moe_dir, ParallelConfig(), torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(moe_dir)
+    ids = torch.tensor([PROMPT + [9, 11, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference(ids).logits, rtol=0, atol=1e-5)
+    exported, checkpoint = export_hf_state_dict(model), load_file(moe_dir / "model.safetensors")
+    assert exported.keys() == checkpoint.keys()
+    assert all(torch.equal(exported[name], checkpoint[name]) for name in checkpoint)
