@@ -31,7 +31,7 @@ import asyncio
 import dataclasses
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -40,12 +40,8 @@ from forge_rl.models.tiny import TinyModelConfig
 
 @dataclass(frozen=True)
 class KeepRoutingArgs:
-    num_experts: int = 16
-    """Experts per MoE layer of the tiny model."""
-    num_experts_per_tok: int = 2
-    """Top-k."""
-    num_layers: int = 4
-    """MoE layers (every layer is one)."""
+    model: TinyModelConfig = field(default_factory=lambda: TinyModelConfig(num_layers=4, num_experts=16))
+    """The from-scratch Qwen3-MoE (every layer MoE; top-k = num_experts_per_tok)."""
     num_prompts: int = 16
     """Prompts of the batch (task max_of_two)."""
     group_size: int = 8
@@ -57,11 +53,12 @@ class KeepRoutingArgs:
     lr: float = 3e-4
     """Trainer learning rate (the demo's)."""
     seed: int = 0
-    """Model initialization and sampling seed."""
+    """Sampling and trainer seed (the model's is model.seed)."""
     generator_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """vLLM's dtype (generator.dtype); the trainer computes in float32."""
     out_dir: Path = Path("runs/bench-keep-routing")
-    """Where the model and keep_routing.json go."""
+    """Where the model and keep_routing.json go (a model already there is reused as it is, so a
+    different --model needs a new OUT_DIR)."""
 
 
 def _sample(args: KeepRoutingArgs, model_dir: Path):
@@ -129,12 +126,10 @@ def main(args: KeepRoutingArgs) -> dict:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = args.out_dir / "model"
-    tiny = TinyModelConfig(
-        num_layers=args.num_layers, num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok,
-        seed=args.seed,
-    )
+    if not args.model.num_experts:
+        raise ValueError("bench keep-routing needs a mixture of experts: set --model.num-experts > 0.")
     if not (model_dir / "config.json").is_file():
-        create_tiny_model(tiny, model_dir)
+        create_tiny_model(args.model, model_dir)
     progress(f"bench keep-routing: sampling {args.num_prompts} x {args.group_size} with routing recorded")
     episodes = _sample(args, model_dir)
     batch = make_train_batch(episodes, pad_id=0)
@@ -157,7 +152,7 @@ def main(args: KeepRoutingArgs) -> dict:
         "routing_bytes_per_token": record.bytes_per_token,
         "routing_differs_fraction_max": max(m["routing_differs_fraction"] for m in per_staleness),
         "num_generated_tokens": batch.num_generated_tokens,
-        "model": dataclasses.asdict(tiny),
+        "model": dataclasses.asdict(args.model),
         "per_staleness": per_staleness,
     }
     (args.out_dir / "keep_routing.json").write_text(json.dumps(summary, indent=2) + "\n")
