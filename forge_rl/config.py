@@ -396,6 +396,13 @@ class GRPOConfig:
             )
 
     def _check_keep_routing(self) -> None:
+        hf_config = self.model.hf_config()
+        if self.generator.record_routing and not (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+            raise ConfigError(
+                "generator.record_routing is on but the model is dense: there is no expert routing to record. "
+                "Set --model.tiny.num-experts (a tiny Qwen3-MoE) or --model.path to a MoE checkpoint, or "
+                "--generator.no-record-routing."
+            )
         if self.trainer.keep_routing and not self.generator.record_routing:
             raise ConfigError(
                 "trainer.keep_routing is on but generator.record_routing is off: no completion would carry a "
