@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from forge_rl.advantages import token_advantages
+from forge_rl.routing import batch_routing
 from forge_rl.types import Episode
 
 
@@ -46,6 +47,12 @@ class TrainBatch:
     lengths_N: torch.Tensor | None = None
     """[N] int64 real tokens (prompt + completion) of each row, the rest is padding; None means
     every row is L long. The trainer's forward layout (`forge_rl.packing`) reads it."""
+    routed_experts_NLXK: torch.Tensor | None = None
+    """[N, L, X, K] uint8/int16 Keep Routing records (forge_rl/routing.py): at each generated token,
+    the experts of each of the X MoE layers its sampling pass used (0 where `routed_NL` is False);
+    None when no completion of the batch has a record."""
+    routed_NL: torch.Tensor | None = None
+    """[N, L] bool, True where `routed_experts_NLXK` holds a record (None with it)."""
 
     @property
     def num_generated_tokens(self) -> int:
@@ -86,6 +93,7 @@ def make_train_batch(
     `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
     """
     rows, masks, behaviour, advantages, temperatures, supports, references, generators = ([] for _ in range(8))
+    routings, generated = [], []
     for episode in episodes:
         num_prompt = len(episode.prompt_token_ids)
         per_token_advantages = token_advantages(episode, normalize_advantage_std, step_discount)
@@ -99,6 +107,8 @@ def make_train_batch(
             supports.append([[]] * num_prompt + (completion.sampling_support or [[]] * completion.num_tokens))
             if completion.reference_logprobs is not None:
                 references.append([0.0] * num_prompt + completion.reference_logprobs)
+            routings.append(completion.routed_experts)
+            generated.append([False] * num_prompt + completion.generated_mask)
     if not rows:
         raise ValueError("make_train_batch got no completions")
     if references and len(references) != len(rows):
@@ -107,6 +117,8 @@ def make_train_batch(
 
     def pad(values: list[list], fill, dtype) -> torch.Tensor:
         return torch.tensor([v + [fill] * (length - len(v)) for v in values], dtype=dtype)
+
+    routing = batch_routing(routings, generated, length)
 
     return TrainBatch(
         input_ids_NL=pad(rows, pad_id, torch.int64),
@@ -118,6 +130,8 @@ def make_train_batch(
         support_NLK=kept_sets(supports, length),
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
         lengths_N=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+        routed_experts_NLXK=None if routing is None else routing[0],
+        routed_NL=None if routing is None else routing[1],
     )
 
 

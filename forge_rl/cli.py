@@ -104,6 +104,7 @@ _BENCHMARKS = {
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
+    "keep-routing": "MoE policy: trainer-vs-sampler mismatch with and without Keep Routing, and the record's bytes/token.",
 }
 
 
@@ -117,7 +118,8 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, multi_turn, sampling_support, scale, soak, staleness, task_baseline, trainer, weight_sync,
+        async_vs_sync, keep_routing, multi_turn, sampling_support, scale, soak, staleness, task_baseline, trainer,
+        weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -132,6 +134,7 @@ def _run_bench(args: list[str]) -> None:
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
         "scale": (scale, scale.ScaleArgs),
         "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
+        "keep-routing": (keep_routing, keep_routing.KeepRoutingArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

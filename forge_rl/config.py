@@ -56,8 +56,8 @@ Updates of one generator run one at a time, so an update may first wait out the 
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path | None = None
-    """HF model directory (config.json, safetensors weights, tokenizer.json) of a llama3 or qwen3
-    model. Unset: a tiny model is created from scratch in the run directory from `model.tiny`."""
+    """HF model directory (config.json, safetensors weights, tokenizer.json) of a llama3, qwen3 or
+    qwen3-MoE model. Unset: a tiny model is created from scratch in the run directory from `model.tiny`."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Shape of the from-scratch model, used when `model.path` is unset."""
 
@@ -69,6 +69,7 @@ class ModelConfig:
                 "num_attention_heads": tiny.num_heads,
                 "num_key_value_heads": tiny.num_kv_heads,
                 "max_position_embeddings": tiny.max_position_embeddings,
+                **({"num_experts": tiny.num_experts} if tiny.num_experts else {}),  # checked by trainer.parallel.ep
             }
         missing = [name for name in REQUIRED_MODEL_FILES if not (self.path / name).is_file()]
         if missing:
@@ -245,6 +246,7 @@ class GRPOConfig:
         self._check_environment()
         self._check_timeouts()
         self._check_simulation()
+        self._check_keep_routing()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -391,6 +393,21 @@ class GRPOConfig:
             raise ConfigError(
                 "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "
                 "checkpoint. Set --checkpoint.enabled false."
+            )
+
+    def _check_keep_routing(self) -> None:
+        hf_config = self.model.hf_config()
+        if self.generator.record_routing and not (hf_config.get("num_experts") or hf_config.get("num_local_experts")):
+            raise ConfigError(
+                "generator.record_routing is on but the model is dense: there is no expert routing to record. "
+                "Set --model.tiny.num-experts (a tiny Qwen3-MoE) or --model.path to a MoE checkpoint, or "
+                "--generator.no-record-routing."
+            )
+        if self.trainer.keep_routing and not self.generator.record_routing:
+            raise ConfigError(
+                "trainer.keep_routing is on but generator.record_routing is off: no completion would carry a "
+                "routing record, so every one would fall back to the trainer's own routing. Set "
+                "--generator.record-routing, or --trainer.no-keep-routing."
             )
 
     @property

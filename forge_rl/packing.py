@@ -134,8 +134,24 @@ def document_mask(microbatch: MicroBatch, lengths: list[int]) -> tuple[torch.Ten
     return positions_RW, (same_RWW & causal_WW).unsqueeze(1)
 
 
-# forward(input_ids [R, W], positions [R, W] or None, mask [R, 1, W, W] or None) -> logits [R, W, V]
-Forward = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+# forward(input_ids [R, W], positions [R, W] or None, mask [R, 1, W, W] or None) -> logits [R, W, V];
+# with a routing replay, forward(..., (expert ids [R, W, X, K], has-record [R, W])) (forge_rl/routing.py)
+Forward = Callable[..., torch.Tensor]
+
+
+def _replay_layout(
+    mb: MicroBatch, lengths: list[int], expert_ids_NLXK: torch.Tensor, routed_NL: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's replay: token t's record at the position of token t-1 (see
+    forge_rl/routing.py: the routing of the pass that sampled a token is its predecessor's)."""
+    replay_RWXK = expert_ids_NLXK.new_zeros((mb.num_rows, mb.width, *expert_ids_NLXK.shape[2:]))
+    replay_RW = torch.zeros((mb.num_rows, mb.width), dtype=torch.bool)
+    for i, row, offset in mb.placements:
+        n = min(lengths[i], mb.width - offset)
+        if n > 1:
+            replay_RWXK[row, offset : offset + n - 1] = expert_ids_NLXK[i, 1:n]
+            replay_RW[row, offset : offset + n - 1] = routed_NL[i, 1:n]
+    return replay_RWXK, replay_RW
 
 
 def layout_token_logprobs(
@@ -146,6 +162,7 @@ def layout_token_logprobs(
     temperature_N: torch.Tensor | None = None,
     support_NLK: torch.Tensor | None = None,
     entropy_NL: torch.Tensor | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """[N, L] fp32 logprob of each token given its own sequence's prefix, through `microbatches`,
     under each sequence's sampling temperature and kept sets (`forge_rl.batching.token_logprobs`).
@@ -154,6 +171,10 @@ def layout_token_logprobs(
     gathers from each micro-batch's logprobs join one autograd graph. Given `entropy_NL` (an [N, L]
     tensor), also fills it with the policy's entropy at each position (`token_entropy`), from the
     same forward passes.
+
+    `routing` ([N, L, X, K] recorded experts, [N, L] has-record: `TrainBatch.routed_experts_NLXK`,
+    `routed_NL`) is replayed: a token's record belongs to the position that predicts it, so it is
+    placed one position back in the micro-batch and passed to `forward` as a fourth argument.
     """
     num_rows, length = input_ids_NL.shape
     values, entropies, destinations = [], [], []
@@ -171,7 +192,10 @@ def layout_token_logprobs(
             if support_RWK is not None:
                 support_RWK[row, offset : offset + n] = support_NLK[i, :n]
         positions_RW, mask = document_mask(mb, lengths) if mb.packed else (None, None)
-        logits_RWV = forward(ids_RW, positions_RW, mask)
+        if routing is None:
+            logits_RWV = forward(ids_RW, positions_RW, mask)
+        else:
+            logits_RWV = forward(ids_RW, positions_RW, mask, _replay_layout(mb, lengths, *routing))
         logprobs_RW = token_logprobs(logits_RWV, ids_RW.to(logits_RWV.device), temperature_RW, support_RWK)
         if entropy_NL is not None:
             entropies.append(token_entropy(logits_RWV, temperature_RW).flatten())

@@ -8,6 +8,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and constructs one `PolicyTrainer` per p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -27,6 +28,7 @@ from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, toke
 from forge_rl.models.lora import LoRAConfig
 from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
+from forge_rl.routing import keep_routing_metrics
 from forge_rl.models.titan import (
     ParallelConfig,
     build_titan_model,
@@ -81,7 +83,15 @@ class TrainerConfig:
     optimizer (FSDP2's MixedPrecisionPolicy over several processes, torch.autocast on one). Trainer
     logprobs then differ from an fp32 generator's by bf16 rounding. "fp32": everything in fp32."""
 
+    keep_routing: bool = False
+    """Mixture-of-experts policies: replay the expert routing the generator recorded for each
+    generated token (`Completion.routed_experts`) in the trainer's forward, so the trainer
+    optimizes the function that sampled (forge_rl/routing.py). Tokens without a record (the prompt,
+    completions from an engine that records none) route normally; such completions are counted
+    (`keep_routing/completions_without_record`). Refused on a dense model."""
+
     def __post_init__(self) -> None:
+        _check_keep_routing(self)
         checks = {
             "num_procs": (self.num_procs >= 1, ">= 1"),
             "lr": (0.0 < self.lr < math.inf, "> 0 and finite"),
@@ -99,6 +109,24 @@ class TrainerConfig:
                 flag = name.replace("_", "-")
                 value = getattr(self, name)
                 raise ValueError(f"trainer.{name} ({value}) must be {constraint}. Set --trainer.{flag}.")
+
+
+def _check_keep_routing(config: TrainerConfig) -> None:
+    """Keep Routing's replay lives in a context around each forward pass (forge_rl/models/moe.py)."""
+    if not config.keep_routing:
+        return
+    if config.activation_checkpointing != "none":
+        raise ValueError(
+            "trainer.keep_routing cannot run with trainer.activation_checkpointing "
+            f"({config.activation_checkpointing!r}): the recomputation in the backward pass would route without "
+            "the replay. Set --trainer.activation-checkpointing none or --trainer.no-keep-routing."
+        )
+    if config.parallel.tp > 1:
+        raise ValueError(
+            f"trainer.keep_routing does not support trainer.parallel.tp ({config.parallel.tp}) > 1 yet: under "
+            "sequence parallelism each rank routes a slice of the positions. Use data parallelism "
+            "(--trainer.parallel.dp-shard) or --trainer.no-keep-routing."
+        )
 
 
 @dataclass(frozen=True)
@@ -165,14 +193,33 @@ class PolicyTrainer:
         )
         self.policy_version = 0
         self.num_consecutive_nonfinite_steps = 0
+        self._routing_shape = self._keep_routing_shape(model_dir) if config.keep_routing else None
+
+    def _keep_routing_shape(self, model_dir: Path | str):
+        """The routing record this model takes; ValueError on a dense model."""
+        from forge_rl.models.moe import routing_shape
+        from forge_rl.models.titan import read_hf_config
+
+        hf_config = read_hf_config(model_dir)
+        if "num_experts_per_tok" not in hf_config:
+            raise ValueError(
+                f"trainer.keep_routing is on but {model_dir} is a dense model ({hf_config.get('architectures')}): "
+                "there is no routing to keep. Set --trainer.no-keep-routing."
+            )
+        return routing_shape(hf_config)
 
     def _logits(
-        self, input_ids_NL: torch.Tensor, positions_NL: torch.Tensor | None = None, mask_N1LL: torch.Tensor | None = None
+        self,
+        input_ids_NL: torch.Tensor,
+        positions_NL: torch.Tensor | None = None,
+        mask_N1LL: torch.Tensor | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably).
 
         Without `positions_NL`/`mask_N1LL` each row is one causal sequence; with them (a packed
-        row, `forge_rl.packing.document_mask`) attention stays within each sequence.
+        row, `forge_rl.packing.document_mask`) attention stays within each sequence. `replay`
+        (expert ids [N, L, X, K], has-record [N, L]) pins the MoE routing (trainer.keep_routing).
         """
         length = input_ids_NL.shape[1]
         padding = -length % self._length_multiple
@@ -181,7 +228,12 @@ class PolicyTrainer:
             assert positions_NL is None and mask_N1LL is None
             input_ids_NL = torch.nn.functional.pad(input_ids_NL, (0, padding))
         positions_NL = None if positions_NL is None else positions_NL.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast_bf16):
+        replaying = contextlib.nullcontext()
+        if replay is not None:
+            from forge_rl.models.moe import routing_replay
+
+            replaying = routing_replay(self.model, *replay)
+        with replaying, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast_bf16):
             logits_NLV = self.model(input_ids_NL.to(self.device), positions=positions_NL, attention_masks=mask_N1LL)
         if isinstance(logits_NLV, DTensor):
             logits_NLV = logits_NLV.full_tensor()
@@ -198,10 +250,27 @@ class PolicyTrainer:
         )
         entropy_NL = torch.zeros(shard.input_ids_NL.shape, device=self.device)
         logprobs_NL = layout_token_logprobs(
-            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK, entropy_NL
+            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK, entropy_NL,
+            routing=self._replayed_routing(shard),
         )
         counts = {"input_tokens": float(sum(lengths)), "slots": float(sum(m.num_slots for m in microbatches))}
         return logprobs_NL, entropy_NL, counts
+
+    def _replayed_routing(self, shard: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shard's routing records to replay (trainer.keep_routing), checked against the model."""
+        if self._routing_shape is None or shard.routed_experts_NLXK is None:
+            return None
+        self._routing_shape.check(shard.routed_experts_NLXK, "trainer.keep_routing")
+        return shard.routed_experts_NLXK, shard.routed_NL
+
+    def _keep_routing_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        """Record coverage of the batch, and over the step's replayed (token, MoE layer) pairs the
+        fraction whose recorded experts differ from the trainer's own choice: the routing mismatch
+        Keep Routing removed (`keep_routing/overridden_fraction`)."""
+        from forge_rl.models.moe import take_replay_counts
+
+        replayed, overridden = self._dp_reduce(list(take_replay_counts(self.model)), dist.ReduceOp.SUM)
+        return keep_routing_metrics(batch) | {"keep_routing/overridden_fraction": overridden / max(replayed, 1.0)}
 
     def _dp_reduce(self, values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
         """Element-wise reduction over data-parallel ranks (identity on one rank)."""
@@ -283,6 +352,8 @@ class PolicyTrainer:
         # Real generated tokens (the loss's tokens); padding is never counted.
         metrics["num_tokens"] = float(batch.num_generated_tokens)
         metrics.update(self._layout_metrics(layout_counts))
+        if self._routing_shape is not None:
+            metrics.update(self._keep_routing_metrics(batch))
         if not math.isfinite(metrics["loss"]):
             return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
         loss.backward()
@@ -309,7 +380,10 @@ class PolicyTrainer:
         from torchtitan.distributed.utils import clip_grad_norm_
 
         params = list(self.model.parameters())
-        return clip_grad_norm_(params, self.config.max_grad_norm, foreach=True).item()
+        # Under EP the expert gradients live on another mesh than the rest: TorchTitan norms each
+        # group over its own mesh, then combines them.
+        ep_enabled = self.config.parallel.ep > 1
+        return clip_grad_norm_(params, self.config.max_grad_norm, foreach=True, ep_enabled=ep_enabled).item()
 
     def _skip_step(self, metrics: dict, reason: str, start: float) -> dict:
         """Leave weights, optimizer and version as they are; raise after too many skips in a row."""

@@ -42,6 +42,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from forge_rl.routing import RoutingRecord
+
 
 class CompletionStatus(str, enum.Enum):
     """How a completion ended. The order of members carries no meaning."""
@@ -116,6 +118,11 @@ class Completion:
     """Reward of each step, [S]; forge_rl/advantages.py `token_advantages` places it on its tokens."""
     token_rewards: list[float] | None = None
     """Dense reward of each token, [T]; added to that token's advantage (`token_advantages`)."""
+    routed_experts: RoutingRecord | None = None
+    """Mixture-of-experts policies with Keep Routing: the experts each generated token was sampled
+    through, [G, layers, top_k] over the G generated tokens in order (context tokens have none);
+    None when not recorded (dense model, recording off, or an engine that cannot), and the trainer
+    then routes those tokens itself. forge_rl/routing.py."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -132,6 +139,11 @@ class Completion:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"Completion fields disagree in length: {lengths}")
         check_steps(self.step_ends, self.step_rewards, len(self.token_ids))
+        if self.routed_experts is not None and self.routed_experts.num_tokens != self.num_generated_tokens:
+            raise ValueError(
+                f"Completion.routed_experts holds {self.routed_experts.num_tokens} tokens' routing for "
+                f"{self.num_generated_tokens} generated tokens: one record per generated token"
+            )
 
     @property
     def generated_mask(self) -> list[bool]:
@@ -233,11 +245,23 @@ class Episode:
     def to_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings (status as its value): what checkpoints store."""
         return dataclasses.asdict(self) | {
-            "completions": [dataclasses.asdict(c) | {"status": c.status.value} for c in self.completions]
+            "completions": [
+                dataclasses.asdict(c) | {
+                    "status": c.status.value,
+                    "routed_experts": None if c.routed_experts is None else c.routed_experts.to_dict(),
+                }
+                for c in self.completions
+            ]
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Episode":
         """Inverse of `to_dict`."""
-        completions = [Completion(**c | {"status": CompletionStatus(c["status"])}) for c in data["completions"]]
+        completions = [
+            Completion(**c | {
+                "status": CompletionStatus(c["status"]),
+                "routed_experts": None if c.get("routed_experts") is None else RoutingRecord.from_dict(c["routed_experts"]),
+            })
+            for c in data["completions"]
+        ]
         return cls(**data | {"completions": completions})

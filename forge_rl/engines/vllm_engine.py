@@ -50,6 +50,7 @@ import psutil
 from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.reaper import Reaper
+from forge_rl.routing import RoutingRecord
 from forge_rl.types import Completion, CompletionStatus
 
 _logger = logging.getLogger(__name__)
@@ -147,6 +148,16 @@ class GeneratorConfig:
     """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
     past it the generator is replaced the same way, and its replacement loads the newest version
     itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype of the engine. "auto": bfloat16 on GPU, float32 on CPU (where it
+    matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
+    against an fp32 trainer (`forge-rl bench keep-routing`)."""
+    record_routing: bool = False
+    """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
+    generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
+    On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
+    captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
+    turn (`GeneratedSpan.routed_experts`)."""
     start_timeout_s: float = 900.0
     """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
     before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
@@ -255,6 +266,8 @@ class VLLMEngine:
         # and sem.* files they created.
         self._reaper = Reaper.start(kill=self._engine_processes)
         self._vocab_size = self._llm.model_config.get_vocab_size()
+        if self.config.record_routing and not torch_cuda_available():
+            await self._llm.collective_rpc("forge_start_routing_capture")
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
 
@@ -305,7 +318,7 @@ class VLLMEngine:
             model=str(model_dir),
             skip_tokenizer_init=True,
             # bf16 on CPU would make behaviour logprobs disagree with the fp32 trainer.
-            dtype="bfloat16" if on_gpu else "float32",
+            dtype=self.config.dtype if self.config.dtype != "auto" else ("bfloat16" if on_gpu else "float32"),
             max_model_len=max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             tensor_parallel_size=self.config.tensor_parallel_size,
@@ -325,7 +338,9 @@ class VLLMEngine:
             enable_prefix_caching=True,
             **({} if self.config.kv_block_size is None else {"block_size": self.config.kv_block_size}),
             # The staged swap's worker side (collective_rpc("forge_...")); inert otherwise.
-            worker_extension_cls="forge_rl.store.vllm_staging.StagedWeightsExtension",
+            worker_extension_cls="forge_rl.engines.routing_capture.ForgeWorkerExtension",
+            # Keep Routing on GPU: vLLM's own capture (on CPU, forge_rl's hook: routing_capture.py).
+            enable_return_routed_experts=self.config.record_routing and on_gpu,
             disable_log_stats=True,
             # On CPU the worker runs inside the engine-core process: vLLM's CPU platform turns "uni"
             # into "mp" (a third process, one more ~13 s vLLM import on every engine start) because
@@ -415,7 +430,7 @@ class VLLMEngine:
         epoch = self._abort_epoch
         max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id
-        final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens))
+        final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens, len(prompt_token_ids)))
         completions = [self._completion(output) for output in final.outputs]
         if self._abort_epoch == epoch:
             return completions
@@ -465,7 +480,9 @@ class VLLMEngine:
         while turn is None or turn.num_tokens < max_tokens:
             sampled_so_far = [] if turn is None else turn.token_ids
             epoch = self._abort_epoch
-            params = self._sampling_params(1, eos_id, max_tokens - len(sampled_so_far))
+            params = self._sampling_params(
+                1, eos_id, max_tokens - len(sampled_so_far), len(prefix_token_ids) + len(sampled_so_far)
+            )
             output = (await self._request(prefix_token_ids + sampled_so_far, params)).outputs[0]
             piece = self._completion(output)
             turn = piece if turn is None else _join(turn, piece)
@@ -478,7 +495,9 @@ class VLLMEngine:
                 )
             # An abort-mode swap: resubmit prefix + tokens so far; the rest carries the new version.
         finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
-        return SampledTurn(turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support)
+        return SampledTurn(
+            turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts
+        )
 
     @property
     def _num_support_logprobs(self) -> int:
@@ -490,6 +509,7 @@ class VLLMEngine:
         # top_k <= what vLLM returns, or the whole vocabulary returned: every kept set fits, even a full one.
         fits = 0 < top_k <= cap or cap >= self._vocab_size
         completion = _to_completion(output, self._support_source, None if fits else cap)
+        completion.routed_experts = getattr(output, "forge_routed_experts", None)
         if completion.num_truncated_support and not self.num_truncated_support:
             _logger.warning(
                 "a top-p/top-k kept set filled all generator.max_support_ids (%d) slots, so it may hold "
@@ -510,11 +530,30 @@ class VLLMEngine:
 
     async def _request(self, prompt_token_ids: list[int], params: SamplingParams):
         final = None
-        async for final in self._running_llm.generate(
-            self.prompt(prompt_token_ids), params, f"gen-{next(self._request_ids)}"
-        ):
+        request_id = f"gen-{next(self._request_ids)}"
+        async for final in self._running_llm.generate(self.prompt(prompt_token_ids), params, request_id):
             pass  # FINAL_ONLY: one output, after the last child finished.
+        if self.config.record_routing:
+            await self._attach_routing(request_id, final)
         return final
+
+    async def _attach_routing(self, request_id: str, final) -> None:
+        """Set `forge_routed_experts` (a RoutingRecord, or None: the trainer routes those tokens
+        itself and counts them) on each of the request's outputs (vLLM's plain CompletionOutput
+        objects), which `_completion` moves onto the Completion it builds."""
+        if torch_cuda_available():  # vLLM's rows start at the prompt's last token (`_sampling_params`)
+            for output in final.outputs:
+                rows = output.routed_experts
+                enough = rows is not None and len(rows) >= len(output.token_ids)
+                output.forge_routed_experts = (
+                    RoutingRecord(_as_tensor(rows[: len(output.token_ids)])) if enough else None
+                )
+            return
+        num_tokens = {output.index: len(output.token_ids) for output in final.outputs}
+        (records,) = await self._running_llm.collective_rpc("forge_take_routing", args=(request_id, num_tokens))
+        for output in final.outputs:
+            record = records.get(output.index)
+            output.forge_routed_experts = None if record is None else RoutingRecord.from_dict(record)
 
     async def _continue_aborted(
         self, prompt_token_ids: list[int], completion: Completion, eos_id: int | None, max_tokens: int
@@ -526,7 +565,9 @@ class VLLMEngine:
         """
         while completion.num_tokens < max_tokens:
             epoch = self._abort_epoch
-            params = self._sampling_params(1, eos_id, max_tokens - completion.num_tokens)
+            params = self._sampling_params(
+                1, eos_id, max_tokens - completion.num_tokens, len(prompt_token_ids) + completion.num_tokens
+            )
             output = (await self._request(prompt_token_ids + completion.token_ids, params)).outputs[0]
             completion = _join(completion, self._completion(output))
             if output.finish_reason != "abort" or self._abort_epoch == epoch:
@@ -546,7 +587,7 @@ class VLLMEngine:
                 "or raise max_model_len."
             )
 
-    def _sampling_params(self, n: int, eos_id: int | None, max_tokens: int) -> SamplingParams:
+    def _sampling_params(self, n: int, eos_id: int | None, max_tokens: int, num_prompt_tokens: int = 0) -> SamplingParams:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -564,6 +605,9 @@ class VLLMEngine:
             stop_token_ids=[] if eos_id is None else [eos_id],
             ignore_eos=eos_id is None,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # Keep Routing on GPU: a generated token's routing is its predecessor's row
+            # (forge_rl/routing.py), so the rows start at the prompt's last token.
+            **({"routed_experts_prompt_start": max(num_prompt_tokens - 1, 0)} if self.config.record_routing else {}),
         )
 
     async def stage_weights(self, weights_dir: Path, policy_version: int, poll_s: float = 0.005) -> dict:
@@ -698,6 +742,21 @@ def engine_process_env() -> dict[str, str]:
     return env
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _as_tensor(rows) -> "torch.Tensor":
+    """vLLM's routed-experts rows (numpy uint8/uint16) as a RoutingRecord's uint8/int16 tensor."""
+    import numpy as np
+    import torch
+
+    rows = np.asarray(rows)
+    return torch.from_numpy(rows.astype(np.uint8 if rows.dtype == np.uint8 else np.int16))
+
+
 def _is_resource_tracker(process: psutil.Process) -> bool:
     """multiprocessing's resource tracker (started by vLLM's shared memory), which is not part of
     the engine: it exits on its own once no process holds it."""
@@ -739,6 +798,9 @@ async def _done(completion: Completion) -> Completion:
 def _join(head: Completion, tail: Completion) -> Completion:
     """One completion from a prefix sampled before an abort and its continuation after it."""
     support = None if head.sampling_support is None else head.sampling_support + tail.sampling_support
+    routing = None  # a record for the whole completion, or none (one piece unrecorded)
+    if head.routed_experts is not None and tail.routed_experts is not None:
+        routing = RoutingRecord.concat([head.routed_experts, tail.routed_experts])
     return Completion(
         head.token_ids + tail.token_ids,
         head.logprobs + tail.logprobs,
@@ -746,6 +808,7 @@ def _join(head: Completion, tail: Completion) -> Completion:
         status=tail.status,
         sampling_support=support,
         num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
+        routed_experts=routing,
     )
 
 

@@ -42,6 +42,7 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError
+from forge_rl.routing import RoutingRecord
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, CompletionStatus
 
@@ -140,6 +141,7 @@ def trajectory_completion(trajectory: Trajectory) -> Completion:
     first_versions = [span.policy_versions[0] for span in sample.generated_spans if span.token_ids]
     version = first_versions[0] if first_versions else 0
     token_ids, generated, logprobs, versions, supports = [], [], [], [], []
+    routings = [span.routed_experts for span in sample.generated_spans]
     for span in sample.spans:
         num_tokens = len(span.token_ids)
         token_ids += span.token_ids
@@ -162,6 +164,9 @@ def trajectory_completion(trajectory: Trajectory) -> Completion:
         policy_versions=versions,
         generated=generated,
         sampling_support=supports if any(supports) else None,
+        # One record over every generated token, or none: a turn without one leaves the whole
+        # trajectory to the trainer's own routing (counted as a completion without a record).
+        routed_experts=RoutingRecord.concat(routings) if routings and all(r is not None for r in routings) else None,
         text=last_turn,
         reward=trajectory.final_reward,
         status=_COMPLETION_STATUS.get(trajectory.status, CompletionStatus.OK),

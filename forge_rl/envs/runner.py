@@ -43,6 +43,7 @@ from forge_rl.envs.environment import Environment, MalformedTurn, Observation, S
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectoryBuilder, TrajectoryStatus
 from forge_rl.errors import ConfigError
+from forge_rl.routing import RoutingRecord
 
 T = TypeVar("T")
 
@@ -88,6 +89,9 @@ class SampledTurn:
     sampling_support: list[list[int]] | None = None
     """Per token, the ids top-k/top-p kept when it was sampled (the trainer renormalizes its
     logprobs over them); None when nothing was filtered out or the generator does not record them."""
+    routed_experts: RoutingRecord | None = None
+    """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
+    (forge_rl/routing.py); None when not recorded."""
 
 
 GenerateTurn = Callable[[list[int], int], Awaitable[SampledTurn]]
@@ -137,7 +141,9 @@ async def run_episode(
             return end(TrajectoryStatus.TRUNCATED_TOKENS, f"turn {record.num_turns + 1}: {full}")
         _check_turn(turn, max_new_tokens)
         support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
-        span = GeneratedSpan(tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support)
+        span = GeneratedSpan(
+            tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts
+        )
         turn_text = builder.add_turn(span)
         record.num_turns += 1
         if turn.finish_reason == "length" and max_new_tokens == room:

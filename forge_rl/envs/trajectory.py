@@ -29,8 +29,8 @@ second turn). One sample, four spans:
     Trajectory(samples=[TrajectorySample(spans=[...the four above])], status=DONE,
                final_reward=1.0, num_turns=2, ...)
 
-Lengths: in each GeneratedSpan, token_ids, logprobs, policy_versions (and sampling_support, when
-recorded) have one entry per token.
+Lengths: in each GeneratedSpan, token_ids, logprobs, policy_versions (and sampling_support and
+routed_experts, when recorded) have one entry per token.
 A sample's token_ids is its spans' ids concatenated; its loss_mask is True on generated tokens.
 
 Today's single-turn `Completion` (forge_rl/types.py) is the one-turn trajectory, and the migration
@@ -52,6 +52,7 @@ from typing import Union
 
 from forge_rl.envs.environment import Message, Observation, as_messages
 from forge_rl.envs.renderers import Renderer
+from forge_rl.routing import RoutingRecord
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,18 @@ class GeneratedSpan:
     sampling_support: tuple[tuple[int, ...], ...] | None = None
     """Per token, the ids top-k/top-p kept when it was sampled, [T][kept] (as
     `Completion.sampling_support`); None when nothing was filtered or none were recorded."""
+    routed_experts: RoutingRecord | None = None
+    """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
+    (forge_rl/routing.py: the routing of the pass that sampled it, the context's last token's
+    for the turn's first token); None when not recorded."""
 
     def __post_init__(self) -> None:
         lengths = {"token_ids": len(self.token_ids), "logprobs": len(self.logprobs),
                    "policy_versions": len(self.policy_versions)}
         if self.sampling_support is not None:
             lengths["sampling_support"] = len(self.sampling_support)
+        if self.routed_experts is not None:
+            lengths["routed_experts"] = self.routed_experts.num_tokens
         if len(set(lengths.values())) > 1:
             raise ValueError(f"GeneratedSpan fields disagree in length: {lengths}")
 

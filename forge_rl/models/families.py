@@ -1,6 +1,7 @@
 """Which Hugging Face checkpoints the TorchTitan trainer can train, and how each family is built.
 
-`FAMILIES` has one row per TorchTitan model family: the config.json `architectures` it serves,
+`FAMILIES` has one row per TorchTitan model family (Qwen3-MoE is the qwen3 row with MoE blocks,
+forge_rl/models/moe.py): the config.json `architectures` it serves,
 the TorchTitan classes that rebuild it (model, block, RoPE flavour), the state-dict adapter that
 renames HF weights, the parallelize function, and the config.json values it can represent.
 Adding a dense family that TorchTitan already ships is one more row, not another branch.
@@ -84,11 +85,15 @@ class ModelFamily:
     """Supported `rope_parameters.rope_type` values."""
     field_rules: tuple[FieldRule, ...]
     """config.json fields the TorchTitan model cannot represent unless they hold these values."""
+    moe: bool = False
+    """Every layer's MLP is a mixture of experts (forge_rl/models/moe.py builds it) instead of
+    one SwiGLU feed-forward."""
 
     def describe(self) -> str:
         rules = ", ".join(f"{rule.field}={rule.supported}" for rule in self.field_rules)
+        kind = "mixture of experts" if self.moe else "dense"
         return (
-            f"{'/'.join(self.architectures)} (TorchTitan {self.name}; dense; rope_type in "
+            f"{'/'.join(self.architectures)} (TorchTitan {self.name}; {kind}; rope_type in "
             f"{list(self.rope_types)}; {rules})"
         )
 
@@ -128,13 +133,34 @@ QWEN3 = ModelFamily(
         *_COMMON_RULES,
         _off("use_sliding_window", "sliding-window attention"),
         _full_attention_only(),
-        # Qwen3-MoE checkpoints say Qwen3MoeForCausalLM; these catch a MoE config relabelled dense.
+        # Qwen3-MoE checkpoints say Qwen3MoeForCausalLM; these catch a MoE config relabelled dense
+        # (transformers 5 writes the expert count as num_local_experts).
         _off("num_experts", "mixture of experts"),
+        _off("num_local_experts", "mixture of experts"),
         _off("moe_intermediate_size", "mixture of experts"),
     ),
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA3, QWEN3)
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    # The same TorchTitan Qwen3Model: its blocks take a MoE config in place of the feed-forward,
+    # and the qwen3 adapter maps HF's per-expert weights (mlp.experts.{e}.gate_proj, ...) to the
+    # stacked w1_EFD/w2_EDF/w3_EFD and mlp.gate to the router.
+    architectures=("Qwen3MoeForCausalLM",),
+    moe=True,
+    field_rules=(
+        *_COMMON_RULES,
+        _off("use_sliding_window", "sliding-window attention"),
+        _full_attention_only(),
+        # Every layer sparse: decoder_sparse_step 1 and no dense (mlp_only) layers.
+        _equals("decoder_sparse_step", 1),
+        FieldRule("mlp_only_layers", None, lambda v: not v, "[] (dense layers between MoE layers are not supported)"),
+        # Qwen2-MoE's shared expert has no Qwen3-MoE counterpart in TorchTitan's adapter.
+        _off("shared_expert_intermediate_size", "a shared expert"),
+    ),
+)
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA3, QWEN3, QWEN3_MOE)
 
 
 def supported_summary() -> str:
@@ -207,6 +233,8 @@ def build_model_config(family: ModelFamily, hf_config: dict, inner_attention):
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
+    from forge_rl.models.moe import moe_config
+
     dim, vocab, eps = hf_config["hidden_size"], hf_config["vocab_size"], hf_config["rms_norm_eps"]
     n_heads = hf_config["num_attention_heads"]
     # Qwen3 decouples head_dim from hidden_size / heads (Qwen3-0.6B: 1024 / 16 heads, head_dim 128).
@@ -234,9 +262,10 @@ def build_model_config(family: ModelFamily, hf_config: dict, inner_attention):
             ),
             # make_ffn_config takes the final width (compute_ffn_hidden_dim would re-derive it from
             # dim, multiple_of and ffn_dim_multiplier), so intermediate_size is used as is.
-            feed_forward=make_ffn_config(
+            feed_forward=None if family.moe else make_ffn_config(
                 dim=dim, hidden_dim=hf_config["intermediate_size"], w1_param_init={}, w2w3_param_init={}
             ),
+            moe=moe_config(hf_config) if family.moe else None,
         )
 
     return resolve(family.model_class).Config(

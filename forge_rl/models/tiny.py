@@ -1,4 +1,5 @@
-"""Create a tiny Llama-architecture model from scratch as a standard HF model directory.
+"""Create a tiny Llama-architecture model (or, with experts, a Qwen3-MoE) from scratch as a standard
+HF model directory.
 
 The directory holds config.json, model.safetensors, generation_config.json, tokenizer.json and
 tokenizer_config.json: what vLLM, `transformers` and the TorchTitan trainer all read. Nothing is
@@ -29,6 +30,13 @@ class TinyModelConfig:
     """Longest sequence (prompt + completion) the model serves."""
     seed: int = 0
     """Initialization seed: the same seed gives the same weights."""
+    num_experts: int = 0
+    """0: a dense Llama. More: a Qwen3-MoE (Qwen3MoeForCausalLM) whose every layer routes each token
+    to `num_experts_per_tok` of this many experts (forge_rl/models/moe.py, Keep Routing)."""
+    num_experts_per_tok: int = 2
+    """Experts per token (top-k) of the MoE model."""
+    moe_intermediate_size: int = 64
+    """Width of each expert's MLP."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -47,17 +55,33 @@ class TinyModelConfig:
                 f"model.tiny.num_heads ({self.num_heads}) must be divisible by "
                 f"model.tiny.num_kv_heads ({self.num_kv_heads})."
             )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model.tiny.num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..model.tiny.num_experts "
+                f"({self.num_experts}). Set --model.tiny.num-experts-per-tok."
+            )
 
 
 def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
-    """Write a randomly initialized tiny Llama with the character tokenizer into `model_dir`."""
+    """Write a randomly initialized tiny Llama (Qwen3-MoE with `num_experts`) with the character
+    tokenizer into `model_dir`."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = char_tokenizer.build_char_tokenizer()
-    hf_config = LlamaConfig(
+    moe = dict(
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=True,  # Qwen3-30B-A3B's setting
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if config.num_experts else (LlamaConfig, LlamaForCausalLM)
+    hf_config = config_cls(
+        **(moe if config.num_experts else {}),
         vocab_size=char_tokenizer.VOCAB_SIZE,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -75,7 +99,7 @@ def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
         torch_dtype="float32",
     )
     torch.manual_seed(config.seed)
-    model = LlamaForCausalLM(hf_config)
+    model = model_cls(hf_config)
     model.save_pretrained(model_dir, safe_serialization=True)
     GenerationConfig(
         bos_token_id=hf_config.bos_token_id,

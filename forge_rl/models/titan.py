@@ -45,6 +45,11 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks that split attention heads and MLP columns and see the same
     rows. Must divide the model's num_attention_heads and num_key_value_heads."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models only): each MoE layer's experts are split
+    over this many ranks, tokens travel to their experts' rank and back by all-to-all. Not a factor
+    of trainer.num_procs: TorchTitan carves the EP groups out of the dp_shard x tp ranks, so it must
+    divide dp_shard * tp and the model's expert count."""
 
     @property
     def dp_degree(self) -> int:
@@ -52,7 +57,7 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "ep"):
             value = getattr(self, name)
             if value < 1:
                 flag = name.replace("_", "-")
@@ -86,6 +91,7 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
             f"--{section}.parallel.dp-shard and --{section}.parallel.tp so that their product is {num_procs}, "
             f"or set --{section}.num-procs {product}."
         )
+    _validate_expert_parallelism(parallel, hf_config, section)
     n_heads = hf_config["num_attention_heads"]
     n_kv_heads = hf_config.get("num_key_value_heads") or n_heads
     if n_heads % parallel.tp or n_kv_heads % parallel.tp:
@@ -103,6 +109,25 @@ def validate_parallelism(parallel: ParallelConfig, num_procs: int, hf_config: di
             "train a checkpoint with tie_word_embeddings=true: TorchTitan 0.3.0's TP unties embed_tokens "
             f"and lm_head before FSDP2 wraps them. Set --{section}.parallel.tp 1 (FSDP2 only) or "
             f"--{section}.parallel.dp-shard 1 --{section}.parallel.dp-replicate 1 (TP only)."
+        )
+
+
+def _validate_expert_parallelism(parallel: ParallelConfig, hf_config: dict, section: str) -> None:
+    if parallel.ep == 1:
+        return
+    num_experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(
+            f"{section}.parallel.ep ({parallel.ep}) > 1 needs a mixture-of-experts model, and this one is dense "
+            f"({hf_config.get('architectures')}). Set --{section}.parallel.ep 1."
+        )
+    ranks = parallel.dp_shard * parallel.tp
+    if ranks % parallel.ep or num_experts % parallel.ep:
+        valid = [e for e in range(1, ranks + 1) if ranks % e == 0 and num_experts % e == 0]
+        raise ValueError(
+            f"{section}.parallel.ep ({parallel.ep}) must divide {section}.parallel.dp_shard ({parallel.dp_shard}) "
+            f"* {section}.parallel.tp ({parallel.tp}) = {ranks} (the ranks its groups are carved from) and the "
+            f"model's {num_experts} experts per layer. Set --{section}.parallel.ep to one of {valid}."
         )
 
 
@@ -135,6 +160,7 @@ def _parallelism_config(parallel: ParallelConfig):
         data_parallel_replicate_degree=parallel.dp_replicate,
         data_parallel_shard_degree=parallel.dp_shard,
         tensor_parallel_degree=parallel.tp,
+        expert_parallel_degree=parallel.ep,
         spmd_backend="partial_dtensor",
     )
 

@@ -72,6 +72,15 @@ def test_every_shipped_config_parses(config_file):
             "generator.update_timeout_s (600) is below the generate timeout (900 s) with generator.swap_mode wait",
         ),
         ("generator:\n  engine: sim\n", "generator.engine (sim) and trainer.engine (torchtitan) must both be sim"),
+        (
+            "model:\n  tiny:\n    num_experts: 8\ntrainer:\n  keep_routing: true\n",
+            "trainer.keep_routing is on but generator.record_routing is off",
+        ),
+        ("generator:\n  record_routing: true\n", "generator.record_routing is on but the model is dense"),
+        (
+            "trainer:\n  keep_routing: true\n  activation_checkpointing: full\n",
+            "trainer.keep_routing cannot run with trainer.activation_checkpointing ('full')",
+        ),
         ("trainer:\n  engine: sim\n", "generator.engine (vllm) and trainer.engine (sim) must both be sim"),
         (
             "generator:\n  engine: sim\ntrainer:\n  engine: sim\ncheckpoint:\n  enabled: true\n",
@@ -98,6 +107,7 @@ def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
         "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
         "generator:\n  swap_mode: keep\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
         "generator:\n  engine: sim\ntrainer:\n  engine: sim\n",
+        "model:\n  tiny:\n    num_experts: 8\ngenerator:\n  record_routing: true\ntrainer:\n  keep_routing: true\n",
     ):
         assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 

@@ -1,0 +1,162 @@
+"""The mixture-of-experts layers of the Qwen3-MoE family (families.QWEN3_MOE) as TorchTitan modules.
+
+TorchTitan's own MoE (torchtitan/models/common/moe.py) is used as is, with two parts swapped:
+
+- `ReplayRouter`: TorchTitan's top-k router plus Keep Routing (forge_rl/routing.py). While a
+  replay is set (`routing_replay`), tokens with a record use the recorded experts, their gate
+  weights recomputed from the router's scores; the others route normally. It also keeps the
+  experts it used last (`last_expert_ids_BLK`), which the trainer compares with the records.
+- `ExactGroupedExperts`: TorchTitan's grouped experts compute in bf16 whatever the weights' dtype
+  (its GPU kernels want it); these compute in the activations' dtype, so an fp32 trainer matches
+  an fp32 vLLM generator (and under bf16 mixed precision the activations are bf16 anyway).
+
+Imports TorchTitan: only the trainer processes (through families.build_model_config) import this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+
+from forge_rl.routing import RoutingShape, replay_topk, routing_differs_NL
+
+
+class ReplayRouter(TokenChoiceTopKRouter):
+    """TorchTitan's token-choice top-k router that can replay recorded experts."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(TokenChoiceTopKRouter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.replay: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(recorded expert ids [B, L, K], [B, L] bool: has a record) for the next forward passes."""
+        self.last_expert_ids_BLK: torch.Tensor | None = None
+        """The experts the last forward pass used (detached)."""
+        self.num_replayed = 0
+        """Tokens replayed since `take_replay_counts`."""
+        self.num_overridden = 0
+        """Of those, tokens whose own top-k the record replaced by another expert set."""
+
+    def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
+        topk_scores_BLK, expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
+        if self.replay is not None:
+            replay_ids_BLK, replay_mask_BL = self.replay
+            if replay_ids_BLK.shape != expert_ids_BLK.shape:
+                raise ValueError(
+                    f"routing replay of shape {tuple(replay_ids_BLK.shape)} for a forward of {tuple(expert_ids_BLK.shape)} "
+                    "(rows, positions, top_k)"
+                )
+            own_ids_BLK = expert_ids_BLK
+            replay_mask_BL = replay_mask_BL.to(expert_ids_BLK.device)
+            topk_scores_BLK, expert_ids_BLK = replay_topk(
+                scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
+                self.route_norm, self.route_scale,
+            )
+            with torch.no_grad():
+                differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
+                self.num_replayed += int(replay_mask_BL.sum())
+                self.num_overridden += int((differs_BL & replay_mask_BL).sum())
+        self.last_expert_ids_BLK = expert_ids_BLK.detach()
+        return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+
+class ExactGroupedExperts(GroupedExperts):
+    """TorchTitan's grouped SwiGLU experts, computed in the activations' dtype instead of bf16."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        # Under FSDP2/TP/EP the weights are DTensors; the grouped matmul takes this rank's shard.
+        w1_EFD, w2_EDF, w3_EFD = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        dtype = x_RD.dtype
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=w1_EFD.to(dtype).transpose(-2, -1), offs=offsets_E))
+        h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=w3_EFD.to(dtype).transpose(-2, -1), offs=offsets_E)
+        return self._grouped_mm(A=h_RF, B_t=w2_EDF.to(dtype).transpose(-2, -1), offs=offsets_E)
+
+
+def _num_experts(hf_config: dict) -> int:
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts.
+    return hf_config.get("num_experts") or hf_config["num_local_experts"]
+
+
+def routing_shape(hf_config: dict) -> RoutingShape:
+    """The routing record a Qwen3-MoE config.json's model produces (every layer is MoE)."""
+    return RoutingShape(
+        num_layers=hf_config["num_hidden_layers"],
+        top_k=hf_config["num_experts_per_tok"],
+        num_experts=_num_experts(hf_config),
+    )
+
+
+def moe_config(hf_config: dict) -> MoE.Config:
+    """One layer's MoE config from a Qwen3-MoE config.json: HF's Qwen3MoeSparseMoeBlock is softmax
+    over the router logits, top-k, renormalized over the k when norm_topk_prob; no shared expert
+    and no load-balancing bias (HF has none: the bias would be a weight the checkpoint lacks)."""
+    dim, num_experts, top_k = hf_config["hidden_size"], _num_experts(hf_config), hf_config["num_experts_per_tok"]
+    routed = make_routed_experts_config(
+        dim=dim, hidden_dim=hf_config["moe_intermediate_size"], num_experts=num_experts, top_k=top_k,
+        param_init={}, comm_backend="standard",
+    )
+    routed.inner_experts = ExactGroupedExperts.Config(**{
+        name: getattr(routed.inner_experts, name) for name in ("dim", "hidden_dim", "num_experts", "param_init")
+    })
+    router = ReplayRouter.Config(
+        num_experts=num_experts,
+        gate=Linear.Config(in_features=dim, out_features=num_experts, bias=False, param_init={}),
+        top_k=top_k,
+        score_func="softmax",
+        route_norm=bool(hf_config.get("norm_topk_prob", False)),
+    )
+    return make_moe_config(num_experts=num_experts, router=router, routed_experts=routed, load_balance_coeff=None)
+
+
+def replay_routers(model) -> list[ReplayRouter]:
+    """The model's routers in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, ReplayRouter)]
+
+
+@contextlib.contextmanager
+def routing_replay(model, expert_ids_BLXK: torch.Tensor, replay_mask_BL: torch.Tensor) -> Iterator[None]:
+    """Forward passes inside replay the recorded experts ([B, L, X, K], X = the model's MoE layers in
+    order) where `replay_mask_BL` is True. Not for activation checkpointing: its recomputation in
+    the backward pass runs after the block has exited (the trainer refuses the combination)."""
+    routers = replay_routers(model)
+    if expert_ids_BLXK.shape[2] != len(routers):
+        raise ValueError(f"routing replay for {expert_ids_BLXK.shape[2]} MoE layers on a model with {len(routers)}")
+    for layer, router in enumerate(routers):
+        router.replay = (expert_ids_BLXK[:, :, layer], replay_mask_BL)
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.replay = None
+
+
+def take_replay_counts(model) -> tuple[int, int]:
+    """(token-layer pairs replayed, of which the router alone would have chosen other experts)
+    since the last call, over every MoE layer; the counters restart at 0."""
+    routers = replay_routers(model)
+    counts = sum(r.num_replayed for r in routers), sum(r.num_overridden for r in routers)
+    for router in routers:
+        router.num_replayed = router.num_overridden = 0
+    return counts
+
+
+def last_routing(model) -> torch.Tensor:
+    """[B, L, X, K] the experts every MoE layer used in the model's last forward pass."""
+    return torch.stack([router.last_expert_ids_BLK for router in replay_routers(model)], dim=2)
