@@ -17,6 +17,7 @@ from pathlib import Path
 from forge_rl.config import GRPOConfig
 from forge_rl.placement import check_gpus, check_host_indices, check_reachable, demand_of, worker_addresses
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
+from forge_rl.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
 
 NUM_PROMPTS_CHECKED = 256
@@ -105,8 +106,11 @@ def _available_memory_gib() -> float | None:
 
 def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
     """The tokenizer of `model_dir` loads and renders every checked task prompt, and each prompt
-    plus `generator.max_new_tokens` fits in the model's context."""
+    plus `generator.max_new_tokens` fits in the model's context; a distillation teacher has the
+    same tokenizer (forge_rl/teacher.py)."""
     tokenizer = _load_tokenizer(model_dir)
+    if config.uses_teacher:
+        check_same_tokenizer(config.scorer.teacher.path, model_dir)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
     for index in range(NUM_PROMPTS_CHECKED):

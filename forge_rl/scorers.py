@@ -14,8 +14,9 @@ turns every failure (a failure returned, an exception raised, a non-finite rewar
 score) into an ERRORED completion with its reason, counts it, and never raises for one.
 
 Implementations: `RewardFunctionScorer` (below: reward functions in the sandboxed worker processes
-of forge_rl/scoring.py) and `RewardModelScorer` (forge_rl/reward_model.py: a sequence-classification model served
-by its own actor mesh). How per-step and per-token rewards become advantages:
+of forge_rl/scoring.py), `RewardModelScorer` (forge_rl/reward_model.py: a sequence-classification model served
+by its own actor mesh) and `TeacherScorer` (forge_rl/teacher.py: on-policy distillation, a
+frozen teacher's per-token logprobs as dense rewards). How per-step and per-token rewards become advantages:
 forge_rl/advantages.py `token_advantages`, docs/scoring.md.
 
 No Monarch here: a model-backed scorer holds a client, an async function the actor shell supplies.
@@ -34,6 +35,7 @@ from typing import Union
 from forge_rl.advantages import overlong_penalty
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
+from forge_rl.teacher import TeacherConfig, reverse_kl_token_rewards
 from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
 
 
@@ -86,6 +88,9 @@ class ScorerConfig:
     (how to see that the policy learns the task, not the reward model's mistakes)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A learned reward model added to the reward (forge_rl/reward_model.py); off unless its path is set."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation (forge_rl/teacher.py): a frozen teacher's per-token reverse KL added to
+    every token's advantage; off unless its path is set."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
@@ -101,10 +106,11 @@ class ScorerConfig:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
         if not math.isfinite(self.reward_fn_weight):
             raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
-        if self.reward_fn_weight == 0 and self.reward_model.path is None:
+        if self.reward_fn_weight == 0 and self.reward_model.path is None and self.teacher.path is None:
             raise ValueError(
-                "scorer.reward_fn_weight (0) with no scorer.reward_model.path leaves every reward 0: nothing "
-                "would train. Set --scorer.reward-model.path DIR, or --scorer.reward-fn-weight above 0."
+                "scorer.reward_fn_weight (0) with no scorer.reward_model.path nor scorer.teacher.path leaves every "
+                "reward 0: nothing would train. Set --scorer.reward-model.path DIR or --scorer.teacher.path DIR, "
+                "or --scorer.reward-fn-weight above 0."
             )
         if self.overlong_buffer is not None and self.overlong_buffer < 1:
             # 0 would penalize only completions longer than generator.max_new_tokens, and the
@@ -278,18 +284,48 @@ class RewardModelScorer(Scorer):
         return [Score(float(value)) for value in await self.client(texts)]
 
 
+class TeacherScorer(Scorer):
+    """On-policy distillation (forge_rl/teacher.py): `client(episodes)` returns the teacher's logprob
+    of every completion token ([episode][completion][token], the frozen-model actor's
+    `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
+    sampled token, teacher logprob - student (behaviour) logprob; the completion's reward is 0 (the
+    teacher has no opinion on the outcome). Component `reverse_kl`: its mean over the completion's
+    tokens, the distance to the teacher that distillation drives down."""
+
+    name = "teacher"
+
+    def __init__(self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]]):
+        self.client = client
+
+    async def score_group(self, episode: Episode) -> list[ScoreResult]:
+        (per_completion,) = await self.client([episode])
+        results = []
+        for completion, teacher_logprobs in zip(episode.completions, per_completion, strict=True):
+            token_rewards = reverse_kl_token_rewards(completion, teacher_logprobs)
+            mean_kl = -sum(token_rewards) / max(sum(completion.generated or [True] * completion.num_tokens), 1)
+            results.append(Score(0.0, components={"reverse_kl": mean_kl}, token_rewards=tuple(token_rewards)))
+        return results
+
+
 def build_scorer(
-    config: ScorerConfig, reward: str, reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None
+    config: ScorerConfig,
+    reward: str,
+    reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None,
+    teacher: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]] | None = None,
 ) -> Scorer:
-    """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or
-    with the reward model's client `reward_model`, their weighted sum (config.reward_fn_weight,
-    config.reward_model.weight)."""
+    """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or the
+    weighted sum of it (config.reward_fn_weight) and whichever model scorers run: the reward model
+    through its client `reward_model` (config.reward_model.weight), the distillation teacher through
+    its client `teacher` (config.teacher.weight, on the per-token reverse KL)."""
     reward_fn = RewardFunctionScorer(reward, config)
-    if reward_model is None:
-        if config.reward_fn_weight != 1.0:
-            return WeightedSum([(reward_fn, config.reward_fn_weight)])
+    parts: list[tuple[Scorer, float]] = [(reward_fn, config.reward_fn_weight)]
+    if reward_model is not None:
+        parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
+    if teacher is not None:
+        parts.append((TeacherScorer(teacher), config.teacher.weight))
+    if len(parts) == 1 and config.reward_fn_weight == 1.0:
         return reward_fn
-    return WeightedSum([(reward_fn, config.reward_fn_weight), (RewardModelScorer(reward_model), config.reward_model.weight)])
+    return WeightedSum(parts)
 
 
 def step_ends(token_ids: list[int], boundary_ids: set[int]) -> list[int]:

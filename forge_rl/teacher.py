@@ -1,0 +1,108 @@
+"""On-policy distillation: a frozen teacher scores the student's own samples, token by token.
+
+The student (the policy) samples completions as in GRPO; the teacher, a larger or better model
+sharing the student's tokenizer, returns the logprob of each sampled token under its own
+distribution (the frozen-model actor of forge_rl/actors/frozen_model.py, the same one that serves
+the KL penalty's reference model). The per-token reverse KL on the sampled token,
+
+    k_t = log pi_student(x_t | x_<t) - log pi_teacher(x_t | x_<t)
+
+is a one-sample estimate of KL(student || teacher) at position t; its negative is the token's dense
+reward (`Score.token_rewards`), added to the token's advantage unnormalized
+(forge_rl/advantages.py `token_advantages`): a token the teacher finds likelier than the student
+did is pushed up, one it finds unlikely is pushed down, on every token, in every group, even when
+every sample of the group gets the same task reward (where GRPO has no signal). Agarwal et al.
+2024 (GKD), Gu et al. 2024 (MiniLLM), Thinking Machines' "On-Policy Distillation" (2025).
+
+The student's logprob is the behaviour logprob the generator sampled with, and the teacher's is
+taken under the same sampling distribution (the episode's temperature, the generator's top-k/top-p
+kept set), so both describe the distribution the token was drawn from.
+
+The reward is `scorer.teacher.weight * (-k_t)` per token, alone (`scorer.reward_fn_weight 0`:
+every completion's outcome reward is 0, so its group advantage is 0 and the teacher alone trains)
+or on top of the task reward's group advantage. Plain Python: no Monarch here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from forge_rl.errors import ConfigError
+from forge_rl.reference import ReferenceConfig
+from forge_rl.types import Completion
+
+
+@dataclass(frozen=True)
+class TeacherConfig(ReferenceConfig):
+    """The teacher of on-policy distillation; unset `path`: none runs. It is served like the
+    reference model (same fields for its processes, parallelism and threads)."""
+
+    section: ClassVar[str] = "scorer.teacher"
+
+    path: Path | None = None
+    """HF model directory of the teacher (config.json, safetensors weights, tokenizer files). Its
+    tokenizer must be the student's: checked before any process starts."""
+    weight: float = 1.0
+    """Coefficient of the per-token reverse KL in each token's advantage:
+    A_t += -weight * (log pi_student - log pi_teacher)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"scorer.teacher.weight ({self.weight}) must be finite and > 0. Set --scorer.teacher.weight.")
+
+
+def reverse_kl_token_rewards(completion: Completion, teacher_logprobs: list[float]) -> list[float]:
+    """-(student logprob - teacher logprob) of each token of `completion`, [T]; 0 on context tokens
+    (a multi-turn trajectory's prompt, observations and tool output: the student did not sample
+    them, so their behaviour logprob is 0 and they never reach a loss)."""
+    if len(teacher_logprobs) != completion.num_tokens:
+        raise ValueError(f"{len(teacher_logprobs)} teacher logprobs for {completion.num_tokens} tokens")
+    generated = completion.generated or [True] * completion.num_tokens
+    return [
+        teacher - student if sampled else 0.0
+        for student, teacher, sampled in zip(completion.logprobs, teacher_logprobs, generated)
+    ]
+
+
+def check_same_tokenizer(teacher_dir: Path, student_dir: Path) -> None:
+    """ConfigError unless the teacher and the student map every token to the same id: the teacher
+    scores the student's token ids, which mean nothing under another vocabulary. Compares the
+    tokenizers' full vocabularies (added and special tokens included) and their special tokens."""
+    teacher, student = _vocabulary(teacher_dir), _vocabulary(student_dir)
+    if teacher == student:
+        return
+    differing = sorted(token for token in teacher.keys() | student.keys() if teacher.get(token) != student.get(token))
+    fix = (
+        "Distill from a teacher with the student's tokenizer, or point --model.path at a student with "
+        "the teacher's (for the tiny from-scratch student: a teacher built with forge_rl's character tokenizer)."
+    )
+    raise ConfigError(
+        f"scorer.teacher.path ({teacher_dir}) has a different tokenizer than the student ({student_dir}): "
+        f"{len(teacher)} vs {len(student)} entries, {len(differing)} tokens missing from one or with other "
+        f"ids, e.g. {differing[:5]}. The teacher scores the student's token ids, so they must mean the same tokens. {fix}"
+    )
+
+
+def _vocabulary(model_dir: Path) -> dict[str, int]:
+    """Token -> id of `model_dir`'s tokenizer.json (added tokens included), plus its special tokens
+    by role from tokenizer_config.json (as "<role>:<token>" entries)."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir} has no tokenizer.json: the teacher and student tokenizers cannot be compared.")
+    vocabulary = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    config_path = Path(model_dir) / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        for role in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            token = config.get(role)
+            token = token.get("content") if isinstance(token, dict) else token
+            if token is not None:
+                vocabulary[f"{role}:{token}"] = vocabulary.get(token, -1)
+    return vocabulary
