@@ -313,6 +313,11 @@ class GRPOConfig:
             self._check_frozen_model(self.reference, hf_config)
         if self.uses_teacher:
             self._check_frozen_model(self.scorer.teacher, self._teacher_hf_config())
+        if self.scorer.judge.path is not None:
+            try:
+                ModelConfig(path=self.scorer.judge.path).hf_config()
+            except ConfigError as e:
+                raise ConfigError(f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory.") from None
 
     def _check_frozen_model(self, config: ReferenceConfig, hf_config: dict) -> None:
         """A reference model or a teacher: its parallelism fits its model and splits a group evenly."""
@@ -405,11 +410,12 @@ class GRPOConfig:
                 f"trainer.loss.kl_beta ({self.trainer.loss.kl_beta}) > 0 needs the reference model, which a "
                 "simulation (generator.engine sim) does not run. Set --trainer.loss.kl-beta 0."
             )
-        if self.uses_teacher:
-            raise ConfigError(
-                f"scorer.teacher.path ({self.scorer.teacher.path}) needs a teacher model, which a simulation "
-                "(generator.engine sim) does not run. Leave --scorer.teacher.path unset."
-            )
+        for section in ("teacher", "judge"):
+            if getattr(self.scorer, section).path is not None:
+                raise ConfigError(
+                    f"scorer.{section}.path ({getattr(self.scorer, section).path}) needs a model, which a simulation "
+                    f"(generator.engine sim) does not run. Leave --scorer.{section}.path unset."
+                )
         if self.checkpoint.enabled:
             raise ConfigError(
                 "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "

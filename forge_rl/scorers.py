@@ -15,8 +15,9 @@ score) into an ERRORED completion with its reason, counts it, and never raises f
 
 Implementations: `RewardFunctionScorer` (below: reward functions in the sandboxed worker processes
 of forge_rl/scoring.py), `RewardModelScorer` (forge_rl/reward_model.py: a sequence-classification model served
-by its own actor mesh) and `TeacherScorer` (forge_rl/teacher.py: on-policy distillation, a
-frozen teacher's per-token logprobs as dense rewards). How per-step and per-token rewards become advantages:
+by its own actor mesh), `TeacherScorer` (forge_rl/teacher.py: on-policy distillation, a
+frozen teacher's per-token logprobs as dense rewards) and `JudgeScorer` (forge_rl/judge.py: an LLM
+judge on a generator mesh of its own, its verdicts parsed; unparsable ones and timeouts counted). How per-step and per-token rewards become advantages:
 forge_rl/advantages.py `token_advantages`, docs/scoring.md.
 
 No Monarch here: a model-backed scorer holds a client, an async function the actor shell supplies.
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from forge_rl.advantages import overlong_penalty
+from forge_rl.judge import JudgeConfig, parse_verdict, render_judge_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
 from forge_rl.teacher import TeacherConfig, reverse_kl_token_rewards
@@ -91,6 +93,8 @@ class ScorerConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     """On-policy distillation (forge_rl/teacher.py): a frozen teacher's per-token reverse KL added to
     every token's advantage; off unless its path is set."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge's verdict added to the reward (forge_rl/judge.py); off unless its path is set."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
@@ -106,11 +110,11 @@ class ScorerConfig:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
         if not math.isfinite(self.reward_fn_weight):
             raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
-        if self.reward_fn_weight == 0 and self.reward_model.path is None and self.teacher.path is None:
+        if self.reward_fn_weight == 0 and all(c.path is None for c in (self.reward_model, self.teacher, self.judge)):
             raise ValueError(
-                "scorer.reward_fn_weight (0) with no scorer.reward_model.path nor scorer.teacher.path leaves every "
-                "reward 0: nothing would train. Set --scorer.reward-model.path DIR or --scorer.teacher.path DIR, "
-                "or --scorer.reward-fn-weight above 0."
+                "scorer.reward_fn_weight (0) with no scorer.reward_model.path, scorer.teacher.path nor "
+                "scorer.judge.path leaves every reward 0: nothing would train. Set one of --scorer.reward-model.path, "
+                "--scorer.teacher.path, --scorer.judge.path, or --scorer.reward-fn-weight above 0."
             )
         if self.overlong_buffer is not None and self.overlong_buffer < 1:
             # 0 would penalize only completions longer than generator.max_new_tokens, and the
@@ -307,22 +311,61 @@ class TeacherScorer(Scorer):
         return results
 
 
+class JudgeScorer(Scorer):
+    """An LLM judge (forge_rl/judge.py). Asks it, through `client(prompt_text) -> verdict_text`, about each completion on its
+    own (concurrently: the judge's engine batches them), and parses its verdict."""
+
+    name = "judge"
+
+    def __init__(self, config: JudgeConfig, client: Callable[[str], Awaitable[str]]):
+        self.config = config
+        self.client = client
+        self.num_judged = 0
+        self.num_unparsable = 0
+        self.num_timed_out = 0
+
+    async def score_completion(self, episode: Episode, completion: Completion) -> ScoreResult:
+        prompt = render_judge_prompt(self.config.template, episode, completion)
+        try:
+            verdict = await asyncio.wait_for(self.client(prompt), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            self.num_timed_out += 1
+            return ScoreFailure(f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout")
+        self.num_judged += 1
+        reward = parse_verdict(verdict, self.config.verdict_pattern, self.config.score_min, self.config.score_max)
+        if reward is None:
+            self.num_unparsable += 1
+            return ScoreFailure(
+                f"unparsable verdict {verdict[:200]!r}: no match of scorer.judge.verdict_pattern "
+                f"({self.config.verdict_pattern!r}) with a score in [{self.config.score_min}, {self.config.score_max}]",
+                "unparsable verdict",
+            )
+        return Score(reward)
+
+    def stats(self) -> dict[str, float]:
+        return {"verdicts": self.num_judged, "unparsable": self.num_unparsable, "timed_out": self.num_timed_out}
+
+
 def build_scorer(
     config: ScorerConfig,
     reward: str,
     reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None,
     teacher: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]] | None = None,
+    judge: Callable[[str], Awaitable[str]] | None = None,
 ) -> Scorer:
     """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or the
     weighted sum of it (config.reward_fn_weight) and whichever model scorers run: the reward model
     through its client `reward_model` (config.reward_model.weight), the distillation teacher through
-    its client `teacher` (config.teacher.weight, on the per-token reverse KL)."""
+    its client `teacher` (config.teacher.weight, on the per-token reverse KL), an LLM judge through
+    its client `judge` (config.judge.weight)."""
     reward_fn = RewardFunctionScorer(reward, config)
     parts: list[tuple[Scorer, float]] = [(reward_fn, config.reward_fn_weight)]
     if reward_model is not None:
         parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
     if teacher is not None:
         parts.append((TeacherScorer(teacher), config.teacher.weight))
+    if judge is not None:
+        parts.append((JudgeScorer(config.judge, judge), config.judge.weight))
     if len(parts) == 1 and config.reward_fn_weight == 1.0:
         return reward_fn
     return WeightedSum(parts)

@@ -1,7 +1,7 @@
 """Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
 
     DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerActor ──▶ [reference] ──▶ ReplayBufferActor
-                                                  [RewardModelActor] [teacher]
+                                           [RewardModelActor] [teacher] [judge]
                                      ▲                                                                  │
                          update_weights(v) (in flight)                                             sample(batch)
                                      │                                                                  ▼
@@ -37,6 +37,7 @@ import torch
 from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
+from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.frozen_model import FrozenModelActor
 from forge_rl.actors.reward_model import RewardModelActor
@@ -120,6 +121,8 @@ class Actors:
     teacher: FrozenModelActor | None = None
     """The distillation teacher, on its own processes (the scorer calls it); only when
     scorer.teacher.path is set."""
+    judge: GeneratorActor | None = None
+    """The LLM judge's engine, on its own process (the scorer calls it); only when scorer.judge.path is set."""
     reward_model: RewardModelActor | None = None
     """The reward model, on its own process; only when scorer.reward_model.path is set."""
 
@@ -147,10 +150,18 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     if config.uses_teacher:
         teacher_procs = await hosts.spawn_ranks("teacher", config.scorer.teacher.num_procs)
         teacher = teacher_procs.spawn("teacher", FrozenModelActor, config.scorer.teacher, str(config.scorer.teacher.path), pad_id)
+    judge = None
+    if config.scorer.judge.path is not None:
+        # A generator like the policy's, serving the judge's weights, which never change (no store).
+        judge_config = config.scorer.judge
+        judge_procs = hosts.spawn_procs("judge", 1, config.launch.placement.services_host)
+        judge = judge_procs.spawn(
+            "judge", GeneratorActor, judge_config.generator, str(judge_config.path), judge_config.max_model_len, None, "judge"
+        )
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, max_new_tokens),
         scorer=services.spawn(
-            "scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model, teacher
+            "scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model, teacher, judge
         ),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
@@ -161,7 +172,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
-    actors.reward_model, actors.teacher = reward_model, teacher
+    actors.reward_model, actors.teacher, actors.judge = reward_model, teacher, judge
     lifecycle.stop_engines_first(actors.generators)
     if config.uses_reference_model:
         reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
@@ -178,6 +189,7 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
         *([actors.reference.setup.call()] if actors.reference is not None else []),
         *([actors.reward_model.setup.call()] if actors.reward_model is not None else []),
         *([actors.teacher.setup.call()] if actors.teacher is not None else []),
+        *([actors.judge.start.call_one()] if actors.judge is not None else []),
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),

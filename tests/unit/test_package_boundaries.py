@@ -61,6 +61,7 @@ CORE_MODULES = [
     "forge_rl.models.lora",
     "forge_rl.reference",
     "forge_rl.teacher",
+    "forge_rl.judge",
     "forge_rl.placement",
     "forge_rl.envs.environment",
     "forge_rl.envs.trajectory",
