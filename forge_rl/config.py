@@ -314,10 +314,26 @@ class GRPOConfig:
         if self.uses_teacher:
             self._check_frozen_model(self.scorer.teacher, self._teacher_hf_config())
         if self.scorer.judge.path is not None:
-            try:
-                ModelConfig(path=self.scorer.judge.path).hf_config()
-            except ConfigError as e:
-                raise ConfigError(f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory.") from None
+            self._check_judge()
+
+    def _check_judge(self) -> None:
+        judge = self.scorer.judge
+        try:
+            judge_context = ModelConfig(path=judge.path).hf_config()["max_position_embeddings"]
+        except ConfigError as e:
+            raise ConfigError(f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory.") from None
+        if judge.max_model_len > judge_context:
+            raise ConfigError(
+                f"scorer.judge.max_model_len ({judge.max_model_len}) exceeds the judge's context "
+                f"(max_position_embeddings = {judge_context} in {judge.path}/config.json). Set "
+                f"--scorer.judge.max-model-len {judge_context} or less."
+            )
+        if judge.generator.max_new_tokens >= judge.max_model_len:
+            raise ConfigError(
+                f"scorer.judge.generator.max_new_tokens ({judge.generator.max_new_tokens}) leaves no room for the "
+                f"judge's prompt in scorer.judge.max_model_len ({judge.max_model_len}). Lower "
+                "--scorer.judge.generator.max-new-tokens."
+            )
 
     def _check_frozen_model(self, config: ReferenceConfig, hf_config: dict) -> None:
         """A reference model or a teacher: its parallelism fits its model and splits a group evenly."""
@@ -342,7 +358,7 @@ class GRPOConfig:
         except ConfigError as e:
             raise ConfigError(
                 f"scorer.teacher.path: {e} Point --scorer.teacher.path at the teacher's HF model directory "
-                "(a trained run's checkpoint exports as one: forge_rl/bench/distill.py `export_run`)."
+                "(a trained run exports as one: `forge-rl export --run RUN_DIR --out DIR`)."
             ) from None
 
     def _check_environment(self) -> None:

@@ -133,7 +133,13 @@ def test_a_judge_directory_that_is_not_a_model_or_lacks_a_chat_template_is_a_con
     with pytest.raises(ConfigError, match=r"scorer.judge.path.*lacks config.json"):
         GRPOConfig(scorer=ScorerConfig(judge=JudgeConfig(path=tmp_path / "no-such-judge")))
     tiny = create_tiny_model(TinyModelConfig(), tmp_path / "tiny")  # a character tokenizer, no chat template
-    config = GRPOConfig(model=ModelConfig(path=tiny), scorer=ScorerConfig(judge=JudgeConfig(path=tiny)))
+    with pytest.raises(ConfigError, match=r"scorer.judge.max_model_len \(2048\) exceeds the judge's context.*128"):
+        GRPOConfig(scorer=ScorerConfig(judge=JudgeConfig(path=tiny)))
+
+    def with_judge(**changes):
+        judge = JudgeConfig(path=tiny, max_model_len=128, **changes)
+        return GRPOConfig(model=ModelConfig(path=tiny), scorer=ScorerConfig(judge=judge))
+
     with pytest.raises(ConfigError, match="scorer.judge.prompt_format is chat, but the judge .* has no chat template"):
-        check_model_inputs(config, tiny)
-    check_model_inputs(GRPOConfig(model=ModelConfig(path=tiny), scorer=ScorerConfig(judge=JudgeConfig(path=tiny, prompt_format="plain"))), tiny)
+        check_model_inputs(with_judge(), tiny)
+    check_model_inputs(with_judge(prompt_format="plain"), tiny)
