@@ -37,7 +37,7 @@ from forge_rl.advantages import overlong_penalty
 from forge_rl.judge import JudgeConfig, parse_verdict, render_judge_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
-from forge_rl.teacher import TeacherConfig, reverse_kl_token_rewards
+from forge_rl.teacher import TeacherConfig, center_on_group, reverse_kl_token_rewards
 from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
 
 
@@ -292,23 +292,31 @@ class TeacherScorer(Scorer):
     """On-policy distillation (forge_rl/teacher.py): `client(episodes)` returns the teacher's logprob
     of every completion token ([episode][completion][token], the frozen-model actor's
     `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
-    sampled token, teacher logprob - student (behaviour) logprob; the completion's reward is 0 (the
-    teacher has no opinion on the outcome). Component `reverse_kl`: its mean over the completion's
+    sampled token, teacher logprob - student (behaviour) logprob, less the group's mean at that
+    position with baseline "group"; the completion's reward is 0 (the teacher has no opinion on the
+    outcome). Component `reverse_kl`: its mean over the completion's
     tokens, the distance to the teacher that distillation drives down."""
 
     name = "teacher"
 
-    def __init__(self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]]):
+    def __init__(
+        self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]], baseline: str = "group"
+    ):
         self.client = client
+        self.baseline = baseline
+        """TeacherConfig.baseline: "group" centers each position's reward on the group (`center_on_group`)."""
 
     async def score_group(self, episode: Episode) -> list[ScoreResult]:
         (per_completion,) = await self.client([episode])
-        results = []
-        for completion, teacher_logprobs in zip(episode.completions, per_completion, strict=True):
-            token_rewards = reverse_kl_token_rewards(completion, teacher_logprobs)
-            mean_kl = -sum(token_rewards) / max(sum(completion.generated or [True] * completion.num_tokens), 1)
-            results.append(Score(0.0, components={"reverse_kl": mean_kl}, token_rewards=tuple(token_rewards)))
-        return results
+        negative_kl = [
+            reverse_kl_token_rewards(c, logprobs) for c, logprobs in zip(episode.completions, per_completion, strict=True)
+        ]
+        generated = [c.generated or [True] * c.num_tokens for c in episode.completions]
+        token_rewards = center_on_group(negative_kl, generated) if self.baseline == "group" else negative_kl
+        return [
+            Score(0.0, components={"reverse_kl": -sum(raw) / max(sum(sampled), 1)}, token_rewards=tuple(rewards))
+            for raw, sampled, rewards in zip(negative_kl, generated, token_rewards)
+        ]
 
 
 class JudgeScorer(Scorer):
@@ -363,7 +371,7 @@ def build_scorer(
     if reward_model is not None:
         parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
     if teacher is not None:
-        parts.append((TeacherScorer(teacher), config.teacher.weight))
+        parts.append((TeacherScorer(teacher, config.teacher.baseline), config.teacher.weight))
     if judge is not None:
         parts.append((JudgeScorer(config.judge, judge), config.judge.weight))
     if len(parts) == 1 and config.reward_fn_weight == 1.0:

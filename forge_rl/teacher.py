@@ -18,7 +18,8 @@ The student's logprob is the behaviour logprob the generator sampled with, and t
 taken under the same sampling distribution (the episode's temperature, the generator's top-k/top-p
 kept set), so both describe the distribution the token was drawn from.
 
-The reward is `scorer.teacher.weight * (-k_t)` per token, alone (`scorer.reward_fn_weight 0`:
+The reward is `scorer.teacher.weight * (-k_t)` per token, centered on the group's mean at that
+position (`center_on_group`; `scorer.teacher.baseline none`: raw), alone (`scorer.reward_fn_weight 0`:
 every completion's outcome reward is 0, so its group advantage is 0 and the teacher alone trains)
 or on top of the task reward's group advantage. Plain Python: no Monarch here.
 """
@@ -29,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from forge_rl.errors import ConfigError
 from forge_rl.reference import ReferenceConfig
@@ -48,7 +49,11 @@ class TeacherConfig(ReferenceConfig):
     tokenizer must be the student's: checked before any process starts."""
     weight: float = 1.0
     """Coefficient of the per-token reverse KL in each token's advantage:
-    A_t += -weight * (log pi_student - log pi_teacher)."""
+    A_t += -weight * (log pi_student - log pi_teacher), less its baseline."""
+    baseline: Literal["group", "none"] = "group"
+    """group: each token's -reverse KL less its mean over the group's completions at the same
+    position (`center_on_group`), which keeps every sampled token's direction and removes the part
+    all samples share; none: the raw -reverse KL. See `center_on_group` for why."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,6 +71,32 @@ def reverse_kl_token_rewards(completion: Completion, teacher_logprobs: list[floa
     return [
         teacher - student if sampled else 0.0
         for student, teacher, sampled in zip(completion.logprobs, teacher_logprobs, generated)
+    ]
+
+
+def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]]) -> list[list[float]]:
+    """Each completion's token rewards less the mean, at the same position, over the group's
+    completions that sampled a token there (context tokens stay 0 and out of the mean).
+
+    Why: -k_t on a sampled token is an unbiased but noisy signal. Its mean under the student's
+    sampling is -KL(student || teacher) <= 0, so without a baseline nearly every sampled token is
+    pushed down, by amounts that swing with how unlikely the teacher finds it, and the one the
+    teacher prefers is found only through the renormalization. Subtracting what the group's other
+    samples got at that position (a baseline, as GRPO subtracts its group mean from the outcome)
+    leaves each token's advantage relative to its alternatives: measured on the demo
+    (docs/benchmarks.md, `forge-rl bench distill`), from scratch the raw signal learned slower than
+    GRPO and the centered one faster. Positions are compared as they are (token t of each sample),
+    the same prefix length under the same prompt."""
+    longest = max((len(r) for r in token_rewards), default=0)
+    sums, counts = [0.0] * longest, [0] * longest
+    for rewards, sampled in zip(token_rewards, generated):
+        for position, (reward, is_sampled) in enumerate(zip(rewards, sampled)):
+            if is_sampled:
+                sums[position] += reward
+                counts[position] += 1
+    return [
+        [reward - sums[t] / counts[t] if is_sampled else 0.0 for t, (reward, is_sampled) in enumerate(zip(rewards, sampled))]
+        for rewards, sampled in zip(token_rewards, generated)
     ]
 
 

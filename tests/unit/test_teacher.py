@@ -50,9 +50,9 @@ def scored(episode, scorer):
 
 
 def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage():
-    """Distillation alone (outcome weight 0): every token's advantage is weight * (teacher logprob
-    - student logprob) of that token; the prompt, the padding and a multi-turn trajectory's
-    context tokens get 0."""
+    """Distillation alone (outcome weight 0), no baseline: every token's advantage is weight *
+    (teacher logprob - student logprob) of that token; the prompt, the padding and a multi-turn
+    trajectory's context tokens get 0."""
     student = [[-0.5, -2.0, -0.1], [-1.0, -3.0, -0.2, -0.7]]
     teacher = [[-0.1, -4.0, -0.1], [-2.0, -9.9, -0.3, -0.2]]
     completions = [
@@ -63,7 +63,7 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     episode = Episode(0, "M37=", "7", PROMPT, completions)
     client, asked = fake_teacher(teacher)
     weight = 0.5
-    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 0.0), (TeacherScorer(client), weight)]))
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 0.0), (TeacherScorer(client, baseline="none"), weight)]))
 
     assert asked == [[episode]]  # one request per group
     batch = make_train_batch([episode], pad_id=0)
@@ -83,12 +83,34 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     )
 
 
+def test_the_group_baseline_centers_each_position_on_the_samples_that_have_a_token_there():
+    """Three samples; the third is one token long and the second's token 1 is context. Position 0:
+    raw -KL 0.4, -2.0, -0.8 (mean -0.8); position 1: only the first sampled there (mean = itself);
+    position 2: the first and second (-1.0 and 0.5, mean -0.25)."""
+    student = [[-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0], [-1.0]]
+    teacher = [[-0.6, -3.0, -3.0], [-3.0, -9.0, -0.5], [-1.8]]
+    completions = [
+        Completion(token_ids=[5, 6, 7], logprobs=student[0], policy_versions=[0] * 3),
+        Completion(token_ids=[5, 8, 7], logprobs=student[1], policy_versions=[0] * 3, generated=[True, False, True]),
+        Completion(token_ids=[5], logprobs=student[2], policy_versions=[0]),
+    ]
+    client, _ = fake_teacher(teacher)
+    episode = scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client))
+    assert completions[0].token_rewards == pytest.approx([0.4 + 0.8, 0.0, -1.0 + 0.25])
+    assert completions[1].token_rewards == pytest.approx([-2.0 + 0.8, 0.0, 0.5 + 0.25])
+    assert completions[2].token_rewards == pytest.approx([-0.8 + 0.8])
+    # The logged distance is the raw reverse KL, not the centered reward.
+    assert completions[0].reward_components["reverse_kl"] == pytest.approx((-0.4 + 2.0 + 1.0) / 3)
+    batch = make_train_batch([episode], pad_id=0)
+    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-1.2, 0.0, 0.75])
+
+
 def test_with_the_task_reward_the_reverse_kl_adds_to_the_group_advantage():
     student, teacher = [[-1.0, -1.0], [-1.0, -1.0]], [[-0.5, -3.0], [-1.0, -1.0]]
     completions = [Completion(token_ids=[5, 6], logprobs=s, policy_versions=[0, 0]) for s in student]
     episode = Episode(0, "M37=", "7", PROMPT, completions)
     client, _ = fake_teacher(teacher)
-    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client), 2.0)]))
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client, baseline="none"), 2.0)]))
     batch = make_train_batch([episode], pad_id=0, normalize_advantage_std=False)
     assert batch.advantages_NL[0, len(PROMPT):].tolist() == pytest.approx([0.5 + 2 * 0.5, 0.5 + 2 * -2.0])
     assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-0.5, -0.5])
