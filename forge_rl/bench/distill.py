@@ -29,7 +29,7 @@ from pathlib import Path
 from forge_rl.bench.common import SMOOTHING_STEPS, run_variant
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import FINAL_REWARD_WINDOW, REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S, progress
-from forge_rl.plot import headless_pyplot, read_metrics, save_figure
+from forge_rl.plot import plot_per_step, read_metrics
 
 TASK_REWARD_OF_DISTILLATION = f"{REWARD_COMPONENTS}/reward_fn"
 """The verifier's reward in a run whose reward is a weighted sum (forge_rl/scorers.py `WeightedSum`)."""
@@ -133,19 +133,6 @@ def run_students(base: GRPOConfig, args: DistillArgs, teacher_model: Path) -> di
     return {"distill": distill, "grpo": grpo}
 
 
-def plot(curves: dict[str, list[float]], target: float, out: Path) -> None:
-    plt = headless_pyplot()
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for name, rewards in curves.items():
-        axis.plot(range(1, len(rewards) + 1), rewards, label=name, lw=1)
-    axis.axhline(target, color="grey", ls="--", lw=0.8, label="target")
-    axis.set_xlabel("trainer step")
-    axis.set_ylabel("task reward (verifier)")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    save_figure(fig, out)
-
-
 def main(args: DistillArgs) -> dict:
     from forge_rl.yaml_config import load_yaml_config
 
@@ -166,7 +153,10 @@ def main(args: DistillArgs) -> dict:
         teacher_model=str(teacher_model),
         curves=curves,
     )
-    plot({f"{name} (student)" if name != "teacher" else name: c for name, c in curves.items()},
-         summary["target_reward"], args.out_dir / "distill_reward.png")
+    labels = {"teacher": "teacher (its training)", "distill": "student, distilled", "grpo": "student, GRPO"}
+    plot_per_step(
+        {labels[name]: c for name, c in curves.items()}, "task reward (verifier)", summary["target_reward"],
+        args.out_dir / "distill_reward.png",
+    )
     (args.out_dir / "distill.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
