@@ -7,6 +7,7 @@ workers left alive with none of the run's processes once it ends.
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,10 +22,12 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
+from forge_rl.models.tiny import create_tiny_model
 from forge_rl.placement import LaunchConfig, PlacementConfig
 from forge_rl.run_dir import config_to_dict
 from forge_rl.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
+from forge_rl.teacher import TeacherConfig
 from forge_rl.trainer import TrainerConfig
 from tests.helpers import wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
@@ -35,7 +38,8 @@ NUM_STEPS = 4
 
 
 # Each variant also runs recipe options that only a whole loop can check end to end:
-#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty;
+#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty, a
+#         distillation teacher (the initial policy) on its own process;
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
@@ -84,6 +88,9 @@ def finished(summary: dict, config: GRPOConfig):
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     config = variant_config("fsdp", tmp_path_factory)
+    # The teacher is the initial policy: the same from-scratch model (same seed) in a directory of its own.
+    teacher = create_tiny_model(config.model.tiny, tmp_path_factory.mktemp("teacher") / "model")
+    config = dataclasses.replace(config, scorer=dataclasses.replace(config.scorer, teacher=TeacherConfig(path=teacher)))
     return finished(asyncio.run(run(config)), config)
 
 
@@ -185,6 +192,17 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
     assert accounting["trained_more_than_once"] == 0
     # max_new_tokens 3, overlong_buffer 1: a 3-token (truncated) completion loses 1.
     assert metrics[-1]["scorer/overlong_penalized"] > 0
+
+
+def test_a_teacher_scores_every_sampled_token_on_its_own_process(fsdp_run):
+    """The teacher is the initial policy, so at step 1 (synchronous: tokens sampled by version 0)
+    its logprob of every sampled token is the generator's and the reverse KL is 0 up to the
+    engine/trainer mismatch; the student then moves away from it."""
+    _, metrics, _, _ = fsdp_run
+    reverse_kl = [m["reward/components/teacher/reverse_kl"] for m in metrics]
+    assert abs(reverse_kl[0]) < 1e-3
+    assert all(m["scorer/teacher/errored"] == 0 for m in metrics)
+    assert reverse_kl[-1] != reverse_kl[0]
 
 
 def test_reference_model_is_the_initial_policy(tp_run):
