@@ -312,7 +312,8 @@ class GRPOConfig:
         if self.uses_reference_model:
             self._check_frozen_model(self.reference, hf_config)
         if self.uses_teacher:
-            self._check_frozen_model(self.scorer.teacher, self._teacher_hf_config())
+            pinned = self.scorer.teacher.path is None  # a snapshot of the policy itself
+            self._check_frozen_model(self.scorer.teacher, hf_config if pinned else self._teacher_hf_config())
         if self.scorer.judge.path is not None:
             self._check_judge()
 
@@ -426,12 +427,11 @@ class GRPOConfig:
                 f"trainer.loss.kl_beta ({self.trainer.loss.kl_beta}) > 0 needs the reference model, which a "
                 "simulation (generator.engine sim) does not run. Set --trainer.loss.kl-beta 0."
             )
-        for section in ("teacher", "judge"):
-            if getattr(self.scorer, section).path is not None:
-                raise ConfigError(
-                    f"scorer.{section}.path ({getattr(self.scorer, section).path}) needs a model, which a simulation "
-                    f"(generator.engine sim) does not run. Leave --scorer.{section}.path unset."
-                )
+        if self.uses_teacher or self.scorer.judge.path is not None:
+            raise ConfigError(
+                "scorer.teacher (path or pin) and scorer.judge.path need models, which a simulation (generator.engine "
+                "sim) does not run. Leave --scorer.teacher.path, --scorer.judge.path unset and --scorer.teacher.pin fixed."
+            )
         if self.checkpoint.enabled:
             raise ConfigError(
                 "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "
@@ -446,7 +446,7 @@ class GRPOConfig:
     @property
     def uses_teacher(self) -> bool:
         """Whether a distillation teacher runs (forge_rl/teacher.py)."""
-        return self.scorer.teacher.path is not None
+        return self.scorer.teacher.enabled
 
 
 def _check_positive(config: object, *names: str) -> None:

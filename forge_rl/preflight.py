@@ -109,7 +109,7 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
     plus `generator.max_new_tokens` fits in the model's context; a distillation teacher has the
     same tokenizer (forge_rl/teacher.py)."""
     tokenizer = _load_tokenizer(model_dir)
-    if config.uses_teacher:
+    if config.scorer.teacher.path is not None:
         check_same_tokenizer(config.scorer.teacher.path, model_dir)
     if config.scorer.judge.path is not None:
         _check_judge_tokenizer(config.scorer.judge)

@@ -110,7 +110,7 @@ class ScorerConfig:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
         if not math.isfinite(self.reward_fn_weight):
             raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
-        if self.reward_fn_weight == 0 and all(c.path is None for c in (self.reward_model, self.teacher, self.judge)):
+        if self.reward_fn_weight == 0 and self.reward_model.path is None and self.judge.path is None and not self.teacher.enabled:
             raise ValueError(
                 "scorer.reward_fn_weight (0) with no scorer.reward_model.path, scorer.teacher.path nor "
                 "scorer.judge.path leaves every reward 0: nothing would train. Set one of --scorer.reward-model.path, "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
 
+from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
 from forge_rl.reference import ReferenceConfig
 from forge_rl.types import Completion
@@ -46,7 +47,21 @@ class TeacherConfig(ReferenceConfig):
 
     path: Path | None = None
     """HF model directory of the teacher (config.json, safetensors weights, tokenizer files). Its
-    tokenizer must be the student's: checked before any process starts."""
+    tokenizer must be the student's: checked before any process starts. Unset with `pin` other
+    than fixed: the teacher is the policy itself (self-distillation)."""
+    pin: Literal["fixed", "lagged", "ema", "best"] = "fixed"
+    """fixed: the model at `path`, never changed. Self-distillation, the teacher a snapshot of the
+    policy served by its own processes and refreshed from the weight store every
+    `refresh_every_n_steps` steps (`TeacherPin`): lagged, policy version v - `versions_back`; ema,
+    an exponential moving average of the versions at each refresh (`ema_decay`); best, the version
+    published after the step with the highest mean reward so far. It starts as the initial policy."""
+    versions_back: int = 4
+    """pin lagged: how many versions behind the newest the teacher is right after a refresh
+    (1 <= versions_back <= refresh_every_n_steps)."""
+    refresh_every_n_steps: int = 4
+    """Self-distillation: trainer steps between two refreshes of the teacher."""
+    ema_decay: float = 0.5
+    """pin ema: teacher <- ema_decay * teacher + (1 - ema_decay) * newest version, at each refresh."""
     weight: float = 1.0
     """Coefficient of the per-token reverse KL in each token's advantage:
     A_t += -weight * (log pi_student - log pi_teacher), less its baseline."""
@@ -59,6 +74,111 @@ class TeacherConfig(ReferenceConfig):
         super().__post_init__()
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise ValueError(f"scorer.teacher.weight ({self.weight}) must be finite and > 0. Set --scorer.teacher.weight.")
+        if self.pin == "fixed":
+            return
+        if self.path is not None:
+            raise ValueError(
+                f"scorer.teacher.path ({self.path}) with scorer.teacher.pin {self.pin}: a pinned teacher is a snapshot "
+                "of the policy itself. Leave --scorer.teacher.path unset, or set --scorer.teacher.pin fixed."
+            )
+        if self.refresh_every_n_steps < 1:
+            raise ValueError(
+                f"scorer.teacher.refresh_every_n_steps ({self.refresh_every_n_steps}) must be >= 1. "
+                "Set --scorer.teacher.refresh-every-n-steps."
+            )
+        if self.pin == "lagged" and not 1 <= self.versions_back <= self.refresh_every_n_steps:
+            raise ValueError(
+                f"scorer.teacher.versions_back ({self.versions_back}) must be in [1, refresh_every_n_steps "
+                f"({self.refresh_every_n_steps})]: the teacher keeps one staged version, taken versions_back steps "
+                "before the refresh that serves it. Set --scorer.teacher.versions-back or raise "
+                "--scorer.teacher.refresh-every-n-steps."
+            )
+        if self.pin == "ema" and not 0 <= self.ema_decay < 1:
+            raise ValueError(f"scorer.teacher.ema_decay ({self.ema_decay}) must be in [0, 1). Set --scorer.teacher.ema-decay.")
+        if self.num_procs != 1:
+            raise ValueError(
+                f"scorer.teacher.num_procs ({self.num_procs}) must be 1 with scorer.teacher.pin {self.pin}: a pinned "
+                "teacher loads whole versions from the weight store into one process. Set --scorer.teacher.num-procs 1."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher runs: a fixed one at `path`, or a pinned snapshot of the policy."""
+        return self.path is not None or self.pin != "fixed"
+
+
+@dataclass(frozen=True)
+class TeacherRefresh:
+    """What the pinned teacher does after a trained step: `actions` in order, each "stage" (load
+    policy version `version` from the weight store as the staged weights, blended as blend * teacher
+    + (1 - blend) * version when `blend` is set) or "swap" (serve the staged weights from now on)."""
+
+    actions: tuple[str, ...] = ()
+    version: int | None = None
+    blend: float | None = None
+
+
+class TeacherPin:
+    """Self-distillation's schedule: which policy version the teacher serves, decided after each
+    trained step from (step, the version that step published, the step's mean reward). Plain
+    Python; the recipe carries the refresh out on the teacher's actor (`stage`, `swap`).
+
+    The weight store keeps only the newest versions, so a version the teacher will serve later is
+    staged (copied into the teacher's process) while it is the newest, and swapped in at a refresh:
+
+        lagged   stage the newest at steps s with (s + versions_back) % n == 0, swap at s % n == 0:
+                 right after each refresh the teacher is version v - versions_back
+        ema      at s % n == 0: stage teacher * decay + newest * (1 - decay), swap
+        best     stage the newest after a step whose mean reward beats every earlier step's; swap at
+                 s % n == 0 when a new best was staged (the version trained on the best batch: a
+                 proxy for evaluating each version, which would cost generation)
+
+    (n = refresh_every_n_steps.) `serving` is the version the teacher serves (0: the initial
+    policy; for ema, the newest version blended in)."""
+
+    def __init__(self, config: TeacherConfig):
+        self.config = config
+        self.serving = 0
+        self._staged: int | None = None
+        self._best_reward = -math.inf
+
+    def after_step(self, step: int, policy_version: int, reward: float) -> TeacherRefresh:
+        config = self.config
+        refresh = step % config.refresh_every_n_steps == 0
+        if config.pin == "ema":
+            if not refresh:
+                return TeacherRefresh()
+            self.serving = policy_version  # an average is served as soon as it is made
+            return TeacherRefresh(("stage", "swap"), policy_version, config.ema_decay)
+        actions: list[str] = []
+        if refresh and self._staged is not None:
+            self.serving, self._staged = self._staged, None
+            actions.append("swap")
+        stage = None
+        if config.pin == "lagged" and (step + config.versions_back) % config.refresh_every_n_steps == 0:
+            stage = policy_version
+        elif config.pin == "best" and reward > self._best_reward:
+            self._best_reward, stage = reward, policy_version
+        if stage is not None:
+            self._staged = stage
+            actions.append("stage")
+        return TeacherRefresh(tuple(actions), stage)
+
+def pinned_teacher_refresh(teacher, config: TeacherConfig):
+    """The recipe's `RunActors.after_publish` for self-distillation: `TeacherPin`'s schedule carried
+    out on the teacher's FrozenModelActor mesh (`stage`, `swap`); logs the version it serves."""
+    pin = TeacherPin(config)
+
+    async def after_publish(step: int, policy_version: int, metrics: dict) -> dict:
+        refresh = pin.after_step(step, policy_version, metrics[m.REWARD_MEAN])
+        for action in refresh.actions:
+            if action == "stage":
+                await teacher.stage.call(refresh.version, refresh.blend)
+            else:
+                await teacher.swap.call()
+        return {m.TEACHER_POLICY_VERSION: pin.serving}
+
+    return after_publish
 
 
 def reverse_kl_token_rewards(completion: Completion, teacher_logprobs: list[float]) -> list[float]:

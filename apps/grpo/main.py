@@ -51,6 +51,7 @@ from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import progress
 from forge_rl.reference import attach_reference_logprobs
+from forge_rl.teacher import pinned_teacher_refresh
 from forge_rl.store.actors import spawn_store
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.timeline import Timeline
@@ -78,6 +79,8 @@ async def run(config: GRPOConfig) -> dict:
             score=lambda episodes, timeline: score(episodes, actors, config, timeline),
             stats=actors.scorer.stats.call_one,
             renderer=make_renderer(config.environment.renderer, lifecycle.model_dir),
+            after_publish=pinned_teacher_refresh(actors.teacher, config.scorer.teacher)
+            if config.scorer.teacher.pin != "fixed" else None,
         ))
         await lifecycle.resume(pipeline)
         history, accounting = await lifecycle.run_loops(pipeline)
@@ -120,7 +123,7 @@ class Actors:
     """The frozen reference model, on its own processes; only when trainer.loss.kl_beta > 0."""
     teacher: FrozenModelActor | None = None
     """The distillation teacher, on its own processes (the scorer calls it); only when
-    scorer.teacher.path is set."""
+    scorer.teacher.path is set, or scorer.teacher.pin is not fixed (self-distillation)."""
     judge: GeneratorActor | None = None
     """The LLM judge's engine, on its own process (the scorer calls it); only when scorer.judge.path is set."""
     reward_model: RewardModelActor | None = None
@@ -148,8 +151,14 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         reward_model = reward_model_procs.spawn("reward_model", RewardModelActor, config.scorer.reward_model)
     teacher = None
     if config.uses_teacher:
-        teacher_procs = await hosts.spawn_ranks("teacher", config.scorer.teacher.num_procs)
-        teacher = teacher_procs.spawn("teacher", FrozenModelActor, config.scorer.teacher, str(config.scorer.teacher.path), pad_id)
+        teacher_config = config.scorer.teacher
+        teacher_procs = await hosts.spawn_ranks("teacher", teacher_config.num_procs)
+        if teacher_config.path is not None:
+            teacher = teacher_procs.spawn("teacher", FrozenModelActor, teacher_config, str(teacher_config.path), pad_id)
+        else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
+            teacher = teacher_procs.spawn(
+                "teacher", FrozenModelActor, teacher_config, model_dir, pad_id, store_index, str(store_root)
+            )
     judge = None
     if config.scorer.judge.path is not None:
         # A generator like the policy's, serving the judge's weights, which never change (no store).

@@ -7,7 +7,6 @@ workers left alive with none of the run's processes once it ends.
 """
 
 import asyncio
-import dataclasses
 import json
 import os
 import subprocess
@@ -22,7 +21,6 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.models.tiny import create_tiny_model
 from forge_rl.placement import LaunchConfig, PlacementConfig
 from forge_rl.run_dir import config_to_dict
 from forge_rl.scorers import ScorerConfig
@@ -37,9 +35,13 @@ pytestmark = pytest.mark.integration
 NUM_STEPS = 4
 
 
+SELF_TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+"""Self-distillation: the teacher starts as the initial policy; after step 2 it serves version 1,
+after step 4 version 3 (forge_rl/teacher.py `TeacherPin`)."""
+
 # Each variant also runs recipe options that only a whole loop can check end to end:
-#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty, a
-#         distillation teacher (the initial policy) on its own process;
+#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty,
+#         self-distillation from a teacher pinned one version back, on its own process;
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
@@ -50,7 +52,7 @@ VARIANTS = {
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
         generator=GeneratorConfig(max_new_tokens=3),
         dynamic_sampling=True,
-        scorer=ScorerConfig(overlong_buffer=1),
+        scorer=ScorerConfig(overlong_buffer=1, teacher=SELF_TEACHER),
     ),
     "tp": dict(
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
@@ -88,9 +90,6 @@ def finished(summary: dict, config: GRPOConfig):
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     config = variant_config("fsdp", tmp_path_factory)
-    # The teacher is the initial policy: the same from-scratch model (same seed) in a directory of its own.
-    teacher = create_tiny_model(config.model.tiny, tmp_path_factory.mktemp("teacher") / "model")
-    config = dataclasses.replace(config, scorer=dataclasses.replace(config.scorer, teacher=TeacherConfig(path=teacher)))
     return finished(asyncio.run(run(config)), config)
 
 
@@ -194,15 +193,21 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
     assert metrics[-1]["scorer/overlong_penalized"] > 0
 
 
-def test_a_teacher_scores_every_sampled_token_on_its_own_process(fsdp_run):
-    """The teacher is the initial policy, so at step 1 (synchronous: tokens sampled by version 0)
-    its logprob of every sampled token is the generator's and the reverse KL is 0 up to the
-    engine/trainer mismatch; the student then moves away from it."""
-    _, metrics, _, _ = fsdp_run
+def test_a_pinned_teacher_scores_every_token_and_swaps_versions_while_generators_decode(fsdp_run):
+    """The teacher starts as the initial policy, so at step 1 (synchronous: tokens sampled by
+    version 0) its logprob of every sampled token is the generator's: reverse KL 0 up to the
+    engine/trainer mismatch. It then serves version 1 after step 2 and version 3 after step 4,
+    loaded from the weight store by its own process; the generators take no part in a swap, so
+    they serve every published version (`generator/policy_versions`) and none was replaced."""
+    summary, metrics, _, _ = fsdp_run
     reverse_kl = [m["reward/components/teacher/reverse_kl"] for m in metrics]
     assert abs(reverse_kl[0]) < 1e-3
     assert all(m["scorer/teacher/errored"] == 0 for m in metrics)
-    assert reverse_kl[-1] != reverse_kl[0]
+    assert [m["teacher/policy_version"] for m in metrics] == [0, 1, 1, 3]
+    # Step 3's tokens were sampled by version 2, one step ahead of the teacher's version 1.
+    assert abs(reverse_kl[2]) > abs(reverse_kl[0])
+    assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
+    assert summary["generator_recoveries"] == []
 
 
 def test_reference_model_is_the_initial_policy(tp_run):

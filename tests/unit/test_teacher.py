@@ -169,3 +169,51 @@ def test_distillation_alone_needs_no_task_reward_weight():
         TeacherConfig(path=Path("t"), weight=0.0)
     with pytest.raises(ValueError, match="--scorer.teacher.num-procs"):
         TeacherConfig(num_procs=0)
+
+
+def served_versions(pin: str, rewards=(0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1), **changes):
+    """(actions, version served) after each of 8 steps; step s publishes version s."""
+    from forge_rl.teacher import TeacherPin
+
+    schedule = TeacherPin(TeacherConfig(pin=pin, **changes))
+    return [(schedule.after_step(step, step, r).actions, schedule.serving) for step, r in enumerate(rewards, start=1)]
+
+
+def test_a_lagged_teacher_serves_the_version_versions_back_right_after_each_refresh():
+    # Every 3 steps, 2 back: stage the newest at steps 1, 4, 7; swap at 3, 6 (serving v1, v4).
+    assert served_versions("lagged", versions_back=2, refresh_every_n_steps=3) == [
+        (("stage",), 0), ((), 0), (("swap",), 1), (("stage",), 1), ((), 1), (("swap",), 4), (("stage",), 4), ((), 4)
+    ]
+    # versions_back == refresh_every_n_steps: the swap of the version staged n steps ago comes first.
+    assert [v for _, v in served_versions("lagged", versions_back=3, refresh_every_n_steps=3)] == [0, 0, 0, 0, 0, 3, 3, 3]
+
+
+def test_an_ema_teacher_blends_the_newest_version_at_each_refresh():
+    from forge_rl.teacher import TeacherPin
+
+    schedule = TeacherPin(TeacherConfig(pin="ema", refresh_every_n_steps=2, ema_decay=0.75))
+    assert schedule.after_step(1, 1, 0.0).actions == ()
+    refresh = schedule.after_step(2, 2, 0.0)
+    assert (refresh.actions, refresh.version, refresh.blend, schedule.serving) == (("stage", "swap"), 2, 0.75, 2)
+
+
+def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
+    # Rewards 0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1: new bests at steps 1, 2, 4, 7.
+    assert served_versions("best", refresh_every_n_steps=2) == [
+        (("stage",), 0), (("swap", "stage"), 1), ((), 1), (("swap", "stage"), 2), ((), 2), (("swap",), 4),
+        (("stage",), 4), (("swap",), 7),
+    ]
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"pin": "lagged", "path": Path("t")}, "a pinned teacher is a snapshot of the policy itself"),
+        ({"pin": "lagged", "versions_back": 5, "refresh_every_n_steps": 4}, r"versions_back \(5\) must be in \[1, refresh_every_n_steps \(4\)\]"),
+        ({"pin": "ema", "ema_decay": 1.0}, "ema_decay"),
+        ({"pin": "best", "num_procs": 2}, "--scorer.teacher.num-procs 1"),
+    ],
+)
+def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TeacherConfig(**changes)
