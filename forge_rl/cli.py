@@ -108,6 +108,7 @@ _BENCHMARKS = {
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
     "distill": "On-policy distillation of a trained teacher into a fresh student vs GRPO from scratch, same steps.",
+    "self-distill": "GRPO alone vs GRPO + a teacher pinned to the policy's past (lagged, EMA, best), same steps.",
 }
 
 
@@ -121,8 +122,8 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, distill, multi_turn, sampling_support, scale, soak, staleness, task_baseline, trainer,
-        weight_sync,
+        async_vs_sync, distill, multi_turn, sampling_support, scale, self_distill, soak, staleness, task_baseline,
+        trainer, weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -138,6 +139,7 @@ def _run_bench(args: list[str]) -> None:
         "scale": (scale, scale.ScaleArgs),
         "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
         "distill": (distill, distill.DistillArgs),
+        "self-distill": (self_distill, self_distill.SelfDistillArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:
