@@ -217,3 +217,25 @@ def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
 def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, message):
     with pytest.raises(ValueError, match=message):
         TeacherConfig(**changes)
+
+
+def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_order():
+    """`pinned_teacher_refresh` (the recipe's after_publish) against a fake teacher actor: the
+    stage and swap calls of a lagged pin, in order, and the served version as a metric."""
+    from forge_rl.teacher import pinned_teacher_refresh
+    from tests.fakes import endpoints
+
+    calls = []
+
+    async def stage(version, blend):
+        calls.append(("stage", version, blend))
+
+    async def swap():
+        calls.append(("swap",))
+
+    refresh = pinned_teacher_refresh(
+        endpoints(stage=stage, swap=swap), TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    )
+    served = [asyncio.run(refresh(step, step, {"reward/mean": 0.0}))["teacher/policy_version"] for step in range(1, 5)]
+    assert calls == [("stage", 1, None), ("swap",), ("stage", 3, None), ("swap",)]
+    assert served == [0, 1, 1, 3]
