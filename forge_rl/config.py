@@ -312,17 +312,57 @@ class GRPOConfig:
         hf_config = self.model.hf_config()
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
         if self.uses_reference_model:
-            validate_parallelism(self.reference.parallel, self.reference.num_procs, hf_config, section="reference")
-            reference_dp = self.reference.parallel.dp_degree
-            if self.group_size % reference_dp:
-                raise ConfigError(
-                    f"group_size ({self.group_size}) is not divisible by reference.parallel.dp_replicate "
-                    f"({self.reference.parallel.dp_replicate}) * reference.parallel.dp_shard "
-                    f"({self.reference.parallel.dp_shard}) = {reference_dp}: the reference model scores one "
-                    "group at a time, split evenly over its data-parallel ranks, so the first rollout would "
-                    f"fail. Set --group-size to a multiple of {reference_dp}, or --reference.parallel.dp-shard "
-                    "(with --reference.num-procs) to a divisor of it."
-                )
+            self._check_frozen_model(self.reference, hf_config)
+        if self.uses_teacher:
+            pinned = self.scorer.teacher.path is None  # a snapshot of the policy itself
+            self._check_frozen_model(self.scorer.teacher, hf_config if pinned else self._teacher_hf_config())
+        if self.scorer.judge.path is not None:
+            self._check_judge()
+
+    def _check_judge(self) -> None:
+        judge = self.scorer.judge
+        try:
+            judge_context = ModelConfig(path=judge.path).hf_config()["max_position_embeddings"]
+        except ConfigError as e:
+            raise ConfigError(f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory.") from None
+        if judge.max_model_len > judge_context:
+            raise ConfigError(
+                f"scorer.judge.max_model_len ({judge.max_model_len}) exceeds the judge's context "
+                f"(max_position_embeddings = {judge_context} in {judge.path}/config.json). Set "
+                f"--scorer.judge.max-model-len {judge_context} or less."
+            )
+        if judge.generator.max_new_tokens >= judge.max_model_len:
+            raise ConfigError(
+                f"scorer.judge.generator.max_new_tokens ({judge.generator.max_new_tokens}) leaves no room for the "
+                f"judge's prompt in scorer.judge.max_model_len ({judge.max_model_len}). Lower "
+                "--scorer.judge.generator.max-new-tokens."
+            )
+
+    def _check_frozen_model(self, config: ReferenceConfig, hf_config: dict) -> None:
+        """A reference model or a teacher: its parallelism fits its model and splits a group evenly."""
+        section, flag = config.section, "--" + config.section.replace("_", "-")
+        validate_parallelism(config.parallel, config.num_procs, hf_config, section=section)
+        dp = config.parallel.dp_degree
+        if self.group_size % dp:
+            raise ConfigError(
+                f"group_size ({self.group_size}) is not divisible by {section}.parallel.dp_replicate "
+                f"({config.parallel.dp_replicate}) * {section}.parallel.dp_shard ({config.parallel.dp_shard}) "
+                f"= {dp}: the {section} model scores one group at a time, split evenly over its data-parallel "
+                f"ranks, so the first rollout would fail. Set --group-size to a multiple of {dp}, or "
+                f"{flag}.parallel.dp-shard (with {flag}.num-procs) to a divisor of it."
+            )
+
+    def _teacher_hf_config(self) -> dict:
+        """The teacher directory's config.json; a ConfigError naming scorer.teacher.path when the
+        directory is not a model (the tokenizer is compared with the student's by
+        forge_rl/preflight.py, once the student's directory exists)."""
+        try:
+            return ModelConfig(path=self.scorer.teacher.path).hf_config()
+        except ConfigError as e:
+            raise ConfigError(
+                f"scorer.teacher.path: {e} Point --scorer.teacher.path at the teacher's HF model directory "
+                "(a trained run exports as one: `forge-rl export --run RUN_DIR --out DIR`)."
+            ) from None
 
     def _check_environment(self) -> None:
         warmup = self.environment.warmup.episodes > 0
@@ -389,6 +429,11 @@ class GRPOConfig:
                 f"trainer.loss.kl_beta ({self.trainer.loss.kl_beta}) > 0 needs the reference model, which a "
                 "simulation (generator.engine sim) does not run. Set --trainer.loss.kl-beta 0."
             )
+        if self.uses_teacher or self.scorer.judge.path is not None:
+            raise ConfigError(
+                "scorer.teacher (path or pin) and scorer.judge.path need models, which a simulation (generator.engine "
+                "sim) does not run. Leave --scorer.teacher.path, --scorer.judge.path unset and --scorer.teacher.pin fixed."
+            )
         if self.checkpoint.enabled:
             raise ConfigError(
                 "checkpoint.enabled is true, but a simulated trainer (trainer.engine sim) has no state to "
@@ -414,6 +459,11 @@ class GRPOConfig:
     def uses_reference_model(self) -> bool:
         """Whether a frozen reference model runs (for the KL penalty)."""
         return self.trainer.loss.kl_beta > 0
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether a distillation teacher runs (forge_rl/teacher.py)."""
+        return self.scorer.teacher.enabled
 
 
 def _check_positive(config: object, *names: str) -> None:

@@ -32,6 +32,8 @@ STEP = "step"
 WALL_TIME_S = "wall_time_s"
 """Seconds since the loops started (the timeline's origin)."""
 REWARD_MEAN = "reward/mean"
+TEACHER_POLICY_VERSION = "teacher/policy_version"
+"""Self-distillation: the policy version the pinned teacher serves (forge_rl/teacher.py `TeacherPin`)."""
 REWARD_COMPONENTS = "reward/components"
 """Prefix of each reward component's mean over the step's scored completions:
 `reward/components/<name>` (forge_rl/scorers.py `Score.components`)."""

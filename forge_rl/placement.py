@@ -533,11 +533,13 @@ def demand_of(config) -> RoleDemand:
     """The `RoleDemand` of a GRPOConfig."""
     return RoleDemand(
         trainer_procs=config.trainer.num_procs,
-        reference_procs=config.reference.num_procs if config.uses_reference_model else 0,
+        # The frozen models (reference, distillation teacher) run on the reference hosts.
+        reference_procs=(config.reference.num_procs if config.uses_reference_model else 0)
+        + (config.scorer.teacher.num_procs if config.uses_teacher else 0),
         num_generators=config.num_generators,
         # A simulated engine or trainer step is a timed wait: no compute threads to place.
         trainer_threads=0 if config.trainer.engine == "sim" else config.trainer.num_threads,
-        reference_threads=config.reference.num_threads,
+        reference_threads=max(config.reference.num_threads, config.scorer.teacher.num_threads if config.uses_teacher else 0),
         generator_threads=0 if config.generator.engine == "sim" else config.generator.cpu_threads,
         generator_gpus=config.generator.tensor_parallel_size,
     )

@@ -39,6 +39,21 @@ def headless_pyplot():
     return plt
 
 
+def plot_per_step(curves: dict[str, list[float]], ylabel: str, reference: float, out: Path) -> None:
+    """One line per named curve (a value per trainer step, from step 1) and a dashed horizontal
+    line at `reference`, written to `out` (PNG)."""
+    plt = headless_pyplot()
+    fig, axis = plt.subplots(figsize=(7, 4))
+    for name, values in curves.items():
+        axis.plot(range(1, len(values) + 1), values, label=name, lw=1)
+    axis.axhline(reference, color="gray", ls="--", lw=0.8)
+    axis.set_xlabel("step")
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    save_figure(fig, out)
+
+
 def save_figure(fig, out: Path) -> None:
     """Lay out `fig`, write it to `out` (PNG) and free it (pyplot keeps open figures alive)."""
     import matplotlib.pyplot as plt

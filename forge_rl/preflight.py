@@ -17,6 +17,7 @@ from pathlib import Path
 from forge_rl.config import GRPOConfig
 from forge_rl.placement import check_gpus, check_host_indices, check_reachable, demand_of, worker_addresses
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
+from forge_rl.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
 
 NUM_PROMPTS_CHECKED = 256
@@ -105,8 +106,13 @@ def _available_memory_gib() -> float | None:
 
 def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
     """The tokenizer of `model_dir` loads and renders every checked task prompt, and each prompt
-    plus `generator.max_new_tokens` fits in the model's context."""
+    plus `generator.max_new_tokens` fits in the model's context; a distillation teacher has the
+    same tokenizer (forge_rl/teacher.py)."""
     tokenizer = _load_tokenizer(model_dir)
+    if config.scorer.teacher.path is not None:
+        check_same_tokenizer(config.scorer.teacher.path, model_dir)
+    if config.scorer.judge.path is not None:
+        _check_judge_tokenizer(config.scorer.judge)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
     for index in range(NUM_PROMPTS_CHECKED):
@@ -133,6 +139,16 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
                 "Lower --generator.max-new-tokens, or use a model with a longer context "
                 "(--model.tiny.max-position-embeddings for the tiny model)."
             )
+
+
+def _check_judge_tokenizer(judge) -> None:
+    """The judge's tokenizer loads and, for prompt_format chat, has a chat template."""
+    tokenizer = _load_tokenizer(judge.path)
+    if judge.prompt_format == "chat" and not tokenizer.has_chat_template:
+        raise ConfigError(
+            f"scorer.judge.prompt_format is chat, but the judge ({judge.path}) has no chat template. Set "
+            "--scorer.judge.prompt-format plain, or use an instruct model with a chat template as the judge."
+        )
 
 
 def _load_tokenizer(model_dir: Path):

@@ -1,7 +1,8 @@
 """The frozen reference policy of the KL penalty (`trainer.loss.kl_beta` > 0). Plain PyTorch.
 
 The reference model is the initial policy, never trained. It runs on its own processes
-(forge_rl/actors/reference.py), between the scorer and the replay buffer: every completion enters
+(forge_rl/actors/frozen_model.py, the frozen-model actor that also serves a distillation teacher,
+forge_rl/teacher.py), between the scorer and the replay buffer: every completion enters
 the buffer with `Completion.reference_logprobs`, so the trainer step needs no second model. Its
 logprobs are taken like the trainer's (the generator's temperature and top-k/top-p kept sets,
 `forge_rl.batching.token_logprobs`), so the KL compares two distributions over the same support.
@@ -11,6 +12,7 @@ With kl_beta = 0 (the default) nothing of this runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -20,6 +22,11 @@ from forge_rl.types import Episode
 
 @dataclass(frozen=True)
 class ReferenceConfig:
+    """Processes of a frozen model that scores tokens (the reference model; TeacherConfig adds a path)."""
+
+    section: ClassVar[str] = "reference"
+    """The config section, for error messages."""
+
     num_procs: int = 1
     """Processes of the reference model; must equal parallel.dp_shard * parallel.tp. Spawned only
     when trainer.loss.kl_beta > 0."""
@@ -32,18 +39,31 @@ class ReferenceConfig:
         for name in ("num_procs", "num_threads"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")
-                raise ValueError(f"reference.{name} ({getattr(self, name)}) must be >= 1. Set --reference.{flag}.")
+                raise ValueError(
+                    f"{self.section}.{name} ({getattr(self, name)}) must be >= 1. Set --{self.section.replace('_', '-')}.{flag}."
+                )
 
 
-def attach_reference_logprobs(episodes: list[Episode], logprobs_NL: torch.Tensor) -> list[Episode]:
-    """Store row n of `logprobs_NL` (rows in `make_train_batch` order: episode by episode, each
-    completion a row of prompt + completion) on the completions, without the prompt positions."""
-    row = 0
+def completion_logprobs(episodes: list[Episode], logprobs_NL: torch.Tensor) -> list[list[list[float]]]:
+    """Row n of `logprobs_NL` (rows in `make_train_batch` order: episode by episode, each completion
+    a row of prompt + completion) without the prompt positions, as [episode][completion][token]."""
+    result, row = [], 0
     for episode in episodes:
         start = len(episode.prompt_token_ids)
+        result.append([])
         for completion in episode.completions:
-            completion.reference_logprobs = logprobs_NL[row, start : start + completion.num_tokens].tolist()
+            result[-1].append(logprobs_NL[row, start : start + completion.num_tokens].tolist())
             row += 1
     if row != logprobs_NL.shape[0]:
-        raise ValueError(f"{logprobs_NL.shape[0]} rows of reference logprobs for {row} completions")
+        raise ValueError(f"{logprobs_NL.shape[0]} rows of logprobs for {row} completions")
+    return result
+
+
+def attach_reference_logprobs(episodes: list[Episode], logprobs: list[list[list[float]]]) -> list[Episode]:
+    """Store the reference model's logprobs (`completion_logprobs` order) on the completions."""
+    if len(logprobs) != len(episodes):
+        raise ValueError(f"reference logprobs for {len(logprobs)} episodes, {len(episodes)} given")
+    for episode, per_completion in zip(episodes, logprobs, strict=True):
+        for completion, values in zip(episode.completions, per_completion, strict=True):
+            completion.reference_logprobs = values
     return episodes

@@ -14,8 +14,10 @@ turns every failure (a failure returned, an exception raised, a non-finite rewar
 score) into an ERRORED completion with its reason, counts it, and never raises for one.
 
 Implementations: `RewardFunctionScorer` (below: reward functions in the sandboxed worker processes
-of forge_rl/scoring.py) and `RewardModelScorer` (forge_rl/reward_model.py: a sequence-classification model served
-by its own actor mesh). How per-step and per-token rewards become advantages:
+of forge_rl/scoring.py), `RewardModelScorer` (forge_rl/reward_model.py: a sequence-classification model served
+by its own actor mesh), `TeacherScorer` (forge_rl/teacher.py: on-policy distillation, a
+frozen teacher's per-token logprobs as dense rewards) and `JudgeScorer` (forge_rl/judge.py: an LLM
+judge on a generator mesh of its own, its verdicts parsed; unparsable ones and timeouts counted). How per-step and per-token rewards become advantages:
 forge_rl/advantages.py `token_advantages`, docs/scoring.md.
 
 No Monarch here: a model-backed scorer holds a client, an async function the actor shell supplies.
@@ -32,8 +34,10 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from forge_rl.advantages import overlong_penalty
+from forge_rl.judge import JudgeConfig, parse_verdict, render_judge_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
+from forge_rl.teacher import TeacherConfig, center_on_group, reverse_kl_token_rewards
 from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
 
 
@@ -86,6 +90,11 @@ class ScorerConfig:
     (how to see that the policy learns the task, not the reward model's mistakes)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A learned reward model added to the reward (forge_rl/reward_model.py); off unless its path is set."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """On-policy distillation (forge_rl/teacher.py): a frozen teacher's per-token reverse KL added to
+    every token's advantage; off unless its path is set."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """An LLM judge's verdict added to the reward (forge_rl/judge.py); off unless its path is set."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
@@ -101,10 +110,11 @@ class ScorerConfig:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
         if not math.isfinite(self.reward_fn_weight):
             raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
-        if self.reward_fn_weight == 0 and self.reward_model.path is None:
+        if self.reward_fn_weight == 0 and self.reward_model.path is None and self.judge.path is None and not self.teacher.enabled:
             raise ValueError(
-                "scorer.reward_fn_weight (0) with no scorer.reward_model.path leaves every reward 0: nothing "
-                "would train. Set --scorer.reward-model.path DIR, or --scorer.reward-fn-weight above 0."
+                "scorer.reward_fn_weight (0) with no scorer.reward_model.path, scorer.teacher.path nor "
+                "scorer.judge.path leaves every reward 0: nothing would train. Set one of --scorer.reward-model.path, "
+                "--scorer.teacher.path, --scorer.judge.path, or --scorer.reward-fn-weight above 0."
             )
         if self.overlong_buffer is not None and self.overlong_buffer < 1:
             # 0 would penalize only completions longer than generator.max_new_tokens, and the
@@ -278,18 +288,95 @@ class RewardModelScorer(Scorer):
         return [Score(float(value)) for value in await self.client(texts)]
 
 
+class TeacherScorer(Scorer):
+    """On-policy distillation (forge_rl/teacher.py): `client(episodes)` returns the teacher's logprob
+    of every completion token ([episode][completion][token], the frozen-model actor's
+    `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
+    sampled token, teacher logprob - student (behaviour) logprob, less the group's mean at that
+    position with baseline "group"; the completion's reward is 0 (the teacher has no opinion on the
+    outcome). Component `reverse_kl`: its mean over the completion's
+    tokens, the distance to the teacher that distillation drives down."""
+
+    name = "teacher"
+
+    def __init__(
+        self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]], baseline: str = "group"
+    ):
+        self.client = client
+        self.baseline = baseline
+        """TeacherConfig.baseline: "group" centers each position's reward on the group (`center_on_group`)."""
+
+    async def score_group(self, episode: Episode) -> list[ScoreResult]:
+        (per_completion,) = await self.client([episode])
+        negative_kl = [
+            reverse_kl_token_rewards(c, logprobs) for c, logprobs in zip(episode.completions, per_completion, strict=True)
+        ]
+        generated = [c.generated or [True] * c.num_tokens for c in episode.completions]
+        token_rewards = center_on_group(negative_kl, generated) if self.baseline == "group" else negative_kl
+        return [
+            Score(0.0, components={"reverse_kl": -sum(raw) / max(sum(sampled), 1)}, token_rewards=tuple(rewards))
+            for raw, sampled, rewards in zip(negative_kl, generated, token_rewards)
+        ]
+
+
+class JudgeScorer(Scorer):
+    """An LLM judge (forge_rl/judge.py). Asks it, through `client(prompt_text) -> verdict_text`, about each completion on its
+    own (concurrently: the judge's engine batches them), and parses its verdict."""
+
+    name = "judge"
+
+    def __init__(self, config: JudgeConfig, client: Callable[[str], Awaitable[str]]):
+        self.config = config
+        self.client = client
+        self.num_judged = 0
+        self.num_unparsable = 0
+        self.num_timed_out = 0
+
+    async def score_completion(self, episode: Episode, completion: Completion) -> ScoreResult:
+        prompt = render_judge_prompt(self.config.template, episode, completion)
+        try:
+            verdict = await asyncio.wait_for(self.client(prompt), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            self.num_timed_out += 1
+            return ScoreFailure(f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout")
+        self.num_judged += 1
+        reward = parse_verdict(verdict, self.config.verdict_pattern, self.config.score_min, self.config.score_max)
+        if reward is None:
+            self.num_unparsable += 1
+            return ScoreFailure(
+                f"unparsable verdict {verdict[:200]!r}: no match of scorer.judge.verdict_pattern "
+                f"({self.config.verdict_pattern!r}) with a score in [{self.config.score_min}, {self.config.score_max}]",
+                "unparsable verdict",
+            )
+        return Score(reward)
+
+    def stats(self) -> dict[str, float]:
+        return {"verdicts": self.num_judged, "unparsable": self.num_unparsable, "timed_out": self.num_timed_out}
+
+
 def build_scorer(
-    config: ScorerConfig, reward: str, reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None
+    config: ScorerConfig,
+    reward: str,
+    reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None,
+    teacher: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]] | None = None,
+    judge: Callable[[str], Awaitable[str]] | None = None,
 ) -> Scorer:
-    """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or
-    with the reward model's client `reward_model`, their weighted sum (config.reward_fn_weight,
-    config.reward_model.weight)."""
+    """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or the
+    weighted sum of it (config.reward_fn_weight) and whichever model scorers run: the reward model
+    through its client `reward_model` (config.reward_model.weight), the distillation teacher through
+    its client `teacher` (config.teacher.weight, on the per-token reverse KL), an LLM judge through
+    its client `judge` (config.judge.weight)."""
     reward_fn = RewardFunctionScorer(reward, config)
-    if reward_model is None:
-        if config.reward_fn_weight != 1.0:
-            return WeightedSum([(reward_fn, config.reward_fn_weight)])
+    parts: list[tuple[Scorer, float]] = [(reward_fn, config.reward_fn_weight)]
+    if reward_model is not None:
+        parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
+    if teacher is not None:
+        parts.append((TeacherScorer(teacher, config.teacher.baseline), config.teacher.weight))
+    if judge is not None:
+        parts.append((JudgeScorer(config.judge, judge), config.judge.weight))
+    if len(parts) == 1 and config.reward_fn_weight == 1.0:
         return reward_fn
-    return WeightedSum([(reward_fn, config.reward_fn_weight), (RewardModelScorer(reward_model), config.reward_model.weight)])
+    return WeightedSum(parts)
 
 
 def step_ends(token_ids: list[int], boundary_ids: set[int]) -> list[int]:

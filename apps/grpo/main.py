@@ -1,7 +1,7 @@
 """Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
 
-    DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerActor ──▶ [ReferenceActor] ──▶ ReplayBufferActor
-                                                       [RewardModelActor]
+    DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerActor ──▶ [reference] ──▶ ReplayBufferActor
+                                           [RewardModelActor] [teacher] [judge]
                                      ▲                                                                  │
                          update_weights(v) (in flight)                                             sample(batch)
                                      │                                                                  ▼
@@ -37,8 +37,9 @@ import torch
 from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
+from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.generator_pool import GeneratorPool
-from forge_rl.actors.reference import ReferenceActor
+from forge_rl.actors.frozen_model import FrozenModelActor
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
@@ -49,6 +50,8 @@ from forge_rl.envs.renderers import make_renderer
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import progress
+from forge_rl.reference import attach_reference_logprobs
+from forge_rl.teacher import pinned_teacher_refresh
 from forge_rl.store.actors import spawn_store
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.timeline import Timeline
@@ -76,6 +79,8 @@ async def run(config: GRPOConfig) -> dict:
             score=lambda episodes, timeline: score(episodes, actors, config, timeline),
             stats=actors.scorer.stats.call_one,
             renderer=make_renderer(config.environment.renderer, lifecycle.model_dir),
+            after_publish=pinned_teacher_refresh(actors.teacher, config.scorer.teacher)
+            if config.scorer.teacher.pin != "fixed" else None,
         ))
         await lifecycle.resume(pipeline)
         history, accounting = await lifecycle.run_loops(pipeline)
@@ -101,7 +106,8 @@ async def score(episodes: list[Episode], actors: Actors, config: GRPOConfig, tim
         episodes, _ = filter_zero_advantage_groups(episodes)
     if actors.reference is not None and episodes:
         with timeline.busy("reference"):
-            episodes = (await actors.reference.annotate.call(episodes)).item(procs=0)
+            logprobs = (await actors.reference.token_logprobs.call(episodes)).item(procs=0)
+        episodes = attach_reference_logprobs(episodes, logprobs)
     return episodes
 
 
@@ -113,8 +119,13 @@ class Actors:
     generators: GeneratorPool
     """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
     trainer: TrainerActor
-    reference: ReferenceActor | None = None
+    reference: FrozenModelActor | None = None
     """The frozen reference model, on its own processes; only when trainer.loss.kl_beta > 0."""
+    teacher: FrozenModelActor | None = None
+    """The distillation teacher, on its own processes (the scorer calls it); only when
+    scorer.teacher.path is set, or scorer.teacher.pin is not fixed (self-distillation)."""
+    judge: GeneratorActor | None = None
+    """The LLM judge's engine, on its own process (the scorer calls it); only when scorer.judge.path is set."""
     reward_model: RewardModelActor | None = None
     """The reward model, on its own process; only when scorer.reward_model.path is set."""
 
@@ -138,9 +149,29 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         # Its own process (beside the services' host): a forward there never delays the scorer.
         reward_model_procs = hosts.spawn_procs("reward_model", 1, config.launch.placement.services_host)
         reward_model = reward_model_procs.spawn("reward_model", RewardModelActor, config.scorer.reward_model)
+    teacher = None
+    if config.uses_teacher:
+        teacher_config = config.scorer.teacher
+        teacher_procs = await hosts.spawn_ranks("teacher", teacher_config.num_procs)
+        if teacher_config.path is not None:
+            teacher = teacher_procs.spawn("teacher", FrozenModelActor, teacher_config, str(teacher_config.path), pad_id)
+        else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
+            teacher = teacher_procs.spawn(
+                "teacher", FrozenModelActor, teacher_config, model_dir, pad_id, store_index, str(store_root)
+            )
+    judge = None
+    if config.scorer.judge.path is not None:
+        # A generator like the policy's, serving the judge's weights, which never change (no store).
+        judge_config = config.scorer.judge
+        judge_procs = hosts.spawn_procs("judge", 1, config.launch.placement.services_host)
+        judge = judge_procs.spawn(
+            "judge", GeneratorActor, judge_config.generator, str(judge_config.path), judge_config.max_model_len, None, "judge"
+        )
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, max_new_tokens),
-        scorer=services.spawn("scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model),
+        scorer=services.spawn(
+            "scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model, teacher, judge
+        ),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
@@ -150,11 +181,11 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
-    actors.reward_model = reward_model
+    actors.reward_model, actors.teacher, actors.judge = reward_model, teacher, judge
     lifecycle.stop_engines_first(actors.generators)
     if config.uses_reference_model:
         reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
-        actors.reference = reference_procs.spawn("reference", ReferenceActor, config.reference, model_dir, pad_id)
+        actors.reference = reference_procs.spawn("reference", FrozenModelActor, config.reference, model_dir, pad_id)
     return actors
 
 
@@ -166,6 +197,8 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
         actors.trainer.setup.call(),
         *([actors.reference.setup.call()] if actors.reference is not None else []),
         *([actors.reward_model.setup.call()] if actors.reward_model is not None else []),
+        *([actors.teacher.setup.call()] if actors.teacher is not None else []),
+        *([actors.judge.start.call_one()] if actors.judge is not None else []),
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),

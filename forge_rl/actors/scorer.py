@@ -2,7 +2,10 @@
 
 The scorer is the task's reward function, run in sandboxed worker processes
 (`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
-(`RewardModelScorer`, calling the RewardModelActor on its own mesh). A reward function that raises, returns a non-finite value, exceeds
+(`RewardModelScorer`, calling the RewardModelActor on its own mesh) and with a distillation
+teacher's per-token rewards when scorer.teacher.path is set (`TeacherScorer`, calling the
+FrozenModelActor that serves the teacher) and an LLM judge's verdicts when scorer.judge.path is
+set (`JudgeScorer`, calling the judge's own GeneratorActor). A reward function that raises, returns a non-finite value, exceeds
 `scorer.reward_timeout_s` or crashes its process marks that completion ERRORED (never trained,
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
@@ -12,19 +15,34 @@ from __future__ import annotations
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from forge_rl.judge import judge_client
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
+from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
 
 class ScorerActor(Actor):
     def __init__(
         self, config: ScorerConfig = ScorerConfig(), reward: str = "leading_number", max_new_tokens: int = 0,
-        reward_model=None,
+        reward_model=None, teacher=None, judge=None,
     ):
         """`reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py) when
-        scorer.reward_model.path is set; its `score` endpoint is the reward model scorer's client."""
+        scorer.reward_model.path is set; its `score` endpoint is the reward model scorer's client.
+        `teacher`: the teacher's FrozenModelActor mesh (forge_rl/actors/frozen_model.py) when
+        scorer.teacher.path is set; its `token_logprobs` (a collective over its ranks) is the
+        teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
+        when scorer.judge.path is set; its `generate` serves the judge scorer's verdicts."""
         client = None if reward_model is None else reward_model.score.call_one
-        self.stage = ScoringStage(build_scorer(config, reward, client), config.overlong_buffer, max_new_tokens)
+
+        async def teacher_logprobs(episodes: list[Episode]) -> list[list[list[float]]]:
+            return (await teacher.token_logprobs.call(episodes)).item(procs=0)
+
+        verdicts = None
+        if judge is not None:
+            tokenizer = PromptTokenizer(config.judge.path)
+            verdicts = judge_client(tokenizer, config.judge.prompt_format, judge.generate.call_one)
+        scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
+        self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens)
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

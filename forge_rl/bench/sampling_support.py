@@ -24,7 +24,7 @@ from pathlib import Path
 from forge_rl.bench.common import run_variant
 from forge_rl.metrics import MISMATCH_KL, final_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import headless_pyplot, read_metrics, save_figure
+from forge_rl.plot import plot_per_step, read_metrics
 
 _VARIANTS = {"full_vocabulary": False, "kept_set": True}
 """Run name -> generator.record_sampling_support."""
@@ -54,18 +54,8 @@ def summarize(run_path: Path) -> dict:
 
 
 def plot(runs: dict[str, Path], out: Path) -> None:
-    plt = headless_pyplot()
-
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for name, run_path in runs.items():
-        metrics = read_metrics(run_path)
-        axis.plot([m["step"] for m in metrics], [m["loss/mean_ratio"] for m in metrics], label=name)
-    axis.axhline(1.0, color="gray", ls="--", lw=0.8)
-    axis.set_xlabel("step")
-    axis.set_ylabel("mean importance ratio pi / behaviour")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    save_figure(fig, out)
+    curves = {name: [m["loss/mean_ratio"] for m in read_metrics(path)] for name, path in runs.items()}
+    plot_per_step(curves, "mean importance ratio pi / behaviour", 1.0, out)
 
 
 def main(args: SamplingSupportArgs) -> dict:

@@ -25,6 +25,7 @@ from forge_rl.placement import LaunchConfig, PlacementConfig
 from forge_rl.run_dir import config_to_dict
 from forge_rl.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
+from forge_rl.teacher import TeacherConfig
 from forge_rl.trainer import TrainerConfig
 from tests.helpers import wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
@@ -34,8 +35,13 @@ pytestmark = pytest.mark.integration
 NUM_STEPS = 4
 
 
+SELF_TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+"""Self-distillation: the teacher starts as the initial policy; after step 2 it serves version 1,
+after step 4 version 3 (forge_rl/teacher.py `TeacherPin`)."""
+
 # Each variant also runs recipe options that only a whole loop can check end to end:
-#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty;
+#   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty,
+#         self-distillation from a teacher pinned one version back, on its own process;
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
@@ -46,7 +52,7 @@ VARIANTS = {
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
         generator=GeneratorConfig(max_new_tokens=3),
         dynamic_sampling=True,
-        scorer=ScorerConfig(overlong_buffer=1),
+        scorer=ScorerConfig(overlong_buffer=1, teacher=SELF_TEACHER),
     ),
     "tp": dict(
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
@@ -185,6 +191,23 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
     assert accounting["trained_more_than_once"] == 0
     # max_new_tokens 3, overlong_buffer 1: a 3-token (truncated) completion loses 1.
     assert metrics[-1]["scorer/overlong_penalized"] > 0
+
+
+def test_a_pinned_teacher_scores_every_token_and_swaps_versions_while_generators_decode(fsdp_run):
+    """The teacher starts as the initial policy, so at step 1 (synchronous: tokens sampled by
+    version 0) its logprob of every sampled token is the generator's: reverse KL 0 up to the
+    engine/trainer mismatch. It then serves version 1 after step 2 and version 3 after step 4,
+    loaded from the weight store by its own process; the generators take no part in a swap, so
+    they serve every published version (`generator/policy_versions`) and none was replaced."""
+    summary, metrics, _, _ = fsdp_run
+    reverse_kl = [m["reward/components/teacher/reverse_kl"] for m in metrics]
+    assert abs(reverse_kl[0]) < 1e-3
+    assert all(m["scorer/teacher/errored"] == 0 for m in metrics)
+    assert [m["teacher/policy_version"] for m in metrics] == [0, 1, 1, 3]
+    # Step 3's tokens were sampled by version 2, one step ahead of the teacher's version 1.
+    assert abs(reverse_kl[2]) > abs(reverse_kl[0])
+    assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
+    assert summary["generator_recoveries"] == []
 
 
 def test_reference_model_is_the_initial_policy(tp_run):

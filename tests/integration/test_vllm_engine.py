@@ -237,3 +237,27 @@ def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_
     for completion in served.run(served.engine.generate(prompt, n=2, eos_id=None)):
         assert completion.policy_versions == [version] * completion.num_tokens
         assert completion.logprobs == pytest.approx(hf_logprobs(new_dir, prompt, completion), abs=LOGPROB_ATOL)
+
+
+def test_a_real_judge_answering_garbage_errors_and_counts_every_completion(served):
+    """The tiny random model as an LLM judge (forge_rl/judge.py) on the module's engine: its verdicts
+    hold no score, so every completion is ERRORED, counted as unparsable, and scoring goes on."""
+    from forge_rl.judge import JudgeConfig, judge_client
+    from forge_rl.scorers import JudgeScorer, ScoringStage
+    from forge_rl.types import Episode
+
+    async def generate(episodes, group_size):  # GeneratorActor.generate, on this module's engine
+        for episode in episodes:
+            episode.completions = await served.engine.generate(episode.prompt_token_ids, group_size, served.tokenizer.eos_id)
+            for completion in episode.completions:
+                completion.text = served.tokenizer.decode(completion.token_ids)
+        return episodes
+
+    config = JudgeConfig(template="{prompt}{completion}=", prompt_format="plain", timeout_s=120)
+    stage = ScoringStage(JudgeScorer(config, judge_client(served.tokenizer, "plain", generate)))
+    completions = [Completion(token_ids=[5], logprobs=[-1.0], policy_versions=[0], text=t) for t in "7305"]
+    (episode,) = served.run(stage.score([Episode(0, "M37=", "7", served.prompts(1)[0], completions)]))
+    assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 4
+    assert all(c.error.startswith("unparsable verdict") for c in episode.completions)
+    stats = stage.stats()
+    assert (stats["scorer/verdicts"], stats["scorer/unparsable"], stats["scorer/errored"]) == (4, 4, 4)

@@ -60,6 +60,8 @@ CORE_MODULES = [
     "forge_rl.models.convert",
     "forge_rl.models.lora",
     "forge_rl.reference",
+    "forge_rl.teacher",
+    "forge_rl.judge",
     "forge_rl.placement",
     "forge_rl.envs.environment",
     "forge_rl.envs.trajectory",
@@ -173,7 +175,7 @@ def test_environments_import_not_even_torch_or_transformers():
         ("forge_rl.actors.generator", "GeneratorActor"),
         ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),
-        ("forge_rl.actors.reference", "ReferenceActor"),
+        ("forge_rl.actors.frozen_model", "FrozenModelActor"),
         ("forge_rl.actors.reward_model", "RewardModelActor"),
     ],
 )

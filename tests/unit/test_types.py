@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from forge_rl.reference import attach_reference_logprobs
+from forge_rl.reference import attach_reference_logprobs, completion_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 from .builders import make_completion, make_episode
@@ -55,10 +55,10 @@ def test_reference_logprobs_are_attached_per_completion_without_the_prompt():
     num_prompt = len(episodes[0].prompt_token_ids)
     rows = sum(len(e.completions) for e in episodes)
     logprobs_NL = torch.arange(rows * (num_prompt + 2), dtype=torch.float32).reshape(rows, -1)
-    attach_reference_logprobs(episodes, logprobs_NL)
+    attach_reference_logprobs(episodes, completion_logprobs(episodes, logprobs_NL))
     assert episodes[1].completions[0].reference_logprobs == logprobs_NL[len(episodes[0].completions), num_prompt:].tolist()
-    with pytest.raises(ValueError, match="rows of reference logprobs"):
-        attach_reference_logprobs(episodes[:1], logprobs_NL)
+    with pytest.raises(ValueError, match="rows of logprobs"):
+        completion_logprobs(episodes[:1], logprobs_NL)
 
 
 def test_per_token_fields_must_match_the_completion_length():

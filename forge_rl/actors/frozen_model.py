@@ -1,0 +1,92 @@
+"""Frozen-model shell: one actor per rank of a model that scores tokens and never trains.
+
+It serves both "frozen models that score tokens": the reference model of the KL penalty
+(forge_rl/reference.py, spawned when trainer.loss.kl_beta > 0, its logprobs stored on the
+completions) and the teacher of on-policy distillation (forge_rl/teacher.py, spawned when
+scorer.teacher.path is set, its logprobs turned into per-token rewards by the teacher scorer).
+The model is a `PolicyTrainer` that never takes a step: the same TorchTitan build, parallelism and
+logprob code as the policy (the generator's temperature and kept sets), so a frozen model and the
+policy can only differ by their weights. `token_logprobs` is a collective over the model's ranks,
+called on all of them at once (`.call()`); rank 0's answer is the result.
+
+A self-distillation teacher (scorer.teacher.pin lagged, ema or best) starts as the run's initial
+policy and is refreshed from the weight store: `stage` copies a published version into this
+process (while the store still holds it), `swap` serves it. Endpoints run one at a time, so no
+`token_logprobs` call sees half a swap, and the generators take no part in it: they never pause.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from monarch.actor import Actor, endpoint
+
+from forge_rl.batching import make_train_batch
+from forge_rl.models.titan import titan_state_dict_from_hf
+from forge_rl.reference import ReferenceConfig, completion_logprobs
+from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.types import Episode
+
+
+class FrozenModelActor(Actor):
+    def __init__(self, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None, store_root: str | None = None):
+        """`config`: a ReferenceConfig or a TeacherConfig (its processes, parallelism, threads).
+        `store_index`, `store_root`: the weight store a self-distillation teacher reads versions from."""
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.pad_id = pad_id
+        self.model: PolicyTrainer | None = None
+        self.store_index, self.store_root = store_index, store_root
+        self.store = None
+        self.staged: dict[str, torch.Tensor] | None = None
+        self.serving_version = 0
+
+    @endpoint
+    async def setup(self) -> dict:
+        started = time.perf_counter()
+        trainer_config = TrainerConfig(
+            num_procs=self.config.num_procs, parallel=self.config.parallel, num_threads=self.config.num_threads
+        )
+        self.model = PolicyTrainer(trainer_config, self.model_dir)
+        self.model.model.requires_grad_(False)
+        return {f"{self.config.section}_setup_s": time.perf_counter() - started}
+
+    @endpoint
+    async def token_logprobs(self, episodes: list[Episode]) -> list[list[list[float]]]:
+        """The frozen model's logprob of every completion token, [episode][completion][token],
+        under the distribution each was sampled from."""
+        logprobs_NL = self.model.compute_logprobs(make_train_batch(episodes, self.pad_id))
+        return completion_logprobs(episodes, logprobs_NL)
+
+    @endpoint
+    async def stage(self, policy_version: int, blend: float | None = None) -> dict:
+        """Copy `policy_version` from the weight store into this process as the staged weights (with
+        `blend`: blend * the served weights + (1 - blend) * the version, an exponential average)."""
+        from forge_rl.store.client import WeightStore
+        from forge_rl.store.index import version_key
+
+        started = time.perf_counter()
+        if self.store is None:
+            self.store = WeightStore(self.store_index, Path(self.store_root), "teacher", extra_files_dir=self.model_dir)
+        await self.store.wait_for_version(policy_version)  # its publish may still be writing it
+        hf_state_dict = await self.store.get_state_dict(version_key(policy_version))
+        staged = titan_state_dict_from_hf(self.model_dir, hf_state_dict)
+        if blend is not None:
+            served = self.model.model.state_dict()
+            staged = {name: blend * served[name].float() + (1 - blend) * tensor.float() for name, tensor in staged.items()}
+        self.staged, self.staged_version = staged, policy_version
+        return {"teacher/stage_s": time.perf_counter() - started}
+
+    @endpoint
+    async def swap(self) -> dict:
+        """Serve the staged weights from now on."""
+        self.model.model.load_state_dict(self.staged, strict=True)
+        self.serving_version, self.staged = self.staged_version, None
+        return {"teacher/policy_version": self.serving_version}
+
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        if self.store is not None:  # leases of a stage cut short
+            await self.store.close()

@@ -1,0 +1,140 @@
+"""LLM-as-judge: a language model reads each completion through a prompt template and answers with
+a verdict, which a parser turns into a reward.
+
+    template.format(prompt=..., completion=..., answer=...)   what the judge reads
+    judge model (a vLLM engine on its own generator mesh)   samples its verdict text
+    parse_verdict(text)                                      the last "Score: N" in it, N in
+                                                             [score_min, score_max] -> reward in [0, 1]
+
+A judge fails like a model: it rambles, answers in another format, or is slow. A verdict the parser
+cannot read (no score, or one out of range) and a judge call past `timeout_s` each fail that
+completion only (forge_rl/scorers.py `JudgeScorer` returns a `ScoreFailure`, kinds "unparsable
+verdict" and "timeout"): it is ERRORED, never
+trained, its reward kept out of its group's statistics, and counted (`scorer/judge/unparsable`,
+`scorer/judge/timed_out`, `scorer/errored`). The run never stops for a verdict.
+
+The judge model is served by the same GeneratorActor (forge_rl/actors/generator.py) as the policy,
+on a process of its own, with the judge's directory and sampling settings and no weight store (its
+weights never change). `judge_client` adapts that actor's `generate` endpoint to "prompt text in,
+verdict text out". Plain Python: no Monarch here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.types import Completion, Episode
+
+DEFAULT_TEMPLATE = (
+    "You grade answers to a question.\n"
+    "Question: {prompt}\n"
+    "Reference answer: {answer}\n"
+    "Answer to grade: {completion}\n"
+    "How correct is the answer to grade, from 0 (wrong) to 10 (correct)? "
+    "End your reply with a line 'Score: N'."
+)
+"""Placeholders: {prompt} (the episode's prompt text), {completion} (the completion's text),
+{answer} (the task's reference answer, empty when the task has none)."""
+
+DEFAULT_VERDICT_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
+"""'Score: 7', 'score=7.5', 'SCORE : 10'; the last match in the verdict counts (a judge that
+reasons first often quotes the scale before its own score)."""
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    path: Path | None = None
+    """HF model directory of the judge (config.json, safetensors weights, tokenizer files); unset:
+    no judge runs. Its tokenizer is its own (the judge reads text, not the policy's token ids)."""
+    weight: float = 1.0
+    """Weight of the judge's reward (in [0, 1]) in the run's reward."""
+    template: str = DEFAULT_TEMPLATE
+    """What the judge reads for one completion; placeholders {prompt}, {completion}, {answer}."""
+    prompt_format: Literal["chat", "plain"] = "chat"
+    """chat: the rendered template is the user turn of the judge's chat template (an instruct
+    model); plain: the judge reads it as is, after its bos token."""
+    verdict_pattern: str = DEFAULT_VERDICT_PATTERN
+    """Regular expression whose first group is the score; its last match in the verdict counts."""
+    score_min: float = 0.0
+    """Lowest score the template asks for (reward 0)."""
+    score_max: float = 10.0
+    """Highest score the template asks for (reward 1); a score outside [score_min, score_max] is unparsable."""
+    timeout_s: float = 60.0
+    """Seconds one verdict may take; past it the completion is ERRORED (kind "timeout") and counted."""
+    generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(max_new_tokens=64, temperature=0.3))
+    """How the judge's engine samples its verdicts (max_new_tokens bounds a verdict's length)."""
+    max_model_len: int = 2048
+    """The judge engine's context: the rendered template plus generator.max_new_tokens must fit."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"scorer.judge.weight ({self.weight}) must be finite and > 0. Set --scorer.judge.weight.")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"scorer.judge.timeout_s ({self.timeout_s}) must be > 0 and finite. Set --scorer.judge.timeout-s.")
+        if not self.score_min < self.score_max:
+            raise ValueError(
+                f"scorer.judge.score_min ({self.score_min}) must be below score_max ({self.score_max}). "
+                "Set --scorer.judge.score-min and --scorer.judge.score-max to the scale the template asks for."
+            )
+        try:
+            pattern = re.compile(self.verdict_pattern)
+        except re.error as e:
+            raise ValueError(f"scorer.judge.verdict_pattern ({self.verdict_pattern!r}) is not a regular expression: {e}") from None
+        if pattern.groups < 1:
+            raise ValueError(
+                f"scorer.judge.verdict_pattern ({self.verdict_pattern!r}) has no group: its first group must "
+                r"capture the score, e.g. 'Score: (\d+)'."
+            )
+        try:
+            self.template.format(prompt="", completion="", answer="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"scorer.judge.template has a placeholder other than {{prompt}}, {{completion}}, {{answer}} "
+                f"({type(e).__name__}: {e}); write literal braces as {{{{ and }}}}."
+            ) from None
+        if "{completion}" not in self.template:
+            raise ValueError("scorer.judge.template lacks {completion}: the judge would never see what it grades.")
+
+
+def render_judge_prompt(template: str, episode: Episode, completion: Completion) -> str:
+    return template.format(prompt=episode.prompt_text, completion=completion.text, answer=episode.answer)
+
+
+def parse_verdict(text: str, pattern: str, score_min: float, score_max: float) -> float | None:
+    """The reward in [0, 1] of the last score `pattern` finds in `text`, scaled from
+    [score_min, score_max]; None when there is none, or it is out of range or not a number."""
+    matches = re.findall(pattern, text)
+    if not matches:
+        return None
+    last = matches[-1]
+    try:
+        score = float(last[0] if isinstance(last, tuple) else last)
+    except ValueError:
+        return None
+    if not (math.isfinite(score) and score_min <= score <= score_max):
+        return None
+    return (score - score_min) / (score_max - score_min)
+
+
+def judge_client(
+    tokenizer, prompt_format: str, generate: Callable[[list[Episode], int], Awaitable[list[Episode]]]
+) -> Callable[[str], Awaitable[str]]:
+    """"Prompt text in, verdict text out" over a generator's `generate(episodes, group_size)`
+    (GeneratorActor.generate: episodes whose first completion's text is the verdict). `tokenizer`:
+    the judge's PromptTokenizer (forge_rl/tasks/tokenizer.py)."""
+
+    async def verdict(prompt: str) -> str:
+        if prompt_format == "chat":
+            token_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        else:
+            token_ids = tokenizer.encode_prompt(prompt)
+        (judged,) = await generate([Episode(-1, prompt, "", token_ids)], 1)
+        return judged.completions[0].text
+
+    return verdict

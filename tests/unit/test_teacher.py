@@ -1,0 +1,241 @@
+"""On-policy distillation's core: the teacher scorer's per-token reverse KL, where it lands in the
+advantages, and the checks on the teacher's directory and tokenizer (forge_rl/teacher.py)."""
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from forge_rl.batching import make_train_batch
+from forge_rl.config import GRPOConfig, ModelConfig
+from forge_rl.errors import ConfigError
+from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.preflight import check_model_inputs
+from forge_rl.scorers import Score, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum
+from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
+from forge_rl.teacher import TeacherConfig, check_same_tokenizer
+from forge_rl.types import Completion, CompletionStatus, Episode
+
+PROMPT = [1, 2, 3]
+
+
+class FakeOutcome(Scorer):
+    """The task's outcome reward, fixed per completion (completion i gets rewards[i])."""
+
+    name = "outcome"
+
+    def __init__(self, rewards):
+        self.rewards = rewards
+
+    async def score_group(self, episode):
+        return [Score(r) for r in self.rewards]
+
+
+def fake_teacher(logprobs_by_completion):
+    """A fake of the frozen-model actor's `token_logprobs`: fixed teacher logprobs, and the
+    episodes it was asked about."""
+    asked = []
+
+    async def client(episodes):
+        asked.append(episodes)
+        return [logprobs_by_completion]
+
+    return client, asked
+
+
+def scored(episode, scorer):
+    asyncio.run(ScoringStage(scorer).score([episode]))
+    return episode
+
+
+def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage():
+    """Distillation alone (outcome weight 0), no baseline: every token's advantage is weight *
+    (teacher logprob - student logprob) of that token; the prompt, the padding and a multi-turn
+    trajectory's context tokens get 0."""
+    student = [[-0.5, -2.0, -0.1], [-1.0, -3.0, -0.2, -0.7]]
+    teacher = [[-0.1, -4.0, -0.1], [-2.0, -9.9, -0.3, -0.2]]
+    completions = [
+        Completion(token_ids=[5, 6, 7], logprobs=student[0], policy_versions=[0] * 3),
+        # A two-turn trajectory: token 1 is the environment's reply (context, logprob 0 by definition).
+        Completion(token_ids=[5, 8, 6, 7], logprobs=student[1], policy_versions=[0] * 4, generated=[True, False, True, True]),
+    ]
+    episode = Episode(0, "M37=", "7", PROMPT, completions)
+    client, asked = fake_teacher(teacher)
+    weight = 0.5
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 0.0), (TeacherScorer(client, baseline="none"), weight)]))
+
+    assert asked == [[episode]]  # one request per group
+    batch = make_train_batch([episode], pad_id=0)
+    prompt = [0.0] * len(PROMPT)
+    expected_first = [weight * (t - s) for s, t in zip(student[0], teacher[0])]
+    expected_second = [weight * (teacher[1][0] - student[1][0]), 0.0] + [
+        weight * (t - s) for s, t in zip(student[1][2:], teacher[1][2:])
+    ]
+    assert batch.advantages_NL[0].tolist() == pytest.approx(prompt + expected_first + [0.0])  # + padding
+    assert batch.advantages_NL[1].tolist() == pytest.approx(prompt + expected_second)
+    # A token the teacher finds likelier than the student did is pushed up, an unlikely one down.
+    assert batch.advantages_NL[0, len(PROMPT)] > 0 > batch.advantages_NL[0, len(PROMPT) + 1]
+    # The distance to the teacher is logged: mean reverse KL over the generated tokens.
+    assert completions[0].reward_components["teacher/reverse_kl"] == pytest.approx(sum(student[0]) / 3 - sum(teacher[0]) / 3)
+    assert completions[1].reward_components["teacher/reverse_kl"] == pytest.approx(
+        (student[1][0] + student[1][2] + student[1][3] - teacher[1][0] - teacher[1][2] - teacher[1][3]) / 3
+    )
+
+
+def test_the_group_baseline_centers_each_position_on_the_samples_that_have_a_token_there():
+    """Three samples; the third is one token long and the second's token 1 is context. Position 0:
+    raw -KL 0.4, -2.0, -0.8 (mean -0.8); position 1: only the first sampled there (mean = itself);
+    position 2: the first and second (-1.0 and 0.5, mean -0.25)."""
+    student = [[-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0], [-1.0]]
+    teacher = [[-0.6, -3.0, -3.0], [-3.0, -9.0, -0.5], [-1.8]]
+    completions = [
+        Completion(token_ids=[5, 6, 7], logprobs=student[0], policy_versions=[0] * 3),
+        Completion(token_ids=[5, 8, 7], logprobs=student[1], policy_versions=[0] * 3, generated=[True, False, True]),
+        Completion(token_ids=[5], logprobs=student[2], policy_versions=[0]),
+    ]
+    client, _ = fake_teacher(teacher)
+    episode = scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client))
+    assert completions[0].token_rewards == pytest.approx([0.4 + 0.8, 0.0, -1.0 + 0.25])
+    assert completions[1].token_rewards == pytest.approx([-2.0 + 0.8, 0.0, 0.5 + 0.25])
+    assert completions[2].token_rewards == pytest.approx([-0.8 + 0.8])
+    # The logged distance is the raw reverse KL, not the centered reward.
+    assert completions[0].reward_components["reverse_kl"] == pytest.approx((-0.4 + 2.0 + 1.0) / 3)
+    batch = make_train_batch([episode], pad_id=0)
+    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-1.2, 0.0, 0.75])
+
+
+def test_with_the_task_reward_the_reverse_kl_adds_to_the_group_advantage():
+    student, teacher = [[-1.0, -1.0], [-1.0, -1.0]], [[-0.5, -3.0], [-1.0, -1.0]]
+    completions = [Completion(token_ids=[5, 6], logprobs=s, policy_versions=[0, 0]) for s in student]
+    episode = Episode(0, "M37=", "7", PROMPT, completions)
+    client, _ = fake_teacher(teacher)
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client, baseline="none"), 2.0)]))
+    batch = make_train_batch([episode], pad_id=0, normalize_advantage_std=False)
+    assert batch.advantages_NL[0, len(PROMPT):].tolist() == pytest.approx([0.5 + 2 * 0.5, 0.5 + 2 * -2.0])
+    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-0.5, -0.5])
+
+
+def test_a_teacher_that_fails_or_answers_the_wrong_shape_errors_its_group_only():
+    async def dead_teacher(episodes):
+        raise ConnectionError("teacher process died")
+
+    async def short_teacher(episodes):
+        return [[[-1.0]] * len(episodes[0].completions)]  # one logprob for two tokens
+
+    for client in (dead_teacher, short_teacher):
+        completions = [Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], policy_versions=[0, 0]) for _ in range(2)]
+        episode = scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client))
+        assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("student") / "model")
+
+
+def teacher_dir(model_dir: Path, tmp_path: Path, alphabet: str = ALPHABET) -> Path:
+    teacher = tmp_path / "teacher"
+    shutil.copytree(model_dir, teacher)
+    save_char_tokenizer(teacher, alphabet)
+    return teacher
+
+
+def test_teacher_and_student_with_the_same_tokenizer_pass(model_dir, tmp_path):
+    check_same_tokenizer(teacher_dir(model_dir, tmp_path), model_dir)
+
+
+def test_a_teacher_with_another_tokenizer_is_a_config_error_before_anything_starts(model_dir, tmp_path):
+    # Two characters swapped: same size, same tokens, different ids.
+    swapped = "10" + ALPHABET[2:]
+    teacher = teacher_dir(model_dir, tmp_path, swapped)
+    with pytest.raises(ConfigError, match=r"different tokenizer.*2 tokens missing from one or with other ids, e.g. \['0', '1'\]"):
+        check_same_tokenizer(teacher, model_dir)
+    config = GRPOConfig(
+        model=ModelConfig(path=model_dir), scorer=ScorerConfig(teacher=TeacherConfig(path=teacher)), steps=1
+    )
+    with pytest.raises(ConfigError, match="scorer.teacher.path"):
+        check_model_inputs(config, model_dir)  # what create_run_dir runs before any process
+
+
+def test_a_teacher_directory_that_does_not_exist_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"scorer.teacher.path.*lacks config.json"):
+        GRPOConfig(scorer=ScorerConfig(teacher=TeacherConfig(path=tmp_path / "no-such-teacher")))
+
+
+def test_distillation_alone_needs_no_task_reward_weight():
+    ScorerConfig(reward_fn_weight=0.0, teacher=TeacherConfig(path=Path("t")))
+    with pytest.raises(ValueError, match="scorer.teacher.weight"):
+        TeacherConfig(path=Path("t"), weight=0.0)
+    with pytest.raises(ValueError, match="--scorer.teacher.num-procs"):
+        TeacherConfig(num_procs=0)
+
+
+def served_versions(pin: str, rewards=(0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1), **changes):
+    """(actions, version served) after each of 8 steps; step s publishes version s."""
+    from forge_rl.teacher import TeacherPin
+
+    schedule = TeacherPin(TeacherConfig(pin=pin, **changes))
+    return [(schedule.after_step(step, step, r).actions, schedule.serving) for step, r in enumerate(rewards, start=1)]
+
+
+def test_a_lagged_teacher_serves_the_version_versions_back_right_after_each_refresh():
+    # Every 3 steps, 2 back: stage the newest at steps 1, 4, 7; swap at 3, 6 (serving v1, v4).
+    assert served_versions("lagged", versions_back=2, refresh_every_n_steps=3) == [
+        (("stage",), 0), ((), 0), (("swap",), 1), (("stage",), 1), ((), 1), (("swap",), 4), (("stage",), 4), ((), 4)
+    ]
+    # versions_back == refresh_every_n_steps: the swap of the version staged n steps ago comes first.
+    assert [v for _, v in served_versions("lagged", versions_back=3, refresh_every_n_steps=3)] == [0, 0, 0, 0, 0, 3, 3, 3]
+
+
+def test_an_ema_teacher_blends_the_newest_version_at_each_refresh():
+    from forge_rl.teacher import TeacherPin
+
+    schedule = TeacherPin(TeacherConfig(pin="ema", refresh_every_n_steps=2, ema_decay=0.75))
+    assert schedule.after_step(1, 1, 0.0).actions == ()
+    refresh = schedule.after_step(2, 2, 0.0)
+    assert (refresh.actions, refresh.version, refresh.blend, schedule.serving) == (("stage", "swap"), 2, 0.75, 2)
+
+
+def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
+    # Rewards 0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1: new bests at steps 1, 2, 4, 7.
+    assert served_versions("best", refresh_every_n_steps=2) == [
+        (("stage",), 0), (("swap", "stage"), 1), ((), 1), (("swap", "stage"), 2), ((), 2), (("swap",), 4),
+        (("stage",), 4), (("swap",), 7),
+    ]
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"pin": "lagged", "path": Path("t")}, "a pinned teacher is a snapshot of the policy itself"),
+        ({"pin": "lagged", "versions_back": 5, "refresh_every_n_steps": 4}, r"versions_back \(5\) must be in \[1, refresh_every_n_steps \(4\)\]"),
+        ({"pin": "ema", "ema_decay": 1.0}, "ema_decay"),
+        ({"pin": "best", "num_procs": 2}, "--scorer.teacher.num-procs 1"),
+    ],
+)
+def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TeacherConfig(**changes)
+
+
+def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_order():
+    """`pinned_teacher_refresh` (the recipe's after_publish) against a fake teacher actor: the
+    stage and swap calls of a lagged pin, in order, and the served version as a metric."""
+    from forge_rl.teacher import pinned_teacher_refresh
+    from tests.fakes import endpoints
+
+    calls = []
+
+    async def stage(version, blend):
+        calls.append(("stage", version, blend))
+
+    async def swap():
+        calls.append(("swap",))
+
+    refresh = pinned_teacher_refresh(
+        endpoints(stage=stage, swap=swap), TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    )
+    served = [asyncio.run(refresh(step, step, {"reward/mean": 0.0}))["teacher/policy_version"] for step in range(1, 5)]
+    assert calls == [("stage", 1, None), ("swap",), ("stage", 3, None), ("swap",)]
+    assert served == [0, 1, 1, 3]
