@@ -68,7 +68,7 @@ async def run(config: GRPOConfig) -> dict:
     async with lifecycle.owning_processes():
         actors = await spawn_actors(config, lifecycle)
 
-        progress("starting vLLM engine(s) and trainer (engine start takes about 30 s on a CPU)")
+        progress("starting vLLM engine(s) and trainer (engine start takes about 20 s on a CPU)")
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
         pipeline = Pipeline(config, RunActors(

@@ -226,7 +226,7 @@ class VLLMEngine:
         self._reaper: Reaper | None = None
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
-        """Start vLLM on `model_dir` (config.json + safetensors): 10-30 s on CPU."""
+        """Start vLLM on `model_dir` (config.json + safetensors): 5-20 s on CPU."""
         if max_model_len <= self.config.max_new_tokens:
             raise ValueError(
                 f"max_model_len ({max_model_len}) must exceed generator.max_new_tokens "
