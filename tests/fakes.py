@@ -139,8 +139,9 @@ class FakeGeneratorHost:
         self.meshes: list[FakeGeneratorProcs] = []
         """Every incarnation spawned, in order."""
 
-    def spawn_procs(self, per_host: dict, name: str) -> FakeGeneratorProcs:
+    def spawn_procs(self, per_host: dict, name: str, bootstrap_command=None) -> FakeGeneratorProcs:
         procs = FakeGeneratorProcs(name, self.hang.get(name, set()))
+        procs.bootstrap_command = bootstrap_command
         self.meshes.append(procs)
         return procs
 
