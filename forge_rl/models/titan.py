@@ -242,6 +242,13 @@ def build_titan_model(
     return model, parallel_dims
 
 
+def state_dict_adapter(hf_config: dict):
+    """TorchTitan's HF <-> TorchTitan weight converter for the checkpoint `hf_config` describes
+    (its config.json), without building the model: what `build_titan_model` loads through."""
+    family = family_for(hf_config)
+    return resolve(family.adapter_class)(build_model_config(family, hf_config, _inner_attention_config()), None)
+
+
 def _family_of(model) -> ModelFamily:
     """The family whose TorchTitan class built `model` (FSDP2 subclasses it, so isinstance holds)."""
     for family in FAMILIES:
