@@ -19,6 +19,7 @@ Pure functions over tensors and config.json; no vLLM, no peft (only the test imp
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import types
@@ -37,6 +38,12 @@ _FUSED_QKV = "attention.qkv_linear.wqkv"
 
 
 def row_maps(hf_config: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """See `_row_maps`; computed once per config (the trainer converts at every version)."""
+    return _row_maps(json.dumps(hf_config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _row_maps(hf_config_json: str) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """For each TorchTitan linear layer of a transformer block (name after "layers.N."), the HF
     modules it becomes (name after "model.layers.N.") and, for each, which of its output rows
     that module's rows are: HF weight = TorchTitan weight[rows].
@@ -48,6 +55,7 @@ def row_maps(hf_config: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
 
     from forge_rl.models.titan import state_dict_adapter
 
+    hf_config = json.loads(hf_config_json)
     adapter = state_dict_adapter(hf_config)
     dim, hidden = hf_config["hidden_size"], hf_config["intermediate_size"]
     n_heads = hf_config["num_attention_heads"]
@@ -125,6 +133,19 @@ def peft_adapter_config(lora: LoRAConfig, hf_config: dict, base_model_name_or_pa
     }
 
 
+def peft_adapter(
+    adapter_state_dict: dict[str, torch.Tensor], lora: LoRAConfig, model_dir: Path | str, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors in PEFT names, adapter_config.json) of the adapters of the HF checkpoint in
+    `model_dir`: what `write_peft_adapter` writes and the trainer publishes (CPU copies in `dtype`)."""
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    tensors = {
+        name: value.detach().to(device="cpu", dtype=dtype or value.dtype).contiguous()
+        for name, value in peft_state_dict(adapter_state_dict, hf_config).items()
+    }
+    return tensors, peft_adapter_config(lora, hf_config, str(model_dir))
+
+
 def write_peft_adapter(
     out_dir: Path | str, adapter_state_dict: dict[str, torch.Tensor], lora: LoRAConfig, model_dir: Path | str,
     dtype: torch.dtype | None = None,
@@ -132,12 +153,9 @@ def write_peft_adapter(
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for the
     adapters of the HF checkpoint in `model_dir`; `PeftModel.from_pretrained(base, out_dir)` and
     vLLM's `LoRARequest(lora_path=out_dir)` load it."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    tensors = peft_state_dict(adapter_state_dict, hf_config)
+    tensors, config = peft_adapter(adapter_state_dict, lora, model_dir, dtype)
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous() for k, v in tensors.items()},
-              str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-    config = peft_adapter_config(lora, hf_config, str(model_dir))
+    save_file(tensors, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
