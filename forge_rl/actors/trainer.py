@@ -104,9 +104,10 @@ class TrainerActor(Actor):
         if self.config.lora.enabled:
             # Adapters only (issue 15): gathered on every rank (a collective under FSDP2/TP), full
             # on rank 0, converted there to the PEFT adapter directory vLLM loads.
-            adapters = self.trainer.adapter_state_dict()
+            dtype = self.publish_config.torch_dtype()
+            adapters = self.trainer.adapter_state_dict(dtype, keep=writes)
             if writes:
-                snapshot, adapter_config = peft_adapter(adapters, self.config.lora, self.model_dir, self.publish_config.torch_dtype())
+                snapshot, adapter_config = peft_adapter(adapters, self.config.lora, self.model_dir, dtype)
                 adapter = (adapter_config, str(self.model_dir))
         else:
             snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype(), keep=writes)

@@ -242,13 +242,6 @@ def build_titan_model(
     return model, parallel_dims
 
 
-def state_dict_adapter(hf_config: dict):
-    """TorchTitan's HF <-> TorchTitan weight converter for the checkpoint `hf_config` describes
-    (its config.json), without building the model: what `build_titan_model` loads through."""
-    family = family_for(hf_config)
-    return resolve(family.adapter_class)(build_model_config(family, hf_config, _inner_attention_config()), None)
-
-
 def _family_of(model) -> ModelFamily:
     """The family whose TorchTitan class built `model` (FSDP2 subclasses it, so isinstance holds)."""
     for family in FAMILIES:
@@ -272,3 +265,10 @@ def export_hf_state_dict(model, dtype: torch.dtype = torch.float32, keep: bool =
         if keep:
             full[name] = value.detach().to(device="cpu", dtype=dtype, copy=True)
     return resolve(_family_of(model).adapter_class)(model.config, None).to_hf(full) if keep else {}
+
+
+def state_dict_adapter(hf_config: dict):
+    """TorchTitan's HF <-> TorchTitan weight converter for the checkpoint `hf_config` describes
+    (its config.json), without building the model: what `build_titan_model` loads through."""
+    family = family_for(hf_config)
+    return resolve(family.adapter_class)(build_model_config(family, hf_config, _inner_attention_config()), None)
