@@ -707,6 +707,11 @@ class VLLMEngine:
                 f"version {policy_version} is an adapter version (LoRA) but this engine serves full weights; "
                 "start it with AdapterServing (the run does when --trainer.lora.enabled is set)."
             )
+        if adapter_of is None:
+            raise AdapterMismatch(
+                f"version {policy_version} holds full weights, but this engine serves LoRA adapters on a fixed "
+                "base: the trainer and the generators disagree on --trainer.lora.enabled."
+            )
         if adapter_of != self.adapters.base_model:
             raise AdapterMismatch(
                 f"version {policy_version} is an adapter of base {adapter_of!r}, but this engine serves "

@@ -1,0 +1,238 @@
+"""`forge-rl bench lora-sync`: adapter-only weight sync against full-weight sync, same model, same run.
+
+On a real model (SmolLM2-135M-Instruct from `forge-rl convert`, docs/models.md) with LoRA of rank
+16 on every attention and MLP projection, the trainer side (TorchTitan, one process) publishes
+policy versions through the weight store to a vLLM engine decoding under load, first as full
+weights (the staged in-flight swap, forge_rl's fastest full-weight path), then as adapters (a new
+vLLM adapter per version). Per update:
+
+- publish-to-servable: from the trainer starting its snapshot (gathering the weights, or the
+  adapters and their PEFT conversion) to the engine serving the version, wall clock in this
+  process; the store's own `weights/publish_to_servable_s` (from the write) is kept beside it.
+- decode stall: a streaming probe request's longest gap between two tokens across the update
+  minus its median gap (forge_rl/bench/weight_sync.py, `Load`).
+
+After the last adapter update the engine's logprobs on a fixed prompt are checked against the
+trainer's (the silent-failure check of tests/integration/test_lora_sync.py, on the real model).
+Figures go to OUT_DIR/lora_sync.json; the last line of stdout is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from forge_rl.bench.weight_sync import Load, _progress, _remove
+
+
+@dataclass(frozen=True)
+class LoRASyncArgs:
+    model_path: Path = Path("models/SmolLM2-135M-Instruct")
+    """HF model directory (`forge-rl convert` writes SmolLM2-135M-Instruct here)."""
+    out_dir: Path = Path("runs/bench-lora-sync")
+    """Where lora_sync.json goes."""
+    rank: int = 16
+    """LoRA rank (every attention and MLP projection adapted)."""
+    updates: int = 4
+    """Timed updates per path (full weights, adapters), after one warm-up update each."""
+    concurrency: int = 8
+    """Requests kept in flight by the load generator (besides the probe)."""
+    max_new_tokens: int = 32
+    """Tokens per load request."""
+    max_policy_age: int = 1
+    """Adapters resident = max_policy_age + 1, as a run would serve them."""
+
+    @property
+    def vocab_size(self) -> int:  # what `Load` draws prompt tokens from
+        return json.loads((self.model_path / "config.json").read_text())["vocab_size"]
+
+
+class TrainerSide:
+    """The TorchTitan model with LoRA adapters, publishing versions through a WeightPublisher."""
+
+    def __init__(self, args: LoRASyncArgs, publisher):
+        from forge_rl.models.lora import LoRAAdapters, LoRAConfig
+        from forge_rl.models.titan import ParallelConfig, build_titan_model
+
+        self.args, self.publisher = args, publisher
+        self.model, _ = build_titan_model(args.model_path, ParallelConfig(), torch.device("cpu"))
+        self.lora = LoRAConfig(enabled=True, rank=args.rank)
+        self.adapters = LoRAAdapters(self.model, self.lora)
+        self.adapters.attach()
+
+    def set_version(self, version: int) -> None:
+        """Adapters of version `version`: a fixed random draw per version (B non-zero)."""
+        generator = torch.Generator().manual_seed(version)
+        with torch.no_grad():
+            for name, p in self.adapters.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * (0.02 if name.endswith("lora_B") else 0.05))
+
+    async def publish_full(self, version: int) -> float:
+        """Snapshot the merged weights in HF names (what PolicyTrainer.hf_state_dict does with
+        LoRA) and start writing them; returns when the snapshot started (perf_counter)."""
+        from forge_rl.models.titan import read_hf_config, state_dict_adapter
+
+        self.set_version(version)
+        converter = state_dict_adapter(read_hf_config(self.args.model_path))
+        started = time.perf_counter()
+        snapshot = converter.to_hf(self.adapters.merged_state_dict(self.model))
+        await self.publisher.publish(version, snapshot, time.perf_counter() - started)
+        return started
+
+    async def publish_adapters(self, version: int) -> float:
+        """What TrainerActor does with trainer.lora.enabled: adapters, PEFT names, adapter version."""
+        from forge_rl.models.peft_format import peft_adapter
+
+        self.set_version(version)
+        started = time.perf_counter()
+        tensors, config = peft_adapter(self.adapters.adapter_state_dict(), self.lora, self.args.model_path, torch.float32)
+        await self.publisher.publish(version, tensors, time.perf_counter() - started,
+                                     adapter=(config, str(self.args.model_path)))
+        return started
+
+    def logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt + tokens]))[0]
+        positions = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 : -1]
+        return [positions[i, t].item() for i, t in enumerate(tokens)]
+
+
+async def _updates(args, engine, trainer, store, publish, first_version: int) -> list[dict]:
+    """One warm-up and `args.updates` timed updates of `engine` under load; per-update figures."""
+    from forge_rl.store.loader import BYTES, PAUSED_S, PUBLISH_TO_SERVABLE_S, STALL_S, load_version
+
+    load = Load(engine, args, probe=True)
+    await asyncio.sleep(3.0)  # the load reaches steady state
+    rows = []
+    try:
+        for i in range(args.updates + 1):
+            version = first_version + i
+            started = await publish(version)
+            metrics = await load_version(engine, store, version, "keep")
+            servable = time.perf_counter()
+            await trainer.publisher.flush()
+            await asyncio.sleep(1.0)  # tokens after the update, for the probe's gap
+            stall = load.stall_across(servable - metrics[STALL_S], servable)
+            if i == 0:
+                continue  # warm-up: first files of the store, first adapter slot
+            rows.append({
+                "version": version, "loader": metrics["loader"],
+                "publish_to_servable_s": servable - started,
+                "store_publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S],
+                "stall_s": metrics[STALL_S], "paused_s": metrics[PAUSED_S], "bytes": metrics[BYTES],
+                "probe_stall_s": stall[0] if stall else None, "probe_median_gap_s": stall[1] if stall else None,
+            })
+    finally:
+        await load.stop()
+    return rows
+
+
+async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict], dict]:
+    from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
+    from forge_rl.store.client import WeightStore
+
+    serving = AdapterServing(args.rank, args.max_policy_age + 1, str(args.model_path)) if adapters else None
+    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, max_num_seqs=32),
+                        adapters=serving)
+    reader = WeightStore(index, root, client_id=f"bench-generator-{'lora' if adapters else 'full'}")
+    started = time.perf_counter()
+    await engine.start(args.model_path, 1024)
+    extra = {"engine_start_s": time.perf_counter() - started}
+    try:
+        first = 100 if adapters else 1
+        publish = trainer.publish_adapters if adapters else trainer.publish_full
+        rows = await _updates(args, engine, trainer, reader, publish, first)
+        if adapters:  # the silent-failure check on the real model, after the last update
+            prompt = list(range(1, 25))
+            (completion,) = await engine.generate(prompt, 1, None)
+            served = completion.logprobs
+            expected = trainer.logprobs(prompt, completion.token_ids)
+            trainer.adapters.detach()
+            base = trainer.logprobs(prompt, completion.token_ids)
+            trainer.adapters.attach()
+            extra["adapter_logprob_max_abs_diff"] = max(abs(a - b) for a, b in zip(served, expected))
+            extra["adapter_vs_base_logprob_max_abs_diff"] = max(abs(a - b) for a, b in zip(served, base))
+            extra["adapter_versions_stamped"] = sorted(set(completion.policy_versions))
+    finally:
+        await engine.shutdown()
+        await reader.close()
+    return rows, extra
+
+
+def main(args: LoRASyncArgs) -> dict:
+    if not (args.model_path / "config.json").is_file():
+        from forge_rl.errors import ConfigError
+
+        raise ConfigError(
+            f"--model-path {args.model_path} holds no HF model (no config.json). Convert SmolLM2-135M-Instruct "
+            "with `forge-rl convert` (docs/models.md) or pass --model-path."
+        )
+    return asyncio.run(_main(args))
+
+
+async def _main(args: LoRASyncArgs) -> dict:
+    from forge_rl.store.actors import open_store
+    from forge_rl.store.client import WeightStore
+    from forge_rl.store.publisher import WeightPublisher
+
+    torch.set_num_threads(1)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    root = Path("/dev/shm") / f"forge_rl-bench-lora-{time.monotonic_ns()}"
+    started = time.perf_counter()
+    figures: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        index, _ = await open_store(root, args.model_path, keep_latest=1)
+        writer = WeightStore(index, root, client_id="bench-trainer", extra_files_dir=args.model_path)
+        trainer = TrainerSide(args, WeightPublisher(writer))
+        figures["adapter_params"] = trainer.adapters.num_parameters()
+        figures["model_params"] = sum(p.numel() for p in trainer.model.parameters())
+        _progress("lora-sync: full-weight updates (staged in-flight swap) under load")
+        figures["full"], figures["full_engine"] = await _engine_run(args, trainer, index, root, adapters=False)
+        _progress(f"full: {json.dumps(figures['full'])}")
+        _progress("lora-sync: adapter updates (a new vLLM adapter per version) under load")
+        figures["adapter"], figures["adapter_engine"] = await _engine_run(args, trainer, index, root, adapters=True)
+        _progress(f"adapter: {json.dumps(figures['adapter'])}")
+        figures["wall_s"] = time.perf_counter() - started
+        figures["summary"] = summarize(figures)
+    finally:
+        _remove(root)
+    (args.out_dir / "lora_sync.json").write_text(json.dumps(figures, indent=2))
+    return figures["summary"]
+
+
+def summarize(figures: dict) -> dict:
+    full, adapter = figures["full"], figures["adapter"]
+
+    def median(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    def stall_ms_max(rows):
+        probes = [r["probe_stall_s"] for r in rows if r["probe_stall_s"] is not None]
+        return 1e3 * max(probes) if probes else None
+
+    return {
+        "adapter_sync_speedup": median(full, "publish_to_servable_s") / median(adapter, "publish_to_servable_s"),
+        "adapter_sync_speedup_store_only": (median(full, "store_publish_to_servable_s")
+                                            / median(adapter, "store_publish_to_servable_s")),
+        "full_publish_to_servable_s": median(full, "publish_to_servable_s"),
+        "adapter_publish_to_servable_s": median(adapter, "publish_to_servable_s"),
+        "full_mb": full[0]["bytes"] / 1e6,
+        "adapter_mb": adapter[0]["bytes"] / 1e6,
+        "decode_stall_ms_adapter_max": stall_ms_max(adapter),
+        "decode_stall_ms_full_max": stall_ms_max(full),
+        "adapter_add_lora_ms_max": 1e3 * max(r["stall_s"] for r in adapter),
+        "adapter_logprob_max_abs_diff": figures["adapter_engine"]["adapter_logprob_max_abs_diff"],
+        "adapter_vs_base_logprob_max_abs_diff": figures["adapter_engine"]["adapter_vs_base_logprob_max_abs_diff"],
+        # LoRA vs full trainer step time and peak memory, and the final reward of LoRA vs full
+        # fine-tuning, need LoRA in PolicyTrainer (branch lora-trainer): not measured here yet.
+        "trainer_lora_vs_full": None,
+        "final_reward_lora_vs_full": None,
+        "wall_s": figures["wall_s"],
+    }
