@@ -82,8 +82,7 @@ class TrainerSide:
         converter = state_dict_adapter(read_hf_config(self.args.model_path))
         started = time.perf_counter()
         snapshot = converter.to_hf(self.adapters.merged_state_dict(self.model))
-        await self.publisher.publish(version, snapshot, time.perf_counter() - started)
-        return started
+        return started, await self.publisher.publish(version, snapshot, time.perf_counter() - started)
 
     async def publish_adapters(self, version: int) -> float:
         """What TrainerActor does with trainer.lora.enabled: adapters, PEFT names, adapter version."""
@@ -92,9 +91,8 @@ class TrainerSide:
         self.set_version(version)
         started = time.perf_counter()
         tensors, config = peft_adapter(self.adapters.adapter_state_dict(), self.lora, self.args.model_path, torch.float32)
-        await self.publisher.publish(version, tensors, time.perf_counter() - started,
-                                     adapter=(config, str(self.args.model_path)))
-        return started
+        return started, await self.publisher.publish(version, tensors, time.perf_counter() - started,
+                                                     adapter=(config, str(self.args.model_path)))
 
     def logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
         with torch.no_grad():
@@ -105,6 +103,7 @@ class TrainerSide:
 
 async def _updates(args, engine, trainer, store, publish, first_version: int) -> list[dict]:
     """One warm-up and `args.updates` timed updates of `engine` under load; per-update figures."""
+    from forge_rl.store import loader
     from forge_rl.store.loader import BYTES, PAUSED_S, PUBLISH_TO_SERVABLE_S, STALL_S, load_version
 
     load = Load(engine, args, probe=True)
@@ -113,7 +112,7 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
     try:
         for i in range(args.updates + 1):
             version = first_version + i
-            started = await publish(version)
+            started, write_info = await publish(version)
             metrics = await load_version(engine, store, version, "keep")
             servable = time.perf_counter()
             await trainer.publisher.flush()
@@ -127,6 +126,12 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
                 "store_publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S],
                 "stall_s": metrics[STALL_S], "paused_s": metrics[PAUSED_S], "bytes": metrics[BYTES],
                 "probe_stall_s": stall[0] if stall else None, "probe_median_gap_s": stall[1] if stall else None,
+                # where publish-to-servable goes: the trainer's snapshot (full: merge + HF names;
+                # adapters: PEFT names), the write, commit to lease, waiting for the oldest
+                # adapter's last request (adapters), staging (full), the swap or add_lora (stall_s)
+                "snapshot_s": write_info.get("weights/snapshot_s"), "write_s": trainer.publisher.last_write.get("weights/write_s"),
+                "notice_s": metrics[loader.NOTICE_S], "wait_s": metrics[loader.WAIT_S],
+                "adapter_wait_s": metrics.get(loader.ADAPTER_WAIT_S, 0.0), "stage_s": metrics[loader.STAGE_S],
             })
     finally:
         await load.stop()

@@ -81,6 +81,11 @@ class WeightPublisher:
             **self._last_write,
         }
 
+    @property
+    def last_write(self) -> dict:
+        """Metrics of the last finished write (weights/write_s, write_gbps, written_version)."""
+        return dict(self._last_write)
+
     async def flush(self) -> None:
         """Wait for the write in flight, if any (raises what it raised)."""
         pending, self._pending = self._pending, None
