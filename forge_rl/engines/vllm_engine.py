@@ -248,6 +248,8 @@ class VLLMEngine:
         """policy version -> requests in flight submitted under it."""
         self._drained = asyncio.Condition()
         """Notified whenever a request finishes (an adapter waiting to be unloaded may now go)."""
+        self._unloading: asyncio.Future | None = None
+        """The background unload of adapters past `adapters.resident` (see `load_adapter`)."""
         self.cuda_devices = cuda_devices
         """Indices, among this host's visible CUDA devices, of the devices the engine's workers
         use (forge_rl/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
@@ -386,11 +388,13 @@ class VLLMEngine:
     def _lora_kwargs(self) -> dict:
         if self.adapters is None:
             return {}
-        # max_cpu_loras = max_loras: vLLM never evicts an adapter on its own (its LRU would pick
-        # by last use, not version, and reload an evicted one from a path the store may have
-        # collected); `load_adapter` unloads the oldest itself, once no request uses it.
-        return dict(enable_lora=True, max_loras=self.adapters.resident, max_cpu_loras=self.adapters.resident,
-                    max_lora_rank=self.adapters.max_lora_rank)
+        # One slot more than `resident`: a new version loads at once, and the oldest is unloaded
+        # after it, once its last request ends (`load_adapter`). Slots (max_loras) = cache
+        # (max_cpu_loras), and forge_rl never holds more: vLLM never evicts an adapter on its own
+        # (its LRU picks by last use, not version, and would reload an evicted one from a path
+        # the store may have collected).
+        slots = self.adapters.resident + 1
+        return dict(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=self.adapters.max_lora_rank)
 
     def _engine_env(self) -> dict[str, str]:
         """Environment of the engine-core and worker processes."""
@@ -695,8 +699,10 @@ class VLLMEngine:
 
         Nothing pauses: vLLM loads the adapter in its engine core between two decode steps (the
         only stall), requests in flight keep decoding with their own adapters, and requests
-        submitted from now on use this one. With `adapters.resident` loaded, the oldest is
-        unloaded first, once the last request using it has finished (waited for here).
+        submitted from now on use this one. Then, past `adapters.resident` loaded, the oldest is
+        unloaded in the background once the last request using it has finished (off the
+        publish-to-servable path: an engine-core call waits for the current decode step, about
+        0.2 s under load on this CPU); the next load waits for that unload if it is still pending.
 
         No prefix-cache reset is needed: vLLM hashes each block with its request's adapter name
         and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`), every version has
@@ -722,7 +728,7 @@ class VLLMEngine:
 
         llm = self._running_llm
         started = time.perf_counter()
-        unloaded = await self._make_room_for_adapter()
+        unloaded = await self.adapters_settled()  # the previous version's unload, if still pending
         # A new name and id per version, never load_inplace: a cached name must never point at
         # other weights (the silent failure of reloading in place).
         request = LoRARequest(f"forge-policy-{policy_version}", policy_version + 1, str(adapter_dir))
@@ -731,15 +737,21 @@ class VLLMEngine:
         loaded = time.perf_counter()
         self._resident[policy_version] = request
         self.policy_version = policy_version
+        self._unloading = asyncio.ensure_future(self._unload_beyond_resident())
         return AdapterLoadStats(
             policy_version, wait_s=room - started, load_s=loaded - room, unloaded=unloaded,
             resident=sorted(self._resident),
         )
 
-    async def _make_room_for_adapter(self) -> list[int]:
-        """Unload the oldest adapters until one more fits, each once no request uses it."""
+    async def adapters_settled(self) -> list[int]:
+        """Wait for the pending unload of old adapters (if any); returns the versions it unloaded."""
+        pending, self._unloading = self._unloading, None
+        return [] if pending is None else await pending
+
+    async def _unload_beyond_resident(self) -> list[int]:
+        """Unload the oldest adapters down to `adapters.resident`, each once no request uses it."""
         unloaded = []
-        while len(self._resident) >= self.adapters.resident:
+        while len(self._resident) > self.adapters.resident:
             oldest = min(self._resident)
             async with self._drained:
                 await self._drained.wait_for(lambda: self._in_flight[oldest] == 0)
@@ -766,6 +778,8 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
+        if self._unloading is not None:
+            self._unloading.cancel()
         if self._llm is not None:
             self._llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
             self._llm = None
@@ -831,12 +845,13 @@ class AdapterLoadStats:
 
     policy_version: int
     wait_s: float
-    """Waiting for the oldest resident adapter's last request to finish, and unloading it."""
+    """Waiting for the previous load's unload of the oldest adapter, if still pending (its last
+    request had not finished)."""
     load_s: float
     """vLLM's add_lora, a call into the engine core answered between two decode steps: an upper
     bound of the decode stall (it includes the round trip to the engine-core process)."""
     unloaded: list[int]
-    """Versions whose adapters were unloaded to make room."""
+    """Versions whose adapters the previous load's unload removed (waited for here)."""
     resident: list[int]
     """Versions whose adapters are loaded now."""
 

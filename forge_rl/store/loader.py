@@ -40,8 +40,8 @@ PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish cal
 REQUESTS_OVER_OLDER_KV = "weights/requests_over_older_kv"  # swap_kv=reuse: requests continued on older KV
 # Adapter versions (LoRA): add_lora's time is STALL_S and PAUSED_S (its upper bound: the engine
 # core loads the adapter between two decode steps); these two say what else happened.
-ADAPTER_WAIT_S = "weights/adapter_wait_s"  # waiting for the oldest adapter's last request, then unloading it
-ADAPTERS_RESIDENT = "weights/adapters_resident"  # adapters loaded after this update
+ADAPTER_WAIT_S = "weights/adapter_wait_s"  # waiting for the previous update's unload of the oldest adapter
+ADAPTERS_RESIDENT = "weights/adapters_resident"  # adapters loaded right after this update (resident + 1 until the oldest goes)
 
 
 

@@ -123,7 +123,7 @@ def test_after_each_adapter_update_the_engine_serves_the_trainers_logprobs_not_t
         s.run(s.trainer.publish(version))
         metrics = s.run(load_version(s.engine, s.store, version))
         assert metrics["loader"] == "adapter" and metrics["policy_version"] == version
-        assert metrics[ADAPTERS_RESIDENT] == min(version, 2) and metrics[PUBLISH_TO_SERVABLE_S] < 10
+        assert metrics[ADAPTERS_RESIDENT] == min(version, 3) and metrics[PUBLISH_TO_SERVABLE_S] < 10
         (completion,) = s.run(s.engine.generate(PROMPT, n=1, eos_id=None))
         assert completion.policy_versions == [version] * NEW_TOKENS
         served = completion.logprobs
@@ -131,7 +131,8 @@ def test_after_each_adapter_update_the_engine_serves_the_trainers_logprobs_not_t
         assert _close(served, s.trainer.logprobs(completion.token_ids, None)) > 0.05, "adapter not applied"
         if version > 1:
             assert _close(served, s.trainer.logprobs(completion.token_ids, version - 1)) > 0.05, "stale adapter"
-    # Two resident (max_policy_age + 1): version 1's adapter was unloaded for version 3.
+    # Two resident (max_policy_age + 1): version 1's adapter was unloaded after version 3 loaded.
+    assert s.run(s.engine.adapters_settled()) == [1]
     assert sorted(s.run(s.engine._running_llm.list_loras())) == [2 + 1, 3 + 1]
 
 
