@@ -47,6 +47,9 @@ class LoRASyncArgs:
     """Tokens per load request."""
     max_policy_age: int = 1
     """Adapters resident = max_policy_age + 1, as a run would serve them."""
+    trainer_steps: int = 3
+    """Timed PolicyTrainer steps per variant (full fine-tuning, LoRA), each variant in a fresh
+    process (peak RSS per variant), after one warm-up step; 0 skips the part."""
 
     @property
     def vocab_size(self) -> int:  # what `Load` draws prompt tokens from
@@ -99,6 +102,49 @@ class TrainerSide:
             logits = self.model(torch.tensor([prompt + tokens]))[0]
         positions = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 : -1]
         return [positions[i, t].item() for i, t in enumerate(tokens)]
+
+
+def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
+    """Median step time and peak RSS of a single-process PolicyTrainer on `model_path`, fully
+    fine-tuned or with LoRA; run in a fresh process (its peak RSS is this variant's alone)."""
+    import resource
+
+    from forge_rl.batching import make_train_batch
+    from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
+    from forge_rl.models.lora import LoRAConfig
+    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    config = TrainerConfig(lora=LoRAConfig(enabled=lora, rank=rank))
+    trainer = PolicyTrainer(config, Path(model_path))
+    batch = make_train_batch(long_tail_episodes(TrainerBenchArgs(num_prompts=2, group_size=4, max_completion=64)), pad_id=0)
+    times = []
+    for i in range(steps + 1):
+        started = time.perf_counter()
+        trainer.train_step(batch)
+        if i:
+            times.append(time.perf_counter() - started)
+    return {"step_s": statistics.median(times), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "num_tokens": int(batch.num_generated_tokens)}
+
+
+def trainer_comparison(args: LoRASyncArgs) -> dict:
+    """LoRA vs full PolicyTrainer steps, or why they were not measured."""
+    import concurrent.futures
+    import multiprocessing
+
+    from forge_rl.trainer import PolicyTrainer
+
+    if not hasattr(PolicyTrainer, "adapter_state_dict"):
+        return {"skipped": "this PolicyTrainer has no LoRA training (issue 15 part 4: branch lora-trainer)"}
+    results = {}
+    for name, lora in (("full", False), ("lora", True)):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[name] = pool.submit(trainer_variant, str(args.model_path), lora, args.rank, args.trainer_steps).result()
+        _progress(f"trainer {name}: {json.dumps(results[name])}")
+    results["lora_over_full_step_time"] = results["lora"]["step_s"] / results["full"]["step_s"]
+    results["lora_over_full_peak_rss"] = results["lora"]["peak_rss_mb"] / results["full"]["peak_rss_mb"]
+    return results
 
 
 async def _updates(args, engine, trainer, store, publish, first_version: int) -> list[dict]:
@@ -204,6 +250,9 @@ async def _main(args: LoRASyncArgs) -> dict:
         _progress("lora-sync: adapter updates (a new vLLM adapter per version) under load")
         figures["adapter"], figures["adapter_engine"] = await _engine_run(args, trainer, index, root, adapters=True)
         _progress(f"adapter: {json.dumps(figures['adapter'])}")
+        if args.trainer_steps:
+            _progress("lora-sync: PolicyTrainer step time and peak memory, full fine-tuning vs LoRA")
+            figures["trainer"] = trainer_comparison(args)
         figures["wall_s"] = time.perf_counter() - started
         figures["summary"] = summarize(figures)
     finally:
@@ -235,9 +284,20 @@ def summarize(figures: dict) -> dict:
         "adapter_add_lora_ms_max": 1e3 * max(r["stall_s"] for r in adapter),
         "adapter_logprob_max_abs_diff": figures["adapter_engine"]["adapter_logprob_max_abs_diff"],
         "adapter_vs_base_logprob_max_abs_diff": figures["adapter_engine"]["adapter_vs_base_logprob_max_abs_diff"],
-        # LoRA vs full trainer step time and peak memory, and the final reward of LoRA vs full
-        # fine-tuning, need LoRA in PolicyTrainer (branch lora-trainer): not measured here yet.
-        "trainer_lora_vs_full": None,
+        **_trainer_summary(figures.get("trainer")),
+        # The demo task trained with LoRA vs full fine-tuning to the same final reward is a run of
+        # each recipe (issue 15, "Must show"): not measured by this benchmark yet.
         "final_reward_lora_vs_full": None,
         "wall_s": figures["wall_s"],
+    }
+
+
+def _trainer_summary(trainer: dict | None) -> dict:
+    if not trainer or "skipped" in trainer:
+        return {"trainer_lora_vs_full": (trainer or {}).get("skipped", "not run (--trainer-steps 0)")}
+    return {
+        "trainer_step_s_full": trainer["full"]["step_s"], "trainer_step_s_lora": trainer["lora"]["step_s"],
+        "trainer_peak_rss_mb_full": trainer["full"]["peak_rss_mb"], "trainer_peak_rss_mb_lora": trainer["lora"]["peak_rss_mb"],
+        "trainer_lora_over_full_step_time": trainer["lora_over_full_step_time"],
+        "trainer_lora_over_full_peak_rss": trainer["lora_over_full_peak_rss"],
     }
