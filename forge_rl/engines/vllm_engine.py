@@ -202,8 +202,9 @@ class AdapterServing:
 
     Each version is a new vLLM adapter (name "forge-policy-<v>", id v + 1), never reloaded in
     place; a request keeps the adapter it was submitted with until it finishes, so its tokens are
-    exact samples of that version and are stamped with it. `resident` adapters stay loaded (vLLM's
-    max_loras and max_cpu_loras): an older one is unloaded once no request in flight uses it.
+    exact samples of that version and are stamped with it. `resident` adapters stay loaded (vLLM
+    gets one slot more, so the next loads at once): an older one is unloaded once no request in
+    flight uses it.
     """
 
     rank: int
