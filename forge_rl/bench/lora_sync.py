@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from forge_rl.bench.weight_sync import Load, _progress, _remove
+from forge_rl.models.peft_format import merged_hf_state_dict
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,9 @@ class TrainerSide:
     async def publish_full(self, version: int) -> float:
         """Snapshot the merged weights in HF names (what PolicyTrainer.hf_state_dict does with
         LoRA) and start writing them; returns when the snapshot started (perf_counter)."""
-        from forge_rl.models.titan import read_hf_config, state_dict_adapter
-
         self.set_version(version)
-        converter = state_dict_adapter(read_hf_config(self.args.model_path))
         started = time.perf_counter()
-        snapshot = converter.to_hf(self.adapters.merged_state_dict(self.model))
+        snapshot = merged_hf_state_dict(self.model, self.adapters, self.args.model_path)
         return started, await self.publisher.publish(version, snapshot, time.perf_counter() - started)
 
     async def publish_adapters(self, version: int) -> float:

@@ -13,6 +13,7 @@ import torch
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
 from forge_rl.models.peft_format import (
     ADAPTER_CONFIG_FILE,
+    merged_hf_state_dict,
     peft_state_dict,
     write_peft_adapter,
 )
@@ -53,7 +54,7 @@ def test_peft_factors_rebuild_the_merged_hf_export_exactly(model_dir, trained):
         base = converter.to_hf({k: v.detach().clone() for k, v in model.state_dict().items()})
     finally:
         adapters.attach()
-    merged = converter.to_hf(adapters.merged_state_dict(model))
+    merged = merged_hf_state_dict(model, adapters, model_dir)
     factors = peft_state_dict(adapters.adapter_state_dict(), hf_config)
     modules = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in factors}
     assert len(modules) == 2 * 7  # q, k, v, o, gate, up, down per layer
