@@ -105,8 +105,6 @@ class TrainerSide:
 def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
     """Median step time and peak RSS of a single-process PolicyTrainer on `model_path`, fully
     fine-tuned or with LoRA; run in a fresh process (its peak RSS is this variant's alone)."""
-    import resource
-
     from forge_rl.batching import make_train_batch
     from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
     from forge_rl.models.lora import LoRAConfig
@@ -122,7 +120,11 @@ def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
         trainer.train_step(batch)
         if i:
             times.append(time.perf_counter() - started)
-    return {"step_s": statistics.median(times), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec, so a spawned worker
+    # would report its parent's peak (measured: both variants showed the bench process's 3576 MB).
+    hwm_kb = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+                  if line.startswith("VmHWM:"))
+    return {"step_s": statistics.median(times), "peak_rss_mb": hwm_kb / 1024,
             "num_tokens": int(batch.num_generated_tokens)}
 
 
