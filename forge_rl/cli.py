@@ -102,6 +102,7 @@ _BENCHMARKS = {
     "staleness": "Final reward and time to a target reward across max_policy_age, with and without IS correction.",
     "sampling-support": "Importance ratios under top-p with the trainer normalizing over the full vocabulary vs the kept sets.",
     "soak": "Train for 30 minutes while sampling every process's memory: growth after warm-up, buffer bound.",
+    "lora-sync": "Adapter-only vs full-weight publish-to-servable into vLLM (same model, same run), decode stall.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
@@ -123,8 +124,8 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, distill, keep_routing, multi_turn, sampling_support, scale, self_distill, soak, staleness,
-        task_baseline, trainer, weight_sync,
+        async_vs_sync, distill, keep_routing, lora_sync, multi_turn, sampling_support, scale, self_distill, soak,
+        staleness, task_baseline, trainer, weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -135,6 +136,7 @@ def _run_bench(args: list[str]) -> None:
         "sampling-support": (sampling_support, sampling_support.SamplingSupportArgs),
         "soak": (soak, soak.SoakArgs),
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
+        "lora-sync": (lora_sync, lora_sync.LoRASyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
         "scale": (scale, scale.ScaleArgs),

@@ -17,7 +17,7 @@ from typing import Literal
 
 from forge_rl.buffer import BufferConfig
 from forge_rl.checkpoint import CheckpointConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
@@ -454,6 +454,14 @@ class GRPOConfig:
                 "routing record, so every one would fall back to the trainer's own routing. Set "
                 "--generator.record-routing, or --trainer.no-keep-routing."
             )
+
+    def adapter_serving(self, model_dir: str) -> AdapterServing | None:
+        """With trainer.lora.enabled, how generators serve the adapter versions the trainer
+        publishes: rank trainer.lora.rank, buffer.max_policy_age + 1 adapters resident (every
+        version a request in flight may still use), on the base in `model_dir`. None otherwise."""
+        if not self.trainer.lora.enabled:
+            return None
+        return AdapterServing(self.trainer.lora.rank, self.buffer.max_policy_age + 1, str(Path(model_dir)))
 
     @property
     def uses_reference_model(self) -> bool:

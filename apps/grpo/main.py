@@ -176,6 +176,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         generators=services.spawn(
             "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
             store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
+            adapters=config.adapter_serving(model_dir),
         ),
         trainer=trainer_procs.spawn(
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.simulated import SimulatedEngine
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -41,13 +41,14 @@ class GeneratorActor(Actor):
         store_index: StoreIndexActor | None,
         store_client_id: str,
         cuda_devices: tuple[int, ...] | None = None,
+        adapters: AdapterServing | None = None,
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
         # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
         # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model, no
-        # weights: `store_index` is None).
-        self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices)
+        # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
+        self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
         self.store_index = store_index
         self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)

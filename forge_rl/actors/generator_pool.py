@@ -48,7 +48,7 @@ from monarch.actor import (
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.deadlines import within
-from forge_rl.engines.vllm_engine import GeneratorConfig, engine_process_env
+from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
@@ -127,8 +127,11 @@ class GeneratorPool(Actor):
         generate_timeout_s: float,
         update_timeout_s: float,
         generator_class: type[GeneratorActor] = GeneratorActor,
+        adapters: AdapterServing | None = None,
     ):
         self.config = config
+        self.adapters = adapters
+        """LoRA: each generator serves policy versions as adapters on the base (GRPOConfig.adapter_serving)."""
         self.placements = placements
         """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_placements`)."""
         self.generate_timeout_s = generate_timeout_s
@@ -292,7 +295,7 @@ class GeneratorPool(Actor):
         store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
             slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, store_index,
-            slot.store_reader_id, placement.cuda_devices,
+            slot.store_reader_id, placement.cuda_devices, self.adapters,
         )
         started = await within(
             self.config.start_timeout_s,

@@ -15,6 +15,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.batching import make_train_batch
+from forge_rl.models.peft_format import peft_adapter
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
@@ -99,11 +100,21 @@ class TrainerActor(Actor):
         # next optimizer step cannot change them while they are written. Every rank joins the
         # gathers; only rank 0, which writes, copies the whole model to host memory.
         writes = self.rank == 0
-        snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype(), keep=writes)
+        adapter = None
+        if self.config.lora.enabled:
+            # Adapters only (issue 15): gathered on every rank (a collective under FSDP2/TP), full
+            # on rank 0, converted there to the PEFT adapter directory vLLM loads.
+            dtype = self.publish_config.torch_dtype()
+            adapters = self.trainer.adapter_state_dict(dtype, keep=writes)
+            if writes:
+                snapshot, adapter_config = peft_adapter(adapters, self.config.lora, self.model_dir, dtype)
+                adapter = (adapter_config, str(self.model_dir))
+        else:
+            snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype(), keep=writes)
         snapshot_s = time.perf_counter() - started
         if not writes:
             return {}
         version = self.trainer.policy_version
-        metrics = await self.publisher.publish(version, snapshot, snapshot_s)
+        metrics = await self.publisher.publish(version, snapshot, snapshot_s, adapter)
         # Where the version will be once complete; generators wait for it through the store.
         return {**metrics, "weights/dir": str(self.store_root / version_key(version))}

@@ -34,6 +34,7 @@ nothing and does not pull vLLM into the trainer or the functional core's tests.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -66,6 +67,7 @@ the demo to every process gone (tests/integration/test_shutdown.py): 6.5-9.5 s w
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -199,11 +201,67 @@ def _unset_or_finite_positive(seconds: float | None) -> bool:
     return seconds is None or 0 < seconds < math.inf
 
 
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
+
+
+@dataclass(frozen=True)
+class AdapterServing:
+    """How an engine serves a policy trained with LoRA: the base model stays, each policy version
+    is an adapter (docs/weight_store.md, "Adapter versions"). Derived by the run from
+    trainer.lora and buffer.max_policy_age (`GRPOConfig.adapter_serving`), not a flag.
+
+    Each version is a new vLLM adapter (name "forge-policy-<v>", id v + 1), never reloaded in
+    place; a request keeps the adapter it was submitted with until it finishes, so its tokens are
+    exact samples of that version and are stamped with it. `resident` adapters stay loaded (vLLM
+    gets one slot more, so the next loads at once): an older one is unloaded once no request in
+    flight uses it.
+    """
+
+    rank: int
+    """LoRA rank of the adapters (vLLM's max_lora_rank is the smallest value it accepts >= it)."""
+    resident: int
+    """Adapters kept loaded: max_policy_age + 1, so every version a request in flight may still
+    use (the staleness bound) keeps its adapter."""
+    base_model: str
+    """The base model directory the engine serves; an adapter version of another base is refused."""
+
+    def __post_init__(self) -> None:
+        if self.resident < 1:
+            raise ValueError(f"AdapterServing.resident ({self.resident}) must be >= 1 (buffer.max_policy_age + 1).")
+        if self.rank > _VLLM_LORA_RANKS[-1]:
+            raise ValueError(
+                f"trainer.lora.rank ({self.rank}) exceeds vLLM's largest max_lora_rank ({_VLLM_LORA_RANKS[-1]}). "
+                f"Set --trainer.lora.rank to at most {_VLLM_LORA_RANKS[-1]}."
+            )
+
+    @property
+    def max_lora_rank(self) -> int:
+        return next(r for r in _VLLM_LORA_RANKS if r >= self.rank)
+
+
+class AdapterMismatch(ValueError):
+    """An adapter version that does not fit the base model an engine serves."""
+
+
 class VLLMEngine:
     """One vLLM AsyncLLM; must be started, used and shut down on one asyncio event loop."""
 
-    def __init__(self, config: GeneratorConfig, cuda_devices: tuple[int, ...] | None = None):
+    def __init__(
+        self, config: GeneratorConfig, cuda_devices: tuple[int, ...] | None = None,
+        adapters: AdapterServing | None = None,
+    ):
         self.config = config
+        self.adapters = adapters
+        """Serve policy versions as LoRA adapters on a fixed base (None: full-weight swaps)."""
+        self._resident: dict[int, LoRARequest] = {}
+        """policy version -> its loaded adapter, oldest first (with `adapters`)."""
+        self._in_flight: collections.Counter[int] = collections.Counter()
+        """policy version -> requests in flight submitted under it."""
+        self._drained = asyncio.Condition()
+        """Notified whenever a request finishes (an adapter waiting to be unloaded may now go)."""
+        self._unloading: asyncio.Future | None = None
+        """The background unload of adapters past `adapters.resident` (see `load_adapter`)."""
         self.cuda_devices = cuda_devices
         """Indices, among this host's visible CUDA devices, of the devices the engine's workers
         use (forge_rl/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
@@ -349,6 +407,7 @@ class VLLMEngine:
             **({} if on_gpu else {"distributed_executor_backend": _IN_ENGINE_CORE_EXECUTOR}),
             # A progress bar per weight reload (one per policy version) would flood the log.
             use_tqdm_on_load=False,
+            **self._lora_kwargs(),
             **memory,
         )
 
@@ -391,6 +450,17 @@ class VLLMEngine:
         finally:
             torch.set_num_threads(threads)
 
+    def _lora_kwargs(self) -> dict:
+        if self.adapters is None:
+            return {}
+        # One slot more than `resident`: a new version loads at once, and the oldest is unloaded
+        # after it, once its last request ends (`load_adapter`). Slots (max_loras) = cache
+        # (max_cpu_loras), and forge_rl never holds more: vLLM never evicts an adapter on its own
+        # (its LRU picks by last use, not version, and would reload an evicted one from a path
+        # the store may have collected).
+        slots = self.adapters.resident + 1
+        return dict(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=self.adapters.max_lora_rank)
+
     def _engine_env(self) -> dict[str, str]:
         """Environment of the engine-core and worker processes."""
         import torch
@@ -430,8 +500,10 @@ class VLLMEngine:
         epoch = self._abort_epoch
         max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id
-        final = await self._request(prompt_token_ids, self._sampling_params(n, eos_id, max_tokens, len(prompt_token_ids)))
-        completions = [self._completion(output) for output in final.outputs]
+        final, version = await self._request(
+            prompt_token_ids, self._sampling_params(n, eos_id, max_tokens, len(prompt_token_ids))
+        )
+        completions = [self._completion(output, version) for output in final.outputs]
         if self._abort_epoch == epoch:
             return completions
         # A swap in "abort" mode ran meanwhile: resubmit what it aborted, prompt + tokens so far.
@@ -483,8 +555,9 @@ class VLLMEngine:
             params = self._sampling_params(
                 1, eos_id, max_tokens - len(sampled_so_far), len(prefix_token_ids) + len(sampled_so_far)
             )
-            output = (await self._request(prefix_token_ids + sampled_so_far, params)).outputs[0]
-            piece = self._completion(output)
+            final, version = await self._request(prefix_token_ids + sampled_so_far, params)
+            output = final.outputs[0]
+            piece = self._completion(output, version)
             turn = piece if turn is None else _join(turn, piece)
             if output.finish_reason != "abort":
                 break
@@ -504,12 +577,16 @@ class VLLMEngine:
         """Most likely logprobs asked of vLLM per token on the top-logprobs path."""
         return min(self.config.max_support_ids, self._vocab_size)
 
-    def _completion(self, output: CompletionOutput) -> Completion:
+    def _completion(self, output: CompletionOutput, submitted_version: int) -> Completion:
         top_k, cap = self.config.top_k, self._num_support_logprobs
         # top_k <= what vLLM returns, or the whole vocabulary returned: every kept set fits, even a full one.
         fits = 0 < top_k <= cap or cap >= self._vocab_size
         completion = _to_completion(output, self._support_source, None if fits else cap)
         completion.routed_experts = getattr(output, "forge_routed_experts", None)
+        if self.adapters is not None:
+            # vLLM labels tokens with the engine's weight version, which adapters do not change: a
+            # request decodes with the adapter it was submitted with, to its end (AdapterServing).
+            completion.policy_versions = [submitted_version] * completion.num_tokens
         if completion.num_truncated_support and not self.num_truncated_support:
             _logger.warning(
                 "a top-p/top-k kept set filled all generator.max_support_ids (%d) slots, so it may hold "
@@ -529,13 +606,28 @@ class VLLMEngine:
         return TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=f"forge-policy-{self.policy_version}")
 
     async def _request(self, prompt_token_ids: list[int], params: SamplingParams):
-        final = None
+        """(vLLM's final output, the policy version it was submitted under). With adapters the
+        request runs on that version's adapter to its end; it is counted in flight meanwhile, so
+        the adapter is not unloaded under it."""
+        version = self.policy_version
+        lora = self._resident.get(version) if self.adapters is not None else None
         request_id = f"gen-{next(self._request_ids)}"
-        async for final in self._running_llm.generate(self.prompt(prompt_token_ids), params, request_id):
-            pass  # FINAL_ONLY: one output, after the last child finished.
+        self._in_flight[version] += 1
+        try:
+            final = None
+            async for final in self._running_llm.generate(
+                self.prompt(prompt_token_ids), params, request_id, lora_request=lora
+            ):
+                pass  # FINAL_ONLY: one output, after the last child finished.
+        finally:
+            self._in_flight[version] -= 1
+            if self._in_flight[version] == 0:
+                del self._in_flight[version]
+                async with self._drained:
+                    self._drained.notify_all()
         if self.config.record_routing:
             await self._attach_routing(request_id, final)
-        return final
+        return final, version
 
     async def _attach_routing(self, request_id: str, final) -> None:
         """Set `forge_routed_experts` (a RoutingRecord, or None: the trainer routes those tokens
@@ -568,8 +660,9 @@ class VLLMEngine:
             params = self._sampling_params(
                 1, eos_id, max_tokens - completion.num_tokens, len(prompt_token_ids) + completion.num_tokens
             )
-            output = (await self._request(prompt_token_ids + completion.token_ids, params)).outputs[0]
-            completion = _join(completion, self._completion(output))
+            final, version = await self._request(prompt_token_ids + completion.token_ids, params)
+            output = final.outputs[0]
+            completion = _join(completion, self._completion(output, version))
             if output.finish_reason != "abort" or self._abort_epoch == epoch:
                 break
         ended_on_eos = eos_id is not None and completion.token_ids[-1:] == [eos_id]
@@ -694,6 +787,71 @@ class VLLMEngine:
             num_requests_over_older_kv=continued_over_older_kv,
         )
 
+    async def load_adapter(self, adapter_dir: Path, policy_version: int, adapter_of: str | None) -> AdapterLoadStats:
+        """Serve `policy_version`, a PEFT adapter directory, as a new adapter on the base.
+
+        Nothing pauses: vLLM loads the adapter in its engine core between two decode steps (the
+        only stall), requests in flight keep decoding with their own adapters, and requests
+        submitted from now on use this one. Then, past `adapters.resident` loaded, the oldest is
+        unloaded in the background once the last request using it has finished (off the
+        publish-to-servable path: an engine-core call waits for the current decode step, about
+        0.2 s under load on this CPU); the next load waits for that unload if it is still pending.
+
+        No prefix-cache reset is needed: vLLM hashes each block with its request's adapter name
+        and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`), every version has
+        its own name, and requests are also salted by version (`prompt`).
+        """
+        if self.adapters is None:
+            raise AdapterMismatch(
+                f"version {policy_version} is an adapter version (LoRA) but this engine serves full weights; "
+                "start it with AdapterServing (the run does when --trainer.lora.enabled is set)."
+            )
+        if adapter_of is None:
+            raise AdapterMismatch(
+                f"version {policy_version} holds full weights, but this engine serves LoRA adapters on a fixed "
+                "base: the trainer and the generators disagree on --trainer.lora.enabled."
+            )
+        if adapter_of != self.adapters.base_model:
+            raise AdapterMismatch(
+                f"version {policy_version} is an adapter of base {adapter_of!r}, but this engine serves "
+                f"{self.adapters.base_model!r}: its tensors would not fit (or not mean the same). Train and "
+                "generate from the same --model.path."
+            )
+        from vllm.lora.request import LoRARequest
+
+        llm = self._running_llm
+        started = time.perf_counter()
+        unloaded = await self.adapters_settled()  # the previous version's unload, if still pending
+        # A new name and id per version, never load_inplace: a cached name must never point at
+        # other weights (the silent failure of reloading in place).
+        request = LoRARequest(f"forge-policy-{policy_version}", policy_version + 1, str(adapter_dir))
+        room = time.perf_counter()
+        await llm.add_lora(request)
+        loaded = time.perf_counter()
+        self._resident[policy_version] = request
+        self.policy_version = policy_version
+        self._unloading = asyncio.ensure_future(self._unload_beyond_resident())
+        return AdapterLoadStats(
+            policy_version, wait_s=room - started, load_s=loaded - room, unloaded=unloaded,
+            resident=sorted(self._resident),
+        )
+
+    async def adapters_settled(self) -> list[int]:
+        """Wait for the pending unload of old adapters (if any); returns the versions it unloaded."""
+        pending, self._unloading = self._unloading, None
+        return [] if pending is None else await pending
+
+    async def _unload_beyond_resident(self) -> list[int]:
+        """Unload the oldest adapters down to `adapters.resident`, each once no request uses it."""
+        unloaded = []
+        while len(self._resident) > self.adapters.resident:
+            oldest = min(self._resident)
+            async with self._drained:
+                await self._drained.wait_for(lambda: self._in_flight[oldest] == 0)
+            await self._running_llm.remove_lora(self._resident.pop(oldest).lora_int_id)
+            unloaded.append(oldest)
+        return unloaded
+
     def _can_stage(self) -> bool:
         """The staged loader needs eager mode and one worker (see forge_rl/store/vllm_staging.py)."""
         return self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
@@ -713,6 +871,8 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         """Stop the engine-core process; the engine cannot be restarted."""
+        if self._unloading is not None:
+            self._unloading.cancel()
         if self._llm is not None:
             self._llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
             self._llm = None
@@ -810,6 +970,23 @@ def _join(head: Completion, tail: Completion) -> Completion:
         num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
         routed_experts=routing,
     )
+
+
+@dataclass(frozen=True)
+class AdapterLoadStats:
+    """One adapter version made servable (`VLLMEngine.load_adapter`). Seconds."""
+
+    policy_version: int
+    wait_s: float
+    """Waiting for the previous load's unload of the oldest adapter, if still pending (its last
+    request had not finished)."""
+    load_s: float
+    """vLLM's add_lora, a call into the engine core answered between two decode steps: an upper
+    bound of the decode stall (it includes the round trip to the engine-core process)."""
+    unloaded: list[int]
+    """Versions whose adapters the previous load's unload removed (waited for here)."""
+    resident: list[int]
+    """Versions whose adapters are loaded now."""
 
 
 @dataclass(frozen=True)

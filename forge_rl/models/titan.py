@@ -293,11 +293,17 @@ def export_hf_state_dict(model, dtype: torch.dtype = torch.float32, keep: bool =
     return resolve(_family_of(model).adapter_class)(model.config, None).to_hf(full) if keep else {}
 
 
+def state_dict_adapter(hf_config: dict, source: str = "config.json"):
+    """TorchTitan's HF <-> TorchTitan weight converter for the checkpoint `hf_config` describes
+    (its config.json, named `source` in errors), without building the model: what
+    `build_titan_model` loads through."""
+    family = family_for(hf_config, source=source)
+    return resolve(family.adapter_class)(build_model_config(family, hf_config, _inner_attention_config()), None)
+
+
 def titan_state_dict_from_hf(model_dir: Path | str, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`hf_state_dict` (HF names, as the weight store publishes a version) in the names and layout of
     the TorchTitan model `build_titan_model(model_dir, ...)` builds: what its `load_state_dict`
     takes on one process."""
-    hf_config = read_hf_config(model_dir)
-    family = family_for(hf_config, source=str(Path(model_dir) / "config.json"))
-    model_config = build_model_config(family, hf_config, _inner_attention_config())
-    return resolve(family.adapter_class)(model_config, None).from_hf(hf_state_dict)
+    adapter = state_dict_adapter(read_hf_config(model_dir), source=str(Path(model_dir) / "config.json"))
+    return adapter.from_hf(hf_state_dict)

@@ -247,5 +247,6 @@ def _describe(record: SnapshotRecord) -> dict:
         "locations": sorted(record.locations),
         "num_bytes": record.num_bytes,
         "info": record.info,
+        "adapter_of": record.adapter_of,
         "holders": dict(record.holders),
     }

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 import socket
 import time
@@ -36,12 +37,15 @@ from typing import Literal
 import torch
 
 from forge_rl.store.actors import location_of, split_location
-from forge_rl.store.index import key_version, version_key
+from forge_rl.store.index import ADAPTER_OF, key_version, version_key
 from forge_rl.store.shm import SharedMemorySnapshots, WriteStats
 
 Transport = Literal["auto", "shm", "rdma"]
 _SINGLE_TENSOR = "tensor"  # the name of the one tensor of a `put(key, tensor)` snapshot
 _clients = itertools.count()
+# Record `info` keys: files written beside the weights (name -> text), and names linked to them.
+FILES = "files"
+WEIGHTS_LINKS = "weights_links"
 
 
 @dataclass
@@ -117,11 +121,16 @@ class WeightStore:
         self, state_dict: dict[str, torch.Tensor], key: str, dtype: torch.dtype | None = None, info: dict | None = None
     ) -> WriteStats:
         """`put_state_dict` for a plain thread: its index calls block instead of awaiting, so it
-        completes even while the owning actor's event loop is busy (a training step runs there)."""
+        completes even while the owning actor's event loop is busy (a training step runs there).
+
+        `info[FILES]` (name -> text) and `info[WEIGHTS_LINKS]` go into the snapshot's directory
+        beside the weights (`SharedMemorySnapshots.write`), and travel in the record to readers
+        that fetch the snapshot to another host."""
         info = {"publish_started_at": time.time(), **(info or {})}
         begun = self.index.begin.call_one(key, self.location)  # its round trip overlaps the write
         try:
-            stats = self.local.write(key, state_dict, dtype, self.checksum)
+            stats = self.local.write(key, state_dict, dtype, self.checksum, files=info.get(FILES),
+                                     weights_links=tuple(info.get(WEIGHTS_LINKS, ())))
             begun.get()
         except BaseException:
             self.index.abort.call_one(key).get()
@@ -163,6 +172,20 @@ class WeightStore:
 
     def publish_blocking(self, policy_version: int, state_dict: dict[str, torch.Tensor], **kwargs) -> WriteStats:
         return self.put_state_dict_blocking(state_dict, version_key(policy_version), **kwargs)
+
+    def publish_adapter_blocking(
+        self, policy_version: int, peft_tensors: dict[str, torch.Tensor], adapter_config: dict, base: str,
+        info: dict | None = None,
+    ) -> WriteStats:
+        """Publish policy version `policy_version` as LoRA adapters only: its directory is a PEFT
+        adapter directory (adapter_config.json + adapter_model.safetensors, a link to the store's
+        weights file) that vLLM loads by path, and its record says it is an adapter of `base`
+        (index rule 5). `peft_tensors` in PEFT names (forge_rl/models/peft_format.py)."""
+        from forge_rl.models.peft_format import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+        info = {**(info or {}), ADAPTER_OF: base, FILES: {ADAPTER_CONFIG_FILE: json.dumps(adapter_config, indent=2)},
+                WEIGHTS_LINKS: [ADAPTER_WEIGHTS_FILE]}
+        return self.put_state_dict_blocking(peft_tensors, version_key(policy_version), info=info)
 
     async def latest_version(self) -> int | None:
         return await self.index.latest_version.call_one()
@@ -226,7 +249,8 @@ class WeightStore:
             cache.discard_reserved(key)
             raise
         del destination
-        cache.commit_reserved(key)
+        info = record["info"]
+        cache.commit_reserved(key, info.get(FILES), tuple(info.get(WEIGHTS_LINKS, ())))
         return LocalSnapshot(key, key_version(key), cache.path(key), num_bytes, record["info"], "rdma",
                              time.perf_counter() - started, cache)
 

@@ -20,6 +20,9 @@ Rules
     4. Reader failure: `drop_reader` releases every lease of a reader that died (or closed), and
        refuses it new ones: a call of a dead reader still in flight, such as one parked waiting for
        a version, must not pin that version after the death. A reader id is used once.
+    5. Adapter versions: a version may hold only LoRA adapter tensors (a PEFT adapter directory)
+       instead of full weights; its record says so and names its base (`adapter_of`). Versions,
+       leases and GC are the same for both kinds.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from dataclasses import dataclass, field
 from forge_rl.errors import StoreError
 
 _VERSION_KEY = re.compile(r"^v(\d{8})$")
+ADAPTER_OF = "adapter_of"
+"""The `info` key of an adapter version's record: the base model it applies to (rule 5)."""
 
 
 def version_key(policy_version: int) -> str:
@@ -69,6 +74,12 @@ class SnapshotRecord:
     @property
     def version(self) -> int | None:
         return key_version(self.key)
+
+    @property
+    def adapter_of(self) -> str | None:
+        """For an adapter version (LoRA: only the adapter tensors, issue 15), the base model it
+        applies to, as the writer named it (the base's model directory); None for full weights."""
+        return self.info.get(ADAPTER_OF)
 
     @property
     def held(self) -> bool:

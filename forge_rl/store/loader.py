@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from forge_rl.store.index import ADAPTER_OF
+
 # What each metric means, by its name in the update's result (and the run's metrics.jsonl).
 PUBLISH_S = "weights/publish_s"  # trainer: snapshot + write to /dev/shm of this version
 WAIT_S = "weights/wait_s"  # generator: asked to update until the version was complete
@@ -36,6 +38,10 @@ BYTES = "weights/bytes"  # bytes of the snapshot moved into the engine
 GBPS = "weights/gbps"  # bytes / (prefetch + stage + paused)
 PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish call to serving (wall clock)
 REQUESTS_OVER_OLDER_KV = "weights/requests_over_older_kv"  # swap_kv=reuse: requests continued on older KV
+# Adapter versions (LoRA): add_lora's time is STALL_S and PAUSED_S (its upper bound: the engine
+# core loads the adapter between two decode steps); these two say what else happened.
+ADAPTER_WAIT_S = "weights/adapter_wait_s"  # waiting for the previous update's unload of the oldest adapter
+ADAPTERS_RESIDENT = "weights/adapters_resident"  # adapters loaded right after this update (resident + 1 until the oldest goes)
 
 
 
@@ -57,6 +63,12 @@ async def load_version(
             return {"policy_version": engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
         if verify:
             snapshot.verify()
+        adapter_of = snapshot.info.get(ADAPTER_OF)
+        if adapter_of is not None or getattr(engine, "adapters", None) is not None:
+            # Loaded while the lease is held: vLLM reads the adapter directory in add_lora.
+            fetched = time.perf_counter()
+            load = await engine.load_adapter(snapshot.path, version, adapter_of)
+            return _adapter_metrics(snapshot, version, min_version, started, complete, fetched, load, leased_at)
         fetched = time.perf_counter()
         stage = {}
         if swap_overrides.get("loader", "staged") == "staged":
@@ -91,4 +103,28 @@ async def load_version(
         GBPS: snapshot.num_bytes / max(moved_s, 1e-9) / 1e9,
         PUBLISH_TO_SERVABLE_S: serving_at - info.get("publish_started_at", serving_at),
         REQUESTS_OVER_OLDER_KV: swap.num_requests_over_older_kv,
+    }
+
+
+def _adapter_metrics(snapshot, version, min_version, started, complete, fetched, load, leased_at) -> dict:
+    """`load_version`'s metrics for an adapter version (same names as for full weights)."""
+    info = snapshot.info
+    return {
+        "policy_version": version,
+        "skipped_versions": version - min_version,
+        "transport": snapshot.transport,
+        "loader": "adapter",
+        PUBLISH_S: info.get("snapshot_s", 0.0) + info.get("write_s", 0.0),
+        WAIT_S: complete - started,
+        NOTICE_S: max(0.0, leased_at - info.get("committed_at", leased_at)),
+        PREFETCH_S: fetched - complete,
+        STAGE_S: 0.0,
+        STALL_S: load.load_s,
+        PAUSED_S: load.load_s,
+        ADAPTER_WAIT_S: load.wait_s,
+        ADAPTERS_RESIDENT: len(load.resident),
+        LOAD_S: time.perf_counter() - started,
+        BYTES: snapshot.num_bytes,
+        GBPS: snapshot.num_bytes / max(fetched - complete + load.load_s, 1e-9) / 1e9,
+        PUBLISH_TO_SERVABLE_S: time.time() - info.get("publish_started_at", time.time()),
     }

@@ -57,16 +57,21 @@ class WeightPublisher:
         self._pending: concurrent.futures.Future | None = None
         self._last_write: dict = {}
 
-    async def publish(self, policy_version: int, snapshot: dict[str, torch.Tensor], snapshot_s: float) -> dict:
+    async def publish(
+        self, policy_version: int, snapshot: dict[str, torch.Tensor], snapshot_s: float,
+        adapter: tuple[dict, str] | None = None,
+    ) -> dict:
         """Start writing `snapshot` (private CPU tensors) as `policy_version`; returns metrics.
 
+        `adapter` = (adapter_config.json, base model directory) publishes an adapter version
+        (LoRA; `snapshot` in PEFT names): `WeightStore.publish_adapter_blocking`.
         The metrics describe this publish's synchronous part and the last finished write.
         """
         waited = time.perf_counter()
         await self.flush()
         wait_s = time.perf_counter() - waited
         info = {"snapshot_s": snapshot_s, "policy_version": policy_version}
-        self._pending = self._writer.submit(self._write, policy_version, snapshot, info)
+        self._pending = self._writer.submit(self._write, policy_version, snapshot, info, adapter)
         if not self.config.background:
             await self.flush()
         return {
@@ -76,14 +81,22 @@ class WeightPublisher:
             **self._last_write,
         }
 
+    @property
+    def last_write(self) -> dict:
+        """Metrics of the last finished write (weights/write_s, write_gbps, written_version)."""
+        return dict(self._last_write)
+
     async def flush(self) -> None:
         """Wait for the write in flight, if any (raises what it raised)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             await asyncio.wrap_future(pending)
 
-    def _write(self, policy_version: int, snapshot: dict[str, torch.Tensor], info: dict) -> None:
-        stats = self.store.publish_blocking(policy_version, snapshot, info=info)
+    def _write(self, policy_version: int, snapshot: dict[str, torch.Tensor], info: dict, adapter) -> None:
+        if adapter is None:
+            stats = self.store.publish_blocking(policy_version, snapshot, info=info)
+        else:
+            stats = self.store.publish_adapter_blocking(policy_version, snapshot, *adapter, info=info)
         self._last_write = {
             "weights/write_s": stats.write_s,
             "weights/write_gbps": stats.num_bytes / max(stats.write_s, 1e-9) / 1e9,

@@ -186,8 +186,14 @@ class SharedMemorySnapshots:
         dtype: torch.dtype | None = None,
         checksum: bool = True,
         metadata: dict[str, str] | None = None,
+        files: dict[str, str] | None = None,
+        weights_links: tuple[str, ...] = (),
     ) -> WriteStats:
-        """Write `state_dict` (converted to `dtype` if given) as snapshot `key`; returns when complete."""
+        """Write `state_dict` (converted to `dtype` if given) as snapshot `key`; returns when complete.
+
+        `files` (name -> text) are written beside the weights, and each name in `weights_links` is
+        a link to the weights file: an adapter version's directory is then also a PEFT adapter
+        directory (adapter_config.json, adapter_model.safetensors), which vLLM loads by path."""
         started = time.perf_counter()
         final = self.path(key)
         if final.exists():
@@ -211,7 +217,7 @@ class SharedMemorySnapshots:
         layout = layout.with_checksums(checksums)
         buffer[: layout.header_size].copy_(torch.frombuffer(bytearray(layout.header_bytes()), dtype=torch.uint8))
         del buffer
-        self._copy_extra_files(partial)
+        self._copy_extra_files(partial, files, weights_links)
         partial.rename(final)
         return WriteStats(key, layout.num_bytes, time.perf_counter() - started, recycled, layout)
 
@@ -223,10 +229,13 @@ class SharedMemorySnapshots:
         self._allocate(partial / SAFETENSORS_FILE, num_bytes)
         return map_file(partial / SAFETENSORS_FILE, num_bytes)
 
-    def commit_reserved(self, key: str) -> None:
-        """Make a filled reservation a complete snapshot (drop the tensor `reserve` returned first)."""
+    def commit_reserved(
+        self, key: str, files: dict[str, str] | None = None, weights_links: tuple[str, ...] = ()
+    ) -> None:
+        """Make a filled reservation a complete snapshot (drop the tensor `reserve` returned first);
+        `files` and `weights_links` as in `write`."""
         partial = self.root / (key + _PARTIAL)
-        self._copy_extra_files(partial)
+        self._copy_extra_files(partial, files, weights_links)
         partial.rename(self.path(key))
 
     def discard_reserved(self, key: str) -> None:
@@ -307,7 +316,13 @@ class SharedMemorySnapshots:
         for stale in free[: max(0, len(free) - self.max_free_files)]:
             stale.unlink(missing_ok=True)
 
-    def _copy_extra_files(self, directory: Path) -> None:
+    def _copy_extra_files(
+        self, directory: Path, files: dict[str, str] | None = None, weights_links: tuple[str, ...] = ()
+    ) -> None:
+        for name, text in (files or {}).items():
+            (directory / name).write_text(text)
+        for name in weights_links:  # relative: the directory is renamed into place afterwards
+            os.symlink(SAFETENSORS_FILE, directory / name)
         if self.extra_files_dir is None:
             return
         for name in EXTRA_FILES:

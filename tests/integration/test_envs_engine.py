@@ -65,10 +65,10 @@ class RecordingEngine(HoldableEngine):
         return params
 
     async def _request(self, prompt_token_ids, params):
-        final = await super()._request(prompt_token_ids, params)
+        final, version = await super()._request(prompt_token_ids, params)
         if list(prompt_token_ids) != HOLD_PROMPT:  # the holder is the test's, not an episode's
             self.requests.append((list(prompt_token_ids), final))
-        return final
+        return final, version
 
 
 class Served:

@@ -26,6 +26,7 @@ ALLOWED = {
         "forge_rl.store.actors",
         "forge_rl.store.client",
         "forge_rl.bench.weight_sync",
+        "forge_rl.bench.lora_sync",  # reuses weight_sync's load generator; spawns the store
     ),
     "vllm": (),
     "torchtitan": ("forge_rl.models.",),

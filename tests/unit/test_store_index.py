@@ -170,3 +170,15 @@ def test_store_core_modules_import_neither_monarch_nor_vllm():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_the_index_says_which_versions_are_adapters_and_of_which_base():
+    from forge_rl.store.index import ADAPTER_OF
+
+    index = VersionIndex()
+    index.begin(version_key(1), HERE)
+    index.commit(version_key(1), num_bytes=100)
+    index.begin(version_key(2), HERE)
+    index.commit(version_key(2), num_bytes=10, info={ADAPTER_OF: "/models/base"})
+    assert index.record(version_key(1)).adapter_of is None  # full weights
+    assert index.record(version_key(2)).adapter_of == "/models/base"
