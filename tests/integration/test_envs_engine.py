@@ -59,8 +59,8 @@ class RecordingEngine(HoldableEngine):
         self.requests: list[tuple[list[int], object]] = []
         self.allowed_token_ids: list[int] | None = None
 
-    def _sampling_params(self, n, eos_id, max_tokens):
-        params = super()._sampling_params(n, eos_id, max_tokens)
+    def _sampling_params(self, *args):
+        params = super()._sampling_params(*args)
         params.allowed_token_ids = self.allowed_token_ids
         return params
 
