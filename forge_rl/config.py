@@ -21,6 +21,7 @@ from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
+from forge_rl.models.lora import check_rank, check_targets, llama_layer_shapes
 from forge_rl.models.titan import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.placement import LaunchConfig, check_placement, demand_of
@@ -70,6 +71,8 @@ class ModelConfig:
                 "num_key_value_heads": tiny.num_kv_heads,
                 "max_position_embeddings": tiny.max_position_embeddings,
                 **({"num_experts": tiny.num_experts} if tiny.num_experts else {}),  # checked by trainer.parallel.ep
+                "hidden_size": tiny.hidden_size,
+                "intermediate_size": tiny.intermediate_size,
             }
         missing = [name for name in REQUIRED_MODEL_FILES if not (self.path / name).is_file()]
         if missing:
@@ -311,6 +314,14 @@ class GRPOConfig:
     def _check_model_and_parallelism(self) -> None:
         hf_config = self.model.hf_config()
         validate_parallelism(self.trainer.parallel, self.trainer.num_procs, hf_config)
+        lora = self.trainer.lora
+        if lora.enabled:  # the shapes TorchTitan will build, checked before any process starts
+            shapes = llama_layer_shapes(hf_config)
+            try:
+                check_targets(lora, [*shapes, "lm_head"])
+                check_rank(lora, {name: shape for name, shape in shapes.items() if name in lora.targets})
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if self.uses_reference_model:
             self._check_frozen_model(self.reference, hf_config)
         if self.uses_teacher:

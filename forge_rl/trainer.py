@@ -25,7 +25,7 @@ from forge_rl.batching import TrainBatch
 from forge_rl.engines.simulated import SimTrainerConfig
 from forge_rl.losses.corrections import k3_kl_NL
 from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, token_mean
-from forge_rl.models.lora import LoRAConfig
+from forge_rl.models.lora import LoRAAdapters, LoRAConfig
 from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.routing import keep_routing_metrics
@@ -34,6 +34,7 @@ from forge_rl.models.titan import (
     build_titan_model,
     export_hf_state_dict,
     init_process_group_from_env,
+    reshard,
 )
 
 
@@ -63,9 +64,10 @@ class TrainerConfig:
     num_threads: int = 1
     """Torch CPU threads per trainer process (torch.set_num_threads)."""
     loss: LossConfig = field(default_factory=LossConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Low-rank adapters on a frozen base (off by default: full fine-tuning)."""
     """The policy loss (grpo, dr_grpo, dapo, gspo, cispo), its off-policy corrections and KL penalty."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters on a frozen base (off by default: full fine-tuning). On: only the adapters
+    train and are checkpointed; the published and exported weights are the merged ones."""
     max_consecutive_nonfinite_steps: int = 3
     """A step whose loss or gradient norm is NaN/inf is skipped (weights, optimizer state and policy
     version untouched); this many non-finite steps in a row stop the run with an error (so 1 stops
@@ -143,6 +145,10 @@ class TrainStepResult:
     """Batch-wide metrics for the log (`step_skipped` and `policy_version` among them)."""
 
 
+_ADAPTERS = "adapters"
+"""The checkpoint section of a LoRA run's adapters (a full run's weights are under "model")."""
+
+
 def _select_device() -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -184,8 +190,12 @@ class PolicyTrainer:
         self._dp_size = config.parallel.dp_degree
         # Sequence parallelism splits positions over TP ranks, so lengths are padded to a multiple.
         self._length_multiple = config.parallel.tp
+        # LoRA: adapters built on the parallelized model, split as their layers are; the base frozen.
+        self.lora = LoRAAdapters(self.model, config.lora, seed=config.seed) if config.lora.enabled else None
+        if self.lora is not None:
+            self.lora.attach()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self._trainable_parameters(),
             lr=config.lr,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
@@ -207,6 +217,10 @@ class PolicyTrainer:
                 "there is no routing to keep. Set --trainer.no-keep-routing."
             )
         return routing_shape(hf_config)
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: the adapters with LoRA, else every weight of the model."""
+        return list((self.lora if self.lora is not None else self.model).parameters())
 
     def _logits(
         self,
@@ -357,6 +371,8 @@ class PolicyTrainer:
         if not math.isfinite(metrics["loss"]):
             return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
         loss.backward()
+        if self.lora is not None:  # FSDP2 reduces the base's gradients, not those of the adapters
+            self.lora.reduce_gradients(self._dp_group)
         metrics["grad_norm"] = self._clip_grad_norm()
         if not math.isfinite(metrics["grad_norm"]):
             self.optimizer.zero_grad(set_to_none=True)
@@ -379,7 +395,7 @@ class PolicyTrainer:
         """Clip to max_grad_norm; returns the global norm before clipping (DTensor shards reduced)."""
         from torchtitan.distributed.utils import clip_grad_norm_
 
-        params = list(self.model.parameters())
+        params = self._trainable_parameters()
         # Under EP the expert gradients live on another mesh than the rest: TorchTitan norms each
         # group over its own mesh, then combines them.
         ep_enabled = self.config.parallel.ep > 1
@@ -411,21 +427,47 @@ class PolicyTrainer:
 
     def save_checkpoint(self, path: Path | str) -> None:
         """Write this rank's part of the training state to the DCP checkpoint `path`: a
-        collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards."""
+        collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards.
+        With LoRA the checkpoint holds the adapters and their AdamW moments, not the frozen base
+        (the base is `model.path`, read again at resume)."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._checkpoint_state(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
     def load_checkpoint(self, path: Path | str) -> None:
-        """Restore what `save_checkpoint` wrote (same model and parallelism): weights, AdamW moments
-        and step counts, this rank's torch RNG state, the policy version. A collective."""
+        """Restore what `save_checkpoint` wrote (same model and parallelism): weights (or adapters),
+        AdamW moments and step counts, this rank's torch RNG state, the policy version. A
+        collective. A checkpoint of the other kind (full vs LoRA), or adapters of another rank or
+        set of layers, is refused naming the mismatch and the flag before anything is read."""
         import torch.distributed.checkpoint as dcp
 
+        self._check_checkpoint_kind(dcp.FileSystemReader(str(path)).read_metadata())
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())  # in place, into this rank's shards
         torch.set_rng_state(state["rng"][f"rank{self.rank}"])
         self.policy_version = int(state["progress"]["policy_version"])
         self.num_consecutive_nonfinite_steps = int(state["progress"]["num_consecutive_nonfinite_steps"])
+
+    def _check_checkpoint_kind(self, metadata) -> None:
+        """Full weights are saved under "model.", LoRA adapters under "adapters." (full shapes)."""
+        shapes = {
+            key.removeprefix(f"{_ADAPTERS}."): tuple(entry.size)
+            for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith(f"{_ADAPTERS}.")
+        }
+        if self.lora is None and shapes:
+            raise ValueError(
+                f"the checkpoint holds LoRA adapters (e.g. {next(iter(shapes))}), not full weights, and "
+                "trainer.lora.enabled is false. Resume with --trainer.lora.enabled true and the "
+                "--trainer.lora.rank and --trainer.lora.targets it was trained with."
+            )
+        if self.lora is not None and not shapes:
+            raise ValueError(
+                "the checkpoint holds full weights, not LoRA adapters, and trainer.lora.enabled is true. "
+                "Resume with --trainer.lora.enabled false."
+            )
+        if self.lora is not None:
+            self.lora.check_fits(shapes)
 
     def _checkpoint_state(self) -> dict:
         """What a checkpoint holds, keyed by parameter name; the tensors are the live ones, so DCP
@@ -434,20 +476,18 @@ class PolicyTrainer:
         parameters are taken as the model registers them, and the AdamW state per parameter, created
         empty first on a fresh optimizer so that a load has tensors to fill. The LR is constant
         (trainer.lr, from the config), so there is no schedule to save."""
-        from torch.distributed.fsdp import FSDPModule
         from torch.optim.optimizer import _get_scalar_dtype
 
-        # FSDP2 registers the unsharded parameters while a module is unsharded (the root stays so
-        # after a no-grad forward such as compute_logprobs); resharded, the registered parameters
-        # are the sharded ones the optimizer steps.
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        # Names without activation checkpointing's wrapper, so a resume may switch it on or off.
-        params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in self.model.named_parameters()}
+        reshard(self.model)
+        if self.lora is not None:
+            section, params = _ADAPTERS, self.lora.named_adapter_parameters()
+        else:
+            # Names without activation checkpointing's wrapper, so a resume may switch it on or off.
+            section = "model"
+            params = {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in self.model.named_parameters()}
         stepped = {id(param) for group in self.optimizer.param_groups for param in group["params"]}
         if any(id(param) not in stepped for param in params.values()):
-            raise RuntimeError("the model's registered parameters are not those the optimizer steps")
+            raise RuntimeError("the registered parameters are not those the optimizer steps")
         optimizer = {}
         for name, param in params.items():
             moments = self.optimizer.state[param]
@@ -460,7 +500,7 @@ class PolicyTrainer:
             for key, value in moments.items():
                 optimizer[f"{name}.{key}"] = value
         return {
-            "model": params,
+            section: params,
             "optimizer": optimizer,
             # One key per rank: each restores its own stream (DCP would keep one copy of a shared key).
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
@@ -484,5 +524,19 @@ class PolicyTrainer:
 
     def hf_state_dict(self, dtype: torch.dtype = torch.float32, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full weights in HF names; a collective, so call it on every rank. `keep=False` (ranks
-        that do not publish) joins the gathers without copying anything to host memory: {}."""
-        return export_hf_state_dict(self.model, dtype, keep)
+        that do not publish) joins the gathers without copying anything to host memory: {}.
+        With LoRA: the merged weights (base + scaling * B A), what the adapted model computes."""
+        if self.lora is None:
+            return export_hf_state_dict(self.model, dtype, keep)
+        reshard(self.model)  # the merge adds to the registered weights, which must be the shards
+        with self.lora.merged():
+            return export_hf_state_dict(self.model, dtype, keep)
+
+    def adapter_state_dict(self, dtype: torch.dtype = torch.float32, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The LoRA adapters alone, full (unsharded) CPU copies keyed by TorchTitan module name
+        ("layers.0.attention.qkv_linear.wqkv.lora_A": [rank, in_features], "...lora_B":
+        [out_features, rank]); the served delta is trainer.lora.scaling * B @ A. A collective
+        under TP (call it on every rank); `keep=False` joins the gathers and returns {}."""
+        if self.lora is None:
+            raise ValueError("adapter_state_dict needs LoRA: trainer.lora.enabled is false. Set --trainer.lora.enabled.")
+        return self.lora.adapter_state_dict(dtype, keep)

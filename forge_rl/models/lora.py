@@ -4,30 +4,54 @@ For each targeted linear layer y = W x, LoRA trains two small matrices and serve
 
     y = W x + (alpha / rank) * B (A x)        A: [rank, in_features], B: [out_features, rank]
 
-A starts Kaiming-uniform and B at zero, so an adapted model starts as exactly its base. Only A and
-B train: with rank 16 on every attention and MLP projection of SmolLM2-135M they are 3.2% of
-the weights (4.33M of 134.5M), which is what weight sync then moves (issue 15, part 5).
+A starts Kaiming-uniform (drawn from `seed` alone, so every rank and every parallelism starts from
+the same adapters) and B at zero, so an adapted model starts as exactly its base. Only A and B
+train: with rank 16 on every attention and MLP projection of SmolLM2-135M they are 3.2% of the
+weights (4.33M of 134.5M), which is what weight sync then moves (issue 15, part 5).
 
 The adapters live in their own module (`LoRAAdapters`), not inside the model: the model's
 parameters, state_dict keys and TorchTitan state-dict adapter stay those of the base, so the HF
 export of the base, and the adapters-only checkpoint (`adapter_state_dict()`), are separate by
-construction. `attach` adds each adapter's output to its layer's output with a forward hook.
+construction. `attach` adds each adapter's output to its layer's output with a forward hook, which
+runs after the layer's own TP redistribution, on what the next layer reads.
+
+Sharding (docs/models.md, "LoRA"). Adapters are built after the model is parallelized and follow
+their base layer's tensor-parallel split, as DTensors on the tp mesh:
+
+    base layer                 W on tp       A              B              adapter output
+    column parallel (wqkv,     Shard(0)      Replicate      Shard(0)       Shard(-1), as W x
+      w1, w3): out split
+    row parallel (wo, w2):     Shard(1)      Shard(1)       Replicate      Partial, redistributed to
+      in split                                                             W x's layout (SP: Shard(1))
+
+so each rank computes exactly its share of B (A x), and DTensor's autograd reduces the gradients
+that cross ranks (A's under column parallelism, B's under row parallelism are Partial after
+backward; `reduce_gradients` brings them to their parameter's placement). FSDP2 does not shard the
+adapters: they are replicated over data-parallel ranks (3% of the weights) and `reduce_gradients`
+sums their gradients over those ranks, as FSDP2 sums the base's (no division: the trainer
+normalizes its loss by the batch's token count).
 
 Targets are the last component of a module's name: TorchTitan's llama3/qwen3 blocks call their
-projections `wqkv` (q, k and v fused), `wo`, and `w1`, `w2`, `w3` (the SwiGLU MLP). Written for
-one process; sharding adapters under FSDP2/TP with their base layers is not done here.
+projections `wqkv` (q, k and v fused), `wo`, and `w1`, `w2`, `w3` (the SwiGLU MLP).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 ATTENTION_TARGETS = ("wqkv", "wo")
 MLP_TARGETS = ("w1", "w2", "w3")
+_AC_WRAPPER = "_checkpoint_wrapped_module."
+"""Activation checkpointing's wrapper in module names; left out of adapter keys, so a checkpoint
+does not depend on trainer.activation_checkpointing."""
 
 
 @dataclass(frozen=True)
@@ -44,11 +68,14 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise ValueError(f"lora.rank ({self.rank}) must be >= 1. Set --lora.rank.")
+            raise ValueError(f"trainer.lora.rank ({self.rank}) must be >= 1. Set --trainer.lora.rank.")
         if not self.alpha > 0:
-            raise ValueError(f"lora.alpha ({self.alpha}) must be > 0. Set --lora.alpha.")
+            raise ValueError(f"trainer.lora.alpha ({self.alpha}) must be > 0. Set --trainer.lora.alpha.")
         if not self.targets:
-            raise ValueError(f"lora.targets is empty: nothing to adapt. Set --lora.targets, e.g. {' '.join(ATTENTION_TARGETS + MLP_TARGETS)}.")
+            raise ValueError(
+                "trainer.lora.targets is empty: nothing to adapt. Set --trainer.lora.targets, e.g. "
+                f"{' '.join(ATTENTION_TARGETS + MLP_TARGETS)}."
+            )
 
     @property
     def scaling(self) -> float:
@@ -56,27 +83,90 @@ class LoRAConfig:
         return self.alpha / self.rank
 
 
-class LoRALayer(nn.Module):
-    """The adapter of one linear layer: x -> scaling * B (A x)."""
+def llama_layer_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
+    """[out_features, in_features] of each projection a llama3/qwen3 block builds from `hf_config`
+    (HF config.json), by TorchTitan name: what `check_rank` needs before any model is built."""
+    hidden = hf_config["hidden_size"]
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    intermediate = hf_config["intermediate_size"]
+    return {
+        "wqkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "wo": (hidden, heads * head_dim),
+        "w1": (intermediate, hidden),
+        "w2": (hidden, intermediate),
+        "w3": (intermediate, hidden),
+    }
 
-    def __init__(self, in_features: int, out_features: int, rank: int, scaling: float, device=None, dtype=None):
+
+def check_targets(config: LoRAConfig, names: list[str]) -> None:
+    """ValueError listing the layer names that exist when a target matches none of `names` (module
+    names or their last components)."""
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in names})
+    missing = [target for target in config.targets if target not in kinds]
+    if missing:
+        example = next((name for name in names if "." in name), None)
+        example = f" (e.g. {example})" if example else ""
+        raise ValueError(
+            f"trainer.lora.targets {missing} match no linear layer of the model. Its linear layers are named "
+            f"{kinds} (last name component{example}). Set --trainer.lora.targets to some of those."
+        )
+
+
+def check_rank(config: LoRAConfig, shapes: dict[str, tuple[int, int]]) -> None:
+    """ValueError naming a layer and the largest rank that fits when trainer.lora.rank exceeds the
+    smaller dimension of a targeted layer; `shapes`: layer name -> [out_features, in_features]."""
+    too_small = [f"{name} [{out} x {inp}]" for name, (out, inp) in shapes.items() if config.rank > min(out, inp)]
+    if too_small:
+        smallest = min(min(shape) for shape in shapes.values())
+        raise ValueError(
+            f"trainer.lora.rank ({config.rank}) exceeds the smaller dimension of {len(too_small)} targeted "
+            f"layer(s), e.g. {too_small[0]}: such an adapter is a full-rank update with extra parameters. Set "
+            f"--trainer.lora.rank to at most {smallest}, or leave those layers out of --trainer.lora.targets."
+        )
+
+
+def _tp_placements(weight: torch.Tensor):
+    """(tp mesh, A's placement, B's placement) that split an adapter as its base weight is split
+    over the tp mesh dimension (see the module docstring), or None when the weight is not."""
+    if not isinstance(weight, DTensor) or "tp" not in (weight.device_mesh.mesh_dim_names or ()):
+        return None
+    placement = weight.placements[weight.device_mesh.mesh_dim_names.index("tp")]
+    mesh = weight.device_mesh["tp"]
+    if placement.is_shard(0):  # column parallel: each rank computes some output features
+        return mesh, Replicate(), Shard(0)
+    if placement.is_shard(1):  # row parallel: each rank holds some input features
+        return mesh, Shard(1), Replicate()
+    return mesh, Replicate(), Replicate()
+
+
+class LoRALayer(nn.Module):
+    """The adapter of one linear layer: x -> scaling * B (A x); A and B plain tensors, or DTensors
+    split as their base layer is (`_tp_placements`)."""
+
+    def __init__(self, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float):
         super().__init__()
         self.scaling = scaling
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
-        # As nn.Linear and PEFT initialize A; B = 0 makes the adapted model start as its base.
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_A = nn.Parameter(lora_A)
+        self.lora_B = nn.Parameter(lora_B)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        return (x_BLD @ self.lora_A.t() @ self.lora_B.t()) * self.scaling
+        # FSDP2's bf16 MixedPrecisionPolicy feeds bf16 activations; the adapters stay fp32 masters.
+        lora_A, lora_B = self.lora_A.to(x_BLD.dtype), self.lora_B.to(x_BLD.dtype)
+        return (x_BLD @ lora_A.t() @ lora_B.t()) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        """[out_features, in_features] scaling * B A: what merging adds to the base weight."""
-        return (self.lora_B @ self.lora_A) * self.scaling
+        """[out_features, in_features] scaling * B A, unsharded: what merging adds to the base
+        weight. A collective under TP."""
+        delta = (self.lora_B @ self.lora_A) * self.scaling
+        return delta.full_tensor() if isinstance(delta, DTensor) else delta
 
 
 def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return {
+        name.replace(_AC_WRAPPER, ""): module for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    }
 
 
 def _key(module_name: str) -> str:
@@ -84,52 +174,55 @@ def _key(module_name: str) -> str:
     return module_name.replace(".", "__")
 
 
+def _add_adapter(adapter: LoRALayer, inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook body: the layer's output plus its adapter's, in the output's layout (under
+    row-parallel TP the adapter's output is a Partial sum; the layer's has been reduced already)."""
+    delta = adapter(inputs[0])
+    if isinstance(out, DTensor):
+        delta = delta.redistribute(out.device_mesh, out.placements)
+    return out + delta
+
+
 class LoRAAdapters(nn.Module):
     """The adapters of every targeted linear layer of `model`, keyed by the layer's module name.
 
     Construction freezes every parameter of `model`; `attach()` makes the model's forward include
     the adapters. `parameters()` are the trainable ones; `adapter_state_dict()` is the
-    adapters-only checkpoint, keyed by the model's module names.
+    adapters-only checkpoint, keyed by the model's module names. Build it after the model is
+    parallelized: each adapter is split as its layer's weight is (module docstring).
     """
 
-    def __init__(self, model: nn.Module, config: LoRAConfig):
+    def __init__(self, model: nn.Module, config: LoRAConfig, seed: int = 0):
         super().__init__()
         self.config = config
         linears = _linear_layers(model)
+        check_targets(config, list(linears))
         targeted = {name: layer for name, layer in linears.items() if name.rsplit(".", 1)[-1] in config.targets}
-        missing = [t for t in config.targets if not any(n.rsplit(".", 1)[-1] == t for n in targeted)]
-        if missing:
-            kinds = sorted({name.rsplit(".", 1)[-1] for name in linears})
-            raise ValueError(
-                f"lora.targets {list(missing)} match no linear layer of the model. Its linear layers are named "
-                f"{kinds} (last name component; e.g. {next(iter(linears), 'none')}). Set --lora.targets to some of those."
-            )
-        too_small = [
-            f"{name} [{layer.out_features} x {layer.in_features}]"
-            for name, layer in targeted.items()
-            if config.rank > min(layer.in_features, layer.out_features)
-        ]
-        if too_small:
-            smallest = min(min(layer.in_features, layer.out_features) for layer in targeted.values())
-            raise ValueError(
-                f"lora.rank ({config.rank}) exceeds the smaller dimension of {len(too_small)} targeted layer(s), e.g. "
-                f"{too_small[0]}: such an adapter is a full-rank update with extra parameters. Set --lora.rank "
-                f"to at most {smallest}, or leave those layers out of --lora.targets."
-            )
+        check_rank(config, {name: (layer.out_features, layer.in_features) for name, layer in targeted.items()})
         self.module_names = list(targeted)
-        self.layers = nn.ModuleDict(
-            {
-                _key(name): LoRALayer(
-                    layer.in_features, layer.out_features, config.rank, config.scaling,
-                    device=layer.weight.device, dtype=layer.weight.dtype,
-                )
-                for name, layer in targeted.items()
-            }
-        )
+        generator = torch.Generator().manual_seed(seed)
+        self.layers = nn.ModuleDict({_key(name): self._build(layer, generator) for name, layer in targeted.items()})
         self._model_linears = targeted
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for param in model.parameters():
             param.requires_grad_(False)
+
+    def _build(self, layer: nn.Linear, generator: torch.Generator) -> LoRALayer:
+        """One layer's adapter: A drawn on CPU from `generator` (the same on every rank), B zero,
+        then split like the layer's weight."""
+        lora_A = torch.empty(self.config.rank, layer.in_features)
+        # As nn.Linear and PEFT initialize A; B = 0 makes the adapted model start as its base.
+        nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5), generator=generator)
+        lora_B = torch.zeros(layer.out_features, self.config.rank)
+        weight = layer.weight
+        lora_A, lora_B = (t.to(device=weight.device, dtype=weight.dtype) for t in (lora_A, lora_B))
+        split = _tp_placements(weight)
+        if split is not None:
+            mesh, placement_A, placement_B = split
+            # src_data_rank=None: every rank holds the same full tensors, so each keeps its piece.
+            lora_A = distribute_tensor(lora_A, mesh, [placement_A], src_data_rank=None)
+            lora_B = distribute_tensor(lora_B, mesh, [placement_B], src_data_rank=None)
+        return LoRALayer(lora_A, lora_B, self.config.scaling)
 
     def attach(self) -> None:
         """From now on each targeted layer outputs W x + scaling * B (A x). Idempotent."""
@@ -137,7 +230,7 @@ class LoRAAdapters(nn.Module):
             return
         for name, layer in self._model_linears.items():
             adapter = self.layers[_key(name)]
-            self._hooks.append(layer.register_forward_hook(lambda _m, args, out, a=adapter: out + a(args[0])))
+            self._hooks.append(layer.register_forward_hook(lambda _m, args, out, a=adapter: _add_adapter(a, args, out)))
 
     def detach(self) -> None:
         """The model computes with its base weights alone again (the adapters are kept)."""
@@ -145,36 +238,83 @@ class LoRAAdapters(nn.Module):
             hook.remove()
         self._hooks.clear()
 
-    def merged_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """`model.state_dict()` (copies) computed with every targeted weight W replaced by
-        W + scaling * B A: the merged checkpoint, in the model's own names. The model's weights
-        are restored bit for bit afterwards. The merge goes through the weights themselves, not
-        state_dict keys, because TorchTitan's state_dict splits the fused wqkv into wq/wk/wv."""
-        originals = {name: layer.weight.detach().clone() for name, layer in self._model_linears.items()}
+    def reduce_gradients(self, dp_group: dist.ProcessGroup | None) -> None:
+        """After backward: bring each gradient to its parameter's placement (a Partial sum over the
+        tp ranks becomes the sum), then sum the gradients over the data-parallel ranks, which hold
+        replicas. The gradients of all adapters travel in one buffer."""
+        grads = []
+        for param in self.parameters():
+            if param.grad is None:
+                continue
+            if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+        if dp_group is None or dist.get_world_size(dp_group) == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    @contextmanager
+    def merged(self) -> Iterator[None]:
+        """Within the block, each targeted weight W is W + scaling * B A and the hooks are off, so
+        the model computes (and its state_dict holds) the merged model; W is restored bit for bit
+        afterwards. A collective under TP/FSDP2 (every rank enters it), and FSDP2 modules must be
+        resharded (`titan.reshard`), so that the registered weights are the shards. The merge goes
+        through the weights themselves, not state_dict keys, because TorchTitan's state_dict
+        splits the fused wqkv into wq/wk/wv."""
+        hooked = bool(self._hooks)
+        self.detach()
+        originals = {}
         try:
             with torch.no_grad():
                 for name, layer in self._model_linears.items():
-                    layer.weight.add_(self.layers[_key(name)].delta_weight().to(layer.weight.dtype))
-                return {name: value.detach().clone() for name, value in model.state_dict().items()}
+                    weight = layer.weight
+                    delta = self.layers[_key(name)].delta_weight().to(weight.dtype)
+                    if isinstance(weight, DTensor):
+                        delta = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None)
+                        delta, weight = delta.to_local(), weight.to_local()
+                    originals[name] = weight.clone()
+                    weight.add_(delta)
+            yield
         finally:
             with torch.no_grad():
-                for name, layer in self._model_linears.items():
-                    layer.weight.copy_(originals[name])
+                for name, original in originals.items():
+                    weight = self._model_linears[name].weight
+                    (weight.to_local() if isinstance(weight, DTensor) else weight).copy_(original)
+            if hooked:
+                self.attach()
 
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """The adapters-only checkpoint: "<module name>.lora_A" / ".lora_B" (e.g.
-        "layers.0.attention.wo.lora_A") -> tensor."""
+    def named_adapter_parameters(self) -> dict[str, nn.Parameter]:
+        """"<module name>.lora_A" / ".lora_B" -> the live (possibly sharded) parameter."""
         return {
-            f"{name}.{part}": getattr(self.layers[_key(name)], part).detach()
+            f"{name}.{part}": getattr(self.layers[_key(name)], part)
             for name in self.module_names
             for part in ("lora_A", "lora_B")
         }
 
-    def load_adapters(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load an `adapter_state_dict()` checkpoint; ValueError naming every mismatch when it does
-        not fit these adapters (other layers, another rank, another base model)."""
-        expected = {name: tuple(t.shape) for name, t in self.adapter_state_dict().items()}
-        given = {name: tuple(t.shape) for name, t in state_dict.items()}
+    def adapter_state_dict(self, dtype: torch.dtype | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The adapters-only checkpoint: "<module name>.lora_A" / ".lora_B" (e.g.
+        "layers.0.attention.wo.lora_A") -> a full (unsharded) CPU copy, in `dtype` (default: the
+        parameter's). Gathers TP shards, so every rank calls it; `keep=False` joins the gathers and
+        returns {}."""
+        state = {}
+        for key, param in self.named_adapter_parameters().items():
+            value = param.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # a collective: every rank, in the same order
+            if keep:
+                state[key] = value.to(device="cpu", dtype=dtype or value.dtype, copy=True)
+        return state
+
+    def check_fits(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """ValueError naming every mismatch when a checkpoint with these (key -> full shape)
+        entries does not fit these adapters (other layers, another rank, another base model)."""
+        expected = {key: tuple(param.shape) for key, param in self.named_adapter_parameters().items()}
+        given = {key: tuple(shape) for key, shape in shapes.items()}
         problems = [f"missing {name}" for name in sorted(expected.keys() - given.keys())]
         problems += [f"unexpected {name}" for name in sorted(given.keys() - expected.keys())]
         problems += [
@@ -186,13 +326,23 @@ class LoRAAdapters(nn.Module):
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
             raise ValueError(
                 f"the adapter checkpoint does not fit this model's adapters (rank {self.config.rank}, targets "
-                f"{list(self.config.targets)}): {shown}. Load it with the lora.rank and lora.targets it was trained "
-                "with, on the base model it was trained from."
+                f"{list(self.config.targets)}): {shown}. Load it with the --trainer.lora.rank and "
+                "--trainer.lora.targets it was trained with, on the base model it was trained from."
             )
+
+    def load_adapters(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load an `adapter_state_dict()` checkpoint (full tensors; each rank keeps its shards);
+        ValueError from `check_fits` when it does not fit."""
+        self.check_fits({key: tuple(t.shape) for key, t in state_dict.items()})
+        params = self.named_adapter_parameters()
         with torch.no_grad():
             for key, tensor in state_dict.items():
-                name, part = key.rsplit(".", 1)
-                getattr(self.layers[_key(name)], part).copy_(tensor)
+                param = params[key]
+                tensor = tensor.to(device=param.device, dtype=param.dtype)
+                if isinstance(param, DTensor):
+                    tensor = distribute_tensor(tensor, param.device_mesh, param.placements, src_data_rank=None)
+                param.copy_(tensor)
 
     def num_parameters(self) -> int:
+        """Adapter parameters of the whole model (full shapes, not this rank's shards)."""
         return sum(p.numel() for p in self.parameters())

@@ -268,6 +268,19 @@ def build_titan_model(
     return model, parallel_dims
 
 
+def reshard(model) -> None:
+    """Reshard every FSDP2 module, so the registered parameters are this rank's shards.
+
+    FSDP2 registers the unsharded parameters while a module is unsharded (the root stays so after a
+    no-grad forward such as compute_logprobs); resharded, the registered parameters are the sharded
+    ones the optimizer steps and a checkpoint saves. No-op without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _family_of(model) -> ModelFamily:
     """The family whose TorchTitan class built `model` (FSDP2 subclasses it, so isinstance holds)."""
     for family in FAMILIES:

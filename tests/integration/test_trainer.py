@@ -16,6 +16,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from forge_rl.batching import TrainBatch, make_train_batch
+from forge_rl.models.lora import LoRAConfig
 from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
@@ -30,6 +31,8 @@ NUM_STEPS = 3
 # default eps 1e-8 lets those differences swing the update by a good fraction of lr (seen: 5e-5 under
 # TP). With eps 1e-5 a gradient difference of 1e-8 moves the update by at most lr * 1e-3.
 PARITY_CONFIG = TrainerConfig(adam_eps=1e-5)
+# Rank 4 on every projection; lr 1e-3 so that 3 steps move B (zero at start) well past the tolerance.
+LORA_PARITY_CONFIG = dataclasses.replace(PARITY_CONFIG, lr=1e-3, lora=LoRAConfig(enabled=True, rank=4, alpha=8.0))
 
 
 def _episodes() -> list[Episode]:
@@ -60,6 +63,15 @@ def reference(model_dir, single_process):
     batch = dataclasses.replace(batch, behaviour_logprobs_NL=behaviour)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
     return batch, metrics, trainer.hf_state_dict()
+
+
+@pytest.fixture(scope="module")
+def lora_reference(model_dir, single_process, reference):
+    """The 1-process LoRA run on the same batch: metrics, adapters, merged HF weights."""
+    batch = reference[0]
+    trainer = PolicyTrainer(LORA_PARITY_CONFIG, model_dir)
+    metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
+    return metrics, trainer.adapter_state_dict(), trainer.hf_state_dict(), trainer
 
 
 def test_logits_match_transformers(model_dir, single_process):
@@ -156,15 +168,16 @@ def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
     return {name: value for name, value in metrics.items() if name not in ("step_time_s", "padding_fraction")}
 
 
-def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
-    trainer = PolicyTrainer(dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel), model_dir)
+def _run_rank(rank: int, config: TrainerConfig, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
+    trainer = PolicyTrainer(dataclasses.replace(config, num_procs=2, parallel=parallel), model_dir)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
     # As the trainer actor publishes: every rank joins the gathers, only rank 0 keeps a copy.
     state_dict = trainer.hf_state_dict(keep=rank == 0)
+    adapters = trainer.adapter_state_dict(keep=rank == 0) if config.lora.enabled else {}
     if rank == 0:
-        torch.save({"metrics": metrics, "state_dict": state_dict}, out)
+        torch.save({"metrics": metrics, "state_dict": state_dict, "adapters": adapters}, out)
     else:
-        assert state_dict == {}
+        assert state_dict == {} and adapters == {}
     dist.destroy_process_group()
 
 
@@ -172,7 +185,7 @@ def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: Train
 def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
     batch, reference_metrics, reference_state_dict = reference
     out = tmp_path / "rank0.pt"
-    spawn_ranks(_run_rank, parallel, model_dir, batch, out)
+    spawn_ranks(_run_rank, PARITY_CONFIG, parallel, model_dir, batch, out)
     result = torch.load(out)
     for step, expected in zip(result["metrics"], reference_metrics, strict=True):
         assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)
@@ -181,6 +194,77 @@ def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
         # The steps moved the weights far more than the tolerance, so agreement is meaningful.
         assert (expected - checkpoint[name]).abs().max() > 1e-4, name
         assert (result["state_dict"][name] - expected).abs().max() < 1e-5, name
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
+def test_lora_over_two_processes_matches_one(parallel, model_dir, reference, lora_reference, tmp_path):
+    """Adapters split as their layers (TP) or replicated with summed gradients (FSDP2): the same
+    losses, gradient norms, adapters and merged weights as one process."""
+    batch = reference[0]
+    reference_metrics, reference_adapters, reference_merged, _ = lora_reference
+    out = tmp_path / "rank0.pt"
+    spawn_ranks(_run_rank, LORA_PARITY_CONFIG, parallel, model_dir, batch, out)
+    result = torch.load(out)
+    for step, expected in zip(result["metrics"], reference_metrics, strict=True):
+        assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)
+    assert result["adapters"].keys() == reference_adapters.keys()
+    for name, expected in reference_adapters.items():
+        assert expected.abs().max() > 1e-3, name  # every adapter (B from zero, A) moved
+        assert (result["adapters"][name] - expected).abs().max() < 1e-5, name
+    checkpoint = load_file(model_dir / "model.safetensors")
+    for name, expected in reference_merged.items():
+        assert (result["state_dict"][name] - expected).abs().max() < 1e-5, name
+    assert (reference_merged["model.layers.0.self_attn.q_proj.weight"] - checkpoint["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-5
+
+
+def test_the_merged_hf_export_computes_what_the_adapted_trainer_does(model_dir, lora_reference, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from forge_rl.models.hf_checkpoint import export_hf_model_dir
+
+    *_, trainer = lora_reference
+    merged_dir = export_hf_model_dir(trainer.hf_state_dict(), model_dir, tmp_path / "merged")
+    input_ids = torch.randint(0, VOCAB_SIZE, (4, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = trainer.model(input_ids)
+        merged = LlamaForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()(input_ids).logits
+        base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(input_ids).logits
+    assert (merged - adapted).abs().max() < 1e-4
+    assert (base - adapted).abs().max() > 1e-3  # the adapters changed what the model computes
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_dir, single_process, reference, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    batch = reference[0]
+    trainer = PolicyTrainer(LORA_PARITY_CONFIG, model_dir)
+    trainer.train_step(batch)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    continued = [_without_timing(trainer.train_step(batch)) for _ in range(2)]
+    saved = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    tensors = {key for key in saved if key.startswith(("adapters.", "model."))}
+    assert tensors == {f"adapters.{key}" for key in trainer.adapter_state_dict()}  # no base weight
+    assert sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir()) < 0.5 * (model_dir / "model.safetensors").stat().st_size
+
+    resumed = PolicyTrainer(LORA_PARITY_CONFIG, model_dir)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.policy_version == 1
+    assert [_without_timing(resumed.train_step(batch)) for _ in range(2)] == continued
+    expected = trainer.adapter_state_dict()
+    assert all(torch.equal(value, expected[key]) for key, value in resumed.adapter_state_dict().items())
+
+
+def test_a_checkpoint_that_does_not_fit_the_trainer_is_refused_naming_the_flag(model_dir, single_process, tmp_path):
+    PolicyTrainer(LORA_PARITY_CONFIG, model_dir).save_checkpoint(tmp_path / "lora")
+    other_rank = dataclasses.replace(LORA_PARITY_CONFIG, lora=LoRAConfig(enabled=True, rank=8))
+    fit_error = r"does not fit.*rank 8.*lora_A has shape \[4, 128\], these adapters \[8, 128\].*--trainer.lora.rank"
+    with pytest.raises(ValueError, match=fit_error):
+        PolicyTrainer(other_rank, model_dir).load_checkpoint(tmp_path / "lora")
+    with pytest.raises(ValueError, match=r"holds LoRA adapters.*--trainer.lora.enabled true"):
+        PolicyTrainer(PARITY_CONFIG, model_dir).load_checkpoint(tmp_path / "lora")
+    PolicyTrainer(PARITY_CONFIG, model_dir).save_checkpoint(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"holds full weights.*--trainer.lora.enabled false"):
+        PolicyTrainer(LORA_PARITY_CONFIG, model_dir).load_checkpoint(tmp_path / "full")
 
 
 def test_parallelism_errors_name_the_flag(model_dir):

@@ -87,6 +87,15 @@ def test_every_shipped_config_parses(config_file):
             "a simulated trainer (trainer.engine sim) has no state to checkpoint. Set --checkpoint.enabled false",
         ),
         (
+            "trainer:\n  lora:\n    enabled: true\n    rank: 200\n",
+            "trainer.lora.rank (200) exceeds the smaller dimension of 5 targeted layer(s), e.g. wqkv [384 x 128]",
+        ),
+        (
+            "trainer:\n  lora:\n    enabled: true\n    targets: [q_proj, wo]\n",
+            "trainer.lora.targets ['q_proj'] match no linear layer of the model. Its linear layers are named "
+            "['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv']",
+        ),
+        (
             "generator:\n  engine: sim\n  sim:\n    length_sigma: -1\ntrainer:\n  engine: sim\n",
             "generator.sim.length_sigma (-1.0) must be >= 0 and finite. Set --generator.sim.length-sigma.",
         ),
@@ -108,6 +117,7 @@ def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
         "generator:\n  swap_mode: keep\n  generate_timeout_s: 900\n  update_timeout_s: 600\n",
         "generator:\n  engine: sim\ntrainer:\n  engine: sim\n",
         "model:\n  tiny:\n    num_experts: 8\ngenerator:\n  record_routing: true\ntrainer:\n  keep_routing: true\n",
+        "trainer:\n  lora:\n    enabled: true\n    rank: 128\n    targets: [wo]\n",
     ):
         assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 

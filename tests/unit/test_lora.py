@@ -58,8 +58,12 @@ def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir):
             p.normal_(0, 0.05)
     adapters.attach()
     adapted = model(TOKENS).detach()
+    with adapters.merged():
+        assert (model(TOKENS) - adapted).abs().max() < 1e-4  # merged weights, hooks off
+        merged_state_dict = {name: value.clone() for name, value in model.state_dict().items()}
+    assert torch.equal(model(TOKENS), adapted)  # hooks back on, base weights restored
     merged = _model(model_dir)
-    merged.load_state_dict(adapters.merged_state_dict(model), strict=True)
+    merged.load_state_dict(merged_state_dict, strict=True)
     assert (merged(TOKENS) - adapted).abs().max() < 1e-4
     assert (merged(TOKENS) - _model(model_dir)(TOKENS)).abs().max() > 1e-3
     adapters.detach()  # the merge left the adapted model's own base weights as they were
@@ -92,19 +96,23 @@ def test_an_adapter_checkpoint_that_does_not_fit_names_the_mismatch(model_dir):
 
 def test_a_rank_larger_than_a_layer_is_refused_naming_the_layer_and_the_largest_rank(model_dir):
     # The tiny model's smallest targeted dimension is hidden_size = 128.
-    with pytest.raises(ValueError, match=r"lora.rank \(129\) exceeds .*\[\d+ x \d+\].*at most 128"):
+    with pytest.raises(ValueError, match=r"trainer.lora.rank \(129\) exceeds .*\[\d+ x \d+\].*--trainer.lora.rank to at most 128"):
         LoRAAdapters(_model(model_dir), LoRAConfig(rank=129))
     LoRAAdapters(_model(model_dir), LoRAConfig(rank=128))
 
 
 def test_targets_that_match_nothing_list_the_layer_names_that_exist(model_dir):
-    with pytest.raises(ValueError, match=r"\['q_proj', 'v_proj'\] match no linear layer.*\['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv'\]"):
+    with pytest.raises(ValueError, match=r"\['q_proj', 'v_proj'\] match no linear layer.*\['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv'\].*--trainer.lora.targets"):
         LoRAAdapters(_model(model_dir), LoRAConfig(targets=("q_proj", "wo", "v_proj")))
 
 
 @pytest.mark.parametrize(
     "fields, message",
-    [({"rank": 0}, r"lora.rank \(0\) must be >= 1"), ({"alpha": 0.0}, "lora.alpha"), ({"targets": ()}, "lora.targets is empty")],
+    [
+        ({"rank": 0}, r"trainer.lora.rank \(0\) must be >= 1. Set --trainer.lora.rank"),
+        ({"alpha": 0.0}, "--trainer.lora.alpha"),
+        ({"targets": ()}, "trainer.lora.targets is empty.*--trainer.lora.targets"),
+    ],
 )
 def test_bad_lora_settings_name_the_flag(fields, message):
     with pytest.raises(ValueError, match=message):
