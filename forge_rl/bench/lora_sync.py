@@ -82,7 +82,7 @@ class TrainerSide:
         LoRA) and start writing them; returns when the snapshot started (perf_counter)."""
         self.set_version(version)
         started = time.perf_counter()
-        snapshot = merged_hf_state_dict(self.model, self.adapters, self.args.model_path)
+        snapshot = merged_hf_state_dict(self.model, self.adapters)
         return started, await self.publisher.publish(version, snapshot, time.perf_counter() - started)
 
     async def publish_adapters(self, version: int) -> float:

@@ -161,13 +161,10 @@ def write_peft_adapter(
     return out_dir
 
 
-def merged_hf_state_dict(model, adapters, model_dir: Path) -> dict[str, torch.Tensor]:
-    """The model with its adapters merged, in HF names. LoRAAdapters.merged() (a context, branch
-    lora-trainer) replaces merged_state_dict(model) (main before it); both are accepted until
-    those branches meet, then only the first remains."""
-    from forge_rl.models.titan import export_hf_state_dict, read_hf_config, state_dict_adapter
+def merged_hf_state_dict(model, adapters) -> dict[str, torch.Tensor]:
+    """The model with its adapters merged (W + scaling * B A), in HF names; the base is restored
+    afterwards."""
+    from forge_rl.models.titan import export_hf_state_dict
 
-    if hasattr(adapters, "merged"):
-        with adapters.merged():
-            return export_hf_state_dict(model)
-    return state_dict_adapter(read_hf_config(model_dir)).to_hf(adapters.merged_state_dict(model))
+    with adapters.merged():
+        return export_hf_state_dict(model)

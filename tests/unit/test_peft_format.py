@@ -54,7 +54,7 @@ def test_peft_factors_rebuild_the_merged_hf_export_exactly(model_dir, trained):
         base = converter.to_hf({k: v.detach().clone() for k, v in model.state_dict().items()})
     finally:
         adapters.attach()
-    merged = merged_hf_state_dict(model, adapters, model_dir)
+    merged = merged_hf_state_dict(model, adapters)
     factors = peft_state_dict(adapters.adapter_state_dict(), hf_config)
     modules = {key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for key in factors}
     assert len(modules) == 2 * 7  # q, k, v, o, gate, up, down per layer
