@@ -28,11 +28,8 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml
 
-# The tests start vLLM engines in pytest's own process too: started with the environment an
-# engine's host process needs (forge_rl/engines/vllm_engine.py, engine_process_env), each of them
-# forks its engine core instead of spawning one that imports vLLM again (about 14 s each).
 test: venv
-	GLIBC_TUNABLES=glibc.malloc.hugetlb=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu

@@ -425,11 +425,14 @@ class VLLMEngine:
         region on several threads hangs in its own first one (reproduced with torch here), while
         one thread never uses the pool. So only `generator.cpu_threads` 1 (the default) forks,
         at one torch thread, which the core (and the worker inside it, _IN_ENGINE_CORE_EXECUTOR)
-        keeps: OMP_NUM_THREADS is read only when a process loads libgomp. And a fork keeps this
-        process's malloc settings, so only a process started with `engine_process_env()` forks
-        (generator processes are; elsewhere, a bench or a test's own process, the core is spawned
-        with that environment instead). On GPUs vLLM spawns once CUDA is initialized, whatever is
-        asked: that choice stays vLLM's."""
+        keeps: OMP_NUM_THREADS is read only when a process loads libgomp. Nor does a lock another
+        thread holds at the fork: only a process that does nothing else while its engine starts
+        may fork it. A generator's process is one, and it is started with `engine_process_env()`,
+        whose malloc settings a forked core keeps; only such a process forks. Elsewhere (a bench
+        or a test in its own process) the core is spawned with that environment, as vLLM does:
+        forked from pytest's process after other tests had run there, a core hung for good in
+        torch.manual_seed, on the CPU generator's lock (test_smollm2, seen with py-spy). On GPUs
+        vLLM spawns once CUDA is initialized, whatever is asked: that choice stays vLLM's."""
         import torch
 
         started_with_engine_env = all(
