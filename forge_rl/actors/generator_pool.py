@@ -207,7 +207,10 @@ class GeneratorPool(Actor):
         slot.policy_version = max(slot.policy_version, result["policy_version"])
         return result
 
-    @endpoint
+    # Concurrent, like every endpoint here that may wait: Monarch runs a plain endpoint to its end
+    # before it handles the next message, so one rollout waiting here for generator 0's
+    # replacement held every other generator's `generate` call until generator 0 served again.
+    @concurrent_endpoint
     async def wait_until_serving(self, index: int) -> int:
         """Returns once generator `index` serves again, with the policy version it loaded."""
         slot = self.slots[index]
@@ -216,12 +219,12 @@ class GeneratorPool(Actor):
             raise RuntimeError(f"generator {index} could not be replaced: {slot.failure}")
         return slot.policy_version
 
-    @endpoint
+    @concurrent_endpoint
     async def processes(self) -> list[list[int]]:
         """OS pids of each generator (actor process first, then its engine processes)."""
         return [list(slot.pids) for slot in self.slots]
 
-    @endpoint
+    @concurrent_endpoint
     async def recovery_events(self) -> list[dict]:
         return list(self.recoveries)
 

@@ -25,7 +25,6 @@ from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.lifecycle import Lifecycle
-from forge_rl.timeline import Timeline
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +52,7 @@ def recovered_run(tmp_path_factory):
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
     )
     run_path = config.run_dir / config.run_name
-    kill = {}
+    kill = {"steps_trained_while_down": []}
     after_step = Lifecycle.after_step
 
     async def after_step_driving_the_recovery(lifecycle, pipeline):
@@ -63,15 +62,26 @@ def recovered_run(tmp_path_factory):
             kill.update(killed_at=time.time(), version_at_kill=pipeline.step)
             for pid in json.loads((run_path / "processes.json").read_text())["generators"][0]:
                 os.kill(pid, signal.SIGKILL)
+            # What a rollout on generator 0 does once its call fails, made here so that it surely
+            # happens during the outage: wait on the pool for the replacement.
+            kill["waiting"] = asyncio.ensure_future(_wait_for_the_replacement(pool, 0))
+        if KILL_AFTER_STEP < pipeline.step < REPLACED_BY_STEP:
+            events = await pool.recovery_events.call_one()
+            if not events or "serving_at" not in events[-1]:  # killed, not yet detected, or recovering
+                kill["steps_trained_while_down"].append(pipeline.step)
         if pipeline.step == REPLACED_BY_STEP:
-            while not await pool.recovery_events.call_one():  # the pool's poll has not seen it yet
-                await asyncio.sleep(0.1)
-            await pool.wait_until_serving.call_one(0)
+            await kill.pop("waiting")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Lifecycle, "after_step", after_step_driving_the_recovery)
         summary = asyncio.run(run(config))
-    return summary, kill["killed_at"], kill["version_at_kill"], run_path, config
+    return summary, kill, run_path, config
+
+
+async def _wait_for_the_replacement(pool, index: int) -> int:
+    while not await pool.recovery_events.call_one():  # the pool's poll has not seen the death yet
+        await asyncio.sleep(0.1)
+    return await pool.wait_until_serving.call_one(index)
 
 
 def test_the_run_finishes(recovered_run):
@@ -80,7 +90,8 @@ def test_the_run_finishes(recovered_run):
 
 
 def test_the_failure_is_detected_within_five_seconds_and_a_replacement_spawned_at_once(recovered_run):
-    summary, killed_at, *_ = recovered_run
+    summary, kill, *_ = recovered_run
+    killed_at = kill["killed_at"]
     [event] = summary["generator_recoveries"]
     assert event["generator"] == 0
     assert killed_at <= event["detected_at"] <= killed_at + DETECTION_BOUND_S
@@ -90,22 +101,22 @@ def test_the_failure_is_detected_within_five_seconds_and_a_replacement_spawned_a
 def test_the_replacement_serves_at_the_current_version(recovered_run):
     """Serving follows its own engine start (spawning and importing take what the machine takes:
     not bounded here); it serves the newest weights, not the model directory's."""
-    summary, killed_at, version_at_kill, *_ = recovered_run
+    summary, kill, *_ = recovered_run
     [event] = summary["generator_recoveries"]
     assert event["respawn_started_at"] + event["engine_start_s"] <= event["serving_at"]
-    assert event["policy_version"] >= version_at_kill
+    assert event["policy_version"] >= kill["version_at_kill"]
 
 
 def test_the_other_generator_keeps_serving_meanwhile(recovered_run):
-    summary, killed_at, _, run_path, _ = recovered_run
-    [event] = summary["generator_recoveries"]
-    intervals = Timeline.load(run_path / "timeline.jsonl")
-    started = json.loads((run_path / "timeline_origin.json").read_text())["unix_time"]
-    outage = (killed_at - started, event["serving_at"] - started)
-    # Batches handed to generator 1 after the kill and finished before generator 0 served again
-    # (the outage lasts at least an engine start, 10-30 s; a batch of 2 tokens takes well under 1 s).
-    served = [i for i in intervals if i.component == "generator1" and outage[0] < i.start_s and i.end_s < outage[1]]
-    assert len(served) >= 5
+    """Steps trained while generator 0 was dead or recovering, counted by the driving hook (not
+    by comparing clocks): only generator 1 fed them beyond the 2 steps' worth of episodes the gate
+    lets wait in the buffer. A wait on the pool for generator 0 is pending all along (what its
+    rollouts do); when that wait held the pool's mailbox, only those 2 steps were trained. A
+    replacement spawns a process, imports vLLM and starts an engine (about 15 s here), a step of
+    2-token completions takes about 0.3 s: steps 6-14 are all trained before it serves."""
+    summary, kill, *_ = recovered_run
+    down = kill["steps_trained_while_down"]
+    assert len(down) >= 5, f"only steps {down} were trained while generator 0 was down; recovery: {summary['generator_recoveries']}"
 
 
 def test_no_prompt_is_lost_or_trained_twice(recovered_run):
