@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.batching import make_train_batch
 from forge_rl.models.titan import titan_state_dict_from_hf
@@ -61,7 +61,9 @@ class FrozenModelActor(Actor):
         logprobs_NL = self.model.compute_logprobs(make_train_batch(episodes, self.pad_id))
         return completion_logprobs(episodes, logprobs_NL)
 
-    @endpoint
+    # Concurrent: a plain endpoint runs to its end before the next message, so the scorer's
+    # `token_logprobs` calls would wait behind the store read (and the wait for the publish).
+    @concurrent_endpoint
     async def stage(self, policy_version: int, blend: float | None = None) -> dict:
         """Copy `policy_version` from the weight store into this process as the staged weights (with
         `blend`: blend * the served weights + (1 - blend) * the version, an exponential average)."""
