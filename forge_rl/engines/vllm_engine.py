@@ -331,10 +331,8 @@ class VLLMEngine:
 
     def _check_devices(self) -> None:
         """Before vLLM starts: tensor parallelism only on GPUs, one assigned device per TP rank."""
-        import torch
-
         tp_size = self.config.tensor_parallel_size
-        if tp_size > 1 and not torch.cuda.is_available():
+        if tp_size > 1 and not torch_cuda_available():
             raise ValueError(
                 f"generator.tensor_parallel_size ({tp_size}) > 1 needs GPUs, and this host has none. On CPU "
                 "forge_rl runs vLLM's CPU backend with one worker (one unpinned OpenMP thread group); its tensor "
@@ -364,9 +362,7 @@ class VLLMEngine:
         return self._llm
 
     def _engine_kwargs(self, model_dir: Path, max_model_len: int) -> dict:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
+        on_gpu = torch_cuda_available()
         memory = (
             {"gpu_memory_utilization": self.config.gpu_memory_utilization}
             if on_gpu
@@ -438,7 +434,7 @@ class VLLMEngine:
         started_with_engine_env = all(
             value in os.environ.get(key, "").split(":") for key, value in _ENGINE_PROCESS_ENV.items()
         )
-        if torch.cuda.is_available():
+        if torch_cuda_available():
             yield
             return
         if self.config.cpu_threads != 1 or not started_with_engine_env:
@@ -466,17 +462,15 @@ class VLLMEngine:
 
     def _engine_env(self) -> dict[str, str]:
         """Environment of the engine-core and worker processes."""
-        import torch
-
         # The engine core in its own process: in-process (inside the actor) was 30x slower. On CPU
         # the worker shares the engine core's process (_IN_ENGINE_CORE_EXECUTOR), which inherits the
         # OpenMP settings below at its start.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": self.config.log_level}
-        if torch.cuda.is_available() and self.cuda_devices is not None:
+        if torch_cuda_available() and self.cuda_devices is not None:
             # The workers see only this generator's block, as their devices 0..tp-1 (vLLM puts TP
             # rank r on cuda:r). Without it every engine on a host would start on cuda:0.
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(self.cuda_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if not torch.cuda.is_available():
+        if not torch_cuda_available():
             # vLLM's default ("auto") pins the worker to every core of the NUMA node but one, which
             # starves a co-located trainer, and two engines on one host would pin the same cores.
             # Measured on 2 cores, tokens/s for 32 prompts x 8 samples, 1 vs 2 unpinned threads:
