@@ -5,17 +5,23 @@ never that a fixed time has passed: `wait_until` polls the condition and returns
 holds. Its deadline only turns a hang into a failure that names what never happened, so it is
 generous (a slow, loaded machine must not reach it) and it is never what the test checks.
 
-Ranks. `spawn_ranks` runs a function on two (or more) fresh processes that see the environment a
-launcher such as torchrun gives each rank (`rank_env`), rendezvousing on a free local port.
+Ranks. `run_on_ranks` runs a function on two (or more) processes that see the environment a
+launcher such as torchrun gives each rank (`rank_env`), rendezvousing on a free local port. The
+processes live for the whole session and keep their process group (`RankPool`): a fresh pair
+imports torch and TorchTitan again, 10-15 s of each multi-process test on this machine, and there
+were a dozen such tests. A test whose point is that nothing survives but a file asks for `fresh`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import socket
 import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 HANG_S = 120.0
@@ -63,20 +69,83 @@ def rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
     }
 
 
-def spawn_ranks(fn: Callable[..., None], *args, nprocs: int = 2) -> None:
-    """Run `fn(rank, *args)` on `nprocs` fresh processes (torch.multiprocessing spawn), each with
-    its rank's launcher environment; returns when all exited, raises if one failed.
+def run_on_ranks(fn: Callable[..., None], *args, nprocs: int = 2, fresh: bool = False) -> None:
+    """Run `fn(rank, *args)` on `nprocs` rank processes with their launcher environment and, once
+    `fn` (through the trainer) has made it, their process group; returns when every rank returned,
+    raises if one failed. `fn` must be importable by name and `args` picklable. It must leave the
+    process group alone: the session's ranks keep it (`fresh`: new processes, gone afterwards)."""
+    if fresh:
+        import torch.multiprocessing as mp
 
-    `fn` must be importable by name (a module-level function) and `args` picklable.
-    """
-    import torch.multiprocessing as mp
+        mp.spawn(_as_fresh_rank, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=True)
+        return
+    if nprocs not in _POOLS:
+        _POOLS[nprocs] = RankPool(nprocs)
+    try:
+        _POOLS[nprocs].run(fn, args)
+    except BaseException:
+        _POOLS.pop(nprocs).stop()  # a failed rank may leave the others in a collective: start over
+        raise
 
-    mp.spawn(_as_rank, args=(nprocs, free_port(), fn, args), nprocs=nprocs, join=True)
+
+class RankPool:
+    """`nprocs` processes, one per rank, that run functions sent to them one at a time."""
+
+    def __init__(self, nprocs: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        port = free_port()
+        self.connections, self.processes = [], []
+        for rank in range(nprocs):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve_rank, args=(rank, nprocs, port, theirs), name=f"rank{rank}")
+            process.start()
+            self.connections.append(ours)
+            self.processes.append(process)
+
+    def run(self, fn: Callable[..., None], args: tuple) -> None:
+        for connection in self.connections:
+            connection.send((fn, args))
+        waiting = dict(enumerate(self.connections))
+        while waiting:
+            sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes) if rank in waiting}
+            for ready in wait_for_any([*waiting.values(), *sentinels]):
+                if ready in sentinels:
+                    raise RuntimeError(f"rank {sentinels[ready]} exited (code {self.processes[sentinels[ready]].exitcode}) while running {fn.__name__}")
+                rank = next(r for r, c in waiting.items() if c is ready)
+                failure = waiting.pop(rank).recv()
+                if failure is not None:
+                    raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{failure}")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.join()
 
 
-def _as_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+_POOLS: dict[int, RankPool] = {}
+atexit.register(lambda: [_POOLS.pop(n).stop() for n in list(_POOLS)])
+
+
+def _serve_rank(rank: int, world_size: int, port: int, connection) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    while True:
+        fn, args = connection.recv()
+        try:
+            fn(rank, *args)
+            connection.send(None)
+        except BaseException:
+            connection.send(traceback.format_exc())
+
+
+def _as_fresh_rank(rank: int, world_size: int, port: int, fn: Callable[..., None], args: tuple) -> None:
     os.environ.update(rank_env(rank, world_size, port))
     fn(rank, *args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def described(processes) -> list[str]:

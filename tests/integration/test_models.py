@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from forge_rl.batching import make_train_batch
 from forge_rl.models.hf_checkpoint import INDEX_FILE, export_hf_model_dir, weight_files
@@ -27,7 +26,7 @@ from forge_rl.models.titan import ParallelConfig, build_titan_model, read_hf_con
 from forge_rl.tasks import tokenizer as char_tokenizer
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.helpers import spawn_ranks
+from tests.helpers import run_on_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -291,7 +290,6 @@ def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch, out: 
     state_dict = trainer.hf_state_dict()
     if rank == 0:
         torch.save({"losses": losses, "state_dict": state_dict}, out)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +308,7 @@ def test_qwen3_with_tied_embeddings_trains_the_same_on_two_processes(parallel, q
     titan.py re-ties them): 5 losses equal to 4 decimals, final weights within 1e-6."""
     model_dir, batch, reference_losses, reference_state_dict = qwen3_reference
     out = tmp_path / "rank0.pt"
-    spawn_ranks(_run_rank, parallel, model_dir, batch, out)
+    run_on_ranks(_run_rank, parallel, model_dir, batch, out)
     result = torch.load(out)
     assert len(set(reference_losses)) == NUM_PARALLEL_STEPS  # every step changed the loss
     assert result["losses"] == pytest.approx(reference_losses, abs=1e-4)

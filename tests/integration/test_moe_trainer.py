@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from forge_rl.batching import TrainBatch, make_train_batch
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import spawn_ranks
+from tests.helpers import run_on_ranks
 from tests.unit.test_keep_routing import TINY_MOE, _episode, _random_record
 
 pytestmark = pytest.mark.integration
@@ -45,7 +44,6 @@ def _run_rank(rank: int, model_dir: Path, batch: TrainBatch, out: Path) -> None:
     result = _run(PolicyTrainer(config, model_dir), batch)
     if rank == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
 
 
 def test_expert_parallel_fsdp_over_two_gloo_processes_matches_one(tmp_path, single_process):
@@ -53,7 +51,7 @@ def test_expert_parallel_fsdp_over_two_gloo_processes_matches_one(tmp_path, sing
     batch = _batch()
     expected = _run(PolicyTrainer(CONFIG, model_dir), batch)
     out = tmp_path / "rank0.pt"
-    spawn_ranks(_run_rank, model_dir, batch, out)
+    run_on_ranks(_run_rank, model_dir, batch, out)
     result = torch.load(out)
     torch.testing.assert_close(result["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
     for step, reference in zip(result["metrics"], expected["metrics"], strict=True):

@@ -34,13 +34,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 from forge_rl.batching import make_train_batch
 from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import described, spawn_ranks, wait_until
+from tests.helpers import described, run_on_ranks, wait_until
 
 from .test_trainer import _episodes
 
@@ -69,7 +68,6 @@ def _train_rank(rank: int, model_dir: Path, checkpoint: Path, out: Path, resume:
     weights = trainer.hf_state_dict()
     if rank == 0:
         torch.save({"losses": losses, "weights": weights, "version_after_load": version_after_load}, out)
-    dist.destroy_process_group()
 
 
 def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(model_dir, tmp_path):
@@ -77,7 +75,7 @@ def test_fsdp_trainer_resumed_from_a_checkpoint_matches_the_uninterrupted_one(mo
     runs = {}
     for resume in (False, True):  # fresh processes each time: nothing survives but the checkpoint
         out = tmp_path / f"resume-{resume}.pt"
-        spawn_ranks(_train_rank, model_dir, checkpoint, out, resume)
+        run_on_ranks(_train_rank, model_dir, checkpoint, out, resume, fresh=True)
         runs[resume] = torch.load(out)
     assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per rank
     uninterrupted, resumed = runs[False], runs[True]

@@ -1,7 +1,7 @@
 """PolicyTrainer on the tiny Llama: HF parity in one process, FSDP2 and TP parity over 2 gloo processes.
 
-The 2-process runs use torch.multiprocessing (spawn) with RANK/WORLD_SIZE/MASTER_* set per process,
-which is what the Monarch launcher provides in production.
+The 2-process runs use tests.helpers.run_on_ranks, processes with RANK/WORLD_SIZE/MASTER_* set, which
+is what the Monarch launcher provides in production.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from forge_rl.batching import TrainBatch, make_train_batch
@@ -21,7 +20,7 @@ from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_paral
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.helpers import spawn_ranks
+from tests.helpers import run_on_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -178,14 +177,13 @@ def _run_rank(rank: int, config: TrainerConfig, parallel: ParallelConfig, model_
         torch.save({"metrics": metrics, "state_dict": state_dict, "adapters": adapters}, out)
     else:
         assert state_dict == {} and adapters == {}
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
 def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
     batch, reference_metrics, reference_state_dict = reference
     out = tmp_path / "rank0.pt"
-    spawn_ranks(_run_rank, PARITY_CONFIG, parallel, model_dir, batch, out)
+    run_on_ranks(_run_rank, PARITY_CONFIG, parallel, model_dir, batch, out)
     result = torch.load(out)
     for step, expected in zip(result["metrics"], reference_metrics, strict=True):
         assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)
@@ -203,7 +201,7 @@ def test_lora_over_two_processes_matches_one(parallel, model_dir, reference, lor
     batch = reference[0]
     reference_metrics, reference_adapters, reference_merged, _ = lora_reference
     out = tmp_path / "rank0.pt"
-    spawn_ranks(_run_rank, LORA_PARITY_CONFIG, parallel, model_dir, batch, out)
+    run_on_ranks(_run_rank, LORA_PARITY_CONFIG, parallel, model_dir, batch, out)
     result = torch.load(out)
     for step, expected in zip(result["metrics"], reference_metrics, strict=True):
         assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)

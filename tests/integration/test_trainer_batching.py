@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from forge_rl.batching import make_train_batch
 from forge_rl.bench.trainer import TrainerBenchArgs
@@ -19,7 +18,7 @@ from forge_rl.models.titan import ParallelConfig
 from forge_rl.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.helpers import spawn_ranks
+from tests.helpers import run_on_ranks
 from tests.integration.test_trainer import PARITY_CONFIG
 
 pytestmark = pytest.mark.integration
@@ -111,7 +110,6 @@ def _run_rank(rank: int, config: TrainerConfig, model_dir: Path, batch, out: Pat
     result = _run(config, model_dir, batch)
     if rank == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -126,7 +124,7 @@ def _run_rank(rank: int, config: TrainerConfig, model_dir: Path, batch, out: Pat
 def test_two_processes_in_any_layout_match_one_padded(parallel, options, model_dir, batch, padded, tmp_path):
     out = tmp_path / "rank0.pt"
     config = dataclasses.replace(PARITY_CONFIG, num_procs=2, parallel=parallel, **options)
-    spawn_ranks(_run_rank, config, model_dir, batch, out)
+    run_on_ranks(_run_rank, config, model_dir, batch, out)
     _assert_same_run(torch.load(out), padded, batch)
 
 
@@ -135,7 +133,7 @@ def test_bf16_over_fsdp2_on_two_processes_trains_close_to_fp32(model_dir, batch,
     config = dataclasses.replace(
         PARITY_CONFIG, num_procs=2, parallel=ParallelConfig(dp_shard=2), mixed_precision="bf16"
     )
-    spawn_ranks(_run_rank, config, model_dir, batch, out)
+    run_on_ranks(_run_rank, config, model_dir, batch, out)
     result = torch.load(out)
     difference = (result["logprobs"] - padded["logprobs"])[batch.loss_mask_NL].abs().max()
     assert 1e-4 < difference < 5e-2  # bf16 rounding shows, and stays small
