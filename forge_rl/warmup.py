@@ -41,26 +41,7 @@ def warm_up_model(model_dir: Path, environment) -> dict:
     # get a loop of their own, on a thread.
     with ThreadPoolExecutor(1) as thread:
         samples = thread.submit(asyncio.run, play).result()
-    torch.manual_seed(config.seed)
-    model, _ = build_titan_model(model_dir, ParallelConfig(), torch.device("cpu"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    losses = []
-    for step in range(config.steps):
-        first = step * config.batch_size
-        batch = [samples[(first + i) % len(samples)] for i in range(config.batch_size)]
-        input_ids_NL, target_ids_NL, loss_mask_NL = next_token_batch(batch, tokenizer.pad_id)
-        logits_NLV = model(input_ids_NL, attention_masks=None).float()
-        loss = demonstration_loss(logits_NLV, target_ids_NL, loss_mask_NL)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    warmed = model_dir.with_name(f".{model_dir.name}.warmed")
-    shutil.rmtree(warmed, ignore_errors=True)
-    export_hf_model_dir(export_hf_state_dict(model), model_dir, warmed)
-    shutil.rmtree(model_dir)
-    warmed.rename(model_dir)
+    losses = train_in_place(model_dir, samples, config.steps, config.batch_size, config.lr, config.seed, tokenizer.pad_id)
     return {
         "warmup/episodes": config.episodes,
         "warmup/steps": config.steps,
@@ -68,6 +49,36 @@ def warm_up_model(model_dir: Path, environment) -> dict:
         "warmup/final_loss": losses[-1],
         "warmup/seconds": time.perf_counter() - start,
     }
+
+
+def train_in_place(
+    model_dir: Path, samples: list, steps: int, batch_size: int, lr: float, seed: int, pad_id: int
+) -> list[float]:
+    """Train the model in `model_dir` with cross-entropy on the generated tokens of `samples`
+    (anything with `token_ids`, `loss_mask` and `num_tokens`, like a `TrajectorySample`), `batch_size`
+    of them per AdamW step, taken in order and wrapping around; write it back in place and return
+    each step's loss."""
+    torch.manual_seed(seed)
+    model, _ = build_titan_model(model_dir, ParallelConfig(), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        first = step * batch_size
+        batch = [samples[(first + i) % len(samples)] for i in range(batch_size)]
+        input_ids_NL, target_ids_NL, loss_mask_NL = next_token_batch(batch, pad_id)
+        logits_NLV = model(input_ids_NL, attention_masks=None).float()
+        loss = demonstration_loss(logits_NLV, target_ids_NL, loss_mask_NL)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    trained = model_dir.with_name(f".{model_dir.name}.trained")
+    shutil.rmtree(trained, ignore_errors=True)
+    export_hf_model_dir(export_hf_state_dict(model), model_dir, trained)
+    shutil.rmtree(model_dir)
+    trained.rename(model_dir)
+    return losses
 
 
 def next_token_batch(samples: list[TrajectorySample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,13 +35,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from forge_rl.metrics import progress
 from forge_rl.models.tiny import TinyModelConfig
 
 
 @dataclass(frozen=True)
 class KeepRoutingArgs:
     model: TinyModelConfig = field(default_factory=lambda: TinyModelConfig(num_layers=4, num_experts=16))
-    """The from-scratch Qwen3-MoE (every layer MoE; top-k = num_experts_per_tok)."""
+    """The from-scratch Qwen3-MoE (every layer MoE; top-k = num_experts_per_tok); not read with --model-path."""
+    model_path: Path | None = None
+    """A Qwen3-MoE HF directory with the character tokenizer to start from instead, e.g. what
+    `forge-rl export` wrote from a GRPO run with --model.tiny.num-experts (copied, never modified)."""
+    pretrain_steps: int = 0
+    """Supervised steps on the task's text before sampling (0: none): the from-scratch routers are
+    near-uniform, and a trained MoE routes decisively (see `_pretrain`)."""
+    pretrain_batch_size: int = 32
+    """Sequences per pre-training step."""
+    pretrain_lr: float = 1e-3
+    """Pre-training AdamW learning rate."""
     num_prompts: int = 16
     """Prompts of the batch (task max_of_two)."""
     group_size: int = 8
@@ -57,8 +68,15 @@ class KeepRoutingArgs:
     generator_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """vLLM's dtype (generator.dtype); the trainer computes in float32."""
     out_dir: Path = Path("runs/bench-keep-routing")
-    """Where the model and keep_routing.json go (a model already there is reused as it is, so a
-    different --model needs a new OUT_DIR)."""
+    """Where the model and keep_routing.json go (a model already there is reused as it is,
+    pre-training included, so a different --model, --model-path or --pretrain-* needs a new OUT_DIR)."""
+
+    def __post_init__(self) -> None:
+        if self.model_path is None and not self.model.num_experts:
+            raise ValueError("bench keep-routing needs a mixture of experts: set --model.num-experts > 0.")
+        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= {least}. Set --{name.replace('_', '-')}.")
 
 
 def _sample(args: KeepRoutingArgs, model_dir: Path):
@@ -92,44 +110,162 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
     return episodes
 
 
+_PRETRAIN_TASK_SEED = 1_000_003
+"""Task seed of the pre-training problems: not the benchmark's prompts (task seed 0)."""
+_PROBLEMS_PER_SEQUENCE = 4
+"""Solved problems per pre-training sequence."""
+
+
+@dataclass(frozen=True)
+class _TextSample:
+    """One pre-training sequence, in the shape `forge_rl.warmup.train_in_place` reads."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
+    """Train the model in `model_dir` in place with cross-entropy on sequences of solved problems,
+    "<bos>M37=7<eos>M52=5<eos>..." (every token but bos a target): the experts specialize and the
+    routers, near-uniform from scratch, become decisive. Several problems per sequence, so that
+    the benchmark's completions (EOS ignored) stay in distribution: after an answer and EOS
+    comes the next problem."""
+    import time
+
+    from forge_rl.tasks import TaskConfig, make_task_prompt
+    from forge_rl.tasks.tokenizer import PromptTokenizer
+    from forge_rl.warmup import train_in_place
+
+    start = time.perf_counter()
+    tokenizer, task = PromptTokenizer(model_dir), TaskConfig(seed=_PRETRAIN_TASK_SEED)
+    samples = []
+    for index in range(args.pretrain_steps * args.pretrain_batch_size):
+        ids = [tokenizer.bos_id]
+        for problem in range(_PROBLEMS_PER_SEQUENCE):
+            prompt = make_task_prompt(task, index * _PROBLEMS_PER_SEQUENCE + problem)
+            ids += tokenizer.encode_text(prompt.text + prompt.answer) + [tokenizer.eos_id]
+        samples.append(_TextSample(ids, [False] + [True] * (len(ids) - 1)))
+    losses = train_in_place(
+        model_dir, samples, args.pretrain_steps, args.pretrain_batch_size, args.pretrain_lr, args.seed, tokenizer.pad_id
+    )
+    return {"steps": args.pretrain_steps, "first_loss": losses[0], "final_loss": losses[-1],
+            "seconds": time.perf_counter() - start}
+
+
+def _router_decisiveness(scores_BLE: list, top_k: int, rows_NL) -> dict[str, float]:
+    """Over the rows that sampled a recorded token and every MoE layer: the router probability
+    mass on its top-k (k / num_experts when uniform, 1 when fully decisive) and the gap between
+    its k-th and (k+1)-th probability (a numerics error larger than the gap flips the routing)."""
+    import torch
+
+    sorted_RXE = torch.stack([scores[rows_NL] for scores in scores_BLE], dim=1).sort(-1, descending=True).values
+    margin = sorted_RXE[..., top_k - 1] - sorted_RXE[..., top_k] if sorted_RXE.shape[-1] > top_k else sorted_RXE[..., -1]
+    return {"router_topk_mass": sorted_RXE[..., :top_k].sum(-1).mean().item(), "router_margin": margin.mean().item()}
+
+
+def _split(kl_T, group_T, prefix: str) -> dict[str, float]:
+    """Token-mean KL inside and outside `group_T`, and the group's share of the total."""
+    total = kl_T.sum().item()
+    inside, outside = kl_T[group_T], kl_T[~group_T]
+    return {
+        f"{prefix}_kl_mean": inside.mean().item() if len(inside) else 0.0,
+        f"{prefix}_rest_kl_mean": outside.mean().item() if len(outside) else 0.0,
+        f"{prefix}_kl_share": inside.sum().item() / total if total > 0 else 0.0,
+    }
+
+
 def _measure(trainer, batch) -> dict[str, float]:
-    """Mismatch with and without the replay, and how often the trainer's own routing differs."""
+    """Mismatch with and without the replay, how often the trainer's own routing differs, how
+    decisive its routers are, and where the mismatch lives.
+
+    Per generated token: "differs" when the row that sampled it is routed, by the trainer alone,
+    to another expert set than the record in some layer; "affected" when that row or an earlier
+    generated row of the sequence differs (the token reads those rows through attention). The
+    replay pins exactly the affected tokens' routing; the prompt's rows route normally on both
+    sides and are not recorded, so a prompt routed differently by the generator stays invisible
+    here. `ratio_floor` is the unaffected tokens' mean KL (without the replay) over all tokens'
+    mean: the ratio a replay that left affected tokens no worse off than the rest would reach.
+    """
     import torch
 
     from forge_rl.losses.corrections import k3_kl_NL
-    from forge_rl.models.moe import last_routing
+    from forge_rl.models.moe import last_routing, replay_routers
     from forge_rl.routing import routing_differs_NL
 
     mask_NL = batch.loss_mask_NL
     unreplayed = dataclasses.replace(batch, routed_experts_NLXK=None, routed_NL=None)
-    out = {}
-    for name, variant in (("without", unreplayed), ("with", batch)):
-        log_ratio = (trainer.compute_logprobs(variant) - batch.behaviour_logprobs_NL)[mask_NL]
-        out[f"mismatch_kl_{name}"] = k3_kl_NL(log_ratio.clamp(-20, 20)).mean().item()
-        out[f"ratio_variance_{name}"] = torch.exp(log_ratio).var().item()
-        if name == "without":  # "pad": one forward whose rows are the batch's rows
-            own_NLXK = last_routing(trainer.model)[:, :-1]
-            differs_NL = routing_differs_NL(own_NLXK, batch.routed_experts_NLXK[:, 1:])
-            recorded_NL = batch.routed_NL[:, 1:] & mask_NL[:, 1:]
-            out["routing_differs_fraction"] = differs_NL[recorded_NL].float().mean().item()
+    routers = replay_routers(trainer.model)
+    scores_BLE = []
+    hooks = [router.register_forward_hook(lambda _m, _i, out: scores_BLE.append(out[2].detach())) for router in routers]
+    try:
+        trainer_without_NL = trainer.compute_logprobs(unreplayed)  # "pad": one forward, rows = the batch's rows
+    finally:
+        for hook in hooks:
+            hook.remove()
+    own_NLXK = last_routing(trainer.model)[:, :-1]
+    trainer_with_NL = trainer.compute_logprobs(batch)
+    # Token t (position >= 1) was sampled by row t - 1.
+    recorded_NL = torch.zeros_like(mask_NL)
+    recorded_NL[:, 1:] = batch.routed_NL[:, 1:] & mask_NL[:, 1:]
+    differs_NL = torch.zeros_like(mask_NL)
+    differs_NL[:, 1:] = routing_differs_NL(own_NLXK, batch.routed_experts_NLXK[:, 1:]) & recorded_NL[:, 1:]
+    affected_NL = differs_NL.int().cummax(dim=1).values.bool()
+    out = {"routing_differs_fraction": differs_NL[recorded_NL].float().mean().item(),
+           "routing_affected_fraction": affected_NL[mask_NL].float().mean().item()}
+    sampling_rows_NL = recorded_NL[:, 1:]
+    out.update(_router_decisiveness([s[:, :-1] for s in scores_BLE], batch.routed_experts_NLXK.shape[-1], sampling_rows_NL))
+    for name, trainer_NL in (("without", trainer_without_NL), ("with", trainer_with_NL)):
+        log_ratio_T = (trainer_NL - batch.behaviour_logprobs_NL)[mask_NL]
+        kl_T = k3_kl_NL(log_ratio_T.clamp(-20, 20))
+        out[f"mismatch_kl_{name}"] = kl_T.mean().item()
+        out[f"ratio_variance_{name}"] = torch.exp(log_ratio_T).var().item()
+        out.update(_split(kl_T, differs_NL[mask_NL], f"{name}/differs"))
+        out.update(_split(kl_T, affected_NL[mask_NL], f"{name}/affected"))
     # No mismatch to remove (an fp32 generator at staleness 0): no ratio.
     without = out["mismatch_kl_without"]
     out["mismatch_kl_ratio"] = out["mismatch_kl_with"] / without if without > 0 else None
+    out["ratio_floor"] = out["without/affected_rest_kl_mean"] / without if without > 0 else None
     return out
+
+
+def _prepare_model(args: KeepRoutingArgs, model_dir: Path) -> None:
+    """OUT_DIR/model: the from-scratch model or a copy of --model-path, pre-trained when asked
+    (figures in its pretrain.json), assembled beside and renamed into place."""
+    import shutil
+
+    from forge_rl.models.tiny import create_tiny_model
+
+    partial = model_dir.with_name(f".{model_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if args.model_path is not None:
+        hf_config = json.loads((args.model_path / "config.json").read_text())
+        if "num_experts_per_tok" not in hf_config:
+            raise ValueError(
+                f"--model-path {args.model_path} is a dense model ({hf_config.get('architectures')}); "
+                "bench keep-routing needs a Qwen3-MoE (a GRPO run with --model.tiny.num-experts, then forge-rl export)."
+            )
+        shutil.copytree(args.model_path, partial)
+    else:
+        create_tiny_model(args.model, partial)
+    if args.pretrain_steps:
+        progress(f"bench keep-routing: pre-training {args.pretrain_steps} steps on the task's text")
+        (partial / "pretrain.json").write_text(json.dumps(_pretrain(args, partial), indent=2) + "\n")
+    partial.rename(model_dir)
 
 
 def main(args: KeepRoutingArgs) -> dict:
     from forge_rl.batching import make_train_batch
-    from forge_rl.metrics import progress
-    from forge_rl.models.tiny import create_tiny_model
+    from forge_rl.models.titan import read_hf_config
     from forge_rl.trainer import PolicyTrainer, TrainerConfig
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = args.out_dir / "model"
-    if not args.model.num_experts:
-        raise ValueError("bench keep-routing needs a mixture of experts: set --model.num-experts > 0.")
     if not (model_dir / "config.json").is_file():
-        create_tiny_model(args.model, model_dir)
+        _prepare_model(args, model_dir)
     progress(f"bench keep-routing: sampling {args.num_prompts} x {args.group_size} with routing recorded")
     episodes = _sample(args, model_dir)
     batch = make_train_batch(episodes, pad_id=0)
@@ -138,22 +274,47 @@ def main(args: KeepRoutingArgs) -> dict:
     per_staleness = []
     for staleness in range(args.max_staleness + 1):
         measured = {"staleness": staleness, **_measure(trainer, batch)}
-        progress("bench keep-routing: " + ", ".join(f"{k} {v:.4g}" for k, v in measured.items() if v is not None))
+        progress("bench keep-routing: " + ", ".join(
+            f"{k} {measured[k]:.4g}" for k in _PROGRESS_KEYS if measured.get(k) is not None
+        ))
         per_staleness.append(measured)
         if staleness < args.max_staleness:
             trainer.train_step(batch)
     stale = [m["mismatch_kl_ratio"] for m in per_staleness if m["staleness"] > 0 and m["mismatch_kl_ratio"] is not None]
+    fresh = per_staleness[0]
+    hf_config = read_hf_config(model_dir)
+    pretrain_json = model_dir / "pretrain.json"
     summary = {
-        "mismatch_kl_ratio": per_staleness[0]["mismatch_kl_ratio"],
+        "mismatch_kl_ratio": fresh["mismatch_kl_ratio"],
+        "mismatch_kl_ratio_by_staleness": [m["mismatch_kl_ratio"] for m in per_staleness],
         "mismatch_kl_ratio_stale": statistics.mean(stale) if stale else None,
-        "mismatch_kl_without": per_staleness[0]["mismatch_kl_without"],
-        "mismatch_kl_with": per_staleness[0]["mismatch_kl_with"],
+        "mismatch_kl_without": fresh["mismatch_kl_without"],
+        "mismatch_kl_with": fresh["mismatch_kl_with"],
+        "ratio_floor": fresh["ratio_floor"],
+        "routing_differs_fraction": fresh["routing_differs_fraction"],
+        "differs_kl_share": fresh["without/differs_kl_share"],
+        "affected_kl_share": fresh["without/affected_kl_share"],
+        "router_topk_mass": fresh["router_topk_mass"],
         "generator_dtype": args.generator_dtype,
         "routing_bytes_per_token": record.bytes_per_token,
         "routing_differs_fraction_max": max(m["routing_differs_fraction"] for m in per_staleness),
         "num_generated_tokens": batch.num_generated_tokens,
-        "model": dataclasses.asdict(args.model),
+        "mean_reward": statistics.mean(c.reward for e in episodes for c in e.completions),
+        "model": {
+            "path": None if args.model_path is None else str(args.model_path),
+            "num_layers": hf_config["num_hidden_layers"], "num_experts": hf_config.get("num_experts"),
+            "top_k": hf_config["num_experts_per_tok"], "hidden_size": hf_config["hidden_size"],
+        },
+        "pretrain": json.loads(pretrain_json.read_text()) if pretrain_json.is_file() else None,
         "per_staleness": per_staleness,
     }
     (args.out_dir / "keep_routing.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+_PROGRESS_KEYS = (
+    "staleness", "mismatch_kl_without", "mismatch_kl_with", "mismatch_kl_ratio", "ratio_floor",
+    "routing_differs_fraction", "routing_affected_fraction", "without/affected_kl_share",
+    "with/affected_kl_mean", "with/affected_rest_kl_mean", "router_topk_mass", "router_margin",
+)
+"""What each staleness prints on stderr (keep_routing.json has every field)."""
