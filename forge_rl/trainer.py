@@ -123,12 +123,6 @@ def _check_keep_routing(config: TrainerConfig) -> None:
             f"({config.activation_checkpointing!r}): the recomputation in the backward pass would route without "
             "the replay. Set --trainer.activation-checkpointing none or --trainer.no-keep-routing."
         )
-    if config.parallel.tp > 1:
-        raise ValueError(
-            f"trainer.keep_routing does not support trainer.parallel.tp ({config.parallel.tp}) > 1 yet: under "
-            "sequence parallelism each rank routes a slice of the positions. Use data parallelism "
-            "(--trainer.parallel.dp-shard) or --trainer.no-keep-routing."
-        )
 
 
 @dataclass(frozen=True)

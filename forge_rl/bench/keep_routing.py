@@ -223,6 +223,8 @@ def _measure(trainer, batch) -> dict[str, float]:
         kl_T = k3_kl_NL(log_ratio_T.clamp(-20, 20))
         out[f"mismatch_kl_{name}"] = kl_T.mean().item()
         out[f"ratio_variance_{name}"] = torch.exp(log_ratio_T).var().item()
+        # The mean is heavy-tailed: a few tokens routed through another expert can carry most of it.
+        out[f"max_token_kl_{name}"] = kl_T.max().item()
         out.update(_split(kl_T, differs_NL[mask_NL], f"{name}/differs"))
         out.update(_split(kl_T, affected_NL[mask_NL], f"{name}/affected"))
     # No mismatch to remove (an fp32 generator at staleness 0): no ratio.
@@ -259,6 +261,7 @@ def _prepare_model(args: KeepRoutingArgs, model_dir: Path) -> None:
 
 def main(args: KeepRoutingArgs) -> dict:
     from forge_rl.batching import make_train_batch
+    from forge_rl.models.moe import routing_shape
     from forge_rl.models.titan import read_hf_config
     from forge_rl.trainer import PolicyTrainer, TrainerConfig
 
@@ -282,7 +285,7 @@ def main(args: KeepRoutingArgs) -> dict:
             trainer.train_step(batch)
     stale = [m["mismatch_kl_ratio"] for m in per_staleness if m["staleness"] > 0 and m["mismatch_kl_ratio"] is not None]
     fresh = per_staleness[0]
-    hf_config = read_hf_config(model_dir)
+    shape = routing_shape(read_hf_config(model_dir))
     pretrain_json = model_dir / "pretrain.json"
     summary = {
         "mismatch_kl_ratio": fresh["mismatch_kl_ratio"],
@@ -302,8 +305,7 @@ def main(args: KeepRoutingArgs) -> dict:
         "mean_reward": statistics.mean(c.reward for e in episodes for c in e.completions),
         "model": {
             "path": None if args.model_path is None else str(args.model_path),
-            "num_layers": hf_config["num_hidden_layers"], "num_experts": hf_config.get("num_experts"),
-            "top_k": hf_config["num_experts_per_tok"], "hidden_size": hf_config["hidden_size"],
+            "num_layers": shape.num_layers, "num_experts": shape.num_experts, "top_k": shape.top_k,
         },
         "pretrain": json.loads(pretrain_json.read_text()) if pretrain_json.is_file() else None,
         "per_staleness": per_staleness,
@@ -314,6 +316,7 @@ def main(args: KeepRoutingArgs) -> dict:
 
 _PROGRESS_KEYS = (
     "staleness", "mismatch_kl_without", "mismatch_kl_with", "mismatch_kl_ratio", "ratio_floor",
+    "max_token_kl_without", "max_token_kl_with",
     "routing_differs_fraction", "routing_affected_fraction", "without/affected_kl_share",
     "with/affected_kl_mean", "with/affected_rest_kl_mean", "router_topk_mass", "router_margin",
 )

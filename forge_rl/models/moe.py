@@ -50,24 +50,53 @@ class ReplayRouter(TokenChoiceTopKRouter):
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         topk_scores_BLK, expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
         if self.replay is not None:
-            replay_ids_BLK, replay_mask_BL = self.replay
-            if replay_ids_BLK.shape != expert_ids_BLK.shape:
-                raise ValueError(
-                    f"routing replay of shape {tuple(replay_ids_BLK.shape)} for a forward of {tuple(expert_ids_BLK.shape)} "
-                    "(rows, positions, top_k)"
-                )
-            own_ids_BLK = expert_ids_BLK
-            replay_mask_BL = replay_mask_BL.to(expert_ids_BLK.device)
-            topk_scores_BLK, expert_ids_BLK = replay_topk(
-                scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
-                self.route_norm, self.route_scale,
-            )
-            with torch.no_grad():
-                differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
-                self.num_replayed += int(replay_mask_BL.sum())
-                self.num_overridden += int((differs_BL & replay_mask_BL).sum())
+            topk_scores_BLK, expert_ids_BLK = self._replayed(topk_scores_BLK, expert_ids_BLK, scores_BLE)
         self.last_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
+
+    def _replayed(self, topk_scores_BLK, expert_ids_BLK, scores_BLE):
+        """The router's outputs with the replay applied. Under tensor parallelism they are DTensors,
+        Replicate over the TP ranks, or Shard(1) (this rank's slice of the positions) when EP
+        sequence-shards the MoE input: the replay is applied to the local tensors, with the record
+        cut the same way, and the result put back in the same layout (differentiably)."""
+        replay_ids_BLK, replay_mask_BL = self.replay
+        layout = None
+        if isinstance(expert_ids_BLK, DTensor):
+            layout = expert_ids_BLK.device_mesh, expert_ids_BLK.placements
+            replay_ids_BLK, replay_mask_BL = (_local_part(t, *layout) for t in (replay_ids_BLK, replay_mask_BL))
+            topk_scores_BLK, expert_ids_BLK, scores_BLE = (t.to_local() for t in (topk_scores_BLK, expert_ids_BLK, scores_BLE))
+        if replay_ids_BLK.shape != expert_ids_BLK.shape:
+            raise ValueError(
+                f"routing replay of shape {tuple(replay_ids_BLK.shape)} for a forward of {tuple(expert_ids_BLK.shape)} "
+                "(rows, positions, top_k)"
+            )
+        own_ids_BLK = expert_ids_BLK
+        replay_mask_BL = replay_mask_BL.to(expert_ids_BLK.device)
+        topk_scores_BLK, expert_ids_BLK = replay_topk(
+            scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
+            self.route_norm, self.route_scale,
+        )
+        with torch.no_grad():
+            differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
+            self.num_replayed += int(replay_mask_BL.sum())
+            self.num_overridden += int((differs_BL & replay_mask_BL).sum())
+        if layout is not None:
+            topk_scores_BLK, expert_ids_BLK = (
+                DTensor.from_local(t, *layout, run_check=False) for t in (topk_scores_BLK, expert_ids_BLK)
+            )
+        return topk_scores_BLK, expert_ids_BLK
+
+
+def _local_part(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's part of `full` (the same on every rank) under `placements` over `mesh`: Shard(d)
+    keeps the rank's chunk of dim d (torch.chunk's split, as DTensor's), Replicate all of it."""
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_shard():
+            chunks = torch.chunk(full, mesh.size(mesh_dim), dim=placement.dim)
+            full = chunks[mesh.get_local_rank(mesh_dim)]
+        elif not placement.is_replicate():
+            raise ValueError(f"routing replay cannot follow a router output placed as {placement}")
+    return full
 
 
 class ExactGroupedExperts(GroupedExperts):

@@ -1,5 +1,6 @@
-"""The tiny Qwen3-MoE trainer over 2 gloo processes with expert parallelism (each rank holds half of
-every layer's experts, FSDP2 shards the rest) matches one process, Keep Routing replay included."""
+"""The tiny Qwen3-MoE trainer over 2 gloo processes matches one process, Keep Routing replay
+included: with expert parallelism (each rank holds half of every layer's experts, FSDP2 shards the
+rest) and with tensor parallelism (the routers' outputs are DTensors; the replay follows them)."""
 
 from __future__ import annotations
 
@@ -39,19 +40,24 @@ def _run(trainer: PolicyTrainer, batch: TrainBatch) -> dict:
     return {"logprobs": logprobs, "metrics": metrics, "state_dict": trainer.hf_state_dict(keep=trainer.rank == 0)}
 
 
-def _run_rank(rank: int, model_dir: Path, batch: TrainBatch, out: Path) -> None:
-    config = dataclasses.replace(CONFIG, num_procs=2, parallel=ParallelConfig(dp_shard=2, ep=2))
+def _run_rank(rank: int, model_dir: Path, batch: TrainBatch, out: Path, parallel: ParallelConfig) -> None:
+    config = dataclasses.replace(CONFIG, num_procs=2, parallel=parallel)
     result = _run(PolicyTrainer(config, model_dir), batch)
     if rank == 0:
         torch.save(result, out)
 
 
-def test_expert_parallel_fsdp_over_two_gloo_processes_matches_one(tmp_path, single_process):
+@pytest.mark.parametrize(
+    "parallel",
+    [ParallelConfig(dp_shard=2, ep=2), ParallelConfig(tp=2), ParallelConfig(tp=2, ep=2)],
+    ids=["fsdp2-ep2", "tp2", "tp2-ep2"],
+)
+def test_moe_over_two_gloo_processes_matches_one(tmp_path, single_process, parallel):
     model_dir = create_tiny_model(TINY_MOE, tmp_path / "model")
     batch = _batch()
     expected = _run(PolicyTrainer(CONFIG, model_dir), batch)
     out = tmp_path / "rank0.pt"
-    run_on_ranks(_run_rank, model_dir, batch, out)
+    run_on_ranks(_run_rank, model_dir, batch, out, parallel)
     result = torch.load(out)
     torch.testing.assert_close(result["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
     for step, reference in zip(result["metrics"], expected["metrics"], strict=True):

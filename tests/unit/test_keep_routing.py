@@ -6,6 +6,7 @@ and are counted, records travel through trajectories, batches and checkpoints, E
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -230,6 +231,29 @@ def test_the_benchmark_measures_the_mismatch_the_replay_removes(trainer):
     assert measured["mismatch_kl_with"] == pytest.approx(0.0, abs=1e-10)
     assert measured["mismatch_kl_without"] > 1e-6 and measured["mismatch_kl_ratio"] < 1e-3
     assert measured["routing_differs_fraction"] > 0.5
+    # The tokens no foreign routing reaches compute the same function on both sides: the whole
+    # mismatch sits on the affected ones, and a perfect replay reaches the floor of 0.
+    assert measured["routing_affected_fraction"] >= measured["routing_differs_fraction"]
+    assert measured["without/affected_kl_share"] == pytest.approx(1.0)
+    assert measured["ratio_floor"] == pytest.approx(0.0, abs=1e-6)
+    assert TOP_K / NUM_EXPERTS <= measured["router_topk_mass"] <= 1.0
+
+
+def test_the_benchmark_pretrains_its_model_on_the_task_and_refuses_a_dense_one(moe_dir, tmp_path):
+    """`--pretrain-steps` lowers the model's loss on the task's text and records it beside the
+    weights; `--model-path` to a dense model is refused before anything starts."""
+    from forge_rl.bench.keep_routing import KeepRoutingArgs, _prepare_model
+
+    args = KeepRoutingArgs(model_path=moe_dir, pretrain_steps=30, pretrain_batch_size=8, out_dir=tmp_path)
+    _prepare_model(args, tmp_path / "model")
+    figures = json.loads((tmp_path / "model" / "pretrain.json").read_text())
+    assert figures["final_loss"] < figures["first_loss"] - 0.5
+    assert (moe_dir / "config.json").is_file() and not (moe_dir / "pretrain.json").exists()  # the source untouched
+    dense = create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "dense")
+    with pytest.raises(ValueError, match="is a dense model"):
+        _prepare_model(dataclasses.replace(args, model_path=dense), tmp_path / "model2")
+    with pytest.raises(ValueError, match=r"pretrain_steps \(-1\) must be >= 0. Set --pretrain-steps"):
+        KeepRoutingArgs(pretrain_steps=-1)
 
 
 def test_the_torchtitan_moe_is_the_hf_qwen3_moe_checkpoint_in_and_out(moe_dir):
