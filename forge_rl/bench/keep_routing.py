@@ -2,7 +2,9 @@
 mixture-of-experts policy, with and without Keep Routing (forge_rl/routing.py), and what the
 routing record costs.
 
-One tiny Qwen3-MoE from scratch (`TinyModelConfig` with experts). vLLM samples a GRPO batch of the
+One tiny Qwen3-MoE: from scratch (`TinyModelConfig` with experts), or `--model-path`, pre-trained
+first on the task's text with `--pretrain-steps` (from scratch its routers are near-uniform; a
+trained MoE's experts carry the function, so a routing flip can cost more). vLLM samples a GRPO batch of the
 task (version 0) with routing recorded (generator.record_routing, the CPU capture hook), in
 bfloat16 by default while the trainer computes in float32: the numerics gap between a GPU
 generator and its trainer, which is what flips routings at equal weights. Then one trainer process
@@ -14,10 +16,17 @@ at staleness 1, and so on up to `max_staleness`. At each staleness, over the gen
     ratio_variance           variance of the importance ratio exp(trainer - behaviour)
     routing_differs_fraction tokens whose sampling pass the trainer routes, left alone, to another
                              expert set than the record in at least one layer
+    affected_kl_share        share of the KL (without the replay) on tokens whose own or an
+                             earlier generated row differs: what the replay can reach
+    ratio_floor              the ratio a replay removing exactly that part would give (`_measure`)
+    router_topk_mass         the router's probability on its top-k: how decisive it is
 
 `mismatch_kl_ratio` is with over without at the same staleness; the headline is staleness 0 (the
-training-inference mismatch Keep Routing is for), `mismatch_kl_ratio_stale` the mean over
-1..max_staleness, where the weights themselves have moved. With `--generator-dtype float32` both
+training-inference mismatch Keep Routing is for), `mismatch_kl_ratio_by_staleness` all of them,
+`mismatch_kl_ratio_stale` the mean over 1..max_staleness, where the weights themselves have moved
+(the KL then holds the intended policy change, which Keep Routing does not remove). The KL mean
+is heavy-tailed (a few tokens routed through another trained expert can carry nearly all of it):
+compare several batches (`--seed`, `--num-prompts`) before reading one ratio. With `--generator-dtype float32` both
 sides compute the same function on CPU and route identically at staleness 0 (both KLs are 0).
 `routing_bytes_per_token` is the record's size per generated token.
 Reward curves with and without need two GRPO runs (`forge-rl grpo` with
