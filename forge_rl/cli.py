@@ -39,6 +39,16 @@ def main(argv: list[str] | None = None) -> None:
     command, args = argv[0], argv[1:]
     if command not in _SUBCOMMANDS:
         _fail(f"unknown subcommand {command!r}.\n{_USAGE}")
+    try:
+        _run_subcommand(command, args)
+    finally:
+        if "monarch._src.actor.actor_mesh" in sys.modules:  # the command started Monarch
+            from forge_rl.lifecycle import shut_monarch_client_down
+
+            shut_monarch_client_down()
+
+
+def _run_subcommand(command: str, args: list[str]) -> None:
     if command == "grpo":
         _run_grpo(args)
     elif command == "plot":

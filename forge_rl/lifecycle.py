@@ -329,3 +329,15 @@ class Lifecycle:
         }
         (self.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def shut_monarch_client_down(timeout_s: float = 5.0) -> None:
+    """Shut this process's Monarch client down now, with time to do it. Monarch otherwise does it
+    at interpreter exit, allowing 1 s, and on a loaded machine (after a Ctrl-C, say) its flushes
+    took longer: the run had stopped cleanly, and the exit printed a TimeoutError traceback."""
+    from monarch.actor import shutdown_context
+
+    try:
+        shutdown_context(host_timeout=1.0).get(timeout=timeout_s)
+    except TimeoutError:
+        progress(f"Monarch's client did not finish shutting down within {timeout_s:g} s; exiting anyway")
