@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from forge_rl.cli import parse_config
 from forge_rl.buffer import BufferConfig
@@ -24,8 +25,33 @@ def write_yaml(tmp_path, text: str) -> Path:
     return path
 
 
+# SmolLM2-135M-Instruct's config.json as `forge-rl convert` writes it (the fields validation reads).
+SMOLLM2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "head_dim": 64,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "dtype": "float32",
+}
+
+
+def _stub_model_dir(model_dir: Path) -> Path:
+    """Stands in for models/SmolLM2-135M-Instruct, which a clone has only after `forge-rl convert`:
+    validation reads config.json and checks the other files exist (the shapes LoRA's rank is
+    checked against come from config.json)."""
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (model_dir / name).write_text("")
+    return model_dir
+
+
 @pytest.mark.parametrize("config_file", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_parses(config_file):
+def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
+    model_path = yaml.safe_load(config_file.read_text()).get("model", {}).get("path")
+    if model_path is not None:  # a converted model, relative to the repository root
+        assert model_path == "models/SmolLM2-135M-Instruct", "stub the new model dir here"
+        monkeypatch.chdir(tmp_path)
+        _stub_model_dir(tmp_path / model_path)
     assert isinstance(load_yaml_config(GRPOConfig, config_file), GRPOConfig)
 
 
