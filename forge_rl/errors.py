@@ -4,6 +4,9 @@ Recoverable: the run goes on.
     GeneratorLost    a generator's process died during a call, or the call outlived its timeout
                      (a hung generator is replaced like a dead one); the rollout loop hands its
                      prompts out again and waits for the replacement (forge_rl/actors/generator_pool.py).
+    ScorerLost       a scorer-side process (the scorer, its reward model or its judge) died during a
+                     scoring call; the scorer's supervisor restarts them and scores the call's
+                     episodes again (forge_rl/scorer_restarts.py). Never reaches the rollout loop.
 Fatal: the run stops, every process of it is shut down, and the message says what to do.
     ConfigError      a config, file or machine that cannot run it; raised before anything
                      expensive starts (forge_rl/config.py, forge_rl/preflight.py).
@@ -11,6 +14,8 @@ Fatal: the run stops, every process of it is shut down, and the message says wha
                      that resumes the run (forge_rl/lifecycle.py).
     TrainStepTimedOut  a train step outlived train_step_timeout_s (a hung rank or collective); the
                      message names the flag that raises it and the command that resumes the run.
+    ScorerFailed     the scorer died more than scorer.max_restarts times (a crash on every start, or
+                     too little memory): restarting it again would not help (forge_rl/scorer_restarts.py).
     StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
                      published twice, a lease on a version that is gone.
     SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
@@ -37,6 +42,23 @@ class GeneratorLost(RuntimeError):
 
     def __reduce__(self):  # crosses process boundaries (raised in the pool, caught in the loop)
         return type(self), (self.index, self.reason)
+
+
+class ScorerLost(RuntimeError):
+    """A scorer-side process died while scoring; the call's episodes were not scored (a completion
+    is not to blame for it, so none is ERRORED). Recoverable: score them again once a restarted
+    scorer serves. Raised through `guarded_group` (forge_rl/scorers.py), never turned into a
+    completion's failure."""
+
+    def __reduce__(self):  # crosses process boundaries (raised in the scorer, caught by its supervisor)
+        return type(self), self.args
+
+
+class ScorerFailed(RuntimeError):
+    """The scorer died more than scorer.max_restarts times; the message names the last cause and the flag."""
+
+    def __reduce__(self):
+        return type(self), self.args
 
 
 class ProcessDied(RuntimeError):

@@ -2,7 +2,7 @@
 The only module besides actors/ that imports Monarch.
 
     hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
-    services = hosts.spawn_services()                # dataset, scorer, buffer, store index, pool
+    services = hosts.spawn_services()                # dataset, scorer supervisor, buffer, store index, pool
     trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
     pool = services.spawn(..., hosts.generator_placements())   # hosts + GPU blocks
     ...
@@ -73,6 +73,11 @@ class Hosts:
         """Host `index` as a one-host mesh (this machine with hosts=local)."""
         return this_host() if self.host_mesh is None else self.host_mesh.slice(hosts=index)
 
+    def owned_host(self, index: int) -> HostMesh | None:
+        """Host `index` for an actor that spawns (and respawns) meshes itself (the generator pool,
+        the scorer's supervisor); None with hosts=local, where it spawns on its own host."""
+        return None if self.host_mesh is None else self.host(index)
+
     def spawn_procs(self, name: str, num_procs: int, host: int) -> ProcMesh:
         procs = self.host(host).spawn_procs(per_host={"procs": num_procs}, name=name)
         self.proc_meshes.append(procs)
@@ -112,7 +117,7 @@ class Hosts:
 
         placement = self.launch.placement
         return [
-            GeneratorPlacement(None if self.host_mesh is None else self.host(placement.generator_host(i)), devices)
+            GeneratorPlacement(self.owned_host(placement.generator_host(i)), devices)
             for i, devices in enumerate(generator_devices(self.launch, self.demand))
         ]
 

@@ -89,7 +89,7 @@ class Lifecycle:
         self._store_reaper = Reaper.start(remove=[root, root + "-fetched-*"])
         self.process_failures: list[str] = []
         """Processes of the run that died (from Monarch's fault hook); the run stops at the first."""
-        self._generators: Any = None
+        self._engine_owners: tuple = ()
         self._proc_meshes: list = []
         self._loops: asyncio.Task | None = None
         self._stopped_at: float | None = None
@@ -135,10 +135,11 @@ class Lifecycle:
         the run ends; call it as soon as they exist, so a failure while spawning stops them too."""
         self._proc_meshes = list(proc_meshes)
 
-    def stop_engines_first(self, generators: Any) -> None:
-        """The generator pool's engines are stopped before the proc meshes (vLLM's engine processes
-        are children of the actor processes, not of Monarch)."""
-        self._generators = generators
+    def stop_engines_first(self, *owners: Any) -> None:
+        """The `shutdown` of these actors (the generator pool, the scorer's supervisor) runs before
+        the proc meshes stop: vLLM's engine processes and the reward workers are children of the
+        actor processes, not of Monarch."""
+        self._engine_owners = owners
 
     def _stop_timeout(self, bound_s: float) -> float:
         """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts)."""
@@ -148,9 +149,12 @@ class Lifecycle:
 
     async def _shutdown(self) -> None:
         """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
-        if self._generators is not None:
+        if self._engine_owners:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await within(self._stop_timeout(_ENGINE_STOP_TIMEOUT_S), self._generators.shutdown.call_one())
+                await within(
+                    self._stop_timeout(_ENGINE_STOP_TIMEOUT_S),
+                    asyncio.gather(*(owner.shutdown.call_one() for owner in self._engine_owners), return_exceptions=True),
+                )
         with contextlib.suppress(Exception, asyncio.TimeoutError):
             await within(
                 # A mesh stop gets at least a second, so processes are asked to exit even when the

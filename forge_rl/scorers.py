@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from forge_rl.advantages import overlong_penalty
+from forge_rl.errors import ScorerLost
 from forge_rl.judge import JudgeConfig, parse_verdict, render_judge_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
@@ -95,6 +96,10 @@ class ScorerConfig:
     every token's advantage; off unless its path is set."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """An LLM judge's verdict added to the reward (forge_rl/judge.py); off unless its path is set."""
+    max_restarts: int = 3
+    """Times the scorer-side processes (scorer, reward model, judge) are restarted after one dies,
+    their in-flight episodes scored again (forge_rl/scorer_restarts.py); one more death stops the
+    run (a scorer that keeps dying will not recover). 0: the first death stops the run."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty (forge_rl/advantages.py, `overlong_penalty`): a completion
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
@@ -108,6 +113,8 @@ class ScorerConfig:
             )
         if self.num_workers < 1:
             raise ValueError(f"scorer.num_workers ({self.num_workers}) must be >= 1. Set --scorer.num-workers.")
+        if self.max_restarts < 0:
+            raise ValueError(f"scorer.max_restarts ({self.max_restarts}) must be >= 0. Set --scorer.max-restarts.")
         if not math.isfinite(self.reward_fn_weight):
             raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
         if self.reward_fn_weight == 0 and self.reward_model.path is None and self.judge.path is None and not self.teacher.enabled:
@@ -141,6 +148,9 @@ class Scorer:
         results = await asyncio.gather(
             *(self.score_completion(episode, c) for c in episode.completions), return_exceptions=True
         )
+        for result in results:
+            if isinstance(result, ScorerLost):
+                raise result
         return [_failure_of(r) if isinstance(r, Exception) else r for r in results]
 
     def stats(self) -> dict[str, float]:
@@ -154,10 +164,13 @@ class Scorer:
 async def guarded_group(scorer: Scorer, episode: Episode) -> list[ScoreResult]:
     """`scorer.score_group(episode)`, with anything that goes wrong made a failure of each completion:
     an exception, a wrong number of results, a non-finite reward, steps that do not tile the tokens.
-    Messages do not name the scorer (`WeightedSum` prefixes its parts' names)."""
+    Messages do not name the scorer (`WeightedSum` prefixes its parts' names). ScorerLost (a model's
+    process died) is raised instead: it is no completion's failure (forge_rl/scorer_restarts.py)."""
     try:
         results = await scorer.score_group(episode)
-    except Exception as e:  # a scorer bug or a dead model costs this group, not the run
+    except ScorerLost:  # a model's process died: no completion is to blame, the supervisor scores it again
+        raise
+    except Exception as e:  # a scorer bug or a model's error costs this group, not the run
         return [_failure_of(e)] * len(episode.completions)
     if len(results) != len(episode.completions):
         failure = ScoreFailure(

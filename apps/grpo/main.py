@@ -1,7 +1,7 @@
 """Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
 
-    DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerActor ──▶ [reference] ──▶ ReplayBufferActor
-                                           [RewardModelActor] [teacher] [judge]
+    DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerSupervisor ──▶ [reference] ──▶ ReplayBufferActor
+                                  ScorerActor [RewardModelActor] [judge] (restarted if one dies), [teacher]
                                      ▲                                                                  │
                          update_weights(v) (in flight)                                             sample(batch)
                                      │                                                                  ▼
@@ -37,15 +37,14 @@ import torch
 from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
-from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.frozen_model import FrozenModelActor
-from forge_rl.actors.reward_model import RewardModelActor
-from forge_rl.actors.scorer import ScorerActor
+from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.config import GRPOConfig
+from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
@@ -85,11 +84,13 @@ async def run(config: GRPOConfig) -> dict:
         await lifecycle.resume(pipeline)
         history, accounting = await lifecycle.run_loops(pipeline)
         recoveries = await actors.generators.recovery_events.call_one()
+        scorer_recoveries = await actors.scorer.recovery_events.call_one()
     return lifecycle.summary(
         history,
         accounting,
         engine_start_s=max(start["engine_start_s"] for start in generator_starts),
         generator_recoveries=recoveries,
+        scorer_recoveries=scorer_recoveries,
         # A simulation (generator.engine sim) ran no model: its figures are the control plane's only.
         simulated=config.simulated,
     )
@@ -101,7 +102,12 @@ async def score(episodes: list[Episode], actors: Actors, config: GRPOConfig, tim
     out are counted as filtered by the loop."""
     if config.environment.name is None:
         with timeline.busy("scorer"):
-            episodes = await actors.scorer.score.call_one(episodes)
+            try:  # a dead scorer is restarted and rescores (forge_rl/scorer_restarts.py): it takes longer
+                episodes = await actors.scorer.score.call_one(episodes)
+            except Exception as e:
+                if isinstance(raised_by_actor(e), ScorerFailed):  # it kept dying: the run stops with the cause
+                    raise raised_by_actor(e) from None
+                raise
     if config.dynamic_sampling:
         episodes, _ = filter_zero_advantage_groups(episodes)
     if actors.reference is not None and episodes:
@@ -114,7 +120,9 @@ async def score(episodes: list[Episode], actors: Actors, config: GRPOConfig, tim
 @dataclasses.dataclass
 class Actors:
     dataset: DatasetActor
-    scorer: ScorerActor
+    scorer: ScorerSupervisor
+    """Owns the scorer's processes (and the reward model's and judge's) and restarts them if one dies
+    (forge_rl/actors/scorer_supervisor.py)."""
     buffer: ReplayBufferActor
     generators: GeneratorPool
     """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
@@ -124,10 +132,6 @@ class Actors:
     teacher: FrozenModelActor | None = None
     """The distillation teacher, on its own processes (the scorer calls it); only when
     scorer.teacher.path is set, or scorer.teacher.pin is not fixed (self-distillation)."""
-    judge: GeneratorActor | None = None
-    """The LLM judge's engine, on its own process (the scorer calls it); only when scorer.judge.path is set."""
-    reward_model: RewardModelActor | None = None
-    """The reward model, on its own process; only when scorer.reward_model.path is set."""
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -144,11 +148,6 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         services, store_root, extra_files_dir=model_dir, volume_procs=hosts.store_volume_procs(services)
     )
     max_new_tokens = config.generator.max_new_tokens
-    reward_model = None
-    if config.scorer.reward_model.path is not None:
-        # Its own process (beside the services' host): a forward there never delays the scorer.
-        reward_model_procs = hosts.spawn_procs("reward_model", 1, config.launch.placement.services_host)
-        reward_model = reward_model_procs.spawn("reward_model", RewardModelActor, config.scorer.reward_model)
     teacher = None
     if config.uses_teacher:
         teacher_config = config.scorer.teacher
@@ -159,18 +158,13 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             teacher = teacher_procs.spawn(
                 "teacher", FrozenModelActor, teacher_config, model_dir, pad_id, store_index, str(store_root)
             )
-    judge = None
-    if config.scorer.judge.path is not None:
-        # A generator like the policy's, serving the judge's weights, which never change (no store).
-        judge_config = config.scorer.judge
-        judge_procs = hosts.spawn_procs("judge", 1, config.launch.placement.services_host)
-        judge = judge_procs.spawn(
-            "judge", GeneratorActor, judge_config.generator, str(judge_config.path), judge_config.max_model_len, None, "judge"
-        )
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, max_new_tokens),
+        # The scorer, reward model and judge run on processes of their own that the supervisor
+        # spawns beside the services, and respawns if one dies.
         scorer=services.spawn(
-            "scorer", ScorerActor, config.scorer, config.task.reward, max_new_tokens, reward_model, teacher, judge
+            "scorer", ScorerSupervisor, config.scorer, config.task.reward, max_new_tokens, teacher,
+            hosts.owned_host(config.launch.placement.services_host),
         ),
         buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
         generators=services.spawn(
@@ -182,8 +176,8 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
         ),
     )
-    actors.reward_model, actors.teacher, actors.judge = reward_model, teacher, judge
-    lifecycle.stop_engines_first(actors.generators)
+    actors.teacher = teacher
+    lifecycle.stop_engines_first(actors.generators, actors.scorer)
     if config.uses_reference_model:
         reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
         actors.reference = reference_procs.spawn("reference", FrozenModelActor, config.reference, model_dir, pad_id)
@@ -191,19 +185,19 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
 
 
 async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> list[dict]:
-    """Start every engine, trainer rank and reference rank at once; record their pids (a crash
-    test and `forge-rl` users look there). Returns each generator's start figures."""
-    generator_starts, trainer_starts, *_ = await asyncio.gather(
+    """Start every engine, trainer rank, scorer-side process and reference rank at once; record
+    their pids (a crash test and `forge-rl` users look there). Returns each generator's start figures."""
+    generator_starts, trainer_starts, scorer_start, *_ = await asyncio.gather(
         actors.generators.start.call_one(),
         actors.trainer.setup.call(),
+        actors.scorer.start.call_one(),
         *([actors.reference.setup.call()] if actors.reference is not None else []),
-        *([actors.reward_model.setup.call()] if actors.reward_model is not None else []),
         *([actors.teacher.setup.call()] if actors.teacher is not None else []),
-        *([actors.judge.start.call_one()] if actors.judge is not None else []),
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),
         "trainer": [start["pid"] for start in trainer_starts.values()],
+        "scorer": scorer_start["pids"],
     }
     (lifecycle.run_path / "processes.json").write_text(json.dumps(processes))
     return generator_starts

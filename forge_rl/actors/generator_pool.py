@@ -4,7 +4,7 @@ Monarch reports a failure to the owner of the failed mesh. Owning the generator 
 the controller) means a crash reaches `__supervise__`, which handles it, instead of the client's
 default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
 the pool also watches the OS processes (actor and vLLM engine processes) of the generators on its
-own host and acts on a death within `_POLL_INTERVAL_S`; a generator on another host (launch.py's
+own host and acts on a death within `POLL_INTERVAL_S`; a generator on another host (launch.py's
 placement) is left to Monarch's report:
 
     SERVING ──(a process died, a call failed, or a call hung)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
@@ -56,7 +56,7 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
 # How often the pool checks that its generators' processes are alive.
-_POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.5
 # Stopping a damaged mesh can hang on the dead process; the replacement does not wait longer.
 _STOP_TIMEOUT_S = 5.0
 # Attempts to start a replacement before its slot is given up (an engine that cannot start at all).
@@ -333,9 +333,9 @@ class GeneratorPool(Actor):
 
     async def _watch_processes(self) -> None:
         while True:
-            await asyncio.sleep(_POLL_INTERVAL_S)
+            await asyncio.sleep(POLL_INTERVAL_S)
             for slot in self.slots:
-                if slot.state == SlotState.SERVING and not all(_is_alive(pid) for pid in slot.pids):
+                if slot.state == SlotState.SERVING and not all(is_alive(pid) for pid in slot.pids):
                     self._begin_recovery(slot, reason="a generator process exited")
 
     def _begin_recovery(self, slot: GeneratorSlot, reason: str) -> None:
@@ -370,7 +370,7 @@ class GeneratorPool(Actor):
         """Let go of the incarnation `slot` holds (dead, hung, or a replacement that failed to
         start) without waiting on it: stop its mesh, and drop its weight-store leases, so the
         versions it held can be collected (the store also refuses it new ones, should it still run)."""
-        for retiring in (_stop_quietly(slot.procs), self._drop_leases(slot.store_reader_id)):
+        for retiring in (stop_quietly(slot.procs), self._drop_leases(slot.store_reader_id)):
             task = asyncio.create_task(retiring)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -382,7 +382,7 @@ class GeneratorPool(Actor):
             progress(f"could not drop the weight-store leases of {reader_id}: {type(e).__name__}: {e}")
 
 
-async def _stop_quietly(procs: ProcMesh) -> None:
+async def stop_quietly(procs: ProcMesh) -> None:
     try:
         await within(_STOP_TIMEOUT_S, procs.stop())
     except Exception:  # the mesh is broken; a fresh one already replaces it
@@ -395,7 +395,7 @@ def _is_engine_dead(error: BaseException) -> bool:
     return type(raised_by_actor(error)).__name__ == "EngineDeadError"
 
 
-def _is_alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

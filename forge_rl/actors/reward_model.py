@@ -7,6 +7,8 @@ forward serves them all. The scorer reaches it through `RewardModelScorer(client
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ class RewardModelActor(Actor):
         started = time.perf_counter()
         model = SequenceClassifier(Path(self.config.path), self.config.output, self.config.num_threads)
         self.batcher = RewardBatcher(model.forward, self.config.max_batch_size, self.config.max_wait_ms / 1000)
-        return {"reward_model_setup_s": time.perf_counter() - started}
+        return {"reward_model_setup_s": time.perf_counter() - started, "pid": os.getpid(), "hostname": socket.gethostname()}
 
     @concurrent_endpoint
     async def score(self, texts: list[str]) -> list[float]:

@@ -9,11 +9,22 @@ set (`JudgeScorer`, calling the judge's own GeneratorActor). A reward function t
 `scorer.reward_timeout_s` or crashes its process marks that completion ERRORED (never trained,
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
+
+It runs on a process of its own, owned by the ScorerSupervisor (forge_rl/actors/scorer_supervisor.py),
+which restarts it, with its reward model and judge, when one of their processes dies. A reward
+model or judge call that fails because that model's process died raises ScorerLost out of `score`
+(no completion is to blame), and the supervisor scores the episodes again on the replacement.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from forge_rl.errors import ScorerLost
 
 from forge_rl.judge import judge_client
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
@@ -32,7 +43,7 @@ class ScorerActor(Actor):
         scorer.teacher.path is set; its `token_logprobs` (a collective over its ranks) is the
         teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
         when scorer.judge.path is set; its `generate` serves the judge scorer's verdicts."""
-        client = None if reward_model is None else reward_model.score.call_one
+        client = None if reward_model is None else _lost_if_dead(reward_model.score.call_one, "reward model")
 
         async def teacher_logprobs(episodes: list[Episode]) -> list[list[list[float]]]:
             return (await teacher.token_logprobs.call(episodes)).item(procs=0)
@@ -40,7 +51,7 @@ class ScorerActor(Actor):
         verdicts = None
         if judge is not None:
             tokenizer = PromptTokenizer(config.judge.path)
-            verdicts = judge_client(tokenizer, config.judge.prompt_format, judge.generate.call_one)
+            verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(judge.generate.call_one, "judge"))
         scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
         self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens)
 
@@ -51,6 +62,11 @@ class ScorerActor(Actor):
         return await self.stage.score(episodes)
 
     @endpoint
+    async def process(self) -> dict:
+        """Where this scorer runs: its supervisor polls the pid."""
+        return {"pid": os.getpid(), "hostname": socket.gethostname()}
+
+    @endpoint
     async def stats(self) -> dict:
         return self.stage.stats()
 
@@ -58,3 +74,16 @@ class ScorerActor(Actor):
     async def shutdown(self) -> None:
         """Stops the scorers' processes (reward workers also die with this process)."""
         self.stage.close()
+
+
+def _lost_if_dead(call, model: str):
+    """`call`, raising ScorerLost when the model's process died during it: the whole scoring call
+    is lost and scored again after a restart, instead of its completions being ERRORED."""
+
+    async def guarded(*args):
+        try:
+            return await call(*args)
+        except SupervisionError as e:
+            raise ScorerLost(f"the {model}'s process died: {e}") from None
+
+    return guarded

@@ -54,6 +54,7 @@ CORE_MODULES = [
     "forge_rl.timeline",
     "forge_rl.scoring",
     "forge_rl.scorers",
+    "forge_rl.scorer_restarts",
     "forge_rl.reward_model",
     "forge_rl.preflight",
     "forge_rl.tasks.rewards",
@@ -172,6 +173,7 @@ def test_environments_import_not_even_torch_or_transformers():
     [
         ("forge_rl.actors.dataset", "DatasetActor"),
         ("forge_rl.actors.scorer", "ScorerActor"),
+        ("forge_rl.actors.scorer_supervisor", "ScorerSupervisor"),
         ("forge_rl.actors.buffer", "ReplayBufferActor"),
         ("forge_rl.actors.generator", "GeneratorActor"),
         ("forge_rl.actors.generator_pool", "GeneratorPool"),

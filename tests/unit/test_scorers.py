@@ -10,6 +10,7 @@ import pytest
 
 from forge_rl.advantages import episode_advantages, place_on_steps, returns_to_go, token_advantages
 from forge_rl.batching import make_train_batch
+from forge_rl.errors import ScorerLost
 from forge_rl.metrics import batch_metrics
 from forge_rl.scorers import (
     Score,
@@ -119,6 +120,32 @@ def test_a_scorer_that_raises_in_its_group_hook_errors_the_group_and_the_run_goe
     assert all(c.status == CompletionStatus.ERRORED for e in episodes for c in e.completions)
     assert episodes[0].completions[0].error == "RuntimeError: reward model mesh is gone"
     assert stats["scorer/errored"] == 3
+
+
+class FakeDeadModel(Scorer):
+    """A fake model-backed scorer whose model's process died: each call raises ScorerLost."""
+
+    name = "reward_model"
+
+    async def score_completion(self, episode, completion):
+        raise ScorerLost("the reward model's process died")
+
+
+class FakeDeadGroupModel(FakeDeadModel):
+    async def score_group(self, episode):
+        raise ScorerLost("the reward model's process died")
+
+
+@pytest.mark.parametrize("dead", [FakeDeadModel, FakeDeadGroupModel], ids=["per_completion", "per_group"])
+def test_a_model_whose_process_died_loses_the_call_instead_of_erroring_its_completions(dead):
+    """ScorerLost goes up through a weighted sum and the stage: the scorer's supervisor scores the
+    episodes again after a restart (forge_rl/scorer_restarts.py), so none is ERRORED or counted."""
+    stage = ScoringStage(WeightedSum([(FakeLengthScorer(), 1.0), (dead(), 1.0)]))
+    episodes = [group(1, 2)]
+    with pytest.raises(ScorerLost, match="reward model's process died"):
+        asyncio.run(stage.score(episodes))
+    assert all(c.status == CompletionStatus.OK for c in episodes[0].completions)
+    assert stage.stats()["scorer/completions"] == 0 and stage.stats()["scorer/errored"] == 0
 
 
 def test_a_weighted_sum_adds_weighted_rewards_and_keeps_each_scorers_reward_and_errors():

@@ -1,0 +1,192 @@
+"""The scorer's supervisor: owns the scorer-side proc meshes, so a dead scorer is restarted, not fatal.
+
+The scorer-side processes of one incarnation: the ScorerActor (forge_rl/actors/scorer.py, with its
+reward worker processes), and, when configured, the reward model (RewardModelActor) and the LLM
+judge (a GeneratorActor serving the judge), each on a proc mesh of its own that this actor spawns.
+Monarch reports a failure to the owner of the failed mesh: owning them here, not in the controller,
+means a crash reaches `__supervise__` instead of the controller's fault hook (which stops the run).
+Like the generator pool (forge_rl/actors/generator_pool.py), it also polls the OS pids of the
+processes on its own host, and acts on a death within POLL_INTERVAL_S instead of Monarch's ~9 s.
+
+Any death retires the whole incarnation (its meshes stopped without waiting on them) and starts a
+fresh one on fresh proc meshes (spawning onto a damaged mesh hangs): the scorer holds its models'
+handles, so a new reward model or judge needs a new scorer anyway, and a scorer alone restarts in
+seconds. What happens to the calls in flight, the restart budget (scorer.max_restarts) and the
+counters is the core's: forge_rl/scorer_restarts.py. The distillation teacher and the reference
+model are not restarted: the controller owns them (the teacher's self-distillation refresh drives
+it from there), and their death stops the run with ProcessDied as before.
+
+The controller calls `score(episodes)` and `stats()` here as it called the scorer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import socket
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+
+from forge_rl.actors.generator import GeneratorActor
+from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
+from forge_rl.actors.reward_model import RewardModelActor
+from forge_rl.actors.scorer import ScorerActor
+from forge_rl.errors import ScorerLost, raised_by_actor
+from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
+from forge_rl.scorers import ScorerConfig
+from forge_rl.types import Episode
+
+
+@dataclasses.dataclass
+class ScorerMeshes:
+    """One incarnation's processes."""
+
+    scorer: ScorerActor
+    judge: GeneratorActor | None
+    procs: dict[str, ProcMesh]
+    """Mesh name (`<role>-r<incarnation>`, so Monarch's failure reports name it) -> mesh."""
+    pids: list[int]
+    """Its processes on this actor's host (the scorer's, the reward model's, the judge's and its engine's)."""
+
+
+class ScorerSupervisor(Actor):
+    def __init__(
+        self, config: ScorerConfig, reward: str, max_new_tokens: int, teacher=None, host: HostMesh | None = None
+    ):
+        """`reward`, `max_new_tokens`, `teacher`: what each incarnation's ScorerActor is built with
+        (forge_rl/actors/scorer.py). `host`: where the scorer-side processes run (the services'
+        host, forge_rl/launch.py `Hosts.owned_host`); None: this actor's own host."""
+        self.config, self.reward, self.max_new_tokens, self.teacher = config, reward, max_new_tokens, teacher
+        self.host = host
+        self.restarts = RestartingScorer(self._start_incarnation, self._retire, config.max_restarts)
+        self._watchdog: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+        """Stops of dead meshes, not waited for; held because the event loop keeps only weak references."""
+
+    @endpoint
+    async def start(self) -> dict:
+        """Spawn and start the scorer-side processes."""
+        meshes = await self.restarts.start()
+        self._watchdog = asyncio.create_task(self._watch_processes())
+        return {"pids": meshes.pids}
+
+    @concurrent_endpoint
+    async def score(self, episodes: list[Episode]) -> list[Episode]:
+        """The scorer's `score`; if the scorer dies meanwhile, the same episodes are scored again
+        by its replacement. Raises ScorerFailed once it died more than scorer.max_restarts times."""
+        return await self.restarts.call(lambda meshes: _lost_if_dead(meshes.scorer.score.call_one(episodes)), len(episodes))
+
+    @concurrent_endpoint
+    async def stats(self) -> dict:
+        """The scorer's counters over all its incarnations, and scorer/restarts."""
+        incarnation = self.restarts.current
+        if self.restarts.state == ScorerState.SERVING:
+            try:
+                self.restarts.observed_stats(incarnation, await incarnation.handle.scorer.stats.call_one())
+            except SupervisionError:  # it just died: its last read counts, the watchdog restarts it
+                pass
+        return self.restarts.stats()
+
+    @concurrent_endpoint
+    async def processes(self) -> list[int]:
+        """OS pids of the serving incarnation: the scorer's process first (a crash test kills it)."""
+        return list((await self.restarts.serving()).handle.pids)
+
+    @concurrent_endpoint
+    async def recovery_events(self) -> list[dict]:
+        return list(self.restarts.recoveries)
+
+    @concurrent_endpoint
+    async def wait_until_serving(self) -> int:
+        """Returns once a scorer serves, with the number of restarts so far."""
+        await self.restarts.serving()
+        return self.restarts.num_restarts
+
+    @endpoint
+    async def shutdown(self) -> None:
+        """Stops the reward workers and the judge's engine (their processes are children of the
+        actors' processes, not of Monarch)."""
+        self.restarts.stop()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.restarts.state == ScorerState.SERVING:
+            meshes = self.restarts.current.handle
+            await asyncio.gather(
+                meshes.scorer.shutdown.call_one(),
+                *([meshes.judge.shutdown.call_one()] if meshes.judge is not None else []),
+                return_exceptions=True,
+            )
+
+    async def __supervise__(self, failure: MeshFailure) -> bool:
+        """A scorer-side mesh failed: restart the incarnation (unless the watchdog already did). A
+        report about an earlier incarnation names a mesh already replaced, so it is only acknowledged."""
+        incarnation = self.restarts.current
+        if incarnation is not None and any(
+            re.search(rf"{name}(?![0-9])", str(failure)) for name in incarnation.handle.procs
+        ):
+            self.restarts.lost(incarnation, f"monarch supervision: {failure}")
+        return True  # handled: a scorer failure must never reach the controller's fault hook
+
+    async def _start_incarnation(self, number: int) -> ScorerMeshes:
+        config, host = self.config, this_host() if self.host is None else self.host
+        procs: dict[str, ProcMesh] = {}
+
+        def spawn(role: str, actor_class, *args):
+            name = f"{role}-r{number}"
+            procs[name] = host.spawn_procs(per_host={"procs": 1}, name=name)
+            return procs[name].spawn(name, actor_class, *args)
+
+        try:
+            starts, reward_model, judge = [], None, None
+            if config.reward_model.path is not None:
+                reward_model = spawn("reward_model", RewardModelActor, config.reward_model)
+                starts.append(reward_model.setup.call_one())
+            if config.judge.path is not None:
+                # A generator like the policy's, serving the judge's weights, which never change (no store).
+                judge = spawn(
+                    "judge", GeneratorActor, config.judge.generator, str(config.judge.path), config.judge.max_model_len,
+                    None, f"judge-r{number}",
+                )
+                starts.append(judge.start.call_one())
+            scorer = spawn(
+                "scorer", ScorerActor, config, self.reward, self.max_new_tokens, reward_model, self.teacher, judge
+            )
+            started = await asyncio.gather(scorer.process.call_one(), *starts)
+        except BaseException:
+            for mesh in procs.values():
+                self._stop_in_background(mesh)
+            raise
+        here = socket.gethostname()
+        pids = [pid for s in started if s["hostname"] == here for pid in (s["pid"], *s.get("engine_pids", ()))]
+        return ScorerMeshes(scorer, judge, procs, pids)
+
+    def _retire(self, meshes: ScorerMeshes) -> None:
+        for mesh in meshes.procs.values():
+            self._stop_in_background(mesh)
+
+    def _stop_in_background(self, mesh: ProcMesh) -> None:
+        task = asyncio.create_task(stop_quietly(mesh))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _watch_processes(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            incarnation: Incarnation[ScorerMeshes] | None = self.restarts.current
+            if self.restarts.state == ScorerState.SERVING and not all(is_alive(p) for p in incarnation.handle.pids):
+                self.restarts.lost(incarnation, "a scorer-side process exited")
+
+
+async def _lost_if_dead(call):
+    """`call`'s result; ScorerLost if the scorer's process died during it, or the scorer said a model
+    it calls died (ScorerLost raised in the scorer, wrapped by Monarch)."""
+    try:
+        return await call
+    except SupervisionError as e:
+        raise ScorerLost(f"the scorer's process died: {e}") from None
+    except Exception as e:
+        if isinstance(raised_by_actor(e), ScorerLost):
+            raise raised_by_actor(e) from None
+        raise
