@@ -1,10 +1,18 @@
-"""LLM-as-judge: a language model reads each completion through a prompt template and answers with
-a verdict, which a parser turns into a reward.
+"""LLM-as-judge: a language model reads completions through a prompt template and answers with
+a verdict, which a parser turns into rewards. Two modes (`JudgeConfig.mode`):
 
+grade (default): each completion on its own, one verdict each.
     template.format(prompt=..., completion=..., answer=...)   what the judge reads
     judge model (a vLLM engine on its own generator mesh)   samples its verdict text
     parse_verdict(text)                                      the last "Score: N" in it, N in
                                                              [score_min, score_max] -> reward in [0, 1]
+rank: the whole group of one prompt at once, one verdict per group. GRPO normalizes rewards within
+a group, so the order of the group is all it needs, and a judge compares answers side by side more
+reliably than it grades one on an absolute scale.
+    rank_template.format(prompt=..., answer=..., completions="[1] ...\n[2] ...")
+    parse_ranking(text, n)                                   the last "Ranking: 3 > 1 > 2" in it, a
+                                                             permutation of 1..n, best first ->
+                                                             rewards evenly spaced from 1 (best) to 0
 
 A judge fails like a model: it rambles, answers in another format, or is slow. A verdict the parser
 cannot read (no score, or one out of range) and a judge call past `timeout_s` each fail that
@@ -46,6 +54,21 @@ DEFAULT_VERDICT_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
 """'Score: 7', 'score=7.5', 'SCORE : 10'; the last match in the verdict counts (a judge that
 reasons first often quotes the scale before its own score)."""
 
+DEFAULT_RANK_TEMPLATE = (
+    "You compare answers to a question.\n"
+    "Question: {prompt}\n"
+    "Reference answer: {answer}\n"
+    "Answers:\n{completions}\n"
+    "Order the answers from the most correct to the least correct. "
+    "End your reply with a line 'Ranking: ' and the answers' numbers, best first, separated by '>' "
+    "(for example 'Ranking: 2 > 1 > 3')."
+)
+"""Placeholders: {prompt}, {answer} (as in the grade template), {completions} (every completion of
+the group, numbered from 1: "[1] text" per line)."""
+
+DEFAULT_RANKING_PATTERN = r"(?i)ranking\s*[:=]\s*(\d+(?:\s*>\s*\d+)*)"
+"""'Ranking: 2 > 1 > 3'; the last match counts. Its first group holds the numbers, best first."""
+
 
 @dataclass(frozen=True)
 class JudgeConfig:
@@ -54,19 +77,29 @@ class JudgeConfig:
     no judge runs. Its tokenizer is its own (the judge reads text, not the policy's token ids)."""
     weight: float = 1.0
     """Weight of the judge's reward (in [0, 1]) in the run's reward."""
+    mode: Literal["grade", "rank"] = "grade"
+    """grade: one verdict per completion, a score on a scale (template, verdict_pattern); rank: one
+    verdict per group, the group's completions ordered best first (rank_template, ranking_pattern),
+    rewards evenly spaced from 1 (best) to 0 (worst)."""
     template: str = DEFAULT_TEMPLATE
-    """What the judge reads for one completion; placeholders {prompt}, {completion}, {answer}."""
+    """What the judge reads for one completion (mode grade); placeholders {prompt}, {completion}, {answer}."""
+    rank_template: str = DEFAULT_RANK_TEMPLATE
+    """What the judge reads for one group (mode rank); placeholders {prompt}, {answer}, {completions}."""
+    ranking_pattern: str = DEFAULT_RANKING_PATTERN
+    """Regular expression (mode rank) whose first group holds the completions' numbers, best first,
+    separated by anything but digits; its last match in the verdict counts."""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat: the rendered template is the user turn of the judge's chat template (an instruct
     model); plain: the judge reads it as is, after its bos token."""
     verdict_pattern: str = DEFAULT_VERDICT_PATTERN
-    """Regular expression whose first group is the score; its last match in the verdict counts."""
+    """Regular expression (mode grade) whose first group is the score; its last match in the verdict counts."""
     score_min: float = 0.0
     """Lowest score the template asks for (reward 0)."""
     score_max: float = 10.0
     """Highest score the template asks for (reward 1); a score outside [score_min, score_max] is unparsable."""
     timeout_s: float = 60.0
-    """Seconds one verdict may take; past it the completion is ERRORED (kind "timeout") and counted."""
+    """Seconds one verdict may take; past it the completion (mode rank: the group) is ERRORED (kind
+    "timeout") and counted."""
     generator: GeneratorConfig = field(default_factory=lambda: GeneratorConfig(max_new_tokens=64, temperature=0.3))
     """How the judge's engine samples its verdicts (max_new_tokens bounds a verdict's length)."""
     max_model_len: int = 2048
@@ -82,24 +115,32 @@ class JudgeConfig:
                 f"scorer.judge.score_min ({self.score_min}) must be below score_max ({self.score_max}). "
                 "Set --scorer.judge.score-min and --scorer.judge.score-max to the scale the template asks for."
             )
-        try:
-            pattern = re.compile(self.verdict_pattern)
-        except re.error as e:
-            raise ValueError(f"scorer.judge.verdict_pattern ({self.verdict_pattern!r}) is not a regular expression: {e}") from None
-        if pattern.groups < 1:
-            raise ValueError(
-                f"scorer.judge.verdict_pattern ({self.verdict_pattern!r}) has no group: its first group must "
-                r"capture the score, e.g. 'Score: (\d+)'."
-            )
-        try:
-            self.template.format(prompt="", completion="", answer="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"scorer.judge.template has a placeholder other than {{prompt}}, {{completion}}, {{answer}} "
-                f"({type(e).__name__}: {e}); write literal braces as {{{{ and }}}}."
-            ) from None
-        if "{completion}" not in self.template:
-            raise ValueError("scorer.judge.template lacks {completion}: the judge would never see what it grades.")
+        for flag, pattern in (("verdict_pattern", self.verdict_pattern), ("ranking_pattern", self.ranking_pattern)):
+            try:
+                compiled = re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"scorer.judge.{flag} ({pattern!r}) is not a regular expression: {e}") from None
+            if compiled.groups < 1:
+                raise ValueError(
+                    f"scorer.judge.{flag} ({pattern!r}) has no group: its first group must capture the "
+                    + (r"score, e.g. 'Score: (\d+)'." if flag == "verdict_pattern" else r"ranking, e.g. 'Ranking: ([\d >]+)'.")
+                )
+        _check_template("template", self.template, ("prompt", "completion", "answer"))
+        _check_template("rank_template", self.rank_template, ("prompt", "completions", "answer"))
+
+
+def _check_template(flag: str, template: str, placeholders: tuple[str, ...]) -> None:
+    try:
+        template.format(**{name: "" for name in placeholders})
+    except (KeyError, IndexError, ValueError) as e:
+        named = ", ".join(f"{{{name}}}" for name in placeholders)
+        raise ValueError(
+            f"scorer.judge.{flag} has a placeholder other than {named} "
+            f"({type(e).__name__}: {e}); write literal braces as {{{{ and }}}}."
+        ) from None
+    graded = placeholders[1]
+    if f"{{{graded}}}" not in template:
+        raise ValueError(f"scorer.judge.{flag} lacks {{{graded}}}: the judge would never see what it grades.")
 
 
 def render_judge_prompt(template: str, episode: Episode, completion: Completion) -> str:
@@ -120,6 +161,29 @@ def parse_verdict(text: str, pattern: str, score_min: float, score_max: float) -
     if not (math.isfinite(score) and score_min <= score <= score_max):
         return None
     return (score - score_min) / (score_max - score_min)
+
+
+def render_rank_prompt(template: str, episode: Episode) -> str:
+    numbered = "\n".join(f"[{i}] {c.text}" for i, c in enumerate(episode.completions, start=1))
+    return template.format(prompt=episode.prompt_text, completions=numbered, answer=episode.answer)
+
+
+def parse_ranking(text: str, pattern: str, num_completions: int) -> list[float] | None:
+    """Per completion (in the group's order), its reward from the last ranking `pattern` finds in
+    `text`: numbers 1..num_completions, best first, each exactly once; the best gets 1, the worst
+    0, the rest evenly between. None when there is no ranking, or it is not such a permutation (a
+    number missing, repeated or out of range: a judge that ranks half the group has not ranked it)."""
+    matches = re.findall(pattern, text)
+    if not matches or num_completions < 2:  # GRPO's groups have two or more (config.py checks it)
+        return None
+    last = matches[-1]
+    order = [int(n) for n in re.findall(r"\d+", last[0] if isinstance(last, tuple) else last)]
+    if sorted(order) != list(range(1, num_completions + 1)):
+        return None
+    rewards = [0.0] * num_completions
+    for position, number in enumerate(order):
+        rewards[number - 1] = (num_completions - 1 - position) / (num_completions - 1)
+    return rewards
 
 
 def judge_client(

@@ -35,7 +35,7 @@ from typing import Union
 
 from forge_rl.advantages import overlong_penalty
 from forge_rl.errors import ScorerLost
-from forge_rl.judge import JudgeConfig, parse_verdict, render_judge_prompt
+from forge_rl.judge import JudgeConfig, parse_ranking, parse_verdict, render_judge_prompt, render_rank_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
 from forge_rl.teacher import TeacherConfig, center_on_group, reverse_kl_token_rewards
@@ -333,8 +333,11 @@ class TeacherScorer(Scorer):
 
 
 class JudgeScorer(Scorer):
-    """An LLM judge (forge_rl/judge.py). Asks it, through `client(prompt_text) -> verdict_text`, about each completion on its
-    own (concurrently: the judge's engine batches them), and parses its verdict."""
+    """An LLM judge (forge_rl/judge.py), asked through `client(prompt_text) -> verdict_text`. Mode
+    grade: about each completion on its own (concurrently: the judge's engine batches them), its
+    verdict parsed into a score. Mode rank: about the whole group at once, its verdict parsed into
+    an order of the group. A verdict that cannot be parsed, or that comes too late, fails what it
+    was about (a completion, or the whole group)."""
 
     name = "judge"
 
@@ -345,14 +348,27 @@ class JudgeScorer(Scorer):
         self.num_unparsable = 0
         self.num_timed_out = 0
 
+    async def score_group(self, episode: Episode) -> list[ScoreResult]:
+        if self.config.mode == "grade":
+            return await super().score_group(episode)
+        verdict = await self._verdict(render_rank_prompt(self.config.rank_template, episode))
+        if isinstance(verdict, ScoreFailure):
+            return [verdict] * len(episode.completions)
+        rewards = parse_ranking(verdict, self.config.ranking_pattern, len(episode.completions))
+        if rewards is None:
+            self.num_unparsable += 1
+            failure = ScoreFailure(
+                f"unparsable ranking {verdict[:200]!r}: no match of scorer.judge.ranking_pattern "
+                f"({self.config.ranking_pattern!r}) holding each of the numbers 1..{len(episode.completions)} once",
+                "unparsable verdict",
+            )
+            return [failure] * len(episode.completions)
+        return [Score(reward) for reward in rewards]
+
     async def score_completion(self, episode: Episode, completion: Completion) -> ScoreResult:
-        prompt = render_judge_prompt(self.config.template, episode, completion)
-        try:
-            verdict = await asyncio.wait_for(self.client(prompt), self.config.timeout_s)
-        except asyncio.TimeoutError:
-            self.num_timed_out += 1
-            return ScoreFailure(f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout")
-        self.num_judged += 1
+        verdict = await self._verdict(render_judge_prompt(self.config.template, episode, completion))
+        if isinstance(verdict, ScoreFailure):
+            return verdict
         reward = parse_verdict(verdict, self.config.verdict_pattern, self.config.score_min, self.config.score_max)
         if reward is None:
             self.num_unparsable += 1
@@ -363,7 +379,17 @@ class JudgeScorer(Scorer):
             )
         return Score(reward)
 
+    async def _verdict(self, prompt: str) -> str | ScoreFailure:
+        try:
+            verdict = await asyncio.wait_for(self.client(prompt), self.config.timeout_s)
+        except asyncio.TimeoutError:
+            self.num_timed_out += 1
+            return ScoreFailure(f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout")
+        self.num_judged += 1
+        return verdict
+
     def stats(self) -> dict[str, float]:
+        """Counted per verdict: one per completion in mode grade, one per group in mode rank."""
         return {"verdicts": self.num_judged, "unparsable": self.num_unparsable, "timed_out": self.num_timed_out}
 
 

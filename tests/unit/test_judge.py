@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from forge_rl.judge import JudgeConfig, judge_client, parse_verdict
+from forge_rl.judge import JudgeConfig, judge_client, parse_ranking, parse_verdict
 from forge_rl.scorers import JudgeScorer, ScoringStage, WeightedSum
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.unit.test_teacher import FakeOutcome
@@ -107,6 +107,76 @@ def test_a_judge_that_raises_fails_its_completions_only():
     assert "judge process died" in episode.completions[0].error
 
 
+RANKING = JudgeConfig().ranking_pattern
+
+
+@pytest.mark.parametrize(
+    "verdict,rewards",
+    [
+        ("Ranking: 2 > 3 > 1", [0.0, 1.0, 0.5]),
+        ("ranking=1>2>3", [1.0, 0.5, 0.0]),
+        # The last ranking counts: a judge that reasons first may quote the format's example.
+        ("Format is 'Ranking: 2 > 1 > 3'. Answer 3 is right.\nRanking: 3 > 1 > 2", [0.5, 0.0, 1.0]),
+        ("Ranking: 2 > 1", None),  # one answer left out: the group is not ranked
+        ("Ranking: 2 > 2 > 1", None),  # one answer twice
+        ("Ranking: 4 > 2 > 1", None),  # no answer 4
+        ("All three are wrong.", None),
+    ],
+)
+def test_a_ranking_is_a_permutation_of_the_group_best_first(verdict, rewards):
+    assert parse_ranking(verdict, RANKING, 3) == rewards
+
+
+class FakeRankingJudgeEngine:
+    """A fake of the judge's GeneratorActor `generate` for mode rank: answers each group prompt with
+    `answer(prompt)`; records what it read."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.prompts: list[str] = []
+
+    async def generate(self, episodes, group_size):
+        (episode,) = episodes
+        self.prompts.append(episode.prompt_text)
+        text = await self.answer(episode.prompt_text)
+        episode.completions = [Completion(token_ids=[1], logprobs=[0.0], policy_versions=[0], text=text)]
+        return [episode]
+
+
+def test_a_ranking_judge_reads_the_whole_group_once_and_its_order_becomes_the_rewards():
+    async def answer(prompt):  # ranks the answers that say 7 above the others
+        return "Ranking: 2 > 3 > 1"
+
+    engine = FakeRankingJudgeEngine(answer)
+    stage = ScoringStage(JudgeScorer(JudgeConfig(mode="rank"), judge_client(FakeTokenizer(), "chat", engine.generate)))
+    (episode,) = asyncio.run(stage.score([group("3", "7", "7.0")]))
+    assert [c.reward for c in episode.completions] == [0.0, 1.0, 0.5]
+    assert len(engine.prompts) == 1  # one verdict for the group, not one per completion
+    assert "Question: M37=\nReference answer: 7\nAnswers:\n[1] 3\n[2] 7\n[3] 7.0\n" in engine.prompts[0]
+    assert stage.stats()["scorer/verdicts"] == 1
+
+
+def test_an_unparsable_or_late_ranking_fails_its_group_only_counted_never_a_crash():
+    never = asyncio.Event()
+
+    async def answer(prompt):
+        if "[1] late" in prompt:
+            await never.wait()  # never set: only the judge's timeout ends this call
+        return "Ranking: 1 > 2" if "[1] ok" in prompt else "They are all fine."
+
+    engine = FakeRankingJudgeEngine(answer)
+    scorer = JudgeScorer(JudgeConfig(mode="rank", timeout_s=0.05), judge_client(FakeTokenizer(), "chat", engine.generate))
+    stage = ScoringStage(scorer)
+    ok, garbled, late = asyncio.run(stage.score([group("ok", "b"), group("garbled", "b"), group("late", "b")]))
+    assert [c.reward for c in ok.completions] == [1.0, 0.0]
+    assert all(c.status == CompletionStatus.ERRORED for c in garbled.completions + late.completions)
+    assert "unparsable ranking 'They are all fine.'" in garbled.completions[0].error
+    assert "timeout_s" in late.completions[0].error
+    stats = stage.stats()
+    assert (stats["scorer/verdicts"], stats["scorer/unparsable"], stats["scorer/timed_out"]) == (2, 1, 1)
+    assert stats["scorer/errored"] == 4
+
+
 @pytest.mark.parametrize(
     "changes,message",
     [
@@ -116,6 +186,9 @@ def test_a_judge_that_raises_fails_its_completions_only():
         ({"template": "Grade {completion} {reasoning}"}, "placeholder other than"),
         ({"score_min": 10.0, "score_max": 0.0}, "must be below score_max"),
         ({"timeout_s": 0.0}, "timeout_s"),
+        ({"ranking_pattern": "Ranking: [0-9> ]+"}, "ranking_pattern .* has no group"),
+        ({"rank_template": "Rank the answers to {prompt}"}, "rank_template lacks {completions}"),
+        ({"rank_template": "Rank {completions} by {criterion}"}, "rank_template has a placeholder other than"),
     ],
 )
 def test_bad_judge_settings_are_refused_with_the_fix(changes, message):
