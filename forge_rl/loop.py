@@ -110,6 +110,8 @@ class Pipeline:
         self.num_generated_tokens = 0
         self.generated_tokens_at_last_step = 0
         self._last_step_end_s = 0.0
+        self._last_step_returned_s: float | None = None
+        """When the previous `_train_step` returned (the timeline's clock); None before the first."""
         self.last_weight_update: dict = {}
         """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
         self.timeline = Timeline()
@@ -253,7 +255,11 @@ class Pipeline:
     ) -> tuple[StepResult, list[asyncio.Task]]:
         """Take a batch, train it, publish the new version to every generator (not awaited)."""
         actors, timeline = self.actors, self.timeline
+        waiting_from = timeline.now()
+        # The loop's work after the previous step (logging, a checkpoint) is on this step's path.
+        previous_tail_s = 0.0 if self._last_step_returned_s is None else waiting_from - self._last_step_returned_s
         train_version = await self.gate.wait_for_batch()
+        data_ready = timeline.now()
         episodes, num_evicted = await actors.buffer.sample.call_one(self.config.prompts_per_step, train_version)
         await self.gate.took_batch(len(episodes), num_evicted)
 
@@ -292,6 +298,10 @@ class Pipeline:
         for warning in alarms:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
+        self._last_step_returned_s = timeline.now()
+        step_metrics.update(
+            critical_path_breakdown(trained.metrics, data_ready - waiting_from, self._last_step_returned_s - data_ready + previous_tail_s)
+        )
         return StepResult(step_metrics, stopped), weight_updates
 
     async def _trained(self, step: int, episodes: list[Episode]):
@@ -368,6 +378,17 @@ class Pipeline:
             self.timeline.close()
         buffer_stats = await self.actors.buffer.stats.call_one()
         return history, self.accounting.summary(buffer_stats[m.DROPPED_EPISODES])
+
+
+def critical_path_breakdown(trainer_metrics: dict, data_wait_s: float, busy_s: float) -> dict:
+    """A step's critical path in the train loop: `data_wait_s` waiting for a batch, then `busy_s`
+    until the loop can wait for the next one, of which the trainer's forward, backward and
+    optimizer (rank 0's, in `trainer_metrics`) are compute and the rest is overhead. A simulated
+    trainer reports no compute: nothing then."""
+    if m.TRAINER_FORWARD_S not in trainer_metrics:
+        return {}
+    compute_s = sum(trainer_metrics.get(name, 0.0) for name in (m.TRAINER_FORWARD_S, m.TRAINER_BACKWARD_S, m.TRAINER_OPTIMIZER_S))
+    return {m.TRAINER_DATA_WAIT_S: data_wait_s, m.TRAINER_OVERHEAD_S: max(busy_s - compute_s, 0.0)}
 
 
 async def _cancelled(*tasks: asyncio.Task) -> None:

@@ -68,6 +68,25 @@ DROPPED_COMPLETIONS = "buffer/dropped_completions"
 DROPPED_EPISODES = "buffer/dropped_episodes"
 GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
 
+# The train loop's critical path, per step (forge_rl/loop.py `StepClock`): waiting for data, the
+# trainer's compute (rank 0's forward, backward, optimizer), and everything else (sampling the
+# buffer, batching, publishing the weights, messages, the loop's bookkeeping).
+TRAINER_DATA_WAIT_S = "trainer/data_wait_s"
+"""Waiting for the admission gate to have a batch (generation is behind): not overhead."""
+TRAINER_FORWARD_S = "trainer/forward_s"
+TRAINER_BACKWARD_S = "trainer/backward_s"
+"""Backward, and the LoRA adapters' gradient reduction."""
+TRAINER_OPTIMIZER_S = "trainer/optimizer_s"
+"""Gradient clipping and the AdamW step."""
+TRAINER_BATCHING_S = "trainer/batching_s"
+"""Building the padded/packed batch from the episodes, in the trainer's process."""
+TRAINER_PUBLISH_S = "trainer/publish_s"
+"""Snapshotting the new weights and handing them to the store's writer (the write itself is
+in the background)."""
+TRAINER_OVERHEAD_S = "trainer/overhead_s"
+"""The critical path minus data wait and compute: batching, publishing, sampling, messages and the
+loop's bookkeeping. The bookkeeping after a step (logging, checkpoints) counts in the next step."""
+
 # Environment episodes (forge_rl/envs/rollout.py), over those played since the previous step.
 EPISODES_PLAYED = "episodes/played"
 TURNS_PER_EPISODE = "episodes/turns_mean"
@@ -88,6 +107,11 @@ EPISODE_STATUS_PREFIX = "episodes/status/"
 GENERATORS_IDLE_ON_ENV_FRACTION = "idle_fraction/generators_waiting_on_env"
 """Since the loops started, generator-seconds with no turn in flight while episodes waited on
 environment calls (forge_rl/envs/rollout.py, EnvWaitClock), over all generator-seconds."""
+
+TRAINER_BREAKDOWN = (
+    TRAINER_DATA_WAIT_S, TRAINER_FORWARD_S, TRAINER_BACKWARD_S, TRAINER_OPTIMIZER_S,
+    TRAINER_BATCHING_S, TRAINER_PUBLISH_S, TRAINER_OVERHEAD_S,
+)  # fmt: skip
 
 FINAL_REWARD_WINDOW = 5
 """Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches)."""
@@ -267,6 +291,22 @@ def run_summary(history: Sequence[dict]) -> dict:
         "loop_time_s": last[WALL_TIME_S],
         "trainer_idle_fraction": last[TRAINER_IDLE_FRACTION],
         "generator_idle_fraction": last[GENERATORS_IDLE_FRACTION],
+        **trainer_overhead_summary(history),
+    }
+
+
+def trainer_overhead_summary(history: Sequence[dict]) -> dict:
+    """Where the train loop's time went, summed over the steps: `trainer_overhead_fraction` is the
+    share of the step (compute plus overhead; waiting for data excluded, since that is generation's
+    share) spent outside the trainer's forward, backward and optimizer. A run without the breakdown
+    (a simulated trainer) reports none."""
+    if TRAINER_OVERHEAD_S not in history[-1]:
+        return {}
+    totals = {name: sum(m.get(name, 0.0) for m in history) for name in TRAINER_BREAKDOWN}
+    compute_s = totals[TRAINER_FORWARD_S] + totals[TRAINER_BACKWARD_S] + totals[TRAINER_OPTIMIZER_S]
+    return {
+        "trainer_overhead_fraction": totals[TRAINER_OVERHEAD_S] / max(compute_s + totals[TRAINER_OVERHEAD_S], 1e-9),
+        "trainer_time_s": {name.removeprefix("trainer/").removesuffix("_s"): round(t, 3) for name, t in totals.items()},
     }
 
 

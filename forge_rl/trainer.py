@@ -26,7 +26,13 @@ from forge_rl.engines.simulated import SimTrainerConfig
 from forge_rl.losses.corrections import k3_kl_NL
 from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, token_mean
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
-from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_ENTROPY
+from forge_rl.metrics import (
+    MISMATCH_KL_BY_GENERATOR,
+    POLICY_ENTROPY,
+    TRAINER_BACKWARD_S,
+    TRAINER_FORWARD_S,
+    TRAINER_OPTIMIZER_S,
+)
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.routing import keep_routing_metrics
 from forge_rl.models.titan import (
@@ -362,11 +368,17 @@ class PolicyTrainer:
         metrics.update(self._layout_metrics(layout_counts))
         if self._routing_shape is not None:
             metrics.update(self._keep_routing_metrics(batch))
+        # The step's phases on this rank (rank 0's reach the log): the trainer's compute, which the
+        # loop's overhead breakdown subtracts from the step's critical path (forge_rl/loop.py).
+        backward_start = time.perf_counter()
+        metrics[TRAINER_FORWARD_S] = backward_start - start
         if not math.isfinite(metrics["loss"]):
             return self._skip_step(metrics, f"non-finite {self.config.loss.name} loss ({metrics['loss']})", start)
         loss.backward()
         if self.lora is not None:  # FSDP2 reduces the base's gradients, not those of the adapters
             self.lora.reduce_gradients(self._dp_group)
+        optimizer_start = time.perf_counter()
+        metrics[TRAINER_BACKWARD_S] = optimizer_start - backward_start
         metrics["grad_norm"] = self._clip_grad_norm()
         if not math.isfinite(metrics["grad_norm"]):
             self.optimizer.zero_grad(set_to_none=True)
@@ -377,6 +389,7 @@ class PolicyTrainer:
         self.num_consecutive_nonfinite_steps = 0
         metrics["step_skipped"] = 0
         metrics["step_time_s"] = time.perf_counter() - start
+        metrics[TRAINER_OPTIMIZER_S] = time.perf_counter() - optimizer_start
         return metrics
 
     def _layout_metrics(self, counts: dict[str, float]) -> dict[str, float]:

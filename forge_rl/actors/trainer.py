@@ -15,6 +15,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.batching import make_train_batch
+from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.models.peft_format import peft_adapter
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
@@ -62,11 +63,16 @@ class TrainerActor(Actor):
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
+        started = time.perf_counter()
         batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
+        batching_s = time.perf_counter() - started
         metrics = self.trainer.train_step(batch)
         metrics["policy_version"] = self.trainer.policy_version
+        metrics[TRAINER_BATCHING_S] = batching_s
         skipped = bool(metrics["step_skipped"])
+        publish_start = time.perf_counter()
         published = {} if skipped else await self._publish()
+        metrics[TRAINER_PUBLISH_S] = time.perf_counter() - publish_start
         weights_dir = published.pop("weights/dir", None)
         return TrainStepResult(self.trainer.policy_version, skipped, weights_dir, metrics | published)
 

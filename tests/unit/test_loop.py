@@ -340,3 +340,28 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
             ages = [train_version - v for v, trains in zip(completion.policy_versions, completion.loss_mask) if trains]
             assert max(ages) <= ENV_CONFIG.buffer.max_policy_age
     assert max(step[m.SPANNED_WEIGHT_UPDATE_FRACTION] for step in history) > 0
+
+
+def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_compute(tmp_path):
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline = make_pipeline(generate)
+    versions = iter(range(1, 100))
+
+    async def train_step(episodes):  # a FAKE trainer that reports its compute as PolicyTrainer does
+        version = next(versions)
+        compute = {m.TRAINER_FORWARD_S: 0.0, m.TRAINER_BACKWARD_S: 0.0, m.TRAINER_OPTIMIZER_S: 0.0}
+        metrics = {"num_tokens": 8, "step_skipped": 0, "policy_version": version, **compute}
+        return TrainStepResult(version, skipped=False, weights_dir="/nowhere", metrics=metrics)
+
+    pipeline.actors.trainer = endpoints(train_step=train_step)
+    history, _ = run(pipeline, tmp_path)
+
+    assert all(h[m.TRAINER_DATA_WAIT_S] >= 0 and h[m.TRAINER_OVERHEAD_S] >= 0 for h in history)
+    # The steps' critical paths follow one another: together they never exceed the loops' time.
+    assert sum(h[m.TRAINER_DATA_WAIT_S] + h[m.TRAINER_OVERHEAD_S] for h in history) <= pipeline.timeline.now()
+    summary = m.trainer_overhead_summary(history)
+    assert summary["trainer_overhead_fraction"] == pytest.approx(1.0)  # no compute at all: all overhead

@@ -1,5 +1,7 @@
 """Per-step metrics and the run summary (forge_rl/metrics.py)."""
 
+import pytest
+
 from forge_rl.buffer import BufferConfig, ReplayBuffer
 from forge_rl import metrics as m
 from forge_rl.metrics import POLICY_AGE_HISTOGRAM, POLICY_AGE_MAX, batch_metrics, final_reward, run_summary
@@ -45,3 +47,17 @@ def test_a_run_on_an_environment_reports_turns_per_episode_over_the_final_window
     summary = run_summary(history)
     assert summary["mean_turns_per_episode"] == (8 * 1 + 24 * 2 + 8 * 3) / 40  # the first step is outside the window
     assert summary["generator_idle_waiting_on_env_fraction"] == 0.1
+
+
+def test_the_trainer_overhead_fraction_is_overhead_over_compute_plus_overhead_data_wait_excluded():
+    step = {
+        m.TRAINER_DATA_WAIT_S: 5.0,  # generation's share: not the trainer's overhead
+        m.TRAINER_FORWARD_S: 1.0, m.TRAINER_BACKWARD_S: 2.0, m.TRAINER_OPTIMIZER_S: 0.5,
+        m.TRAINER_BATCHING_S: 0.1, m.TRAINER_PUBLISH_S: 0.2, m.TRAINER_OVERHEAD_S: 0.5,
+    }  # fmt: skip
+    summary = m.trainer_overhead_summary([step, step])
+    assert summary["trainer_overhead_fraction"] == pytest.approx(1.0 / (7.0 + 1.0))
+    assert summary["trainer_time_s"] == {
+        "data_wait": 10.0, "forward": 2.0, "backward": 4.0, "optimizer": 1.0, "batching": 0.2, "publish": 0.4, "overhead": 1.0,
+    }  # fmt: skip
+    assert m.trainer_overhead_summary([{m.STEP: 1}]) == {}  # a simulated trainer reports no breakdown
