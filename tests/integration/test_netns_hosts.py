@@ -1,0 +1,162 @@
+"""The multi-host path over a real network stack: three "hosts" made of network namespaces on this
+machine (tests/integration/netns_hosts.py), each with its own address and hostname.
+
+    host 0: the controller (`forge-rl grpo` over a host list)
+    host 1: `forge-rl worker`: the services (dataset, scorer, buffer, store index) and the trainer
+    host 2: `forge-rl worker`: the vLLM generator
+
+Unlike the localhost host lists of test_multi_host.py and test_grpo_loop.py, every hostname
+differs, so forge_rl takes its remote paths: Monarch's TCP transport between addresses, the
+weights fetched from host 1 to host 2 over Monarch's RDMA TCP fallback, and a generator on
+another host than its pool, whose death only Monarch's supervision (or a failed call) reports.
+
+Driven, not timed: the reward function is held (tests/integration/held_reward.py) from the start,
+so the run cannot train past what its buffer holds; once a scoring call is inside it (the
+generator has generated), every process of the generator's host below its worker is SIGKILLed
+(the generator actor and its vLLM engine), then the hold is released. The run can only finish
+if the pool replaces the generator on host 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from forge_rl.buffer import BufferConfig
+from forge_rl.config import GRPOConfig
+from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.placement import LaunchConfig, PlacementConfig
+from forge_rl.run_dir import config_to_dict
+from forge_rl.tasks import TaskConfig
+from tests.helpers import wait_until
+from tests.integration.held_reward import HOLD_DIR_ENV
+from tests.integration.netns_hosts import NetnsHosts
+from tests.integration.workers import REPO, stop_worker
+
+pytestmark = pytest.mark.integration
+
+WORKER_PORT = 26400
+"""Each host has a network stack of its own: the same port is free on every one."""
+RUN_HANG_S = 600
+"""Bounds a hang of the run; the pass condition is its summary."""
+
+
+@pytest.fixture(scope="module")
+def run_over_namespaces(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("netns")
+    hold_dir = tmp / "hold"
+    hold_dir.mkdir()
+    (hold_dir / "hold").touch()  # scoring waits from the first call
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        HOLD_DIR_ENV: str(hold_dir),  # the reward runs under host 1's worker
+    }
+    with NetnsHosts(3) as hosts:
+        workers = [
+            subprocess.Popen(
+                hosts.command(i, [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(WORKER_PORT), "--host", hosts.address(i)]),
+                cwd=REPO, env=env, stdout=open(tmp / f"worker{i}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            for i in (1, 2)
+        ]
+        try:
+            for i, worker in zip((1, 2), workers):
+                wait_until(lambda: _listening(hosts.address(i), worker), f"host {i}'s worker to listen")
+            config = GRPOConfig(
+                run_dir=tmp / "runs",
+                run_name="netns",
+                steps=8,
+                train_batch_size=16,
+                group_size=4,
+                prompts_in_flight_per_generator=4,
+                generator=GeneratorConfig(max_new_tokens=2),
+                buffer=BufferConfig(max_policy_age=1),
+                task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
+                launch=LaunchConfig(
+                    hosts="list",
+                    workers=tuple(f"tcp://{hosts.address(i)}:{WORKER_PORT}" for i in (1, 2)),
+                    placement=PlacementConfig(services_host=0, trainer_hosts=(0,), generator_hosts=(1,)),
+                ),
+            )
+            config_path = tmp / "netns.yaml"
+            config_path.write_text(yaml.safe_dump(config_to_dict(config)))
+            controller = subprocess.Popen(
+                hosts.command(0, [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(config_path), "--log.progress-every-s", "0"]),
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(tmp / "controller.log", "w"), text=True,
+            )
+            try:
+                wait_until(lambda: list(hold_dir.glob("held-*")) or controller.poll() is not None, "a scoring call to be held")
+                assert controller.poll() is None, (tmp / "controller.log").read_text()[-3000:]
+                killed = _kill_everything_below(workers[1])
+                killed_at = time.time()
+                (hold_dir / "hold").unlink()
+                stdout, _ = controller.communicate(timeout=RUN_HANG_S)
+            finally:
+                (hold_dir / "hold").unlink(missing_ok=True)
+                if controller.poll() is None:
+                    controller.kill()
+            log = (tmp / "controller.log").read_text()
+            assert controller.returncode == 0, log[-3000:]
+            workers_alive = all(w.poll() is None for w in workers)
+            summary = json.loads(stdout.strip().splitlines()[-1])
+            return summary, log, config, hosts.names, killed, killed_at, workers_alive
+        finally:
+            for worker in workers:
+                stop_worker(worker)
+
+
+def _listening(address: str, worker: subprocess.Popen) -> bool:
+    import socket
+
+    assert worker.poll() is None, f"the worker for {address} exited with {worker.returncode}"
+    try:
+        with socket.create_connection((address, WORKER_PORT), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _kill_everything_below(worker: subprocess.Popen) -> list[str]:
+    """SIGKILL every process the worker spawned (its host's share of the run: the generator actor's
+    process and its vLLM engine); returns their command lines."""
+    victims = psutil.Process(worker.pid).children(recursive=True)
+    assert victims, "the generator's host runs no process of the run"
+    names = [" ".join(p.cmdline())[:120] for p in victims]
+    for process in victims:
+        os.kill(process.pid, signal.SIGKILL)
+    return names
+
+
+def test_the_hosts_are_apart_and_weights_cross_between_them(run_over_namespaces):
+    summary, log, config, names, *_ = run_over_namespaces
+    assert f"hosts: 0={names[1]} (" in log and f", 1={names[2]} (" in log
+    assert f"weights move from {names[1]} to {names[2]}" in log
+    assert summary["steps"] == config.steps
+
+
+def test_a_killed_remote_generator_is_detected_and_replaced_with_nothing_lost(run_over_namespaces):
+    summary, log, config, _, killed, killed_at, workers_alive = run_over_namespaces
+    assert len(killed) >= 2, killed  # the generator actor's process and its engine core, at least
+    [event] = summary["generator_recoveries"]
+    assert event["generator"] == 0 and killed_at - 1.0 <= event["detected_at"] <= event["serving_at"]
+    accounting = summary["accounting"]
+    assert accounting["trained"] == config.steps * config.prompts_per_step
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["prompts_handed_out"] == (
+        accounting["trained"] + accounting["dropped"] + accounting["filtered_zero_advantage"]
+        + accounting["skipped_nonfinite"] + accounting["unfinished_at_stop"]
+    )
+    assert workers_alive, "a worker exited with the run"
+    metrics = [json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()]
+    # The replacement served the versions the trainer published after the kill (fetched from host 1).
+    assert metrics[-1]["generator/policy_versions"][0] >= config.steps - config.buffer.max_policy_age - 1
