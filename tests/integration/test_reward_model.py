@@ -65,3 +65,48 @@ def test_the_reward_model_actor_batches_requests_and_a_nan_model_errors_its_comp
     assert scored.completions[0].error.startswith("reward_model: non-finite reward (nan")
     assert stats["scorer/errored"] == 2 and stats["scorer/reward_model/errored"] == 2
     assert stats["scorer/reward_fn/errored"] == 0
+
+
+def test_a_killed_reward_model_is_restarted_with_its_scorer_until_max_restarts_then_the_run_stops(tmp_path):
+    """The scorer's supervisor (forge_rl/actors/scorer_supervisor.py) owns the reward model's process
+    too: SIGKILL it, and the next scoring call is served by a fresh scorer and reward model, with the
+    same episodes scored; a death past scorer.max_restarts raises ScorerFailed naming the flag."""
+    import os
+    import signal
+
+    from forge_rl.actors.scorer_supervisor import ScorerSupervisor
+    from forge_rl.errors import ScorerFailed, raised_by_actor
+
+    config = ScorerConfig(reward_model=RewardModelConfig(path=untrained_reward_model(tmp_path / "rm")), max_restarts=1)
+
+    async def kill_reward_model(supervisor) -> int:
+        scorer_pid, *others = await supervisor.processes.call_one()
+        (reward_model_pid,) = others  # the scorer's process first, then the reward model's
+        os.kill(reward_model_pid, signal.SIGKILL)
+        return reward_model_pid
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="supervisor")
+        supervisor = procs.spawn("supervisor", ScorerSupervisor, config, "leading_number", 0)
+        try:
+            await supervisor.start.call_one()
+            (before,) = await supervisor.score.call_one([episode(0, "7", "3")])
+            killed = await kill_reward_model(supervisor)
+            (after,) = await supervisor.score.call_one([episode(1, "7", "3")])  # waits for the restart
+            restarts = await supervisor.wait_until_serving.call_one()
+            pids_after = await supervisor.processes.call_one()
+            await kill_reward_model(supervisor)
+            with pytest.raises(Exception) as failed:
+                await supervisor.score.call_one([episode(2, "7", "3")])
+            return before, after, restarts, killed, pids_after, await supervisor.recovery_events.call_one(), failed.value
+        finally:
+            await supervisor.shutdown.call_one()
+            await procs.stop()
+
+    before, after, restarts, killed, pids_after, events, failure = asyncio.run(main())
+    assert [c.status for c in after.completions] == [CompletionStatus.OK] * 2
+    assert [c.reward for c in after.completions] == pytest.approx([c.reward for c in before.completions])
+    assert restarts == 1 and killed not in pids_after
+    assert len(events) == 2  # the restart, then the death that exhausted scorer.max_restarts
+    assert isinstance(raised_by_actor(failure), ScorerFailed), failure
+    assert "scorer.max_restarts" in str(raised_by_actor(failure))
