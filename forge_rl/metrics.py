@@ -112,6 +112,9 @@ TRAINER_BREAKDOWN = (
     TRAINER_DATA_WAIT_S, TRAINER_FORWARD_S, TRAINER_BACKWARD_S, TRAINER_OPTIMIZER_S,
     TRAINER_BATCHING_S, TRAINER_PUBLISH_S, TRAINER_OVERHEAD_S,
 )  # fmt: skip
+TRAINER_STEP_CLOCK = frozenset({"step_time_s", TRAINER_FORWARD_S, TRAINER_BACKWARD_S, TRAINER_OPTIMIZER_S})
+"""The wall-clock readings among a `PolicyTrainer.train_step`'s metrics: everything else it
+returns is a pure function of the weights and the batch (what parity tests compare)."""
 
 FINAL_REWARD_WINDOW = 5
 """Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches)."""
@@ -307,6 +310,24 @@ def trainer_overhead_summary(history: Sequence[dict]) -> dict:
     return {
         "trainer_overhead_fraction": totals[TRAINER_OVERHEAD_S] / max(compute_s + totals[TRAINER_OVERHEAD_S], 1e-9),
         "trainer_time_s": {name.removeprefix("trainer/").removesuffix("_s"): round(t, 3) for name, t in totals.items()},
+    }
+
+
+def generator_time_summary(history: Sequence[dict], forward_times: Sequence[dict]) -> dict:
+    """Where the generators' time went over the loops, summed over generators: the engines' model
+    time (`forward_times`, one per generator, forge_rl/engines/forward_clock.py), the rest of their
+    busy time (a request in flight: scheduling, detokenization, messages, swaps), and idle. A
+    replaced generator's engine counts from its replacement on, so its share is a lower bound. A
+    simulation runs no model: nothing then."""
+    if not forward_times or not all("forward_s" in t for t in forward_times):
+        return {}
+    last = history[-1]
+    total_s = last[WALL_TIME_S] * len(forward_times)
+    busy_s = (1.0 - last[GENERATORS_IDLE_FRACTION]) * total_s
+    forward_s = min(sum(t["forward_s"] for t in forward_times), busy_s)
+    return {
+        "generator_time_s": {"forward": round(forward_s, 3), "busy_other": round(busy_s - forward_s, 3), "idle": round(total_s - busy_s, 3)},
+        "generator_forward_fraction": forward_s / max(total_s, 1e-9),
     }
 
 

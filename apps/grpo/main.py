@@ -48,7 +48,7 @@ from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
-from forge_rl.metrics import progress
+from forge_rl.metrics import generator_time_summary, progress
 from forge_rl.reference import attach_reference_logprobs
 from forge_rl.teacher import pinned_teacher_refresh
 from forge_rl.store.actors import spawn_store
@@ -85,9 +85,11 @@ async def run(config: GRPOConfig) -> dict:
         history, accounting = await lifecycle.run_loops(pipeline)
         recoveries = await actors.generators.recovery_events.call_one()
         scorer_recoveries = await actors.scorer.recovery_events.call_one()
+        forward_times = await actors.generators.forward_times.call_one()
     return lifecycle.summary(
         history,
         accounting,
+        **generator_time_summary(history, forward_times),
         engine_start_s=max(start["engine_start_s"] for start in generator_starts),
         generator_recoveries=recoveries,
         scorer_recoveries=scorer_recoveries,

@@ -73,6 +73,11 @@ class GeneratorActor(Actor):
         }
 
     @concurrent_endpoint
+    async def forward_time(self) -> dict:
+        """The engine's model time since it started ({} for a simulated engine)."""
+        return await self.engine.forward_time()
+
+    @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
         groups = await asyncio.gather(
             *(

@@ -228,6 +228,21 @@ class GeneratorPool(Actor):
     async def recovery_events(self) -> list[dict]:
         return list(self.recoveries)
 
+    @concurrent_endpoint
+    async def forward_times(self) -> list[dict]:
+        """Per generator, its engine's model time since that engine started (a replacement's since
+        it replaced the dead one); {} for a generator not serving now, or a simulated one."""
+
+        async def forward_time(slot: GeneratorSlot) -> dict:
+            if slot.state != SlotState.SERVING:
+                return {}
+            try:
+                return await within(_STOP_TIMEOUT_S, slot.actor.forward_time.call_one())
+            except Exception:  # it died just now: its figure is lost with it
+                return {}
+
+        return list(await asyncio.gather(*(forward_time(slot) for slot in self.slots)))
+
     @endpoint
     async def shutdown(self) -> None:
         self._stopping = True

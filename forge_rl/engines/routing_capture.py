@@ -30,6 +30,7 @@ import re
 
 import torch
 
+from forge_rl.engines.forward_clock import ForwardClockExtension
 from forge_rl.routing import RoutingRecord, expert_id_dtype
 from forge_rl.store.vllm_staging import StagedWeightsExtension
 
@@ -145,5 +146,5 @@ class RoutingCaptureExtension:
         return {child: record.to_dict() for child, record in records.items()}
 
 
-class ForgeWorkerExtension(StagedWeightsExtension, RoutingCaptureExtension):
+class ForgeWorkerExtension(StagedWeightsExtension, RoutingCaptureExtension, ForwardClockExtension):
     """Everything forge_rl adds to vLLM's worker (one `worker_extension_cls`)."""

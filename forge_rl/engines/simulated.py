@@ -420,6 +420,10 @@ class SimulatedEngine:
         """A simulated engine runs in its generator's process: no processes of its own."""
         return []
 
+    async def forward_time(self) -> dict:
+        """A simulation runs no model: no forward time to report."""
+        return {}
+
     async def worker_devices(self) -> list[dict]:
         return [{"device": "simulated"}]
 

@@ -326,6 +326,7 @@ class VLLMEngine:
         self._vocab_size = self._llm.model_config.get_vocab_size()
         if self.config.record_routing and not torch_cuda_available():
             await self._llm.collective_rpc("forge_start_routing_capture")
+        await self._llm.collective_rpc("forge_start_forward_clock")
         self.max_model_len = max_model_len
         await self._llm.update_weight_version(str(self.policy_version))
 
@@ -852,6 +853,11 @@ class VLLMEngine:
     def _can_stage(self) -> bool:
         """The staged loader needs eager mode and one worker (see forge_rl/store/vllm_staging.py)."""
         return self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
+
+    async def forward_time(self) -> dict:
+        """The model's time in the engine since it started (forge_rl/engines/forward_clock.py):
+        {"forward_s", "forward_steps"} of the first worker (tensor-parallel ranks step together)."""
+        return (await self._running_llm.collective_rpc("forge_forward_time"))[0]
 
     async def worker_devices(self) -> list[dict]:
         """Per worker (TP rank order): its device and, on GPU, that device's UUID and what

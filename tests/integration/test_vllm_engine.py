@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import time
 from pathlib import Path
 
 import psutil
@@ -125,6 +126,17 @@ def test_generate_returns_n_completions_with_per_token_fields(served):
             assert completion.token_ids[-1] == served.tokenizer.eos_id  # EOS kept for training
         else:
             assert completion.num_tokens == CONFIG.max_new_tokens
+
+
+def test_the_engine_times_its_forward_passes_within_the_requests_wall_time(served):
+    before = served.run(served.engine.forward_time())
+    started = time.perf_counter()
+    (completion,) = served.run(served.engine.generate(served.prompts(1)[0], n=1, eos_id=None))
+    wall_s = time.perf_counter() - started
+    after = served.run(served.engine.forward_time())
+    # One prefill and a decode step per further token; eos_id None: every token is decoded.
+    assert after["forward_steps"] - before["forward_steps"] >= completion.num_tokens
+    assert 0 < after["forward_s"] - before["forward_s"] <= wall_s
 
 
 def test_top_p_records_each_tokens_kept_set(served):

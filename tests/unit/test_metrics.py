@@ -61,3 +61,12 @@ def test_the_trainer_overhead_fraction_is_overhead_over_compute_plus_overhead_da
         "data_wait": 10.0, "forward": 2.0, "backward": 4.0, "optimizer": 1.0, "batching": 0.2, "publish": 0.4, "overhead": 1.0,
     }  # fmt: skip
     assert m.trainer_overhead_summary([{m.STEP: 1}]) == {}  # a simulated trainer reports no breakdown
+
+
+def test_the_generators_time_splits_into_forward_other_busy_and_idle_summed_over_generators():
+    last = {m.WALL_TIME_S: 10.0, m.GENERATORS_IDLE_FRACTION: 0.25}  # 2 generators: 20 s, 15 s busy
+    summary = m.generator_time_summary([last], [{"forward_s": 4.0}, {"forward_s": 5.0}])
+    assert summary["generator_time_s"] == {"forward": 9.0, "busy_other": 6.0, "idle": 5.0}
+    assert summary["generator_forward_fraction"] == pytest.approx(9.0 / 20.0)
+    # A generator not serving at the end (or a simulated one) reports none: no split then.
+    assert m.generator_time_summary([last], [{"forward_s": 4.0}, {}]) == {}

@@ -1,0 +1,49 @@
+"""How long a vLLM worker spends running the model: the generator's side of the per-step breakdown.
+
+A generator's time splits into decode work (the engine's forward passes and sampling), waiting
+(no request in flight: the timeline's idle time) and the rest (scheduling, detokenization,
+messages, weight swaps). The forward time is only visible inside the worker, so this mixin of
+forge_rl's `worker_extension_cls` (forge_rl/engines/routing_capture.py `ForgeWorkerExtension`)
+wraps the worker's `execute_model` and `sample_tokens` and adds up their wall time:
+
+    forge_start_forward_clock()   wrap them (once, after the engine started): warm-up and
+                                  profiling runs before it are not counted
+    forge_forward_time()          {"forward_s", "forward_steps"} since then
+
+On CPU the calls are synchronous, so their wall time is the forward pass. On GPU with asynchronous
+scheduling `execute_model` returns before the kernels finish and `sample_tokens` waits for them:
+their sum is still the step's model time, minus the host work that overlaps it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+
+class ForwardClockExtension:
+    def forge_start_forward_clock(self) -> None:
+        if getattr(self, "_forge_forward_clock", None) is not None:
+            return
+        self._forge_forward_clock = clock = {"forward_s": 0.0, "forward_steps": 0}
+        for name in ("execute_model", "sample_tokens"):
+            method = getattr(self, name, None)
+            if method is not None:
+                setattr(self, name, _timed(method, clock, counts_steps=name == "execute_model"))
+
+    def forge_forward_time(self) -> dict:
+        clock = getattr(self, "_forge_forward_clock", None)
+        return {"forward_s": 0.0, "forward_steps": 0} if clock is None else dict(clock)
+
+
+def _timed(method, clock: dict, counts_steps: bool):
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            clock["forward_s"] += time.perf_counter() - started
+            clock["forward_steps"] += counts_steps
+
+    return timed
