@@ -1,17 +1,23 @@
 """Admission control: start a rollout only if its episodes can be trained within the age bound,
 and only if the buffer will have room for them.
 
-Episodes are trained in the order they were handed out (FIFO), `episodes_per_step` at a time, so
-the j-th queued episode will be trained at version `next_train_version + j // episodes_per_step`.
-A rollout of `num_new_episodes` generated under `generator_version` is admitted only if the last of
-its episodes will then be at most `max_policy_age` versions old. Pausing generation here, instead of
-generating and dropping, keeps long completions from being starved (they are the ones a drop would
-hit). The buffer still enforces the bound on its own; this gate only avoids wasted work.
+Every episode admitted under generator version v must be trained by version v + max_policy_age
+(its deadline), and the trainer trains `episodes_per_step` a step. The gate counts the episodes
+admitted and not yet taken by start version (in flight or buffered) and keeps that schedule
+feasible, earliest deadline first: for every version v, the episodes admitted at v or earlier fit
+in the steps from `next_train_version` to v + max_policy_age (`schedule_is_feasible`). A rollout
+starts only if it keeps the schedule feasible. Pausing generation here, instead of generating and
+dropping, keeps long completions from being starved (they are the ones a drop would hit). The
+buffer still enforces the bound on its own, per token; this gate only avoids wasted work.
 
-Completions finish out of order, so a slow episode can be overtaken by later ones and miss the last
-batch that may train it. The train loop therefore also waits (`batch_may_be_sampled`) until every
-episode that the coming step is the last chance for has reached the buffer, and the buffer serves
-the stalest episodes first. Together: nothing the gate admitted is ever dropped.
+Completions finish out of order, so the buffer may hold later-admitted short episodes while
+earlier-admitted long ones are still decoding. The buffer serves the earliest-admitted first
+(`Episode.schedule_version`), so the batch it would serve now is known here; the train loop waits
+(`batch_may_be_sampled`) while taking that batch would leave the episodes still in flight more
+than the remaining steps can train in time, i.e. until the ones that need this step have arrived.
+Taking the short ones first and letting the gate admit new work into the slots the long ones need
+is how an admitted episode used to be dropped (docs/benchmarks.md, the scale benchmark).
+Together: nothing the gate admitted is ever dropped.
 
 That wait must never wait on the buffer itself: an episode that finished but cannot enter a full
 buffer is still in flight, and the trainer would wait for it while it waits for the trainer. So the
@@ -27,27 +33,61 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 
-def rollout_may_start(
-    generator_version: int,
+def schedule_is_feasible(
+    queued_versions: Mapping[int, int], next_train_version: int, episodes_per_step: int, max_policy_age: int
+) -> bool:
+    """Whether episodes queued by start version (`queued_versions`: version -> episodes) can all be
+    trained within the age bound, earliest deadline first, from version `next_train_version` on."""
+    num_due = 0
+    for version in sorted(queued_versions):
+        num_due += queued_versions[version]
+        steps_left = version + max_policy_age - next_train_version + 1
+        if num_due > steps_left * episodes_per_step:
+            return False
+    return True
+
+
+def overdue_as_due_now(queued_versions: Mapping[int, int], next_train_version: int, max_policy_age: int) -> collections.Counter[int]:
+    """`queued_versions` with the episodes whose deadline has passed by the gate's count moved to
+    the oldest version still trainable. They exist only after a step that the train loop could not
+    hold (nothing left in flight to wait for): the buffer keeps such an episode if its tokens are
+    younger than its start and evicts it otherwise. Admission counts them as due now; counting them
+    as infeasible forever would stop admission while the trainer waits for a batch."""
+    oldest_trainable = next_train_version - max_policy_age
+    due_now: collections.Counter[int] = collections.Counter()
+    for version, count in queued_versions.items():
+        due_now[max(version, oldest_trainable)] += count
+    return due_now
+
+
+def batch_may_be_sampled(
+    queued_versions: Mapping[int, int],
+    in_flight_versions: Mapping[int, int],
     next_train_version: int,
-    num_episodes_queued: int,
-    num_new_episodes: int,
     episodes_per_step: int,
     max_policy_age: int,
 ) -> bool:
-    last_position = num_episodes_queued + num_new_episodes - 1
-    train_version_of_last = next_train_version + last_position // episodes_per_step
-    return train_version_of_last - generator_version <= max_policy_age
-
-
-def batch_may_be_sampled(in_flight_versions: dict[int, int], train_version: int, max_policy_age: int) -> bool:
-    """False while an episode started at a version that this step is the last to accept is still
-    being generated (`in_flight_versions`: start version -> episodes in flight)."""
-    last_chance_version = train_version - max_policy_age
-    return not any(count > 0 and version <= last_chance_version for version, count in in_flight_versions.items())
+    """Whether the batch the buffer serves now (its earliest-admitted episodes) leaves a feasible
+    schedule for the rest. False while an episode that needs this step, or whose place later
+    would be taken by this batch, is still being generated."""
+    if not any(in_flight_versions.values()):
+        return True  # waiting cannot change what the buffer holds
+    buffered = collections.Counter(queued_versions) - collections.Counter(in_flight_versions)
+    if buffered.total() < episodes_per_step:
+        return False  # the batch would be completed by episodes still in flight: wait for them
+    remaining = collections.Counter(queued_versions)
+    num_to_take = episodes_per_step
+    for version in sorted(buffered):
+        taken = min(buffered[version], num_to_take)
+        remaining[version] -= taken
+        num_to_take -= taken
+        if not num_to_take:
+            break
+    return schedule_is_feasible(+remaining, next_train_version + 1, episodes_per_step, max_policy_age)
 
 
 class AdmissionGate:
@@ -79,38 +119,47 @@ class AdmissionGate:
         """Policy version each generator serves now."""
         self.next_train_version = 0
         """Version the next batch will be trained at = batches taken so far."""
-        self.num_episodes_queued = 0
-        """Admitted and not yet taken by the trainer, filtered, or dropped as stale."""
+        self.queued_versions: collections.Counter[int] = collections.Counter()
+        """Start version of each episode admitted and not yet taken by the trainer, filtered, or
+        dropped as stale: in flight or buffered."""
         self.in_flight_versions: collections.Counter[int] = collections.Counter()
-        """Generator version at the start of each episode still being generated or scored."""
+        """Start version of each episode still being generated or scored."""
         self._changed = asyncio.Condition()
+
+    @property
+    def num_episodes_queued(self) -> int:
+        return self.queued_versions.total()
 
     def may_start_rollout(self, generator_index: int, num_new_episodes: int = 1) -> bool:
         if self.num_episodes_queued + num_new_episodes > self.max_episodes_queued:
             return False  # the buffer could not take them: wait for the trainer
         if self.admission == "drop":
             return True
-        return rollout_may_start(
-            generator_version=self.generator_versions[generator_index],
-            next_train_version=self.next_train_version,
-            num_episodes_queued=self.num_episodes_queued,
-            num_new_episodes=num_new_episodes,
-            episodes_per_step=self.episodes_per_step,
-            max_policy_age=self.max_policy_age,
-        )
+        generator_version = self.generator_versions[generator_index]
+        if generator_version + self.max_policy_age < self.next_train_version:
+            return False  # too old for any step still to come: wait for the swap
+        queued = overdue_as_due_now(self.queued_versions, self.next_train_version, self.max_policy_age)
+        queued[generator_version] += num_new_episodes
+        return schedule_is_feasible(queued, self.next_train_version, self.episodes_per_step, self.max_policy_age)
 
     def may_sample_batch(self) -> bool:
         if self.admission == "drop":
             return True  # stragglers that miss their last step are dropped, not waited for
-        return batch_may_be_sampled(self.in_flight_versions, self.next_train_version, self.max_policy_age)
+        return batch_may_be_sampled(
+            self.queued_versions,
+            self.in_flight_versions,
+            self.next_train_version,
+            self.episodes_per_step,
+            self.max_policy_age,
+        )
 
     async def admit(self, generator_index: int, num_episodes: int = 1) -> int:
         """Waits until `num_episodes` may start on generator `generator_index`; returns the version
-        they start at (hand it back to `settle`)."""
+        they start at (stamp it on the episodes as `admitted_version`, hand it back to `settle`)."""
         async with self._changed:
             await self._changed.wait_for(lambda: self.may_start_rollout(generator_index, num_episodes))
-            self.num_episodes_queued += num_episodes
             start_version = self.generator_versions[generator_index]
+            self.queued_versions[start_version] += num_episodes
             self.in_flight_versions[start_version] += num_episodes
             return start_version
 
@@ -118,10 +167,8 @@ class AdmissionGate:
         """`num_episodes` admitted at `start_version` left flight; `num_not_queued` of them did not
         reach the buffer (filtered, dropped at entry, or handed out again after a generator died)."""
         async with self._changed:
-            self.in_flight_versions[start_version] -= num_episodes
-            if not self.in_flight_versions[start_version]:
-                del self.in_flight_versions[start_version]
-            self.num_episodes_queued -= num_not_queued
+            _remove(self.in_flight_versions, [start_version] * num_episodes)
+            _remove(self.queued_versions, [start_version] * num_not_queued)
             self._changed.notify_all()
 
     async def wait_for_batch(self) -> int:
@@ -130,11 +177,12 @@ class AdmissionGate:
             await self._changed.wait_for(self.may_sample_batch)
             return self.next_train_version
 
-    async def took_batch(self, num_episodes: int, num_evicted: int) -> None:
-        """The trainer took `num_episodes`, and the buffer evicted `num_evicted` stale ones meanwhile."""
+    async def took_batch(self, batch_versions: Iterable[int], evicted_versions: Iterable[int]) -> None:
+        """The trainer took episodes admitted at `batch_versions`, and the buffer evicted stale
+        ones admitted at `evicted_versions` meanwhile."""
         async with self._changed:
             self.next_train_version += 1
-            self.num_episodes_queued -= num_episodes + num_evicted
+            _remove(self.queued_versions, [*batch_versions, *evicted_versions])
             self._changed.notify_all()
 
     async def step_skipped(self) -> None:
@@ -149,7 +197,18 @@ class AdmissionGate:
             self.generator_versions[generator_index] = max(self.generator_versions[generator_index], policy_version)
             self._changed.notify_all()
 
-    def restore(self, policy_version: int, num_episodes_buffered: int) -> None:
-        """State after a resume: the trainer is at `policy_version`, the buffer holds episodes."""
+    def restore(self, policy_version: int, buffered_versions: Iterable[int]) -> None:
+        """State after a resume: the trainer is at `policy_version`, the buffer holds episodes
+        admitted at `buffered_versions`."""
         self.next_train_version = policy_version
-        self.num_episodes_queued = num_episodes_buffered
+        self.queued_versions = collections.Counter(buffered_versions)
+
+
+def _remove(counts: collections.Counter[int], versions: Iterable[int]) -> None:
+    """Take `versions` out of `counts`; a version that is not there is a bookkeeping error."""
+    for version in versions:
+        if counts[version] <= 0:
+            raise RuntimeError(f"admission gate: no episode admitted at version {version} to remove ({dict(counts)})")
+        counts[version] -= 1
+        if not counts[version]:
+            del counts[version]

@@ -50,9 +50,10 @@ class BufferConfig:
     with their lengths, which skew long: `buffer/dropped_completion_len_*` vs
     `buffer/trained_completion_len_*`)."""
     sampling: Literal["fifo", "freshest"] = "fifo"
-    """Which episodes a batch takes first. fifo: the oldest policy version first, in arrival order
-    within a version, so an episode that finished late is trained before it can expire (what
-    admission control relies on). freshest: the newest version first."""
+    """Which episodes a batch takes first. fifo: the earliest admitted first (`Episode.schedule_version`:
+    the version its rollout started at), in arrival order within a version, so an episode that
+    finished late is trained before it can expire (what admission control relies on). freshest:
+    the newest version first."""
 
     def __post_init__(self) -> None:
         if self.max_policy_age < 0:
@@ -152,6 +153,10 @@ class ReplayBuffer:
     def num_free_slots(self) -> int:
         return self.config.capacity_episodes - len(self._episodes)
 
+    def schedule_versions(self) -> list[int]:
+        """`Episode.schedule_version` of each held episode (what the admission gate counts)."""
+        return [e.schedule_version for e in self._episodes]
+
     def has_room(self, episode: Episode) -> bool:
         """Whether `put(episode)` fits now, in episodes and in tokens."""
         capacity_tokens = self.config.capacity_tokens
@@ -181,11 +186,11 @@ class ReplayBuffer:
         self._episodes.append(aged)
         return True
 
-    def evict_stale(self, trainer_version: int) -> int:
-        """Apply the age bound at `trainer_version` to every held episode; returns how many were dropped."""
-        aged = [self._apply_age_bound(e, trainer_version) for e in self._episodes]
-        self._episodes = collections.deque(e for e in aged if e is not None)
-        return aged.count(None)
+    def evict_stale(self, trainer_version: int) -> list[Episode]:
+        """Apply the age bound at `trainer_version` to every held episode; returns the dropped ones."""
+        aged = [(e, self._apply_age_bound(e, trainer_version)) for e in self._episodes]
+        self._episodes = collections.deque(kept for _, kept in aged if kept is not None)
+        return [e for e, kept in aged if kept is None]
 
     def sample(self, num_episodes: int, trainer_version: int) -> list[Episode] | None:
         """Take `num_episodes` whole groups trainable at `trainer_version`, or None if too few."""
@@ -196,7 +201,7 @@ class ReplayBuffer:
         self._episodes = collections.deque(
             sorted(
                 self._episodes,
-                key=lambda e: e.oldest_policy_version,
+                key=lambda e: e.schedule_version,
                 reverse=self.config.sampling == "freshest",
             )
         )

@@ -208,11 +208,15 @@ class Lifecycle:
             (self.run_path / "timeline_origin.json").write_text(json.dumps(origin))
         return previous_history + history, accounting
 
-    async def after_step(self, pipeline: Pipeline) -> None:
-        """Checkpoint after this step if it is due (every_n_steps, or the last step)."""
-        checkpoints, step = self.config.checkpoint, pipeline.step
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint follows step `step` (every_n_steps, or the last step)."""
+        checkpoints = self.config.checkpoint
         due = step % checkpoints.every_n_steps == 0 or (step == self.config.steps and checkpoints.on_shutdown)
-        if checkpoints.enabled and due:
+        return checkpoints.enabled and due
+
+    async def after_step(self, pipeline: Pipeline) -> None:
+        """Checkpoint after this step if it is due."""
+        if self.checkpoint_due(pipeline.step):
             # Finished even if the run is stopped meanwhile: a stop then needs no checkpoint of its own.
             _, stopped = await self.finish_despite_stop(self.save_checkpoint(pipeline))
             if stopped:
@@ -302,11 +306,11 @@ class Lifecycle:
                 f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "
                 f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
             )
-        num_buffered = await actors.buffer.load_state_dict.call_one(saved.buffer, saved.policy_version)
+        buffered_versions = await actors.buffer.load_state_dict.call_one(saved.buffer, saved.policy_version)
         await actors.dataset.load_state.call_one(saved.dataset_cursor, saved.reissue)
         restore_rng_state(saved.rng)
         pipeline.step = saved.step
-        pipeline.gate.restore(saved.policy_version, num_buffered)
+        pipeline.gate.restore(saved.policy_version, buffered_versions)
         pipeline.accounting = PromptAccounting.from_state_dict(
             saved.accounting, handed_out=saved.dataset_cursor - len(saved.reissue)
         )
@@ -315,7 +319,7 @@ class Lifecycle:
         await pipeline.update_all_generators(saved.policy_version, loaded["weights/dir"])
         progress(
             f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "
-            f"{num_buffered} buffered episodes, {len(saved.reissue)} prompts re-issued"
+            f"{len(buffered_versions)} buffered episodes, {len(saved.reissue)} prompts re-issued"
         )
 
     # Summary ----------------------------------------------------------------------------------

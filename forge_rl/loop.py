@@ -9,11 +9,12 @@
                    within max_policy_age of the version it generates with, and fit in the buffer
         unblocked  when the trainer takes a batch or its generator loads newer weights
     train loop (one)
-        consumes   one batch of prompts_per_step episodes from the buffer (all fresh enough)
+        consumes   one batch of prompts_per_step episodes from the buffer (all fresh enough), taken
+                   and sent to the trainer while the step before it trains (one step ahead)
         produces   policy version v+1 in the weight store, then tells every generator (not awaited);
                    a checkpoint every checkpoint.every_n_steps (forge_rl/lifecycle.py)
-        waits for  the gate's "no episode this step is the last chance for is still in flight",
-                   then the buffer to hold a full batch
+        waits for  the gate's "taking the buffer's batch now leaves every episode in flight enough
+                   steps before its deadline", then the buffer to hold a full batch
         unblocked  by rollouts
 
 The library owns these loops; a recipe supplies its actors and the stage between generation and
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -79,6 +81,24 @@ class RunActors:
 
 
 @dataclasses.dataclass
+class SentStep:
+    """A step whose batch left the buffer and was sent to the trainer, not yet accounted for."""
+
+    step: int
+    train_version: int
+    """The version the gate took the batch for (the trainer's, unless the step before it is skipped)."""
+    episodes: list[Episode]
+    reply: asyncio.Future
+    """The trainer mesh's answer to `train_step` (a ValueMesh of TrainStepResult)."""
+    trainer_busy: contextlib.ExitStack
+    """The trainer's busy interval on the timeline, from the send until the reply."""
+    waiting_from: float
+    """When the loop began waiting for this batch (the timeline's clock)."""
+    data_ready: float
+    """When the gate let it be taken."""
+
+
+@dataclasses.dataclass
 class StepResult:
     """What one train-loop step hands the loop: its metrics, and whether a stop arrived meanwhile."""
 
@@ -105,8 +125,11 @@ class Pipeline:
         """Prompts whose generator died mid-request; handed out again first."""
         self.step = 0
         """Train-loop steps done, skipped non-finite steps included (restored by a resume)."""
-        self.step_in_flight = False
-        """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
+        self._taking_batch = False
+        """Between the gate's go and the batch's send to the trainer."""
+        self.batches_out = 0
+        """Batches taken from the buffer whose steps are not yet accounted for (two while the next
+        step's batch is sent ahead)."""
         self.num_generated_tokens = 0
         self.generated_tokens_at_last_step = 0
         self._last_step_end_s = 0.0
@@ -132,6 +155,7 @@ class Pipeline:
         while True:
             start_version = await self.gate.admit(index)
             prompts = [self.requeued.popleft()] if self.requeued else await self._next_prompts()
+            prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
             try:
                 num_buffered = await self._rollout(index, prompts)
             except GeneratorLost:
@@ -232,14 +256,38 @@ class Pipeline:
 
     async def train_loop(self, metrics_logger: MetricsLogger, lifecycle: Lifecycle) -> list[dict]:
         """Steps self.step + 1 to config.steps; `lifecycle` checkpoints between steps and lets a
-        stop (Ctrl-C, SIGTERM) wait for the step in flight when a shutdown checkpoint is wanted."""
+        stop (Ctrl-C, SIGTERM) wait for the steps in flight when a shutdown checkpoint is wanted.
+
+        One step ahead: while step k trains, the loop takes step k + 1's batch and sends it, so the
+        trainer starts it the moment step k ends (the buffer's round trip, the message and the
+        loop's bookkeeping leave the trainer's critical path). Not past a checkpoint, which holds
+        the buffer as of its step. The batch is taken at version k + 1, the version it trains at
+        (the gate counts it from then); if step k is skipped (non-finite loss) it trains at k,
+        younger than its label, so the age bound still holds.
+        """
         history: list[dict] = []
         weight_updates: list[asyncio.Task] = []
+        ahead: asyncio.Task[SentStep] | None = None
         try:
             for step in range(self.step + 1, self.config.steps + 1):
-                result, weight_updates = await self._train_step(step, lifecycle, weight_updates)
-                metrics_logger.log(result.metrics)
-                history.append(result.metrics)
+                sent = await (ahead if ahead is not None else self._send_step(step))
+                ahead = None
+                if step < self.config.steps and not lifecycle.checkpoint_due(step):
+                    ahead = asyncio.create_task(self._send_step(step + 1))
+                result, weight_updates = await self._finish_step(sent, lifecycle, weight_updates)
+                results = [result]
+                if result.stopped and ahead is not None:
+                    # The batch sent ahead is trained and accounted too (the shutdown checkpoint
+                    # then holds it as trained); one still waiting for the gate is abandoned.
+                    if self._taking_batch or ahead.done():
+                        ahead_result, weight_updates = await self._finish_step(await ahead, lifecycle, weight_updates)
+                        results.append(dataclasses.replace(ahead_result, stopped=True))
+                    else:
+                        await _cancelled(ahead)
+                    ahead = None
+                for result in results:
+                    metrics_logger.log(result.metrics)
+                    history.append(result.metrics)
                 if result.stopped:
                     raise asyncio.CancelledError
                 await lifecycle.after_step(self)
@@ -247,34 +295,51 @@ class Pipeline:
         finally:
             # A stop or a failure leaves updates in flight; once the run's processes stop they would
             # fail with nobody to see it ("Task exception was never retrieved" at every Ctrl-C).
-            await _cancelled(*weight_updates)
+            await _cancelled(*weight_updates, *([ahead] if ahead is not None else []))
         return history
 
-    async def _train_step(
-        self, step: int, lifecycle: Lifecycle, weight_updates: list[asyncio.Task]
-    ) -> tuple[StepResult, list[asyncio.Task]]:
-        """Take a batch, train it, publish the new version to every generator (not awaited)."""
+    async def _send_step(self, step: int) -> SentStep:
+        """Take step `step`'s batch from the buffer once the gate allows, and send it to the trainer."""
         actors, timeline = self.actors, self.timeline
         waiting_from = timeline.now()
-        # The loop's work after the previous step (logging, a checkpoint) is on this step's path.
-        previous_tail_s = 0.0 if self._last_step_returned_s is None else waiting_from - self._last_step_returned_s
         train_version = await self.gate.wait_for_batch()
         data_ready = timeline.now()
-        episodes, num_evicted = await actors.buffer.sample.call_one(self.config.prompts_per_step, train_version)
-        await self.gate.took_batch(len(episodes), num_evicted)
+        self._taking_batch = True  # a stop now waits for the batch instead of losing it in transit
+        try:
+            episodes, evicted_versions, buffer_waited_s = await actors.buffer.sample.call_one(
+                self.config.prompts_per_step, train_version
+            )
+            data_ready += buffer_waited_s  # the buffer may still wait for episodes the gate counts as arrived
+            await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
+            self.batches_out += 1  # until the step is accounted for
+            trainer_busy = contextlib.ExitStack()
+            trainer_busy.enter_context(timeline.busy("trainer"))
+            reply = asyncio.ensure_future(actors.trainer.train_step.call(episodes))
+        finally:
+            self._taking_batch = False
+        return SentStep(step, train_version, episodes, reply, trainer_busy, waiting_from, data_ready)
 
+    async def _finish_step(
+        self, sent: SentStep, lifecycle: Lifecycle, weight_updates: list[asyncio.Task]
+    ) -> tuple[StepResult, list[asyncio.Task]]:
+        """Wait for the trainer's step, account for it, publish the new version to every generator
+        (not awaited)."""
+        actors, timeline, step, episodes = self.actors, self.timeline, sent.step, sent.episodes
+        # The loop's work after the previous step (logging, a checkpoint) is on this step's path.
+        path_start = sent.waiting_from if self._last_step_returned_s is None else self._last_step_returned_s
         # The buffer's and the scoring stage's counters cross while the trainer steps, off the
         # critical path (about 14 ms a step on the demo); they read as of the step's start.
         counters = asyncio.ensure_future(asyncio.gather(actors.buffer.stats.call_one(), actors.stats()))
-        step_start = timeline.now()
-        self.step_in_flight = True  # until the step is accounted for, with no await in between
+        step_start = max(sent.data_ready, path_start)
         try:
-            with timeline.busy("trainer"):
-                values, stopped = await lifecycle.finish_despite_stop(self._trained(step, episodes))
-                trained: TrainStepResult = values.item(procs=0)
+            values, stopped = await lifecycle.finish_despite_stop(self._trained(step, sent.reply))
+            trained: TrainStepResult = values.item(procs=0)
         except BaseException:
             counters.cancel()
+            sent.reply.cancel()
             raise
+        finally:
+            sent.trainer_busy.close()
         trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
         if trained.skipped:
             # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
@@ -290,10 +355,11 @@ class Pipeline:
                 asyncio.create_task(self.update_generator(i, trained.policy_version, trained.weights_dir))
                 for i in range(self.config.num_generators)
             ]
-        self.step, self.step_in_flight = step, False
+        self.step = step
+        self.batches_out -= 1
         step_metrics = {
             m.STEP: step,
-            **batch_metrics(episodes, train_version),
+            **batch_metrics(episodes, sent.train_version),
             **trained.metrics,
             **self.last_weight_update,
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
@@ -301,22 +367,30 @@ class Pipeline:
         }
         if self.actors.after_publish is not None and not trained.skipped:
             step_metrics.update(await self.actors.after_publish(step, trained.policy_version, step_metrics))
-        alarms = self.mismatch_alarm.observe(step, step_metrics, episodes, train_version)
+        alarms = self.mismatch_alarm.observe(step, step_metrics, episodes, sent.train_version)
         for warning in alarms:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
-        self._last_step_returned_s = timeline.now()
-        step_metrics.update(
-            critical_path_breakdown(trained.metrics, data_ready - waiting_from, self._last_step_returned_s - data_ready + previous_tail_s)
-        )
+        returned_s = timeline.now()
+        # Data wait: the part of this step's path before the gate let its batch be taken (none when
+        # the batch was taken ahead, while the previous step trained).
+        data_wait_s = max(sent.data_ready - path_start, 0.0)
+        step_metrics.update(critical_path_breakdown(trained.metrics, data_wait_s, returned_s - path_start - data_wait_s))
+        self._last_step_returned_s = returned_s
         return StepResult(step_metrics, stopped), weight_updates
 
-    async def _trained(self, step: int, episodes: list[Episode]):
-        """The trainer's step `step` on every rank; raises TrainStepTimedOut past
-        config.train_step_timeout_s, so a hung rank or collective stops the run instead of hanging it."""
+    @property
+    def step_in_flight(self) -> bool:
+        """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
+        return self.batches_out > 0
+
+    async def _trained(self, step: int, reply: asyncio.Future):
+        """The trainer's step `step` on every rank (`reply`: its call, sent earlier); raises
+        TrainStepTimedOut past config.train_step_timeout_s from now (the previous step has ended by
+        then), so a hung rank or collective stops the run instead of hanging it."""
         return await within(
             self.config.train_step_timeout_s,
-            self.actors.trainer.train_step.call(episodes),
+            asyncio.shield(reply),
             lambda: TrainStepTimedOut(step, self.config.train_step_timeout_s),
         )
 

@@ -68,9 +68,10 @@ DROPPED_COMPLETIONS = "buffer/dropped_completions"
 DROPPED_EPISODES = "buffer/dropped_episodes"
 GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
 
-# The train loop's critical path, per step (forge_rl/loop.py `StepClock`): waiting for data, the
-# trainer's compute (rank 0's forward, backward, optimizer), and everything else (sampling the
-# buffer, batching, publishing the weights, messages, the loop's bookkeeping).
+# The train loop's critical path, per step, from the previous step's return to this one's
+# (forge_rl/loop.py `critical_path_breakdown`): waiting for data, the trainer's compute (rank 0's
+# forward, backward, optimizer), and everything else (batching, publishing the weights, messages,
+# the loop's bookkeeping; sampling the buffer only when the batch could not be taken ahead).
 TRAINER_DATA_WAIT_S = "trainer/data_wait_s"
 """Waiting for the admission gate to have a batch (generation is behind): not overhead."""
 TRAINER_FORWARD_S = "trainer/forward_s"

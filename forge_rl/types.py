@@ -218,10 +218,19 @@ class Episode:
     """Temperature the completions were sampled at (set by the generator). Behaviour logprobs are
     log_softmax(logits / temperature); the trainer divides its logits by the same value, or its
     importance ratios would compare two different distributions."""
+    admitted_version: int | None = None
+    """The generator's policy version when the admission gate let this episode's rollout start
+    (set by the train loop); None for an episode made outside a run's rollout loops."""
 
     @property
     def oldest_policy_version(self) -> int:
         return min(c.oldest_policy_version for c in self.completions)
+
+    @property
+    def schedule_version(self) -> int:
+        """The version the buffer serves stalest-first by and the admission gate schedules by
+        (forge_rl/admission.py): the admitted version, else the oldest token's (never older)."""
+        return self.oldest_policy_version if self.admitted_version is None else self.admitted_version
 
     @property
     def num_generated_tokens(self) -> int:

@@ -83,7 +83,7 @@ class FakeBuffer:
         self.trainer_version = trainer_version
         while (batch := self.buffer.sample(num_episodes, trainer_version)) is None:
             await asyncio.sleep(0)  # yields to the rollouts; no time passes in the test's terms
-        return batch, 0
+        return batch, [], 0.0
 
     async def _stats(self) -> dict:
         return {"buffer/size": len(self.buffer), "buffer/dropped_episodes": 0, "buffer/dropped_completions": 0}
@@ -98,6 +98,9 @@ def completions_for(episode: Episode, group_size: int, policy_version: int) -> l
 
 class FakeLifecycle:
     """Checkpoints nothing and never stops: the loops' view of forge_rl/lifecycle.py."""
+
+    def checkpoint_due(self, step: int) -> bool:
+        return False
 
     async def after_step(self, pipeline) -> None:
         pass

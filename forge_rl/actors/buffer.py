@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
@@ -29,26 +30,30 @@ class ReplayBufferActor(Actor):
         return num_stale
 
     @concurrent_endpoint
-    async def sample(self, num_episodes: int, trainer_version: int) -> tuple[list[Episode], int]:
+    async def sample(self, num_episodes: int, trainer_version: int) -> tuple[list[Episode], list[int], float]:
         """Waits until `num_episodes` groups trainable at `trainer_version` are available.
 
-        Returns the batch and how many held episodes this call evicted as stale. Episodes that
-        `put` refused meanwhile are not among them: `put` reports those to its own caller, and
-        counting them twice would make the admission gate admit too much.
+        Returns the batch, the `schedule_version` of each held episode this call evicted as stale
+        (the admission gate's bookkeeping), and the seconds it waited for episodes to arrive (the
+        train loop's data wait). Episodes that `put` refused meanwhile are not among the evicted:
+        `put` reports those to its own caller, and counting them twice would make the admission
+        gate admit too much.
         """
-        num_evicted = 0
+        evicted: list[Episode] = []
+        waited_s = 0.0
         async with self.changed:
             self.trainer_version = trainer_version
             while True:
-                dropped_before = self.buffer.dropped.episodes  # no await until the count is read
+                evicted += self.buffer.evict_stale(trainer_version)
                 batch = self.buffer.sample(num_episodes, trainer_version)
-                num_evicted += self.buffer.dropped.episodes - dropped_before
                 if batch is not None:
                     break
                 self.changed.notify_all()  # eviction may have freed room for waiting producers
+                wait_start = time.perf_counter()
                 await self.changed.wait()
+                waited_s += time.perf_counter() - wait_start
             self.changed.notify_all()
-        return batch, num_evicted
+        return batch, [e.schedule_version for e in evicted], waited_s
 
     @endpoint
     async def state_dict(self, include_episodes: bool) -> dict:
@@ -56,13 +61,13 @@ class ReplayBufferActor(Actor):
         return self.buffer.state_dict(include_episodes)
 
     @endpoint
-    async def load_state_dict(self, state: dict, trainer_version: int) -> int:
-        """Restore a checkpoint's buffer; returns how many episodes it holds now."""
+    async def load_state_dict(self, state: dict, trainer_version: int) -> list[int]:
+        """Restore a checkpoint's buffer; returns the `schedule_version` of each episode it holds now."""
         async with self.changed:
             self.buffer.load_state_dict(state)
             self.trainer_version = trainer_version
             self.changed.notify_all()
-        return len(self.buffer)
+        return self.buffer.schedule_versions()
 
     @endpoint
     async def stats(self) -> dict:

@@ -1,12 +1,19 @@
-import pytest
-
 import asyncio
+import collections
 
-from forge_rl.admission import AdmissionGate, batch_may_be_sampled, rollout_may_start
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forge_rl.admission import AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
 
 
 def gate(generator_version=0, next_train_version=0, queued=0, new=8, per_step=16, max_age=1):
-    return rollout_may_start(generator_version, next_train_version, queued, new, per_step, max_age)
+    """Whether `new` episodes may start at `generator_version` behind `queued` ones started at the
+    trainer's version minus the age bound (the oldest still trainable)."""
+    queued_versions = collections.Counter({next_train_version - max_age: queued})
+    queued_versions[generator_version] += new
+    return schedule_is_feasible(+queued_versions, next_train_version, per_step, max_age)
 
 
 def test_synchronous_mode_admits_exactly_one_step_of_work_per_version():
@@ -17,20 +24,122 @@ def test_synchronous_mode_admits_exactly_one_step_of_work_per_version():
 
 
 def test_async_mode_runs_ahead_by_max_policy_age_steps():
-    assert gate(queued=16, max_age=1)
-    assert gate(queued=24, max_age=1)
-    assert not gate(queued=32, max_age=1)
+    assert gate(generator_version=1, next_train_version=1, queued=8, max_age=1)
+    assert gate(generator_version=1, next_train_version=1, queued=16, max_age=1)
+    assert not gate(generator_version=1, next_train_version=1, queued=24, max_age=1)
+    assert gate(generator_version=1, next_train_version=1, queued=8, new=24, max_age=1)
+    assert not gate(generator_version=1, next_train_version=1, queued=8, new=25, max_age=1)
 
 
 def test_a_generator_with_old_weights_waits_for_the_swap():
-    assert not gate(generator_version=0, next_train_version=2, queued=0, max_age=1)
-    assert gate(generator_version=1, next_train_version=2, queued=0, max_age=1)
+    async def scenario():
+        gate = make_gate(max_policy_age=1, episodes_per_step=1)
+        for _ in range(2):
+            await gate.settle(await gate.admit(0), 1, num_not_queued=0)
+            await gate.took_batch([0], [])
+        assert not gate.may_start_rollout(0)  # generated at 0, trained at 2 at the earliest
+        await gate.generator_serves(0, 1)
+        assert gate.may_start_rollout(0)
+
+    run(scenario())
+
+
+def test_episodes_past_their_deadline_by_the_count_are_due_now_for_admission_not_a_deadlock():
+    """The buffer keeps an episode whose tokens are younger than its start; admission schedules it
+    next instead of refusing everything while the trainer waits for a batch."""
+    assert not schedule_is_feasible({0: 1}, next_train_version=5, episodes_per_step=2, max_policy_age=1)
+    assert overdue_as_due_now({0: 1, 2: 1, 5: 1}, next_train_version=5, max_policy_age=1) == {4: 2, 5: 1}
+
+    async def scenario():
+        gate = make_gate(max_policy_age=1, episodes_per_step=2)
+        gate.restore(policy_version=5, buffered_versions=[0])  # saved by a run that knew no start versions
+        await gate.generator_serves(0, 5)
+        assert gate.may_start_rollout(0)
+
+    run(scenario())
 
 
 def test_the_train_loop_waits_for_in_flight_episodes_this_step_is_the_last_chance_for():
-    assert not batch_may_be_sampled({3: 1}, train_version=4, max_policy_age=1)
-    assert batch_may_be_sampled({4: 2, 3: 0}, train_version=4, max_policy_age=1)
-    assert not batch_may_be_sampled({4: 1}, train_version=4, max_policy_age=0)  # sync: the whole step
+    def may_sample(queued, in_flight, train_version, per_step, max_age):
+        return batch_may_be_sampled(queued, in_flight, train_version, per_step, max_age)
+
+    assert not may_sample({3: 1, 4: 1}, {3: 1}, train_version=4, per_step=1, max_age=1)
+    assert may_sample({4: 2}, {4: 1}, train_version=4, per_step=1, max_age=1)
+    assert not may_sample({4: 2}, {4: 1}, train_version=4, per_step=2, max_age=0)  # sync: the whole step
+    assert may_sample({4: 2}, {}, train_version=4, per_step=2, max_age=0)
+
+
+def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need():
+    """The scale benchmark's over-age drops under admission=pause (docs/benchmarks.md): one step of
+    one episode, age 2. Episodes 0 and 1 (long) and 2 (short) start at version 0; 2 is trained at
+    0; 3 (short) starts at 1. Trained at 1, 3 would leave 0 and 1 both needing step 2, one of them
+    dropped; the gate instead holds step 1 until 0 has arrived."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=2, episodes_per_step=1)
+        assert [await gate.admit(0) for _ in range(3)] == [0, 0, 0]
+        assert not gate.may_start_rollout(0)  # a 4th at version 0 would be trained at 3
+        await gate.settle(0, 1, num_not_queued=0)  # episode 2 arrives
+        assert gate.may_sample_batch()
+        await gate.took_batch([0], [])
+        await gate.generator_serves(0, 1)
+        assert await gate.admit(0) == 1  # episode 3
+        await gate.settle(1, 1, num_not_queued=0)  # episode 3 arrives before 0 and 1
+        assert not gate.may_sample_batch()
+        await gate.settle(0, 1, num_not_queued=0)  # episode 0 arrives; the buffer serves it first
+        assert gate.may_sample_batch()
+        await gate.took_batch([0], [])
+        assert not gate.may_sample_batch()  # step 2 is episode 1's last chance
+        await gate.settle(0, 1, num_not_queued=0)
+        assert gate.may_sample_batch()
+
+    run(scenario())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_generators=st.integers(1, 3),
+    episodes_per_step=st.integers(1, 3),
+    max_policy_age=st.integers(0, 3),
+)
+def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_never_stalls(
+    data, num_generators, episodes_per_step, max_policy_age
+):
+    """Any order of admissions, arrivals (out of order), weight updates (generators lagging) and
+    steps: every batch, served earliest-admitted first as the buffer does, trains only episodes
+    within the age bound, and some event can always happen."""
+    max_queued = episodes_per_step * (max_policy_age + 2)
+
+    async def scenario():
+        gate = make_gate(max_policy_age=max_policy_age, episodes_per_step=episodes_per_step,
+                         max_episodes_queued=max_queued, num_generators=num_generators)
+        in_flight: list[int] = []  # start versions
+        buffered: list[int] = []  # start versions, in arrival order
+        for _ in range(40):
+            steps_possible = gate.may_sample_batch() and len(buffered) >= episodes_per_step
+            starts = [g for g in range(num_generators) if gate.may_start_rollout(g)]
+            lagging = [g for g in range(num_generators) if gate.generator_versions[g] < gate.next_train_version]
+            events = (["start"] if starts else []) + (["arrive"] if in_flight else [])
+            events += (["step"] if steps_possible else []) + (["update"] if lagging else [])
+            assert events, f"stalled: {gate.queued_versions=} {gate.in_flight_versions=} {buffered=}"
+            event = data.draw(st.sampled_from(events))
+            if event == "start":
+                in_flight.append(await gate.admit(data.draw(st.sampled_from(starts))))
+            elif event == "arrive":
+                version = in_flight.pop(data.draw(st.integers(0, len(in_flight) - 1)))
+                buffered.append(version)
+                await gate.settle(version, 1, num_not_queued=0)
+            elif event == "step":
+                batch = sorted(buffered)[:episodes_per_step]  # stable: earliest admitted first
+                for version in batch:
+                    buffered.remove(version)
+                    assert gate.next_train_version - version <= max_policy_age
+                await gate.took_batch(batch, [])
+            else:
+                await gate.generator_serves(data.draw(st.sampled_from(lagging)), gate.next_train_version)
+
+    run(scenario())
 
 
 def run(scenario):
@@ -52,7 +161,7 @@ def test_admission_mode_decides_whether_rollouts_wait_for_the_age_bound(admissio
             start = await gate.admit(0)
             await gate.settle(start, 1, num_not_queued=0)
         if admission == "pause":
-            gate.num_episodes_queued, gate.in_flight_versions[0] = 2, 1
+            gate.queued_versions[0], gate.in_flight_versions[0] = 3, 1
         else:
             await gate.admit(0)
         assert gate.may_start_rollout(0) is not gated
@@ -74,7 +183,7 @@ def test_the_gate_never_admits_more_episodes_than_the_buffer_holds():
         await asyncio.sleep(0)  # lets the waiter reach its wait (no time passes)
         assert not waiter.done()
         await gate.settle(0, 3, num_not_queued=0)
-        await gate.took_batch(2, num_evicted=0)
+        await gate.took_batch([0, 0], [])
         assert await asyncio.wait_for(waiter, 5) == 0
 
     run(scenario())
@@ -83,7 +192,7 @@ def test_the_gate_never_admits_more_episodes_than_the_buffer_holds():
 @pytest.mark.parametrize("admission", ["pause", "drop"])
 def test_the_capacity_bound_holds_in_both_admission_modes(admission):
     gate = make_gate(admission, max_policy_age=10, max_episodes_queued=2)
-    gate.num_episodes_queued = 2
+    gate.queued_versions[0] = 2
     assert not gate.may_start_rollout(0)
 
 
@@ -97,7 +206,7 @@ def test_a_generator_serving_a_newer_version_is_admitted_again():
         gate = make_gate(max_policy_age=0, episodes_per_step=1)
         start = await gate.admit(0)
         await gate.settle(start, 1, num_not_queued=0)
-        await gate.took_batch(1, num_evicted=0)  # trained version 0; the next batch trains at 1
+        await gate.took_batch([0], [])  # trained version 0; the next batch trains at 1
         assert not gate.may_start_rollout(0)  # generated at 0, trained at 1: too old for age 0
         await gate.generator_serves(0, 1)
         assert gate.may_start_rollout(0)

@@ -179,6 +179,64 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
     assert updates_in_flight and updates_cancelled == updates_in_flight
 
 
+def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_trains(tmp_path):
+    """One step ahead: step 1 finishes only once step 2's batch has arrived at the trainer, which
+    deadlocks (and fails by the run's timeout) unless the loop sends it while step 1 trains."""
+    second_batch_sent = asyncio.Event()
+    calls: list[int] = []
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline = make_pipeline(generate)
+    train_step = pipeline.actors.trainer.train_step.function
+
+    async def train_step_that_waits_for_the_next_batch(episodes):
+        calls.append(len(calls) + 1)
+        if len(calls) == 2:
+            second_batch_sent.set()
+        if len(calls) == 1:
+            await second_batch_sent.wait()
+        return await train_step(episodes)
+
+    pipeline.actors.trainer = endpoints(train_step=train_step_that_waits_for_the_next_batch)
+    history, accounting = run(pipeline, tmp_path)
+    assert [h[m.STEP] for h in history] == [1, 2, 3]
+    assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
+    assert accounting["trained_more_than_once"] == 0
+
+
+def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
+    """A checkpoint holds the buffer as of its step: step 3's batch leaves the buffer only after
+    step 2 (followed by a checkpoint) is accounted for."""
+    step_when_sent: list[int] = []
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline = make_pipeline(generate)
+    train_step = pipeline.actors.trainer.train_step.function
+
+    async def recording_train_step(episodes):
+        step_when_sent.append(pipeline.step)
+        return await train_step(episodes)
+
+    class CheckpointAfterStep2(FakeLifecycle):
+        def checkpoint_due(self, step: int) -> bool:
+            return step == 2
+
+    pipeline.actors.trainer = endpoints(train_step=recording_train_step)
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+    asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, CheckpointAfterStep2()), 30))
+    logger.close()
+    # Each batch is sent while the previous step is unaccounted for, except step 3's.
+    assert step_when_sent == [0, 0, 2]
+
+
 # Environment episodes ------------------------------------------------------------------------------
 # The same loops with `environment.name` set: a prompt is group_size calculator episodes, each turn
 # sampled by `generate_turn` on the generator (here ScriptedCalculatorPolicy, a named fake that
