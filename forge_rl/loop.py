@@ -134,7 +134,7 @@ class Pipeline:
         self.generated_tokens_at_last_step = 0
         self._last_step_end_s = 0.0
         self._last_step_returned_s: float | None = None
-        """When the previous `_train_step` returned (the timeline's clock); None before the first."""
+        """When the previous step was accounted for (the timeline's clock); None before the first."""
         self.last_weight_update: dict = {}
         """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
         self.timeline = Timeline()

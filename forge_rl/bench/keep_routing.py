@@ -29,9 +29,11 @@ is heavy-tailed (a few tokens routed through another trained expert can carry ne
 compare several batches (`--seed`, `--num-prompts`) before reading one ratio. With `--generator-dtype float32` both
 sides compute the same function on CPU and route identically at staleness 0 (both KLs are 0).
 `routing_bytes_per_token` is the record's size per generated token.
-Reward curves with and without need two GRPO runs (`forge-rl grpo` with
---trainer.keep-routing on and off); this benchmark does not run them. Figures go to
-OUT_DIR/keep_routing.json; the last stdout line is the JSON summary.
+Reward curves with and without: the demo recipe (`--reward-config`) on a from-scratch MoE of
+`--model`'s expert shape, `--reward-steps` steps per seed with generator.record_routing on and
+trainer.keep_routing on, then off (routing still recorded, not replayed: the same sampling path),
+side by side (`reward_curves`, OUT_DIR/reward_curves.png, and the final rewards); `--reward-steps 0`
+skips them. Figures go to OUT_DIR/keep_routing.json; the last stdout line is the JSON summary.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ class KeepRoutingArgs:
     """Sampling and trainer seed (the model's is model.seed)."""
     generator_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """vLLM's dtype (generator.dtype); the trainer computes in float32."""
+    reward_steps: int = 60
+    """GRPO steps per reward-curve run (0: no reward curves)."""
+    reward_seeds: tuple[int, ...] = (0,)
+    """Seeds of the reward-curve runs (one run per seed with Keep Routing, one without)."""
+    reward_config: Path = Path("configs/grpo_tiny_cpu.yaml")
+    """The recipe config the reward-curve runs start from (its model becomes a MoE of --model's
+    num_experts and num_experts_per_tok)."""
     out_dir: Path = Path("runs/bench-keep-routing")
     """Where the model and keep_routing.json go (a model already there is reused as it is,
     pre-training included, so a different --model, --model-path or --pretrain-* needs a new OUT_DIR)."""
@@ -83,7 +92,9 @@ class KeepRoutingArgs:
     def __post_init__(self) -> None:
         if self.model_path is None and not self.model.num_experts:
             raise ValueError("bench keep-routing needs a mixture of experts: set --model.num-experts > 0.")
-        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0)):
+        if self.reward_steps and not self.reward_seeds:
+            raise ValueError("reward_seeds is empty but reward_steps is set. Set --reward-seeds or --reward-steps 0.")
+        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= {least}. Set --{name.replace('_', '-')}.")
 
@@ -319,8 +330,63 @@ def main(args: KeepRoutingArgs) -> dict:
         "pretrain": json.loads(pretrain_json.read_text()) if pretrain_json.is_file() else None,
         "per_staleness": per_staleness,
     }
+    if args.reward_steps:
+        summary.update(reward_curves(args))
     (args.out_dir / "keep_routing.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def reward_curves(args: KeepRoutingArgs) -> dict:
+    """The demo recipe on a from-scratch MoE, per seed with Keep Routing and without: the mean
+    reward and mismatch KL per step, the final rewards (mean of the last FINAL_REWARD_WINDOW
+    steps), and a plot of the curves."""
+    import time
+
+    from forge_rl.bench.common import run_variant
+    from forge_rl.config import GRPOConfig
+    from forge_rl.metrics import MISMATCH_KL, REWARD_MEAN, final_reward
+    from forge_rl.plot import plot_per_step, read_metrics
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, args.reward_config)
+    tiny = dataclasses.replace(
+        base.model.tiny, num_experts=args.model.num_experts, num_experts_per_tok=args.model.num_experts_per_tok
+    )
+    base = dataclasses.replace(
+        base,
+        steps=args.reward_steps,
+        model=dataclasses.replace(base.model, tiny=tiny),
+        checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
+        generator=dataclasses.replace(base.generator, record_routing=True),
+    )
+    started = time.perf_counter()
+    curves: dict[str, list[float]] = {}
+    finals: dict[str, list[float]] = {"keep_routing": [], "without": []}
+    mismatch: dict[str, list[float]] = {"keep_routing": [], "without": []}
+    for seed in args.reward_seeds:
+        for variant in finals:
+            progress(f"bench keep-routing: GRPO on the MoE, {variant}, seed {seed}, {args.reward_steps} steps")
+            run = run_variant(
+                base, args.out_dir / "reward-runs", f"{variant}-seed{seed}",
+                trainer=dataclasses.replace(base.trainer, keep_routing=variant == "keep_routing", seed=seed),
+                task=dataclasses.replace(base.task, seed=seed),
+                generator=dataclasses.replace(base.generator, seed=seed),
+            )
+            metrics = read_metrics(run)
+            curves[f"{variant}, seed {seed}"] = [m[REWARD_MEAN] for m in metrics]
+            finals[variant].append(final_reward(metrics))
+            mismatch[variant].append(statistics.mean(m[MISMATCH_KL] for m in metrics))
+    plot_per_step(curves, "mean reward", 0.0, args.out_dir / "reward_curves.png")
+    return {
+        "reward_curves": curves,
+        "final_reward_keep_routing": finals["keep_routing"],
+        "final_reward_without": finals["without"],
+        "mismatch_kl_run_mean_keep_routing": mismatch["keep_routing"],
+        "mismatch_kl_run_mean_without": mismatch["without"],
+        "reward_runs": {"config": str(args.reward_config), "steps": args.reward_steps, "seeds": list(args.reward_seeds),
+                        "num_experts": tiny.num_experts, "num_experts_per_tok": tiny.num_experts_per_tok,
+                        "wall_s": time.perf_counter() - started},
+    }
 
 
 _PROGRESS_KEYS = (

@@ -116,7 +116,7 @@ class _Probe:
         """Count the calls of every Pipeline built from now on (the recipe builds one)."""
         from forge_rl import loop
 
-        probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._train_step
+        probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
 
         def init(pipeline, config, actors):
             score, stats = actors.score, actors.stats
@@ -138,14 +138,14 @@ class _Probe:
             )
             original_init(pipeline, config, counted)
 
-        async def train_step(pipeline, step, lifecycle, weight_updates):
-            result = await original_step(pipeline, step, lifecycle, weight_updates)
-            probe.step_marks.append((step, time.monotonic(), sum(probe.counts.values())))
+        async def finish_step(pipeline, sent, lifecycle, weight_updates):
+            result = await original_step(pipeline, sent, lifecycle, weight_updates)
+            probe.step_marks.append((sent.step, time.monotonic(), sum(probe.counts.values())))
             return result
 
-        loop.Pipeline.__init__, loop.Pipeline._train_step = init, train_step
+        loop.Pipeline.__init__, loop.Pipeline._finish_step = init, finish_step
         return lambda: setattr(loop.Pipeline, "__init__", original_init) or setattr(
-            loop.Pipeline, "_train_step", original_step
+            loop.Pipeline, "_finish_step", original_step
         )
 
     async def watch_lag(self) -> None:

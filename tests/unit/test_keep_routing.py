@@ -254,6 +254,8 @@ def test_the_benchmark_pretrains_its_model_on_the_task_and_refuses_a_dense_one(m
         _prepare_model(dataclasses.replace(args, model_path=dense), tmp_path / "model2")
     with pytest.raises(ValueError, match=r"pretrain_steps \(-1\) must be >= 0. Set --pretrain-steps"):
         KeepRoutingArgs(pretrain_steps=-1)
+    with pytest.raises(ValueError, match="reward_seeds is empty"):
+        KeepRoutingArgs(reward_seeds=())
 
 
 def test_the_torchtitan_moe_is_the_hf_qwen3_moe_checkpoint_in_and_out(moe_dir):
