@@ -5,6 +5,7 @@ grouped by prompt prefix; limits and unsupported fields answer 400; a lost gener
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -296,3 +297,11 @@ def test_a_direct_session_serves_without_an_agent_environment(tokenizer, rendere
 
     reply, session = asyncio.run(main())
     assert reply.choices[0].message.content == "7" and session.recorder.num_calls == 1
+
+
+def test_the_agent_example_of_the_docs_runs(capsys):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    blocks = [piece.split("```")[0] for piece in page.split("```python\n")[1:]]
+    [code] = [block for block in blocks if "ChatAgentEnvironment" in block]
+    exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs_example"})
+    assert capsys.readouterr().out == "done 1 2 1.0\n"
