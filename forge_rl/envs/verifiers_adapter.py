@@ -28,10 +28,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from forge_rl.envs.chat_client import MODEL_NAME, ChatSession
-from forge_rl.envs.renderers import Renderer
-from forge_rl.envs.runner import EpisodeLimits, GenerateTurn
-from forge_rl.envs.trajectory import Trajectory
+from forge_rl.envs.chat_client import MODEL_NAME, ChatAgentEnvironment
 from forge_rl.errors import ConfigError
 
 
@@ -60,19 +57,13 @@ def check_offline(task: Any) -> None:
         )
 
 
-class VerifiersEnvironment:
-    """One verifiers task, played by verifiers' chat program against forge_rl's generator."""
+class VerifiersEnvironment(ChatAgentEnvironment):
+    """One verifiers task, played by verifiers' chat program against forge_rl's generator: an
+    agent environment whose agent is `rollout`."""
 
     def __init__(self, task: Any, model: str = MODEL_NAME):
+        super().__init__(self.rollout)
         self.task, self.model = task, model
-
-    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory:
-        session = ChatSession(generate, renderer, limits)
-        client = session.client()
-        try:
-            return await session.play(self.rollout(client))
-        finally:
-            await client.close()
 
     async def rollout(self, client: Any) -> float:
         """verifiers' chat loop on the task's prompt with `client`, then the task's score: the reward."""
