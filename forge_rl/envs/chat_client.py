@@ -65,8 +65,10 @@ _ACCEPTED_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs",
     "top_logprobs", "user", "metadata", "store", "seed", "parallel_tool_calls",
 }
-"""Request fields the endpoint honours (or that do not change what is sampled); any other set
-field is refused with a 400 naming it."""
+"""Request fields the endpoint honours, or that change nothing the trajectory records (user,
+metadata, store; seed: the generator's own randomness decides, and the logprobs describe it);
+n and top_logprobs only at their one-sample, no-alternatives values. Any other set field is
+refused with a 400 naming it."""
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias"}
 
@@ -87,8 +89,6 @@ class ChatRequestError(Exception):
 class ChatRequest:
     messages: list[Message]
     max_tokens: int | None
-    stream: bool
-    include_usage: bool
     logprobs: bool
     model: str
 
@@ -112,15 +112,17 @@ def parse_request(body: Any) -> ChatRequest:
             f"n ({body['n']}) is not supported: one call samples one turn. Make n calls (a GRPO group is "
             "group_size episodes, each its own agent run).", param="n",
         )
+    if body.get("top_logprobs"):
+        raise ChatRequestError(
+            f"top_logprobs ({body['top_logprobs']}) is not supported: the reply carries the sampled tokens' "
+            "logprobs only (logprobs=true).", param="top_logprobs",
+        )
     limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
     if any(not isinstance(v, int) or v < 1 for v in limits):
         raise ChatRequestError(f"max_tokens ({limits}) must be a positive integer", param="max_tokens")
-    options = body.get("stream_options") or {}
     return ChatRequest(
         messages=[_message(m, i) for i, m in enumerate(body.get("messages") or [])] or _no_messages(),
         max_tokens=min(limits) if limits else None,
-        stream=bool(body.get("stream")),
-        include_usage=bool(options.get("include_usage")),
         logprobs=bool(body.get("logprobs")),
         model=str(body.get("model") or MODEL_NAME),
     )
@@ -222,28 +224,33 @@ class ChatSession:
         if self.lost is not None:
             raise ChatRequestError(f"the generator was lost: {self.lost!r}", status=503)
         if recorder.num_calls >= limits.max_turns:
-            raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls", "max_turns_exceeded")
+            reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
+            raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, reason, "max_turns_exceeded")
         try:
             prompt = self.renderer.render(request.messages)
         except Exception as e:
             raise ChatRequestError(f"messages cannot be rendered: {type(e).__name__}: {e}", param="messages") from e
         room = limits.max_total_tokens - len(prompt)
         if room < 1:
-            reason = f"the prompt ({len(prompt)} tokens) leaves no room for a completion within max_total_tokens ({limits.max_total_tokens})"
+            reason = (
+                f"the prompt ({len(prompt)} tokens) leaves no room for a completion within max_total_tokens "
+                f"({limits.max_total_tokens})"
+            )
             raise self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, "context_length_exceeded")
         max_new_tokens = min(limits.max_tokens_per_turn, room, request.max_tokens or room)
         try:
             turn = await self.generate(prompt, max_new_tokens)
+            check_turn(turn, max_new_tokens)  # a broken generate is the caller's bug: raised by play
         except ContextExhausted as full:
             raise self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, str(full), "context_length_exceeded") from None
         except Exception as e:
             self.lost = e
             raise ChatRequestError(f"the generator was lost: {e!r}", status=503) from None
-        check_turn(turn, max_new_tokens)
         text = self.renderer.decode(turn.token_ids)
         recorder.record(prompt, turn_span(turn), request.messages, text)
         if turn.finish_reason == "length" and max_new_tokens == room:
-            self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})", None)
+            reason = f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})"
+            self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, None)
         return _completion_body(request, prompt, turn, text, self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -277,7 +284,8 @@ class ChatSession:
         if timed_out:
             task.cancel()  # not awaited: an agent that ignores cancellation must not hold the episode
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            return self.trajectory(TrajectoryStatus.ENV_TIMEOUT, f"the agent took more than env_step_timeout_s ({self.limits.env_step_timeout_s} s) between model calls")
+            reason = f"the agent took more than env_step_timeout_s ({self.limits.env_step_timeout_s} s) between model calls"
+            return self.trajectory(TrajectoryStatus.ENV_TIMEOUT, reason)
         error = task.exception()
         if self.truncation is not None:
             return self.trajectory(*self.truncation)
@@ -336,20 +344,25 @@ def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn,
         "created": int(time.time()),
         "model": request.model,
         "choices": [choice],
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(turn.token_ids), "total_tokens": len(prompt) + len(turn.token_ids)},
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(turn.token_ids),
+            "total_tokens": len(prompt) + len(turn.token_ids),
+        },
         "prompt_token_ids": prompt,
     }
 
 
-def _stream_events(request: ChatRequest, completion: dict) -> bytes:
+def _stream_events(completion: dict, include_usage: bool) -> bytes:
     """The completion as server-sent events: one chunk with the whole reply, one with the finish
     reason, the usage when asked, then [DONE] (what `openai`'s stream reader expects)."""
     choice = completion["choices"][0]
     head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    delta = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": None,
-             "logprobs": choice["logprobs"], "token_ids": choice["token_ids"], "policy_versions": choice["policy_versions"]}
-    chunks = [head | {"choices": [delta]}, head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
-    if request.include_usage:
+    reply = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": None}
+    reply |= {k: choice[k] for k in ("logprobs", "token_ids", "policy_versions")}
+    end = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    chunks = [head | {"choices": [reply]}, head | {"choices": [end]}]
+    if include_usage:
         chunks.append(head | {"choices": [], "usage": completion["usage"]})
     return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
 
@@ -365,8 +378,8 @@ class ChatTransport(httpx.AsyncBaseTransport):
         if request.method == "GET" and path.endswith("/models"):
             return _json(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "forge_rl"}]})
         if request.method != "POST" or not path.endswith("/chat/completions"):
-            error = ChatRequestError(f"{request.method} {path} is not served: only POST /chat/completions and GET /models", status=404)
-            return _json(404, error.body())
+            served = "only POST /chat/completions and GET /models"
+            return _json(404, ChatRequestError(f"{request.method} {path} is not served: {served}", status=404).body())
         try:
             body = json.loads(await request.aread() or b"null")
         except json.JSONDecodeError as e:
@@ -376,7 +389,8 @@ class ChatTransport(httpx.AsyncBaseTransport):
         except ChatRequestError as error:
             return _json(error.status, error.body())
         if body.get("stream"):
-            events = _stream_events(parse_request(body), completion)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = _stream_events(completion, include_usage)
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
         return _json(200, completion)
 

@@ -29,8 +29,10 @@ awaited; others run in a worker thread, so a slow step never blocks other episod
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,6 +113,7 @@ def _echo_env_classes() -> tuple[type, type]:
     """EchoEnvironment and EchoAction from the package `openenv init echo_env` writes: once per
     process, into a temporary directory (OpenEnv ships the echo environment as its `init` template)."""
     directory = Path(tempfile.mkdtemp(prefix="forge_rl_openenv_"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # imported by then: only the files go
     command = [sys.executable, "-m", "openenv.cli", "init", "echo_env", "--output-dir", str(directory)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if not (directory / "echo_env" / "server" / "echo_env_environment.py").is_file():

@@ -206,7 +206,8 @@ def test_the_generators_full_context_is_a_400_and_the_episode_truncated(tokenize
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("temperature", 0.7), ("stop", ["\n"])],
+    [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("temperature", 0.7), ("stop", ["\n"]),
+     ("top_logprobs", 5)],
 )
 def test_a_field_the_generator_cannot_honour_is_refused_with_a_400_naming_it(tokenizer, renderer, field, value):
     async def agent(client):
@@ -271,6 +272,19 @@ def test_a_lost_generator_propagates_out_of_the_episode(tokenizer, renderer):
 
     with pytest.raises(GeneratorGone):
         play(agent, lost, renderer)
+
+
+def test_a_broken_generate_is_raised_not_answered(tokenizer, renderer):
+    async def broken(prefix, max_new_tokens):
+        return SampledTurn([5, 6], [-0.1], [0, 0], "stop")  # one logprob for two tokens
+
+    async def agent(client):
+        with pytest.raises(openai.APIStatusError):
+            await client.chat.completions.create(model="p", messages=[user("Q=")])
+        return 1.0
+
+    with pytest.raises(ValueError, match="must agree"):
+        play(agent, broken, renderer)
 
 
 def test_the_rollout_plays_agent_environments_in_a_group_and_times_them_as_environment_calls(tokenizer, renderer):
