@@ -68,7 +68,8 @@ class VerifiersEnvironment(ChatAgentEnvironment):
     async def rollout(self, client: Any) -> float:
         """verifiers' chat loop on the task's prompt with `client`, then the task's score: the reward."""
         from verifiers.v1.configs.agent import AgentConfig
-        from verifiers.v1.dialects.chat import message_to_wire
+        from verifiers.v1.dialects.chat import message_to_wire, parse_message
+        from verifiers.v1.graph import MessageNode
         from verifiers.v1.trace import AgentInfo, Trace, TraceTask
 
         program, data = _chat_program(), self.task.data
@@ -82,13 +83,18 @@ class VerifiersEnvironment(ChatAgentEnvironment):
         args = argparse.Namespace(tool_interception_url="", bash=False, edit=False, search=False)
         compactor = program["Compactor"](client, self.model, [], False, None)
         compactor.note_good(messages)
+        num_prompt_messages = len(messages)
         await program["run_chat_loop"](args, compactor, messages, {}, {}, None)
+        # The trace the task scores: the conversation as one branch of message nodes, the model's
+        # replies marked sampled (their tokens live in forge_rl's trajectory, not here).
         trace = Trace(
             task=TraceTask(type=type(self.task).__name__, data=data, key=self.task.key, hash=self.task.hash),
             agent=AgentInfo(config=AgentConfig()),
         )
-        replies = [m for m in messages if m.get("role") == "assistant"]
-        trace.root_reply = (replies[-1].get("content") or "") if replies else ""
+        for index, message in enumerate(messages):
+            sampled = index >= num_prompt_messages and message.get("role") == "assistant"
+            node = MessageNode(parent=index - 1 if index else None, message=parse_message(message), sampled=sampled)
+            trace.nodes.append(node)
         await self.task.score(trace)
         return trace.reward
 

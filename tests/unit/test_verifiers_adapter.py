@@ -60,6 +60,28 @@ def test_the_chat_programs_context_overflow_ends_the_episode_truncated(tokenizer
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.final_reward == 0.0
 
 
+class ConversationTask(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+    """Scores the trace's conversation, as rewards that read more than the last reply do."""
+
+    @vf.reward
+    async def conversation(self, trace) -> float:
+        roles = [message.role for message in trace.messages]
+        return float(roles == ["system", "user", "assistant"] and trace.num_turns == 1 and trace.last_reply == "7")
+
+
+class ConversationTaskset(vf.Taskset[ConversationTask, vf.TasksetConfig]):
+    def load(self):
+        yield ConversationTask(vf.TaskData(prompt="3+4=", system_prompt="SUM"))
+
+
+def test_the_task_scores_a_trace_holding_the_whole_conversation(tokenizer):
+    make_env = verifiers_environment(ConversationTaskset(vf.TasksetConfig()))
+    generate = FakeGenerate([sampled(tokenizer, "7", version=0)])
+    trajectory = asyncio.run(play_episode(make_env(0, 0), generate, PlainTextRenderer(tokenizer), EpisodeLimits()))
+    assert trajectory.final_reward == 1.0
+    assert generate.calls[0][0] == PlainTextRenderer(tokenizer).render([]) + tokenizer.encode_text("SUM3+4=")
+
+
 class SandboxData(vf.TaskData):
     pass
 
