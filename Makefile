@@ -7,11 +7,21 @@ STAMP := $(VENV)/.forge_rl-installed
 # CPU machines get vLLM's CPU build; `make ENGINE=gpu venv` installs CUDA vLLM instead.
 ENGINE ?= cpu
 
-.PHONY: venv demo test test-gpu lint clean
+# The environment adapters' packages (forge_rl/envs/openenv_adapter.py, verifiers_adapter.py), pinned
+# and installed with --no-deps: verifiers 0.4.0 pins openai<3 and mcp==2.0.0, below the openai 3 and
+# mcp 2.3 that vLLM brings, so pip's resolver would downgrade vLLM's (pyproject.toml says more). The
+# lists hold what the adapters import and run, found by importing them; verifiers needs Python >= 3.11.
+ENVS_PACKAGES := openenv-core==0.3.0 fastmcp-slim==4.1.1 py-key-value-aio==0.4.6 beartype==0.23.1 \
+	exceptiongroup==1.3.2
+VERIFIERS_PACKAGES := verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 prime-sandboxes==0.5.1 \
+	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 tomli_w==1.2.0 \
+	math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+
+.PHONY: venv env-adapters demo test test-gpu lint clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=24"
 	# torch first, pinned: pip's find-links hold the CPU wheel here; vLLM then sees it satisfied.
@@ -23,7 +33,12 @@ $(STAMP): pyproject.toml
 	# vLLM pulls CUDA-linked torchvision/torchaudio/torchcodec wheels from PyPI that break
 	# `transformers` imports on CPU; text models need none of them (docs/architecture.md).
 	if [ "$(ENGINE)" = "cpu" ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	$(MAKE) env-adapters
 	touch $(STAMP)
+
+env-adapters:
+	$(PY) -m pip install --no-deps $(ENVS_PACKAGES)
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then $(PY) -m pip install --no-deps $(VERIFIERS_PACKAGES); fi
 
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml

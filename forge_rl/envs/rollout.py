@@ -32,7 +32,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
 from forge_rl.envs.demonstrations import WarmupConfig
@@ -100,7 +100,7 @@ async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: 
     `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
     for env in envs:
         check_step_timeout(env, limits)
-    tasks = [asyncio.ensure_future(run_episode(env, generate, renderer, limits)) for env in envs]
+    tasks = [asyncio.ensure_future(play_episode(env, generate, renderer, limits)) for env in envs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -108,6 +108,28 @@ async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: 
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+class AgentEnvironment(Protocol):
+    """An environment whose own code drives the model (an agent written against an OpenAI-style
+    chat client: forge_rl/envs/chat_client.py, forge_rl/envs/verifiers_adapter.py). Instead of
+    reset/step it plays the whole episode, sampling its turns with `generate`, and returns the
+    trajectory, within the same limits."""
+
+    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory: ...
+
+
+def is_agent_environment(env: object) -> bool:
+    return callable(getattr(env, "play", None))
+
+
+async def play_episode(
+    env: Environment | AgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+) -> Trajectory:
+    """One episode: an agent environment plays itself; any other runs under `run_episode`."""
+    if is_agent_environment(env):
+        return await env.play(generate, renderer, limits)
+    return await run_episode(env, generate, renderer, limits)
 
 
 def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
@@ -248,11 +270,19 @@ class EnvWaitClock:
 
 
 class TimedEnvironment:
-    """`env` with each reset and step counted as an environment call of generator `index` (EnvWaitClock)."""
+    """`env` with each reset and step counted as an environment call of generator `index` (EnvWaitClock).
+    An agent environment's whole `play` is one call: while its agent waits on a turn the generator
+    is busy (the turn's own clock), and the rest of the time it is the environment's."""
 
-    def __init__(self, env: Environment, clock: EnvWaitClock, index: int):
+    def __init__(self, env: Environment | AgentEnvironment, clock: EnvWaitClock, index: int):
         self.env, self.clock, self.index = env, clock, index
         self.max_step_s = getattr(env, "max_step_s", None)
+        if is_agent_environment(env):
+            self.play = self._play
+
+    async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory:
+        with self.clock.env_call(self.index):
+            return await self.env.play(generate, renderer, limits)
 
     async def reset(self) -> Observation:
         with self.clock.env_call(self.index):

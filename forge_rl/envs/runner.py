@@ -139,12 +139,8 @@ async def run_episode(
             turn = await generate(builder.prefix, max_new_tokens)
         except ContextExhausted as full:
             return end(TrajectoryStatus.TRUNCATED_TOKENS, f"turn {record.num_turns + 1}: {full}")
-        _check_turn(turn, max_new_tokens)
-        support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
-        span = GeneratedSpan(
-            tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts
-        )
-        turn_text = builder.add_turn(span)
+        check_turn(turn, max_new_tokens)
+        turn_text = builder.add_turn(turn_span(turn))
         record.num_turns += 1
         if turn.finish_reason == "length" and max_new_tokens == room:
             reason = f"turn {record.num_turns} used the last of max_total_tokens ({limits.max_total_tokens})"
@@ -222,7 +218,15 @@ async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record) -> T:
     return task.result()
 
 
-def _check_turn(turn: SampledTurn, max_new_tokens: int) -> None:
+def turn_span(turn: SampledTurn) -> GeneratedSpan:
+    """The sampled turn as a trajectory span, its ids, logprobs and versions as `generate` returned them."""
+    support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
+    return GeneratedSpan(
+        tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts
+    )
+
+
+def check_turn(turn: SampledTurn, max_new_tokens: int) -> None:
     """A broken `generate` is a bug of the caller's, not an episode outcome: raise."""
     lengths = {len(turn.token_ids), len(turn.logprobs), len(turn.policy_versions)}
     num_supports = "no" if turn.sampling_support is None else len(turn.sampling_support)

@@ -229,6 +229,61 @@ def test_an_episode_that_outgrows_the_context_is_cut_at_it_then_truncated(served
     assert len(last_prompt) + len(last.outputs[0].token_ids) == MAX_MODEL_LEN  # cut at the context
 
 
+def test_openenv_verifiers_and_chat_client_agents_record_exactly_what_vllm_sampled(served):
+    """The adapters on the real engine: OpenEnv's echo environment (reset/step), a verifiers task
+    played by verifiers' own chat program, and an agent of three calls written against
+    openai.AsyncOpenAI (forge_rl/envs/chat_client.py), concurrently. Every call is a request vLLM
+    answered after exactly the tokens its sample holds before it, recorded as vLLM returned it."""
+    pytest.importorskip("openenv.core.env_server.interfaces", reason="needs openenv-core (make env-adapters)")
+    pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")
+    from forge_rl.envs.chat_client import ChatAgentEnvironment
+    from forge_rl.envs.openenv_adapter import openenv_echo_env
+    from forge_rl.envs.rollout import play_episode
+    from forge_rl.envs.verifiers_adapter import sums_environment
+
+    async def three_calls(client):
+        messages = [{"role": "user", "content": "37*52="}]
+        for answer in ("R1=", "R2="):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": answer}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return 0.5
+
+    envs = [openenv_echo_env(0, i) for i in range(2)] + [sums_environment(0, i) for i in range(2)]
+    envs += [ChatAgentEnvironment(three_calls) for _ in range(2)]
+    generate = functools.partial(served.engine.generate_turn, eos_id=served.tokenizer.eos_id)
+    num_requests_before = len(served.engine.requests)
+
+    async def play_concurrently():
+        return await asyncio.gather(*(play_episode(env, generate, served.renderer, LIMITS) for env in envs))
+
+    trajectories = served.run(play_concurrently())
+    # Episodes may send the same prefix (both echo episodes start alike): match each recorded turn
+    # to one request vLLM answered, each request used once.
+    answered = [(prompt, vllm_turn(final.outputs[0])) for prompt, final in served.engine.requests[num_requests_before:]]
+    assert len(answered) == sum(t.num_turns for t in trajectories)
+    assert [t.num_turns for t in trajectories] == [3, 3, 1, 1, 3, 3]
+    for trajectory in trajectories:
+        assert trajectory.status == TrajectoryStatus.DONE, trajectory.error
+        for span, prefix in zip(trajectory.generated_spans, turn_prefixes(trajectory)):
+            answered.remove((prefix, as_recorded(span)))  # ValueError: recorded something vLLM did not sample there
+        completion = trajectory_completion(trajectory)
+        assert completion.token_ids == trajectory.samples[0].token_ids
+        assert completion.reward == trajectory.final_reward
+        assert len(trajectory.generated_spans) == trajectory.num_turns
+    # An agent's calls continue one sample, except after a turn whose text does not render back to
+    # its ids (the model sampled a special token inside it): there the next call starts a new one.
+    for trajectory in trajectories[4:]:
+        breaks = [not reads_back(served, span.token_ids) for span in trajectory.generated_spans[:-1]]
+        assert len(trajectory.samples) == 1 + sum(breaks)
+
+
+def reads_back(served: Served, token_ids: tuple[int, ...]) -> bool:
+    """Whether a plain-format assistant turn renders back to its sampled ids (eos closes it)."""
+    text_ids = served.tokenizer.encode_text(served.tokenizer.decode(list(token_ids)))
+    return list(token_ids) in (text_ids, text_ids + [served.tokenizer.eos_id])
+
+
 def hf_logprobs(model_dir: Path, prefix: list[int], span: GeneratedSpan) -> list[float]:
     """log_softmax(logits / temperature) of the span's tokens under `transformers`, fp32, over each
     token's recorded kept set (top-p)."""

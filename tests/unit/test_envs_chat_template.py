@@ -75,6 +75,30 @@ def test_the_chat_template_prefix_holds_until_it_rewrites_history_and_then_the_t
     assert [list(span.token_ids) for span in trajectory.generated_spans] == [t.token_ids for t in turns]
 
 
+def test_an_openai_client_agent_on_the_chat_template_forks_where_the_builder_does(tokenizer):
+    """The same conversation driven by agent code through forge_rl/envs/chat_client.py: the calls
+    group into the same samples as run_episode's builder makes, with the same ids."""
+    pytest.importorskip("openai", reason="the chat client needs the openai package (vLLM installs it)")
+    from forge_rl.envs.chat_client import ChatAgentEnvironment
+
+    renderer = ChatTemplateRenderer(tokenizer)
+    turns = [turn(tokenizer, "A"), turn(tokenizer, "THINK/B"), turn(tokenizer, "C")]
+    generate = FakeGenerate(turns)
+
+    async def agent(client):
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+        for observation in ("R1=", "R2=", None):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+            messages += [{"role": "user", "content": observation}] if observation else []
+        return 1.0
+
+    via_client = asyncio.run(ChatAgentEnvironment(agent).play(generate, renderer, EpisodeLimits()))
+    via_runner = asyncio.run(run_episode(TwoObservations(), FakeGenerate(turns), renderer, EpisodeLimits()))
+    assert via_client.status == TrajectoryStatus.DONE and via_client.num_forks == 1
+    assert [s.spans for s in via_client.samples] == [s.spans for s in via_runner.samples]
+
+
 def test_a_model_without_a_chat_template_is_refused_with_the_fix(tmp_path):
     save_char_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="PlainTextRenderer"):

@@ -73,6 +73,9 @@ CORE_MODULES = [
     "forge_rl.envs.python_tool",
     "forge_rl.envs.sandbox",
     "forge_rl.envs.rollout",
+    "forge_rl.envs.chat_client",
+    "forge_rl.envs.openenv_adapter",
+    "forge_rl.envs.verifiers_adapter",
 ]
 ENV_MODULES = [m for m in CORE_MODULES if m.startswith("forge_rl.envs.")]
 """Environments are lighter still: the rollout shell may run them in processes of their own, beside
@@ -166,6 +169,13 @@ def test_functional_core_imports_neither_monarch_nor_vllm_nor_torchtitan():
 
 def test_environments_import_not_even_torch_or_transformers():
     assert loaded_in_a_fresh_interpreter(ENV_MODULES, ("torch", "transformers", "monarch", "vllm")) == ""
+
+
+def test_the_adapters_import_without_the_packages_they_adapt():
+    """openenv-core and verifiers are optional (verifiers needs Python >= 3.11): imported when an
+    environment is made, never when forge_rl or an adapter module is."""
+    adapters = ["forge_rl.envs.chat_client", "forge_rl.envs.openenv_adapter", "forge_rl.envs.verifiers_adapter"]
+    assert loaded_in_a_fresh_interpreter(adapters, ("openenv", "verifiers", "openai")) == ""
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,424 @@
+"""An OpenAI-style chat endpoint served in process by forge_rl's generator, for agent code that
+drives the model itself (verifiers environments, any agent written against `openai.AsyncOpenAI`).
+
+    session = ChatSession(generate, renderer, limits)       # one per episode
+    client = session.client()                                # an openai.AsyncOpenAI: no socket, no server
+    reply = await client.chat.completions.create(model="policy", messages=[...])
+    trajectory = await session.play(agent(client))           # the agent's reward closes it
+
+`client()` is a real `openai.AsyncOpenAI` whose httpx transport (`ChatTransport`) answers
+`POST /chat/completions` (streamed or not) and `GET /models` by calling the session: the
+messages are rendered with the episode's renderer (the model's chat template, or the tiny
+models' plain format), the turn is sampled by `generate` (forge_rl/envs/runner.py `GenerateTurn`,
+the same coroutine `run_episode` uses: on the real engine, the generator's `generate_turn`), and
+`ChatRecorder` keeps each call's prompt ids, sampled ids, behaviour logprobs and per-token policy
+versions. The reply carries the text (and, when asked, per-token logprobs), plus the ids and
+versions as extra fields.
+
+Calls are grouped into samples by their prompt prefix, as the interception designs of OpenEnv and
+verifiers do: a call whose rendered prompt starts with an earlier sample's tokens (its prompts
+and completions so far) continues that sample, the new part of the prompt as context; any other
+call starts a new sample, all context, just as the trajectory builder forks when a chat template
+re-renders history differently (forge_rl/envs/trajectory.py). The sampled ids are recorded as
+`generate` returned them and never re-derived from the text the agent sends back. A plain
+multi-turn agent (append the reply, append the next user message, call again) therefore gives one
+sample; a template that rewrites earlier turns, or an agent that edits its history, forks.
+
+The episode's limits (forge_rl/envs/runner.py `EpisodeLimits`) answer as HTTP 400 errors whose
+message names the limit, which `openai` raises as `BadRequestError` in the agent: a call past
+`max_turns`, a prompt with no room left in `max_total_tokens` (code `context_length_exceeded`),
+and the generator's own context being full. The episode then ends TRUNCATED_TURNS or
+TRUNCATED_TOKENS, whatever the agent does next. Request fields that the generator cannot honour
+(n > 1, tools, stop sequences, sampling parameters: the policy samples with the generator's own
+settings, which the behaviour logprobs must describe) are refused with a 400 naming the field,
+never silently ignored. An exception from `generate` other than ContextExhausted (a lost
+generator) is no answer to give the agent: the episode is cancelled and the exception propagates
+to the rollout shell, as in `run_episode`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from forge_rl.envs.environment import Message
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.runner import ContextExhausted, EpisodeLimits, GenerateTurn, SampledTurn, check_turn, turn_span
+from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
+
+BASE_URL = "http://forge-rl.invalid/v1"
+"""The client's base URL. Never resolved: the transport answers every request in process (the
+reserved .invalid domain makes a request that escaped it fail at once)."""
+
+MODEL_NAME = "policy"
+"""What `GET /models` lists. Any model name is accepted: there is one policy."""
+
+_ACCEPTED_FIELDS = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs",
+    "top_logprobs", "user", "metadata", "store", "seed", "parallel_tool_calls",
+}
+"""Request fields the endpoint honours, or that change nothing the trajectory records (user,
+metadata, store; seed: the generator's own randomness decides, and the logprobs describe it);
+n and top_logprobs only at their one-sample, no-alternatives values. Any other set field is
+refused with a 400 naming it."""
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias"}
+
+
+class ChatRequestError(Exception):
+    """A request answered with an HTTP error: `status`, the message, the field at fault, an OpenAI error code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status == 400 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[Message]
+    max_tokens: int | None
+    logprobs: bool
+    model: str
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """The request's messages and options; ChatRequestError (400) naming what cannot be served."""
+    if not isinstance(body, dict):
+        raise ChatRequestError("the request body must be a JSON object")
+    for name, value in body.items():
+        if value is None or name in _ACCEPTED_FIELDS:
+            continue
+        if name in _SAMPLING_FIELDS:
+            raise ChatRequestError(
+                f"{name} is not supported: the policy samples with the generator's own settings "
+                "(generator.temperature, generator.top_p), which the recorded behaviour logprobs describe. "
+                f"Leave {name} unset.", param=name,
+            )
+        raise ChatRequestError(f"{name} is not supported by forge_rl's chat endpoint; leave it unset.", param=name)
+    if body.get("n") not in (None, 1):
+        raise ChatRequestError(
+            f"n ({body['n']}) is not supported: one call samples one turn. Make n calls (a GRPO group is "
+            "group_size episodes, each its own agent run).", param="n",
+        )
+    if body.get("top_logprobs"):
+        raise ChatRequestError(
+            f"top_logprobs ({body['top_logprobs']}) is not supported: the reply carries the sampled tokens' "
+            "logprobs only (logprobs=true).", param="top_logprobs",
+        )
+    limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if any(not isinstance(v, int) or v < 1 for v in limits):
+        raise ChatRequestError(f"max_tokens ({limits}) must be a positive integer", param="max_tokens")
+    return ChatRequest(
+        messages=[_message(m, i) for i, m in enumerate(body.get("messages") or [])] or _no_messages(),
+        max_tokens=min(limits) if limits else None,
+        logprobs=bool(body.get("logprobs")),
+        model=str(body.get("model") or MODEL_NAME),
+    )
+
+
+def _no_messages() -> list[Message]:
+    raise ChatRequestError("messages is empty: a chat completion needs at least one message", param="messages")
+
+
+def _message(message: Any, index: int) -> Message:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ChatRequestError(f"{where} must be an object with a role", param=where)
+    if message.get("tool_calls"):
+        raise ChatRequestError(f"{where}.tool_calls is not supported: tools are not served", param=f"{where}.tool_calls")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ChatRequestError(f"{where}.content holds a part that is not text", param=f"{where}.content")
+        content = "".join(p.get("text", "") for p in content)
+    if not isinstance(content, str):
+        raise ChatRequestError(f"{where}.content must be text", param=f"{where}.content")
+    return Message(message["role"], content)
+
+
+@dataclass
+class ChatRecorder:
+    """Every call's tokens, grouped into samples by prompt prefix (module docstring).
+
+    Invariant: the generated spans of all samples are exactly the turns recorded, each after
+    exactly the prompt it was sampled from; every other token is context."""
+
+    samples: list[TrajectorySample] = field(default_factory=list)
+    conversation: list[Message] = field(default_factory=list)
+    """The longest conversation so far, as text: its messages and the reply."""
+    num_calls: int = 0
+
+    def record(self, prompt_token_ids: Sequence[int], turn: GeneratedSpan, messages: list[Message], text: str) -> int:
+        """Add a turn sampled after `prompt_token_ids`; the index of the sample it went into."""
+        prompt = list(prompt_token_ids)
+        index = self._continued(prompt)
+        if index is None:
+            self.samples.append(TrajectorySample([ContextSpan(tuple(prompt))]))
+            index = len(self.samples) - 1
+        else:
+            known = self.samples[index].num_tokens
+            if len(prompt) > known:
+                self.samples[index].spans.append(ContextSpan(tuple(prompt[known:])))
+        self.samples[index].spans.append(turn)
+        self.num_calls += 1
+        if len(messages) + 1 >= len(self.conversation):
+            self.conversation = [*messages, Message("assistant", text)]
+        return index
+
+    def _continued(self, prompt: list[int]) -> int | None:
+        """The sample `prompt` extends (the longest, the latest among equals), or None."""
+        best = None
+        for index, sample in enumerate(self.samples):
+            tokens = sample.token_ids
+            if prompt[: len(tokens)] == tokens and (best is None or len(tokens) >= self.samples[best].num_tokens):
+                best = index
+        return best
+
+
+class ChatSession:
+    """One episode's chat endpoint: serves calls within `limits` and records them (module docstring)."""
+
+    def __init__(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits):
+        self.generate, self.renderer, self.limits = generate, renderer, limits
+        self.recorder = ChatRecorder()
+        self.truncation: tuple[TrajectoryStatus, str] | None = None
+        """The first limit the episode hit: its status and why."""
+        self.lost: BaseException | None = None
+        """What `generate` raised, other than ContextExhausted: the episode's end, raised by `play`."""
+        self.calls_in_flight = 0
+        self.last_activity_s = time.monotonic()
+        self._activity = asyncio.Event()
+
+    def client(self, **kwargs):
+        """An `openai.AsyncOpenAI` served by this session in process (no retries: an error is an answer)."""
+        import openai
+
+        transport = ChatTransport(self)
+        return openai.AsyncOpenAI(
+            base_url=BASE_URL, api_key="forge-rl", max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport, base_url=BASE_URL), **kwargs,
+        )
+
+    async def complete(self, body: Any) -> dict:
+        """The chat completion for a request body (a JSON object); ChatRequestError for an HTTP error."""
+        self._touch(+1)
+        try:
+            return await self._complete(parse_request(body))
+        finally:
+            self._touch(-1)
+
+    async def _complete(self, request: ChatRequest) -> dict:
+        limits, recorder = self.limits, self.recorder
+        if self.lost is not None:
+            raise ChatRequestError(f"the generator was lost: {self.lost!r}", status=503)
+        if recorder.num_calls >= limits.max_turns:
+            reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
+            raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, reason, "max_turns_exceeded")
+        try:
+            prompt = self.renderer.render(request.messages)
+        except Exception as e:
+            raise ChatRequestError(f"messages cannot be rendered: {type(e).__name__}: {e}", param="messages") from e
+        room = limits.max_total_tokens - len(prompt)
+        if room < 1:
+            reason = (
+                f"the prompt ({len(prompt)} tokens) leaves no room for a completion within max_total_tokens "
+                f"({limits.max_total_tokens})"
+            )
+            raise self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, "context_length_exceeded")
+        max_new_tokens = min(limits.max_tokens_per_turn, room, request.max_tokens or room)
+        try:
+            turn = await self.generate(prompt, max_new_tokens)
+            check_turn(turn, max_new_tokens)  # a broken generate is the caller's bug: raised by play
+        except ContextExhausted as full:
+            raise self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, str(full), "context_length_exceeded") from None
+        except Exception as e:
+            self.lost = e
+            raise ChatRequestError(f"the generator was lost: {e!r}", status=503) from None
+        text = self.renderer.decode(turn.token_ids)
+        recorder.record(prompt, turn_span(turn), request.messages, text)
+        if turn.finish_reason == "length" and max_new_tokens == room:
+            reason = f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})"
+            self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, None)
+        return _completion_body(request, prompt, turn, text, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.renderer.decode([token_id])
+
+    def _truncated(self, status: TrajectoryStatus, reason: str, code: str | None) -> ChatRequestError:
+        if self.truncation is None:
+            self.truncation = (status, reason)
+        return ChatRequestError(reason, code=code)
+
+    def _touch(self, delta: int) -> None:
+        self.calls_in_flight += delta
+        self.last_activity_s = time.monotonic()
+        self._activity.set()
+
+    async def play(self, agent: Awaitable[float | None]) -> Trajectory:
+        """Run the agent (a coroutine returning the episode's reward) to its end; the trajectory of
+        its calls. Between its calls the agent may take `env_step_timeout_s` at most (ENV_TIMEOUT);
+        an exception it raises ends the episode ENV_ERROR, unless a limit ended it first; after a
+        limit its reward is not used (0.0, as for a truncated `run_episode`)."""
+        task = asyncio.ensure_future(agent)
+        try:
+            timed_out = await self._watch(task)
+        except BaseException:
+            task.cancel()
+            raise
+        if self.lost is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise self.lost
+        if timed_out:
+            task.cancel()  # not awaited: an agent that ignores cancellation must not hold the episode
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            reason = f"the agent took more than env_step_timeout_s ({self.limits.env_step_timeout_s} s) between model calls"
+            return self.trajectory(TrajectoryStatus.ENV_TIMEOUT, reason)
+        error = task.exception()
+        if self.truncation is not None:
+            return self.trajectory(*self.truncation)
+        if error is not None:
+            return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent raised {type(error).__name__}: {error}")
+        reward = task.result()
+        if not self.recorder.samples:
+            return self.trajectory(TrajectoryStatus.ENV_ERROR, "the agent made no chat completion call: nothing to train")
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent's reward ({reward!r}) is not a finite number")
+        return self.trajectory(TrajectoryStatus.DONE, final_reward=float(reward))
+
+    async def _watch(self, task: asyncio.Future) -> bool:
+        """Wait for `task`; True when the agent went `env_step_timeout_s` without a model call in flight."""
+        while not task.done() and self.lost is None:
+            self._activity.clear()
+            timeout = None
+            if self.calls_in_flight == 0:
+                timeout = self.last_activity_s + self.limits.env_step_timeout_s - time.monotonic()
+                if timeout <= 0:
+                    return True
+            activity = asyncio.ensure_future(self._activity.wait())
+            try:
+                await asyncio.wait({task, activity}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                activity.cancel()
+        return False
+
+    def trajectory(self, status: TrajectoryStatus, error: str | None = None, final_reward: float = 0.0) -> Trajectory:
+        recorder = self.recorder
+        return Trajectory(
+            samples=recorder.samples, status=status, final_reward=final_reward, turn_rewards=[],
+            conversation=recorder.conversation, num_turns=recorder.num_calls, num_malformed_turns=0,
+            env_latencies_s=[], error=error,
+        )
+
+
+def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn, text: str, token_text) -> dict:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": turn.finish_reason,
+        "logprobs": None,
+        # forge_rl's own fields: what was sampled, as recorded into the trajectory.
+        "token_ids": list(turn.token_ids),
+        "policy_versions": list(turn.policy_versions),
+    }
+    if request.logprobs:
+        choice["logprobs"] = {"content": [
+            {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()), "top_logprobs": []}
+            for t, lp in zip(turn.token_ids, turn.logprobs)
+        ]}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(turn.token_ids),
+            "total_tokens": len(prompt) + len(turn.token_ids),
+        },
+        "prompt_token_ids": prompt,
+    }
+
+
+def _stream_events(completion: dict, include_usage: bool) -> bytes:
+    """The completion as server-sent events: one chunk with the whole reply, one with the finish
+    reason, the usage when asked, then [DONE] (what `openai`'s stream reader expects)."""
+    choice = completion["choices"][0]
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    reply = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": None}
+    reply |= {k: choice[k] for k in ("logprobs", "token_ids", "policy_versions")}
+    end = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    chunks = [head | {"choices": [reply]}, head | {"choices": [end]}]
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": completion["usage"]})
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+class ChatTransport(httpx.AsyncBaseTransport):
+    """httpx transport answering the OpenAI routes from a ChatSession, in process."""
+
+    def __init__(self, session: ChatSession):
+        self.session = session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path.endswith("/models"):
+            return _json(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "forge_rl"}]})
+        if request.method != "POST" or not path.endswith("/chat/completions"):
+            served = "only POST /chat/completions and GET /models"
+            return _json(404, ChatRequestError(f"{request.method} {path} is not served: {served}", status=404).body())
+        try:
+            body = json.loads(await request.aread() or b"null")
+        except json.JSONDecodeError as e:
+            return _json(400, ChatRequestError(f"the request body is not JSON: {e}").body())
+        try:
+            completion = await self.session.complete(body)
+        except ChatRequestError as error:
+            return _json(error.status, error.body())
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            events = _stream_events(completion, include_usage)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events)
+        return _json(200, completion)
+
+
+def _json(status: int, body: dict) -> httpx.Response:
+    return httpx.Response(status, headers={"content-type": "application/json"}, content=json.dumps(body).encode())
+
+
+class ChatAgentEnvironment:
+    """Agent code written against `openai.AsyncOpenAI`, as a forge_rl environment: `agent(client)`
+    is a coroutine that talks to the model through `client` and returns the episode's reward.
+    The rollout plays it with `play` (forge_rl/envs/rollout.py `play_episode`) instead of
+    reset/step: the agent drives, each of its calls is a turn.
+
+        async def agent(client):
+            reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "37*52="}])
+            return float(reply.choices[0].message.content == "1924")
+
+        make_env = lambda seed, index: ChatAgentEnvironment(agent)
+    """
+
+    def __init__(self, agent: Callable[[Any], Awaitable[float | None]]):
+        self.agent = agent
+
+    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory:
+        session = ChatSession(generate, renderer, limits)
+        client = session.client()
+        try:
+            return await session.play(self.agent(client))
+        finally:
+            await client.close()
