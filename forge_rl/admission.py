@@ -74,11 +74,13 @@ def batch_may_be_sampled(
     """Whether the batch the buffer serves now (its earliest-admitted episodes) leaves a feasible
     schedule for the rest. False while an episode that needs this step, or whose place later
     would be taken by this batch, is still being generated."""
-    if not any(in_flight_versions.values()):
-        return True  # waiting cannot change what the buffer holds
     buffered = collections.Counter(queued_versions) - collections.Counter(in_flight_versions)
     if buffered.total() < episodes_per_step:
-        return False  # the batch would be completed by episodes still in flight: wait for them
+        # The buffer would complete the batch with whatever arrives first (a short episode admitted
+        # late, say): only once a full batch is here is it the one judged below.
+        return False
+    if not any(in_flight_versions.values()):
+        return True  # waiting cannot change which episodes the batch takes
     remaining = collections.Counter(queued_versions)
     num_to_take = episodes_per_step
     for version in sorted(buffered):

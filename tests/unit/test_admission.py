@@ -67,6 +67,11 @@ def test_the_train_loop_waits_for_in_flight_episodes_this_step_is_the_last_chanc
     assert may_sample({4: 2}, {4: 1}, train_version=4, per_step=1, max_age=1)
     assert not may_sample({4: 2}, {4: 1}, train_version=4, per_step=2, max_age=0)  # sync: the whole step
     assert may_sample({4: 2}, {}, train_version=4, per_step=2, max_age=0)
+    # Nothing buffered yet: going now would let the first arrival (the scale benchmark: a short
+    # episode of version 5 ahead of a long one of 4, whose last chance was this step) fill the batch.
+    assert not may_sample({}, {}, train_version=6, per_step=1, max_age=2)
+    assert not may_sample({4: 1, 5: 1}, {4: 1}, train_version=6, per_step=1, max_age=2)
+    assert may_sample({4: 1, 5: 1}, {5: 1}, train_version=6, per_step=1, max_age=2)
 
 
 def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need():
@@ -108,7 +113,9 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
 ):
     """Any order of admissions, arrivals (out of order), weight updates (generators lagging) and
     steps: every batch, served earliest-admitted first as the buffer does, trains only episodes
-    within the age bound, and some event can always happen."""
+    within the age bound, and some event can always happen. As in the train loop, a step the gate
+    lets go takes its batch from the buffer afterwards: if the buffer holds less than a batch, the
+    next arrivals complete it, whatever their versions."""
     max_queued = episodes_per_step * (max_policy_age + 2)
 
     async def scenario():
@@ -116,12 +123,20 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
                          max_episodes_queued=max_queued, num_generators=num_generators)
         in_flight: list[int] = []  # start versions
         buffered: list[int] = []  # start versions, in arrival order
+        waiting_step = False  # the gate let a step go; the buffer is waiting for a full batch
+
+        async def take_batch() -> None:
+            batch = sorted(buffered)[:episodes_per_step]  # stable: earliest admitted first
+            for version in batch:
+                buffered.remove(version)
+                assert gate.next_train_version - version <= max_policy_age
+            await gate.took_batch(batch, [])
+
         for _ in range(40):
-            steps_possible = gate.may_sample_batch() and len(buffered) >= episodes_per_step
             starts = [g for g in range(num_generators) if gate.may_start_rollout(g)]
             lagging = [g for g in range(num_generators) if gate.generator_versions[g] < gate.next_train_version]
             events = (["start"] if starts else []) + (["arrive"] if in_flight else [])
-            events += (["step"] if steps_possible else []) + (["update"] if lagging else [])
+            events += (["step"] if not waiting_step and gate.may_sample_batch() else []) + (["update"] if lagging else [])
             assert events, f"stalled: {gate.queued_versions=} {gate.in_flight_versions=} {buffered=}"
             event = data.draw(st.sampled_from(events))
             if event == "start":
@@ -131,13 +146,13 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
                 buffered.append(version)
                 await gate.settle(version, 1, num_not_queued=0)
             elif event == "step":
-                batch = sorted(buffered)[:episodes_per_step]  # stable: earliest admitted first
-                for version in batch:
-                    buffered.remove(version)
-                    assert gate.next_train_version - version <= max_policy_age
-                await gate.took_batch(batch, [])
+                waiting_step = True
             else:
-                await gate.generator_serves(data.draw(st.sampled_from(lagging)), gate.next_train_version)
+                generator = data.draw(st.sampled_from(lagging))
+                await gate.generator_serves(generator, data.draw(st.integers(gate.generator_versions[generator] + 1, gate.next_train_version)))
+            if waiting_step and len(buffered) >= episodes_per_step:
+                waiting_step = False
+                await take_batch()
 
     run(scenario())
 
