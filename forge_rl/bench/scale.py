@@ -86,9 +86,9 @@ class ScaleArgs:
     """Staleness bound A of the asynchronous run."""
     skip_async_vs_sync: bool = False
     fault_generators: int = 20
-    """Generators of the faults part. 20, not 32 or 128: on 2 shared cores 20 simulated generators
-    are ready in about 12 s, and killing a tenth of them (2) already makes several replacements
-    start at once while the others serve."""
+    """Generators of the faults part. 20: a tenth is exactly 2, so replacements start at once while
+    18 serve, and on 2 shared cores they are ready in about 7 s (32: 14 s, 128: about 45 s); pass
+    --fault-generators 32 or 128 for more."""
     fault_kill_fraction: float = 0.1
     """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
     fault_prompts_in_flight_per_generator: int = 2
