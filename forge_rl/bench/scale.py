@@ -307,7 +307,9 @@ def max_concurrent_sequences(run_path: Path) -> int:
     return peak
 
 
-def control_plane_config(base: GRPOConfig, args: ScaleArgs, num_generators: int, run_dir: Path, steps: int) -> GRPOConfig:
+def control_plane_config(
+    base: GRPOConfig, args: ScaleArgs, num_generators: int, run_dir: Path, steps: int
+) -> GRPOConfig:
     """The control-plane workload at `num_generators`: a zero-cost trainer step, P =
     prompts_per_generator_step x G prompts per step, short completions."""
     prompts_per_step = args.prompts_per_generator_step * num_generators

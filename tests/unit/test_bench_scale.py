@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from forge_rl.bench.scale import _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences
+from forge_rl.bench.scale import (
+    _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences,
+)
 from forge_rl.timeline import Interval
 
 
