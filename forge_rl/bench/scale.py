@@ -87,13 +87,14 @@ class ScaleArgs:
     skip_async_vs_sync: bool = False
     fault_generators: int = 20
     """Generators of the faults part. 20: a tenth is exactly 2, so replacements start at once while
-    18 serve, and on 2 shared cores they are ready in about 7 s (32: 14 s, 128: about 45 s); pass
-    --fault-generators 32 or 128 for more."""
+    18 serve, and on 2 shared cores the run takes about 20 s (ready in 7-12 s; 32 about the same,
+    128 about 45 s to start); pass --fault-generators 32 or 128 for more."""
     fault_kill_fraction: float = 0.1
     """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
     fault_prompts_in_flight_per_generator: int = 2
-    """Rollout loops per generator in the faults part: 2, so that every loop can be admitted
-    ((max_policy_age + 1) x P admissions for 2 x P loops) and every generator has work to lose."""
+    """Rollout loops per generator in the faults part: 2, not 4. The gate admits fewer prompts than
+    4 x P loops and the loops that win admissions are mostly the same ones, so some generators
+    would seldom have a call in progress to lose (docs/benchmarks.md, "Faults")."""
     fault_seed: int = 0
     """Chooses which generators are killed (`choose_victims`)."""
     fault_steps: int = 20
