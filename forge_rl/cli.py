@@ -116,7 +116,7 @@ _BENCHMARKS = {
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
-    "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync.",
+    "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync; faults.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
     "keep-routing": "MoE policy: trainer-vs-sampler mismatch with and without Keep Routing, and the record's bytes/token.",
     "distill": "On-policy distillation of a trained teacher into a fresh student vs GRPO from scratch, same steps.",

@@ -82,7 +82,7 @@ def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
         if not remove and not any(_is_running(process) for process in kill):
             return  # they exited on their own (a normal engine shutdown): nothing left to guard
         time.sleep(_POLL_S)
-    _kill_trees(kill)
+    kill_trees(kill)
     for pattern in remove:
         for path in glob.glob(pattern):
             shutil.rmtree(path, ignore_errors=True)
@@ -90,7 +90,7 @@ def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
         _note(f"process {parent} exited; stopped {len(kill)} process tree(s) it left, removed {remove}")
 
 
-def _kill_trees(processes: list[psutil.Process]) -> None:
+def kill_trees(processes: list[psutil.Process]) -> None:
     """SIGKILL to `processes` and every descendant they have. No SIGTERM first: a graceful stop
     mostly talks to the process that just died. Measured here, vLLM's engine core given SIGTERM
     after its front end was killed stopped its worker but had not exited 3 s later (its output

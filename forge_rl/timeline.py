@@ -63,6 +63,10 @@ class Timeline:
             if self._file is not None:
                 self._file.write(json.dumps(asdict(Interval(component, start, end, num_sequences))) + "\n")
 
+    def num_active(self, component: str) -> int:
+        """Calls of `component` in progress now."""
+        return self._active.get(component, 0)
+
     def busy_s(self, component: str) -> float:
         """Busy time of `component` from the origin until now (overlapping calls count once)."""
         total = self._busy_total_s.get(component, 0.0)

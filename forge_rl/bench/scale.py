@@ -23,6 +23,13 @@ decode and train steps are timed waits. What is measured is forge_rl's own work.
        async step >= max(train, generate, straggler / (A + 1))
    where generate is the step's tokens over the engines' throughput at full batch and A the
    staleness bound; `sim_efficiency_vs_bound` = the bound's speedup achieved.
+3. Faults at scale: the control-plane run with `fault_generators` generators; once step
+   `fault_kill_after_step` is done, every process of a tenth of them (chosen from `fault_seed`) is
+   SIGKILLed. The generator pool must detect each death and replace the generator; the train loop
+   waits after step `fault_replaced_by_step` until the replacements serve, so the run cannot end
+   before the recovery, and trains on to `fault_steps` with them. Reported: generators killed,
+   detected, replaced, detection and replacement latencies, steps completed, prompts requeued,
+   trained twice and lost, and `faults_accounting_ok` (`judge_accounting`).
 
 Figures go to OUT_DIR/scale.json; the last line of stdout is the JSON summary.
 """
@@ -34,6 +41,7 @@ import collections
 import dataclasses
 import json
 import math
+import random
 import statistics
 import threading
 import time
@@ -44,7 +52,9 @@ import psutil
 
 from forge_rl.bench.async_vs_sync import analyze
 from forge_rl.config import GRPOConfig
+from forge_rl.deadlines import within
 from forge_rl.metrics import progress
+from forge_rl.reaper import kill_trees
 from forge_rl.timeline import Timeline
 
 _LAG_PROBE_S = 0.010
@@ -75,6 +85,27 @@ class ScaleArgs:
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous run."""
     skip_async_vs_sync: bool = False
+    fault_generators: int = 20
+    """Generators of the faults part. 20: a tenth is exactly 2, so replacements start at once while
+    18 serve, and on 2 shared cores the run takes about 20 s (ready in 7-12 s; 32 about the same;
+    at 128 a generator's spawn timed out here, twice); pass --fault-generators 32 for more."""
+    fault_kill_fraction: float = 0.1
+    """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
+    fault_prompts_in_flight_per_generator: int = 2
+    """Rollout loops per generator in the faults part: 2, not 4. The gate admits fewer prompts than
+    4 x P loops and the loops that win admissions are mostly the same ones, so some generators
+    would seldom have a call in progress to lose (docs/benchmarks.md, "Faults")."""
+    fault_seed: int = 0
+    """Chooses which generators are killed (`choose_victims`)."""
+    fault_steps: int = 20
+    """Train steps of the faults run."""
+    fault_kill_after_step: int = 5
+    """The victims are killed once this step is done."""
+    fault_replaced_by_step: int = 10
+    """After this step the train loop waits until every victim's replacement serves."""
+    fault_recovery_timeout_s: float = 120.0
+    """Longest wait for the replacements at fault_replaced_by_step; past it the faults part fails."""
+    skip_faults: bool = False
     out_dir: Path = Path("runs/bench-scale")
 
 
@@ -111,14 +142,26 @@ class _Probe:
         """(step, monotonic time, calls so far) after each train step."""
         self.lags_s: list[float] = []
         self.generator_rss: list[float] = []
+        self.pipeline = None
+        """The run's Pipeline, read once it ended (`held_at_stop`)."""
+        self.actors = None
+        """The run's actor handles as the recipe made them (not counted)."""
+        self.cut_at_stop: list[int] = []
+        """Prompts whose generation or scoring was cut short by the end of the run."""
+        self.admitted_without_prompt = 0
+        """Rollouts the end of the run cut between their admission and their prompt's arrival:
+        admitted in the gate's count, with no prompt (no settle follows; the run is over)."""
 
-    def install(self):
-        """Count the calls of every Pipeline built from now on (the recipe builds one)."""
+    def install(self, after_step=None):
+        """Count the calls of every Pipeline built from now on (the recipe builds one); with
+        `after_step`, await `after_step(probe, step)` once each train step is done."""
         from forge_rl import loop
 
         probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
+        original_rollout, original_next_prompts = loop.Pipeline._rollout, loop.Pipeline._next_prompts
 
         def init(pipeline, config, actors):
+            probe.pipeline, probe.actors = pipeline, actors
             score, stats = actors.score, actors.stats
 
             async def counted_score(episodes, timeline):
@@ -141,12 +184,44 @@ class _Probe:
         async def finish_step(pipeline, sent, lifecycle, weight_updates):
             result = await original_step(pipeline, sent, lifecycle, weight_updates)
             probe.step_marks.append((sent.step, time.monotonic(), sum(probe.counts.values())))
+            if after_step is not None:
+                await after_step(probe, sent.step)
             return result
 
-        loop.Pipeline.__init__, loop.Pipeline._finish_step = init, finish_step
-        return lambda: setattr(loop.Pipeline, "__init__", original_init) or setattr(
-            loop.Pipeline, "_finish_step", original_step
-        )
+        async def rollout(pipeline, index, prompts):
+            try:
+                return await original_rollout(pipeline, index, prompts)
+            except asyncio.CancelledError:  # the run ended (nothing else cancels a rollout)
+                probe.cut_at_stop.extend(prompt.episode_id for prompt in prompts)
+                raise
+
+        async def next_prompts(pipeline):
+            try:
+                return await original_next_prompts(pipeline)
+            except asyncio.CancelledError:
+                probe.admitted_without_prompt += 1
+                raise
+
+        originals = {
+            "__init__": original_init, "_finish_step": original_step, "_rollout": original_rollout,
+            "_next_prompts": original_next_prompts,
+        }
+        patched = {"__init__": init, "_finish_step": finish_step, "_rollout": rollout, "_next_prompts": next_prompts}
+        for name, method in patched.items():
+            setattr(loop.Pipeline, name, method)
+        return lambda: [setattr(loop.Pipeline, name, method) for name, method in originals.items()]
+
+    def held_at_stop(self) -> dict:
+        """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
+        counted where they were: in the buffer (admitted, reached it, not taken: the gate's
+        count once every rollout settled, less the admissions that never got a prompt), in the
+        queue of prompts to generate again after a generator died, or cut short in a rollout."""
+        return {
+            "buffered": self.pipeline.gate.num_episodes_queued - self.admitted_without_prompt,
+            "requeued_not_regenerated": len(self.pipeline.requeued),
+            # A rollout cut while buffering has counted its filtered prompts already.
+            "cut_in_flight": len(set(self.cut_at_stop) - set(self.pipeline.accounting.filtered_ids)),
+        }
 
     async def watch_lag(self) -> None:
         """How late a timer fires on the controller's event loop, every _LAG_PROBE_S."""
@@ -188,12 +263,13 @@ class _Probe:
         }
 
 
-def run_probed(config: GRPOConfig) -> tuple[dict, Path]:
-    """Run `config` in this process with the probe; returns its figures and the run directory."""
+def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
+    """Run `config` in this process with the probe (and `after_step`, see `_Probe.install`);
+    returns its figures and the run directory."""
     from forge_rl.recipes import recipe
 
     probe = _Probe()
-    restore = probe.install()
+    restore = probe.install(after_step)
 
     async def measured():
         watcher = asyncio.create_task(probe.watch_lag())
@@ -211,9 +287,12 @@ def run_probed(config: GRPOConfig) -> tuple[dict, Path]:
         stop.set()
         memory.join()
         restore()
-    return {**probe.steady(), "simulated": summary["simulated"], "accounting": summary["accounting"]}, Path(
-        summary["run_dir"]
-    )
+    figures = {
+        **probe.steady(),
+        **{key: summary[key] for key in ("simulated", "steps", "accounting", "generator_recoveries")},
+        "held_at_stop": probe.held_at_stop(),
+    }
+    return figures, Path(summary["run_dir"])
 
 
 def max_concurrent_sequences(run_path: Path) -> int:
@@ -229,13 +308,17 @@ def max_concurrent_sequences(run_path: Path) -> int:
     return peak
 
 
-def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dict:
+def control_plane_config(
+    base: GRPOConfig, args: ScaleArgs, num_generators: int, run_dir: Path, steps: int
+) -> GRPOConfig:
+    """The control-plane workload at `num_generators`: a zero-cost trainer step, P =
+    prompts_per_generator_step x G prompts per step, short completions."""
     prompts_per_step = args.prompts_per_generator_step * num_generators
-    config = dataclasses.replace(
+    return dataclasses.replace(
         base,
-        run_dir=args.out_dir / f"g{num_generators}",
+        run_dir=run_dir,
         run_name=None,
-        steps=args.steps,
+        steps=steps,
         num_generators=num_generators,
         prompts_in_flight_per_generator=args.prompts_in_flight_per_generator,
         train_batch_size=prompts_per_step * base.group_size,
@@ -252,11 +335,15 @@ def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dic
             base.buffer, capacity_episodes=max(base.buffer.capacity_episodes, 4 * prompts_per_step)
         ),
     )
+
+
+def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dict:
+    config = control_plane_config(base, args, num_generators, args.out_dir / f"g{num_generators}", args.steps)
     started = time.monotonic()
     figures, run_path = run_probed(config)
     return {
         "num_generators": num_generators,
-        "prompts_per_step": prompts_per_step,
+        "prompts_per_step": config.prompts_per_step,
         **figures,
         "max_concurrent_rollouts": max_concurrent_sequences(run_path),
         "run_s": time.monotonic() - started,
@@ -331,15 +418,139 @@ def _generation_s(config: GRPOConfig, tokens_per_step: float) -> float:
     return tokens_per_step / (config.num_generators * batch / step_s) * sim.time_scale
 
 
-def _accounting_ok(record: dict, steps: int) -> bool:
-    """Every step trained a full batch of distinct prompts, none twice, and no prompt is missing
-    (unfinished_at_stop is what remains of those handed out, so it must not be negative)."""
+def lost_prompts(accounting: dict, held_at_stop: dict) -> int:
+    """Prompts handed out that are neither trained, filtered, skipped, dropped (each counted with
+    its reason by the run's accounting) nor held when the run ended (`_Probe.held_at_stop`).
+    unfinished_at_stop is the accounting's remainder; the held prompts are counted apart, so a
+    prompt a dead generator took with it shows here (and a prompt counted twice as a negative)."""
+    return accounting["unfinished_at_stop"] - sum(held_at_stop.values())
+
+
+def judge_accounting(record: dict, steps: int) -> bool:
+    """Every step trained a full batch of distinct prompts, none twice, and every prompt handed
+    out is accounted for (`lost_prompts` is 0)."""
     accounting = record["accounting"]
     return (
         accounting["trained"] == steps * record["prompts_per_step"]
         and accounting["trained_more_than_once"] == 0
-        and accounting["unfinished_at_stop"] >= 0
+        and lost_prompts(accounting, record["held_at_stop"]) == 0
     )
+
+
+def choose_victims(num_generators: int, fraction: float, seed: int) -> list[int]:
+    """The generators to kill: round(fraction x num_generators) of them (at least one), drawn
+    from `seed`, so a rerun kills the same ones."""
+    count = min(num_generators, max(1, round(fraction * num_generators)))
+    return sorted(random.Random(seed).sample(range(num_generators), count))
+
+
+_IN_FLIGHT_WAIT_S = 10.0
+"""Longest wait, once the kill step is done, for a victim to be generating; past it, it is killed anyway."""
+
+
+class _Faults:
+    """Driven by train steps (the probe's `after_step`), never by a clock: once `kill_after_step`
+    is done, each victim is SIGKILLed (every process of it: the generator actor's and any engine
+    process below it) as soon as it has a generate call in progress, so the kill takes prompts
+    with it; the train loop goes on meanwhile (holding it would starve the generators of
+    admissions). After `replaced_by_step` the train loop waits until each victim was detected and
+    serves again."""
+
+    def __init__(self, victims: list[int], kill_after_step: int, replaced_by_step: int, recovery_timeout_s: float):
+        self.victims = victims
+        self.kill_after_step, self.replaced_by_step = kill_after_step, replaced_by_step
+        self.recovery_timeout_s = recovery_timeout_s
+        self.killed_at: dict[int, float] = {}
+        """Victim -> when its processes were SIGKILLed (time.time(), the pool's clock)."""
+        self.killed_pids: list[int] = []
+        self._kills: list[asyncio.Task] = []
+
+    async def after_step(self, probe: _Probe, step: int) -> None:
+        pool = probe.actors.generators
+        if step == self.kill_after_step:
+            pids = await pool.processes.call_one()
+            if not all(pids[index] for index in self.victims):
+                raise RuntimeError(f"the pool knows no process of some of generators {self.victims}: {pids}")
+            self._kills = [
+                asyncio.create_task(self._kill(index, pids[index], probe.pipeline.timeline)) for index in self.victims
+            ]
+        if step == self.replaced_by_step:
+            await within(
+                self.recovery_timeout_s,
+                self._replaced(pool),
+                lambda: TimeoutError(
+                    f"generators {self.victims} were not replaced within --fault-recovery-timeout-s "
+                    f"({self.recovery_timeout_s:g} s) of step {step}"
+                ),
+            )
+
+    async def _kill(self, index: int, pids: list[int], timeline: Timeline) -> None:
+        processes = [psutil.Process(pid) for pid in pids]
+        try:
+            async with asyncio.timeout(_IN_FLIGHT_WAIT_S):
+                while not timeline.num_active(f"generator{index}"):
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            progress(f"bench scale: generator {index} was not generating within {_IN_FLIGHT_WAIT_S:g} s; killed idle")
+        self.killed_at[index] = time.time()
+        kill_trees(processes)  # in the turn that saw the call in progress
+        self.killed_pids += pids
+        progress(f"bench scale: killed generator {index} (pids {pids})")
+
+    async def _replaced(self, pool) -> None:
+        await asyncio.gather(*self._kills)
+        # Detection is the pool's own process poll (every 0.5 s); until it ran, a victim's slot
+        # still reads as serving, so wait for its recovery event first.
+        while {event["generator"] for event in await pool.recovery_events.call_one()} < set(self.victims):
+            await asyncio.sleep(0.1)
+        await asyncio.gather(*(pool.wait_until_serving.call_one(index) for index in self.victims))
+
+
+def fault_figures(record: dict, victims: list[int], killed_at: dict[int, float]) -> dict:
+    """What the faults run showed, from its summary (`record`, as run_probed returns it)."""
+    events = {}
+    for event in record["generator_recoveries"]:  # the first recovery of each generator
+        events.setdefault(event["generator"], event)
+    detected = [events[i] for i in victims if i in events]
+    replaced = [event for event in detected if "serving_at" in event]
+    accounting = record["accounting"]
+    return {
+        "faults_generators": record["num_generators"],
+        "faults_killed": len(victims),
+        "faults_victims": victims,
+        "faults_detected": len(detected),
+        "faults_replaced": len(replaced),
+        "faults_other_recoveries": len(record["generator_recoveries"]) - len(detected),
+        "faults_detection_s": [event["detected_at"] - killed_at[event["generator"]] for event in detected],
+        "faults_replacement_s": [event["serving_at"] - event["detected_at"] for event in replaced],
+        "faults_steps_completed": record["steps"],
+        "faults_prompts_requeued": accounting["requeued_after_generator_failure"],
+        "faults_trained_twice": accounting["trained_more_than_once"],
+        "faults_lost": lost_prompts(accounting, record["held_at_stop"]),
+        "faults_accounting_ok": judge_accounting(record, record["steps_wanted"]),
+        "faults_all_replaced": len(replaced) == len(victims),
+    }
+
+
+def faults(base: GRPOConfig, args: ScaleArgs) -> dict:
+    """The control-plane workload at fault_generators generators, a tenth of them killed mid-run."""
+    victims = choose_victims(args.fault_generators, args.fault_kill_fraction, args.fault_seed)
+    config = dataclasses.replace(
+        control_plane_config(base, args, args.fault_generators, args.out_dir / "faults", args.fault_steps),
+        prompts_in_flight_per_generator=args.fault_prompts_in_flight_per_generator,
+    )
+    driver = _Faults(victims, args.fault_kill_after_step, args.fault_replaced_by_step, args.fault_recovery_timeout_s)
+    started = time.monotonic()
+    figures, _ = run_probed(config, after_step=driver.after_step)
+    record = {
+        "num_generators": config.num_generators,
+        "prompts_per_step": config.prompts_per_step,
+        "steps_wanted": config.steps,
+        **figures,
+        "killed_pids": driver.killed_pids,
+        "run_s": time.monotonic() - started,
+    }
+    return {**fault_figures(record, victims, driver.killed_at), "faults_run": record}
 
 
 def main(args: ScaleArgs) -> dict:
@@ -352,6 +563,15 @@ def main(args: ScaleArgs) -> dict:
         raise ConfigError(
             f"{args.config} runs the real engine (generator.engine {base.generator.engine}); bench scale runs "
             "simulations only. Pass --config configs/sim_scale.yaml."
+        )
+    if not args.skip_faults and not 0 < args.fault_kill_after_step < args.fault_replaced_by_step < args.fault_steps:
+        from forge_rl.errors import ConfigError
+
+        raise ConfigError(
+            f"fault_kill_after_step ({args.fault_kill_after_step}) < fault_replaced_by_step "
+            f"({args.fault_replaced_by_step}) < fault_steps ({args.fault_steps}) must hold, so the victims are killed "
+            "mid-run and the run trains on with their replacements. Fix --fault-kill-after-step, "
+            "--fault-replaced-by-step or --fault-steps, or pass --skip-faults."
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     per_count = []
@@ -375,11 +595,18 @@ def main(args: ScaleArgs) -> dict:
         "generator_rss_mib": [r.get("generator_rss_mib") for r in per_count],
         "max_generators_sustained": max((r["num_generators"] for r in ok), default=0),
         "max_concurrent_rollouts_sustained": max((r["max_concurrent_rollouts"] for r in ok), default=0),
-        "accounting_ok": all(_accounting_ok(r, args.steps) for r in ok),
+        "accounting_ok": all(judge_accounting(r, args.steps) for r in ok),
         "time_scale": args.time_scale,
         "control_plane": per_count,
     }
     if not args.skip_async_vs_sync:
         summary.update(async_vs_sync(base, args))
+    if not args.skip_faults:
+        progress(f"bench scale: faults, {args.fault_generators} simulated generators, a tenth killed")
+        try:
+            summary.update(faults(base, args))
+        except Exception as e:  # recorded, like a generator count that failed: the JSON line says why
+            progress(f"bench scale: the faults run failed: {type(e).__name__}: {e}")
+            summary.update(faults_error=f"{type(e).__name__}: {e}", faults_accounting_ok=False)
     (args.out_dir / "scale.json").write_text(json.dumps(summary, indent=2))
     return summary

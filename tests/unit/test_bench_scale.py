@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from forge_rl.bench.scale import _CountingActor, max_concurrent_sequences
+from forge_rl.bench.scale import (
+    _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences,
+)
 from forge_rl.timeline import Interval
 
 
@@ -45,3 +47,70 @@ def test_counting_handles_count_each_call_by_endpoint_and_pass_it_through():
     assert counts == {"generators.generate": 2, "generators.put": 1}
     with pytest.raises(AttributeError):
         actor.missing
+
+
+def test_victims_are_a_tenth_of_the_generators_drawn_from_the_seed():
+    assert choose_victims(20, 0.1, seed=0) == choose_victims(20, 0.1, seed=0)
+    assert len(choose_victims(20, 0.1, seed=0)) == 2 and len(choose_victims(32, 0.1, seed=0)) == 3
+    assert len(set(choose_victims(128, 0.1, seed=1))) == 13
+    assert any(choose_victims(20, 0.1, seed) != choose_victims(20, 0.1, 0) for seed in range(1, 10))
+    assert choose_victims(4, 0.1, seed=0) == choose_victims(4, 0.25, seed=0)  # at least one
+    assert all(0 <= i < 20 for i in choose_victims(20, 0.5, seed=3))
+
+
+def _record(**accounting) -> dict:
+    """A faults run's record: 4 steps of 2 prompts; 12 handed out, 8 trained, 1 dropped,
+    1 filtered, 2 unfinished (1 in the buffer, 1 cut in flight at the end)."""
+    counts = dict(
+        prompts_handed_out=12, trained=8, dropped=1, skipped_nonfinite=0, filtered_zero_advantage=1,
+        unfinished_at_stop=2, trained_more_than_once=0, requeued_after_generator_failure=3,
+    )
+    counts.update(accounting)
+    return {
+        "num_generators": 20,
+        "prompts_per_step": 2,
+        "steps": 4,
+        "steps_wanted": 4,
+        "accounting": counts,
+        "held_at_stop": {"buffered": 1, "requeued_not_regenerated": 0, "cut_in_flight": 1},
+        "generator_recoveries": [
+            {"generator": 7, "detected_at": 100.4, "serving_at": 101.4},
+            {"generator": 3, "detected_at": 100.2, "serving_at": 101.0},
+        ],
+    }
+
+
+def test_the_accounting_holds_when_every_prompt_is_trained_once_or_counted_where_it_went():
+    record = _record()
+    assert lost_prompts(record["accounting"], record["held_at_stop"]) == 0
+    assert judge_accounting(record, steps=4)
+
+
+def test_a_prompt_that_is_nowhere_at_the_end_is_lost():
+    """The accounting's remainder says 3 unfinished, but only 2 are held anywhere."""
+    record = _record(prompts_handed_out=13, unfinished_at_stop=3)
+    assert lost_prompts(record["accounting"], record["held_at_stop"]) == 1
+    assert not judge_accounting(record, steps=4)
+
+
+def test_a_prompt_trained_twice_or_a_short_run_fails_the_accounting():
+    assert not judge_accounting(_record(trained_more_than_once=1), steps=4)
+    assert not judge_accounting(_record(), steps=5)  # a step's batch is missing
+
+
+def test_fault_figures_measure_each_victim_from_its_own_kill():
+    figures = fault_figures(_record(), victims=[3, 7], killed_at={3: 100.0, 7: 100.1})
+    assert figures["faults_killed"] == figures["faults_detected"] == figures["faults_replaced"] == 2
+    assert figures["faults_detection_s"] == pytest.approx([0.2, 0.3])
+    assert figures["faults_replacement_s"] == pytest.approx([0.8, 1.0])
+    assert figures["faults_other_recoveries"] == 0
+    assert figures["faults_prompts_requeued"] == 3 and figures["faults_lost"] == 0
+    assert figures["faults_accounting_ok"] and figures["faults_all_replaced"]
+
+
+def test_a_victim_never_replaced_is_reported():
+    record = _record()
+    del record["generator_recoveries"][0]["serving_at"]
+    figures = fault_figures(record, victims=[3, 7], killed_at={3: 100.0, 7: 100.1})
+    assert figures["faults_detected"] == 2 and figures["faults_replaced"] == 1
+    assert not figures["faults_all_replaced"]
