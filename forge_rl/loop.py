@@ -154,7 +154,11 @@ class Pipeline:
         """One prompt at a time on generator `index`; many of these run per generator."""
         while True:
             start_version = await self.gate.admit(index)
-            prompts = [self.requeued.popleft()] if self.requeued else await self._next_prompts()
+            try:
+                prompts = [self.requeued.popleft()] if self.requeued else await self._next_prompts()
+            except BaseException:
+                await self.gate.settle(start_version, 1, num_not_queued=1)  # the admission goes back
+                raise
             prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
             try:
                 num_buffered = await self._rollout(index, prompts)
