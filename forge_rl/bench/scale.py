@@ -148,9 +148,6 @@ class _Probe:
         """The run's actor handles as the recipe made them (not counted)."""
         self.cut_at_stop: list[int] = []
         """Prompts whose generation or scoring was cut short by the end of the run."""
-        self.admitted_without_prompt = 0
-        """Rollouts the end of the run cut between their admission and their prompt's arrival:
-        admitted in the gate's count, with no prompt (no settle follows; the run is over)."""
 
     def install(self, after_step=None):
         """Count the calls of every Pipeline built from now on (the recipe builds one); with
@@ -158,7 +155,7 @@ class _Probe:
         from forge_rl import loop
 
         probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
-        original_rollout, original_next_prompts = loop.Pipeline._rollout, loop.Pipeline._next_prompts
+        original_rollout = loop.Pipeline._rollout
 
         def init(pipeline, config, actors):
             probe.pipeline, probe.actors = pipeline, actors
@@ -195,18 +192,8 @@ class _Probe:
                 probe.cut_at_stop.extend(prompt.episode_id for prompt in prompts)
                 raise
 
-        async def next_prompts(pipeline):
-            try:
-                return await original_next_prompts(pipeline)
-            except asyncio.CancelledError:
-                probe.admitted_without_prompt += 1
-                raise
-
-        originals = {
-            "__init__": original_init, "_finish_step": original_step, "_rollout": original_rollout,
-            "_next_prompts": original_next_prompts,
-        }
-        patched = {"__init__": init, "_finish_step": finish_step, "_rollout": rollout, "_next_prompts": next_prompts}
+        originals = {"__init__": original_init, "_finish_step": original_step, "_rollout": original_rollout}
+        patched = {"__init__": init, "_finish_step": finish_step, "_rollout": rollout}
         for name, method in patched.items():
             setattr(loop.Pipeline, name, method)
         return lambda: [setattr(loop.Pipeline, name, method) for name, method in originals.items()]
@@ -214,10 +201,11 @@ class _Probe:
     def held_at_stop(self) -> dict:
         """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
         counted where they were: in the buffer (admitted, reached it, not taken: the gate's
-        count once every rollout settled, less the admissions that never got a prompt), in the
+        count once every rollout settled; a rollout stopped before its prompt arrived gave its
+        admission back), in the
         queue of prompts to generate again after a generator died, or cut short in a rollout."""
         return {
-            "buffered": self.pipeline.gate.num_episodes_queued - self.admitted_without_prompt,
+            "buffered": self.pipeline.gate.num_episodes_queued,
             "requeued_not_regenerated": len(self.pipeline.requeued),
             # A rollout cut while buffering has counted its filtered prompts already.
             "cut_in_flight": len(set(self.cut_at_stop) - set(self.pipeline.accounting.filtered_ids)),
