@@ -29,8 +29,15 @@ CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight
                     buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
 
 
-def make_pipeline(generate, config: GRPOConfig = CONFIG, renderer=None) -> Pipeline:
+def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> Pipeline:
+    """`generate`: the generators' FAKE generate; by default every call succeeds with completions
+    stamped with the calling generator's current version."""
     state = {"version": 0}
+
+    async def generate_at_the_generators_version(index, prompts, group_size):
+        await asyncio.sleep(0)  # a remote call yields to the event loop
+        version = pipeline.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
 
     async def train_step(episodes):
         state["version"] += 1
@@ -51,14 +58,15 @@ def make_pipeline(generate, config: GRPOConfig = CONFIG, renderer=None) -> Pipel
 
     actors = RunActors(
         dataset=FakeDataset(),
-        generators=endpoints(generate=generate, update_weights=update_weights, wait_until_serving=wait_until_serving),
+        generators=endpoints(generate=generate or generate_at_the_generators_version, update_weights=update_weights, wait_until_serving=wait_until_serving),
         buffer=FakeBuffer(config.buffer),
         trainer=endpoints(train_step=train_step),
         score=score,
         stats=no_stats,
         renderer=renderer,
     )
-    return Pipeline(config, actors)
+    pipeline = Pipeline(config, actors)
+    return pipeline
 
 
 def run(pipeline: Pipeline, tmp_path):
@@ -185,12 +193,7 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
     second_batch_sent = asyncio.Event()
     calls: list[int] = []
 
-    async def generate(index, prompts, group_size):
-        await asyncio.sleep(0)
-        version = pipeline.gate.generator_versions[index]
-        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
-
-    pipeline = make_pipeline(generate)
+    pipeline = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
 
     async def train_step_that_waits_for_the_next_batch(episodes):
@@ -213,12 +216,7 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
     step 2 (followed by a checkpoint) is accounted for."""
     step_when_sent: list[int] = []
 
-    async def generate(index, prompts, group_size):
-        await asyncio.sleep(0)
-        version = pipeline.gate.generator_versions[index]
-        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
-
-    pipeline = make_pipeline(generate)
+    pipeline = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
 
     async def recording_train_step(episodes):
@@ -401,12 +399,7 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
 
 
 def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_compute(tmp_path):
-    async def generate(index, prompts, group_size):
-        await asyncio.sleep(0)
-        version = pipeline.gate.generator_versions[index]
-        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
-
-    pipeline = make_pipeline(generate)
+    pipeline = make_pipeline()
     versions = iter(range(1, 100))
 
     async def train_step(episodes):  # a FAKE trainer that reports its compute as PolicyTrainer does
