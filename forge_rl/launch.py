@@ -110,14 +110,14 @@ class Hosts:
         return self.spawn_procs("store_volume", 1, placement.trainer_hosts[0])
 
     def generator_placements(self) -> list[GeneratorPlacement]:
-        """The host and GPU block of each of the run's generators, for the GeneratorPool (which
+        """The host, GPU block and cores of each of the run's generators, for the GeneratorPool (which
         spawns and respawns them there). The host is None with hosts=local, where the pool spawns
         on its own."""
         from forge_rl.actors.generator_pool import GeneratorPlacement
 
         placement = self.launch.placement
         return [
-            GeneratorPlacement(self.owned_host(placement.generator_host(i)), devices)
+            GeneratorPlacement(self.owned_host(placement.generator_host(i)), devices, placement.generator_cpus)
             for i, devices in enumerate(generator_devices(self.launch, self.demand))
         ]
 

@@ -46,9 +46,15 @@ class PlacementConfig:
     """Consecutive hosts of the reference ranks (kl_beta > 0); unset: trainer_hosts."""
     generator_hosts: tuple[int, ...] = (0,)
     """Host of each generator (one entry per generator; a shorter list repeats cyclically)."""
+    generator_cpus: tuple[int, ...] | None = None
+    """CPU cores (ids as in /proc/cpuinfo) every generator process runs on, its engine's processes
+    included (os.sched_setaffinity, inherited by the processes it starts); unset: any core. Pins
+    the roles apart on a CPU machine, e.g. the engine on core 0 and the trainer on core 1."""
+    trainer_cpus: tuple[int, ...] | None = None
+    """CPU cores every trainer rank runs on (shared by the ranks of one host); unset: any core."""
 
     def __post_init__(self) -> None:
-        for name in ("trainer_hosts", "reference_hosts", "generator_hosts"):
+        for name in ("trainer_hosts", "reference_hosts", "generator_hosts", "generator_cpus", "trainer_cpus"):
             value = getattr(self, name)
             if value is not None:  # YAML lists arrive as lists; keep the frozen config hashable
                 object.__setattr__(self, name, tuple(value))
@@ -56,6 +62,12 @@ class PlacementConfig:
             if not getattr(self, name):
                 raise ConfigError(f"launch.placement.{name} is empty. List at least one host index "
                                   f"(--launch.placement.{name.replace('_', '-')} 0).")
+        for name in ("generator_cpus", "trainer_cpus"):
+            cores = getattr(self, name)
+            flag = f"--launch.placement.{name.replace('_', '-')}"
+            if cores is not None and (not cores or any(core < 0 for core in cores) or len(set(cores)) < len(cores)):
+                raise ConfigError(f"launch.placement.{name} ({_show(cores)}) must list distinct core ids >= 0, "
+                                  f"e.g. {flag} 0; leave it unset to run on any core.")
         for name, hosts in self._indices().items():
             if any(index < 0 for index in hosts):
                 raise ConfigError(f"launch.placement.{name} ({_show(hosts)}) has a negative host index. "
@@ -320,11 +332,44 @@ class HostFacts:
     address: str
     hostname: str
     num_gpus: int
-    num_cpus: int
+    cpus: tuple[int, ...]
+    """The cores a process there may run on (os.sched_getaffinity of the probe)."""
     rdma_backend: str
     """Monarch's get_rdma_backend(): "ibverbs", "tcp" (its TCP fallback) or "none"."""
     run_dir_visible: bool
     """Whether the run's model directory exists at the same path there (a shared file system)."""
+
+    @property
+    def num_cpus(self) -> int:
+        return len(self.cpus)
+
+
+def check_pinned_cores(placement: PlacementConfig, cpus: tuple[int, ...] | set[int], where: str) -> None:
+    """The cores `launch.placement.generator_cpus` / `trainer_cpus` name exist among `cpus`, the
+    cores a process may run on at `where` (a host of the roles pinned)."""
+    offered = sorted(cpus)
+    for name in ("generator_cpus", "trainer_cpus"):
+        missing = sorted(set(getattr(placement, name) or ()) - set(offered))
+        if missing:
+            raise ConfigError(
+                f"launch.placement.{name} ({_show(getattr(placement, name))}) names core {missing[0]}, but "
+                f"{where} lets processes run on cores {_show(offered)} only. Set --launch.placement."
+                f"{name.replace('_', '-')} to cores among those, or leave it unset."
+            )
+
+
+def pin_this_process(cpus: tuple[int, ...] | None) -> list[int]:
+    """Every thread of this process on `cpus` (None: leave it as it is); the threads and
+    processes it starts later inherit it. os.sched_setaffinity(0, ...) alone would pin only the
+    calling thread on Linux, not the runtime's threads already running. Returns the cores this
+    process's main thread may run on now."""
+    if cpus is not None:
+        for thread in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(thread), cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+    return sorted(os.sched_getaffinity(0))
 
 
 def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostFacts], model_dir: str) -> list[str]:
@@ -353,6 +398,7 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
             continue
         roles = " + ".join(f"{num} {role}" for role, num in load["roles"].items())
         check_gpus(launch, demand, host, fact.num_gpus, where)
+        check_pinned_cores(placement, fact.cpus, where)
         if not fact.num_gpus and load["threads"] > MAX_COMPUTE_THREADS_PER_CORE * fact.num_cpus:
             raise ConfigError(
                 f"{where} has no GPU and {fact.num_cpus} core(s), but the placement puts {roles} = "

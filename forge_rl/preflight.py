@@ -15,7 +15,14 @@ import os
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
-from forge_rl.placement import check_gpus, check_host_indices, check_reachable, demand_of, worker_addresses
+from forge_rl.placement import (
+    check_gpus,
+    check_host_indices,
+    check_pinned_cores,
+    check_reachable,
+    demand_of,
+    worker_addresses,
+)
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
@@ -38,6 +45,7 @@ def check_machine(config: GRPOConfig) -> None:
         check_host_indices(config.launch.placement, len(addresses), source)
         check_reachable(addresses, config.launch.connect_timeout_s)
         return
+    check_pinned_cores(config.launch.placement, os.sched_getaffinity(0), "this machine")
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

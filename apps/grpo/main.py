@@ -175,7 +175,8 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             adapters=config.adapter_serving(model_dir),
         ),
         trainer=trainer_procs.spawn(
-            "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir, store_index, str(store_root), pad_id, config.publish,
+            "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
+            store_index, str(store_root), pad_id, config.publish, config.launch.placement.trainer_cpus,
         ),
     )
     actors.teacher = teacher

@@ -20,6 +20,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
+from forge_rl.placement import pin_this_process
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -42,12 +43,16 @@ class GeneratorActor(Actor):
         store_client_id: str,
         cuda_devices: tuple[int, ...] | None = None,
         adapters: AdapterServing | None = None,
+        cpus: tuple[int, ...] | None = None,
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
         # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
         # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model, no
         # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
+        # `cpus`: the cores of this process and of the engine processes it starts
+        # (launch.placement.generator_cpus), pinned before the engine exists so they inherit them.
+        self.cpus = pin_this_process(cpus)
         self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
         self.store_index = store_index
         self.store_client_id = store_client_id
@@ -70,6 +75,7 @@ class GeneratorActor(Actor):
             "pid": os.getpid(),
             "engine_pids": self.engine.process_ids(),
             "devices": await self.engine.worker_devices(),
+            "cpus": self.cpus,
         }
 
     @concurrent_endpoint

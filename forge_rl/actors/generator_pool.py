@@ -83,6 +83,8 @@ class GeneratorPlacement:
     """None: the pool's own host (launch.hosts local)."""
     cuda_devices: tuple[int, ...]
     """Its block of that host's GPUs (forge_rl/placement.py, `generator_devices`); unused on CPU."""
+    cpus: tuple[int, ...] | None = None
+    """The cores its processes run on (launch.placement.generator_cpus); None: any."""
 
 
 @dataclasses.dataclass
@@ -313,7 +315,7 @@ class GeneratorPool(Actor):
         store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
             slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, store_index,
-            slot.store_reader_id, placement.cuda_devices, self.adapters,
+            slot.store_reader_id, placement.cuda_devices, self.adapters, placement.cpus,
         )
         started = await within(
             self.config.start_timeout_s,

@@ -19,7 +19,7 @@ class HostProbe(Actor):
         return {
             "hostname": socket.gethostname(),
             "num_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "num_cpus": len(os.sched_getaffinity(0)),
+            "cpus": tuple(sorted(os.sched_getaffinity(0))),
             "rdma_backend": get_rdma_backend(),
             "run_dir_visible": Path(model_dir).is_dir(),
         }

@@ -17,6 +17,7 @@ from monarch.actor import Actor, endpoint
 from forge_rl.batching import make_train_batch
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.models.peft_format import peft_adapter
+from forge_rl.placement import pin_this_process
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
@@ -34,7 +35,11 @@ class TrainerActor(Actor):
         store_root: str,
         pad_id: int,
         publish: PublishConfig = PublishConfig(),
+        cpus: tuple[int, ...] | None = None,
     ):
+        # `cpus`: the cores of this rank (launch.placement.trainer_cpus), pinned before torch
+        # starts its thread pools, which inherit them.
+        self.cpus = pin_this_process(cpus)
         self.config = config
         self.store_index = store_index
         self.model_dir = Path(model_dir)
@@ -54,7 +59,7 @@ class TrainerActor(Actor):
         if self.rank == 0:
             store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
             self.publisher = WeightPublisher(store, self.publish_config)
-        return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid()}
+        return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:

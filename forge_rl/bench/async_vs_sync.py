@@ -12,6 +12,12 @@ From each run's timeline (busy intervals per component) it derives:
                            overlap alone could give; stragglers can add to it, because a
                            synchronous step also waits for its slowest completion
 
+With `--pin-cores` both modes run a second time with the roles pinned apart
+(launch.placement.generator_cpus / trainer_cpus: the generator and its engine processes on one
+core, the trainer on another), into OUT_DIR/pinned, and the summary holds both comparisons
+(`speedup`, unpinned; `speedup_pinned`; `pinned` the whole pinned comparison). On a 2-core
+machine unpinned processes migrate and share both cores; pinned, each side owns one.
+
 Figures go to OUT_DIR/async_vs_sync.json, a Gantt chart and a reward-vs-time chart; the last line
 of stdout is the JSON summary.
 """
@@ -20,12 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.common import run_variant, time_to_reward
 from forge_rl.metrics import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S, run_summary
 from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError
 from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 
@@ -42,6 +50,9 @@ class AsyncVsSyncArgs:
     """Where both run directories, the JSON figures and the charts go."""
     target_reward: float = 0.9
     """Reward whose first crossing (smoothed) is timed in both runs."""
+    pin_cores: bool = False
+    """Also run both modes with the generator's processes pinned to one core and the trainer to
+    another (the first two cores this process may use), and report both comparisons."""
 
 
 def run_mode(base: GRPOConfig, args: AsyncVsSyncArgs, mode: str, max_policy_age: int) -> Path:
@@ -166,11 +177,40 @@ def main(args: AsyncVsSyncArgs) -> dict:
 def run_sync_and_async(args: AsyncVsSyncArgs, bench_name: str) -> dict:
     """Run `args.config` synchronously (max_policy_age 0) then asynchronously (args.max_policy_age)
     into args.out_dir, chart both, and compare them (the multi-turn benchmark reuses this on its
-    own workload)."""
+    own workload); with args.pin_cores, again pinned apart into args.out_dir / "pinned"."""
     from forge_rl.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)
+    pinned_base = pinned_apart(base) if args.pin_cores else None  # refused before any run starts
+    summary = compare_modes(base, args, bench_name)
+    if pinned_base is not None:
+        progress(f"bench {bench_name}: both modes again, the generator and the trainer pinned to cores of their own")
+        pinned = compare_modes(pinned_base, dataclasses.replace(args, out_dir=args.out_dir / "pinned"), bench_name)
+        summary.update(
+            speedup_pinned=pinned["speedup"],
+            pipeline_efficiency_pinned=pinned["pipeline_efficiency"],
+            warnings=summary["warnings"] + [f"pinned: {warning}" for warning in pinned["warnings"]],
+            pinned=pinned,
+        )
+    return summary
+
+
+def pinned_apart(base: GRPOConfig) -> GRPOConfig:
+    """`base` with its generators (and their engine processes) on the first core this process may
+    use and its trainer ranks on the second."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ConfigError(f"--pin-cores needs two cores to pin the generator and the trainer apart; this process "
+                          f"may use {len(cores)} ({cores}). Drop --pin-cores.")
+    placement = dataclasses.replace(base.launch.placement, generator_cpus=(cores[0],), trainer_cpus=(cores[1],))
+    return dataclasses.replace(base, launch=dataclasses.replace(base.launch, placement=placement))
+
+
+def compare_modes(base: GRPOConfig, args: AsyncVsSyncArgs, bench_name: str) -> dict:
+    """Run `base` synchronously then asynchronously into args.out_dir, chart both, compare them."""
+    from forge_rl.metrics import progress
+
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
     for mode, max_policy_age in (("sync", 0), ("async", args.max_policy_age)):
@@ -182,6 +222,7 @@ def run_sync_and_async(args: AsyncVsSyncArgs, bench_name: str) -> dict:
     return {
         **compare(per_mode["sync"], per_mode["async"]),
         "config": str(args.config),
+        "placement": {"generator_cpus": base.launch.placement.generator_cpus, "trainer_cpus": base.launch.placement.trainer_cpus},
         "max_policy_age_async": args.max_policy_age,
         "sync": per_mode["sync"],
         "async": per_mode["async"],

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,12 +18,14 @@ from forge_rl.placement import (
     RoleDemand,
     check_host_facts,
     check_gpus,
+    check_pinned_cores,
     check_placement,
     check_reachable,
     expand_nodelist,
     generator_devices,
     hostnames_resolve_apart,
     parse_worker_address,
+    pin_this_process,
     slurm_worker_addresses,
 )
 from forge_rl.errors import ConfigError
@@ -95,7 +101,7 @@ def test_generators_cycle_over_their_hosts():
 
 
 def _facts(hostname: str, gpus: int = 0, cpus: int = 8, rdma: str = "ibverbs", visible: bool = True) -> HostFacts:
-    return HostFacts(f"tcp://{hostname}:26600", hostname, gpus, cpus, rdma, visible)
+    return HostFacts(f"tcp://{hostname}:26600", hostname, gpus, tuple(range(cpus)), rdma, visible)
 
 
 def test_host_facts_allow_a_placement_that_fits():
@@ -186,6 +192,44 @@ def test_host_facts_refuse_oversubscribed_cpu_hosts():
         check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")
 
 
+@pytest.mark.parametrize("cores", [(), (-1,), (0, 0)])
+def test_pinned_cores_must_be_distinct_ids(cores):
+    with pytest.raises(ConfigError, match=r"launch.placement.trainer_cpus .* distinct core ids >= 0.*--launch.placement.trainer-cpus 0"):
+        PlacementConfig(trainer_cpus=cores)
+
+
+def test_pinned_cores_must_exist_where_the_role_runs():
+    check_pinned_cores(PlacementConfig(generator_cpus=(0,), trainer_cpus=(1,)), {0, 1}, "this machine")
+    with pytest.raises(ConfigError, match=r"generator_cpus \(\[0, 4\]\) names core 4, but this machine lets processes run on cores \[0, 1\] only.*--launch.placement.generator-cpus"):
+        check_pinned_cores(PlacementConfig(generator_cpus=(0, 4)), {0, 1}, "this machine")
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    launch = dataclasses.replace(launch, placement=dataclasses.replace(launch.placement, trainer_cpus=(3,)))
+    demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1)
+    with pytest.raises(ConfigError, match=r"trainer_cpus \(\[3\]\) names core 3, but host 0 \(a"):
+        check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=8)], "/m")
+
+
+PIN_A_THREAD_STARTED_BEFORE = """
+import os, threading
+from forge_rl.placement import pin_this_process
+ready, done = threading.Event(), threading.Event()
+def runtime_thread():  # like a runtime's thread, running before the pin
+    ready.set(); done.wait()
+    print(sorted(os.sched_getaffinity(0)))
+thread = threading.Thread(target=runtime_thread); thread.start(); ready.wait()
+print(pin_this_process(({core},)))
+done.set(); thread.join()
+"""
+
+
+def test_pinning_a_process_pins_its_threads_already_running():
+    core = max(os.sched_getaffinity(0))
+    script = PIN_A_THREAD_STARTED_BEFORE.format(core=core)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == [f"[{core}]", f"[{core}]"]
+    assert pin_this_process(None) == sorted(os.sched_getaffinity(0))  # None: left as it is
+
+
 def test_host_facts_need_the_run_directory_on_every_host():
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
     demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1)
@@ -206,12 +250,12 @@ def test_cross_host_weights_need_an_rdma_backend_and_tcp_fallback_is_noted():
 
 def test_two_hosts_with_one_hostname_are_refused_unless_they_are_one_machine():
     hostnames_resolve_apart([
-        HostFacts("tcp://127.0.0.1:1", "vm", 0, 2, "tcp", True),
-        HostFacts("tcp://localhost:2", "vm", 0, 2, "tcp", True),
+        HostFacts("tcp://127.0.0.1:1", "vm", 0, (0, 1), "tcp", True),
+        HostFacts("tcp://localhost:2", "vm", 0, (0, 1), "tcp", True),
     ])
     with pytest.raises(ConfigError, match="both report hostname 'n'.*unique hostname"):
         hostnames_resolve_apart([
-            HostFacts("tcp://10.0.0.1:1", "n", 0, 2, "tcp", True), HostFacts("tcp://10.0.0.2:1", "n", 0, 2, "tcp", True)
+            HostFacts("tcp://10.0.0.1:1", "n", 0, (0, 1), "tcp", True), HostFacts("tcp://10.0.0.2:1", "n", 0, (0, 1), "tcp", True)
         ])
 
 
