@@ -33,15 +33,13 @@ Lengths: in each GeneratedSpan, token_ids, logprobs, policy_versions (and sampli
 routed_experts, when recorded) have one entry per token.
 A sample's token_ids is its spans' ids concatenated; its loss_mask is True on generated tokens.
 
-Today's single-turn `Completion` (forge_rl/types.py) is the one-turn trajectory, and the migration
-(not done yet) is: `Episode.prompt_token_ids` is the first ContextSpan; a Completion's token_ids,
-logprobs and policy_versions are the one GeneratedSpan; its reward is final_reward, given by an
-environment whose step scores the turn with the task's reward function and returns done; its status
-maps OK <- DONE, TRUNCATED <- TRUNCATED_TOKENS (max_new_tokens is the turn's token budget), ERRORED
-<- ENV_ERROR or ENV_TIMEOUT (a reward function that raised or hung is an environment that did). An
-`Episode` stays the GRPO group: the trajectories of one prompt. Then these classes move into
-forge_rl/types.py beside it and the trainer reads samples (tokens, loss mask, logprobs, versions)
-instead of prompt + completion.
+How the trainer sees a trajectory: forge_rl/envs/rollout.py `trajectory_completion` makes its first
+sample one `Completion` (forge_rl/types.py) holding the whole token sequence with a `generated`
+mask (context tokens: logprob 0.0, never in a loss), the final reward as its reward, the per-turn
+rewards as process-reward steps, and the status as `end_reason` (DONE and PARSE_ERROR -> OK,
+TRUNCATED_* -> TRUNCATED, ENV_ERROR and ENV_TIMEOUT -> ERRORED). A single-turn completion is the
+one-turn trajectory (`generated` None: every token generated), so the buffer, the batch and the
+losses have one path; an `Episode` stays the GRPO group: the trajectories of one prompt.
 """
 
 from __future__ import annotations

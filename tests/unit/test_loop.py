@@ -19,7 +19,7 @@ from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.trainer import TrainStepResult
-from forge_rl.types import Completion, Episode
+from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
     FakeActorError, FakeBuffer, FakeDataset, FakeEndpoint, FakeLifecycle, completions_for, endpoints,
 )
@@ -396,6 +396,52 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
             ages = [train_version - v for v, trains in zip(completion.policy_versions, completion.loss_mask) if trains]
             assert max(ages) <= ENV_CONFIG.buffer.max_policy_age
     assert max(step[m.SPANNED_WEIGHT_UPDATE_FRACTION] for step in history) > 0
+
+
+class FailingCalculator:
+    """A calculator that raises in reset (how "reset") or never answers a step (how "hang": it
+    awaits an Event never set, so only the episode's env_step_timeout_s ends it)."""
+
+    def __init__(self, env, how: str):
+        self.env, self.how = env, how
+
+    async def reset(self):
+        if self.how == "reset":
+            raise ConnectionError("the tool's server is gone")
+        return await self.env.reset()
+
+    async def step(self, turn_text):
+        await asyncio.Event().wait()
+
+
+def test_an_environment_that_raises_or_hangs_errors_its_episodes_which_are_counted_never_trained_and_the_run_goes_on(
+    tmp_path, char_tokenizer
+):
+    limits = dataclasses.replace(ENV_CONFIG.environment.limits, env_step_timeout_s=0.1)
+    config = dataclasses.replace(ENV_CONFIG, environment=dataclasses.replace(ENV_CONFIG.environment, limits=limits))
+    pipeline, _, trained = make_env_pipeline(char_tokenizer, config)
+    failing = {1: "reset", 2: "hang"}
+
+    def make_env(seed, index):
+        env = make_calculator_env(seed, index)
+        return FailingCalculator(env, failing[index]) if index in failing else env
+
+    pipeline.make_env = make_env
+    history, accounting = run(pipeline, tmp_path)
+
+    assert accounting["trained"] == config.steps * config.prompts_per_step  # the run went on
+    by_id = {e.episode_id: e for _, episodes in trained for e in episodes}
+    assert failing.keys() <= by_id.keys()
+    for episode_id, how in failing.items():
+        for completion in by_id[episode_id].completions:
+            assert completion.status == CompletionStatus.ERRORED and not any(completion.loss_mask)
+            assert completion.end_reason == ("env_error" if how == "reset" else "env_timeout")
+    for episode in (e for i, e in by_id.items() if i not in failing):
+        assert all(c.status == CompletionStatus.OK and c.reward == 1.0 for c in episode.completions)
+    errored = config.group_size * len(failing)
+    assert sum(h[m.COMPLETIONS_ERRORED] for h in history) == errored
+    assert sum(h.get(f"{m.EPISODE_STATUS_PREFIX}env_error", 0) for h in history) == config.group_size
+    assert sum(h.get(f"{m.EPISODE_STATUS_PREFIX}env_timeout", 0) for h in history) == config.group_size
 
 
 def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_compute(tmp_path):

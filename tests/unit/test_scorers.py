@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,26 @@ def test_steps_that_do_not_cover_a_completion_are_refused_when_built():
         Completion(token_ids=[5, 5], logprobs=[-1.0] * 2, policy_versions=[0] * 2, step_ends=[1], step_rewards=[1.0])
     with pytest.raises(ValueError, match="one reward per step"):
         Completion(token_ids=[5, 5], logprobs=[-1.0] * 2, policy_versions=[0] * 2, step_ends=[1, 2], step_rewards=[1.0])
+
+
+# The docs ----------------------------------------------------------------------------------------
+
+
+def scoring_doc_examples() -> list[str]:
+    """docs/scoring.md's complete examples: the python blocks that run something (asyncio.run)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scoring.md").read_text()
+    return [block.split("```")[0] for block in page.split("```python\n")[1:] if "asyncio.run(" in block.split("```")[0]]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["scorer_class", "judge", "teacher"])
+def test_the_examples_of_the_scoring_docs_print_what_they_say(index, capsys):
+    """Each example ends with the output it prints as comments; it runs as written and prints that."""
+    examples = scoring_doc_examples()
+    assert len(examples) == 3
+    lines = examples[index].rstrip().splitlines()
+    expected = []
+    while lines and lines[-1].startswith("# "):
+        expected.insert(0, lines.pop()[2:])
+    exec(compile("\n".join(lines), "docs/scoring.md", "exec"), {"__name__": "docs_example"})
+    printed = " ".join(capsys.readouterr().out.split())
+    assert expected and " ".join(" ".join(expected).split()) in printed
