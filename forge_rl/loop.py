@@ -43,6 +43,7 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut, generator_lost, raised_by_actor
 from forge_rl.health import MismatchAlarm
 from forge_rl.metrics import EpisodeStats, MetricsLogger, batch_metrics, progress
+from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.timeline import Timeline, idle_fraction
 from forge_rl.types import Episode
 
@@ -136,6 +137,7 @@ class Pipeline:
         self._last_step_returned_s: float | None = None
         """When the previous step was accounted for (the timeline's clock); None before the first."""
         self.last_weight_update: dict = {}
+        self.weights_fetched_bytes = 0
         """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
         self.timeline = Timeline()
         """Busy intervals of every component; `run` restarts it (with a file) when the loops start."""
@@ -250,6 +252,7 @@ class Pipeline:
                 return  # its replacement loads the newest version itself
         await self.gate.generator_serves(index, result["policy_version"])
         self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
+        self.weights_fetched_bytes += result.get(FETCHED_BYTES, 0)
 
     async def update_all_generators(self, policy_version: int, weights_dir: str) -> None:
         await asyncio.gather(
@@ -366,6 +369,7 @@ class Pipeline:
             **batch_metrics(episodes, sent.train_version),
             **trained.metrics,
             **self.last_weight_update,
+            m.WEIGHTS_FETCHED_BYTES_TOTAL: self.weights_fetched_bytes,
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             **await self._pipeline_metrics(counters),
         }

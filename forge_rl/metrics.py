@@ -67,6 +67,9 @@ GENERATORS_IDLE_FRACTION = "idle_fraction/generators"
 DROPPED_COMPLETIONS = "buffer/dropped_completions"
 DROPPED_EPISODES = "buffer/dropped_episodes"
 GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
+WEIGHTS_FETCHED_BYTES_TOTAL = "weights/fetched_bytes_total"
+"""Bytes every generator's weight updates moved between hosts since the run started: one copy per
+version per remote host (store/host_copies.py), 0 when every generator shares the trainer's host."""
 
 # The train loop's critical path, per step, from the previous step's return to this one's
 # (forge_rl/loop.py `critical_path_breakdown`): waiting for data, the trainer's compute (rank 0's

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 
 from forge_rl.store.actors import location_of, split_location
+from forge_rl.store.host_copies import HostCopies
 from forge_rl.store.index import ADAPTER_OF, key_version, version_key
 from forge_rl.store.shm import SharedMemorySnapshots, WriteStats
 
@@ -62,8 +63,14 @@ class LocalSnapshot:
     transport: str
     """"shm" (mapped in place) or "rdma" (fetched to this host)."""
     fetch_s: float = 0.0
-    """Seconds spent fetching over RDMA (0 for shm)."""
+    """Seconds until this host's copy was readable: its RDMA fetch, or the wait for another
+    reader's fetch of it (0 for shm)."""
+    fetched_bytes: int = 0
+    """Bytes this lease moved between hosts: the snapshot's when it fetched this host's copy, 0 when
+    it mapped a copy another reader here had fetched (store/host_copies.py), or with shm."""
     snapshots: SharedMemorySnapshots = field(repr=False, default=None)
+    holder: str | None = field(repr=False, default=None)
+    """Its hold on this host's copy (rdma)."""
 
     def open(self):
         """Zero-copy tensors (a context manager)."""
@@ -93,7 +100,7 @@ class WeightStore:
         self.transport = transport
         self.checksum = checksum
         """Writers record a checksum per tensor (XXH3-64, faster than memcpy) for readers to verify."""
-        self._cache: SharedMemorySnapshots | None = None
+        self._host_copies: HostCopies | None = None
         self._extra_files_dir = Path(extra_files_dir) if extra_files_dir else None
 
     # torchstore's interface ---------------------------------------------------------------------
@@ -205,21 +212,20 @@ class WeightStore:
         else:
             record = await self.index.acquire.call_one(self.client_id, key)
         key = record["key"]
-        fetched = False
+        snapshot = None
         try:
             snapshot = await self._localize(record, transport or self.transport)
-            fetched = snapshot.transport == "rdma"
             yield snapshot
         finally:
-            if fetched:
-                self._cache_snapshots().delete(key)
+            if snapshot is not None and snapshot.holder is not None:
+                await self._copies().release(key, snapshot.holder)
             await self.index.release.call_one(self.client_id, key)
 
     async def close(self) -> None:
         """Release every lease this client still holds (a reader that stops)."""
         await self.index.drop_reader.call_one(self.client_id)
-        if self._cache is not None:
-            self._cache.destroy()
+        if self._host_copies is not None:
+            await self._host_copies.close()
 
     # Transports ---------------------------------------------------------------------------------
 
@@ -229,37 +235,45 @@ class WeightStore:
         if transport != "rdma" and local:
             snapshots = SharedMemorySnapshots(split_location(local[0])[1], create=False)
             return LocalSnapshot(key, key_version(key), snapshots.path(key), record["num_bytes"], record["info"],
-                                 "shm", 0.0, snapshots)
+                                 "shm", snapshots=snapshots)
         if transport == "shm":
             raise FileNotFoundError(f"snapshot {key!r} has no copy on host {host} ({record['locations']}); "
                                     "use transport='rdma' or 'auto'")
         return await self._fetch_rdma(record)
 
     async def _fetch_rdma(self, record: dict) -> LocalSnapshot:
-        """Read the whole snapshot file from its volume into this host's /dev/shm (one RDMA read)."""
-        key = record["key"]
+        """This host's copy of the snapshot: the first reader here reads the whole file from its
+        volume into this host's /dev/shm (one RDMA read); the others map that copy."""
+        key, info = record["key"], record["info"]
         started = time.perf_counter()
-        volume = await self.index.volume.call_one(record["locations"][0])
-        buffer, num_bytes = await volume.rdma_buffer.call_one(key)
-        cache = self._cache_snapshots()
-        destination = cache.reserve(key, num_bytes)
-        try:
-            await buffer.read_into(destination)
-        except BaseException:
-            cache.discard_reserved(key)
-            raise
-        del destination
-        info = record["info"]
-        cache.commit_reserved(key, info.get(FILES), tuple(info.get(WEIGHTS_LINKS, ())))
-        return LocalSnapshot(key, key_version(key), cache.path(key), num_bytes, record["info"], "rdma",
-                             time.perf_counter() - started, cache)
+        num_bytes = {}
 
-    def _cache_snapshots(self) -> SharedMemorySnapshots:
-        """This client's own /dev/shm directory for fetched snapshots (recycled like any other)."""
-        if self._cache is None:
-            root = self.local.root.parent / f"{self.local.root.name}-fetched-{self.client_id}"
-            self._cache = SharedMemorySnapshots(root, self._extra_files_dir)
-        return self._cache
+        async def fetch(snapshots: SharedMemorySnapshots) -> None:
+            volume = await self.index.volume.call_one(record["locations"][0])
+            buffer, num_bytes["fetched"] = await volume.rdma_buffer.call_one(key)
+            destination = snapshots.reserve(key, num_bytes["fetched"])
+            try:
+                await buffer.read_into(destination)
+            except BaseException:
+                snapshots.discard_reserved(key)
+                raise
+            del destination
+            snapshots.commit_reserved(key, info.get(FILES), tuple(info.get(WEIGHTS_LINKS, ())))
+
+        copies = self._copies()
+        holder, _ = await copies.acquire(key, fetch)
+        return LocalSnapshot(
+            key, key_version(key), copies.snapshots.path(key), record["num_bytes"], info, "rdma",
+            fetch_s=time.perf_counter() - started, fetched_bytes=num_bytes.get("fetched", 0),
+            snapshots=copies.snapshots, holder=holder,
+        )
+
+    def _copies(self) -> HostCopies:
+        """This host's directory of snapshots fetched from other hosts, shared by its readers."""
+        if self._host_copies is None:
+            root = self.local.root.parent / f"{self.local.root.name}-fetched-host"
+            self._host_copies = HostCopies(root, self.client_id, self._extra_files_dir)
+        return self._host_copies
 
 
 def _single_name(tensors: dict[str, torch.Tensor], key: str) -> str:

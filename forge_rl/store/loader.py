@@ -35,6 +35,7 @@ STALL_S = "weights/stall_s"  # pause asked to resume: includes finishing the cur
 PAUSED_S = "weights/paused_s"  # paused to resumed: the engine could not decode at all
 LOAD_S = "weights/load_s"  # this update end to end (kept for the controller's metrics)
 BYTES = "weights/bytes"  # bytes of the snapshot moved into the engine
+FETCHED_BYTES = "weights/fetched_bytes"  # bytes this update moved between hosts (0: shm, or this host's copy mapped)
 GBPS = "weights/gbps"  # bytes / (prefetch + stage + paused)
 PUBLISH_TO_SERVABLE_S = "weights/publish_to_servable_s"  # trainer's publish call to serving (wall clock)
 REQUESTS_OVER_OLDER_KV = "weights/requests_over_older_kv"  # swap_kv=reuse: requests continued on older KV
@@ -100,6 +101,7 @@ async def load_version(
         PAUSED_S: swap.paused_s,
         LOAD_S: time.perf_counter() - started,
         BYTES: snapshot.num_bytes,
+        FETCHED_BYTES: snapshot.fetched_bytes,
         GBPS: snapshot.num_bytes / max(moved_s, 1e-9) / 1e9,
         PUBLISH_TO_SERVABLE_S: serving_at - info.get("publish_started_at", serving_at),
         REQUESTS_OVER_OLDER_KV: swap.num_requests_over_older_kv,
@@ -125,6 +127,7 @@ def _adapter_metrics(snapshot, version, min_version, started, complete, fetched,
         ADAPTERS_RESIDENT: len(load.resident),
         LOAD_S: time.perf_counter() - started,
         BYTES: snapshot.num_bytes,
+        FETCHED_BYTES: snapshot.fetched_bytes,
         GBPS: snapshot.num_bytes / max(fetched - complete + load.load_s, 1e-9) / 1e9,
         PUBLISH_TO_SERVABLE_S: time.time() - info.get("publish_started_at", time.time()),
     }

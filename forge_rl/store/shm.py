@@ -53,7 +53,7 @@ from forge_rl.store.layout import (
 )
 
 _PARTIAL = ".partial"
-_FREE_DIR = ".free"
+FREE_DIR = ".free"
 _OWNER_FILE = ".owner"
 # Files next to the weights that vLLM's reload_weights needs (it re-reads the model config).
 EXTRA_FILES = ("config.json", "generation_config.json")
@@ -73,14 +73,14 @@ def default_store_root(run_name: str, base: Path | None = None) -> Path:
     root = base / f"forge_rl-{run_name}-{os.getpid()}-{secrets.token_hex(4)}"
     root.mkdir(parents=True)
     partial = root / (_OWNER_FILE + _PARTIAL)
-    partial.write_text(json.dumps(_this_process()))
+    partial.write_text(json.dumps(this_process()))
     partial.rename(root / _OWNER_FILE)  # a sweeper sees a complete record or none
     return root
 
 
 def sweep_stale_roots(base: Path) -> list[Path]:
     """Remove the store roots under `base` whose owning process is dead, with the caches of
-    fetched snapshots named after them (`<root>-fetched-<client>`); returns what was removed.
+    snapshots fetched from other hosts named after them (`<root>-fetched-host`); returns what was removed.
 
     A root is removed only when its `.owner` says it belongs to this host and that process is
     gone (or its pid now names a process started later). A root with no owner record (being
@@ -89,7 +89,7 @@ def sweep_stale_roots(base: Path) -> list[Path]:
     removed = []
     for root in sorted(Path(base).glob("forge_rl-*")):
         owner = _read_owner(root / _OWNER_FILE)
-        if owner is None or _is_alive(owner):
+        if owner is None or is_alive(owner):
             continue
         for path in [root, *Path(base).glob(glob.escape(root.name) + "-fetched-*")]:
             shutil.rmtree(path, ignore_errors=True)
@@ -103,7 +103,7 @@ def _store_base() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
-def _this_process() -> dict:
+def this_process() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": _start_ticks(os.getpid())}
 
 
@@ -124,7 +124,8 @@ def _read_owner(path: Path) -> dict | None:
         return None
 
 
-def _is_alive(owner: dict) -> bool:
+def is_alive(owner: dict) -> bool:
+    """Whether the process an owner record (`this_process`) names still runs; another host's: assumed."""
     if owner.get("host") != socket.gethostname():
         return True  # another host's process: nothing here can tell
     pid = owner.get("pid")
@@ -161,7 +162,7 @@ class SharedMemorySnapshots:
         self.extra_files_dir = Path(extra_files_dir) if extra_files_dir else None
         self.max_free_files = max_free_files
         if create:  # a reader of another process's directory passes create=False
-            (self.root / _FREE_DIR).mkdir(parents=True, exist_ok=True)
+            (self.root / FREE_DIR).mkdir(parents=True, exist_ok=True)
         self._names = itertools.count()
 
     def path(self, key: str) -> Path:
@@ -285,7 +286,7 @@ class SharedMemorySnapshots:
         """Remove a snapshot; its file joins the free pool. Only call when no reader holds it."""
         file = self.file(key)
         if file.is_file():
-            free = self.root / _FREE_DIR / f"{os.getpid()}-{next(self._names)}.bin"
+            free = self.root / FREE_DIR / f"{os.getpid()}-{next(self._names)}.bin"
             os.rename(file, free)
             self._trim_free_pool()
         shutil.rmtree(self.path(key), ignore_errors=True)
@@ -297,7 +298,7 @@ class SharedMemorySnapshots:
     def _allocate(self, path: Path, num_bytes: int) -> bool:
         """Create `path` with `num_bytes`, reusing a free file (closest in size) when there is one."""
         free = sorted(
-            (p for p in (self.root / _FREE_DIR).glob("*.bin")),
+            (p for p in (self.root / FREE_DIR).glob("*.bin")),
             key=lambda p: abs(_size(p) - num_bytes),
         )
         for candidate in free:
@@ -312,7 +313,7 @@ class SharedMemorySnapshots:
         return False
 
     def _trim_free_pool(self) -> None:
-        free = sorted((self.root / _FREE_DIR).glob("*.bin"), key=_mtime)
+        free = sorted((self.root / FREE_DIR).glob("*.bin"), key=_mtime)
         for stale in free[: max(0, len(free) - self.max_free_files)]:
             stale.unlink(missing_ok=True)
 

@@ -58,7 +58,8 @@ class Reader(Actor):
             with snapshot.open() as tensors:
                 recomputed = {name: tensor_checksum(t) for name, t in tensors.items()}
         return {"version": version, "transport": snapshot.transport, "checksums": checksums,
-                "recomputed": recomputed, "fetch_s": snapshot.fetch_s, "num_bytes": snapshot.num_bytes}
+                "recomputed": recomputed, "fetch_s": snapshot.fetch_s, "num_bytes": snapshot.num_bytes,
+                "fetched_bytes": snapshot.fetched_bytes}
 
     @endpoint
     async def hold(self, key: str) -> None:
@@ -76,33 +77,36 @@ class Reader(Actor):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """(loop, writer store, shm reader, rdma reader, index); readers and volume on their own meshes."""
+    """(loop, writer store, shm reader, rdma readers, index); readers and volume on their own meshes.
+    The two rdma readers share this host's copies of fetched versions (store/host_copies.py)."""
     root = Path("/dev/shm") / f"forge_rl-test-store-{time.monotonic_ns()}"
     loop = asyncio.new_event_loop()
 
     async def build():
         volume_procs = this_host().spawn_procs(per_host={"procs": 1}, name="store_volume")
         index, _ = await open_store(root, keep_latest=1, procs=volume_procs)
-        reader_procs = [this_host().spawn_procs(per_host={"procs": 1}, name=f"reader{i}") for i in range(2)]
+        reader_procs = [this_host().spawn_procs(per_host={"procs": 1}, name=f"reader{i}") for i in range(3)]
         shm_reader = reader_procs[0].spawn("reader", Reader, str(root), "shm")
-        rdma_reader = reader_procs[1].spawn("reader", Reader, str(root), "rdma")
+        rdma_readers = [procs.spawn("reader", Reader, str(root), "rdma") for procs in reader_procs[1:]]
         writer = WeightStore(index, root)
-        return writer, shm_reader, rdma_reader, index, [volume_procs, *reader_procs]
+        return writer, shm_reader, rdma_readers, index, [volume_procs, *reader_procs]
 
-    writer, shm_reader, rdma_reader, index, meshes = loop.run_until_complete(build())
-    yield loop, writer, shm_reader, rdma_reader, index
+    writer, shm_reader, rdma_readers, index, meshes = loop.run_until_complete(build())
+    yield loop, writer, shm_reader, rdma_readers, index
 
     async def teardown():
-        await rdma_reader.close.call_one()
+        for reader in rdma_readers:
+            await reader.close.call_one()
         await asyncio.gather(*(m.stop() for m in meshes), return_exceptions=True)
 
     loop.run_until_complete(teardown())
     loop.close()
     writer.local.destroy()
+    assert not Path(f"{root}-fetched-host").exists(), "the last rdma reader to close leaves its host's copies"
 
 
 def test_readers_get_every_version_intact_through_both_transports(cluster):
-    loop, writer, shm_reader, rdma_reader, _ = cluster
+    loop, writer, shm_reader, (rdma_reader, _), _ = cluster
     for version in (1, 2, 3):
         loop.run_until_complete(writer.publish(version, weights(version)))
         shm = loop.run_until_complete(shm_reader.read.call_one(version))
@@ -113,6 +117,18 @@ def test_readers_get_every_version_intact_through_both_transports(cluster):
         for result in (shm, rdma):
             assert result["checksums"] == result["recomputed"] == expected_checksums(version)
     print(f"rdma read of {rdma['num_bytes'] / 1e6:.1f} MB: {rdma['fetch_s'] * 1e3:.1f} ms")
+
+
+def test_a_version_crosses_to_a_host_once_however_many_readers_lease_it_there(cluster):
+    loop, writer, _, rdma_readers, _ = cluster
+    version = loop.run_until_complete(writer.latest_version()) + 1
+    loop.run_until_complete(writer.publish(version, weights(version)))
+    first, second = (loop.run_until_complete(reader.read.call_one(version)) for reader in rdma_readers)
+    assert first["version"] == second["version"] == version
+    assert first["fetched_bytes"] == first["num_bytes"] > 0  # fetched this host's copy
+    assert second["fetched_bytes"] == 0  # mapped it
+    for result in (first, second):
+        assert result["checksums"] == result["recomputed"] == expected_checksums(version)
 
 
 def test_a_reader_waiting_for_a_version_gets_it_only_once_complete(cluster):
