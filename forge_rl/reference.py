@@ -34,8 +34,17 @@ class ReferenceConfig:
     """How the reference processes split the model (FSDP2 shards the frozen weights too)."""
     num_threads: int = 1
     """Torch CPU threads per reference process."""
+    max_restarts: int = 3
+    """Times this model's processes are restarted on fresh ones after one dies, the calls in flight
+    sent again to the replacement (forge_rl/actors/frozen_model_supervisor.py); one more death
+    stops the run. 0: the first death stops the run."""
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"{self.section}.max_restarts ({self.max_restarts}) must be >= 0. "
+                f"Set --{self.section.replace('_', '-')}.max-restarts."
+            )
         for name in ("num_procs", "num_threads"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")

@@ -33,7 +33,7 @@ from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.errors import ScorerLost, raised_by_actor
+from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Episode
@@ -187,6 +187,6 @@ async def _lost_if_dead(call):
     except SupervisionError as e:
         raise ScorerLost(f"the scorer's process died: {e}") from None
     except Exception as e:
-        if isinstance(raised_by_actor(e), ScorerLost):
+        if isinstance(raised_by_actor(e), (ScorerLost, ScorerFailed)):  # ScorerFailed: the teacher kept dying
             raise raised_by_actor(e) from None
         raise
