@@ -2,7 +2,7 @@
 
 The reference model is the initial policy, never trained. It runs on its own processes
 (forge_rl/actors/frozen_model.py, the frozen-model actor that also serves a distillation teacher,
-forge_rl/teacher.py), between the scorer and the replay buffer: every completion enters
+forge_rl/teacher.py; restarted if one dies, forge_rl/actors/frozen_model_supervisor.py), between the scorer and the replay buffer: every completion enters
 the buffer with `Completion.reference_logprobs`, so the trainer step needs no second model. Its
 logprobs are taken like the trainer's (the generator's temperature and top-k/top-p kept sets,
 `forge_rl.batching.token_logprobs`), so the KL compares two distributions over the same support.

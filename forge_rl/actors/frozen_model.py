@@ -7,7 +7,9 @@ scorer.teacher.path is set, its logprobs turned into per-token rewards by the te
 The model is a `PolicyTrainer` that never takes a step: the same TorchTitan build, parallelism and
 logprob code as the policy (the generator's temperature and kept sets), so a frozen model and the
 policy can only differ by their weights. `token_logprobs` is a collective over the model's ranks,
-called on all of them at once (`.call()`); rank 0's answer is the result.
+called on all of them at once (`.call()`); rank 0's answer is the result. The ranks are spawned
+and owned by a FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py), which restarts
+them on fresh processes if one dies; callers call the supervisor.
 
 A self-distillation teacher (scorer.teacher.pin lagged, ema or best) starts as the run's initial
 policy and is refreshed from the weight store: `stage` copies a published version into this
