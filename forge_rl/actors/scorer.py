@@ -4,8 +4,9 @@ The scorer is the task's reward function, run in sandboxed worker processes
 (`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
 (`RewardModelScorer`, calling the RewardModelActor on its own mesh) and with a distillation
 teacher's per-token rewards when scorer.teacher is enabled (`TeacherScorer`, calling the
-supervisor of the FrozenModelActor that serves the teacher, which restarts it if it dies) and an LLM judge's verdicts when scorer.judge.path is
-set (`JudgeScorer`, calling the judge's own GeneratorActor). A reward function that raises, returns a non-finite value, exceeds
+supervisor of the FrozenModelActor that serves the teacher, which restarts it if it dies) and an
+LLM judge's verdicts when scorer.judge.path is set (`JudgeScorer`, calling the judge's own
+GeneratorActor). A reward function that raises, returns a non-finite value, exceeds
 `scorer.reward_timeout_s` or crashes its process marks that completion ERRORED (never trained,
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
