@@ -40,12 +40,16 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl.actors.frozen_model import FrozenModelActor
 from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
+from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
 from forge_rl.teacher import TeacherVersions
 from forge_rl.types import Episode
+
+_BACKGROUND_TIMEOUT_S = 10.0
+"""Bounds the clean-up of a dead incarnation (its mesh's stop, its store reader's leases)."""
 
 
 @dataclasses.dataclass
@@ -212,9 +216,14 @@ class FrozenModelSupervisor(Actor):
 
     def _retire(self, mesh: FrozenModelMesh) -> None:
         self._stop_in_background(mesh.procs)
+        if self.store_index is not None:  # a stage cut short leaves its lease held by the dead reader
+            self._in_background(self.store_index.drop_reader.call_one(mesh.name))
 
     def _stop_in_background(self, procs: ProcMesh) -> None:
-        task = asyncio.create_task(stop_quietly(procs))
+        self._in_background(stop_quietly(procs))
+
+    def _in_background(self, work) -> None:
+        task = asyncio.create_task(_quietly(work))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -224,6 +233,13 @@ class FrozenModelSupervisor(Actor):
             incarnation: Incarnation[FrozenModelMesh] | None = self.restarts.current
             if self.restarts.state == ScorerState.SERVING and not all(is_alive(p) for p in incarnation.handle.pids):
                 self.restarts.lost(incarnation, f"a {self.role} process exited")
+
+
+async def _quietly(work) -> None:
+    try:
+        await within(_BACKGROUND_TIMEOUT_S, work)
+    except Exception:  # a dead mesh's stop, or a store that is stopping: nothing to repair
+        pass
 
 
 async def _rank0(call):
