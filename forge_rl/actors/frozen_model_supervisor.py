@@ -173,7 +173,7 @@ class FrozenModelSupervisor(Actor):
             model = procs.spawn(
                 name, FrozenModelActor, self.config, self.model_dir, self.pad_id, self.store_index, self.store_root, name
             )
-            setups = [setup for _, setup in (await model.setup.call()).items()]
+            setups = list((await model.setup.call()).values())
             if number > 1 and self.versions is not None:
                 await self._load_served_versions(model)
         except BaseException:
