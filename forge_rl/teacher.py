@@ -201,6 +201,21 @@ class TeacherVersions:
         """A stage failed: the lease taken for it is surplus unless served or staged still needs it."""
         return self._surplus()
 
+    def reload_plan(self, pin: str) -> tuple[list[tuple], str | None]:
+        """What a replacement teacher does after it is built, to serve what the dead one served:
+        calls in order, each ("stage", version) or ("swap",), and a line to print (pin ema only: its
+        average died with it, so it serves the newest version averaged in, and averages on from there)."""
+        calls: list[tuple] = [("stage", self.served), ("swap",)] if self.served else []
+        if self.staged is not None:
+            calls.append(("stage", self.staged))
+        note = None
+        if pin == "ema" and self.served:
+            note = (
+                f"teacher (pin ema): the averaged weights died with its process; the replacement serves policy "
+                f"version {self.served} (the newest averaged in) and averages on from there"
+            )
+        return calls, note
+
     def _surplus(self) -> list[str]:
         needed = {version_key(v) for v in (self.served, self.staged) if v}
         surplus = []

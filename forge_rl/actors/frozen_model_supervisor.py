@@ -185,17 +185,11 @@ class FrozenModelSupervisor(Actor):
     async def _load_served_versions(self, model: FrozenModelActor) -> None:
         """A replacement teacher serves the dead one's version, and stages its staged one (both
         leased in the store); an ema teacher's average restarts from the newest version in it."""
-        served, staged = self.versions.served, self.versions.staged
-        if served:
-            if getattr(self.config, "pin", None) == "ema":
-                progress(
-                    f"teacher (pin ema): the averaged weights died with its process; the replacement serves "
-                    f"policy version {served} (the newest averaged in) and averages on from there"
-                )
-            await model.stage.call(served, None)
-            await model.swap.call()
-        if staged is not None:
-            await model.stage.call(staged, None)
+        calls, note = self.versions.reload_plan(self.config.pin)
+        if note is not None:
+            progress(note)
+        for action, *version in calls:
+            await (model.stage.call(*version, None) if action == "stage" else model.swap.call())
 
     async def _lease(self, policy_version: int) -> None:
         """Lease `policy_version` for the teacher's replacements before it is staged."""

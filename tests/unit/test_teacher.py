@@ -274,6 +274,21 @@ def test_a_pinned_teachers_leases_keep_exactly_its_served_and_staged_versions_in
     assert (versions.served, versions.staged) == (3, None)
 
 
+def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an_ema_says_its_average_restarts():
+    from forge_rl.teacher import TeacherVersions
+
+    versions = TeacherVersions()
+    assert versions.reload_plan("lagged") == ([], None)  # the initial policy: its directory has it
+    versions.leased("v00000001"), versions.staged_now(1), versions.swapped()
+    versions.leased("v00000003"), versions.staged_now(3)
+    assert versions.reload_plan("lagged") == ([("stage", 1), ("swap",), ("stage", 3)], None)
+    ema = TeacherVersions()
+    ema.leased("v00000004"), ema.staged_now(4), ema.swapped()
+    calls, note = ema.reload_plan("ema")
+    assert calls == [("stage", 4), ("swap",)]
+    assert "averaged weights died" in note and "serves policy version 4" in note
+
+
 @pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
 def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and_flag(config_class, flag):
     from forge_rl import reference, teacher
