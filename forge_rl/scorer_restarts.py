@@ -91,7 +91,7 @@ class RestartingScorer(Generic[Handle]):
         self.current: Incarnation[Handle] | None = None
         self.num_restarts = 0
         self.recoveries: list[dict] = []
-        """One event per death: reason, detected_at, restart_started_at, serving_at, episodes_rescored."""
+        """One event per death: role, reason, detected_at, restart_started_at, serving_at, episodes_rescored."""
         self.failure: str | None = None
         self._serving = asyncio.Event()
         self._restart: asyncio.Task | None = None
@@ -141,7 +141,7 @@ class RestartingScorer(Generic[Handle]):
             return
         self.state = ScorerState.RESTARTING
         self._serving.clear()
-        incarnation.loss = {"reason": reason, "detected_at": time.time(), "episodes_rescored": 0}
+        incarnation.loss = {"role": self.role, "reason": reason, "detected_at": time.time(), "episodes_rescored": 0}
         self.recoveries.append(incarnation.loss)
         self._carried_stats = _added(self._carried_stats, incarnation.last_stats)
         progress(f"{self.role} died ({reason}); restarting it, its calls in flight will be sent again")

@@ -90,6 +90,7 @@ def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_un
     assert [len(c) for e in after for c in e] == [3, 1, 2, 4]
     assert restarts == 1 and killed not in pids_after
     assert stats == {"reference/restarts": 1}
+    assert events[0]["role"] == "reference model"
     assert events[0]["episodes_rescored"] == 2  # the call in flight at the kill, sent again
     assert events[0]["detected_at"] <= events[0]["restart_started_at"] <= events[0]["serving_at"]
     assert len(events) == 2  # the restart, then the death that exhausted reference.max_restarts
