@@ -7,6 +7,8 @@ Recoverable: the run goes on.
     ScorerLost       a scorer-side process (the scorer, its reward model or its judge) died during a
                      scoring call; the scorer's supervisor restarts them and scores the call's
                      episodes again (forge_rl/scorer_restarts.py). Never reaches the rollout loop.
+                     Likewise a rank of the reference model or a distillation teacher under a
+                     `token_logprobs` call (forge_rl/actors/frozen_model_supervisor.py).
 Fatal: the run stops, every process of it is shut down, and the message says what to do.
     ConfigError      a config, file or machine that cannot run it; raised before anything
                      expensive starts (forge_rl/config.py, forge_rl/preflight.py).
@@ -15,7 +17,9 @@ Fatal: the run stops, every process of it is shut down, and the message says wha
     TrainStepTimedOut  a train step outlived train_step_timeout_s (a hung rank or collective); the
                      message names the flag that raises it and the command that resumes the run.
     ScorerFailed     the scorer died more than scorer.max_restarts times (a crash on every start, or
-                     too little memory): restarting it again would not help (forge_rl/scorer_restarts.py).
+                     too little memory): restarting it again would not help (forge_rl/scorer_restarts.py);
+                     or the reference model (teacher) more than reference.max_restarts
+                     (scorer.teacher.max_restarts) times.
     StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
                      published twice, a lease on a version that is gone.
     SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
@@ -55,7 +59,8 @@ class ScorerLost(RuntimeError):
 
 
 class ScorerFailed(RuntimeError):
-    """The scorer died more than scorer.max_restarts times; the message names the last cause and the flag."""
+    """The scorer (or the reference model, a teacher) died more than its max_restarts times; the
+    message names the last cause and the flag."""
 
     def __reduce__(self):
         return type(self), self.args

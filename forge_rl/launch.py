@@ -78,6 +78,17 @@ class Hosts:
         the scorer's supervisor); None with hosts=local, where it spawns on its own host."""
         return None if self.host_mesh is None else self.host(index)
 
+    def owned_ranks(self, num_procs: int) -> tuple[HostMesh | None, int]:
+        """Where a frozen model's supervisor (forge_rl/actors/frozen_model_supervisor.py) spawns (and
+        respawns) its `num_procs` ranks: the reference hosts, split evenly as `spawn_ranks` does,
+        and the ranks per host. The host is None with hosts=local (it spawns on its own host)."""
+        hosts = reference_hosts(self.launch.placement)
+        if self.host_mesh is None:
+            return None, num_procs
+        if len(hosts) == 1:
+            return self.host(hosts[0]), num_procs
+        return self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1)), num_procs // len(hosts)
+
     def spawn_procs(self, name: str, num_procs: int, host: int) -> ProcMesh:
         procs = self.host(host).spawn_procs(per_host={"procs": num_procs}, name=name)
         self.proc_meshes.append(procs)

@@ -2,7 +2,7 @@
 
 The reference model is the initial policy, never trained. It runs on its own processes
 (forge_rl/actors/frozen_model.py, the frozen-model actor that also serves a distillation teacher,
-forge_rl/teacher.py), between the scorer and the replay buffer: every completion enters
+forge_rl/teacher.py; restarted if one dies, forge_rl/actors/frozen_model_supervisor.py), between the scorer and the replay buffer: every completion enters
 the buffer with `Completion.reference_logprobs`, so the trainer step needs no second model. Its
 logprobs are taken like the trainer's (the generator's temperature and top-k/top-p kept sets,
 `forge_rl.batching.token_logprobs`), so the KL compares two distributions over the same support.
@@ -34,8 +34,17 @@ class ReferenceConfig:
     """How the reference processes split the model (FSDP2 shards the frozen weights too)."""
     num_threads: int = 1
     """Torch CPU threads per reference process."""
+    max_restarts: int = 3
+    """Times this model's processes are restarted on fresh ones after one dies, the calls in flight
+    sent again to the replacement (forge_rl/actors/frozen_model_supervisor.py); one more death
+    stops the run. 0: the first death stops the run."""
 
     def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"{self.section}.max_restarts ({self.max_restarts}) must be >= 0. "
+                f"Set --{self.section.replace('_', '-')}.max-restarts."
+            )
         for name in ("num_procs", "num_threads"):
             if getattr(self, name) < 1:
                 flag = name.replace("_", "-")

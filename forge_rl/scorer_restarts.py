@@ -18,6 +18,11 @@ to the carried total. A completion is counted by the incarnation that returned i
 rescored after a death is counted once, by the replacement; completions the dead one scored after
 its last read are missing from the counters (at most one step's worth), never counted twice.
 
+The same core restarts the frozen models that score tokens (the reference model, a distillation
+teacher: forge_rl/actors/frozen_model_supervisor.py), whose calls (per-token logprobs of generated
+episodes) are sent again just the same; `role`, `budget_flag` and `restarts_metric` name the
+model in the progress lines, the final error and the counter.
+
 No Monarch here: the actor shell (forge_rl/actors/scorer_supervisor.py) supplies `start` (spawn
 fresh processes, return a handle) and `retire` (stop them without waiting), and turns a dead
 process into ScorerLost.
@@ -67,17 +72,26 @@ class RestartingScorer(Generic[Handle]):
         start: Callable[[int], Awaitable[Handle]],
         retire: Callable[[Handle], None],
         max_restarts: int,
+        role: str = "scorer",
+        budget_flag: str = "scorer.max_restarts",
+        restarts_metric: str = "scorer/restarts",
     ):
         self._start = start
         """Starts incarnation `number` on fresh processes; cleans up after itself if it raises."""
         self._retire = retire
         """Lets go of a dead incarnation's processes (not awaited: stopping a damaged mesh can hang)."""
         self.max_restarts = max_restarts
+        self.role = role
+        """What restarts, in progress lines and the final error ("scorer", "reference model", "teacher")."""
+        self.budget_flag = budget_flag
+        """The config field of `max_restarts`, named in the final error with its CLI flag."""
+        self.restarts_metric = restarts_metric
+        """`stats`' key for the number of restarts."""
         self.state = ScorerState.STARTING
         self.current: Incarnation[Handle] | None = None
         self.num_restarts = 0
         self.recoveries: list[dict] = []
-        """One event per death: reason, detected_at, restart_started_at, serving_at, episodes_rescored."""
+        """One event per death: role, reason, detected_at, restart_started_at, serving_at, episodes_rescored."""
         self.failure: str | None = None
         self._serving = asyncio.Event()
         self._restart: asyncio.Task | None = None
@@ -127,10 +141,10 @@ class RestartingScorer(Generic[Handle]):
             return
         self.state = ScorerState.RESTARTING
         self._serving.clear()
-        incarnation.loss = {"reason": reason, "detected_at": time.time(), "episodes_rescored": 0}
+        incarnation.loss = {"role": self.role, "reason": reason, "detected_at": time.time(), "episodes_rescored": 0}
         self.recoveries.append(incarnation.loss)
         self._carried_stats = _added(self._carried_stats, incarnation.last_stats)
-        progress(f"scorer died ({reason}); restarting it, its calls in flight will be scored again")
+        progress(f"{self.role} died ({reason}); restarting it, its calls in flight will be sent again")
         for task in list(incarnation.in_flight):
             task.cancel()
         self._retire(incarnation.handle)
@@ -146,19 +160,20 @@ class RestartingScorer(Generic[Handle]):
                 handle = await self._start(number)
             except Exception as e:  # a start that fails counts as a death: try fresh processes again
                 last_error = f"restart {self.num_restarts} failed: {type(e).__name__}: {e}"
-                progress(f"scorer: {last_error}")
+                progress(f"{self.role}: {last_error}")
                 continue
             self.current = Incarnation(number, handle)
             self.state = ScorerState.SERVING
             event["serving_at"] = time.time()
             self._serving.set()
-            progress(f"scorer restarted ({self.num_restarts} of at most {self.max_restarts} restarts)")
+            progress(f"{self.role} restarted ({self.num_restarts} of at most {self.max_restarts} restarts)")
             return
         self.state = ScorerState.FAILED
+        flag = "--" + self.budget_flag.replace("_", "-")
         self.failure = (
-            f"the scorer's processes died and scorer.max_restarts ({self.max_restarts}) restarts are used up "
-            f"(last: {last_error}), so the run stopped: a scorer that keeps dying has a bug or too little "
-            "memory (its log above says which). If its deaths are rare and unrelated, raise --scorer.max-restarts."
+            f"the {self.role}'s processes died and {self.budget_flag} ({self.max_restarts}) restarts are used up "
+            f"(last: {last_error}), so the run stopped: a {self.role} that keeps dying has a bug or too little "
+            f"memory (its log above says which). If its deaths are rare and unrelated, raise {flag}."
         )
         self._serving.set()  # wakes the waiting calls, which raise ScorerFailed
 
@@ -170,7 +185,7 @@ class RestartingScorer(Generic[Handle]):
     def stats(self) -> dict[str, float]:
         """The counters of every incarnation, each as last read, and the number of restarts."""
         current = {} if self.current is None or self.current.loss is not None else self.current.last_stats
-        return {**_added(self._carried_stats, current), "scorer/restarts": self.num_restarts}
+        return {**_added(self._carried_stats, current), self.restarts_metric: self.num_restarts}
 
     def stop(self) -> None:
         """The run is stopping: deaths from now on are the shutdown itself, not faults to repair."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from forge_rl.advantages import overlong_penalty
-from forge_rl.errors import ScorerLost
+from forge_rl.errors import ScorerFailed, ScorerLost
 from forge_rl.judge import JudgeConfig, parse_ranking, parse_verdict, render_judge_prompt, render_rank_prompt
 from forge_rl.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring import RewardWorkerPool
@@ -149,7 +149,7 @@ class Scorer:
             *(self.score_completion(episode, c) for c in episode.completions), return_exceptions=True
         )
         for result in results:
-            if isinstance(result, ScorerLost):
+            if isinstance(result, (ScorerLost, ScorerFailed)):
                 raise result
         return [_failure_of(r) if isinstance(r, Exception) else r for r in results]
 
@@ -165,10 +165,11 @@ async def guarded_group(scorer: Scorer, episode: Episode) -> list[ScoreResult]:
     """`scorer.score_group(episode)`, with anything that goes wrong made a failure of each completion:
     an exception, a wrong number of results, a non-finite reward, steps that do not tile the tokens.
     Messages do not name the scorer (`WeightedSum` prefixes its parts' names). ScorerLost (a model's
-    process died) is raised instead: it is no completion's failure (forge_rl/scorer_restarts.py)."""
+    process died) is raised instead: it is no completion's failure (forge_rl/scorer_restarts.py);
+    so is ScorerFailed (a model that kept dying past its restart budget: the run stops)."""
     try:
         results = await scorer.score_group(episode)
-    except ScorerLost:  # a model's process died: no completion is to blame, the supervisor scores it again
+    except (ScorerLost, ScorerFailed):  # a model's process died: no completion is to blame
         raise
     except Exception as e:  # a scorer bug or a model's error costs this group, not the run
         return [_failure_of(e)] * len(episode.completions)

@@ -26,6 +26,7 @@ or on top of the task reward's group advantage. Plain Python: no Monarch here.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import ClassVar, Literal
 from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
 from forge_rl.reference import ReferenceConfig
+from forge_rl.store.index import version_key
 from forge_rl.types import Completion
 
 
@@ -164,18 +166,81 @@ class TeacherPin:
             actions.append("stage")
         return TeacherRefresh(tuple(actions), stage)
 
+class TeacherVersions:
+    """The policy versions a pinned teacher's replacement must load again, and the weight-store
+    leases that keep them there (the store keeps only the newest versions otherwise). Plain
+    Python; the teacher's supervisor (forge_rl/actors/frozen_model_supervisor.py) acquires and
+    releases the leases this names.
+
+        lease v (`leased`), stage v: staged = v, and every lease beyond one each on served and
+        staged is returned for release (`staged_now`); swap: served = staged (`swapped`), likewise.
+
+    `served` 0 is the initial policy, loaded from the model directory, never leased."""
+
+    def __init__(self):
+        self.served = 0
+        self.staged: int | None = None
+        self._leases: collections.Counter[str] = collections.Counter()
+
+    def leased(self, key: str) -> None:
+        """The supervisor holds one more lease on snapshot `key` (before staging it)."""
+        self._leases[key] += 1
+
+    def staged_now(self, version: int) -> list[str]:
+        """The teacher staged `version`; returns the leases no longer needed."""
+        self.staged = version
+        return self._surplus()
+
+    def swapped(self) -> list[str]:
+        """The teacher serves its staged version; returns the leases no longer needed."""
+        if self.staged is not None:
+            self.served, self.staged = self.staged, None
+        return self._surplus()
+
+    def stage_failed(self) -> list[str]:
+        """A stage failed: the lease taken for it is surplus unless served or staged still needs it."""
+        return self._surplus()
+
+    def reload_plan(self, pin: str) -> tuple[list[tuple], str | None]:
+        """What a replacement teacher does after it is built, to serve what the dead one served:
+        calls in order, each ("stage", version) or ("swap",), and a line to print (pin ema only: its
+        average died with it, so it serves the newest version averaged in, and averages on from there)."""
+        calls: list[tuple] = [("stage", self.served), ("swap",)] if self.served else []
+        if self.staged is not None:
+            calls.append(("stage", self.staged))
+        note = None
+        if pin == "ema" and self.served:
+            note = (
+                f"teacher (pin ema): the averaged weights died with its process; the replacement serves policy "
+                f"version {self.served} (the newest averaged in) and averages on from there"
+            )
+        return calls, note
+
+    def _surplus(self) -> list[str]:
+        needed = {version_key(v) for v in (self.served, self.staged) if v}
+        surplus = []
+        for key, count in list(self._leases.items()):
+            extra = count - (key in needed)
+            surplus += [key] * extra
+            self._leases[key] -= extra
+            if not self._leases[key]:
+                del self._leases[key]
+        return sorted(surplus)
+
+
 def pinned_teacher_refresh(teacher, config: TeacherConfig):
     """The recipe's `RunActors.after_publish` for self-distillation: `TeacherPin`'s schedule carried
-    out on the teacher's FrozenModelActor mesh (`stage`, `swap`); logs the version it serves."""
+    out on the teacher's supervisor (`stage`, `swap`, forge_rl/actors/frozen_model_supervisor.py);
+    logs the version it serves."""
     pin = TeacherPin(config)
 
     async def after_publish(step: int, policy_version: int, metrics: dict) -> dict:
         refresh = pin.after_step(step, policy_version, metrics[m.REWARD_MEAN])
         for action in refresh.actions:
             if action == "stage":
-                await teacher.stage.call(refresh.version, refresh.blend)
+                await teacher.stage.call_one(refresh.version, refresh.blend)
             else:
-                await teacher.swap.call()
+                await teacher.swap.call_one()
         return {m.TEACHER_POLICY_VERSION: pin.serving}
 
     return after_publish

@@ -2,6 +2,7 @@
 
     DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerSupervisor ──▶ [reference] ──▶ ReplayBufferActor
                                   ScorerActor [RewardModelActor] [judge] (restarted if one dies), [teacher]
+                                  (reference, teacher: each under a FrozenModelSupervisor, restarted if it dies)
                                      ▲                                                                  │
                          update_weights(v) (in flight)                                             sample(batch)
                                      │                                                                  ▼
@@ -38,7 +39,7 @@ from forge_rl import launch
 from forge_rl.actors.buffer import ReplayBufferActor
 from forge_rl.actors.dataset import DatasetActor
 from forge_rl.actors.generator_pool import GeneratorPool
-from forge_rl.actors.frozen_model import FrozenModelActor
+from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
@@ -76,7 +77,7 @@ async def run(config: GRPOConfig) -> dict:
             buffer=actors.buffer,
             trainer=actors.trainer,
             score=lambda episodes, timeline: score(episodes, actors, config, timeline),
-            stats=actors.scorer.stats.call_one,
+            stats=lambda: stage_stats(actors),
             renderer=make_renderer(config.environment.renderer, lifecycle.model_dir),
             after_publish=pinned_teacher_refresh(actors.teacher, config.scorer.teacher)
             if config.scorer.teacher.pin != "fixed" else None,
@@ -85,6 +86,9 @@ async def run(config: GRPOConfig) -> dict:
         history, accounting = await lifecycle.run_loops(pipeline)
         recoveries = await actors.generators.recovery_events.call_one()
         scorer_recoveries = await actors.scorer.recovery_events.call_one()
+        for frozen_model in (actors.reference, actors.teacher):
+            if frozen_model is not None:
+                scorer_recoveries += await frozen_model.recovery_events.call_one()
         forward_times = await actors.generators.forward_times.call_one()
     return lifecycle.summary(
         history,
@@ -114,9 +118,22 @@ async def score(episodes: list[Episode], actors: Actors, config: GRPOConfig, tim
         episodes, _ = filter_zero_advantage_groups(episodes)
     if actors.reference is not None and episodes:
         with timeline.busy("reference"):
-            logprobs = (await actors.reference.token_logprobs.call(episodes)).item(procs=0)
+            try:  # a dead reference model is restarted and answers the same call (frozen_model_supervisor.py)
+                logprobs = await actors.reference.token_logprobs.call_one(episodes)
+            except Exception as e:
+                if isinstance(raised_by_actor(e), ScorerFailed):  # it kept dying: the run stops with the cause
+                    raise raised_by_actor(e) from None
+                raise
         episodes = attach_reference_logprobs(episodes, logprobs)
     return episodes
+
+
+async def stage_stats(actors: Actors) -> dict:
+    """The scoring stage's counters, read once per step: the scorer's, and the restarts of the
+    reference model and the teacher (`reference/restarts`, `teacher/restarts`)."""
+    frozen_models = [model for model in (actors.reference, actors.teacher) if model is not None]
+    stats = await asyncio.gather(actors.scorer.stats.call_one(), *(model.stats.call_one() for model in frozen_models))
+    return {key: value for part in stats for key, value in part.items()}
 
 
 @dataclasses.dataclass
@@ -129,11 +146,12 @@ class Actors:
     generators: GeneratorPool
     """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
     trainer: TrainerActor
-    reference: FrozenModelActor | None = None
-    """The frozen reference model, on its own processes; only when trainer.loss.kl_beta > 0."""
-    teacher: FrozenModelActor | None = None
-    """The distillation teacher, on its own processes (the scorer calls it); only when
-    scorer.teacher.path is set, or scorer.teacher.pin is not fixed (self-distillation)."""
+    reference: FrozenModelSupervisor | None = None
+    """Owns the frozen reference model's processes and restarts them if one dies; only when
+    trainer.loss.kl_beta > 0."""
+    teacher: FrozenModelSupervisor | None = None
+    """Owns the distillation teacher's processes (the scorer calls it) and restarts them if one
+    dies; only when scorer.teacher.path is set, or scorer.teacher.pin is not fixed (self-distillation)."""
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -152,14 +170,16 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     max_new_tokens = config.generator.max_new_tokens
     teacher = None
     if config.uses_teacher:
+        # Its supervisor, beside the services, spawns its ranks (and respawns them if one dies).
         teacher_config = config.scorer.teacher
-        teacher_procs = await hosts.spawn_ranks("teacher", teacher_config.num_procs)
         if teacher_config.path is not None:
-            teacher = teacher_procs.spawn("teacher", FrozenModelActor, teacher_config, str(teacher_config.path), pad_id)
+            teacher_model, store = str(teacher_config.path), (None, None)
         else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
-            teacher = teacher_procs.spawn(
-                "teacher", FrozenModelActor, teacher_config, model_dir, pad_id, store_index, str(store_root)
-            )
+            teacher_model, store = model_dir, (store_index, str(store_root))
+        teacher = services.spawn(
+            "teacher", FrozenModelSupervisor, "teacher", teacher_config, teacher_model, pad_id, *store,
+            *hosts.owned_ranks(teacher_config.num_procs),
+        )
     actors = Actors(
         dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, max_new_tokens),
         # The scorer, reward model and judge run on processes of their own that the supervisor
@@ -180,28 +200,34 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         ),
     )
     actors.teacher = teacher
-    lifecycle.stop_engines_first(actors.generators, actors.scorer)
     if config.uses_reference_model:
-        reference_procs = await hosts.spawn_ranks("reference", config.reference.num_procs)
-        actors.reference = reference_procs.spawn("reference", FrozenModelActor, config.reference, model_dir, pad_id)
+        actors.reference = services.spawn(
+            "reference", FrozenModelSupervisor, "reference", config.reference, model_dir, pad_id, None, None,
+            *hosts.owned_ranks(config.reference.num_procs),
+        )
+    # Their shutdown stops the processes they own (engines, reward workers, frozen-model ranks).
+    owners = (actors.generators, actors.scorer, actors.reference, actors.teacher)
+    lifecycle.stop_engines_first(*(owner for owner in owners if owner is not None))
     return actors
 
 
 async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> list[dict]:
-    """Start every engine, trainer rank, scorer-side process and reference rank at once; record
+    """Start every engine, trainer rank, scorer-side process, reference and teacher rank at once; record
     their pids (a crash test and `forge-rl` users look there). Returns each generator's start figures."""
     generator_starts, trainer_starts, scorer_start, *_ = await asyncio.gather(
         actors.generators.start.call_one(),
         actors.trainer.setup.call(),
         actors.scorer.start.call_one(),
-        *([actors.reference.setup.call()] if actors.reference is not None else []),
-        *([actors.teacher.setup.call()] if actors.teacher is not None else []),
+        *(model.start.call_one() for model in (actors.reference, actors.teacher) if model is not None),
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),
         "trainer": [start["pid"] for start in trainer_starts.values()],
         "scorer": scorer_start["pids"],
     }
+    for role, model in (("reference", actors.reference), ("teacher", actors.teacher)):
+        if model is not None:
+            processes[role] = await model.processes.call_one()
     (lifecycle.run_path / "processes.json").write_text(json.dumps(processes))
     return generator_starts
 

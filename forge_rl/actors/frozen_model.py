@@ -7,7 +7,9 @@ scorer.teacher.path is set, its logprobs turned into per-token rewards by the te
 The model is a `PolicyTrainer` that never takes a step: the same TorchTitan build, parallelism and
 logprob code as the policy (the generator's temperature and kept sets), so a frozen model and the
 policy can only differ by their weights. `token_logprobs` is a collective over the model's ranks,
-called on all of them at once (`.call()`); rank 0's answer is the result.
+called on all of them at once (`.call()`); rank 0's answer is the result. The ranks are spawned
+and owned by a FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py), which restarts
+them on fresh processes if one dies; callers call the supervisor.
 
 A self-distillation teacher (scorer.teacher.pin lagged, ema or best) starts as the run's initial
 policy and is refreshed from the weight store: `stage` copies a published version into this
@@ -17,6 +19,8 @@ process (while the store still holds it), `swap` serves it. Endpoints run one at
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -32,27 +36,36 @@ from forge_rl.types import Episode
 
 
 class FrozenModelActor(Actor):
-    def __init__(self, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None, store_root: str | None = None):
+    def __init__(
+        self, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None, store_root: str | None = None,
+        store_reader: str = "teacher",
+    ):
         """`config`: a ReferenceConfig or a TeacherConfig (its processes, parallelism, threads).
-        `store_index`, `store_root`: the weight store a self-distillation teacher reads versions from."""
+        `store_index`, `store_root`: the weight store a self-distillation teacher reads versions from,
+        as reader `store_reader` (one per incarnation: the store refuses a dead reader's id)."""
         self.config = config
         self.model_dir = Path(model_dir)
         self.pad_id = pad_id
         self.model: PolicyTrainer | None = None
-        self.store_index, self.store_root = store_index, store_root
+        self.store_index, self.store_root, self.store_reader = store_index, store_root, store_reader
         self.store = None
         self.staged: dict[str, torch.Tensor] | None = None
         self.serving_version = 0
 
     @endpoint
     async def setup(self) -> dict:
+        """Build the model; returns the time it took and where this rank runs (its supervisor polls the pid)."""
         started = time.perf_counter()
         trainer_config = TrainerConfig(
             num_procs=self.config.num_procs, parallel=self.config.parallel, num_threads=self.config.num_threads
         )
         self.model = PolicyTrainer(trainer_config, self.model_dir)
         self.model.model.requires_grad_(False)
-        return {f"{self.config.section}_setup_s": time.perf_counter() - started}
+        return {
+            f"{self.config.section}_setup_s": time.perf_counter() - started,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
 
     @endpoint
     async def token_logprobs(self, episodes: list[Episode]) -> list[list[list[float]]]:
@@ -72,7 +85,7 @@ class FrozenModelActor(Actor):
 
         started = time.perf_counter()
         if self.store is None:
-            self.store = WeightStore(self.store_index, Path(self.store_root), "teacher", extra_files_dir=self.model_dir)
+            self.store = WeightStore(self.store_index, Path(self.store_root), self.store_reader, extra_files_dir=self.model_dir)
         await self.store.wait_for_version(policy_version)  # its publish may still be writing it
         hf_state_dict = await self.store.get_state_dict(version_key(policy_version))
         staged = titan_state_dict_from_hf(self.model_dir, hf_state_dict)

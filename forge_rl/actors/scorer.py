@@ -3,9 +3,10 @@
 The scorer is the task's reward function, run in sandboxed worker processes
 (`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
 (`RewardModelScorer`, calling the RewardModelActor on its own mesh) and with a distillation
-teacher's per-token rewards when scorer.teacher.path is set (`TeacherScorer`, calling the
-FrozenModelActor that serves the teacher) and an LLM judge's verdicts when scorer.judge.path is
-set (`JudgeScorer`, calling the judge's own GeneratorActor). A reward function that raises, returns a non-finite value, exceeds
+teacher's per-token rewards when scorer.teacher is enabled (`TeacherScorer`, calling the
+supervisor of the FrozenModelActor that serves the teacher, which restarts it if it dies) and an
+LLM judge's verdicts when scorer.judge.path is set (`JudgeScorer`, calling the judge's own
+GeneratorActor). A reward function that raises, returns a non-finite value, exceeds
 `scorer.reward_timeout_s` or crashes its process marks that completion ERRORED (never trained,
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
@@ -24,7 +25,7 @@ import socket
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.errors import ScorerLost
+from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 
 from forge_rl.judge import judge_client
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
@@ -39,14 +40,19 @@ class ScorerActor(Actor):
     ):
         """`reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py) when
         scorer.reward_model.path is set; its `score` endpoint is the reward model scorer's client.
-        `teacher`: the teacher's FrozenModelActor mesh (forge_rl/actors/frozen_model.py) when
-        scorer.teacher.path is set; its `token_logprobs` (a collective over its ranks) is the
-        teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
+        `teacher`: the teacher's FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py)
+        when scorer.teacher is enabled; its `token_logprobs` (rank 0's answer of a collective over
+        the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
         when scorer.judge.path is set; its `generate` serves the judge scorer's verdicts."""
         client = None if reward_model is None else _lost_if_dead(reward_model.score.call_one, "reward model")
 
         async def teacher_logprobs(episodes: list[Episode]) -> list[list[list[float]]]:
-            return (await teacher.token_logprobs.call(episodes)).item(procs=0)
+            try:  # a dead teacher is restarted by its supervisor, which sends the call again
+                return await teacher.token_logprobs.call_one(episodes)
+            except Exception as e:  # it kept dying: the run stops with the cause (not an ERRORED group)
+                if isinstance(raised_by_actor(e), ScorerFailed):
+                    raise raised_by_actor(e) from None
+                raise
 
         verdicts = None
         if judge is not None:

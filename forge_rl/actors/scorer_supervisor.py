@@ -13,8 +13,11 @@ fresh one on fresh proc meshes (spawning onto a damaged mesh hangs): the scorer 
 handles, so a new reward model or judge needs a new scorer anyway, and a scorer alone restarts in
 seconds. What happens to the calls in flight, the restart budget (scorer.max_restarts) and the
 counters is the core's: forge_rl/scorer_restarts.py. The distillation teacher and the reference
-model are not restarted: the controller owns them (the teacher's self-distillation refresh drives
-it from there), and their death stops the run with ProcessDied as before.
+model are not owned here: each has a supervisor of its own (forge_rl/actors/frozen_model_supervisor.py,
+the same restart core), which the scorer (teacher) and the controller (reference) call, so a dead
+teacher is restarted without restarting the scorer, and the scorer never sees the death. A teacher
+that died past scorer.teacher.max_restarts raises ScorerFailed through the scorer, which passes it
+on to the controller as its own.
 
 The controller calls `score(episodes)` and `stats()` here as it called the scorer.
 """
@@ -33,7 +36,7 @@ from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.errors import ScorerLost, raised_by_actor
+from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Episode
@@ -187,6 +190,6 @@ async def _lost_if_dead(call):
     except SupervisionError as e:
         raise ScorerLost(f"the scorer's process died: {e}") from None
     except Exception as e:
-        if isinstance(raised_by_actor(e), ScorerLost):
+        if isinstance(raised_by_actor(e), (ScorerLost, ScorerFailed)):  # ScorerFailed: the teacher kept dying
             raise raised_by_actor(e) from None
         raise

@@ -189,6 +189,7 @@ def test_the_adapters_import_without_the_packages_they_adapt():
         ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),
         ("forge_rl.actors.frozen_model", "FrozenModelActor"),
+        ("forge_rl.actors.frozen_model_supervisor", "FrozenModelSupervisor"),
         ("forge_rl.actors.reward_model", "RewardModelActor"),
     ],
 )

@@ -200,3 +200,24 @@ def test_a_death_while_the_run_stops_is_not_repaired():
         return processes
 
     assert len(asyncio.run(main()).started) == 1
+
+
+def test_a_frozen_model_restarted_by_the_same_core_is_named_in_its_error_and_counter():
+    """The reference model's and the teacher's supervisors (forge_rl/actors/frozen_model_supervisor.py)
+    reuse this core with their own name, budget flag and counter."""
+
+    async def main():
+        processes = FakeScorerProcesses(failing_starts=(2,))
+        restarts = RestartingScorer(
+            processes.start, processes.retire, max_restarts=1,
+            role="reference model", budget_flag="reference.max_restarts", restarts_metric="reference/restarts",
+        )
+        (await restarts.start()).dead = True
+        with pytest.raises(ScorerFailed) as failed:
+            await score(restarts, [episode(0)])
+        return restarts, str(failed.value)
+
+    restarts, message = asyncio.run(main())
+    assert message.startswith("the reference model's processes died and reference.max_restarts (1) restarts")
+    assert "raise --reference.max-restarts" in message and "scorer" not in message
+    assert restarts.stats() == {"reference/restarts": 1}

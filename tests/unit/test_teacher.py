@@ -129,6 +129,20 @@ def test_a_teacher_that_fails_or_answers_the_wrong_shape_errors_its_group_only()
         assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 2
 
 
+def test_a_teacher_past_its_restart_budget_stops_the_scoring_call_instead_of_erroring_completions():
+    """ScorerFailed from the teacher's supervisor (it kept dying) is no completion's fault and no
+    failure to score again: it leaves the scoring stage, alone or in a weighted sum, so the run stops."""
+    from forge_rl.errors import ScorerFailed
+
+    async def failed_teacher(episodes):
+        raise ScorerFailed("the teacher's processes died and scorer.teacher.max_restarts (0) restarts are used up")
+
+    for scorer in (TeacherScorer(failed_teacher), WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(failed_teacher), 1.0)])):
+        completions = [Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], policy_versions=[0, 0]) for _ in range(2)]
+        with pytest.raises(ScorerFailed, match="scorer.teacher.max_restarts"):
+            scored(Episode(0, "M37=", "7", PROMPT, completions), scorer)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return create_tiny_model(TinyModelConfig(), tmp_path_factory.mktemp("student") / "model")
@@ -239,3 +253,46 @@ def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_or
     served = [asyncio.run(refresh(step, step, {"reward/mean": 0.0}))["teacher/policy_version"] for step in range(1, 5)]
     assert calls == [("stage", 1, None), ("swap",), ("stage", 3, None), ("swap",)]
     assert served == [0, 1, 1, 3]
+
+
+def test_a_pinned_teachers_leases_keep_exactly_its_served_and_staged_versions_in_the_store():
+    """`TeacherVersions`: the teacher's supervisor leases each version before staging it and lets
+    go of every lease its replacement would not need (the served and the staged versions)."""
+    from forge_rl.teacher import TeacherVersions
+
+    versions = TeacherVersions()
+    versions.leased("v00000001")
+    assert versions.staged_now(1) == [] and (versions.served, versions.staged) == (0, 1)
+    assert versions.swapped() == [] and (versions.served, versions.staged) == (1, None)
+    versions.leased("v00000003")
+    assert versions.staged_now(3) == []  # v1 is served, v3 staged: both kept
+    assert versions.swapped() == ["v00000001"]  # v1 no longer served
+    versions.leased("v00000005")
+    assert versions.stage_failed() == ["v00000005"]  # the stage of v5 failed: nothing needs it
+    versions.leased("v00000003")  # staging the served version again (a second lease on it)
+    assert versions.staged_now(3) == ["v00000003"] and versions.swapped() == []
+    assert (versions.served, versions.staged) == (3, None)
+
+
+def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an_ema_says_its_average_restarts():
+    from forge_rl.teacher import TeacherVersions
+
+    versions = TeacherVersions()
+    assert versions.reload_plan("lagged") == ([], None)  # the initial policy: its directory has it
+    versions.leased("v00000001"), versions.staged_now(1), versions.swapped()
+    versions.leased("v00000003"), versions.staged_now(3)
+    assert versions.reload_plan("lagged") == ([("stage", 1), ("swap",), ("stage", 3)], None)
+    ema = TeacherVersions()
+    ema.leased("v00000004"), ema.staged_now(4), ema.swapped()
+    calls, note = ema.reload_plan("ema")
+    assert calls == [("stage", 4), ("swap",)]
+    assert "averaged weights died" in note and "serves policy version 4" in note
+
+
+@pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
+def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and_flag(config_class, flag):
+    from forge_rl import reference, teacher
+
+    config = getattr(reference, config_class, None) or getattr(teacher, config_class)
+    with pytest.raises(ValueError, match=rf"max_restarts \(-1\) must be >= 0. Set {flag}."):
+        config(max_restarts=-1)

@@ -1,0 +1,137 @@
+"""Kill the reference model's process under a `token_logprobs` call: its supervisor
+(forge_rl/actors/frozen_model_supervisor.py) restarts it from its directory on a fresh process and
+sends the same call again, so the caller gets the answer it would have got (none lost, each once);
+a death past reference.max_restarts stops the call with ScorerFailed naming the flag. Kill a
+pinned (self-distillation) teacher that serves a version the store has moved past: its
+replacement serves that version again, which the supervisor's lease kept in the store.
+
+Driven, not timed: the reference's process is stopped (SIGSTOP) so it takes no message, a call is
+sent, the supervisor reports it in flight, and only then the process is killed (SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from monarch.actor import this_host
+
+from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
+from forge_rl.errors import ScorerFailed, raised_by_actor
+from forge_rl.models.titan import read_hf_config
+from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.reference import ReferenceConfig
+from forge_rl.store.actors import spawn_store
+from forge_rl.store.client import WeightStore
+from forge_rl.teacher import TeacherConfig
+from forge_rl.types import Completion, Episode
+
+pytestmark = pytest.mark.integration
+
+IN_FLIGHT_BOUND_S = 30.0
+"""How long the kill waits for the supervisor to report the call in flight (it is at once); the
+bound only turns a broken test into a failure, not a hang."""
+
+
+def episodes() -> list[Episode]:
+    """2 prompts x 2 completions of uneven lengths."""
+    return [
+        Episode(e, f"P{e}=", "", [1, 10 + e, 14], [
+            Completion(token_ids=[5 + e + c + t for t in range(n)], logprobs=[-1.0] * n, policy_versions=[0] * n)
+            for c, n in enumerate(lengths)
+        ])
+        for e, lengths in enumerate([(3, 1), (2, 4)])
+    ]
+
+
+async def kill_under_a_call(supervisor) -> tuple[int, asyncio.Future]:
+    """SIGKILL the reference's process while a call to it is in flight; returns its pid and the call."""
+    (pid,) = await supervisor.processes.call_one()
+    os.kill(pid, signal.SIGSTOP)  # it takes no more messages: the call sent now stays in flight
+    call = asyncio.ensure_future(supervisor.token_logprobs.call_one(episodes()))
+    deadline = time.monotonic() + IN_FLIGHT_BOUND_S
+    while await supervisor.calls_in_flight.call_one() < 1:
+        assert time.monotonic() < deadline, f"the call was not in flight within {IN_FLIGHT_BOUND_S} s"
+        await asyncio.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return pid, call
+
+
+def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_until_max_restarts(model_dir):
+    config = ReferenceConfig(max_restarts=1)
+    pad_id = read_hf_config(model_dir)["pad_token_id"]
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="supervisor")
+        supervisor = procs.spawn("supervisor", FrozenModelSupervisor, "reference", config, str(model_dir), pad_id)
+        try:
+            await supervisor.start.call_one()
+            before = await supervisor.token_logprobs.call_one(episodes())
+            killed, call = await kill_under_a_call(supervisor)
+            after = await call  # answered by the replacement
+            restarts = await supervisor.wait_until_serving.call_one()
+            pids_after = await supervisor.processes.call_one()
+            stats = await supervisor.stats.call_one()
+            _, call = await kill_under_a_call(supervisor)  # a second death: past reference.max_restarts
+            with pytest.raises(Exception) as failed:
+                await call
+            events = await supervisor.recovery_events.call_one()
+            return before, after, restarts, killed, pids_after, stats, events, failed.value
+        finally:
+            await supervisor.shutdown.call_one()
+            await procs.stop()
+
+    before, after, restarts, killed, pids_after, stats, events, failure = asyncio.run(main())
+    assert after == before  # the same frozen weights, the same episodes: the same logprobs, once each
+    assert [len(c) for e in after for c in e] == [3, 1, 2, 4]
+    assert restarts == 1 and killed not in pids_after
+    assert stats == {"reference/restarts": 1}
+    assert events[0]["role"] == "reference model"
+    assert events[0]["episodes_rescored"] == 2  # the call in flight at the kill, sent again
+    assert events[0]["detected_at"] <= events[0]["restart_started_at"] <= events[0]["serving_at"]
+    assert len(events) == 2  # the restart, then the death that exhausted reference.max_restarts
+    assert isinstance(raised_by_actor(failure), ScorerFailed), failure
+    assert "reference.max_restarts (1)" in str(raised_by_actor(failure))
+    assert "--reference.max-restarts" in str(raised_by_actor(failure))
+
+
+def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved_past_it(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    version_1 = create_tiny_model(TinyModelConfig(seed=1), tmp_path / "version_1")  # the policy after a step
+    root = Path("/dev/shm") / f"forge_rl-test-pinned-teacher-{time.monotonic_ns()}"
+    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    pad_id = read_hf_config(model_dir)["pad_token_id"]
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="services")
+        index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
+        writer = WeightStore(index, root, extra_files_dir=model_dir)
+        teacher = procs.spawn(
+            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root)
+        )
+        try:
+            await teacher.start.call_one()
+            initial = await teacher.token_logprobs.call_one(episodes())
+            await writer.publish(1, load_file(str(version_1 / "model.safetensors")))
+            await teacher.stage.call_one(1, None)
+            await teacher.swap.call_one()
+            served = await teacher.token_logprobs.call_one(episodes())
+            await writer.publish(2, load_file(str(model_dir / "model.safetensors")))  # the store moves on
+            kept = await writer.keys("v")
+            _, call = await kill_under_a_call(teacher)
+            after = await call
+            return initial, served, after, kept, await teacher.stats.call_one()
+        finally:
+            await teacher.shutdown.call_one()
+            await procs.stop()
+            writer.local.destroy()
+
+    initial, served, after, kept, stats = asyncio.run(main())
+    assert served != initial  # it serves version 1, not the initial policy
+    assert kept == ["v00000001", "v00000002"]  # version 1 kept past keep_latest by the teacher's lease
+    assert after == served and stats == {"teacher/restarts": 1}
