@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +27,38 @@ from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.trajectory import TrajectorySample
 from forge_rl.models.hf_checkpoint import export_hf_model_dir
 from forge_rl.models.titan import ParallelConfig, build_titan_model, export_hf_state_dict
+from forge_rl.tasks import Prompt, make_task_prompt
 from forge_rl.tasks.tokenizer import PromptTokenizer
+
+
+@dataclass(frozen=True)
+class TextSample:
+    """One supervised sequence, in the shape `train_in_place` reads."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def task_text_samples(
+    tokenizer: PromptTokenizer, task, num_samples: int, problems_per_sample: int,
+    answer: Callable[[Prompt], str] = lambda prompt: prompt.answer,
+) -> list[TextSample]:
+    """Sequences "<bos>M37=7<eos>M52=5<eos>..." of `task`'s problems (a TaskConfig), each followed by
+    `answer(prompt)` (by default its solution), every token but bos a target. Several problems per
+    sequence, so that completions that run past their EOS stay in distribution: after an answer
+    and EOS comes the next problem."""
+    samples = []
+    for index in range(num_samples):
+        ids = [tokenizer.bos_id]
+        for problem in range(problems_per_sample):
+            prompt = make_task_prompt(task, index * problems_per_sample + problem)
+            ids += tokenizer.encode_text(prompt.text + answer(prompt)) + [tokenizer.eos_id]
+        samples.append(TextSample(ids, [False] + [True] * (len(ids) - 1)))
+    return samples
 
 
 def warm_up_model(model_dir: Path, environment) -> dict:

@@ -136,18 +136,6 @@ _PROBLEMS_PER_SEQUENCE = 4
 """Solved problems per pre-training sequence."""
 
 
-@dataclass(frozen=True)
-class _TextSample:
-    """One pre-training sequence, in the shape `forge_rl.warmup.train_in_place` reads."""
-
-    token_ids: list[int]
-    loss_mask: list[bool]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
 def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
     """Train the model in `model_dir` in place with cross-entropy on sequences of solved problems,
     "<bos>M37=7<eos>M52=5<eos>..." (every token but bos a target): the experts specialize and the
@@ -156,19 +144,16 @@ def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
     comes the next problem."""
     import time
 
-    from forge_rl.tasks import TaskConfig, make_task_prompt
+    from forge_rl.tasks import TaskConfig
     from forge_rl.tasks.tokenizer import PromptTokenizer
-    from forge_rl.warmup import train_in_place
+    from forge_rl.warmup import task_text_samples, train_in_place
 
     start = time.perf_counter()
-    tokenizer, task = PromptTokenizer(model_dir), TaskConfig(seed=_PRETRAIN_TASK_SEED)
-    samples = []
-    for index in range(args.pretrain_steps * args.pretrain_batch_size):
-        ids = [tokenizer.bos_id]
-        for problem in range(_PROBLEMS_PER_SEQUENCE):
-            prompt = make_task_prompt(task, index * _PROBLEMS_PER_SEQUENCE + problem)
-            ids += tokenizer.encode_text(prompt.text + prompt.answer) + [tokenizer.eos_id]
-        samples.append(_TextSample(ids, [False] + [True] * (len(ids) - 1)))
+    tokenizer = PromptTokenizer(model_dir)
+    samples = task_text_samples(
+        tokenizer, TaskConfig(seed=_PRETRAIN_TASK_SEED), args.pretrain_steps * args.pretrain_batch_size,
+        _PROBLEMS_PER_SEQUENCE,
+    )
     losses = train_in_place(
         model_dir, samples, args.pretrain_steps, args.pretrain_batch_size, args.pretrain_lr, args.seed, tokenizer.pad_id
     )

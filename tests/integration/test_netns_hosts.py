@@ -142,6 +142,8 @@ def test_the_hosts_are_apart_and_weights_cross_between_them(run_over_namespaces)
     assert f"hosts: 0={names[1]} (" in log and f", 1={names[2]} (" in log
     assert f"weights move from {names[1]} to {names[2]}" in log
     assert summary["steps"] == config.steps
+    last = json.loads((config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["weights/fetched_bytes_total"] >= last["weights/bytes"] > 0  # at least one version crossed
 
 
 def test_a_killed_remote_generator_is_detected_and_replaced_with_nothing_lost(run_over_namespaces):

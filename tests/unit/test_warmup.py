@@ -124,3 +124,21 @@ def test_the_no_tool_baseline_demonstrates_a_bare_answer_and_refuses_calls(token
     assert tokenizer.decode(sample.token_ids) == f"{env.left}*{env.right}={env.left * env.right}"
     with pytest.raises(MalformedTurn):
         asyncio.run(make_calculator_env_without_tool(0, 3).step("C1*2"))
+
+
+def test_task_text_samples_follow_each_problem_with_its_answer_and_eos(tokenizer):
+    from forge_rl.tasks import TaskConfig, make_task_prompt
+    from forge_rl.warmup import task_text_samples
+
+    task = TaskConfig(seed=3)
+    [solved] = task_text_samples(tokenizer, task, num_samples=1, problems_per_sample=2)
+    [either] = task_text_samples(tokenizer, task, 1, 2, answer=lambda prompt: prompt.text[1])  # its first digit
+    first, second = make_task_prompt(task, 0), make_task_prompt(task, 1)
+    eos = [tokenizer.eos_id]
+    assert solved.token_ids == [tokenizer.bos_id] + tokenizer.encode_text(first.text + first.answer) + eos + (
+        tokenizer.encode_text(second.text + second.answer) + eos
+    )
+    assert either.token_ids == [tokenizer.bos_id] + tokenizer.encode_text(first.text + first.text[1]) + eos + (
+        tokenizer.encode_text(second.text + second.text[1]) + eos
+    )
+    assert solved.loss_mask == [False] + [True] * (len(solved.token_ids) - 1)
