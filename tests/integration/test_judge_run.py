@@ -21,7 +21,8 @@ One run, three checks (tests below):
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
    the swap and ended after it. Before each swap the test waits (event, not sleep) for a generate
    call to begin, so a call is in flight; a swap that drained the generators, or waited for their
-   calls, would end after that call and fail the check.
+   calls, would end after that call and fail the check. (STEPS is 5, not 4, so that a step follows
+   the last swap: the gate admits new prompts for it, and a generate call begins.)
 """
 
 import asyncio
@@ -50,7 +51,7 @@ from tests.integration.held_reward import HOLD_DIR_ENV
 
 pytestmark = pytest.mark.integration
 
-STEPS = 4
+STEPS = 5
 KILL_AFTER_STEP = 1
 REPLACED_BY_STEP = 2
 EVENT_BOUND_S = 120.0
@@ -68,7 +69,8 @@ JUDGE = JudgeConfig(
     max_model_len=128,  # the tiny model's context
 )
 TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
-"""The initial policy until step 2, then version 1, after step 4 version 3 (forge_rl/teacher.py)."""
+"""The initial policy until step 2, then version 1, after step 4 version 3 (forge_rl/teacher.py);
+it stages versions 1, 3 and 5 after steps 1, 3 and 5."""
 
 
 class ScoringCalls:
@@ -290,7 +292,7 @@ def test_the_pinned_teacher_swaps_versions_while_generators_decode(judged_run):
     """Asynchronous self-distillation: each teacher swap (its version change) lies inside a generate
     call, so the generators decoded across it; the generators serve every version meanwhile."""
     summary, metrics, _, _, _, intervals, _ = judged_run
-    assert [m["teacher/policy_version"] for m in metrics] == [0, 1, 1, 3]
+    assert [m["teacher/policy_version"] for m in metrics] == [0, 1, 1, 3, 3]
     assert all(m["scorer/teacher/errored"] == 0 for m in metrics)
     swaps = [i for i in intervals if i.component == "teacher_swap"]
     generates = [i for i in intervals if i.component.startswith("generator")]
@@ -298,6 +300,6 @@ def test_the_pinned_teacher_swaps_versions_while_generators_decode(judged_run):
     for swap in swaps:
         spanning = [g for g in generates if g.start_s < swap.start_s and g.end_s > swap.end_s]
         assert spanning, f"no generate call was in flight across the teacher swap at {swap.start_s:.3f} s"
-    assert [i.component for i in intervals].count("teacher_stage") == 2
+    assert [i.component for i in intervals].count("teacher_stage") == 3
     assert summary["generator_recoveries"] == []
-    assert min(metrics[-1]["generator/policy_versions"]) >= STEPS - 2
+    assert min(metrics[-1]["generator/policy_versions"]) >= STEPS - 2  # max_policy_age + 1 behind at most
