@@ -11,12 +11,14 @@ One run, three checks (tests below):
    so about 40% parse and the rest are unparsable, and both paths run. The counters are read
    quiescent after step KILL_AFTER_STEP (no scoring call in flight: the test holds new ones back
    until those in flight return), so the equalities are exact.
-2. The judge's processes (its GeneratorActor's and its vLLM engine's) are SIGKILLed while a
+2. The judge's processes (its vLLM engine's, then its GeneratorActor's) are SIGKILLed while a
    judging call is in flight: the supervisor restarts the incarnation and that call's episodes are
-   judged again by the replacement; none is lost, trained twice or ERRORED for the death. Driven,
-   not timed: the judge's engine processes are SIGSTOPped first (no verdict can come back from
-   then on), then the reward function is held (tests/integration/held_reward.py) until a scoring
-   call is inside the scorer, so its verdicts are surely pending, then the judge is killed.
+   judged again by the replacement; none is lost, trained twice or ERRORED for the death (the
+   engine's death reaches the scorer as vLLM's EngineDeadError, which must count as the judge's
+   death, not as a failure of the completions). Driven, not timed: the judge's engine processes are
+   SIGSTOPped first (no verdict can come back from then on), then the reward function is held
+   (tests/integration/held_reward.py) until a scoring call is inside the scorer, so its verdicts
+   are surely pending, then the judge is killed.
 3. The pinned teacher's version changes (after steps 2 and 4) while the generators decode: the
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
    the swap and ended after it. Before each swap the test waits (event, not sleep) for a generate
@@ -199,9 +201,18 @@ async def _kill_the_judge_under_a_call(hold_dir, scorer, scoring: ScoringCalls, 
     # the stopped engine.
     kill["in_flight"] = {episode_id for ids in scoring.in_flight.values() for episode_id in ids}
     kill["killed_at"] = time.time()
-    kill["pids"] = [judge_pid, *engine_pids]
-    for pid in kill["pids"]:
+    # The engine first, as an out-of-memory kill would: the judge's actor lives on and answers the
+    # calls in flight with vLLM's EngineDeadError (they must be judged again, not ERRORED); then,
+    # once the supervisor saw the death, the actor's process.
+    for pid in engine_pids:
         os.kill(pid, signal.SIGKILL)
+    while not await scorer.recovery_events.call_one():
+        assert time.monotonic() < deadline + EVENT_BOUND_S, "the supervisor never saw the judge's engine die"
+        await asyncio.sleep(0.05)
+    try:
+        os.kill(judge_pid, signal.SIGKILL)
+    except ProcessLookupError:  # the supervisor stopped it already
+        pass
     (hold_dir / "hold").unlink()  # the replacement's reward is not held
 
 
