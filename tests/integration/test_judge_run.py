@@ -16,9 +16,10 @@ One run, three checks (tests below):
    judged again by the replacement; none is lost, trained twice or ERRORED for the death (the
    engine's death reaches the scorer as vLLM's EngineDeadError, which must count as the judge's
    death, not as a failure of the completions). Driven, not timed: the judge's engine processes are
-   SIGSTOPped first (no verdict can come back from then on), then the reward function is held
-   (tests/integration/held_reward.py) until a scoring call is inside the scorer, so its verdicts
-   are surely pending, then the judge is killed.
+   SIGSTOPped while no scoring call is in flight (the test holds new ones back until those in
+   flight return), and the reward function is held (tests/integration/held_reward.py); a scoring
+   call that then reaches the held reward began after the stop, so its verdicts are surely
+   pending; then the judge is killed.
 3. The pinned teacher's version changes (after steps 2 and 4) while the generators decode: the
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
    the swap and ended after it. Before each swap the test waits (event, not sleep) for a generate
@@ -28,6 +29,7 @@ One run, three checks (tests below):
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,12 +106,13 @@ class ScoringCalls:
         self.returned.extend(scored)
         return scored
 
-    async def quiescent(self, read):
-        """`read()` with no scoring call in flight; new ones wait meanwhile."""
+    @contextlib.asynccontextmanager
+    async def drained(self):
+        """No scoring call in flight inside the block; new ones wait until it ends."""
         self.open.clear()
         try:
             await asyncio.wait_for(self.idle.wait(), EVENT_BOUND_S)
-            return await read(), list(self.returned)
+            yield
         finally:
             self.open.set()
 
@@ -143,8 +146,18 @@ def judged_run(tmp_path_factory, model_dir):
         await after_step(lifecycle, pipeline)
         scorer = spawned["actors"].scorer
         if pipeline.step == KILL_AFTER_STEP:
-            kill["quiescent"] = await scoring.quiescent(scorer.stats.call_one)
-            kill["task"] = asyncio.ensure_future(_kill_the_judge_under_a_call(hold_dir, scorer, scoring, kill))
+            async with scoring.drained():
+                kill["quiescent"] = await scorer.stats.call_one(), list(scoring.returned)
+                _, judge_pid, *engine_pids = await scorer.processes.call_one()  # the scorer's, the judge's, its engine's
+                assert engine_pids, "the judge's engine processes are unknown"
+                # Every scoring call from now on starts with its verdicts unable to come back, and
+                # is held in the reward function (hold_dir/held-<pid> says one is).
+                for pid in engine_pids:
+                    os.kill(pid, signal.SIGSTOP)
+                (hold_dir / "hold").touch()
+            kill["task"] = asyncio.ensure_future(
+                _kill_the_judge_under_a_call(hold_dir, scorer, scoring, kill, judge_pid, engine_pids)
+            )
         if pipeline.step == REPLACED_BY_STEP:
             await kill.pop("task")
             kill["restarts_when_serving"] = await scorer.wait_until_serving.call_one()
@@ -187,18 +200,13 @@ def judged_run(tmp_path_factory, model_dir):
     return summary, metrics, kill, scoring, batches, Timeline.load(run_path / "timeline.jsonl"), config
 
 
-async def _kill_the_judge_under_a_call(hold_dir, scorer, scoring: ScoringCalls, kill: dict) -> None:
-    _, judge_pid, *engine_pids = await scorer.processes.call_one()  # the scorer's, the judge's, its engine's
-    assert engine_pids, "the judge's engine processes are unknown"
-    for pid in engine_pids:
-        os.kill(pid, signal.SIGSTOP)  # from now on no verdict comes back
-    (hold_dir / "hold").touch()
+async def _kill_the_judge_under_a_call(hold_dir, scorer, scoring: ScoringCalls, kill: dict, judge_pid, engine_pids) -> None:
     deadline = time.monotonic() + EVENT_BOUND_S
     while not list(hold_dir.glob("held-*")):
         assert time.monotonic() < deadline, f"no scoring call reached the held reward within {EVENT_BOUND_S} s"
         await asyncio.sleep(0.05)
-    # A scoring call is inside the scorer; its judge calls went out with its reward calls and wait on
-    # the stopped engine.
+    # A scoring call is inside the scorer, begun after the judge's engine stopped: its judge calls
+    # went out with its reward calls and wait on the stopped engine.
     kill["in_flight"] = {episode_id for ids in scoring.in_flight.values() for episode_id in ids}
     kill["killed_at"] = time.time()
     # The engine first, as an out-of-memory kill would: the judge's actor lives on and answers the
