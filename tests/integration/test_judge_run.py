@@ -243,7 +243,7 @@ def test_every_judged_completion_is_a_verdict_or_a_timeout_and_unparsable_ones_a
     stats, returned = kill["quiescent"]
     completions = [c for e in returned for c in e.completions]
     failed = [c for c in completions if judge_failed(c)]
-    parsed = [c for c in completions if c.status == CompletionStatus.OK]
+    parsed = [c for c in completions if c.status != CompletionStatus.ERRORED]  # OK or TRUNCATED (trained)
     assert len(completions) == stats["scorer/completions"] > 0
     assert stats["scorer/judge/verdicts"] + stats["scorer/judge/timed_out"] == len(completions)
     assert stats["scorer/judge/unparsable"] + stats["scorer/judge/timed_out"] == stats["scorer/judge/errored"]
@@ -257,14 +257,14 @@ def test_every_judged_completion_is_a_verdict_or_a_timeout_and_unparsable_ones_a
 def test_unparsable_verdicts_are_never_trained(judged_run):
     summary, metrics, _, scoring, batches, _, _ = judged_run
     completions = [c for e in scoring.returned for c in e.completions]
-    assert any(judge_failed(c) for c in completions) and any(c.status == CompletionStatus.OK for c in completions)
+    assert any(judge_failed(c) for c in completions) and any(c.status != CompletionStatus.ERRORED for c in completions)
     assert len(batches) == STEPS
     for step_metrics, episodes in zip(metrics, batches):
-        trained = [c for e in episodes for c in e.completions if c.status == CompletionStatus.OK]
+        trained = [c for e in episodes for c in e.completions if c.status != CompletionStatus.ERRORED]
         errored = [c for e in episodes for c in e.completions if c.status == CompletionStatus.ERRORED]
         assert all(judge_failed(c) for c in errored)
         assert step_metrics["completions/errored"] == len(errored)
-        # The trainer's own count of the tokens that reached its loss: the OK completions' only.
+        # The trainer's own count of the tokens that reached its loss: the judged completions' only.
         assert step_metrics["num_tokens"] == sum(c.num_trainable_tokens for c in trained)
         assert step_metrics["num_tokens"] < sum(c.num_tokens for e in episodes for c in e.completions) or not errored
     assert summary["errored_samples"] == sum(m["completions/errored"] for m in metrics) > 0
@@ -283,8 +283,8 @@ def test_a_killed_judge_is_restarted_and_its_call_judged_again(judged_run):
     assert kill["in_flight"] and all(returned_ids.count(i) == 1 for i in kill["in_flight"])
     for episode in scoring.returned:
         for c in episode.completions:
-            assert c.status == CompletionStatus.OK or judge_failed(c), c.error
-            if c.status == CompletionStatus.OK:
+            assert c.status != CompletionStatus.ERRORED or judge_failed(c), c.error
+            if c.status != CompletionStatus.ERRORED:
                 assert "judge" in c.reward_components
     # Over both incarnations (each one's counters as last read, forge_rl/scorer_restarts.py), every
     # completion scored had its verdict or timeout counted: a verdict is counted before its
