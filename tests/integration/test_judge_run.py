@@ -14,8 +14,9 @@ One run, three checks (tests below):
 2. The judge's processes (its vLLM engine's, then its GeneratorActor's) are SIGKILLed while a
    judging call is in flight: the supervisor restarts the incarnation and that call's episodes are
    judged again by the replacement; none is lost, trained twice or ERRORED for the death (the
-   engine's death reaches the scorer as vLLM's EngineDeadError, which must count as the judge's
-   death, not as a failure of the completions). Driven, not timed: the judge's engine processes are
+   engine's death is seen by the supervisor's poll of its pids, or reaches the scorer first as
+   vLLM's EngineDeadError, which must count as the judge's death, not as a failure of the
+   completions: tests/unit/test_judge.py drives that path). Driven, not timed: the judge's engine processes are
    SIGSTOPped while no scoring call is in flight (the test holds new ones back until those in
    flight return), and the reward function is held (tests/integration/held_reward.py); a scoring
    call that then reaches the held reward began after the stop, so its verdicts are surely
