@@ -149,7 +149,8 @@ def judged_run(tmp_path_factory, model_dir):
         if pipeline.step == KILL_AFTER_STEP:
             async with scoring.drained():
                 kill["quiescent"] = await scorer.stats.call_one(), list(scoring.returned)
-                _, judge_pid, *engine_pids = await scorer.processes.call_one()  # the scorer's, the judge's, its engine's
+                # The serving incarnation's pids: the scorer's, the judge's, its engine's.
+                _, judge_pid, *engine_pids = await scorer.processes.call_one()
                 assert engine_pids, "the judge's engine processes are unknown"
                 # Every scoring call from now on starts with its verdicts unable to come back, and
                 # is held in the reward function (hold_dir/held-<pid> says one is).
@@ -201,7 +202,9 @@ def judged_run(tmp_path_factory, model_dir):
     return summary, metrics, kill, scoring, batches, Timeline.load(run_path / "timeline.jsonl"), config
 
 
-async def _kill_the_judge_under_a_call(hold_dir, scorer, scoring: ScoringCalls, kill: dict, judge_pid, engine_pids) -> None:
+async def _kill_the_judge_under_a_call(
+    hold_dir, scorer, scoring: ScoringCalls, kill: dict, judge_pid: int, engine_pids: list[int]
+) -> None:
     deadline = time.monotonic() + EVENT_BOUND_S
     while not list(hold_dir.glob("held-*")):
         assert time.monotonic() < deadline, f"no scoring call reached the held reward within {EVENT_BOUND_S} s"
