@@ -75,10 +75,11 @@ class RunActors:
     renderer: Renderer | None = None
     """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
     when config.environment.name is set."""
-    after_publish: Callable[[int, int, dict], Awaitable[dict]] | None = None
+    after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
     """The recipe's work after a step published a version: (step, policy version, the step's
-    metrics) -> metrics to add (a self-distillation teacher's refresh, say). Awaited before the
-    next step; the generators go on decoding meanwhile."""
+    metrics, the run's timeline, to record its busy intervals on) -> metrics to add (a
+    self-distillation teacher's refresh, say). Awaited before the next step; the generators go on
+    decoding meanwhile."""
 
 
 @dataclasses.dataclass
@@ -374,7 +375,7 @@ class Pipeline:
             **await self._pipeline_metrics(counters),
         }
         if self.actors.after_publish is not None and not trained.skipped:
-            step_metrics.update(await self.actors.after_publish(step, trained.policy_version, step_metrics))
+            step_metrics.update(await self.actors.after_publish(step, trained.policy_version, step_metrics, timeline))
         alarms = self.mismatch_alarm.observe(step, step_metrics, episodes, sent.train_version)
         for warning in alarms:
             progress(f"WARNING {warning}")

@@ -37,6 +37,7 @@ from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
 from forge_rl.reference import ReferenceConfig
 from forge_rl.store.index import version_key
+from forge_rl.timeline import Timeline
 from forge_rl.types import Completion
 
 
@@ -231,16 +232,20 @@ class TeacherVersions:
 def pinned_teacher_refresh(teacher, config: TeacherConfig):
     """The recipe's `RunActors.after_publish` for self-distillation: `TeacherPin`'s schedule carried
     out on the teacher's supervisor (`stage`, `swap`, forge_rl/actors/frozen_model_supervisor.py);
-    logs the version it serves."""
+    logs the version it serves. Each stage and swap is a busy interval on the run's timeline
+    (components "teacher_stage" and "teacher_swap"): the swap is the moment the teacher's version
+    changes, which the generators take no part in (they decode across it:
+    tests/integration/test_judge_run.py checks it)."""
     pin = TeacherPin(config)
 
-    async def after_publish(step: int, policy_version: int, metrics: dict) -> dict:
+    async def after_publish(step: int, policy_version: int, metrics: dict, timeline: Timeline) -> dict:
         refresh = pin.after_step(step, policy_version, metrics[m.REWARD_MEAN])
         for action in refresh.actions:
-            if action == "stage":
-                await teacher.stage.call_one(refresh.version, refresh.blend)
-            else:
-                await teacher.swap.call_one()
+            with timeline.busy(f"teacher_{action}"):
+                if action == "stage":
+                    await teacher.stage.call_one(refresh.version, refresh.blend)
+                else:
+                    await teacher.swap.call_one()
         return {m.TEACHER_POLICY_VERSION: pin.serving}
 
     return after_publish

@@ -294,7 +294,7 @@ class GeneratorPool(Actor):
             # Only the engine core died (the actor lives on): vLLM raises EngineDeadError, which
             # can reach us before the watchdog sees the process gone. Recoverable like a death;
             # any other endpoint error (a prompt too long, say) is the caller's.
-            if not _is_engine_dead(e):
+            if not is_engine_dead(e):
                 raise
             if slot.state == SlotState.SERVING:
                 self._begin_recovery(slot, reason=f"its vLLM engine died: {e}")
@@ -406,7 +406,7 @@ async def stop_quietly(procs: ProcMesh) -> None:
         pass
 
 
-def _is_engine_dead(error: BaseException) -> bool:
+def is_engine_dead(error: BaseException) -> bool:
     """Whether `error` (as the generator actor raised it) is vLLM's EngineDeadError. Matched by
     name: the pool does not import vLLM (vllm/v1/engine/exceptions.py)."""
     return type(raised_by_actor(error)).__name__ == "EngineDeadError"

@@ -25,8 +25,8 @@ import socket
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from forge_rl.actors.generator_pool import is_engine_dead
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
-
 from forge_rl.judge import judge_client
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -83,13 +83,19 @@ class ScorerActor(Actor):
 
 
 def _lost_if_dead(call, model: str):
-    """`call`, raising ScorerLost when the model's process died during it: the whole scoring call
-    is lost and scored again after a restart, instead of its completions being ERRORED."""
+    """`call`, raising ScorerLost when the model's process died during it, or (the judge) only its
+    vLLM engine did, which the judge's actor, alive, reports as vLLM's EngineDeadError, often
+    before the supervisor's poll sees the engine's pids gone: the whole scoring call is lost and
+    scored again after a restart, instead of its completions being ERRORED."""
 
     async def guarded(*args):
         try:
             return await call(*args)
         except SupervisionError as e:
             raise ScorerLost(f"the {model}'s process died: {e}") from None
+        except Exception as e:
+            if is_engine_dead(e):
+                raise ScorerLost(f"the {model}'s vLLM engine died: {e}") from None
+            raise
 
     return guarded

@@ -198,7 +198,9 @@ def test_a_pinned_teacher_scores_every_token_and_swaps_versions_while_generators
     version 0) its logprob of every sampled token is the generator's: reverse KL 0 up to the
     engine/trainer mismatch. It then serves version 1 after step 2 and version 3 after step 4,
     loaded from the weight store by its own process; the generators take no part in a swap, so
-    they serve every published version (`generator/policy_versions`) and none was replaced."""
+    they serve every published version (`generator/policy_versions`) and none was replaced. This run
+    is synchronous, so its generators drain every step anyway; that they decode across a swap is
+    checked in an asynchronous run, from its timeline: tests/integration/test_judge_run.py."""
     summary, metrics, _, _ = fsdp_run
     reverse_kl = [m["reward/components/teacher/reverse_kl"] for m in metrics]
     assert abs(reverse_kl[0]) < 1e-3

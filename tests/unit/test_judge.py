@@ -107,6 +107,36 @@ def test_a_judge_that_raises_fails_its_completions_only():
     assert "judge process died" in episode.completions[0].error
 
 
+def test_a_judge_whose_vllm_engine_died_loses_the_scoring_call_instead_of_erroring_its_completions():
+    """The judge's actor alive and its engine dead (killed for memory, say): the actor answers every
+    call in flight with vLLM's EngineDeadError, often before the supervisor's poll sees the engine's
+    pids gone. The scorer actor's judge client (forge_rl/actors/scorer.py) must turn that into
+    ScorerLost, so the supervisor judges the episodes again on a replacement: the death is not the
+    completions' failure. Any other error of the call stays theirs."""
+    from forge_rl.actors.scorer import _lost_if_dead
+    from forge_rl.errors import ScorerLost
+
+    class EngineDeadError(RuntimeError):
+        """A fake of vllm.v1.engine.exceptions.EngineDeadError, matched by name as the pool does."""
+
+    async def engine_dead(episodes, group_size):
+        raise EngineDeadError("EngineCore encountered an issue. See stack trace for the root cause.")
+
+    async def prompt_too_long(episodes, group_size):
+        raise ValueError("prompt longer than scorer.judge.max_model_len")
+
+    def stage(generate):
+        client = judge_client(FakeTokenizer(), "plain", _lost_if_dead(generate, "judge"))
+        return ScoringStage(JudgeScorer(JudgeConfig(prompt_format="plain"), client))
+
+    lost = stage(engine_dead)
+    with pytest.raises(ScorerLost, match="the judge's vLLM engine died"):
+        asyncio.run(lost.score([group("7", "3")]))
+    assert lost.stats()["scorer/errored"] == 0
+    (episode,) = asyncio.run(stage(prompt_too_long).score([group("7", "3")]))
+    assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 2
+
+
 RANKING = JudgeConfig().ranking_pattern
 
 

@@ -237,6 +237,7 @@ def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_or
     """`pinned_teacher_refresh` (the recipe's after_publish) against a fake teacher actor: the
     stage and swap calls of a lagged pin, in order, and the served version as a metric."""
     from forge_rl.teacher import pinned_teacher_refresh
+    from forge_rl.timeline import Timeline
     from tests.fakes import endpoints
 
     calls = []
@@ -250,9 +251,14 @@ def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_or
     refresh = pinned_teacher_refresh(
         endpoints(stage=stage, swap=swap), TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
     )
-    served = [asyncio.run(refresh(step, step, {"reward/mean": 0.0}))["teacher/policy_version"] for step in range(1, 5)]
+    timeline = Timeline()
+    served = [
+        asyncio.run(refresh(step, step, {"reward/mean": 0.0}, timeline))["teacher/policy_version"] for step in range(1, 5)
+    ]
     assert calls == [("stage", 1, None), ("swap",), ("stage", 3, None), ("swap",)]
     assert served == [0, 1, 1, 3]
+    # Each stage and swap is on the run's timeline, as the recipe's other calls are.
+    assert timeline.busy_s("teacher_stage") > 0 and timeline.busy_s("teacher_swap") > 0
 
 
 def test_a_pinned_teachers_leases_keep_exactly_its_served_and_staged_versions_in_the_store():
