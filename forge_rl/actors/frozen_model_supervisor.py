@@ -29,22 +29,22 @@ rank 0's answer; the self-distillation refresh calls `stage` and `swap` here.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
 import socket
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl.actors.frozen_model import FrozenModelActor
-from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
+from forge_rl.actors.generator_pool import stop_quietly
+from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
 from forge_rl.reference import ReferenceConfig
-from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
+from forge_rl.scorer_restarts import RestartingScorer
 from forge_rl.teacher import TeacherVersions
 from forge_rl.types import Episode
 
@@ -64,7 +64,7 @@ class FrozenModelMesh:
     """Its ranks' processes on this actor's host."""
 
 
-class FrozenModelSupervisor(Actor):
+class FrozenModelSupervisor(RestartingOwner):
     def __init__(
         self, role: str, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None,
         store_root: str | None = None, host: HostMesh | None = None, procs_per_host: int | None = None,
@@ -74,6 +74,7 @@ class FrozenModelSupervisor(Actor):
         store only for a pinned teacher). `host`: the host(s) its ranks run on, `procs_per_host`
         ranks on each (forge_rl/launch.py `Hosts.owned_ranks`); None: this actor's own host, all
         config.num_procs ranks there."""
+        super().__init__()
         self.role, self.config, self.model_dir, self.pad_id = role, config, model_dir, pad_id
         self.store_index, self.store_root = store_index, store_root
         self.host, self.procs_per_host = host, procs_per_host or config.num_procs
@@ -84,16 +85,7 @@ class FrozenModelSupervisor(Actor):
             role="reference model" if role == "reference" else role,
             budget_flag=f"{config.section}.max_restarts", restarts_metric=f"{role}/restarts",
         )
-        self._watchdog: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
-        """Stops of dead meshes, not waited for; held because the event loop keeps only weak references."""
-
-    @endpoint
-    async def start(self) -> dict:
-        """Spawn the ranks and build the model on them."""
-        mesh = await self.restarts.start()
-        self._watchdog = asyncio.create_task(self._watch_processes())
-        return {"pids": mesh.pids}
+        self.what_exited = f"a {role} process exited"
 
     @concurrent_endpoint
     async def token_logprobs(self, episodes: list[Episode]) -> list[list[list[float]]]:
@@ -128,31 +120,14 @@ class FrozenModelSupervisor(Actor):
         return self.restarts.stats()
 
     @concurrent_endpoint
-    async def processes(self) -> list[int]:
-        """OS pids of the serving incarnation's ranks on this host (a crash test kills one)."""
-        return list((await self.restarts.serving()).handle.pids)
-
-    @concurrent_endpoint
     async def calls_in_flight(self) -> int:
         """Calls waiting on the serving incarnation (a crash test kills it under one)."""
         return len(self.restarts.current.in_flight) if self.restarts.current is not None else 0
 
-    @concurrent_endpoint
-    async def recovery_events(self) -> list[dict]:
-        return list(self.restarts.recoveries)
-
-    @concurrent_endpoint
-    async def wait_until_serving(self) -> int:
-        """Returns once the model serves, with the number of restarts so far."""
-        await self.restarts.serving()
-        return self.restarts.num_restarts
-
     @endpoint
     async def shutdown(self) -> None:
         """The run is stopping: deaths from now on are not restarted; the ranks are stopped."""
-        self.restarts.stop()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._stop_watching()
         if self.restarts.current is not None:
             await stop_quietly(self.restarts.current.handle.procs)
 
@@ -213,20 +188,8 @@ class FrozenModelSupervisor(Actor):
         if self.store_index is not None:  # a stage cut short leaves its lease held by the dead reader
             self._in_background(self.store_index.drop_reader.call_one(mesh.name))
 
-    def _stop_in_background(self, procs: ProcMesh) -> None:
-        self._in_background(stop_quietly(procs))
-
     def _in_background(self, work) -> None:
-        task = asyncio.create_task(_quietly(work))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _watch_processes(self) -> None:
-        while True:
-            await asyncio.sleep(POLL_INTERVAL_S)
-            incarnation: Incarnation[FrozenModelMesh] | None = self.restarts.current
-            if self.restarts.state == ScorerState.SERVING and not all(is_alive(p) for p in incarnation.handle.pids):
-                self.restarts.lost(incarnation, f"a {self.role} process exited")
+        super()._in_background(_quietly(work))  # bounded: a stopping store may never answer
 
 
 async def _quietly(work) -> None:

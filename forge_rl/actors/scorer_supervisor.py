@@ -30,14 +30,14 @@ import re
 import socket
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
+from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
-from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
+from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
-from forge_rl.scorer_restarts import Incarnation, RestartingScorer, ScorerState
+from forge_rl.scorer_restarts import RestartingScorer, ScorerState
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Episode
 
@@ -54,26 +54,18 @@ class ScorerMeshes:
     """Its processes on this actor's host (the scorer's, the reward model's, the judge's and its engine's)."""
 
 
-class ScorerSupervisor(Actor):
+class ScorerSupervisor(RestartingOwner):
     def __init__(
         self, config: ScorerConfig, reward: str, max_new_tokens: int, teacher=None, host: HostMesh | None = None
     ):
         """`reward`, `max_new_tokens`, `teacher`: what each incarnation's ScorerActor is built with
         (forge_rl/actors/scorer.py). `host`: where the scorer-side processes run (the services'
         host, forge_rl/launch.py `Hosts.owned_host`); None: this actor's own host."""
+        super().__init__()
         self.config, self.reward, self.max_new_tokens, self.teacher = config, reward, max_new_tokens, teacher
         self.host = host
         self.restarts = RestartingScorer(self._start_incarnation, self._retire, config.max_restarts)
-        self._watchdog: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()
-        """Stops of dead meshes, not waited for; held because the event loop keeps only weak references."""
-
-    @endpoint
-    async def start(self) -> dict:
-        """Spawn and start the scorer-side processes."""
-        meshes = await self.restarts.start()
-        self._watchdog = asyncio.create_task(self._watch_processes())
-        return {"pids": meshes.pids}
+        self.what_exited = "a scorer-side process exited"
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:
@@ -92,28 +84,11 @@ class ScorerSupervisor(Actor):
                 pass
         return self.restarts.stats()
 
-    @concurrent_endpoint
-    async def processes(self) -> list[int]:
-        """OS pids of the serving incarnation: the scorer's process first (a crash test kills it)."""
-        return list((await self.restarts.serving()).handle.pids)
-
-    @concurrent_endpoint
-    async def recovery_events(self) -> list[dict]:
-        return list(self.restarts.recoveries)
-
-    @concurrent_endpoint
-    async def wait_until_serving(self) -> int:
-        """Returns once a scorer serves, with the number of restarts so far."""
-        await self.restarts.serving()
-        return self.restarts.num_restarts
-
     @endpoint
     async def shutdown(self) -> None:
         """Stops the reward workers and the judge's engine (their processes are children of the
         actors' processes, not of Monarch)."""
-        self.restarts.stop()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._stop_watching()
         if self.restarts.state == ScorerState.SERVING:
             meshes = self.restarts.current.handle
             await asyncio.gather(
@@ -168,18 +143,6 @@ class ScorerSupervisor(Actor):
     def _retire(self, meshes: ScorerMeshes) -> None:
         for mesh in meshes.procs.values():
             self._stop_in_background(mesh)
-
-    def _stop_in_background(self, mesh: ProcMesh) -> None:
-        task = asyncio.create_task(stop_quietly(mesh))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _watch_processes(self) -> None:
-        while True:
-            await asyncio.sleep(POLL_INTERVAL_S)
-            incarnation: Incarnation[ScorerMeshes] | None = self.restarts.current
-            if self.restarts.state == ScorerState.SERVING and not all(is_alive(p) for p in incarnation.handle.pids):
-                self.restarts.lost(incarnation, "a scorer-side process exited")
 
 
 async def _lost_if_dead(call):

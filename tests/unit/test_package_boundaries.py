@@ -190,6 +190,7 @@ def test_the_adapters_import_without_the_packages_they_adapt():
         ("forge_rl.actors.trainer", "TrainerActor"),
         ("forge_rl.actors.frozen_model", "FrozenModelActor"),
         ("forge_rl.actors.frozen_model_supervisor", "FrozenModelSupervisor"),
+        ("forge_rl.actors.restarting_owner", "RestartingOwner"),
         ("forge_rl.actors.reward_model", "RewardModelActor"),
     ],
 )
