@@ -480,9 +480,10 @@ async def _main(args: WeightSyncArgs) -> dict:
 
 
 def summarize(figures: dict) -> dict:
+    # The ratios are read at 100 MB and up (below, fixed costs dominate); None when --sizes-mb has none.
     big = [row for row in figures["store"] if row["size_mb"] >= 100]
     summary = {
-        "publish_to_servable_vs_memcpy": min(row["shm"]["vs_memcpy"] for row in big),
+        "publish_to_servable_vs_memcpy": min((row["shm"]["vs_memcpy"] for row in big), default=None),
         "publish_to_servable_vs_memcpy_rdma": min((row["rdma"]["vs_memcpy"] for row in big if "rdma" in row), default=None),
         "memcpy_gbps": statistics.median(row["memcpy_gbps"] for row in figures["store"]),
         "store_checksums_ok": all(row[t]["checksums_ok"] for row in figures["store"] for t in ("shm", "rdma") if t in row),
