@@ -130,8 +130,6 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
     return episodes
 
 
-_PRETRAIN_TASK_SEED = 1_000_003
-"""Task seed of the pre-training problems: not the benchmark's prompts (task seed 0)."""
 _PROBLEMS_PER_SEQUENCE = 4
 """Solved problems per pre-training sequence."""
 
@@ -146,12 +144,12 @@ def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
 
     from forge_rl.tasks import TaskConfig
     from forge_rl.tasks.tokenizer import PromptTokenizer
-    from forge_rl.warmup import task_text_samples, train_in_place
+    from forge_rl.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
 
     start = time.perf_counter()
     tokenizer = PromptTokenizer(model_dir)
     samples = task_text_samples(
-        tokenizer, TaskConfig(seed=_PRETRAIN_TASK_SEED), args.pretrain_steps * args.pretrain_batch_size,
+        tokenizer, TaskConfig(seed=TEXT_TASK_SEED), args.pretrain_steps * args.pretrain_batch_size,
         _PROBLEMS_PER_SEQUENCE,
     )
     losses = train_in_place(

@@ -298,8 +298,6 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
 FORMAT_PROBLEMS_PER_SEQUENCE = 4
 FORMAT_BATCH_SIZE = 32
 FORMAT_LR = 1e-3
-FORMAT_TASK_SEED = 1_000_003
-"""Task seed of the base's problems: not the runs' prompts (task seed 0)."""
 
 
 def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
@@ -312,7 +310,7 @@ def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
 
     from forge_rl.models.tiny import create_tiny_model
     from forge_rl.tasks.tokenizer import PromptTokenizer
-    from forge_rl.warmup import task_text_samples, train_in_place
+    from forge_rl.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
 
     if base.task.name != "max_of_two" or base.model.path is not None:
         raise ValueError(
@@ -323,9 +321,9 @@ def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
     started = time.perf_counter()
     shutil.rmtree(model_dir, ignore_errors=True)
     create_tiny_model(base.model.tiny, model_dir)
-    tokenizer, draw = PromptTokenizer(model_dir), random.Random(FORMAT_TASK_SEED)
+    tokenizer, draw = PromptTokenizer(model_dir), random.Random(TEXT_TASK_SEED)
     samples = task_text_samples(
-        tokenizer, dataclasses.replace(base.task, seed=FORMAT_TASK_SEED), steps * FORMAT_BATCH_SIZE,
+        tokenizer, dataclasses.replace(base.task, seed=TEXT_TASK_SEED), steps * FORMAT_BATCH_SIZE,
         FORMAT_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: draw.choice([c for c in prompt.text if c.isdigit()]),
     )
     losses = train_in_place(model_dir, samples, steps, FORMAT_BATCH_SIZE, FORMAT_LR, base.trainer.seed, tokenizer.pad_id)
