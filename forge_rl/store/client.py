@@ -246,12 +246,11 @@ class WeightStore:
         volume into this host's /dev/shm (one RDMA read); the others map that copy."""
         key, info = record["key"], record["info"]
         started = time.perf_counter()
-        num_bytes = {}
 
         async def fetch(snapshots: SharedMemorySnapshots) -> None:
             volume = await self.index.volume.call_one(record["locations"][0])
-            buffer, num_bytes["fetched"] = await volume.rdma_buffer.call_one(key)
-            destination = snapshots.reserve(key, num_bytes["fetched"])
+            buffer, num_bytes = await volume.rdma_buffer.call_one(key)
+            destination = snapshots.reserve(key, num_bytes)
             try:
                 await buffer.read_into(destination)
             except BaseException:
@@ -261,10 +260,10 @@ class WeightStore:
             snapshots.commit_reserved(key, info.get(FILES), tuple(info.get(WEIGHTS_LINKS, ())))
 
         copies = self._copies()
-        holder, _ = await copies.acquire(key, fetch)
+        holder, fetched = await copies.acquire(key, fetch)
         return LocalSnapshot(
             key, key_version(key), copies.snapshots.path(key), record["num_bytes"], info, "rdma",
-            fetch_s=time.perf_counter() - started, fetched_bytes=num_bytes.get("fetched", 0),
+            fetch_s=time.perf_counter() - started, fetched_bytes=record["num_bytes"] if fetched else 0,
             snapshots=copies.snapshots, holder=holder,
         )
 

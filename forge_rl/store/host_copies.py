@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from forge_rl.store.index import key_version
-from forge_rl.store.shm import FREE_DIR, SharedMemorySnapshots, is_alive, this_process
+from forge_rl.store.shm import FREE_DIR, SharedMemorySnapshots, is_alive, read_owner, this_process
 
 _LOCKS, _HOLDERS, _CLIENTS = ".locks", ".holders", ".clients"
 _DIRECTORY_LOCK = ".directory"
@@ -137,11 +137,8 @@ def _live_entries(directory: Path) -> list[Path]:
     """The entries of a holders or readers directory whose process lives; the others are removed."""
     live = []
     for entry in directory.glob("*") if directory.is_dir() else ():
-        try:
-            owner = json.loads(entry.read_text())
-        except (OSError, ValueError):
-            owner = None  # being written: its writer lives
-        if owner is None or is_alive(owner):
+        owner = read_owner(entry)
+        if owner is None or is_alive(owner):  # None: being written, so its writer lives
             live.append(entry)
         else:
             entry.unlink(missing_ok=True)

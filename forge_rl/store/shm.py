@@ -88,7 +88,7 @@ def sweep_stale_roots(base: Path) -> list[Path]:
     """
     removed = []
     for root in sorted(Path(base).glob("forge_rl-*")):
-        owner = _read_owner(root / _OWNER_FILE)
+        owner = read_owner(root / _OWNER_FILE)
         if owner is None or is_alive(owner):
             continue
         for path in [root, *Path(base).glob(glob.escape(root.name) + "-fetched-*")]:
@@ -117,7 +117,8 @@ def _start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])  # fields after the command name start at 3
 
 
-def _read_owner(path: Path) -> dict | None:
+def read_owner(path: Path) -> dict | None:
+    """The owner record (`this_process`) written at `path`; None if absent or not complete yet."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
