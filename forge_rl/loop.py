@@ -2,7 +2,7 @@
 
     rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
         consumes   a prompt (a re-queued one first) and an admission from the gate
-        produces   scored episodes into the buffer (the recipe's `score` stage runs between); with
+        produces   scored episodes into the buffer (the scoring stage runs between); with
                    `environment.name` set, a prompt is group_size episodes of the environment,
                    played turn by turn on the generator (forge_rl/envs/rollout.py), rewarded by it
         waits for  the admission gate (forge_rl/admission.py): its episodes must be trainable

@@ -42,6 +42,7 @@ import pytest
 from apps.grpo import main as grpo_main
 from apps.grpo.main import run, spawn_actors
 from forge_rl import loop as loop_module
+from forge_rl.actors import scoring_stage
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
@@ -79,11 +80,12 @@ it stages versions 1, 3 and 5 after steps 1, 3 and 5."""
 
 
 class ScoringCalls:
-    """The recipe's `score` (apps/grpo/main.py) seen from the controller: every episode it returned,
-    the calls in flight, and a gate the test closes to let the calls in flight drain."""
+    """The scoring stage's `score` (forge_rl/actors/scoring_stage.py) seen from the controller:
+    every episode it returned, the calls in flight, and a gate the test closes to let the calls in
+    flight drain. `wrap` puts it in front of a run's stage."""
 
-    def __init__(self, score):
-        self.score = score
+    def __init__(self):
+        self.score = None
         self.returned = []
         self.in_flight: dict[int, list[int]] = {}
         self.num_calls = 0
@@ -92,14 +94,17 @@ class ScoringCalls:
         self.idle = asyncio.Event()
         self.idle.set()
 
-    async def __call__(self, episodes, actors, config, timeline):
+    def wrap(self, stage) -> None:
+        self.score, stage.score = stage.score, self
+
+    async def __call__(self, episodes, timeline):
         await self.open.wait()
         self.num_calls += 1
         call = self.num_calls
         self.in_flight[call] = [e.episode_id for e in episodes]
         self.idle.clear()
         try:
-            scored = await self.score(episodes, actors, config, timeline)
+            scored = await self.score(episodes, timeline)
         finally:
             del self.in_flight[call]
             if not self.in_flight:
@@ -133,19 +138,20 @@ def judged_run(tmp_path_factory, model_dir):
         task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
         scorer=ScorerConfig(judge=dataclasses.replace(JUDGE, path=model_dir), teacher=TEACHER),
     )
-    scoring = ScoringCalls(grpo_main.score)
+    scoring = ScoringCalls()
     spawned, kill, batches = {}, {}, []
     generate_began = asyncio.Event()
 
     async def spawn_actors_kept(config, lifecycle):  # the hooks need the scorer's supervisor
         spawned["actors"] = await spawn_actors(config, lifecycle)
+        scoring.wrap(spawned["actors"].scoring)
         return spawned["actors"]
 
     after_step = Lifecycle.after_step
 
     async def after_step_driving_the_kill(lifecycle, pipeline):
         await after_step(lifecycle, pipeline)
-        scorer = spawned["actors"].scorer
+        scorer = spawned["actors"].scoring.scorer
         if pipeline.step == KILL_AFTER_STEP:
             async with scoring.drained():
                 kill["quiescent"] = await scorer.stats.call_one(), list(scoring.returned)
@@ -192,8 +198,7 @@ def judged_run(tmp_path_factory, model_dir):
         patch.setenv(HOLD_DIR_ENV, str(hold_dir))
         patch.setattr(Lifecycle, "after_step", after_step_driving_the_kill)
         patch.setattr(grpo_main, "spawn_actors", spawn_actors_kept)
-        patch.setattr(grpo_main, "score", scoring)
-        patch.setattr(grpo_main, "pinned_teacher_refresh", refresh_while_a_generator_decodes)
+        patch.setattr(scoring_stage, "pinned_teacher_refresh", refresh_while_a_generator_decodes)
         patch.setattr(Timeline, "busy", busy_told)
         patch.setattr(loop_module, "batch_metrics", batch_metrics_kept)
         summary = asyncio.run(run(config))

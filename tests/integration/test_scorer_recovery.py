@@ -64,7 +64,7 @@ def recovered_run(tmp_path_factory):
             kill["task"] = asyncio.ensure_future(_kill_the_scorer_under_a_call(hold_dir, run_path, kill))
         if pipeline.step == REPLACED_BY_STEP:
             await kill.pop("task")
-            kill["restarts_when_serving"] = await spawned["actors"].scorer.wait_until_serving.call_one()
+            kill["restarts_when_serving"] = await spawned["actors"].scoring.scorer.wait_until_serving.call_one()
 
     spawned = {}
 

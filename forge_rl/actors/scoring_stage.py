@@ -1,0 +1,133 @@
+"""A GRPO run's stage from generated to buffered, and the actors it owns.
+
+    generated episodes ─▶ scorer (reward functions, reward model, judge, teacher: ScorerSupervisor)
+                      ─▶ (dynamic_sampling) drop groups without signal
+                      ─▶ (trainer.loss.kl_beta > 0) the reference model's logprobs ─▶ buffer
+
+An environment's episodes carry the environment's reward: they skip the scorer. Each model runs
+under a supervisor that restarts it if one of its processes dies and answers the call in flight
+again (forge_rl/scorer_restarts.py); one that keeps dying stops the run with its cause
+(ScorerFailed). The loops take `score`, `stats` and `after_publish` from here
+(`forge_rl/loop.py` `RunActors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
+from forge_rl.actors.scorer_supervisor import ScorerSupervisor
+from forge_rl.advantages import filter_zero_advantage_groups
+from forge_rl.errors import ScorerFailed, raised_by_actor
+from forge_rl.reference import attach_reference_logprobs
+from forge_rl.teacher import pinned_teacher_refresh
+from forge_rl.timeline import Timeline
+from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
+    from forge_rl.launch import Hosts
+
+
+@dataclasses.dataclass
+class ScoringStage:
+    scorer: ScorerSupervisor
+    """Owns the scorer's processes (and the reward model's and judge's)."""
+    reference: FrozenModelSupervisor | None
+    """The frozen reference model's owner; only when trainer.loss.kl_beta > 0."""
+    teacher: FrozenModelSupervisor | None
+    """The distillation teacher's owner (the scorer calls it); only when scorer.teacher.path is
+    set, or scorer.teacher.pin is not fixed (self-distillation)."""
+    environment_rewards: bool
+    """Episodes are an environment's, rewarded by it: no scorer call."""
+    dynamic_sampling: bool
+    after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
+    """A self-distillation teacher's refresh after each published version (forge_rl/teacher.py)."""
+
+    @classmethod
+    def spawn(cls, config: GRPOConfig, services, hosts: Hosts, model_dir: str, pad_id: int, store_index, store_root: str) -> ScoringStage:
+        """The supervisors, beside the services (`services`: their process mesh); each spawns
+        its model's processes on the hosts `config.launch` gives it, and respawns them."""
+        teacher = None
+        if config.uses_teacher:
+            teacher_config = config.scorer.teacher
+            if teacher_config.path is not None:
+                teacher_model, store = str(teacher_config.path), (None, None)
+            else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
+                teacher_model, store = model_dir, (store_index, store_root)
+            teacher = services.spawn(
+                "teacher", FrozenModelSupervisor, "teacher", teacher_config, teacher_model, pad_id, *store,
+                *hosts.owned_ranks(teacher_config.num_procs),
+            )
+        scorer = services.spawn(
+            "scorer", ScorerSupervisor, config.scorer, config.task.reward, config.generator.max_new_tokens, teacher,
+            hosts.owned_host(config.launch.placement.services_host),
+        )
+        reference = None
+        if config.uses_reference_model:
+            reference = services.spawn(
+                "reference", FrozenModelSupervisor, "reference", config.reference, model_dir, pad_id, None, None,
+                *hosts.owned_ranks(config.reference.num_procs),
+            )
+        pinned = teacher is not None and config.scorer.teacher.pin != "fixed"
+        return cls(
+            scorer=scorer,
+            reference=reference,
+            teacher=teacher,
+            environment_rewards=config.environment.name is not None,
+            dynamic_sampling=config.dynamic_sampling,
+            after_publish=pinned_teacher_refresh(teacher, config.scorer.teacher) if pinned else None,
+        )
+
+    @property
+    def owners(self) -> list:
+        """The supervisors; their shutdown stops the processes they own."""
+        return [owner for owner in (self.scorer, self.reference, self.teacher) if owner is not None]
+
+    async def start(self) -> dict[str, list[int]]:
+        """Start every model's processes at once; returns their OS pids by role (scorer,
+        reference, teacher)."""
+        starts = await asyncio.gather(*(owner.start.call_one() for owner in self.owners))
+        processes = {"scorer": starts[0]["pids"]}
+        for role, owner in (("reference", self.reference), ("teacher", self.teacher)):
+            if owner is not None:
+                processes[role] = await owner.processes.call_one()
+        return processes
+
+    async def score(self, episodes: list[Episode], timeline: Timeline) -> list[Episode]:
+        """The episodes to buffer, scored; those left out are counted as filtered by the loop."""
+        if not self.environment_rewards:
+            with timeline.busy("scorer"):
+                episodes = await _unless_failed(self.scorer.score.call_one(episodes))
+        if self.dynamic_sampling:
+            episodes, _ = filter_zero_advantage_groups(episodes)
+        if self.reference is not None and episodes:
+            with timeline.busy("reference"):
+                logprobs = await _unless_failed(self.reference.token_logprobs.call_one(episodes))
+            episodes = attach_reference_logprobs(episodes, logprobs)
+        return episodes
+
+    async def stats(self) -> dict:
+        """The stage's counters, read once per step: the scorer's, and the restarts of the
+        reference model and the teacher (`reference/restarts`, `teacher/restarts`)."""
+        parts = await asyncio.gather(*(owner.stats.call_one() for owner in self.owners))
+        return {key: value for part in parts for key, value in part.items()}
+
+    async def recovery_events(self) -> list[dict]:
+        """Every restart of the stage's models so far."""
+        events = await asyncio.gather(*(owner.recovery_events.call_one() for owner in self.owners))
+        return [event for owner_events in events for event in owner_events]
+
+
+async def _unless_failed(call: Awaitable):
+    """The call's answer; a model that kept dying (ScorerFailed) stops the run with its cause, not
+    with Monarch's wrapper around it."""
+    try:
+        return await call
+    except Exception as e:
+        if isinstance(raised_by_actor(e), ScorerFailed):
+            raise raised_by_actor(e) from None
+        raise
