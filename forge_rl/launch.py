@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -53,6 +54,22 @@ if TYPE_CHECKING:
 
 # Within the 4 s the recipe's shutdown gives all meshes: procs first, the rest to release the hosts.
 _STOP_TIMEOUT_S = 3.0
+
+MONARCH_DEFAULTS = {
+    # Monarch gives up on a process spawn that shows no progress for 30 s. 128 generator processes
+    # starting at once on 2 busy cores took longer (`forge-rl bench scale`, control plane and
+    # faults at G = 128); a spawn that truly hangs still fails, after 3 minutes.
+    "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "180s",
+}
+"""Monarch settings of forge_rl's, set as environment defaults (`set_monarch_defaults`)."""
+
+
+def set_monarch_defaults() -> None:
+    """MONARCH_DEFAULTS into this process's environment, where not set already (a user's setting
+    wins): every process spawned from here on inherits them, so the services process, which
+    spawns the generators, runs with them."""
+    for name, value in MONARCH_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 class Hosts:
@@ -148,6 +165,7 @@ async def start_hosts(config, model_dir) -> Hosts:
     """Attach to the run's hosts and check them against the placement; nothing of the run is
     spawned yet. Raises ConfigError (naming the host and the fix) if the placement cannot run."""
     launch: LaunchConfig = config.launch
+    set_monarch_defaults()
     if launch.is_local:
         return Hosts(launch, demand_of(config))
     addresses, source = worker_addresses(launch)  # preflight checked them; they may have gone since
@@ -217,6 +235,7 @@ def run_worker(port: int, host: str | None = None) -> None:
     from monarch.actor import run_worker_loop_forever
 
     address = f"tcp://{host or socket.gethostname()}:{port}"
+    set_monarch_defaults()  # its processes are spawned from here
     print(f"[forge-rl worker] serving {address}", file=sys.stderr, flush=True)
     run_worker_loop_forever(address=address, ca="trust_all_connections")
 
