@@ -88,7 +88,7 @@ class ScaleArgs:
     fault_generators: int = 20
     """Generators of the faults part. 20: a tenth is exactly 2, so replacements start at once while
     18 serve, and on 2 shared cores the run takes about 20 s (ready in 7-12 s; 32 about the same;
-    at 128 a generator's spawn timed out here, twice); pass --fault-generators 32 for more."""
+    128 about 2 minutes, docs/benchmarks.md); pass --fault-generators 128 for the issue's scale."""
     fault_kill_fraction: float = 0.1
     """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
     fault_prompts_in_flight_per_generator: int = 2
