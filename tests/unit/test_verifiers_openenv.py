@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 
@@ -120,3 +121,14 @@ def test_an_env_with_more_than_the_policys_seat_is_refused():
     env = TwoSeatEnv(TwoSeatConfig(taskset=OpenEnvConfig(id="openenv", base_url="http://127.0.0.1:9")))  # never reached
     with pytest.raises(ConfigError, match="2 agent seats"):
         verifiers_env_environment(env)
+
+
+def test_an_unreachable_openenv_server_ends_the_episode_as_an_environment_error(renderer):
+    require_openenv_for_verifiers()
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = verifiers_env_environment(openenv_env(url))(0, 0)
+    trajectory = asyncio.run(play_episode(env, FakeGenerate([]), renderer, LIMITS))
+    assert trajectory.status == TrajectoryStatus.ENV_ERROR and "ConnectionError" in trajectory.error
+    assert trajectory.num_turns == 0
