@@ -11,10 +11,12 @@ ENGINE ?= cpu
 # and installed with --no-deps: verifiers 0.4.0 pins openai<3 and mcp==2.0.0, below the openai 3 and
 # mcp 2.3 that vLLM brings, so pip's resolver would downgrade vLLM's (pyproject.toml says more). The
 # lists hold what the adapters import and run, found by importing them; verifiers needs Python >= 3.11.
-ENVS_PACKAGES := openenv-core==0.3.0 fastmcp-slim==4.1.1 py-key-value-aio==0.4.6 beartype==0.23.1 \
+# OpenEnv is `openenv` 0.10.0, the package openenv-core was renamed to: verifiers' own OpenEnv
+# environment (verifiers[openenv]) needs openenv >= 0.4.1, whose client it reads.
+ENVS_PACKAGES := openenv==0.10.0 tomli_w==1.2.0 fastmcp-slim==4.1.1 py-key-value-aio==0.4.6 beartype==0.23.1 \
 	exceptiongroup==1.3.2
 VERIFIERS_PACKAGES := verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 prime-sandboxes==0.5.1 \
-	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 tomli_w==1.2.0 \
+	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 \
 	math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 
 .PHONY: venv env-adapters demo test test-gpu lint clean
@@ -37,6 +39,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 env-adapters:
+	# openenv-core (0.3.0 and before) installs the same `openenv` package under the old name: removed
+	# first, so that one distribution owns openenv/ (a no-op where it is not installed).
+	$(PY) -m pip uninstall -y openenv-core
 	$(PY) -m pip install --no-deps $(ENVS_PACKAGES)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then $(PY) -m pip install --no-deps $(VERIFIERS_PACKAGES); fi
 

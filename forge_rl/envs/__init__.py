@@ -10,7 +10,7 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
     demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/warmup.py)
     chat_client.py   agent code written against openai.AsyncOpenAI, served in process by the generator
-    openenv_adapter.py    OpenEnv environments (openenv-core), in process
+    openenv_adapter.py    OpenEnv environments (openenv), in process
     verifiers_adapter.py  verifiers environments, played by verifiers' own chat program
     verifiers_sums.py     a small verifiers taskset (sums) for the tiny models
     sandbox.py       untrusted code in a confined process: what it guarantees and what it does not

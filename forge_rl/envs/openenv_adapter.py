@@ -1,5 +1,5 @@
-"""OpenEnv environments (`openenv-core`, https://github.com/meta-pytorch/OpenEnv) as forge_rl
-environments, in process and offline.
+"""OpenEnv environments (`openenv`, formerly `openenv-core`; https://github.com/meta-pytorch/OpenEnv)
+as forge_rl environments, in process and offline.
 
 An OpenEnv environment is a Gym-style server object (`openenv.core.env_server.interfaces.Environment`:
 `reset() -> Observation`, `step(Action) -> Observation`, each observation carrying `reward` and
@@ -114,7 +114,10 @@ def _echo_env_classes() -> tuple[type, type]:
     process, into a temporary directory (OpenEnv ships the echo environment as its `init` template)."""
     directory = Path(tempfile.mkdtemp(prefix="forge_rl_openenv_"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)  # imported by then: only the files go
-    command = [sys.executable, "-m", "openenv.cli", "init", "echo_env", "--output-dir", str(directory)]
+    # The `init` command itself (openenv.cli.commands.init), not `python -m openenv.cli`: the CLI's
+    # entry point imports every command, some of them MCP server code that `init` does not need.
+    init = "import sys; from openenv.cli.commands.init import init; init(sys.argv[1], output_dir=sys.argv[2])"
+    command = [sys.executable, "-c", init, "echo_env", str(directory)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if not (directory / "echo_env" / "server" / "echo_env_environment.py").is_file():
         raise RuntimeError(f"`{' '.join(command)}` did not write the echo environment:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")

@@ -62,15 +62,15 @@ class TinyModelConfig:
             )
 
 
-def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
+def create_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str = char_tokenizer.ALPHABET) -> Path:
     """Write a randomly initialized tiny Llama (Qwen3-MoE with `num_experts`) with the character
-    tokenizer into `model_dir`."""
+    tokenizer of `alphabet` into `model_dir` (one embedding row per special token and character)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = char_tokenizer.build_char_tokenizer()
+    tokenizer = char_tokenizer.build_char_tokenizer(alphabet)
     moe = dict(
         num_experts=config.num_experts,
         num_experts_per_tok=config.num_experts_per_tok,
@@ -82,7 +82,7 @@ def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
     config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if config.num_experts else (LlamaConfig, LlamaForCausalLM)
     hf_config = config_cls(
         **(moe if config.num_experts else {}),
-        vocab_size=char_tokenizer.VOCAB_SIZE,
+        vocab_size=len(char_tokenizer.SPECIAL_TOKENS) + len(alphabet),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
@@ -106,5 +106,5 @@ def create_tiny_model(config: TinyModelConfig, model_dir: Path) -> Path:
         eos_token_id=hf_config.eos_token_id,
         pad_token_id=hf_config.pad_token_id,
     ).save_pretrained(model_dir)
-    char_tokenizer.save_char_tokenizer(model_dir)
+    char_tokenizer.save_char_tokenizer(model_dir, alphabet)
     return model_dir

@@ -234,7 +234,7 @@ def test_openenv_verifiers_and_chat_client_agents_record_exactly_what_vllm_sampl
     played by verifiers' own chat program, and an agent of three calls written against
     openai.AsyncOpenAI (forge_rl/envs/chat_client.py), concurrently. Every call is a request vLLM
     answered after exactly the tokens its sample holds before it, recorded as vLLM returned it."""
-    pytest.importorskip("openenv.core.env_server.interfaces", reason="needs openenv-core (make env-adapters)")
+    pytest.importorskip("openenv.core.env_server.interfaces", reason="needs openenv (make env-adapters)")
     pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")
     from forge_rl.envs.chat_client import ChatAgentEnvironment
     from forge_rl.envs.openenv_adapter import openenv_echo_env

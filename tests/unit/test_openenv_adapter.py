@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("openenv.core.env_server.interfaces", reason="needs openenv-core (make env-adapters)")
+pytest.importorskip("openenv.core.env_server.interfaces", reason="needs openenv (make env-adapters)")
 
 from openenv.core.env_server.interfaces import Environment as OpenEnvBase  # noqa: E402
 from openenv.core.env_server.types import Action, Observation, State  # noqa: E402

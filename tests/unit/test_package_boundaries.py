@@ -172,7 +172,7 @@ def test_environments_import_not_even_torch_or_transformers():
 
 
 def test_the_adapters_import_without_the_packages_they_adapt():
-    """openenv-core and verifiers are optional (verifiers needs Python >= 3.11): imported when an
+    """openenv and verifiers are optional (verifiers needs Python >= 3.11): imported when an
     environment is made, never when forge_rl or an adapter module is."""
     adapters = ["forge_rl.envs.chat_client", "forge_rl.envs.openenv_adapter", "forge_rl.envs.verifiers_adapter"]
     assert loaded_in_a_fresh_interpreter(adapters, ("openenv", "verifiers", "openai")) == ""
