@@ -383,7 +383,15 @@ class PolicyTrainer:
         if not math.isfinite(metrics["grad_norm"]):
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip_step(metrics, f"non-finite gradient norm ({metrics['grad_norm']})", start)
-        self.optimizer.step()
+        # A batch without signal (every group's advantages zero, no KL or entropy term) has a zero
+        # gradient, yet AdamW would still move the weights: by its momentum from earlier batches and
+        # by weight decay. Runs of such batches then kept pushing the policy the way the last
+        # batches with signal had, and once pushed it into a calculator-recipe collapse (reward 0,
+        # entropy rising with no gradient: docs/benchmarks.md). No signal, no update; the version
+        # still advances, so the loop's accounting is the same as for any step.
+        metrics["step_without_gradient"] = float(metrics["grad_norm"] == 0.0)
+        if not metrics["step_without_gradient"]:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         self.num_consecutive_nonfinite_steps = 0

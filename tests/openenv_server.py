@@ -17,6 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
+PRINTABLE = "".join(chr(c) for c in range(32, 127))
+"""verifiers' OpenEnv payloads are JSON: the tests' character tokenizer spells printable ASCII."""
+
 OPENENV_FOR_VERIFIERS = "0.4.1"
 """The OpenEnv client verifiers 0.4's OpenEnv taskset is written against (its `openenv` extra:
 `openenv>=0.4.1`, the package openenv-core was renamed to); openenv-core 0.3.0's client lacks
@@ -36,6 +39,14 @@ def require_openenv_for_verifiers() -> None:
             f"verifiers' OpenEnv taskset needs openenv >= {OPENENV_FOR_VERIFIERS} (verifiers[openenv]); "
             f"installed: openenv {version}. Run make env-adapters."
         )
+
+
+@pytest.fixture(scope="module")
+def echo_url() -> Iterator[str]:
+    """The served echo environment's base URL, for a test module (skips without openenv >= 0.4.1)."""
+    require_openenv_for_verifiers()
+    with serve_echo_env() as url:
+        yield url
 
 
 @contextlib.contextmanager

@@ -151,6 +151,21 @@ def test_a_non_finite_gradient_skips_the_step_and_a_finite_step_resets_the_count
     assert trainer.train_step(_with_nan_behaviour(batch))["step_skipped"] == 1  # 1 of 2 again, not 2
 
 
+def test_a_batch_without_signal_leaves_weights_and_optimizer_as_they_were(model_dir, reference):
+    """Every group's rewards equal: advantages and gradient zero. AdamW would still move the weights
+    (momentum from the step before, weight decay); the trainer takes no step, and the version
+    advances as for any step."""
+    batch, _, _ = reference
+    trainer = PolicyTrainer(TrainerConfig(), model_dir)
+    assert trainer.train_step(batch)["step_without_gradient"] == 0  # AdamW moments now exist
+    before = _snapshot(trainer)
+    flat = [dataclasses.replace(e, completions=[dataclasses.replace(c, reward=1.0) for c in e.completions]) for e in _episodes()]
+    metrics = trainer.train_step(make_train_batch(flat, pad_id=read_hf_config(model_dir)["pad_token_id"]))
+    assert metrics["grad_norm"] == 0.0 and metrics["step_without_gradient"] == 1 and metrics["step_skipped"] == 0
+    assert trainer.policy_version == 2
+    _assert_unchanged(before, _snapshot(trainer))
+
+
 def test_consecutive_non_finite_steps_stop_training_naming_the_flag(model_dir, reference):
     batch, _, _ = reference
     trainer = PolicyTrainer(TrainerConfig(max_consecutive_nonfinite_steps=2), model_dir)

@@ -26,23 +26,16 @@ from forge_rl.envs.trajectory import ContextSpan, TrajectoryStatus
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from tests.integration.test_envs_engine import RecordingEngine, as_recorded, turn_prefixes, vllm_turn
-from tests.openenv_server import require_openenv_for_verifiers, serve_echo_env
+from tests.openenv_server import PRINTABLE, echo_url  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")
 
-PRINTABLE = "".join(chr(c) for c in range(32, 127))
 MAX_MODEL_LEN = 4096
 PLAYER_MAX_TURNS = 3
 LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=10)
 CONFIG = GeneratorConfig(max_new_tokens=8, temperature=0.8, top_p=0.9)
 
-
-@pytest.fixture(scope="module")
-def echo_url():
-    require_openenv_for_verifiers()
-    with serve_echo_env() as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

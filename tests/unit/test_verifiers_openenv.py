@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")
 
-from tests.openenv_server import require_openenv_for_verifiers, serve_echo_env  # noqa: E402
+from tests.openenv_server import PRINTABLE, echo_url, require_openenv_for_verifiers  # noqa: E402, F401 (a fixture)
 
 import verifiers.v1 as vf  # noqa: E402
 
@@ -33,16 +33,8 @@ from forge_rl.errors import ConfigError  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
 
-PRINTABLE = "".join(chr(c) for c in range(32, 127))
-"""The payload is JSON: a character tokenizer over printable ASCII spells it."""
 LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=8192, max_tokens_per_turn=16)
 
-
-@pytest.fixture(scope="module")
-def echo_url():
-    require_openenv_for_verifiers()
-    with serve_echo_env() as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
