@@ -45,6 +45,7 @@ from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.renderers import make_renderer
+from forge_rl.gc_freeze import frozen_startup_objects
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import generator_time_summary, progress
@@ -76,7 +77,8 @@ async def run(config: GRPOConfig) -> dict:
             after_publish=actors.scoring.after_publish,
         ))
         await lifecycle.resume(pipeline)
-        history, accounting = await lifecycle.run_loops(pipeline)
+        with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
+            history, accounting = await lifecycle.run_loops(pipeline)
         recoveries = await actors.generators.recovery_events.call_one()
         scorer_recoveries = await actors.scoring.recovery_events()
         forward_times = await actors.generators.forward_times.call_one()
