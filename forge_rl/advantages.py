@@ -1,4 +1,4 @@
-"""Advantage estimators and reward shaping. Plain PyTorch.
+"""Advantage estimators and reward shaping. Plain Python.
 
 - `group_advantages`: GRPO's group baseline, with (GRPO, DAPO, GSPO, CISPO) or without (Dr. GRPO)
   division by the group's standard deviation.
@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Sequence
 
 from forge_rl.types import Completion, CompletionStatus, Episode
 
@@ -20,19 +21,26 @@ from forge_rl.types import Completion, CompletionStatus, Episode
 _STD_EPS = 1e-6
 
 
-def group_advantages(rewards_G: torch.Tensor, normalize_std: bool) -> torch.Tensor:
+def group_advantages(rewards_G: Sequence[float], normalize_std: bool) -> list[float]:
     """Advantages of one group of G completions of the same prompt: r - mean, divided by
-    (std + eps) when `normalize_std`.
+    (std + eps) when `normalize_std` (the population std, over the G rewards).
 
     Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") drops the division: it weights
     questions by how hard or easy they are (a group with a small spread gets its advantages blown
     up). A group whose samples all score the same carries no signal and gets all-zero advantages
     either way.
+
+    Plain float64 arithmetic, not tensors: a group holds a handful of numbers and the trainer
+    computes one group per prompt on its critical path, where four tensor operations per group
+    cost more than the whole batch's padding (issue 16 part 7).
     """
-    centered_G = rewards_G - rewards_G.mean()
+    rewards = [float(r) for r in rewards_G]
+    mean = math.fsum(rewards) / len(rewards)
+    centered = [r - mean for r in rewards]
     if not normalize_std:
-        return centered_G
-    return centered_G / (rewards_G.std(unbiased=False) + _STD_EPS)
+        return centered
+    std = math.sqrt(math.fsum(c * c for c in centered) / len(centered))
+    return [c / (std + _STD_EPS) for c in centered]
 
 
 def completion_reward(completion: Completion) -> float:
@@ -50,10 +58,8 @@ def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
     usable = [c.status != CompletionStatus.ERRORED for c in episode.completions]
     if not any(usable):
         return [0.0] * len(episode.completions)
-    rewards_G = torch.tensor(
-        [completion_reward(c) for c, ok in zip(episode.completions, usable) if ok], dtype=torch.float64
-    )
-    advantages = iter(group_advantages(rewards_G, normalize_std).tolist())
+    rewards_G = [completion_reward(c) for c, ok in zip(episode.completions, usable) if ok]
+    advantages = iter(group_advantages(rewards_G, normalize_std))
     return [next(advantages) if ok else 0.0 for ok in usable]
 
 
@@ -76,7 +82,7 @@ def token_advantages(episode: Episode, normalize_std: bool, step_discount: float
     usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
     step_rewards = [r for c in usable for r in c.step_rewards or ()]
     if step_rewards:
-        normalized = group_advantages(torch.tensor(step_rewards, dtype=torch.float64), normalize_std).tolist()
+        normalized = group_advantages(step_rewards, normalize_std)
     normalized_steps = iter(normalized if step_rewards else ())
     result = []
     for completion, advantage in zip(episode.completions, episode_advantages(episode, normalize_std)):

@@ -2,7 +2,8 @@
 The only module besides actors/ that imports Monarch.
 
     hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
-    services = hosts.spawn_services()                # dataset, scorer supervisor, buffer, store index, pool
+    services = hosts.spawn_services()                # dataset, scorer supervisor, store index, pool
+    buffer = hosts.controller_proc().spawn(...)      # the replay buffer, in the controller's process
     trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
     pool = services.spawn(..., hosts.generator_placements())   # hosts + GPU blocks
     ...
@@ -113,6 +114,13 @@ class Hosts:
 
     def spawn_services(self) -> ProcMesh:
         return self.spawn_procs("services", 1, self.launch.placement.services_host)
+
+    @staticmethod
+    def controller_proc() -> ProcMesh:
+        """This process (the controller's), for an actor the loops call on the train loop's
+        critical path (the replay buffer): its round trips then cross no process. It stops with
+        the controller."""
+        return monarch.actor.this_proc()
 
     async def spawn_ranks(self, role: str, num_procs: int) -> ProcMesh:
         """Ranks of one torch.distributed world (role "trainer" or "reference") on the role's hosts,

@@ -318,11 +318,18 @@ class Pipeline:
                 self.config.prompts_per_step, train_version
             )
             data_ready += buffer_waited_s  # the buffer may still wait for episodes the gate counts as arrived
-            await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
-            self.batches_out += 1  # until the step is accounted for
             trainer_busy = contextlib.ExitStack()
             trainer_busy.enter_context(timeline.busy("trainer"))
+            # Sent before the gate's bookkeeping, which the trainer does not need: it wakes every
+            # waiting rollout, and the batch's message should not queue behind them.
             reply = asyncio.ensure_future(actors.trainer.train_step.call(episodes))
+            self.batches_out += 1  # until the step is accounted for
+            try:
+                await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
+            except BaseException:
+                reply.cancel()
+                trainer_busy.close()
+                raise
         finally:
             self._taking_batch = False
         return SentStep(step, train_version, episodes, reply, trainer_busy, waiting_from, data_ready)

@@ -45,6 +45,7 @@ from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.renderers import make_renderer
+from forge_rl.gc_freeze import frozen_startup_objects
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import generator_time_summary, progress
@@ -76,7 +77,8 @@ async def run(config: GRPOConfig) -> dict:
             after_publish=actors.scoring.after_publish,
         ))
         await lifecycle.resume(pipeline)
-        history, accounting = await lifecycle.run_loops(pipeline)
+        with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
+            history, accounting = await lifecycle.run_loops(pipeline)
         recoveries = await actors.generators.recovery_events.call_one()
         scorer_recoveries = await actors.scoring.recovery_events()
         forward_times = await actors.generators.forward_times.call_one()
@@ -104,9 +106,10 @@ class Actors:
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
-    """Services (dataset, the scoring stage's supervisors, buffer, the weight store's index and
-    volume, and the generator pool, which spawns one process per generator itself) and the trainer
-    ranks, on the hosts `config.launch` places them (forge_rl/launch.py; this machine by default)."""
+    """Services (dataset, the scoring stage's supervisors, the weight store's index and volume, and
+    the generator pool, which spawns one process per generator itself) and the trainer ranks, on the
+    hosts `config.launch` places them (forge_rl/launch.py; this machine by default); the buffer in
+    this process."""
     model_dir, store_root = str(lifecycle.model_dir), str(lifecycle.store.root)
     pad_id = PromptTokenizer(model_dir).pad_id
     hosts = await launch.start_hosts(config, model_dir)
@@ -124,7 +127,11 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             adapters=config.adapter_serving(model_dir),
         ),
         scoring=ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root),
-        buffer=services.spawn("buffer", ReplayBufferActor, config.buffer),
+        # The buffer runs in this (the controller's) process: the train loop samples it on its
+        # critical path (the last episode in, the batch out), and the services process, busy
+        # relaying every generate call, made that round trip about 10 ms on the 2-core demo;
+        # here about 6 ms (issue 16 part 7). Still an actor: the same endpoints, the same code.
+        buffer=hosts.controller_proc().spawn("buffer", ReplayBufferActor, config.buffer),
         trainer=trainer_procs.spawn(
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
             store_index, store_root, pad_id, config.publish, config.launch.placement.trainer_cpus,

@@ -15,6 +15,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.batching import make_train_batch
+from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.models.peft_format import peft_adapter
 from forge_rl.placement import pin_this_process
@@ -59,6 +60,7 @@ class TrainerActor(Actor):
         if self.rank == 0:
             store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
             self.publisher = WeightPublisher(store, self.publish_config)
+        freeze_startup_objects()  # the model, torch and TorchTitan: no full GC scans them mid-step
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
 
     @endpoint

@@ -13,14 +13,22 @@ from .builders import make_episode
 
 
 def test_group_advantages_are_zero_mean_unit_std_and_zero_for_uniform_groups():
-    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), normalize_std=True)
-    assert advantages.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
-    assert group_advantages(torch.tensor([1.0, 1.0, 1.0]), normalize_std=True).abs().max().item() == 0.0
+    advantages = group_advantages([1.0, 0.0, 0.0, 1.0], normalize_std=True)
+    assert advantages == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert group_advantages([1.0, 1.0, 1.0], normalize_std=True) == [0.0, 0.0, 0.0]
 
 
 def test_dr_grpo_advantages_keep_the_reward_scale():
-    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), normalize_std=False)
-    assert advantages.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    advantages = group_advantages([1.0, 0.0, 0.0, 0.0], normalize_std=False)
+    assert advantages == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_group_advantages_match_the_tensor_formula():
+    rewards = [0.3, 1.0, 0.0, 0.7, 0.7, 0.1, 0.9, 0.25]
+    rewards_G = torch.tensor(rewards, dtype=torch.float64)
+    centered_G = rewards_G - rewards_G.mean()
+    expected = (centered_G / (rewards_G.std(unbiased=False) + 1e-6)).tolist()
+    assert group_advantages(rewards, normalize_std=True) == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
 def test_errored_completions_get_zero_and_stay_out_of_the_group_statistics():
