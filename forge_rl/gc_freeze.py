@@ -13,6 +13,7 @@ nothing for objects that live as long as the process anyway.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -20,9 +21,14 @@ from collections.abc import Iterator
 
 def freeze_startup_objects() -> None:
     """Collect once, then exempt every object alive now from later collections (see the module
-    docstring). Call it when a process has finished starting, before its steady-state work."""
+    docstring). Call it when a process has finished starting, before its steady-state work.
+
+    Unfrozen again at the interpreter's exit, so the exit's own collections free them: frozen,
+    native objects were left alive at exit, and nanobind printed "leaked instances" warnings for
+    triton's after every run (the trainer's process imports triton through torch)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)  # registering twice is harmless: unfreeze is idempotent
 
 
 @contextlib.contextmanager
