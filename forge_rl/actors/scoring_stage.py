@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
+from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.errors import ScorerFailed, raised_by_actor
@@ -83,19 +84,22 @@ class ScoringStage:
         )
 
     @property
-    def owners(self) -> list:
+    def owners_by_role(self) -> dict[str, RestartingOwner]:
+        """The supervisors there are, by role (scorer, reference, teacher)."""
+        roles = {"scorer": self.scorer, "reference": self.reference, "teacher": self.teacher}
+        return {role: owner for role, owner in roles.items() if owner is not None}
+
+    @property
+    def owners(self) -> list[RestartingOwner]:
         """The supervisors; their shutdown stops the processes they own."""
-        return [owner for owner in (self.scorer, self.reference, self.teacher) if owner is not None]
+        return list(self.owners_by_role.values())
 
     async def start(self) -> dict[str, list[int]]:
         """Start every model's processes at once; returns their OS pids by role (scorer,
-        reference, teacher)."""
-        starts = await asyncio.gather(*(owner.start.call_one() for owner in self.owners))
-        processes = {"scorer": starts[0]["pids"]}
-        for role, owner in (("reference", self.reference), ("teacher", self.teacher)):
-            if owner is not None:
-                processes[role] = await owner.processes.call_one()
-        return processes
+        reference, teacher), as each supervisor's start reports them."""
+        owners = self.owners_by_role
+        starts = await asyncio.gather(*(owner.start.call_one() for owner in owners.values()))
+        return {role: start["pids"] for role, start in zip(owners, starts)}
 
     async def score(self, episodes: list[Episode], timeline: Timeline) -> list[Episode]:
         """The episodes to buffer, scored; those left out are counted as filtered by the loop."""
