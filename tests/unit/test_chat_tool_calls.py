@@ -306,3 +306,30 @@ def test_the_tool_agent_example_of_the_docs_runs(tokenizer, renderer):
     exec(compile(code, "docs/environments.md", "exec"), namespace)
     trajectory = play(namespace["agent"], FakeGenerate([sampled(tokenizer, CALL), sampled(tokenizer, "1924")]), renderer)
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0 and trajectory.num_forks == 0
+
+
+def test_verifiers_chat_program_reads_the_streamed_calls_and_sends_the_results_back(tokenizer, renderer):
+    """A third-party consumer of streamed tool calls: verifiers' bundled chat program (run unmodified,
+    as forge_rl/envs/verifiers_adapter.py runs it) accumulates the stream with openai's
+    AsyncChatCompletionStream, answers the call (here: an unknown tool, its own error text) and calls
+    again; the trajectory is one sample, the program's tool message its context."""
+    pytest.importorskip("verifiers", reason="verifiers is optional")
+    import argparse
+
+    from forge_rl.envs.verifiers_adapter import _chat_program
+
+    program, transcript = _chat_program(), []
+
+    async def agent(client):
+        args = argparse.Namespace(tool_interception_url="", bash=False, edit=False, search=False)
+        compactor = program["Compactor"](client, "policy", [MULTIPLY], False, None)
+        transcript.extend([QUESTION])
+        await program["run_chat_loop"](args, compactor, transcript, {}, {}, None)
+        return float(transcript[-1]["content"] == "1924")
+
+    turns = [sampled(tokenizer, CALL), sampled(tokenizer, "1924")]
+    trajectory = play(agent, FakeGenerate(turns), renderer)
+    assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0 and trajectory.num_forks == 0
+    assert transcript[1]["tool_calls"][0]["function"]["name"] == "multiply"
+    assert transcript[2]["role"] == "tool" and "unknown tool" in transcript[2]["content"]
+    assert [span.token_ids for span in trajectory.generated_spans] == [tuple(t.token_ids) for t in turns]
