@@ -57,15 +57,16 @@ HERMES_TEMPLATE = (
 )
 
 
-def save_tool_chat_tokenizer(model_dir: Path, special_tool_tokens: bool = False) -> Path:
+def save_tool_chat_tokenizer(model_dir: Path, whole_tokens: tuple[str, ...] = (), special: bool = False) -> Path:
     """Write the character tokenizer of TOOL_ALPHABET with HERMES_TEMPLATE into `model_dir`.
-    `special_tool_tokens`: <tool_call> and </tool_call> are single special tokens, as some hermes
-    models mark them (a decode that skips special tokens would drop them)."""
+    `whole_tokens` are added as single tokens after the characters (ids from
+    len(SPECIAL_TOKENS) + len(TOOL_ALPHABET) on), special ones when `special`: some hermes models
+    mark <tool_call> and </tool_call> special, and a decode that skips special tokens drops them."""
     model_dir = Path(model_dir)
     save_char_tokenizer(model_dir, TOOL_ALPHABET)
-    if special_tool_tokens:
+    if whole_tokens:
         tokenizer = build_char_tokenizer(TOOL_ALPHABET)
-        tokenizer.add_special_tokens(["<tool_call>", "</tool_call>"])
+        (tokenizer.add_special_tokens if special else tokenizer.add_tokens)(list(whole_tokens))
         tokenizer.save(str(model_dir / "tokenizer.json"))
     config_path = model_dir / "tokenizer_config.json"
     config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": HERMES_TEMPLATE}, indent=2))

@@ -202,7 +202,7 @@ def test_a_reply_without_a_call_is_content_with_finish_reason_stop(tokenizer, re
 
 
 def test_tool_call_tokens_marked_special_are_still_read_as_vllms_hermes_parser_asks(tmp_path):
-    tokenizer = PromptTokenizer(save_tool_chat_tokenizer(tmp_path, special_tool_tokens=True))
+    tokenizer = PromptTokenizer(save_tool_chat_tokenizer(tmp_path, ("<tool_call>", "</tool_call>"), special=True))
     turn = sampled(tokenizer, CALL)
     assert "<tool_call>" not in tokenizer.decode(turn.token_ids)  # a decode skipping special tokens hides the call
 
