@@ -31,7 +31,9 @@ and the generator's own context being full. The episode then ends TRUNCATED_TURN
 TRUNCATED_TOKENS, whatever the agent does next. Request fields that the generator cannot honour
 (n > 1, stop sequences, sampling parameters: the policy samples with the generator's own
 settings, which the behaviour logprobs must describe) are refused with a 400 naming the field,
-never silently ignored.
+never silently ignored. An exception from `generate` other than ContextExhausted (a lost
+generator) is no answer to give the agent: the episode is cancelled and the exception propagates
+to the rollout shell, as in `run_episode`.
 
 Tools, as vLLM's OpenAI server serves them (`--tool-call-parser`): `tools` are written into the
 prompt by the renderer (the chat template's `tools`), each reply is read by the renderer's
@@ -48,9 +50,7 @@ newline between the text and the call). Refused with a 400 naming the field: `to
 renderer that cannot write them (the plain format; a template that ignores them) or with no
 tool-call parser set, and `tool_choice` "required" or a named function, which vLLM serves by
 constraining decoding to the call's schema: the policy's logprobs would then describe a
-distribution the trainer cannot recompute. An exception from `generate` other than ContextExhausted (a lost
-generator) is no answer to give the agent: the episode is cancelled and the exception propagates
-to the rollout shell, as in `run_episode`.
+distribution the trainer cannot recompute.
 """
 
 from __future__ import annotations

@@ -30,8 +30,10 @@ environments stay light (tests/unit/test_package_boundaries.py).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +97,8 @@ class ToolCallParser:
             ids = ids[:-1]  # vLLM leaves the stop token out of a reply's text
         text = self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
         try:
-            found = parser.extract_tool_calls(text, request)
+            with _quiet(self.parser_cls.__module__):
+                found = parser.extract_tool_calls(text, request)
         except Exception:
             # hermes catches its own errors and answers with the text; a parser that raises
             # instead is treated the same way: the model's text is the reply, not a crash.
@@ -109,3 +112,16 @@ class ToolCallParser:
         if request.parallel_tool_calls is False:
             calls = calls[:1]  # vLLM's maybe_filter_parallel_tool_calls: the first call only
         return ParsedTurn(found.content, calls)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Silence vLLM's parser module while it reads a turn: it logs every badly written call with a
+    traceback, and a policy in training writes many (each is returned as content, which is the
+    whole report the agent needs)."""
+    logger = logging.getLogger(logger_name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
