@@ -333,3 +333,25 @@ def test_verifiers_chat_program_reads_the_streamed_calls_and_sends_the_results_b
     assert transcript[1]["tool_calls"][0]["function"]["name"] == "multiply"
     assert transcript[2]["role"] == "tool" and "unknown tool" in transcript[2]["content"]
     assert [span.token_ids for span in trajectory.generated_spans] == [tuple(t.token_ids) for t in turns]
+
+
+def test_preflight_refuses_an_unknown_parser_and_a_model_without_a_chat_template_before_any_process(tmp_path):
+    from forge_rl.config import GRPOConfig, ModelConfig
+    from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+    from forge_rl.preflight import check_model_inputs
+    from tests.tool_chat import TOOL_ALPHABET
+
+    plain = create_tiny_model(TinyModelConfig(), tmp_path / "plain", TOOL_ALPHABET)  # a character tokenizer, no template
+    chat = save_tool_chat_tokenizer(create_tiny_model(TinyModelConfig(), tmp_path / "chat", TOOL_ALPHABET))
+
+    def config(model_dir, parser):
+        environment = EnvironmentConfig(
+            name="calculator", renderer="chat_template", tool_call_parser=parser, limits=EpisodeLimits(max_total_tokens=128)
+        )
+        return GRPOConfig(model=ModelConfig(path=model_dir), environment=environment)
+
+    with pytest.raises(ConfigError, match="not one of vLLM's tool parsers"):
+        check_model_inputs(config(chat, "hermes2"), chat)
+    with pytest.raises(ConfigError, match=r"environment.renderer \('chat_template'\): .* has no chat template"):
+        check_model_inputs(config(plain, "hermes"), plain)
+    check_model_inputs(config(chat, "hermes"), chat)
