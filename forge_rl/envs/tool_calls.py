@@ -97,7 +97,7 @@ class ToolCallParser:
             ids = ids[:-1]  # vLLM leaves the stop token out of a reply's text
         text = self.tokenizer.decode(ids, skip_special_tokens=request.skip_special_tokens)
         try:
-            with _quiet(self.parser_cls.__module__):
+            with _parser_log_silenced(self.parser_cls.__module__):
                 found = parser.extract_tool_calls(text, request)
         except Exception:
             # hermes catches its own errors and answers with the text; a parser that raises
@@ -115,7 +115,7 @@ class ToolCallParser:
 
 
 @contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
+def _parser_log_silenced(logger_name: str) -> Iterator[None]:
     """Silence vLLM's parser module while it reads a turn: it logs every badly written call with a
     traceback, and a policy in training writes many (each is returned as content, which is the
     whole report the agent needs)."""
