@@ -121,6 +121,8 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
         check_same_tokenizer(config.scorer.teacher.path, model_dir)
     if config.scorer.judge.path is not None:
         _check_judge_tokenizer(config.scorer.judge)
+    if config.environment.name is not None and config.environment.renderer == "chat_template":
+        _check_environment_renderer(config.environment, model_dir)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
     for index in range(NUM_PROMPTS_CHECKED):
@@ -157,6 +159,19 @@ def _check_judge_tokenizer(judge) -> None:
             f"scorer.judge.prompt_format is chat, but the judge ({judge.path}) has no chat template. Set "
             "--scorer.judge.prompt-format plain, or use an instruct model with a chat template as the judge."
         )
+
+
+def _check_environment_renderer(environment, model_dir: Path) -> None:
+    """The model has the chat template environment.renderer chat_template renders with, and vLLM has
+    the tool parser environment.tool_call_parser names: the renderer the run will build, built here."""
+    from forge_rl.envs.renderers import make_renderer
+
+    try:
+        make_renderer(environment.renderer, model_dir, environment.tool_call_parser)
+    except ConfigError:
+        raise
+    except ValueError as e:  # no chat template
+        raise ConfigError(f"environment.renderer ({environment.renderer!r}): {e}") from None
 
 
 def _load_tokenizer(model_dir: Path):

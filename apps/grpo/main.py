@@ -73,7 +73,7 @@ async def run(config: GRPOConfig) -> dict:
             trainer=actors.trainer,
             score=actors.scoring.score,
             stats=actors.scoring.stats,
-            renderer=make_renderer(config.environment.renderer, lifecycle.model_dir),
+            renderer=make_renderer(config.environment.renderer, lifecycle.model_dir, config.environment.tool_call_parser),
             after_publish=actors.scoring.after_publish,
         ))
         await lifecycle.resume(pipeline)

@@ -29,11 +29,28 @@ message names the limit, which `openai` raises as `BadRequestError` in the agent
 `max_turns`, a prompt with no room left in `max_total_tokens` (code `context_length_exceeded`),
 and the generator's own context being full. The episode then ends TRUNCATED_TURNS or
 TRUNCATED_TOKENS, whatever the agent does next. Request fields that the generator cannot honour
-(n > 1, tools, stop sequences, sampling parameters: the policy samples with the generator's own
+(n > 1, stop sequences, sampling parameters: the policy samples with the generator's own
 settings, which the behaviour logprobs must describe) are refused with a 400 naming the field,
 never silently ignored. An exception from `generate` other than ContextExhausted (a lost
 generator) is no answer to give the agent: the episode is cancelled and the exception propagates
 to the rollout shell, as in `run_episode`.
+
+Tools, as vLLM's OpenAI server serves them (`--tool-call-parser`): `tools` are written into the
+prompt by the renderer (the chat template's `tools`), each reply is read by the renderer's
+`tool_call_parser` (vLLM's own parser: forge_rl/envs/tool_calls.py), and a reply that made calls
+carries `message.tool_calls` (id, type, function.name, function.arguments as JSON text), content
+None when there is no other text, finish_reason "tool_calls". A call the model wrote badly is
+returned as content, as vLLM returns it. The agent sends the calls back in an assistant message
+and each result as a `tool` message with its `tool_call_id`; both are rendered by the template,
+and the tool results are context, never trained. Whether the next call continues the sample is
+the prefix rule above: the sampled ids are kept, and the template's rendering of the assistant
+message with its tool_calls continues the sample when it reproduces them (a model that writes
+its calls as its template does) and forks it when it does not (say, the template puts another
+newline between the text and the call). Refused with a 400 naming the field: `tools` on a
+renderer that cannot write them (the plain format; a template that ignores them) or with no
+tool-call parser set, and `tool_choice` "required" or a named function, which vLLM serves by
+constraining decoding to the call's schema: the policy's logprobs would then describe a
+distribution the trainer cannot recompute.
 """
 
 from __future__ import annotations
@@ -49,9 +66,10 @@ from typing import Any
 
 import httpx
 
-from forge_rl.envs.environment import Message
+from forge_rl.envs.environment import Message, ToolCall
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import ContextExhausted, EpisodeLimits, GenerateTurn, SampledTurn, check_turn, turn_span
+from forge_rl.envs.tool_calls import ParsedTurn
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 
 BASE_URL = "http://forge-rl.invalid/v1"
@@ -63,12 +81,12 @@ MODEL_NAME = "policy"
 
 _ACCEPTED_FIELDS = {
     "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs",
-    "top_logprobs", "user", "metadata", "store", "seed", "parallel_tool_calls",
+    "top_logprobs", "user", "metadata", "store", "seed", "tools", "tool_choice", "parallel_tool_calls",
 }
 """Request fields the endpoint honours, or that change nothing the trajectory records (user,
 metadata, store; seed: the generator's own randomness decides, and the logprobs describe it);
-n and top_logprobs only at their one-sample, no-alternatives values. Any other set field is
-refused with a 400 naming it."""
+n and top_logprobs only at their one-sample, no-alternatives values, tool_choice at "auto" and
+"none". Any other set field is refused with a 400 naming it."""
 
 _SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias"}
 
@@ -91,6 +109,15 @@ class ChatRequest:
     max_tokens: int | None
     logprobs: bool
     model: str
+    tools: list[dict] | None = None
+    """OpenAI function definitions, as sent."""
+    tool_fields: dict = field(default_factory=dict)
+    """tools, tool_choice and parallel_tool_calls as sent: what vLLM's tool parser reads."""
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """Whether replies are parsed for calls: tools given, and tool_choice not "none" (vLLM's rule)."""
+        return bool(self.tools) and self.tool_fields.get("tool_choice") != "none"
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -120,12 +147,47 @@ def parse_request(body: Any) -> ChatRequest:
     limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
     if any(not isinstance(v, int) or v < 1 for v in limits):
         raise ChatRequestError(f"max_tokens ({limits}) must be a positive integer", param="max_tokens")
+    tools = _tools(body.get("tools"))
+    _check_tool_choice(body.get("tool_choice"), tools)
     return ChatRequest(
         messages=[_message(m, i) for i, m in enumerate(body.get("messages") or [])] or _no_messages(),
         max_tokens=min(limits) if limits else None,
         logprobs=bool(body.get("logprobs")),
         model=str(body.get("model") or MODEL_NAME),
+        tools=tools,
+        tool_fields={k: body[k] for k in ("tools", "tool_choice", "parallel_tool_calls") if body.get(k) is not None},
     )
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    """The request's function definitions; 400 naming the first that is not one."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ChatRequestError(f"tools ({tools!r}) must be a list of function definitions", param="tools")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"), str):
+            raise ChatRequestError(
+                f"tools[{index}] ({tool!r}) is not a function definition: expected "
+                '{"type": "function", "function": {"name": ..., "parameters": {...}}}', param=f"tools[{index}]",
+            )
+    return tools
+
+
+def _check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> None:
+    """"auto" and "none" are served; forcing calls is not (module docstring)."""
+    if tool_choice is None:
+        return
+    if not tools:
+        raise ChatRequestError(f"tool_choice ({tool_choice!r}) is set without tools; pass tools or leave it unset", param="tool_choice")
+    if tool_choice not in ("auto", "none"):
+        raise ChatRequestError(
+            f"tool_choice ({tool_choice!r}) is not supported: forcing a call (\"required\", or a named function) needs "
+            "decoding constrained to the call's schema, and the recorded logprobs would then describe a distribution "
+            "the trainer cannot recompute. Use tool_choice \"auto\" (the model decides) and check the reply's tool_calls.",
+            param="tool_choice",
+        )
 
 
 def _no_messages() -> list[Message]:
@@ -136,16 +198,34 @@ def _message(message: Any, index: int) -> Message:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatRequestError(f"{where} must be an object with a role", param=where)
-    if message.get("tool_calls"):
-        raise ChatRequestError(f"{where}.tool_calls is not supported: tools are not served", param=f"{where}.tool_calls")
+    tool_calls = tuple(_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(message.get("tool_calls") or []))
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise ChatRequestError(f"{where}.tool_call_id ({tool_call_id!r}) must be text", param=f"{where}.tool_call_id")
     content = message.get("content")
+    if content is None and tool_calls:
+        content = ""  # an assistant message that only made calls
     if isinstance(content, list):  # content parts: text only
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             raise ChatRequestError(f"{where}.content holds a part that is not text", param=f"{where}.content")
         content = "".join(p.get("text", "") for p in content)
     if not isinstance(content, str):
         raise ChatRequestError(f"{where}.content must be text", param=f"{where}.content")
-    return Message(message["role"], content)
+    return Message(message["role"], content, tool_calls, tool_call_id)
+
+
+def _tool_call(call: Any, where: str) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function" or not isinstance(function.get("name"), str):
+        raise ChatRequestError(
+            f'{where} ({call!r}) is not a function call: expected {{"id": ..., "type": "function", '
+            '"function": {"name": ..., "arguments": "<JSON text>"}}', param=where,
+        )
+    arguments = function.get("arguments")
+    arguments = json.dumps(arguments) if isinstance(arguments, dict) else arguments or ""
+    if not isinstance(arguments, str):
+        raise ChatRequestError(f"{where}.function.arguments ({arguments!r}) must be JSON text", param=f"{where}.function.arguments")
+    return ToolCall(str(call.get("id") or ""), function["name"], arguments)
 
 
 @dataclass
@@ -160,7 +240,7 @@ class ChatRecorder:
     """The longest conversation so far, as text: its messages and the reply."""
     num_calls: int = 0
 
-    def record(self, prompt_token_ids: Sequence[int], turn: GeneratedSpan, messages: list[Message], text: str) -> int:
+    def record(self, prompt_token_ids: Sequence[int], turn: GeneratedSpan, messages: list[Message], reply: Message) -> int:
         """Add a turn sampled after `prompt_token_ids`; the index of the sample it went into."""
         prompt = list(prompt_token_ids)
         index = self._continued(prompt)
@@ -174,7 +254,7 @@ class ChatRecorder:
         self.samples[index].spans.append(turn)
         self.num_calls += 1
         if len(messages) + 1 >= len(self.conversation):
-            self.conversation = [*messages, Message("assistant", text)]
+            self.conversation = [*messages, reply]
         return index
 
     def _continued(self, prompt: list[int]) -> int | None:
@@ -223,11 +303,14 @@ class ChatSession:
         limits, recorder = self.limits, self.recorder
         if self.lost is not None:
             raise ChatRequestError(f"the generator was lost: {self.lost!r}", status=503)
+        tool_request = self._tool_request(request)
         if recorder.num_calls >= limits.max_turns:
             reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
             raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, reason, "max_turns_exceeded")
         try:
-            prompt = self.renderer.render(request.messages)
+            # Renderers written before tools took no `tools` (forge_rl/envs/renderers.py Renderer).
+            tools = {"tools": request.tools} if request.tools else {}
+            prompt = self.renderer.render(request.messages, **tools)
         except Exception as e:
             raise ChatRequestError(f"messages cannot be rendered: {type(e).__name__}: {e}", param="messages") from e
         room = limits.max_total_tokens - len(prompt)
@@ -246,12 +329,44 @@ class ChatSession:
         except Exception as e:
             self.lost = e
             raise ChatRequestError(f"the generator was lost: {e!r}", status=503) from None
-        text = self.renderer.decode(turn.token_ids)
-        recorder.record(prompt, turn_span(turn), request.messages, text)
+        if tool_request is None:
+            reply = ParsedTurn(self.renderer.decode(turn.token_ids))
+        else:
+            reply = self.renderer.tool_call_parser.parse(turn.token_ids, tool_request)
+        recorder.record(prompt, turn_span(turn), request.messages, Message("assistant", reply.content or "", reply.tool_calls))
         if turn.finish_reason == "length" and max_new_tokens == room:
             reason = f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})"
             self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, None)
-        return _completion_body(request, prompt, turn, text, self._token_text)
+        return _completion_body(request, prompt, turn, reply, self._token_text)
+
+    def _tool_request(self, request: ChatRequest) -> Any | None:
+        """What the renderer's tool parser reads with each reply (vLLM's request), None when replies
+        are not parsed for calls; ChatRequestError naming the field when tools cannot be served."""
+        if not request.tools:
+            return None
+        renderer = self.renderer
+        renders_tools = getattr(renderer, "renders_tools", None)
+        if renders_tools is None or not renders_tools(request.tools):
+            raise ChatRequestError(
+                f"tools cannot be served: the renderer ({type(renderer).__name__}) does not write them into the prompt, "
+                "so the model would never see them (the tiny models' plain format has no syntax for tools, and some "
+                "chat templates ignore them). Use a chat model whose template renders tools, with "
+                "--environment.renderer chat_template --environment.tool-call-parser hermes (the model's format).",
+                param="tools",
+            )
+        if not request.reads_tool_calls:
+            return None  # tool_choice "none": the tools are shown, the reply is text
+        parser = getattr(renderer, "tool_call_parser", None)
+        if parser is None:
+            raise ChatRequestError(
+                "tools cannot be served: no tool-call parser reads the model's calls out of its turns. Set "
+                "--environment.tool-call-parser to the model's format (vLLM's --tool-call-parser names: hermes for "
+                "Qwen2.5, Qwen3, Hermes), or pass tool_choice \"none\".", param="tools",
+            )
+        try:
+            return parser.request(request.tool_fields | {"model": request.model})
+        except ValueError as e:
+            raise ChatRequestError(f"tools are refused by vLLM's request schema: {e}", param="tools") from None
 
     def _token_text(self, token_id: int) -> str:
         return self.renderer.decode([token_id])
@@ -323,11 +438,15 @@ class ChatSession:
         )
 
 
-def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn, text: str, token_text) -> dict:
+def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn, reply: ParsedTurn, token_text) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [call.as_openai() for call in reply.tool_calls]
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": turn.finish_reason,
+        "message": message,
+        # vLLM's rule: "tool_calls" whenever calls were read, whatever stopped the turn.
+        "finish_reason": "tool_calls" if reply.tool_calls else turn.finish_reason,
         "logprobs": None,
         # forge_rl's own fields: what was sampled, as recorded into the trajectory.
         "token_ids": list(turn.token_ids),
@@ -354,11 +473,15 @@ def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn,
 
 
 def _stream_events(completion: dict, include_usage: bool) -> bytes:
-    """The completion as server-sent events: one chunk with the whole reply, one with the finish
-    reason, the usage when asked, then [DONE] (what `openai`'s stream reader expects)."""
+    """The completion as server-sent events: one chunk with the whole reply (its text and its
+    tool calls, each whole, with its index), one with the finish reason, the usage when asked,
+    then [DONE] (what `openai`'s stream reader expects)."""
     choice = completion["choices"][0]
     head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    reply = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}, "finish_reason": None}
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if "tool_calls" in choice["message"]:
+        delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(choice["message"]["tool_calls"])]
+    reply = {"index": 0, "delta": delta, "finish_reason": None}
     reply |= {k: choice[k] for k in ("logprobs", "token_ids", "policy_versions")}
     end = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
     chunks = [head | {"choices": [reply]}, head | {"choices": [end]}]

@@ -32,12 +32,30 @@ from typing import Protocol, Union
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model wrote in an assistant turn, as the OpenAI schema carries it:
+    `arguments` is the JSON text of the arguments object (forge_rl/envs/tool_calls.py reads it out
+    of the sampled text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self) -> dict:
+        """{"id", "type": "function", "function": {"name", "arguments"}}: the OpenAI message field."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class Message:
     """One chat message. Roles are the chat template's: "system", "user", "assistant", and "tool"
-    where the template knows it."""
+    where the template knows it. An assistant message may carry the tool calls it made (its content
+    then often empty); a tool message answers the call `tool_call_id` names."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 Observation = Union[str, list[Message]]

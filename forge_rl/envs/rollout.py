@@ -66,6 +66,10 @@ class EnvironmentConfig:
     single-turn prompts of `task`, scored by task.reward."""
     renderer: Literal["plain", "chat_template"] = "plain"
     """How observations become tokens: the tiny models' plain format, or the model's chat template."""
+    tool_call_parser: str | None = None
+    """vLLM's tool parser (its --tool-call-parser name: hermes for Qwen2.5, Qwen3, Hermes models)
+    that reads tool calls out of sampled turns, for agents that pass `tools` to the chat endpoint
+    (forge_rl/envs/chat_client.py). Needs renderer=chat_template. Unset: tools are refused."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Per-episode limits: turns, total tokens (at most the model's context), tokens per turn,
     malformed turns, seconds per environment call."""
@@ -76,6 +80,12 @@ class EnvironmentConfig:
     def __post_init__(self) -> None:
         if self.name is not None:
             resolve_environment(self.name)
+        if self.tool_call_parser is not None and self.renderer != "chat_template":
+            raise ConfigError(
+                f"environment.tool_call_parser ({self.tool_call_parser!r}) reads tool calls written in a chat "
+                f"model's format, and environment.renderer ({self.renderer!r}) has none. Set "
+                "--environment.renderer chat_template, or unset --environment.tool-call-parser."
+            )
 
     def make_env(self) -> MakeEnvironment:
         if self.name is None:

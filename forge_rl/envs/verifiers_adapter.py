@@ -24,11 +24,15 @@ rewards score the trace when the interaction closes.
 
     make_env = verifiers_env_environment(OpenEnvEnv(OpenEnvEnvConfig(taskset=OpenEnvConfig(id="openenv", base_url=URL))))
 
-What is not supported, and refused at construction rather than silently skipped: tasks whose
-rewards or metrics need a runtime (a sandbox to run tests in: use forge_rl's own sandbox,
-forge_rl/envs/python_tool.py), and tool-calling harnesses (MCP toolsets, bash): forge_rl's chat
-endpoint serves no tools (it answers 400 naming `tools`); envs with more than one seat (a modeled
-user, a judge: each needs a model of its own).
+What is not supported: tasks whose rewards or metrics need a runtime (a sandbox to run tests in:
+use forge_rl's own sandbox, forge_rl/envs/python_tool.py) and envs with more than one seat (a
+modeled user, a judge: each needs a model of its own), both refused at construction rather than
+silently skipped; and tool-calling harnesses (MCP toolsets, bash, edit): the chat program always
+runs with no tools. The chat endpoint now serves tools (a chat template that renders them and
+vLLM's tool parser: docs/environments.md), so the calls themselves would work; what is missing
+is running the tools: MCP toolsets are HTTP servers verifiers starts beside each rollout, and
+bash or edit run the model's commands on the host, which forge_rl runs only in its sandbox
+(forge_rl/envs/sandbox.py).
 """
 
 from __future__ import annotations
@@ -188,7 +192,7 @@ class ChatSeat:
 class ChatInteraction:
     """verifiers' `Interaction` surface on forge_rl's chat client: `turn(message)` adds the user's
     message (none: a prompted task speaks first) and runs one segment of verifiers' chat program
-    (one model call: no tools are served), returning verifiers' `Segment`; `trace` holds the
+    (one model call: the program is given no tools), returning verifiers' `Segment`; `trace` holds the
     conversation as verifiers' message nodes, the model's replies marked sampled (their tokens
     live in forge_rl's trajectory)."""
 

@@ -145,12 +145,27 @@ class PromptTokenizer:
             (self.model_dir / name).is_file() for name in ("chat_template.jinja", "chat_template.json")
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` ([{"role": "user", "content": "..."}, ...]) rendered by the
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Token ids of `messages` ([{"role": "user", "content": "..."}, ...], OpenAI-shaped: an
+        assistant message may hold `tool_calls`, a tool message `tool_call_id`) rendered by the
         directory's chat template, ending with the assistant header when add_generation_prompt.
+        `tools` (OpenAI function definitions) go to the template as transformers passes them; a
+        template that does not read `tools` ignores them.
 
         The template writes its own special tokens (bos included), so nothing is prepended.
         """
+        return list(
+            self.hf_tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
+        )
+
+    @property
+    def hf_tokenizer(self):
+        """The directory's `transformers` tokenizer, which renders its chat template (and which vLLM's
+        tool parsers read); ValueError when the directory has no chat template."""
         if not self.has_chat_template:
             raise ValueError(
                 f"{self.model_dir} has no chat template (no chat_template in tokenizer_config.json, "
@@ -162,11 +177,7 @@ class PromptTokenizer:
             from transformers import AutoTokenizer
 
             self._hf_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        return list(
-            self._hf_tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-            )
-        )
+        return self._hf_tokenizer
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

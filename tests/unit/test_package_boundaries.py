@@ -74,6 +74,7 @@ CORE_MODULES = [
     "forge_rl.envs.sandbox",
     "forge_rl.envs.rollout",
     "forge_rl.envs.chat_client",
+    "forge_rl.envs.tool_calls",
     "forge_rl.envs.openenv_adapter",
     "forge_rl.envs.verifiers_adapter",
 ]
