@@ -171,12 +171,20 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
     from forge_rl.store import loader
     from forge_rl.store.loader import BYTES, PAUSED_S, PUBLISH_TO_SERVABLE_S, STALL_S, load_version
 
-    load = Load(engine, args, probe=True)
+    load = Load(engine, args, probe=True, varied_lengths=True)
     await asyncio.sleep(3.0)  # the load reaches steady state
     rows = []
     try:
         for i in range(args.updates + 1):
             version = first_version + i
+            # As in a run: the trainer publishes version v only once no episode started before
+            # v - max_policy_age is still decoding (the admission gate holds the step that would
+            # leave it too stale), so an adapter's load never waits for requests older than that
+            # to end before the oldest adapter can be unloaded. The load's requests outlive
+            # several of the benchmark's updates (32 tokens at 0.1-0.2 s a step); untimed. (Not
+            # past the version served now, which new requests are submitted under: the first
+            # adapter version follows the base.)
+            await engine.wait_until_in_flight_since(min(version - args.max_policy_age, engine.policy_version))
             started, write_info = await publish(version)
             metrics = await load_version(engine, store, version, "keep")
             servable = time.perf_counter()
@@ -218,6 +226,11 @@ async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict],
         first = 100 if adapters else 1
         publish = trainer.publish_adapters if adapters else trainer.publish_full
         rows = await _updates(args, engine, trainer, reader, publish, first)
+        # Each timed update's add_lora inside the engine core (the decode stall it causes), apart
+        # from its round trip, which also waits for the decode step in progress.
+        in_engine = (await engine.forward_time())["add_lora_s"][-len(rows):] if adapters else []
+        for row, seconds in zip(rows, in_engine):
+            row["add_lora_in_engine_s"] = seconds
         if adapters:  # the silent-failure check on the real model, after the last update
             prompt = list(range(1, 25))
             (completion,) = await engine.generate(prompt, 1, None)
@@ -405,6 +418,7 @@ def summarize(figures: dict) -> dict:
         "decode_stall_ms_adapter_max": stall_ms_max(adapter),
         "decode_stall_ms_full_max": stall_ms_max(full),
         "adapter_add_lora_ms_max": 1e3 * max(r["stall_s"] for r in adapter),
+        "adapter_add_lora_in_engine_ms_max": max((1e3 * r["add_lora_in_engine_s"] for r in adapter if "add_lora_in_engine_s" in r), default=None),
         "adapter_logprob_max_abs_diff": figures["adapter_engine"]["adapter_logprob_max_abs_diff"],
         "adapter_vs_base_logprob_max_abs_diff": figures["adapter_engine"]["adapter_vs_base_logprob_max_abs_diff"],
         **_trainer_summary(figures.get("trainer")),

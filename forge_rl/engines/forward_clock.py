@@ -8,7 +8,10 @@ wraps the worker's `execute_model` and `sample_tokens` and adds up their wall ti
 
     forge_start_forward_clock()   wrap them (once, after the engine started): warm-up and
                                   profiling runs before it are not counted
-    forge_forward_time()          {"forward_s", "forward_steps"} since then
+    forge_forward_time()          {"forward_s", "forward_steps"} since then, and "add_lora_s": the
+                                  newest adapter loads' times in the worker (the engine core runs it between
+                                  two decode steps, so the decode stall it causes; the caller's
+                                  round trip adds the wait for the step in progress)
 
 On CPU the calls are synchronous, so their wall time is the forward pass. On GPU with asynchronous
 scheduling `execute_model` returns before the kernels finish and `sample_tokens` waits for them:
@@ -17,6 +20,7 @@ their sum is still the step's model time, minus the host work that overlaps it.
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -25,15 +29,19 @@ class ForwardClockExtension:
     def forge_start_forward_clock(self) -> None:
         if getattr(self, "_forge_forward_clock", None) is not None:
             return
-        self._forge_forward_clock = clock = {"forward_s": 0.0, "forward_steps": 0}
+        # The newest adapter loads only: a run loads one per policy version.
+        self._forge_forward_clock = clock = {"forward_s": 0.0, "forward_steps": 0, "add_lora_s": collections.deque(maxlen=64)}
         for name in ("execute_model", "sample_tokens"):
             method = getattr(self, name, None)
             if method is not None:
                 setattr(self, name, _timed(method, clock, counts_steps=name == "execute_model"))
+        self.add_lora = _logged(self.add_lora, clock["add_lora_s"])
 
     def forge_forward_time(self) -> dict:
         clock = getattr(self, "_forge_forward_clock", None)
-        return {"forward_s": 0.0, "forward_steps": 0} if clock is None else dict(clock)
+        if clock is None:
+            return {"forward_s": 0.0, "forward_steps": 0, "add_lora_s": []}
+        return {**clock, "add_lora_s": list(clock["add_lora_s"])}
 
 
 def _timed(method, clock: dict, counts_steps: bool):
@@ -47,3 +55,15 @@ def _timed(method, clock: dict, counts_steps: bool):
             clock["forward_steps"] += counts_steps
 
     return timed
+
+
+def _logged(method, durations: collections.deque[float]):
+    @functools.wraps(method)
+    def logged(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            durations.append(time.perf_counter() - started)
+
+    return logged

@@ -834,6 +834,15 @@ class VLLMEngine:
             resident=sorted(self._resident),
         )
 
+    async def wait_until_in_flight_since(self, policy_version: int) -> None:
+        """Wait until every request in flight was submitted under `policy_version` or newer: the
+        state a run's admission gate guarantees when the trainer publishes `policy_version` +
+        max_policy_age (forge_rl/admission.py: an episode started under version v is trained by
+        v + max_policy_age, so the trainer does not pass that version while it still decodes).
+        `forge-rl bench lora-sync` drives its load to that state before each publish."""
+        async with self._drained:
+            await self._drained.wait_for(lambda: all(version >= policy_version for version in self._in_flight))
+
     async def adapters_settled(self) -> list[int]:
         """Wait for the pending unload of old adapters (if any); returns the versions it unloaded."""
         pending, self._unloading = self._unloading, None
