@@ -185,8 +185,12 @@ def _without_timing(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
+def _world_size(parallel: ParallelConfig) -> int:
+    return parallel.dp_degree * parallel.tp
+
+
 def _run_rank(rank: int, config: TrainerConfig, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
-    trainer = PolicyTrainer(dataclasses.replace(config, num_procs=2, parallel=parallel), model_dir)
+    trainer = PolicyTrainer(dataclasses.replace(config, num_procs=_world_size(parallel), parallel=parallel), model_dir)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
     # As the trainer actor publishes: every rank joins the gathers, only rank 0 keeps a copy.
     state_dict = trainer.hf_state_dict(keep=rank == 0)
@@ -212,14 +216,17 @@ def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
         assert (result["state_dict"][name] - expected).abs().max() < 1e-5, name
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
-def test_lora_over_two_processes_matches_one(parallel, model_dir, reference, lora_reference, tmp_path):
-    """Adapters split as their layers (TP) or replicated with summed gradients (FSDP2): the same
-    losses, gradient norms, adapters and merged weights as one process."""
+@pytest.mark.parametrize(
+    "parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2), ParallelConfig(dp_shard=2, tp=2)],
+    ids=["fsdp2", "tp2", "fsdp2_tp2"],
+)
+def test_lora_over_several_processes_matches_one(parallel, model_dir, reference, lora_reference, tmp_path):
+    """Adapters split as their layers (TP), replicated with summed gradients (FSDP2), and both at
+    once on a 2 x 2 mesh: the same losses, gradient norms, adapters and merged weights as one process."""
     batch = reference[0]
     reference_metrics, reference_adapters, reference_merged, _ = lora_reference
     out = tmp_path / "rank0.pt"
-    run_on_ranks(_run_rank, LORA_PARITY_CONFIG, parallel, model_dir, batch, out)
+    run_on_ranks(_run_rank, LORA_PARITY_CONFIG, parallel, model_dir, batch, out, nprocs=_world_size(parallel))
     result = torch.load(out)
     for step, expected in zip(result["metrics"], reference_metrics, strict=True):
         assert _without_timing(step) == pytest.approx(_without_timing(expected), abs=1e-4)
@@ -268,6 +275,35 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_di
     assert [_without_timing(resumed.train_step(batch)) for _ in range(2)] == continued
     expected = trainer.adapter_state_dict()
     assert all(torch.equal(value, expected[key]) for key, value in resumed.adapter_state_dict().items())
+
+
+def _resume_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, checkpoint: Path, out: Path):
+    config = dataclasses.replace(LORA_PARITY_CONFIG, num_procs=_world_size(parallel), parallel=parallel)
+    trainer = PolicyTrainer(config, model_dir)
+    trainer.train_step(batch)
+    trainer.save_checkpoint(checkpoint)
+    continued = [_without_timing(trainer.train_step(batch)) for _ in range(2)]
+    adapters = trainer.adapter_state_dict(keep=rank == 0)
+    resumed = PolicyTrainer(config, model_dir)
+    resumed.load_checkpoint(checkpoint)
+    resumed_steps = [_without_timing(resumed.train_step(batch)) for _ in range(2)]
+    resumed_adapters = resumed.adapter_state_dict(keep=rank == 0)
+    if rank == 0:
+        torch.save({"continued": continued, "resumed": resumed_steps, "adapters": adapters,
+                    "resumed_adapters": resumed_adapters, "policy_version": resumed.policy_version}, out)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
+def test_a_lora_checkpoint_over_two_processes_resumes_exactly(parallel, model_dir, reference, tmp_path):
+    """The adapters-only checkpoint saved by sharded adapters (TP) or replicated ones (FSDP2), each
+    rank writing its part, loads into fresh trainers of the same layout and continues bit for bit."""
+    out = tmp_path / "rank0.pt"
+    run_on_ranks(_resume_rank, parallel, model_dir, reference[0], tmp_path / "ckpt", out)
+    result = torch.load(out)
+    assert result["policy_version"] == 3  # 1 step, then the 2 resumed steps
+    assert result["resumed"] == result["continued"]
+    assert result["resumed_adapters"].keys() == result["adapters"].keys()
+    assert all(torch.equal(value, result["adapters"][key]) for key, value in result["resumed_adapters"].items())
 
 
 def test_a_checkpoint_that_does_not_fit_the_trainer_is_refused_naming_the_flag(model_dir, single_process, tmp_path):
