@@ -8,6 +8,7 @@ started on the same weights serves.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -60,6 +61,22 @@ class Reader(Actor):
         return {"version": version, "transport": snapshot.transport, "checksums": checksums,
                 "recomputed": recomputed, "fetch_s": snapshot.fetch_s, "num_bytes": snapshot.num_bytes,
                 "fetched_bytes": snapshot.fetched_bytes}
+
+    @endpoint
+    async def read_adapter(self, min_version: int) -> dict:
+        """The newest version >= min_version as a PEFT adapter directory on this reader's host:
+        its files, adapter_config.json, and the tensors adapter_model.safetensors holds."""
+        from safetensors.torch import load_file
+
+        store = await self._store()
+        async with store.lease(min_version=min_version, timeout_s=60) as snapshot:
+            directory = Path(snapshot.path)
+            return {
+                "version": snapshot.version, "transport": snapshot.transport,
+                "files": sorted(p.name for p in directory.iterdir()),
+                "adapter_config": json.loads((directory / "adapter_config.json").read_text()),
+                "tensors": load_file(str(directory / "adapter_model.safetensors")),
+            }
 
     @endpoint
     async def hold(self, key: str) -> None:
@@ -129,6 +146,28 @@ def test_a_version_crosses_to_a_host_once_however_many_readers_lease_it_there(cl
     assert second["fetched_bytes"] == 0  # mapped it
     for result in (first, second):
         assert result["checksums"] == result["recomputed"] == expected_checksums(version)
+
+
+def test_an_adapter_version_crosses_hosts_as_a_peft_directory(cluster):
+    """An adapter version read over RDMA (a generator on another host) is a PEFT adapter directory
+    there too: the record's files recreated beside the fetched copy, the weights link pointing
+    into it, the tensors exactly those published."""
+    loop, writer, shm_reader, (rdma_reader, _), _ = cluster
+    version = loop.run_until_complete(writer.latest_version()) + 1
+    adapters = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 4),
+    }
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    # Blocking, as the trainer's writer thread calls it (its index calls wait on their replies).
+    loop.run_until_complete(asyncio.to_thread(writer.publish_adapter_blocking, version, adapters, config, "/models/base"))
+    for reader, transport in ((rdma_reader, "rdma"), (shm_reader, "shm")):
+        read = loop.run_until_complete(reader.read_adapter.call_one(version))
+        assert (read["version"], read["transport"]) == (version, transport)
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(read["files"])
+        assert read["adapter_config"] == config
+        assert read["tensors"].keys() == adapters.keys()
+        assert all(torch.equal(read["tensors"][name], tensor) for name, tensor in adapters.items())
 
 
 def test_a_reader_waiting_for_a_version_gets_it_only_once_complete(cluster):
