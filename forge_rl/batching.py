@@ -32,6 +32,10 @@ class TrainBatch:
     advantage, plus its process and dense rewards when it has any (`forge_rl.advantages.token_advantages`)."""
     generator_N: torch.Tensor | None = None
     """[N] int64 index of the generator that sampled each completion (-1: unknown)."""
+    oldest_version_N: torch.Tensor | None = None
+    """[N] int64 policy version of each completion's oldest generated token
+    (`Completion.oldest_policy_version`). A row at the trainer's own version was sampled, every token
+    of it, by the weights the trainer holds: its mismatch is numerics alone (forge_rl/health.py)."""
     temperature_N: torch.Tensor | None = None
     """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
     its logits by it so that its logprobs describe the distribution the generator sampled from."""
@@ -92,7 +96,7 @@ def make_train_batch(
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO),
     `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
     """
-    rows, masks, behaviour, advantages, temperatures, references, generators = ([] for _ in range(7))
+    rows, masks, behaviour, advantages, temperatures, references, generators, oldest = ([] for _ in range(8))
     supports: list[list[list[int]] | None] = []
     routings, generated = [], []
     for episode in episodes:
@@ -103,6 +107,7 @@ def make_train_batch(
         for completion, completion_advantages in zip(episode.completions, per_token_advantages):
             advantages.append(prompt_zeros + completion_advantages)
             generators.append(generator)
+            oldest.append(completion.oldest_policy_version)
             rows.append(prompt + completion.token_ids)
             masks.append(prompt_false + completion.loss_mask)
             behaviour.append(prompt_zeros + completion.logprobs)
@@ -142,6 +147,7 @@ def make_train_batch(
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         advantages_NL=pad(advantages, 0.0, torch.float32),
         generator_N=torch.tensor(generators, dtype=torch.int64),
+        oldest_version_N=torch.tensor(oldest, dtype=torch.int64),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=support_NLK,
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,

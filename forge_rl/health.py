@@ -1,15 +1,20 @@
 """Run-health checks on the per-step metrics: warnings a person would want before the reward shows it.
 
-`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL
-(`mismatch_kl/generator/<i>`, reported by the trainer). With the weights a token's version names,
-the two logprobs differ only by numerics (and, with swap_kv=reuse, a token's prefix KV one version
-old), so the KL sits at a steady small level. A generator that serves other weights than its
+`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL over its completions sampled
+entirely at the trainer's own version (`mismatch_kl_fresh/generator/<i>`, reported by the trainer).
+There the trainer holds the very weights the tokens' version names, so the two logprobs differ only
+by numerics and the KL sits at a steady small level. A generator that serves other weights than its
 version labels say (an update that silently failed to apply, a stale adapter, another request's
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
 this is how silently stale weights were caught. The alarm compares each generator's KL with its own
 running level and with the other generators' at the same step, and warns with the step, the
-generator and the versions its tokens were labelled with. Staleness raises the KL legitimately, so
-a generator's own history counts only its steps whose trained tokens were at least as stale as now.
+generator and the versions its tokens were labelled with.
+
+Older tokens are left out: the trainer no longer holds the weights that sampled them, so their KL
+adds the policy lag, the size of the updates since, which no running level can predict. One step
+without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
+thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.08, and
+an alarm on it warned at 24-34 steps of healthy runs (docs/benchmarks.md, "Multi-turn recipe").
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_AGE_MAX
+from forge_rl.metrics import MISMATCH_KL_FRESH_BY_GENERATOR
 from forge_rl.types import Episode
 
 
@@ -32,8 +37,8 @@ class MismatchAlarmConfig:
     min_kl: float = 1e-3
     """Never warn below this KL: tiny models at fp32 sit near 1e-10, where any ratio is noise."""
     warmup_steps: int = 3
-    """Steps (at least as stale as the current one) a generator's running level is learned over
-    before its own history can raise the alarm."""
+    """Steps with fresh completions a generator's running level is learned over before its own
+    history can raise the alarm."""
 
     def __post_init__(self) -> None:
         if self.factor < 0 or (0 < self.factor <= 1):
@@ -52,8 +57,8 @@ class MismatchAlarm:
 
     def __init__(self, config: MismatchAlarmConfig):
         self.config = config
-        self._history: dict[int, collections.deque[tuple[float, int]]] = {}
-        """generator -> (mismatch KL, policy_age/max) of its recent steps."""
+        self._history: dict[int, collections.deque[float]] = {}
+        """generator -> fresh mismatch KL of its recent steps that had fresh completions."""
 
     def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
         """The warnings for this step (empty when all is well); updates the running levels."""
@@ -62,28 +67,27 @@ class MismatchAlarm:
         kl_by_generator = {
             int(name.rsplit("/", 1)[1]): value
             for name, value in metrics.items()
-            if name.startswith(MISMATCH_KL_BY_GENERATOR + "/")
+            if name.startswith(MISMATCH_KL_FRESH_BY_GENERATOR + "/")
         }
-        max_age = metrics.get(POLICY_AGE_MAX, 0)
         warnings = []
         for generator, kl in sorted(kl_by_generator.items()):
-            reference = self._reference_level(generator, kl_by_generator, max_age)
+            reference = self._reference_level(generator, kl_by_generator)
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
                 versions = _versions_of(episodes, generator)
                 warnings.append(
-                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} is {kl / max(reference, 1e-30):.3g}x "
-                    f"its reference level {reference:.3g}; its tokens are labelled with policy versions {versions} "
-                    f"(trained at {train_version}). Its weights may not be what their version says (an update "
-                    "that did not apply?)."
+                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on completions of the "
+                    f"trainer's own version is {kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; "
+                    f"its tokens are labelled with policy versions {versions} (trained at {train_version}). Its "
+                    "weights may not be what their version says (an update that did not apply?)."
                 )
-            self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append((kl, max_age))
+            self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
         return warnings
 
-    def _reference_level(self, generator: int, kl_by_generator: dict[int, float], max_age: int) -> float | None:
+    def _reference_level(self, generator: int, kl_by_generator: dict[int, float]) -> float | None:
         levels = []
-        comparable = [kl for kl, age in self._history.get(generator, ()) if age >= max_age]
-        if len(comparable) >= self.config.warmup_steps:
-            levels.append(statistics.median(comparable))
+        history = self._history.get(generator, ())
+        if len(history) >= self.config.warmup_steps:
+            levels.append(statistics.median(history))
         others = [kl for g, kl in kl_by_generator.items() if g != generator]
         if others:
             levels.append(statistics.median(others))

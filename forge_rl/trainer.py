@@ -28,6 +28,7 @@ from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, toke
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
 from forge_rl.metrics import (
     MISMATCH_KL_BY_GENERATOR,
+    MISMATCH_KL_FRESH_BY_GENERATOR,
     POLICY_ENTROPY,
     TRAINER_BACKWARD_S,
     TRAINER_FORWARD_S,
@@ -312,23 +313,35 @@ class PolicyTrainer:
         loss_mask_NL: torch.Tensor,
     ) -> dict[str, float]:
         """Trainer-vs-sampler mismatch KL (k3, token mean) of each generator's completions in the
-        batch, `mismatch_kl/generator/<i>`: a generator whose weights are not what its version
-        labels say stands out here long before the reward shows it (forge_rl/health.py)."""
+        batch: over all of them, `mismatch_kl/generator/<i>` (policy lag included: a token one
+        version old was sampled by weights the trainer no longer holds), and over those sampled
+        entirely at the trainer's own version, `mismatch_kl_fresh/generator/<i>` (absent when a
+        generator has none). Only the fresh KL compares a generator's weights with what its version
+        labels say, so a generator serving other weights stands out there long before the reward
+        shows it (forge_rl/health.py watches it)."""
         generators = sorted({g for g in batch.generator_N.tolist() if g >= 0}) if batch.generator_N is not None else []
         if not generators:
             return {}
         kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
         owner_N = shard.generator_N.to(self.device)
+        fresh_N = torch.ones_like(owner_N, dtype=torch.bool)
+        if shard.oldest_version_N is not None:
+            fresh_N = shard.oldest_version_N.to(self.device) == self.policy_version
         sums, counts = [], []
         for generator in generators:
             mask_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
-            sums.append(torch.where(mask_NL, kl_NL, 0.0).sum().item())
-            counts.append(float(mask_NL.sum().item()))
+            fresh_NL = mask_NL & fresh_N.unsqueeze(-1)
+            for m_NL in (mask_NL, fresh_NL):
+                sums.append(torch.where(m_NL, kl_NL, 0.0).sum().item())
+                counts.append(float(m_NL.sum().item()))
         totals = self._dp_reduce(sums + counts, dist.ReduceOp.SUM)
-        return {
-            f"{MISMATCH_KL_BY_GENERATOR}/{g}": total / max(count, 1.0)
-            for g, total, count in zip(generators, totals[: len(generators)], totals[len(generators) :])
-        }
+        sums, counts = totals[: len(sums)], totals[len(sums) :]
+        metrics = {}
+        for i, g in enumerate(generators):
+            metrics[f"{MISMATCH_KL_BY_GENERATOR}/{g}"] = sums[2 * i] / max(counts[2 * i], 1.0)
+            if counts[2 * i + 1]:
+                metrics[f"{MISMATCH_KL_FRESH_BY_GENERATOR}/{g}"] = sums[2 * i + 1] / counts[2 * i + 1]
+        return metrics
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One AdamW step on the policy loss of `batch` (the full batch, identical on every rank).

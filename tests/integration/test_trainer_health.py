@@ -51,6 +51,38 @@ def test_a_generator_sampling_with_stale_weights_stands_out_and_raises_the_alarm
 
     assert metrics["mismatch_kl/generator/0"] < 1e-6
     assert metrics["mismatch_kl/generator/1"] > 1e-2
+    # Every completion is at the trainer's version (0): the fresh KL is the same.
+    assert metrics["mismatch_kl_fresh/generator/1"] == metrics["mismatch_kl/generator/1"]
     assert 0 < metrics[POLICY_ENTROPY] <= math.log(VOCAB_SIZE)
     (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(1, metrics, episodes_from_two_generators(), 0)
     assert "generator 1's sampler mismatch" in warning
+
+
+def test_the_fresh_mismatch_leaves_out_completions_sampled_before_the_last_update(model_dir, single_process):
+    """One version old, a token was sampled by weights the trainer no longer holds: its KL is the
+    update's size (policy lag), which the all-token KL includes and the fresh KL does not. A
+    multi-turn completion whose first turn predates the update is not fresh either."""
+    trainer = PolicyTrainer(TrainerConfig(lr=1e-2), model_dir)
+    pad_id = read_hf_config(model_dir)["pad_token_id"]
+    episodes = episodes_from_two_generators()
+    version_0 = make_train_batch(episodes, pad_id=pad_id)
+    behaviour_0 = trainer.compute_logprobs(version_0) * version_0.loss_mask_NL
+    trainer.train_step(dataclasses.replace(version_0, behaviour_logprobs_NL=behaviour_0))  # now at version 1
+    # Generator 0's completions: fresh (sampled at 1). Generator 1's: the first half of each at 0,
+    # the rest at 1 (an update between two turns), with the logprobs of the weights that sampled each.
+    behaviour_1 = trainer.compute_logprobs(version_0)
+    for episode in episodes:
+        for completion in episode.completions:
+            completion.policy_versions = [1] * 4 if episode.generator_index == 0 else [0, 0, 1, 1]
+    batch = make_train_batch(episodes, pad_id=pad_id)
+    spans_update_NL = (batch.generator_N == 1).unsqueeze(-1) & torch.arange(batch.input_ids_NL.shape[1]).lt(
+        batch.lengths_N.unsqueeze(-1) - 2
+    )
+    behaviour = torch.where(spans_update_NL, behaviour_0, behaviour_1) * batch.loss_mask_NL
+
+    metrics = trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
+
+    assert metrics["mismatch_kl_fresh/generator/0"] < 1e-6
+    assert metrics["mismatch_kl/generator/0"] < 1e-6
+    assert "mismatch_kl_fresh/generator/1" not in metrics
+    assert metrics["mismatch_kl/generator/1"] > 1e-4  # the first update's size

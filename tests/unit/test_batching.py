@@ -28,6 +28,18 @@ def test_errored_completions_keep_their_row_fully_masked_with_zero_advantage():
     assert completion_advantages(batch) == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
 
 
+def test_each_row_carries_the_version_of_its_oldest_generated_token():
+    """A trajectory whose first turn predates an update is as old as that turn (the trainer's fresh
+    mismatch, forge_rl/health.py, leaves it out)."""
+    episode = make_episode(prompt_token_ids=(1,), rewards=(1.0, 0.0), num_tokens=2)
+    episode.completions[0].policy_versions = [4, 4]
+    episode.completions[1] = Completion(
+        token_ids=[7, 8, 9, 10], logprobs=[0.0, -0.3, 0.0, -0.2], policy_versions=[3, 3, 3, 4],
+        generated=[False, True, False, True], reward=0.0,
+    )
+    assert make_train_batch([episode], pad_id=0).oldest_version_N.tolist() == [4, 3]
+
+
 def test_shards_split_rows_evenly_across_data_parallel_ranks():
     batch = make_train_batch([make_episode(i) for i in range(2)], pad_id=0)
     shards = [batch.shard(rank, 2) for rank in range(2)]
