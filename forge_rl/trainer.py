@@ -313,25 +313,24 @@ class PolicyTrainer:
         loss_mask_NL: torch.Tensor,
     ) -> dict[str, float]:
         """Trainer-vs-sampler mismatch KL (k3, token mean) of each generator's completions in the
-        batch: over all of them, `mismatch_kl/generator/<i>` (policy lag included: a token one
-        version old was sampled by weights the trainer no longer holds), and over those sampled
-        entirely at the trainer's own version, `mismatch_kl_fresh/generator/<i>` (absent when a
-        generator has none). Only the fresh KL compares a generator's weights with what its version
-        labels say, so a generator serving other weights stands out there long before the reward
-        shows it (forge_rl/health.py watches it)."""
+        batch: over all their trained tokens, `mismatch_kl/generator/<i>` (policy lag included: a
+        token one version old was sampled by weights the trainer no longer holds), and over those
+        whose weights and KV were all the trainer's version (`TrainBatch.exact_version_NL`),
+        `mismatch_kl_fresh/generator/<i>` (absent when a generator has none). Only the fresh KL
+        compares a generator's weights with what its version labels say, so a generator serving
+        other weights stands out there long before the reward shows it (forge_rl/health.py)."""
         generators = sorted({g for g in batch.generator_N.tolist() if g >= 0}) if batch.generator_N is not None else []
         if not generators:
             return {}
         kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
         owner_N = shard.generator_N.to(self.device)
-        fresh_N = torch.ones_like(owner_N, dtype=torch.bool)
-        if shard.oldest_version_N is not None:
-            fresh_N = shard.oldest_version_N.to(self.device) == self.policy_version
+        fresh_NL = loss_mask_NL
+        if shard.exact_version_NL is not None:
+            fresh_NL = fresh_NL & (shard.exact_version_NL.to(self.device) == self.policy_version)
         sums, counts = [], []
         for generator in generators:
-            mask_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
-            fresh_NL = mask_NL & fresh_N.unsqueeze(-1)
-            for m_NL in (mask_NL, fresh_NL):
+            owned_NL = (owner_N == generator).unsqueeze(-1)
+            for m_NL in (loss_mask_NL & owned_NL, fresh_NL & owned_NL):
                 sums.append(torch.where(m_NL, kl_NL, 0.0).sum().item())
                 counts.append(float(m_NL.sum().item()))
         totals = self._dp_reduce(sums + counts, dist.ReduceOp.SUM)

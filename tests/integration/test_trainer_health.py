@@ -58,31 +58,35 @@ def test_a_generator_sampling_with_stale_weights_stands_out_and_raises_the_alarm
     assert "generator 1's sampler mismatch" in warning
 
 
-def test_the_fresh_mismatch_leaves_out_completions_sampled_before_the_last_update(model_dir, single_process):
-    """One version old, a token was sampled by weights the trainer no longer holds: its KL is the
-    update's size (policy lag), which the all-token KL includes and the fresh KL does not. A
-    multi-turn completion whose first turn predates the update is not fresh either."""
+def test_the_fresh_mismatch_counts_only_tokens_whose_weights_and_kv_are_the_trainers_version(
+    model_dir, single_process
+):
+    """After one update (the trainer at version 1): generator 0's turns had a swap in their middle,
+    so their later tokens attended to KV of version 0 and are left out; generator 1's episodes
+    had it between two turns, so their second turns were encoded and sampled by version 1 alone
+    and are the fresh ones. Tokens of version 0 add the update's size (policy lag) to the
+    all-token KL only."""
     trainer = PolicyTrainer(TrainerConfig(lr=1e-2), model_dir)
     pad_id = read_hf_config(model_dir)["pad_token_id"]
     episodes = episodes_from_two_generators()
     version_0 = make_train_batch(episodes, pad_id=pad_id)
     behaviour_0 = trainer.compute_logprobs(version_0) * version_0.loss_mask_NL
     trainer.train_step(dataclasses.replace(version_0, behaviour_logprobs_NL=behaviour_0))  # now at version 1
-    # Generator 0's completions: fresh (sampled at 1). Generator 1's: the first half of each at 0,
-    # the rest at 1 (an update between two turns), with the logprobs of the weights that sampled each.
     behaviour_1 = trainer.compute_logprobs(version_0)
     for episode in episodes:
         for completion in episode.completions:
-            completion.policy_versions = [1] * 4 if episode.generator_index == 0 else [0, 0, 1, 1]
+            completion.policy_versions = [0, 0, 1, 1]
+            if episode.generator_index == 1:  # a turn, an observation token, a second turn
+                completion.generated = [True, False, True, True]
+                completion.logprobs[1] = 0.0
     batch = make_train_batch(episodes, pad_id=pad_id)
-    spans_update_NL = (batch.generator_N == 1).unsqueeze(-1) & torch.arange(batch.input_ids_NL.shape[1]).lt(
-        batch.lengths_N.unsqueeze(-1) - 2
-    )
-    behaviour = torch.where(spans_update_NL, behaviour_0, behaviour_1) * batch.loss_mask_NL
+    # Behaviour logprobs of the weights that sampled each token: version 0 before the swap, 1 after.
+    after_swap_NL = torch.arange(batch.input_ids_NL.shape[1]) >= batch.lengths_N.unsqueeze(-1) - 2
+    behaviour = torch.where(after_swap_NL, behaviour_1, behaviour_0) * batch.loss_mask_NL
 
     metrics = trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
 
-    assert metrics["mismatch_kl_fresh/generator/0"] < 1e-6
-    assert metrics["mismatch_kl/generator/0"] < 1e-6
-    assert "mismatch_kl_fresh/generator/1" not in metrics
-    assert metrics["mismatch_kl/generator/1"] > 1e-4  # the first update's size
+    assert "mismatch_kl_fresh/generator/0" not in metrics
+    assert metrics["mismatch_kl/generator/0"] > 1e-4  # the first update's size
+    assert metrics["mismatch_kl_fresh/generator/1"] < 1e-6
+    assert metrics["mismatch_kl/generator/1"] > 1e-4
