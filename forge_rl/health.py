@@ -1,19 +1,21 @@
 """Run-health checks on the per-step metrics: warnings a person would want before the reward shows it.
 
-`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL over its completions sampled
-entirely at the trainer's own version (`mismatch_kl_fresh/generator/<i>`, reported by the trainer).
-There the trainer holds the very weights the tokens' version names, so the two logprobs differ only
-by numerics and the KL sits at a steady small level. A generator that serves other weights than its
-version labels say (an update that silently failed to apply, a stale adapter, another request's
+`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL over its exact tokens: those
+whose turn so far was sampled at the trainer's own version, so that its weights computed the token
+and every KV it attended to (`mismatch_kl_fresh/generator/<i>`, reported by the trainer;
+forge_rl/batching.py `exact_versions`). There the two logprobs differ only by numerics and the KL
+sits at a steady small level (about 1e-9 in fp32 on CPU). A generator that serves other weights than
+its version labels say (an update that silently failed to apply, a stale adapter, another request's
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
 this is how silently stale weights were caught. The alarm compares each generator's KL with its own
 running level and with the other generators' at the same step, and warns with the step, the
 generator and the versions its tokens were labelled with.
 
-Older tokens are left out: the trainer no longer holds the weights that sampled them, so their KL
-adds the policy lag, the size of the updates since, which no running level can predict. One step
-without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
-thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.08, and
+Other tokens are left out: the trainer no longer holds the weights that sampled them (older
+tokens), or they attended to KV of older weights (tokens after a mid-turn swap, swap_kv reuse), so
+their KL adds the policy lag, the size of the updates since, which no running level predicts. One
+step without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
+thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.09, and
 an alarm on it warned at 24-34 steps of healthy runs (docs/benchmarks.md, "Multi-turn recipe").
 """
 
@@ -37,8 +39,8 @@ class MismatchAlarmConfig:
     min_kl: float = 1e-3
     """Never warn below this KL: tiny models at fp32 sit near 1e-10, where any ratio is noise."""
     warmup_steps: int = 3
-    """Steps with fresh completions a generator's running level is learned over before its own
-    history can raise the alarm."""
+    """Steps with exact tokens a generator's running level is learned over before its own history
+    can raise the alarm."""
 
     def __post_init__(self) -> None:
         if self.factor < 0 or (0 < self.factor <= 1):
@@ -58,7 +60,7 @@ class MismatchAlarm:
     def __init__(self, config: MismatchAlarmConfig):
         self.config = config
         self._history: dict[int, collections.deque[float]] = {}
-        """generator -> fresh mismatch KL of its recent steps that had fresh completions."""
+        """generator -> fresh mismatch KL of its recent steps that had exact tokens."""
 
     def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
         """The warnings for this step (empty when all is well); updates the running levels."""
@@ -75,7 +77,7 @@ class MismatchAlarm:
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
                 versions = _versions_of(episodes, generator)
                 warnings.append(
-                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on completions of the "
+                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on tokens of the "
                     f"trainer's own version is {kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; "
                     f"its tokens are labelled with policy versions {versions} (trained at {train_version}). Its "
                     "weights may not be what their version says (an update that did not apply?)."

@@ -7,7 +7,7 @@ from tests.unit.builders import make_episode
 
 
 def step_metrics(**kl_by_generator: float) -> dict:
-    """The fresh mismatch KL (completions at the trainer's version) the alarm watches, per generator."""
+    """The fresh mismatch KL (exact tokens of the trainer's version) the alarm watches, per generator."""
     return {f"mismatch_kl_fresh/generator/{name.removeprefix('g')}": kl for name, kl in kl_by_generator.items()}
 
 
@@ -45,7 +45,7 @@ def test_the_policy_lag_of_older_tokens_never_raises_the_alarm():
         assert alarm.observe(step, metrics, [], step) == []
 
 
-def test_a_generator_that_keeps_serving_old_weights_is_caught_on_its_fresh_completions():
+def test_a_generator_that_keeps_serving_old_weights_is_caught_on_its_exact_tokens():
     """An update that silently did not apply: tokens labelled with the trainer's version were
     sampled by weights one, then two, then three updates old."""
     alarm = MismatchAlarm(MismatchAlarmConfig(warmup_steps=2))
@@ -53,10 +53,10 @@ def test_a_generator_that_keeps_serving_old_weights_is_caught_on_its_fresh_compl
         assert alarm.observe(step, step_metrics(g0=5e-9), [], step) == []
     assert alarm.observe(4, step_metrics(g0=4e-4), [], 4) == []  # below min_kl: not yet told from noise
     (warning,) = alarm.observe(5, step_metrics(g0=3e-3), [], 5)
-    assert "generator 0's sampler mismatch KL 0.003 on completions of the trainer's own version" in warning
+    assert "generator 0's sampler mismatch KL 0.003 on tokens of the trainer's own version" in warning
 
 
-def test_a_step_without_fresh_completions_leaves_the_running_level_alone():
+def test_a_step_without_exact_tokens_leaves_the_running_level_alone():
     alarm = MismatchAlarm(MismatchAlarmConfig(warmup_steps=2))
     for step in (1, 2):
         assert alarm.observe(step, step_metrics(g0=5e-9), [], step) == []
