@@ -324,23 +324,22 @@ class PolicyTrainer:
             return {}
         kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
         owner_N = shard.generator_N.to(self.device)
-        fresh_NL = loss_mask_NL
+        exact_NL = torch.ones_like(loss_mask_NL)
         if shard.exact_version_NL is not None:
-            fresh_NL = fresh_NL & (shard.exact_version_NL.to(self.device) == self.policy_version)
-        sums, counts = [], []
+            exact_NL = shard.exact_version_NL.to(self.device) == self.policy_version
+        masks = {}
         for generator in generators:
-            owned_NL = (owner_N == generator).unsqueeze(-1)
-            for m_NL in (loss_mask_NL & owned_NL, fresh_NL & owned_NL):
-                sums.append(torch.where(m_NL, kl_NL, 0.0).sum().item())
-                counts.append(float(m_NL.sum().item()))
+            owned_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
+            masks[f"{MISMATCH_KL_BY_GENERATOR}/{generator}"] = owned_NL
+            masks[f"{MISMATCH_KL_FRESH_BY_GENERATOR}/{generator}"] = owned_NL & exact_NL
+        sums = [torch.where(mask_NL, kl_NL, 0.0).sum().item() for mask_NL in masks.values()]
+        counts = [float(mask_NL.sum().item()) for mask_NL in masks.values()]
         totals = self._dp_reduce(sums + counts, dist.ReduceOp.SUM)
-        sums, counts = totals[: len(sums)], totals[len(sums) :]
-        metrics = {}
-        for i, g in enumerate(generators):
-            metrics[f"{MISMATCH_KL_BY_GENERATOR}/{g}"] = sums[2 * i] / max(counts[2 * i], 1.0)
-            if counts[2 * i + 1]:
-                metrics[f"{MISMATCH_KL_FRESH_BY_GENERATOR}/{g}"] = sums[2 * i + 1] / counts[2 * i + 1]
-        return metrics
+        return {
+            name: total / max(count, 1.0)
+            for name, total, count in zip(masks, totals[: len(masks)], totals[len(masks) :])
+            if count or name.startswith(MISMATCH_KL_BY_GENERATOR + "/")  # no exact tokens: no fresh KL
+        }
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One AdamW step on the policy loss of `batch` (the full batch, identical on every rank).
