@@ -164,7 +164,9 @@ def exact_versions(completion: Completion) -> list[int]:
     that samples its first token (a request is salted with the version it is submitted under, and
     one arriving during a swap is held until the swap ends: forge_rl/engines/vllm_engine.py). A
     swap in the middle of a turn (swap_mode keep, swap_kv reuse) leaves the rest of the turn
-    attending to KV of the older weights, so those tokens count as that older version. A turn is a
+    attending to KV of the older weights, so those tokens count as that older version (after a
+    swap that re-encoded the prefix, swap_kv recompute or swap_mode abort, they would be exact,
+    but the record does not say which swap it was: they count as older all the same). A turn is a
     run of generated tokens; context tokens end it.
 
         versions [3, 3, 4, 4] generated [T, T, T, T] -> [3, 3, 3, 3]   (swap mid-turn)
