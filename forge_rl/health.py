@@ -17,6 +17,12 @@ their KL adds the policy lag, the size of the updates since, which no running le
 step without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
 thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.09, and
 an alarm on it warned at 24-34 steps of healthy runs (docs/benchmarks.md, "Multi-turn recipe").
+
+A step may hold no exact token of a generator: single-turn async batches hold almost none (the
+demo at max_policy_age 1: at 1 step of 60; presumably because each batch is taken while the step
+before it trains, before the trainer's version is published). Then only the other generators' KL
+over all their tokens at the same step compares (the same updates lag them all); a lone generator
+goes unchecked that step.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-from forge_rl.metrics import MISMATCH_KL_FRESH_BY_GENERATOR
+from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, MISMATCH_KL_FRESH_BY_GENERATOR
 from forge_rl.types import Episode
 
 
@@ -66,34 +72,40 @@ class MismatchAlarm:
         """The warnings for this step (empty when all is well); updates the running levels."""
         if not self.config.factor:
             return []
-        kl_by_generator = {
-            int(name.rsplit("/", 1)[1]): value
-            for name, value in metrics.items()
-            if name.startswith(MISMATCH_KL_FRESH_BY_GENERATOR + "/")
-        }
+        exact = _by_generator(metrics, MISMATCH_KL_FRESH_BY_GENERATOR)
+        all_tokens = _by_generator(metrics, MISMATCH_KL_BY_GENERATOR)
         warnings = []
-        for generator, kl in sorted(kl_by_generator.items()):
-            reference = self._reference_level(generator, kl_by_generator)
+        for generator in sorted(exact.keys() | all_tokens.keys()):
+            if generator in exact:
+                kl, reference, which = exact[generator], self._reference_level(generator, exact), "tokens of the trainer's own version"
+                self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
+            else:  # no exact token: only the other generators, lagged by the same updates, compare
+                others = [value for g, value in all_tokens.items() if g != generator]
+                kl, reference, which = all_tokens[generator], statistics.median(others) if others else None, "all its tokens"
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
-                versions = _versions_of(episodes, generator)
                 warnings.append(
-                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on tokens of the "
-                    f"trainer's own version is {kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; "
-                    f"its tokens are labelled with policy versions {versions} (trained at {train_version}). Its "
+                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on {which} is "
+                    f"{kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; its tokens are labelled "
+                    f"with policy versions {_versions_of(episodes, generator)} (trained at {train_version}). Its "
                     "weights may not be what their version says (an update that did not apply?)."
                 )
-            self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
         return warnings
 
-    def _reference_level(self, generator: int, kl_by_generator: dict[int, float]) -> float | None:
+    def _reference_level(self, generator: int, exact: dict[int, float]) -> float | None:
+        """The lower of its own running level (after warm-up) and the others' median this step."""
         levels = []
         history = self._history.get(generator, ())
         if len(history) >= self.config.warmup_steps:
             levels.append(statistics.median(history))
-        others = [kl for g, kl in kl_by_generator.items() if g != generator]
+        others = [kl for g, kl in exact.items() if g != generator]
         if others:
             levels.append(statistics.median(others))
         return min(levels) if levels else None
+
+
+def _by_generator(metrics: dict, prefix: str) -> dict[int, float]:
+    """{generator: value} of the metrics named `<prefix>/<generator>`."""
+    return {int(name.rsplit("/", 1)[1]): value for name, value in metrics.items() if name.startswith(prefix + "/")}
 
 
 def _versions_of(episodes: Sequence[Episode], generator: int) -> str:

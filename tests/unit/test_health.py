@@ -64,6 +64,15 @@ def test_a_step_without_exact_tokens_leaves_the_running_level_alone():
     assert len(alarm.observe(4, step_metrics(g0=0.05), [], 4)) == 1
 
 
+def test_without_exact_tokens_a_generator_is_compared_with_the_others_lagged_by_the_same_updates():
+    """Single-turn async batches are taken ahead of the step: no token is of the trainer's version.
+    Every generator's KL then carries the same updates' lag; one far above the others stands out."""
+    alarm = MismatchAlarm(MismatchAlarmConfig())
+    lagged = {"mismatch_kl/generator/0": 2e-3, "mismatch_kl/generator/1": 3e-3, "mismatch_kl/generator/2": 0.2}
+    (warning,) = alarm.observe(1, lagged, [], 1)
+    assert "generator 2's sampler mismatch KL 0.2 on all its tokens is" in warning
+
+
 def test_kl_at_numerical_noise_never_warns_and_factor_0_turns_the_alarm_off():
     alarm = MismatchAlarm(MismatchAlarmConfig())
     assert alarm.observe(1, step_metrics(g0=1e-12, g1=1e-8), [], 1) == []  # 10000x, but below min_kl
