@@ -9,7 +9,7 @@ import torch
 
 from forge_rl.advantages import token_advantages
 from forge_rl.routing import batch_routing
-from forge_rl.types import Episode
+from forge_rl.types import Completion, Episode
 
 
 @dataclass
@@ -32,6 +32,11 @@ class TrainBatch:
     advantage, plus its process and dense rewards when it has any (`forge_rl.advantages.token_advantages`)."""
     generator_N: torch.Tensor | None = None
     """[N] int64 index of the generator that sampled each completion (-1: unknown)."""
+    exact_version_NL: torch.Tensor | None = None
+    """[N, L] int64: at each generated token, the oldest policy version whose weights computed it
+    or any KV it attended to (-1 elsewhere), as `exact_versions`. Where it equals the trainer's
+    version, the trainer holds every weight that sampled the token: the two logprobs differ by
+    numerics alone (the fresh mismatch, forge_rl/health.py)."""
     temperature_N: torch.Tensor | None = None
     """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
     its logits by it so that its logprobs describe the distribution the generator sampled from."""
@@ -92,7 +97,7 @@ def make_train_batch(
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO),
     `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
     """
-    rows, masks, behaviour, advantages, temperatures, references, generators = ([] for _ in range(7))
+    rows, masks, behaviour, advantages, temperatures, references, generators, exact = ([] for _ in range(8))
     supports: list[list[list[int]] | None] = []
     routings, generated = [], []
     for episode in episodes:
@@ -103,6 +108,7 @@ def make_train_batch(
         for completion, completion_advantages in zip(episode.completions, per_token_advantages):
             advantages.append(prompt_zeros + completion_advantages)
             generators.append(generator)
+            exact.append([-1] * len(prompt) + exact_versions(completion))
             rows.append(prompt + completion.token_ids)
             masks.append(prompt_false + completion.loss_mask)
             behaviour.append(prompt_zeros + completion.logprobs)
@@ -142,6 +148,7 @@ def make_train_batch(
         behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
         advantages_NL=pad(advantages, 0.0, torch.float32),
         generator_N=torch.tensor(generators, dtype=torch.int64),
+        exact_version_NL=pad(exact, -1, torch.int64),
         temperature_N=torch.tensor(temperatures, dtype=torch.float32),
         support_NLK=support_NLK,
         reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
@@ -149,6 +156,31 @@ def make_train_batch(
         routed_experts_NLXK=None if routing is None else routing[0],
         routed_NL=None if routing is None else routing[1],
     )
+
+
+def exact_versions(completion: Completion) -> list[int]:
+    """Per token, [T]: for a generated token, the oldest version among its turn's generated tokens
+    up to it; -1 for context. A turn is one vLLM request, whose prefix is encoded by the version
+    that samples its first token (a request is salted with the version it is submitted under, and
+    one arriving during a swap is held until the swap ends: forge_rl/engines/vllm_engine.py). A
+    swap in the middle of a turn (swap_mode keep, swap_kv reuse) leaves the rest of the turn
+    attending to KV of the older weights, so those tokens count as that older version (after a
+    swap that re-encoded the prefix, swap_kv recompute or swap_mode abort, they would be exact,
+    but the record does not say which swap it was: they count as older all the same). A turn is a
+    run of generated tokens; context tokens end it.
+
+        versions [3, 3, 4, 4] generated [T, T, T, T] -> [3, 3, 3, 3]   (swap mid-turn)
+        versions [3, 3, 3, 4] generated [T, F, F, T] -> [3, -1, -1, 4] (swap between two turns)
+    """
+    out, oldest = [], None
+    for version, generated in zip(completion.policy_versions, completion.generated_mask):
+        if not generated:
+            out.append(-1)
+            oldest = None
+            continue
+        oldest = version if oldest is None else min(oldest, version)
+        out.append(oldest)
+    return out
 
 
 def kept_sets(supports: list[list[list[int]]], length: int) -> torch.Tensor | None:

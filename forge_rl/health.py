@@ -1,15 +1,28 @@
 """Run-health checks on the per-step metrics: warnings a person would want before the reward shows it.
 
-`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL
-(`mismatch_kl/generator/<i>`, reported by the trainer). With the weights a token's version names,
-the two logprobs differ only by numerics (and, with swap_kv=reuse, a token's prefix KV one version
-old), so the KL sits at a steady small level. A generator that serves other weights than its
-version labels say (an update that silently failed to apply, a stale adapter, another request's
+`MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL over its exact tokens: those
+whose turn so far was sampled at the trainer's own version, so that its weights computed the token
+and every KV it attended to (`mismatch_kl_fresh/generator/<i>`, reported by the trainer;
+forge_rl/batching.py `exact_versions`). There the two logprobs differ only by numerics and the KL
+sits at a steady small level (about 1e-9 in fp32 on CPU). A generator that serves other weights than
+its version labels say (an update that silently failed to apply, a stale adapter, another request's
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
 this is how silently stale weights were caught. The alarm compares each generator's KL with its own
 running level and with the other generators' at the same step, and warns with the step, the
-generator and the versions its tokens were labelled with. Staleness raises the KL legitimately, so
-a generator's own history counts only its steps whose trained tokens were at least as stale as now.
+generator and the versions its tokens were labelled with.
+
+Other tokens are left out: the trainer no longer holds the weights that sampled them (older
+tokens), or they attended to KV of older weights (tokens after a mid-turn swap, swap_kv reuse), so
+their KL adds the policy lag, the size of the updates since, which no running level predicts. One
+step without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
+thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.09, and
+an alarm on it warned at 24-34 steps of healthy runs (docs/benchmarks.md, "Multi-turn recipe").
+
+A step may hold no exact token of a generator: single-turn async batches hold almost none (the
+demo at max_policy_age 1: at 1 step of 60; presumably because each batch is taken while the step
+before it trains, before the trainer's version is published). Then only the other generators' KL
+over all their tokens at the same step compares (the same updates lag them all); a lone generator
+goes unchecked that step.
 """
 
 from __future__ import annotations
@@ -19,7 +32,7 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 
-from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, POLICY_AGE_MAX
+from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, MISMATCH_KL_FRESH_BY_GENERATOR
 from forge_rl.types import Episode
 
 
@@ -32,8 +45,8 @@ class MismatchAlarmConfig:
     min_kl: float = 1e-3
     """Never warn below this KL: tiny models at fp32 sit near 1e-10, where any ratio is noise."""
     warmup_steps: int = 3
-    """Steps (at least as stale as the current one) a generator's running level is learned over
-    before its own history can raise the alarm."""
+    """Steps with exact tokens a generator's running level is learned over before its own history
+    can raise the alarm."""
 
     def __post_init__(self) -> None:
         if self.factor < 0 or (0 < self.factor <= 1):
@@ -52,42 +65,47 @@ class MismatchAlarm:
 
     def __init__(self, config: MismatchAlarmConfig):
         self.config = config
-        self._history: dict[int, collections.deque[tuple[float, int]]] = {}
-        """generator -> (mismatch KL, policy_age/max) of its recent steps."""
+        self._history: dict[int, collections.deque[float]] = {}
+        """generator -> fresh mismatch KL of its recent steps that had exact tokens."""
 
     def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
         """The warnings for this step (empty when all is well); updates the running levels."""
         if not self.config.factor:
             return []
-        kl_by_generator = {
-            int(name.rsplit("/", 1)[1]): value
-            for name, value in metrics.items()
-            if name.startswith(MISMATCH_KL_BY_GENERATOR + "/")
-        }
-        max_age = metrics.get(POLICY_AGE_MAX, 0)
+        exact = _by_generator(metrics, MISMATCH_KL_FRESH_BY_GENERATOR)
+        all_tokens = _by_generator(metrics, MISMATCH_KL_BY_GENERATOR)
         warnings = []
-        for generator, kl in sorted(kl_by_generator.items()):
-            reference = self._reference_level(generator, kl_by_generator, max_age)
+        for generator in sorted(exact.keys() | all_tokens.keys()):
+            if generator in exact:
+                kl, reference, which = exact[generator], self._reference_level(generator, exact), "tokens of the trainer's own version"
+                self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
+            else:  # no exact token: only the other generators, lagged by the same updates, compare
+                others = [value for g, value in all_tokens.items() if g != generator]
+                kl, reference, which = all_tokens[generator], statistics.median(others) if others else None, "all its tokens"
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
-                versions = _versions_of(episodes, generator)
                 warnings.append(
-                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} is {kl / max(reference, 1e-30):.3g}x "
-                    f"its reference level {reference:.3g}; its tokens are labelled with policy versions {versions} "
-                    f"(trained at {train_version}). Its weights may not be what their version says (an update "
-                    "that did not apply?)."
+                    f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on {which} is "
+                    f"{kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; its tokens are labelled "
+                    f"with policy versions {_versions_of(episodes, generator)} (trained at {train_version}). Its "
+                    "weights may not be what their version says (an update that did not apply?)."
                 )
-            self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append((kl, max_age))
         return warnings
 
-    def _reference_level(self, generator: int, kl_by_generator: dict[int, float], max_age: int) -> float | None:
+    def _reference_level(self, generator: int, exact: dict[int, float]) -> float | None:
+        """The lower of its own running level (after warm-up) and the others' median this step."""
         levels = []
-        comparable = [kl for kl, age in self._history.get(generator, ()) if age >= max_age]
-        if len(comparable) >= self.config.warmup_steps:
-            levels.append(statistics.median(comparable))
-        others = [kl for g, kl in kl_by_generator.items() if g != generator]
+        history = self._history.get(generator, ())
+        if len(history) >= self.config.warmup_steps:
+            levels.append(statistics.median(history))
+        others = [kl for g, kl in exact.items() if g != generator]
         if others:
             levels.append(statistics.median(others))
         return min(levels) if levels else None
+
+
+def _by_generator(metrics: dict, prefix: str) -> dict[int, float]:
+    """{generator: value} of the metrics named `<prefix>/<generator>`."""
+    return {int(name.rsplit("/", 1)[1]): value for name, value in metrics.items() if name.startswith(prefix + "/")}
 
 
 def _versions_of(episodes: Sequence[Episode], generator: int) -> str:

@@ -47,9 +47,16 @@ ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
 POLICY_ENTROPY = "policy/entropy"
 """Mean entropy (nats) of the policy's next-token distribution over the trained tokens."""
 MISMATCH_KL = "loss/mismatch_kl"
-"""Trainer-vs-sampler KL (k3) over the trained tokens: numerics, staleness-free when weights agree."""
+"""Trainer-vs-sampler KL (k3) over the trained tokens, at the trainer's weights: numerics on tokens of
+the trainer's own version, plus the policy lag of older tokens (sampled by weights since updated)."""
 MISMATCH_KL_BY_GENERATOR = "mismatch_kl/generator"
-"""Prefix of the same KL per generator: `mismatch_kl/generator/<i>` (forge_rl/health.py watches it)."""
+"""Prefix of the same KL per generator: `mismatch_kl/generator/<i>`. Tokens older than the trainer's
+version add their policy lag (the last updates' size), so it moves with the updates."""
+MISMATCH_KL_FRESH_BY_GENERATOR = "mismatch_kl_fresh/generator"
+"""Prefix of the KL per generator over its exact tokens, those whose turn so far was sampled at the
+trainer's version (absent for a generator with none that step; forge_rl/batching.py
+`exact_versions`): numerics alone while the generator serves the weights its versions name, whatever
+the updates (forge_rl/health.py watches it)."""
 MISMATCH_ALARMS = "health/mismatch_alarms"
 """Generators whose mismatch KL jumped this step (forge_rl/health.py); each also printed as a warning."""
 TRUNCATED_KEPT_SETS = "completions/truncated_kept_sets"

@@ -28,6 +28,7 @@ from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss, toke
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
 from forge_rl.metrics import (
     MISMATCH_KL_BY_GENERATOR,
+    MISMATCH_KL_FRESH_BY_GENERATOR,
     POLICY_ENTROPY,
     TRAINER_BACKWARD_S,
     TRAINER_FORWARD_S,
@@ -312,22 +313,32 @@ class PolicyTrainer:
         loss_mask_NL: torch.Tensor,
     ) -> dict[str, float]:
         """Trainer-vs-sampler mismatch KL (k3, token mean) of each generator's completions in the
-        batch, `mismatch_kl/generator/<i>`: a generator whose weights are not what its version
-        labels say stands out here long before the reward shows it (forge_rl/health.py)."""
+        batch: over all their trained tokens, `mismatch_kl/generator/<i>` (policy lag included: a
+        token one version old was sampled by weights the trainer no longer holds), and over those
+        whose weights and KV were all the trainer's version (`TrainBatch.exact_version_NL`),
+        `mismatch_kl_fresh/generator/<i>` (absent when a generator has none). Only the fresh KL
+        compares a generator's weights with what its version labels say, so a generator serving
+        other weights stands out there long before the reward shows it (forge_rl/health.py)."""
         generators = sorted({g for g in batch.generator_N.tolist() if g >= 0}) if batch.generator_N is not None else []
         if not generators:
             return {}
         kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
         owner_N = shard.generator_N.to(self.device)
-        sums, counts = [], []
+        exact_NL = torch.ones_like(loss_mask_NL)
+        if shard.exact_version_NL is not None:
+            exact_NL = shard.exact_version_NL.to(self.device) == self.policy_version
+        masks = {}
         for generator in generators:
-            mask_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
-            sums.append(torch.where(mask_NL, kl_NL, 0.0).sum().item())
-            counts.append(float(mask_NL.sum().item()))
+            owned_NL = loss_mask_NL & (owner_N == generator).unsqueeze(-1)
+            masks[f"{MISMATCH_KL_BY_GENERATOR}/{generator}"] = owned_NL
+            masks[f"{MISMATCH_KL_FRESH_BY_GENERATOR}/{generator}"] = owned_NL & exact_NL
+        sums = [torch.where(mask_NL, kl_NL, 0.0).sum().item() for mask_NL in masks.values()]
+        counts = [float(mask_NL.sum().item()) for mask_NL in masks.values()]
         totals = self._dp_reduce(sums + counts, dist.ReduceOp.SUM)
         return {
-            f"{MISMATCH_KL_BY_GENERATOR}/{g}": total / max(count, 1.0)
-            for g, total, count in zip(generators, totals[: len(generators)], totals[len(generators) :])
+            name: total / max(count, 1.0)
+            for name, total, count in zip(masks, totals[: len(masks)], totals[len(masks) :])
+            if count or name.startswith(MISMATCH_KL_BY_GENERATOR + "/")  # no exact tokens: no fresh KL
         }
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

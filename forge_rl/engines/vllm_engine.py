@@ -274,6 +274,11 @@ class VLLMEngine:
         """Version staged in the worker and not yet swapped in (staged loader)."""
         self._abort_epoch = 0
         """Swaps in "abort" mode so far; a request aborted across one is resubmitted."""
+        self._swap_ended: asyncio.Event | None = None
+        """While a swap pauses the engine: set once it has resumed on the new version. Requests
+        arriving meanwhile wait for it before they are submitted (`_request`)."""
+        self.num_requests_held_for_swap = 0
+        """Requests waiting now for the swap in progress to end before they are submitted."""
         self._support_source: Literal["none", "sampling_mask", "top_logprobs"] = "none"
         """Where `Completion.sampling_support` comes from (see `_pick_support_source`)."""
         self._vocab_size = 0
@@ -607,6 +612,17 @@ class VLLMEngine:
         """(vLLM's final output, the policy version it was submitted under). With adapters the
         request runs on that version's adapter to its end; it is counted in flight meanwhile, so
         the adapter is not unloaded under it."""
+        # A request arriving during a swap waits for its end. Submitted meanwhile, it would carry
+        # the outgoing version's cache salt, and once scheduled after the resume, the new weights
+        # would decode it over the outgoing weights' prefix-cache blocks of its prompt: tokens
+        # labelled with the new version, sampled from neither version's distribution. An
+        # abort-mode swap's resubmissions (`generate`) arrive exactly then.
+        while self._swap_ended is not None:
+            self.num_requests_held_for_swap += 1
+            try:
+                await self._swap_ended.wait()
+            finally:
+                self.num_requests_held_for_swap -= 1
         version = self.policy_version
         lora = self._resident.get(version) if self.adapters is not None else None
         request_id = f"gen-{next(self._request_ids)}"
@@ -750,27 +766,32 @@ class VLLMEngine:
         # samples of it, and no prefix-cache hit can serve old KV); "reuse" leaves the KV alone.
         clear_cache = (swap_kv or self.config.swap_kv) == "recompute"
         started = time.perf_counter()
-        if mode == "abort":
-            self._abort_epoch += 1  # generate() resubmits what this pause aborts
-        await _pause(llm, mode, clear_cache)
-        paused = time.perf_counter()
-        # Requests frozen by a "keep" pause that continue on their KV: their later tokens carry
-        # `policy_version` but attend to a prefix encoded by older weights (docs/weight_store.md).
-        continued_over_older_kv = llm.get_num_unfinished_requests() if mode == "keep" and not clear_cache else 0
+        ended = self._swap_ended = asyncio.Event()
         try:
-            if use_staged:
-                await llm.collective_rpc("forge_commit_staged", args=(policy_version,))
-                self._staged_version = None
-            else:
-                # reload_weights, not the worker's per-tensor load_weights: the CPU backend repacks
-                # linear weights after loading, which only the full reload path redoes.
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
-            loaded = time.perf_counter()
-            # The engine core labels every token sampled from now on with it (module docstring).
-            await llm.update_weight_version(str(policy_version))
-            self.policy_version = policy_version
+            if mode == "abort":
+                self._abort_epoch += 1  # generate() resubmits what this pause aborts
+            await _pause(llm, mode, clear_cache)
+            paused = time.perf_counter()
+            # Requests frozen by a "keep" pause that continue on their KV: their later tokens carry
+            # `policy_version` but attend to a prefix encoded by older weights (docs/weight_store.md).
+            continued_over_older_kv = llm.get_num_unfinished_requests() if mode == "keep" and not clear_cache else 0
+            try:
+                if use_staged:
+                    await llm.collective_rpc("forge_commit_staged", args=(policy_version,))
+                    self._staged_version = None
+                else:
+                    # reload_weights, not the worker's per-tensor load_weights: the CPU backend repacks
+                    # linear weights after loading, which only the full reload path redoes.
+                    await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights_dir)})
+                loaded = time.perf_counter()
+                # The engine core labels every token sampled from now on with it (module docstring).
+                await llm.update_weight_version(str(policy_version))
+                self.policy_version = policy_version
+            finally:
+                await llm.resume_generation()
         finally:
-            await llm.resume_generation()
+            self._swap_ended = None
+            ended.set()  # the requests held meanwhile go, salted with the version now served
         resumed = time.perf_counter()
         return SwapStats(
             policy_version=policy_version,

@@ -51,6 +51,42 @@ def test_a_generator_sampling_with_stale_weights_stands_out_and_raises_the_alarm
 
     assert metrics["mismatch_kl/generator/0"] < 1e-6
     assert metrics["mismatch_kl/generator/1"] > 1e-2
+    # Every completion is at the trainer's version (0): the fresh KL is the same.
+    assert metrics["mismatch_kl_fresh/generator/1"] == metrics["mismatch_kl/generator/1"]
     assert 0 < metrics[POLICY_ENTROPY] <= math.log(VOCAB_SIZE)
     (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(1, metrics, episodes_from_two_generators(), 0)
     assert "generator 1's sampler mismatch" in warning
+
+
+def test_the_fresh_mismatch_counts_only_tokens_whose_weights_and_kv_are_the_trainers_version(
+    model_dir, single_process
+):
+    """After one update (the trainer at version 1): generator 0's turns had a swap in their middle,
+    so their later tokens attended to KV of version 0 and are left out; generator 1's episodes
+    had it between two turns, so their second turns were encoded and sampled by version 1 alone
+    and are the fresh ones. Tokens of version 0 add the update's size (policy lag) to the
+    all-token KL only."""
+    trainer = PolicyTrainer(TrainerConfig(lr=1e-2), model_dir)
+    pad_id = read_hf_config(model_dir)["pad_token_id"]
+    episodes = episodes_from_two_generators()
+    version_0 = make_train_batch(episodes, pad_id=pad_id)
+    behaviour_0 = trainer.compute_logprobs(version_0) * version_0.loss_mask_NL
+    trainer.train_step(dataclasses.replace(version_0, behaviour_logprobs_NL=behaviour_0))  # now at version 1
+    behaviour_1 = trainer.compute_logprobs(version_0)
+    for episode in episodes:
+        for completion in episode.completions:
+            completion.policy_versions = [0, 0, 1, 1]
+            if episode.generator_index == 1:  # a turn, an observation token, a second turn
+                completion.generated = [True, False, True, True]
+                completion.logprobs[1] = 0.0
+    batch = make_train_batch(episodes, pad_id=pad_id)
+    # Behaviour logprobs of the weights that sampled each token: version 0 before the swap, 1 after.
+    after_swap_NL = torch.arange(batch.input_ids_NL.shape[1]) >= batch.lengths_N.unsqueeze(-1) - 2
+    behaviour = torch.where(after_swap_NL, behaviour_1, behaviour_0) * batch.loss_mask_NL
+
+    metrics = trainer.train_step(dataclasses.replace(batch, behaviour_logprobs_NL=behaviour))
+
+    assert "mismatch_kl_fresh/generator/0" not in metrics
+    assert metrics["mismatch_kl/generator/0"] > 1e-4  # the first update's size
+    assert metrics["mismatch_kl_fresh/generator/1"] < 1e-6
+    assert metrics["mismatch_kl/generator/1"] > 1e-4

@@ -28,6 +28,18 @@ def test_errored_completions_keep_their_row_fully_masked_with_zero_advantage():
     assert completion_advantages(batch) == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
 
 
+def test_each_generated_token_carries_the_oldest_version_of_its_turn_so_far():
+    """The weights behind a token: a swap mid-turn leaves the rest of the turn on KV of the older
+    version; the next turn's prefix is encoded afresh by the version that samples it."""
+    episode = make_episode(prompt_token_ids=(1,), rewards=(1.0, 0.0), num_tokens=4)
+    episode.completions[0].policy_versions = [3, 3, 4, 4]  # one turn, a keep-mode swap after 2 tokens
+    episode.completions[1] = Completion(  # two turns, the swap between them
+        token_ids=[7, 8, 9, 10], logprobs=[-0.1, 0.0, -0.3, -0.2], policy_versions=[3, 3, 4, 4],
+        generated=[True, False, True, True], reward=0.0,
+    )
+    assert make_train_batch([episode], pad_id=0).exact_version_NL.tolist() == [[-1, 3, 3, 3, 3], [-1, 3, -1, 4, 4]]
+
+
 def test_shards_split_rows_evenly_across_data_parallel_ranks():
     batch = make_train_batch([make_episode(i) for i in range(2)], pad_id=0)
     shards = [batch.shard(rank, 2) for rank in range(2)]
