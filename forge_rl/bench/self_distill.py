@@ -30,7 +30,7 @@ from pathlib import Path
 from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded
 from forge_rl.bench.distill import final, steps_to, task_rewards
 from forge_rl.config import GRPOConfig
-from forge_rl.metrics import FINAL_REWARD_WINDOW, WALL_TIME_S, progress
+from forge_rl.metrics import WALL_TIME_S, progress
 from forge_rl.plot import plot_per_step_panels, read_metrics
 
 PINS = ("lagged", "ema", "best")
@@ -63,8 +63,6 @@ class SelfDistillArgs:
     """Where the run directories, the JSON figures and the chart go."""
 
     def __post_init__(self) -> None:
-        if self.steps < FINAL_REWARD_WINDOW:
-            raise ValueError(f"steps ({self.steps}) must be >= {FINAL_REWARD_WINDOW}. Set --steps.")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds ({list(self.seeds)}) must be one or more distinct seeds. Set --seeds.")
         if not 0 < self.collapse_below <= self.target_reward:

@@ -67,7 +67,6 @@ def test_one_seed_has_no_spread_and_a_variant_that_never_reaches_the_target_has_
         ({"seeds": ()}, "--seeds"),
         ({"seeds": (1, 1)}, "--seeds"),
         ({"collapse_below": 0.9}, "--collapse-below"),
-        ({"steps": 3}, "--steps"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_flag(changes, message):
