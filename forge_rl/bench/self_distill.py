@@ -9,7 +9,8 @@ demo's 3e-4 learns steadily; docs/benchmarks.md has what 1e-3 and up do) and `--
 every variant (a seed is the trainer's, the prompts' and the generators' seed; the initial model is
 the same).
 
-Figures per run: the final task reward (last FINAL_REWARD_WINDOW steps), the trainer steps until
+Figures per run: the final task reward (last FINAL_REWARD_WINDOW steps), the highest smoothed
+reward (a run that climbs and falls back without reaching the target shows there), the steps until
 the smoothed reward reaches `target_reward`, the lowest smoothed reward after first reaching it,
 whether the run collapsed (`collapsed`) and the loop time. Per variant over its seeds: the mean and
 the spread of those, and the number of collapses. OUT_DIR/self_distill.json; the last stdout line
@@ -92,6 +93,7 @@ def run_figures(rewards: list[float], target: float, collapse_below: float) -> d
     final_reward = final(rewards)
     return {
         "final_reward": final_reward,
+        "peak_reward": max(smoothed(rewards), default=None),
         "steps_to_target": steps_to(rewards, target),
         "min_after_target": lowest,
         "collapsed": final_reward < collapse_below or (lowest is not None and lowest < collapse_below),
@@ -100,14 +102,15 @@ def run_figures(rewards: list[float], target: float, collapse_below: float) -> d
 
 def over_seeds(runs: list[dict]) -> dict:
     """A variant's figures over its runs (run_figures): the mean and the spread (sample standard
-    deviation, 0 for one run; the lowest and highest) of the final reward, the number of runs that
-    reached the target, their mean steps to it and mean lowest reward after it (None if none did),
-    and the number of collapses."""
+    deviation, 0 for one run; the lowest and highest) of the final reward, the mean peak, the
+    number of runs that reached the target, their mean steps to it and mean lowest reward after it,
+    and the number of collapses. A mean over no values (no run reached the target, or every run
+    was shorter than SMOOTHING_STEPS) is None."""
     finals = [r["final_reward"] for r in runs]
     reached = [r for r in runs if r["steps_to_target"] is not None]
 
-    def mean_over_reached(key: str) -> float | None:
-        return statistics.mean(r[key] for r in reached) if reached else None
+    def mean(values: list[float]) -> float | None:
+        return statistics.mean(values) if values else None
 
     return {
         "runs": len(runs),
@@ -115,9 +118,10 @@ def over_seeds(runs: list[dict]) -> dict:
         "final_reward_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0,
         "final_reward_min": min(finals),
         "final_reward_max": max(finals),
+        "peak_reward_mean": mean([r["peak_reward"] for r in runs if r["peak_reward"] is not None]),
         "reached_target": len(reached),
-        "steps_to_target_mean": mean_over_reached("steps_to_target"),
-        "min_after_target_mean": mean_over_reached("min_after_target"),
+        "steps_to_target_mean": mean([r["steps_to_target"] for r in reached]),
+        "min_after_target_mean": mean([r["min_after_target"] for r in reached]),
         "collapses": sum(r["collapsed"] for r in runs),
     }
 
@@ -165,7 +169,7 @@ def main(args: SelfDistillArgs) -> dict:
     for name in scorers:
         summary[name] = over_seeds(list(runs[name].values()))
         # The stdout line holds no nested values: the figures to compare, flat.
-        for key in ("final_reward_mean", "final_reward_stdev", "steps_to_target_mean", "collapses"):
+        for key in ("final_reward_mean", "final_reward_stdev", "peak_reward_mean", "steps_to_target_mean", "collapses"):
             summary[f"{key}_{name}"] = summary[name][key]
     summary["runs"] = runs
     plot_per_step_panels(

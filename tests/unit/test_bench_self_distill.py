@@ -41,6 +41,7 @@ def test_the_lowest_reward_after_reaching_the_target_is_read_from_the_smoothed_c
 def test_a_run_collapses_when_it_falls_or_ends_below_the_threshold(rewards, steps, lowest, collapsed):
     figures = run_figures(rewards, target=0.8, collapse_below=0.5)
     assert figures["steps_to_target"] == steps and figures["collapsed"] is collapsed
+    assert figures["peak_reward"] == pytest.approx(max(smoothed(rewards)))
     assert figures["min_after_target"] == (None if lowest is None else pytest.approx(lowest))
 
 
@@ -51,6 +52,7 @@ def test_a_variant_is_summed_up_over_its_seeds():
     assert figures["final_reward_mean"] == pytest.approx((1.0 + 0.1 + 0.3) / 3)
     assert figures["final_reward_stdev"] == pytest.approx(0.4726, abs=1e-4)
     assert (figures["final_reward_min"], figures["final_reward_max"]) == (pytest.approx(0.1), 1.0)
+    assert figures["peak_reward_mean"] == pytest.approx((1.0 + 1.0 + 0.3) / 3)
     # Steps and lowest reward are means over the runs that reached the target (the first two).
     assert figures["steps_to_target_mean"] == 9 and figures["min_after_target_mean"] == pytest.approx(0.45)
 
@@ -59,6 +61,18 @@ def test_one_seed_has_no_spread_and_a_variant_that_never_reaches_the_target_has_
     figures = over_seeds([run_figures([0.3] * 20, target=0.8, collapse_below=0.5)])
     assert figures["final_reward_stdev"] == 0.0
     assert figures["steps_to_target_mean"] is None and figures["min_after_target_mean"] is None
+
+
+def test_a_climb_that_falls_back_short_of_the_target_shows_in_the_peak():
+    rewards = [0.0] * 5 + [0.65] * 10 + [0.3] * 10
+    figures = run_figures(rewards, target=0.8, collapse_below=0.6)
+    assert figures["peak_reward"] == pytest.approx(0.65) and figures["final_reward"] == pytest.approx(0.3)
+    assert figures["collapsed"] and figures["steps_to_target"] is None
+
+
+def test_runs_shorter_than_the_smoothing_window_have_figures_too():
+    figures = over_seeds([run_figures([0.0, 1.0, 1.0], target=0.8, collapse_below=0.6)])  # the smoke form
+    assert figures["final_reward_mean"] == pytest.approx(2 / 3) and figures["peak_reward_mean"] is None
 
 
 @pytest.mark.parametrize(
