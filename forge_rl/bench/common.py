@@ -51,7 +51,8 @@ def reuse_or_run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) 
     metrics = path / "metrics.jsonl"
     logged = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
     # Compared as YAML, the form config.yaml holds (a tuple field reads back as a list).
-    same = saved.is_file() and yaml.safe_load(saved.read_text()) == yaml.safe_load(yaml.safe_dump(config_to_dict(config)))
+    as_saved = yaml.safe_load(yaml.safe_dump(config_to_dict(config)))
+    same = saved.is_file() and yaml.safe_load(saved.read_text()) == as_saved
     if not same or logged < config.steps:
         raise ConfigError(
             f"{path} holds another run (another config, or one that did not finish its {config.steps} "

@@ -279,7 +279,8 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
             _progress(f"lora-sync: demo run, {variant}, seed {seed}")
             config = seeded(base, seed)
             if variant == "lora":
-                config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, lora=lora, lr=args.reward_lora_lr))
+                trainer = dataclasses.replace(config.trainer, lora=lora, lr=args.reward_lora_lr)
+                config = dataclasses.replace(config, trainer=trainer)
             run = run_variant(config, args.out_dir / "reward-runs", f"{variant}-seed{seed}")
             finals[variant].append(final_reward(read_metrics(run)))
     return {
