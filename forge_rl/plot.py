@@ -54,6 +54,25 @@ def plot_per_step(curves: dict[str, list[float]], ylabel: str, reference: float,
     save_figure(fig, out)
 
 
+def plot_per_step_panels(
+    panels: dict[str, dict[str, list[float]]], ylabel: str, reference: float, out: Path, first_step: int = 1
+) -> None:
+    """A panel per name (side by side, sharing the y axis), each with one line per named curve (a
+    value per trainer step from `first_step`) and a dashed line at `reference`; written to `out`."""
+    plt = headless_pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.5 * len(panels), 3.5), sharey=True, squeeze=False)
+    for axis, (title, curves) in zip(axes[0], panels.items()):
+        for name, values in curves.items():
+            axis.plot(range(first_step, first_step + len(values)), values, label=name, lw=1)
+        axis.axhline(reference, color="gray", ls="--", lw=0.8)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    axes[0, 0].set_ylabel(ylabel)
+    save_figure(fig, out)
+
+
 def save_figure(fig, out: Path) -> None:
     """Lay out `fig`, write it to `out` (PNG) and free it (pyplot keeps open figures alive)."""
     import matplotlib.pyplot as plt

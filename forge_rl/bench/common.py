@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError
 from forge_rl.metrics import FINAL_REWARD_WINDOW, REWARD_MEAN, WALL_TIME_S
 
 # Reward curves are smoothed over this many steps before reading off a time (final values use the
@@ -20,6 +21,44 @@ def run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) -> Path:
 
     asyncio.run(recipe("grpo")(dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes)))
     return out_dir / name
+
+
+def seeded(base: GRPOConfig, seed: int) -> GRPOConfig:
+    """`base` with `seed` as its trainer's, its prompts' and its generators' sampling seed (the
+    initial weights stay model.tiny.seed's: every seed starts from the same model)."""
+    return dataclasses.replace(
+        base,
+        trainer=dataclasses.replace(base.trainer, seed=seed),
+        task=dataclasses.replace(base.task, seed=seed),
+        generator=dataclasses.replace(base.generator, seed=seed),
+    )
+
+
+def reuse_or_run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) -> Path:
+    """`run_variant`, except that a run OUT_DIR/NAME already finished with the same config (its
+    config.yaml equal to this one, all its steps logged) is taken as it is: a benchmark cut into
+    several invocations (one seed each) reads the earlier runs instead of running them again. A
+    directory there holding anything else is an error naming the fix."""
+    import yaml
+
+    from forge_rl.run_dir import config_to_dict, saved_config_path
+
+    config = dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes)
+    path = out_dir / name
+    if not path.exists():
+        return run_variant(base, out_dir, name, **changes)
+    saved = saved_config_path(path)
+    metrics = path / "metrics.jsonl"
+    logged = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.is_file() else 0
+    # Compared as YAML, the form config.yaml holds (a tuple field reads back as a list).
+    as_saved = yaml.safe_load(yaml.safe_dump(config_to_dict(config)))
+    same = saved.is_file() and yaml.safe_load(saved.read_text()) == as_saved
+    if not same or logged < config.steps:
+        raise ConfigError(
+            f"{path} holds another run (another config, or one that did not finish its {config.steps} "
+            "steps). Remove it or set another --out-dir."
+        )
+    return path
 
 
 def time_to_reward(metrics: list[dict], target: float) -> float | None:

@@ -325,7 +325,7 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
     steps), and a plot of the curves."""
     import time
 
-    from forge_rl.bench.common import run_variant
+    from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
     from forge_rl.metrics import MISMATCH_KL, REWARD_MEAN, final_reward
     from forge_rl.plot import plot_per_step, read_metrics
@@ -349,11 +349,10 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
     for seed in args.reward_seeds:
         for variant in finals:
             progress(f"bench keep-routing: GRPO on the MoE, {variant}, seed {seed}, {args.reward_steps} steps")
+            config = seeded(base, seed)
             run = run_variant(
-                base, args.out_dir / "reward-runs", f"{variant}-seed{seed}",
-                trainer=dataclasses.replace(base.trainer, keep_routing=variant == "keep_routing", seed=seed),
-                task=dataclasses.replace(base.task, seed=seed),
-                generator=dataclasses.replace(base.generator, seed=seed),
+                config, args.out_dir / "reward-runs", f"{variant}-seed{seed}",
+                trainer=dataclasses.replace(config.trainer, keep_routing=variant == "keep_routing"),
             )
             metrics = read_metrics(run)
             curves[f"{variant}, seed {seed}"] = [m[REWARD_MEAN] for m in metrics]

@@ -270,7 +270,7 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
     fine-tuning vs LoRA, and whether the two agree within noise (`rewards_agree`)."""
     import dataclasses
 
-    from forge_rl.bench.common import run_variant
+    from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
     from forge_rl.metrics import final_reward
     from forge_rl.models.lora import LoRAConfig
@@ -290,14 +290,11 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
     for seed in args.reward_seeds:
         for variant in finals:
             _progress(f"lora-sync: demo run, {variant}, seed {seed}")
-            trainer = dataclasses.replace(base.trainer, seed=seed)
+            config = seeded(base, seed)
             if variant == "lora":
-                trainer = dataclasses.replace(trainer, lora=lora, lr=args.reward_lora_lr)
-            run = run_variant(
-                base, args.out_dir / "reward-runs", f"{variant}-seed{seed}", trainer=trainer,
-                task=dataclasses.replace(base.task, seed=seed),
-                generator=dataclasses.replace(base.generator, seed=seed),
-            )
+                trainer = dataclasses.replace(config.trainer, lora=lora, lr=args.reward_lora_lr)
+                config = dataclasses.replace(config, trainer=trainer)
+            run = run_variant(config, args.out_dir / "reward-runs", f"{variant}-seed{seed}")
             finals[variant].append(final_reward(read_metrics(run)))
     return {
         "config": str(args.reward_config), "steps": base.steps, "seeds": list(args.reward_seeds),
