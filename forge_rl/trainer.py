@@ -100,7 +100,6 @@ class TrainerConfig:
     (`keep_routing/completions_without_record`). Refused on a dense model."""
 
     def __post_init__(self) -> None:
-        _check_keep_routing(self)
         checks = {
             "num_procs": (self.num_procs >= 1, ">= 1"),
             "lr": (0.0 < self.lr < math.inf, "> 0 and finite"),
@@ -118,18 +117,6 @@ class TrainerConfig:
                 flag = name.replace("_", "-")
                 value = getattr(self, name)
                 raise ValueError(f"trainer.{name} ({value}) must be {constraint}. Set --trainer.{flag}.")
-
-
-def _check_keep_routing(config: TrainerConfig) -> None:
-    """Keep Routing's replay lives in a context around each forward pass (forge_rl/models/moe.py)."""
-    if not config.keep_routing:
-        return
-    if config.activation_checkpointing != "none":
-        raise ValueError(
-            "trainer.keep_routing cannot run with trainer.activation_checkpointing "
-            f"({config.activation_checkpointing!r}): the recomputation in the backward pass would route without "
-            "the replay. Set --trainer.activation-checkpointing none or --trainer.no-keep-routing."
-        )
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,26 @@ TorchTitan's own MoE (torchtitan/models/common/moe.py) is used as is, with two p
   (its GPU kernels want it); these compute in the activations' dtype, so an fp32 trainer matches
   an fp32 vLLM generator (and under bf16 mixed precision the activations are bf16 anyway).
 
+`ReplayingFullAC` is TorchTitan's full activation checkpointing with the replay carried into the
+recomputation: the backward pass recomputes each block after the forward's `routing_replay` has
+exited (possibly while another micro-batch's replay is set), so each checkpointed block captures
+its routers' replay when its forward runs and sets it back while it is recomputed.
+
 Imports TorchTitan: only the trainer processes (through families.build_model_config) import this.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
@@ -46,12 +54,16 @@ class ReplayRouter(TokenChoiceTopKRouter):
         """Tokens replayed since `take_replay_counts`."""
         self.num_overridden = 0
         """Of those, tokens whose own top-k the record replaced by another expert set."""
+        self.recomputing = False
+        """Activation checkpointing is recomputing this router's forward (`ReplayingFullAC`): the
+        forward already counted its tokens and kept its experts."""
 
     def forward(self, x_BLD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         topk_scores_BLK, expert_ids_BLK, scores_BLE = super().forward(x_BLD, expert_bias_E)
         if self.replay is not None:
             topk_scores_BLK, expert_ids_BLK = self._replayed(topk_scores_BLK, expert_ids_BLK, scores_BLE)
-        self.last_expert_ids_BLK = expert_ids_BLK.detach()
+        if not self.recomputing:
+            self.last_expert_ids_BLK = expert_ids_BLK.detach()
         return topk_scores_BLK, expert_ids_BLK, scores_BLE
 
     def _replayed(self, topk_scores_BLK, expert_ids_BLK, scores_BLE):
@@ -76,10 +88,11 @@ class ReplayRouter(TokenChoiceTopKRouter):
             scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
             self.route_norm, self.route_scale,
         )
-        with torch.no_grad():
-            differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
-            self.num_replayed += int(replay_mask_BL.sum())
-            self.num_overridden += int((differs_BL & replay_mask_BL).sum())
+        if not self.recomputing:
+            with torch.no_grad():
+                differs_BL = routing_differs_NL(own_ids_BLK.unsqueeze(-2), expert_ids_BLK.unsqueeze(-2))
+                self.num_replayed += int(replay_mask_BL.sum())
+                self.num_overridden += int((differs_BL & replay_mask_BL).sum())
         if layout is not None:
             topk_scores_BLK, expert_ids_BLK = (
                 DTensor.from_local(t, *layout, run_check=False) for t in (topk_scores_BLK, expert_ids_BLK)
@@ -162,8 +175,8 @@ def replay_routers(model) -> list[ReplayRouter]:
 @contextlib.contextmanager
 def routing_replay(model, expert_ids_BLXK: torch.Tensor, replay_mask_BL: torch.Tensor) -> Iterator[None]:
     """Forward passes inside replay the recorded experts ([B, L, X, K], X = the model's MoE layers in
-    order) where `replay_mask_BL` is True. Not for activation checkpointing: its recomputation in
-    the backward pass runs after the block has exited (the trainer refuses the combination)."""
+    order) where `replay_mask_BL` is True. Under activation checkpointing the recomputation in the
+    backward pass runs after this has exited: `ReplayingFullAC` carries the replay there."""
     routers = replay_routers(model)
     if expert_ids_BLXK.shape[2] != len(routers):
         raise ValueError(f"routing replay for {expert_ids_BLXK.shape[2]} MoE layers on a model with {len(routers)}")
@@ -174,6 +187,44 @@ def routing_replay(model, expert_ids_BLXK: torch.Tensor, replay_mask_BL: torch.T
     finally:
         for router in routers:
             router.replay = None
+
+
+class ReplayingFullAC(FullAC):
+    """TorchTitan's full activation checkpointing (each transformer block recomputed in the
+    backward pass), with each block's routers given back, for the recomputation, the replay they
+    had in its forward pass (module docstring). Without replay it is FullAC."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FullAC.Config):
+        pass
+
+    def _wrap_block(self, module: torch.nn.Module, *, base_fqn: str | None = None) -> torch.nn.Module:
+        return checkpoint_wrapper(
+            module,
+            preserve_rng_state=self.config.preserve_rng_state,
+            determinism_check=self.config.determinism_check,
+            early_stop=False,
+            debug=self.config.debug,
+            context_fn=functools.partial(_replay_contexts, replay_routers(module)),
+        )
+
+
+def _replay_contexts(routers: Sequence[ReplayRouter]) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch.utils.checkpoint's context_fn, called as the block's forward starts: (nothing around
+    the forward, the recomputation with the replay the routers hold now)."""
+    return contextlib.nullcontext(), _recomputing(routers, [router.replay for router in routers])
+
+
+@contextlib.contextmanager
+def _recomputing(routers: Sequence[ReplayRouter], replays: list) -> Iterator[None]:
+    before = [(router.replay, router.recomputing) for router in routers]
+    for router, replay in zip(routers, replays):
+        router.replay, router.recomputing = replay, True
+    try:
+        yield
+    finally:
+        for router, (replay, recomputing) in zip(routers, before):
+            router.replay, router.recomputing = replay, recomputing
 
 
 def take_replay_counts(model) -> tuple[int, int]:

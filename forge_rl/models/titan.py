@@ -176,10 +176,12 @@ def init_process_group_from_env(device: torch.device) -> tuple[int, int]:
 
 
 def _activation_checkpointing_config(activation_checkpointing: str):
-    """TorchTitan's full AC (each transformer block recomputed in backward), or None."""
-    from torchtitan.distributed.activation_checkpoint import FullAC
+    """TorchTitan's full AC (each transformer block recomputed in backward), or None; Keep
+    Routing's replay carried into the recomputation (forge_rl/models/moe.py `ReplayingFullAC`,
+    FullAC itself for a model without routers)."""
+    from forge_rl.models.moe import ReplayingFullAC
 
-    return FullAC.Config() if activation_checkpointing == "full" else None
+    return ReplayingFullAC.Config() if activation_checkpointing == "full" else None
 
 
 def _parallelize(model, family: ModelFamily, parallelism, parallel_dims, ac_config, mixed_precision: str) -> None:

@@ -103,10 +103,6 @@ def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
             "trainer.keep_routing is on but generator.record_routing is off",
         ),
         ("generator:\n  record_routing: true\n", "generator.record_routing is on but the model is dense"),
-        (
-            "trainer:\n  keep_routing: true\n  activation_checkpointing: full\n",
-            "trainer.keep_routing cannot run with trainer.activation_checkpointing ('full')",
-        ),
         ("trainer:\n  engine: sim\n", "generator.engine (vllm) and trainer.engine (sim) must both be sim"),
         (
             "generator:\n  engine: sim\ntrainer:\n  engine: sim\ncheckpoint:\n  enabled: true\n",

@@ -119,12 +119,39 @@ def test_completions_without_a_record_route_normally_and_are_counted(trainer):
     assert 0.5 < metrics["keep_routing/overridden_fraction"] <= 1.0
 
 
-def test_keep_routing_is_refused_on_a_dense_model_and_with_what_it_cannot_replay(tmp_path):
+def test_keep_routing_is_refused_on_a_dense_model(tmp_path):
     dense_dir = create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "dense")
     with pytest.raises(ValueError, match="dense model"):
         PolicyTrainer(TrainerConfig(keep_routing=True), dense_dir)
-    with pytest.raises(ValueError, match="--trainer.activation-checkpointing none"):
-        TrainerConfig(keep_routing=True, activation_checkpointing="full")
+
+
+@pytest.mark.parametrize("batching", ["pad", "pack"])
+def test_activation_checkpointing_recomputes_the_blocks_with_the_replayed_routing(moe_dir, batching):
+    """The backward pass recomputes each block after the forward's replay has exited (and, packed,
+    micro-batch by micro-batch, each with its own records): the step must be the one without
+    checkpointing. Random records override most tokens' own choice, so a recomputation that
+    routed by itself would compute other experts' outputs and other gradients."""
+    batch = make_train_batch([
+        _episode([_random_record(4, seed=31), _random_record(3, seed=32)]),
+        dataclasses.replace(_episode([_random_record(4, seed=33), None]), episode_id=1),
+    ], pad_id=0)
+    noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
+    batch = dataclasses.replace(batch, behaviour_logprobs_NL=(-2.0 + noise) * batch.loss_mask_NL)
+    results = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name in rank_env(rank=0, world_size=1, master_port=0):
+            patch.delenv(name, raising=False)
+        for checkpointing in ("none", "full"):
+            config = TrainerConfig(keep_routing=True, batching=batching, activation_checkpointing=checkpointing)
+            trainer = PolicyTrainer(config, moe_dir)
+            metrics = trainer.train_step(batch)
+            results.append((metrics, trainer.hf_state_dict()))
+    (plain, plain_weights), (checkpointed, checkpointed_weights) = results
+    assert plain["keep_routing/overridden_fraction"] > 0.5
+    for name in ("loss", "grad_norm", "keep_routing/overridden_fraction"):
+        assert checkpointed[name] == pytest.approx(plain[name], abs=1e-6), name
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(checkpointed_weights[name], value, rtol=0, atol=1e-6)
 
 
 def test_the_record_travels_compactly_through_a_checkpoint_and_must_cover_the_generated_tokens():
