@@ -236,11 +236,27 @@ def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = N
     from forge_rl.yaml_config import load_yaml_config
 
     config_path = _flag_value(args, "--config") or defaults_file
-    default = load_yaml_config(cls, config_path) if config_path else cls()
+    if config_path is None:
+        default = cls()
+    else:
+        try:
+            default = load_yaml_config(cls, config_path)
+        except ConfigError:
+            if not _overrides(args):
+                raise
+            # A flag may fix what the file gets wrong (--model.path where the file's model is not on
+            # this machine): the file's values unchecked as defaults; tyro builds the config from
+            # them and the flags, every check included, and reports what still fails.
+            default = load_yaml_config(cls, config_path, checked=False)
     try:
         return tyro.cli(cls, args=args, default=default, prog=prog, description=cls.__doc__)
     except (ValueError, TypeError) as e:  # raised by __post_init__ after tyro filled the fields
         raise ConfigError(str(e)) from None
+
+
+def _overrides(args: list[str]) -> bool:
+    """Whether `args` set any config field besides --config."""
+    return any(arg.startswith("--") and arg != "--config" and not arg.startswith("--config=") for arg in args)
 
 
 def _flag_value(args: list[str], flag: str) -> Path | None:

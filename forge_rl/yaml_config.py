@@ -2,10 +2,17 @@
 
 An unknown key, a wrong type or a bad literal is an error naming the dotted field and the file, so a
 typo in a config fails before anything expensive starts instead of being silently ignored.
+
+`load_yaml_config(..., checked=False)` still checks keys, types and literals, but builds the
+dataclasses without running their `__post_init__` checks: the file's values as defaults under
+command-line flags (`forge_rl.cli.parse_config`), where a flag may fix what the file alone gets wrong
+(`--model.path` on a machine where the file's model directory does not exist) and tyro builds the
+whole config again, every check included.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import types
 import typing
@@ -18,8 +25,10 @@ from forge_rl.errors import ConfigError
 
 T = TypeVar("T")
 
+_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("forge_rl_yaml_checked", default=True)
 
-def load_yaml_config(cls: type[T], path: Path) -> T:
+
+def load_yaml_config(cls: type[T], path: Path, checked: bool = True) -> T:
     path = Path(path)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
@@ -31,10 +40,13 @@ def load_yaml_config(cls: type[T], path: Path) -> T:
         raise ConfigError(_yaml_error_message(path, text, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config fields, got {type(data).__name__}")
+    token = _CHECKED.set(checked)
     try:
         return build_dataclass(cls, data, prefix="")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    finally:
+        _CHECKED.reset(token)
 
 
 def _yaml_error_message(path: Path, text: str, error: yaml.YAMLError) -> str:
@@ -62,12 +74,32 @@ def build_dataclass(cls: type[T], data: dict[str, Any], prefix: str) -> T:
             f"valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(known))}"
         )
     kwargs = {name: _convert(hints[name], value, prefix + name) for name, value in data.items()}
+    if not _CHECKED.get():
+        return _unchecked(cls, kwargs, prefix)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _unchecked(cls: type[T], kwargs: dict[str, Any], prefix: str) -> T:
+    """`cls` with `kwargs` and its other fields' defaults, its `__post_init__` not run (module docstring)."""
+    instance = object.__new__(cls)
+    for field in dataclasses.fields(cls):
+        if not field.init:
+            continue
+        if field.name in kwargs:
+            value = kwargs[field.name]
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            value = field.default_factory()
+        else:
+            raise ConfigError(f"{prefix}{field.name} is required. Set it in the file or with {_flag(prefix + field.name)}.")
+        object.__setattr__(instance, field.name, value)
+    return instance
 
 
 def _convert(annotation: Any, value: Any, field: str) -> Any:

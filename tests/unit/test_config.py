@@ -206,6 +206,26 @@ def test_an_invalid_config_exits_before_starting_anything(tmp_path):
     assert not any(tmp_path.iterdir())  # no run directory was written
 
 
+def test_a_flag_fixes_what_the_file_alone_gets_wrong_and_every_check_still_runs(tmp_path, capsys):
+    """The recipe names models/SmolLM2-135M-Instruct; on a machine where the model is elsewhere,
+    --model.path must win instead of the file's path failing first. The checks then run on the
+    result: an unrelated flag does not hide the file's error, nor another field's."""
+    path = write_yaml(tmp_path, "model:\n  path: /no/such/model\nsteps: 7\n")
+    model_dir = _stub_model_dir(tmp_path / "elsewhere")
+    config = parse_config(GRPOConfig, ["--config", str(path), "--model.path", str(model_dir)], prog="forge-rl grpo")
+    assert (config.model.path, config.steps) == (model_dir, 7)
+
+    def refusal(*flags: str) -> str:
+        with pytest.raises((ConfigError, SystemExit)) as error:  # tyro prints its own and exits 2
+            parse_config(GRPOConfig, ["--config", str(path), *flags], prog="forge-rl grpo")
+        return " ".join(f"{error.value} {capsys.readouterr().err}".replace("│", " ").split())
+
+    assert f"{path}: model.path (/no/such/model) lacks config.json" in refusal()
+    assert "model.path (/no/such/model) lacks config.json" in refusal("--steps", "2")
+    path = write_yaml(tmp_path, "model:\n  path: /no/such/model\nbuffer:\n  max_policy_age: -1\n")
+    assert "buffer.max_policy_age (-1) must be >= 0" in refusal("--model.path", str(model_dir))
+
+
 def test_the_publish_section_reaches_the_trainer_config(tmp_path):
     path = write_yaml(tmp_path, "publish:\n  dtype: bfloat16\n  background: false\n")
     config = parse_config(GRPOConfig, ["--config", str(path), "--publish.no-checksum"], prog="forge-rl grpo")
