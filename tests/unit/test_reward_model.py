@@ -100,3 +100,47 @@ def test_synthetic_examples_are_labelled_by_the_tasks_verifier_about_forty_perce
     examples = synthetic_reward_examples("max_of_two", seed=0, count=2000)
     assert all(text.startswith("M") and text.index("=") == 3 for text, _ in examples)
     assert 0.35 < sum(label for _, label in examples) / len(examples) < 0.5
+
+
+class FakeReplicaMesh:
+    """Stands in for an actor mesh of replicas: `slice(procs=i).score.call_one(...)` answers once
+    the test releases that replica's call, so calls stay in flight as long as the test wants."""
+
+    def __init__(self, num_replicas: int):
+        self.calls: list[tuple[int, asyncio.Future]] = []
+        self.num_replicas = num_replicas
+
+    def slice(self, procs: int):
+        mesh = self
+
+        class Endpoint:
+            async def call_one(self, texts):
+                answer = asyncio.get_running_loop().create_future()
+                mesh.calls.append((procs, answer))
+                return await answer
+
+        return type("Replica", (), {"score": Endpoint()})()
+
+
+def test_each_call_goes_to_the_least_busy_replica():
+    from forge_rl.actors.reward_model import LeastBusyReplica
+
+    async def main():
+        mesh = FakeReplicaMesh(3)
+        client = LeastBusyReplica(mesh, 3, "score")
+        first = [asyncio.ensure_future(client(["t"])) for _ in range(4)]
+        await asyncio.sleep(0)  # every call has reached its replica (a state: each awaits its answer)
+        picked = [replica for replica, _ in mesh.calls]
+        mesh.calls[1][1].set_result([1.0])  # replica 1 answers: now the least busy
+        await first[1]
+        fifth = asyncio.ensure_future(client(["t"]))
+        await asyncio.sleep(0)
+        for _, answer in mesh.calls:
+            if not answer.done():
+                answer.set_result([0.0])
+        await asyncio.gather(*first, fifth)
+        return picked, mesh.calls[-1][0]
+
+    picked, fifth_replica = asyncio.run(main())
+    assert picked == [0, 1, 2, 0]  # the fewest in flight, the lowest index among equals
+    assert fifth_replica == 1
