@@ -4,10 +4,12 @@ counted, a tiny model trained from scratch reads prompt + completion."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
 
+from forge_rl.errors import ConfigError
 from forge_rl.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
 from forge_rl.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -144,3 +146,22 @@ def test_each_call_goes_to_the_least_busy_replica():
     picked, fifth_replica = asyncio.run(main())
     assert picked == [0, 1, 2, 0]  # the fewest in flight, the lowest index among equals
     assert fifth_replica == 1
+
+
+def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatch):
+    """Its replicas are compute threads like the generators': too many on this machine's cores is
+    a ConfigError naming the setting, before any process starts."""
+    from forge_rl import preflight
+    from forge_rl.config import GRPOConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: {0, 1})
+    scorer = ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=3, num_threads=2))
+    config = GRPOConfig(scorer=scorer)
+    assert sum(preflight.compute_threads(config).values()) == 1 + 1 + 6
+    preflight._check_cpu_threads(config)  # 8 threads on 2 cores: at the limit
+    crowded = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4)))
+    assert sum(preflight.compute_threads(crowded).values()) == 6
+    too_many = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4, num_threads=2)))
+    with pytest.raises(ConfigError, match=r"scorer.reward_model.replicas \(4\) x scorer.reward_model.num_threads \(2\) = 10 compute threads on 2"):
+        preflight._check_cpu_threads(too_many)
