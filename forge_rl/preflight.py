@@ -75,17 +75,42 @@ def check_run_dir_location(run_dir: Path) -> None:
         )
 
 
+def compute_threads(config: GRPOConfig) -> dict[str, int]:
+    """The compute threads a local run starts, by the settings that make them: the trainer's
+    ranks, the generators, and the frozen models and scorers that run (each process's torch or
+    vLLM threads)."""
+    trainer, generator, scorer = config.trainer, config.generator, config.scorer
+    threads = {
+        f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads})":
+            trainer.num_procs * trainer.num_threads,
+        f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads})":
+            config.num_generators * generator.cpu_threads,
+    }
+    frozen = [(config.reference, "reference")] if config.uses_reference_model else []
+    frozen += [(scorer.teacher, "scorer.teacher")] if config.uses_teacher else []
+    for model, section in frozen:
+        threads[f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})"] = (
+            model.num_procs * model.num_threads
+        )
+    if scorer.reward_model.path is not None:
+        reward_model = scorer.reward_model
+        threads[
+            f"scorer.reward_model.replicas ({reward_model.replicas}) x scorer.reward_model.num_threads ({reward_model.num_threads})"
+        ] = reward_model.replicas * reward_model.num_threads
+    if scorer.judge.path is not None:
+        threads[f"scorer.judge.generator.cpu_threads ({scorer.judge.generator.cpu_threads})"] = scorer.judge.generator.cpu_threads
+    return threads
+
+
 def _check_cpu_threads(config: GRPOConfig) -> None:
-    trainer, generator = config.trainer, config.generator
-    num_threads = trainer.num_procs * trainer.num_threads + config.num_generators * generator.cpu_threads
-    num_cores = len(os.sched_getaffinity(0))
+    threads = compute_threads(config)
+    num_threads, num_cores = sum(threads.values()), len(os.sched_getaffinity(0))
     if num_threads > MAX_COMPUTE_THREADS_PER_CORE * num_cores:
         raise ConfigError(
-            f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads}) + "
-            f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads}) = "
-            f"{num_threads} compute threads on {num_cores} CPU core(s), more than "
+            f"{' + '.join(threads)} = {num_threads} compute threads on {num_cores} CPU core(s), more than "
             f"{MAX_COMPUTE_THREADS_PER_CORE} per core: the run would crawl until timeouts fire. Lower "
-            "--trainer.num-procs or --num-generators (or their thread counts), or use a larger machine."
+            "--trainer.num-procs or --num-generators (or their thread counts), or the other terms' "
+            "settings, or use a larger machine."
         )
 
 

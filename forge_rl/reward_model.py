@@ -41,9 +41,15 @@ class RewardModelConfig:
     """How long a request waits for others to fill a batch when the model is idle (a busy model
     gathers everything that arrived during the previous forward, with no wait)."""
     num_threads: int = 1
-    """Torch CPU threads of the reward model's process."""
+    """Torch CPU threads of each reward-model process."""
+    replicas: int = 1
+    """Reward-model processes, each holding the model and batching its own requests; the scorer
+    sends each call to the one with the fewest calls in flight. Scales the reward model apart from
+    the generators (their count is num_generators)."""
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"scorer.reward_model.replicas ({self.replicas}) must be >= 1. Set --scorer.reward-model.replicas.")
         if self.max_batch_size < 1:
             raise ValueError(
                 f"scorer.reward_model.max_batch_size ({self.max_batch_size}) must be >= 1. "

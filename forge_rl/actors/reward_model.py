@@ -2,7 +2,8 @@
 processes, gathering concurrent requests into batches.
 
 `score(texts)` is a concurrent endpoint: every scorer call in flight joins the batcher, and one
-forward serves them all. The scorer reaches it through `RewardModelScorer(client=actor.score.call_one)`.
+forward serves them all. The actor mesh has scorer.reward_model.replicas processes, each a copy of
+the model; the scorer reaches them through `LeastBusyReplica(mesh, replicas, "score")`.
 """
 
 from __future__ import annotations
@@ -37,3 +38,21 @@ class RewardModelActor(Actor):
     @endpoint
     async def stats(self) -> dict:
         return {"batches": self.batcher.num_batches, "texts": self.batcher.num_texts}
+
+
+class LeastBusyReplica:
+    """`endpoint` of an actor mesh whose processes are replicas (`procs` dimension): each call goes
+    to the replica with the fewest calls in flight, the lowest index among equals. One replica:
+    every call goes to it."""
+
+    def __init__(self, mesh, num_replicas: int, endpoint: str):
+        self._replicas = [getattr(mesh.slice(procs=i), endpoint) for i in range(num_replicas)]
+        self._in_flight = [0] * num_replicas
+
+    async def __call__(self, *args):
+        index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
+        self._in_flight[index] += 1
+        try:
+            return await self._replicas[index].call_one(*args)
+        finally:
+            self._in_flight[index] -= 1

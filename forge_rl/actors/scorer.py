@@ -26,6 +26,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.actors.generator_pool import is_engine_dead
+from forge_rl.actors.reward_model import LeastBusyReplica
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 from forge_rl.judge import judge_client
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
@@ -38,13 +39,17 @@ class ScorerActor(Actor):
         self, config: ScorerConfig = ScorerConfig(), reward: str = "leading_number", max_new_tokens: int = 0,
         reward_model=None, teacher=None, judge=None,
     ):
-        """`reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py) when
-        scorer.reward_model.path is set; its `score` endpoint is the reward model scorer's client.
+        """`reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py, one actor per
+        replica) when scorer.reward_model.path is set; its replicas' `score` is the reward model
+        scorer's client.
         `teacher`: the teacher's FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py)
         when scorer.teacher is enabled; its `token_logprobs` (rank 0's answer of a collective over
         the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
         when scorer.judge.path is set; its `generate` serves the judge scorer's verdicts."""
-        client = None if reward_model is None else _lost_if_dead(reward_model.score.call_one, "reward model")
+        client = None
+        if reward_model is not None:
+            replicas = LeastBusyReplica(reward_model, config.reward_model.replicas, "score")
+            client = _lost_if_dead(replicas, "reward model")
 
         async def teacher_logprobs(episodes: list[Episode]) -> list[list[list[float]]]:
             try:  # a dead teacher is restarted by its supervisor, which sends the call again

@@ -111,16 +111,22 @@ class ScorerSupervisor(RestartingOwner):
         config, host = self.config, this_host() if self.host is None else self.host
         procs: dict[str, ProcMesh] = {}
 
-        def spawn(role: str, actor_class, *args):
+        def spawn(role: str, actor_class, *args, num_procs: int = 1):
             name = f"{role}-r{number}"
-            procs[name] = host.spawn_procs(per_host={"procs": 1}, name=name)
+            procs[name] = host.spawn_procs(per_host={"procs": num_procs}, name=name)
             return procs[name].spawn(name, actor_class, *args)
+
+        async def on_every_replica(call) -> list[dict]:
+            values = await call
+            return [values.get(i) for i in range(len(values))]
 
         try:
             starts, reward_model, judge = [], None, None
             if config.reward_model.path is not None:
-                reward_model = spawn("reward_model", RewardModelActor, config.reward_model)
-                starts.append(reward_model.setup.call_one())
+                reward_model = spawn(
+                    "reward_model", RewardModelActor, config.reward_model, num_procs=config.reward_model.replicas
+                )
+                starts.append(on_every_replica(reward_model.setup.call()))
             if config.judge.path is not None:
                 # A generator like the policy's, serving the judge's weights, which never change (no store).
                 judge = spawn(
@@ -132,6 +138,7 @@ class ScorerSupervisor(RestartingOwner):
                 "scorer", ScorerActor, config, self.reward, self.max_new_tokens, reward_model, self.teacher, judge
             )
             started = await asyncio.gather(scorer.process.call_one(), *starts)
+            started = [s for reply in started for s in (reply if isinstance(reply, list) else [reply])]
         except BaseException:
             for mesh in procs.values():
                 self._stop_in_background(mesh)

@@ -67,6 +67,33 @@ def test_the_reward_model_actor_batches_requests_and_a_nan_model_errors_its_comp
     assert stats["scorer/reward_fn/errored"] == 0
 
 
+def test_replicas_of_the_reward_model_share_a_scorers_calls(tmp_path):
+    """scorer.reward_model.replicas 2: one process per replica; two groups scored at once go one to
+    each (the least busy), with the model's own values."""
+    good = untrained_reward_model(tmp_path / "good")
+    config = ScorerConfig(reward_model=RewardModelConfig(path=good, replicas=2))
+
+    async def main():
+        meshes = [this_host().spawn_procs(per_host={"procs": procs}, name=name) for name, procs in (("rm", 2), ("scorer", 1))]
+        try:
+            model = meshes[0].spawn("rm", RewardModelActor, config.reward_model)
+            setups = await model.setup.call()
+            scorer = meshes[1].spawn("scorer", ScorerActor, config, "leading_number", 0, model)
+            scored = await scorer.score.call_one([episode(0, "7", "3"), episode(1, "9")])
+            stats = await model.stats.call()
+            return [setups.get(i) for i in range(2)], scored, [stats.get(i) for i in range(2)]
+        finally:
+            for mesh in meshes:
+                await mesh.stop()
+
+    setups, scored, stats = asyncio.run(main())
+    assert setups[0]["pid"] != setups[1]["pid"]
+    assert sorted(s["texts"] for s in stats) == [1, 2]  # each replica served one group
+    direct = SequenceClassifier(good).forward(["M37=7", "M37=3", "M37=9"])  # prompt + completion
+    scores = [c.reward_components["reward_model"] for e in scored for c in e.completions]
+    assert scores == pytest.approx(direct, abs=1e-5)
+
+
 def test_a_killed_reward_model_is_restarted_with_its_scorer_until_max_restarts_then_the_run_stops(tmp_path):
     """The scorer's supervisor (forge_rl/actors/scorer_supervisor.py) owns the reward model's process
     too: SIGKILL it, and the next scoring call is served by a fresh scorer and reward model, with the

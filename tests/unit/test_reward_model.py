@@ -4,10 +4,12 @@ counted, a tiny model trained from scratch reads prompt + completion."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
 
+from forge_rl.errors import ConfigError
 from forge_rl.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
 from forge_rl.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -100,3 +102,66 @@ def test_synthetic_examples_are_labelled_by_the_tasks_verifier_about_forty_perce
     examples = synthetic_reward_examples("max_of_two", seed=0, count=2000)
     assert all(text.startswith("M") and text.index("=") == 3 for text, _ in examples)
     assert 0.35 < sum(label for _, label in examples) / len(examples) < 0.5
+
+
+class FakeReplicaMesh:
+    """Stands in for an actor mesh of replicas: `slice(procs=i).score.call_one(...)` answers once
+    the test releases that replica's call, so calls stay in flight as long as the test wants."""
+
+    def __init__(self, num_replicas: int):
+        self.calls: list[tuple[int, asyncio.Future]] = []
+        self.num_replicas = num_replicas
+
+    def slice(self, procs: int):
+        mesh = self
+
+        class Endpoint:
+            async def call_one(self, texts):
+                answer = asyncio.get_running_loop().create_future()
+                mesh.calls.append((procs, answer))
+                return await answer
+
+        return type("Replica", (), {"score": Endpoint()})()
+
+
+def test_each_call_goes_to_the_least_busy_replica():
+    from forge_rl.actors.reward_model import LeastBusyReplica
+
+    async def main():
+        mesh = FakeReplicaMesh(3)
+        client = LeastBusyReplica(mesh, 3, "score")
+        first = [asyncio.ensure_future(client(["t"])) for _ in range(4)]
+        await asyncio.sleep(0)  # every call has reached its replica (a state: each awaits its answer)
+        picked = [replica for replica, _ in mesh.calls]
+        mesh.calls[1][1].set_result([1.0])  # replica 1 answers: now the least busy
+        await first[1]
+        fifth = asyncio.ensure_future(client(["t"]))
+        await asyncio.sleep(0)
+        for _, answer in mesh.calls:
+            if not answer.done():
+                answer.set_result([0.0])
+        await asyncio.gather(*first, fifth)
+        return picked, mesh.calls[-1][0]
+
+    picked, fifth_replica = asyncio.run(main())
+    assert picked == [0, 1, 2, 0]  # the fewest in flight, the lowest index among equals
+    assert fifth_replica == 1
+
+
+def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatch):
+    """Its replicas are compute threads like the generators': too many on this machine's cores is
+    a ConfigError naming the setting, before any process starts."""
+    from forge_rl import preflight
+    from forge_rl.config import GRPOConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: {0, 1})
+    scorer = ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=3, num_threads=2))
+    config = GRPOConfig(scorer=scorer)
+    assert sum(preflight.compute_threads(config).values()) == 1 + 1 + 6
+    preflight._check_cpu_threads(config)  # 8 threads on 2 cores: at the limit
+    crowded = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4)))
+    assert sum(preflight.compute_threads(crowded).values()) == 6
+    too_many = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4, num_threads=2)))
+    with pytest.raises(ConfigError, match=r"scorer.reward_model.replicas \(4\) x scorer.reward_model.num_threads \(2\) = 10 compute threads on 2"):
+        preflight._check_cpu_threads(too_many)
