@@ -73,6 +73,12 @@ class ScaleArgs:
     """Prompts per train step per generator in the control-plane part (P = this x G)."""
     prompts_in_flight_per_generator: int = 4
     """Rollout loops per generator (each a prompt of group_size sequences) in the control-plane part."""
+    control_max_policy_age: int = 3
+    """buffer.max_policy_age of the control-plane part. The gate keeps at most (A + 1) x P prompts
+    admitted and not yet trained, the most that can all be trained within the bound at P a step
+    (forge_rl/admission.py). A + 1 = prompts_in_flight_per_generator (with P = G prompts a step)
+    lets every rollout loop hold a prompt: 4,096 sequences at G = 128. The config's A = 2 left a
+    quarter of the loops idle (3,072)."""
     control_median_tokens: float = 32.0
     """Median completion length in the control-plane part: short, so a run measures the control
     plane rather than simulated decoding."""
@@ -320,7 +326,9 @@ def control_plane_config(
             base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0)
         ),
         buffer=dataclasses.replace(
-            base.buffer, capacity_episodes=max(base.buffer.capacity_episodes, 4 * prompts_per_step)
+            base.buffer,
+            max_policy_age=args.control_max_policy_age,
+            capacity_episodes=max(base.buffer.capacity_episodes, (args.control_max_policy_age + 2) * prompts_per_step),
         ),
     )
 

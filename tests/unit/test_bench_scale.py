@@ -114,3 +114,20 @@ def test_a_victim_never_replaced_is_reported():
     figures = fault_figures(record, victims=[3, 7], killed_at={3: 100.0, 7: 100.1})
     assert figures["faults_detected"] == 2 and figures["faults_replaced"] == 1
     assert not figures["faults_all_replaced"]
+
+
+def test_the_control_plane_admits_a_prompt_for_every_rollout_loop_at_128_generators(tmp_path):
+    """(A + 1) x P prompts admitted at most (the gate's bound) = every rollout loop busy: 4,096
+    sequences at G = 128 with the defaults, and the buffer never the tighter bound."""
+    from pathlib import Path
+
+    from forge_rl.bench.scale import ScaleArgs, control_plane_config
+    from forge_rl.config import GRPOConfig
+    from forge_rl.yaml_config import load_yaml_config
+
+    args = ScaleArgs()
+    base = load_yaml_config(GRPOConfig, Path("configs/sim_scale.yaml"))
+    config = control_plane_config(base, args, 128, tmp_path, steps=2)
+    loops = config.num_generators * config.prompts_in_flight_per_generator
+    assert config.max_episodes_queued == (config.buffer.max_policy_age + 1) * config.prompts_per_step == loops
+    assert loops * config.group_size == 4096
