@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
+from collections.abc import Callable
 
 
 class ForwardClockExtension:
@@ -34,8 +35,8 @@ class ForwardClockExtension:
         for name in ("execute_model", "sample_tokens"):
             method = getattr(self, name, None)
             if method is not None:
-                setattr(self, name, _timed(method, clock, counts_steps=name == "execute_model"))
-        self.add_lora = _logged(self.add_lora, clock["add_lora_s"])
+                setattr(self, name, _timed(method, functools.partial(_add_forward, clock, name == "execute_model")))
+        self.add_lora = _timed(self.add_lora, clock["add_lora_s"].append)
 
     def forge_forward_time(self) -> dict:
         clock = getattr(self, "_forge_forward_clock", None)
@@ -44,26 +45,20 @@ class ForwardClockExtension:
         return {**clock, "add_lora_s": list(clock["add_lora_s"])}
 
 
-def _timed(method, clock: dict, counts_steps: bool):
+def _add_forward(clock: dict, counts_steps: bool, seconds: float) -> None:
+    clock["forward_s"] += seconds
+    clock["forward_steps"] += counts_steps
+
+
+def _timed(method, record: Callable[[float], None]):
+    """`method`, passing each call's wall time (seconds) to `record`, raised or not."""
+
     @functools.wraps(method)
     def timed(*args, **kwargs):
         started = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            clock["forward_s"] += time.perf_counter() - started
-            clock["forward_steps"] += counts_steps
+            record(time.perf_counter() - started)
 
     return timed
-
-
-def _logged(method, durations: collections.deque[float]):
-    @functools.wraps(method)
-    def logged(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            durations.append(time.perf_counter() - started)
-
-    return logged
