@@ -61,10 +61,20 @@ def reuse_or_run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) 
     return path
 
 
+def smoothed(rewards: list[float]) -> list[float]:
+    """Means of SMOOTHING_STEPS consecutive steps; the first is the mean of steps 1..SMOOTHING_STEPS."""
+    return [sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS for i in range(SMOOTHING_STEPS - 1, len(rewards))]
+
+
+def steps_to(rewards: list[float], target: float) -> int | None:
+    """Trainer steps until the reward, smoothed over SMOOTHING_STEPS steps, first reaches `target`."""
+    for i, mean in enumerate(smoothed(rewards)):
+        if mean >= target:
+            return i + SMOOTHING_STEPS
+    return None
+
+
 def time_to_reward(metrics: list[dict], target: float) -> float | None:
     """Seconds since the loops started until the smoothed mean reward first reaches `target`."""
-    rewards = [m[REWARD_MEAN] for m in metrics]
-    for i in range(SMOOTHING_STEPS - 1, len(rewards)):
-        if sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS >= target:
-            return metrics[i][WALL_TIME_S]
-    return None
+    steps = steps_to([m[REWARD_MEAN] for m in metrics], target)
+    return None if steps is None else metrics[steps - 1][WALL_TIME_S]

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import SMOOTHING_STEPS, run_variant
+from forge_rl.bench.common import run_variant, steps_to
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import FINAL_REWARD_WINDOW, REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S, progress
 from forge_rl.plot import plot_per_step, read_metrics
@@ -67,14 +67,6 @@ def task_rewards(metrics: list[dict]) -> list[float]:
     """The task's reward per step: the verifier's component where the reward is a weighted sum
     (the distillation run), else the reward itself."""
     return [m.get(TASK_REWARD_OF_DISTILLATION, m[REWARD_MEAN]) for m in metrics]
-
-
-def steps_to(rewards: list[float], target: float) -> int | None:
-    """Trainer steps until the reward, smoothed over SMOOTHING_STEPS steps, first reaches `target`."""
-    for i in range(SMOOTHING_STEPS - 1, len(rewards)):
-        if sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS >= target:
-            return i + 1
-    return None
 
 
 def final(rewards: list[float]) -> float:

@@ -28,8 +28,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded
-from forge_rl.bench.distill import final, steps_to, task_rewards
+from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded, smoothed, steps_to
+from forge_rl.bench.distill import final, task_rewards
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import WALL_TIME_S, progress
 from forge_rl.plot import plot_per_step_panels, read_metrics
@@ -81,11 +81,6 @@ def min_after_reaching(rewards: list[float], target: float) -> float | None:
     if first is None:
         return None
     return min(smoothed(rewards)[first - SMOOTHING_STEPS :])
-
-
-def smoothed(rewards: list[float]) -> list[float]:
-    """Means of SMOOTHING_STEPS consecutive steps; the first is the mean of steps 1..SMOOTHING_STEPS."""
-    return [sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS for i in range(SMOOTHING_STEPS - 1, len(rewards))]
 
 
 def run_figures(rewards: list[float], target: float, collapse_below: float) -> dict:

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from forge_rl.bench import common
-from forge_rl.bench.common import reuse_or_run_variant, seeded
-from forge_rl.bench.self_distill import SelfDistillArgs, min_after_reaching, over_seeds, run_figures, smoothed
+from forge_rl.bench.common import reuse_or_run_variant, seeded, smoothed
+from forge_rl.bench.self_distill import SelfDistillArgs, min_after_reaching, over_seeds, run_figures
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
 from forge_rl.run_dir import config_to_dict
