@@ -116,7 +116,8 @@ class ScorerSupervisor(RestartingOwner):
             procs[name] = host.spawn_procs(per_host={"procs": num_procs}, name=name)
             return procs[name].spawn(name, actor_class, *args)
 
-        async def on_every_replica(call) -> list[dict]:
+        async def every_reply(call) -> list[dict]:
+            """A mesh call's reply from each of its processes (the reward model's replicas, or one)."""
             values = await call
             return [values.get(i) for i in range(len(values))]
 
@@ -126,24 +127,24 @@ class ScorerSupervisor(RestartingOwner):
                 reward_model = spawn(
                     "reward_model", RewardModelActor, config.reward_model, num_procs=config.reward_model.replicas
                 )
-                starts.append(on_every_replica(reward_model.setup.call()))
+                starts.append(every_reply(reward_model.setup.call()))
             if config.judge.path is not None:
                 # A generator like the policy's, serving the judge's weights, which never change (no store).
                 judge = spawn(
                     "judge", GeneratorActor, config.judge.generator, str(config.judge.path), config.judge.max_model_len,
                     None, f"judge-r{number}",
                 )
-                starts.append(judge.start.call_one())
+                starts.append(every_reply(judge.start.call()))
             scorer = spawn(
                 "scorer", ScorerActor, config, self.reward, self.max_new_tokens, reward_model, self.teacher, judge
             )
-            started = await asyncio.gather(scorer.process.call_one(), *starts)
-            started = [s for reply in started for s in (reply if isinstance(reply, list) else [reply])]
+            replies = await asyncio.gather(every_reply(scorer.process.call()), *starts)
         except BaseException:
             for mesh in procs.values():
                 self._stop_in_background(mesh)
             raise
         here = socket.gethostname()
+        started = [reply for process_replies in replies for reply in process_replies]
         pids = [pid for s in started if s["hostname"] == here for pid in (s["pid"], *s.get("engine_pids", ()))]
         return ScorerMeshes(scorer, judge, procs, pids)
 
