@@ -124,6 +124,12 @@ class FakeReplicaMesh:
         return type("Replica", (), {"score": Endpoint()})()
 
 
+async def reached(mesh: FakeReplicaMesh, num_calls: int) -> None:
+    """Until `num_calls` calls have reached their replicas (each then awaits its answer)."""
+    while len(mesh.calls) < num_calls:
+        await asyncio.sleep(0)  # paces the wait for that state: the calls' tasks run meanwhile
+
+
 def test_each_call_goes_to_the_least_busy_replica():
     from forge_rl.actors.reward_model import LeastBusyReplica
 
@@ -131,12 +137,12 @@ def test_each_call_goes_to_the_least_busy_replica():
         mesh = FakeReplicaMesh(3)
         client = LeastBusyReplica(mesh, 3, "score")
         first = [asyncio.ensure_future(client(["t"])) for _ in range(4)]
-        await asyncio.sleep(0)  # every call has reached its replica (a state: each awaits its answer)
+        await reached(mesh, 4)
         picked = [replica for replica, _ in mesh.calls]
         mesh.calls[1][1].set_result([1.0])  # replica 1 answers: now the least busy
         await first[1]
         fifth = asyncio.ensure_future(client(["t"]))
-        await asyncio.sleep(0)
+        await reached(mesh, 5)
         for _, answer in mesh.calls:
             if not answer.done():
                 answer.set_result([0.0])
