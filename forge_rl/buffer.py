@@ -11,14 +11,16 @@ completions, and the two length distributions show by how much. Admission contro
 generation so that nothing needs dropping, is `forge_rl/admission.py`.
 
 The buffer never holds more than `capacity_episodes` episodes nor `capacity_tokens` tokens: `put`
-without room raises `BufferFull`, and the actor shell turns that into backpressure (the producer
-waits until `has_room`).
+without room raises `BufferFull`; `WaitingBuffer` turns that into backpressure (the producer
+waits until `has_room`) and lets the train loop wait for a batch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
+import time
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -259,6 +261,73 @@ class ReplayBuffer:
             elif lost:
                 self.dropped.tokens += lost
         return aged
+
+
+class WaitingBuffer:
+    """The replay buffer with waiting, for one event loop (the rollouts' process,
+    forge_rl/rollouts.py): `put` waits for room, `sample` waits for a batch."""
+
+    def __init__(self, config: BufferConfig):
+        self.buffer = ReplayBuffer(config)
+        self.trainer_version = 0
+        """Version the next sampled batch trains at; staleness is measured against it."""
+        self.changed = asyncio.Condition()
+
+    async def put(self, episodes: list[Episode]) -> int:
+        """Adds episodes, waiting while the buffer is full; returns how many were too stale to keep."""
+        num_stale = 0
+        async with self.changed:
+            for episode in episodes:
+                await self.changed.wait_for(lambda: self.buffer.has_room(episode))
+                num_stale += not self.buffer.put(episode, self.trainer_version)
+            self.changed.notify_all()
+        return num_stale
+
+    async def sample(self, num_episodes: int, trainer_version: int) -> tuple[list[Episode], list[int], float]:
+        """Waits until `num_episodes` groups trainable at `trainer_version` are available.
+
+        Returns the batch, the `schedule_version` of each held episode this call evicted as stale
+        (the admission gate's bookkeeping), and the seconds it waited for episodes to arrive (the
+        train loop's data wait). Episodes that `put` refused meanwhile are not among the evicted:
+        `put` reports those to its own caller, and counting them twice would make the admission
+        gate admit too much.
+        """
+        evicted: list[Episode] = []
+        waited_s = 0.0
+        async with self.changed:
+            self.trainer_version = trainer_version
+            while True:
+                evicted += self.buffer.evict_stale(trainer_version)
+                batch = self.buffer.sample(num_episodes, trainer_version)
+                if batch is not None:
+                    break
+                self.changed.notify_all()  # eviction may have freed room for waiting producers
+                wait_start = time.perf_counter()
+                await self.changed.wait()
+                waited_s += time.perf_counter() - wait_start
+            self.changed.notify_all()
+        return batch, [e.schedule_version for e in evicted], waited_s
+
+    async def load_state_dict(self, state: dict, trainer_version: int) -> list[int]:
+        """Restore a checkpoint's buffer; returns the `schedule_version` of each episode it holds now."""
+        async with self.changed:
+            self.buffer.load_state_dict(state)
+            self.trainer_version = trainer_version
+            self.changed.notify_all()
+        return self.buffer.schedule_versions()
+
+    def stats(self) -> dict:
+        dropped = self.buffer.dropped
+        return {
+            "buffer/size": len(self.buffer),
+            "buffer/trainer_version": self.trainer_version,
+            "buffer/tokens": self.buffer.num_tokens,
+            "buffer/dropped_episodes": dropped.episodes,
+            "buffer/dropped_completions": dropped.completions,
+            "buffer/dropped_tokens": dropped.tokens,
+            **dropped.length_metrics("buffer/dropped_"),
+            **self.buffer.trained.length_metrics("buffer/trained_"),
+        }
 
 
 def _tally_from_dict(state: dict[str, Any]) -> CompletionTally:

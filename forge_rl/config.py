@@ -107,6 +107,9 @@ class LogConfig:
     """W&B project name; the W&B run is named after the run directory."""
     mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)
     """Warn when a generator's sampler mismatch jumps (forge_rl/health.py): on by default."""
+    event_loop_lag: bool = False
+    """Time the rollouts' event loop (forge_rl/rollouts.py): how late a 10 ms timer fires, every 10 ms,
+    reported at the end of the run (`forge-rl bench scale` turns it on)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
     online streams to the W&B server (needs `wandb login`)."""

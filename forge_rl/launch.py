@@ -2,8 +2,8 @@
 The only module besides actors/ that imports Monarch.
 
     hosts = await start_hosts(config, model_dir)     # attach to the workers and check them
-    services = hosts.spawn_services()                # dataset, scorer supervisor, store index, pool
-    buffer = hosts.controller_proc().spawn(...)      # the replay buffer, in the controller's process
+    services = hosts.spawn_services()                # scorer supervisor, store index, pool
+    rollouts = hosts.spawn_rollouts().spawn(...)     # rollout loops, gate, buffer, prompts
     trainer = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
     pool = services.spawn(..., hosts.generator_placements())   # hosts + GPU blocks
     ...
@@ -115,12 +115,10 @@ class Hosts:
     def spawn_services(self) -> ProcMesh:
         return self.spawn_procs("services", 1, self.launch.placement.services_host)
 
-    @staticmethod
-    def controller_proc() -> ProcMesh:
-        """This process (the controller's), for an actor the loops call on the train loop's
-        critical path (the replay buffer): its round trips then cross no process. It stops with
-        the controller."""
-        return monarch.actor.this_proc()
+    def spawn_rollouts(self) -> ProcMesh:
+        """The rollouts' process (forge_rl/rollouts.py), on the services' host: its own, so that its
+        calls (per prompt, per generator) share an event loop with nothing else."""
+        return self.spawn_procs("rollouts", 1, self.launch.placement.services_host)
 
     async def spawn_ranks(self, role: str, num_procs: int) -> ProcMesh:
         """Ranks of one torch.distributed world (role "trainer" or "reference") on the role's hosts,

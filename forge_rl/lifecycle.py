@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import glob
 import json
 import time
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge_rl import launch
-from forge_rl.accounting import PromptAccounting
 from forge_rl.checkpoint import (
     TRAINER_DIR,
     ControllerState,
@@ -244,31 +244,20 @@ class Lifecycle:
     # Checkpoints ------------------------------------------------------------------------------
 
     async def save_checkpoint(self, pipeline: Pipeline) -> None:
-        """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile.
-
-        The buffer is read before the dataset cursor, so every prompt in the buffer's snapshot is below
-        that cursor; a prompt handed out after the read is above it and is simply handed out again.
-        """
-        started, actors, accounting = time.monotonic(), pipeline.actors, pipeline.accounting
+        """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile."""
+        started, actors = time.monotonic(), pipeline.actors
         partial = begin_checkpoint(self.run_path, pipeline.step)
         saved = (await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR))).item(procs=0)
-        buffer_state = await actors.buffer.state_dict.call_one(self.config.checkpoint.save_buffer)
-        dataset = await actors.dataset.state.call_one()
-        settled = [
-            *accounting.trained_ids(),
-            *accounting.skipped_ids,
-            *accounting.filtered_ids,
-            *buffer_state["dropped"]["episode_ids"],
-            *(episode["episode_id"] for episode in buffer_state["episodes"]),
-        ]
+        rollouts = await actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer)
+        cursor = rollouts["prompts"]["cursor"]
         controller = ControllerState(
             step=pipeline.step,
             policy_version=saved["policy_version"],
-            dataset_cursor=dataset["cursor"],
-            reissue=prompts_to_reissue(dataset["cursor"], settled),
-            accounting=accounting.state_dict(),
-            buffer=buffer_state,
-            num_generated_tokens=pipeline.num_generated_tokens,
+            dataset_cursor=cursor,
+            reissue=prompts_to_reissue(cursor, rollouts["settled"]),
+            accounting=rollouts["accounting"],
+            buffer=rollouts["buffer"],
+            num_generated_tokens=rollouts["num_generated_tokens"],
             rng=capture_rng_state(),
         )
         path = commit_checkpoint(partial, controller)
@@ -294,8 +283,8 @@ class Lifecycle:
             progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
 
     async def resume(self, pipeline: Pipeline) -> None:
-        """Load the checkpoint into the trainer, buffer, dataset and `pipeline`, and have every
-        generator serve its policy version before any rollout starts. A fresh run: nothing to do."""
+        """Load the checkpoint into the trainer, the rollouts (buffer, prompts, accounting) and
+        `pipeline`, and have every generator serve its policy version before any rollout starts. A fresh run: nothing to do."""
         if self.checkpoint is None:
             return
         checkpoint, actors = self.checkpoint, pipeline.actors
@@ -306,20 +295,14 @@ class Lifecycle:
                 f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "
                 f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
             )
-        buffered_versions = await actors.buffer.load_state_dict.call_one(saved.buffer, saved.policy_version)
-        await actors.dataset.load_state.call_one(saved.dataset_cursor, saved.reissue)
         restore_rng_state(saved.rng)
         pipeline.step = saved.step
-        pipeline.gate.restore(saved.policy_version, buffered_versions)
-        pipeline.accounting = PromptAccounting.from_state_dict(
-            saved.accounting, handed_out=saved.dataset_cursor - len(saved.reissue)
+        num_buffered = await actors.rollouts.load_state_dict.call_one(
+            dataclasses.asdict(saved), saved.policy_version, loaded["weights/dir"]
         )
-        pipeline.accounting.reissued_after_resume += len(saved.reissue)
-        pipeline.num_generated_tokens = pipeline.generated_tokens_at_last_step = saved.num_generated_tokens
-        await pipeline.update_all_generators(saved.policy_version, loaded["weights/dir"])
         progress(
             f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "
-            f"{len(buffered_versions)} buffered episodes, {len(saved.reissue)} prompts re-issued"
+            f"{num_buffered} buffered episodes, {len(saved.reissue)} prompts re-issued"
         )
 
     # Summary ----------------------------------------------------------------------------------

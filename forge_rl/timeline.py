@@ -1,10 +1,11 @@
 """Busy intervals of each component, for idle fractions, pipeline bounds and Gantt charts.
 
-The controller records an interval around every call it makes to a component (a generator's
-`generate`, the scorer, the trainer's step, a weight update), appended to RUN_DIR/timeline.jsonl as
-it ends. Times are seconds since the origin
-(the start of the run's loops) on the controller's monotonic clock. Concurrent calls on one
-component overlap; busy time is the length of their union.
+The controller records an interval around every call it makes to the trainer (and the
+teacher's refreshes), the rollouts' process (forge_rl/rollouts.py) around every call to a
+generator, the scoring stage or a weight update; both append to RUN_DIR/timeline.jsonl as each
+interval ends (one line, one write, on a file opened for appending). Times are seconds since the
+origin (the start of the run's loops), which the rollouts take from the controller's wall clock.
+Concurrent calls on one component overlap; busy time is the length of their union.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class Timeline:
     idle fractions in constant time per step (a list of every interval, re-merged every step, grew
     without bound and made each step slower than the last)."""
 
-    def __init__(self, path: Path | None = None) -> None:
-        self.origin = time.monotonic()
-        self.origin_unix_time = time.time()
+    def __init__(self, path: Path | None = None, origin_unix_time: float | None = None) -> None:
+        """`origin_unix_time`: another process's timeline's origin (its `origin_unix_time`), so
+        both write on one clock; None: now."""
+        now_monotonic, now_unix = time.monotonic(), time.time()
+        self.origin_unix_time = now_unix if origin_unix_time is None else origin_unix_time
+        self.origin = now_monotonic - (now_unix - self.origin_unix_time)
         """The origin on the wall clock, to relate the timeline to events timed elsewhere."""
         self._file = None if path is None else open(path, "a", buffering=1)
         self._active: dict[str, int] = {}

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from forge_rl.buffer import BufferConfig, ReplayBuffer
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.types import Completion, Episode
@@ -52,12 +51,28 @@ def endpoints(**functions) -> Any:
     return type("FakeActor", (), {name: FakeEndpoint(f) for name, f in functions.items()})()
 
 
-class FakeDataset:
+def local_actor(obj: Any, *names: str) -> Any:
+    """`obj`'s methods `names` behind FakeEndpoints: the loops call a real object (not a fake) in
+    this event loop as they would call it as an actor."""
+
+    def as_async(method):
+        async def call(*args, **kwargs):
+            result = method(*args, **kwargs)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return call
+
+    return endpoints(**{name: as_async(getattr(obj, name)) for name in names})
+
+
+class FakePrompts:
+    """Prompts of the max_of_two task with three-token prompts (no tokenizer): the rollouts' view of
+    forge_rl/prompts.py."""
+
     def __init__(self):
         self.cursor = 0
-        self.next_episodes = FakeEndpoint(self._next)
 
-    async def _next(self, num_prompts: int) -> list[Episode]:
+    def next_episodes(self, num_prompts: int) -> list[Episode]:
         episodes = []
         for _ in range(num_prompts):
             prompt = make_prompt("max_of_two", 0, self.cursor)
@@ -65,28 +80,11 @@ class FakeDataset:
             self.cursor += 1
         return episodes
 
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "reissue": []}
 
-class FakeBuffer:
-    """A real ReplayBuffer behind fake endpoints; `sample` polls (a fake needs no condition)."""
-
-    def __init__(self, config: BufferConfig):
-        self.buffer = ReplayBuffer(config)
-        self.trainer_version = 0
-        self.put = FakeEndpoint(self._put)
-        self.sample = FakeEndpoint(self._sample)
-        self.stats = FakeEndpoint(self._stats)
-
-    async def _put(self, episodes: list[Episode]) -> int:
-        return sum(not self.buffer.put(e, self.trainer_version) for e in episodes)
-
-    async def _sample(self, num_episodes: int, trainer_version: int):
-        self.trainer_version = trainer_version
-        while (batch := self.buffer.sample(num_episodes, trainer_version)) is None:
-            await asyncio.sleep(0)  # yields to the rollouts; no time passes in the test's terms
-        return batch, [], 0.0
-
-    async def _stats(self) -> dict:
-        return {"buffer/size": len(self.buffer), "buffer/dropped_episodes": 0, "buffer/dropped_completions": 0}
+    def load_state(self, cursor: int, reissue: list[int]) -> None:
+        self.cursor = cursor
 
 
 def completions_for(episode: Episode, group_size: int, policy_version: int) -> list[Completion]:

@@ -1,14 +1,16 @@
 """Asynchronous GRPO on Monarch actors: vLLM generators, a scorer, a replay buffer, a TorchTitan trainer.
 
-    DatasetActor ──prompts──▶ GeneratorPool (vLLM engines) ──▶ ScorerSupervisor ──▶ [reference] ──▶ ReplayBufferActor
+    RolloutsActor: prompts ──▶ GeneratorPool (vLLM engines) ──▶ ScorerSupervisor ──▶ [reference] ──▶ buffer
                                   ScorerActor [RewardModelActor] [judge] (restarted if one dies), [teacher]
                                   (reference, teacher: each under a FrozenModelSupervisor, restarted if it dies)
                                      ▲                                                                  │
-                         update_weights(v) (in flight)                                             sample(batch)
+                         update_weights(v) (in flight)                                         take_batch (controller)
                                      │                                                                  ▼
                        /dev/shm weight store ◀──────────── publish v ─────────── TrainerActor mesh (FSDP2/TP)
 
-Two kinds of loop run concurrently in this process (forge_rl/loop.py owns them):
+Two kinds of loop run concurrently: the train loop in this process (forge_rl/loop.py), the rollout
+loops in the RolloutsActor's (forge_rl/rollouts.py), with the admission gate, the buffer and the
+prompts:
 
   rollout loop (prompts_in_flight_per_generator per generator)   prompt -> group_size completions ->
       the scoring stage (forge_rl/actors/scoring_stage.py) -> buffer; paced by the admission gate
@@ -37,14 +39,12 @@ import sys
 import torch
 
 from forge_rl import launch
-from forge_rl.actors.buffer import ReplayBufferActor
-from forge_rl.actors.dataset import DatasetActor
 from forge_rl.actors.generator_pool import GeneratorPool
+from forge_rl.actors.rollouts import RolloutsActor
 from forge_rl.actors.scoring_stage import ScoringStage
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
-from forge_rl.envs.renderers import make_renderer
 from forge_rl.gc_freeze import frozen_startup_objects
 from forge_rl.lifecycle import Lifecycle
 from forge_rl.loop import Pipeline, RunActors
@@ -67,14 +67,8 @@ async def run(config: GRPOConfig) -> dict:
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
         pipeline = Pipeline(config, RunActors(
-            dataset=actors.dataset,
+            rollouts=actors.rollouts, trainer=actors.trainer, after_publish=actors.scoring.after_publish,
             generators=actors.generators,
-            buffer=actors.buffer,
-            trainer=actors.trainer,
-            score=actors.scoring.score,
-            stats=actors.scoring.stats,
-            renderer=make_renderer(config.environment.renderer, lifecycle.model_dir, config.environment.tool_call_parser),
-            after_publish=actors.scoring.after_publish,
         ))
         await lifecycle.resume(pipeline)
         with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
@@ -96,20 +90,20 @@ async def run(config: GRPOConfig) -> dict:
 
 @dataclasses.dataclass
 class Actors:
-    dataset: DatasetActor
     generators: GeneratorPool
     """Owns the generator meshes and replaces a generator that dies (forge_rl/actors/generator_pool.py)."""
     scoring: ScoringStage
     """Scorer, reference model and teacher, each restarted if it dies (forge_rl/actors/scoring_stage.py)."""
-    buffer: ReplayBufferActor
+    rollouts: RolloutsActor
+    """The rollout loops, the admission gate, the replay buffer and the prompts (forge_rl/rollouts.py)."""
     trainer: TrainerActor
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
-    """Services (dataset, the scoring stage's supervisors, the weight store's index and volume, and
-    the generator pool, which spawns one process per generator itself) and the trainer ranks, on the
-    hosts `config.launch` places them (forge_rl/launch.py; this machine by default); the buffer in
-    this process."""
+    """Services (the scoring stage's supervisors, the weight store's index and volume, and the
+    generator pool, which spawns one process per generator itself), the rollouts' process and the
+    trainer ranks, on the hosts `config.launch` places them (forge_rl/launch.py; this machine by
+    default)."""
     model_dir, store_root = str(lifecycle.model_dir), str(lifecycle.store.root)
     pad_id = PromptTokenizer(model_dir).pad_id
     hosts = await launch.start_hosts(config, model_dir)
@@ -119,19 +113,19 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     store_index, _ = await spawn_store(
         services, lifecycle.store.root, extra_files_dir=model_dir, volume_procs=hosts.store_volume_procs(services)
     )
+    generators = services.spawn(
+        "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
+        store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
+        adapters=config.adapter_serving(model_dir),
+    )
+    scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root)
     actors = Actors(
-        dataset=services.spawn("dataset", DatasetActor, config.task, model_dir, config.generator.max_new_tokens),
-        generators=services.spawn(
-            "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
-            store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
-            adapters=config.adapter_serving(model_dir),
+        generators=generators,
+        scoring=scoring,
+        # Its after_publish runs here, in the controller; a closure does not cross processes.
+        rollouts=hosts.spawn_rollouts().spawn(
+            "rollouts", RolloutsActor, config, model_dir, generators, dataclasses.replace(scoring, after_publish=None)
         ),
-        scoring=ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root),
-        # The buffer runs in this (the controller's) process: the train loop samples it on its
-        # critical path (the last episode in, the batch out), and the services process, busy
-        # relaying every generate call, made that round trip about 10 ms on the 2-core demo;
-        # here about 6 ms (issue 16 part 7). Still an actor: the same endpoints, the same code.
-        buffer=hosts.controller_proc().spawn("buffer", ReplayBufferActor, config.buffer),
         trainer=trainer_procs.spawn(
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
             store_index, store_root, pad_id, config.publish, config.launch.placement.trainer_cpus,

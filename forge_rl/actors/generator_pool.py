@@ -227,6 +227,11 @@ class GeneratorPool(Actor):
         return [list(slot.pids) for slot in self.slots]
 
     @concurrent_endpoint
+    async def calls_in_flight(self) -> list[int]:
+        """Per generator, the calls forwarded to it and not yet answered."""
+        return [len(slot.in_flight) for slot in self.slots]
+
+    @concurrent_endpoint
     async def recovery_events(self) -> list[dict]:
         return list(self.recoveries)
 

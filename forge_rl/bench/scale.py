@@ -139,83 +139,59 @@ class _CountingActor:
 
 
 class _Probe:
-    """What one run's controller does, seen from inside its process: endpoint calls per step
-    (counted at the loops' actor handles), the event loop's lag, generator processes' memory."""
+    """What one run's controller and rollouts do: endpoint calls per step (the controller's counted
+    at the train loop's actor handles, the rollouts' counted by themselves), each event loop's lag,
+    generator processes' memory."""
 
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()
-        self.step_marks: list[tuple[int, float, int]] = []
-        """(step, monotonic time, calls so far) after each train step."""
-        self.lags_s: list[float] = []
+        self.step_marks: list[tuple[int, float, int, int]] = []
+        """(step, wall time, controller calls so far, rollouts' calls so far) after each train step."""
+        self.lags_s: list[tuple[float, float]] = []
+        """(wall time, lag) of the controller's event loop."""
         self.generator_rss: list[float] = []
         self.pipeline = None
-        """The run's Pipeline, read once it ended (`held_at_stop`)."""
+        """The run's Pipeline, read once it ended (what the rollouts reported at the stop)."""
         self.actors = None
         """The run's actor handles as the recipe made them (not counted)."""
-        self.cut_at_stop: list[int] = []
-        """Prompts whose generation or scoring was cut short by the end of the run."""
 
     def install(self, after_step=None):
         """Count the calls of every Pipeline built from now on (the recipe builds one); with
         `after_step`, await `after_step(probe, step)` once each train step is done."""
         from forge_rl import loop
+        from forge_rl.rollouts import ROLLOUT_CALLS_TOTAL
 
         probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
-        original_rollout = loop.Pipeline._rollout
 
         def init(pipeline, config, actors):
             probe.pipeline, probe.actors = pipeline, actors
-            score, stats = actors.score, actors.stats
-
-            async def counted_score(episodes, timeline):
-                probe.counts["score (recipe stage: scorer.score)"] += 1
-                return await score(episodes, timeline)
-
-            async def counted_stats():
-                probe.counts["stats (recipe: scorer.stats)"] += 1
-                return await stats()
-
             counted = dataclasses.replace(
-                actors,
-                **{name: _CountingActor(getattr(actors, name), probe.counts, name)
-                   for name in ("dataset", "generators", "buffer", "trainer")},
-                score=counted_score,
-                stats=counted_stats,
+                actors, **{name: _CountingActor(getattr(actors, name), probe.counts, name) for name in ("rollouts", "trainer")}
             )
             original_init(pipeline, config, counted)
 
-        async def finish_step(pipeline, sent, lifecycle, weight_updates):
-            result = await original_step(pipeline, sent, lifecycle, weight_updates)
-            probe.step_marks.append((sent.step, time.monotonic(), sum(probe.counts.values())))
+        async def finish_step(pipeline, sent, lifecycle):
+            result = await original_step(pipeline, sent, lifecycle)
+            probe.step_marks.append(
+                (sent.step, time.time(), sum(probe.counts.values()), result.metrics[ROLLOUT_CALLS_TOTAL])
+            )
             if after_step is not None:
                 await after_step(probe, sent.step)
             return result
 
-        async def rollout(pipeline, index, prompts):
-            try:
-                return await original_rollout(pipeline, index, prompts)
-            except asyncio.CancelledError:  # the run ended (nothing else cancels a rollout)
-                probe.cut_at_stop.extend(prompt.episode_id for prompt in prompts)
-                raise
+        loop.Pipeline.__init__, loop.Pipeline._finish_step = init, finish_step
 
-        originals = {"__init__": original_init, "_finish_step": original_step, "_rollout": original_rollout}
-        patched = {"__init__": init, "_finish_step": finish_step, "_rollout": rollout}
-        for name, method in patched.items():
-            setattr(loop.Pipeline, name, method)
-        return lambda: [setattr(loop.Pipeline, name, method) for name, method in originals.items()]
+        def restore():
+            loop.Pipeline.__init__, loop.Pipeline._finish_step = original_init, original_step
+
+        return restore
 
     def held_at_stop(self) -> dict:
         """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
-        counted where they were: in the buffer (admitted, reached it, not taken: the gate's
-        count once every rollout settled; a rollout stopped before its prompt arrived gave its
-        admission back), in the
-        queue of prompts to generate again after a generator died, or cut short in a rollout."""
-        return {
-            "buffered": self.pipeline.gate.num_episodes_queued,
-            "requeued_not_regenerated": len(self.pipeline.requeued),
-            # A rollout cut while buffering has counted its filtered prompts already.
-            "cut_in_flight": len(set(self.cut_at_stop) - set(self.pipeline.accounting.filtered_ids)),
-        }
+        counted where they were (forge_rl/rollouts.py `stop`): in the buffer (admitted, reached it,
+        not taken), in the queue of prompts to generate again after a generator died, or cut short
+        in a rollout."""
+        return self.pipeline.rollouts_at_stop["held_at_stop"]
 
     async def watch_lag(self) -> None:
         """How late a timer fires on the controller's event loop, every _LAG_PROBE_S."""
@@ -223,7 +199,7 @@ class _Probe:
         while True:
             due = loop.time() + _LAG_PROBE_S
             await asyncio.sleep(_LAG_PROBE_S)
-            self.lags_s.append(max(0.0, loop.time() - due))
+            self.lags_s.append((time.time(), max(0.0, loop.time() - due)))
 
     def watch_memory(self, run_root: Path, stop: threading.Event) -> None:
         """In a thread, so sampling many processes never delays the event loop it measures:
@@ -245,16 +221,29 @@ class _Probe:
 
     def steady(self) -> dict:
         """Figures over the steps after the first (its fill and start-up calls excluded)."""
-        (first_step, first_t, first_calls), (last_step, last_t, last_calls) = self.step_marks[0], self.step_marks[-1]
+        (first_step, first_t, first_calls, first_rollout_calls) = self.step_marks[0]
+        (last_step, last_t, last_calls, last_rollout_calls) = self.step_marks[-1]
         steps = max(last_step - first_step, 1)
-        lags = sorted(self.lags_s)
+        rollouts = self.pipeline.rollouts_at_stop
+        controller_lag = _p99_ms([lag for t, lag in self.lags_s if first_t <= t <= last_t])
+        rollouts_lag = _p99_ms([lag for t, lag in rollouts["event_loop_lags_s"] if first_t <= t <= last_t])
         return {
             "controller_calls_per_step": (last_calls - first_calls) / steps,
+            "rollouts_calls_per_step": (last_rollout_calls - first_rollout_calls) / steps,
             "steps_per_s": steps / max(last_t - first_t, 1e-9),
-            "event_loop_lag_p99_ms": 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None,
+            "controller_event_loop_lag_p99_ms": controller_lag,
+            "rollouts_event_loop_lag_p99_ms": rollouts_lag,
+            # The worse of the two event loops the data path runs on.
+            "event_loop_lag_p99_ms": max((lag for lag in (controller_lag, rollouts_lag) if lag is not None), default=None),
             "generator_rss_mib": max(self.generator_rss) / 2**20 if self.generator_rss else None,
             "calls_by_endpoint_total": dict(self.counts),
+            "rollouts_calls_by_endpoint_total": rollouts["calls"],
         }
+
+
+def _p99_ms(lags_s: list[float]) -> float | None:
+    lags = sorted(lags_s)
+    return 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None
 
 
 def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
@@ -315,6 +304,7 @@ def control_plane_config(
         steps=steps,
         num_generators=num_generators,
         prompts_in_flight_per_generator=args.prompts_in_flight_per_generator,
+        log=dataclasses.replace(base.log, event_loop_lag=True),
         train_batch_size=prompts_per_step * base.group_size,
         generator=dataclasses.replace(
             base.generator,
@@ -468,7 +458,7 @@ class _Faults:
             if not all(pids[index] for index in self.victims):
                 raise RuntimeError(f"the pool knows no process of some of generators {self.victims}: {pids}")
             self._kills = [
-                asyncio.create_task(self._kill(index, pids[index], probe.pipeline.timeline)) for index in self.victims
+                asyncio.create_task(self._kill(index, pids[index], pool)) for index in self.victims
             ]
         if step == self.replaced_by_step:
             await within(
@@ -480,11 +470,11 @@ class _Faults:
                 ),
             )
 
-    async def _kill(self, index: int, pids: list[int], timeline: Timeline) -> None:
+    async def _kill(self, index: int, pids: list[int], pool) -> None:
         processes = [psutil.Process(pid) for pid in pids]
         try:
             async with asyncio.timeout(_IN_FLIGHT_WAIT_S):
-                while not timeline.num_active(f"generator{index}"):
+                while not (await pool.calls_in_flight.call_one())[index]:
                     await asyncio.sleep(0.005)
         except TimeoutError:
             progress(f"bench scale: generator {index} was not generating within {_IN_FLIGHT_WAIT_S:g} s; killed idle")
@@ -585,8 +575,11 @@ def main(args: ScaleArgs) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "generator_counts": [r["num_generators"] for r in per_count],
         "controller_calls_per_step": [r.get("controller_calls_per_step") for r in per_count],
+        "rollouts_calls_per_step": [r.get("rollouts_calls_per_step") for r in per_count],
         "steps_per_s": [r.get("steps_per_s") for r in per_count],
         "event_loop_lag_p99_ms": [r.get("event_loop_lag_p99_ms") for r in per_count],
+        "controller_event_loop_lag_p99_ms": [r.get("controller_event_loop_lag_p99_ms") for r in per_count],
+        "rollouts_event_loop_lag_p99_ms": [r.get("rollouts_event_loop_lag_p99_ms") for r in per_count],
         "max_concurrent_rollouts": [r.get("max_concurrent_rollouts") for r in per_count],
         "generator_rss_mib": [r.get("generator_rss_mib") for r in per_count],
         "max_generators_sustained": max((r["num_generators"] for r in ok), default=0),

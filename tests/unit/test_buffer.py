@@ -1,3 +1,4 @@
+import asyncio
 import copy
 import json
 
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge_rl.batching import make_train_batch
-from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, shard_for_rank
+from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer, shard_for_rank
 from forge_rl.types import Episode
 
 from .builders import completion_advantages, make_completion, make_episode
@@ -320,3 +321,22 @@ def test_fifo_serves_the_stalest_version_first_so_a_late_finisher_cannot_expire(
     buffer.put(make_episode(2, policy_version=1), trainer_version=1)
     buffer.put(make_episode(0, policy_version=0), trainer_version=1)  # started first, finished last
     assert [e.episode_id for e in buffer.sample(2, trainer_version=1)] == [0, 1]
+
+
+def test_an_episode_dropped_at_put_while_sample_waits_is_reported_once():
+    """WaitingBuffer: `put` reports the drop to its caller; `sample` must not report it again as an
+    eviction, or the rollouts subtract it twice and the admission gate admits too much."""
+
+    async def scenario():
+        buffer = WaitingBuffer(BufferConfig(max_policy_age=0))
+        sample = asyncio.ensure_future(buffer.sample(1, 2))  # waits: the buffer is empty
+        await asyncio.sleep(0)  # `sample` sets the version staleness is measured against on entry
+        assert buffer.trainer_version == 2 and not sample.done()
+        assert await buffer.put([make_episode(episode_id=0, policy_version=0)]) == 1  # two versions behind
+        assert await buffer.put([make_episode(episode_id=1, policy_version=2)]) == 0
+        batch, evicted_versions, waited_s = await asyncio.wait_for(sample, 60)
+        assert [episode.episode_id for episode in batch] == [1]
+        assert evicted_versions == []
+        assert waited_s > 0  # it waited for episode 1
+
+    asyncio.run(scenario())

@@ -18,7 +18,7 @@ from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.runner import ContextExhausted
 from forge_rl.errors import GeneratorLost
-from tests.fakes import FakeDataset, FakeGeneratorHost, endpoints
+from tests.fakes import FakeGeneratorHost, FakePrompts, endpoints
 from tests.helpers import HANG_S, wait_until_async
 
 TIMEOUT_S = 0.5
@@ -56,7 +56,7 @@ def test_a_generate_call_past_its_timeout_loses_the_generator_and_a_replacement_
     under_test = PoolUnderTest(host)
 
     async def scenario():
-        prompts = await FakeDataset()._next(1)
+        prompts = FakePrompts().next_episodes(1)
         await under_test.call("start")
         with pytest.raises(GeneratorLost, match=r"hung: a generate call ran past generator.generate_timeout_s"):
             await under_test.call("generate", 0, prompts, 2)
@@ -146,7 +146,7 @@ def test_a_replacement_whose_start_hangs_is_retried_on_a_fresh_mesh():
     under_test = PoolUnderTest(host)
 
     async def scenario():
-        prompts = await FakeDataset()._next(1)
+        prompts = FakePrompts().next_episodes(1)
         await under_test.call("start")
         with pytest.raises(GeneratorLost):
             await under_test.call("generate", 0, prompts, 2)

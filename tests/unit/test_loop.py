@@ -1,4 +1,6 @@
-"""The loops (forge_rl/loop.py) against named fakes of the actors: what they do with failures."""
+"""The loops against named fakes of the actors: the train loop (forge_rl/loop.py) and the rollouts
+(forge_rl/rollouts.py, a real Rollouts called in this event loop as its actor would be): what they
+do with failures."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut
 from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
+from forge_rl.rollouts import RolloutActors, Rollouts
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.trainer import TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
-    FakeActorError, FakeBuffer, FakeDataset, FakeEndpoint, FakeLifecycle, completions_for, endpoints,
+    FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor,
 )
 from tests.helpers import wait_until_async
 
@@ -29,14 +32,20 @@ CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight
                     buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
 
 
-def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> Pipeline:
-    """`generate`: the generators' FAKE generate; by default every call succeeds with completions
-    stamped with the calling generator's current version."""
+ROLLOUTS_ENDPOINTS = (
+    "start", "wait_for_failure", "wait_for_batch", "take_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
+)
+
+
+def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> tuple[Pipeline, Rollouts]:
+    """The train loop, and the rollouts it calls; `generate`: the generators' FAKE generate; by
+    default every call succeeds with completions stamped with the calling generator's current
+    version."""
     state = {"version": 0}
 
     async def generate_at_the_generators_version(index, prompts, group_size):
         await asyncio.sleep(0)  # a remote call yields to the event loop
-        version = pipeline.gate.generator_versions[index]
+        version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
 
     async def train_step(episodes):
@@ -56,17 +65,13 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> 
     async def no_stats():
         return {}
 
-    actors = RunActors(
-        dataset=FakeDataset(),
-        generators=endpoints(generate=generate or generate_at_the_generators_version, update_weights=update_weights, wait_until_serving=wait_until_serving),
-        buffer=FakeBuffer(config.buffer),
-        trainer=endpoints(train_step=train_step),
-        score=score,
-        stats=no_stats,
-        renderer=renderer,
+    generators = endpoints(
+        generate=generate or generate_at_the_generators_version, update_weights=update_weights,
+        wait_until_serving=wait_until_serving,
     )
-    pipeline = Pipeline(config, actors)
-    return pipeline
+    rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), FakePrompts())
+    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=endpoints(train_step=train_step)))
+    return pipeline, rollouts
 
 
 def run(pipeline: Pipeline, tmp_path):
@@ -85,7 +90,7 @@ def test_a_rollout_that_fails_unexpectedly_fails_the_run_instead_of_dying_unseen
         raise ValueError("the engine died in a way nobody expected")
 
     with pytest.raises(ValueError, match="nobody expected"):
-        run(make_pipeline(generate), tmp_path)
+        run(make_pipeline(generate)[0], tmp_path)
 
 
 def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained_twice(tmp_path):
@@ -96,10 +101,10 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
         await asyncio.sleep(0)  # a remote call yields to the event loop
         if calls["n"] == 2:  # the second call's generator dies mid-request
             raise GeneratorLost(index, "its process died")
-        version = pipeline.gate.generator_versions[index]
+        version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
 
-    pipeline = make_pipeline(generate)
+    pipeline, rollouts = make_pipeline(generate)
     history, accounting = run(pipeline, tmp_path)
 
     assert len(history) == CONFIG.steps
@@ -118,13 +123,13 @@ def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_rem
             raise FakeActorError(GeneratorLost(index, "its process died"))
         if calls["n"] == 5:
             raise FakeActorError(ValueError("prompt longer than the context"))
-        version = pipeline.gate.generator_versions[index]
+        version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
 
-    pipeline = make_pipeline(generate)
+    pipeline, rollouts = make_pipeline(generate)
     with pytest.raises(FakeActorError, match="traceback of the remote process"):
         run(pipeline, tmp_path)
-    assert pipeline.accounting.requeued == 1
+    assert rollouts.accounting.requeued == 1
 
 
 def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout_and_the_flag(tmp_path):
@@ -138,7 +143,7 @@ def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout
     async def train_step_that_hangs(episodes):
         await asyncio.Event().wait()  # never set
 
-    pipeline = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
+    pipeline, _ = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
     pipeline.actors.trainer = endpoints(train_step=train_step_that_hangs)
 
     with pytest.raises(TrainStepTimedOut) as raised:
@@ -169,8 +174,8 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
     async def wait_until_serving(index):
         return 0
 
-    pipeline = make_pipeline(generate)
-    pipeline.actors.generators = endpoints(
+    pipeline, rollouts = make_pipeline(generate)
+    rollouts.actors.generators = endpoints(
         generate=generate, update_weights=update_weights_that_hang, wait_until_serving=wait_until_serving
     )
 
@@ -184,7 +189,7 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
         logger.close()
 
     asyncio.run(asyncio.wait_for(stopped_with_an_update_in_flight(), 30))
-    assert updates_in_flight and updates_cancelled == updates_in_flight
+    assert updates_in_flight and sorted(updates_cancelled) == sorted(updates_in_flight)
 
 
 def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_trains(tmp_path):
@@ -193,7 +198,7 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
     second_batch_sent = asyncio.Event()
     calls: list[int] = []
 
-    pipeline = make_pipeline()
+    pipeline, _ = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
 
     async def train_step_that_waits_for_the_next_batch(episodes):
@@ -216,7 +221,7 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
     step 2 (followed by a checkpoint) is accounted for."""
     step_when_sent: list[int] = []
 
-    pipeline = make_pipeline()
+    pipeline, _ = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
 
     async def recording_train_step(episodes):
@@ -275,29 +280,29 @@ def char_tokenizer(tmp_path_factory) -> PromptTokenizer:
 
 
 def make_env_pipeline(tokenizer: PromptTokenizer, config: GRPOConfig = ENV_CONFIG):
-    """The loops over fakes, with environment episodes; returns (pipeline, policy, trained batches)."""
+    """The loops over fakes, with environment episodes; returns (pipeline, rollouts, policy, trained batches)."""
 
     async def generate(index, prompts, group_size):
         raise AssertionError("environment episodes are sampled turn by turn, never as single-turn prompts")
 
-    pipeline = make_pipeline(generate, config, PlainTextRenderer(tokenizer))
-    policy = ScriptedCalculatorPolicy(tokenizer, lambda index: pipeline.gate.generator_versions[index])
-    pipeline.actors.generators.generate_turn = FakeEndpoint(policy.generate_turn)
+    pipeline, rollouts = make_pipeline(generate, config, PlainTextRenderer(tokenizer))
+    policy = ScriptedCalculatorPolicy(tokenizer, lambda index: rollouts.gate.generator_versions[index])
+    rollouts.actors.generators.generate_turn = FakeEndpoint(policy.generate_turn)
     trained: list[tuple[int, list[Episode]]] = []
     train_step = pipeline.actors.trainer.train_step.function
 
     async def recording_train_step(episodes):
-        trained.append((pipeline.gate.next_train_version - 1, episodes))
+        trained.append((rollouts.gate.next_train_version - 1, episodes))
         return await train_step(episodes)
 
     pipeline.actors.trainer = endpoints(train_step=recording_train_step)
-    return pipeline, policy, trained
+    return pipeline, rollouts, policy, trained
 
 
 def test_environment_episodes_reach_the_trainer_as_sampled_with_context_masked_and_the_environment_reward(
     tmp_path, char_tokenizer
 ):
-    pipeline, policy, trained = make_env_pipeline(char_tokenizer)
+    pipeline, _, policy, trained = make_env_pipeline(char_tokenizer)
     history, accounting = run(pipeline, tmp_path)
 
     assert accounting["trained"] == ENV_CONFIG.steps * ENV_CONFIG.prompts_per_step
@@ -356,26 +361,26 @@ class ToolWaitingForAnUpdate:
 def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_flight_and_trains_within_the_age_bound(
     tmp_path, char_tokenizer
 ):
-    pipeline, policy, trained = make_env_pipeline(char_tokenizer)
+    pipeline, rollouts, policy, trained = make_env_pipeline(char_tokenizer)
     updated = asyncio.Event()
     in_flight_while_waiting = []
 
     def make_env(seed, index):
         def on_wait():
-            in_flight_while_waiting.append(dict(pipeline.gate.in_flight_versions))
+            in_flight_while_waiting.append(dict(rollouts.gate.in_flight_versions))
 
         return ToolWaitingForAnUpdate(make_calculator_env(seed, index), index == 1, updated, on_wait)
 
-    pipeline.make_env = make_env
-    update_weights = pipeline.actors.generators.update_weights.function
+    rollouts.make_env = make_env
+    update_weights = rollouts.actors.generators.update_weights.function
 
     async def update_then_release(index, policy_version, weights_dir):
         result = await update_weights(index, policy_version, weights_dir)
-        await pipeline.gate.generator_serves(index, policy_version)
+        await rollouts.gate.generator_serves(index, policy_version)
         updated.set()
         return result
 
-    pipeline.actors.generators.update_weights = FakeEndpoint(update_then_release)
+    rollouts.actors.generators.update_weights = FakeEndpoint(update_then_release)
     history, _ = run(pipeline, tmp_path)
 
     # While its tool waits, the episode is counted in flight at the version it started at, so the
@@ -419,14 +424,14 @@ def test_an_environment_that_raises_or_hangs_errors_its_episodes_which_are_count
 ):
     limits = dataclasses.replace(ENV_CONFIG.environment.limits, env_step_timeout_s=0.1)
     config = dataclasses.replace(ENV_CONFIG, environment=dataclasses.replace(ENV_CONFIG.environment, limits=limits))
-    pipeline, _, trained = make_env_pipeline(char_tokenizer, config)
+    pipeline, rollouts, _, trained = make_env_pipeline(char_tokenizer, config)
     failing = {1: "reset", 2: "hang"}
 
     def make_env(seed, index):
         env = make_calculator_env(seed, index)
         return FailingCalculator(env, failing[index]) if index in failing else env
 
-    pipeline.make_env = make_env
+    rollouts.make_env = make_env
     history, accounting = run(pipeline, tmp_path)
 
     assert accounting["trained"] == config.steps * config.prompts_per_step  # the run went on
@@ -445,7 +450,7 @@ def test_an_environment_that_raises_or_hangs_errors_its_episodes_which_are_count
 
 
 def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_compute(tmp_path):
-    pipeline = make_pipeline()
+    pipeline, _ = make_pipeline()
     versions = iter(range(1, 100))
 
     async def train_step(episodes):  # a FAKE trainer that reports its compute as PolicyTrainer does

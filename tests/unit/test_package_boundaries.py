@@ -182,10 +182,9 @@ def test_the_adapters_import_without_the_packages_they_adapt():
 @pytest.mark.parametrize(
     "module,name",
     [
-        ("forge_rl.actors.dataset", "DatasetActor"),
         ("forge_rl.actors.scorer", "ScorerActor"),
         ("forge_rl.actors.scorer_supervisor", "ScorerSupervisor"),
-        ("forge_rl.actors.buffer", "ReplayBufferActor"),
+        ("forge_rl.actors.rollouts", "RolloutsActor"),
         ("forge_rl.actors.generator", "GeneratorActor"),
         ("forge_rl.actors.generator_pool", "GeneratorPool"),
         ("forge_rl.actors.trainer", "TrainerActor"),

@@ -1,6 +1,7 @@
 """Hands out prompts as Episode shells (no completions yet), tokenized, with a resumable cursor.
 
-After a resume, the prompts a checkpoint left unsettled (forge_rl/checkpoint.py) are handed out
+Prompt i is a function of (task, seed, i) (forge_rl/tasks), so prompts are built where they are
+used: in the rollouts' process (forge_rl/rollouts.py), with no message per prompt. After a resume, the prompts a checkpoint left unsettled (forge_rl/checkpoint.py) are handed out
 again first, under their own index, then the cursor continues where it stopped.
 """
 
@@ -9,15 +10,13 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from monarch.actor import Actor, endpoint
-
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.synthetic import long_tail_length
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
 
-class DatasetActor(Actor):
+class PromptSource:
     def __init__(self, task: TaskConfig, model_dir: str, max_new_tokens: int):
         self.task = task
         self.max_new_tokens = max_new_tokens
@@ -27,8 +26,7 @@ class DatasetActor(Actor):
         self.reissue: collections.deque[int] = collections.deque()
         """Indices below the cursor to hand out again before new ones (set by a resume)."""
 
-    @endpoint
-    async def next_episodes(self, num_prompts: int) -> list[Episode]:
+    def next_episodes(self, num_prompts: int) -> list[Episode]:
         episodes = []
         for _ in range(num_prompts):
             if self.reissue:
@@ -54,11 +52,9 @@ class DatasetActor(Actor):
             self.task.seed, index, self.task.long_tail_min_tokens, self.task.long_tail_alpha, self.max_new_tokens
         )
 
-    @endpoint
-    async def state(self) -> dict:
+    def state(self) -> dict:
         return {"cursor": self.cursor, "reissue": list(self.reissue)}
 
-    @endpoint
-    async def load_state(self, cursor: int, reissue: list[int]) -> None:
+    def load_state(self, cursor: int, reissue: list[int]) -> None:
         self.cursor = cursor
         self.reissue = collections.deque(reissue)

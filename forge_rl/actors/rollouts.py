@@ -1,0 +1,73 @@
+"""The rollouts' actor: the run's data plane (forge_rl/rollouts.py) in a process of its own.
+
+The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
+for all of them; the controller's train loop calls `wait_for_batch`, `take_batch` and `step_done`
+once per step. Its own process, not the controller's: the rollouts' calls (one per prompt to the
+generator pool, one to the scoring stage, one per generator and version to swap weights) then
+leave the controller's event loop free for the train loop, and no other role's work (the pool's
+relay, the store's index) delays them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from monarch.actor import Actor, concurrent_endpoint
+
+from forge_rl.envs.renderers import make_renderer
+from forge_rl.prompts import PromptSource
+from forge_rl.rollouts import RolloutActors, Rollouts
+from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.actors.generator_pool import GeneratorPool
+    from forge_rl.actors.scoring_stage import ScoringStage
+    from forge_rl.config import GRPOConfig
+
+
+class RolloutsActor(Actor):
+    def __init__(self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage):
+        # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
+        # controller runs, is left out: a closure does not cross processes).
+        renderer = None
+        if config.environment.name is not None:
+            renderer = make_renderer(config.environment.renderer, Path(model_dir), config.environment.tool_call_parser)
+        self.rollouts = Rollouts(
+            config,
+            RolloutActors(generators=generators, score=scoring.score, stats=scoring.stats, renderer=renderer),
+            PromptSource(config.task, model_dir, config.generator.max_new_tokens),
+        )
+
+    @concurrent_endpoint
+    async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:
+        self.rollouts.start(None if timeline_path is None else Path(timeline_path), origin_unix_time)
+
+    @concurrent_endpoint
+    async def wait_for_failure(self) -> None:
+        await self.rollouts.wait_for_failure()
+
+    @concurrent_endpoint
+    async def wait_for_batch(self) -> int:
+        return await self.rollouts.wait_for_batch()
+
+    @concurrent_endpoint
+    async def take_batch(self, step: int, train_version: int) -> tuple[list[Episode], float]:
+        return await self.rollouts.take_batch(step, train_version)
+
+    @concurrent_endpoint
+    async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
+        return await self.rollouts.step_done(step, skipped, policy_version, weights_dir)
+
+    @concurrent_endpoint
+    async def stop_loops(self, finish_updates: bool) -> dict:
+        return await self.rollouts.stop_loops(finish_updates)
+
+    @concurrent_endpoint
+    async def state_dict(self, include_episodes: bool) -> dict:
+        return self.rollouts.state_dict(include_episodes)
+
+    @concurrent_endpoint
+    async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
+        return await self.rollouts.load_state_dict(state, policy_version, weights_dir)
+

@@ -1,0 +1,432 @@
+"""The run's data plane: rollouts on every generator, the admission gate, the replay buffer, the
+prompts and their accounting, on one event loop in a process of their own (the RolloutsActor,
+forge_rl/actors/rollouts.py), so the controller's work per step does not grow with the number of
+generators or prompts.
+
+    rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
+        consumes   a prompt (a re-queued one first; built here from its index, forge_rl/prompts.py)
+                   and an admission from the gate
+        produces   scored episodes into the buffer (the recipe's scoring stage runs between); with
+                   `environment.name` set, a prompt is group_size episodes of the environment,
+                   played turn by turn on the generator (forge_rl/envs/rollout.py), rewarded by it
+        waits for  the admission gate (forge_rl/admission.py): its episodes must be trainable
+                   within max_policy_age of the version it generates with, and fit in the buffer
+        unblocked  when the train loop takes a batch or its generator loads newer weights
+
+The train loop (forge_rl/loop.py, in the controller) makes three calls per step here, whatever the
+number of generators and prompts: `wait_for_batch` (the gate's go, no side effect, so a stop may
+abandon it), `take_batch` (the batch leaves the buffer), and `step_done` (accounts for the step,
+tells every generator about the new version, and answers with this plane's figures for the step).
+Prompt i depends only on (task, seed, i), so prompts need no messages; the buffer and the gate
+are where the episodes arrive, so buffering one needs none either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from forge_rl import metrics as m
+from forge_rl.accounting import PromptAccounting
+from forge_rl.admission import AdmissionGate
+from forge_rl.buffer import WaitingBuffer
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
+from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
+from forge_rl.metrics import EpisodeStats
+from forge_rl.store.loader import FETCHED_BYTES
+from forge_rl.timeline import Timeline, idle_fraction
+from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
+
+_LAG_PROBE_S = 0.010
+"""Period of the event-loop lag probe (log.event_loop_lag): a timer that should fire every 10 ms."""
+
+ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
+"""Endpoint calls this plane made since the loops started (generators' pool and the scoring stage)."""
+
+
+class Prompts(Protocol):
+    """Where prompts come from (forge_rl/prompts.py `PromptSource`)."""
+
+    def next_episodes(self, num_prompts: int) -> list[Episode]: ...
+    def state(self) -> dict: ...
+    def load_state(self, cursor: int, reissue: list[int]) -> None: ...
+
+
+@dataclasses.dataclass
+class RolloutActors:
+    """What the rollouts call: the generator pool and the recipe's stage from generated to buffered."""
+
+    generators: Any
+    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)` (single-turn
+    prompts), `generate_turn(i, ...)` (environment episodes), `update_weights(i, ...)`,
+    `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
+    score: Callable[[list[Episode], Timeline], Awaitable[list[Episode]]]
+    """The recipe's stage from generated to buffered (forge_rl/actors/scoring_stage.py): returns the
+    episodes to keep; those it leaves out are counted as filtered (never trained)."""
+    stats: Callable[[], Awaitable[dict]]
+    """The stage's per-step metrics (the scorer's failures, say)."""
+    renderer: Renderer | None = None
+    """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
+    when config.environment.name is set."""
+
+
+class Rollouts:
+    """The data plane's state and loops. Only its own event loop touches it."""
+
+    def __init__(self, config: GRPOConfig, actors: RolloutActors, prompts: Prompts):
+        self.config = config
+        self.actors = actors
+        self.prompts = prompts
+        self.gate = AdmissionGate(
+            num_generators=config.num_generators,
+            episodes_per_step=config.prompts_per_step,
+            max_policy_age=config.buffer.max_policy_age,
+            max_episodes_queued=config.max_episodes_queued,
+            admission=config.buffer.admission,
+        )
+        self.buffer = WaitingBuffer(config.buffer)
+        self.accounting = PromptAccounting()
+        self.requeued: collections.deque[Episode] = collections.deque()
+        """Prompts whose generator died mid-request; handed out again first."""
+        self.taken: dict[int, list[Episode]] = {}
+        """The batch of each step taken and not yet accounted for (`step_done`)."""
+        self.num_generated_tokens = 0
+        self._generated_tokens_at_last_step = 0
+        self._last_step_end_s = 0.0
+        self.last_weight_update: dict = {}
+        self.weights_fetched_bytes = 0
+        """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
+        self.timeline = Timeline()
+        """Busy intervals of the generators and the scoring stage; `start` gives it the run's file."""
+        self.make_env = None if config.environment.name is None else config.environment.make_env()
+        if self.make_env is not None and actors.renderer is None:
+            raise ValueError("environment.name is set but RolloutActors.renderer is None: episodes need a renderer")
+        self.episode_stats = EpisodeStats()
+        """Environment episodes played since the last step's figures."""
+        self.env_waits = EnvWaitClock(config.num_generators)
+        """Generator idle time while episodes wait on environments; `start` restarts it with the timeline."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Endpoint calls made here, per endpoint (ROLLOUT_CALLS_TOTAL)."""
+        self.lags_s: list[tuple[float, float]] = []
+        """(wall time, seconds late) of each 10 ms timer on this event loop (log.event_loop_lag)."""
+        self.cut_at_stop: set[int] = set()
+        """Prompts whose generation or scoring the stop cut short."""
+        self._in_flight: dict[int, list[Episode]] = {}
+        """Prompts each rollout task holds now, by task id."""
+        self._tasks: set[asyncio.Task] = set()
+        """Rollout loops, weight updates and probes; held here because the event loop keeps only weak
+        references to tasks."""
+        self._updates: set[asyncio.Task] = set()
+        """The weight updates in flight (also in `_tasks`)."""
+        self._failure: asyncio.Future | None = None
+        """The first error of a rollout or a weight update (`start` makes it): fails the run
+        (`wait_for_failure`)."""
+        self._stage_stats: dict = {}
+        self._stage_stats_next: asyncio.Task | None = None
+
+    # The train loop's calls -------------------------------------------------------------------
+
+    def start(self, timeline_path: Path | None, origin_unix_time: float | None) -> None:
+        """Start the rollout loops; busy intervals go to `timeline_path` (the run's timeline.jsonl,
+        which the controller also appends to), on the controller's origin `origin_unix_time`."""
+        self._failure = asyncio.get_running_loop().create_future()
+        self.timeline = Timeline(timeline_path, origin_unix_time=origin_unix_time)
+        self.env_waits = EnvWaitClock(self.config.num_generators)
+        for index in range(self.config.num_generators):
+            for _ in range(self.config.prompts_in_flight_per_generator):
+                self._spawn(self._rollout_loop(index))
+        if self.config.log.event_loop_lag:
+            self._spawn(self._probe_lag())
+
+    async def wait_for_failure(self) -> None:
+        """Raises the first error of a rollout or a weight update (none: waits for ever)."""
+        if self._failure is None:
+            raise RuntimeError("Rollouts.wait_for_failure called before start")
+        await asyncio.shield(self._failure)
+
+    async def wait_for_batch(self) -> int:
+        """Waits until the gate lets the next batch be taken; returns the version it trains at.
+        Changes nothing, so the train loop may abandon it."""
+        return await self.gate.wait_for_batch()
+
+    async def take_batch(self, step: int, train_version: int) -> tuple[list[Episode], float]:
+        """Step `step`'s batch, out of the buffer, and the seconds the buffer waited for episodes
+        the gate counted as arrived (the train loop's data wait)."""
+        episodes, evicted_versions, waited_s = await self.buffer.sample(self.config.prompts_per_step, train_version)
+        self.taken[step] = episodes
+        await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
+        return episodes, waited_s
+
+    async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
+        """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
+        its batch, tell every generator about `policy_version` (not awaited), and answer with this
+        plane's figures (the scoring stage's counters as of the step before: they are read off the
+        train loop's path)."""
+        episodes = self.taken.pop(step)
+        if skipped:
+            self.accounting.count_skipped(episodes)
+            await self.gate.step_skipped()
+        else:
+            self.accounting.count_trained(episodes)
+            for index in range(self.config.num_generators):
+                self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
+        return self._step_metrics()
+
+    async def stop_loops(self, finish_updates: bool) -> dict:
+        """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
+        that a run that ends leaves every generator at its last version); returns the prompt
+        accounting, what was held where at the stop, and the probes' figures."""
+        if finish_updates:
+            await asyncio.gather(*self._updates)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._stage_stats_next is not None:
+            self._stage_stats_next.cancel()
+        self.timeline.close()
+        return {
+            "accounting": self.accounting.summary(self.buffer.buffer.dropped.episodes),
+            "held_at_stop": {
+                "buffered": self.gate.num_episodes_queued,
+                "requeued_not_regenerated": len(self.requeued),
+                # A rollout cut while buffering has counted its filtered prompts already.
+                "cut_in_flight": len(self.cut_at_stop - set(self.accounting.filtered_ids)),
+            },
+            "calls": dict(self.calls),
+            "event_loop_lags_s": list(self.lags_s),
+        }
+
+    def state_dict(self, include_episodes: bool) -> dict:
+        """What a checkpoint keeps of this plane (forge_rl/checkpoint.py). The buffer is read before
+        the prompts' cursor, so every prompt in the buffer's snapshot is below that cursor; one
+        handed out after the read is above it and is simply handed out again."""
+        buffer = self.buffer.buffer.state_dict(include_episodes)
+        return {
+            "buffer": buffer,
+            "prompts": self.prompts.state(),
+            "accounting": self.accounting.state_dict(),
+            "settled": [
+                *self.accounting.trained_ids(),
+                *self.accounting.skipped_ids,
+                *self.accounting.filtered_ids,
+                *buffer["dropped"]["episode_ids"],
+                *(episode["episode_id"] for episode in buffer["episodes"]),
+            ],
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+    async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
+        """Continue from a checkpoint (`state_dict`'s figures, the prompts to hand out again first
+        as state["reissue"]): every generator serves `policy_version` before this returns, and
+        before any rollout starts. Returns the number of episodes the buffer holds now."""
+        buffered_versions = await self.buffer.load_state_dict(state["buffer"], policy_version)
+        self.prompts.load_state(state["dataset_cursor"], state["reissue"])
+        self.gate.restore(policy_version, buffered_versions)
+        self.accounting = PromptAccounting.from_state_dict(
+            state["accounting"], handed_out=state["dataset_cursor"] - len(state["reissue"])
+        )
+        self.accounting.reissued_after_resume += len(state["reissue"])
+        self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
+        await asyncio.gather(
+            *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
+        )
+        return len(buffered_versions)
+
+    # Rollouts ---------------------------------------------------------------------------------
+
+    async def _rollout_loop(self, index: int) -> None:
+        """One prompt at a time on generator `index`; many of these run per generator."""
+        while True:
+            start_version = await self.gate.admit(index)
+            try:
+                prompts = [self.requeued.popleft()] if self.requeued else self._next_prompts()
+            except BaseException:
+                await self.gate.settle(start_version, 1, num_not_queued=1)  # the admission goes back
+                raise
+            prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
+            self._in_flight[id(asyncio.current_task())] = prompts
+            try:
+                num_buffered = await self._rollout(index, prompts)
+            except GeneratorLost:
+                await self._requeue_after_loss(index, prompts, start_version)
+                continue
+            except asyncio.CancelledError:  # the run ended (nothing else cancels a rollout)
+                self.cut_at_stop.update(prompt.episode_id for prompt in prompts)
+                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+                raise
+            except BaseException:
+                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+                raise
+            finally:
+                self._in_flight.pop(id(asyncio.current_task()), None)
+            await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
+
+    async def _rollout(self, index: int, prompts: list[Episode]) -> int:
+        """Generate, score and buffer `prompts` on generator `index`; returns how many reached the buffer."""
+        config, actors = self.config, self.actors
+        if self.make_env is not None:
+            episodes = [await self._play(index, prompt) for prompt in prompts]
+        else:
+            with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
+                try:
+                    self.calls["generators.generate"] += 1
+                    episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
+                except Exception as e:
+                    lost = generator_lost(e)
+                    if lost is None:
+                        raise
+                    raise lost from None
+        self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
+        self.calls["score"] += 1
+        kept = await actors.score(episodes, self.timeline)
+        kept_ids = {e.episode_id for e in kept}
+        self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
+        num_stale = await self.buffer.put(kept) if kept else 0
+        return len(kept) - num_stale
+
+    async def _play(self, index: int, prompt: Episode) -> Episode:
+        """`prompt` as group_size episodes of the environment played on generator `index`: one
+        completion per trajectory, its reward the environment's (forge_rl/envs/rollout.py)."""
+        config = self.config
+        envs = [
+            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id), self.env_waits, index)
+            for _ in range(config.group_size)
+        ]
+
+        async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+            with self.timeline.busy(f"generator{index}", num_sequences=1), self.env_waits.turn(index):
+                try:
+                    self.calls["generators.generate_turn"] += 1
+                    return await self.actors.generators.generate_turn.call_one(index, prefix_token_ids, max_new_tokens)
+                except Exception as e:
+                    raised = raised_by_actor(e)
+                    if isinstance(raised, (GeneratorLost, ContextExhausted)):
+                        raise raised from None
+                    raise
+
+        trajectories = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
+        for trajectory in trajectories:
+            self.episode_stats.observe(trajectory)
+        first_observation = trajectories[0].conversation[0].content if trajectories[0].conversation else ""
+        return dataclasses.replace(
+            prompt,
+            prompt_text=first_observation,
+            answer="",
+            prompt_token_ids=[],  # each trajectory holds its prompt as context
+            completions=[trajectory_completion(t) for t in trajectories],
+            generator_index=index,
+            temperature=config.generator.temperature,
+        )
+
+    def _next_prompts(self) -> list[Episode]:
+        prompts = self.prompts.next_episodes(1)
+        self.accounting.handed_out += len(prompts)
+        return prompts
+
+    async def _requeue_after_loss(self, index: int, prompts: list[Episode], start_version: int) -> None:
+        """The generator died mid-request: its prompts go out again once it (replaced) serves."""
+        self.requeued.extend(prompts)
+        self.accounting.requeued += len(prompts)
+        await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+        self.calls["generators.wait_until_serving"] += 1
+        loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        await self.gate.generator_serves(index, loaded_version)
+
+    # Weights ----------------------------------------------------------------------------------
+
+    async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
+        """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+        with self.timeline.busy(f"weights{index}"):
+            try:
+                self.calls["generators.update_weights"] += 1
+                result = await self.actors.generators.update_weights.call_one(index, policy_version, weights_dir)
+            except Exception as e:
+                if generator_lost(e) is None:
+                    raise
+                return  # its replacement loads the newest version itself
+        await self.gate.generator_serves(index, result["policy_version"])
+        self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
+        self.weights_fetched_bytes += result.get(FETCHED_BYTES, 0)
+
+    # Figures ----------------------------------------------------------------------------------
+
+    def _step_metrics(self) -> dict:
+        """Generation since the previous step, idle fractions since the loops started, the buffer's
+        and the scoring stage's counters, the newest weight update's figures."""
+        timeline, now = self.timeline, self.timeline.now()
+        generator_busy_s = [timeline.busy_s(f"generator{i}") for i in range(self.config.num_generators)]
+        generated_tokens_per_s = (self.num_generated_tokens - self._generated_tokens_at_last_step) / max(
+            now - self._last_step_end_s, 1e-9
+        )
+        self._generated_tokens_at_last_step, self._last_step_end_s = self.num_generated_tokens, now
+        self._refresh_stage_stats()
+        return {
+            m.GENERATED_TOKENS_TOTAL: self.num_generated_tokens,
+            m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
+            m.GENERATORS_IDLE_FRACTION: idle_fraction(generator_busy_s, now),
+            **self._episode_metrics(now),
+            **self.buffer.stats(),
+            **self._stage_stats,
+            **self.last_weight_update,
+            m.WEIGHTS_FETCHED_BYTES_TOTAL: self.weights_fetched_bytes,
+            m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
+            ROLLOUT_CALLS_TOTAL: sum(self.calls.values()),
+        }
+
+    def _refresh_stage_stats(self) -> None:
+        """Take the stage's counters read since the last step, and read them again in the
+        background (a few calls per step, whatever the number of generators)."""
+        task = self._stage_stats_next
+        if task is not None and task.done():
+            if not task.cancelled() and task.exception() is None:
+                self._stage_stats = task.result()
+            task = None
+        if task is None:
+            self.calls["stats"] += 1
+            self._stage_stats_next = asyncio.ensure_future(self.actors.stats())
+
+    def _episode_metrics(self, now: float) -> dict:
+        """Environment episodes played since the previous step, and the generators' idle time
+        waiting on environments since the loops started (none without an environment)."""
+        if self.make_env is None:
+            return {}
+        figures, self.episode_stats = self.episode_stats.figures(), EpisodeStats()
+        waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in range(self.config.num_generators))
+        figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * self.config.num_generators, 1e-9)
+        return figures
+
+    async def _probe_lag(self) -> None:
+        """How late a timer fires on this event loop, every _LAG_PROBE_S."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + _LAG_PROBE_S
+            await asyncio.sleep(_LAG_PROBE_S)
+            self.lags_s.append((time.time(), max(0.0, loop.time() - due)))
+
+    # Tasks ------------------------------------------------------------------------------------
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        """Run `coroutine` in the background; its error (a cancellation aside) fails the run."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._updates.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_exception(task.exception())
