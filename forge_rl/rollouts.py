@@ -132,7 +132,7 @@ class Rollouts:
         """The first error of a rollout or a weight update (`start` makes it): fails the run
         (`wait_for_failure`)."""
         self._stage_stats: dict = {}
-        self._stage_stats_next: asyncio.Task | None = None
+        self._stage_stats_next: asyncio.Future | None = None
 
     # The train loop's calls -------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class Rollouts:
             self.accounting.count_trained(episodes)
             for index in range(self.config.num_generators):
                 self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
-        return self._step_metrics()
+        return await self._step_metrics()
 
     async def stop_loops(self, finish_updates: bool) -> dict:
         """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
@@ -361,7 +361,7 @@ class Rollouts:
 
     # Figures ----------------------------------------------------------------------------------
 
-    def _step_metrics(self) -> dict:
+    async def _step_metrics(self) -> dict:
         """Generation since the previous step, idle fractions since the loops started, the buffer's
         and the scoring stage's counters, the newest weight update's figures."""
         timeline, now = self.timeline, self.timeline.now()
@@ -370,7 +370,7 @@ class Rollouts:
             now - self._last_step_end_s, 1e-9
         )
         self._generated_tokens_at_last_step, self._last_step_end_s = self.num_generated_tokens, now
-        self._refresh_stage_stats()
+        await self._refresh_stage_stats()
         return {
             m.GENERATED_TOKENS_TOTAL: self.num_generated_tokens,
             m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
@@ -384,17 +384,20 @@ class Rollouts:
             ROLLOUT_CALLS_TOTAL: sum(self.calls.values()),
         }
 
-    def _refresh_stage_stats(self) -> None:
+    async def _refresh_stage_stats(self) -> None:
         """Take the stage's counters read since the last step, and read them again in the
-        background (a few calls per step, whatever the number of generators)."""
-        task = self._stage_stats_next
-        if task is not None and task.done():
-            if not task.cancelled() and task.exception() is None:
-                self._stage_stats = task.result()
-            task = None
-        if task is None:
-            self.calls["stats"] += 1
-            self._stage_stats_next = asyncio.ensure_future(self.actors.stats())
+        background (a few calls per step, whatever the number of generators). The first step
+        waits for its read: nothing was read before it."""
+        if self._stage_stats_next is None:
+            self._stage_stats_next = self._read_stage_stats()
+            await asyncio.wait([self._stage_stats_next])
+        if self._stage_stats_next.done():
+            self._stage_stats = self._stage_stats_next.result()  # a failed read fails the step
+            self._stage_stats_next = self._read_stage_stats()
+
+    def _read_stage_stats(self) -> asyncio.Future:
+        self.calls["stats"] += 1
+        return asyncio.ensure_future(self.actors.stats())
 
     def _episode_metrics(self, now: float) -> dict:
         """Environment episodes played since the previous step, and the generators' idle time
