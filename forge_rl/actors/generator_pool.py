@@ -35,11 +35,14 @@ The controller talks to generator i through `generate(i, ...)` and `update_weigh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import re
 import socket
 import time
+from collections.abc import Iterator
+
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import (
@@ -104,6 +107,16 @@ class GeneratorSlot:
     """Why the slot is FAILED."""
     recovery: asyncio.Task | None = None
     """The replacement under way; held here because the event loop keeps only weak references to tasks."""
+    generating: int = 0
+    """`generate` and `generate_turn` calls for this slot not yet answered."""
+
+    @contextlib.contextmanager
+    def generating_call(self) -> Iterator[None]:
+        self.generating += 1
+        try:
+            yield
+        finally:
+            self.generating -= 1
 
     @property
     def mesh_name(self) -> str:
@@ -166,12 +179,13 @@ class GeneratorPool(Actor):
     @concurrent_endpoint
     async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode]:
         """Episodes with completions from generator `index`; raises GeneratorLost if it died meanwhile."""
-        episodes = await self._forward(
-            self.slots[index],
-            lambda actor: actor.generate.call_one(episodes, group_size),
-            self.generate_timeout_s,
-            "generate call ran past generator.generate_timeout_s",
-        )
+        with self.slots[index].generating_call():
+            episodes = await self._forward(
+                self.slots[index],
+                lambda actor: actor.generate.call_one(episodes, group_size),
+                self.generate_timeout_s,
+                "generate call ran past generator.generate_timeout_s",
+            )
         for episode in episodes:
             episode.generator_index = index
         return episodes
@@ -182,12 +196,13 @@ class GeneratorPool(Actor):
         died meanwhile, and ContextExhausted (unwrapped, so the caller's runner sees its own type)
         when the prefix fills the context."""
         try:
-            return await self._forward(
-                self.slots[index],
-                lambda actor: actor.generate_turn.call_one(prefix_token_ids, max_new_tokens),
-                self.generate_timeout_s,
-                "generate_turn call ran past generator.generate_timeout_s",
-            )
+            with self.slots[index].generating_call():
+                return await self._forward(
+                    self.slots[index],
+                    lambda actor: actor.generate_turn.call_one(prefix_token_ids, max_new_tokens),
+                    self.generate_timeout_s,
+                    "generate_turn call ran past generator.generate_timeout_s",
+                )
         except Exception as e:
             if isinstance(raised_by_actor(e), ContextExhausted):
                 raise raised_by_actor(e) from None
@@ -227,9 +242,10 @@ class GeneratorPool(Actor):
         return [list(slot.pids) for slot in self.slots]
 
     @concurrent_endpoint
-    async def calls_in_flight(self) -> list[int]:
-        """Per generator, the calls forwarded to it and not yet answered."""
-        return [len(slot.in_flight) for slot in self.slots]
+    async def generate_calls_in_flight(self) -> list[int]:
+        """Per generator, its `generate` and `generate_turn` calls not yet answered (what a test or
+        benchmark waits for before it kills or swaps something under a decode)."""
+        return [slot.generating for slot in self.slots]
 
     @concurrent_endpoint
     async def recovery_events(self) -> list[dict]:

@@ -1,18 +1,23 @@
 """`forge-rl bench scale`: the control plane at scale, on SIMULATED engines and trainer.
 
-Every run is the GRPO recipe with real Monarch actors on this machine (dataset, scorer, buffer, the
-generator pool and one process per generator, the trainer mesh), but with `generator.engine sim`
+Every run is the GRPO recipe with real Monarch actors on this machine (the rollouts' process with the
+buffer and the prompts, the scorer, the generator pool and one process per generator, the trainer
+mesh), but with `generator.engine sim`
 and `trainer.engine sim` (forge_rl/engines/simulated.py): no model runs, tokens are placeholders,
 decode and train steps are timed waits. What is measured is forge_rl's own work.
 
 1. Control-plane overhead at each generator count G (`--generator-counts`), with a zero-cost
    trainer step and prompts per step P = prompts_per_generator_step x G, so every generator has work:
        controller_calls_per_step   endpoint calls the controller process makes per train step,
-                                   counted at the loops' actor handles (loop.RunActors) in the
-                                   steady state (first step excluded); the pool's relay to each
-                                   generator and the store's messages are not in it
+                                   counted at the train loop's actor handles (loop.RunActors) in
+                                   the steady state (first step excluded)
+       rollouts_calls_per_step     the same for the rollouts' process (forge_rl/rollouts.py,
+                                   counted there): per prompt and per generator; the pool's relay
+                                   to each generator and the store's messages are in neither
        steps_per_s                 train steps per second in the steady state
-       event_loop_lag_p99_ms       how late a 10 ms timer on the controller's event loop fires, p99
+       event_loop_lag_p99_ms       how late a 10 ms timer fires, p99 over the steady state, on the
+                                   worse of the controller's and the rollouts' event loops (each
+                                   also reported)
        max_concurrent_rollouts     most sequences decoding at once over all generators (timeline)
        generator_rss_mib           resident memory of one generator process (its actor and the
                                    simulated engine in it), the mean over generators
@@ -474,7 +479,7 @@ class _Faults:
         processes = [psutil.Process(pid) for pid in pids]
         try:
             async with asyncio.timeout(_IN_FLIGHT_WAIT_S):
-                while not (await pool.calls_in_flight.call_one())[index]:
+                while not (await pool.generate_calls_in_flight.call_one())[index]:
                     await asyncio.sleep(0.005)
         except TimeoutError:
             progress(f"bench scale: generator {index} was not generating within {_IN_FLIGHT_WAIT_S:g} s; killed idle")

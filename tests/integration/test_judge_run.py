@@ -23,14 +23,13 @@ One run, three checks (tests below):
    pending; then the judge is killed.
 3. The pinned teacher's version changes (after steps 2 and 4) while the generators decode: the
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
-   the swap and ended after it. Before each swap the test waits (event, not sleep) for a generate
-   call to begin, so a call is in flight; a swap that drained the generators, or waited for their
+   the swap and ended after it. Before each swap the test waits until the generator pool has a
+   generate call in progress (a state it polls, not a sleep), so a call is in flight; a swap that drained the generators, or waited for their
    calls, would end after that call and fail the check. (STEPS is 5, not 4, so that a step follows
    the last swap: the gate admits new prompts for it, and a generate call begins.)
 """
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -54,6 +53,7 @@ from forge_rl.teacher import TeacherConfig, pinned_teacher_refresh
 from forge_rl.timeline import Timeline
 from forge_rl.types import CompletionStatus
 from tests.integration.held_reward import HOLD_DIR_ENV
+from tests.integration.scoring_probe import ProbedRolloutsActor
 
 pytestmark = pytest.mark.integration
 
@@ -79,50 +79,6 @@ TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
 it stages versions 1, 3 and 5 after steps 1, 3 and 5."""
 
 
-class ScoringCalls:
-    """The scoring stage's `score` (forge_rl/actors/scoring_stage.py) seen from the controller:
-    every episode it returned, the calls in flight, and a gate the test closes to let the calls in
-    flight drain. `wrap` puts it in front of a run's stage."""
-
-    def __init__(self):
-        self.score = None
-        self.returned = []
-        self.in_flight: dict[int, list[int]] = {}
-        self.num_calls = 0
-        self.open = asyncio.Event()
-        self.open.set()
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    def wrap(self, stage) -> None:
-        self.score, stage.score = stage.score, self
-
-    async def __call__(self, episodes, timeline):
-        await self.open.wait()
-        self.num_calls += 1
-        call = self.num_calls
-        self.in_flight[call] = [e.episode_id for e in episodes]
-        self.idle.clear()
-        try:
-            scored = await self.score(episodes, timeline)
-        finally:
-            del self.in_flight[call]
-            if not self.in_flight:
-                self.idle.set()
-        self.returned.extend(scored)
-        return scored
-
-    @contextlib.asynccontextmanager
-    async def drained(self):
-        """No scoring call in flight inside the block; new ones wait until it ends."""
-        self.open.clear()
-        try:
-            await asyncio.wait_for(self.idle.wait(), EVENT_BOUND_S)
-            yield
-        finally:
-            self.open.set()
-
-
 @pytest.fixture(scope="module")
 def judged_run(tmp_path_factory, model_dir):
     hold_dir = tmp_path_factory.mktemp("hold")
@@ -138,23 +94,22 @@ def judged_run(tmp_path_factory, model_dir):
         task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
         scorer=ScorerConfig(judge=dataclasses.replace(JUDGE, path=model_dir), teacher=TEACHER),
     )
-    scoring = ScoringCalls()
     spawned, kill, batches = {}, {}, []
-    generate_began = asyncio.Event()
 
     async def spawn_actors_kept(config, lifecycle):  # the hooks need the scorer's supervisor
         spawned["actors"] = await spawn_actors(config, lifecycle)
-        scoring.wrap(spawned["actors"].scoring)
         return spawned["actors"]
 
     after_step = Lifecycle.after_step
 
     async def after_step_driving_the_kill(lifecycle, pipeline):
         await after_step(lifecycle, pipeline)
-        scorer = spawned["actors"].scoring.scorer
+        spawned["pipeline"] = pipeline
+        scorer, rollouts = spawned["actors"].scoring.scorer, spawned["actors"].rollouts
         if pipeline.step == KILL_AFTER_STEP:
-            async with scoring.drained():
-                kill["quiescent"] = await scorer.stats.call_one(), list(scoring.returned)
+            await rollouts.hold_scoring.call_one()  # no scoring call in flight, new ones held
+            try:
+                kill["quiescent"] = await scorer.stats.call_one(), await rollouts.scoring_returned.call_one()
                 # The serving incarnation's pids: the scorer's, the judge's, its engine's.
                 _, judge_pid, *engine_pids = await scorer.processes.call_one()
                 assert engine_pids, "the judge's engine processes are unknown"
@@ -163,27 +118,21 @@ def judged_run(tmp_path_factory, model_dir):
                 for pid in engine_pids:
                     os.kill(pid, signal.SIGSTOP)
                 (hold_dir / "hold").touch()
+            finally:
+                await rollouts.release_scoring.call_one()
             kill["task"] = asyncio.ensure_future(
-                _kill_the_judge_under_a_call(hold_dir, scorer, scoring, kill, judge_pid, engine_pids)
+                _kill_the_judge_under_a_call(hold_dir, scorer, rollouts, kill, judge_pid, engine_pids)
             )
         if pipeline.step == REPLACED_BY_STEP:
             await kill.pop("task")
             kill["restarts_when_serving"] = await scorer.wait_until_serving.call_one()
-
-    busy = Timeline.busy
-
-    def busy_told(timeline, component, num_sequences=0):
-        if component.startswith("generator"):
-            generate_began.set()
-        return busy(timeline, component, num_sequences)
 
     def refresh_while_a_generator_decodes(teacher, teacher_config):
         after_publish = pinned_teacher_refresh(teacher, teacher_config)
 
         async def refresh(step, policy_version, metrics, timeline):
             if step % teacher_config.refresh_every_n_steps == 0:  # a swap: once a generate call is in flight
-                generate_began.clear()
-                await asyncio.wait_for(generate_began.wait(), EVENT_BOUND_S)
+                await _a_generate_call_in_flight(spawned["actors"].generators)
             return await after_publish(step, policy_version, metrics, timeline)
 
         return refresh
@@ -198,17 +147,27 @@ def judged_run(tmp_path_factory, model_dir):
         patch.setenv(HOLD_DIR_ENV, str(hold_dir))
         patch.setattr(Lifecycle, "after_step", after_step_driving_the_kill)
         patch.setattr(grpo_main, "spawn_actors", spawn_actors_kept)
+        patch.setattr(grpo_main, "RolloutsActor", ProbedRolloutsActor)
         patch.setattr(scoring_stage, "pinned_teacher_refresh", refresh_while_a_generator_decodes)
-        patch.setattr(Timeline, "busy", busy_told)
         patch.setattr(loop_module, "batch_metrics", batch_metrics_kept)
         summary = asyncio.run(run(config))
     run_path = config.run_dir / config.run_name
     metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics, kill, scoring, batches, Timeline.load(run_path / "timeline.jsonl"), config
+    returned = spawned["pipeline"].rollouts_at_stop["scoring_returned"]
+    return summary, metrics, kill, returned, batches, Timeline.load(run_path / "timeline.jsonl"), config
+
+
+async def _a_generate_call_in_flight(pool) -> None:
+    """Returns once some generator has a generate call in progress (polled: the calls run in the
+    rollouts' process)."""
+    deadline = time.monotonic() + EVENT_BOUND_S
+    while not any(await pool.generate_calls_in_flight.call_one()):
+        assert time.monotonic() < deadline, f"no generate call began within {EVENT_BOUND_S} s"
+        await asyncio.sleep(0.005)
 
 
 async def _kill_the_judge_under_a_call(
-    hold_dir, scorer, scoring: ScoringCalls, kill: dict, judge_pid: int, engine_pids: list[int]
+    hold_dir, scorer, rollouts, kill: dict, judge_pid: int, engine_pids: list[int]
 ) -> None:
     deadline = time.monotonic() + EVENT_BOUND_S
     while not list(hold_dir.glob("held-*")):
@@ -216,7 +175,7 @@ async def _kill_the_judge_under_a_call(
         await asyncio.sleep(0.05)
     # A scoring call is inside the scorer, begun after the judge's engine stopped: its judge calls
     # went out with its reward calls and wait on the stopped engine.
-    kill["in_flight"] = {episode_id for ids in scoring.in_flight.values() for episode_id in ids}
+    kill["in_flight"] = await rollouts.scoring_in_flight.call_one()
     kill["killed_at"] = time.time()
     # The engine first, as an out-of-memory kill would: the judge's actor lives on and answers the
     # calls in flight with vLLM's EngineDeadError (they must be judged again, not ERRORED); then,
@@ -264,8 +223,8 @@ def test_every_judged_completion_is_a_verdict_or_a_timeout_and_unparsable_ones_a
 
 
 def test_unparsable_verdicts_are_never_trained(judged_run):
-    summary, metrics, _, scoring, batches, _, _ = judged_run
-    completions = [c for e in scoring.returned for c in e.completions]
+    summary, metrics, _, returned, batches, _, _ = judged_run
+    completions = [c for e in returned for c in e.completions]
     assert any(judge_failed(c) for c in completions) and any(c.status != CompletionStatus.ERRORED for c in completions)
     assert len(batches) == STEPS
     for step_metrics, episodes in zip(metrics, batches):
@@ -280,7 +239,7 @@ def test_unparsable_verdicts_are_never_trained(judged_run):
 
 
 def test_a_killed_judge_is_restarted_and_its_call_judged_again(judged_run):
-    summary, metrics, kill, scoring, _, _, _ = judged_run
+    summary, metrics, kill, returned, _, _, _ = judged_run
     [event] = summary["scorer_recoveries"]
     assert kill["killed_at"] <= event["detected_at"] <= event["restart_started_at"] <= event["serving_at"]
     assert event["episodes_rescored"] >= 1  # the held call, at least
@@ -288,9 +247,9 @@ def test_a_killed_judge_is_restarted_and_its_call_judged_again(judged_run):
     assert metrics[-1]["scorer/restarts"] == 1
     # The calls in flight at the kill came back once each, judged (by the replacement: the killed
     # judge answered none of them), and no completion is ERRORED for the death.
-    returned_ids = [e.episode_id for e in scoring.returned]
+    returned_ids = [e.episode_id for e in returned]
     assert kill["in_flight"] and all(returned_ids.count(i) == 1 for i in kill["in_flight"])
-    for episode in scoring.returned:
+    for episode in returned:
         for c in episode.completions:
             assert c.status != CompletionStatus.ERRORED or judge_failed(c), c.error
             if c.status != CompletionStatus.ERRORED:
@@ -303,7 +262,7 @@ def test_a_killed_judge_is_restarted_and_its_call_judged_again(judged_run):
 
 
 def test_no_prompt_is_lost_trained_twice_or_scored_twice(judged_run):
-    summary, _, _, scoring, _, _, config = judged_run
+    summary, _, _, returned, _, _, config = judged_run
     accounting = summary["accounting"]
     assert accounting["trained_more_than_once"] == 0
     assert accounting["requeued_after_generator_failure"] == 0  # judged again, not generated again
@@ -312,7 +271,7 @@ def test_no_prompt_is_lost_trained_twice_or_scored_twice(judged_run):
         + accounting["skipped_nonfinite"] + accounting["unfinished_at_stop"]
     )
     assert accounting["trained"] == config.steps * config.prompts_per_step
-    returned_ids = [e.episode_id for e in scoring.returned]
+    returned_ids = [e.episode_id for e in returned]
     assert len(returned_ids) == len(set(returned_ids))  # scored into the buffer once each
 
 

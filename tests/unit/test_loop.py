@@ -467,3 +467,37 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
     assert sum(h[m.TRAINER_DATA_WAIT_S] + h[m.TRAINER_OVERHEAD_S] for h in history) <= pipeline.timeline.now()
     summary = m.trainer_overhead_summary(history)
     assert summary["trainer_overhead_fraction"] == pytest.approx(1.0)  # no compute at all: all overhead
+
+
+@pytest.mark.parametrize("num_generators,prompts_per_step", [(1, 2), (8, 16)])
+def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_and_prompts(
+    tmp_path, num_generators, prompts_per_step
+):
+    """The push path's contract (issue 16): per step the train loop calls the rollouts three times
+    and the trainer once; the calls per prompt and per generator are the rollouts' own."""
+    config = dataclasses.replace(
+        CONFIG, num_generators=num_generators, train_batch_size=prompts_per_step * CONFIG.group_size,
+        buffer=dataclasses.replace(CONFIG.buffer, capacity_episodes=4 * prompts_per_step),
+    )
+    pipeline, rollouts = make_pipeline(config=config)
+    calls: list[str] = []
+    for actor_name in ("rollouts", "trainer"):
+        actor = getattr(pipeline.actors, actor_name)
+        for name, endpoint in vars(type(actor)).items():
+            if isinstance(endpoint, FakeEndpoint):
+                setattr(actor, name, FakeEndpoint(_counted(endpoint.function, f"{actor_name}.{name}", calls)))
+    history, accounting = run(pipeline, tmp_path)
+
+    assert accounting["trained"] == config.steps * prompts_per_step
+    per_run = ["rollouts.start", "rollouts.wait_for_failure", "rollouts.stop_loops"]
+    per_step = ["rollouts.wait_for_batch", "rollouts.take_batch", "rollouts.step_done", "trainer.train_step"]
+    assert sorted(calls) == sorted(per_run + per_step * config.steps)
+    assert rollouts.calls["generators.generate"] >= config.steps * prompts_per_step  # the rollouts' own
+
+
+def _counted(function, name: str, calls: list[str]):
+    async def counted(*args, **kwargs):
+        calls.append(name)
+        return await function(*args, **kwargs)
+
+    return counted

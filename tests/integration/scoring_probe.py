@@ -1,0 +1,79 @@
+"""A RolloutsActor whose scoring stage a test can watch and hold (tests/integration/test_judge_run.py).
+
+The scoring stage runs in the rollouts' process (forge_rl/rollouts.py), so a test in the controller
+reaches it through endpoints: which episodes are being scored now, every episode the stage returned,
+and a gate that holds new scoring calls back until those in flight have returned. The stage itself
+is the run's real one; this only wraps its `score`. Imported by the rollouts' process, by module
+path, when the test spawns it in place of RolloutsActor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from monarch.actor import concurrent_endpoint
+
+from forge_rl.actors.rollouts import RolloutsActor
+from forge_rl.types import Episode
+
+EVENT_BOUND_S = 120.0
+"""Longest wait for the calls in flight to return: a broken test fails instead of hanging."""
+
+
+class ScoringCalls:
+    """The stage's `score`: every episode it returned, the calls in flight, and a gate."""
+
+    def __init__(self, score):
+        self.score = score
+        self.returned: list[Episode] = []
+        self.in_flight: dict[int, list[int]] = {}
+        self.num_calls = 0
+        self.open = asyncio.Event()
+        self.open.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def __call__(self, episodes, timeline):
+        await self.open.wait()
+        self.num_calls += 1
+        call = self.num_calls
+        self.in_flight[call] = [e.episode_id for e in episodes]
+        self.idle.clear()
+        try:
+            scored = await self.score(episodes, timeline)
+        finally:
+            del self.in_flight[call]
+            if not self.in_flight:
+                self.idle.set()
+        self.returned.extend(scored)
+        return scored
+
+
+class ProbedRolloutsActor(RolloutsActor):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.scoring = ScoringCalls(self.rollouts.actors.score)
+        self.rollouts.actors.score = self.scoring
+
+    @concurrent_endpoint
+    async def hold_scoring(self) -> None:
+        """New scoring calls wait from now on; returns once none is in flight."""
+        self.scoring.open.clear()
+        await asyncio.wait_for(self.scoring.idle.wait(), EVENT_BOUND_S)
+
+    @concurrent_endpoint
+    async def release_scoring(self) -> None:
+        self.scoring.open.set()
+
+    @concurrent_endpoint
+    async def scoring_in_flight(self) -> set[int]:
+        return {episode_id for ids in self.scoring.in_flight.values() for episode_id in ids}
+
+    @concurrent_endpoint
+    async def scoring_returned(self) -> list[Episode]:
+        return list(self.scoring.returned)
+
+    @concurrent_endpoint
+    async def stop_loops(self, finish_updates: bool) -> dict:
+        """The rollouts' report at the stop, with every episode the stage returned."""
+        return {**await self.rollouts.stop_loops(finish_updates), "scoring_returned": list(self.scoring.returned)}
