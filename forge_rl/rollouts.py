@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,14 +40,11 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
 from forge_rl.metrics import EpisodeStats
 from forge_rl.store.loader import FETCHED_BYTES
-from forge_rl.timeline import Timeline, idle_fraction
+from forge_rl.timeline import Timeline, idle_fraction, watch_event_loop_lag
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
-
-_LAG_PROBE_S = 0.010
-"""Period of the event-loop lag probe (log.event_loop_lag): a timer that should fire every 10 ms."""
 
 ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 """Endpoint calls this plane made since the loops started (generators' pool and the scoring stage)."""
@@ -146,7 +142,7 @@ class Rollouts:
             for _ in range(self.config.prompts_in_flight_per_generator):
                 self._spawn(self._rollout_loop(index))
         if self.config.log.event_loop_lag:
-            self._spawn(self._probe_lag())
+            self._spawn(watch_event_loop_lag(self.lags_s))
 
     async def wait_for_failure(self) -> None:
         """Raises the first error of a rollout or a weight update (none: waits for ever)."""
@@ -408,14 +404,6 @@ class Rollouts:
         waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in range(self.config.num_generators))
         figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * self.config.num_generators, 1e-9)
         return figures
-
-    async def _probe_lag(self) -> None:
-        """How late a timer fires on this event loop, every _LAG_PROBE_S."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + _LAG_PROBE_S
-            await asyncio.sleep(_LAG_PROBE_S)
-            self.lags_s.append((time.time(), max(0.0, loop.time() - due)))
 
     # Tasks ------------------------------------------------------------------------------------
 

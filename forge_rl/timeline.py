@@ -10,6 +10,7 @@ Concurrent calls on one component overlap; busy time is the length of their unio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -123,3 +124,18 @@ def mean_sequences_in_flight(intervals: list[Interval], component: str, start_s:
         if i.component == component and i.end_s > start_s and i.start_s < end_s
     )
     return total / max(end_s - start_s, 1e-9)
+
+
+LAG_PROBE_PERIOD_S = 0.010
+"""Period of `watch_event_loop_lag`'s timer."""
+
+
+async def watch_event_loop_lag(samples: list[tuple[float, float]]) -> None:
+    """Until cancelled, how late a timer fires on the running event loop, every
+    LAG_PROBE_PERIOD_S: appends (wall time, seconds late) to `samples`. What delays the timer delays
+    every message the loop handles."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LAG_PROBE_PERIOD_S
+        await asyncio.sleep(LAG_PROBE_PERIOD_S)
+        samples.append((time.time(), max(0.0, loop.time() - due)))

@@ -60,10 +60,7 @@ from forge_rl.config import GRPOConfig
 from forge_rl.deadlines import within
 from forge_rl.metrics import progress
 from forge_rl.reaper import kill_trees
-from forge_rl.timeline import Timeline
-
-_LAG_PROBE_S = 0.010
-"""Period of the event-loop lag probe: a timer that should fire every 10 ms."""
+from forge_rl.timeline import Timeline, watch_event_loop_lag
 
 
 @dataclass(frozen=True)
@@ -198,14 +195,6 @@ class _Probe:
         in a rollout."""
         return self.pipeline.rollouts_at_stop["held_at_stop"]
 
-    async def watch_lag(self) -> None:
-        """How late a timer fires on the controller's event loop, every _LAG_PROBE_S."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + _LAG_PROBE_S
-            await asyncio.sleep(_LAG_PROBE_S)
-            self.lags_s.append((time.time(), max(0.0, loop.time() - due)))
-
     def watch_memory(self, run_root: Path, stop: threading.Event) -> None:
         """In a thread, so sampling many processes never delays the event loop it measures:
         once the run wrote processes.json, its generators' resident memory every 0.5 s."""
@@ -260,7 +249,7 @@ def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
     restore = probe.install(after_step)
 
     async def measured():
-        watcher = asyncio.create_task(probe.watch_lag())
+        watcher = asyncio.create_task(watch_event_loop_lag(probe.lags_s))
         try:
             return await recipe("grpo")(config)
         finally:
