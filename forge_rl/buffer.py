@@ -138,6 +138,11 @@ class ReplayBuffer:
     def __init__(self, config: BufferConfig):
         self.config = config
         self._episodes: collections.deque[Episode] = collections.deque()
+        self._num_tokens = 0
+        """Tokens of the held episodes."""
+        self._oldest_versions: collections.Counter[int] = collections.Counter()
+        """`Episode.oldest_policy_version` of each held episode with completions: while the least
+        of them is within the age bound, `evict_stale` needs no pass over the held tokens."""
         self.dropped = CompletionTally()
         """Lost to the age bound."""
         self.trained = CompletionTally()
@@ -149,7 +154,13 @@ class ReplayBuffer:
     @property
     def num_tokens(self) -> int:
         """Tokens held (what capacity_tokens bounds)."""
-        return sum(e.num_tokens for e in self._episodes)
+        return self._num_tokens
+
+    def _held(self, episodes: list[Episode]) -> None:
+        """Set the held episodes, and the counts kept beside them."""
+        self._episodes = collections.deque(episodes)
+        self._num_tokens = sum(e.num_tokens for e in episodes)
+        self._oldest_versions = collections.Counter(e.oldest_policy_version for e in episodes if e.completions)
 
     @property
     def num_free_slots(self) -> int:
@@ -186,12 +197,17 @@ class ReplayBuffer:
                 f"episode {episode.episode_id} ({episode.num_tokens} tokens) does not fit"
             )
         self._episodes.append(aged)
+        self._num_tokens += aged.num_tokens
+        if aged.completions:
+            self._oldest_versions[aged.oldest_policy_version] += 1
         return True
 
     def evict_stale(self, trainer_version: int) -> list[Episode]:
         """Apply the age bound at `trainer_version` to every held episode; returns the dropped ones."""
+        if min(self._oldest_versions, default=trainer_version) >= trainer_version - self.config.max_policy_age:
+            return []  # nothing held is over age (admission control keeps it so)
         aged = [(e, self._apply_age_bound(e, trainer_version)) for e in self._episodes]
-        self._episodes = collections.deque(kept for _, kept in aged if kept is not None)
+        self._held([kept for _, kept in aged if kept is not None])
         return [e for e, kept in aged if kept is None]
 
     def sample(self, num_episodes: int, trainer_version: int) -> list[Episode] | None:
@@ -210,6 +226,10 @@ class ReplayBuffer:
         batch = [self._episodes.popleft() for _ in range(num_episodes)]
         for episode in batch:
             self.trained.count_episode(episode)
+            self._num_tokens -= episode.num_tokens
+            if episode.completions:
+                self._oldest_versions[episode.oldest_policy_version] -= 1
+        self._oldest_versions = +self._oldest_versions  # drops the versions none holds
         return batch
 
     def state_dict(self, include_episodes: bool = True) -> dict[str, Any]:
@@ -236,7 +256,7 @@ class ReplayBuffer:
                 f"buffer.capacity_tokens ({self.config.capacity_tokens}) is below the {num_tokens} tokens "
                 "in the checkpoint. Raise --buffer.capacity-tokens."
             )
-        self._episodes = collections.deque(episodes)
+        self._held(episodes)
         self.dropped = _tally_from_dict(state["dropped"])
         self.trained = _tally_from_dict(state["trained"])
 
