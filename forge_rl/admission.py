@@ -199,9 +199,10 @@ class AdmissionGate:
         heads = sorted((queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue)
         for _, index in heads:
             queue = self._waiting[index]
-            while queue and self.may_start_rollout(index, queue[0].num_episodes):
+            while queue and (queue[0].admitted.done() or self.may_start_rollout(index, queue[0].num_episodes)):
                 waiter = queue.popleft()
-                waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
+                if not waiter.admitted.done():  # a rollout cancelled while it waited takes nothing
+                    waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
 
     async def _notify(self) -> None:
         """A change: admit the rollouts that may start now, and wake the train loop."""

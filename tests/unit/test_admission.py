@@ -259,3 +259,29 @@ def test_a_change_admits_the_waiters_that_may_start_in_arrival_order_and_wakes_n
         assert gate.num_episodes_queued == 3  # the cancelled waiters took nothing
 
     run(scenario())
+
+
+def test_rollouts_stopped_while_others_settle_leave_nothing_counted():
+    """A stop cancels every rollout at once: those in flight give their admissions back, and a
+    waiter cancelled before its turn (its future cancelled with it) must not be admitted by the
+    changes the others' returns make; the gate then counts nothing queued or in flight."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=0, episodes_per_step=2, max_episodes_queued=2, num_generators=2)
+
+        async def rollout(index):
+            start = await gate.admit(index)
+            try:
+                await asyncio.Event().wait()  # generating until the stop
+            finally:
+                await gate.settle(start, 1, num_not_queued=1)
+
+        tasks = [asyncio.ensure_future(rollout(index)) for index in (0, 1, 0, 1)]
+        await asyncio.sleep(0)  # two admitted (the capacity), two waiting
+        assert gate.num_episodes_queued == 2
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert gate.num_episodes_queued == 0 and not gate.in_flight_versions
+
+    run(scenario())
