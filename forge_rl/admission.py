@@ -139,6 +139,8 @@ class AdmissionGate:
         self._waiting: list[collections.deque[_Waiter]] = [collections.deque() for _ in range(num_generators)]
         """Rollouts waiting for an admission, per generator, in arrival order."""
         self._arrivals = 0
+        self._admission_pass: asyncio.Handle | None = None
+        """The admission pass scheduled for this event-loop turn, if one is."""
 
     @property
     def num_episodes_queued(self) -> int:
@@ -195,18 +197,31 @@ class AdmissionGate:
 
     def _admit_waiting(self) -> None:
         """Admit every waiting rollout that may start now: generators in the arrival order of their
-        first waiter, each generator's waiters in arrival order until one may not start."""
+        first waiter, each generator's waiters in arrival order until one may not start. Whether
+        one may start depends on its generator's version and the counts, and admitting only adds to
+        the counts: a version that may not start stays so for the rest of the pass."""
+        self._admission_pass = None
+        refused: set[tuple[int, int]] = set()
         heads = sorted((queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue)
         for _, index in heads:
             queue = self._waiting[index]
-            while queue and (queue[0].admitted.done() or self.may_start_rollout(index, queue[0].num_episodes)):
-                waiter = queue.popleft()
+            while queue:
+                waiter = queue[0]
                 if not waiter.admitted.done():  # a rollout cancelled while it waited takes nothing
+                    key = (self.generator_versions[index], waiter.num_episodes)
+                    if key in refused:
+                        break
+                    if not self.may_start_rollout(index, waiter.num_episodes):
+                        refused.add(key)
+                        break
                     waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
+                queue.popleft()
 
     async def _notify(self) -> None:
-        """A change: admit the rollouts that may start now, and wake the train loop."""
-        self._admit_waiting()
+        """A change: admit the rollouts that may start now (one pass for all the changes of one
+        event-loop turn: 128 generators' swaps, say), and wake the train loop."""
+        if self._admission_pass is None:
+            self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
         async with self._changed:
             self._changed.notify_all()
 
