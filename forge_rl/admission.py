@@ -93,6 +93,10 @@ def batch_may_be_sampled(
     return schedule_is_feasible(+remaining, next_train_version + 1, episodes_per_step, max_policy_age)
 
 
+ADMISSIONS_PER_TURN = 16
+"""Most rollouts one admission pass admits in one event-loop turn (`AdmissionGate._admit_waiting`)."""
+
+
 class AdmissionGate:
     """What the rollout loops and the train loop agree on: versions, episodes queued, episodes in
     flight. Only one event loop touches it, so it needs no locks.
@@ -199,9 +203,15 @@ class AdmissionGate:
         """Admit every waiting rollout that may start now: generators in the arrival order of their
         first waiter, each generator's waiters in arrival order until one may not start. Whether
         one may start depends on its generator's version and the counts, and admitting only adds to
-        the counts: a version that may not start stays so for the rest of the pass."""
+        the counts: a version that may not start stays so for the rest of the pass.
+
+        At most ADMISSIONS_PER_TURN per event-loop turn, then the pass goes on in the next turn:
+        each admitted rollout sends its generate call in the turn after its admission, and 128 of
+        them at once held the loop for tens of milliseconds, the train loop's `take_batch` and
+        every reply waiting behind them."""
         self._admission_pass = None
         refused: set[tuple[int, int]] = set()
+        admitted = 0
         heads = sorted((queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue)
         for _, index in heads:
             queue = self._waiting[index]
@@ -211,10 +221,14 @@ class AdmissionGate:
                     key = (self.generator_versions[index], waiter.num_episodes)
                     if key in refused:
                         break
+                    if admitted == ADMISSIONS_PER_TURN:
+                        self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
+                        return
                     if not self.may_start_rollout(index, waiter.num_episodes):
                         refused.add(key)
                         break
                     waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
+                    admitted += 1
                 queue.popleft()
 
     async def _notify(self) -> None:

@@ -46,6 +46,9 @@ from forge_rl.types import Episode
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
 
+UPDATES_PER_TURN = 16
+"""Weight-update calls the rollouts send per event-loop turn when a version is published."""
+
 ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 """Endpoint calls this plane made since the loops started (generators' pool and the scoring stage)."""
 
@@ -174,15 +177,14 @@ class Rollouts:
             await self.gate.step_skipped()
         else:
             self.accounting.count_trained(episodes)
-            for index in range(self.config.num_generators):
-                self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
+            self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
         return await self._step_metrics()
 
     async def stop_loops(self, finish_updates: bool) -> dict:
         """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
         that a run that ends leaves every generator at its last version); returns the prompt
         accounting, what was held where at the stop, and the probes' figures."""
-        if finish_updates:
+        while finish_updates and self._updates:
             await asyncio.gather(*self._updates)
         tasks = list(self._tasks)
         for task in tasks:
@@ -340,6 +342,15 @@ class Rollouts:
         await self.gate.generator_serves(index, loaded_version)
 
     # Weights ----------------------------------------------------------------------------------
+
+    async def _tell_generators(self, policy_version: int, weights_dir: str) -> None:
+        """Start every generator's update to `policy_version`, UPDATES_PER_TURN per event-loop turn:
+        128 update calls sent in one turn held the loop (the rollouts' replies, the train loop's
+        next `take_batch`) for tens of milliseconds."""
+        for index in range(self.config.num_generators):
+            if index and index % UPDATES_PER_TURN == 0:
+                await asyncio.sleep(0)  # the rest of the loop's work runs between
+            self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
 
     async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
         """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""

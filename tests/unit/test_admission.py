@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.admission import AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
+from forge_rl.admission import ADMISSIONS_PER_TURN, AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
 
 
 def gate(generator_version=0, next_train_version=0, queued=0, new=8, per_step=16, max_age=1):
@@ -284,5 +284,28 @@ def test_rollouts_stopped_while_others_settle_leave_nothing_counted():
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert gate.num_episodes_queued == 0 and not gate.in_flight_versions
+
+    run(scenario())
+
+
+def test_an_admission_pass_admits_at_most_a_bounded_number_of_rollouts_per_event_loop_turn():
+    """40 rollouts become admissible at once (their generator swaps): the gate admits
+    ADMISSIONS_PER_TURN of them per event-loop turn, so the rest of the loop's work (the train
+    loop's take_batch, replies) runs between, instead of behind all 40 generate calls."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=0, episodes_per_step=64, max_episodes_queued=64)
+        await gate.settle(await gate.admit(0), 1, num_not_queued=0)
+        await gate.took_batch([0], [])  # the next batch trains at 1: version 0 is too old now
+        waiters = [asyncio.ensure_future(gate.admit(0)) for _ in range(40)]
+        await asyncio.sleep(0)
+        assert gate.num_episodes_queued == 0
+        await gate.generator_serves(0, 1)
+        queued = []
+        for _ in range(4):
+            await asyncio.sleep(0)  # one event-loop turn
+            queued.append(gate.num_episodes_queued)
+        assert queued == [ADMISSIONS_PER_TURN, 2 * ADMISSIONS_PER_TURN, 40, 40]
+        assert await asyncio.gather(*waiters) == [1] * 40
 
     run(scenario())
