@@ -17,7 +17,9 @@ decode and train steps are timed waits. What is measured is forge_rl's own work.
        steps_per_s                 train steps per second in the steady state
        event_loop_lag_p99_ms       how late a 10 ms timer fires, p99 over the steady state, on the
                                    worse of the controller's and the rollouts' event loops (each
-                                   also reported)
+                                   also reported), beside the same probe in a process that does
+                                   nothing else (idle_process_event_loop_lag_p99_ms: what waiting
+                                   for a core costs any process on the machine at that load)
        max_concurrent_rollouts     most sequences decoding at once over all generators (timeline)
        generator_rss_mib           resident memory of one generator process (its actor and the
                                    simulated engine in it), the mean over generators
@@ -48,6 +50,8 @@ import json
 import math
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -151,6 +155,8 @@ class _Probe:
         """(step, wall time, controller calls so far, rollouts' calls so far) after each train step."""
         self.lags_s: list[tuple[float, float]] = []
         """(wall time, lag) of the controller's event loop."""
+        self.floor_lags_s: list[tuple[float, float]] = []
+        """(wall time, lag) of a process that runs the probe only (`probe_until_stdin_closes`)."""
         self.generator_rss: list[float] = []
         self.pipeline = None
         """The run's Pipeline, read once it ended (what the rollouts reported at the stop)."""
@@ -221,12 +227,14 @@ class _Probe:
         rollouts = self.pipeline.rollouts_at_stop
         controller_lag = _p99_ms([lag for t, lag in self.lags_s if first_t <= t <= last_t])
         rollouts_lag = _p99_ms([lag for t, lag in rollouts["event_loop_lags_s"] if first_t <= t <= last_t])
+        floor_lag = _p99_ms([lag for t, lag in self.floor_lags_s if first_t <= t <= last_t])
         return {
             "controller_calls_per_step": (last_calls - first_calls) / steps,
             "rollouts_calls_per_step": (last_rollout_calls - first_rollout_calls) / steps,
             "steps_per_s": steps / max(last_t - first_t, 1e-9),
             "controller_event_loop_lag_p99_ms": controller_lag,
             "rollouts_event_loop_lag_p99_ms": rollouts_lag,
+            "idle_process_event_loop_lag_p99_ms": floor_lag,
             # The worse of the two event loops the data path runs on.
             "event_loop_lag_p99_ms": max((lag for lag in (controller_lag, rollouts_lag) if lag is not None), default=None),
             "generator_rss_mib": max(self.generator_rss) / 2**20 if self.generator_rss else None,
@@ -258,18 +266,40 @@ def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
     stop = threading.Event()
     memory = threading.Thread(target=probe.watch_memory, args=(config.run_dir, stop), daemon=True)
     memory.start()
+    # The machine's floor: the same probe in a process that does nothing else.
+    floor = subprocess.Popen(
+        [sys.executable, "-c", "from forge_rl.bench.scale import probe_until_stdin_closes; probe_until_stdin_closes()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
     try:
         summary = asyncio.run(measured())
     finally:
         stop.set()
         memory.join()
         restore()
+        floor_out, _ = floor.communicate("", timeout=30)
+    probe.floor_lags_s = [tuple(sample) for sample in json.loads(floor_out)]
     figures = {
         **probe.steady(),
         **{key: summary[key] for key in ("simulated", "steps", "accounting", "generator_recoveries")},
         "held_at_stop": probe.held_at_stop(),
     }
     return figures, Path(summary["run_dir"])
+
+
+def probe_until_stdin_closes() -> None:
+    """The event-loop lag probe alone in a process, until its stdin closes; prints the samples as
+    JSON. What a loop that does nothing waits for the CPU on this machine at the moment: the floor
+    under every other process's lag."""
+
+    async def probing():
+        samples: list[tuple[float, float]] = []
+        watcher = asyncio.create_task(watch_event_loop_lag(samples))
+        await asyncio.to_thread(sys.stdin.read)
+        watcher.cancel()
+        return samples
+
+    print(json.dumps(asyncio.run(probing())))
 
 
 def max_concurrent_sequences(run_path: Path) -> int:
@@ -574,6 +604,7 @@ def main(args: ScaleArgs) -> dict:
         "event_loop_lag_p99_ms": [r.get("event_loop_lag_p99_ms") for r in per_count],
         "controller_event_loop_lag_p99_ms": [r.get("controller_event_loop_lag_p99_ms") for r in per_count],
         "rollouts_event_loop_lag_p99_ms": [r.get("rollouts_event_loop_lag_p99_ms") for r in per_count],
+        "idle_process_event_loop_lag_p99_ms": [r.get("idle_process_event_loop_lag_p99_ms") for r in per_count],
         "max_concurrent_rollouts": [r.get("max_concurrent_rollouts") for r in per_count],
         "generator_rss_mib": [r.get("generator_rss_mib") for r in per_count],
         "max_generators_sustained": max((r["num_generators"] for r in ok), default=0),
