@@ -201,24 +201,6 @@ class _Probe:
         in a rollout."""
         return self.pipeline.rollouts_at_stop["held_at_stop"]
 
-    def watch_memory(self, run_root: Path, stop: threading.Event) -> None:
-        """In a thread, so sampling many processes never delays the event loop it measures:
-        once the run wrote processes.json, its generators' resident memory every 0.5 s."""
-        while not stop.wait(0.5):
-            self._sample_rss(run_root)
-
-    def _sample_rss(self, run_root: Path) -> None:
-        for path in run_root.glob("*/processes.json"):
-            pids = [pids[0] for pids in json.loads(path.read_text())["generators"] if pids]
-            rss = []
-            for pid in pids:
-                try:
-                    rss.append(psutil.Process(pid).memory_info().rss)
-                except psutil.Error:
-                    pass
-            if rss:
-                self.generator_rss.append(statistics.mean(rss))
-
     def steady(self) -> dict:
         """Figures over the steps after the first (its fill and start-up calls excluded)."""
         (first_step, first_t, first_calls, first_rollout_calls) = self.step_marks[0]
@@ -263,22 +245,18 @@ def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
         finally:
             watcher.cancel()
 
-    stop = threading.Event()
-    memory = threading.Thread(target=probe.watch_memory, args=(config.run_dir, stop), daemon=True)
-    memory.start()
-    # The machine's floor: the same probe in a process that does nothing else.
-    floor = subprocess.Popen(
-        [sys.executable, "-c", "from forge_rl.bench.scale import probe_until_stdin_closes; probe_until_stdin_closes()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
+    # Each in a process of its own: the machine's floor (the lag probe in a process that does
+    # nothing else), and the generators' memory. Sampling 128 processes' memory from a thread of
+    # this one held the GIL for tens of milliseconds every half second: that was most of the
+    # controller's measured lag at G = 128.
+    floor = _until_stdin_closes("probe_lag_until_stdin_closes()")
+    memory = _until_stdin_closes(f"sample_generator_rss_until_stdin_closes({str(config.run_dir)!r})")
     try:
         summary = asyncio.run(measured())
     finally:
-        stop.set()
-        memory.join()
         restore()
-        floor_out, _ = floor.communicate("", timeout=30)
-    probe.floor_lags_s = [tuple(sample) for sample in json.loads(floor_out)]
+        probe.floor_lags_s = [tuple(sample) for sample in json.loads(floor.communicate("", timeout=30)[0])]
+        probe.generator_rss = json.loads(memory.communicate("", timeout=30)[0])
     figures = {
         **probe.steady(),
         **{key: summary[key] for key in ("simulated", "steps", "accounting", "generator_recoveries")},
@@ -287,10 +265,19 @@ def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
     return figures, Path(summary["run_dir"])
 
 
-def probe_until_stdin_closes() -> None:
-    """The event-loop lag probe alone in a process, until its stdin closes; prints the samples as
-    JSON. What a loop that does nothing waits for the CPU on this machine at the moment: the floor
-    under every other process's lag."""
+def _until_stdin_closes(call: str) -> subprocess.Popen:
+    """`call` (a function of this module) in a fresh process; it runs until its stdin closes, then
+    prints its result as JSON (`.communicate("")` ends it and reads it)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"import json; from forge_rl.bench.scale import *; print(json.dumps({call}))"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+
+def probe_lag_until_stdin_closes() -> list[tuple[float, float]]:
+    """The event-loop lag probe alone in a process, until its stdin closes. What a loop that does
+    nothing waits for a core on this machine at the moment: the floor under every other process's
+    lag."""
 
     async def probing():
         samples: list[tuple[float, float]] = []
@@ -299,7 +286,26 @@ def probe_until_stdin_closes() -> None:
         watcher.cancel()
         return samples
 
-    print(json.dumps(asyncio.run(probing())))
+    return asyncio.run(probing())
+
+
+def sample_generator_rss_until_stdin_closes(run_root: str) -> list[float]:
+    """Until stdin closes: once the run wrote processes.json, the mean resident memory of its
+    generators' actor processes every 0.5 s."""
+    stdin_closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    samples = []
+    while not stdin_closed.wait(0.5):
+        for path in Path(run_root).glob("*/processes.json"):
+            rss = []
+            for pids in json.loads(path.read_text())["generators"]:
+                try:
+                    rss.append(psutil.Process(pids[0]).memory_info().rss)
+                except (psutil.Error, IndexError):
+                    pass
+            if rss:
+                samples.append(statistics.mean(rss))
+    return samples
 
 
 def max_concurrent_sequences(run_path: Path) -> int:
