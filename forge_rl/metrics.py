@@ -376,7 +376,8 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
                 components[f"{REWARD_COMPONENTS}/{name}"].append(value)
             num_tokens += completion.num_tokens
             num_truncated += completion.num_truncated_support
-            ages.update(train_version - v for v, trained in zip(completion.policy_versions, completion.loss_mask) if trained)
+            for version, count in completion.trained_tokens_by_version().items():
+                ages[train_version - version] += count
     return {
         REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
         COMPLETIONS_ERRORED: num_errored,

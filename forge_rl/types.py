@@ -37,8 +37,10 @@ trajectory holds its own prompt as context):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +156,9 @@ class Completion:
     def oldest_policy_version(self) -> int:
         """The version that bounds this completion's staleness: its oldest generated token's (0
         without one)."""
-        versions = [v for v, sampled in zip(self.policy_versions, self.generated_mask) if sampled]
+        if self.generated is None:  # every token sampled: no walk in Python
+            return min(self.policy_versions, default=0)
+        versions = [v for v, sampled in zip(self.policy_versions, self.generated) if sampled]
         return min(versions, default=0)
 
     @property
@@ -176,7 +180,22 @@ class Completion:
 
     @property
     def num_trainable_tokens(self) -> int:
-        return sum(self.loss_mask)
+        """sum(loss_mask), counted without building the mask (the buffer and the metrics ask it of
+        every completion at every step)."""
+        if self.status == CompletionStatus.ERRORED:
+            return 0
+        if self.generated is None:
+            return self.trainable.count(True)
+        return sum(map(operator.and_, self.trainable, self.generated))
+
+    def trained_tokens_by_version(self) -> dict[int, int]:
+        """Tokens that reach the loss, counted by the policy version that sampled them (versions
+        with none left out)."""
+        versions = self.policy_versions
+        if versions and min(versions) == max(versions):  # one version, the common case: no walk in Python
+            count = self.num_trainable_tokens
+            return {versions[0]: count} if count else {}
+        return dict(collections.Counter(v for v, trains in zip(versions, self.loss_mask) if trains))
 
 
 def check_steps(step_ends: list[int] | None, step_rewards: list[float] | None, num_tokens: int) -> None:

@@ -1,5 +1,9 @@
+import collections
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from forge_rl.reference import attach_reference_logprobs, completion_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -64,3 +68,25 @@ def test_reference_logprobs_are_attached_per_completion_without_the_prompt():
 def test_per_token_fields_must_match_the_completion_length():
     with pytest.raises(ValueError, match="sampling_support"):
         Completion([1, 2], [-0.1, -0.2], [0, 0], sampling_support=[[1]])
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.booleans()), min_size=1, max_size=30),
+    st.booleans(),
+    st.sampled_from(list(CompletionStatus)),
+)
+def test_the_fast_token_counts_equal_their_definitions_over_the_loss_mask(tokens, with_generated, status):
+    """num_trainable_tokens, trained_tokens_by_version and oldest_policy_version skip the per-token
+    walk when they can; they must count exactly what the loss mask and the generated mask say."""
+    versions = [v for v, _, _ in tokens]
+    completion = Completion(
+        token_ids=list(range(len(tokens))), logprobs=[0.0] * len(tokens), policy_versions=versions,
+        trainable=[t for _, t, _ in tokens], generated=[g for _, _, g in tokens] if with_generated else None,
+        status=status,
+    )
+    mask = completion.loss_mask
+    assert completion.num_trainable_tokens == sum(mask)
+    expected = collections.Counter(v for v, trains in zip(versions, mask) if trains)
+    assert completion.trained_tokens_by_version() == dict(expected)
+    sampled = [v for v, g in zip(versions, completion.generated_mask) if g]
+    assert completion.oldest_policy_version == min(sampled, default=0)
