@@ -146,6 +146,7 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
     processes = {
         "generators": await actors.generators.processes.call_one(),
         "trainer": [start["pid"] for start in trainer_starts.values()],
+        "rollouts": await actors.rollouts.process_id.call_one(),
         **scoring_processes,
     }
     (lifecycle.run_path / "processes.json").write_text(json.dumps(processes))

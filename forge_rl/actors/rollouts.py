@@ -10,6 +10,7 @@ relay, the store's index) delays them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,10 @@ class RolloutsActor(Actor):
             RolloutActors(generators=generators, score=scoring.score, stats=scoring.stats, renderer=renderer),
             PromptSource(config.task, model_dir, config.generator.max_new_tokens),
         )
+
+    @concurrent_endpoint
+    async def process_id(self) -> int:
+        return os.getpid()
 
     @concurrent_endpoint
     async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:

@@ -44,20 +44,35 @@ class SoakArgs:
     """Where the run directory, soak.json and soak.png go."""
 
 
-def process_tree_memory(root: psutil.Process) -> tuple[int, int, dict[str, int]]:
-    """(total RSS, total USS, USS by role) in bytes of `root` and its descendants (see `role`)."""
+def process_tree_memory(root: psutil.Process, known: dict[int, str]) -> tuple[int, int, dict[str, int], dict[str, int]]:
+    """(total RSS, total USS, USS by role, RSS by role) in bytes of `root` and its descendants (see
+    `role`; `known`: roles by pid, from the run's processes.json)."""
     rss = uss = 0
-    by_role: dict[str, int] = {}
+    uss_by_role: dict[str, int] = {}
+    rss_by_role: dict[str, int] = {}
     for process in [root, *root.children(recursive=True)]:
         try:
             info = process.memory_full_info()
-            name = role(process, root)
+            name = known.get(process.pid) or role(process, root)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         rss += info.rss
         uss += info.uss
-        by_role[name] = by_role.get(name, 0) + info.uss
-    return rss, uss, by_role
+        uss_by_role[name] = uss_by_role.get(name, 0) + info.uss
+        rss_by_role[name] = rss_by_role.get(name, 0) + info.rss
+    return rss, uss, uss_by_role, rss_by_role
+
+
+def known_roles(run_path: Path) -> dict[int, str]:
+    """Roles by pid that the run wrote to processes.json: the rollouts' process, the trainer ranks."""
+    path = run_path / "processes.json"
+    if not path.is_file():
+        return {}
+    processes = json.loads(path.read_text())
+    known = {pid: "trainer_proc" for pid in processes.get("trainer", [])}
+    if "rollouts" in processes:
+        known[processes["rollouts"]] = "rollouts_proc"
+    return known
 
 
 def role(process: psutil.Process, root: psutil.Process) -> str:
@@ -108,10 +123,11 @@ def main(args: SoakArgs) -> dict:
                 deadline = first_step_at + args.duration_s
                 progress(f"bench soak: training; sampling memory for {args.duration_s:.0f} s")
             if first_step_at is not None:
-                rss, uss, by_role = process_tree_memory(psutil.Process(process.pid))
-                samples.append(
-                    {"t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss, "uss_by_role": by_role}
-                )
+                rss, uss, uss_by_role, rss_by_role = process_tree_memory(psutil.Process(process.pid), known_roles(run_path))
+                samples.append({
+                    "t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss,
+                    "uss_by_role": uss_by_role, "rss_by_role": rss_by_role,
+                })
                 samples_file.write(json.dumps(samples[-1]) + "\n")
     finally:
         samples_file.close()
@@ -147,12 +163,15 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
 
     start, end = mean_uss(after_warmup[:_SAMPLES_PER_END]), mean_uss(after_warmup[-_SAMPLES_PER_END:])
 
-    def mean_by_role(window: list[dict]) -> dict[str, float]:
-        roles = {name for s in window for name in s.get("uss_by_role", {})}
-        return {name: sum(s.get("uss_by_role", {}).get(name, 0) for s in window) / len(window) for name in roles}
+    def mean_by_role(window: list[dict], key: str = "uss_by_role") -> dict[str, float]:
+        roles = {name for s in window for name in s.get(key, {})}
+        return {name: sum(s.get(key, {}).get(name, 0) for s in window) / len(window) for name in roles}
 
     role_start = mean_by_role(after_warmup[:_SAMPLES_PER_END])
     role_end = mean_by_role(after_warmup[-_SAMPLES_PER_END:])
+    rss_start = mean_by_role(after_warmup[:_SAMPLES_PER_END], "rss_by_role")
+    rss_end = mean_by_role(after_warmup[-_SAMPLES_PER_END:], "rss_by_role")
+    rss_growth = {name: (rss_end[name] - start_bytes) / start_bytes for name, start_bytes in rss_start.items() if name in rss_end and start_bytes}
     return {
         "duration_s": samples[-1]["t_s"],
         "steps": len(metrics),
@@ -164,6 +183,9 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
             name: (role_end.get(name, 0.0) - role_start.get(name, 0.0)) / 2**20
             for name in sorted(set(role_start) | set(role_end))
         },
+        # Resident memory per role, the issue's figure: the largest growth over the roles.
+        "rss_growth_fraction_by_role": dict(sorted(rss_growth.items())),
+        "rss_growth_fraction_max": max(rss_growth.values(), default=None),
         "buffer_max_episodes": max(m["buffer/size"] for m in metrics),
         "buffer_capacity_episodes": config.buffer.capacity_episodes,
         "final_mean_reward": final_reward(metrics),
