@@ -28,7 +28,9 @@ from forge_rl.errors import ConfigError
 
 DEFAULT_WORKER_PORT = 26600
 MAX_COMPUTE_THREADS_PER_CORE = 4
-"""Same bound as forge_rl/preflight.py, applied per host."""
+"""Past this oversubscription every process crawls and collective and engine timeouts fire; below
+it a run is slow but sound (the CPU tests run 3 compute threads on 2 cores). Preflight applies it to
+this machine, `check_host_facts` to each host."""
 
 _RETRY_S = 0.2
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]+)$")
@@ -215,6 +217,9 @@ class RoleDemand:
     generator_threads: int = 1
     generator_gpus: int = 1
     """CUDA devices per generator on a GPU host: generator.tensor_parallel_size."""
+    scorer_model_threads: int = 0
+    """Compute threads of the scorer's models (reward-model replicas, the judge's engine) on the
+    services host: `ScorerConfig.model_threads`."""
 
 
 def check_placement(launch: LaunchConfig, demand: RoleDemand) -> None:
@@ -391,6 +396,8 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
                 add(host, role, num_procs // len(hosts), threads)
     for index in range(demand.num_generators):
         add(placement.generator_host(index), "generator(s)", 1, demand.generator_threads)
+    if demand.scorer_model_threads:
+        add(placement.services_host, "scorer model(s)", 1, demand.scorer_model_threads)
 
     for host, (fact, load) in enumerate(zip(facts, per_host)):
         where = f"host {host} ({fact.hostname}, {fact.address})"
@@ -588,5 +595,6 @@ def demand_of(config) -> RoleDemand:
         reference_threads=max(config.reference.num_threads, config.scorer.teacher.num_threads if config.uses_teacher else 0),
         generator_threads=0 if config.generator.engine == "sim" else config.generator.cpu_threads,
         generator_gpus=config.generator.tensor_parallel_size,
+        scorer_model_threads=sum(config.scorer.model_threads().values()),
     )
 

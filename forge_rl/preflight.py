@@ -16,6 +16,7 @@ from pathlib import Path
 
 from forge_rl.config import GRPOConfig
 from forge_rl.placement import (
+    MAX_COMPUTE_THREADS_PER_CORE,
     check_gpus,
     check_host_indices,
     check_pinned_cores,
@@ -29,11 +30,6 @@ from forge_rl.errors import ConfigError
 
 NUM_PROMPTS_CHECKED = 256
 """Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""
-
-MAX_COMPUTE_THREADS_PER_CORE = 4
-"""Past this oversubscription every process crawls and collective and engine timeouts fire; below
-it a run is slow but sound (the CPU tests run 3 compute threads on 2 cores)."""
-
 
 def check_machine(config: GRPOConfig) -> None:
     """Run-directory location, cores, memory and GPUs: what the machine must offer the config.
@@ -92,13 +88,7 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
         threads[f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})"] = (
             model.num_procs * model.num_threads
         )
-    if scorer.reward_model.path is not None:
-        reward_model = scorer.reward_model
-        threads[
-            f"scorer.reward_model.replicas ({reward_model.replicas}) x scorer.reward_model.num_threads ({reward_model.num_threads})"
-        ] = reward_model.replicas * reward_model.num_threads
-    if scorer.judge.path is not None:
-        threads[f"scorer.judge.generator.cpu_threads ({scorer.judge.generator.cpu_threads})"] = scorer.judge.generator.cpu_threads
+    threads.update(scorer.model_threads())
     return threads
 
 

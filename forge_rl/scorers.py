@@ -105,6 +105,20 @@ class ScorerConfig:
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
     linearly, down to -1 for one that is truncated. Unset: no penalty."""
 
+    def model_threads(self) -> dict[str, int]:
+        """The compute threads of the scorer's own models, by the settings that make them: the
+        reward model's replicas and the judge's engine. They run beside the scorer, on the
+        services host (preflight counts them on this machine, placement on that host)."""
+        threads = {}
+        if self.reward_model.path is not None:
+            reward_model = self.reward_model
+            threads[
+                f"scorer.reward_model.replicas ({reward_model.replicas}) x scorer.reward_model.num_threads ({reward_model.num_threads})"
+            ] = reward_model.replicas * reward_model.num_threads
+        if self.judge.path is not None:
+            threads[f"scorer.judge.generator.cpu_threads ({self.judge.generator.cpu_threads})"] = self.judge.generator.cpu_threads
+        return threads
+
     def __post_init__(self) -> None:
         if not 0 < self.reward_timeout_s < math.inf:
             raise ValueError(

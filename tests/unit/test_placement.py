@@ -275,3 +275,27 @@ def test_reachability_is_checked_with_a_short_timeout_and_names_the_host():
     message = str(error.value)
     assert closed_address in message and open_address not in message.split("within")[0]
     assert "forge-rl worker --port PORT" in message
+
+
+def test_the_scorer_models_threads_count_on_the_services_host():
+    """Reward-model replicas and the judge's engine run beside the scorer, on the services host:
+    their threads count there, as preflight counts them on one machine."""
+    launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
+    demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1, scorer_model_threads=4)
+    check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")  # 5 threads on host 0's 2 cores
+    heavy = dataclasses.replace(demand, scorer_model_threads=8)
+    with pytest.raises(ConfigError, match=r"host 0 \(a.*1 trainer rank\(s\) \+ 1 scorer model\(s\) = 9 compute threads"):
+        check_host_facts(launch, heavy, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")
+
+
+def test_the_scorer_models_threads_are_counted_alike_by_preflight_and_placement(tmp_path):
+    from forge_rl.config import GRPOConfig
+    from forge_rl.placement import demand_of
+    from forge_rl.preflight import compute_threads
+    from forge_rl.reward_model import RewardModelConfig
+    from forge_rl.scorers import ScorerConfig
+
+    (tmp_path / "config.json").write_text("{}")  # a model directory, as far as the config checks go
+    config = GRPOConfig(scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=3, num_threads=2)))
+    assert demand_of(config).scorer_model_threads == 6
+    assert "scorer.reward_model.replicas (3) x scorer.reward_model.num_threads (2)" in compute_threads(config)
