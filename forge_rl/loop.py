@@ -80,6 +80,8 @@ class SentStep:
     """When the loop began waiting for this batch (the timeline's clock)."""
     data_ready: float
     """When the gate let it be taken."""
+    replied: float | None = None
+    """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
 
 
 @dataclasses.dataclass
@@ -103,8 +105,8 @@ class Pipeline:
         self.batches_out = 0
         """Batches taken from the buffer whose steps are not yet accounted for (two while the next
         step's batch is sent ahead)."""
-        self._last_step_returned_s: float | None = None
-        """When the previous step was accounted for (the timeline's clock); None before the first."""
+        self._last_replied_s: float | None = None
+        """When the previous step's reply arrived (the timeline's clock); None before the first."""
         self.timeline = Timeline()
         """The trainer's busy intervals (the rollouts' process records the generators' on the same
         file and clock); `run` restarts it (with a file) when the loops start."""
@@ -170,14 +172,19 @@ class Pipeline:
             self.batches_out += 1  # until the step is accounted for
         finally:
             self._taking_batch = False
-        return SentStep(step, train_version, episodes, reply, trainer_busy, waiting_from, data_ready)
+        sent = SentStep(step, train_version, episodes, reply, trainer_busy, waiting_from, data_ready)
+        reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
+        return sent
 
     async def _finish_step(self, sent: SentStep, lifecycle: Lifecycle) -> StepResult:
         """Wait for the trainer's step, and account for it; the rollouts tell every generator
         about the new version (not awaited) and answer with the data plane's figures."""
         actors, timeline, step, episodes = self.actors, self.timeline, sent.step, sent.episodes
-        # The loop's work after the previous step (logging, a checkpoint) is on this step's path.
-        path_start = sent.waiting_from if self._last_step_returned_s is None else self._last_step_returned_s
+        # The trainer's critical path for this step runs from the previous step's reply (the
+        # trainer free again) to this one's. The loop's work after a reply (the rollouts'
+        # step_done, metrics, logging) overlaps the next step, sent ahead, and is not on it;
+        # a checkpoint, which holds the next batch back, is.
+        path_start = sent.waiting_from if self._last_replied_s is None else self._last_replied_s
         step_start = max(sent.data_ready, path_start)
         try:
             values, stopped = await lifecycle.finish_despite_stop(self._trained(step, sent.reply))
@@ -210,12 +217,12 @@ class Pipeline:
         for warning in alarms:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
-        returned_s = timeline.now()
-        # Data wait: the part of this step's path before the gate let its batch be taken (none when
-        # the batch was taken ahead, while the previous step trained).
-        data_wait_s = max(sent.data_ready - path_start, 0.0)
-        step_metrics.update(critical_path_breakdown(trained.metrics, data_wait_s, returned_s - path_start - data_wait_s))
-        self._last_step_returned_s = returned_s
+        replied_s = sent.replied if sent.replied is not None else timeline.now()
+        # Data wait: the part of this step's path after the loop began waiting for the batch and
+        # before the gate let it be taken (none when it was taken ahead, while the previous step trained).
+        data_wait_s = max(sent.data_ready - max(path_start, sent.waiting_from), 0.0)
+        step_metrics.update(critical_path_breakdown(trained.metrics, data_wait_s, replied_s - path_start - data_wait_s))
+        self._last_replied_s = replied_s
         return StepResult(step_metrics, stopped)
 
     @property
@@ -276,9 +283,10 @@ class Pipeline:
 
 
 def critical_path_breakdown(trainer_metrics: dict, data_wait_s: float, busy_s: float) -> dict:
-    """A step's critical path in the train loop: `data_wait_s` waiting for a batch, then `busy_s`
-    until the loop can wait for the next one, of which the trainer's forward, backward and
-    optimizer (rank 0's, in `trainer_metrics`) are compute and the rest is overhead. A simulated
+    """A step's critical path, from the previous step's reply to this one's: `data_wait_s` waiting
+    for a batch, then `busy_s` until the reply, of which the trainer's forward, backward and
+    optimizer (rank 0's, in `trainer_metrics`) are compute and the rest is overhead (taking the
+    batch, the messages, batching and publishing in the trainer, a checkpoint). A simulated
     trainer reports no compute: nothing then."""
     if m.TRAINER_FORWARD_S not in trainer_metrics:
         return {}
