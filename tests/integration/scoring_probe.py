@@ -1,10 +1,12 @@
-"""A RolloutsActor whose scoring stage a test can watch and hold (tests/integration/test_judge_run.py).
+"""A RolloutsActor whose scoring stage and generate calls a test can watch and hold
+(tests/integration/test_judge_run.py).
 
-The scoring stage runs in the rollouts' process (forge_rl/rollouts.py), so a test in the controller
-reaches it through endpoints: which episodes are being scored now, every episode the stage returned,
-and a gate that holds new scoring calls back until those in flight have returned. The stage itself
-is the run's real one; this only wraps its `score`. Imported by the rollouts' process, by module
-path, when the test spawns it in place of RolloutsActor.
+The scoring stage and the generate calls run in the rollouts' process (forge_rl/rollouts.py), so a
+test in the controller reaches them through endpoints: which episodes are being scored now, every
+episode the stage returned, a gate that holds new scoring calls back until those in flight have
+returned, and a generate call held open (its reply kept from its rollout) until released. The
+stage and the pool are the run's real ones; this only wraps them. Imported by the rollouts'
+process, by module path, when the test spawns it in place of RolloutsActor.
 """
 
 from __future__ import annotations
@@ -49,11 +51,50 @@ class ScoringCalls:
         return scored
 
 
+class HeldGenerateCalls:
+    """The generator pool's handle, one of whose generate calls can be held open: armed, the next
+    generate call to return keeps its reply until released, so the call is in progress (its
+    interval on the timeline open) for as long as the test wants."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.armed = False
+        self.held = asyncio.Event()
+        self.released = asyncio.Event()
+        self.generate = self  # `generate.call_one(...)` below; every other endpoint is the pool's
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    async def call_one(self, *args):
+        result = await self.pool.generate.call_one(*args)
+        if self.armed:
+            self.armed = False
+            self.held.set()
+            await self.released.wait()
+        return result
+
+
 class ProbedRolloutsActor(RolloutsActor):
     def __init__(self, *args):
         super().__init__(*args)
         self.scoring = ScoringCalls(self.rollouts.actors.score)
         self.rollouts.actors.score = self.scoring
+        self.generate_calls = HeldGenerateCalls(self.rollouts.actors.generators)
+        self.rollouts.actors.generators = self.generate_calls
+
+    @concurrent_endpoint
+    async def hold_a_generate_call(self) -> None:
+        """Returns once a generate call (begun before this returns) is held open."""
+        calls = self.generate_calls
+        calls.held.clear()
+        calls.released.clear()
+        calls.armed = True
+        await asyncio.wait_for(calls.held.wait(), EVENT_BOUND_S)
+
+    @concurrent_endpoint
+    async def release_the_generate_call(self) -> None:
+        self.generate_calls.released.set()
 
     @concurrent_endpoint
     async def hold_scoring(self) -> None:

@@ -23,10 +23,13 @@ One run, three checks (tests below):
    pending; then the judge is killed.
 3. The pinned teacher's version changes (after steps 2 and 4) while the generators decode: the
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
-   the swap and ended after it. Before each swap the test waits until the generator pool has a
-   generate call in progress (a state it polls, not a sleep), so a call is in flight; a swap that drained the generators, or waited for their
-   calls, would end after that call and fail the check. (STEPS is 5, not 4, so that a step follows
-   the last swap: the gate admits new prompts for it, and a generate call begins.)
+   the swap and ended after it. Before each swap the test holds a generate call open (the probed
+   rollouts keep its reply from its rollout, tests/integration/scoring_probe.py) and releases it
+   once the swap has ended: a swap that drained the generators, or waited for their calls, would
+   never end, and the test fails by its bound. (A call merely seen in flight before the swap could
+   end during a slow swap on a loaded machine: it did once, in a full run beside a soak.) (STEPS
+   is 5, not 4, so that a step follows the last swap: the gate admits new prompts for it, and a
+   generate call begins.)
 """
 
 import asyncio
@@ -131,9 +134,16 @@ def judged_run(tmp_path_factory, model_dir):
         after_publish = pinned_teacher_refresh(teacher, teacher_config)
 
         async def refresh(step, policy_version, metrics, timeline):
-            if step % teacher_config.refresh_every_n_steps == 0:  # a swap: once a generate call is in flight
-                await _a_generate_call_in_flight(spawned["actors"].generators)
-            return await after_publish(step, policy_version, metrics, timeline)
+            if step % teacher_config.refresh_every_n_steps != 0:
+                return await after_publish(step, policy_version, metrics, timeline)
+            # A swap: while a generate call is held open, so a swap that waited for the
+            # generators' calls would never end (the test would fail by its bound, not pass).
+            rollouts = spawned["actors"].rollouts
+            await rollouts.hold_a_generate_call.call_one()
+            try:
+                return await after_publish(step, policy_version, metrics, timeline)
+            finally:
+                await rollouts.release_the_generate_call.call_one()
 
         return refresh
 
@@ -155,15 +165,6 @@ def judged_run(tmp_path_factory, model_dir):
     metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     returned = spawned["pipeline"].rollouts_at_stop["scoring_returned"]
     return summary, metrics, kill, returned, batches, Timeline.load(run_path / "timeline.jsonl"), config
-
-
-async def _a_generate_call_in_flight(pool) -> None:
-    """Returns once some generator has a generate call in progress (polled: the calls run in the
-    rollouts' process)."""
-    deadline = time.monotonic() + EVENT_BOUND_S
-    while not any(await pool.generate_calls_in_flight.call_one()):
-        assert time.monotonic() < deadline, f"no generate call began within {EVENT_BOUND_S} s"
-        await asyncio.sleep(0.005)
 
 
 async def _kill_the_judge_under_a_call(
