@@ -24,10 +24,15 @@ pytestmark = [
 
 
 def threads_cores(pid: int) -> dict[int, set[int]]:
-    """Each thread of process `pid` -> the cores it may run on (Cpus_allowed_list)."""
+    """Each thread of process `pid` -> the cores it may run on (Cpus_allowed_list). A thread that
+    ends between the listing and the read (the weight store's writer, say) is left out: it runs
+    nowhere."""
     cores = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        status = (task / "status").read_text()
+        try:
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
         allowed = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
         cores[int(task.name)] = parse_core_list(allowed)
     return cores
