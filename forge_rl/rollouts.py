@@ -120,8 +120,6 @@ class Rollouts:
         """(wall time, seconds late) of each 10 ms timer on this event loop (log.event_loop_lag)."""
         self.cut_at_stop: set[int] = set()
         """Prompts whose generation or scoring the stop cut short."""
-        self._in_flight: dict[int, list[Episode]] = {}
-        """Prompts each rollout task holds now, by task id."""
         self._tasks: set[asyncio.Task] = set()
         """Rollout loops, weight updates and probes; held here because the event loop keeps only weak
         references to tasks."""
@@ -253,21 +251,16 @@ class Rollouts:
                 await self.gate.settle(start_version, 1, num_not_queued=1)  # the admission goes back
                 raise
             prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
-            self._in_flight[id(asyncio.current_task())] = prompts
             try:
                 num_buffered = await self._rollout(index, prompts)
             except GeneratorLost:
                 await self._requeue_after_loss(index, prompts, start_version)
                 continue
-            except asyncio.CancelledError:  # the run ended (nothing else cancels a rollout)
-                self.cut_at_stop.update(prompt.episode_id for prompt in prompts)
+            except BaseException as e:
+                if isinstance(e, asyncio.CancelledError):  # the run ended (nothing else cancels a rollout)
+                    self.cut_at_stop.update(prompt.episode_id for prompt in prompts)
                 await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
                 raise
-            except BaseException:
-                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
-                raise
-            finally:
-                self._in_flight.pop(id(asyncio.current_task()), None)
             await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
 
     async def _rollout(self, index: int, prompts: list[Episode]) -> int:

@@ -269,7 +269,7 @@ def _until_stdin_closes(call: str) -> subprocess.Popen:
     """`call` (a function of this module) in a fresh process; it runs until its stdin closes, then
     prints its result as JSON (`.communicate("")` ends it and reads it)."""
     return subprocess.Popen(
-        [sys.executable, "-c", f"import json; from forge_rl.bench.scale import *; print(json.dumps({call}))"],
+        [sys.executable, "-c", f"import json; from forge_rl.bench import scale; print(json.dumps(scale.{call}))"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
 
