@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge_rl.admission import ADMISSIONS_PER_TURN, AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
+from tests.helpers import wait_until_async
 
 
 def gate(generator_version=0, next_train_version=0, queued=0, new=8, per_step=16, max_age=1):
@@ -162,6 +163,11 @@ def run(scenario):
     asyncio.run(asyncio.wait_for(scenario, 10))
 
 
+def num_waiting(gate: AdmissionGate) -> int:
+    """Rollouts waiting in `admit` now (cancelled ones not yet taken off their queue included)."""
+    return sum(len(queue) for queue in gate._waiting)
+
+
 def make_gate(admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1):
     return AdmissionGate(num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission)
 
@@ -244,13 +250,12 @@ def test_a_change_admits_the_waiters_that_may_start_in_arrival_order_and_wakes_n
         for index in (1, 2, 0):  # arrival order: generator 1's pair, then 2's, then 0's
             for k in range(2):
                 waiters[index, k] = asyncio.ensure_future(gate.admit(index))
-                await asyncio.sleep(0)  # reaches its wait (no time passes)
+                await wait_until_async(lambda: num_waiting(gate) == len(waiters), "the rollout waiting")
         checks = []
         may_start = gate.may_start_rollout
         gate.may_start_rollout = lambda index, n=1: checks.append(index) or may_start(index, n)
         await gate.settle(0, 2, num_not_queued=2)  # two episodes filtered: room for two
-        for _ in range(3):  # the admission pass runs in the next event-loop turn, the waiters in the one after
-            await asyncio.sleep(0)
+        await wait_until_async(lambda: waiters[1, 0].done() and waiters[1, 1].done(), "generator 1's pair admitted")
         assert {key for key, waiter in waiters.items() if waiter.done()} == {(1, 0), (1, 1)}
         assert checks == [1, 1, 2]  # generator 1's two, then one look at version 0 (2's and 0's)
         for key, waiter in waiters.items():
@@ -278,7 +283,7 @@ def test_rollouts_stopped_while_others_settle_leave_nothing_counted():
                 await gate.settle(start, 1, num_not_queued=1)
 
         tasks = [asyncio.ensure_future(rollout(index)) for index in (0, 1, 0, 1)]
-        await asyncio.sleep(0)  # two admitted (the capacity), two waiting
+        await wait_until_async(lambda: num_waiting(gate) == 2, "two admitted (the capacity), two waiting")
         assert gate.num_episodes_queued == 2
         for task in tasks:
             task.cancel()
@@ -298,12 +303,14 @@ def test_an_admission_pass_admits_at_most_a_bounded_number_of_rollouts_per_event
         await gate.settle(await gate.admit(0), 1, num_not_queued=0)
         await gate.took_batch([0], [])  # the next batch trains at 1: version 0 is too old now
         waiters = [asyncio.ensure_future(gate.admit(0)) for _ in range(40)]
-        await asyncio.sleep(0)
+        await wait_until_async(lambda: num_waiting(gate) == 40, "40 rollouts waiting")
         assert gate.num_episodes_queued == 0
         await gate.generator_serves(0, 1)
         queued = []
         for _ in range(4):
-            await asyncio.sleep(0)  # one event-loop turn
+            # One event-loop turn, the unit the bound is stated in: the admission pass is a
+            # callback of its own, and each turn runs it once (asyncio's ready queue is FIFO).
+            await asyncio.sleep(0)
             queued.append(gate.num_episodes_queued)
         assert queued == [ADMISSIONS_PER_TURN, 2 * ADMISSIONS_PER_TURN, 40, 40]
         assert await asyncio.gather(*waiters) == [1] * 40

@@ -11,6 +11,8 @@ from forge_rl.batching import make_train_batch
 from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer, shard_for_rank
 from forge_rl.types import Episode
 
+from tests.helpers import wait_until_async
+
 from .builders import completion_advantages, make_completion, make_episode
 
 
@@ -330,8 +332,9 @@ def test_an_episode_dropped_at_put_while_sample_waits_is_reported_once():
     async def scenario():
         buffer = WaitingBuffer(BufferConfig(max_policy_age=0))
         sample = asyncio.ensure_future(buffer.sample(1, 2))  # waits: the buffer is empty
-        await asyncio.sleep(0)  # `sample` sets the version staleness is measured against on entry
-        assert buffer.trainer_version == 2 and not sample.done()
+        # `sample` sets the version staleness is measured against on entry, then waits.
+        await wait_until_async(lambda: buffer.trainer_version == 2, "sample to set the trainer's version")
+        assert not sample.done()
         assert await buffer.put([make_episode(episode_id=0, policy_version=0)]) == 1  # two versions behind
         assert await buffer.put([make_episode(episode_id=1, policy_version=2)]) == 0
         batch, evicted_versions, waited_s = await asyncio.wait_for(sample, 60)

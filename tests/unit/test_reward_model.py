@@ -13,6 +13,7 @@ from forge_rl.errors import ConfigError
 from forge_rl.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
 from forge_rl.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
 from forge_rl.types import Completion, CompletionStatus, Episode
+from tests.helpers import wait_until_async
 
 
 def group(prompt: str, *texts: str) -> Episode:
@@ -126,8 +127,7 @@ class FakeReplicaMesh:
 
 async def reached(mesh: FakeReplicaMesh, num_calls: int) -> None:
     """Until `num_calls` calls have reached their replicas (each then awaits its answer)."""
-    while len(mesh.calls) < num_calls:
-        await asyncio.sleep(0)  # paces the wait for that state: the calls' tasks run meanwhile
+    await wait_until_async(lambda: len(mesh.calls) >= num_calls, f"{num_calls} calls at their replicas")
 
 
 def test_each_call_goes_to_the_least_busy_replica():
