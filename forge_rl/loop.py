@@ -13,8 +13,8 @@ process (forge_rl/rollouts.py), which hold the admission gate, the replay buffer
         unblocked  by rollouts
 
 Per step the train loop makes a fixed number of calls, whatever the number of generators and
-prompts: the rollouts' `wait_for_batch`, `take_batch` and `step_done` (whose reply carries the data
-plane's figures), and the trainer's `train_step`. The library owns these loops; a recipe supplies
+prompts: the rollouts' `next_batch` and `step_done` (whose reply carries the data plane's figures),
+and the trainer's `train_step`. The library owns these loops; a recipe supplies
 its actors, its scoring stage (which runs in the rollouts' process) and its work after a publish.
 Nothing here imports Monarch: the actors are handles whose endpoints are called with
 `.call_one()` / `.call()`.
@@ -51,7 +51,7 @@ class RunActors:
     """The actor handles the train loop calls; a recipe spawns them (apps/grpo/main.py)."""
 
     rollouts: Any
-    """The data plane (forge_rl/actors/rollouts.py): `start`, `wait_for_batch`, `take_batch`,
+    """The data plane (forge_rl/actors/rollouts.py): `start`, `next_batch`, `withhold_batch`,
     `step_done`, `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`."""
     trainer: Any
     """The trainer mesh: `train_step`, `save_checkpoint`, `load_checkpoint` (rank 0 answers)."""
@@ -79,7 +79,7 @@ class SentStep:
     waiting_from: float
     """When the loop began waiting for this batch (the timeline's clock)."""
     data_ready: float
-    """When the gate let it be taken."""
+    """When it was taken out of the buffer (the rollouts' clock, on the same origin)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
 
@@ -100,8 +100,6 @@ class Pipeline:
         self.actors = actors
         self.step = 0
         """Train-loop steps done, skipped non-finite steps included (restored by a resume)."""
-        self._taking_batch = False
-        """Between the gate's go and the batch's send to the trainer."""
         self.batches_out = 0
         """Batches taken from the buffer whose steps are not yet accounted for (two while the next
         step's batch is sent ahead)."""
@@ -128,23 +126,25 @@ class Pipeline:
         younger than its label, so the age bound still holds.
         """
         history: list[dict] = []
-        ahead: asyncio.Task[SentStep] | None = None
+        ahead: asyncio.Task[SentStep | None] | None = None
         try:
             for step in range(self.step + 1, self.config.steps + 1):
                 sent = await (ahead if ahead is not None else self._send_step(step))
                 ahead = None
+                if sent is None:
+                    raise RuntimeError(f"step {step}'s batch was withheld without a stop")
                 if step < self.config.steps and not lifecycle.checkpoint_due(step):
                     ahead = asyncio.create_task(self._send_step(step + 1))
                 result = await self._finish_step(sent, lifecycle)
                 results = [result]
                 if result.stopped and ahead is not None:
                     # The batch sent ahead is trained and accounted too (the shutdown checkpoint
-                    # then holds it as trained); one still waiting for the gate is abandoned.
-                    if self._taking_batch or ahead.done():
-                        ahead_result = await self._finish_step(await ahead, lifecycle)
+                    # then holds it as trained); one still waiting for the gate is withheld.
+                    await self.actors.rollouts.withhold_batch.call_one(step + 1)
+                    sent_ahead = await ahead
+                    if sent_ahead is not None:
+                        ahead_result = await self._finish_step(sent_ahead, lifecycle)
                         results.append(dataclasses.replace(ahead_result, stopped=True))
-                    else:
-                        await _cancelled(ahead)
                     ahead = None
                 for result in results:
                     metrics_logger.log(result.metrics)
@@ -156,23 +156,19 @@ class Pipeline:
             await _cancelled(*([ahead] if ahead is not None else []))
         return history
 
-    async def _send_step(self, step: int) -> SentStep:
-        """Take step `step`'s batch from the buffer once the gate allows, and send it to the trainer."""
+    async def _send_step(self, step: int) -> SentStep | None:
+        """Take step `step`'s batch from the buffer once the gate allows, and send it to the
+        trainer; None if a stop withheld it while it waited at the gate."""
         actors, timeline = self.actors, self.timeline
         waiting_from = timeline.now()
-        train_version = await actors.rollouts.wait_for_batch.call_one()
-        data_ready = timeline.now()
-        self._taking_batch = True  # a stop now waits for the batch instead of losing it in transit
-        try:
-            episodes, buffer_waited_s = await actors.rollouts.take_batch.call_one(step, train_version)
-            data_ready += buffer_waited_s  # the buffer may still wait for episodes the gate counts as arrived
-            trainer_busy = contextlib.ExitStack()
-            trainer_busy.enter_context(timeline.busy("trainer"))
-            reply = asyncio.ensure_future(actors.trainer.train_step.call(episodes))
-            self.batches_out += 1  # until the step is accounted for
-        finally:
-            self._taking_batch = False
-        sent = SentStep(step, train_version, episodes, reply, trainer_busy, waiting_from, data_ready)
+        batch = await actors.rollouts.next_batch.call_one(step)
+        if batch is None:
+            return None
+        trainer_busy = contextlib.ExitStack()
+        trainer_busy.enter_context(timeline.busy("trainer"))
+        reply = asyncio.ensure_future(actors.trainer.train_step.call(batch.episodes))
+        self.batches_out += 1  # until the step is accounted for
+        sent = SentStep(step, batch.train_version, batch.episodes, reply, trainer_busy, waiting_from, batch.ready_s)
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 

@@ -13,10 +13,10 @@ generators or prompts.
                    within max_policy_age of the version it generates with, and fit in the buffer
         unblocked  when the train loop takes a batch or its generator loads newer weights
 
-The train loop (forge_rl/loop.py, in the controller) makes three calls per step here, whatever the
-number of generators and prompts: `wait_for_batch` (the gate's go, no side effect, so a stop may
-abandon it), `take_batch` (the batch leaves the buffer), and `step_done` (accounts for the step,
-tells every generator about the new version, and answers with this plane's figures for the step).
+The train loop (forge_rl/loop.py, in the controller) makes two calls per step here, whatever the
+number of generators and prompts: `next_batch` (waits for the gate's go and takes the batch out of
+the buffer; a stop may withhold it while it waits), and `step_done` (accounts for the step, tells
+every generator about the new version, and answers with this plane's figures for the step).
 Prompt i depends only on (task, seed, i), so prompts need no messages; the buffer and the gate
 are where the episodes arrive, so buffering one needs none either.
 """
@@ -59,6 +59,18 @@ class Prompts(Protocol):
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...
     def load_state(self, cursor: int, reissue: list[int]) -> None: ...
+
+
+@dataclasses.dataclass
+class NextBatch:
+    """A step's batch as `Rollouts.next_batch` hands it to the train loop."""
+
+    train_version: int
+    """The policy version it trains at (the gate counts it from then)."""
+    episodes: list[Episode]
+    ready_s: float
+    """When it was taken, on the run's timeline (the controller's clock): the end of the train
+    loop's data wait."""
 
 
 @dataclasses.dataclass
@@ -130,6 +142,10 @@ class Rollouts:
         (`wait_for_failure`)."""
         self._stage_stats: dict = {}
         self._stage_stats_next: asyncio.Future | None = None
+        self._withheld: asyncio.Future | None = None
+        """Resolved by `withhold_batch` while a `next_batch` waits at the gate."""
+        self._withheld_through = 0
+        """`next_batch` for this step or an earlier one returns None (`withhold_batch`)."""
 
     # The train loop's calls -------------------------------------------------------------------
 
@@ -151,18 +167,38 @@ class Rollouts:
             raise RuntimeError("Rollouts.wait_for_failure called before start")
         await asyncio.shield(self._failure)
 
-    async def wait_for_batch(self) -> int:
-        """Waits until the gate lets the next batch be taken; returns the version it trains at.
-        Changes nothing, so the train loop may abandon it."""
-        return await self.gate.wait_for_batch()
-
-    async def take_batch(self, step: int, train_version: int) -> tuple[list[Episode], float]:
-        """Step `step`'s batch, out of the buffer, and the seconds the buffer waited for episodes
-        the gate counted as arrived (the train loop's data wait)."""
-        episodes, evicted_versions, waited_s = await self.buffer.sample(self.config.prompts_per_step, train_version)
+    async def next_batch(self, step: int) -> NextBatch | None:
+        """Waits until the gate lets step `step`'s batch be taken, and takes it out of the buffer:
+        one call from the gate's go to the batch, so the last episode's arrival is one message
+        from the controller instead of three. None if `withhold_batch(step)` came first or while it
+        waited at the gate (nothing taken: a stop abandons it); once past the gate, the batch is
+        taken and returned whatever comes."""
+        if step <= self._withheld_through:
+            return None
+        withheld = self._withheld = asyncio.get_running_loop().create_future()
+        go = asyncio.ensure_future(self.gate.wait_for_batch())
+        try:
+            await asyncio.wait([go, withheld], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._withheld = None
+        if not go.done():
+            go.cancel()
+            await asyncio.gather(go, return_exceptions=True)
+            return None
+        train_version = go.result()
+        episodes, evicted_versions, _ = await self.buffer.sample(self.config.prompts_per_step, train_version)
         self.taken[step] = episodes
+        # Timed before the gate's bookkeeping, which the trainer does not wait for.
+        ready_s = self.timeline.now()
         await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
-        return episodes, waited_s
+        return NextBatch(train_version, episodes, ready_s)
+
+    def withhold_batch(self, step: int) -> None:
+        """`next_batch` for step `step` or earlier returns None if it is waiting at the gate or has
+        not arrived yet; one past the gate is not stopped."""
+        self._withheld_through = max(self._withheld_through, step)
+        if self._withheld is not None and not self._withheld.done():
+            self._withheld.set_result(None)
 
     async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
         """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
@@ -339,7 +375,7 @@ class Rollouts:
     async def _tell_generators(self, policy_version: int, weights_dir: str) -> None:
         """Start every generator's update to `policy_version`, UPDATES_PER_TURN per event-loop turn:
         128 update calls sent in one turn held the loop (the rollouts' replies, the train loop's
-        next `take_batch`) for tens of milliseconds."""
+        next `next_batch`) for tens of milliseconds."""
         for index in range(self.config.num_generators):
             if index and index % UPDATES_PER_TURN == 0:
                 await asyncio.sleep(0)  # the rest of the loop's work runs between

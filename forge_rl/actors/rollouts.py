@@ -1,11 +1,11 @@
 """The rollouts' actor: the run's data plane (forge_rl/rollouts.py) in a process of its own.
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
-for all of them; the controller's train loop calls `wait_for_batch`, `take_batch` and `step_done`
-once per step. Its own process, not the controller's: the rollouts' calls (one per prompt to the
-generator pool, one to the scoring stage, one per generator and version to swap weights) then
-leave the controller's event loop free for the train loop, and no other role's work (the pool's
-relay, the store's index) delays them.
+for all of them; the controller's train loop calls `next_batch` and `step_done` once per step. Its
+own process, not the controller's: the rollouts' calls (one per prompt to the generator pool, one
+to the scoring stage, one per generator and version to swap weights) then leave the controller's
+event loop free for the train loop, and no other role's work (the pool's relay, the store's
+index) delays them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.prompts import PromptSource
-from forge_rl.rollouts import RolloutActors, Rollouts
-from forge_rl.types import Episode
+from forge_rl.rollouts import NextBatch, RolloutActors, Rollouts
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPool
@@ -53,12 +52,12 @@ class RolloutsActor(Actor):
         await self.rollouts.wait_for_failure()
 
     @concurrent_endpoint
-    async def wait_for_batch(self) -> int:
-        return await self.rollouts.wait_for_batch()
+    async def next_batch(self, step: int) -> NextBatch | None:
+        return await self.rollouts.next_batch(step)
 
     @concurrent_endpoint
-    async def take_batch(self, step: int, train_version: int) -> tuple[list[Episode], float]:
-        return await self.rollouts.take_batch(step, train_version)
+    async def withhold_batch(self, step: int) -> None:
+        self.rollouts.withhold_batch(step)
 
     @concurrent_endpoint
     async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:

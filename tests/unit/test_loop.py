@@ -33,7 +33,7 @@ CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight
 
 
 ROLLOUTS_ENDPOINTS = (
-    "start", "wait_for_failure", "wait_for_batch", "take_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
+    "start", "wait_for_failure", "next_batch", "withhold_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
 )
 
 
@@ -214,6 +214,56 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
     assert [h[m.STEP] for h in history] == [1, 2, 3]
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
     assert accounting["trained_more_than_once"] == 0
+
+
+def _generate_only_the_first_prompts(num_prompts: int):
+    """A FAKE generate that serves the first `num_prompts` prompts and then never returns, so the
+    batches after them wait at the gate for good."""
+    served = {"n": 0}
+
+    async def generate(index, prompts, group_size):
+        if served["n"] >= num_prompts:
+            await asyncio.Event().wait()
+        served["n"] += len(prompts)
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, 0)) for p in prompts]
+
+    return generate
+
+
+def test_a_withheld_batch_is_not_taken_whether_it_waits_at_the_gate_or_has_not_been_asked_for():
+    _, rollouts = make_pipeline(_generate_only_the_first_prompts(0))
+
+    async def scenario():
+        rollouts.start(None, None)
+        waiting = asyncio.ensure_future(rollouts.next_batch(1))
+        await wait_until_async(lambda: rollouts._withheld is not None, "step 1 waiting at the gate")
+        rollouts.withhold_batch(1)
+        assert await waiting is None
+        rollouts.withhold_batch(2)  # before its call: the call returns at once
+        assert await rollouts.next_batch(2) is None
+        await rollouts.stop_loops(False)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert rollouts.taken == {} and rollouts.gate.next_train_version == 0
+
+
+def test_a_stop_withholds_the_batch_sent_ahead_while_it_waits_and_accounts_for_the_step_that_trained(tmp_path):
+    """Step 1 trains and a stop arrives meanwhile; step 2's batch, asked for ahead, waits at the
+    gate (its prompts never finish): the stop withholds it, so nothing leaves the buffer untrained."""
+    pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(CONFIG.prompts_per_step))
+
+    class StopDuringStep1(FakeLifecycle):
+        async def finish_despite_stop(self, awaitable):
+            await wait_until_async(lambda: rollouts._withheld is not None, "step 2 waiting at the gate")
+            return await awaitable, True
+
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, StopDuringStep1()), 30))
+    logger.close()
+    assert pipeline.step == 1 and not pipeline.step_in_flight
+    assert rollouts.taken == {}
+    assert pipeline.rollouts_at_stop["accounting"]["trained"] == CONFIG.prompts_per_step
 
 
 def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
@@ -473,8 +523,8 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
 def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_and_prompts(
     tmp_path, num_generators, prompts_per_step
 ):
-    """The push path's contract (issue 16): per step the train loop calls the rollouts three times
-    and the trainer once; the calls per prompt and per generator are the rollouts' own."""
+    """The push path's contract (issue 16): per step the train loop calls the rollouts twice (the
+    batch, then the step's accounting) and the trainer once; the calls per prompt and per generator are the rollouts' own."""
     config = dataclasses.replace(
         CONFIG, num_generators=num_generators, train_batch_size=prompts_per_step * CONFIG.group_size,
         buffer=dataclasses.replace(CONFIG.buffer, capacity_episodes=4 * prompts_per_step),
@@ -490,7 +540,7 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
 
     assert accounting["trained"] == config.steps * prompts_per_step
     per_run = ["rollouts.start", "rollouts.wait_for_failure", "rollouts.stop_loops"]
-    per_step = ["rollouts.wait_for_batch", "rollouts.take_batch", "rollouts.step_done", "trainer.train_step"]
+    per_step = ["rollouts.next_batch", "rollouts.step_done", "trainer.train_step"]
     assert sorted(calls) == sorted(per_run + per_step * config.steps)
     assert rollouts.calls["generators.generate"] >= config.steps * prompts_per_step  # the rollouts' own
 
