@@ -6,6 +6,8 @@
                             FSDP2/TP shards of the weights and AdamW moments, plus its torch RNG state
                             and the policy version (forge_rl/trainer.py `save_checkpoint`)
         controller.json     `ControllerState`: step, dataset position, prompt accounting, buffer, RNG
+        teacher/            a self-distillation teacher's schedule and served and staged weights
+                            (forge_rl/teacher.py `PinnedTeacherRefresh`; only with one)
         COMPLETE            written last, then the directory is renamed from .step-000120.partial
       step-000160/
       .step-000200.partial  a save cut short (killed mid-write): never picked, removed by the next save

@@ -248,6 +248,8 @@ class Lifecycle:
         started, actors = time.monotonic(), pipeline.actors
         partial = begin_checkpoint(self.run_path, pipeline.step)
         saved = (await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR))).item(procs=0)
+        for name, part in actors.checkpointed.items():
+            await part.save_checkpoint(partial / name)
         rollouts = await actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer)
         cursor = rollouts["prompts"]["cursor"]
         controller = ControllerState(
@@ -297,6 +299,8 @@ class Lifecycle:
             )
         restore_rng_state(saved.rng)
         pipeline.step = saved.step
+        for name, part in actors.checkpointed.items():
+            await part.load_checkpoint(checkpoint / name)
         num_buffered = await actors.rollouts.load_state_dict.call_one(
             dataclasses.asdict(saved), saved.policy_version, loaded["weights/dir"]
         )

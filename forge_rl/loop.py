@@ -62,6 +62,10 @@ class RunActors:
     decoding meanwhile."""
     generators: Any = None
     """The generator pool, for what watches a run (bench scale's faults); the loop never calls it."""
+    checkpointed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The recipe's other parts a checkpoint holds, by name: each has async `save_checkpoint(dir)`
+    and `load_checkpoint(dir)`, with dir RUN_DIR/checkpoints/step-N/<name> (a self-distillation
+    teacher's schedule and weights, forge_rl/teacher.py `PinnedTeacherRefresh`)."""
 
 
 @dataclasses.dataclass

@@ -29,9 +29,10 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
@@ -39,6 +40,9 @@ from forge_rl.reference import ReferenceConfig
 from forge_rl.store.index import version_key
 from forge_rl.timeline import Timeline
 from forge_rl.types import Completion
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,11 @@ class TeacherConfig(ReferenceConfig):
     """Self-distillation: trainer steps between two refreshes of the teacher."""
     ema_decay: float = 0.5
     """pin ema: teacher <- ema_decay * teacher + (1 - ema_decay) * newest version, at each refresh."""
+    keep_ema_average: bool = True
+    """pin ema: after each refresh the teacher's process writes its average to
+    RUN_DIR/teacher_ema.pt, so a replacement of that process serves the same average. Off: a replacement
+    serves the newest version averaged in and the average starts again from it (a progress line
+    says so); for a model whose write per refresh costs more than that."""
     weight: float = 1.0
     """Coefficient of the per-token reverse KL in each token's advantage:
     A_t += -weight * (log pi_student - log pi_teacher), less its baseline."""
@@ -145,6 +154,16 @@ class TeacherPin:
         self._staged: int | None = None
         self._best_reward = -math.inf
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the schedule (JSON; an unset best reward is None)."""
+        best = None if self._best_reward == -math.inf else self._best_reward
+        return {"serving": self.serving, "staged": self._staged, "best_reward": best}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the schedule `state_dict` saved, as if the run had not stopped."""
+        self.serving, self._staged = state["serving"], state["staged"]
+        self._best_reward = -math.inf if state["best_reward"] is None else state["best_reward"]
+
     def after_step(self, step: int, policy_version: int, reward: float) -> TeacherRefresh:
         config = self.config
         refresh = step % config.refresh_every_n_steps == 0
@@ -182,6 +201,26 @@ class TeacherVersions:
         self.served = 0
         self.staged: int | None = None
         self._leases: collections.Counter[str] = collections.Counter()
+        self.weights_file: str | None = None
+        """A file with weights the teacher serves or has staged that the store does not hold
+        (`save_teacher_weights`): a checkpoint's, which a resume loaded (the resumed run's store
+        holds none of its versions), or the ema average the teacher wrote after a refresh. A
+        replacement loads them from there."""
+        self._served_in_file = self._staged_in_file = False
+
+    def restored(self, checkpoint_file: str, served: int, staged: int | None) -> None:
+        """A resume loaded `served` and `staged` from `checkpoint_file` (no lease holds them)."""
+        self.served, self.staged, self.weights_file = served, staged, checkpoint_file
+        self._served_in_file, self._staged_in_file = True, staged is not None
+
+    def served_saved(self, weights_file: str) -> list[str]:
+        """The teacher wrote the weights it serves (an ema average, nothing staged) to
+        `weights_file`; returns the leases no longer needed (the served version's: a replacement
+        loads the file instead)."""
+        if self.staged is not None:
+            raise RuntimeError(f"teacher weights saved with version {self.staged} staged: only an ema teacher's, after a swap")
+        self.weights_file, self._served_in_file = weights_file, True
+        return self._surplus()
 
     def leased(self, key: str) -> None:
         """The supervisor holds one more lease on snapshot `key` (before staging it)."""
@@ -189,13 +228,14 @@ class TeacherVersions:
 
     def staged_now(self, version: int) -> list[str]:
         """The teacher staged `version`; returns the leases no longer needed."""
-        self.staged = version
+        self.staged, self._staged_in_file = version, False
         return self._surplus()
 
     def swapped(self) -> list[str]:
         """The teacher serves its staged version; returns the leases no longer needed."""
         if self.staged is not None:
             self.served, self.staged = self.staged, None
+            self._served_in_file, self._staged_in_file = self._staged_in_file, False
         return self._surplus()
 
     def stage_failed(self) -> list[str]:
@@ -204,13 +244,19 @@ class TeacherVersions:
 
     def reload_plan(self, pin: str) -> tuple[list[tuple], str | None]:
         """What a replacement teacher does after it is built, to serve what the dead one served:
-        calls in order, each ("stage", version) or ("swap",), and a line to print (pin ema only: its
+        calls in order, each ("stage", version), ("swap",) or ("load", file, served, staged) (the
+        weights a resume loaded, from its checkpoint's file), and a line to print (pin ema only: its
         average died with it, so it serves the newest version averaged in, and averages on from there)."""
-        calls: list[tuple] = [("stage", self.served), ("swap",)] if self.served else []
-        if self.staged is not None:
+        calls: list[tuple] = []
+        if self._served_in_file or self._staged_in_file:
+            # Exact, an ema average included: the weights as the checkpoint saved them.
+            calls.append(("load", self.weights_file, self._served_in_file, self._staged_in_file))
+        if self.served and not self._served_in_file:
+            calls += [("stage", self.served), ("swap",)]
+        if self.staged is not None and not self._staged_in_file:
             calls.append(("stage", self.staged))
         note = None
-        if pin == "ema" and self.served:
+        if pin == "ema" and self.served and not self._served_in_file:  # written with ema_file off
             note = (
                 f"teacher (pin ema): the averaged weights died with its process; the replacement serves policy "
                 f"version {self.served} (the newest averaged in) and averages on from there"
@@ -218,7 +264,7 @@ class TeacherVersions:
         return calls, note
 
     def _surplus(self) -> list[str]:
-        needed = {version_key(v) for v in (self.served, self.staged) if v}
+        needed = {version_key(v) for v, in_file in ((self.served, self._served_in_file), (self.staged, self._staged_in_file)) if v and not in_file}
         surplus = []
         for key, count in list(self._leases.items()):
             extra = count - (key in needed)
@@ -229,26 +275,88 @@ class TeacherVersions:
         return sorted(surplus)
 
 
-def pinned_teacher_refresh(teacher, config: TeacherConfig):
+class PinnedTeacherRefresh:
     """The recipe's `RunActors.after_publish` for self-distillation: `TeacherPin`'s schedule carried
     out on the teacher's supervisor (`stage`, `swap`, forge_rl/actors/frozen_model_supervisor.py);
     logs the version it serves. Each stage and swap is a busy interval on the run's timeline
     (components "teacher_stage" and "teacher_swap"): the swap is the moment the teacher's version
     changes, which the generators take no part in (they decode across it:
-    tests/integration/test_judge_run.py checks it)."""
-    pin = TeacherPin(config)
+    tests/integration/test_judge_run.py checks it).
 
-    async def after_publish(step: int, policy_version: int, metrics: dict, timeline: Timeline) -> dict:
-        refresh = pin.after_step(step, policy_version, metrics[m.REWARD_MEAN])
+    Also one of the run's checkpointed parts (`RunActors.checkpointed`): a checkpoint holds the
+    schedule (TEACHER_SCHEDULE_FILE) and the teacher's served and staged weights
+    (TEACHER_WEIGHTS_FILE, an ema average included), so a resumed run's teacher serves what it
+    served at the checkpoint and refreshes on the same schedule, instead of starting again from the
+    initial policy."""
+
+    def __init__(self, teacher, config: TeacherConfig):
+        self.teacher = teacher
+        self.pin = TeacherPin(config)
+
+    async def __call__(self, step: int, policy_version: int, metrics: dict, timeline: Timeline) -> dict:
+        refresh = self.pin.after_step(step, policy_version, metrics[m.REWARD_MEAN])
         for action in refresh.actions:
             with timeline.busy(f"teacher_{action}"):
                 if action == "stage":
-                    await teacher.stage.call_one(refresh.version, refresh.blend)
+                    await self.teacher.stage.call_one(refresh.version, refresh.blend)
                 else:
-                    await teacher.swap.call_one()
-        return {m.TEACHER_POLICY_VERSION: pin.serving}
+                    await self.teacher.swap.call_one()
+        return {m.TEACHER_POLICY_VERSION: self.pin.serving}
 
-    return after_publish
+    async def save_checkpoint(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        await self.teacher.save_checkpoint.call_one(str(directory / TEACHER_WEIGHTS_FILE))
+        (directory / TEACHER_SCHEDULE_FILE).write_text(json.dumps(self.pin.state_dict()))
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        weights = directory / TEACHER_WEIGHTS_FILE
+        if not weights.is_file():
+            raise FileNotFoundError(
+                f"checkpoint {directory.parent} has no teacher weights ({weights}): it was written by a run without a "
+                "pinned teacher, or by a forge_rl older than teacher checkpoints. Resume it with the config it was "
+                "written with, or start a new run."
+            )
+        self.pin.load_state_dict(json.loads((directory / TEACHER_SCHEDULE_FILE).read_text()))
+        await self.teacher.load_checkpoint.call_one(str(weights))
+
+
+TEACHER_WEIGHTS_FILE = "teacher_weights.pt"
+"""In a checkpoint's teacher directory: the served and staged weights (`save_teacher_weights`)."""
+TEACHER_EMA_FILE = "teacher_ema.pt"
+"""In the run directory: an ema teacher's average, written after each refresh (`keep_ema_average`)."""
+TEACHER_SCHEDULE_FILE = "schedule.json"
+"""In a checkpoint's teacher directory: `TeacherPin.state_dict()`."""
+
+
+def pinned_teacher_refresh(teacher, config: TeacherConfig) -> PinnedTeacherRefresh:
+    return PinnedTeacherRefresh(teacher, config)
+
+
+def save_teacher_weights(
+    path: Path, served: dict[str, torch.Tensor], served_version: int,
+    staged: dict[str, torch.Tensor] | None, staged_version: int | None,
+) -> None:
+    """Write a pinned teacher's weights, written whole and then renamed into place."""
+    import torch
+
+    partial = path.with_name(path.name + ".partial")
+    torch.save(
+        {
+            "served": {name: tensor.detach().cpu() for name, tensor in served.items()},
+            "served_version": served_version,
+            "staged": None if staged is None else {name: tensor.detach().cpu() for name, tensor in staged.items()},
+            "staged_version": staged_version,
+        },
+        partial,
+    )
+    os.replace(partial, path)
+
+
+def load_teacher_weights(path: Path) -> dict:
+    """What `save_teacher_weights` wrote: served, served_version, staged, staged_version."""
+    import torch
+
+    return torch.load(path, weights_only=True)
 
 
 def reverse_kl_token_rewards(completion: Completion, teacher_logprobs: list[float]) -> list[float]:

@@ -68,7 +68,7 @@ async def run(config: GRPOConfig) -> dict:
 
         pipeline = Pipeline(config, RunActors(
             rollouts=actors.rollouts, trainer=actors.trainer, after_publish=actors.scoring.after_publish,
-            generators=actors.generators,
+            generators=actors.generators, checkpointed=actors.scoring.checkpointed,
         ))
         await lifecycle.resume(pipeline)
         with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
@@ -118,7 +118,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
         adapters=config.adapter_serving(model_dir),
     )
-    scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root)
+    scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path)
     actors = Actors(
         generators=generators,
         scoring=scoring,

@@ -15,6 +15,8 @@ A self-distillation teacher (scorer.teacher.pin lagged, ema or best) starts as t
 policy and is refreshed from the weight store: `stage` copies a published version into this
 process (while the store still holds it), `swap` serves it. Endpoints run one at a time, so no
 `token_logprobs` call sees half a swap, and the generators take no part in it: they never pause.
+A checkpoint writes its served and staged weights to a file (`save_weights`), which a resumed
+run's teacher, or its replacement, loads (`load_weights`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from forge_rl.batching import make_train_batch
 from forge_rl.models.titan import titan_state_dict_from_hf
 from forge_rl.reference import ReferenceConfig, completion_logprobs
+from forge_rl.teacher import load_teacher_weights, save_teacher_weights
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
@@ -50,6 +53,7 @@ class FrozenModelActor(Actor):
         self.store_index, self.store_root, self.store_reader = store_index, store_root, store_reader
         self.store = None
         self.staged: dict[str, torch.Tensor] | None = None
+        self.staged_version: int | None = None
         self.serving_version = 0
 
     @endpoint
@@ -102,6 +106,33 @@ class FrozenModelActor(Actor):
         self.serving_version, self.staged = self.staged_version, None
         return {"teacher/policy_version": self.serving_version}
 
+    @endpoint
+    async def save_weights(self, path: str) -> dict:
+        """Write the served weights and the staged ones (a pinned teacher's checkpoint,
+        forge_rl/teacher.py `save_teacher_weights`); returns their versions."""
+        save_teacher_weights(
+            Path(path), _full(self.model.model.state_dict()), self.serving_version,
+            None if self.staged is None else _full(self.staged), self.staged_version if self.staged is not None else None,
+        )
+        return {"served": self.serving_version, "staged": self.staged_version if self.staged is not None else None}
+
+    @endpoint
+    async def load_weights(self, path: str, served: bool = True, staged: bool = True) -> dict:
+        """Serve the weights `save_weights` wrote to `path` (`served`) and stage its staged ones
+        (`staged`); returns their versions."""
+        saved = load_teacher_weights(Path(path))
+        if served:
+            self.model.model.load_state_dict(saved["served"], strict=True)
+            self.serving_version = saved["served_version"]
+        if staged and saved["staged"] is not None:
+            self.staged, self.staged_version = saved["staged"], saved["staged_version"]
+        return {"served": saved["served_version"], "staged": saved["staged_version"]}
+
     async def __cleanup__(self, exc: Exception | None) -> None:
         if self.store is not None:  # leases of a stage cut short
             await self.store.close()
+
+
+def _full(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors (a DTensor's shards gathered), so the file loads into any layout."""
+    return {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor for name, tensor in state_dict.items()}

@@ -21,7 +21,11 @@ only the newest versions: this supervisor holds a store lease on the version the
 and on the one it has staged (`TeacherVersions`, forge_rl/teacher.py), so a replacement loads them
 again and serves what the dead one served. For pin ema the served weights are an average of
 versions that no longer exist anywhere: the replacement serves the newest version averaged in, and
-the average starts again from there (a progress line says so).
+the average starts again from there (a progress line says so), unless it writes its average to a
+file after each refresh (scorer.teacher.keep_ema_average, the default), which the replacement
+loads. After a resume, what the teacher
+serves came from the checkpoint's file (`load_checkpoint`), and a replacement loads it from there,
+an ema average exactly, until the next refresh.
 
 The controller (reference) and the scorer (teacher) call `token_logprobs(episodes)` here and get
 rank 0's answer; the self-distillation refresh calls `stage` and `swap` here.
@@ -68,15 +72,17 @@ class FrozenModelSupervisor(RestartingOwner):
     def __init__(
         self, role: str, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None,
         store_root: str | None = None, host: HostMesh | None = None, procs_per_host: int | None = None,
+        ema_file: str | None = None,
     ):
         """`role`: "reference" or "teacher" (mesh names, metrics). `config`, `model_dir`, `pad_id`,
         `store_index`, `store_root`: what each incarnation's FrozenModelActor is built with (the
         store only for a pinned teacher). `host`: the host(s) its ranks run on, `procs_per_host`
         ranks on each (forge_rl/launch.py `Hosts.owned_ranks`); None: this actor's own host, all
-        config.num_procs ranks there."""
+        config.num_procs ranks there. `ema_file`: where an ema teacher writes its average after
+        each swap (scorer.teacher.keep_ema_average), so a replacement serves it; None: nowhere."""
         super().__init__()
         self.role, self.config, self.model_dir, self.pad_id = role, config, model_dir, pad_id
-        self.store_index, self.store_root = store_index, store_root
+        self.store_index, self.store_root, self.ema_file = store_index, store_root, ema_file
         self.host, self.procs_per_host = host, procs_per_host or config.num_procs
         self.versions = TeacherVersions() if store_index is not None else None
         """A pinned teacher's served and staged versions, which a replacement loads again."""
@@ -112,7 +118,23 @@ class FrozenModelSupervisor(RestartingOwner):
         """A pinned teacher's `swap`; sent again to a replacement (which staged the same version)."""
         figures = await self.restarts.call(lambda mesh: _rank0(mesh.model.swap.call()), 0)
         await self._release(self.versions.swapped())
+        if self.ema_file is not None:
+            await self.restarts.call(lambda mesh: _rank0(mesh.model.save_weights.call(self.ema_file)), 0)
+            await self._release(self.versions.served_saved(self.ema_file))
         return figures
+
+    @concurrent_endpoint
+    async def save_checkpoint(self, path: str) -> dict:
+        """A pinned teacher's checkpoint: its served and staged weights written to `path`."""
+        return await self.restarts.call(lambda mesh: _rank0(mesh.model.save_weights.call(path)), 0)
+
+    @concurrent_endpoint
+    async def load_checkpoint(self, path: str) -> dict:
+        """A resume: serve and stage the weights a checkpoint wrote to `path`; a replacement loads
+        them from there too (the resumed run's store does not hold their versions)."""
+        loaded = await self.restarts.call(lambda mesh: _rank0(mesh.model.load_weights.call(path)), 0)
+        self.versions.restored(path, loaded["served"], loaded["staged"])
+        return loaded
 
     @concurrent_endpoint
     async def stats(self) -> dict:
@@ -163,8 +185,13 @@ class FrozenModelSupervisor(RestartingOwner):
         calls, note = self.versions.reload_plan(self.config.pin)
         if note is not None:
             progress(note)
-        for action, *version in calls:
-            await (model.stage.call(*version, None) if action == "stage" else model.swap.call())
+        for action, *arguments in calls:
+            if action == "stage":
+                await model.stage.call(*arguments, None)
+            elif action == "swap":
+                await model.swap.call()
+            else:
+                await model.load_weights.call(*arguments)
 
     async def _lease(self, policy_version: int) -> None:
         """Lease `policy_version` for the teacher's replacements before it is staged."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.actors.restarting_owner import RestartingOwner
@@ -24,7 +25,7 @@ from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.reference import attach_reference_logprobs
-from forge_rl.teacher import pinned_teacher_refresh
+from forge_rl.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
 from forge_rl.timeline import Timeline
 from forge_rl.types import Episode
 
@@ -49,9 +50,13 @@ class ScoringStage:
     """A self-distillation teacher's refresh after each published version (forge_rl/teacher.py)."""
 
     @classmethod
-    def spawn(cls, config: GRPOConfig, services, hosts: Hosts, model_dir: str, pad_id: int, store_index, store_root: str) -> ScoringStage:
+    def spawn(
+        cls, config: GRPOConfig, services, hosts: Hosts, model_dir: str, pad_id: int, store_index, store_root: str,
+        run_path: Path,
+    ) -> ScoringStage:
         """The supervisors, beside the services (`services`: their process mesh); each spawns
-        its model's processes on the hosts `config.launch` gives it, and respawns them."""
+        its model's processes on the hosts `config.launch` gives it, and respawns them. An ema
+        teacher keeps its average in `run_path` (scorer.teacher.keep_ema_average)."""
         teacher = None
         if config.uses_teacher:
             teacher_config = config.scorer.teacher
@@ -59,9 +64,10 @@ class ScoringStage:
                 teacher_model, store = str(teacher_config.path), (None, None)
             else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
                 teacher_model, store = model_dir, (store_index, store_root)
+            keeps_average = teacher_config.pin == "ema" and teacher_config.keep_ema_average
             teacher = services.spawn(
                 "teacher", FrozenModelSupervisor, "teacher", teacher_config, teacher_model, pad_id, *store,
-                *hosts.owned_ranks(teacher_config.num_procs),
+                *hosts.owned_ranks(teacher_config.num_procs), str(run_path / TEACHER_EMA_FILE) if keeps_average else None,
             )
         scorer = services.spawn(
             "scorer", ScorerSupervisor, config.scorer, config.task.reward, config.generator.max_new_tokens, teacher,
@@ -82,6 +88,12 @@ class ScoringStage:
             dynamic_sampling=config.dynamic_sampling,
             after_publish=pinned_teacher_refresh(teacher, config.scorer.teacher) if pinned else None,
         )
+
+    @property
+    def checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint holds of the stage (`RunActors.checkpointed`): a self-distillation
+        teacher's schedule and weights."""
+        return {"teacher": self.after_publish} if isinstance(self.after_publish, PinnedTeacherRefresh) else {}
 
     @property
     def owners_by_role(self) -> dict[str, RestartingOwner]:

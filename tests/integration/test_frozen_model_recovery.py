@@ -27,7 +27,7 @@ from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.reference import ReferenceConfig
 from forge_rl.store.actors import spawn_store
 from forge_rl.store.client import WeightStore
-from forge_rl.teacher import TeacherConfig
+from forge_rl.teacher import TeacherConfig, load_teacher_weights
 from forge_rl.types import Completion, Episode
 
 pytestmark = pytest.mark.integration
@@ -135,3 +135,47 @@ def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved
     assert served != initial  # it serves version 1, not the initial policy
     assert kept == ["v00000001", "v00000002"]  # version 1 kept past keep_latest by the teacher's lease
     assert after == served and stats == {"teacher/restarts": 1}
+
+
+def test_a_killed_ema_teacher_serves_the_same_average_from_the_file_it_wrote_after_its_refresh(model_dir, tmp_path):
+    """scorer.teacher.keep_ema_average: after a refresh the teacher writes its average (here half
+    the initial policy, half version 1) to a file; its replacement loads that file, so it serves
+    the same average, although the store has moved past version 1 and nothing else holds it."""
+    from safetensors.torch import load_file
+
+    version_1 = create_tiny_model(TinyModelConfig(seed=1), tmp_path / "version_1")
+    root = Path("/dev/shm") / f"forge_rl-test-ema-teacher-{time.monotonic_ns()}"
+    config = TeacherConfig(pin="ema", ema_decay=0.5, refresh_every_n_steps=2)
+    pad_id = read_hf_config(model_dir)["pad_token_id"]
+    ema_file = tmp_path / "teacher_ema.pt"
+
+    async def main():
+        procs = this_host().spawn_procs(per_host={"procs": 1}, name="services")
+        index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
+        writer = WeightStore(index, root, extra_files_dir=model_dir)
+        teacher = procs.spawn(
+            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root), None, None,
+            str(ema_file),
+        )
+        try:
+            await teacher.start.call_one()
+            initial = await teacher.token_logprobs.call_one(episodes())
+            await writer.publish(1, load_file(str(version_1 / "model.safetensors")))
+            await teacher.stage.call_one(1, config.ema_decay)
+            await teacher.swap.call_one()
+            averaged = await teacher.token_logprobs.call_one(episodes())
+            await writer.publish(2, load_file(str(model_dir / "model.safetensors")))  # the store moves on
+            kept = await writer.keys("v")
+            _, call = await kill_under_a_call(teacher)
+            after = await call
+            return initial, averaged, after, kept, await teacher.stats.call_one()
+        finally:
+            await teacher.shutdown.call_one()
+            await procs.stop()
+            writer.local.destroy()
+
+    initial, averaged, after, kept, stats = asyncio.run(main())
+    assert averaged != initial
+    assert kept == ["v00000002"]  # the file holds the average: no lease keeps version 1
+    assert after == averaged and stats == {"teacher/restarts": 1}
+    assert load_teacher_weights(ema_file)["served_version"] == 1

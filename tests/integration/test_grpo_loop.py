@@ -7,8 +7,10 @@ workers left alive with none of the run's processes once it ends.
 """
 
 import asyncio
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ import yaml
 
 from apps.grpo.main import run
 from forge_rl.buffer import BufferConfig
+from forge_rl.checkpoint import CheckpointConfig, newest_complete_checkpoint
 from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.losses.policy import LossConfig
@@ -25,7 +28,7 @@ from forge_rl.placement import LaunchConfig, PlacementConfig
 from forge_rl.run_dir import config_to_dict
 from forge_rl.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
-from forge_rl.teacher import TeacherConfig
+from forge_rl.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_teacher_weights
 from forge_rl.trainer import TrainerConfig
 from tests.helpers import wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
@@ -41,7 +44,8 @@ after step 4 version 3 (forge_rl/teacher.py `TeacherPin`)."""
 
 # Each variant also runs recipe options that only a whole loop can check end to end:
 #   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty,
-#         self-distillation from a teacher pinned one version back, on its own process;
+#         self-distillation from a teacher pinned one version back, on its own process, and
+#         checkpoints every 2 steps (a resume of it continues the teacher's schedule);
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
@@ -53,6 +57,7 @@ VARIANTS = {
         generator=GeneratorConfig(max_new_tokens=3),
         dynamic_sampling=True,
         scorer=ScorerConfig(overlong_buffer=1, teacher=SELF_TEACHER),
+        checkpoint=CheckpointConfig(enabled=True, every_n_steps=2),
     ),
     "tp": dict(
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
@@ -210,6 +215,26 @@ def test_a_pinned_teacher_scores_every_token_and_swaps_versions_while_generators
     assert abs(reverse_kl[2]) > abs(reverse_kl[0])
     assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
     assert summary["generator_recoveries"] == []
+
+
+def test_a_resumed_self_distillation_run_serves_the_teacher_it_had_at_the_checkpoint(fsdp_run, tmp_path):
+    """The fsdp run checkpoints after step 4, where its teacher serves version 3 with nothing
+    staged. A copy of it resumed for 2 more steps: step 5 is scored by version 3 (a teacher started
+    again would serve the initial policy, 0, and step 5 would say so), and step 6 swaps in
+    version 5, staged at step 5 from the resumed run's store, which its checkpoint then holds."""
+    _, _, run_path, config = fsdp_run
+    copy = tmp_path / run_path.name
+    shutil.copytree(run_path, copy)
+    saved = load_teacher_weights(newest_complete_checkpoint(copy) / "teacher" / TEACHER_WEIGHTS_FILE)
+    assert (saved["served_version"], saved["staged"]) == (3, None)
+
+    asyncio.run(run(dataclasses.replace(config, steps=NUM_STEPS + 2, resume=copy)))
+    metrics = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    served = {m["step"]: m["teacher/policy_version"] for m in metrics}
+    assert (served[5], served[6]) == (3, 5)
+    checkpoint = newest_complete_checkpoint(copy)
+    assert checkpoint.name == "step-000006"
+    assert load_teacher_weights(checkpoint / "teacher" / TEACHER_WEIGHTS_FILE)["served_version"] == 5
 
 
 def test_reference_model_is_the_initial_policy(tp_run):

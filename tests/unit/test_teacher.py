@@ -2,6 +2,7 @@
 advantages, and the checks on the teacher's directory and tokenizer (forge_rl/teacher.py)."""
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -293,6 +294,101 @@ def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an
     calls, note = ema.reload_plan("ema")
     assert calls == [("stage", 4), ("swap",)]
     assert "averaged weights died" in note and "serves policy version 4" in note
+
+
+@pytest.mark.parametrize("pin,changes", [("lagged", {"versions_back": 2, "refresh_every_n_steps": 3}), ("best", {}), ("ema", {})])
+def test_a_schedule_restored_from_its_state_goes_on_as_the_uninterrupted_one(pin, changes):
+    """What a resume does with a pinned teacher's schedule: saved after step 4 (JSON and back),
+    loaded into a fresh schedule, steps 5-8 act and serve as without the stop."""
+    from forge_rl.teacher import TeacherPin
+
+    rewards = (0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1)
+    uninterrupted = served_versions(pin, rewards, **changes)
+    before = TeacherPin(TeacherConfig(pin=pin, **changes))
+    for step in range(1, 5):
+        before.after_step(step, step, rewards[step - 1])
+    resumed = TeacherPin(TeacherConfig(pin=pin, **changes))
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    after = [(resumed.after_step(s, s, rewards[s - 1]).actions, resumed.serving) for s in range(5, 9)]
+    assert after == uninterrupted[4:]
+
+
+def test_after_a_resume_a_replacement_teacher_loads_the_checkpoints_weights_until_a_refresh_replaces_them():
+    from forge_rl.teacher import TeacherVersions
+
+    ema = TeacherVersions()
+    ema.restored("/ckpt/teacher/teacher_weights.pt", served=4, staged=None)
+    # The exact average, from the file; nothing to say about an average lost.
+    assert ema.reload_plan("ema") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, False)], None)
+    lagged = TeacherVersions()
+    lagged.restored("/ckpt/teacher/teacher_weights.pt", served=1, staged=3)
+    assert lagged.reload_plan("lagged") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, True)], None)
+    lagged.swapped()  # serves 3, still from the file
+    assert lagged.reload_plan("lagged") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, False)], None)
+    lagged.leased("v00000005"), lagged.staged_now(5)  # staged from the store: leased there
+    assert lagged.reload_plan("lagged") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, False), ("stage", 5)], None)
+    lagged.swapped()
+    assert lagged.reload_plan("lagged") == ([("stage", 5), ("swap",)], None)
+
+
+def test_an_ema_teacher_that_wrote_its_average_is_reloaded_from_that_file_and_needs_no_lease():
+    from forge_rl.teacher import TeacherVersions
+
+    ema = TeacherVersions()
+    ema.leased("v00000002"), ema.staged_now(2), ema.swapped()
+    assert ema.served_saved("/run/teacher_ema.pt") == ["v00000002"]  # the file holds the average
+    assert ema.reload_plan("ema") == ([("load", "/run/teacher_ema.pt", True, False)], None)
+    ema.leased("v00000004"), ema.staged_now(4)
+    with pytest.raises(RuntimeError, match="only an ema teacher's, after a swap"):
+        ema.served_saved("/run/teacher_ema.pt")
+    assert ema.swapped() == [] and ema.served_saved("/run/teacher_ema.pt") == ["v00000004"]
+
+
+def test_a_pinned_teachers_weights_file_holds_the_served_and_staged_weights_exactly(tmp_path):
+    import torch
+
+    from forge_rl.teacher import load_teacher_weights, save_teacher_weights
+
+    served = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0))}
+    staged = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(1))}
+    save_teacher_weights(tmp_path / "t.pt", served, 4, staged, 5)
+    saved = load_teacher_weights(tmp_path / "t.pt")
+    assert torch.equal(saved["served"]["w"], served["w"]) and torch.equal(saved["staged"]["w"], staged["w"])
+    assert (saved["served_version"], saved["staged_version"]) == (4, 5)
+    save_teacher_weights(tmp_path / "t.pt", served, 4, None, None)  # replaced whole
+    assert load_teacher_weights(tmp_path / "t.pt")["staged"] is None
+    assert [p.name for p in tmp_path.iterdir()] == ["t.pt"]
+
+
+def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_and_load_its_weights(tmp_path):
+    from forge_rl.teacher import TEACHER_WEIGHTS_FILE, pinned_teacher_refresh
+    from forge_rl.timeline import Timeline
+    from tests.fakes import endpoints
+
+    calls = []
+
+    async def record(name, *args):
+        calls.append((name, *args))
+
+    teacher = endpoints(
+        stage=lambda v, b: record("stage", v), swap=lambda: record("swap"),
+        save_checkpoint=lambda path: record("save", path), load_checkpoint=lambda path: record("load", path),
+    )
+    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    refresh = pinned_teacher_refresh(teacher, config)
+    for step in range(1, 4):
+        asyncio.run(refresh(step, step, {"reward/mean": 0.0}, Timeline()))
+    asyncio.run(refresh.save_checkpoint(tmp_path / "teacher"))
+    weights = str(tmp_path / "teacher" / TEACHER_WEIGHTS_FILE)
+    assert calls[-1] == ("save", weights)
+    resumed = pinned_teacher_refresh(teacher, config)
+    # The fake teacher wrote no file: the resume refuses the checkpoint, naming the file and the fix.
+    with pytest.raises(FileNotFoundError, match="no teacher weights"):
+        asyncio.run(resumed.load_checkpoint(tmp_path / "teacher"))
+    (tmp_path / "teacher" / TEACHER_WEIGHTS_FILE).write_bytes(b"")
+    asyncio.run(resumed.load_checkpoint(tmp_path / "teacher"))
+    assert calls[-1] == ("load", weights)
+    assert resumed.pin.state_dict() == refresh.pin.state_dict() == {"serving": 1, "staged": 3, "best_reward": None}
 
 
 @pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
