@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,7 +36,6 @@ from forge_rl.metrics import (
 )
 from forge_rl.packing import BATCHING_MODES, layout_token_logprobs, plan_microbatches
 from forge_rl.routing import keep_routing_metrics
-from forge_rl.types import Episode
 from forge_rl.models.titan import (
     ParallelConfig,
     build_titan_model,
@@ -133,31 +131,6 @@ class TrainStepResult:
     """Where the new version will be in the weight store (rank 0; None when skipped)."""
     metrics: dict[str, float]
     """Batch-wide metrics for the log (`step_skipped` and `policy_version` among them)."""
-
-
-@dataclass
-class PulledStep:
-    """A trainer step on a batch the trainer took from the rollouts itself (`train_on_pulled_batch`)."""
-
-    trained: TrainStepResult
-    train_version: int
-    """The version the admission gate took the batch for."""
-    ready_s: float
-    """When the batch left the buffer, on the run's timeline: the end of the train loop's data wait."""
-
-
-async def train_on_pulled_batch(
-    step: int, rollouts, num_ranks: int, train: Callable[[list[Episode]], Awaitable[TrainStepResult]]
-) -> PulledStep | None:
-    """What a trainer rank does for step `step`: ask the rollouts (forge_rl/rollouts.py
-    `batch_for_trainer`) for the step's batch, which they hand to each of the `num_ranks` ranks
-    once the admission gate lets it go, and `train` on it. The batch then crosses one message from
-    where its last episode arrived to the trainer, instead of two through the controller. None if
-    a stop withheld the batch: nothing was taken, nothing trained."""
-    batch = await rollouts.batch_for_trainer.call_one(step, num_ranks)
-    if batch is None:
-        return None
-    return PulledStep(await train(batch.episodes), batch.train_version, batch.ready_s)
 
 
 _ADAPTERS = "adapters"

@@ -13,11 +13,11 @@ import asyncio
 import os
 import time
 
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import Actor, endpoint
 
 from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
-from forge_rl.trainer import PulledStep, TrainerConfig, TrainStepResult, train_on_pulled_batch
+from forge_rl.trainer import TrainerConfig, TrainStepResult
 from forge_rl.types import Episode
 
 
@@ -26,25 +26,13 @@ class SimulatedTrainerActor(Actor):
         # Spawned with the TrainerActor's arguments (model_dir, store, ...), which it does not need.
         self.config = config
         self.policy_version = 0
-        self._stepping = asyncio.Lock()
 
     @endpoint
     async def setup(self) -> dict:
         return {"trainer_setup_s": 0.0, "pid": os.getpid(), "simulated": True}
 
-    @concurrent_endpoint  # as the TrainerActor's: asks for step k + 1's batch while step k trains
-    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
-        return await train_on_pulled_batch(step, rollouts, num_ranks, self._train_step_in_turn)
-
-    async def _train_step_in_turn(self, episodes: list[Episode]) -> TrainStepResult:
-        async with self._stepping:
-            return await self._train_step(episodes)
-
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
-        return await self._train_step(episodes)
-
-    async def _train_step(self, episodes: list[Episode]) -> TrainStepResult:
         num_tokens = sum(
             len(e.prompt_token_ids) * len(e.completions) + e.num_generated_tokens for e in episodes
         )

@@ -7,13 +7,12 @@ reports global metrics.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import Actor, endpoint
 
 from forge_rl.batching import make_train_batch
 from forge_rl.gc_freeze import freeze_startup_objects
@@ -24,7 +23,7 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
-from forge_rl.trainer import PolicyTrainer, PulledStep, TrainerConfig, TrainStepResult, train_on_pulled_batch
+from forge_rl.trainer import PolicyTrainer, TrainerConfig, TrainStepResult
 from forge_rl.types import Episode
 
 
@@ -51,8 +50,6 @@ class TrainerActor(Actor):
         self.pad_id = pad_id
         self.rank = int(os.environ.get("RANK", "0"))
         self.trainer: PolicyTrainer | None = None
-        self._stepping = asyncio.Lock()
-        """Held by a step from its batch's arrival to its end (`train_next_step`)."""
 
     @endpoint
     async def setup(self) -> dict:
@@ -66,27 +63,8 @@ class TrainerActor(Actor):
         freeze_startup_objects()  # the model, torch and TorchTitan: no full GC scans them mid-step
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
 
-    # Concurrent, so that the call for step k + 1, sent while step k trains, asks the rollouts for
-    # its batch at once (the batch may be ready before step k ends); steps still train one at a
-    # time, in order, under `_stepping`.
-    @concurrent_endpoint
-    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
-        """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the
-        RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
-        `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
-        None if a stop withheld the batch."""
-        return await train_on_pulled_batch(step, rollouts, num_ranks, self._train_step_in_turn)
-
-    async def _train_step_in_turn(self, episodes: list[Episode]) -> TrainStepResult:
-        async with self._stepping:
-            return await self._train_step(episodes)
-
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
-        """One optimizer step on `episodes`, then publish the new version to the weight store."""
-        return await self._train_step(episodes)
-
-    async def _train_step(self, episodes: list[Episode]) -> TrainStepResult:
         """One optimizer step on `episodes`, then publish the new version to the weight store.
 
         A step whose loss or gradient was not finite is skipped: nothing is published and the
