@@ -104,10 +104,16 @@ class JudgeConfig:
     """How the judge's engine samples its verdicts (max_new_tokens bounds a verdict's length)."""
     max_model_len: int = 2048
     """The judge engine's context: the rendered template plus generator.max_new_tokens must fit."""
+    replicas: int = 1
+    """Judge engines, one process each; each verdict request goes to the one with the fewest in
+    flight (`LeastBusyReplica`, forge_rl/actors/reward_model.py). Each engine is a whole copy of the
+    judge with generator.cpu_threads threads (preflight counts them all)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.weight) and self.weight > 0):
             raise ValueError(f"scorer.judge.weight ({self.weight}) must be finite and > 0. Set --scorer.judge.weight.")
+        if self.replicas < 1:
+            raise ValueError(f"scorer.judge.replicas ({self.replicas}) must be >= 1. Set --scorer.judge.replicas.")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"scorer.judge.timeout_s ({self.timeout_s}) must be > 0 and finite. Set --scorer.judge.timeout-s.")
         if not self.score_min < self.score_max:

@@ -107,7 +107,7 @@ class ScorerConfig:
 
     def model_threads(self) -> dict[str, int]:
         """The compute threads of the scorer's own models, by the settings that make them: the
-        reward model's replicas and the judge's engine. They run beside the scorer, on the
+        reward model's replicas and the judge's engines. They run beside the scorer, on the
         services host (preflight counts them on this machine, placement on that host)."""
         threads = {}
         if self.reward_model.path is not None:
@@ -116,7 +116,10 @@ class ScorerConfig:
                 f"scorer.reward_model.replicas ({reward_model.replicas}) x scorer.reward_model.num_threads ({reward_model.num_threads})"
             ] = reward_model.replicas * reward_model.num_threads
         if self.judge.path is not None:
-            threads[f"scorer.judge.generator.cpu_threads ({self.judge.generator.cpu_threads})"] = self.judge.generator.cpu_threads
+            judge = self.judge
+            threads[
+                f"scorer.judge.replicas ({judge.replicas}) x scorer.judge.generator.cpu_threads ({judge.generator.cpu_threads})"
+            ] = judge.replicas * judge.generator.cpu_threads
         return threads
 
     def __post_init__(self) -> None:

@@ -44,8 +44,9 @@ class ScorerActor(Actor):
         scorer's client.
         `teacher`: the teacher's FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py)
         when scorer.teacher is enabled; its `token_logprobs` (rank 0's answer of a collective over
-        the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor (forge_rl/actors/generator.py)
-        when scorer.judge.path is set; its `generate` serves the judge scorer's verdicts."""
+        the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor mesh (forge_rl/actors/generator.py,
+        one actor per replica) when scorer.judge.path is set; its replicas' `generate` serves the
+        judge scorer's verdicts."""
         client = None
         if reward_model is not None:
             replicas = LeastBusyReplica(reward_model, config.reward_model.replicas, "score")
@@ -62,7 +63,8 @@ class ScorerActor(Actor):
         verdicts = None
         if judge is not None:
             tokenizer = PromptTokenizer(config.judge.path)
-            verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(judge.generate.call_one, "judge"))
+            engines = LeastBusyReplica(judge, config.judge.replicas, "generate")
+            verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(engines, "judge"))
         scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
         self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens)
 

@@ -93,7 +93,7 @@ class ScorerSupervisor(RestartingOwner):
             meshes = self.restarts.current.handle
             await asyncio.gather(
                 meshes.scorer.shutdown.call_one(),
-                *([meshes.judge.shutdown.call_one()] if meshes.judge is not None else []),
+                *([meshes.judge.shutdown.call()] if meshes.judge is not None else []),
                 return_exceptions=True,
             )
 
@@ -132,7 +132,7 @@ class ScorerSupervisor(RestartingOwner):
                 # A generator like the policy's, serving the judge's weights, which never change (no store).
                 judge = spawn(
                     "judge", GeneratorActor, config.judge.generator, str(config.judge.path), config.judge.max_model_len,
-                    None, f"judge-r{number}",
+                    None, f"judge-r{number}", num_procs=config.judge.replicas,
                 )
                 starts.append(every_reply(judge.start.call()))
             scorer = spawn(

@@ -82,6 +82,17 @@ class ProbedRolloutsActor(RolloutsActor):
         self.rollouts.actors.score = self.scoring
         self.generate_calls = HeldGenerateCalls(self.rollouts.actors.generators)
         self.rollouts.actors.generators = self.generate_calls
+        self.batches: list[list[Episode]] = []
+        """Each step's batch as it left the buffer for the trainer, in order."""
+        next_batch = self.rollouts.next_batch
+
+        async def next_batch_kept(step: int):
+            batch = await next_batch(step)
+            if batch is not None:
+                self.batches.append(batch.episodes)
+            return batch
+
+        self.rollouts.next_batch = next_batch_kept
 
     @concurrent_endpoint
     async def hold_a_generate_call(self) -> None:
@@ -116,5 +127,10 @@ class ProbedRolloutsActor(RolloutsActor):
 
     @concurrent_endpoint
     async def stop_loops(self, finish_updates: bool) -> dict:
-        """The rollouts' report at the stop, with every episode the stage returned."""
-        return {**await self.rollouts.stop_loops(finish_updates), "scoring_returned": list(self.scoring.returned)}
+        """The rollouts' report at the stop, with every episode the stage returned and every batch
+        handed to the trainer."""
+        return {
+            **await self.rollouts.stop_loops(finish_updates),
+            "scoring_returned": list(self.scoring.returned),
+            "batches": list(self.batches),
+        }

@@ -71,7 +71,8 @@ VARIANTS = {
 
 
 RUN_HANG_S = 600
-"""Bounds a hang of the CLI run; the pass condition is its summary and what it left behind."""
+"""Bounds a hang of a run (the CLI's, or one in this process); the pass condition is its summary and
+what it left behind."""
 
 
 def variant_config(name: str, tmp_path_factory, **overrides) -> GRPOConfig:
@@ -95,7 +96,7 @@ def finished(summary: dict, config: GRPOConfig):
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     config = variant_config("fsdp", tmp_path_factory)
-    return finished(asyncio.run(run(config)), config)
+    return finished(asyncio.run(asyncio.wait_for(run(config), RUN_HANG_S)), config)
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +229,7 @@ def test_a_resumed_self_distillation_run_serves_the_teacher_it_had_at_the_checkp
     saved = load_teacher_weights(newest_complete_checkpoint(copy) / "teacher" / TEACHER_WEIGHTS_FILE)
     assert (saved["served_version"], saved["staged"]) == (3, None)
 
-    asyncio.run(run(dataclasses.replace(config, steps=NUM_STEPS + 2, resume=copy)))
+    asyncio.run(asyncio.wait_for(run(dataclasses.replace(config, steps=NUM_STEPS + 2, resume=copy)), RUN_HANG_S))
     metrics = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
     served = {m["step"]: m["teacher/policy_version"] for m in metrics}
     assert (served[5], served[6]) == (3, 5)

@@ -43,7 +43,6 @@ import pytest
 
 from apps.grpo import main as grpo_main
 from apps.grpo.main import run, spawn_actors
-from forge_rl import loop as loop_module
 from forge_rl.actors import scoring_stage
 from forge_rl.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
@@ -97,7 +96,7 @@ def judged_run(tmp_path_factory, model_dir):
         task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
         scorer=ScorerConfig(judge=dataclasses.replace(JUDGE, path=model_dir), teacher=TEACHER),
     )
-    spawned, kill, batches = {}, {}, []
+    spawned, kill = {}, {}
 
     async def spawn_actors_kept(config, lifecycle):  # the hooks need the scorer's supervisor
         spawned["actors"] = await spawn_actors(config, lifecycle)
@@ -147,23 +146,17 @@ def judged_run(tmp_path_factory, model_dir):
 
         return refresh
 
-    batch_metrics = loop_module.batch_metrics
-
-    def batch_metrics_kept(episodes, train_version):
-        batches.append(episodes)
-        return batch_metrics(episodes, train_version)
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(HOLD_DIR_ENV, str(hold_dir))
         patch.setattr(Lifecycle, "after_step", after_step_driving_the_kill)
         patch.setattr(grpo_main, "spawn_actors", spawn_actors_kept)
         patch.setattr(grpo_main, "RolloutsActor", ProbedRolloutsActor)
         patch.setattr(scoring_stage, "pinned_teacher_refresh", refresh_while_a_generator_decodes)
-        patch.setattr(loop_module, "batch_metrics", batch_metrics_kept)
         summary = asyncio.run(run(config))
     run_path = config.run_dir / config.run_name
     metrics = [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     returned = spawned["pipeline"].rollouts_at_stop["scoring_returned"]
+    batches = spawned["pipeline"].rollouts_at_stop["batches"]
     return summary, metrics, kill, returned, batches, Timeline.load(run_path / "timeline.jsonl"), config
 
 

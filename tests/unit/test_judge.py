@@ -2,6 +2,7 @@
 engine: verdict parsing, unparsable verdicts and timeouts counted and excluded, never a crash."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -246,3 +247,13 @@ def test_a_judge_directory_that_is_not_a_model_or_lacks_a_chat_template_is_a_con
     with pytest.raises(ConfigError, match="scorer.judge.prompt_format is chat, but the judge .* has no chat template"):
         check_model_inputs(with_judge(), tiny)
     check_model_inputs(with_judge(prompt_format="plain"), tiny)
+
+
+def test_judge_replicas_are_checked_and_each_counts_its_engines_threads():
+    from forge_rl.engines.vllm_engine import GeneratorConfig
+    from forge_rl.scorers import ScorerConfig
+
+    with pytest.raises(ValueError, match=r"scorer.judge.replicas \(0\) must be >= 1. Set --scorer.judge.replicas"):
+        JudgeConfig(replicas=0)
+    config = ScorerConfig(judge=JudgeConfig(path=Path("judge"), replicas=3, generator=GeneratorConfig(cpu_threads=2)))
+    assert config.model_threads() == {"scorer.judge.replicas (3) x scorer.judge.generator.cpu_threads (2)": 6}
