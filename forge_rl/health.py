@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from forge_rl.metrics import MISMATCH_KL_BY_GENERATOR, MISMATCH_KL_FRESH_BY_GENERATOR
 from forge_rl.types import Episode
@@ -68,8 +68,10 @@ class MismatchAlarm:
         self._history: dict[int, collections.deque[float]] = {}
         """generator -> fresh mismatch KL of its recent steps that had exact tokens."""
 
-    def observe(self, step: int, metrics: dict, episodes: Sequence[Episode], train_version: int) -> list[str]:
-        """The warnings for this step (empty when all is well); updates the running levels."""
+    def observe(self, step: int, metrics: dict, token_versions: Mapping[int, str], train_version: int) -> list[str]:
+        """The warnings for this step (empty when all is well); updates the running levels.
+        `token_versions`: the versions the batch's tokens are labelled with, by generator
+        (`token_versions_by_generator`), for the warning's text."""
         if not self.config.factor:
             return []
         exact = _by_generator(metrics, MISMATCH_KL_FRESH_BY_GENERATOR)
@@ -86,7 +88,7 @@ class MismatchAlarm:
                 warnings.append(
                     f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on {which} is "
                     f"{kl / max(reference, 1e-30):.3g}x its reference level {reference:.3g}; its tokens are labelled "
-                    f"with policy versions {_versions_of(episodes, generator)} (trained at {train_version}). Its "
+                    f"with policy versions {token_versions.get(generator, 'none')} (trained at {train_version}). Its "
                     "weights may not be what their version says (an update that did not apply?)."
                 )
         return warnings
@@ -108,8 +110,18 @@ def _by_generator(metrics: dict, prefix: str) -> dict[int, float]:
     return {int(name.rsplit("/", 1)[1]): value for name, value in metrics.items() if name.startswith(prefix + "/")}
 
 
-def _versions_of(episodes: Sequence[Episode], generator: int) -> str:
-    versions = [v for e in episodes if e.generator_index == generator for c in e.completions for v in c.policy_versions]
-    if not versions:
-        return "none"
-    return str(min(versions)) if min(versions) == max(versions) else f"{min(versions)}..{max(versions)}"
+TOKEN_VERSIONS_BY_GENERATOR = "_token_versions_by_generator"
+"""The key under which the rollouts' `step_done` reply carries `token_versions_by_generator` of the
+step's batch (the train loop takes it out before logging)."""
+
+
+def token_versions_by_generator(episodes: Sequence[Episode]) -> dict[int, str]:
+    """Generator -> the policy versions its tokens in `episodes` are labelled with ("3", "2..4")."""
+    versions: dict[int, list[int]] = collections.defaultdict(list)
+    for episode in episodes:
+        for completion in episode.completions:
+            versions[episode.generator_index] += completion.policy_versions
+    return {
+        generator: str(min(v)) if min(v) == max(v) else f"{min(v)}..{max(v)}"
+        for generator, v in sorted(versions.items()) if v
+    }

@@ -222,6 +222,13 @@ class Lifecycle:
             if stopped:
                 raise asyncio.CancelledError
 
+    @property
+    def stop_waits_for_steps(self) -> bool:
+        """Whether a stop (Ctrl-C, SIGTERM) now lets the step in flight finish, for the shutdown
+        checkpoint (`finish_despite_stop`); a dead process cancels at once."""
+        checkpoints = self.config.checkpoint
+        return checkpoints.enabled and checkpoints.on_shutdown and not self.process_failures
+
     async def finish_despite_stop(self, awaitable) -> tuple[Any, bool]:
         """(result, stopped): awaits `awaitable` to its end even if the run is stopped (Ctrl-C,
         SIGTERM) meanwhile, when a shutdown checkpoint is wanted, up to _STOP_STEP_TIMEOUT_S after

@@ -4,8 +4,9 @@ process (forge_rl/rollouts.py), which hold the admission gate, the replay buffer
     rollout loops (the rollouts' process; prompts_in_flight_per_generator per generator)
         produce    scored episodes into the buffer, paced by the admission gate
     train loop (one, here)
-        consumes   one batch of prompts_per_step episodes from the buffer (all fresh enough), taken
-                   and sent to the trainer while the step before it trains (one step ahead)
+        consumes   one batch of prompts_per_step episodes from the buffer (all fresh enough), which
+                   the trainer takes from the rollouts itself; asked for while the step before it
+                   trains (one step ahead)
         produces   policy version v+1 in the weight store; the rollouts tell every generator;
                    a checkpoint every checkpoint.every_n_steps (forge_rl/lifecycle.py)
         waits for  the gate's "taking the buffer's batch now leaves every episode in flight enough
@@ -13,8 +14,9 @@ process (forge_rl/rollouts.py), which hold the admission gate, the replay buffer
         unblocked  by rollouts
 
 Per step the train loop makes a fixed number of calls, whatever the number of generators and
-prompts: the rollouts' `next_batch` and `step_done` (whose reply carries the data plane's figures),
-and the trainer's `train_step`. The library owns these loops; a recipe supplies
+prompts: the trainer's `train_next_step` (each rank then takes the batch from the rollouts), the
+rollouts' `batch_taken` (when the batch left the buffer: the step's timeout starts) and `step_done`
+(whose reply carries the data plane's figures). The library owns these loops; a recipe supplies
 its actors, its scoring stage (which runs in the rollouts' process) and its work after a publish.
 Nothing here imports Monarch: the actors are handles whose endpoints are called with
 `.call_one()` / `.call()`.
@@ -32,10 +34,9 @@ from typing import TYPE_CHECKING, Any
 from forge_rl import metrics as m
 from forge_rl.deadlines import within
 from forge_rl.errors import TrainStepTimedOut, raised_by_actor
-from forge_rl.health import MismatchAlarm
-from forge_rl.metrics import MetricsLogger, batch_metrics, progress
+from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, MismatchAlarm
+from forge_rl.metrics import MetricsLogger, progress
 from forge_rl.timeline import Timeline, idle_fraction
-from forge_rl.types import Episode
 
 _STOP_ROLLOUTS_TIMEOUT_S = 10.0
 """A failed or stopped run waits this long for the rollouts to stop before shutting processes down."""
@@ -43,7 +44,7 @@ _STOP_ROLLOUTS_TIMEOUT_S = 10.0
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
     from forge_rl.lifecycle import Lifecycle
-    from forge_rl.trainer import TrainStepResult
+    from forge_rl.trainer import PulledStep
 
 
 @dataclasses.dataclass
@@ -51,10 +52,12 @@ class RunActors:
     """The actor handles the train loop calls; a recipe spawns them (apps/grpo/main.py)."""
 
     rollouts: Any
-    """The data plane (forge_rl/actors/rollouts.py): `start`, `next_batch`, `withhold_batch`,
-    `step_done`, `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`."""
+    """The data plane (forge_rl/actors/rollouts.py): `start`, `batch_taken`, `withhold_batch`,
+    `step_done`, `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`; the trainer
+    calls its `batch_for_trainer`."""
     trainer: Any
-    """The trainer mesh: `train_step`, `save_checkpoint`, `load_checkpoint` (rank 0 answers)."""
+    """The trainer mesh: `train_next_step`, `wait_for_publish`, `save_checkpoint`,
+    `load_checkpoint` (rank 0 answers)."""
     after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
     """The recipe's work after a step published a version: (step, policy version, the step's
     metrics, the run's timeline, to record its busy intervals on) -> metrics to add (a
@@ -70,20 +73,17 @@ class RunActors:
 
 @dataclasses.dataclass
 class SentStep:
-    """A step whose batch left the buffer and was sent to the trainer, not yet accounted for."""
+    """A step whose train call went to the trainer, which takes its batch from the rollouts; not
+    yet accounted for."""
 
     step: int
-    train_version: int
-    """The version the gate took the batch for (the trainer's, unless the step before it is skipped)."""
-    episodes: list[Episode]
     reply: asyncio.Future
-    """The trainer mesh's answer to `train_step` (a ValueMesh of TrainStepResult)."""
-    trainer_busy: contextlib.ExitStack
-    """The trainer's busy interval on the timeline, from the send until the reply."""
+    """The trainer mesh's answer to `train_next_step` (a ValueMesh of PulledStep, or of None if a
+    stop withheld the batch)."""
+    taken: asyncio.Future
+    """The rollouts' `batch_taken`: True once the batch has left the buffer, False if withheld."""
     waiting_from: float
-    """When the loop began waiting for this batch (the timeline's clock)."""
-    data_ready: float
-    """When it was taken out of the buffer (the rollouts' clock, on the same origin)."""
+    """When the loop asked for this step (the timeline's clock)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
 
@@ -122,34 +122,34 @@ class Pipeline:
         """Steps self.step + 1 to config.steps; `lifecycle` checkpoints between steps and lets a
         stop (Ctrl-C, SIGTERM) wait for the steps in flight when a shutdown checkpoint is wanted.
 
-        One step ahead: while step k trains, the loop takes step k + 1's batch and sends it, so the
-        trainer starts it the moment step k ends (the buffer's round trip, the message and the
-        loop's bookkeeping leave the trainer's critical path). Not past a checkpoint, which holds
-        the buffer as of its step. The batch is taken at version k + 1, the version it trains at
-        (the gate counts it from then); if step k is skipped (non-finite loss) it trains at k,
-        younger than its label, so the age bound still holds.
+        One step ahead: while step k trains, the loop asks the trainer for step k + 1, whose ranks
+        ask the rollouts for its batch as soon as step k has answered, so it reaches the trainer
+        one message after its last episode arrives, or a round trip after step k when it was ready
+        before (the controller and the loop's bookkeeping are off the trainer's critical path). Not past a checkpoint, which holds the
+        buffer as of its step. The batch is taken at version k + 1, the version it trains at (the
+        gate counts it from then); if step k is skipped (non-finite loss) it trains at k, younger
+        than its label, so the age bound still holds.
         """
         history: list[dict] = []
-        ahead: asyncio.Task[SentStep | None] | None = None
+        ahead: SentStep | None = None
         try:
             for step in range(self.step + 1, self.config.steps + 1):
-                sent = await (ahead if ahead is not None else self._send_step(step))
-                ahead = None
-                if sent is None:
-                    raise RuntimeError(f"step {step}'s batch was withheld without a stop")
+                sent = ahead if ahead is not None else self._send_step(step)
+                ahead, ahead_result = None, None
                 if step < self.config.steps and not lifecycle.checkpoint_due(step):
-                    ahead = asyncio.create_task(self._send_step(step + 1))
+                    ahead = self._send_step(step + 1)
                 result = await self._finish_step(sent, lifecycle)
-                results = [result]
-                if result.stopped and ahead is not None:
-                    # The batch sent ahead is trained and accounted too (the shutdown checkpoint
-                    # then holds it as trained); one still waiting for the gate is withheld.
-                    await self.actors.rollouts.withhold_batch.call_one(step + 1)
-                    sent_ahead = await ahead
-                    if sent_ahead is not None:
-                        ahead_result = await self._finish_step(sent_ahead, lifecycle)
-                        results.append(dataclasses.replace(ahead_result, stopped=True))
+                if result is None or (result.stopped and ahead is not None):
+                    # A stop. The batch sent ahead is trained and accounted too, if it left the
+                    # buffer (the shutdown checkpoint then holds it as trained); one still at the
+                    # gate is withheld.
+                    ahead_result = await self._withhold(ahead, lifecycle) if ahead is not None else None
                     ahead = None
+                if result is None:  # the stop withheld this step's batch: nothing was taken
+                    raise asyncio.CancelledError
+                results = [result]
+                if ahead_result is not None:
+                    results.append(dataclasses.replace(ahead_result, stopped=True))
                 for result in results:
                     metrics_logger.log(result.metrics)
                     history.append(result.metrics)
@@ -157,54 +157,69 @@ class Pipeline:
                     raise asyncio.CancelledError
                 await lifecycle.after_step(self)
         finally:
-            await _cancelled(*([ahead] if ahead is not None else []))
+            if ahead is not None:  # the run fails or is cut: the rollouts' stop releases its call
+                ahead.reply.cancel()
+                ahead.taken.cancel()
         return history
 
-    async def _send_step(self, step: int) -> SentStep | None:
-        """Take step `step`'s batch from the buffer once the gate allows, and send it to the
-        trainer; None if a stop withheld it while it waited at the gate."""
+    async def _withhold(self, sent: SentStep, lifecycle: Lifecycle) -> StepResult | None:
+        """After a stop: withhold `sent`'s batch if it is still at the gate (None), else finish its step."""
+        await self.actors.rollouts.withhold_batch.call_one(sent.step)
+        return await self._finish_step(sent, lifecycle, withheld=True)
+
+    def _send_step(self, step: int) -> SentStep:
+        """Ask the trainer for step `step`: each rank takes the step's batch from the rollouts
+        itself once the gate lets it go (forge_rl/trainer.py `train_on_pulled_batch`), so the
+        batch's last episode is one message from the trainer. Sent ahead, while the step before
+        trains; the rollouts' `batch_taken` says when the batch has left the buffer."""
         actors, timeline = self.actors, self.timeline
-        waiting_from = timeline.now()
-        batch = await actors.rollouts.next_batch.call_one(step)
-        if batch is None:
-            return None
-        trainer_busy = contextlib.ExitStack()
-        trainer_busy.enter_context(timeline.busy("trainer"))
-        reply = asyncio.ensure_future(actors.trainer.train_step.call(batch.episodes))
+        reply = asyncio.ensure_future(
+            actors.trainer.train_next_step.call(step, actors.rollouts, self.config.trainer.num_procs)
+        )
+        taken = asyncio.ensure_future(actors.rollouts.batch_taken.call_one(step))
         self.batches_out += 1  # until the step is accounted for
-        sent = SentStep(step, batch.train_version, batch.episodes, reply, trainer_busy, waiting_from, batch.ready_s)
+        sent = SentStep(step, reply, taken, timeline.now())
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 
-    async def _finish_step(self, sent: SentStep, lifecycle: Lifecycle) -> StepResult:
+    async def _finish_step(self, sent: SentStep, lifecycle: Lifecycle, withheld: bool = False) -> StepResult | None:
         """Wait for the trainer's step, and account for it; the rollouts tell every generator
-        about the new version (not awaited) and answer with the data plane's figures."""
-        actors, timeline, step, episodes = self.actors, self.timeline, sent.step, sent.episodes
+        about the new version (not awaited) and answer with the data plane's figures. None if a
+        stop withheld the step's batch (nothing was taken or trained); `withheld`: the loop
+        withheld it itself."""
+        actors, timeline, step = self.actors, self.timeline, sent.step
         # The trainer's critical path for this step runs from the previous step's reply (the
         # trainer free again) to this one's. The loop's work after a reply (the rollouts'
         # step_done, metrics, logging) overlaps the next step, sent ahead, and is not on it;
         # a checkpoint, which holds the next batch back, is.
         path_start = sent.waiting_from if self._last_replied_s is None else self._last_replied_s
-        step_start = max(sent.data_ready, path_start)
         try:
-            values, stopped = await lifecycle.finish_despite_stop(self._trained(step, sent.reply))
-            trained: TrainStepResult = values.item(procs=0)
+            pulled, stopped = await self._trained(sent, lifecycle)
         except BaseException:
             sent.reply.cancel()
+            sent.taken.cancel()
             raise
-        finally:
-            sent.trainer_busy.close()
-        trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(timeline.now() - step_start, 1e-9)
+        if pulled is None:
+            self.batches_out -= 1
+            if not (stopped or withheld):
+                raise RuntimeError(f"step {step}'s batch was withheld without a stop")
+            return None
+        trained = pulled.trained
+        replied_s = sent.replied if sent.replied is not None else timeline.now()
+        step_start = max(pulled.ready_s, path_start)
+        # The trainer's busy interval: from its batch (or the end of its step before) to its reply.
+        timeline.record("trainer", step_start, replied_s)
+        trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(replied_s - step_start, 1e-9)
         # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
         rollout_metrics = await actors.rollouts.step_done.call_one(
             step, trained.skipped, trained.policy_version, trained.weights_dir
         )
+        token_versions = rollout_metrics.pop(TOKEN_VERSIONS_BY_GENERATOR)
         self.step = step
         self.batches_out -= 1
         now = timeline.now()
         step_metrics = {
             m.STEP: step,
-            **batch_metrics(episodes, sent.train_version),
             **trained.metrics,
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             m.WALL_TIME_S: now,
@@ -213,14 +228,13 @@ class Pipeline:
         }
         if self.actors.after_publish is not None and not trained.skipped:
             step_metrics.update(await self.actors.after_publish(step, trained.policy_version, step_metrics, timeline))
-        alarms = self.mismatch_alarm.observe(step, step_metrics, episodes, sent.train_version)
+        alarms = self.mismatch_alarm.observe(step, step_metrics, token_versions, pulled.train_version)
         for warning in alarms:
             progress(f"WARNING {warning}")
         step_metrics[m.MISMATCH_ALARMS] = len(alarms)
-        replied_s = sent.replied if sent.replied is not None else timeline.now()
         # Data wait: the part of this step's path after the loop began waiting for the batch and
-        # before the gate let it be taken (none when it was taken ahead, while the previous step trained).
-        data_wait_s = max(sent.data_ready - max(path_start, sent.waiting_from), 0.0)
+        # before it left the buffer (none when it was taken while the previous step trained).
+        data_wait_s = max(pulled.ready_s - max(path_start, sent.waiting_from), 0.0)
         step_metrics.update(critical_path_breakdown(trained.metrics, data_wait_s, replied_s - path_start - data_wait_s))
         self._last_replied_s = replied_s
         return StepResult(step_metrics, stopped)
@@ -230,15 +244,33 @@ class Pipeline:
         """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
         return self.batches_out > 0
 
-    async def _trained(self, step: int, reply: asyncio.Future):
-        """The trainer's step `step` on every rank (`reply`: its call, sent earlier); raises
-        TrainStepTimedOut past config.train_step_timeout_s from now (the previous step has ended by
-        then), so a hung rank or collective stops the run instead of hanging it."""
-        return await within(
+    async def _trained(self, sent: SentStep, lifecycle: Lifecycle) -> tuple[PulledStep | None, bool]:
+        """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) First waits
+        for the batch to leave the buffer; a stop then withholds it (and the answer is None),
+        unless it has left already. From then on `lifecycle` lets a stop wait for the step in
+        flight, and the step raises TrainStepTimedOut past config.train_step_timeout_s (the
+        previous step has ended by then), so a hung rank or collective stops the run instead of
+        hanging it; the wait for data is not timed."""
+        stopped = False
+        try:
+            taken = await asyncio.shield(sent.taken)
+        except asyncio.CancelledError:
+            if not lifecycle.stop_waits_for_steps:
+                raise
+            try:
+                await within(_STOP_ROLLOUTS_TIMEOUT_S, self.actors.rollouts.withhold_batch.call_one(sent.step))
+                taken, stopped = await within(_STOP_ROLLOUTS_TIMEOUT_S, asyncio.shield(sent.taken)), True
+            except asyncio.TimeoutError:  # the rollouts do not answer: the stop goes on without them
+                raise asyncio.CancelledError from None
+        if not taken:
+            return (await sent.reply).item(procs=0), stopped
+        timed = within(
             self.config.train_step_timeout_s,
-            asyncio.shield(reply),
-            lambda: TrainStepTimedOut(step, self.config.train_step_timeout_s),
+            asyncio.shield(sent.reply),
+            lambda: TrainStepTimedOut(sent.step, self.config.train_step_timeout_s),
         )
+        values, stop_now = await lifecycle.finish_despite_stop(timed)
+        return values.item(procs=0), stopped or stop_now
 
     # Both -------------------------------------------------------------------------------------
 
@@ -275,6 +307,7 @@ class Pipeline:
             failure.cancel()
             self.timeline.close()
             if finished:  # the last version's updates reach every generator before the run ends
+                await self.actors.trainer.wait_for_publish.call()  # its snapshot is taken after the reply
                 self.rollouts_at_stop = await rollouts.stop_loops.call_one(True)
             else:
                 with contextlib.suppress(Exception):

@@ -14,9 +14,11 @@ generators or prompts.
         unblocked  when the train loop takes a batch or its generator loads newer weights
 
 The train loop (forge_rl/loop.py, in the controller) makes two calls per step here, whatever the
-number of generators and prompts: `next_batch` (waits for the gate's go and takes the batch out of
-the buffer; a stop may withhold it while it waits), and `step_done` (accounts for the step, tells
-every generator about the new version, and answers with this plane's figures for the step).
+number of generators and prompts: `batch_taken` (when the step's batch left the buffer) and
+`step_done` (accounts for the step, tells every generator about the new version, and answers with
+this plane's figures for the step). Each trainer rank takes the step's batch itself
+(`batch_for_trainer`: the gate's go, then the batch out of the buffer); a stop withholds one still
+waiting at the gate (`withhold_batch`).
 Prompt i depends only on (task, seed, i), so prompts need no messages; the buffer and the gate
 are where the episodes arrive, so buffering one needs none either.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +41,8 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
-from forge_rl.metrics import EpisodeStats
+from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
+from forge_rl.metrics import EpisodeStats, batch_metrics
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.timeline import Timeline, idle_fraction, watch_event_loop_lag
 from forge_rl.types import Episode
@@ -109,8 +113,12 @@ class Rollouts:
         self.accounting = PromptAccounting()
         self.requeued: collections.deque[Episode] = collections.deque()
         """Prompts whose generator died mid-request; handed out again first."""
-        self.taken: dict[int, list[Episode]] = {}
+        self.taken: dict[int, NextBatch] = {}
         """The batch of each step taken and not yet accounted for (`step_done`)."""
+        self._pulled: dict[int, list] = {}
+        """Per step the trainer's ranks ask for: [the `next_batch` task, ranks yet to ask]."""
+        self._batch_events = asyncio.Condition()
+        """Notified when a batch is taken or withheld (`batch_taken`)."""
         self.num_generated_tokens = 0
         self._generated_tokens_at_last_step = 0
         self._last_step_end_s = 0.0
@@ -142,10 +150,14 @@ class Rollouts:
         (`wait_for_failure`)."""
         self._stage_stats: dict = {}
         self._stage_stats_next: asyncio.Future | None = None
-        self._withheld: asyncio.Future | None = None
-        """Resolved by `withhold_batch` while a `next_batch` waits at the gate."""
+        self._taking = asyncio.Lock()
+        """Held by a `next_batch` from the gate to the batch: steps take their batches in order."""
+        self._waiting: tuple[int, asyncio.Future] | None = None
+        """The step whose `next_batch` waits at the gate, and what `withhold_batch` resolves to stop it."""
         self._withheld_through = 0
         """`next_batch` for this step or an earlier one returns None (`withhold_batch`)."""
+        self._taken_through = 0
+        """The newest step whose batch was taken (steps take their batches in order)."""
 
     # The train loop's calls -------------------------------------------------------------------
 
@@ -167,52 +179,87 @@ class Rollouts:
             raise RuntimeError("Rollouts.wait_for_failure called before start")
         await asyncio.shield(self._failure)
 
-    async def next_batch(self, step: int) -> NextBatch | None:
-        """Waits until the gate lets step `step`'s batch be taken, and takes it out of the buffer:
-        one call from the gate's go to the batch, so the last episode's arrival is one message
-        from the controller instead of three. None if `withhold_batch(step)` came first or while it
-        waited at the gate (nothing taken: a stop abandons it); once past the gate, the batch is
-        taken and returned whatever comes."""
-        if step <= self._withheld_through:
-            return None
-        withheld = self._withheld = asyncio.get_running_loop().create_future()
-        go = asyncio.ensure_future(self.gate.wait_for_batch())
+    async def batch_for_trainer(self, step: int, num_ranks: int) -> NextBatch | None:
+        """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
+        themselves (forge_rl/trainer.py `train_on_pulled_batch`): the first call waits for the gate
+        and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
+        batch's episodes reach the trainer in one message from here. None if withheld."""
+        if step not in self._pulled:
+            self._pulled[step] = [asyncio.ensure_future(self.next_batch(step)), num_ranks]
+        pulled = self._pulled[step]
         try:
-            await asyncio.wait([go, withheld], return_when=asyncio.FIRST_COMPLETED)
+            return await asyncio.shield(pulled[0])
         finally:
-            self._withheld = None
-        if not go.done():
-            go.cancel()
-            await asyncio.gather(go, return_exceptions=True)
-            return None
-        train_version = go.result()
-        episodes, evicted_versions, _ = await self.buffer.sample(self.config.prompts_per_step, train_version)
-        self.taken[step] = episodes
-        # Timed before the gate's bookkeeping, which the trainer does not wait for.
-        ready_s = self.timeline.now()
-        await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
-        return NextBatch(train_version, episodes, ready_s)
+            pulled[1] -= 1
+            if not pulled[1]:
+                del self._pulled[step]
 
-    def withhold_batch(self, step: int) -> None:
+    async def batch_taken(self, step: int) -> bool:
+        """Waits until step `step`'s batch has left the buffer (True) or was withheld (False): from
+        then on the trainer trains it, and the train loop times the step (train_step_timeout_s)."""
+        async with self._batch_events:  # the state is read under the lock its notifier holds
+            await self._batch_events.wait_for(lambda: step <= max(self._taken_through, self._withheld_through))
+        return step <= self._taken_through
+
+    async def next_batch(self, step: int) -> NextBatch | None:
+        """Waits until the gate lets step `step`'s batch be taken, and takes it out of the buffer;
+        steps take theirs in the order they ask. None if `withhold_batch(step)` came first or
+        while it waited at the gate (nothing taken: a stop abandons it); once past the gate, the
+        batch is taken and returned whatever comes."""
+        async with self._taking:
+            if step <= self._withheld_through:
+                return None
+            withheld = asyncio.get_running_loop().create_future()
+            self._waiting = (step, withheld)
+            go = asyncio.ensure_future(self.gate.wait_for_batch())
+            try:
+                await asyncio.wait([go, withheld], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._waiting = None
+            if not go.done():
+                go.cancel()
+                await asyncio.gather(go, return_exceptions=True)
+                return None
+            train_version = go.result()
+            episodes, evicted_versions, _ = await self.buffer.sample(self.config.prompts_per_step, train_version)
+            batch = self.taken[step] = NextBatch(train_version, episodes, self.timeline.now())
+            self._taken_through = step
+            await self._notify_batch_events()
+            # The trainer is not waiting for the gate's bookkeeping: its ranks get the batch at once.
+            await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
+            return batch
+
+    async def withhold_batch(self, step: int) -> None:
         """`next_batch` for step `step` or earlier returns None if it is waiting at the gate or has
-        not arrived yet; one past the gate is not stopped."""
+        not begun yet; one past the gate is not stopped."""
         self._withheld_through = max(self._withheld_through, step)
-        if self._withheld is not None and not self._withheld.done():
-            self._withheld.set_result(None)
+        if self._waiting is not None and self._waiting[0] <= step and not self._waiting[1].done():
+            self._waiting[1].set_result(None)
+        await self._notify_batch_events()
+
+    async def _notify_batch_events(self) -> None:
+        async with self._batch_events:
+            self._batch_events.notify_all()
 
     async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
         """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
         its batch, tell every generator about `policy_version` (not awaited), and answer with this
-        plane's figures (the scoring stage's counters as of the step before: they are read off the
-        train loop's path)."""
-        episodes = self.taken.pop(step)
+        plane's figures: the batch's (`batch_metrics`, and its token versions by generator under
+        TOKEN_VERSIONS_BY_GENERATOR, for the mismatch alarm's message), then the generators', the
+        buffer's and the scoring stage's (its counters as of the step before: they are read off
+        the train loop's path)."""
+        batch = self.taken.pop(step)
         if skipped:
-            self.accounting.count_skipped(episodes)
+            self.accounting.count_skipped(batch.episodes)
             await self.gate.step_skipped()
         else:
-            self.accounting.count_trained(episodes)
+            self.accounting.count_trained(batch.episodes)
             self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
-        return await self._step_metrics()
+        return {
+            **batch_metrics(batch.episodes, batch.train_version),
+            TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
+            **await self._step_metrics(),
+        }
 
     async def stop_loops(self, finish_updates: bool) -> dict:
         """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
@@ -220,6 +267,7 @@ class Rollouts:
         accounting, what was held where at the stop, and the probes' figures."""
         while finish_updates and self._updates:
             await asyncio.gather(*self._updates)
+        await self.withhold_batch(sys.maxsize)  # a trainer rank still asking for a batch gets None
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -51,6 +51,23 @@ def endpoints(**functions) -> Any:
     return type("FakeActor", (), {name: FakeEndpoint(f) for name, f in functions.items()})()
 
 
+def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]]) -> Any:
+    """A FAKE trainer mesh of one rank for the train loop: its `train_next_step` takes the step's
+    batch from the rollouts as the real trainer does (forge_rl/trainer.py `train_on_pulled_batch`)
+    and trains it with `train_step(episodes)` (also reachable as `.train_step.function`)."""
+    from forge_rl.trainer import train_on_pulled_batch
+
+    async def train_next_step(step, rollouts, num_ranks):
+        return await train_on_pulled_batch(step, rollouts, num_ranks, train_step)
+
+    async def wait_for_publish():
+        pass
+
+    trainer = endpoints(train_next_step=train_next_step, wait_for_publish=wait_for_publish)
+    trainer.train_step = FakeEndpoint(train_step)
+    return trainer
+
+
 def local_actor(obj: Any, *names: str) -> Any:
     """`obj`'s methods `names` behind FakeEndpoints: the loops call a real object (not a fake) in
     this event loop as they would call it as an actor."""
@@ -105,6 +122,10 @@ class FakeLifecycle:
 
     async def finish_despite_stop(self, awaitable):
         return await awaitable, False
+
+    @property
+    def stop_waits_for_steps(self) -> bool:
+        return False
 
     async def checkpoint_at_stop(self, pipeline) -> None:
         pass

@@ -4,7 +4,7 @@
                                   ScorerActor [RewardModelActor] [judge] (restarted if one dies), [teacher]
                                   (reference, teacher: each under a FrozenModelSupervisor, restarted if it dies)
                                      ▲                                                                  │
-                         update_weights(v) (in flight)                                         next_batch (controller)
+                         update_weights(v) (in flight)                                batch_for_trainer (each trainer rank)
                                      │                                                                  ▼
                        /dev/shm weight store ◀──────────── publish v ─────────── TrainerActor mesh (FSDP2/TP)
 

@@ -1,8 +1,8 @@
 """The rollouts' actor: the run's data plane (forge_rl/rollouts.py) in a process of its own.
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
-for all of them; the controller's train loop calls `next_batch` and `step_done` once per step. Its
-own process, not the controller's: the rollouts' calls (one per prompt to the generator pool, one
+for all of them; the controller's train loop calls `batch_taken` and `step_done` once per step, and
+each trainer rank `batch_for_trainer`. Its own process, not the controller's: the rollouts' calls (one per prompt to the generator pool, one
 to the scoring stage, one per generator and version to swap weights) then leave the controller's
 event loop free for the train loop, and no other role's work (the pool's relay, the store's
 index) delays them.
@@ -52,12 +52,16 @@ class RolloutsActor(Actor):
         await self.rollouts.wait_for_failure()
 
     @concurrent_endpoint
-    async def next_batch(self, step: int) -> NextBatch | None:
-        return await self.rollouts.next_batch(step)
+    async def batch_for_trainer(self, step: int, num_ranks: int) -> NextBatch | None:
+        return await self.rollouts.batch_for_trainer(step, num_ranks)
+
+    @concurrent_endpoint
+    async def batch_taken(self, step: int) -> bool:
+        return await self.rollouts.batch_taken(step)
 
     @concurrent_endpoint
     async def withhold_batch(self, step: int) -> None:
-        self.rollouts.withhold_batch(step)
+        await self.rollouts.withhold_batch(step)
 
     @concurrent_endpoint
     async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:

@@ -17,7 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from forge_rl import metrics as m
 from forge_rl.errors import ConfigError
-from forge_rl.trainer import TrainerConfig, TrainStepResult
+from forge_rl.trainer import PulledStep, StepTurns, TrainerConfig, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 
@@ -26,13 +26,24 @@ class SimulatedTrainerActor(Actor):
         # Spawned with the TrainerActor's arguments (model_dir, store, ...), which it does not need.
         self.config = config
         self.policy_version = 0
+        self._turns = StepTurns()
 
     @endpoint
     async def setup(self) -> dict:
         return {"trainer_setup_s": 0.0, "pid": os.getpid(), "simulated": True}
 
+    @endpoint  # as the TrainerActor's
+    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
+        return await train_pulled_batch_in_turn(self._turns, step, rollouts, num_ranks, self._train_pulled)
+
+    async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
+        return await self._train_step(episodes)
+
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
+        return await self._train_step(episodes)
+
+    async def _train_step(self, episodes: list[Episode]) -> TrainStepResult:
         num_tokens = sum(
             len(e.prompt_token_ids) * len(e.completions) + e.num_generated_tokens for e in episodes
         )
@@ -47,6 +58,10 @@ class SimulatedTrainerActor(Actor):
             "simulated/step_s": time.perf_counter() - started,
         }
         return TrainStepResult(self.policy_version, False, f"simulated://policy-{self.policy_version}", metrics)
+
+    @endpoint
+    async def wait_for_publish(self) -> None:
+        """Nothing to publish: the simulated generators load version numbers only."""
 
     @endpoint
     async def save_checkpoint(self, path: str) -> dict:

@@ -7,6 +7,7 @@ reports global metrics.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
-from forge_rl.trainer import PolicyTrainer, TrainerConfig, TrainStepResult
+from forge_rl.trainer import PolicyTrainer, PulledStep, StepTurns, TrainerConfig, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 
@@ -50,6 +51,10 @@ class TrainerActor(Actor):
         self.pad_id = pad_id
         self.rank = int(os.environ.get("RANK", "0"))
         self.trainer: PolicyTrainer | None = None
+        self._turns = StepTurns()
+        """The order steps of `train_next_step` train in."""
+        self._publishing: asyncio.Future | None = None
+        """The publish of the newest version, started after its step answered (`_train_step`)."""
 
     @endpoint
     async def setup(self) -> dict:
@@ -63,13 +68,50 @@ class TrainerActor(Actor):
         freeze_startup_objects()  # the model, torch and TorchTitan: no full GC scans them mid-step
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
 
+    # A plain endpoint, not a concurrent one: called on the whole mesh with `.call()`, a concurrent
+    # endpoint's reply from a rank went missing now and then (the train loop waited for ever with
+    # both ranks idle: 3 hangs in about 11 runs of test_grpo_loop's fsdp and resume tests, none in
+    # 24 with a plain endpoint, 2026-11-25). So step k + 1 asks for its batch once step k has
+    # answered (a data-bound step's batch is not ready before then anyway); `StepTurns` keeps the
+    # order should the endpoint become concurrent again.
+    @endpoint
+    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
+        """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the
+        RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
+        `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
+        None if a stop withheld the batch."""
+        return await train_pulled_batch_in_turn(self._turns, step, rollouts, num_ranks, self._train_pulled)
+
+    async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
+        """A step of `train_next_step`: its version is published after the reply (`_published`)."""
+        return await self._train_step(episodes, publish_after_reply=True)
+
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
+        """One optimizer step on `episodes`, then publish the new version to the weight store."""
+        return await self._train_step(episodes)
+
+    @endpoint
+    async def wait_for_publish(self) -> None:
+        """The newest version's publish has taken its snapshot and handed it to the writer
+        (raises what it raised): the train loop's last call, so an error there is the run's."""
+        await self._published()
+
+    async def _train_step(self, episodes: list[Episode], publish_after_reply: bool = False) -> TrainStepResult:
         """One optimizer step on `episodes`, then publish the new version to the weight store.
+
+        `publish_after_reply`: the publish (the snapshot, a collective, then the hand-off to the
+        writer) runs as soon as this step has answered, while the trainer waits for its next batch,
+        instead of on the step's critical path; whatever next touches the weights waits for it
+        first (`_published`). Its figures then come with the next step (TRAINER_PUBLISH_S: how long
+        that step waited for it).
 
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
+        publish_start = time.perf_counter()
+        published_before = await self._published()
+        waited_s = time.perf_counter() - publish_start
         started = time.perf_counter()
         batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
         batching_s = time.perf_counter() - started
@@ -77,15 +119,29 @@ class TrainerActor(Actor):
         metrics["policy_version"] = self.trainer.policy_version
         metrics[TRAINER_BATCHING_S] = batching_s
         skipped = bool(metrics["step_skipped"])
+        if publish_after_reply:
+            weights_dir = None
+            if not skipped:
+                self._publishing = asyncio.ensure_future(self._publish())
+                weights_dir = str(self.store_root / version_key(self.trainer.policy_version)) if self.rank == 0 else None
+            metrics[TRAINER_PUBLISH_S] = waited_s
+            published_before.pop("weights/dir", None)
+            return TrainStepResult(self.trainer.policy_version, skipped, weights_dir, metrics | published_before)
         publish_start = time.perf_counter()
         published = {} if skipped else await self._publish()
         metrics[TRAINER_PUBLISH_S] = time.perf_counter() - publish_start
         weights_dir = published.pop("weights/dir", None)
         return TrainStepResult(self.trainer.policy_version, skipped, weights_dir, metrics | published)
 
+    async def _published(self) -> dict:
+        """Waits for a publish started after a reply (`_train_step`); returns its figures, or {}."""
+        publishing, self._publishing = self._publishing, None
+        return {} if publishing is None else await publishing
+
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
+        await self._published()
         return self.trainer.compute_logprobs(
             make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
         )
@@ -94,6 +150,7 @@ class TrainerActor(Actor):
     async def save_checkpoint(self, path: str) -> dict:
         """Every rank writes its shards of the training state to the DCP checkpoint `path`
         (forge_rl/checkpoint.py). Returns the policy version saved."""
+        await self._published()  # its snapshot is a collective too: every rank takes it first
         started = time.perf_counter()
         self.trainer.save_checkpoint(path)
         return {"policy_version": self.trainer.policy_version, "checkpoint/save_s": time.perf_counter() - started}
@@ -103,6 +160,7 @@ class TrainerActor(Actor):
         """Restore the training state from the DCP checkpoint `path`, then publish its policy
         version to the weight store, so generators can serve it. Returns the version and, on rank 0,
         where its weights will be (`weights/dir`)."""
+        await self._published()
         self.trainer.load_checkpoint(path)
         return {"policy_version": self.trainer.policy_version, **await self._publish()}
 

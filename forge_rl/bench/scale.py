@@ -143,6 +143,11 @@ class _CountingActor:
     def __getattr__(self, endpoint: str):
         return _CountingEndpoint(getattr(self._actor, endpoint), self._counts, f"{self._name}.{endpoint}")
 
+    def __reduce_ex__(self, protocol):
+        # Sent in a message (the train loop hands the rollouts to the trainer) as the handle it
+        # wraps: calls made elsewhere are not the controller's.
+        return self._actor.__reduce_ex__(protocol)
+
 
 class _Probe:
     """What one run's controller and rollouts do: endpoint calls per step (the controller's counted
@@ -178,8 +183,10 @@ class _Probe:
             )
             original_init(pipeline, config, counted)
 
-        async def finish_step(pipeline, sent, lifecycle):
-            result = await original_step(pipeline, sent, lifecycle)
+        async def finish_step(pipeline, sent, lifecycle, **how):
+            result = await original_step(pipeline, sent, lifecycle, **how)
+            if result is None:  # withheld at a stop
+                return result
             probe.step_marks.append(
                 (sent.step, time.time(), sum(probe.counts.values()), result.metrics[ROLLOUT_CALLS_TOTAL])
             )

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from forge_rl.batching import make_train_batch
-from forge_rl.health import MismatchAlarm, MismatchAlarmConfig
+from forge_rl.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
 from forge_rl.metrics import POLICY_ENTROPY
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import read_hf_config
@@ -54,7 +54,7 @@ def test_a_generator_sampling_with_stale_weights_stands_out_and_raises_the_alarm
     # Every completion is at the trainer's version (0): the fresh KL is the same.
     assert metrics["mismatch_kl_fresh/generator/1"] == metrics["mismatch_kl/generator/1"]
     assert 0 < metrics[POLICY_ENTROPY] <= math.log(VOCAB_SIZE)
-    (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(1, metrics, episodes_from_two_generators(), 0)
+    (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(1, metrics, token_versions_by_generator(episodes_from_two_generators()), 0)
     assert "generator 1's sampler mismatch" in warning
 
 

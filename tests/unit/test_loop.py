@@ -24,7 +24,7 @@ from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.trainer import TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
-    FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor,
+    FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer,
 )
 from tests.helpers import wait_until_async
 
@@ -33,7 +33,7 @@ CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight
 
 
 ROLLOUTS_ENDPOINTS = (
-    "start", "wait_for_failure", "next_batch", "withhold_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
+    "start", "wait_for_failure", "batch_for_trainer", "batch_taken", "withhold_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
 )
 
 
@@ -70,7 +70,7 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> 
         wait_until_serving=wait_until_serving,
     )
     rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), FakePrompts())
-    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=endpoints(train_step=train_step)))
+    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step)))
     return pipeline, rollouts
 
 
@@ -144,7 +144,7 @@ def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout
         await asyncio.Event().wait()  # never set
 
     pipeline, _ = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
-    pipeline.actors.trainer = endpoints(train_step=train_step_that_hangs)
+    pipeline.actors.trainer = pulling_trainer(train_step_that_hangs)
 
     with pytest.raises(TrainStepTimedOut) as raised:
         run(pipeline, tmp_path)
@@ -209,7 +209,7 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
             await second_batch_sent.wait()
         return await train_step(episodes)
 
-    pipeline.actors.trainer = endpoints(train_step=train_step_that_waits_for_the_next_batch)
+    pipeline.actors.trainer = pulling_trainer(train_step_that_waits_for_the_next_batch)
     history, accounting = run(pipeline, tmp_path)
     assert [h[m.STEP] for h in history] == [1, 2, 3]
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
@@ -236,10 +236,10 @@ def test_a_withheld_batch_is_not_taken_whether_it_waits_at_the_gate_or_has_not_b
     async def scenario():
         rollouts.start(None, None)
         waiting = asyncio.ensure_future(rollouts.next_batch(1))
-        await wait_until_async(lambda: rollouts._withheld is not None, "step 1 waiting at the gate")
-        rollouts.withhold_batch(1)
+        await wait_until_async(lambda: rollouts._waiting is not None, "step 1 waiting at the gate")
+        await rollouts.withhold_batch(1)
         assert await waiting is None
-        rollouts.withhold_batch(2)  # before its call: the call returns at once
+        await rollouts.withhold_batch(2)  # before its call: the call returns at once
         assert await rollouts.next_batch(2) is None
         await rollouts.stop_loops(False)
 
@@ -254,13 +254,37 @@ def test_a_stop_withholds_the_batch_sent_ahead_while_it_waits_and_accounts_for_t
 
     class StopDuringStep1(FakeLifecycle):
         async def finish_despite_stop(self, awaitable):
-            await wait_until_async(lambda: rollouts._withheld is not None, "step 2 waiting at the gate")
+            await wait_until_async(lambda: rollouts._waiting is not None, "step 2 waiting at the gate")
             return await awaitable, True
 
     logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, StopDuringStep1()), 30))
     logger.close()
+    assert pipeline.step == 1 and not pipeline.step_in_flight
+    assert rollouts.taken == {}
+    assert pipeline.rollouts_at_stop["accounting"]["trained"] == CONFIG.prompts_per_step
+
+
+def test_a_stop_while_a_steps_batch_waits_at_the_gate_withholds_it_and_the_one_asked_for_ahead(tmp_path):
+    """Step 1 trains; step 2's batch never comes (its prompts never finish), and step 3's was asked
+    for ahead. A stop (the run task cancelled, with a shutdown checkpoint wanted) withholds both:
+    nothing leaves the buffer, no step is left in flight, so the shutdown checkpoint may be taken."""
+    pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(CONFIG.prompts_per_step))
+
+    class StopWaitsForSteps(FakeLifecycle):
+        stop_waits_for_steps = True
+
+    async def scenario():
+        logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+        run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, StopWaitsForSteps()))
+        await wait_until_async(lambda: rollouts._waiting is not None and rollouts._waiting[0] == 2, "step 2 at the gate")
+        run_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run_task
+        logger.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
     assert pipeline.step == 1 and not pipeline.step_in_flight
     assert rollouts.taken == {}
     assert pipeline.rollouts_at_stop["accounting"]["trained"] == CONFIG.prompts_per_step
@@ -282,12 +306,12 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
         def checkpoint_due(self, step: int) -> bool:
             return step == 2
 
-    pipeline.actors.trainer = endpoints(train_step=recording_train_step)
+    pipeline.actors.trainer = pulling_trainer(recording_train_step)
     logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
     asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, CheckpointAfterStep2()), 30))
     logger.close()
-    # Each batch is sent while the previous step is unaccounted for, except step 3's.
-    assert step_when_sent == [0, 0, 2]
+    # Step 3's batch reaches the trainer only once step 2 is accounted for; the others may come earlier.
+    assert step_when_sent[2] == 2 and max(step_when_sent[:2]) <= 1
 
 
 # Environment episodes ------------------------------------------------------------------------------
@@ -345,7 +369,7 @@ def make_env_pipeline(tokenizer: PromptTokenizer, config: GRPOConfig = ENV_CONFI
         trained.append((rollouts.gate.next_train_version - 1, episodes))
         return await train_step(episodes)
 
-    pipeline.actors.trainer = endpoints(train_step=recording_train_step)
+    pipeline.actors.trainer = pulling_trainer(recording_train_step)
     return pipeline, rollouts, policy, trained
 
 
@@ -509,7 +533,7 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
         metrics = {"num_tokens": 8, "step_skipped": 0, "policy_version": version, **compute}
         return TrainStepResult(version, skipped=False, weights_dir="/nowhere", metrics=metrics)
 
-    pipeline.actors.trainer = endpoints(train_step=train_step)
+    pipeline.actors.trainer = pulling_trainer(train_step)
     history, _ = run(pipeline, tmp_path)
 
     assert all(h[m.TRAINER_DATA_WAIT_S] >= 0 and h[m.TRAINER_OVERHEAD_S] >= 0 for h in history)
@@ -523,8 +547,9 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
 def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_and_prompts(
     tmp_path, num_generators, prompts_per_step
 ):
-    """The push path's contract (issue 16): per step the train loop calls the rollouts twice (the
-    batch, then the step's accounting) and the trainer once; the calls per prompt and per generator are the rollouts' own."""
+    """The push path's contract (issue 16): per step the train loop calls the trainer once and
+    the rollouts twice (when the batch left the buffer, then the step's accounting), and the
+    trainer takes its batch from the rollouts itself; the calls per prompt and per generator are the rollouts' own."""
     config = dataclasses.replace(
         CONFIG, num_generators=num_generators, train_batch_size=prompts_per_step * CONFIG.group_size,
         buffer=dataclasses.replace(CONFIG.buffer, capacity_episodes=4 * prompts_per_step),
@@ -539,9 +564,10 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
     history, accounting = run(pipeline, tmp_path)
 
     assert accounting["trained"] == config.steps * prompts_per_step
-    per_run = ["rollouts.start", "rollouts.wait_for_failure", "rollouts.stop_loops"]
-    per_step = ["rollouts.next_batch", "rollouts.step_done", "trainer.train_step"]
-    assert sorted(calls) == sorted(per_run + per_step * config.steps)
+    per_run = ["rollouts.start", "rollouts.wait_for_failure", "trainer.wait_for_publish", "rollouts.stop_loops"]
+    per_step = ["trainer.train_next_step", "rollouts.batch_taken", "rollouts.step_done"]
+    per_step_by_the_trainer = ["rollouts.batch_for_trainer"]  # its one rank takes the batch itself
+    assert sorted(calls) == sorted(per_run + (per_step + per_step_by_the_trainer) * config.steps)
     assert rollouts.calls["generators.generate"] >= config.steps * prompts_per_step  # the rollouts' own
 
 
