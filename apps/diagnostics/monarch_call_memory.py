@@ -1,12 +1,13 @@
 """How much memory one Monarch endpoint call leaves behind, in the caller and in the callee.
 
-    python apps/diagnostics/monarch_call_memory.py [--calls-per-round 5000] [--rounds 4]
+    python apps/diagnostics/monarch_call_memory.py [--mode call_one|port_calls] [--calls-per-round 5000] [--rounds 4]
 
-A controller process calls a trivial echo actor `call_one` over and over and prints both processes'
-unique memory (USS) after each round. The Python heap does not grow (checked with tracemalloc);
-with torchmonarch 0.7.0 the native memory of both processes does, linearly in the number of calls.
-This is what the soak benchmark's growth comes from (docs/benchmarks.md, "Soak"): the GRPO
-controller makes about 70 calls per trainer step.
+A controller process calls a trivial echo actor over and over and prints both processes' unique
+memory (USS) after each round. With `call_one` the Python heap does not grow (checked with
+tracemalloc) but, with torchmonarch 0.7.0, the native memory of both processes does, linearly in
+the number of calls: this is what the soak benchmark's growth came from (docs/benchmarks.md,
+"Soak"). `port_calls` makes the same calls answered on one long-lived port
+(forge_rl/actors/port_calls.py), which the per-prompt calls of a run use.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import os
 import time
 
 import psutil
-from monarch.actor import Actor, endpoint, this_host
+from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
+
+from forge_rl.actors.port_calls import PortCalls, PortServed
 
 
-class Echo(Actor):
-    @endpoint
+class Echo(PortServed, Actor):
+    @concurrent_endpoint
     async def echo(self, value):
         return value
 
@@ -34,33 +37,38 @@ def uss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_full_info().uss / 2**20
 
 
-async def measure(calls_per_round: int, rounds: int) -> None:
+async def measure(mode: str, calls_per_round: int, rounds: int) -> None:
     procs = this_host().spawn_procs(per_host={"procs": 1})
     echo = procs.spawn("echo", Echo)
     callee = await echo.pid.call_one()
     payload = {"ids": list(range(200)), "text": "x" * 2000}  # about an episode's size
     caller = os.getpid()
+    calls = PortCalls()
     first = None
     for round_index in range(rounds):
         started = time.perf_counter()
         for _ in range(calls_per_round):
-            await echo.echo.call_one(payload)
+            if mode == "call_one":
+                await echo.echo.call_one(payload)
+            else:
+                await calls.call(echo, "echo", payload)
         rate = calls_per_round / (time.perf_counter() - started)
         now = (uss_mb(caller), uss_mb(callee))
         first = first or now
         print(f"round {round_index}: {rate:,.0f} calls/s, caller {now[0]:.1f} MB, callee {now[1]:.1f} MB", flush=True)
-    calls = calls_per_round * (rounds - 1)
-    if calls:
+    num_calls = calls_per_round * (rounds - 1)
+    if num_calls:
         print(
-            f"per call after the first round: caller {(now[0] - first[0]) * 2**20 / calls:.0f} B, "
-            f"callee {(now[1] - first[1]) * 2**20 / calls:.0f} B"
+            f"{mode}, per call after the first round: caller {(now[0] - first[0]) * 2**20 / num_calls:.0f} B, "
+            f"callee {(now[1] - first[1]) * 2**20 / num_calls:.0f} B"
         )
     await procs.stop()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("call_one", "port_calls"), default="call_one")
     parser.add_argument("--calls-per-round", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    asyncio.run(measure(args.calls_per_round, args.rounds))
+    asyncio.run(measure(args.mode, args.calls_per_round, args.rounds))

@@ -47,6 +47,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
+from forge_rl.actors.port_calls import PortServed
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scorer_restarts import RestartingScorer
 from forge_rl.teacher import TeacherVersions
@@ -68,7 +69,7 @@ class FrozenModelMesh:
     """Its ranks' processes on this actor's host."""
 
 
-class FrozenModelSupervisor(RestartingOwner):
+class FrozenModelSupervisor(PortServed, RestartingOwner):
     def __init__(
         self, role: str, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None,
         store_root: str | None = None, host: HostMesh | None = None, procs_per_host: int | None = None,

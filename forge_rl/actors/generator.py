@@ -21,6 +21,7 @@ from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.placement import pin_this_process
+from forge_rl.actors.port_calls import PortServed
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from forge_rl.store.client import WeightStore
 
 
-class GeneratorActor(Actor):
+class GeneratorActor(PortServed, Actor):
     def __init__(
         self,
         config: GeneratorConfig,

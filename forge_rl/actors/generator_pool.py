@@ -55,6 +55,7 @@ from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
+from forge_rl.actors.port_calls import PortCalls, PortServed
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -130,7 +131,7 @@ class GeneratorSlot:
         return self.mesh_name
 
 
-class GeneratorPool(Actor):
+class GeneratorPool(PortServed, Actor):
     def __init__(
         self,
         config: GeneratorConfig,
@@ -166,6 +167,9 @@ class GeneratorPool(Actor):
         self._background: set[asyncio.Task] = set()
         """Stops of dead meshes and drops of their leases, not waited for; held here because the
         event loop keeps only weak references to tasks."""
+        self._calls = PortCalls()
+        """The generators' generate, generate_turn and update_weights calls (forge_rl/port_calls.py):
+        a dead generator's calls are cancelled by its recovery (the watchdog, `__supervise__`)."""
         self._stopping = False
         """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
 
@@ -182,7 +186,7 @@ class GeneratorPool(Actor):
         with self.slots[index].generating_call():
             episodes = await self._forward(
                 self.slots[index],
-                lambda actor: actor.generate.call_one(episodes, group_size),
+                lambda actor: self._calls.call(actor, "generate", episodes, group_size),
                 self.generate_timeout_s,
                 "generate call ran past generator.generate_timeout_s",
             )
@@ -199,7 +203,7 @@ class GeneratorPool(Actor):
             with self.slots[index].generating_call():
                 return await self._forward(
                     self.slots[index],
-                    lambda actor: actor.generate_turn.call_one(prefix_token_ids, max_new_tokens),
+                    lambda actor: self._calls.call(actor, "generate_turn", prefix_token_ids, max_new_tokens),
                     self.generate_timeout_s,
                     "generate_turn call ran past generator.generate_timeout_s",
                 )
@@ -217,7 +221,7 @@ class GeneratorPool(Actor):
         slot = self.slots[index]
         result = await self._forward(
             slot,
-            lambda actor: actor.update_weights.call_one(policy_version, weights_dir),
+            lambda actor: self._calls.call(actor, "update_weights", policy_version, weights_dir),
             self.update_timeout_s,
             "weight update ran past generator.update_timeout_s",
         )

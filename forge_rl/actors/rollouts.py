@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint
 
+from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.prompts import PromptSource
 from forge_rl.rollouts import NextBatch, RolloutActors, Rollouts
@@ -29,13 +30,14 @@ if TYPE_CHECKING:
 class RolloutsActor(Actor):
     def __init__(self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
-        # controller runs, is left out: a closure does not cross processes).
+        # controller runs, is left out: a closure does not cross processes). The pool's calls, a
+        # generate per prompt, are answered on one port (forge_rl/actors/port_calls.py).
         renderer = None
         if config.environment.name is not None:
             renderer = make_renderer(config.environment.renderer, Path(model_dir), config.environment.tool_call_parser)
         self.rollouts = Rollouts(
             config,
-            RolloutActors(generators=generators, score=scoring.score, stats=scoring.stats, renderer=renderer),
+            RolloutActors(generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer),
             PromptSource(config.task, model_dir, config.generator.max_new_tokens),
         )
 

@@ -29,12 +29,13 @@ from forge_rl.actors.generator_pool import is_engine_dead
 from forge_rl.actors.reward_model import LeastBusyReplica
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 from forge_rl.judge import judge_client
+from forge_rl.actors.port_calls import PortServed
 from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
 
-class ScorerActor(Actor):
+class ScorerActor(PortServed, Actor):
     def __init__(
         self, config: ScorerConfig = ScorerConfig(), reward: str = "leading_number", max_new_tokens: int = 0,
         reward_model=None, teacher=None, judge=None,

@@ -37,6 +37,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
+from forge_rl.actors.port_calls import PortCalls, PortServed
 from forge_rl.scorer_restarts import RestartingScorer, ScorerState
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Episode
@@ -54,7 +55,7 @@ class ScorerMeshes:
     """Its processes on this actor's host (the scorer's, the reward model's, the judge's and its engine's)."""
 
 
-class ScorerSupervisor(RestartingOwner):
+class ScorerSupervisor(PortServed, RestartingOwner):
     def __init__(
         self, config: ScorerConfig, reward: str, max_new_tokens: int, teacher=None, host: HostMesh | None = None
     ):
@@ -66,12 +67,15 @@ class ScorerSupervisor(RestartingOwner):
         self.host = host
         self.restarts = RestartingScorer(self._start_incarnation, self._retire, config.max_restarts)
         self.what_exited = "a scorer-side process exited"
+        self._calls = PortCalls()
+        """The scorer's `score` calls (forge_rl/port_calls.py): a dead scorer's calls are cancelled by
+        `restarts.lost` (the watchdog, `__supervise__`) and sent again."""
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:
         """The scorer's `score`; if the scorer dies meanwhile, the same episodes are scored again
         by its replacement. Raises ScorerFailed once it died more than scorer.max_restarts times."""
-        return await self.restarts.call(lambda meshes: _lost_if_dead(meshes.scorer.score.call_one(episodes)), len(episodes))
+        return await self.restarts.call(lambda meshes: _lost_if_dead(self._calls.call(meshes.scorer, "score", episodes)), len(episodes))
 
     @concurrent_endpoint
     async def stats(self) -> dict:

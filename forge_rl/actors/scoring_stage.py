@@ -24,6 +24,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.errors import ScorerFailed, raised_by_actor
+from forge_rl.actors.port_calls import PortCalls
 from forge_rl.reference import attach_reference_logprobs
 from forge_rl.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
 from forge_rl.timeline import Timeline
@@ -48,6 +49,9 @@ class ScoringStage:
     dynamic_sampling: bool
     after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
     """A self-distillation teacher's refresh after each published version (forge_rl/teacher.py)."""
+    calls: PortCalls = dataclasses.field(default_factory=PortCalls)
+    """The per-prompt calls, `score` and the reference's `token_logprobs` (forge_rl/port_calls.py):
+    their supervisors live as long as the run."""
 
     @classmethod
     def spawn(
@@ -117,12 +121,12 @@ class ScoringStage:
         """The episodes to buffer, scored; those left out are counted as filtered by the loop."""
         if not self.environment_rewards:
             with timeline.busy("scorer"):
-                episodes = await _unless_failed(self.scorer.score.call_one(episodes))
+                episodes = await _unless_failed(self.calls.call(self.scorer, "score", episodes))
         if self.dynamic_sampling:
             episodes, _ = filter_zero_advantage_groups(episodes)
         if self.reference is not None and episodes:
             with timeline.busy("reference"):
-                logprobs = await _unless_failed(self.reference.token_logprobs.call_one(episodes))
+                logprobs = await _unless_failed(self.calls.call(self.reference, "token_logprobs", episodes))
             episodes = attach_reference_logprobs(episodes, logprobs)
         return episodes
 

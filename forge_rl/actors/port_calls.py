@@ -1,0 +1,135 @@
+"""Endpoint calls whose replies come back on one long-lived port per caller, for the calls made
+once per prompt (a generate, a scoring) that a long run makes millions of.
+
+Why not `call_one`: torchmonarch 0.7 keeps about 1.1 KB in the caller and 0.4 KB in the callee for
+every `call_one`, for the life of the process (apps/diagnostics/monarch_call_memory.py; the soak's
+memory growth in docs/benchmarks.md). A `call_one` opens a reply port of its own; a message sent
+with `.broadcast` whose answer comes back on a port the caller opened once keeps about 15 B in the
+caller and nothing measurable in the callee (`--mode port`). So the caller opens one port
+(`PortCalls`), sends each request with the port and a request number to the callee's
+`call_on_port` endpoint (`PortServed`), and one reader task hands each answer to its request's
+future.
+
+What changes for the caller, and what does not:
+- An endpoint's error comes back as Monarch's ActorError around it, as with `call_one`
+  (`forge_rl.errors.raised_by_actor` unwraps both the same way).
+- A callee whose process dies never answers: the caller must watch the callee's process (the
+  generator pool's watchdog does) or bound the call with a timeout (`within`), and cancel what is
+  in flight. `call_one` raises a SupervisionError instead.
+- Only concurrent endpoints can be called this way (`call_on_port` is one: a plain endpoint's
+  one-message-at-a-time order would not hold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from monarch.actor import ActorError, Channel, concurrent_endpoint
+
+_CONCURRENT_WRAPPER_ATTR = "_monarch_concurrent_endpoint_wrapper"
+"""What torchmonarch's `concurrent_endpoint` sets on the function it wraps (monarch/_src/actor/concurrent.py)."""
+
+
+def is_concurrent_endpoint(actor_class: type, name: str) -> bool:
+    endpoint_property = getattr(actor_class, name, None)
+    method = getattr(endpoint_property, "_method", None)
+    return method is not None and hasattr(method, _CONCURRENT_WRAPPER_ATTR)
+
+
+class PortServed:
+    """Mix into an Actor whose concurrent endpoints `PortCalls` may call."""
+
+    @concurrent_endpoint
+    async def call_on_port(self, reply_to, request: int, name: str, args: tuple, kwargs: dict) -> None:
+        try:
+            body = getattr(type(self), name)._method.__wrapped__  # the endpoint's own function (functools.wraps)
+            value = await body(self, *args, **kwargs)
+        except BaseException as e:  # noqa: B036 -- every outcome is the caller's, a stop's cancellation too
+            failed = f"Actor call {type(self).__name__}.{name} failed."
+            try:
+                reply_to.send((request, False, ActorError(e, failed)))
+            except Exception as unsendable:  # the error does not pickle: its text does
+                reply_to.send((request, False, ActorError(RuntimeError(f"{e!r} (as sent: {unsendable})"), failed)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        reply_to.send((request, True, value))
+
+
+class PortCalls:
+    """The caller's side: `await calls.call(actor, "generate", *args)` is
+    `await actor.generate.call_one(*args)` answered on this caller's one port. The port is opened
+    at the first call, in the event loop (the actor) that makes the calls; its reader runs there.
+    A handle that is not a Monarch actor mesh (an in-process stand-in, as unit tests pass) is
+    called as it is, with `call_one`."""
+
+    def __init__(self) -> None:
+        self._reply_to = self._receiver = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._requests = itertools.count()
+        self._reader: asyncio.Task | None = None
+
+    def __reduce__(self):
+        return (PortCalls, ())  # a copy in another process opens a port of its own
+
+    async def call(self, actor, name: str, *args, **kwargs) -> Any:
+        actor_class = getattr(actor, "_class", None)  # a Monarch actor mesh's class
+        if actor_class is None:
+            return await getattr(actor, name).call_one(*args, **kwargs)
+        if not (issubclass(actor_class, PortServed) and is_concurrent_endpoint(actor_class, name)):
+            raise TypeError(f"{actor_class.__name__}.{name} is not a concurrent endpoint of a PortServed actor: PortCalls cannot call it")
+        if actor.size() != 1:
+            raise ValueError(f"PortCalls calls one actor; {actor_class.__name__}'s mesh has {actor.size()}: slice it")
+        if self._reader is None:
+            self._reply_to, self._receiver = Channel.open()
+            self._reader = asyncio.ensure_future(self._read())
+        request = next(self._requests)
+        answer = self._pending[request] = asyncio.get_running_loop().create_future()
+        try:
+            actor.call_on_port.broadcast(self._reply_to, request, name, args, kwargs)
+            return await answer
+        finally:
+            self._pending.pop(request, None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    async def _read(self) -> None:
+        while True:
+            request, returned, value = await self._receiver.recv()
+            answer = self._pending.get(request)
+            if answer is None or answer.done():
+                continue  # its caller gave up (a timeout, a cancel): the answer has no one to go to
+            if returned:
+                answer.set_result(value)
+            else:
+                answer.set_exception(value)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for answer in self._pending.values():
+            answer.cancel()
+
+
+class PortCalled:
+    """`actor` as the loops call it (`handle.generate.call_one(...)`), each call answered on
+    `calls`' port: hands the functional core (forge_rl/rollouts.py, which never imports Monarch) a
+    handle whose calls keep nothing behind."""
+
+    def __init__(self, actor, calls: PortCalls):
+        self._actor, self._calls = actor, calls
+
+    def __getattr__(self, name: str) -> _PortEndpoint:
+        return _PortEndpoint(self._actor, self._calls, name)
+
+
+class _PortEndpoint:
+    def __init__(self, actor, calls: PortCalls, name: str):
+        self._actor, self._calls, self._name = actor, calls, name
+
+    async def call_one(self, *args, **kwargs) -> Any:
+        return await self._calls.call(self._actor, self._name, *args, **kwargs)

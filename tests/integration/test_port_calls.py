@@ -1,0 +1,133 @@
+"""Calls answered on the caller's one port (forge_rl/actors/port_calls.py), between real Monarch
+actors: answers reach their own request, an endpoint's error comes back as with `call_one`, and
+what cannot be called that way is refused before anything is sent. That these calls keep no memory
+behind is measured, not tested: `python apps/diagnostics/monarch_call_memory.py --mode port_calls`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import pytest
+from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
+
+from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
+from forge_rl.errors import raised_by_actor
+
+pytestmark = pytest.mark.integration
+
+
+class Unpicklable(Exception):
+    def __init__(self):
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+class Served(PortServed, Actor):
+    def __init__(self):
+        self.release = asyncio.Event()
+
+    @concurrent_endpoint
+    async def double(self, value: int) -> int:
+        return 2 * value
+
+    @concurrent_endpoint
+    async def held(self, value: int) -> int:
+        await self.release.wait()  # answers only once `release` is called
+        return value
+
+    @concurrent_endpoint
+    async def release_held(self) -> None:
+        self.release.set()
+
+    @concurrent_endpoint
+    async def fail(self, kind: str) -> None:
+        if kind == "key":
+            raise KeyError("no such row")
+        raise Unpicklable()
+
+    @concurrent_endpoint
+    async def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def plain(self) -> int:
+        return 1
+
+
+class Caller(Actor):
+    """Makes the calls from an actor, as the pool and the rollouts do."""
+
+    def __init__(self, served):
+        self.served = served
+        self.calls = PortCalls()
+
+    @endpoint
+    async def run(self) -> dict:
+        served, calls = self.served, self.calls
+        out = {"single": await calls.call(served, "double", 21)}
+        # Answers that arrive out of order reach their own requests.
+        held = [asyncio.ensure_future(calls.call(served, "held", i)) for i in range(3)]
+        doubled = await asyncio.gather(*(calls.call(served, "double", i) for i in range(5)))
+        out["pending_while_held"] = calls.num_pending
+        await calls.call(served, "release_held")
+        out["held"] = await asyncio.gather(*held)
+        out["doubled"] = doubled
+        out["pending_after"] = calls.num_pending
+        try:
+            await calls.call(served, "fail", "key")
+        except Exception as e:
+            out["error"] = (type(raised_by_actor(e)).__name__, "no such row" in str(raised_by_actor(e)))
+        try:
+            await calls.call(served, "fail", "unpicklable")
+        except Exception as e:
+            out["unpicklable"] = (type(raised_by_actor(e)).__name__, "holds a lock" in str(raised_by_actor(e)))
+        try:
+            await calls.call(served, "plain")
+        except TypeError as e:
+            out["plain"] = str(e)
+        out["through_handle"] = await PortCalled(served, calls).double.call_one(4)
+        return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    async def run():
+        procs = this_host().spawn_procs(per_host={"procs": 2})
+        served = procs.slice(procs=0).spawn("served", Served)
+        caller = procs.slice(procs=1).spawn("caller", Caller, served)
+        try:
+            return await caller.run.call_one()
+        finally:
+            await procs.stop()
+
+    return asyncio.run(run())
+
+
+def test_answers_reach_their_own_requests_whatever_the_order(results):
+    assert results["single"] == 42
+    assert results["doubled"] == [0, 2, 4, 6, 8]
+    assert results["pending_while_held"] == 3  # the held calls wait; the others were answered
+    assert results["held"] == [0, 1, 2]
+    assert results["pending_after"] == 0
+    assert results["through_handle"] == 8
+
+
+def test_an_endpoint_error_comes_back_to_its_caller_with_its_type_and_an_unpicklable_one_as_text(results):
+    assert results["error"] == ("KeyError", True)
+    assert results["unpicklable"] == ("RuntimeError", True)
+
+
+def test_a_plain_endpoint_is_refused_before_anything_is_sent(results):
+    assert "Served.plain is not a concurrent endpoint" in results["plain"]
+
+
+def test_an_in_process_handle_is_called_as_it_is():
+    class Handle:  # an in-process stand-in, as unit tests pass (no `_class`)
+        class double:
+            @staticmethod
+            async def call_one(value):
+                return 2 * value
+
+    assert asyncio.run(PortCalls().call(Handle(), "double", 5)) == 10
