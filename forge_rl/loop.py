@@ -130,7 +130,6 @@ class Pipeline:
         gate counts it from then); if step k is skipped (non-finite loss) it trains at k, younger
         than its label, so the age bound still holds.
         """
-        history: list[dict] = []
         ahead: SentStep | None = None
         try:
             for step in range(self.step + 1, self.config.steps + 1):
@@ -152,7 +151,6 @@ class Pipeline:
                     results.append(dataclasses.replace(ahead_result, stopped=True))
                 for result in results:
                     metrics_logger.log(result.metrics)
-                    history.append(result.metrics)
                 if result.stopped:
                     raise asyncio.CancelledError
                 await lifecycle.after_step(self)
@@ -160,7 +158,7 @@ class Pipeline:
             if ahead is not None:  # the run fails or is cut: the rollouts' stop releases its call
                 ahead.reply.cancel()
                 ahead.taken.cancel()
-        return history
+        return metrics_logger.logged()
 
     async def _withhold(self, sent: SentStep, lifecycle: Lifecycle) -> StepResult | None:
         """After a stop: withhold `sent`'s batch if it is still at the gate (None), else finish its step."""

@@ -147,6 +147,17 @@ class MetricsLogger:
         self._num_skipped_steps = 0
         self._num_errored = 0
         self._file = open(path, "a", buffering=1)
+        self._first_line_at = self._file.tell()
+        """Where this logger's lines start in the file (a resumed run's earlier steps are before)."""
+
+    def logged(self) -> list[dict]:
+        """Every step's metrics this logger wrote, read back from its file: the run's history is
+        kept there, not in memory (a dict of every step's ~80 figures is about 7 KB; at the demo's
+        6 steps/s that grew the controller by 80 MB over a 30-minute soak)."""
+        self._file.flush()
+        with open(self.path) as written:
+            written.seek(self._first_line_at)
+            return [json.loads(line) for line in written]
 
     def log(self, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")

@@ -88,6 +88,8 @@ class Timeline:
         self._busy_total_s[component] = self._busy_total_s.get(component, 0.0) + max(end_s - start_s, 0.0)
         if self._fd is not None:
             self._pending.append(json.dumps(asdict(Interval(component, start_s, end_s, 0))) + "\n")
+            if time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
+                self.flush()
 
     def num_active(self, component: str) -> int:
         """Calls of `component` in progress now."""

@@ -40,6 +40,7 @@ import torch
 
 from forge_rl import launch
 from forge_rl.actors.generator_pool import GeneratorPool
+from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.actors.rollouts import RolloutsActor
 from forge_rl.actors.scoring_stage import ScoringStage
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
@@ -67,7 +68,9 @@ async def run(config: GRPOConfig) -> dict:
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
         pipeline = Pipeline(config, RunActors(
-            rollouts=actors.rollouts, trainer=actors.trainer, after_publish=actors.scoring.after_publish,
+            # The rollouts' calls made every step are answered on one port (forge_rl/actors/port_calls.py).
+            rollouts=PortCalled(actors.rollouts, PortCalls(), only=("batch_taken", "step_done")),
+            trainer=actors.trainer, after_publish=actors.scoring.after_publish,
             generators=actors.generators, checkpointed=actors.scoring.checkpointed,
         ))
         await lifecycle.resume(pipeline)

@@ -43,11 +43,11 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl.actors.frozen_model import FrozenModelActor
 from forge_rl.actors.generator_pool import stop_quietly
+from forge_rl.actors.port_calls import PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
-from forge_rl.actors.port_calls import PortServed
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scorer_restarts import RestartingScorer
 from forge_rl.teacher import TeacherVersions

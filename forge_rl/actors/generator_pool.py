@@ -50,12 +50,12 @@ from monarch.actor import (
 )
 
 from forge_rl.actors.generator import GeneratorActor
+from forge_rl.actors.port_calls import PortCalls, PortServed
 from forge_rl.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
-from forge_rl.actors.port_calls import PortCalls, PortServed
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 

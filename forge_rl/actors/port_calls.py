@@ -1,11 +1,11 @@
 """Endpoint calls whose replies come back on one long-lived port per caller, for the calls made
 once per prompt (a generate, a scoring) that a long run makes millions of.
 
-Why not `call_one`: torchmonarch 0.7 keeps about 1.1 KB in the caller and 0.4 KB in the callee for
+Why not `call_one`: torchmonarch 0.7 keeps about 1.3 KB in the caller and 0.5 KB in the callee for
 every `call_one`, for the life of the process (apps/diagnostics/monarch_call_memory.py; the soak's
 memory growth in docs/benchmarks.md). A `call_one` opens a reply port of its own; a message sent
-with `.broadcast` whose answer comes back on a port the caller opened once keeps about 15 B in the
-caller and nothing measurable in the callee (`--mode port`). So the caller opens one port
+with `.broadcast` whose answer comes back on a port the caller opened once keeps about 26 B in the
+caller and 8 B in the callee (`--mode port_calls`). So the caller opens one port
 (`PortCalls`), sends each request with the port and a request number to the callee's
 `call_on_port` endpoint (`PortServed`), and one reader task hands each answer to its request's
 future.
@@ -14,8 +14,9 @@ What changes for the caller, and what does not:
 - An endpoint's error comes back as Monarch's ActorError around it, as with `call_one`
   (`forge_rl.errors.raised_by_actor` unwraps both the same way).
 - A callee whose process dies never answers: the caller must watch the callee's process (the
-  generator pool's watchdog does) or bound the call with a timeout (`within`), and cancel what is
-  in flight. `call_one` raises a SupervisionError instead.
+  generator pool's watchdog and `__supervise__` do, and the scorer supervisors'), bound the call
+  with a timeout (`within`), or own a callee that lives as long as the run (a dead one then ends
+  the run through Monarch's fault hook). `call_one` raises a SupervisionError instead.
 - Only concurrent endpoints can be called this way (`call_on_port` is one: a plain endpoint's
   one-message-at-a-time order would not hold).
 """
@@ -85,6 +86,7 @@ class PortCalls:
         if self._reader is None:
             self._reply_to, self._receiver = Channel.open()
             self._reader = asyncio.ensure_future(self._read())
+            self._reader.add_done_callback(self._reader_ended)
         request = next(self._requests)
         answer = self._pending[request] = asyncio.get_running_loop().create_future()
         try:
@@ -108,23 +110,36 @@ class PortCalls:
             else:
                 answer.set_exception(value)
 
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+    def _reader_ended(self, reader: asyncio.Task) -> None:
+        """The port failed (or its actor is stopping): every call waiting fails with the cause, and
+        the next call opens a new port."""
+        self._reader = None
+        error = None if reader.cancelled() else reader.exception()
         for answer in self._pending.values():
-            answer.cancel()
+            if answer.done():
+                continue
+            if error is None:
+                answer.cancel()
+            else:
+                answer.set_exception(RuntimeError(f"the reply port stopped: {error!r}"))
 
 
 class PortCalled:
-    """`actor` as the loops call it (`handle.generate.call_one(...)`), each call answered on
-    `calls`' port: hands the functional core (forge_rl/rollouts.py, which never imports Monarch) a
-    handle whose calls keep nothing behind."""
+    """`actor` as the loops call it (`handle.generate.call_one(...)`), its endpoints `only` (all,
+    if None) answered on `calls`' port and the others as Monarch's own: hands the functional core
+    (forge_rl/rollouts.py, forge_rl/loop.py, which never import Monarch) a handle whose frequent
+    calls keep nothing behind. Sent to another actor, it arrives as `actor` itself."""
 
-    def __init__(self, actor, calls: PortCalls):
-        self._actor, self._calls = actor, calls
+    def __init__(self, actor, calls: PortCalls, only: tuple[str, ...] | None = None):
+        self._actor, self._calls, self._only = actor, calls, only
 
-    def __getattr__(self, name: str) -> _PortEndpoint:
+    def __getattr__(self, name: str):
+        if name.startswith("_") or (self._only is not None and name not in self._only):
+            return getattr(self._actor, name)
         return _PortEndpoint(self._actor, self._calls, name)
+
+    def __reduce_ex__(self, protocol):
+        return self._actor.__reduce_ex__(protocol)
 
 
 class _PortEndpoint:

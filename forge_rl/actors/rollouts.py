@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint
 
-from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.prompts import PromptSource
 from forge_rl.rollouts import NextBatch, RolloutActors, Rollouts
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
 
 
-class RolloutsActor(Actor):
+class RolloutsActor(PortServed, Actor):
     def __init__(self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
         # controller runs, is left out: a closure does not cross processes). The pool's calls, a
@@ -37,7 +37,9 @@ class RolloutsActor(Actor):
             renderer = make_renderer(config.environment.renderer, Path(model_dir), config.environment.tool_call_parser)
         self.rollouts = Rollouts(
             config,
-            RolloutActors(generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer),
+            RolloutActors(
+                generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer
+            ),
             PromptSource(config.task, model_dir, config.generator.max_new_tokens),
         )
 

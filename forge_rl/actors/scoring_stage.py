@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
+from forge_rl.actors.port_calls import PortCalls
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.advantages import filter_zero_advantage_groups
 from forge_rl.errors import ScorerFailed, raised_by_actor
-from forge_rl.actors.port_calls import PortCalls
 from forge_rl.reference import attach_reference_logprobs
 from forge_rl.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
 from forge_rl.timeline import Timeline

@@ -16,6 +16,7 @@ import time
 from monarch.actor import Actor, endpoint
 
 from forge_rl import metrics as m
+from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.errors import ConfigError
 from forge_rl.trainer import PulledStep, StepTurns, TrainerConfig, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
@@ -27,6 +28,7 @@ class SimulatedTrainerActor(Actor):
         self.config = config
         self.policy_version = 0
         self._turns = StepTurns()
+        self._calls = PortCalls()  # each step's batch_for_trainer (forge_rl/actors/port_calls.py)
 
     @endpoint
     async def setup(self) -> dict:
@@ -34,7 +36,9 @@ class SimulatedTrainerActor(Actor):
 
     @endpoint  # as the TrainerActor's
     async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
-        return await train_pulled_batch_in_turn(self._turns, step, rollouts, num_ranks, self._train_pulled)
+        return await train_pulled_batch_in_turn(
+            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled
+        )
 
     async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
         return await self._train_step(episodes)

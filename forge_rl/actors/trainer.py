@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
+from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.batching import make_train_batch
 from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
@@ -53,6 +54,8 @@ class TrainerActor(Actor):
         self.trainer: PolicyTrainer | None = None
         self._turns = StepTurns()
         """The order steps of `train_next_step` train in."""
+        self._calls = PortCalls()
+        """Each step's `batch_for_trainer`, answered on one port (forge_rl/actors/port_calls.py)."""
         self._publishing: asyncio.Future | None = None
         """The publish of the newest version, started after its step answered (`_train_step`)."""
 
@@ -80,7 +83,9 @@ class TrainerActor(Actor):
         RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
         `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
         None if a stop withheld the batch."""
-        return await train_pulled_batch_in_turn(self._turns, step, rollouts, num_ranks, self._train_pulled)
+        return await train_pulled_batch_in_turn(
+            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled
+        )
 
     async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
         """A step of `train_next_step`: its version is published after the reply (`_published`)."""

@@ -99,39 +99,49 @@ def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_un
     assert "--reference.max-restarts" in str(raised_by_actor(failure))
 
 
-def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved_past_it(model_dir, tmp_path):
+def refresh_then_kill(model_dir: Path, tmp_path: Path, config: TeacherConfig, ema_file: Path | None = None):
+    """A teacher refreshed to version 1 (blended by `config.ema_decay` for an ema pin), then the
+    store moves on to version 2 and the teacher is killed under a call. Returns its token logprobs
+    before the refresh, after it, and from its replacement, the store's keys at the kill, and its
+    stats."""
     from safetensors.torch import load_file
 
     version_1 = create_tiny_model(TinyModelConfig(seed=1), tmp_path / "version_1")  # the policy after a step
-    root = Path("/dev/shm") / f"forge_rl-test-pinned-teacher-{time.monotonic_ns()}"
-    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    root = Path("/dev/shm") / f"forge_rl-test-{config.pin}-teacher-{time.monotonic_ns()}"
     pad_id = read_hf_config(model_dir)["pad_token_id"]
+    blend = config.ema_decay if config.pin == "ema" else None
 
     async def main():
         procs = this_host().spawn_procs(per_host={"procs": 1}, name="services")
         index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
         writer = WeightStore(index, root, extra_files_dir=model_dir)
         teacher = procs.spawn(
-            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root)
+            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root), None, None,
+            None if ema_file is None else str(ema_file),
         )
         try:
             await teacher.start.call_one()
             initial = await teacher.token_logprobs.call_one(episodes())
             await writer.publish(1, load_file(str(version_1 / "model.safetensors")))
-            await teacher.stage.call_one(1, None)
+            await teacher.stage.call_one(1, blend)
             await teacher.swap.call_one()
-            served = await teacher.token_logprobs.call_one(episodes())
+            refreshed = await teacher.token_logprobs.call_one(episodes())
             await writer.publish(2, load_file(str(model_dir / "model.safetensors")))  # the store moves on
             kept = await writer.keys("v")
             _, call = await kill_under_a_call(teacher)
             after = await call
-            return initial, served, after, kept, await teacher.stats.call_one()
+            return initial, refreshed, after, kept, await teacher.stats.call_one()
         finally:
             await teacher.shutdown.call_one()
             await procs.stop()
             writer.local.destroy()
 
-    initial, served, after, kept, stats = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved_past_it(model_dir, tmp_path):
+    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
+    initial, served, after, kept, stats = refresh_then_kill(model_dir, tmp_path, config)
     assert served != initial  # it serves version 1, not the initial policy
     assert kept == ["v00000001", "v00000002"]  # version 1 kept past keep_latest by the teacher's lease
     assert after == served and stats == {"teacher/restarts": 1}
@@ -141,40 +151,9 @@ def test_a_killed_ema_teacher_serves_the_same_average_from_the_file_it_wrote_aft
     """scorer.teacher.keep_ema_average: after a refresh the teacher writes its average (here half
     the initial policy, half version 1) to a file; its replacement loads that file, so it serves
     the same average, although the store has moved past version 1 and nothing else holds it."""
-    from safetensors.torch import load_file
-
-    version_1 = create_tiny_model(TinyModelConfig(seed=1), tmp_path / "version_1")
-    root = Path("/dev/shm") / f"forge_rl-test-ema-teacher-{time.monotonic_ns()}"
-    config = TeacherConfig(pin="ema", ema_decay=0.5, refresh_every_n_steps=2)
-    pad_id = read_hf_config(model_dir)["pad_token_id"]
     ema_file = tmp_path / "teacher_ema.pt"
-
-    async def main():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="services")
-        index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
-        writer = WeightStore(index, root, extra_files_dir=model_dir)
-        teacher = procs.spawn(
-            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root), None, None,
-            str(ema_file),
-        )
-        try:
-            await teacher.start.call_one()
-            initial = await teacher.token_logprobs.call_one(episodes())
-            await writer.publish(1, load_file(str(version_1 / "model.safetensors")))
-            await teacher.stage.call_one(1, config.ema_decay)
-            await teacher.swap.call_one()
-            averaged = await teacher.token_logprobs.call_one(episodes())
-            await writer.publish(2, load_file(str(model_dir / "model.safetensors")))  # the store moves on
-            kept = await writer.keys("v")
-            _, call = await kill_under_a_call(teacher)
-            after = await call
-            return initial, averaged, after, kept, await teacher.stats.call_one()
-        finally:
-            await teacher.shutdown.call_one()
-            await procs.stop()
-            writer.local.destroy()
-
-    initial, averaged, after, kept, stats = asyncio.run(main())
+    config = TeacherConfig(pin="ema", ema_decay=0.5, refresh_every_n_steps=2)
+    initial, averaged, after, kept, stats = refresh_then_kill(model_dir, tmp_path, config, ema_file)
     assert averaged != initial
     assert kept == ["v00000002"]  # the file holds the average: no lease keeps version 1
     assert after == averaged and stats == {"teacher/restarts": 1}
