@@ -28,6 +28,10 @@ class Echo(PortServed, Actor):
     async def echo(self, value):
         return value
 
+    @concurrent_endpoint
+    async def reply_of(self, num_bytes: int) -> bytes:
+        return b"x" * num_bytes
+
     @endpoint
     async def pid(self) -> int:
         return os.getpid()
@@ -37,7 +41,7 @@ def uss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_full_info().uss / 2**20
 
 
-async def measure(mode: str, calls_per_round: int, rounds: int) -> None:
+async def measure(mode: str, calls_per_round: int, rounds: int, reply_kb: int) -> None:
     procs = this_host().spawn_procs(per_host={"procs": 1})
     echo = procs.spawn("echo", Echo)
     callee = await echo.pid.call_one()
@@ -48,7 +52,12 @@ async def measure(mode: str, calls_per_round: int, rounds: int) -> None:
     for round_index in range(rounds):
         started = time.perf_counter()
         for _ in range(calls_per_round):
-            if mode == "call_one":
+            if reply_kb:  # a small request, a large answer (a trainer rank's batch)
+                if mode == "call_one":
+                    await echo.reply_of.call_one(reply_kb * 1024)
+                else:
+                    await calls.call(echo, "reply_of", reply_kb * 1024)
+            elif mode == "call_one":
                 await echo.echo.call_one(payload)
             else:
                 await calls.call(echo, "echo", payload)
@@ -70,5 +79,6 @@ if __name__ == "__main__":
     parser.add_argument("--mode", choices=("call_one", "port_calls"), default="call_one")
     parser.add_argument("--calls-per-round", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--reply-kb", type=int, default=0, help="answer each call with this many KB (0: echo the episode-sized request)")
     args = parser.parse_args()
-    asyncio.run(measure(args.mode, args.calls_per_round, args.rounds))
+    asyncio.run(measure(args.mode, args.calls_per_round, args.rounds, args.reply_kb))

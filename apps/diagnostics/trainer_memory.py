@@ -1,6 +1,7 @@
 """Whether the trainer's own work grows its memory: PolicyTrainer alone, in this process, no Monarch.
 
     python apps/diagnostics/trainer_memory.py MODEL_DIR [--steps 600] [--checkpoint-every 50]
+    torchrun --nproc_per_node 2 apps/diagnostics/trainer_memory.py MODEL_DIR   # two ranks on gloo, FSDP2
 
 Each step is what a trainer rank does per step of a run: one `train_step` on a fixed batch (16
 prompts x 8 completions of 24 tokens), the publish snapshot of the weights (`hf_state_dict`, kept
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +25,7 @@ import psutil
 import torch
 
 from forge_rl.batching import make_train_batch
+from forge_rl.models.titan import ParallelConfig
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
 
@@ -34,7 +37,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    trainer = PolicyTrainer(TrainerConfig(), args.model_dir)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: one FSDP2 shard per rank
+    config = TrainerConfig(num_procs=world_size, parallel=ParallelConfig(dp_shard=world_size))
+    trainer = PolicyTrainer(config, args.model_dir)
     episodes = [
         Episode(index, "M56=", "6", [1, 5, 6], completions=[
             Completion([5] * 24, [-0.5] * 24, [0] * 24, reward=float(k % 2)) for k in range(8)
@@ -53,7 +58,7 @@ def main() -> None:
                 shutil.rmtree(scratch / f"step-{step}")
             if step % 100 == 0:
                 gc.collect()
-                print(f"step {step}: USS {process.memory_full_info().uss / 2**20:.1f} MB", flush=True)
+                print(f"rank {trainer.rank} step {step}: USS {process.memory_full_info().uss / 2**20:.1f} MB", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
