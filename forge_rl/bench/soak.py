@@ -64,13 +64,15 @@ def process_tree_memory(root: psutil.Process, known: dict[int, str]) -> tuple[in
 
 
 def known_roles(run_path: Path) -> dict[int, str]:
-    """Roles by pid that the run wrote to processes.json: the rollouts' process, and each trainer
-    rank apart (`trainer_rank0` publishes the weights, the others do not)."""
+    """Roles by pid that the run wrote to processes.json: the rollouts' process, the scorer's
+    processes, and each trainer rank apart (`trainer_rank0` publishes the weights, the others do
+    not). `role` names the rest from their command lines."""
     path = run_path / "processes.json"
     if not path.is_file():
         return {}
     processes = json.loads(path.read_text())
     known = {pid: f"trainer_rank{rank}" for rank, pid in enumerate(processes.get("trainer", []))}
+    known.update({pid: "scorer_proc" for pid in processes.get("scorer", [])})
     if "rollouts" in processes:
         known[processes["rollouts"]] = "rollouts_proc"
     return known
