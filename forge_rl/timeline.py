@@ -76,20 +76,22 @@ class Timeline:
             self._active[component] -= 1
             if not self._active[component]:
                 self._busy_total_s[component] = self._busy_total_s.get(component, 0.0) + end - self._busy_since[component]
-            if self._fd is not None:
-                self._pending.append(json.dumps(asdict(Interval(component, start, end, num_sequences))) + "\n")
-                if time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
-                    self.flush()
+            self._write(Interval(component, start, end, num_sequences))
 
     def record(self, component: str, start_s: float, end_s: float) -> None:
         """A busy interval of `component` timed elsewhere and known only once it has ended (the
         trainer's step: from when its batch left the buffer to its reply). Such intervals of one
         component must not overlap each other or a `busy` one."""
         self._busy_total_s[component] = self._busy_total_s.get(component, 0.0) + max(end_s - start_s, 0.0)
-        if self._fd is not None:
-            self._pending.append(json.dumps(asdict(Interval(component, start_s, end_s, 0))) + "\n")
-            if time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
-                self.flush()
+        self._write(Interval(component, start_s, end_s, 0))
+
+    def _write(self, interval: Interval) -> None:
+        """Queue `interval`'s line for the file; the queue goes out in one write every FLUSH_EVERY_S."""
+        if self._fd is None:
+            return
+        self._pending.append(json.dumps(asdict(interval)) + "\n")
+        if time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
+            self.flush()
 
     def num_active(self, component: str) -> int:
         """Calls of `component` in progress now."""
