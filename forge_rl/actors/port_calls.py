@@ -80,7 +80,11 @@ class PortCalls:
         if actor_class is None:
             return await getattr(actor, name).call_one(*args, **kwargs)
         if not (issubclass(actor_class, PortServed) and is_concurrent_endpoint(actor_class, name)):
-            raise TypeError(f"{actor_class.__name__}.{name} is not a concurrent endpoint of a PortServed actor: PortCalls cannot call it")
+            raise TypeError(
+                f"{actor_class.__name__}.{name} is not a concurrent endpoint of a PortServed actor, so PortCalls "
+                "cannot call it: mix PortServed into the actor and declare the endpoint @concurrent_endpoint, or "
+                "call it with call_one"
+            )
         if actor.size() != 1:
             raise ValueError(f"PortCalls calls one actor; {actor_class.__name__}'s mesh has {actor.size()}: slice it")
         if self._reader is None:

@@ -2,10 +2,10 @@
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
 for all of them; the controller's train loop calls `batch_taken` and `step_done` once per step, and
-each trainer rank `batch_for_trainer`. Its own process, not the controller's: the rollouts' calls (one per prompt to the generator pool, one
-to the scoring stage, one per generator and version to swap weights) then leave the controller's
-event loop free for the train loop, and no other role's work (the pool's relay, the store's
-index) delays them.
+each trainer rank `batch_for_trainer`. Its own process, not the controller's: the rollouts' calls
+(one per prompt to the generator pool, one to the scoring stage, one per generator and version to
+swap weights) then leave the controller's event loop free for the train loop, and no other role's
+work (the pool's relay, the store's index) delays them.
 """
 
 from __future__ import annotations
