@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import heapq
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
@@ -105,11 +106,11 @@ class AdmissionGate:
     `wait_for_batch`, takes a batch from the buffer, then `took_batch`.
 
     Waiting rollouts queue per generator, first come first served. After every change the gate
-    admits, in arrival order of each generator's first waiter, as many as now may start, and
-    wakes only those: whether a rollout may start depends on its generator's version and the
-    counts, not on the rollout, so once a generator's first waiter may not start, none behind it
-    may. (Waking every waiter to check for itself cost the rollouts' process a check per waiting
-    rollout per change: 512 at 128 generators with 4 rollouts each.)
+    admits as many as now may start, each to the generator with the most waiting (the least
+    loaded), and wakes only those: whether a rollout may start depends on its generator's version
+    and the counts, not on the rollout, so once a generator's first waiter may not start, none
+    behind it may. (Waking every waiter to check for itself cost the rollouts' process a check per
+    waiting rollout per change: 512 at 128 generators with 4 rollouts each.)
     """
 
     def __init__(
@@ -200,10 +201,15 @@ class AdmissionGate:
         return start_version
 
     def _admit_waiting(self) -> None:
-        """Admit every waiting rollout that may start now: generators in the arrival order of their
-        first waiter, each generator's waiters in arrival order until one may not start. Whether
-        one may start depends on its generator's version and the counts, and admitting only adds to
-        the counts: a version that may not start stays so for the rest of the pass.
+        """Admit every waiting rollout that may start now, one at a time to the generator with the
+        most rollouts waiting (ties: the earliest first waiter), each generator's waiters in
+        arrival order until one may not start. Every generator runs the same number of rollout
+        loops, so the one with the most waiting has the fewest sequences decoding: admissions
+        spread the work evenly over the engines, whose throughput grows less than linearly with
+        their batch (a pass that admitted one generator's whole queue first left two of eight
+        engines at 195 sequences and the rest at 50-80, docs/benchmarks.md). Whether one may start
+        depends on its generator's version and the counts, and admitting only adds to the counts:
+        a version that may not start stays so for the rest of the pass.
 
         At most ADMISSIONS_PER_TURN per event-loop turn, then the pass goes on in the next turn:
         each admitted rollout sends its generate call in the turn after its admission, and 128 of
@@ -212,24 +218,30 @@ class AdmissionGate:
         self._admission_pass = None
         refused: set[tuple[int, int]] = set()
         admitted = 0
-        heads = sorted((queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue)
-        for _, index in heads:
+        candidates = [(-len(queue), queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue]
+        heapq.heapify(candidates)
+        while candidates:
+            _, _, index = heapq.heappop(candidates)
             queue = self._waiting[index]
-            while queue:
-                waiter = queue[0]
-                if not waiter.admitted.done():  # a rollout cancelled while it waited takes nothing
-                    key = (self.generator_versions[index], waiter.num_episodes)
-                    if key in refused:
-                        break
-                    if admitted == ADMISSIONS_PER_TURN:
-                        self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
-                        return
-                    if not self.may_start_rollout(index, waiter.num_episodes):
-                        refused.add(key)
-                        break
-                    waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
-                    admitted += 1
+            while queue and queue[0].admitted.done():  # a rollout cancelled while it waited takes nothing
                 queue.popleft()
+            if not queue:
+                continue
+            waiter = queue[0]
+            key = (self.generator_versions[index], waiter.num_episodes)
+            if key in refused:
+                continue
+            if admitted == ADMISSIONS_PER_TURN:
+                self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
+                return
+            if not self.may_start_rollout(index, waiter.num_episodes):
+                refused.add(key)
+                continue
+            waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
+            admitted += 1
+            queue.popleft()
+            if queue:
+                heapq.heappush(candidates, (-len(queue), queue[0].arrival, index))
 
     async def _notify(self) -> None:
         """A change: admit the rollouts that may start now (one pass for all the changes of one

@@ -1,19 +1,23 @@
 """How much memory one Monarch endpoint call leaves behind, in the caller and in the callee.
 
-    python apps/diagnostics/monarch_call_memory.py [--mode call_one|port_calls] [--calls-per-round 5000] [--rounds 4]
+    python apps/diagnostics/monarch_call_memory.py [--mode call_one|port_calls|blocking_get|mesh_call] [--calls-per-round 5000] [--rounds 4]
 
 A controller process calls a trivial echo actor over and over and prints both processes' unique
 memory (USS) after each round. With `call_one` the Python heap does not grow (checked with
 tracemalloc) but, with torchmonarch 0.7.0, the native memory of both processes does, linearly in
 the number of calls: this is what the soak benchmark's growth came from (docs/benchmarks.md,
 "Soak"). `port_calls` makes the same calls answered on one long-lived port
-(forge_rl/actors/port_calls.py), which the per-prompt calls of a run use.
+(forge_rl/actors/port_calls.py), which the per-prompt calls of a run use. `blocking_get` makes
+them with `call_one(...).get()` from a worker thread, as the weight store's writer thread does
+(forge_rl/store/client.py); `mesh_call` with `.call()` on a plain endpoint, as the train loop
+calls each trainer rank's `train_next_step`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import time
 
@@ -33,6 +37,10 @@ class Echo(PortServed, Actor):
         return b"x" * num_bytes
 
     @endpoint
+    async def plain_echo(self, value):
+        return value
+
+    @endpoint
     async def pid(self) -> int:
         return os.getpid()
 
@@ -48,19 +56,29 @@ async def measure(mode: str, calls_per_round: int, rounds: int, reply_kb: int) -
     payload = {"ids": list(range(200)), "text": "x" * 2000}  # about an episode's size
     caller = os.getpid()
     calls = PortCalls()
+    request = ("reply_of", reply_kb * 1024) if reply_kb else ("echo", payload)  # reply_kb: a trainer rank's batch
+
+    async def call_round() -> None:
+        for _ in range(calls_per_round):
+            if mode == "call_one":
+                await getattr(echo, request[0]).call_one(request[1])
+            elif mode == "port_calls":
+                await calls.call(echo, *request)
+            else:  # mesh_call
+                await echo.plain_echo.call(request[1])
+
+    def blocking_round() -> None:
+        for _ in range(calls_per_round):
+            getattr(echo, request[0]).call_one(request[1]).get()
+
+    thread = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     first = None
     for round_index in range(rounds):
         started = time.perf_counter()
-        for _ in range(calls_per_round):
-            if reply_kb:  # a small request, a large answer (a trainer rank's batch)
-                if mode == "call_one":
-                    await echo.reply_of.call_one(reply_kb * 1024)
-                else:
-                    await calls.call(echo, "reply_of", reply_kb * 1024)
-            elif mode == "call_one":
-                await echo.echo.call_one(payload)
-            else:
-                await calls.call(echo, "echo", payload)
+        if mode == "blocking_get":
+            await asyncio.get_running_loop().run_in_executor(thread, blocking_round)
+        else:
+            await call_round()
         rate = calls_per_round / (time.perf_counter() - started)
         now = (uss_mb(caller), uss_mb(callee))
         first = first or now
@@ -76,7 +94,7 @@ async def measure(mode: str, calls_per_round: int, rounds: int, reply_kb: int) -
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("call_one", "port_calls"), default="call_one")
+    parser.add_argument("--mode", choices=("call_one", "port_calls", "blocking_get", "mesh_call"), default="call_one")
     parser.add_argument("--calls-per-round", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reply-kb", type=int, default=0, help="answer each call with this many KB (0: echo the episode-sized request)")

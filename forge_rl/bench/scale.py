@@ -415,10 +415,21 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     generate = _generation_s(config, sync["generated_tokens_per_s"] * sync["wall_per_step_s"])
     async_floor = max(sync_train, generate, sync_generate / (args.async_max_policy_age + 1))
     bound = wall_per_step["sync"] / async_floor
+    # The bound above takes the generation term at the largest batch and the straggler term at the
+    # synchronous run's speed, which no single batch size gives at once; this one holds both to the
+    # same batch (the best one): what any policy that keeps its engines' batches equal can reach.
+    tokens_per_step = sync["generated_tokens_per_s"] * sync["wall_per_step_s"]
+    uniform_floor, uniform_batch = uniform_batch_floor(config, tokens_per_step, sync_train, args.async_max_policy_age)
+    uniform_bound = wall_per_step["sync"] / uniform_floor
     return {
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
         "sim_efficiency_vs_bound": speedup / bound,
+        "sim_async_speedup_uniform_batch_bound": uniform_bound,
+        "sim_efficiency_vs_uniform_batch_bound": speedup / uniform_bound,
+        "sim_uniform_batch_floor_s": uniform_floor,
+        "sim_uniform_batch_sequences": uniform_batch,
+        "sim_expected_longest_completion_tokens": expected_longest_completion(config),
         "sim_pipeline_efficiency": asynchronous["pipeline_efficiency"],
         "sim_sync_wall_per_step_s": wall_per_step["sync"],
         "sim_async_wall_per_step_s": wall_per_step["async"],
@@ -430,15 +441,57 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     }
 
 
+def _decode_step_s(config: GRPOConfig, batch: int, mean_completion: float) -> float:
+    """Wall seconds of one simulated decode step of `batch` sequences, each holding a prompt and
+    half a completion of mean length `mean_completion` (its mean context over its life)."""
+    sim = config.generator.sim
+    return sim.latency.step_s(batch, int(batch * (8 + mean_completion / 2))) * sim.time_scale
+
+
 def _generation_s(config: GRPOConfig, tokens_per_step: float) -> float:
     """Wall seconds the engines need for one step's tokens at the batch the asynchronous run keeps
     (every rollout loop's group in flight): tokens / (G x B / step_s(B, B x c)), with B sequences
     per engine and c the mean context of a sequence (prompt + half a completion)."""
-    sim = config.generator.sim
     batch = min(config.prompts_in_flight_per_generator * config.group_size, config.generator.max_num_seqs)
     mean_completion = tokens_per_step / (config.prompts_per_step * config.group_size)
-    step_s = sim.latency.step_s(batch, int(batch * (8 + mean_completion / 2)))
-    return tokens_per_step / (config.num_generators * batch / step_s) * sim.time_scale
+    return tokens_per_step / (config.num_generators * batch) * _decode_step_s(config, batch, mean_completion)
+
+
+def expected_longest_completion(config: GRPOConfig) -> float:
+    """Expected longest of one step's P x group_size simulated completion lengths (log-normal,
+    median m, sigma s, cut at generator.max_new_tokens L): E[max] = integral over 0..L of
+    1 - F(x)^n dx, F the log-normal's distribution function."""
+    sim, cut = config.generator.sim, config.generator.max_new_tokens
+    n = config.prompts_per_step * config.group_size
+
+    def below(x: float) -> float:
+        if x <= 0:
+            return 0.0
+        if sim.length_sigma == 0:
+            return float(x >= sim.length_median_tokens)
+        return 0.5 * (1 + math.erf(math.log(x / sim.length_median_tokens) / (sim.length_sigma * math.sqrt(2))))
+
+    points = 4096
+    width = cut / points
+    return sum((1 - below((k + 0.5) * width) ** n) * width for k in range(points))
+
+
+def uniform_batch_floor(
+    config: GRPOConfig, tokens_per_step: float, train_s: float, max_policy_age: int
+) -> tuple[float, int]:
+    """The asynchronous step's floor when every engine decodes batches of one size B, whichever B
+    is best (docs/benchmarks.md): min over B of max(T, Gen(B), Lmax x step_s(B) / (A + 1)). A larger
+    batch generates a step's tokens sooner (Gen falls) but decodes each sequence's tokens slower,
+    the step's longest completion (Lmax tokens, which must be trained within A + 1 versions of its
+    admission) among them. Returns (floor, B)."""
+    mean_completion = tokens_per_step / (config.prompts_per_step * config.group_size)
+    longest = expected_longest_completion(config)
+    floors = []
+    for batch in range(1, config.generator.max_num_seqs + 1):
+        step_s = _decode_step_s(config, batch, mean_completion)
+        generate = tokens_per_step / (config.num_generators * batch) * step_s
+        floors.append((max(train_s, generate, longest * step_s / (max_policy_age + 1)), batch))
+    return min(floors)
 
 
 def lost_prompts(accounting: dict, held_at_stop: dict) -> int:

@@ -80,9 +80,10 @@ def known_roles(run_path: Path) -> dict[int, str]:
 
 def role(process: psutil.Process, root: psutil.Process) -> str:
     """What a process of the run is, from its command line and its children: the controller, a
-    Monarch proc hosting a generator (its child is vLLM's engine core), the services (their
-    children are reward workers), a trainer or reference rank (any other Monarch proc), or one
-    of vLLM's and the scorer's own processes."""
+    Monarch proc hosting a generator (its child is vLLM's engine core), the services with their
+    reward workers, any other Monarch proc (the services without reward workers, a reference
+    or teacher rank; trainer ranks and the scorer's and rollouts' processes are `known_roles`),
+    or one of vLLM's and the scorer's own processes."""
     if process.pid == root.pid:
         return "controller"
     command = " ".join(process.cmdline())
@@ -100,7 +101,7 @@ def role(process: psutil.Process, root: psutil.Process) -> str:
         return "generator_proc"
     if "forge_rl.scoring" in children:
         return "services_proc"
-    return "trainer_proc"
+    return "monarch_proc"
 
 
 def main(args: SoakArgs) -> dict:

@@ -237,10 +237,11 @@ def test_a_generator_serving_a_newer_version_is_admitted_again():
     run(scenario())
 
 
-def test_a_change_admits_the_waiters_that_may_start_in_arrival_order_and_wakes_no_other():
+def test_a_change_spreads_its_admissions_over_the_generators_and_wakes_no_other_waiter():
     """Three generators, two rollouts waiting on each, room for two more episodes: a change admits
-    exactly the first two waiters to arrive (generator 1's), and checks no more than it admits plus
-    once per version that may not start, not every waiting rollout."""
+    the first waiter of the two generators whose first waiters arrived first (1, then 2), not
+    generator 1's pair, and checks no more than it admits plus once per version that may not
+    start, not every waiting rollout."""
 
     async def scenario():
         gate = make_gate(max_policy_age=3, episodes_per_step=2, max_episodes_queued=3, num_generators=3)
@@ -255,14 +256,43 @@ def test_a_change_admits_the_waiters_that_may_start_in_arrival_order_and_wakes_n
         may_start = gate.may_start_rollout
         gate.may_start_rollout = lambda index, n=1: checks.append(index) or may_start(index, n)
         await gate.settle(0, 2, num_not_queued=2)  # two episodes filtered: room for two
-        await wait_until_async(lambda: waiters[1, 0].done() and waiters[1, 1].done(), "generator 1's pair admitted")
-        assert {key for key, waiter in waiters.items() if waiter.done()} == {(1, 0), (1, 1)}
-        assert checks == [1, 1, 2]  # generator 1's two, then one look at version 0 (2's and 0's)
+        await wait_until_async(lambda: waiters[1, 0].done() and waiters[2, 0].done(), "one rollout each admitted")
+        assert {key for key, waiter in waiters.items() if waiter.done()} == {(1, 0), (2, 0)}
+        assert checks == [1, 2, 0]  # one each, then one look at version 0 for all the rest
         for key, waiter in waiters.items():
             if not waiter.done():
                 waiter.cancel()
         await asyncio.gather(*waiters.values(), return_exceptions=True)
         assert gate.num_episodes_queued == 3  # the cancelled waiters took nothing
+
+    run(scenario())
+
+
+def test_admissions_go_first_to_the_generator_with_the_most_rollouts_waiting():
+    """Generator 0's rollouts arrived first, but generator 1 has more of its rollouts waiting (fewer
+    decoding): the room for three episodes goes to 1, 1, then 0, the least loaded each time."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=3, episodes_per_step=2, max_episodes_queued=3, num_generators=2)
+        for _ in range(3):
+            await gate.admit(0)
+        order = []
+
+        async def waiting(index):
+            await gate.admit(index)
+            order.append(index)
+
+        tasks = []
+        for index, count in ((0, 2), (1, 4)):
+            for _ in range(count):
+                tasks.append(asyncio.ensure_future(waiting(index)))
+                await wait_until_async(lambda: num_waiting(gate) == len(tasks), "the rollout waiting")
+        await gate.settle(0, 3, num_not_queued=3)  # room for three
+        await wait_until_async(lambda: len(order) == 3, "three admitted")
+        assert order == [1, 1, 0]  # 4 vs 2 waiting, then 3 vs 2, then 2 vs 2: the earlier first waiter
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     run(scenario())
 
