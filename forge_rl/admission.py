@@ -132,6 +132,9 @@ class AdmissionGate:
         self.admission = admission
         self.generator_versions = [0] * num_generators
         """Policy version each generator serves now."""
+        self.generator_targets = [0] * num_generators
+        """Version each generator was last told to load: above its `generator_versions` entry while
+        it swaps (`generator_updating`)."""
         self.next_train_version = 0
         """Version the next batch will be trained at = batches taken so far."""
         self.queued_versions: collections.Counter[int] = collections.Counter()
@@ -143,6 +146,8 @@ class AdmissionGate:
         """Wakes the train loop's `wait_for_batch`."""
         self._waiting: list[collections.deque[_Waiter]] = [collections.deque() for _ in range(num_generators)]
         """Rollouts waiting for an admission, per generator, in arrival order."""
+        self._num_waiting = 0
+        """Entries of all `_waiting` queues (a cancelled waiter counts until its queue drops it)."""
         self._arrivals = 0
         self._admission_pass: asyncio.Handle | None = None
         """The admission pass scheduled for this event-loop turn, if one is."""
@@ -178,11 +183,16 @@ class AdmissionGate:
         """Waits until `num_episodes` may start on generator `generator_index`; returns the version
         they start at (stamp it on the episodes as `admitted_version`, hand it back to `settle`)."""
         queue = self._waiting[generator_index]
-        if not queue and self.may_start_rollout(generator_index, num_episodes):
+        # With rollouts waiting anywhere, the admission pass decides (in this event-loop turn):
+        # which generator goes first is its choice.
+        if not self._num_waiting and self.may_start_rollout(generator_index, num_episodes):
             return self._admitted(generator_index, num_episodes)
         self._arrivals += 1
         waiter = _Waiter(self._arrivals, num_episodes, asyncio.get_running_loop().create_future())
         queue.append(waiter)
+        self._num_waiting += 1
+        if len(queue) == 1:
+            self._schedule_admission_pass()  # a new first waiter: it may start before the others
         try:
             return await waiter.admitted
         except asyncio.CancelledError:
@@ -191,6 +201,7 @@ class AdmissionGate:
                 await self.settle(waiter.admitted.result(), num_episodes, num_not_queued=num_episodes)
             elif waiter in queue:
                 queue.remove(waiter)
+                self._num_waiting -= 1
                 self._admit_waiting()  # those behind it may start now
             raise
 
@@ -205,11 +216,17 @@ class AdmissionGate:
         most rollouts waiting (ties: the earliest first waiter), each generator's waiters in
         arrival order until one may not start. Every generator runs the same number of rollout
         loops, so the one with the most waiting has the fewest sequences decoding: admissions
-        spread the work evenly over the engines, whose throughput grows less than linearly with
-        their batch (a pass that admitted one generator's whole queue first left two of eight
-        engines at 195 sequences and the rest at 50-80, docs/benchmarks.md). Whether one may start
-        depends on its generator's version and the counts, and admitting only adds to the counts:
-        a version that may not start stays so for the rest of the pass.
+        spread the work evenly over the engines. Whether one may start depends on its generator's
+        version and the counts, and admitting only adds to the counts: a version that may not
+        start stays so for the rest of the pass.
+
+        A generator refused only because it is still swapping to the version the others serve
+        holds back those with fewer rollouts waiting (more decoding): they are not admitted past
+        it. Otherwise the first engine to finish its swap took every slot the step freed, and kept
+        winning: two of eight simulated engines decoded 150-195 sequences on average and the rest
+        27-96, and the loaded engines' longest completions, decoded slowest, set the pace of the
+        whole run under the age bound (docs/benchmarks.md, "Balanced admissions"). The slots wait
+        for the swap instead, a fraction of a step.
 
         At most ADMISSIONS_PER_TURN per event-loop turn, then the pass goes on in the next turn:
         each admitted rollout sends its generate call in the turn after its admission, and 128 of
@@ -218,6 +235,7 @@ class AdmissionGate:
         self._admission_pass = None
         refused: set[tuple[int, int]] = set()
         admitted = 0
+        held_below = 0  # generators with fewer rollouts waiting than this wait for a swapping one
         candidates = [(-len(queue), queue[0].arrival, index) for index, queue in enumerate(self._waiting) if queue]
         heapq.heapify(candidates)
         while candidates:
@@ -225,29 +243,35 @@ class AdmissionGate:
             queue = self._waiting[index]
             while queue and queue[0].admitted.done():  # a rollout cancelled while it waited takes nothing
                 queue.popleft()
-            if not queue:
+                self._num_waiting -= 1
+            if not queue or len(queue) < held_below:
                 continue
             waiter = queue[0]
             key = (self.generator_versions[index], waiter.num_episodes)
-            if key in refused:
-                continue
-            if admitted == ADMISSIONS_PER_TURN:
-                self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
-                return
-            if not self.may_start_rollout(index, waiter.num_episodes):
+            if key not in refused:
+                if admitted == ADMISSIONS_PER_TURN:
+                    self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
+                    return
+                if self.may_start_rollout(index, waiter.num_episodes):
+                    waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
+                    admitted += 1
+                    queue.popleft()
+                    self._num_waiting -= 1
+                    if queue:
+                        heapq.heappush(candidates, (-len(queue), queue[0].arrival, index))
+                    continue
                 refused.add(key)
-                continue
-            waiter.admitted.set_result(self._admitted(index, waiter.num_episodes))
-            admitted += 1
-            queue.popleft()
-            if queue:
-                heapq.heappush(candidates, (-len(queue), queue[0].arrival, index))
+            if self.generator_targets[index] > self.generator_versions[index]:  # swapping
+                held_below = max(held_below, len(queue))
+
+    def _schedule_admission_pass(self) -> None:
+        if self._admission_pass is None:
+            self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
 
     async def _notify(self) -> None:
         """A change: admit the rollouts that may start now (one pass for all the changes of one
         event-loop turn: 128 generators' swaps, say), and wake the train loop."""
-        if self._admission_pass is None:
-            self._admission_pass = asyncio.get_running_loop().call_soon(self._admit_waiting)
+        self._schedule_admission_pass()
         async with self._changed:
             self._changed.notify_all()
 
@@ -277,8 +301,20 @@ class AdmissionGate:
         self.next_train_version -= 1
         await self._notify()
 
+    def generator_updating(self, generator_index: int, policy_version: int) -> None:
+        """Generator `generator_index` was told to load `policy_version`: it swaps until it
+        `generator_serves` it (or its update is abandoned)."""
+        self.generator_targets[generator_index] = max(self.generator_targets[generator_index], policy_version)
+
     async def generator_serves(self, generator_index: int, policy_version: int) -> None:
         self.generator_versions[generator_index] = max(self.generator_versions[generator_index], policy_version)
+        self.generator_targets[generator_index] = max(self.generator_targets[generator_index], policy_version)
+        await self._notify()
+
+    async def generator_update_abandoned(self, generator_index: int) -> None:
+        """Its update will not finish (the generator was lost; a replacement reports what it serves
+        through `generator_serves`): it no longer holds the others back."""
+        self.generator_targets[generator_index] = self.generator_versions[generator_index]
         await self._notify()
 
     def restore(self, policy_version: int, buffered_versions: Iterable[int]) -> None:

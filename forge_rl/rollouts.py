@@ -431,6 +431,7 @@ class Rollouts:
 
     async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
         """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+        self.gate.generator_updating(index, policy_version)
         with self.timeline.busy(f"weights{index}"):
             try:
                 self.calls["generators.update_weights"] += 1
@@ -438,6 +439,7 @@ class Rollouts:
             except Exception as e:
                 if generator_lost(e) is None:
                     raise
+                await self.gate.generator_update_abandoned(index)
                 return  # its replacement loads the newest version itself
         await self.gate.generator_serves(index, result["policy_version"])
         self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}

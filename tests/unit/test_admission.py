@@ -346,3 +346,43 @@ def test_an_admission_pass_admits_at_most_a_bounded_number_of_rollouts_per_event
         assert await asyncio.gather(*waiters) == [1] * 40
 
     run(scenario())
+
+
+@pytest.mark.parametrize("swap_ends_by", ["serving", "abandoned"])
+def test_a_generator_still_swapping_holds_back_the_more_loaded_ones_until_it_serves(swap_ends_by):
+    """Generator 1 is still loading the version generator 0 already serves, and is refused at its
+    old one: generator 0, with no more rollouts waiting than 1, gets one admission ahead of it, not
+    the four slots the step freed. Once 1 serves (or its update is abandoned: it was lost), the
+    hold ends."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=0, episodes_per_step=4, max_episodes_queued=8, num_generators=2)
+        await gate.took_batch([], [])  # the next batch trains at version 1: version 0 is too old
+        await gate.generator_serves(0, 1)
+        gate.generator_updating(1, 1)
+        admitted = {0: [], 1: []}
+
+        async def waiting(index):
+            admitted[index].append(await gate.admit(index))
+
+        tasks = []
+        for index in (1, 1, 0, 0):  # the first admission pass runs once all four wait
+            tasks.append(asyncio.ensure_future(waiting(index)))
+        await wait_until_async(lambda: len(admitted[0]) == 1, "generator 0 admitted once")
+        for _ in range(3):
+            await asyncio.sleep(0)  # further passes, if any, would run here
+        assert admitted == {0: [1], 1: []}  # held: 0 has one waiting, 1 (swapping) has two
+        if swap_ends_by == "serving":
+            await gate.generator_serves(1, 1)
+            await wait_until_async(lambda: len(admitted[0]) + len(admitted[1]) == 4, "all four admitted")
+            assert admitted == {0: [1, 1], 1: [1, 1]}
+        else:
+            await gate.generator_update_abandoned(1)
+            await wait_until_async(lambda: len(admitted[0]) == 2, "generator 0's second admitted")
+            assert admitted == {0: [1, 1], 1: []}  # 1 still serves version 0: too old
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(scenario())
+
