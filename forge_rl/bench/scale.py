@@ -29,7 +29,11 @@ decode and train steps are timed waits. What is measured is forge_rl's own work.
        sync step  = straggler + train          (the slowest completion of the step's batch, then the step)
        async step >= max(train, generate, straggler / (A + 1))
    where generate is the step's tokens over the engines' throughput at full batch and A the
-   staleness bound; `sim_efficiency_vs_bound` = the bound's speedup achieved.
+   staleness bound; `sim_efficiency_vs_bound` = the bound's speedup achieved. That bound takes
+   generate at the largest batch and the straggler at the synchronous run's speed; no batch gives
+   both. `sim_efficiency_vs_uniform_batch_bound` holds both to one batch size B, the best:
+       async step >= min over B of max(train, generate(B), longest x decode_step(B) / (A + 1))
+   (`uniform_batch_floor`; longest: the expected longest completion of a step's batch).
 3. Faults at scale: the control-plane run with `fault_generators` generators; once step
    `fault_kill_after_step` is done, every process of a tenth of them (chosen from `fault_seed`) is
    SIGKILLed. The generator pool must detect each death and replace the generator; the train loop
