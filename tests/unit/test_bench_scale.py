@@ -131,3 +131,38 @@ def test_the_control_plane_admits_a_prompt_for_every_rollout_loop_at_128_generat
     loops = config.num_generators * config.prompts_in_flight_per_generator
     assert config.max_episodes_queued == (config.buffer.max_policy_age + 1) * config.prompts_per_step == loops
     assert loops * config.group_size == 4096
+
+
+def _sim_config(**sim):
+    import dataclasses
+    from pathlib import Path
+
+    from forge_rl.config import GRPOConfig
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, Path("configs/sim_scale.yaml"))
+    return dataclasses.replace(
+        base, generator=dataclasses.replace(base.generator, sim=dataclasses.replace(base.generator.sim, **sim))
+    )
+
+
+def test_the_expected_longest_completion_is_the_median_without_spread_and_grows_with_it():
+    from forge_rl.bench.scale import expected_longest_completion
+
+    assert expected_longest_completion(_sim_config(length_sigma=0.0)) == pytest.approx(256, abs=1)
+    spread = [expected_longest_completion(_sim_config(length_sigma=sigma)) for sigma in (0.5, 1.0, 2.0)]
+    assert 256 < spread[0] < spread[1] < spread[2] <= 4096  # cut at generator.max_new_tokens
+
+
+def test_the_uniform_batch_floor_trades_generation_against_the_longest_completion():
+    """A short train step and a long tail: the best batch is neither the smallest (generation
+    would take longest) nor the largest (the longest completion would decode slowest), and the
+    floor is no shorter than the train step."""
+    from forge_rl.bench.scale import uniform_batch_floor
+
+    config = _sim_config(time_scale=1.0)
+    floor, batch = uniform_batch_floor(config, tokens_per_step=110_000, train_s=0.01, max_policy_age=8)
+    assert 1 < batch < config.generator.max_num_seqs
+    assert floor >= 0.01
+    slow_train, _ = uniform_batch_floor(config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8)
+    assert slow_train == 100.0
