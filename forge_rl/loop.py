@@ -36,7 +36,7 @@ from forge_rl.deadlines import within
 from forge_rl.errors import TrainStepTimedOut, raised_by_actor
 from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, MismatchAlarm
 from forge_rl.metrics import MetricsLogger, progress
-from forge_rl.native_heap import HeapTrimmer
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.timeline import Timeline, idle_fraction
 
 _STOP_ROLLOUTS_TIMEOUT_S = 10.0
@@ -114,8 +114,6 @@ class Pipeline:
         """The trainer's busy intervals (the rollouts' process records the generators' on the same
         file and clock); `run` restarts it (with a file) when the loops start."""
         self.mismatch_alarm = MismatchAlarm(config.log.mismatch_alarm)
-        self._heap = HeapTrimmer()
-        """The controller's free native memory, given back once a minute at most (forge_rl/native_heap.py)."""
         self.rollouts_at_stop: dict = {}
         """What the rollouts' `stop` reported: accounting, what was held where, call counts."""
 
@@ -238,7 +236,7 @@ class Pipeline:
         data_wait_s = max(pulled.ready_s - max(path_start, sent.waiting_from), 0.0)
         step_metrics.update(critical_path_breakdown(trained.metrics, data_wait_s, replied_s - path_start - data_wait_s))
         self._last_replied_s = replied_s
-        self._heap.trim_if_due()
+        trim_native_heap_if_due()  # the controller's, once a minute at most
         return StepResult(step_metrics, stopped)
 
     @property

@@ -11,8 +11,9 @@ anonymous memory stayed at 437-446 MB over 2,200 steps (it grew 422 -> 470 MB in
 without).
 
 A trim takes milliseconds (14 ms releasing 130 MB of a fragmented heap, 2 ms with nothing to
-release, measured on this machine), so `HeapTrimmer` does it at most once a minute, from the
-call sites that run every step. Where the C library is not glibc (macOS, musl) it does nothing.
+release, measured on this machine), so `trim_native_heap_if_due` does it at most once a minute
+per process (the heap is the process's, whichever of its actors calls), from the call sites that
+run every step. Where the C library is not glibc (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
@@ -69,3 +70,13 @@ class HeapTrimmer:
         self._last = self._clock()
         self.num_trims += 1
         return True
+
+
+_PROCESS_TRIMMER = HeapTrimmer()
+"""This process's schedule: every actor of the process shares it."""
+
+
+def trim_native_heap_if_due() -> bool:
+    """Trim this process's native heap if a minute passed since its last trim (the first call in
+    a process starts the clock); returns whether it trimmed. Cheap when not due: call it each step."""
+    return _PROCESS_TRIMMER.trim_if_due()

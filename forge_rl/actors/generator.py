@@ -20,8 +20,8 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 from forge_rl.actors.port_calls import PortServed
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
-from forge_rl.native_heap import HeapTrimmer
 from forge_rl.envs.runner import SampledTurn
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.placement import pin_this_process
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -64,8 +64,6 @@ class GeneratorActor(PortServed, Actor):
         # One swap at a time; a swap for an older version than the loaded one is a no-op.
         self.swap_lock = asyncio.Lock()
         self.store: WeightStore | None = None
-        self._heap = HeapTrimmer()
-        """Trimmed once a minute at most, at a weight update (forge_rl/native_heap.py)."""
 
     @endpoint
     async def start(self) -> dict:
@@ -117,7 +115,7 @@ class GeneratorActor(PortServed, Actor):
         until loaded. Prefetch and staging run while the engine decodes; the swap itself happens
         per `GeneratorConfig.swap_mode`. Returns the update's metrics (forge_rl/store/loader.py).
         """
-        self._heap.trim_if_due()
+        trim_native_heap_if_due()  # once a minute at most, at a weight update
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
                 return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}

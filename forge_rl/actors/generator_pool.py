@@ -55,8 +55,8 @@ from forge_rl.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
-from forge_rl.native_heap import HeapTrimmer
 from forge_rl.metrics import progress
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -171,7 +171,6 @@ class GeneratorPool(PortServed, Actor):
         self._calls = PortCalls()
         """The generators' generate, generate_turn and update_weights calls (forge_rl/port_calls.py):
         a dead generator's calls are cancelled by its recovery (the watchdog, `__supervise__`)."""
-        self._heap = HeapTrimmer()
         self._stopping = False
         """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
 
@@ -220,7 +219,7 @@ class GeneratorPool(PortServed, Actor):
         hung (its replacement loads the newest version itself)."""
         if self.latest_weights is None or policy_version > self.latest_weights[0]:
             self.latest_weights = (policy_version, weights_dir)
-        self._heap.trim_if_due()  # once a minute at most (forge_rl/native_heap.py)
+        trim_native_heap_if_due()  # once a minute at most
         slot = self.slots[index]
         result = await self._forward(
             slot,

@@ -18,7 +18,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
-from forge_rl.native_heap import HeapTrimmer
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.prompts import PromptSource
 from forge_rl.rollouts import NextBatch, RolloutActors, Rollouts
 
@@ -43,7 +43,6 @@ class RolloutsActor(PortServed, Actor):
             ),
             PromptSource(config.task, model_dir, config.generator.max_new_tokens),
         )
-        self._heap = HeapTrimmer()
 
     @concurrent_endpoint
     async def process_id(self) -> int:
@@ -71,7 +70,7 @@ class RolloutsActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
-        self._heap.trim_if_due()  # once a minute at most (forge_rl/native_heap.py)
+        trim_native_heap_if_due()  # once a minute at most
         return await self.rollouts.step_done(step, skipped, policy_version, weights_dir)
 
     @concurrent_endpoint

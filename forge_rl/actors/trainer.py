@@ -20,7 +20,7 @@ from forge_rl.batching import make_train_batch
 from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.models.peft_format import peft_adapter
-from forge_rl.native_heap import HeapTrimmer
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.placement import pin_this_process
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.client import WeightStore
@@ -59,8 +59,6 @@ class TrainerActor(Actor):
         """Each step's `batch_for_trainer`, answered on one port (forge_rl/actors/port_calls.py)."""
         self._publishing: asyncio.Future | None = None
         """The publish of the newest version, started after its step answered (`_train_step`)."""
-        self._heap = HeapTrimmer()
-        """Gives back the free memory each step's gathers and snapshot leave (forge_rl/native_heap.py)."""
 
     @endpoint
     async def setup(self) -> dict:
@@ -191,12 +189,13 @@ class TrainerActor(Actor):
         else:
             snapshot = self.trainer.hf_state_dict(self.publish_config.torch_dtype(), keep=writes)
         snapshot_s = time.perf_counter() - started
-        if not writes:
-            self._heap.trim_if_due()
-            return {}
-        version = self.trainer.policy_version
-        metrics = await self.publisher.publish(version, snapshot, snapshot_s, adapter)
-        # Here, after the step has answered (`publish_after_reply`), not on its critical path.
-        self._heap.trim_if_due()
-        # Where the version will be once complete; generators wait for it through the store.
-        return {**metrics, "weights/dir": str(self.store_root / version_key(version))}
+        published = {}
+        if writes:
+            version = self.trainer.policy_version
+            metrics = await self.publisher.publish(version, snapshot, snapshot_s, adapter)
+            # Where the version will be once complete; generators wait for it through the store.
+            published = {**metrics, "weights/dir": str(self.store_root / version_key(version))}
+        # The free memory the step's gathers and snapshot leave, given back once a minute at most;
+        # with `publish_after_reply`, after the step has answered, off its critical path.
+        trim_native_heap_if_due()
+        return published

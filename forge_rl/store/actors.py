@@ -22,7 +22,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_con
 
 from forge_rl.deadlines import within
 from forge_rl.errors import StoreError
-from forge_rl.native_heap import HeapTrimmer
+from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.store.index import SnapshotRecord, VersionIndex
 from forge_rl.store.shm import SharedMemorySnapshots
 
@@ -86,8 +86,6 @@ class StoreIndexActor(Actor):
         self.num_deleted = 0
         self.num_waiting = 0
         """Calls waiting for a policy version that is not complete yet (`wait_for_version`, `acquire_newest`)."""
-        self._heap = HeapTrimmer()
-        """Its process's free native memory, given back at a commit once a minute at most (forge_rl/native_heap.py)."""
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -108,7 +106,7 @@ class StoreIndexActor(Actor):
         collectable = self.index.commit(key, num_bytes, info)
         async with self.changed:
             self.changed.notify_all()
-        self._heap.trim_if_due()
+        trim_native_heap_if_due()  # once a minute at most
         return await self._collect(collectable)
 
     @concurrent_endpoint
