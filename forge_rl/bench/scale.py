@@ -423,7 +423,10 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     # synchronous run's speed, which no single batch size gives at once; this one holds both to the
     # same batch (the best one): what any policy that keeps its engines' batches equal can reach.
     tokens_per_step = sync["generated_tokens_per_s"] * sync["wall_per_step_s"]
-    uniform_floor, uniform_batch = uniform_batch_floor(config, tokens_per_step, sync_train, args.async_max_policy_age)
+    longest = expected_longest_completion(config)
+    uniform_floor, uniform_batch = uniform_batch_floor(
+        config, tokens_per_step, sync_train, args.async_max_policy_age, longest
+    )
     uniform_bound = wall_per_step["sync"] / uniform_floor
     return {
         "sim_async_speedup": speedup,
@@ -433,7 +436,7 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         "sim_efficiency_vs_uniform_batch_bound": speedup / uniform_bound,
         "sim_uniform_batch_floor_s": uniform_floor,
         "sim_uniform_batch_sequences": uniform_batch,
-        "sim_expected_longest_completion_tokens": expected_longest_completion(config),
+        "sim_expected_longest_completion_tokens": longest,
         "sim_pipeline_efficiency": asynchronous["pipeline_efficiency"],
         "sim_sync_wall_per_step_s": wall_per_step["sync"],
         "sim_async_wall_per_step_s": wall_per_step["async"],
@@ -481,15 +484,14 @@ def expected_longest_completion(config: GRPOConfig) -> float:
 
 
 def uniform_batch_floor(
-    config: GRPOConfig, tokens_per_step: float, train_s: float, max_policy_age: int
+    config: GRPOConfig, tokens_per_step: float, train_s: float, max_policy_age: int, longest: float
 ) -> tuple[float, int]:
     """The asynchronous step's floor when every engine decodes batches of one size B, whichever B
     is best (docs/benchmarks.md): min over B of max(T, Gen(B), Lmax x step_s(B) / (A + 1)). A larger
     batch generates a step's tokens sooner (Gen falls) but decodes each sequence's tokens slower,
-    the step's longest completion (Lmax tokens, which must be trained within A + 1 versions of its
-    admission) among them. Returns (floor, B)."""
+    the step's longest completion (`longest` = Lmax tokens, `expected_longest_completion`, which
+    must be trained within A + 1 versions of its admission) among them. Returns (floor, B)."""
     mean_completion = tokens_per_step / (config.prompts_per_step * config.group_size)
-    longest = expected_longest_completion(config)
     floors = []
     for batch in range(1, config.generator.max_num_seqs + 1):
         step_s = _decode_step_s(config, batch, mean_completion)

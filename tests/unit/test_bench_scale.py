@@ -158,11 +158,12 @@ def test_the_uniform_batch_floor_trades_generation_against_the_longest_completio
     """A short train step and a long tail: the best batch is neither the smallest (generation
     would take longest) nor the largest (the longest completion would decode slowest), and the
     floor is no shorter than the train step."""
-    from forge_rl.bench.scale import uniform_batch_floor
+    from forge_rl.bench.scale import expected_longest_completion, uniform_batch_floor
 
     config = _sim_config(time_scale=1.0)
-    floor, batch = uniform_batch_floor(config, tokens_per_step=110_000, train_s=0.01, max_policy_age=8)
+    longest = expected_longest_completion(config)
+    floor, batch = uniform_batch_floor(config, tokens_per_step=110_000, train_s=0.01, max_policy_age=8, longest=longest)
     assert 1 < batch < config.generator.max_num_seqs
     assert floor >= 0.01
-    slow_train, _ = uniform_batch_floor(config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8)
+    slow_train, _ = uniform_batch_floor(config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8, longest=longest)
     assert slow_train == 100.0
