@@ -369,8 +369,8 @@ def test_a_generator_still_swapping_holds_back_the_more_loaded_ones_until_it_ser
         for index in (1, 1, 0, 0):  # the first admission pass runs once all four wait
             tasks.append(asyncio.ensure_future(waiting(index)))
         await wait_until_async(lambda: len(admitted[0]) == 1, "generator 0 admitted once")
-        for _ in range(3):
-            await asyncio.sleep(0)  # further passes, if any, would run here
+        # No admission pass pending: nothing more is admitted until the next change.
+        await wait_until_async(lambda: gate._admission_pass is None, "the admission passes done")
         assert admitted == {0: [1], 1: []}  # held: 0 has one waiting, 1 (swapping) has two
         if swap_ends_by == "serving":
             await gate.generator_serves(1, 1)
