@@ -177,6 +177,25 @@ class RestartingScorer(Generic[Handle]):
         )
         self._serving.set()  # wakes the waiting calls, which raise ScorerFailed
 
+    async def read_stats(self, read: Callable[[Handle], Awaitable[Mapping[str, float]]]) -> None:
+        """Read the serving incarnation's counters with `read(handle)`. A read its incarnation's
+        death interrupts (cancelled by `lost`, or ScorerLost) leaves that incarnation's last read
+        standing: the watchdog restarts it, and the read is not sent again (the next step reads)."""
+        incarnation = self.current
+        if self.state != ScorerState.SERVING or incarnation is None:
+            return
+        task = asyncio.ensure_future(read(incarnation.handle))
+        incarnation.in_flight.add(task)
+        try:
+            self.observed_stats(incarnation, await task)
+        except ScorerLost:
+            pass
+        except asyncio.CancelledError:
+            if not (task.cancelled() and incarnation.loss is not None):
+                raise  # the caller was cancelled, not the dead incarnation's read
+        finally:
+            incarnation.in_flight.discard(task)
+
     def observed_stats(self, incarnation: Incarnation[Handle], stats: Mapping[str, float]) -> None:
         """`stats` were just read from `incarnation` (ignored if it has died since)."""
         if incarnation.loss is None:

@@ -24,7 +24,9 @@ What changes for the caller, and what does not:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
+import threading
 from typing import Any
 
 from monarch.actor import ActorError, Channel, concurrent_endpoint
@@ -126,6 +128,37 @@ class PortCalls:
                 answer.cancel()
             else:
                 answer.set_exception(RuntimeError(f"the reply port stopped: {error!r}"))
+
+
+class BlockingPortCalls:
+    """`PortCalls` for a plain thread that has no event loop and may block (the trainer's weight
+    writer): `calls.call(actor, "commit", ...)` returns the answer, `calls.submit(...)` a
+    concurrent future of it. The calls run on one event loop per process, in a daemon thread of
+    its own, so the port opened there stays open for the life of the process."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _loop_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._calls = PortCalls()
+
+    def __reduce__(self):
+        return (BlockingPortCalls, ())
+
+    def submit(self, actor, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self._calls.call(actor, name, *args, **kwargs), self._event_loop())
+
+    def call(self, actor, name: str, *args, **kwargs) -> Any:
+        return self.submit(actor, name, *args, **kwargs).result()
+
+    @classmethod
+    def _event_loop(cls) -> asyncio.AbstractEventLoop:
+        with cls._loop_lock:
+            if cls._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="forge_rl-blocking-port-calls", daemon=True).start()
+                cls._loop = loop
+            return cls._loop
 
 
 class PortCalled:

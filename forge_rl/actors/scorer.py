@@ -80,7 +80,7 @@ class ScorerActor(PortServed, Actor):
         """Where this scorer runs: its supervisor polls the pid."""
         return {"pid": os.getpid(), "hostname": socket.gethostname()}
 
-    @endpoint
+    @concurrent_endpoint
     async def stats(self) -> dict:
         return self.stage.stats()
 

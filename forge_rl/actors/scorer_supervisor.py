@@ -80,12 +80,7 @@ class ScorerSupervisor(PortServed, RestartingOwner):
     @concurrent_endpoint
     async def stats(self) -> dict:
         """The scorer's counters over all its incarnations, and scorer/restarts."""
-        incarnation = self.restarts.current
-        if self.restarts.state == ScorerState.SERVING:
-            try:
-                self.restarts.observed_stats(incarnation, await incarnation.handle.scorer.stats.call_one())
-            except SupervisionError:  # it just died: its last read counts, the watchdog restarts it
-                pass
+        await self.restarts.read_stats(lambda meshes: _lost_if_dead(self._calls.call(meshes.scorer, "stats")))
         return self.restarts.stats()
 
     @endpoint

@@ -133,7 +133,7 @@ class ScoringStage:
     async def stats(self) -> dict:
         """The stage's counters, read once per step: the scorer's, and the restarts of the
         reference model and the teacher (`reference/restarts`, `teacher/restarts`)."""
-        parts = await asyncio.gather(*(owner.stats.call_one() for owner in self.owners))
+        parts = await asyncio.gather(*(self.calls.call(owner, "stats") for owner in self.owners))
         return {key: value for part in parts for key, value in part.items()}
 
     async def recovery_events(self) -> list[dict]:

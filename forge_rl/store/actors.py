@@ -20,6 +20,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
 
+from forge_rl.actors.port_calls import PortCalls, PortServed
 from forge_rl.deadlines import within
 from forge_rl.errors import StoreError
 from forge_rl.native_heap import trim_native_heap_if_due
@@ -78,9 +79,13 @@ async def find_index(root: Path | str) -> StoreIndexActor:
     return await get_or_spawn_controller(index_name(root), StoreIndexActor)
 
 
-class StoreIndexActor(Actor):
+class StoreIndexActor(PortServed, Actor):
+    """Readers and writers call it on ports (`PortCalls`): a generator leases every version and a
+    trainer commits every version, so a long run makes millions of these calls."""
+
     def __init__(self, keep_latest: int = 1):
         self.index = VersionIndex(keep_latest)
+        self._calls = PortCalls()  # the volumes' `delete`
         self.volumes: dict[str, StorageVolumeActor] = {}
         self._changed: asyncio.Condition | None = None
         self.num_deleted = 0
@@ -194,12 +199,12 @@ class StoreIndexActor(Actor):
             for location in record.locations:
                 volume = self.volumes.get(location)
                 if volume is not None:
-                    await volume.delete.call_one(record.key)
+                    await self._calls.call(volume, "delete", record.key)
         self.num_deleted += len(records)
         return keys
 
 
-class StorageVolumeActor(Actor):
+class StorageVolumeActor(PortServed, Actor):
     """The snapshots under one /dev/shm directory of one host."""
 
     def __init__(self, root: str, extra_files_dir: str | None = None):
@@ -223,8 +228,9 @@ class StorageVolumeActor(Actor):
         buffer, mapped = self._rdma[key]
         return buffer, mapped.numel()
 
-    @endpoint
+    @concurrent_endpoint
     async def delete(self, key: str) -> None:
+        """Called once per key (the index forgets a record before it deletes it)."""
         registered = self._rdma.pop(key, None)
         if registered is not None:
             await registered[0].drop()

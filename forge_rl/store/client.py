@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from forge_rl.actors.port_calls import BlockingPortCalls, PortCalls
 from forge_rl.store.actors import location_of, split_location
 from forge_rl.store.host_copies import HostCopies
 from forge_rl.store.index import ADAPTER_OF, key_version, version_key
@@ -94,6 +95,10 @@ class WeightStore:
         checksum: bool = True,
     ):
         self.index = index
+        self._calls = PortCalls()
+        """The index's calls (forge_rl/actors/port_calls.py): a reader leases every version it loads."""
+        self._blocking_calls = BlockingPortCalls()
+        """The same for `put_state_dict_blocking`, which runs in a writer thread without an event loop."""
         self.local = SharedMemorySnapshots(Path(root), Path(extra_files_dir) if extra_files_dir else None)
         self.location = location_of(root)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{next(_clients)}"
@@ -134,17 +139,17 @@ class WeightStore:
         beside the weights (`SharedMemorySnapshots.write`), and travel in the record to readers
         that fetch the snapshot to another host."""
         info = {"publish_started_at": time.time(), **(info or {})}
-        begun = self.index.begin.call_one(key, self.location)  # its round trip overlaps the write
+        begun = self._blocking_calls.submit(self.index, "begin", key, self.location)  # its round trip overlaps the write
         try:
             stats = self.local.write(key, state_dict, dtype, self.checksum, files=info.get(FILES),
                                      weights_links=tuple(info.get(WEIGHTS_LINKS, ())))
-            begun.get()
+            begun.result()
         except BaseException:
-            self.index.abort.call_one(key).get()
+            self._blocking_calls.call(self.index, "abort", key)
             raise
         info.update(write_s=stats.write_s, recycled=stats.recycled, checksums=bool(stats.layout.checksums),
                     committed_at=time.time())
-        self.index.commit.call_one(key, stats.num_bytes, info).get()
+        self._blocking_calls.call(self.index, "commit", key, stats.num_bytes, info)
         return stats
 
     async def get_state_dict(
@@ -163,14 +168,14 @@ class WeightStore:
                 return user_state_dict
 
     async def keys(self, prefix: str | None = None) -> list[str]:
-        return await self.index.keys.call_one(prefix)
+        return await self._calls.call(self.index, "keys", prefix)
 
     async def exists(self, key: str) -> bool:
-        return await self.index.exists.call_one(key)
+        return await self._calls.call(self.index, "exists", key)
 
     async def delete(self, key: str) -> None:
         """Delete `key` now, or once the last reader releases it."""
-        await self.index.delete.call_one(key)
+        await self._calls.call(self.index, "delete", key)
 
     # Policy versions ----------------------------------------------------------------------------
 
@@ -195,10 +200,10 @@ class WeightStore:
         return self.put_state_dict_blocking(peft_tensors, version_key(policy_version), info=info)
 
     async def latest_version(self) -> int | None:
-        return await self.index.latest_version.call_one()
+        return await self._calls.call(self.index, "latest_version")
 
     async def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
-        return await self.index.wait_for_version.call_one(min_version, timeout_s)
+        return await self._calls.call(self.index, "wait_for_version", min_version, timeout_s)
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -208,9 +213,9 @@ class WeightStore:
         """Hold snapshot `key` readable on this host. Without a key: the newest policy version,
         once one >= `min_version` is complete (waiting for it, then leasing it, atomically)."""
         if key is None and min_version is not None:
-            record = await self.index.acquire_newest.call_one(self.client_id, min_version, timeout_s)
+            record = await self._calls.call(self.index, "acquire_newest", self.client_id, min_version, timeout_s)
         else:
-            record = await self.index.acquire.call_one(self.client_id, key)
+            record = await self._calls.call(self.index, "acquire", self.client_id, key)
         key = record["key"]
         snapshot = None
         try:
@@ -219,11 +224,11 @@ class WeightStore:
         finally:
             if snapshot is not None and snapshot.holder is not None:
                 await self._copies().release(key, snapshot.holder)
-            await self.index.release.call_one(self.client_id, key)
+            await self._calls.call(self.index, "release", self.client_id, key)
 
     async def close(self) -> None:
         """Release every lease this client still holds (a reader that stops)."""
-        await self.index.drop_reader.call_one(self.client_id)
+        await self._calls.call(self.index, "drop_reader", self.client_id)
         if self._host_copies is not None:
             await self._host_copies.close()
 
@@ -248,7 +253,7 @@ class WeightStore:
         started = time.perf_counter()
 
         async def fetch(snapshots: SharedMemorySnapshots) -> None:
-            volume = await self.index.volume.call_one(record["locations"][0])
+            volume = await self._calls.call(self.index, "volume", record["locations"][0])
             buffer, num_bytes = await volume.rdma_buffer.call_one(key)
             destination = snapshots.reserve(key, num_bytes)
             try:

@@ -12,7 +12,7 @@ import threading
 import pytest
 from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
-from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
+from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,20 @@ class Caller(Actor):
         except TypeError as e:
             out["plain"] = str(e)
         out["through_handle"] = await PortCalled(served, calls).double.call_one(4)
+        out["from_a_thread"] = await asyncio.to_thread(self._blocking_calls, served)
         return out
+
+    @staticmethod
+    def _blocking_calls(served) -> list:
+        """From a plain thread, as the trainer's weight writer calls the store's index."""
+        blocking = BlockingPortCalls()
+        submitted = blocking.submit(served, "double", 3)
+        answers = [blocking.call(served, "double", 5), submitted.result()]
+        try:
+            blocking.call(served, "fail", "key")
+        except Exception as e:
+            answers.append(type(raised_by_actor(e)).__name__)
+        return answers
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +125,7 @@ def test_answers_reach_their_own_requests_whatever_the_order(results):
     assert results["held"] == [0, 1, 2]
     assert results["pending_after"] == 0
     assert results["through_handle"] == 8
+    assert results["from_a_thread"] == [10, 6, "KeyError"]
 
 
 def test_an_endpoint_error_comes_back_to_its_caller_with_its_type_and_an_unpicklable_one_as_text(results):

@@ -140,6 +140,26 @@ def test_counters_add_up_over_incarnations_and_a_rescored_completion_counts_once
     assert asyncio.run(main()) == {"scorer/completions": 3, "scorer/restarts": 1}
 
 
+def test_a_stats_read_its_scorer_never_answers_is_ended_by_the_death_and_the_last_read_stands():
+    """Stats are read on a port (forge_rl/actors/port_calls.py): a dead scorer never answers, so
+    the watchdog's `lost` ends the read, and the dead incarnation's last read is carried over."""
+
+    async def main():
+        processes = FakeScorerProcesses()
+        restarts = RestartingScorer(processes.start, processes.retire, max_restarts=3)
+        await restarts.start()
+        await restarts.read_stats(lambda incarnation: asyncio.sleep(0, {"scorer/completions": 4}))
+        never_answered = asyncio.Event()
+        read = asyncio.ensure_future(restarts.read_stats(lambda incarnation: never_answered.wait()))
+        await until(lambda: len(restarts.current.in_flight) == 1)
+        restarts.lost(restarts.current, "a scorer-side process exited")
+        await read  # returns: the read was the dead incarnation's, not the caller's, to cancel
+        await until(lambda: restarts.state == ScorerState.SERVING)
+        return restarts.stats()
+
+    assert asyncio.run(main()) == {"scorer/completions": 4, "scorer/restarts": 1}
+
+
 def test_a_scorer_that_keeps_dying_stops_the_run_naming_the_cause_and_the_flag():
     async def main():
         processes = FakeScorerProcesses(failing_starts=(3,))
