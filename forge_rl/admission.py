@@ -120,7 +120,6 @@ class AdmissionGate:
         max_policy_age: int,
         max_episodes_queued: int,
         admission: Literal["pause", "drop"] = "pause",
-        drain_for_stragglers: bool = False,
     ):
         if max_episodes_queued < episodes_per_step:
             raise ValueError(
@@ -131,7 +130,6 @@ class AdmissionGate:
         self.max_policy_age = max_policy_age
         self.max_episodes_queued = max_episodes_queued
         self.admission = admission
-        self.drain_for_stragglers = drain_for_stragglers
         self.generator_versions = [0] * num_generators
         """Policy version each generator serves now."""
         self.generator_targets = [0] * num_generators
@@ -144,8 +142,6 @@ class AdmissionGate:
         dropped as stale: in flight or buffered."""
         self.in_flight_versions: collections.Counter[int] = collections.Counter()
         """Start version of each episode still being generated or scored."""
-        self.in_flight_by_generator = [collections.Counter() for _ in range(num_generators)]
-        """`in_flight_versions` per generator."""
         self._changed = asyncio.Condition()
         """Wakes the train loop's `wait_for_batch`."""
         self._waiting: list[collections.deque[_Waiter]] = [collections.deque() for _ in range(num_generators)]
@@ -165,24 +161,12 @@ class AdmissionGate:
             return False  # the buffer could not take them: wait for the trainer
         if self.admission == "drop":
             return True
-        if self.draining(generator_index):
-            return False
         generator_version = self.generator_versions[generator_index]
         if generator_version + self.max_policy_age < self.next_train_version:
             return False  # too old for any step still to come: wait for the swap
         queued = overdue_as_due_now(self.queued_versions, self.next_train_version, self.max_policy_age)
         queued[generator_version] += num_new_episodes
         return schedule_is_feasible(queued, self.next_train_version, self.episodes_per_step, self.max_policy_age)
-
-    def draining(self, generator_index: int) -> bool:
-        """With `drain_for_stragglers`: whether generator `generator_index` decodes an episode the
-        next batch must include (admitted at next_train_version - max_policy_age or earlier). It
-        starts nothing until that one is done, so its batch empties and the straggler, which the
-        train loop waits for, decodes faster."""
-        if not self.drain_for_stragglers:
-            return False
-        last_chance = self.next_train_version - self.max_policy_age
-        return any(count and version <= last_chance for version, count in self.in_flight_by_generator[generator_index].items())
 
     def may_sample_batch(self) -> bool:
         if self.admission == "drop":
@@ -214,7 +198,7 @@ class AdmissionGate:
         except asyncio.CancelledError:
             if waiter.admitted.done() and not waiter.admitted.cancelled():
                 # Admitted, then cancelled before it could run: the admission goes back.
-                await self.settle(generator_index, waiter.admitted.result(), num_episodes, num_not_queued=num_episodes)
+                await self.settle(waiter.admitted.result(), num_episodes, num_not_queued=num_episodes)
             elif waiter in queue:
                 queue.remove(waiter)
                 self._num_waiting -= 1
@@ -225,7 +209,6 @@ class AdmissionGate:
         start_version = self.generator_versions[generator_index]
         self.queued_versions[start_version] += num_episodes
         self.in_flight_versions[start_version] += num_episodes
-        self.in_flight_by_generator[generator_index][start_version] += num_episodes
         return start_version
 
     def _admit_waiting(self) -> None:
@@ -264,8 +247,6 @@ class AdmissionGate:
             if not queue or len(queue) < held_below:
                 continue
             waiter = queue[0]
-            if self.admission == "pause" and self.draining(index):
-                continue  # its own state, not the version's: the refusal below is no one else's
             key = (self.generator_versions[index], waiter.num_episodes)
             if key not in refused:
                 if admitted == ADMISSIONS_PER_TURN:
@@ -294,12 +275,10 @@ class AdmissionGate:
         async with self._changed:
             self._changed.notify_all()
 
-    async def settle(self, generator_index: int, start_version: int, num_episodes: int, num_not_queued: int) -> None:
-        """`num_episodes` admitted at `start_version` on generator `generator_index` left flight;
-        `num_not_queued` of them did not reach the buffer (filtered, dropped at entry, or handed
-        out again after a generator died)."""
+    async def settle(self, start_version: int, num_episodes: int, num_not_queued: int) -> None:
+        """`num_episodes` admitted at `start_version` left flight; `num_not_queued` of them did not
+        reach the buffer (filtered, dropped at entry, or handed out again after a generator died)."""
         _remove(self.in_flight_versions, [start_version] * num_episodes)
-        _remove(self.in_flight_by_generator[generator_index], [start_version] * num_episodes)
         _remove(self.queued_versions, [start_version] * num_not_queued)
         await self._notify()
 

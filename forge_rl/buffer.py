@@ -51,11 +51,6 @@ class BufferConfig:
     generation never waits for the bound; episodes that grow too old are dropped (and counted,
     with their lengths, which skew long: `buffer/dropped_completion_len_*` vs
     `buffer/trained_completion_len_*`)."""
-    drain_for_stragglers: bool = False
-    """With admission pause: a generator decoding an episode that the next batch must include (its
-    last chance under the age bound, so the train loop waits for it) starts nothing new until that
-    episode is done: its engine's batch empties and the straggler decodes faster (a decode step is
-    quicker with fewer sequences). In synchronous RL nothing more could start anyway."""
     sampling: Literal["fifo", "freshest"] = "fifo"
     """Which episodes a batch takes first. fifo: the earliest admitted first (`Episode.schedule_version`:
     the version its rollout started at), in arrival order within a version, so an episode that

@@ -108,7 +108,6 @@ class Rollouts:
             max_policy_age=config.buffer.max_policy_age,
             max_episodes_queued=config.max_episodes_queued,
             admission=config.buffer.admission,
-            drain_for_stragglers=config.buffer.drain_for_stragglers,
         )
         self.buffer = WaitingBuffer(config.buffer)
         self.accounting = PromptAccounting()
@@ -333,7 +332,7 @@ class Rollouts:
             try:
                 prompts = [self.requeued.popleft()] if self.requeued else self._next_prompts()
             except BaseException:
-                await self.gate.settle(index, start_version, 1, num_not_queued=1)  # the admission goes back
+                await self.gate.settle(start_version, 1, num_not_queued=1)  # the admission goes back
                 raise
             prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
             try:
@@ -344,9 +343,9 @@ class Rollouts:
             except BaseException as e:
                 if isinstance(e, asyncio.CancelledError):  # the run ended (nothing else cancels a rollout)
                     self.cut_at_stop.update(prompt.episode_id for prompt in prompts)
-                await self.gate.settle(index, start_version, len(prompts), num_not_queued=len(prompts))
+                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
                 raise
-            await self.gate.settle(index, start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
+            await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
 
     async def _rollout(self, index: int, prompts: list[Episode]) -> int:
         """Generate, score and buffer `prompts` on generator `index`; returns how many reached the buffer."""
@@ -414,7 +413,7 @@ class Rollouts:
         """The generator died mid-request: its prompts go out again once it (replaced) serves."""
         self.requeued.extend(prompts)
         self.accounting.requeued += len(prompts)
-        await self.gate.settle(index, start_version, len(prompts), num_not_queued=len(prompts))
+        await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
         self.calls["generators.wait_until_serving"] += 1
         loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
         await self.gate.generator_serves(index, loaded_version)

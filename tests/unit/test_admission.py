@@ -36,7 +36,7 @@ def test_a_generator_with_old_weights_waits_for_the_swap():
     async def scenario():
         gate = make_gate(max_policy_age=1, episodes_per_step=1)
         for _ in range(2):
-            await gate.settle(0, await gate.admit(0), 1, num_not_queued=0)
+            await gate.settle(await gate.admit(0), 1, num_not_queued=0)
             await gate.took_batch([0], [])
         assert not gate.may_start_rollout(0)  # generated at 0, trained at 2 at the earliest
         await gate.generator_serves(0, 1)
@@ -85,18 +85,18 @@ def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need
         gate = make_gate(max_policy_age=2, episodes_per_step=1)
         assert [await gate.admit(0) for _ in range(3)] == [0, 0, 0]
         assert not gate.may_start_rollout(0)  # a 4th at version 0 would be trained at 3
-        await gate.settle(0, 0, 1, num_not_queued=0)  # episode 2 arrives
+        await gate.settle(0, 1, num_not_queued=0)  # episode 2 arrives
         assert gate.may_sample_batch()
         await gate.took_batch([0], [])
         await gate.generator_serves(0, 1)
         assert await gate.admit(0) == 1  # episode 3
-        await gate.settle(0, 1, 1, num_not_queued=0)  # episode 3 arrives before 0 and 1
+        await gate.settle(1, 1, num_not_queued=0)  # episode 3 arrives before 0 and 1
         assert not gate.may_sample_batch()
-        await gate.settle(0, 0, 1, num_not_queued=0)  # episode 0 arrives; the buffer serves it first
+        await gate.settle(0, 1, num_not_queued=0)  # episode 0 arrives; the buffer serves it first
         assert gate.may_sample_batch()
         await gate.took_batch([0], [])
         assert not gate.may_sample_batch()  # step 2 is episode 1's last chance
-        await gate.settle(0, 0, 1, num_not_queued=0)
+        await gate.settle(0, 1, num_not_queued=0)
         assert gate.may_sample_batch()
 
     run(scenario())
@@ -108,10 +108,9 @@ def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need
     num_generators=st.integers(1, 3),
     episodes_per_step=st.integers(1, 3),
     max_policy_age=st.integers(0, 3),
-    drain_for_stragglers=st.booleans(),
 )
 def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_never_stalls(
-    data, num_generators, episodes_per_step, max_policy_age, drain_for_stragglers
+    data, num_generators, episodes_per_step, max_policy_age
 ):
     """Any order of admissions, arrivals (out of order), weight updates (generators lagging) and
     steps: every batch, served earliest-admitted first as the buffer does, trains only episodes
@@ -122,9 +121,8 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
 
     async def scenario():
         gate = make_gate(max_policy_age=max_policy_age, episodes_per_step=episodes_per_step,
-                         max_episodes_queued=max_queued, num_generators=num_generators,
-                         drain_for_stragglers=drain_for_stragglers)
-        in_flight: list[tuple[int, int]] = []  # (generator, start version)
+                         max_episodes_queued=max_queued, num_generators=num_generators)
+        in_flight: list[int] = []  # start versions
         buffered: list[int] = []  # start versions, in arrival order
         waiting_step = False  # the gate let a step go; the buffer is waiting for a full batch
 
@@ -143,12 +141,11 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
             assert events, f"stalled: {gate.queued_versions=} {gate.in_flight_versions=} {buffered=}"
             event = data.draw(st.sampled_from(events))
             if event == "start":
-                generator = data.draw(st.sampled_from(starts))
-                in_flight.append((generator, await gate.admit(generator)))
+                in_flight.append(await gate.admit(data.draw(st.sampled_from(starts))))
             elif event == "arrive":
-                generator, version = in_flight.pop(data.draw(st.integers(0, len(in_flight) - 1)))
+                version = in_flight.pop(data.draw(st.integers(0, len(in_flight) - 1)))
                 buffered.append(version)
-                await gate.settle(generator, version, 1, num_not_queued=0)
+                await gate.settle(version, 1, num_not_queued=0)
             elif event == "step":
                 waiting_step = True
             else:
@@ -171,13 +168,8 @@ def num_waiting(gate: AdmissionGate) -> int:
     return sum(len(queue) for queue in gate._waiting)
 
 
-def make_gate(
-    admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1,
-    drain_for_stragglers=False,
-):
-    return AdmissionGate(
-        num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission, drain_for_stragglers
-    )
+def make_gate(admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1):
+    return AdmissionGate(num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission)
 
 
 @pytest.mark.parametrize("admission,gated", [("pause", True), ("drop", False)])
@@ -188,7 +180,7 @@ def test_admission_mode_decides_whether_rollouts_wait_for_the_age_bound(admissio
         # is still generating while the trainer is about to train version 0.
         for _ in range(2):
             start = await gate.admit(0)
-            await gate.settle(0, start, 1, num_not_queued=0)
+            await gate.settle(start, 1, num_not_queued=0)
         if admission == "pause":
             gate.queued_versions[0], gate.in_flight_versions[0] = 3, 1
         else:
@@ -211,7 +203,7 @@ def test_the_gate_never_admits_more_episodes_than_the_buffer_holds():
         waiter = asyncio.ensure_future(gate.admit(0))
         await asyncio.sleep(0)  # lets the waiter reach its wait (no time passes)
         assert not waiter.done()
-        await gate.settle(0, 0, 3, num_not_queued=0)
+        await gate.settle(0, 3, num_not_queued=0)
         await gate.took_batch([0, 0], [])
         assert await asyncio.wait_for(waiter, 5) == 0
 
@@ -234,7 +226,7 @@ def test_a_generator_serving_a_newer_version_is_admitted_again():
     async def scenario():
         gate = make_gate(max_policy_age=0, episodes_per_step=1)
         start = await gate.admit(0)
-        await gate.settle(0, start, 1, num_not_queued=0)
+        await gate.settle(start, 1, num_not_queued=0)
         await gate.took_batch([0], [])  # trained version 0; the next batch trains at 1
         assert not gate.may_start_rollout(0)  # generated at 0, trained at 1: too old for age 0
         await gate.generator_serves(0, 1)
@@ -263,7 +255,7 @@ def test_a_change_spreads_its_admissions_over_the_generators_and_wakes_no_other_
         checks = []
         may_start = gate.may_start_rollout
         gate.may_start_rollout = lambda index, n=1: checks.append(index) or may_start(index, n)
-        await gate.settle(0, 0, 2, num_not_queued=2)  # two episodes filtered: room for two
+        await gate.settle(0, 2, num_not_queued=2)  # two episodes filtered: room for two
         await wait_until_async(lambda: waiters[1, 0].done() and waiters[2, 0].done(), "one rollout each admitted")
         assert {key for key, waiter in waiters.items() if waiter.done()} == {(1, 0), (2, 0)}
         assert checks == [1, 2, 0]  # one each, then one look at version 0 for all the rest
@@ -295,7 +287,7 @@ def test_admissions_go_first_to_the_generator_with_the_most_rollouts_waiting():
             for _ in range(count):
                 tasks.append(asyncio.ensure_future(waiting(index)))
                 await wait_until_async(lambda: num_waiting(gate) == len(tasks), "the rollout waiting")
-        await gate.settle(0, 0, 3, num_not_queued=3)  # room for three
+        await gate.settle(0, 3, num_not_queued=3)  # room for three
         await wait_until_async(lambda: len(order) == 3, "three admitted")
         assert order == [1, 1, 0]  # 4 vs 2 waiting, then 3 vs 2, then 2 vs 2: the earlier first waiter
         for task in tasks:
@@ -318,7 +310,7 @@ def test_rollouts_stopped_while_others_settle_leave_nothing_counted():
             try:
                 await asyncio.Event().wait()  # generating until the stop
             finally:
-                await gate.settle(index, start, 1, num_not_queued=1)
+                await gate.settle(start, 1, num_not_queued=1)
 
         tasks = [asyncio.ensure_future(rollout(index)) for index in (0, 1, 0, 1)]
         await wait_until_async(lambda: num_waiting(gate) == 2, "two admitted (the capacity), two waiting")
@@ -338,7 +330,7 @@ def test_an_admission_pass_admits_at_most_a_bounded_number_of_rollouts_per_event
 
     async def scenario():
         gate = make_gate(max_policy_age=0, episodes_per_step=64, max_episodes_queued=64)
-        await gate.settle(0, await gate.admit(0), 1, num_not_queued=0)
+        await gate.settle(await gate.admit(0), 1, num_not_queued=0)
         await gate.took_batch([0], [])  # the next batch trains at 1: version 0 is too old now
         waiters = [asyncio.ensure_future(gate.admit(0)) for _ in range(40)]
         await wait_until_async(lambda: num_waiting(gate) == 40, "40 rollouts waiting")
@@ -394,33 +386,3 @@ def test_a_generator_still_swapping_holds_back_the_more_loaded_ones_until_it_ser
 
     run(scenario())
 
-
-
-@pytest.mark.parametrize("drain_for_stragglers", [True, False])
-def test_a_generator_decoding_the_next_batchs_straggler_starts_nothing_until_it_is_done(drain_for_stragglers):
-    """Age 1, one episode a step, two generators. Generator 0 decodes an episode admitted at
-    version 0: the batch trained at version 1 is its last chance. Draining, generator 0 starts
-    nothing new once that batch is next (its engine's batch empties, so the straggler the train
-    loop waits for decodes faster); generator 1 is not held back, and generator 0's waiter
-    starts once the straggler is done. Not draining, it starts at once."""
-
-    async def scenario():
-        gate = make_gate(max_policy_age=1, episodes_per_step=1, num_generators=2,
-                         drain_for_stragglers=drain_for_stragglers)
-        straggler = await gate.admit(0)
-        assert not gate.draining(0)  # two batches may still take it
-        await gate.settle(1, await gate.admit(1), 1, num_not_queued=0)  # generator 1's episode arrives
-        await gate.took_batch([0], [])  # the next batch trains at version 1: the straggler's last chance
-        await gate.generator_serves(0, 1)
-        await gate.generator_serves(1, 1)
-        assert gate.draining(0) is drain_for_stragglers
-        assert not gate.draining(1) and gate.may_start_rollout(1)
-        waiter = asyncio.ensure_future(gate.admit(0))
-        await wait_until_async(lambda: waiter.done() or num_waiting(gate) == 1, "the rollout admitted or waiting")
-        await wait_until_async(lambda: waiter.done() or gate._admission_pass is None, "the admission pass")
-        assert waiter.done() is not drain_for_stragglers
-        await gate.settle(0, straggler, 1, num_not_queued=0)  # the straggler arrives
-        assert await asyncio.wait_for(waiter, 5) == 1
-        assert not gate.draining(0)
-
-    run(scenario())
