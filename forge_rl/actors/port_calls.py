@@ -93,6 +93,9 @@ class PortCalls:
             self._reply_to, self._receiver = Channel.open()
             self._reader = asyncio.ensure_future(self._read())
             self._reader.add_done_callback(self._reader_ended)
+            # The reader waits for as long as its event loop runs: pending when a process exits is
+            # its normal end (BlockingPortCalls' loop never stops), not a task someone forgot.
+            self._reader._log_destroy_pending = False
         request = next(self._requests)
         answer = self._pending[request] = asyncio.get_running_loop().create_future()
         try:
