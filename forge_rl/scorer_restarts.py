@@ -35,7 +35,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from forge_rl.errors import ScorerFailed, ScorerLost
 from forge_rl.metrics import progress
