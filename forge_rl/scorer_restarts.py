@@ -112,20 +112,29 @@ class RestartingScorer(Generic[Handle]):
         once the scorer is FAILED; any other error of `request` reaches the caller unchanged."""
         while True:
             incarnation = await self.serving()
-            task = asyncio.ensure_future(request(incarnation.handle))
-            incarnation.in_flight.add(task)
             try:
-                return await task
+                return await self._in_flight_on(incarnation, request)
             except ScorerLost as e:
-                self.lost(incarnation, f"a scoring call failed: {e}")
+                self.lost(incarnation, f"a scoring call failed: {e}")  # ignored if `lost` already knew
                 if incarnation.loss is None:
                     raise  # the run is stopping: nothing replaces it
-            except asyncio.CancelledError:
-                if not (task.cancelled() and incarnation.loss is not None):
-                    raise  # the caller was cancelled, not the dead incarnation's call
-            finally:
-                incarnation.in_flight.discard(task)
             incarnation.loss["episodes_rescored"] += num_episodes
+
+    async def _in_flight_on(
+        self, incarnation: Incarnation[Handle], request: Callable[[Handle], Awaitable[Result]]
+    ) -> Result:
+        """`request(handle)` as one of `incarnation`'s calls in flight, which its death (`lost`)
+        cancels: that cancellation is raised as ScorerLost, the caller's own as itself."""
+        task = asyncio.ensure_future(request(incarnation.handle))
+        incarnation.in_flight.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and incarnation.loss is not None:
+                raise ScorerLost(f"{self.role} incarnation {incarnation.number} died during the call") from None
+            raise  # the caller was cancelled, not the dead incarnation's call
+        finally:
+            incarnation.in_flight.discard(task)
 
     async def serving(self) -> Incarnation[Handle]:
         """The serving incarnation, once there is one; raises ScorerFailed when there never will be."""
@@ -184,17 +193,10 @@ class RestartingScorer(Generic[Handle]):
         incarnation = self.current
         if self.state != ScorerState.SERVING or incarnation is None:
             return
-        task = asyncio.ensure_future(read(incarnation.handle))
-        incarnation.in_flight.add(task)
         try:
-            self.observed_stats(incarnation, await task)
+            self.observed_stats(incarnation, await self._in_flight_on(incarnation, read))
         except ScorerLost:
             pass
-        except asyncio.CancelledError:
-            if not (task.cancelled() and incarnation.loss is not None):
-                raise  # the caller was cancelled, not the dead incarnation's read
-        finally:
-            incarnation.in_flight.discard(task)
 
     def observed_stats(self, incarnation: Incarnation[Handle], stats: Mapping[str, float]) -> None:
         """`stats` were just read from `incarnation` (ignored if it has died since)."""

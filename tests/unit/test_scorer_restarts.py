@@ -148,7 +148,11 @@ def test_a_stats_read_its_scorer_never_answers_is_ended_by_the_death_and_the_las
         processes = FakeScorerProcesses()
         restarts = RestartingScorer(processes.start, processes.retire, max_restarts=3)
         await restarts.start()
-        await restarts.read_stats(lambda incarnation: asyncio.sleep(0, {"scorer/completions": 4}))
+
+        async def answered(incarnation):
+            return {"scorer/completions": 4}
+
+        await restarts.read_stats(answered)
         never_answered = asyncio.Event()
         read = asyncio.ensure_future(restarts.read_stats(lambda incarnation: never_answered.wait()))
         await until(lambda: len(restarts.current.in_flight) == 1)
