@@ -1,11 +1,23 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
+from forge_rl.models.tiny import CACHE_ENV
+
 # Two cores are shared by the engine, the trainer ranks and pytest itself.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Tiny models are built once per session and copied after (forge_rl/models/tiny.py): every run a
+# test starts (its processes inherit the variable) skips the ~5 s build, and no test reads what an
+# earlier session, or the user's own runs, left in ~/.cache.
+_TINY_MODEL_CACHE = tempfile.mkdtemp(prefix="forge_rl_test_cache-")
+os.environ[CACHE_ENV] = _TINY_MODEL_CACHE
+atexit.register(shutil.rmtree, _TINY_MODEL_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,11 +4,23 @@ HF model directory.
 The directory holds config.json, model.safetensors, generation_config.json, tokenizer.json and
 tokenizer_config.json: what vLLM, `transformers` and the TorchTitan trainer all read. Nothing is
 downloaded. head_dim must be >= 32 because vLLM's CPU attention backend rejects 16.
+
+A model is built once per (config, alphabet, transformers version) and kept in a cache
+(`tiny_model_cache_dir`); later runs copy it. Building it means importing `transformers`' modeling
+code, about 5 s of a 2-core machine's start-up of every run, on the controller's critical path
+before any process is spawned; the copy is the same bytes (the seed fixes the weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from forge_rl.tasks import tokenizer as char_tokenizer
@@ -62,9 +74,54 @@ class TinyModelConfig:
             )
 
 
+CACHE_ENV = "FORGE_RL_CACHE_DIR"
+_CACHE_FORMAT = 1
+"""Part of every cache key: raise it when what `_build_tiny_model` writes changes."""
+
+
+def tiny_model_cache_dir() -> Path:
+    """Where built tiny models are kept: $FORGE_RL_CACHE_DIR/tiny-models, else
+    $XDG_CACHE_HOME/forge_rl/tiny-models (~/.cache/forge_rl/tiny-models). Safe to delete."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]) / "tiny-models"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forge_rl" / "tiny-models"
+
+
+def _cache_key(config: TinyModelConfig, alphabet: str) -> str:
+    """What the built files depend on: the config, the alphabet, the transformers that wrote them."""
+    identity = {
+        "format": _CACHE_FORMAT, "config": dataclasses.asdict(config), "alphabet": alphabet,
+        "transformers": version("transformers"),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+
+
 def create_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str = char_tokenizer.ALPHABET) -> Path:
     """Write a randomly initialized tiny Llama (Qwen3-MoE with `num_experts`) with the character
-    tokenizer of `alphabet` into `model_dir` (one embedding row per special token and character)."""
+    tokenizer of `alphabet` into `model_dir` (one embedding row per special token and character),
+    from the cache when it holds the same model (module docstring)."""
+    model_dir = Path(model_dir)
+    cached = tiny_model_cache_dir() / _cache_key(config, alphabet)
+    if not cached.is_dir():
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            building = Path(tempfile.mkdtemp(prefix=".building-", dir=cached.parent))
+        except OSError:  # a read-only or full cache: build in place, as without one
+            return _build_tiny_model(config, model_dir, alphabet)
+        try:
+            _build_tiny_model(config, building, alphabet)
+            os.rename(building, cached)  # atomic: a reader sees the whole directory or none
+        except OSError:
+            pass  # another process put it there first (same bytes), or the cache is full
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        if not cached.is_dir():
+            return _build_tiny_model(config, model_dir, alphabet)
+    shutil.copytree(cached, model_dir, dirs_exist_ok=True)
+    return model_dir
+
+
+def _build_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str) -> Path:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -98,8 +155,10 @@ def create_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str = 
         pad_token_id=tokenizer.token_to_id(char_tokenizer.PAD),
         torch_dtype="float32",
     )
-    torch.manual_seed(config.seed)
-    model = model_cls(hf_config)
+    # The caller's random state is left as it was, as on a cache hit, which builds nothing.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = model_cls(hf_config)
     model.save_pretrained(model_dir, safe_serialization=True)
     GenerationConfig(
         bos_token_id=hf_config.bos_token_id,
