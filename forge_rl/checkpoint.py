@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
-
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_DIR = "trainer"
 CONTROLLER_FILE = "controller.json"
@@ -180,6 +178,7 @@ def read_controller_state(checkpoint: Path) -> ControllerState:
 def capture_rng_state() -> dict[str, Any]:
     """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values."""
     import numpy as np
+    import torch  # here: CheckpointConfig is read by the controller and the CLI, which need no torch
 
     version, internal, gauss = random.getstate()
     numpy_state = np.random.get_state(legacy=False)
@@ -193,6 +192,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
+    import torch
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

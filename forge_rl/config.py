@@ -21,15 +21,15 @@ from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
-from forge_rl.models.lora import check_rank, check_targets, llama_layer_shapes
-from forge_rl.models.titan import read_hf_config, validate_parallelism
+from forge_rl.models.lora_config import check_rank, check_targets, llama_layer_shapes
+from forge_rl.models.parallel import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.reference import ReferenceConfig
 from forge_rl.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
-from forge_rl.trainer import TrainerConfig
+from forge_rl.trainer_config import TrainerConfig
 from forge_rl.errors import ConfigError
 
 

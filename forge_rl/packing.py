@@ -31,8 +31,8 @@ from typing import Callable
 import torch
 
 from forge_rl.batching import empty_kept_set, token_entropy, token_logprobs
+from forge_rl.trainer_config import BATCHING_MODES
 
-BATCHING_MODES = ("pad", "bucket", "pack")
 # Each forward pass has a fixed cost (kernel launches, Python, FSDP all-gathers per block); 4
 # buckets remove most of a long tail's padding for that cost.
 NUM_BUCKETS = 4

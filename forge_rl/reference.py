@@ -12,12 +12,13 @@ With kl_beta = 0 (the default) nothing of this runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from forge_rl.models.titan import ParallelConfig
+from forge_rl.models.parallel import ParallelConfig
 from forge_rl.types import Episode
+
+if TYPE_CHECKING:  # the config is read by the controller and the CLI, which need no torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
+from typing import TYPE_CHECKING
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from forge_rl.actors.frozen_model import FrozenModelActor
 from forge_rl.actors.generator_pool import stop_quietly
 from forge_rl.actors.port_calls import PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
@@ -52,6 +52,10 @@ from forge_rl.reference import ReferenceConfig
 from forge_rl.scorer_restarts import RestartingScorer
 from forge_rl.teacher import TeacherVersions
 from forge_rl.types import Episode
+
+if TYPE_CHECKING:  # imported where spawned: it needs torch, which the processes holding a handle to
+    # this supervisor (the rollouts', the controller's) do not
+    from forge_rl.actors.frozen_model import FrozenModelActor
 
 _BACKGROUND_TIMEOUT_S = 10.0
 """Bounds the clean-up of a dead incarnation (its mesh's stop, its store reader's leases)."""
@@ -167,6 +171,8 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         host = this_host() if self.host is None else self.host
         procs = host.spawn_procs(per_host={"procs": self.procs_per_host}, name=name)
         try:
+            from forge_rl.actors.frozen_model import FrozenModelActor
+
             await setup_torch_elastic_env_async(procs)
             model = procs.spawn(
                 name, FrozenModelActor, self.config, self.model_dir, self.pad_id, self.store_index, self.store_root, name

@@ -8,11 +8,10 @@ each correction sees and why it is not identically 1). Shapes: N completions, L 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
-Correction = Literal["none", "tis", "mis"]
+from forge_rl.losses.config import Correction
 
 
 def sequence_mean_N(values_NL: torch.Tensor, mask_NL: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from forge_rl.deadlines import within
 from forge_rl.errors import StoreError
 from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.store.index import SnapshotRecord, VersionIndex
-from forge_rl.store.shm import SharedMemorySnapshots
 
 
 def location_of(root: Path | str, host: str | None = None) -> str:
@@ -208,6 +207,10 @@ class StorageVolumeActor(PortServed, Actor):
     """The snapshots under one /dev/shm directory of one host."""
 
     def __init__(self, root: str, extra_files_dir: str | None = None):
+        # Imported here: it needs torch, which the processes holding a handle to the store's actors
+        # (the rollouts', through the generator pool) do not.
+        from forge_rl.store.shm import SharedMemorySnapshots
+
         self.snapshots = SharedMemorySnapshots(Path(root), Path(extra_files_dir) if extra_files_dir else None)
         self._rdma: dict[str, tuple] = {}  # key -> (RDMABuffer, the mapped file it reads from)
 

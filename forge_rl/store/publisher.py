@@ -23,11 +23,10 @@ import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # PublishConfig is read by the controller and the CLI, which need no torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,11 @@ class PublishConfig:
     """Record a checksum per tensor (XXH3-64, about 38 GB/s, in the writer thread) for readers to verify."""
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
 
 class WeightPublisher:

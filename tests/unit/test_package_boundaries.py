@@ -172,6 +172,27 @@ def test_environments_import_not_even_torch_or_transformers():
     assert loaded_in_a_fresh_interpreter(ENV_MODULES, ("torch", "transformers", "monarch", "vllm")) == ""
 
 
+TORCH_FREE_PROCESSES = {
+    # What parsing a command line imports: a bad flag is refused in well under a second.
+    "the CLI validating a config": ["forge_rl.cli", "forge_rl.config"],
+    # What a process unpickles to host these actors (their modules, their arguments' classes, the
+    # handles they hold): they pass configs, episodes and calls on, and train or serve nothing.
+    "the rollouts' process": [
+        "forge_rl.actors.rollouts", "forge_rl.config", "forge_rl.actors.generator_pool",
+        "forge_rl.actors.scoring_stage", "forge_rl.store.actors",
+    ],
+    "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scorers"],
+}
+"""Processes that must start without torch: importing it costs each ~4 s of CPU on this machine, at
+every run's start, while the generators' vLLM and the trainer start on the same cores (a tiny run
+was ready in 25 s instead of 31 once these two processes stopped importing it; docs/benchmarks.md)."""
+
+
+@pytest.mark.parametrize("process", sorted(TORCH_FREE_PROCESSES))
+def test_processes_that_train_and_serve_nothing_import_no_torch(process):
+    assert loaded_in_a_fresh_interpreter(TORCH_FREE_PROCESSES[process], ("torch", "transformers")) == ""
+
+
 def test_the_adapters_import_without_the_packages_they_adapt():
     """openenv and verifiers are optional (verifiers needs Python >= 3.11): imported when an
     environment is made, never when forge_rl or an adapter module is."""
