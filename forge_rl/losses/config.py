@@ -13,7 +13,6 @@ Correction = Literal["none", "tis", "mis"]
 LossName = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 
 
-
 @dataclass(frozen=True)
 class Variant:
     ratio: Literal["token", "sequence"]

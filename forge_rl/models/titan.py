@@ -12,8 +12,8 @@ No Monarch here: the launcher only sets RANK/WORLD_SIZE/MASTER_*.
 Every workaround the pinned stack needs on CPU and gloo (shared/STACK.md) lives in this file:
 `_inner_attention_config`, `_point_torchtitan_at_cpu`, `_parallelism_config`, `_parallelize`.
 
-TorchTitan is imported inside the functions: importing it takes about 2.5 s, which a process that
-builds no model (the warm-up's caller, say) should not pay.
+TorchTitan is imported inside the functions that use it (about 2.5 s to import), so importing this
+module costs torch alone.
 """
 
 from __future__ import annotations
