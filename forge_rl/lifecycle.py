@@ -112,7 +112,14 @@ class Lifecycle:
         progress(f"run directory {self.run_path}")
         event_loop = asyncio.get_running_loop()
 
+        stopping_processes = False
+
         def process_died(description: str) -> None:  # Monarch's fault hook; may run on another thread
+            # Once the run stops its processes, a failure is the stop's own, not a death that ended
+            # the run: the meshes stop at once, and an actor still answering one that stopped
+            # first (the generator pool replying to the rollouts) fails on the undeliverable reply.
+            if stopping_processes:
+                return
             self.process_failures.append(description)
             if self._loops is not None:
                 event_loop.call_soon_threadsafe(self._loops.cancel)
@@ -122,7 +129,8 @@ class Lifecycle:
                 try:
                     yield
                 finally:
-                    self._loops = None  # a failure reported from here on is the shutdown's own
+                    stopping_processes = True
+                    self._loops = None
                     await self._shutdown()
         except BaseException as e:
             translated = self._translated(e)
