@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import (
-    Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, default_bootstrap_cmd, endpoint, this_host,
+    Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host,
 )
 
 from forge_rl.actors.generator import GeneratorActor
@@ -57,6 +57,7 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
 from forge_rl.native_heap import trim_native_heap_if_due
+from forge_rl.proc_main import bootstrap_command
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -335,7 +336,7 @@ class GeneratorPool(PortServed, Actor):
         host = this_host() if placement.host is None else placement.host
         slot.procs = host.spawn_procs(
             per_host={"procs": 1}, name=slot.mesh_name,
-            bootstrap_command=default_bootstrap_cmd().with_env(engine_process_env()),
+            bootstrap_command=bootstrap_command(engine_process_env()),
         )
         # A simulated generator loads no weights: without the store's handle its process never
         # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).

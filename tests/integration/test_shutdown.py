@@ -90,6 +90,11 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         wait_for_training(process, stderr_path)
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert descendants, "expected actor and engine processes"
+        # Every process Monarch starts for the run runs forge_rl's entry point, which exits without
+        # the interpreter's final garbage collection (forge_rl/proc_main.py).
+        started_by_monarch = [" ".join(p.cmdline()) for p in descendants if "bootstrap_main" in " ".join(p.cmdline())]
+        assert started_by_monarch == [], started_by_monarch
+        assert any("forge_rl.proc_main" in " ".join(p.cmdline()) for p in descendants), described(descendants)
         log_before = len(stderr_path.read_text())
         signalled = time.monotonic()
         if to_whole_group:
@@ -110,7 +115,7 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
             f"stopped in {stopped_s:.1f} s, of which {checkpoint_s:.1f} s writing the checkpoint"
         )
         assert "Traceback" not in log_after_signal, log_after_signal[-3000:]
-        assert process.returncode == exit_code
+        assert process.returncode == exit_code, (process.returncode, log_after_signal[-3000:])
         assert "all processes of the run stopped" in log
         assert newest_complete_checkpoint(tmp_path / "interrupted") is not None, log[-3000:]
         assert f"forge-rl grpo --resume {tmp_path / 'interrupted'}" in log

@@ -23,6 +23,7 @@ ALLOWED = {
         "forge_rl.actors.",
         "forge_rl.launch",
         "forge_rl.lifecycle",
+        "forge_rl.proc_main",  # the entry point of the processes forge_rl spawns
         "forge_rl.store.actors",
         "forge_rl.store.client",
         "forge_rl.bench.weight_sync",

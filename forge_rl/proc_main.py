@@ -1,0 +1,47 @@
+"""The entry point of every process forge_rl spawns on a Monarch host: Monarch's own bootstrap
+(`monarch._src.actor.bootstrap_main`), ended by `forge_rl.process_exit.exit_now` instead of the
+interpreter's finalization, which spent 2-3 s collecting garbage at the end of every run
+(forge_rl/process_exit.py). Spawn with `bootstrap_command()`."""
+
+from __future__ import annotations
+
+import multiprocessing
+import platform
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+
+
+def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "BootstrapCommand":
+    """Monarch's default command for a process (this Python, the host's environment) running
+    this module, with `env` on top; for `HostMesh.spawn_procs(bootstrap_command=...)`."""
+    from monarch.actor import default_bootstrap_cmd
+
+    command = default_bootstrap_cmd()
+    command.args = ["-m", "forge_rl.proc_main"]
+    return command.with_env(dict(env or {}))
+
+
+def main() -> None:
+    from monarch._src.actor.bootstrap_main import invoke_main
+
+    from forge_rl.process_exit import exit_now
+
+    # As Monarch's bootstrap does when run as a script: its processes start multiprocessing's
+    # children from a forkserver, never by forking a process that runs Monarch's threads.
+    if platform.system() == "Linux":
+        multiprocessing.set_start_method("forkserver", force=True)
+    else:
+        multiprocessing.set_start_method("spawn", force=True)
+    try:
+        invoke_main()  # returns by sys.exit(the proc's exit code) once Monarch stopped the proc
+    except SystemExit as stop:
+        exit_now(stop.code)
+    exit_now(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

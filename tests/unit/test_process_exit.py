@@ -1,0 +1,71 @@
+"""forge_rl.process_exit.exit_now: the process ends with the code `sys.exit` would give, after what
+finalization does that anyone relies on (non-daemon threads joined, then the atexit handlers, then
+stdout flushed), and without the final garbage collection (no `__del__` of what is still alive)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from forge_rl.process_exit import exit_code_of
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, threading, time
+    from forge_rl.process_exit import exit_now
+
+    class Collected:
+        def __del__(self):
+            print("collected at exit", flush=True)
+
+    cycle = Collected()
+    cycle.self = cycle  # freed only by a collection, which the interpreter's exit would run
+    release = threading.Event()
+
+    def worker():
+        release.wait()
+        time.sleep(0.2)  # not a race: the exit must wait for the thread however long it takes
+        print("thread finished")
+
+    threading.Thread(target=worker).start()  # not a daemon
+    atexit.register(lambda: print("atexit ran"))
+    print("buffered line")  # stdout is a pipe, so block-buffered: only the exit's flush writes it
+    release.set()
+    exit_now(CODE)
+    print("after exit_now")
+    """
+)
+
+
+def run_script(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT.replace("CODE", code)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_exit_now_joins_threads_runs_atexit_flushes_and_skips_the_final_collection():
+    result = run_script("3")
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.splitlines() == ["buffered line", "thread finished", "atexit ran"], result.stdout
+    assert result.stderr == ""
+
+
+def test_exit_now_with_a_message_prints_it_and_exits_1():
+    result = run_script("'no such model'")
+    assert result.returncode == 1
+    assert result.stderr == "no such model\n"
+
+
+@pytest.mark.parametrize("code,status", [(None, 0), (0, 0), (7, 7), ("a message", 1)])
+def test_exit_code_of_follows_sys_exit(code, status, capsys):
+    assert exit_code_of(code) == status
+    assert capsys.readouterr().err == ("a message\n" if isinstance(code, str) else "")
+
+
+def test_forge_rl_spawns_its_processes_with_its_own_entry_point():
+    from forge_rl.proc_main import bootstrap_command
+
+    command = bootstrap_command({"MALLOC_ARENA_MAX": "2"})
+    assert (command.program, command.args) == (sys.executable, ["-m", "forge_rl.proc_main"])
+    assert command.env == {"MALLOC_ARENA_MAX": "2"}
