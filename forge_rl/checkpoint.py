@@ -34,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -176,30 +177,32 @@ def read_controller_state(checkpoint: Path) -> ControllerState:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values."""
+    """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values; torch's
+    only if this process imported torch. The run's controller does not (its import is ~3 s of CPU,
+    docs/architecture.md), and a torch it never imported has drawn nothing to restore."""
     import numpy as np
-    import torch  # here: CheckpointConfig is read by the controller and the CLI, which need no torch
 
     version, internal, gauss = random.getstate()
     numpy_state = np.random.get_state(legacy=False)
     numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state().tolist(),
-    }
+    state = {"python": [version, list(internal), gauss], "numpy": numpy_state}
+    if "torch" in sys.modules:
+        state["torch"] = sys.modules["torch"].get_rng_state().tolist()
+    return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
-    import torch
 
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = dict(state["numpy"])
     numpy_state["state"] = {**numpy_state["state"], "key": np.array(numpy_state["state"]["key"], dtype=np.uint32)}
     np.random.set_state(numpy_state)
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
 def resume_hint(run_path: Path, config: CheckpointConfig) -> str:

@@ -45,6 +45,7 @@ from forge_rl.deadlines import within
 from forge_rl.errors import ProcessDied, TrainStepTimedOut
 from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
 from forge_rl.reaper import Reaper
+from forge_rl.replies import rank_zero
 from forge_rl.run_dir import (
     config_to_dict,
     create_run_dir,
@@ -262,7 +263,7 @@ class Lifecycle:
         """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile."""
         started, actors = time.monotonic(), pipeline.actors
         partial = begin_checkpoint(self.run_path, pipeline.step)
-        saved = (await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR))).item(procs=0)
+        saved = rank_zero(await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR)))
         for name, part in actors.checkpointed.items():
             await part.save_checkpoint(partial / name)
         rollouts = await actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer)
@@ -306,7 +307,7 @@ class Lifecycle:
             return
         checkpoint, actors = self.checkpoint, pipeline.actors
         saved = read_controller_state(checkpoint)
-        loaded = (await actors.trainer.load_checkpoint.call(str(checkpoint / TRAINER_DIR))).item(procs=0)
+        loaded = rank_zero(await actors.trainer.load_checkpoint.call(str(checkpoint / TRAINER_DIR)))
         if loaded["policy_version"] != saved.policy_version:
             raise RuntimeError(
                 f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "

@@ -37,6 +37,7 @@ from forge_rl.errors import TrainStepTimedOut, raised_by_actor
 from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, MismatchAlarm
 from forge_rl.metrics import MetricsLogger, progress
 from forge_rl.native_heap import trim_native_heap_if_due
+from forge_rl.replies import rank_zero
 from forge_rl.timeline import Timeline, idle_fraction
 
 _STOP_ROLLOUTS_TIMEOUT_S = 10.0
@@ -45,7 +46,7 @@ _STOP_ROLLOUTS_TIMEOUT_S = 10.0
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
     from forge_rl.lifecycle import Lifecycle
-    from forge_rl.trainer import PulledStep
+    from forge_rl.trainer_steps import PulledStep
 
 
 @dataclasses.dataclass
@@ -263,14 +264,14 @@ class Pipeline:
             except asyncio.TimeoutError:  # the rollouts do not answer: the stop goes on without them
                 raise asyncio.CancelledError from None
         if not taken:
-            return (await sent.reply).item(procs=0), stopped
+            return rank_zero(await sent.reply), stopped
         timed = within(
             self.config.train_step_timeout_s,
             asyncio.shield(sent.reply),
             lambda: TrainStepTimedOut(sent.step, self.config.train_step_timeout_s),
         )
         values, stop_now = await lifecycle.finish_despite_stop(timed)
-        return values.item(procs=0), stopped or stop_now
+        return rank_zero(values), stopped or stop_now
 
     # Both -------------------------------------------------------------------------------------
 

@@ -42,9 +42,7 @@ def check_machine(config: GRPOConfig) -> None:
         check_reachable(addresses, config.launch.connect_timeout_s)
         return
     check_pinned_cores(config.launch.placement, os.sched_getaffinity(0), "this machine")
-    import torch
-
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    num_gpus = local_gpu_count()
     check_gpus(config.launch, demand_of(config), 0, num_gpus, "this machine")
     if num_gpus:
         return
@@ -52,6 +50,17 @@ def check_machine(config: GRPOConfig) -> None:
         return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)
+
+
+def local_gpu_count() -> int:
+    """The CUDA devices this process sees. Asks torch only where a GPU driver is loaded: torch's
+    import is ~3 s of CPU that every run's controller would otherwise pay before spawning anything,
+    and without the driver's /proc entry (NVIDIA) or /dev/kfd (ROCm) torch finds no device."""
+    if not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists()):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_run_dir_location(run_dir: Path) -> None:

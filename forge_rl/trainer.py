@@ -8,14 +8,11 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and constructs one `PolicyTrainer` per p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +33,6 @@ from forge_rl.metrics import (
 )
 from forge_rl.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.routing import keep_routing_metrics
-from forge_rl.types import Episode
 from forge_rl.trainer_config import TrainerConfig
 from forge_rl.models.titan import (
     build_titan_model,
@@ -44,101 +40,6 @@ from forge_rl.models.titan import (
     init_process_group_from_env,
     reshard,
 )
-
-
-@dataclass(frozen=True)
-class TrainStepResult:
-    """What one trainer step hands the train loop: what it decides on, apart from what it logs."""
-
-    policy_version: int
-    """The trainer's version after the step (unchanged when skipped)."""
-    skipped: bool
-    """The loss or gradient was not finite: no optimizer step, nothing published."""
-    weights_dir: str | None
-    """Where the new version will be in the weight store (rank 0; None when skipped)."""
-    metrics: dict[str, float]
-    """Batch-wide metrics for the log (`step_skipped` and `policy_version` among them)."""
-
-
-@dataclass
-class PulledStep:
-    """A trainer step on a batch the trainer took from the rollouts itself (`train_on_pulled_batch`)."""
-
-    trained: TrainStepResult
-    train_version: int
-    """The version the admission gate took the batch for."""
-    ready_s: float
-    """When the batch left the buffer, on the run's timeline: the end of the train loop's data wait."""
-
-
-class StepTurns:
-    """The order a trainer rank trains the steps of its concurrent `train_next_step` calls: the order
-    the calls arrived in (Monarch starts concurrent calls from one sender in order, so `take`, made
-    before a call's first await, numbers them the same on every rank), whatever order their batches
-    come back in. Every rank must run the same step's collectives at the same time."""
-
-    def __init__(self) -> None:
-        self._taken = 0
-        self._serving = 0
-        self._changed = asyncio.Condition()
-
-    def take(self) -> int:
-        """The calling step's turn number (synchronous: call it before the first await)."""
-        self._taken += 1
-        return self._taken - 1
-
-    @contextlib.asynccontextmanager
-    async def turn(self, ticket: int):
-        """Waits until every earlier turn has ended; the turn ends with the block."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._serving == ticket)
-        try:
-            yield
-        finally:
-            await self._end(ticket)
-
-    async def end_unused(self, ticket: int) -> None:
-        """A turn that trained nothing (its batch withheld, or its call failed) ends in its order."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._serving >= ticket)
-        if self._serving == ticket:
-            await self._end(ticket)
-
-    async def _end(self, ticket: int) -> None:
-        async with self._changed:
-            self._serving = ticket + 1
-            self._changed.notify_all()
-
-
-async def train_on_pulled_batch(
-    step: int, rollouts, num_ranks: int, train: Callable[[list[Episode]], Awaitable[TrainStepResult]]
-) -> PulledStep | None:
-    """What a trainer rank does for step `step`: ask the rollouts (forge_rl/rollouts.py
-    `batch_for_trainer`) for the step's batch, which they hand to each of the `num_ranks` ranks
-    once the admission gate lets it go, and `train` on it. The batch then crosses one message from
-    where its last episode arrived to the trainer, instead of two through the controller. None if
-    a stop withheld the batch: nothing was taken, nothing trained."""
-    batch = await rollouts.batch_for_trainer.call_one(step, num_ranks)
-    if batch is None:
-        return None
-    return PulledStep(await train(batch.episodes), batch.train_version, batch.ready_s)
-
-
-async def train_pulled_batch_in_turn(
-    turns: StepTurns, step: int, rollouts, num_ranks: int, train: Callable[[list[Episode]], Awaitable[TrainStepResult]]
-) -> PulledStep | None:
-    """`train_on_pulled_batch` with the step trained in its turn (`StepTurns`): safe should the
-    endpoint run concurrently with an earlier step's (batch asked for at once, training in order)."""
-    ticket = turns.take()
-
-    async def train_in_turn(episodes: list[Episode]) -> TrainStepResult:
-        async with turns.turn(ticket):
-            return await train(episodes)
-
-    try:
-        return await train_on_pulled_batch(step, rollouts, num_ranks, train_in_turn)
-    finally:
-        await turns.end_unused(ticket)
 
 
 _ADAPTERS = "adapters"

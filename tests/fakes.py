@@ -1,7 +1,7 @@
 """Named fakes for unit tests of core logic: stand-ins for actor handles, never for the real path.
 
 A fake endpoint has the shape the loops call (`call_one`, and `call` whose result has
-`.item(procs=0)`), so forge_rl/loop.py runs against it without Monarch. `FakeGenerate` samples
+`.items()`, read by forge_rl/replies.py), so forge_rl/loop.py runs against it without Monarch. `FakeGenerate` samples
 scripted turns for forge_rl/envs/runner.py.
 """
 
@@ -34,8 +34,8 @@ class FakeValues:
     def __init__(self, value):
         self.value = value
 
-    def item(self, **_):
-        return self.value
+    def items(self):
+        yield {"procs": 0}, self.value
 
 
 class FakeActorError(Exception):
@@ -55,7 +55,7 @@ def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]]) -> An
     """A FAKE trainer mesh of one rank for the train loop: its `train_next_step` takes the step's
     batch from the rollouts as the real trainer does (forge_rl/trainer.py `train_on_pulled_batch`)
     and trains it with `train_step(episodes)` (also reachable as `.train_step.function`)."""
-    from forge_rl.trainer import train_on_pulled_batch
+    from forge_rl.trainer_steps import train_on_pulled_batch
 
     async def train_next_step(step, rollouts, num_ranks):
         return await train_on_pulled_batch(step, rollouts, num_ranks, train_step)

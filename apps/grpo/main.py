@@ -36,8 +36,6 @@ import dataclasses
 import json
 import sys
 
-import torch
-
 from forge_rl import launch
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.port_calls import PortCalled, PortCalls
@@ -58,8 +56,12 @@ async def run(config: GRPOConfig) -> dict:
     """Run the recipe (or continue it, with `config.resume`); returns the summary (also the last
     line of stdout from the CLI). However it ends, every process of the run is shut down first;
     a dead process raises ProcessDied, whose message says how to resume."""
-    torch.set_num_threads(1)  # this process only orchestrates; the cores belong to engines and trainer
     lifecycle = Lifecycle.open(config)
+    # This process only orchestrates, and imports no torch for it (its ~3 s of CPU would delay
+    # every spawn); the cores belong to the engines and the trainer. Should anything here have
+    # imported torch (building a tiny model the cache lacked), it gets one thread.
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     config = lifecycle.config  # a resume continues with the run directory's config
     async with lifecycle.owning_processes():
         actors = await spawn_actors(config, lifecycle)

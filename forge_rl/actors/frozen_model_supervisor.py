@@ -50,6 +50,7 @@ from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
 from forge_rl.proc_main import bootstrap_command
 from forge_rl.reference import ReferenceConfig
+from forge_rl.replies import rank_zero
 from forge_rl.scorer_restarts import RestartingScorer
 from forge_rl.teacher import TeacherVersions
 from forge_rl.types import Episode
@@ -237,6 +238,6 @@ async def _quietly(work) -> None:
 async def _rank0(call):
     """Rank 0's answer to a call on every rank; ScorerLost if a rank's process died during it."""
     try:
-        return (await call).item(procs=0)
+        return rank_zero(await call)
     except SupervisionError as e:
         raise ScorerLost(f"a process of the frozen model died: {e}") from None

@@ -18,7 +18,8 @@ from monarch.actor import Actor, endpoint
 from forge_rl import metrics as m
 from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.errors import ConfigError
-from forge_rl.trainer import PulledStep, StepTurns, TrainerConfig, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.trainer_config import TrainerConfig
+from forge_rl.trainer_steps import PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 

@@ -3,6 +3,9 @@
 Every endpoint is called on all ranks at once (`.call()`): the step and the weight export are
 collectives. Rank 0 publishes the snapshot (in the background, forge_rl/store/publisher.py) and
 reports global metrics.
+
+This module imports torch, TorchTitan and the trainer where they run (in the trainer's processes),
+not at its top: the controller imports it to spawn the actor, and starts without torch.
 """
 
 from __future__ import annotations
@@ -11,23 +14,26 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls
-from forge_rl.batching import make_train_batch
 from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
-from forge_rl.models.peft_format import peft_adapter
 from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.placement import pin_this_process
 from forge_rl.store.actors import StoreIndexActor
-from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
-from forge_rl.trainer import PolicyTrainer, PulledStep, StepTurns, TrainerConfig, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.trainer_config import TrainerConfig
+from forge_rl.trainer_steps import PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    import torch
+
+    from forge_rl.trainer import PolicyTrainer
 
 
 class TrainerActor(Actor):
@@ -62,6 +68,9 @@ class TrainerActor(Actor):
 
     @endpoint
     async def setup(self) -> dict:
+        from forge_rl.store.client import WeightStore
+        from forge_rl.trainer import PolicyTrainer
+
         started = time.perf_counter()
         # PolicyTrainer joins the process group itself (init_process_group_from_env), after
         # picking its device.
@@ -115,6 +124,8 @@ class TrainerActor(Actor):
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
+        from forge_rl.batching import make_train_batch
+
         publish_start = time.perf_counter()
         published_before = await self._published()
         waited_s = time.perf_counter() - publish_start
@@ -147,6 +158,8 @@ class TrainerActor(Actor):
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
+        from forge_rl.batching import make_train_batch
+
         await self._published()
         return self.trainer.compute_logprobs(
             make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
@@ -184,6 +197,8 @@ class TrainerActor(Actor):
             dtype = self.publish_config.torch_dtype()
             adapters = self.trainer.adapter_state_dict(dtype, keep=writes)
             if writes:
+                from forge_rl.models.peft_format import peft_adapter
+
                 snapshot, adapter_config = peft_adapter(adapters, self.config.lora, self.model_dir, dtype)
                 adapter = (adapter_config, str(self.model_dir))
         else:

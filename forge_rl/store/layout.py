@@ -24,28 +24,45 @@ to its element size. Worked example: {"b": bf16[3], "a": f32[2]} plans to
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 SAFETENSORS_FILE = "model.safetensors"
 
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+# Tables, not module constants: torch is imported where a tensor's layout is planned or parsed,
+# not by every process that imports the store (the run's controller and services import it and
+# hold no tensor; torch's import is ~3 s of CPU at every run's start).
+@functools.cache
+def _safetensors_names() -> dict[torch.dtype, str]:
+    import torch
+
+    return {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+    }
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    return {name: dtype for dtype, name in _safetensors_names().items()}
+
 # Header keys of forge_rl's own metadata (safetensors metadata values must be strings).
 _CHECKSUM_KEY = "forge_rl.xxh3_64"
 _CHECKSUM_WIDTH = 16  # hex digits of a 64-bit checksum: fixed, so filling them in never resizes the header
@@ -99,9 +116,11 @@ class SnapshotLayout:
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _DTYPES[dtype]
+        return _safetensors_names()[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} has no safetensors name; supported: {sorted(map(str, _DTYPES))}") from None
+        raise ValueError(
+            f"dtype {dtype} has no safetensors name; supported: {sorted(map(str, _safetensors_names()))}"
+        ) from None
 
 
 def plan_layout(
@@ -146,7 +165,7 @@ def parse_header(prefix: bytes) -> SnapshotLayout:
             (
                 TensorSlot(
                     name,
-                    _TORCH_DTYPES[entry["dtype"]],
+                    _torch_dtypes()[entry["dtype"]],
                     tuple(entry["shape"]),
                     header_size + entry["data_offsets"][0],
                     entry["data_offsets"][1] - entry["data_offsets"][0],
@@ -169,6 +188,8 @@ def header_length(prefix8: bytes) -> int:
 
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """XXH3-64 of a CPU tensor's bytes (about 38 GB/s here); 0 is reserved for "none recorded"."""
+    import torch
+
     data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
     return xxhash.xxh3_64_intdigest(memoryview(data)) or 1
 
@@ -179,7 +200,7 @@ def _encode_header(
     base = slots[0].offset if slots else 0
     header: dict = {
         slot.name: {
-            "dtype": _DTYPES[slot.dtype],
+            "dtype": _safetensors_names()[slot.dtype],
             "shape": list(slot.shape),
             "data_offsets": [slot.offset - base, slot.offset - base + slot.num_bytes],
         }

@@ -40,8 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from forge_rl.store.layout import (
     SAFETENSORS_FILE,
@@ -51,6 +50,12 @@ from forge_rl.store.layout import (
     parse_header,
     tensor_checksum,
 )
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the methods that touch tensors: the run's controller (which makes and
+# removes the root) and the services' process (the volume serves files) import this module and
+# hold no tensor, and torch's import is ~3 s of CPU at every run's start.
 
 _PARTIAL = ".partial"
 FREE_DIR = ".free"
@@ -196,6 +201,8 @@ class SharedMemorySnapshots:
         `files` (name -> text) are written beside the weights, and each name in `weights_links` is
         a link to the weights file: an adapter version's directory is then also a PEFT adapter
         directory (adapter_config.json, adapter_model.safetensors), which vLLM loads by path."""
+        import torch
+
         started = time.perf_counter()
         final = self.path(key)
         if final.exists():
@@ -261,6 +268,8 @@ class SharedMemorySnapshots:
 
     def read_into(self, key: str, destination: dict[str, torch.Tensor], verify: bool = False) -> int:
         """Copy snapshot `key` into `destination` (same names and shapes); returns bytes copied."""
+        import torch
+
         layout = self.layout(key)
         checksums = dict(layout.checksums)
         num_bytes = 0
@@ -340,6 +349,8 @@ class _Mappings:
         self._maps: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (dev, inode) -> (fd, bytes)
 
     def get(self, path: Path, num_bytes: int) -> torch.Tensor:
+        import torch
+
         with self._lock:
             self._drop_unlinked()
             try:

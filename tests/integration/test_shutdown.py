@@ -30,6 +30,9 @@ import psutil
 import pytest
 
 from forge_rl.checkpoint import newest_complete_checkpoint
+from forge_rl.cli import parse_config
+from forge_rl.config import GRPOConfig
+from forge_rl.models.tiny import create_tiny_model
 from tests.helpers import described, wait_until
 
 pytestmark = pytest.mark.integration
@@ -75,6 +78,10 @@ def checkpoint_seconds(log_after_signal: str) -> float:
 )
 def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_code, to_whole_group):
     stderr_path = tmp_path / "stderr.txt"
+    # The tiny-model cache (tests/conftest.py's, which the run inherits) holds the run's model, as
+    # it does for every run but a cache's first: a miss builds it in the controller, with torch.
+    demo = parse_config(GRPOConfig, ["--config", str(REPO / "configs/grpo_tiny_cpu.yaml")], prog="forge-rl grpo")
+    create_tiny_model(demo.model.tiny, tmp_path / "cached-model")
     command = [
         sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
         "--steps", "100000", "--run-dir", str(tmp_path), "--run-name", "interrupted", "--log.progress-every-s", "0",
@@ -95,6 +102,9 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         started_by_monarch = [" ".join(p.cmdline()) for p in descendants if "bootstrap_main" in " ".join(p.cmdline())]
         assert started_by_monarch == [], started_by_monarch
         assert any("forge_rl.proc_main" in " ".join(p.cmdline()) for p in descendants), described(descendants)
+        # The controller orchestrates and imports no torch, not even at run time (its replies,
+        # its preflight): ~3 s of CPU every run's start would pay (docs/architecture.md). Linux.
+        assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
         log_before = len(stderr_path.read_text())
         signalled = time.monotonic()
         if to_whole_group:

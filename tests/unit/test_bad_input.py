@@ -92,25 +92,17 @@ def _many_compute_threads(scene: Scene) -> Path:
 
 
 def _more_trainer_ranks_than_gpus(scene: Scene) -> Path:
-    import torch
-
-    scene.monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    scene.monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    scene.monkeypatch.setattr(preflight, "local_gpu_count", lambda: 1)
     return scene.start(trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)))
 
 
 def _generator_without_a_gpu_of_its_own(scene: Scene) -> Path:
-    import torch
-
-    scene.monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    scene.monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    scene.monkeypatch.setattr(preflight, "local_gpu_count", lambda: 1)
     return scene.start()  # 1 trainer rank on device 0, the generator on device 1
 
 
 def _tensor_parallel_generator_on_cpu(scene: Scene) -> Path:
-    import torch
-
-    scene.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    scene.monkeypatch.setattr(preflight, "local_gpu_count", lambda: 0)
     return scene.start(generator=GeneratorConfig(tensor_parallel_size=2))
 
 

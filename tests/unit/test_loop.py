@@ -21,7 +21,7 @@ from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
 from forge_rl.rollouts import RolloutActors, Rollouts
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
-from forge_rl.trainer import TrainStepResult
+from forge_rl.trainer_steps import TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
     FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer,

@@ -183,10 +183,24 @@ TORCH_FREE_PROCESSES = {
         "forge_rl.actors.scoring_stage", "forge_rl.store.actors",
     ],
     "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scorers"],
+    # The services' process hosts the weight store's index and volume (the volume serves files)
+    # and the supervisors that spawn generators, scorers and frozen models.
+    "the services' process": [
+        "forge_rl.store.actors", "forge_rl.store.shm", "forge_rl.actors.generator_pool",
+        "forge_rl.actors.scorer_supervisor", "forge_rl.actors.frozen_model_supervisor", "forge_rl.config",
+    ],
+    # The run's controller spawns every actor (so imports their classes), runs the loop and the
+    # lifecycle, and unpickles the trainer's replies (forge_rl/trainer_steps.py).
+    "a run's controller": [
+        "apps.grpo.main", "forge_rl.lifecycle", "forge_rl.loop", "forge_rl.actors.trainer",
+        "forge_rl.actors.simulated_trainer", "forge_rl.trainer_steps",
+        "forge_rl.checkpoint", "forge_rl.preflight",
+    ],
 }
-"""Processes that must start without torch: importing it costs each ~4 s of CPU on this machine, at
-every run's start, while the generators' vLLM and the trainer start on the same cores (a tiny run
-was ready in 25 s instead of 31 once these two processes stopped importing it; docs/benchmarks.md)."""
+"""Processes that must start without torch: importing it costs each ~3-4 s of CPU on this machine,
+at every run's start, while the generators' vLLM and the trainer start on the same cores, and the
+controller's and the services' come before any generator is spawned (docs/benchmarks.md,
+"2026-11-27"). What they do at run time is checked by test_shutdown (the controller mid-run)."""
 
 
 @pytest.mark.parametrize("process", sorted(TORCH_FREE_PROCESSES))

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from forge_rl.trainer import StepTurns
+from forge_rl.trainer_steps import StepTurns
 
 
 def test_steps_train_in_the_order_asked_whatever_order_their_batches_come_in():

@@ -1,0 +1,14 @@
+"""Replies of a call on a whole mesh (Monarch's ValueMesh), read without Monarch's tensor engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rank_zero(replies: Any) -> Any:
+    """The reply of the mesh's first rank (rank 0 of the trainer or a frozen model): what
+    `replies.item(procs=0)` returns, except that `item` imports Monarch's tensor engine, and with
+    it torch, ~3 s of CPU the run's controller paid at its first step for nothing else."""
+    for _, value in replies.items():
+        return value
+    raise ValueError("a call on an empty mesh has no rank 0 reply")
