@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing
 import platform
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -17,7 +16,9 @@ if TYPE_CHECKING:
 
 def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "BootstrapCommand":
     """Monarch's default command for a process (this Python, the host's environment) running
-    this module, with `env` on top; for `HostMesh.spawn_procs(bootstrap_command=...)`."""
+    this module, with `env` on top; for `HostMesh.spawn_procs(bootstrap_command=...)`. On another
+    host too, this process's Python path: workers run the same environment at the same path
+    (docs/multi_host.md)."""
     from monarch.actor import default_bootstrap_cmd
 
     command = default_bootstrap_cmd()
@@ -44,4 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
