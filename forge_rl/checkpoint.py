@@ -162,14 +162,22 @@ def commit_checkpoint(partial: Path, controller: ControllerState) -> Path:
 
 
 def prune_checkpoints(run_path: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints, and any save cut short; returns
-    what was deleted. Call it only when no save is in progress."""
+    """Delete all but the newest `keep_last` complete checkpoints, and any save or delete cut
+    short; returns what was deleted. Call it only when no save is in progress.
+
+    A checkpoint is renamed out of sight (`.step-NNNNNN.deleting`, atomic) before its files are
+    deleted: a controller killed while deleting (test_resume kills one as soon as a checkpoint is
+    complete, which is when the one before is pruned) left an empty `step-NNNNNN` behind, which no
+    later prune removed; now it leaves a `.deleting` directory, and the next prune removes it."""
+    root = checkpoints_root(run_path)
     complete = complete_checkpoints(run_path)
     doomed = [path for _, path in complete[: max(len(complete) - keep_last, 0)]]
-    doomed += [path for path in checkpoints_root(run_path).glob(".step-*.partial")]
+    cut_short = [*root.glob(".step-*.partial"), *root.glob(".step-*.deleting")]
     for path in doomed:
+        path.rename(path.with_name(f".{path.name}.deleting"))
+    for path in [*cut_short, *(path.with_name(f".{path.name}.deleting") for path in doomed)]:
         shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    return doomed + cut_short
 
 
 def read_controller_state(checkpoint: Path) -> ControllerState:

@@ -113,13 +113,15 @@ class Lifecycle:
         progress(f"run directory {self.run_path}")
         event_loop = asyncio.get_running_loop()
 
-        stopping_processes = False
+        stopping_cleanly = False
 
         def process_died(description: str) -> None:  # Monarch's fault hook; may run on another thread
-            # Once the run stops its processes, a failure is the stop's own, not a death that ended
-            # the run: the meshes stop at once, and an actor still answering one that stopped
-            # first (the generator pool replying to the rollouts) fails on the undeliverable reply.
-            if stopping_processes:
+            # Once a run that finished, or was stopped (Ctrl-C, SIGTERM), stops its processes, a
+            # failure is the stop's own, not a death: the meshes stop at once, and an actor still
+            # answering one that stopped first (the generator pool replying to the rollouts) fails
+            # on the undeliverable reply. A run that ended in an error may have met a death before
+            # its report: that report still counts.
+            if stopping_cleanly:
                 return
             self.process_failures.append(description)
             if self._loops is not None:
@@ -129,8 +131,11 @@ class Lifecycle:
             with launch.on_process_failure(process_died):
                 try:
                     yield
+                    stopping_cleanly = True
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    stopping_cleanly = True
+                    raise
                 finally:
-                    stopping_processes = True
                     self._loops = None
                     await self._shutdown()
         except BaseException as e:

@@ -121,6 +121,20 @@ def test_pruning_keeps_the_newest_complete_ones_and_drops_saves_cut_short(tmp_pa
     assert prune_checkpoints(tmp_path, keep_last=2) == []
 
 
+def test_a_delete_cut_short_is_finished_by_the_next_prune_and_never_looks_like_a_checkpoint(tmp_path):
+    # What a controller killed while pruning leaves: the doomed checkpoint already renamed away,
+    # part of its files still there.
+    for step in (3, 4):
+        save_checkpoint(tmp_path, step)
+    root = checkpoints_root(tmp_path)
+    killed_mid_delete = root / ".step-000002.deleting"
+    (killed_mid_delete / "trainer").mkdir(parents=True)
+    (killed_mid_delete / "trainer" / "__0_0.distcp").write_bytes(b"shard")
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [3, 4]
+    assert prune_checkpoints(tmp_path, keep_last=2) == [killed_mid_delete]
+    assert sorted(path.name for path in root.iterdir()) == ["step-000003", "step-000004"]
+
+
 def test_checkpointing_a_step_again_replaces_its_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 4)
     commit_checkpoint(begin_checkpoint(tmp_path, 4), controller_state(4, num_generated_tokens=5))

@@ -83,3 +83,18 @@ def test_a_failure_reported_while_the_run_trains_still_stops_it_as_a_death(tmp_p
     with pytest.raises(ProcessDied, match="trainer-0: process exited with signal 9"):
         asyncio.run(a_process_dies())
     assert lifecycle.process_failures == ["trainer-0: process exited with signal 9"]
+
+
+def test_a_death_reported_after_the_error_it_caused_still_stops_the_run_as_a_death(tmp_path, monkeypatch):
+    # A dead trainer can reach the loop as a failed call before Monarch's fault hook reports it,
+    # and the report then comes while the processes stop: it must still name the death.
+    hooks: dict = {}
+    lifecycle = a_lifecycle(tmp_path, monkeypatch, hooks)
+    lifecycle.stop_at_exit(FakeMeshes(hooks, "trainer-0: process exited with signal 9"))
+
+    async def a_call_fails():
+        async with lifecycle.owning_processes():
+            raise RuntimeError("train_next_step: the actor's process is gone")
+
+    with pytest.raises(ProcessDied, match="trainer-0: process exited with signal 9"):
+        asyncio.run(a_call_fails())
