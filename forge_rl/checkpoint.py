@@ -8,7 +8,9 @@
         controller.json     `ControllerState`: step, dataset position, prompt accounting, buffer, RNG
         teacher/            a self-distillation teacher's schedule and served and staged weights
                             (forge_rl/teacher.py `PinnedTeacherRefresh`; only with one)
-        COMPLETE            written last, then the directory is renamed from .step-000120.partial
+        COMPLETE            written last, once every trainer rank's shards are written (in the
+                            background, while the next steps train: forge_rl/lifecycle.py
+                            `save_checkpoint`), then the directory is renamed from .step-000120.partial
       step-000160/
       .step-000200.partial  a save cut short (killed mid-write): never picked, removed by the next save
 
@@ -185,28 +187,30 @@ def read_controller_state(checkpoint: Path) -> ControllerState:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values; torch's
-    only if this process imported torch. The run's controller does not (its import is ~3 s of CPU,
-    docs/architecture.md), and a torch it never imported has drawn nothing to restore."""
-    import numpy as np
-
+    """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values; numpy's and
+    torch's only if this process imported them. The run's controller imports neither (torch's
+    import is ~3 s of CPU, docs/architecture.md; numpy's a fifth of a second, which the first
+    checkpoint held training for), and a library it never imported has drawn nothing to restore."""
     version, internal, gauss = random.getstate()
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    state = {"python": [version, list(internal), gauss], "numpy": numpy_state}
+    state: dict[str, Any] = {"python": [version, list(internal), gauss]}
+    if "numpy" in sys.modules:
+        numpy_state = sys.modules["numpy"].random.get_state(legacy=False)
+        numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+        state["numpy"] = numpy_state
     if "torch" in sys.modules:
         state["torch"] = sys.modules["torch"].get_rng_state().tolist()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    numpy_state = dict(state["numpy"])
-    numpy_state["state"] = {**numpy_state["state"], "key": np.array(numpy_state["state"]["key"], dtype=np.uint32)}
-    np.random.set_state(numpy_state)
+    if "numpy" in state:
+        import numpy as np
+
+        numpy_state = dict(state["numpy"])
+        numpy_state["state"] = {**numpy_state["state"], "key": np.array(numpy_state["state"]["key"], dtype=np.uint32)}
+        np.random.set_state(numpy_state)
     if "torch" in state:
         import torch
 

@@ -93,6 +93,8 @@ class Lifecycle:
         self._engine_owners: tuple = ()
         self._proc_meshes: list = []
         self._loops: asyncio.Task | None = None
+        self._committing: asyncio.Task | None = None
+        """The newest checkpoint's commit, waiting for the trainer's background write (`_commit`)."""
         self._stopped_at: float | None = None
         """When a stop (or failure) began to unwind the run: the clock of _STOP_BUDGET_S."""
 
@@ -216,6 +218,11 @@ class Lifecycle:
         self._loops = asyncio.ensure_future(pipeline.run(self.run_path, metrics_logger, self))
         try:
             history, accounting = await self._loops
+            await self.finish_despite_stop(self.checkpoint_committed())  # the last step's
+        except BaseException:
+            if self._committing is not None:  # the trainer may never say its write is done
+                self._committing.cancel()
+            raise
         finally:
             metrics_logger.close()
             origin = {"unix_time": pipeline.timeline.origin_unix_time}
@@ -229,7 +236,10 @@ class Lifecycle:
         return checkpoints.enabled and due
 
     async def after_step(self, pipeline: Pipeline) -> None:
-        """Checkpoint after this step if it is due."""
+        """Checkpoint after this step if it is due; raise what the previous checkpoint's
+        background write raised, if it failed meanwhile."""
+        if self._committing is not None and self._committing.done():
+            await self.checkpoint_committed()
         if self.checkpoint_due(pipeline.step):
             # Finished even if the run is stopped meanwhile: a stop then needs no checkpoint of its own.
             _, stopped = await self.finish_despite_stop(self.save_checkpoint(pipeline))
@@ -265,13 +275,26 @@ class Lifecycle:
     # Checkpoints ------------------------------------------------------------------------------
 
     async def save_checkpoint(self, pipeline: Pipeline) -> None:
-        """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile."""
+        """Checkpoint after step `pipeline.step` (forge_rl/checkpoint.py); generation goes on meanwhile.
+
+        Only taking the state holds the train loop: the trainer copies its state to host memory
+        and writes the copy in the background (PolicyTrainer.start_checkpoint) while the rollouts
+        hand over theirs. The checkpoint is committed (controller.json, COMPLETE, the rename) once
+        the trainer says its shards are written, while the next steps train (`_commit`); the next
+        checkpoint, the run's end and a stop wait for it (`checkpoint_committed`)."""
+        from monarch.actor import Channel
+
+        await self.checkpoint_committed()
         started, actors = time.monotonic(), pipeline.actors
         partial = begin_checkpoint(self.run_path, pipeline.step)
-        saved = rank_zero(await actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR)))
+        written_port, written = Channel.open()
+        saved, rollouts = await asyncio.gather(
+            actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR), written_port),
+            actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer),
+        )
+        saved = rank_zero(saved)
         for name, part in actors.checkpointed.items():
             await part.save_checkpoint(partial / name)
-        rollouts = await actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer)
         cursor = rollouts["prompts"]["cursor"]
         controller = ControllerState(
             step=pipeline.step,
@@ -283,25 +306,45 @@ class Lifecycle:
             num_generated_tokens=rollouts["num_generated_tokens"],
             rng=capture_rng_state(),
         )
-        path = commit_checkpoint(partial, controller)
-        prune_checkpoints(self.run_path, self.config.checkpoint.keep_last)
+        held_s = time.monotonic() - started
+        self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))
+
+    async def _commit(self, partial: Path, controller: ControllerState, written, started: float, held_s: float) -> None:
+        """Commit the checkpoint in `partial` once the trainer's background write is done (its
+        port `written` says so, or names the error)."""
+        error = await written.recv()
+        if error is not None:
+            raise RuntimeError(f"checkpoint {partial}: the trainer's write failed: {error}")
+        # Off the event loop: the fsyncs would delay the train loop's replies.
+        path = await asyncio.to_thread(commit_checkpoint, partial, controller)
+        await asyncio.to_thread(prune_checkpoints, self.run_path, self.config.checkpoint.keep_last)
         progress(
-            f"checkpoint {path} (policy version {saved['policy_version']}, "
-            f"{len(controller.reissue)} prompts to re-issue on resume, {time.monotonic() - started:.2f}s)"
+            f"checkpoint {path} (policy version {controller.policy_version}, {len(controller.reissue)} prompts to "
+            f"re-issue on resume; held training {held_s:.2f}s, complete {time.monotonic() - started:.2f}s after the step)"
         )
+
+    async def checkpoint_committed(self) -> None:
+        """Waits until the newest checkpoint is committed; raises what its commit raised."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            await committing
 
     async def checkpoint_at_stop(self, pipeline: Pipeline) -> None:
         """The shutdown checkpoint (checkpoint.on_shutdown), bounded by _STOP_CHECKPOINT_TIMEOUT_S."""
         checkpoints = self.config.checkpoint
         if not (checkpoints.enabled and checkpoints.on_shutdown) or self.process_failures or pipeline.step == 0:
             return
-        if pipeline.step_in_flight:
-            progress("no checkpoint at stop: the optimizer step in flight did not finish in time")
-            return
-        if any(step == pipeline.step for step, _ in complete_checkpoints(self.run_path)):
-            return
+
+        async def save() -> None:
+            await self.checkpoint_committed()  # the newest checkpoint's write, already under way
+            if pipeline.step_in_flight:
+                progress("no checkpoint at stop: the optimizer step in flight did not finish in time")
+            elif not any(step == pipeline.step for step, _ in complete_checkpoints(self.run_path)):
+                await self.save_checkpoint(pipeline)
+                await self.checkpoint_committed()
+
         try:
-            await within(self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S), self.save_checkpoint(pipeline))
+            await within(self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S), save())
         except (Exception, asyncio.TimeoutError) as e:
             progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
 

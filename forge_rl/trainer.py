@@ -8,6 +8,7 @@ RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and constructs one `PolicyTrainer` per p
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -100,6 +101,10 @@ class PolicyTrainer:
         )
         self.policy_version = 0
         self.num_consecutive_nonfinite_steps = 0
+        self._checkpoint_write: concurrent.futures.Future | None = None
+        """The write of the newest checkpoint (`start_checkpoint`), until waited for."""
+        self._checkpoint_group = None
+        """The gloo group the checkpoint writes' collectives run on, made at the first one."""
         self._routing_shape = self._keep_routing_shape(model_dir) if config.keep_routing else None
 
     def _keep_routing_shape(self, model_dir: Path | str):
@@ -352,9 +357,37 @@ class PolicyTrainer:
         collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards.
         With LoRA the checkpoint holds the adapters and their AdamW moments, not the frozen base
         (the base is `model.path`, read again at resume)."""
+        self.start_checkpoint(path)
+        self.wait_for_checkpoint()
+
+    def start_checkpoint(self, path: Path | str) -> concurrent.futures.Future:
+        """`save_checkpoint` in the background: copies this rank's part of the training state to
+        host memory now (DCP's staging), then writes the copy in a thread of DCP's while the
+        caller goes on, so optimizer steps may change the live tensors meanwhile. Returns the
+        write's future (its error, if any, is raised by it and by `wait_for_checkpoint`). A write
+        still running from before is waited for first. A collective: call it on every rank, in the
+        same order as the training steps.
+
+        The thread's collectives (DCP agrees on a plan, and rank 0 gathers every rank's writes
+        before it writes the metadata) run on a gloo group of their own, as TorchTitan's async
+        checkpointing does, so they never interleave with the training steps' on the default
+        group. Rank 0's future is done only once every rank's shards are written."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._checkpoint_state(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        self.wait_for_checkpoint()
+        distributed = dist.is_initialized()
+        if distributed and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        self._checkpoint_write = dcp.async_save(
+            self._checkpoint_state(), checkpoint_id=str(path), process_group=self._checkpoint_group, no_dist=not distributed
+        )
+        return self._checkpoint_write
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits for the write `start_checkpoint` began, if any; raises what it raised."""
+        write, self._checkpoint_write = self._checkpoint_write, None
+        if write is not None:
+            write.result()
 
     def load_checkpoint(self, path: Path | str) -> None:
         """Restore what `save_checkpoint` wrote (same model and parallelism): weights (or adapters),
@@ -363,6 +396,7 @@ class PolicyTrainer:
         set of layers, is refused naming the mismatch and the flag before anything is read."""
         import torch.distributed.checkpoint as dcp
 
+        self.wait_for_checkpoint()
         self._check_checkpoint_kind(dcp.FileSystemReader(str(path)).read_metadata())
         state = self._checkpoint_state()
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())  # in place, into this rank's shards

@@ -11,6 +11,7 @@ not at its top: the controller imports it to spawn the actor, and starts without
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -65,6 +66,8 @@ class TrainerActor(Actor):
         """Each step's `batch_for_trainer`, answered on one port (forge_rl/actors/port_calls.py)."""
         self._publishing: asyncio.Future | None = None
         """The publish of the newest version, started after its step answered (`_train_step`)."""
+        self._telling_written: asyncio.Future | None = None
+        """Rank 0: waits for the newest checkpoint's background write, then tells its port."""
 
     @endpoint
     async def setup(self) -> dict:
@@ -166,12 +169,22 @@ class TrainerActor(Actor):
         )
 
     @endpoint
-    async def save_checkpoint(self, path: str) -> dict:
+    async def save_checkpoint(self, path: str, written=None) -> dict:
         """Every rank writes its shards of the training state to the DCP checkpoint `path`
-        (forge_rl/checkpoint.py). Returns the policy version saved."""
+        (forge_rl/checkpoint.py). Returns the policy version saved and how long the trainer was
+        held (`checkpoint/save_s`).
+
+        `written`: a port (monarch.actor.Channel) to be told on instead. The endpoint then returns
+        once the state is copied to host memory, and the copy is written in the background while
+        the next steps train (PolicyTrainer.start_checkpoint); rank 0 sends None on `written` once
+        every rank's shards are written, or the error's text."""
         await self._published()  # its snapshot is a collective too: every rank takes it first
         started = time.perf_counter()
-        self.trainer.save_checkpoint(path)
+        write = self.trainer.start_checkpoint(path)
+        if written is None:
+            self.trainer.wait_for_checkpoint()
+        elif self.rank == 0:
+            self._telling_written = asyncio.ensure_future(_tell_when_written(write, written))
         return {"policy_version": self.trainer.policy_version, "checkpoint/save_s": time.perf_counter() - started}
 
     @endpoint
@@ -214,3 +227,14 @@ class TrainerActor(Actor):
         # with `publish_after_reply`, after the step has answered, off its critical path.
         trim_native_heap_if_due()
         return published
+
+
+async def _tell_when_written(write: concurrent.futures.Future, written) -> None:
+    """Send None on the port `written` once `write` (a checkpoint's background write) is done, or
+    its error's text; the trainer raises the error itself at its next checkpoint."""
+    try:
+        await asyncio.wrap_future(write)
+    except Exception as e:  # noqa: BLE001 -- the controller reports it and fails the run
+        written.send(f"{type(e).__name__}: {e}")
+    else:
+        written.send(None)

@@ -51,7 +51,8 @@ STEPS_AFTER_SAVE = 2
 
 
 def _train_rank(rank: int, model_dir: Path, checkpoint: Path, out: Path, resume: bool) -> None:
-    """One FSDP2 rank: either 2 steps, save, 2 more (`resume` False) or load, 2 steps (True)."""
+    """One FSDP2 rank: either 2 steps, save (in the background) while 2 more train (`resume`
+    False), or load, 2 steps (True)."""
     torch.set_num_threads(1)
     trainer = PolicyTrainer(TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)), model_dir)
     batch = make_train_batch(_episodes(), pad_id=read_hf_config(model_dir)["pad_token_id"])
@@ -62,9 +63,10 @@ def _train_rank(rank: int, model_dir: Path, checkpoint: Path, out: Path, resume:
         trainer.load_checkpoint(checkpoint)
     else:
         losses = [trainer.train_step(batch)["loss"] for _ in range(STEPS_BEFORE_SAVE)]
-        trainer.save_checkpoint(checkpoint)
+        trainer.start_checkpoint(checkpoint)  # written while the next steps train, as a run writes it
     version_after_load = trainer.policy_version
     losses += [trainer.train_step(batch)["loss"] for _ in range(STEPS_AFTER_SAVE)]
+    trainer.wait_for_checkpoint()
     weights = trainer.hf_state_dict()
     if rank == 0:
         torch.save({"losses": losses, "weights": weights, "version_after_load": version_after_load}, out)

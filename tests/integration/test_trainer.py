@@ -281,8 +281,11 @@ def _resume_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: Tr
     config = dataclasses.replace(LORA_PARITY_CONFIG, num_procs=_world_size(parallel), parallel=parallel)
     trainer = PolicyTrainer(config, model_dir)
     trainer.train_step(batch)
-    trainer.save_checkpoint(checkpoint)
+    # Written in the background while the next steps train (as a run writes it): what it holds is
+    # the state of before them, and its collectives do not meet the steps'.
+    trainer.start_checkpoint(checkpoint)
     continued = [_without_timing(trainer.train_step(batch)) for _ in range(2)]
+    trainer.wait_for_checkpoint()
     adapters = trainer.adapter_state_dict(keep=rank == 0)
     resumed = PolicyTrainer(config, model_dir)
     resumed.load_checkpoint(checkpoint)
@@ -296,7 +299,8 @@ def _resume_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: Tr
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])
 def test_a_lora_checkpoint_over_two_processes_resumes_exactly(parallel, model_dir, reference, tmp_path):
     """The adapters-only checkpoint saved by sharded adapters (TP) or replicated ones (FSDP2), each
-    rank writing its part, loads into fresh trainers of the same layout and continues bit for bit."""
+    rank writing its part in the background while two more steps train, loads into fresh trainers
+    of the same layout and continues bit for bit."""
     out = tmp_path / "rank0.pt"
     run_on_ranks(_resume_rank, parallel, model_dir, reference[0], tmp_path / "ckpt", out)
     result = torch.load(out)
