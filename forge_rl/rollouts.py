@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import pickle
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -75,6 +76,17 @@ class NextBatch:
     ready_s: float
     """When it was taken, on the run's timeline (the controller's clock): the end of the train
     loop's data wait."""
+
+    def __reduce__(self):
+        # Sent as one bytes object of the C pickler's. Monarch pickles a message with cloudpickle's
+        # Python-level pickler, which calls a Python `persistent_id` on every object: 2.8 ms for the
+        # demo's batch (128 completions, 2 cores), on the trainer's critical path, against 0.3 ms.
+        fields = (self.train_version, self.episodes, self.ready_s)
+        return (_next_batch_from_bytes, (pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL),))
+
+
+def _next_batch_from_bytes(data: bytes) -> NextBatch:
+    return NextBatch(*pickle.loads(data))
 
 
 @dataclasses.dataclass

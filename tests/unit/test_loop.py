@@ -577,3 +577,20 @@ def _counted(function, name: str, calls: list[str]):
         return await function(*args, **kwargs)
 
     return counted
+
+
+def test_a_batch_crosses_monarchs_pickler_whole_as_one_bytes_object():
+    """NextBatch goes to the trainer as the C pickler's bytes (its `__reduce__`): Monarch's message
+    pickler then meets one object instead of every list and number of every completion."""
+    from monarch._src.actor.pickle import flatten, unflatten
+
+    from forge_rl.rollouts import NextBatch
+
+    prompt = Episode(episode_id=7, prompt_text="M37=", answer="7", prompt_token_ids=[1, 2, 3], generator_index=1, admitted_version=4)
+    episodes = [dataclasses.replace(prompt, completions=completions_for(prompt, 3, 4))]
+    episodes[0].completions[1].status = CompletionStatus.ERRORED
+    batch = NextBatch(train_version=5, episodes=episodes, ready_s=12.5)
+    seen = []
+    _, buffer = flatten(batch, lambda obj: seen.append(type(obj)) or False)
+    assert seen.count(bytes) == 1 and Episode not in seen and Completion not in seen
+    assert unflatten(buffer.freeze(), []) == batch
