@@ -32,7 +32,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl.deadlines import within
 from forge_rl.metrics import progress
-from forge_rl.proc_main import bootstrap_command
+from forge_rl.proc_main import spawn_procs
 from forge_rl.placement import (
     HostFacts,
     LaunchConfig,
@@ -109,7 +109,7 @@ class Hosts:
         return self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1)), num_procs // len(hosts)
 
     def spawn_procs(self, name: str, num_procs: int, host: int) -> ProcMesh:
-        procs = self.host(host).spawn_procs(per_host={"procs": num_procs}, name=name, bootstrap_command=bootstrap_command())
+        procs = spawn_procs(self.host(host), name, num_procs)
         self.proc_meshes.append(procs)
         return procs
 
@@ -130,9 +130,7 @@ class Hosts:
             procs = self.spawn_procs(role, num_procs, hosts[0])
         else:
             host_slice = self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1))
-            procs = host_slice.spawn_procs(
-                per_host={"procs": num_procs // len(hosts)}, name=role, bootstrap_command=bootstrap_command()
-            )
+            procs = spawn_procs(host_slice, role, num_procs // len(hosts))
             self.proc_meshes.append(procs)
         await setup_torch_elastic_env_async(procs)
         return procs
@@ -226,7 +224,7 @@ async def _initialized(host_mesh: HostMesh) -> None:
 async def _probe(host_mesh: HostMesh, addresses: list[str], model_dir: str) -> list[HostFacts]:
     from forge_rl.actors.host_probe import HostProbe
 
-    procs = host_mesh.spawn_procs(per_host={"procs": 1}, name="host_probe", bootstrap_command=bootstrap_command())
+    procs = spawn_procs(host_mesh, "host_probe")
     try:
         reports = await procs.spawn("host_probe", HostProbe).facts.call(model_dir)
         by_host = [report for _, report in reports.items()]  # rank order = host order (one proc per host)

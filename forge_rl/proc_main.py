@@ -1,7 +1,7 @@
 """The entry point of every process forge_rl spawns on a Monarch host: Monarch's own bootstrap
 (`monarch._src.actor.bootstrap_main`), ended by `forge_rl.process_exit.exit_now` instead of the
 interpreter's finalization, which spent 2-3 s collecting garbage at the end of every run
-(forge_rl/process_exit.py). Spawn with `bootstrap_command()`."""
+(forge_rl/process_exit.py). Spawn with `spawn_procs`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+    from monarch.actor import HostMesh, ProcMesh
+
+
+def spawn_procs(host: "HostMesh", name: str, num_procs: int = 1, env: Mapping[str, str | None] | None = None) -> "ProcMesh":
+    """`num_procs` processes on each host of `host`, as mesh `name`, each running this module with
+    `env` on top of its host's environment (`bootstrap_command`): how forge_rl starts every process."""
+    return host.spawn_procs(per_host={"procs": num_procs}, name=name, bootstrap_command=bootstrap_command(env))
 
 
 def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "BootstrapCommand":

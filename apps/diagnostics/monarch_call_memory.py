@@ -25,6 +25,7 @@ import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.port_calls import PortCalls, PortServed
+from forge_rl.proc_main import spawn_procs
 
 
 class Echo(PortServed, Actor):
@@ -50,7 +51,7 @@ def uss_mb(pid: int) -> float:
 
 
 async def measure(mode: str, calls_per_round: int, rounds: int, reply_kb: int) -> None:
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    procs = spawn_procs(this_host(), "callee")
     echo = procs.spawn("echo", Echo)
     callee = await echo.pid.call_one()
     payload = {"ids": list(range(200)), "text": "x" * 2000}  # about an episode's size

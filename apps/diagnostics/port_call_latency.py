@@ -16,6 +16,7 @@ import time
 from monarch.actor import Actor, concurrent_endpoint, this_host
 
 from forge_rl.actors.port_calls import PortCalls, PortServed
+from forge_rl.proc_main import spawn_procs
 
 
 class Worker(PortServed, Actor):
@@ -26,7 +27,7 @@ class Worker(PortServed, Actor):
 
 
 async def measure(in_flight: int, calls: int, work_s: float) -> None:
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    procs = spawn_procs(this_host(), "callee")
     worker = procs.spawn("worker", Worker)
     port_calls = PortCalls()
     await worker.work.call_one(0.0)

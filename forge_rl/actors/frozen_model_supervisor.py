@@ -48,7 +48,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
-from forge_rl.proc_main import bootstrap_command
+from forge_rl.proc_main import spawn_procs
 from forge_rl.reference import ReferenceConfig
 from forge_rl.replies import rank_zero
 from forge_rl.scorer_restarts import RestartingScorer
@@ -171,7 +171,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
     async def _start_incarnation(self, number: int) -> FrozenModelMesh:
         name = f"{self.role}-r{number}"
         host = this_host() if self.host is None else self.host
-        procs = host.spawn_procs(per_host={"procs": self.procs_per_host}, name=name, bootstrap_command=bootstrap_command())
+        procs = spawn_procs(host, name, self.procs_per_host)
         try:
             from forge_rl.actors.frozen_model import FrozenModelActor
 

@@ -57,7 +57,7 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
 from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.proc_main import bootstrap_command
+from forge_rl.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -334,10 +334,7 @@ class GeneratorPool(PortServed, Actor):
         slot.incarnation += 1
         placement = self.placements[slot.index]
         host = this_host() if placement.host is None else placement.host
-        slot.procs = host.spawn_procs(
-            per_host={"procs": 1}, name=slot.mesh_name,
-            bootstrap_command=bootstrap_command(engine_process_env()),
-        )
+        slot.procs = spawn_procs(host, slot.mesh_name, env=engine_process_env())
         # A simulated generator loads no weights: without the store's handle its process never
         # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
         store_index = None if self.config.engine == "sim" else self.store_index

@@ -38,7 +38,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
-from forge_rl.proc_main import bootstrap_command
+from forge_rl.proc_main import spawn_procs
 from forge_rl.scorer_restarts import RestartingScorer, ScorerState
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Episode
@@ -113,7 +113,7 @@ class ScorerSupervisor(PortServed, RestartingOwner):
 
         def spawn(role: str, actor_class, *args, num_procs: int = 1):
             name = f"{role}-r{number}"
-            procs[name] = host.spawn_procs(per_host={"procs": num_procs}, name=name, bootstrap_command=bootstrap_command())
+            procs[name] = spawn_procs(host, name, num_procs)
             return procs[name].spawn(name, actor_class, *args)
 
         async def every_reply(call) -> list[dict]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
-from forge_rl.proc_main import bootstrap_command
+from forge_rl.proc_main import spawn_procs
 
 _MB = 10**6
 # Versions published before timing: keep_latest=1 leaves the first files in the pool by the third.
@@ -100,7 +100,7 @@ async def store_throughput(args: WeightSyncArgs, workdir: Path) -> list[dict]:
     from forge_rl.store.actors import open_store
 
     procs = {
-        name: this_host().spawn_procs(per_host={"procs": 1}, name=f"bench_{name}", bootstrap_command=bootstrap_command())
+        name: spawn_procs(this_host(), f"bench_{name}")
         for name in ("volume", "shm", "rdma")
     }
     readers = {t: procs[t].spawn("reader", BenchReader, t) for t in ("shm", "rdma")}
@@ -367,9 +367,7 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     memcpy_s = served_bytes / memcpy / 1e9
     base = load_file(str(model_dir / "model.safetensors"))
     root = workdir / "engine-store"
-    volume_procs = this_host().spawn_procs(
-        per_host={"procs": 1}, name="bench_engine_volume", bootstrap_command=bootstrap_command()
-    )
+    volume_procs = spawn_procs(this_host(), "bench_engine_volume")
     index, _ = await open_store(root, model_dir, keep_latest=1, procs=volume_procs)
     writer = WeightStore(index, root, client_id="bench-trainer", extra_files_dir=model_dir)
     reader = WeightStore(index, root, client_id="bench-generator", extra_files_dir=model_dir)

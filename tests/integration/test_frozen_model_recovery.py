@@ -24,6 +24,7 @@ from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.models.titan import read_hf_config
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.proc_main import spawn_procs
 from forge_rl.reference import ReferenceConfig
 from forge_rl.store.actors import spawn_store
 from forge_rl.store.client import WeightStore
@@ -66,7 +67,7 @@ def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_un
     pad_id = read_hf_config(model_dir)["pad_token_id"]
 
     async def main():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="supervisor")
+        procs = spawn_procs(this_host(), "supervisor")
         supervisor = procs.spawn("supervisor", FrozenModelSupervisor, "reference", config, str(model_dir), pad_id)
         try:
             await supervisor.start.call_one()
@@ -112,7 +113,7 @@ def refresh_then_kill(model_dir: Path, tmp_path: Path, config: TeacherConfig, em
     blend = config.ema_decay if config.pin == "ema" else None
 
     async def main():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="services")
+        procs = spawn_procs(this_host(), "services")
         index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
         writer = WeightStore(index, root, extra_files_dir=model_dir)
         teacher = procs.spawn(

@@ -21,6 +21,7 @@ from monarch.actor import this_host
 from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.errors import GeneratorLost, raised_by_actor
+from forge_rl.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -77,7 +78,7 @@ def hung_and_replaced(model_dir) -> HungAndReplaced:
         return Episode(episode_id, "M12=", "2", tokenizer.encode_prompt("M12="), forced_length=forced_length)
 
     async def scenario() -> HungAndReplaced:
-        services = this_host().spawn_procs(per_host={"procs": 1}, name="hung_generator_services")
+        services = spawn_procs(this_host(), "hung_generator_services")
         try:
             index = services.spawn("store_index", StoreIndexActor)
             pool = services.spawn(

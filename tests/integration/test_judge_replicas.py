@@ -16,6 +16,7 @@ from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.judge import JudgeConfig
+from forge_rl.proc_main import spawn_procs
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
 
@@ -42,8 +43,8 @@ def test_replicas_of_the_judge_share_a_scorers_verdicts(model_dir):
     config = ScorerConfig(judge=dataclasses.replace(JUDGE, path=model_dir), reward_fn_weight=0.0)
 
     async def main():
-        judge_procs = this_host().spawn_procs(per_host={"procs": JUDGE.replicas}, name="judge")
-        scorer_procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
+        judge_procs = spawn_procs(this_host(), "judge", JUDGE.replicas)
+        scorer_procs = spawn_procs(this_host(), "scorer")
         judge = judge_procs.spawn("judge", GeneratorActor, config.judge.generator, str(model_dir), JUDGE.max_model_len, None, "judge")
         try:
             starts = await judge.start.call()

@@ -24,6 +24,7 @@ import psutil
 import pytest
 from monarch.actor import Actor, endpoint
 
+from forge_rl.proc_main import spawn_procs
 from tests.integration.workers import start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
@@ -45,7 +46,7 @@ class WhereAmI(Actor):
     @endpoint
     async def spawn_on(self, host_mesh) -> dict:
         """Spawn a process on `host_mesh` from inside an actor, as the GeneratorPool does."""
-        procs = host_mesh.spawn_procs(per_host={"procs": 1}, name="child")
+        procs = spawn_procs(host_mesh, "child")
         try:
             return await procs.spawn("child", WhereAmI).where.call_one()
         finally:

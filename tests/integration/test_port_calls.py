@@ -14,6 +14,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
+from forge_rl.proc_main import spawn_procs
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +108,7 @@ class Caller(Actor):
 @pytest.fixture(scope="module")
 def results():
     async def run():
-        procs = this_host().spawn_procs(per_host={"procs": 2})
+        procs = spawn_procs(this_host(), "callee", 2)
         served = procs.slice(procs=0).spawn("served", Served)
         caller = procs.slice(procs=1).spawn("caller", Caller, served)
         try:

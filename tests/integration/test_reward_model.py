@@ -11,6 +11,7 @@ from monarch.actor import this_host
 
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
+from forge_rl.proc_main import spawn_procs
 from forge_rl.reward_model import RewardModelConfig, RewardModelTraining, SequenceClassifier, train_reward_model
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -42,7 +43,7 @@ def test_the_reward_model_actor_batches_requests_and_a_nan_model_errors_its_comp
     texts = [["M37=7", "M37=3"], ["M90=9"], ["M11=1K", "M45=", "M00=0"]]
 
     async def main():
-        meshes = [this_host().spawn_procs(per_host={"procs": 1}, name=name) for name in ("rm", "rm_nan", "scorer")]
+        meshes = [spawn_procs(this_host(), name) for name in ("rm", "rm_nan", "scorer")]
         try:
             model = meshes[0].spawn("rm", RewardModelActor, RewardModelConfig(path=good, max_wait_ms=50))
             nan_model = meshes[1].spawn("rm", RewardModelActor, RewardModelConfig(path=nan))
@@ -74,7 +75,7 @@ def test_replicas_of_the_reward_model_share_a_scorers_calls(tmp_path):
     config = ScorerConfig(reward_model=RewardModelConfig(path=good, replicas=2))
 
     async def main():
-        meshes = [this_host().spawn_procs(per_host={"procs": procs}, name=name) for name, procs in (("rm", 2), ("scorer", 1))]
+        meshes = [spawn_procs(this_host(), name, procs) for name, procs in (("rm", 2), ("scorer", 1))]
         try:
             model = meshes[0].spawn("rm", RewardModelActor, config.reward_model)
             setups = await model.setup.call()
@@ -113,7 +114,7 @@ def test_a_killed_reward_model_is_restarted_with_its_scorer_until_max_restarts_t
         return reward_model_pid
 
     async def main():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="supervisor")
+        procs = spawn_procs(this_host(), "supervisor")
         supervisor = procs.spawn("supervisor", ScorerSupervisor, config, "leading_number", 0)
         try:
             await supervisor.start.call_one()

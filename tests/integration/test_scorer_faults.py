@@ -10,6 +10,7 @@ import pytest
 from monarch.actor import this_host
 
 from forge_rl.actors.scorer import ScorerActor
+from forge_rl.proc_main import spawn_procs
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.helpers import wait_until
@@ -39,7 +40,7 @@ def reward_worker_pids() -> set[int]:
 
 def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
     async def main():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="scorer")
+        procs = spawn_procs(this_host(), "scorer")
         scorer = procs.spawn("scorer", ScorerActor, ScorerConfig(reward_timeout_s=HANG_TIMEOUT_S, num_workers=2), SCRIPTED)
         try:
             scored = await asyncio.gather(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
+from forge_rl.proc_main import spawn_procs
 from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
@@ -100,9 +101,9 @@ def cluster(tmp_path_factory):
     loop = asyncio.new_event_loop()
 
     async def build():
-        volume_procs = this_host().spawn_procs(per_host={"procs": 1}, name="store_volume")
+        volume_procs = spawn_procs(this_host(), "store_volume")
         index, _ = await open_store(root, keep_latest=1, procs=volume_procs)
-        reader_procs = [this_host().spawn_procs(per_host={"procs": 1}, name=f"reader{i}") for i in range(3)]
+        reader_procs = [spawn_procs(this_host(), f"reader{i}") for i in range(3)]
         shm_reader = reader_procs[0].spawn("reader", Reader, str(root), "shm")
         rdma_readers = [procs.spawn("reader", Reader, str(root), "rdma") for procs in reader_procs[1:]]
         writer = WeightStore(index, root)
@@ -214,7 +215,7 @@ def test_a_late_reader_gets_the_newest_version(cluster):
         loop.run_until_complete(writer.publish(version, weights(version)))
 
     async def late_join():
-        procs = this_host().spawn_procs(per_host={"procs": 1}, name="late_reader")
+        procs = spawn_procs(this_host(), "late_reader")
         try:
             return await procs.spawn("reader", Reader, str(writer.local.root), "auto").read.call_one(0)
         finally:
