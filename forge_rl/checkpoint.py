@@ -175,9 +175,8 @@ def prune_checkpoints(run_path: Path, keep_last: int) -> list[Path]:
     complete = complete_checkpoints(run_path)
     doomed = [path for _, path in complete[: max(len(complete) - keep_last, 0)]]
     cut_short = [*root.glob(".step-*.partial"), *root.glob(".step-*.deleting")]
-    for path in doomed:
-        path.rename(path.with_name(f".{path.name}.deleting"))
-    for path in [*cut_short, *(path.with_name(f".{path.name}.deleting") for path in doomed)]:
+    out_of_sight = [path.rename(path.with_name(f".{path.name}.deleting")) for path in doomed]
+    for path in [*cut_short, *out_of_sight]:
         shutil.rmtree(path, ignore_errors=True)
     return doomed + cut_short
 

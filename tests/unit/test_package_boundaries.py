@@ -189,6 +189,8 @@ TORCH_FREE_PROCESSES = {
         "forge_rl.store.actors", "forge_rl.store.shm", "forge_rl.actors.generator_pool",
         "forge_rl.actors.scorer_supervisor", "forge_rl.actors.frozen_model_supervisor", "forge_rl.config",
     ],
+    # A multi-host run probes every host before it spawns anything (forge_rl/launch.py).
+    "a host's probe": ["forge_rl.actors.host_probe", "monarch.rdma"],
     # The run's controller spawns every actor (so imports their classes), runs the loop and the
     # lifecycle, and unpickles the trainer's replies (forge_rl/trainer_steps.py).
     "a run's controller": [
