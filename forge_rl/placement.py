@@ -42,6 +42,10 @@ class PlacementConfig:
 
     services_host: int = 0
     """Host of the services process: dataset, scorer, replay buffer, weight-store index, generator pool."""
+    scorer_host: int | None = None
+    """Host of the scorer's processes (the scorer actor and its reward workers, a reward model's
+    replicas, an LLM judge's engine), where its supervisor also restarts them; unset: services_host.
+    Puts model-based scoring on a host of its own, apart from the generators and the trainer."""
     trainer_hosts: tuple[int, ...] = (0,)
     """Consecutive hosts of the trainer ranks; trainer.num_procs is split evenly among them."""
     reference_hosts: tuple[int, ...] | None = None
@@ -84,9 +88,15 @@ class PlacementConfig:
                     f"{' '.join(str(hosts[0] + i) for i in range(len(hosts)))}."
                 )
 
+    @property
+    def scorer_host_index(self) -> int:
+        """The host the scorer's processes run on (`scorer_host`, else `services_host`)."""
+        return self.services_host if self.scorer_host is None else self.scorer_host
+
     def _indices(self) -> dict[str, tuple[int, ...]]:
         return {
             "services_host": (self.services_host,),
+            "scorer_host": () if self.scorer_host is None else (self.scorer_host,),
             "trainer_hosts": self.trainer_hosts,
             "reference_hosts": self.reference_hosts or (),
             "generator_hosts": self.generator_hosts,
@@ -219,7 +229,7 @@ class RoleDemand:
     """CUDA devices per generator on a GPU host: generator.tensor_parallel_size."""
     scorer_model_threads: int = 0
     """Compute threads of the scorer's models (reward-model replicas, the judge's engine) on the
-    services host: `ScorerConfig.model_threads`."""
+    scorer's host (`PlacementConfig.scorer_host_index`): `ScorerConfig.model_threads`."""
 
 
 def check_placement(launch: LaunchConfig, demand: RoleDemand) -> None:
@@ -397,7 +407,7 @@ def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostF
     for index in range(demand.num_generators):
         add(placement.generator_host(index), "generator(s)", 1, demand.generator_threads)
     if demand.scorer_model_threads:
-        add(placement.services_host, "scorer model(s)", 1, demand.scorer_model_threads)
+        add(placement.scorer_host_index, "scorer model(s)", 1, demand.scorer_model_threads)
 
     for host, (fact, load) in enumerate(zip(facts, per_host)):
         where = f"host {host} ({fact.hostname}, {fact.address})"

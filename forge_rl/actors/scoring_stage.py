@@ -75,7 +75,7 @@ class ScoringStage:
             )
         scorer = services.spawn(
             "scorer", ScorerSupervisor, config.scorer, config.task.reward, config.generator.max_new_tokens, teacher,
-            hosts.owned_host(config.launch.placement.services_host),
+            hosts.owned_host(config.launch.placement.scorer_host_index),
         )
         reference = None
         if config.uses_reference_model:

@@ -49,7 +49,8 @@ after step 4 version 3 (forge_rl/teacher.py `TeacherPin`)."""
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
-#         completions, not the run), and every metrics sink (TensorBoard, W&B offline).
+#         completions, not the run), every metrics sink (TensorBoard, W&B offline), and over a host
+#         list of two workers: services and trainer on the first, generator and scorer on the second.
 VARIANTS = {
     "fsdp": dict(
         buffer=BufferConfig(max_policy_age=0, capacity_episodes=32),
@@ -118,7 +119,7 @@ def tp_run(tmp_path_factory, tp_workers_after_the_run):
         launch=LaunchConfig(
             hosts="list",
             workers=tuple(f"tcp://127.0.0.1:{port}" for port in after["ports"]),
-            placement=PlacementConfig(generator_hosts=(1,)),
+            placement=PlacementConfig(generator_hosts=(1,), scorer_host=1),
         ),
     )
     config_path = config.run_dir / "tp.yaml"

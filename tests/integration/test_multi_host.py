@@ -3,7 +3,8 @@ tcp://127.0.0.1:PORT) stand in for two hosts, and a controller attaches to them 
 forge_rl/launch.py with a host-list config. It checks that every role lands on the host the
 placement names (a process is on worker w's "host" when w is its ancestor), that trainer ranks get
 their torch.distributed environment, that a mesh passed to an actor spawns there (the generator
-pool's path), and that the weight store's volume registers on the trainer's host.
+pool's path, and the scorer supervisor's on `scorer_host`), and that the weight store's volume
+registers on the trainer's host.
 
 The controller runs as a subprocess (`python -m tests.integration.test_multi_host`): a host list
 makes it switch Monarch to TCP, which must happen before any other Monarch call of the process.
@@ -72,7 +73,7 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
         report = json.loads(client.stdout.strip().splitlines()[-1])
         worker_pids = [w.pid for w in workers]
         hosts = {role: _worker_of(ancestors, worker_pids) for role, ancestors in report["ancestors"].items()}
-        assert hosts == {"services": 0, "trainer0": 1, "trainer1": 1, "store_volume": 1, "spawned_by_actor": 1}
+        assert hosts == {"services": 0, "trainer0": 1, "trainer1": 1, "store_volume": 1, "spawned_by_actor": 1, "scorer": 1}
         assert report["ranks"] == [["0", "2"], ["1", "2"]]
         assert [f["cpus"] for f in report["facts"]] == [sorted(os.sched_getaffinity(0))] * 2
         assert report["volume_location"].startswith(socket.gethostname() + ":")
@@ -95,7 +96,7 @@ async def _controller(model_dir: str, ports: list[str]) -> dict:
         launch=LaunchConfig(
             hosts="list",
             workers=tuple(f"tcp://127.0.0.1:{port}" for port in ports),
-            placement=PlacementConfig(services_host=0, trainer_hosts=(1,), generator_hosts=(1,)),
+            placement=PlacementConfig(services_host=0, trainer_hosts=(1,), generator_hosts=(1,), scorer_host=1),
         ),
     )
     hosts = await launch.start_hosts(config, model_dir)
@@ -107,6 +108,8 @@ async def _controller(model_dir: str, ports: list[str]) -> dict:
         service_actor = services.spawn("where", WhereAmI)
         trainer_ranks = [r for _, r in (await trainer.spawn("where", WhereAmI).where.call()).items()]
         generator_host = hosts.generator_placements()[0].host
+        # Where the scoring stage's supervisor spawns the scorer's processes (forge_rl/actors/scoring_stage.py).
+        scorer_host = hosts.owned_host(config.launch.placement.scorer_host_index)
         return {
             "facts": [vars(f) for f in hosts.facts],
             "ancestors": {
@@ -115,6 +118,7 @@ async def _controller(model_dir: str, ports: list[str]) -> dict:
                 "trainer1": trainer_ranks[1]["ancestors"],
                 "store_volume": (await volume_procs.spawn("where", WhereAmI).where.call_one())["ancestors"],
                 "spawned_by_actor": (await service_actor.spawn_on.call_one(generator_host))["ancestors"],
+                "scorer": (await service_actor.spawn_on.call_one(scorer_host))["ancestors"],
             },
             "ranks": [[r["rank"], r["world_size"]] for r in trainer_ranks],
             "volume_location": await volume.location.call_one(),

@@ -288,6 +288,20 @@ def test_the_scorer_models_threads_count_on_the_services_host():
         check_host_facts(launch, heavy, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")
 
 
+def test_a_scorer_host_takes_the_scorer_models_threads_off_the_services_host():
+    launch = _list(3, trainer_hosts=(0,), generator_hosts=(1,), scorer_host=2)
+    assert launch.placement.scorer_host_index == 2
+    assert _list(2, services_host=1).placement.scorer_host_index == 1  # unset: the services' host
+    demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1, scorer_model_threads=12)
+    check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2), _facts("c", cpus=8)], "/m")
+    with pytest.raises(ConfigError, match=r"host 2 \(c.*1 scorer model\(s\) = 12 compute threads"):
+        check_host_facts(launch, demand, [_facts("a", cpus=8), _facts("b", cpus=8), _facts("c", cpus=2)], "/m")
+    with pytest.raises(ConfigError, match=r"launch.placement.scorer_host \(\[3\]\) names host 3, but launch.workers has 3"):
+        _list(3, scorer_host=3)
+    with pytest.raises(ConfigError, match=r"launch.placement.scorer_host \(\[1\]\) names a host other than 0"):
+        LaunchConfig(placement=PlacementConfig(scorer_host=1))
+
+
 def test_the_scorer_models_threads_are_counted_alike_by_preflight_and_placement(tmp_path):
     from forge_rl.config import GRPOConfig
     from forge_rl.placement import demand_of
