@@ -218,7 +218,9 @@ class Lifecycle:
         self._loops = asyncio.ensure_future(pipeline.run(self.run_path, metrics_logger, self))
         try:
             history, accounting = await self._loops
-            await self.finish_despite_stop(self.checkpoint_committed())  # the last step's
+            _, stopped = await self.finish_despite_stop(self.checkpoint_committed())  # the last step's
+            if stopped:
+                raise asyncio.CancelledError
         except BaseException:
             if self._committing is not None:  # the trainer may never say its write is done
                 self._committing.cancel()
@@ -308,6 +310,8 @@ class Lifecycle:
         )
         held_s = time.monotonic() - started
         self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))
+        # Its error is raised where it is awaited; a run that fails otherwise first never awaits it.
+        self._committing.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     async def _commit(self, partial: Path, controller: ControllerState, written, started: float, held_s: float) -> None:
         """Commit the checkpoint in `partial` once the trainer's background write is done (its

@@ -79,8 +79,9 @@ class NextBatch:
 
     def __reduce__(self):
         # Sent as one bytes object of the C pickler's. Monarch pickles a message with cloudpickle's
-        # Python-level pickler, which calls a Python `persistent_id` on every object: 2.8 ms for the
-        # demo's batch (128 completions, 2 cores), on the trainer's critical path, against 0.3 ms.
+        # Python-level pickler, which calls a Python `persistent_id` on every object: 2.2 ms for the
+        # demo's batch (128 completions), on the trainer's critical path, against 0.46 ms this way
+        # (one idle core of this 2-core machine; docs/benchmarks.md, "2026-11-28").
         fields = (self.train_version, self.episodes, self.ready_s)
         return (_next_batch_from_bytes, (pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL),))
 
