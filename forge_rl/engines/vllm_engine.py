@@ -36,10 +36,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import glob
 import itertools
 import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -287,6 +290,8 @@ class VLLMEngine:
         self._engine_processes: list[psutil.Process] = []
         """The processes vLLM started (its engine core; their children are its workers)."""
         self._reaper: Reaper | None = None
+        self._ipc_dir: str | None = None
+        """Where vLLM's front end and engine core put their ZMQ sockets (`start`)."""
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
         """Start vLLM on `model_dir` (config.json + safetensors): 5-20 s on CPU."""
@@ -300,23 +305,33 @@ class VLLMEngine:
         # vLLM reads these when first imported (its logger) and when spawning the engine-core and
         # worker processes, so both happen inside the block.
         children_before = {child.pid for child in psutil.Process().children()}
-        with _environ(self._engine_env()):
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-            from vllm.v1.executor import Executor
+        # vLLM's front end and engine core talk over ZMQ sockets that it creates in
+        # VLLM_RPC_BASE_PATH (default: the temp directory) and never removes: three files in /tmp
+        # per engine start, whether the run ended cleanly or not. A directory of this engine's own
+        # instead, removed at `shutdown`, or by the reaper if this process is killed.
+        self._ipc_dir = tempfile.mkdtemp(prefix="forge_rl_vllm_")
+        try:
+            with _environ({**self._engine_env(), "VLLM_RPC_BASE_PATH": self._ipc_dir}):
+                from vllm.engine.arg_utils import AsyncEngineArgs
+                from vllm.v1.engine.async_llm import AsyncLLM
+                from vllm.v1.executor import Executor
 
-            self._support_source = self._pick_support_source()
-            args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
-            # AsyncLLM.from_engine_args in two halves, so the engine core's start method can be
-            # chosen after vLLM's platform has set its own (creating the config sets it).
-            vllm_config = args.create_engine_config()
-            with self._engine_core_start():
-                self._llm = AsyncLLM(
-                    vllm_config=vllm_config,
-                    executor_class=Executor.get_class(vllm_config),
-                    log_requests=args.enable_log_requests,
-                    log_stats=not args.disable_log_stats,
-                )
+                self._support_source = self._pick_support_source()
+                args = AsyncEngineArgs(**self._engine_kwargs(Path(model_dir), max_model_len))
+                # AsyncLLM.from_engine_args in two halves, so the engine core's start method can be
+                # chosen after vLLM's platform has set its own (creating the config sets it).
+                vllm_config = args.create_engine_config()
+                with self._engine_core_start():
+                    self._llm = AsyncLLM(
+                        vllm_config=vllm_config,
+                        executor_class=Executor.get_class(vllm_config),
+                        log_requests=args.enable_log_requests,
+                        log_stats=not args.disable_log_stats,
+                    )
+        except BaseException:  # an engine that never started has no shutdown to remove it
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+            raise
         self._engine_processes = [
             child for child in psutil.Process().children()
             if child.pid not in children_before and not _is_resource_tracker(child)
@@ -327,7 +342,7 @@ class VLLMEngine:
         # exits; workers in processes of their own (GPUs) follow (vLLM's death pipe), and
         # multiprocessing's resource tracker, once no process holds it any more, unlinks the psm_*
         # and sem.* files they created.
-        self._reaper = Reaper.start(kill=self._engine_processes)
+        self._reaper = Reaper.start(kill=self._engine_processes, remove=[glob.escape(self._ipc_dir)])
         self._vocab_size = self._llm.model_config.get_vocab_size()
         if self.config.record_routing and not torch_cuda_available():
             await self._llm.collective_rpc("forge_start_routing_capture")
@@ -909,6 +924,9 @@ class VLLMEngine:
         if self._llm is not None:
             self._llm.shutdown(timeout=_SHUTDOWN_GRACE_S)
             self._llm = None
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
         if self._reaper is not None:
             self._reaper.dismiss()
             self._reaper = None

@@ -68,10 +68,19 @@ def served(tmp_path_factory):
     engine_processes = [p for p in spawned_processes() if p.pid not in before]
     assert engine_processes, "vLLM runs its engine core in-process; multiprocessing must be on"
     yield Served(engine, loop, model_dir)
+    sockets_dir = Path(engine._ipc_dir)
     loop.run_until_complete(engine.shutdown())
     loop.close()
     _, alive = psutil.wait_procs(engine_processes, timeout=10)
     assert alive == [], f"engine processes outlived shutdown(): {alive}"
+    assert not sockets_dir.exists(), f"the engine's socket directory {sockets_dir} outlived shutdown()"
+
+
+def test_the_engines_sockets_are_in_a_directory_of_its_own(served):
+    """vLLM's front end and engine core talk over ZMQ sockets that vLLM would leave in /tmp at
+    every start; the engine gives them a directory that its shutdown removes (the fixture checks)."""
+    sockets = list(Path(served.engine._ipc_dir).iterdir())
+    assert sockets and all(path.is_socket() for path in sockets)
 
 
 def spawned_processes() -> list[psutil.Process]:
