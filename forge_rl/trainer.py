@@ -356,9 +356,12 @@ class PolicyTrainer:
         """Write this rank's part of the training state to the DCP checkpoint `path`: a
         collective, so call it on every rank. Each rank writes only its own FSDP2/TP shards.
         With LoRA the checkpoint holds the adapters and their AdamW moments, not the frozen base
-        (the base is `model.path`, read again at resume)."""
-        self.start_checkpoint(path)
+        (the base is `model.path`, read again at resume). Writes from the live tensors, with no
+        host copy of the state: `start_checkpoint` is the background variant."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait_for_checkpoint()
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
     def start_checkpoint(self, path: Path | str) -> concurrent.futures.Future:
         """`save_checkpoint` in the background: copies this rank's part of the training state to

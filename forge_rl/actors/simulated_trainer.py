@@ -69,7 +69,7 @@ class SimulatedTrainerActor(Actor):
         """Nothing to publish: the simulated generators load version numbers only."""
 
     @endpoint
-    async def save_checkpoint(self, path: str, written=None) -> dict:
+    async def save_checkpoint(self, path: str, written) -> dict:
         raise ConfigError(_NO_CHECKPOINTS)
 
     @endpoint

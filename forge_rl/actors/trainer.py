@@ -169,21 +169,17 @@ class TrainerActor(Actor):
         )
 
     @endpoint
-    async def save_checkpoint(self, path: str, written=None) -> dict:
+    async def save_checkpoint(self, path: str, written) -> dict:
         """Every rank writes its shards of the training state to the DCP checkpoint `path`
-        (forge_rl/checkpoint.py). Returns the policy version saved and how long the trainer was
-        held (`checkpoint/save_s`).
-
-        `written`: a port (monarch.actor.Channel) to be told on instead. The endpoint then returns
-        once the state is copied to host memory, and the copy is written in the background while
-        the next steps train (PolicyTrainer.start_checkpoint); rank 0 sends None on `written` once
-        every rank's shards are written, or the error's text."""
+        (forge_rl/checkpoint.py) in the background: the endpoint returns once the state is copied
+        to host memory, and the copy is written while the next steps train
+        (PolicyTrainer.start_checkpoint). Rank 0 sends None on the port `written`
+        (monarch.actor.Channel) once every rank's shards are written, or the error's text. Returns
+        the policy version saved and how long the trainer was held (`checkpoint/save_s`)."""
         await self._published()  # its snapshot is a collective too: every rank takes it first
         started = time.perf_counter()
         write = self.trainer.start_checkpoint(path)
-        if written is None:
-            self.trainer.wait_for_checkpoint()
-        elif self.rank == 0:
+        if self.rank == 0:
             self._telling_written = asyncio.ensure_future(_tell_when_written(write, written))
         return {"policy_version": self.trainer.policy_version, "checkpoint/save_s": time.perf_counter() - started}
 
