@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,9 @@ class SentStep:
     """The rollouts' `batch_taken`: True once the batch has left the buffer, False if withheld."""
     waiting_from: float
     """When the loop asked for this step (the timeline's clock)."""
+    prefetch_next: bool = False
+    """The trainer was told the loop sends step + 1 next, so it asks for step + 1's batch as soon
+    as this step's is in hand (forge_rl/trainer_steps.py `BatchPrefetch`)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
 
@@ -125,34 +129,33 @@ class Pipeline:
         stop (Ctrl-C, SIGTERM) wait for the steps in flight when a shutdown checkpoint is wanted.
 
         One step ahead: while step k trains, the loop asks the trainer for step k + 1, whose ranks
-        ask the rollouts for its batch as soon as step k has answered, so it reaches the trainer
-        one message after its last episode arrives, or a round trip after step k when it was ready
-        before (the controller and the loop's bookkeeping are off the trainer's critical path). Not past a checkpoint, which holds the
-        buffer as of its step. The batch is taken at version k + 1, the version it trains at (the
-        gate counts it from then); if step k is skipped (non-finite loss) it trains at k, younger
-        than its label, so the age bound still holds.
+        ask the rollouts for its batch as soon as they have step k's (`prefetch_next`), so it
+        reaches the trainer one message after its last episode arrives, or while step k trains
+        when it was ready before (the controller and the loop's bookkeeping are off the trainer's
+        critical path). Not past a checkpoint, which holds the buffer as of its step. The batch is
+        taken at version k + 1, the version it trains at (the gate counts it from then); if step k
+        is skipped (non-finite loss) it trains at k, younger than its label, so the age bound
+        still holds.
         """
         ahead: SentStep | None = None
         try:
             for step in range(self.step + 1, self.config.steps + 1):
-                sent = ahead if ahead is not None else self._send_step(step)
-                ahead, ahead_result = None, None
-                if step < self.config.steps and not lifecycle.checkpoint_due(step):
-                    ahead = self._send_step(step + 1)
+                sent = ahead if ahead is not None else self._send_step(step, self._sends_ahead(step, lifecycle))
+                ahead = None
+                if sent.prefetch_next:
+                    ahead = self._send_step(step + 1, self._sends_ahead(step + 1, lifecycle))
                 result = await self._finish_step(sent, lifecycle)
-                if result is None or (result.stopped and ahead is not None):
-                    # A stop. The batch sent ahead is trained and accounted too, if it left the
-                    # buffer (the shutdown checkpoint then holds it as trained); one still at the
-                    # gate is withheld.
-                    ahead_result = await self._withhold(ahead, lifecycle) if ahead is not None else None
+                results = [] if result is None else [result]
+                if result is None or result.stopped:
+                    # A stop. The batches that left the buffer before it (the one sent ahead, and
+                    # the one its trainer asked for while it trained) are trained and accounted
+                    # too (the shutdown checkpoint then holds them as trained); none leaves after.
+                    results += [dataclasses.replace(r, stopped=True) for r in await self._finish_taken(ahead, lifecycle)]
                     ahead = None
                 if result is None:  # the stop withheld this step's batch: nothing was taken
                     raise asyncio.CancelledError
-                results = [result]
-                if ahead_result is not None:
-                    results.append(dataclasses.replace(ahead_result, stopped=True))
-                for result in results:
-                    metrics_logger.log(result.metrics)
+                for finished in results:
+                    metrics_logger.log(finished.metrics)
                 if result.stopped:
                     raise asyncio.CancelledError
                 await lifecycle.after_step(self)
@@ -162,23 +165,39 @@ class Pipeline:
                 ahead.taken.cancel()
         return metrics_logger.logged()
 
-    async def _withhold(self, sent: SentStep, lifecycle: Lifecycle) -> StepResult | None:
-        """After a stop: withhold `sent`'s batch if it is still at the gate (None), else finish its step."""
-        await self.actors.rollouts.withhold_batch.call_one(sent.step)
-        return await self._finish_step(sent, lifecycle, withheld=True)
+    def _sends_ahead(self, step: int, lifecycle: Lifecycle) -> bool:
+        """Whether the loop sends step + 1 while step `step` trains: not past the last step, nor
+        past a checkpoint, which holds the buffer as of its step."""
+        return step < self.config.steps and not lifecycle.checkpoint_due(step)
 
-    def _send_step(self, step: int) -> SentStep:
+    async def _finish_taken(self, ahead: SentStep | None, lifecycle: Lifecycle) -> list[StepResult]:
+        """After a stop: no batch leaves the buffer from now on, and the steps whose batches had
+        left (`ahead`, then the step its trainer asked for ahead, if it did) are finished."""
+        if ahead is None:
+            return []
+        await self.actors.rollouts.withhold_batch.call_one(sys.maxsize)
+        finished, sent = [], ahead
+        while True:
+            result = await self._finish_step(sent, lifecycle, withheld=True)
+            if result is None:
+                return finished
+            finished.append(result)
+            if not sent.prefetch_next:
+                return finished
+            sent = self._send_step(sent.step + 1, prefetch_next=False)
+
+    def _send_step(self, step: int, prefetch_next: bool) -> SentStep:
         """Ask the trainer for step `step`: each rank takes the step's batch from the rollouts
-        itself once the gate lets it go (forge_rl/trainer.py `train_on_pulled_batch`), so the
+        itself once the gate lets it go (forge_rl/trainer_steps.py `train_on_pulled_batch`), so the
         batch's last episode is one message from the trainer. Sent ahead, while the step before
         trains; the rollouts' `batch_taken` says when the batch has left the buffer."""
         actors, timeline = self.actors, self.timeline
         reply = asyncio.ensure_future(
-            actors.trainer.train_next_step.call(step, actors.rollouts, self.config.trainer.num_procs)
+            actors.trainer.train_next_step.call(step, actors.rollouts, self.config.trainer.num_procs, prefetch_next)
         )
         taken = asyncio.ensure_future(actors.rollouts.batch_taken.call_one(step))
         self.batches_out += 1  # until the step is accounted for
-        sent = SentStep(step, reply, taken, timeline.now())
+        sent = SentStep(step, reply, taken, timeline.now(), prefetch_next)
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 

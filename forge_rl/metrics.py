@@ -64,6 +64,8 @@ TRUNCATED_KEPT_SETS = "completions/truncated_kept_sets"
 engines): their importance ratios are biased above 1. 0 unless that limit is too low."""
 TRAINED_TOKENS = "num_tokens"
 """Tokens the step trained (reported by the trainer)."""
+SIMULATED = "simulated"
+"""1 on the steps of a simulated trainer (trainer.engine sim): no loss, nothing learned."""
 STEP_SKIPPED = "step_skipped"
 GENERATED_TOKENS_TOTAL = "tokens/generated_total"
 GENERATED_TOKENS_PER_S = "throughput/generated_tokens_per_s"
@@ -177,10 +179,14 @@ class MetricsLogger:
     def progress_line(self, metrics: dict) -> str:
         """step 40/300 | reward 0.812 | loss -0.0123 | gen 950 tok/s | train 3100 tok/s | age<=1 | ..."""
         step, wall_time_s = metrics[STEP], metrics.get(WALL_TIME_S, 0.0)
-        parts = [
-            f"step {step}/{self.total_steps}",
+        # A simulated trainer (trainer.engine sim) computes no loss, and its rewards mean nothing.
+        learning = [] if metrics.get(SIMULATED) else [
             f"reward {metrics.get('reward/mean', math.nan):.3f}",
             f"loss {metrics.get('loss', math.nan):+.4f}",
+        ]
+        parts = [
+            f"step {step}/{self.total_steps}",
+            *(learning or ["SIMULATED"]),
             f"gen {metrics.get('throughput/generated_tokens_per_s', 0):.0f} tok/s",
             f"train {metrics.get('throughput/trained_tokens_per_s', 0):.0f} tok/s",
             f"age<={metrics.get('policy_age/max', 0)}",

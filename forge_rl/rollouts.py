@@ -194,7 +194,7 @@ class Rollouts:
 
     async def batch_for_trainer(self, step: int, num_ranks: int) -> NextBatch | None:
         """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
-        themselves (forge_rl/trainer.py `train_on_pulled_batch`): the first call waits for the gate
+        themselves (forge_rl/trainer_steps.py `train_on_pulled_batch`): the first call waits for the gate
         and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
         batch's episodes reach the trainer in one message from here. None if withheld."""
         if step not in self._pulled:

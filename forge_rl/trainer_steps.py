@@ -77,22 +77,63 @@ class StepTurns:
             self._changed.notify_all()
 
 
+class BatchPrefetch:
+    """The batches a trainer rank asked the rollouts for ahead of their steps: step k + 1's is asked
+    for as soon as step k's batch is in hand, while step k trains, when the train loop says it will
+    send step k + 1 next (`train_next_step`'s `prefetch_next`). Its gate wait, its message and its
+    unpickling then overlap step k instead of following its reply; `train_next_step` is a plain
+    endpoint, so step k + 1's call itself starts only once step k has answered."""
+
+    def __init__(self) -> None:
+        self._asked: dict[int, asyncio.Future] = {}
+        """Step -> its `batch_for_trainer` call, from the newest step taken on."""
+
+    def ask(self, step: int, rollouts, num_ranks: int) -> asyncio.Future:
+        """Asks for step `step`'s batch, unless asked already (each rank asks once per step)."""
+        if step not in self._asked:
+            asked = self._asked[step] = asyncio.ensure_future(rollouts.batch_for_trainer.call_one(step, num_ranks))
+            # A run that stops or fails before step `step`'s call leaves its outcome unread.
+            asked.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return self._asked[step]
+
+    def take(self, step: int, rollouts, num_ranks: int) -> asyncio.Future:
+        """Step `step`'s batch (NextBatch, or None if withheld): the one asked for ahead, or asked
+        for now."""
+        for older in [s for s in self._asked if s < step]:
+            del self._asked[older]
+        return self.ask(step, rollouts, num_ranks)
+
+
 async def train_on_pulled_batch(
-    step: int, rollouts, num_ranks: int, train: Callable[[list[Episode]], Awaitable[TrainStepResult]]
+    step: int,
+    rollouts,
+    num_ranks: int,
+    train: Callable[[list[Episode]], Awaitable[TrainStepResult]],
+    prefetch: BatchPrefetch,
+    prefetch_next: bool,
 ) -> PulledStep | None:
     """What a trainer rank does for step `step`: ask the rollouts (forge_rl/rollouts.py
-    `batch_for_trainer`) for the step's batch, which they hand to each of the `num_ranks` ranks
-    once the admission gate lets it go, and `train` on it. The batch then crosses one message from
-    where its last episode arrived to the trainer, instead of two through the controller. None if
-    a stop withheld the batch: nothing was taken, nothing trained."""
-    batch = await rollouts.batch_for_trainer.call_one(step, num_ranks)
+    `batch_for_trainer`) for the step's batch (unless `prefetch` asked already), which they hand to
+    each of the `num_ranks` ranks once the admission gate lets it go, then, with `prefetch_next`,
+    ask for step + 1's, and `train` on this one. The batch then crosses one message from where its
+    last episode arrived to the trainer, instead of two through the controller. None if a stop
+    withheld the batch: nothing was taken, nothing trained, nothing asked for ahead."""
+    batch = await prefetch.take(step, rollouts, num_ranks)
     if batch is None:
         return None
+    if prefetch_next:
+        prefetch.ask(step + 1, rollouts, num_ranks)
     return PulledStep(await train(batch.episodes), batch.train_version, batch.ready_s)
 
 
 async def train_pulled_batch_in_turn(
-    turns: StepTurns, step: int, rollouts, num_ranks: int, train: Callable[[list[Episode]], Awaitable[TrainStepResult]]
+    turns: StepTurns,
+    step: int,
+    rollouts,
+    num_ranks: int,
+    train: Callable[[list[Episode]], Awaitable[TrainStepResult]],
+    prefetch: BatchPrefetch,
+    prefetch_next: bool,
 ) -> PulledStep | None:
     """`train_on_pulled_batch` with the step trained in its turn (`StepTurns`): safe should the
     endpoint run concurrently with an earlier step's (batch asked for at once, training in order)."""
@@ -103,6 +144,6 @@ async def train_pulled_batch_in_turn(
             return await train(episodes)
 
     try:
-        return await train_on_pulled_batch(step, rollouts, num_ranks, train_in_turn)
+        return await train_on_pulled_batch(step, rollouts, num_ranks, train_in_turn, prefetch, prefetch_next)
     finally:
         await turns.end_unused(ticket)

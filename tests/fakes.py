@@ -53,12 +53,17 @@ def endpoints(**functions) -> Any:
 
 def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]]) -> Any:
     """A FAKE trainer mesh of one rank for the train loop: its `train_next_step` takes the step's
-    batch from the rollouts as the real trainer does (forge_rl/trainer.py `train_on_pulled_batch`)
-    and trains it with `train_step(episodes)` (also reachable as `.train_step.function`)."""
-    from forge_rl.trainer_steps import train_on_pulled_batch
+    batch from the rollouts as the real trainer does (forge_rl/trainer_steps.py
+    `train_on_pulled_batch`), asking for the next step's ahead when told to, and trains it with
+    `train_step(episodes)` (also reachable as `.train_step.function`). One call at a time, in the
+    order they arrive, as Monarch runs the real trainer's plain endpoint."""
+    from forge_rl.trainer_steps import BatchPrefetch, train_on_pulled_batch
 
-    async def train_next_step(step, rollouts, num_ranks):
-        return await train_on_pulled_batch(step, rollouts, num_ranks, train_step)
+    prefetch, one_at_a_time = BatchPrefetch(), asyncio.Lock()
+
+    async def train_next_step(step, rollouts, num_ranks, prefetch_next):
+        async with one_at_a_time:
+            return await train_on_pulled_batch(step, rollouts, num_ranks, train_step, prefetch, prefetch_next)
 
     async def wait_for_publish():
         pass

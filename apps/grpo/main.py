@@ -66,7 +66,10 @@ async def run(config: GRPOConfig) -> dict:
     async with lifecycle.owning_processes():
         actors = await spawn_actors(config, lifecycle)
 
-        progress("starting vLLM engine(s) and trainer (engine start takes about 20 s on a CPU)")
+        if config.generator.engine == "sim":
+            progress("starting SIMULATED engines and trainer (no model runs: forge_rl/engines/simulated.py)")
+        else:
+            progress("starting vLLM engine(s) and trainer (engine start takes about 20 s on a CPU)")
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
         pipeline = Pipeline(config, RunActors(

@@ -19,7 +19,7 @@ from forge_rl import metrics as m
 from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.errors import ConfigError
 from forge_rl.trainer_config import TrainerConfig
-from forge_rl.trainer_steps import PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 
@@ -29,6 +29,7 @@ class SimulatedTrainerActor(Actor):
         self.config = config
         self.policy_version = 0
         self._turns = StepTurns()
+        self._prefetch = BatchPrefetch()
         self._calls = PortCalls()  # each step's batch_for_trainer (forge_rl/actors/port_calls.py)
 
     @endpoint
@@ -36,9 +37,9 @@ class SimulatedTrainerActor(Actor):
         return {"trainer_setup_s": 0.0, "pid": os.getpid(), "simulated": True}
 
     @endpoint  # as the TrainerActor's
-    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
+    async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         return await train_pulled_batch_in_turn(
-            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled
+            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
     async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
@@ -59,7 +60,7 @@ class SimulatedTrainerActor(Actor):
             m.TRAINED_TOKENS: sum(e.num_generated_tokens for e in episodes),
             m.STEP_SKIPPED: 0,
             "policy_version": self.policy_version,
-            "simulated": 1,
+            m.SIMULATED: 1,
             "simulated/step_s": time.perf_counter() - started,
         }
         return TrainStepResult(self.policy_version, False, f"simulated://policy-{self.policy_version}", metrics)

@@ -28,7 +28,7 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
 from forge_rl.trainer_config import TrainerConfig
-from forge_rl.trainer_steps import PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class TrainerActor(Actor):
         self.trainer: PolicyTrainer | None = None
         self._turns = StepTurns()
         """The order steps of `train_next_step` train in."""
+        self._prefetch = BatchPrefetch()
+        """The next step's batch, asked for while this one trains."""
         self._calls = PortCalls()
         """Each step's `batch_for_trainer`, answered on one port (forge_rl/actors/port_calls.py)."""
         self._publishing: asyncio.Future | None = None
@@ -87,17 +89,18 @@ class TrainerActor(Actor):
     # A plain endpoint, not a concurrent one: called on the whole mesh with `.call()`, a concurrent
     # endpoint's reply from a rank went missing now and then (the train loop waited for ever with
     # both ranks idle: 3 hangs in about 11 runs of test_grpo_loop's fsdp and resume tests, none in
-    # 24 with a plain endpoint, 2026-11-25). So step k + 1 asks for its batch once step k has
-    # answered (a data-bound step's batch is not ready before then anyway); `StepTurns` keeps the
-    # order should the endpoint become concurrent again.
+    # 24 with a plain endpoint, 2026-11-25). So step k + 1's call starts once step k has
+    # answered, and its batch is asked for while step k trains (`prefetch_next`, BatchPrefetch);
+    # `StepTurns` keeps the order should the endpoint become concurrent again.
     @endpoint
-    async def train_next_step(self, step: int, rollouts, num_ranks: int) -> PulledStep | None:
+    async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the
         RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
         `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
-        None if a stop withheld the batch."""
+        `prefetch_next`: the train loop sends step + 1 next, so its batch is asked for as soon as
+        this one's is in hand. None if a stop withheld the batch."""
         return await train_pulled_batch_in_turn(
-            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled
+            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
     async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:

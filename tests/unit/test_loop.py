@@ -193,20 +193,17 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
 
 
 def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_trains(tmp_path):
-    """One step ahead: step 1 finishes only once step 2's batch has arrived at the trainer, which
-    deadlocks (and fails by the run's timeout) unless the loop sends it while step 1 trains."""
-    second_batch_sent = asyncio.Event()
-    calls: list[int] = []
-
-    pipeline, _ = make_pipeline()
+    """One step ahead: the trainer takes one call at a time, yet step 1 finishes only once step 2's
+    batch has left the buffer for the trainer, which deadlocks (and fails by the run's timeout)
+    unless the trainer asks for it while step 1 trains (BatchPrefetch)."""
+    pipeline, rollouts = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
+    trained: list[int] = []
 
     async def train_step_that_waits_for_the_next_batch(episodes):
-        calls.append(len(calls) + 1)
-        if len(calls) == 2:
-            second_batch_sent.set()
-        if len(calls) == 1:
-            await second_batch_sent.wait()
+        trained.append(len(trained) + 1)
+        if trained == [1]:
+            await wait_until_async(lambda: rollouts._taken_through >= 2, "step 2's batch taken while step 1 trains")
         return await train_step(episodes)
 
     pipeline.actors.trainer = pulling_trainer(train_step_that_waits_for_the_next_batch)
@@ -214,6 +211,29 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
     assert [h[m.STEP] for h in history] == [1, 2, 3]
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
     assert accounting["trained_more_than_once"] == 0
+
+
+def test_a_stop_trains_the_batch_the_trainer_took_ahead_and_withholds_the_rest(tmp_path):
+    """A stop arrives while step 1 trains, after the trainer took step 2's batch ahead: step 2 is
+    trained and accounted (the shutdown checkpoint holds it as trained), step 3's batch (its
+    prompts never finish) is withheld, and nothing is left taken and untrained."""
+    pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(2 * CONFIG.prompts_per_step))
+
+    class StopDuringStep1(FakeLifecycle):
+        async def finish_despite_stop(self, awaitable):
+            await wait_until_async(lambda: rollouts._taken_through >= 2, "step 2's batch taken ahead")
+            return await awaitable, True
+
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, StopDuringStep1()), 30))
+    history = logger.logged()
+    logger.close()
+    assert [h[m.STEP] for h in history] == [1, 2]
+    assert pipeline.step == 2 and not pipeline.step_in_flight
+    assert rollouts.taken == {}
+    accounting = pipeline.rollouts_at_stop["accounting"]
+    assert accounting["trained"] == 2 * CONFIG.prompts_per_step and accounting["trained_more_than_once"] == 0
 
 
 def _generate_only_the_first_prompts(num_prompts: int):

@@ -151,6 +151,13 @@ def test_a_skipped_step_with_nan_loss_still_formats(tmp_path):
     logger.close()
 
 
+def test_a_simulated_steps_progress_line_says_so_instead_of_a_loss_it_never_had(tmp_path):
+    logger = MetricsLogger(tmp_path / "metrics.jsonl", total_steps=3, progress_every_s=0.0)
+    line = logger.progress_line({"step": 1, "simulated": 1, "reward/mean": 0.0})
+    logger.close()
+    assert line.startswith("step 1/3 | SIMULATED | gen") and "loss" not in line and "reward" not in line
+
+
 
 def fabricated_run(run_path: Path, num_steps: int = 6, with_timeline: bool = True) -> Path:
     from forge_rl.timeline import Interval
