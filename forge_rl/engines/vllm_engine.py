@@ -308,8 +308,10 @@ class VLLMEngine:
         # vLLM's front end and engine core talk over ZMQ sockets that it creates in
         # VLLM_RPC_BASE_PATH (default: the temp directory) and never removes: three files in /tmp
         # per engine start, whether the run ended cleanly or not. A directory of this engine's own
-        # instead, removed at `shutdown`, or by the reaper if this process is killed.
-        self._ipc_dir = tempfile.mkdtemp(prefix="forge_rl_vllm_")
+        # instead, removed at `shutdown`, or by the reaper if this process is killed (or, if the
+        # reaper was killed too, by the next engine start on this machine).
+        remove_dead_engines_socket_dirs()
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{os.getpid()}_")
         try:
             with _environ({**self._engine_env(), "VLLM_RPC_BASE_PATH": self._ipc_dir}):
                 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -951,6 +953,28 @@ def engine_process_env() -> dict[str, str]:
         items = [i for i in os.environ.get(key, "").split(":") if i]
         env[key] = ":".join(items if item in items else [*items, item])
     return env
+
+
+_SOCKET_DIR_PREFIX = "forge_rl_vllm_"
+"""An engine's socket directory in the temp directory: this, its process's pid, "_", a random tail."""
+
+
+def remove_dead_engines_socket_dirs(min_age_s: float = 600.0) -> list[str]:
+    """Removes the socket directories (`VLLMEngine.start`) of engines whose process is gone, as a
+    SIGKILL of the engine's whole process tree (its reaper included) leaves them; returns them.
+    Only directories older than `min_age_s`: a temp directory shared with another pid namespace
+    (a container's) may hold a starting engine whose pid means nothing here."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_SOCKET_DIR_PREFIX}*_*")):
+        pid = os.path.basename(path)[len(_SOCKET_DIR_PREFIX):].split("_", 1)[0]
+        try:
+            if not pid.isdigit() or psutil.pid_exists(int(pid)) or time.time() - os.stat(path).st_mtime < min_age_s:
+                continue
+        except FileNotFoundError:  # another engine's start removed it first
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
 
 
 def torch_cuda_available() -> bool:

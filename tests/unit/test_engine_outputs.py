@@ -104,3 +104,29 @@ def test_the_engine_core_is_forked_only_where_the_child_can_run_as_a_spawned_one
         assert threads_inside == 1
     assert torch.get_num_threads() == threads_before
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+
+
+def test_an_engine_start_removes_the_socket_directories_of_engines_whose_process_is_gone(tmp_path, monkeypatch):
+    """A SIGKILL of an engine's whole process tree (its reaper too) leaves its socket directory;
+    the next start on the machine removes it, and never a live engine's or a fresh one."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from forge_rl.engines.vllm_engine import remove_dead_engines_socket_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)
+    an_hour = 3600.0  # past the sweep's 10 minutes
+    dead_old = tmp_path / f"forge_rl_vllm_{dead_pid}_abc"
+    dead_fresh = tmp_path / f"forge_rl_vllm_{dead_pid}_def"  # a starting engine in another pid namespace, maybe
+    alive_old = tmp_path / f"forge_rl_vllm_{os.getpid()}_ghi"
+    unrelated = tmp_path / "forge_rl_vllm_notapid_x"
+    for path in (dead_old, dead_fresh, alive_old, unrelated):
+        (path / "sockets").mkdir(parents=True)
+    for path in (dead_old, alive_old, unrelated):
+        os.utime(path, (path.stat().st_atime - an_hour, path.stat().st_mtime - an_hour))
+
+    assert remove_dead_engines_socket_dirs() == [str(dead_old)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (dead_fresh, alive_old, unrelated))
