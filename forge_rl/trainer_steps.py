@@ -123,6 +123,8 @@ async def train_on_pulled_batch(
         return None
     if prefetch_next:
         prefetch.ask(step + 1, rollouts, num_ranks)
+        # Let the ask go out now: a real trainer's step holds the event loop until it ends.
+        await asyncio.sleep(0)
     return PulledStep(await train(batch.episodes), batch.train_version, batch.ready_s)
 
 
