@@ -1,20 +1,22 @@
-"""The multi-host path over a real network stack: three "hosts" made of network namespaces on this
+"""The multi-host path over a real network stack: four "hosts" made of network namespaces on this
 machine (tests/integration/netns_hosts.py), each with its own address and hostname.
 
     host 0: the controller (`forge-rl grpo` over a host list)
     host 1: `forge-rl worker`: the services (dataset, scorer, buffer, store index) and the trainer
-    host 2: `forge-rl worker`: the vLLM generator
+    host 2: `forge-rl worker`: vLLM generator 0
+    host 3: `forge-rl worker`: vLLM generator 1
 
 Unlike the localhost host lists of test_multi_host.py and test_grpo_loop.py, every hostname
 differs, so forge_rl takes its remote paths: Monarch's TCP transport between addresses, the
-weights fetched from host 1 to host 2 over Monarch's RDMA TCP fallback, and a generator on
-another host than its pool, whose death only Monarch's supervision (or a failed call) reports.
+weights fetched from host 1 to hosts 2 and 3 over Monarch's RDMA TCP fallback, and generators on
+other hosts than their pool, whose deaths only Monarch's supervision (or a failed call) reports.
 
 Driven, not timed: the reward function is held (tests/integration/held_reward.py) from the start,
 so the run cannot train past what its buffer holds; once a scoring call is inside it (the
-generator has generated), every process of the generator's host below its worker is SIGKILLed
-(the generator actor and its vLLM engine), then the hold is released. The run can only finish
-if the pool replaces the generator on host 2.
+generator has generated), every process of host 2 below its worker is SIGKILLed (generator 0's
+actor and its vLLM engine), and the hold is released once the pool has replaced generator 0 on
+host 2 (Monarch's supervision reports the death: the pool polls no pid on another host), while
+generator 1 on host 3 goes on serving; then the run trains every step.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from tests.integration.workers import REPO, stop_worker
 
 pytestmark = pytest.mark.integration
 
+WORKER_HOSTS = (1, 2, 3)
+"""The hosts that run a `forge-rl worker` (host 0 runs the controller)."""
 WORKER_PORT = 26400
 """Each host has a network stack of its own: the same port is free on every one."""
 RUN_HANG_S = 600
@@ -61,16 +65,16 @@ def run_over_namespaces(tmp_path_factory):
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         HOLD_DIR_ENV: str(hold_dir),  # the reward runs under host 1's worker
     }
-    with NetnsHosts(3) as hosts:
+    with NetnsHosts(4) as hosts:
         workers = [
             subprocess.Popen(
                 hosts.command(i, [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(WORKER_PORT), "--host", hosts.address(i)]),
                 cwd=REPO, env=env, stdout=open(tmp / f"worker{i}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
             )
-            for i in (1, 2)
+            for i in WORKER_HOSTS
         ]
         try:
-            for i, worker in zip((1, 2), workers):
+            for i, worker in zip(WORKER_HOSTS, workers):
                 wait_until(lambda: _listening(hosts.address(i), worker), f"host {i}'s worker to listen")
             config = GRPOConfig(
                 run_dir=tmp / "runs",
@@ -78,14 +82,17 @@ def run_over_namespaces(tmp_path_factory):
                 steps=8,
                 train_batch_size=16,
                 group_size=4,
-                prompts_in_flight_per_generator=4,
+                num_generators=2,
+                prompts_in_flight_per_generator=2,
                 generator=GeneratorConfig(max_new_tokens=2),
                 buffer=BufferConfig(max_policy_age=1),
                 task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
                 launch=LaunchConfig(
                     hosts="list",
-                    workers=tuple(f"tcp://{hosts.address(i)}:{WORKER_PORT}" for i in (1, 2)),
-                    placement=PlacementConfig(services_host=0, trainer_hosts=(0,), generator_hosts=(1,)),
+                    workers=tuple(f"tcp://{hosts.address(i)}:{WORKER_PORT}" for i in WORKER_HOSTS),
+                    # Indices into `workers`: the services and the trainer on host 1, generator i
+                    # on host 2 + i.
+                    placement=PlacementConfig(services_host=0, trainer_hosts=(0,), generator_hosts=(1, 2)),
                 ),
             )
             config_path = tmp / "netns.yaml"
@@ -99,6 +106,16 @@ def run_over_namespaces(tmp_path_factory):
                 assert controller.poll() is None, (tmp / "controller.log").read_text()[-3000:]
                 killed = _kill_everything_below(workers[1])
                 killed_at = time.time()
+                # Held until generator 0's replacement serves: generator 1 alone could finish the
+                # run first.
+                wait_until(
+                    # The generator pool runs with the services, on host 1: its progress lines go
+                    # to that worker's log.
+                    lambda: "generator 0 replaced and serving" in (tmp / "worker1.log").read_text()
+                    or controller.poll() is not None,
+                    "generator 0's replacement to serve",
+                    timeout_s=RUN_HANG_S,  # an engine start on a loaded machine
+                )
                 (hold_dir / "hold").unlink()
                 stdout, _ = controller.communicate(timeout=RUN_HANG_S)
             finally:
@@ -139,8 +156,8 @@ def _kill_everything_below(worker: subprocess.Popen) -> list[str]:
 
 def test_the_hosts_are_apart_and_weights_cross_between_them(run_over_namespaces):
     summary, log, config, names, *_ = run_over_namespaces
-    assert f"hosts: 0={names[1]} (" in log and f", 1={names[2]} (" in log
-    assert f"weights move from {names[1]} to {names[2]}" in log
+    assert f"hosts: 0={names[1]} (" in log and f", 1={names[2]} (" in log and f", 2={names[3]} (" in log
+    assert f"weights move from {names[1]} to {names[2]}" in log and f"weights move from {names[1]} to {names[3]}" in log
     assert summary["steps"] == config.steps
     last = json.loads((config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["weights/fetched_bytes_total"] >= last["weights/bytes"] > 0  # at least one version crossed
@@ -160,5 +177,7 @@ def test_a_killed_remote_generator_is_detected_and_replaced_with_nothing_lost(ru
     )
     assert workers_alive, "a worker exited with the run"
     metrics = [json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()]
-    # The replacement served the versions the trainer published after the kill (fetched from host 1).
-    assert metrics[-1]["generator/policy_versions"][0] >= config.steps - config.buffer.max_policy_age - 1
+    # The replacement on host 2, and generator 1 on host 3 all along, served the versions the
+    # trainer published after the kill (each fetched from host 1).
+    for version in metrics[-1]["generator/policy_versions"]:
+        assert version >= config.steps - config.buffer.max_policy_age - 1
