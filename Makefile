@@ -48,8 +48,13 @@ env-adapters:
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml
 
+# Two pytest-xdist workers, a test file to each (its module-scoped run starts once): 21.5 min here
+# against 31-36 min on one, since one run alone leaves a core idle much of the time
+# (docs/benchmarks.md). `make TEST_WORKERS=0 test` runs the suite in one process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu

@@ -11,7 +11,8 @@ Two levels, and which one is exact:
      newest checkpoint, and leave no process behind.
   2. `forge-rl grpo --resume RUN_DIR` goes on until its next checkpoint; then its controller is
      killed with SIGKILL (it runs no cleanup). Within 10 s no process of the run is left and nothing
-     of it in host shared memory (the weight store's root, vLLM's psm_* segments and sem.* semaphores).
+     of it in host shared memory: the weight store's root, and whatever else in /dev/shm the run's
+     processes mapped or held open at the kill (tests that run beside it have their own).
   3. A second resume runs 2 steps past the newest checkpoint and ends normally: step numbers, policy
      versions and the dataset cursor go on from the checkpoint, the prompts that were unsettled at
      it are trained (none skipped), and no prompt is trained twice over the whole run.
@@ -130,6 +131,33 @@ def _run_processes(controller: subprocess.Popen, run_path: Path) -> list[psutil.
     return processes
 
 
+def _shm_of(processes: list[psutil.Process]) -> set[str]:
+    """The /dev/shm entries (names at its top level) the processes map or hold open (the weight
+    store's root; shared-memory segments and semaphores, had any library of theirs made one): the
+    run's own, told apart from those of the tests beside it (`make test` runs two files at once)."""
+    paths = []
+    for process in processes:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{process.pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6:
+                    paths.append(fields[5])
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{process.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    paths.append(os.readlink(f"/proc/{process.pid}/fd/{fd}"))
+    prefix = f"{SHM}/"
+    return {
+        path[len(prefix):].split("/")[0] for path in paths if path.startswith(prefix) and not path.endswith(" (deleted)")
+    }
+
+
+def _store_roots(controller_pid: int) -> set[str]:
+    """The weight-store roots a launch of the run made (forge_rl/store/shm.py names them
+    forge_rl-<run>-<controller pid>-<nonce>)."""
+    return {name for name in os.listdir(SHM) if name.startswith(f"forge_rl-run-{controller_pid}-")}
+
+
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     alive = []
     for process in processes:
@@ -187,7 +215,6 @@ def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
 
 
 def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
-    shm_before = set(os.listdir(SHM))
     resumed_at = read_controller_state(newest_complete_checkpoint(run_path)).step
     stderr_path = tmp_path / "second.stderr"
     controller = _started(_grpo("--resume", str(run_path), "--steps", "1000"), stderr_path)
@@ -195,18 +222,19 @@ def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
     try:
         _wait_for_checkpoint(resumed_at + CHECKPOINT_EVERY, controller, run_path, stderr_path)
         run_processes = _run_processes(controller, run_path)
+        run_shm = _shm_of([psutil.Process(controller.pid), *run_processes]) | _store_roots(controller.pid)
         os.kill(controller.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         controller.wait()
         deadline = killed_at + CLEANUP_BUDGET_S
         _poll(lambda: not _alive(run_processes), deadline)
         survivors = described(_alive(run_processes))
-        _poll(lambda: not set(os.listdir(SHM)) - shm_before, deadline)
-        left_in_shm = sorted(set(os.listdir(SHM)) - shm_before)
+        _poll(lambda: not run_shm & set(os.listdir(SHM)), deadline)
+        left_in_shm = sorted(run_shm & set(os.listdir(SHM)))
         cleaned_up_s = time.monotonic() - killed_at
     finally:
         _kill_leftovers(controller, run_processes)
-    return {"survivors": survivors, "left_in_shm": left_in_shm, "cleaned_up_s": cleaned_up_s, "shm_before": shm_before}
+    return {"survivors": survivors, "run_shm": run_shm, "left_in_shm": left_in_shm, "cleaned_up_s": cleaned_up_s}
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +246,19 @@ def three_segments(tmp_path_factory):
     last_resumed_from = newest_complete_checkpoint(run_path)
     at_last_resume = read_controller_state(last_resumed_from)
     steps = at_last_resume.step + STEPS_AFTER_LAST_RESUME
-    third = subprocess.run(
-        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, capture_output=True, text=True, timeout=HANG_S
+    third = subprocess.Popen(
+        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )
-    assert third.returncode == 0, third.stderr[-3000:]
+    try:
+        stdout, stderr = third.communicate(timeout=HANG_S)
+    finally:
+        third.kill()
+    assert third.returncode == 0, stderr[-3000:]
     return {
         "first": first, "second": second, "last_resumed_from": last_resumed_from, "at_last_resume": at_last_resume,
-        "steps": steps, "run_path": run_path,
-        "summary": json.loads(third.stdout.strip().splitlines()[-1]),
+        "steps": steps, "run_path": run_path, "third_store_roots": _store_roots(third.pid),
+        "summary": json.loads(stdout.strip().splitlines()[-1]),
         "metrics": [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()],
     }
 
@@ -248,6 +281,7 @@ def test_a_dead_trainer_stops_the_run_naming_the_resume_command(three_segments):
 def test_a_killed_controller_leaves_no_process_and_no_shared_memory(three_segments):
     second = three_segments["second"]
     assert not second["survivors"], f"alive {CLEANUP_BUDGET_S} s after the controller was killed: {second['survivors']}"
+    assert any(name.startswith("forge_rl-run-") for name in second["run_shm"]), second["run_shm"]  # its store
     assert not second["left_in_shm"], (
         f"left in /dev/shm {CLEANUP_BUDGET_S} s after the controller was killed: {second['left_in_shm']}"
     )
@@ -288,6 +322,5 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments
     }
     assert set(at_resume.reissue) <= settled_or_pending
     assert set(range(at_end.dataset_cursor)) == settled_or_pending
-    second = three_segments["second"]
-    if second is not None:
-        assert not set(os.listdir(SHM)) - second["shm_before"], "the resumed run left shared memory behind"
+    if three_segments["second"] is not None:
+        assert not three_segments["third_store_roots"], "the resumed run left its weight store behind"

@@ -4,8 +4,9 @@ worker outlives the mesh."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import contextlib
 
+import psutil
 import pytest
 from monarch.actor import this_host
 
@@ -26,16 +27,23 @@ def episode(episode_id: int, *texts: str) -> Episode:
     return Episode(episode_id, "M12=", "2", [1, 2], completions)
 
 
-def reward_worker_pids() -> set[int]:
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"forge_rl.scoring" in cmdline and SCRIPTED.encode() in cmdline:
-            pids.add(int(proc.name))
-    return pids
+def reward_workers() -> list[psutil.Process]:
+    """This test's reward workers: among this process's descendants (the unit tests' scripted
+    workers may run beside it, in another pytest worker)."""
+    workers = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmdline = process.cmdline()
+            if "forge_rl.scoring" in cmdline and SCRIPTED in cmdline:
+                workers.append(process)
+    return workers
+
+
+def running(process: psutil.Process) -> bool:
+    """Alive and not a zombie (is_running also tells a reused pid apart)."""
+    with contextlib.suppress(psutil.Error):
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
@@ -48,12 +56,12 @@ def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
                 scorer.score.call_one([episode(1, "hang", "ok"), episode(2, "nan", "exit", "ok")]),
             )
             stats = await scorer.stats.call_one()
-            pids = reward_worker_pids()
+            workers = reward_workers()
         finally:
             await procs.stop()
-        return [e for batch in scored for e in batch], stats, pids
+        return [e for batch in scored for e in batch], stats, workers
 
-    episodes, stats, pids = asyncio.run(main())
+    episodes, stats, workers = asyncio.run(main())
     statuses = [[c.status for c in e.completions] for e in episodes]
     ok, errored = CompletionStatus.OK, CompletionStatus.ERRORED
     assert statuses == [[ok, errored, ok], [errored, ok], [errored, errored, ok]]
@@ -68,6 +76,6 @@ def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
         "scorer/worker_restarts": 2,
         "scorer/overlong_penalized": 0,  # no overlong penalty configured
     }
-    assert len(pids) == 2
+    assert len(workers) == 2
     # They die with the mesh's process (PR_SET_PDEATHSIG); the kernel delivers that asynchronously.
-    wait_until(lambda: not reward_worker_pids() & pids, "the reward workers to die with their proc mesh")
+    wait_until(lambda: not any(running(worker) for worker in workers), "the reward workers to die with their proc mesh")
