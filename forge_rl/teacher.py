@@ -107,11 +107,6 @@ class TeacherConfig(ReferenceConfig):
             )
         if self.pin == "ema" and not 0 <= self.ema_decay < 1:
             raise ValueError(f"scorer.teacher.ema_decay ({self.ema_decay}) must be in [0, 1). Set --scorer.teacher.ema-decay.")
-        if self.num_procs != 1:
-            raise ValueError(
-                f"scorer.teacher.num_procs ({self.num_procs}) must be 1 with scorer.teacher.pin {self.pin}: a pinned "
-                "teacher loads whole versions from the weight store into one process. Set --scorer.teacher.num-procs 1."
-            )
 
     @property
     def enabled(self) -> bool:
@@ -185,6 +180,13 @@ class TeacherPin:
             self._staged = stage
             actions.append("stage")
         return TeacherRefresh(tuple(actions), stage)
+
+def teacher_store_reader(incarnation: str, rank: int) -> str:
+    """The weight-store reader id of a pinned teacher's rank: one per rank (each reads the version,
+    and a host's shared copies count their readers by id), new with each incarnation (the store
+    refuses a dead reader's id)."""
+    return f"{incarnation}-rank{rank}"
+
 
 class TeacherVersions:
     """The policy versions a pinned teacher's replacement must load again, and the weight-store

@@ -17,6 +17,12 @@ process (while the store still holds it), `swap` serves it. Endpoints run one at
 `token_logprobs` call sees half a swap, and the generators take no part in it: they never pause.
 A checkpoint writes its served and staged weights to a file (`save_weights`), which a resumed
 run's teacher, or its replacement, loads (`load_weights`).
+
+Over several ranks (FSDP2 and/or TP) each rank reads the whole version (from this host's copy of
+it) and keeps its own shards, cut locally (`_shards`): `stage` runs beside `token_logprobs`
+(a concurrent endpoint), so it must start no collective that could interleave with the forward's.
+`save_weights` gathers the shards (a collective of every rank, run in turn like `token_logprobs`)
+and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.batching import make_train_batch
 from forge_rl.models.titan import titan_state_dict_from_hf
 from forge_rl.reference import ReferenceConfig, completion_logprobs
-from forge_rl.teacher import load_teacher_weights, save_teacher_weights
+from forge_rl.teacher import load_teacher_weights, save_teacher_weights, teacher_store_reader
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
@@ -45,7 +52,7 @@ class FrozenModelActor(Actor):
     ):
         """`config`: a ReferenceConfig or a TeacherConfig (its processes, parallelism, threads).
         `store_index`, `store_root`: the weight store a self-distillation teacher reads versions from,
-        as reader `store_reader` (one per incarnation: the store refuses a dead reader's id)."""
+        as reader `teacher_store_reader(store_reader, rank)` (`store_reader`: one per incarnation)."""
         self.config = config
         self.model_dir = Path(model_dir)
         self.pad_id = pad_id
@@ -89,10 +96,12 @@ class FrozenModelActor(Actor):
 
         started = time.perf_counter()
         if self.store is None:
-            self.store = WeightStore(self.store_index, Path(self.store_root), self.store_reader, extra_files_dir=self.model_dir)
+            reader = teacher_store_reader(self.store_reader, self.model.rank)
+            self.store = WeightStore(self.store_index, Path(self.store_root), reader, extra_files_dir=self.model_dir)
         await self.store.wait_for_version(policy_version)  # its publish may still be writing it
-        hf_state_dict = await self.store.get_state_dict(version_key(policy_version))
-        staged = titan_state_dict_from_hf(self.model_dir, hf_state_dict)
+        async with self.store.lease(version_key(policy_version)) as snapshot:
+            with snapshot.open() as hf_tensors:  # zero-copy: only this rank's shards are copied out
+                staged = self._shards(titan_state_dict_from_hf(self.model_dir, hf_tensors))
         if blend is not None:
             served = self.model.model.state_dict()
             staged = {name: blend * served[name].float() + (1 - blend) * tensor.float() for name, tensor in staged.items()}
@@ -110,10 +119,12 @@ class FrozenModelActor(Actor):
     async def save_weights(self, path: str) -> dict:
         """Write the served weights and the staged ones (a pinned teacher's checkpoint,
         forge_rl/teacher.py `save_teacher_weights`); returns their versions."""
-        save_teacher_weights(
-            Path(path), _full(self.model.model.state_dict()), self.serving_version,
-            None if self.staged is None else _full(self.staged), self.staged_version if self.staged is not None else None,
-        )
+        served = _full(self.model.model.state_dict())  # collectives: every rank, in this order
+        staged = None if self.staged is None else _full(self.staged)
+        if self.model.rank == 0:
+            save_teacher_weights(
+                Path(path), served, self.serving_version, staged, self.staged_version if staged is not None else None
+            )
         return {"served": self.serving_version, "staged": self.staged_version if self.staged is not None else None}
 
     @endpoint
@@ -122,11 +133,30 @@ class FrozenModelActor(Actor):
         (`staged`); returns their versions."""
         saved = load_teacher_weights(Path(path))
         if served:
-            self.model.model.load_state_dict(saved["served"], strict=True)
+            self.model.model.load_state_dict(self._shards(saved["served"]), strict=True)
             self.serving_version = saved["served_version"]
         if staged and saved["staged"] is not None:
-            self.staged, self.staged_version = saved["staged"], saved["staged_version"]
+            self.staged, self.staged_version = self._shards(saved["staged"]), saved["staged_version"]
         return {"served": saved["served_version"], "staged": saved["staged_version"]}
+
+    def _shards(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of this rank's shards of whole tensors (the served model's placements; on one
+        process, whole copies), cut with no collective: every rank holds the whole tensor. Copies,
+        not views: a shard must not keep the whole tensor alive, nor a mapping of the store."""
+        served = self.model.model.state_dict()
+        shards = {}
+        for name, tensor in full.items():
+            target = served[name]
+            tensor = tensor.to(device=target.device)
+            if isinstance(target, DTensor):
+                shard = distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None)
+                shards[name] = DTensor.from_local(
+                    shard.to_local().clone(), target.device_mesh, target.placements, run_check=False,
+                    shape=shard.shape, stride=shard.stride(),
+                )
+            else:
+                shards[name] = tensor.clone()
+        return shards
 
     async def __cleanup__(self, exc: Exception | None) -> None:
         if self.store is not None:  # leases of a stage cut short

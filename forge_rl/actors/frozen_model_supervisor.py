@@ -52,7 +52,7 @@ from forge_rl.proc_main import spawn_procs
 from forge_rl.reference import ReferenceConfig
 from forge_rl.replies import rank_zero
 from forge_rl.scorer_restarts import RestartingScorer
-from forge_rl.teacher import TeacherVersions
+from forge_rl.teacher import TeacherVersions, teacher_store_reader
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:  # imported where spawned: it needs torch, which the processes holding a handle to
@@ -221,8 +221,9 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
 
     def _retire(self, mesh: FrozenModelMesh) -> None:
         self._stop_in_background(mesh.procs)
-        if self.store_index is not None:  # a stage cut short leaves its lease held by the dead reader
-            self._in_background(self.store_index.drop_reader.call_one(mesh.name))
+        if self.store_index is not None:  # a stage cut short leaves its lease held by the dead readers
+            for rank in range(self.config.num_procs):
+                self._in_background(self.store_index.drop_reader.call_one(teacher_store_reader(mesh.name, rank)))
 
     def _in_background(self, work) -> None:
         super()._in_background(_quietly(work))  # bounded: a stopping store may never answer

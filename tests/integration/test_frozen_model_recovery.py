@@ -12,16 +12,19 @@ sent, the supervisor reports it in flight, and only then the process is killed (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from monarch.actor import this_host
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.errors import ScorerFailed, raised_by_actor
+from forge_rl.models.parallel import ParallelConfig
 from forge_rl.models.titan import read_hf_config
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.proc_main import spawn_procs
@@ -50,8 +53,9 @@ def episodes() -> list[Episode]:
 
 
 async def kill_under_a_call(supervisor) -> tuple[int, asyncio.Future]:
-    """SIGKILL the reference's process while a call to it is in flight; returns its pid and the call."""
-    (pid,) = await supervisor.processes.call_one()
+    """SIGKILL the frozen model's (last) process while a call to it is in flight; returns its pid
+    and the call."""
+    pid = (await supervisor.processes.call_one())[-1]
     os.kill(pid, signal.SIGSTOP)  # it takes no more messages: the call sent now stays in flight
     call = asyncio.ensure_future(supervisor.token_logprobs.call_one(episodes()))
     deadline = time.monotonic() + IN_FLIGHT_BOUND_S
@@ -103,8 +107,9 @@ def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_un
 def refresh_then_kill(model_dir: Path, tmp_path: Path, config: TeacherConfig, ema_file: Path | None = None):
     """A teacher refreshed to version 1 (blended by `config.ema_decay` for an ema pin), then the
     store moves on to version 2 and the teacher is killed under a call. Returns its token logprobs
-    before the refresh, after it, and from its replacement, the store's keys at the kill, and its
-    stats."""
+    before the refresh, after it, and from its replacement, the store's keys at the kill, its
+    stats, and, for a teacher over several processes, the logprobs after the same refresh of a
+    twin on one process."""
     from safetensors.torch import load_file
 
     version_1 = create_tiny_model(TinyModelConfig(seed=1), tmp_path / "version_1")  # the policy after a step
@@ -120,42 +125,85 @@ def refresh_then_kill(model_dir: Path, tmp_path: Path, config: TeacherConfig, em
             "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root), None, None,
             None if ema_file is None else str(ema_file),
         )
+        twin = None
+        if config.num_procs > 1:
+            one_process = dataclasses.replace(config, num_procs=1, parallel=ParallelConfig())
+            twin = procs.spawn(  # an ema twin writes its average too: no lease of its holds version 1
+                "twin", FrozenModelSupervisor, "twin", one_process, str(model_dir), pad_id, index, str(root), None,
+                None, None if ema_file is None else str(ema_file.with_name("twin_ema.pt")),
+            )
+        teachers = [teacher] + ([twin] if twin is not None else [])
         try:
-            await teacher.start.call_one()
+            await asyncio.gather(*(t.start.call_one() for t in teachers))
             initial = await teacher.token_logprobs.call_one(episodes())
             await writer.publish(1, load_file(str(version_1 / "model.safetensors")))
-            await teacher.stage.call_one(1, blend)
-            await teacher.swap.call_one()
+            for t in teachers:
+                await t.stage.call_one(1, blend)
+                await t.swap.call_one()
             refreshed = await teacher.token_logprobs.call_one(episodes())
+            twin_refreshed = None if twin is None else await twin.token_logprobs.call_one(episodes())
+            if twin is not None:
+                await twin.shutdown.call_one()  # its lease goes: the store keeps what the teacher holds
+                teachers.remove(twin)
             await writer.publish(2, load_file(str(model_dir / "model.safetensors")))  # the store moves on
             kept = await writer.keys("v")
             _, call = await kill_under_a_call(teacher)
             after = await call
-            return initial, refreshed, after, kept, await teacher.stats.call_one()
+            return initial, refreshed, after, kept, await teacher.stats.call_one(), twin_refreshed
         finally:
-            await teacher.shutdown.call_one()
+            for t in teachers:
+                await t.shutdown.call_one()
             await procs.stop()
             writer.local.destroy()
 
     return asyncio.run(main())
 
 
-def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved_past_it(model_dir, tmp_path):
-    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
-    initial, served, after, kept, stats = refresh_then_kill(model_dir, tmp_path, config)
+TWO_PROCESSES = {
+    "fsdp2": dict(num_procs=2, parallel=ParallelConfig(dp_shard=2)),
+    "tp2": dict(num_procs=2, parallel=ParallelConfig(tp=2)),
+}
+
+
+def assert_same_logprobs(got, expected) -> None:
+    """Equal up to the float error of summing in another order over sharded weights."""
+    flat = [value for episode in got for completion in episode for value in completion]
+    flat_expected = [value for episode in expected for completion in episode for value in completion]
+    torch.testing.assert_close(torch.tensor(flat), torch.tensor(flat_expected), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["one process", "fsdp2"])
+def test_a_killed_pinned_teacher_serves_its_version_again_though_the_store_moved_past_it(model_dir, tmp_path, layout):
+    """Over two processes (FSDP2), each rank stages its shards of the version from the store, and
+    serves what a teacher on one process serves; its replacement stages them again."""
+    config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2, **TWO_PROCESSES.get(layout, {}))
+    initial, served, after, kept, stats, twin_served = refresh_then_kill(model_dir, tmp_path, config)
     assert served != initial  # it serves version 1, not the initial policy
     assert kept == ["v00000001", "v00000002"]  # version 1 kept past keep_latest by the teacher's lease
     assert after == served and stats == {"teacher/restarts": 1}
+    if twin_served is not None:
+        assert_same_logprobs(served, twin_served)
 
 
-def test_a_killed_ema_teacher_serves_the_same_average_from_the_file_it_wrote_after_its_refresh(model_dir, tmp_path):
+@pytest.mark.parametrize("layout", ["one process", "tp2"])
+def test_a_killed_ema_teacher_serves_the_same_average_from_the_file_it_wrote_after_its_refresh(
+    model_dir, tmp_path, layout
+):
     """scorer.teacher.keep_ema_average: after a refresh the teacher writes its average (here half
     the initial policy, half version 1) to a file; its replacement loads that file, so it serves
-    the same average, although the store has moved past version 1 and nothing else holds it."""
+    the same average, although the store has moved past version 1 and nothing else holds it. Over
+    two processes (TP), the ranks blend their shards, rank 0 writes the gathered average, and it
+    serves what a teacher on one process serves."""
     ema_file = tmp_path / "teacher_ema.pt"
-    config = TeacherConfig(pin="ema", ema_decay=0.5, refresh_every_n_steps=2)
-    initial, averaged, after, kept, stats = refresh_then_kill(model_dir, tmp_path, config, ema_file)
+    config = TeacherConfig(pin="ema", ema_decay=0.5, refresh_every_n_steps=2, **TWO_PROCESSES.get(layout, {}))
+    initial, averaged, after, kept, stats, twin_averaged = refresh_then_kill(model_dir, tmp_path, config, ema_file)
     assert averaged != initial
     assert kept == ["v00000002"]  # the file holds the average: no lease keeps version 1
     assert after == averaged and stats == {"teacher/restarts": 1}
     assert load_teacher_weights(ema_file)["served_version"] == 1
+    if twin_averaged is not None:
+        assert_same_logprobs(averaged, twin_averaged)
+        written, twin_written = load_teacher_weights(ema_file), load_teacher_weights(ema_file.with_name("twin_ema.pt"))
+        assert written["served"].keys() == twin_written["served"].keys()
+        for name, tensor in written["served"].items():  # the whole average, gathered from both ranks
+            torch.testing.assert_close(tensor, twin_written["served"][name], rtol=0, atol=1e-6)

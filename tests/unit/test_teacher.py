@@ -226,7 +226,6 @@ def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
         ({"pin": "lagged", "path": Path("t")}, "a pinned teacher is a snapshot of the policy itself"),
         ({"pin": "lagged", "versions_back": 5, "refresh_every_n_steps": 4}, r"versions_back \(5\) must be in \[1, refresh_every_n_steps \(4\)\]"),
         ({"pin": "ema", "ema_decay": 1.0}, "ema_decay"),
-        ({"pin": "best", "num_procs": 2}, "--scorer.teacher.num-procs 1"),
     ],
 )
 def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, message):
