@@ -48,10 +48,19 @@ class LeastBusyReplica:
     def __init__(self, mesh, num_replicas: int, endpoint: str):
         self._replicas = [getattr(mesh.slice(procs=i), endpoint) for i in range(num_replicas)]
         self._in_flight = [0] * num_replicas
+        self.calls = [0] * num_replicas
+        """Calls sent to each replica so far (a running total): how the load spread."""
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        """`<prefix>/calls/replica<i>`, each replica's `calls`; nothing for a single replica."""
+        if len(self.calls) == 1:
+            return {}
+        return {f"{prefix}/calls/replica{i}": float(n) for i, n in enumerate(self.calls)}
 
     async def __call__(self, *args):
         index = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
+        self.calls[index] += 1
         try:
             return await self._replicas[index].call_one(*args)
         finally:

@@ -19,6 +19,7 @@ model or judge call that fails because that model's process died raises ScorerLo
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -49,8 +50,11 @@ class ScorerActor(PortServed, Actor):
         one actor per replica) when scorer.judge.path is set; its replicas' `generate` serves the
         judge scorer's verdicts."""
         client = None
+        self._replica_stats = []
+        """Each replicated model's `LeastBusyReplica.stats` (the load per replica), by its prefix."""
         if reward_model is not None:
             replicas = LeastBusyReplica(reward_model, config.reward_model.replicas, "score")
+            self._replica_stats.append(functools.partial(replicas.stats, "scorer/reward_model"))
             client = _lost_if_dead(replicas, "reward model")
 
         async def teacher_logprobs(episodes: list[Episode]) -> list[list[list[float]]]:
@@ -65,6 +69,7 @@ class ScorerActor(PortServed, Actor):
         if judge is not None:
             tokenizer = PromptTokenizer(config.judge.path)
             engines = LeastBusyReplica(judge, config.judge.replicas, "generate")
+            self._replica_stats.append(functools.partial(engines.stats, "scorer/judge"))
             verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(engines, "judge"))
         scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
         self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens)
@@ -82,7 +87,10 @@ class ScorerActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def stats(self) -> dict:
-        return self.stage.stats()
+        stats = self.stage.stats()
+        for replica_stats in self._replica_stats:
+            stats |= replica_stats()
+        return stats
 
     @endpoint
     async def shutdown(self) -> None:

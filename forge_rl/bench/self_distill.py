@@ -33,6 +33,7 @@ from forge_rl.bench.distill import final, task_rewards
 from forge_rl.config import GRPOConfig
 from forge_rl.metrics import WALL_TIME_S, progress
 from forge_rl.plot import plot_per_step_panels, read_metrics
+from forge_rl.tasks import TaskName
 
 PINS = ("lagged", "ema", "best")
 
@@ -41,6 +42,8 @@ PINS = ("lagged", "ema", "best")
 class SelfDistillArgs:
     config: Path = Path("configs/grpo_tiny_cpu.yaml")
     """Recipe config every variant runs (the demo)."""
+    task: TaskName | None = None
+    """task.name of every variant (None: the config's): another synthetic task on the same model."""
     steps: int = 200
     """Trainer steps per run."""
     lr: float = 1e-3
@@ -143,6 +146,7 @@ def main(args: SelfDistillArgs) -> dict:
     base = dataclasses.replace(
         base, steps=args.steps, trainer=dataclasses.replace(base.trainer, lr=args.lr),
         checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
+        task=base.task if args.task is None else dataclasses.replace(base.task, name=args.task),
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     scorers = variants(base, args)

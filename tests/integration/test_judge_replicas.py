@@ -65,5 +65,7 @@ def test_replicas_of_the_judge_share_a_scorers_verdicts(model_dir):
     assert len(completions) == 6 and all(c.status == CompletionStatus.ERRORED for c in completions)
     assert all(c.error.startswith("judge: unparsable verdict") for c in completions)
     assert stats["scorer/judge/verdicts"] == 6
-    # Each engine ran forward passes: both served verdicts.
+    # Each engine ran forward passes: both served verdicts, and the scorer counts what it sent each.
     assert all(f and f["forward_s"] > 0 for f in forward), forward
+    calls = [stats["scorer/judge/calls/replica0"], stats["scorer/judge/calls/replica1"]]
+    assert min(calls) >= 1 and sum(calls) >= 2, calls

@@ -147,11 +147,15 @@ def test_each_call_goes_to_the_least_busy_replica():
             if not answer.done():
                 answer.set_result([0.0])
         await asyncio.gather(*first, fifth)
-        return picked, mesh.calls[-1][0]
+        return picked, mesh.calls[-1][0], client.stats("scorer/reward_model")
 
-    picked, fifth_replica = asyncio.run(main())
+    picked, fifth_replica, stats = asyncio.run(main())
     assert picked == [0, 1, 2, 0]  # the fewest in flight, the lowest index among equals
     assert fifth_replica == 1
+    assert stats == {
+        "scorer/reward_model/calls/replica0": 2.0, "scorer/reward_model/calls/replica1": 2.0,
+        "scorer/reward_model/calls/replica2": 1.0,
+    }
 
 
 def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatch):
