@@ -14,7 +14,6 @@ real path: vLLM's engine, the chat template, the parser, the openai client.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from pathlib import Path
 

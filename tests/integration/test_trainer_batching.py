@@ -18,7 +18,7 @@ from forge_rl.metrics import TRAINER_STEP_CLOCK
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from forge_rl.types import Completion, Episode
+from forge_rl.types import Episode
 from tests.helpers import run_on_ranks
 from tests.integration.test_trainer import PARITY_CONFIG
 
