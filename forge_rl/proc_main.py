@@ -44,11 +44,28 @@ def main() -> None:
         multiprocessing.set_start_method("forkserver", force=True)
     else:
         multiprocessing.set_start_method("spawn", force=True)
+    code = 0
     try:
         invoke_main()  # returns by sys.exit(the proc's exit code) once Monarch stopped the proc
     except SystemExit as stop:
-        exit_now(stop.code)
-    exit_now(0)
+        code = stop.code
+    _shut_monarch_client_down()
+    exit_now(code)
+
+
+def _shut_monarch_client_down() -> None:
+    """Shut down the Monarch client this process may have started (one that spawns procs of its
+    own), as Monarch's atexit handler would, with the same bounds, but without its traceback: on a
+    loaded machine the handler's 1 s ran out during a run's stop and printed a TimeoutError
+    (test_shutdown, two pytest workers beside a busy loop), though the process was ending anyway.
+    Monarch's later calls, the handler's included, return at once once a shutdown has begun. A
+    process without a client returns at once here too."""
+    from monarch.actor import shutdown_context
+
+    try:
+        shutdown_context(host_timeout=0.3).get(timeout=1.0)
+    except TimeoutError:
+        pass  # the shutdown goes on natively until the process exits, as it would have
 
 
 if __name__ == "__main__":
