@@ -160,3 +160,18 @@ def described(processes) -> list[str]:
         except psutil.Error:
             pass
     return names
+
+
+def alive(processes) -> list:
+    """Those of `psutil` `processes` still running and not zombies (psutil's `is_running` also tells a
+    reused pid apart)."""
+    import psutil
+
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:  # gone (a zombie's is a subclass)
+            pass
+    return running

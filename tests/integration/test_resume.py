@@ -40,7 +40,7 @@ from forge_rl.batching import make_train_batch
 from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import described, run_on_ranks, wait_until
+from tests.helpers import alive, described, run_on_ranks, wait_until
 
 from .test_trainer import _episodes
 
@@ -158,22 +158,13 @@ def _store_roots(controller_pid: int) -> set[str]:
     return {name for name in os.listdir(SHM) if name.startswith(f"forge_rl-run-{controller_pid}-")}
 
 
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-    return alive
-
-
 def _kill_leftovers(controller: subprocess.Popen, processes: list[psutil.Process]) -> None:
     """Whatever of the run a failed segment left; resource trackers are spared, as they unlink the
     shared memory they track once the processes holding them are gone."""
     if controller.poll() is None:
         processes = [*processes, *psutil.Process(controller.pid).children(recursive=True)]
         controller.kill()
-    for process in _alive(processes):
+    for process in alive(processes):
         if not any("resource_tracker" in part for part in described([process])):
             process.kill()
 
@@ -204,13 +195,13 @@ def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
         # leaves no process behind; how long detection takes on this machine is only reported.
         process.wait(timeout=HANG_S)
         stopped_s = time.monotonic() - killed_at
-        _, alive = psutil.wait_procs(descendants, timeout=HANG_S)
+        _, still_alive = psutil.wait_procs(descendants, timeout=HANG_S)
     finally:
         _kill_leftovers(process, descendants)
     resumed_from = newest_complete_checkpoint(run_path)
     return {
         "returncode": process.returncode, "stderr": stderr_path.read_text(), "stopped_s": stopped_s,
-        "alive": alive, "resumed_from": resumed_from, "state": read_controller_state(resumed_from),
+        "alive": still_alive, "resumed_from": resumed_from, "state": read_controller_state(resumed_from),
     }
 
 
@@ -227,8 +218,8 @@ def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
         killed_at = time.monotonic()
         controller.wait()
         deadline = killed_at + CLEANUP_BUDGET_S
-        _poll(lambda: not _alive(run_processes), deadline)
-        survivors = described(_alive(run_processes))
+        _poll(lambda: not alive(run_processes), deadline)
+        survivors = described(alive(run_processes))
         _poll(lambda: not run_shm & set(os.listdir(SHM)), deadline)
         left_in_shm = sorted(run_shm & set(os.listdir(SHM)))
         cleaned_up_s = time.monotonic() - killed_at

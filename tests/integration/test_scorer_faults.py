@@ -14,7 +14,7 @@ from forge_rl.actors.scorer import ScorerActor
 from forge_rl.proc_main import spawn_procs
 from forge_rl.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
-from tests.helpers import wait_until
+from tests.helpers import alive, wait_until
 from tests.unit.faulty_rewards import HANG_TIMEOUT_S
 
 pytestmark = pytest.mark.integration
@@ -37,13 +37,6 @@ def reward_workers() -> list[psutil.Process]:
             if "forge_rl.scoring" in cmdline and SCRIPTED in cmdline:
                 workers.append(process)
     return workers
-
-
-def running(process: psutil.Process) -> bool:
-    """Alive and not a zombie (is_running also tells a reused pid apart)."""
-    with contextlib.suppress(psutil.Error):
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    return False
 
 
 def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
@@ -78,4 +71,4 @@ def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
     }
     assert len(workers) == 2
     # They die with the mesh's process (PR_SET_PDEATHSIG); the kernel delivers that asynchronously.
-    wait_until(lambda: not any(running(worker) for worker in workers), "the reward workers to die with their proc mesh")
+    wait_until(lambda: not alive(workers), "the reward workers to die with their proc mesh")
