@@ -17,13 +17,19 @@ earlier-admitted long ones are still decoding. The buffer serves the earliest-ad
 than the remaining steps can train in time, i.e. until the ones that need this step have arrived.
 Taking the short ones first and letting the gate admit new work into the slots the long ones need
 is how an admitted episode used to be dropped (docs/benchmarks.md, the scale benchmark).
-Together: nothing the gate admitted is ever dropped.
+Together, with the trainer waiting for stragglers (the default): nothing the gate admitted is ever
+dropped.
 
 That wait must never wait on the buffer itself: an episode that finished but cannot enter a full
 buffer is still in flight, and the trainer would wait for it while it waits for the trainer. So the
 gate never admits more episodes than the buffer can hold (`max_episodes_queued`, derived in
 `GRPOConfig.max_episodes_queued` from the buffer's episode and token capacities): a `put` of an
 admitted episode always finds room, by construction.
+
+With `wait_for_stragglers=False` (partial rollouts) the train loop does not wait: a batch goes as
+soon as a full one is buffered, and an episode that misses its last step arrives overdue, its
+over-age tokens masked by the buffer and the rest trained. Admission is unchanged (overdue
+episodes count as due now), so the gate still keeps generation within one bound of the trainer.
 
 With `admission="drop"` only that capacity bound applies: generation never waits for the age
 bound, and the buffer drops what grows too old (counted, with its lengths).
@@ -120,6 +126,7 @@ class AdmissionGate:
         max_policy_age: int,
         max_episodes_queued: int,
         admission: Literal["pause", "drop"] = "pause",
+        wait_for_stragglers: bool = True,
     ):
         if max_episodes_queued < episodes_per_step:
             raise ValueError(
@@ -130,6 +137,10 @@ class AdmissionGate:
         self.max_policy_age = max_policy_age
         self.max_episodes_queued = max_episodes_queued
         self.admission = admission
+        self.wait_for_stragglers = wait_for_stragglers
+        """False: a batch goes as soon as a full one is buffered; an episode that misses its last
+        step keeps decoding and arrives overdue (`overdue_as_due_now` schedules it next), its
+        over-age tokens masked by the buffer (`BufferConfig.wait_for_stragglers`)."""
         self.generator_versions = [0] * num_generators
         """Policy version each generator serves now."""
         self.generator_targets = [0] * num_generators
@@ -171,6 +182,10 @@ class AdmissionGate:
     def may_sample_batch(self) -> bool:
         if self.admission == "drop":
             return True  # stragglers that miss their last step are dropped, not waited for
+        if not self.wait_for_stragglers:
+            # A full batch buffered (the gate's count: admitted, not taken, not in flight).
+            buffered = collections.Counter(self.queued_versions) - collections.Counter(self.in_flight_versions)
+            return buffered.total() >= self.episodes_per_step
         return batch_may_be_sampled(
             self.queued_versions,
             self.in_flight_versions,

@@ -51,6 +51,14 @@ class BufferConfig:
     generation never waits for the bound; episodes that grow too old are dropped (and counted,
     with their lengths, which skew long: `buffer/dropped_completion_len_*` vs
     `buffer/trained_completion_len_*`)."""
+    wait_for_stragglers: bool = True
+    """With admission pause: whether the trainer waits for an episode still being generated whose
+    last chance under the age bound is the next step. False (partial rollouts): the trainer takes a
+    batch as soon as a full one is buffered; a straggler decodes on past its deadline (the engine
+    stamps its later tokens with the newer versions it decodes them under) and, once it arrives,
+    is trained with its tokens older than max_policy_age masked (drop_policy mask_tokens, which
+    this needs). It spends a long completion's oldest tokens to keep the trainer from idling on
+    it; the masked tokens are counted (`buffer/dropped_tokens`)."""
     sampling: Literal["fifo", "freshest"] = "fifo"
     """Which episodes a batch takes first. fifo: the earliest admitted first (`Episode.schedule_version`:
     the version its rollout started at), in arrival order within a version, so an episode that
@@ -75,6 +83,19 @@ class BufferConfig:
                 "freshest-first lets an admitted episode age past buffer.max_policy_age while newer ones "
                 "are trained (then it is dropped, or the trainer waits for it). Set --buffer.sampling fifo, "
                 "or --buffer.admission drop to sample freshest-first and drop what expires."
+            )
+        if not self.wait_for_stragglers and self.admission == "drop":
+            raise ValueError(
+                "buffer.wait_for_stragglers (false) is an option of buffer.admission pause: with "
+                "buffer.admission drop the trainer never waits for a straggler. Drop "
+                "--buffer.no-wait-for-stragglers, or set --buffer.admission pause."
+            )
+        if not self.wait_for_stragglers and self.drop_policy == "drop_episode":
+            raise ValueError(
+                "buffer.wait_for_stragglers (false) with buffer.drop_policy (drop_episode) would drop a "
+                "straggler that passed its deadline whole, every token it generated with it. Set "
+                "--buffer.drop-policy mask_tokens (its tokens older than max_policy_age get no loss, "
+                "the rest are trained), or keep --buffer.wait-for-stragglers."
             )
         if self.capacity_tokens is not None and self.capacity_tokens < 1:
             raise ValueError(

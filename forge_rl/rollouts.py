@@ -121,6 +121,7 @@ class Rollouts:
             max_policy_age=config.buffer.max_policy_age,
             max_episodes_queued=config.max_episodes_queued,
             admission=config.buffer.admission,
+            wait_for_stragglers=config.buffer.wait_for_stragglers,
         )
         self.buffer = WaitingBuffer(config.buffer)
         self.accounting = PromptAccounting()

@@ -66,7 +66,8 @@ import psutil
 from forge_rl.bench.async_vs_sync import analyze
 from forge_rl.config import GRPOConfig
 from forge_rl.deadlines import within
-from forge_rl.metrics import progress
+from forge_rl.metrics import GENERATED_TOKENS_TOTAL, progress
+from forge_rl.plot import read_metrics
 from forge_rl.reaper import kill_trees
 from forge_rl.timeline import Timeline, watch_event_loop_lag
 
@@ -101,6 +102,9 @@ class ScaleArgs:
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous run."""
     skip_async_vs_sync: bool = False
+    skip_partial_rollouts: bool = False
+    """Skip the async-vs-sync part's third run: asynchronous with partial rollouts
+    (buffer.wait_for_stragglers false, over-age tokens masked)."""
     fault_generators: int = 128
     """Generators of the faults part: the control plane's largest scale, where a tenth (13) are
     replaced at once while the others serve; about 2 minutes on 2 shared cores (20 takes about
@@ -380,7 +384,13 @@ def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dic
 def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     """Both modes on the GPU-calibrated long-tail workload; the analytic bound from the sync run."""
     runs, steady = {}, {}
-    for mode, max_policy_age in (("sync", 0), ("async", args.async_max_policy_age)):
+    # async_partial: the asynchronous run with partial rollouts (buffer.wait_for_stragglers false):
+    # the trainer never waits for a straggler; one that misses its last step under the age bound is
+    # trained later with its over-age tokens masked.
+    variants = (("sync", 0, True), ("async", args.async_max_policy_age, True))
+    if not args.skip_partial_rollouts:
+        variants += (("async_partial", args.async_max_policy_age, False),)
+    for mode, max_policy_age, wait_for_stragglers in variants:
         progress(f"bench scale: {mode} run, {args.async_generators} simulated generators")
         config = dataclasses.replace(
             base,
@@ -400,6 +410,8 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
                 base.buffer,
                 max_policy_age=max_policy_age,
                 capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * base.prompts_per_step),
+                wait_for_stragglers=wait_for_stragglers,
+                drop_policy=base.buffer.drop_policy if wait_for_stragglers else "mask_tokens",
             ),
         )
         steady[mode], runs[mode] = run_probed(config)
@@ -428,6 +440,20 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         config, tokens_per_step, sync_train, args.async_max_policy_age, longest
     )
     uniform_bound = wall_per_step["sync"] / uniform_floor
+    partial = {}
+    if "async_partial" in runs:
+        # Against the same bound: its straggler term bounds a run that waits for stragglers, so
+        # one that does not can only come closer to the others.
+        partial_speedup = wall_per_step["sync"] / wall_per_step["async_partial"]
+        last = read_metrics(runs["async_partial"])[-1]
+        partial = {
+            "sim_partial_async_speedup": partial_speedup,
+            "sim_partial_efficiency_vs_bound": partial_speedup / bound,
+            "sim_partial_async_wall_per_step_s": wall_per_step["async_partial"],
+            # Generated tokens that reached no loss: over-age tokens masked, completions dropped.
+            "sim_partial_dropped_token_fraction": last["buffer/dropped_tokens"] / last[GENERATED_TOKENS_TOTAL],
+            "async_partial": per_mode["async_partial"],
+        }
     return {
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
@@ -445,6 +471,7 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         "sim_generation_s": generate,
         "sync": sync,
         "async": asynchronous,
+        **partial,
     }
 
 

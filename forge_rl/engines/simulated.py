@@ -20,7 +20,16 @@ k decode steps has a closed form (`LatencyModel.decode_s`); the engine sleeps un
 sequence would finish and, when woken early, counts the whole steps that elapsed
 (`LatencyModel.steps_within`), lets the step in progress finish (as a real engine would) and
 re-plans. Per-token versions are kept as (version, count) spans and expanded once, when a
-completion is returned. Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive
+completion is returned.
+
+Each engine stands for a GPU of its own, which decodes whether or not the host process that
+drives it gets a core on time: the engine keeps the time its simulated GPU finishes its work in
+hand (`_gpu_free_at`) and starts the next work there, not when its process next runs. On a
+machine whose cores are all busy, a timer that fires late then costs no decode steps; the engine
+catches up at once (the steps in between have a closed form) and hands its completions over as
+soon as its process runs, so the delivery stays late by what the host costs, which is what the
+control-plane benchmarks measure. (Timing each step from the late wake-up instead lost a third
+of the latency model's throughput at `--time-scale 0.1` on 2 busy cores, docs/benchmarks.md.) Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive
 it on a virtual clock (tests/unit/test_simulated_engine.py) and the results do not depend on
 how busy the machine is.
 
@@ -194,6 +203,8 @@ class _Sequence:
     target_tokens: int
     """How many tokens it will generate (drawn at admission)."""
     done: asyncio.Future
+    arrived_at: float = 0.0
+    """Loop time its request reached the engine: its prefill starts no earlier."""
     generated: int = 0
     version_spans: list[list[int]] = field(default_factory=list)
     """[[policy_version, num_tokens], ...] in order: the per-token versions, compressed."""
@@ -237,6 +248,10 @@ class SimulatedEngine:
         self._wake = asyncio.Event()
         self._pause: _Pause | None = None
         self._core: asyncio.Task | None = None
+        self._gpu_free_at: float | None = None
+        """Loop time the simulated GPU finishes the work it was given last, while more work
+        follows it (None once idle: the next work starts when it arrives). It runs ahead of or
+        behind `loop.time()` as this process gets its core early or late (module docstring)."""
         self.num_decode_steps = 0
         """Decode steps run so far (for tests and figures)."""
 
@@ -271,7 +286,7 @@ class SimulatedEngine:
         sequences = []
         for child in range(n):
             target = max_tokens if forced_length else self.sim.draw_length(self._rng, max_tokens)
-            sequence = _Sequence(len(prompt_token_ids), target, loop.create_future())
+            sequence = _Sequence(len(prompt_token_ids), target, loop.create_future(), arrived_at=loop.time())
             # The children share the prompt's KV (vLLM's prefix cache): it is prefilled once.
             self._waiting.append((sequence, len(prompt_token_ids) if child == 0 else 0))
             sequences.append(sequence)
@@ -365,21 +380,32 @@ class SimulatedEngine:
             if pause is not None and (pause.mode == "keep" or not self._running):
                 pause.paused.set()
                 await pause.resume.wait()
+                self._gpu_free_at = None  # the swap's own wait timed its stall; work resumes now
                 continue
             admitting = pause is None  # a wait-mode pause lets no new request start
             if admitting and self._waiting and len(self._running) < self.config.max_num_seqs:
                 await self._admit(latency, scale)
                 continue
             if not self._running:
+                self._gpu_free_at = None
                 await self._wake.wait()
                 continue
             await self._decode(latency, scale)
+
+    def _work_starts(self, arrived_at: float = -math.inf) -> float:
+        """When the simulated GPU starts work that arrived at `arrived_at` (default: work in hand,
+        the next decode steps): when it is free of its earlier work, or now if it was idle."""
+        if self._gpu_free_at is None:
+            return asyncio.get_running_loop().time()
+        return max(self._gpu_free_at, arrived_at)
 
     async def _admit(self, latency: LatencyModel, scale: float) -> None:
         """Prefill what fits in the batch; the prefill samples each sequence's first token."""
         room = self.config.max_num_seqs - len(self._running)
         admitted, self._waiting = self._waiting[:room], self._waiting[room:]
-        await asyncio.sleep(latency.prefill_s(sum(prompt for _, prompt in admitted)) * scale)
+        start = self._work_starts(max(sequence.arrived_at for sequence, _ in admitted))
+        self._gpu_free_at = start + latency.prefill_s(sum(prompt for _, prompt in admitted)) * scale
+        await asyncio.sleep(max(0.0, self._gpu_free_at - asyncio.get_running_loop().time()))
         for sequence, _ in admitted:
             sequence.advance(1, self.policy_version)
             self._running.append(sequence)
@@ -392,14 +418,17 @@ class SimulatedEngine:
         context = sum(s.context_tokens for s in self._running)
         planned = min(s.remaining for s in self._running)
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = self._work_starts()
+        planned_end = started + latency.decode_s(batch, context, planned) * scale
         try:
-            await asyncio.wait_for(self._wake.wait(), latency.decode_s(batch, context, planned) * scale)
+            # Behind (this process ran late), the wait is 0 and the planned steps are done at once.
+            await asyncio.wait_for(self._wake.wait(), max(0.0, planned_end - loop.time()))
             steps = min(planned, latency.steps_within(batch, context, (loop.time() - started) / scale) + 1)
             step_end = started + latency.decode_s(batch, context, steps) * scale
             await asyncio.sleep(max(0.0, step_end - loop.time()))
         except TimeoutError:
-            steps = planned
+            steps, step_end = planned, planned_end
+        self._gpu_free_at = step_end
         for sequence in self._running:
             sequence.advance(steps, self.policy_version)
         self.num_decode_steps += steps

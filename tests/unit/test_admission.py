@@ -102,26 +102,58 @@ def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need
     run(scenario())
 
 
+@pytest.mark.parametrize("wait_for_stragglers", [True, False])
+def test_partial_rollouts_let_a_full_batch_go_while_a_straggler_misses_its_last_step(wait_for_stragglers):
+    """One episode a step, age 1. Episode 0 (long) and 1 start at version 0; 1 is trained at 0; 2
+    starts at 1 and arrives before 0, whose last chance is step 1. Waiting for stragglers, step 1
+    waits for episode 0; with partial rollouts it trains episode 2, and episode 0 arrives overdue
+    (the buffer masks its over-age tokens) and is counted as due now: admission goes on."""
+
+    async def scenario():
+        gate = make_gate(max_policy_age=1, episodes_per_step=1, wait_for_stragglers=wait_for_stragglers)
+        assert [await gate.admit(0) for _ in range(2)] == [0, 0]
+        await gate.settle(0, 1, num_not_queued=0)  # episode 1 arrives
+        await gate.took_batch([0], [])
+        await gate.generator_serves(0, 1)
+        assert await gate.admit(0) == 1  # episode 2
+        await gate.settle(1, 1, num_not_queued=0)  # episode 2 arrives before 0
+        assert gate.may_sample_batch() is not wait_for_stragglers
+        if wait_for_stragglers:
+            return
+        await gate.took_batch([1], [])
+        assert gate.in_flight_versions == {0: 1}  # episode 0, past its deadline by the count
+        assert not gate.may_sample_batch()  # nothing buffered: a batch waits for a full one
+        await gate.generator_serves(0, 2)
+        assert gate.may_start_rollout(0)  # episode 0 counts as due now, not as infeasible
+        await gate.settle(0, 1, num_not_queued=0)
+        assert gate.may_sample_batch()
+
+    run(scenario())
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
     num_generators=st.integers(1, 3),
     episodes_per_step=st.integers(1, 3),
     max_policy_age=st.integers(0, 3),
+    wait_for_stragglers=st.booleans(),
 )
 def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_never_stalls(
-    data, num_generators, episodes_per_step, max_policy_age
+    data, num_generators, episodes_per_step, max_policy_age, wait_for_stragglers
 ):
     """Any order of admissions, arrivals (out of order), weight updates (generators lagging) and
     steps: every batch, served earliest-admitted first as the buffer does, trains only episodes
-    within the age bound, and some event can always happen. As in the train loop, a step the gate
-    lets go takes its batch from the buffer afterwards: if the buffer holds less than a batch, the
-    next arrivals complete it, whatever their versions."""
+    within the age bound (waiting for stragglers; with partial rollouts the buffer masks what a
+    straggler holds past it instead), and some event can always happen. As in the train loop, a
+    step the gate lets go takes its batch from the buffer afterwards: if the buffer holds less than
+    a batch, the next arrivals complete it, whatever their versions."""
     max_queued = episodes_per_step * (max_policy_age + 2)
 
     async def scenario():
         gate = make_gate(max_policy_age=max_policy_age, episodes_per_step=episodes_per_step,
-                         max_episodes_queued=max_queued, num_generators=num_generators)
+                         max_episodes_queued=max_queued, num_generators=num_generators,
+                         wait_for_stragglers=wait_for_stragglers)
         in_flight: list[int] = []  # start versions
         buffered: list[int] = []  # start versions, in arrival order
         waiting_step = False  # the gate let a step go; the buffer is waiting for a full batch
@@ -130,7 +162,7 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
             batch = sorted(buffered)[:episodes_per_step]  # stable: earliest admitted first
             for version in batch:
                 buffered.remove(version)
-                assert gate.next_train_version - version <= max_policy_age
+                assert gate.next_train_version - version <= max_policy_age or not wait_for_stragglers
             await gate.took_batch(batch, [])
 
         for _ in range(40):
@@ -168,8 +200,10 @@ def num_waiting(gate: AdmissionGate) -> int:
     return sum(len(queue) for queue in gate._waiting)
 
 
-def make_gate(admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1):
-    return AdmissionGate(num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission)
+def make_gate(
+    admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1, wait_for_stragglers=True
+):
+    return AdmissionGate(num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission, wait_for_stragglers)
 
 
 @pytest.mark.parametrize("admission,gated", [("pause", True), ("drop", False)])

@@ -83,6 +83,14 @@ def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
             "buffer.sampling (freshest) cannot go with buffer.admission (pause)",
         ),
         (
+            "buffer:\n  wait_for_stragglers: false\n",
+            "buffer.wait_for_stragglers (false) with buffer.drop_policy (drop_episode) would drop a straggler",
+        ),
+        (
+            "buffer:\n  wait_for_stragglers: false\n  admission: drop\n  drop_policy: mask_tokens\n",
+            "buffer.wait_for_stragglers (false) is an option of buffer.admission pause",
+        ),
+        (
             "group_size: 6\ntrain_batch_size: 96\ntrainer:\n  loss:\n    kl_beta: 0.1\n"
             "reference:\n  num_procs: 4\n  parallel:\n    dp_shard: 4\n",
             "group_size (6) is not divisible by reference.parallel.dp_replicate (1) * "

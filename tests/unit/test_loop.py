@@ -236,6 +236,59 @@ def test_a_stop_trains_the_batch_the_trainer_took_ahead_and_withholds_the_rest(t
     assert accounting["trained"] == 2 * CONFIG.prompts_per_step and accounting["trained_more_than_once"] == 0
 
 
+def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_over_age_tokens(tmp_path):
+    """buffer.wait_for_stragglers false, age bound 2: the first prompt's rollout is still decoding
+    at step 3, its last chance; the run trains on without it. It comes back once its generator
+    serves version 4, its first tokens sampled at 0 and its last at 4 (a keep swap), and is trained
+    with the version-0 tokens masked: every trained token within the bound, the prompt trained
+    once, nothing lost."""
+    config = dataclasses.replace(
+        CONFIG, steps=8,
+        buffer=BufferConfig(max_policy_age=2, capacity_episodes=8, wait_for_stragglers=False, drop_policy="mask_tokens"),
+    )
+    straggler_ids: list[int] = []
+
+    async def generate(index, prompts, group_size):
+        await asyncio.sleep(0)
+        if not straggler_ids:
+            straggler_ids.extend(p.episode_id for p in prompts)
+            await wait_until_async(lambda: rollouts.gate.generator_versions[index] >= 4, "version 4 served")
+            stale_then_fresh = [Completion([5, 6, 2], [-0.5] * 3, [0, 0, 4], reward=float(i % 2)) for i in range(group_size)]
+            return [dataclasses.replace(p, completions=stale_then_fresh) for p in prompts]
+        version = rollouts.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline, rollouts = make_pipeline(generate, config)
+    train_step = pipeline.actors.trainer.train_step.function
+    trained: list[tuple[int, list[Episode]]] = []  # (version trained at, batch)
+
+    async def recording_train_step(episodes):
+        trained.append((len(trained), episodes))
+        if len(trained) == 5:
+            # The fake trainer takes no time: step 5 (version 4) trains until the straggler is
+            # back, so the steps cannot run past its fresh token's bound before it arrives.
+            await wait_until_async(lambda: 0 not in rollouts.gate.in_flight_versions, "the straggler back")
+        return await train_step(episodes)
+
+    pipeline.actors.trainer = pulling_trainer(recording_train_step)
+    history, accounting = run(pipeline, tmp_path)
+
+    assert [h[m.STEP] for h in history] == list(range(1, 9))
+    (straggler_version, straggler), = [
+        (version, e) for version, batch in trained for e in batch if e.episode_id in straggler_ids
+    ]
+    assert straggler_version in (5, 6)  # after its last chance under the bound (step 3, version 2)
+    for completion in straggler.completions:
+        assert completion.trainable == [False, False, True]  # the version-0 tokens masked, the fresh one kept
+    for version, batch in trained:
+        for completion in (c for e in batch for c in e.completions):
+            ages = [version - v for v, trains in zip(completion.policy_versions, completion.loss_mask) if trains]
+            assert max(ages) <= 2
+    assert accounting["trained"] == config.steps * config.prompts_per_step
+    assert accounting["trained_more_than_once"] == 0
+    assert history[-1]["buffer/dropped_tokens"] == 2 * config.group_size
+
+
 def _generate_only_the_first_prompts(num_prompts: int):
     """A FAKE generate that serves the first `num_prompts` prompts and then never returns, so the
     batches after them wait at the gate for good."""

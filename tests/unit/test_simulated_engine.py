@@ -38,6 +38,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self._virtual_now
 
+    def stall(self, seconds: float) -> None:
+        """The process gets no core for `seconds`: the clock moves on, every timer due meanwhile
+        fires late."""
+        self._virtual_now += seconds
+
     def _run_once(self) -> None:
         if not self._ready and self._scheduled:
             self._virtual_now = max(self._virtual_now, self._scheduled[0]._when)
@@ -139,6 +144,33 @@ def test_a_request_arriving_mid_decode_joins_at_the_next_step_boundary():
     # The second's first token comes with its (free) prefill; two decode steps of batch 2 follow.
     assert second_done == pytest.approx(joined_at + LATENCY.decode_s(2, 4 + 2, 2))
     assert second[0].num_tokens == 3 and first[0].num_tokens == 100
+
+
+def test_a_process_that_runs_late_costs_the_simulated_gpu_no_decode_steps():
+    """Each engine stands for a GPU of its own: while its process waits for a core (every timer
+    fires late), decoding goes on. A short and a long request decode together; the process stalls
+    across the short one's end. The short one is handed over when the stall ends; the long one
+    ends when the latency model says, not late by the stall's overrun."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        engine = await started_engine(sim_config())
+        short = asyncio.create_task(engine.generate([1] * 50, 1, None, forced_length=5))
+        long = asyncio.create_task(engine.generate([1] * 50, 1, None, forced_length=20))
+        prefilled = LATENCY.prefill_s(100)
+        await asyncio.sleep(prefilled + LATENCY.step_s(2, 102) / 2)  # mid-way through the first step
+        stall_ends = loop.time() + LATENCY.decode_s(2, 102, 4)
+        loop.stall(LATENCY.decode_s(2, 102, 4))  # past the short one's 4th and last decode step
+        await short
+        short_at = loop.time()
+        await long
+        return prefilled, stall_ends, short_at, loop.time(), engine.num_decode_steps
+
+    prefilled, stall_ends, short_at, long_at, decode_steps = run_virtual(scenario())
+    assert short_at == pytest.approx(stall_ends)
+    # Both prefilled first tokens; 4 decode steps of batch 2, then the long one's 15 alone.
+    assert long_at == pytest.approx(prefilled + LATENCY.decode_s(2, 102, 4) + LATENCY.decode_s(1, 55, 15))
+    assert decode_steps == 4 + 15
 
 
 def test_the_batch_never_exceeds_max_num_seqs():
