@@ -34,6 +34,11 @@ decode and train steps are timed waits. What is measured is forge_rl's own work.
    both. `sim_efficiency_vs_uniform_batch_bound` holds both to one batch size B, the best:
        async step >= min over B of max(train, generate(B), longest x decode_step(B) / (A + 1))
    (`uniform_batch_floor`; longest: the expected longest completion of a step's batch).
+   A third run, asynchronous with partial rollouts (`buffer.wait_for_stragglers` false: the trainer
+   waits for no straggler; one past its last step is trained later with its over-age tokens
+   masked), against the same bound: `sim_partial_async_speedup`, `sim_partial_efficiency_vs_bound`,
+   and `sim_partial_dropped_token_fraction` (generated tokens that reached no loss). This part runs
+   at `async_time_scale` (1.0: the GPU timings as calibrated).
 3. Faults at scale: the control-plane run with `fault_generators` generators; once step
    `fault_kill_after_step` is done, every process of a tenth of them (chosen from `fault_seed`) is
    SIGKILLed. The generator pool must detect each death and replace the generator; the train loop
@@ -94,7 +99,13 @@ class ScaleArgs:
     """Median completion length in the control-plane part: short, so a run measures the control
     plane rather than simulated decoding."""
     time_scale: float = 0.1
-    """Wall seconds per simulated second, both parts (0.1: ten times faster than the GPUs would)."""
+    """Wall seconds per simulated second in the control-plane and faults parts (0.1: ten times
+    faster than the GPUs would; the control plane's own costs then weigh ten times more)."""
+    async_time_scale: float = 1.0
+    """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
+    as they are (its three runs take about 16 minutes). Faster, the 2 shared cores that run the
+    control plane, eight simulated engines and the trainer's process become what limits the
+    asynchronous runs, not the schedule (docs/benchmarks.md, "Partial rollouts")."""
     async_generators: int = 8
     """Generators of the async-vs-sync part."""
     async_steps: int = 30
@@ -403,9 +414,11 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
                 -(-(max_policy_age + 1) * base.prompts_per_step // args.async_generators),
             ),
             generator=dataclasses.replace(
-                base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale)
+                base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.async_time_scale)
             ),
-            trainer=dataclasses.replace(base.trainer, sim=dataclasses.replace(base.trainer.sim, time_scale=args.time_scale)),
+            trainer=dataclasses.replace(
+                base.trainer, sim=dataclasses.replace(base.trainer.sim, time_scale=args.async_time_scale)
+            ),
             buffer=dataclasses.replace(
                 base.buffer,
                 max_policy_age=max_policy_age,
@@ -710,6 +723,7 @@ def main(args: ScaleArgs) -> dict:
         "max_concurrent_rollouts_sustained": max((r["max_concurrent_rollouts"] for r in ok), default=0),
         "accounting_ok": all(judge_accounting(r, args.steps) for r in ok),
         "time_scale": args.time_scale,
+        "async_time_scale": args.async_time_scale,
         "control_plane": per_count,
     }
     if not args.skip_async_vs_sync:

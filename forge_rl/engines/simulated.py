@@ -28,8 +28,8 @@ hand (`_gpu_free_at`) and starts the next work there, not when its process next 
 machine whose cores are all busy, a timer that fires late then costs no decode steps; the engine
 catches up at once (the steps in between have a closed form) and hands its completions over as
 soon as its process runs, so the delivery stays late by what the host costs, which is what the
-control-plane benchmarks measure. (Timing each step from the late wake-up instead lost a third
-of the latency model's throughput at `--time-scale 0.1` on 2 busy cores, docs/benchmarks.md.) Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive
+control-plane benchmarks measure. (Before, each step was timed from the late wake-up, so a busy
+host slowed the simulated GPUs themselves.) Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive
 it on a virtual clock (tests/unit/test_simulated_engine.py) and the results do not depend on
 how busy the machine is.
 
