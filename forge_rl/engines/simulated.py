@@ -29,9 +29,10 @@ machine whose cores are all busy, a timer that fires late then costs no decode s
 catches up at once (the steps in between have a closed form) and hands its completions over as
 soon as its process runs, so the delivery stays late by what the host costs, which is what the
 control-plane benchmarks measure. (Before, each step was timed from the late wake-up, so a busy
-host slowed the simulated GPUs themselves.) Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive
-it on a virtual clock (tests/unit/test_simulated_engine.py) and the results do not depend on
-how busy the machine is.
+host slowed the simulated GPUs themselves.)
+
+Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive it on a virtual clock
+(tests/unit/test_simulated_engine.py) and the results do not depend on how busy the machine is.
 
 Calibration (docs/benchmarks.md, "The simulated engine"): Qwen3-8B in bf16 served by vLLM on one
 H100 SXM (80 GB HBM3, 3.35 TB/s, 989 dense bf16 TFLOP/s). Decode is bound by memory traffic: every
