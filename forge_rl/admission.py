@@ -72,6 +72,11 @@ def overdue_as_due_now(queued_versions: Mapping[int, int], next_train_version: i
     return due_now
 
 
+def buffered_versions(queued_versions: Mapping[int, int], in_flight_versions: Mapping[int, int]) -> collections.Counter[int]:
+    """Start version of each episode admitted, not yet taken and no longer in flight: in the buffer."""
+    return collections.Counter(queued_versions) - collections.Counter(in_flight_versions)
+
+
 def batch_may_be_sampled(
     queued_versions: Mapping[int, int],
     in_flight_versions: Mapping[int, int],
@@ -82,7 +87,7 @@ def batch_may_be_sampled(
     """Whether the batch the buffer serves now (its earliest-admitted episodes) leaves a feasible
     schedule for the rest. False while an episode that needs this step, or whose place later
     would be taken by this batch, is still being generated."""
-    buffered = collections.Counter(queued_versions) - collections.Counter(in_flight_versions)
+    buffered = buffered_versions(queued_versions, in_flight_versions)
     if buffered.total() < episodes_per_step:
         # The buffer would complete the batch with whatever arrives first (a short episode admitted
         # late, say): only once a full batch is here is it the one judged below.
@@ -183,9 +188,7 @@ class AdmissionGate:
         if self.admission == "drop":
             return True  # stragglers that miss their last step are dropped, not waited for
         if not self.wait_for_stragglers:
-            # A full batch buffered (the gate's count: admitted, not taken, not in flight).
-            buffered = collections.Counter(self.queued_versions) - collections.Counter(self.in_flight_versions)
-            return buffered.total() >= self.episodes_per_step
+            return buffered_versions(self.queued_versions, self.in_flight_versions).total() >= self.episodes_per_step
         return batch_may_be_sampled(
             self.queued_versions,
             self.in_flight_versions,

@@ -79,7 +79,7 @@ class Reaper:
 def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
     """Wait for `parent` to exit, then clean up; return early if there is nothing left to do."""
     while os.getppid() == parent:
-        if not remove and not any(_is_running(process) for process in kill):
+        if not remove and not any(is_running(process) for process in kill):
             return  # they exited on their own (a normal engine shutdown): nothing left to guard
         time.sleep(_POLL_S)
     kill_trees(kill)
@@ -107,7 +107,8 @@ def kill_trees(processes: list[psutil.Process]) -> None:
                 member.kill()  # psutil checks the start time first: a reused pid is left alone
 
 
-def _is_running(process: psutil.Process) -> bool:
+def is_running(process: psutil.Process) -> bool:
+    """Alive and not a zombie; psutil's `is_running` also tells a reused pid apart."""
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

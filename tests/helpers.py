@@ -163,15 +163,7 @@ def described(processes) -> list[str]:
 
 
 def alive(processes) -> list:
-    """Those of `psutil` `processes` still running and not zombies (psutil's `is_running` also tells a
-    reused pid apart)."""
-    import psutil
+    """Those of `psutil` `processes` still running and not zombies (`forge_rl.reaper.is_running`)."""
+    from forge_rl.reaper import is_running
 
-    running = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                running.append(process)
-        except psutil.NoSuchProcess:  # gone (a zombie's is a subclass)
-            pass
-    return running
+    return [process for process in processes if is_running(process)]
