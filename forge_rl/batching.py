@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_rl.advantages import token_advantages
+from forge_rl.columns import BatchColumns, batch_columns
 from forge_rl.routing import batch_routing
-from forge_rl.types import Completion, Episode
+from forge_rl.types import Episode
 
 
 @dataclass
@@ -34,7 +34,7 @@ class TrainBatch:
     """[N] int64 index of the generator that sampled each completion (-1: unknown)."""
     exact_version_NL: torch.Tensor | None = None
     """[N, L] int64: at each generated token, the oldest policy version whose weights computed it
-    or any KV it attended to (-1 elsewhere), as `exact_versions`. Where it equals the trainer's
+    or any KV it attended to (-1 elsewhere), as `forge_rl.columns.exact_versions`. Where it equals the trainer's
     version, the trainer holds every weight that sampled the token: the two logprobs differ by
     numerics alone (the fresh mismatch, forge_rl/health.py)."""
     temperature_N: torch.Tensor | None = None
@@ -90,97 +90,48 @@ class TrainBatch:
 def make_train_batch(
     episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True, step_discount: float = 1.0
 ) -> TrainBatch:
-    """One row per completion. A token reaches the loss only where `Completion.loss_mask` says so:
-    ERRORED completions and rows whose tokens are all untrainable keep their row (so N always
-    equals the configured batch and splits evenly over data-parallel ranks) but are fully masked.
+    """One row per completion (`forge_rl.columns.batch_columns`, which says what reaches the loss),
+    padded (`pad_columns`): both halves in this process. A run's trainer gets its batches as
+    columns built in the rollouts' process and pads them only."""
+    return pad_columns(batch_columns(episodes, normalize_advantage_std, step_discount), pad_id)
 
-    `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO),
-    `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
-    """
-    rows, masks, behaviour, advantages, temperatures, references, generators, exact = ([] for _ in range(8))
-    supports: list[list[list[int]] | None] = []
-    routings, generated = [], []
-    for episode in episodes:
-        prompt = episode.prompt_token_ids
-        prompt_zeros, prompt_false = [0.0] * len(prompt), [False] * len(prompt)
-        generator = -1 if episode.generator_index is None else episode.generator_index
-        per_token_advantages = token_advantages(episode, normalize_advantage_std, step_discount)
-        for completion, completion_advantages in zip(episode.completions, per_token_advantages):
-            advantages.append(prompt_zeros + completion_advantages)
-            generators.append(generator)
-            exact.append([-1] * len(prompt) + exact_versions(completion))
-            rows.append(prompt + completion.token_ids)
-            masks.append(prompt_false + completion.loss_mask)
-            behaviour.append(prompt_zeros + completion.logprobs)
-            temperatures.append(episode.temperature)
-            # Kept sets and routing records are rare (top-k/top-p sampling, MoE): their per-token
-            # lists are built only for a batch that has some.
-            supports.append(None if completion.sampling_support is None else [[]] * len(prompt) + completion.sampling_support)
-            if completion.reference_logprobs is not None:
-                references.append(prompt_zeros + completion.reference_logprobs)
-            routings.append(completion.routed_experts)
-            generated.append(None if completion.routed_experts is None else prompt_false + completion.generated_mask)
-    if not rows:
-        raise ValueError("make_train_batch got no completions")
-    if references and len(references) != len(rows):
-        raise ValueError(f"{len(rows) - len(references)} of {len(rows)} completions lack reference logprobs")
-    lengths = [len(r) for r in rows]
-    length = max(lengths)
 
-    def pad(values: list[list], fill, dtype) -> torch.Tensor:
-        # One flat list, one tensor: about a third of the time of a tensor from nested lists.
-        flat = []
-        for v in values:
-            flat += v
-            flat += [fill] * (length - len(v))
-        return torch.tensor(flat, dtype=dtype).view(len(values), length)
+def pad_columns(columns: BatchColumns, pad_id: int) -> TrainBatch:
+    """The TrainBatch of `columns`: each flat column becomes [N, L] (L the longest row), rows
+    right-padded with `pad_id`, False, 0 or -1. Tensors straight from the columns' buffers
+    (`torch.frombuffer`), so no Python walk over the tokens here."""
+    lengths_N = torch.frombuffer(columns.lengths, dtype=torch.int64).clone()
+    rows, length = columns.num_rows, int(lengths_N.max())
+    real_NL = torch.arange(length).unsqueeze(0) < lengths_N.unsqueeze(1)
 
+    def pad(flat, fill, dtype: torch.dtype) -> torch.Tensor:
+        padded = torch.full((rows, length), fill, dtype=dtype)
+        if len(flat):  # frombuffer refuses an empty buffer
+            padded[real_NL] = torch.frombuffer(flat, dtype=dtype)
+        return padded
+
+    row_lengths = columns.lengths.tolist()
     support_NLK = None
-    if any(s is not None for s in supports):
-        support_NLK = kept_sets([[[]] * n if s is None else s for s, n in zip(supports, lengths)], length)
+    if columns.supports is not None:
+        support_NLK = kept_sets([[[]] * n if s is None else s for s, n in zip(columns.supports, row_lengths)], length)
     routing = None
-    if any(r is not None for r in routings):
-        routing = batch_routing(routings, [[False] * n if g is None else g for g, n in zip(generated, lengths)], length)
+    if columns.routings is not None:
+        routing = batch_routing(columns.routings, [[False] * n if g is None else g for g, n in zip(columns.generated, row_lengths)], length)
 
     return TrainBatch(
-        input_ids_NL=pad(rows, pad_id, torch.int64),
-        loss_mask_NL=pad(masks, False, torch.bool),
-        behaviour_logprobs_NL=pad(behaviour, 0.0, torch.float32),
-        advantages_NL=pad(advantages, 0.0, torch.float32),
-        generator_N=torch.tensor(generators, dtype=torch.int64),
-        exact_version_NL=pad(exact, -1, torch.int64),
-        temperature_N=torch.tensor(temperatures, dtype=torch.float32),
+        input_ids_NL=pad(columns.token_ids, pad_id, torch.int64),
+        loss_mask_NL=pad(columns.loss_mask, False, torch.bool),
+        behaviour_logprobs_NL=pad(columns.behaviour_logprobs, 0.0, torch.float32),
+        advantages_NL=pad(columns.advantages, 0.0, torch.float32),
+        generator_N=torch.frombuffer(columns.generators, dtype=torch.int64).clone(),
+        exact_version_NL=pad(columns.exact_versions, -1, torch.int64),
+        temperature_N=torch.frombuffer(columns.temperatures, dtype=torch.float32).clone(),
         support_NLK=support_NLK,
-        reference_logprobs_NL=pad(references, 0.0, torch.float32) if references else None,
-        lengths_N=torch.tensor(lengths, dtype=torch.int64),
+        reference_logprobs_NL=None if columns.reference_logprobs is None else pad(columns.reference_logprobs, 0.0, torch.float32),
+        lengths_N=lengths_N,
         routed_experts_NLXK=None if routing is None else routing[0],
         routed_NL=None if routing is None else routing[1],
     )
-
-
-def exact_versions(completion: Completion) -> list[int]:
-    """Per token, [T]: for a generated token, the oldest version among its turn's generated tokens
-    up to it; -1 for context. A turn is one vLLM request, whose prefix is encoded by the version
-    that samples its first token (a request is salted with the version it is submitted under, and
-    one arriving during a swap is held until the swap ends: forge_rl/engines/vllm_engine.py). A
-    swap in the middle of a turn (swap_mode keep, swap_kv reuse) leaves the rest of the turn
-    attending to KV of the older weights, so those tokens count as that older version (after a
-    swap that re-encoded the prefix, swap_kv recompute or swap_mode abort, they would be exact,
-    but the record does not say which swap it was: they count as older all the same). A turn is a
-    run of generated tokens; context tokens end it.
-
-        versions [3, 3, 4, 4] generated [T, T, T, T] -> [3, 3, 3, 3]   (swap mid-turn)
-        versions [3, 3, 3, 4] generated [T, F, F, T] -> [3, -1, -1, 4] (swap between two turns)
-    """
-    out, oldest = [], None
-    for version, generated in zip(completion.policy_versions, completion.generated_mask):
-        if not generated:
-            out.append(-1)
-            oldest = None
-            continue
-        oldest = version if oldest is None else min(oldest, version)
-        out.append(oldest)
-    return out
 
 
 def kept_sets(supports: list[list[list[int]]], length: int) -> torch.Tensor | None:

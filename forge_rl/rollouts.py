@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import pickle
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from forge_rl import metrics as m
 from forge_rl.accounting import PromptAccounting
 from forge_rl.admission import AdmissionGate
 from forge_rl.buffer import WaitingBuffer
+from forge_rl.columns import batch_columns
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
@@ -46,6 +46,7 @@ from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_gener
 from forge_rl.metrics import EpisodeStats, batch_metrics
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.timeline import Timeline, idle_fraction, watch_event_loop_lag
+from forge_rl.trainer_steps import PulledBatch
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class Prompts(Protocol):
 
 @dataclasses.dataclass
 class NextBatch:
-    """A step's batch as `Rollouts.next_batch` hands it to the train loop."""
+    """A step's batch as it left the buffer (`Rollouts.next_batch`), kept until its step is
+    accounted for (`step_done`); the trainer gets it as columns (`batch_for_trainer`)."""
 
     train_version: int
     """The policy version it trains at (the gate counts it from then)."""
@@ -76,18 +78,6 @@ class NextBatch:
     ready_s: float
     """When it was taken, on the run's timeline (the controller's clock): the end of the train
     loop's data wait."""
-
-    def __reduce__(self):
-        # Sent as one bytes object of the C pickler's. Monarch pickles a message with cloudpickle's
-        # Python-level pickler, which calls a Python `persistent_id` on every object: 2.2 ms for the
-        # demo's batch (128 completions), on the trainer's critical path, against 0.46 ms this way
-        # (one idle core of this 2-core machine; docs/benchmarks.md, "2026-11-28").
-        fields = (self.train_version, self.episodes, self.ready_s)
-        return (_next_batch_from_bytes, (pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL),))
-
-
-def _next_batch_from_bytes(data: bytes) -> NextBatch:
-    return NextBatch(*pickle.loads(data))
 
 
 @dataclasses.dataclass
@@ -193,13 +183,14 @@ class Rollouts:
             raise RuntimeError("Rollouts.wait_for_failure called before start")
         await asyncio.shield(self._failure)
 
-    async def batch_for_trainer(self, step: int, num_ranks: int) -> NextBatch | None:
+    async def batch_for_trainer(self, step: int, num_ranks: int) -> PulledBatch | None:
         """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
         themselves (forge_rl/trainer_steps.py `train_on_pulled_batch`): the first call waits for the gate
         and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
-        batch's episodes reach the trainer in one message from here. None if withheld."""
+        batch's episodes reach the trainer in one message from here, as columns (forge_rl/columns.py:
+        the trainer only pads them). None if withheld."""
         if step not in self._pulled:
-            self._pulled[step] = [asyncio.ensure_future(self.next_batch(step)), num_ranks]
+            self._pulled[step] = [asyncio.ensure_future(self._columns_of_next_batch(step)), num_ranks]
         pulled = self._pulled[step]
         try:
             return await asyncio.shield(pulled[0])
@@ -207,6 +198,17 @@ class Rollouts:
             pulled[1] -= 1
             if not pulled[1]:
                 del self._pulled[step]
+
+    async def _columns_of_next_batch(self, step: int) -> PulledBatch | None:
+        batch = await self.next_batch(step)
+        if batch is None:
+            return None
+        loss = self.config.trainer.loss
+        # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which would
+        # hold every rollout loop's event for as long; a thread gives the loop its turn every 5 ms
+        # (the GIL's switch interval). The episodes left the buffer: nothing else touches them now.
+        columns = await asyncio.to_thread(batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount)
+        return PulledBatch(batch.train_version, columns, batch.ready_s)
 
     async def batch_taken(self, step: int) -> bool:
         """Waits until step `step`'s batch has left the buffer (True) or was withheld (False): from

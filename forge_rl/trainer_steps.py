@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from forge_rl.types import Episode
+from forge_rl.columns import BatchColumns
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,30 @@ class TrainStepResult:
     """Where the new version will be in the weight store (rank 0; None when skipped)."""
     metrics: dict[str, float]
     """Batch-wide metrics for the log (`step_skipped` and `policy_version` among them)."""
+
+
+@dataclass
+class PulledBatch:
+    """A step's batch as the rollouts hand it to each trainer rank (`Rollouts.batch_for_trainer`):
+    the episodes as columns (forge_rl/columns.py), built once in the rollouts' process."""
+
+    train_version: int
+    """The policy version it trains at (the gate counts it from then)."""
+    columns: BatchColumns
+    ready_s: float
+    """When it left the buffer, on the run's timeline (the controller's clock): the end of the
+    train loop's data wait."""
+
+    def __reduce__(self):
+        # Sent as one bytes object of the C pickler's. Monarch pickles a message with cloudpickle's
+        # Python-level pickler, which calls a Python `persistent_id` on every object: the columns
+        # are few, but a batch's kept sets and routing records are lists per token.
+        fields = (self.train_version, self.columns, self.ready_s)
+        return (_pulled_batch_from_bytes, (pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL),))
+
+
+def _pulled_batch_from_bytes(data: bytes) -> PulledBatch:
+    return PulledBatch(*pickle.loads(data))
 
 
 @dataclass
@@ -97,7 +122,7 @@ class BatchPrefetch:
         return self._asked[step]
 
     def take(self, step: int, rollouts, num_ranks: int) -> asyncio.Future:
-        """Step `step`'s batch (NextBatch, or None if withheld): the one asked for ahead, or asked
+        """Step `step`'s batch (PulledBatch, or None if withheld): the one asked for ahead, or asked
         for now."""
         for older in [s for s in self._asked if s < step]:
             del self._asked[older]
@@ -108,7 +133,7 @@ async def train_on_pulled_batch(
     step: int,
     rollouts,
     num_ranks: int,
-    train: Callable[[list[Episode]], Awaitable[TrainStepResult]],
+    train: Callable[[BatchColumns], Awaitable[TrainStepResult]],
     prefetch: BatchPrefetch,
     prefetch_next: bool,
 ) -> PulledStep | None:
@@ -125,7 +150,7 @@ async def train_on_pulled_batch(
         prefetch.ask(step + 1, rollouts, num_ranks)
         # Let the ask go out now: a real trainer's step holds the event loop until it ends.
         await asyncio.sleep(0)
-    return PulledStep(await train(batch.episodes), batch.train_version, batch.ready_s)
+    return PulledStep(await train(batch.columns), batch.train_version, batch.ready_s)
 
 
 async def train_pulled_batch_in_turn(
@@ -133,7 +158,7 @@ async def train_pulled_batch_in_turn(
     step: int,
     rollouts,
     num_ranks: int,
-    train: Callable[[list[Episode]], Awaitable[TrainStepResult]],
+    train: Callable[[BatchColumns], Awaitable[TrainStepResult]],
     prefetch: BatchPrefetch,
     prefetch_next: bool,
 ) -> PulledStep | None:
@@ -141,9 +166,9 @@ async def train_pulled_batch_in_turn(
     endpoint run concurrently with an earlier step's (batch asked for at once, training in order)."""
     ticket = turns.take()
 
-    async def train_in_turn(episodes: list[Episode]) -> TrainStepResult:
+    async def train_in_turn(columns: BatchColumns) -> TrainStepResult:
         async with turns.turn(ticket):
-            return await train(episodes)
+            return await train(columns)
 
     try:
         return await train_on_pulled_batch(step, rollouts, num_ranks, train_in_turn, prefetch, prefetch_next)

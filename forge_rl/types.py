@@ -176,7 +176,9 @@ class Completion:
         ERRORED completion."""
         if self.status == CompletionStatus.ERRORED:
             return [False] * self.num_tokens
-        return [t and g for t, g in zip(self.trainable, self.generated_mask)]
+        if self.generated is None:  # every token sampled: no walk in Python
+            return list(self.trainable)
+        return [t and g for t, g in zip(self.trainable, self.generated)]
 
     @property
     def num_trainable_tokens(self) -> int:

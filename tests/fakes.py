@@ -51,19 +51,30 @@ def endpoints(**functions) -> Any:
     return type("FakeActor", (), {name: FakeEndpoint(f) for name, f in functions.items()})()
 
 
-def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]]) -> Any:
+def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]], rollouts: Any) -> Any:
     """A FAKE trainer mesh of one rank for the train loop: its `train_next_step` takes the step's
     batch from the rollouts as the real trainer does (forge_rl/trainer_steps.py
     `train_on_pulled_batch`), asking for the next step's ahead when told to, and trains it with
     `train_step(episodes)` (also reachable as `.train_step.function`). One call at a time, in the
-    order they arrive, as Monarch runs the real trainer's plain endpoint."""
+    order they arrive, as Monarch runs the real trainer's plain endpoint.
+
+    The batch comes as columns; `train_step` gets the episodes they were made of, which
+    `rollouts` (the real Rollouts) holds while the step trains, after checking that the columns
+    are exactly those episodes'."""
+    from forge_rl.columns import batch_columns
     from forge_rl.trainer_steps import BatchPrefetch, train_on_pulled_batch
 
     prefetch, one_at_a_time = BatchPrefetch(), asyncio.Lock()
+    loss = rollouts.config.trainer.loss
 
-    async def train_next_step(step, rollouts, num_ranks, prefetch_next):
+    async def train_next_step(step, rollouts_actor, num_ranks, prefetch_next):
+        async def train_the_taken_episodes(columns):
+            episodes = rollouts.taken[step].episodes
+            assert columns == batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount)
+            return await train_step(episodes)
+
         async with one_at_a_time:
-            return await train_on_pulled_batch(step, rollouts, num_ranks, train_step, prefetch, prefetch_next)
+            return await train_on_pulled_batch(step, rollouts_actor, num_ranks, train_the_taken_episodes, prefetch, prefetch_next)
 
     async def wait_for_publish():
         pass

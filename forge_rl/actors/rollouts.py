@@ -20,7 +20,8 @@ from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.prompts import PromptSource
-from forge_rl.rollouts import NextBatch, RolloutActors, Rollouts
+from forge_rl.rollouts import RolloutActors, Rollouts
+from forge_rl.trainer_steps import PulledBatch
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPool
@@ -57,7 +58,7 @@ class RolloutsActor(PortServed, Actor):
         await self.rollouts.wait_for_failure()
 
     @concurrent_endpoint
-    async def batch_for_trainer(self, step: int, num_ranks: int) -> NextBatch | None:
+    async def batch_for_trainer(self, step: int, num_ranks: int) -> PulledBatch | None:
         return await self.rollouts.batch_for_trainer(step, num_ranks)
 
     @concurrent_endpoint

@@ -17,6 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from forge_rl import metrics as m
 from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.columns import BatchColumns, batch_columns
 from forge_rl.errors import ConfigError
 from forge_rl.trainer_config import TrainerConfig
 from forge_rl.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
@@ -42,22 +43,20 @@ class SimulatedTrainerActor(Actor):
             self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
-    async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
-        return await self._train_step(episodes)
+    async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:
+        return await self._train_step(columns)
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
-        return await self._train_step(episodes)
+        loss = self.config.loss
+        return await self._train_step(batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount))
 
-    async def _train_step(self, episodes: list[Episode]) -> TrainStepResult:
-        num_tokens = sum(
-            len(e.prompt_token_ids) * len(e.completions) + e.num_generated_tokens for e in episodes
-        )
+    async def _train_step(self, columns: BatchColumns) -> TrainStepResult:
         started = time.perf_counter()
-        await asyncio.sleep(self.config.sim.step_s(num_tokens))
+        await asyncio.sleep(self.config.sim.step_s(columns.num_tokens))
         self.policy_version += 1
         metrics = {
-            m.TRAINED_TOKENS: sum(e.num_generated_tokens for e in episodes),
+            m.TRAINED_TOKENS: columns.num_trained_tokens,
             m.STEP_SKIPPED: 0,
             "policy_version": self.policy_version,
             m.SIMULATED: 1,

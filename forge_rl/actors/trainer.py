@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.columns import BatchColumns, batch_columns
 from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.native_heap import trim_native_heap_if_due
@@ -103,14 +104,18 @@ class TrainerActor(Actor):
             self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
-    async def _train_pulled(self, episodes: list[Episode]) -> TrainStepResult:
+    async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:
         """A step of `train_next_step`: its version is published after the reply (`_published`)."""
-        return await self._train_step(episodes, publish_after_reply=True)
+        return await self._train_step(columns, publish_after_reply=True)
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
         """One optimizer step on `episodes`, then publish the new version to the weight store."""
-        return await self._train_step(episodes)
+        return await self._train_step(self._columns(episodes))
+
+    def _columns(self, episodes: list[Episode]) -> BatchColumns:
+        loss = self.config.loss
+        return batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount)
 
     @endpoint
     async def wait_for_publish(self) -> None:
@@ -118,8 +123,8 @@ class TrainerActor(Actor):
         (raises what it raised): the train loop's last call, so an error there is the run's."""
         await self._published()
 
-    async def _train_step(self, episodes: list[Episode], publish_after_reply: bool = False) -> TrainStepResult:
-        """One optimizer step on `episodes`, then publish the new version to the weight store.
+    async def _train_step(self, columns: BatchColumns, publish_after_reply: bool = False) -> TrainStepResult:
+        """One optimizer step on the batch `columns`, then publish the new version to the weight store.
 
         `publish_after_reply`: the publish (the snapshot, a collective, then the hand-off to the
         writer) runs as soon as this step has answered, while the trainer waits for its next batch,
@@ -130,13 +135,13 @@ class TrainerActor(Actor):
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
-        from forge_rl.batching import make_train_batch
+        from forge_rl.batching import pad_columns
 
         publish_start = time.perf_counter()
         published_before = await self._published()
         waited_s = time.perf_counter() - publish_start
         started = time.perf_counter()
-        batch = make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
+        batch = pad_columns(columns, self.pad_id)
         batching_s = time.perf_counter() - started
         metrics = self.trainer.train_step(batch)
         metrics["policy_version"] = self.trainer.policy_version
@@ -164,12 +169,10 @@ class TrainerActor(Actor):
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
-        from forge_rl.batching import make_train_batch
+        from forge_rl.batching import pad_columns
 
         await self._published()
-        return self.trainer.compute_logprobs(
-            make_train_batch(episodes, self.pad_id, self.config.loss.normalize_advantage_std, self.config.loss.step_discount)
-        )
+        return self.trainer.compute_logprobs(pad_columns(self._columns(episodes), self.pad_id))
 
     @endpoint
     async def save_checkpoint(self, path: str, written) -> dict:

@@ -70,7 +70,7 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> 
         wait_until_serving=wait_until_serving,
     )
     rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), FakePrompts())
-    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step)))
+    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step, rollouts)))
     return pipeline, rollouts
 
 
@@ -143,8 +143,8 @@ def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout
     async def train_step_that_hangs(episodes):
         await asyncio.Event().wait()  # never set
 
-    pipeline, _ = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
-    pipeline.actors.trainer = pulling_trainer(train_step_that_hangs)
+    pipeline, rollouts = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=0.5))
+    pipeline.actors.trainer = pulling_trainer(train_step_that_hangs, rollouts)
 
     with pytest.raises(TrainStepTimedOut) as raised:
         run(pipeline, tmp_path)
@@ -206,7 +206,7 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
             await wait_until_async(lambda: rollouts._taken_through >= 2, "step 2's batch taken while step 1 trains")
         return await train_step(episodes)
 
-    pipeline.actors.trainer = pulling_trainer(train_step_that_waits_for_the_next_batch)
+    pipeline.actors.trainer = pulling_trainer(train_step_that_waits_for_the_next_batch, rollouts)
     history, accounting = run(pipeline, tmp_path)
     assert [h[m.STEP] for h in history] == [1, 2, 3]
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
@@ -270,7 +270,7 @@ def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_over_age_t
             await wait_until_async(lambda: 0 not in rollouts.gate.in_flight_versions, "the straggler back")
         return await train_step(episodes)
 
-    pipeline.actors.trainer = pulling_trainer(recording_train_step)
+    pipeline.actors.trainer = pulling_trainer(recording_train_step, rollouts)
     history, accounting = run(pipeline, tmp_path)
 
     assert [h[m.STEP] for h in history] == list(range(1, 9))
@@ -368,7 +368,7 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
     step 2 (followed by a checkpoint) is accounted for."""
     step_when_sent: list[int] = []
 
-    pipeline, _ = make_pipeline()
+    pipeline, rollouts = make_pipeline()
     train_step = pipeline.actors.trainer.train_step.function
 
     async def recording_train_step(episodes):
@@ -379,7 +379,7 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
         def checkpoint_due(self, step: int) -> bool:
             return step == 2
 
-    pipeline.actors.trainer = pulling_trainer(recording_train_step)
+    pipeline.actors.trainer = pulling_trainer(recording_train_step, rollouts)
     logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
     asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, CheckpointAfterStep2()), 30))
     logger.close()
@@ -442,7 +442,7 @@ def make_env_pipeline(tokenizer: PromptTokenizer, config: GRPOConfig = ENV_CONFI
         trained.append((rollouts.gate.next_train_version - 1, episodes))
         return await train_step(episodes)
 
-    pipeline.actors.trainer = pulling_trainer(recording_train_step)
+    pipeline.actors.trainer = pulling_trainer(recording_train_step, rollouts)
     return pipeline, rollouts, policy, trained
 
 
@@ -597,7 +597,7 @@ def test_an_environment_that_raises_or_hangs_errors_its_episodes_which_are_count
 
 
 def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_compute(tmp_path):
-    pipeline, _ = make_pipeline()
+    pipeline, rollouts = make_pipeline()
     versions = iter(range(1, 100))
 
     async def train_step(episodes):  # a FAKE trainer that reports its compute as PolicyTrainer does
@@ -606,7 +606,7 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
         metrics = {"num_tokens": 8, "step_skipped": 0, "policy_version": version, **compute}
         return TrainStepResult(version, skipped=False, weights_dir="/nowhere", metrics=metrics)
 
-    pipeline.actors.trainer = pulling_trainer(train_step)
+    pipeline.actors.trainer = pulling_trainer(train_step, rollouts)
     history, _ = run(pipeline, tmp_path)
 
     assert all(h[m.TRAINER_DATA_WAIT_S] >= 0 and h[m.TRAINER_OVERHEAD_S] >= 0 for h in history)
@@ -653,17 +653,19 @@ def _counted(function, name: str, calls: list[str]):
 
 
 def test_a_batch_crosses_monarchs_pickler_whole_as_one_bytes_object():
-    """NextBatch goes to the trainer as the C pickler's bytes (its `__reduce__`): Monarch's message
-    pickler then meets one object instead of every list and number of every completion."""
+    """PulledBatch goes to the trainer as the C pickler's bytes (its `__reduce__`): Monarch's message
+    pickler then meets one object instead of every column and every kept set of the batch."""
     from monarch._src.actor.pickle import flatten, unflatten
 
-    from forge_rl.rollouts import NextBatch
+    from forge_rl.columns import BatchColumns, batch_columns
+    from forge_rl.trainer_steps import PulledBatch
 
     prompt = Episode(episode_id=7, prompt_text="M37=", answer="7", prompt_token_ids=[1, 2, 3], generator_index=1, admitted_version=4)
     episodes = [dataclasses.replace(prompt, completions=completions_for(prompt, 3, 4))]
     episodes[0].completions[1].status = CompletionStatus.ERRORED
-    batch = NextBatch(train_version=5, episodes=episodes, ready_s=12.5)
+    episodes[0].completions[2].sampling_support = [[5, 6], [2]]
+    batch = PulledBatch(train_version=5, columns=batch_columns(episodes), ready_s=12.5)
     seen = []
     _, buffer = flatten(batch, lambda obj: seen.append(type(obj)) or False)
-    assert seen.count(bytes) == 1 and Episode not in seen and Completion not in seen
+    assert seen.count(bytes) == 1 and BatchColumns not in seen and list not in seen
     assert unflatten(buffer.freeze(), []) == batch

@@ -46,6 +46,7 @@ CORE_MODULES = [
     "forge_rl.recipes",
     "forge_rl.advantages",
     "forge_rl.batching",
+    "forge_rl.columns",
     "forge_rl.losses.policy",
     "forge_rl.losses.corrections",
     "forge_rl.tasks.synthetic",
@@ -177,10 +178,11 @@ TORCH_FREE_PROCESSES = {
     # What parsing a command line imports: a bad flag is refused in well under a second.
     "the CLI validating a config": ["forge_rl.cli", "forge_rl.config"],
     # What a process unpickles to host these actors (their modules, their arguments' classes, the
-    # handles they hold): they pass configs, episodes and calls on, and train or serve nothing.
+    # handles they hold): they pass configs, episodes and calls on, and train or serve nothing; the
+    # rollouts turn each batch into columns for the trainer (forge_rl/columns.py) without torch.
     "the rollouts' process": [
         "forge_rl.actors.rollouts", "forge_rl.config", "forge_rl.actors.generator_pool",
-        "forge_rl.actors.scoring_stage", "forge_rl.store.actors",
+        "forge_rl.actors.scoring_stage", "forge_rl.store.actors", "forge_rl.columns",
     ],
     "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scorers"],
     # The services' process hosts the weight store's index and volume (the volume serves files)
