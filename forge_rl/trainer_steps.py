@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -39,17 +38,6 @@ class PulledBatch:
     ready_s: float
     """When it left the buffer, on the run's timeline (the controller's clock): the end of the
     train loop's data wait."""
-
-    def __reduce__(self):
-        # Sent as one bytes object of the C pickler's. Monarch pickles a message with cloudpickle's
-        # Python-level pickler, which calls a Python `persistent_id` on every object: the columns
-        # are few, but a batch's kept sets and routing records are lists per token.
-        fields = (self.train_version, self.columns, self.ready_s)
-        return (_pulled_batch_from_bytes, (pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL),))
-
-
-def _pulled_batch_from_bytes(data: bytes) -> PulledBatch:
-    return PulledBatch(*pickle.loads(data))
 
 
 @dataclass

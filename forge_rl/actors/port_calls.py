@@ -31,6 +31,8 @@ from typing import Any
 
 from monarch.actor import ActorError, Channel, concurrent_endpoint
 
+from forge_rl.wire import packed
+
 _CONCURRENT_WRAPPER_ATTR = "_monarch_concurrent_endpoint_wrapper"
 """What torchmonarch's `concurrent_endpoint` sets on the function it wraps (monarch/_src/actor/concurrent.py)."""
 
@@ -58,7 +60,7 @@ class PortServed:
             if not isinstance(e, Exception):
                 raise
             return
-        reply_to.send((request, True, value))
+        reply_to.send((request, True, packed(value)))
 
 
 class PortCalls:
@@ -99,7 +101,9 @@ class PortCalls:
         request = next(self._requests)
         answer = self._pending[request] = asyncio.get_running_loop().create_future()
         try:
-            actor.call_on_port.broadcast(self._reply_to, request, name, args, kwargs)
+            # Arguments and answers cross as the C pickler's bytes (forge_rl/wire.py): a prompt or a
+            # scored group is one object to Monarch's Python-level pickler instead of hundreds.
+            actor.call_on_port.broadcast(self._reply_to, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
             return await answer
         finally:
             self._pending.pop(request, None)

@@ -15,6 +15,8 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
 from forge_rl.proc_main import spawn_procs
+from forge_rl.types import Episode
+from tests.fakes import completions_for
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +49,14 @@ class Served(PortServed, Actor):
         if kind == "key":
             raise KeyError("no such row")
         raise Unpicklable()
+
+    @concurrent_endpoint
+    async def echo(self, value, *, times: int = 1):
+        return [value] * times
+
+    @concurrent_endpoint
+    async def apply(self, function, value):
+        return function(value)
 
     @concurrent_endpoint
     async def pid(self) -> int:
@@ -89,6 +99,11 @@ class Caller(Actor):
         except TypeError as e:
             out["plain"] = str(e)
         out["through_handle"] = await PortCalled(served, calls).double.call_one(4)
+        # Episodes cross packed as the C pickler's bytes (forge_rl/wire.py), and so does the answer;
+        # a function, which only cloudpickle pickles, crosses as it always did.
+        out["episodes_sent"] = [Episode(3, "M37=", "7", [1, 2, 3], completions_for(Episode(3, "", "", []), 2, 5))]
+        out["episodes_back"] = await calls.call(served, "echo", out["episodes_sent"], times=2)
+        out["applied"] = await calls.call(served, "apply", lambda x: x + 1, 41)
         out["from_a_thread"] = await asyncio.to_thread(self._blocking_calls, served)
         return out
 
@@ -127,6 +142,11 @@ def test_answers_reach_their_own_requests_whatever_the_order(results):
     assert results["pending_after"] == 0
     assert results["through_handle"] == 8
     assert results["from_a_thread"] == [10, 6, "KeyError"]
+
+
+def test_episodes_and_keywords_cross_and_come_back_whole_and_a_function_crosses_as_before(results):
+    assert results["episodes_back"] == [results["episodes_sent"]] * 2
+    assert results["applied"] == 42
 
 
 def test_an_endpoint_error_comes_back_to_its_caller_with_its_type_and_an_unpicklable_one_as_text(results):

@@ -650,22 +650,3 @@ def _counted(function, name: str, calls: list[str]):
         return await function(*args, **kwargs)
 
     return counted
-
-
-def test_a_batch_crosses_monarchs_pickler_whole_as_one_bytes_object():
-    """PulledBatch goes to the trainer as the C pickler's bytes (its `__reduce__`): Monarch's message
-    pickler then meets one object instead of every column and every kept set of the batch."""
-    from monarch._src.actor.pickle import flatten, unflatten
-
-    from forge_rl.columns import BatchColumns, batch_columns
-    from forge_rl.trainer_steps import PulledBatch
-
-    prompt = Episode(episode_id=7, prompt_text="M37=", answer="7", prompt_token_ids=[1, 2, 3], generator_index=1, admitted_version=4)
-    episodes = [dataclasses.replace(prompt, completions=completions_for(prompt, 3, 4))]
-    episodes[0].completions[1].status = CompletionStatus.ERRORED
-    episodes[0].completions[2].sampling_support = [[5, 6], [2]]
-    batch = PulledBatch(train_version=5, columns=batch_columns(episodes), ready_s=12.5)
-    seen = []
-    _, buffer = flatten(batch, lambda obj: seen.append(type(obj)) or False)
-    assert seen.count(bytes) == 1 and BatchColumns not in seen and list not in seen
-    assert unflatten(buffer.freeze(), []) == batch
