@@ -18,6 +18,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
+from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.prompts import PromptSource
 from forge_rl.rollouts import RolloutActors, Rollouts
@@ -51,6 +52,11 @@ class RolloutsActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:
+        # The process's startup objects (Monarch, the tokenizer, the configs) out of the collector's
+        # full scans before the loops start, as in the trainer (forge_rl/gc_freeze.py): at 128
+        # generators a full collection took 150-170 ms of this loop, 93 ms after the freeze (one
+        # `bench scale` run each, with gc.callbacks; the 2 cores shared by 130 processes).
+        freeze_startup_objects()
         self.rollouts.start(None if timeline_path is None else Path(timeline_path), origin_unix_time)
 
     @concurrent_endpoint
