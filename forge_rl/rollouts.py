@@ -204,9 +204,9 @@ class Rollouts:
         if batch is None:
             return None
         loss = self.config.trainer.loss
-        # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which would
-        # hold every rollout loop's event for as long; a thread gives the loop its turn every 5 ms
-        # (the GIL's switch interval). The episodes left the buffer: nothing else touches them now.
+        # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which on this
+        # event loop would hold up every rollout loop for as long; a thread lets the loop run every
+        # 5 ms (the GIL's switch interval). The episodes left the buffer: nothing writes them now.
         columns = await asyncio.to_thread(batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount)
         return PulledBatch(batch.train_version, columns, batch.ready_s)
 
