@@ -3,11 +3,13 @@ what the rollouts send the trainer, and what the trainer makes of it."""
 
 import pickle
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge_rl.batching import make_train_batch, pad_columns
+from forge_rl.advantages import token_advantages
 from forge_rl.columns import batch_columns, exact_versions
 from forge_rl.types import Completion, CompletionStatus, Episode
 
@@ -71,6 +73,25 @@ def test_exact_versions_whether_walked_or_taken_whole_follow_the_definition(toke
         list(range(len(tokens))), [0.0] * len(tokens), versions, generated=None if all_generated else generated
     )
     assert exact_versions(completion) == reference_exact_versions(versions, generated)
+    if tokens:  # the batch's column, which takes a one-turn completion whole when it can
+        columns = batch_columns([episode(0, [], [completion])])
+        assert list(columns.exact_versions) == reference_exact_versions(versions, generated)
+
+
+def test_a_completions_advantage_column_is_its_token_advantages_with_and_without_step_rewards():
+    plain = [Completion([5, 6], [-0.5] * 2, [1, 1], reward=float(i % 2)) for i in range(3)]
+    plain[2].status = CompletionStatus.ERRORED
+    stepped = [
+        Completion([5, 6, 7], [-0.5] * 3, [1] * 3, reward=float(i), step_ends=[1, 3], step_rewards=[0.5 * i, 1.0 - i])
+        for i in range(2)
+    ]
+    for completions in (plain, stepped):
+        group = episode(0, [1], completions)
+        for normalize_std in (True, False):
+            # Each row: the one-token prompt's 0, then the completion's per-token advantages.
+            expected = [value for per_token in token_advantages(group, normalize_std, 0.5) for value in [0.0, *per_token]]
+            got = list(batch_columns([group], normalize_std, 0.5).advantages)
+            assert got == pytest.approx(expected, abs=1e-6)
 
 
 def test_make_train_batch_is_the_columns_padded():
