@@ -113,6 +113,8 @@ class Pipeline:
         self.batches_out = 0
         """Batches taken from the buffer whose steps are not yet accounted for (two while the next
         step's batch is sent ahead)."""
+        self._rollouts_sent = False
+        """Whether a `train_next_step` went with the rollouts' handle (the first one does)."""
         self._last_replied_s: float | None = None
         """When the previous step's reply arrived (the timeline's clock); None before the first."""
         self.timeline = Timeline()
@@ -192,8 +194,10 @@ class Pipeline:
         batch's last episode is one message from the trainer. Sent ahead, while the step before
         trains; the rollouts' `batch_taken` says when the batch has left the buffer."""
         actors, timeline = self.actors, self.timeline
+        # The rollouts' handle goes with the first step only; the trainer keeps it (BatchPrefetch).
+        rollouts, self._rollouts_sent = (None if self._rollouts_sent else actors.rollouts), True
         reply = asyncio.ensure_future(
-            actors.trainer.train_next_step.call(step, actors.rollouts, self.config.trainer.num_procs, prefetch_next)
+            actors.trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next)
         )
         taken = asyncio.ensure_future(actors.rollouts.batch_taken.call_one(step))
         self.batches_out += 1  # until the step is accounted for

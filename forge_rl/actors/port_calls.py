@@ -10,6 +10,13 @@ caller and 8 B in the callee (`--mode port_calls`). So the caller opens one port
 `call_on_port` endpoint (`PortServed`), and one reader task hands each answer to its request's
 future.
 
+The port itself crosses as bytes pickled once, when the caller opens it, and the callee unpickles
+each caller's port once (`PortServed._reply_port`): a Monarch `Port` pickles by value (its
+`__reduce__` returns a nested function, which cloudpickle sends with its code object), about
+1.6 KB and 0.3-0.9 ms of pickling each time on this machine, against about 12 us for the rest of
+a step's call (2026-11-28, docs/benchmarks.md, "A reply port pickled once"). A caller makes
+hundreds of calls a step at 128 generators.
+
 What changes for the caller, and what does not:
 - An endpoint's error comes back as Monarch's ActorError around it, as with `call_one`
   (`forge_rl.errors.raised_by_actor` unwraps both the same way).
@@ -29,7 +36,8 @@ import itertools
 import threading
 from typing import Any
 
-from monarch.actor import ActorError, Channel, concurrent_endpoint
+import cloudpickle
+from monarch.actor import ActorError, Channel, Port, concurrent_endpoint
 
 from forge_rl.wire import packed
 
@@ -47,7 +55,8 @@ class PortServed:
     """Mix into an Actor whose concurrent endpoints `PortCalls` may call."""
 
     @concurrent_endpoint
-    async def call_on_port(self, reply_to, request: int, name: str, args: tuple, kwargs: dict) -> None:
+    async def call_on_port(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
+        reply_to = self._reply_port(caller_port)
         try:
             body = getattr(type(self), name)._method.__wrapped__  # the endpoint's own function (functools.wraps)
             value = await body(self, *args, **kwargs)
@@ -62,6 +71,15 @@ class PortServed:
             return
         reply_to.send((request, True, packed(value)))
 
+    def _reply_port(self, caller_port: bytes) -> Port:
+        """The port a caller's bytes name, unpickled at its first call (in this actor's context,
+        where a port it sends on must be made) and kept: a few callers, each with one port."""
+        ports: dict[bytes, Port] = self.__dict__.setdefault("_forge_rl_reply_ports", {})
+        port = ports.get(caller_port)
+        if port is None:
+            port = ports[caller_port] = cloudpickle.loads(caller_port)
+        return port
+
 
 class PortCalls:
     """The caller's side: `await calls.call(actor, "generate", *args)` is
@@ -72,6 +90,8 @@ class PortCalls:
 
     def __init__(self) -> None:
         self._reply_to = self._receiver = None
+        self._reply_to_pickled = b""
+        """The port as the callees get it: pickled once, when it opens."""
         self._pending: dict[int, asyncio.Future] = {}
         self._requests = itertools.count()
         self._reader: asyncio.Task | None = None
@@ -93,6 +113,7 @@ class PortCalls:
             raise ValueError(f"PortCalls calls one actor; {actor_class.__name__}'s mesh has {actor.size()}: slice it")
         if self._reader is None:
             self._reply_to, self._receiver = Channel.open()
+            self._reply_to_pickled = cloudpickle.dumps(self._reply_to)
             self._reader = asyncio.ensure_future(self._read())
             self._reader.add_done_callback(self._reader_ended)
             # The reader waits for as long as its event loop runs: pending when a process exits is
@@ -103,7 +124,7 @@ class PortCalls:
         try:
             # Arguments and answers cross as the C pickler's bytes (forge_rl/wire.py): a prompt or a
             # scored group is one object to Monarch's Python-level pickler instead of hundreds.
-            actor.call_on_port.broadcast(self._reply_to, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
+            actor.call_on_port.broadcast(self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
             return await answer
         finally:
             self._pending.pop(request, None)

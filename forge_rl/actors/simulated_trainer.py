@@ -40,7 +40,7 @@ class SimulatedTrainerActor(Actor):
     @endpoint  # as the TrainerActor's
     async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         return await train_pulled_batch_in_turn(
-            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
+            self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
     async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:

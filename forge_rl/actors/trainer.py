@@ -99,9 +99,10 @@ class TrainerActor(Actor):
         RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
         `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
         `prefetch_next`: the train loop sends step + 1 next, so its batch is asked for as soon as
-        this one's is in hand. None if a stop withheld the batch."""
+        this one's is in hand. `rollouts` comes with the loop's first step only, None after
+        (BatchPrefetch keeps it). None if a stop withheld the batch."""
         return await train_pulled_batch_in_turn(
-            self._turns, step, PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
+            self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
     async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:

@@ -62,6 +62,16 @@ class Served(PortServed, Actor):
     async def pid(self) -> int:
         return os.getpid()
 
+    @concurrent_endpoint
+    async def num_reply_ports(self) -> int:
+        return len(self._forge_rl_reply_ports)
+
+    @endpoint
+    async def handle_arrived(self, handle) -> tuple[str, bool]:
+        """(What a PortCalled arrived as, whether it is the object an earlier message brought.)"""
+        first = self.__dict__.setdefault("_first_handle", handle)
+        return type(handle).__name__, handle is first
+
     @endpoint
     async def plain(self) -> int:
         return 1
@@ -105,6 +115,9 @@ class Caller(Actor):
         out["episodes_back"] = await calls.call(served, "echo", out["episodes_sent"], times=2)
         out["applied"] = await calls.call(served, "apply", lambda x: x + 1, 41)
         out["from_a_thread"] = await asyncio.to_thread(self._blocking_calls, served)
+        out["reply_ports_held"] = await calls.call(served, "num_reply_ports")
+        ported = PortCalled(served, calls)
+        out["handle_arrived"] = [await served.handle_arrived.call_one(ported) for _ in range(3)]
         return out
 
     @staticmethod
@@ -142,6 +155,16 @@ def test_answers_reach_their_own_requests_whatever_the_order(results):
     assert results["pending_after"] == 0
     assert results["through_handle"] == 8
     assert results["from_a_thread"] == [10, 6, "KeyError"]
+
+
+def test_the_callee_unpickles_each_callers_port_once(results):
+    # About thirty calls from two callers (this actor's PortCalls and a BlockingPortCalls' own
+    # port): each port crossed as bytes pickled once, and the callee made a Port of them once.
+    assert results["reply_ports_held"] == 2
+
+
+def test_a_port_called_handle_arrives_as_the_handle_unpickled_once(results):
+    assert results["handle_arrived"] == [("ActorMesh", True)] * 3
 
 
 def test_episodes_and_keywords_cross_and_come_back_whole_and_a_function_crosses_as_before(results):

@@ -21,7 +21,7 @@ from forge_rl.loop import Pipeline, RunActors
 from forge_rl.metrics import MetricsLogger
 from forge_rl.rollouts import RolloutActors, Rollouts
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
-from forge_rl.trainer_steps import TrainStepResult
+from forge_rl.trainer_steps import BatchPrefetch, TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
     FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer,
@@ -642,6 +642,26 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
     per_step_by_the_trainer = ["rollouts.batch_for_trainer"]  # its one rank takes the batch itself
     assert sorted(calls) == sorted(per_run + (per_step + per_step_by_the_trainer) * config.steps)
     assert rollouts.calls["generators.generate"] >= config.steps * prompts_per_step  # the rollouts' own
+
+
+def test_the_rollouts_handle_goes_to_the_trainer_with_the_first_step_only(tmp_path):
+    """A mesh handle pickles by value (3.4 KB): the trainer keeps the first step's (BatchPrefetch),
+    and a step that came without one before any did is refused, naming the cause."""
+    pipeline, _ = make_pipeline()
+    handles = []
+    train_next_step = pipeline.actors.trainer.train_next_step.function
+
+    async def recorded(step, rollouts_handle, *rest):
+        handles.append(rollouts_handle)
+        return await train_next_step(step, rollouts_handle, *rest)
+
+    pipeline.actors.trainer.train_next_step = FakeEndpoint(recorded)
+    history, _ = run(pipeline, tmp_path)
+
+    assert len(history) == len(handles) == CONFIG.steps
+    assert handles[0] is pipeline.actors.rollouts and handles[1:] == [None] * (CONFIG.steps - 1)
+    with pytest.raises(RuntimeError, match="step 3 came without the rollouts.*first step it sends"):
+        BatchPrefetch().take(3, None, 1)
 
 
 def _counted(function, name: str, calls: list[str]):
