@@ -10,6 +10,7 @@ was trained: a run of a million prompts costs a megabyte. The counts survive a r
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from forge_rl.types import Episode
@@ -44,6 +45,24 @@ class PromptAccounting:
 
     def trained_ids(self) -> list[int]:
         return [index for index, count in enumerate(self._times_trained) if count]
+
+    def untrained_ids(self, below: int) -> Iterator[int]:
+        """Prompt indices below `below` never trained, ascending: the zeros of the one-byte-a-prompt
+        tally, found by C scans (a few in flight among a long run's many thousands trained)."""
+        counts, end = self._times_trained, min(below, len(self._times_trained))
+        index = counts.find(0, 0, end)
+        while index != -1:
+            yield index
+            index = counts.find(0, index + 1, end)
+        yield from range(end, below)  # past the tally's end: none trained yet
+
+    def unsettled_ids(self, below: int, settled_elsewhere: Iterable[int]) -> list[int]:
+        """Prompt indices below `below` neither trained, skipped, filtered nor in
+        `settled_elsewhere` (dropped by the buffer, or held in a checkpoint's buffer): what a
+        resume hands out again (forge_rl/checkpoint.py). Made where the accounting is, so a
+        checkpoint sends no list of every settled prompt across processes."""
+        settled = {*self.skipped_ids, *self.filtered_ids, *settled_elsewhere}
+        return [index for index in self.untrained_ids(below) if index not in settled]
 
     def summary(self, num_dropped: int) -> dict:
         """Counts that add up: handed_out = trained + dropped + skipped_nonfinite +

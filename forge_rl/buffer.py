@@ -118,8 +118,10 @@ class CompletionTally:
     completion_lengths: dict[int, int] = field(default_factory=dict)
     """Histogram (length -> completions) of the completions counted in `completions`; bounded by
     generator.max_new_tokens, so a long run's memory does not grow with it."""
-    episode_ids: list[int] = field(default_factory=list)
-    """Id of each episode counted in `episodes`."""
+    episode_ids: list[int] | None = field(default_factory=list)
+    """Id of each episode counted in `episodes`; None where they are not kept (the trained tally:
+    the prompts' accounting holds which were trained at a byte a prompt, where this list would
+    grow by a Python int an episode for the whole run and cross to every checkpoint)."""
 
     def length_metrics(self, prefix: str) -> dict[str, float]:
         """Mean, median, 90th percentile and max completion length, names starting with `prefix`."""
@@ -149,7 +151,8 @@ class CompletionTally:
     def count_episode(self, episode: Episode) -> None:
         """The episode and each of its completions that has trainable tokens."""
         self.episodes += 1
-        self.episode_ids.append(episode.episode_id)
+        if self.episode_ids is not None:
+            self.episode_ids.append(episode.episode_id)
         for completion in episode.completions:
             if completion.num_trainable_tokens:
                 self.count_completion(completion, completion.num_trainable_tokens)
@@ -166,7 +169,7 @@ class ReplayBuffer:
         of them is within the age bound, `evict_stale` needs no pass over the held tokens."""
         self.dropped = CompletionTally()
         """Lost to the age bound."""
-        self.trained = CompletionTally()
+        self.trained = CompletionTally(episode_ids=None)
         """Handed to the trainer by `sample`."""
 
     def __len__(self) -> int:
@@ -279,7 +282,7 @@ class ReplayBuffer:
             )
         self._held(episodes)
         self.dropped = _tally_from_dict(state["dropped"])
-        self.trained = _tally_from_dict(state["trained"])
+        self.trained = dataclasses.replace(_tally_from_dict(state["trained"]), episode_ids=None)  # an older checkpoint kept them
 
     def _apply_age_bound(self, episode: Episode, trainer_version: int) -> Episode | None:
         """`episode` with no trainable token older than max_policy_age, or None if it is dropped;

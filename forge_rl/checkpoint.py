@@ -17,10 +17,11 @@
 A checkpoint is taken between two optimizer steps, while generation goes on. Prompts that were
 handed out but not yet trained at that moment (being generated, scored, or waiting in the buffer)
 are re-issued after a resume, so none is skipped, and the prompts already trained are not trained
-again: `prompts_to_reissue` lists every prompt index below the dataset cursor that is not settled
-(trained, dropped as stale, skipped for a non-finite step, or restored with the buffer), and the
-dataset hands those out again before any new one. Prompt i depends only on (task, seed, i)
-(forge_rl/tasks/synthetic.py), so a re-issued prompt is the same prompt.
+again: the rollouts' process lists every prompt index below the dataset cursor that is not settled
+(trained, dropped as stale, skipped for a non-finite step, or restored with the buffer;
+forge_rl/accounting.py `unsettled_ids`), and the dataset hands those out again before any new
+one. Prompt i depends only on (task, seed, i) (forge_rl/tasks/synthetic.py), so a re-issued prompt
+is the same prompt.
 
 What is not restored: vLLM's sampler state (a fresh engine starts from `generator.seed` again) and
 the exact interleaving of asynchronous generation, so completions after a resume differ from those
@@ -39,7 +40,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_DIR = "trainer"
@@ -104,12 +105,6 @@ class ControllerState:
     @classmethod
     def from_json(cls, text: str) -> ControllerState:
         return cls(**json.loads(text))
-
-
-def prompts_to_reissue(dataset_cursor: int, settled: Iterable[int]) -> list[int]:
-    """Indices below `dataset_cursor` that are not in `settled`, in order: what a resume hands out again."""
-    settled = set(settled)
-    return [index for index in range(dataset_cursor) if index not in settled]
 
 
 def checkpoints_root(run_path: Path) -> Path:

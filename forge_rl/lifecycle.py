@@ -35,7 +35,6 @@ from forge_rl.checkpoint import (
     capture_rng_state,
     commit_checkpoint,
     complete_checkpoints,
-    prompts_to_reissue,
     prune_checkpoints,
     read_controller_state,
     restore_rng_state,
@@ -297,12 +296,11 @@ class Lifecycle:
         saved = rank_zero(saved)
         for name, part in actors.checkpointed.items():
             await part.save_checkpoint(partial / name)
-        cursor = rollouts["prompts"]["cursor"]
         controller = ControllerState(
             step=pipeline.step,
             policy_version=saved["policy_version"],
-            dataset_cursor=cursor,
-            reissue=prompts_to_reissue(cursor, rollouts["settled"]),
+            dataset_cursor=rollouts["prompts"]["cursor"],
+            reissue=rollouts["reissue"],
             accounting=rollouts["accounting"],
             buffer=rollouts["buffer"],
             num_generated_tokens=rollouts["num_generated_tokens"],

@@ -308,17 +308,15 @@ class Rollouts:
         the prompts' cursor, so every prompt in the buffer's snapshot is below that cursor; one
         handed out after the read is above it and is simply handed out again."""
         buffer = self.buffer.buffer.state_dict(include_episodes)
+        prompts = self.prompts.state()
         return {
             "buffer": buffer,
-            "prompts": self.prompts.state(),
+            "prompts": prompts,
             "accounting": self.accounting.state_dict(),
-            "settled": [
-                *self.accounting.trained_ids(),
-                *self.accounting.skipped_ids,
-                *self.accounting.filtered_ids,
-                *buffer["dropped"]["episode_ids"],
-                *(episode["episode_id"] for episode in buffer["episodes"]),
-            ],
+            "reissue": self.accounting.unsettled_ids(
+                prompts["cursor"],
+                [*buffer["dropped"]["episode_ids"], *(episode["episode_id"] for episode in buffer["episodes"])],
+            ),
             "num_generated_tokens": self.num_generated_tokens,
         }
 

@@ -6,6 +6,8 @@ import random
 import pytest
 import torch
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from forge_rl.accounting import PromptAccounting
 from forge_rl.buffer import BufferConfig, ReplayBuffer
@@ -19,7 +21,6 @@ from forge_rl.checkpoint import (
     commit_checkpoint,
     complete_checkpoints,
     newest_complete_checkpoint,
-    prompts_to_reissue,
     prune_checkpoints,
     read_controller_state,
     restore_rng_state,
@@ -142,17 +143,35 @@ def test_checkpointing_a_step_again_replaces_its_checkpoint(tmp_path):
 
 
 def test_prompts_not_settled_at_the_checkpoint_are_reissued_in_order():
-    # 0-9 handed out: 0-3 trained, 5 dropped, 8 in the saved buffer; 4, 6, 7, 9 were in flight.
-    assert prompts_to_reissue(10, [0, 1, 2, 3, 5, 8]) == [4, 6, 7, 9]
-    assert prompts_to_reissue(3, [0, 1, 2]) == []
+    # 0-11 handed out: 0-3 and 10 trained, 11 skipped, 5 dropped, 8 in the saved buffer; 4, 6, 7, 9
+    # were in flight. The tally ends at 10, the last trained: 11 is settled past it, 12 never handed out.
+    accounting = PromptAccounting(handed_out=12)
+    accounting.count_trained([make_episode(i) for i in (0, 1, 2, 3, 10)])
+    accounting.count_skipped([make_episode(11)])
+    assert accounting.unsettled_ids(12, settled_elsewhere=[5, 8]) == [4, 6, 7, 9]
+    assert accounting.unsettled_ids(3, settled_elsewhere=[]) == []
+    assert accounting.unsettled_ids(14, settled_elsewhere=[]) == [4, 5, 6, 7, 8, 9, 12, 13]
+
+
+@given(
+    trained=st.sets(st.integers(0, 300)), skipped=st.sets(st.integers(0, 300)),
+    elsewhere=st.sets(st.integers(0, 300)), cursor=st.integers(0, 320),
+)
+def test_unsettled_ids_are_the_definition(trained, skipped, elsewhere, cursor):
+    """The C scans of the tally against the definition: every index below the cursor that is in
+    no settled set, ascending."""
+    accounting = PromptAccounting(handed_out=cursor)
+    accounting.count_trained([make_episode(i) for i in sorted(trained)])
+    accounting.count_skipped([make_episode(i) for i in sorted(skipped)])
+    expected = [i for i in range(cursor) if i not in trained | skipped | elsewhere]
+    assert accounting.unsettled_ids(cursor, elsewhere) == expected
 
 
 def test_accounting_continues_across_a_resume():
     accounting = PromptAccounting(handed_out=6)
     accounting.count_trained([make_episode(0), make_episode(1), make_episode(2)])
     accounting.count_skipped([make_episode(3)])
-    settled = [*accounting.trained_ids(), *accounting.skipped_ids]
-    reissue = prompts_to_reissue(6, settled)
+    reissue = accounting.unsettled_ids(6, settled_elsewhere=[])
     assert reissue == [4, 5]
     resumed = PromptAccounting.from_state_dict(accounting.state_dict(), handed_out=6 - len(reissue))
     resumed.handed_out += 2  # the two re-issued prompts
