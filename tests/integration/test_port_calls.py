@@ -67,10 +67,9 @@ class Served(PortServed, Actor):
         return len(self._forge_rl_reply_ports)
 
     @endpoint
-    async def handle_arrived(self, handle) -> tuple[str, bool]:
-        """(What a PortCalled arrived as, whether it is the object an earlier message brought.)"""
-        first = self.__dict__.setdefault("_first_handle", handle)
-        return type(handle).__name__, handle is first
+    async def handle_arrived(self, handle) -> str:
+        """What a PortCalled arrived as."""
+        return type(handle).__name__
 
     @endpoint
     async def plain(self) -> int:
@@ -116,8 +115,7 @@ class Caller(Actor):
         out["applied"] = await calls.call(served, "apply", lambda x: x + 1, 41)
         out["from_a_thread"] = await asyncio.to_thread(self._blocking_calls, served)
         out["reply_ports_held"] = await calls.call(served, "num_reply_ports")
-        ported = PortCalled(served, calls)
-        out["handle_arrived"] = [await served.handle_arrived.call_one(ported) for _ in range(3)]
+        out["handle_arrived"] = await served.handle_arrived.call_one(PortCalled(served, calls))
         return out
 
     @staticmethod
@@ -163,8 +161,11 @@ def test_the_callee_unpickles_each_callers_port_once(results):
     assert results["reply_ports_held"] == 2
 
 
-def test_a_port_called_handle_arrives_as_the_handle_unpickled_once(results):
-    assert results["handle_arrived"] == [("ActorMesh", True)] * 3
+def test_a_port_called_handle_arrives_as_the_handle_itself(results):
+    # Not unpickled once per process: a handle's bytes pickled inside Monarch's message pickler may
+    # hold a mesh-reference slot that only that message fills (docs/benchmarks.md, "A reply port
+    # and the rollouts' handle pickled once"). The train loop sends the rollouts' handle once instead.
+    assert results["handle_arrived"] == "ActorMesh"
 
 
 def test_episodes_and_keywords_cross_and_come_back_whole_and_a_function_crosses_as_before(results):
