@@ -43,9 +43,6 @@ class PromptAccounting:
     def count_filtered(self, episodes: list[Episode]) -> None:
         self.filtered_ids.extend(episode.episode_id for episode in episodes)
 
-    def trained_ids(self) -> list[int]:
-        return [index for index, count in enumerate(self._times_trained) if count]
-
     def untrained_ids(self, below: int) -> Iterator[int]:
         """Prompt indices below `below` never trained, ascending: the zeros of the one-byte-a-prompt
         tally, found by C scans (a few in flight among a long run's many thousands trained)."""

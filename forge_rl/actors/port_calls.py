@@ -14,7 +14,7 @@ The port itself crosses as bytes pickled once, when the caller opens it, and the
 each caller's port once (`PortServed._reply_port`): a Monarch `Port` pickles by value (its
 `__reduce__` returns a nested function, which cloudpickle sends with its code object), about
 1.6 KB and 0.3-0.9 ms of pickling each time on this machine, against about 12 us for the rest of
-a step's call (2026-11-28, docs/benchmarks.md, "A reply port pickled once"). A caller makes
+a step's call (2026-11-28, docs/benchmarks.md, "A reply port and the rollouts' handle pickled once"). A caller makes
 hundreds of calls a step at 128 generators.
 
 What changes for the caller, and what does not:
