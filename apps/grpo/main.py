@@ -72,10 +72,12 @@ async def run(config: GRPOConfig) -> dict:
             progress("starting vLLM engine(s) and trainer (engine start takes about 20 s on a CPU)")
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
+        every_step_calls = PortCalls()
         pipeline = Pipeline(config, RunActors(
-            # The rollouts' calls made every step are answered on one port (forge_rl/actors/port_calls.py).
-            rollouts=PortCalled(actors.rollouts, PortCalls(), only=("batch_taken", "step_done")),
-            trainer=actors.trainer, after_publish=actors.scoring.after_publish,
+            # The calls made every step are answered on one port (forge_rl/actors/port_calls.py).
+            rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
+            trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
+            after_publish=actors.scoring.after_publish,
             generators=actors.generators, checkpointed=actors.scoring.checkpointed,
         ))
         await lifecycle.resume(pipeline)

@@ -24,8 +24,12 @@ What changes for the caller, and what does not:
   generator pool's watchdog and `__supervise__` do, and the scorer supervisors'), bound the call
   with a timeout (`within`), or own a callee that lives as long as the run (a dead one then ends
   the run through Monarch's fault hook). `call_one` raises a SupervisionError instead.
-- Only concurrent endpoints can be called this way (`call_on_port` is one: a plain endpoint's
-  one-message-at-a-time order would not hold).
+- A concurrent endpoint is served by `call_on_port` (itself concurrent), a plain one by
+  `call_on_port_in_turn` (itself plain: one message at a time, in turn with the actor's other plain
+  endpoints, as a plain endpoint's own calls are).
+- `call_each` calls every actor of a mesh with one message (the trainer's ranks, each step) and
+  gathers their answers in rank order; the first error fails the call at once (the other ranks
+  may be waiting for the failed one in a collective).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import threading
 from typing import Any
 
 import cloudpickle
-from monarch.actor import ActorError, Channel, Port, concurrent_endpoint
+from monarch.actor import ActorError, Channel, Port, concurrent_endpoint, context, endpoint
 
 from forge_rl.wire import packed
 
@@ -52,24 +56,44 @@ def is_concurrent_endpoint(actor_class: type, name: str) -> bool:
 
 
 class PortServed:
-    """Mix into an Actor whose concurrent endpoints `PortCalls` may call."""
+    """Mix into an Actor whose endpoints `PortCalls` may call."""
 
     @concurrent_endpoint
     async def call_on_port(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
+        """A concurrent endpoint's call, answered on the caller's port."""
+        await self._answer_on_port(caller_port, request, name, args, kwargs)
+
+    @endpoint
+    async def call_on_port_in_turn(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
+        """A plain endpoint's call, answered on the caller's port: one at a time, in turn with the
+        actor's other plain endpoints."""
+        await self._answer_on_port(caller_port, request, name, args, kwargs)
+
+    async def _answer_on_port(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
         reply_to = self._reply_port(caller_port)
+        rank = self._forge_rl_rank()
         try:
-            body = getattr(type(self), name)._method.__wrapped__  # the endpoint's own function (functools.wraps)
+            method = getattr(type(self), name)._method
+            # The endpoint's own function: a concurrent endpoint's wraps it (functools.wraps).
+            body = getattr(method, "__wrapped__", method)
             value = await body(self, *args, **kwargs)
         except BaseException as e:  # noqa: B036 -- every outcome is the caller's, a stop's cancellation too
             failed = f"Actor call {type(self).__name__}.{name} failed."
             try:
-                reply_to.send((request, False, ActorError(e, failed)))
+                reply_to.send((request, False, ActorError(e, failed), rank))
             except Exception as unsendable:  # the error does not pickle: its text does
-                reply_to.send((request, False, ActorError(RuntimeError(f"{e!r} (as sent: {unsendable})"), failed)))
+                reply_to.send((request, False, ActorError(RuntimeError(f"{e!r} (as sent: {unsendable})"), failed), rank))
             if not isinstance(e, Exception):
                 raise
             return
-        reply_to.send((request, True, packed(value)))
+        reply_to.send((request, True, packed(value), rank))
+
+    def _forge_rl_rank(self) -> int:
+        """This actor's rank in its mesh (the order `PortCalls.call_each` answers in), looked up once."""
+        rank = self.__dict__.get("_forge_rl_mesh_rank")
+        if rank is None:
+            rank = self.__dict__["_forge_rl_mesh_rank"] = context().actor_instance.rank.rank
+        return rank
 
     def _reply_port(self, caller_port: bytes) -> Port:
         """The port a caller's bytes name, unpickled at its first call (in this actor's context,
@@ -81,18 +105,28 @@ class PortServed:
         return port
 
 
+class _Answers:
+    """What a request waits for: the answers of `expected` actors, by rank."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.by_rank: dict[int, Any] = {}
+        self.future = asyncio.get_running_loop().create_future()
+
+
 class PortCalls:
     """The caller's side: `await calls.call(actor, "generate", *args)` is
-    `await actor.generate.call_one(*args)` answered on this caller's one port. The port is opened
-    at the first call, in the event loop (the actor) that makes the calls; its reader runs there.
-    A handle that is not a Monarch actor mesh (an in-process stand-in, as unit tests pass) is
-    called as it is, with `call_one`."""
+    `await actor.generate.call_one(*args)` answered on this caller's one port, and
+    `await calls.call_each(mesh, "train_next_step", *args)` is `await mesh.train_next_step.call(*args)`
+    (the answers in rank order, a list). The port is opened at the first call, in the event loop
+    (the actor) that makes the calls; its reader runs there. A handle that is not a Monarch actor
+    mesh (an in-process stand-in, as unit tests pass) is called as it is, with `call_one` / `call`."""
 
     def __init__(self) -> None:
         self._reply_to = self._receiver = None
         self._reply_to_pickled = b""
         """The port as the callees get it: pickled once, when it opens."""
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, _Answers] = {}
         self._requests = itertools.count()
         self._reader: asyncio.Task | None = None
 
@@ -100,17 +134,25 @@ class PortCalls:
         return (PortCalls, ())  # a copy in another process opens a port of its own
 
     async def call(self, actor, name: str, *args, **kwargs) -> Any:
-        actor_class = getattr(actor, "_class", None)  # a Monarch actor mesh's class
-        if actor_class is None:
+        if getattr(actor, "_class", None) is None:  # not a Monarch actor mesh
             return await getattr(actor, name).call_one(*args, **kwargs)
-        if not (issubclass(actor_class, PortServed) and is_concurrent_endpoint(actor_class, name)):
-            raise TypeError(
-                f"{actor_class.__name__}.{name} is not a concurrent endpoint of a PortServed actor, so PortCalls "
-                "cannot call it: mix PortServed into the actor and declare the endpoint @concurrent_endpoint, or "
-                "call it with call_one"
-            )
         if actor.size() != 1:
-            raise ValueError(f"PortCalls calls one actor; {actor_class.__name__}'s mesh has {actor.size()}: slice it")
+            raise ValueError(f"PortCalls.call calls one actor; {actor._class.__name__}'s mesh has {actor.size()}: slice it, or use call_each")
+        return (await self._answered(actor, name, args, kwargs))[0]
+
+    async def call_each(self, mesh, name: str, *args, **kwargs) -> list:
+        """Every actor of `mesh` runs endpoint `name` on one message; their answers in rank order."""
+        if getattr(mesh, "_class", None) is None:  # not a Monarch actor mesh
+            return [value for _, value in (await getattr(mesh, name).call(*args, **kwargs)).items()]
+        return await self._answered(mesh, name, args, kwargs)
+
+    async def _answered(self, mesh, name: str, args: tuple, kwargs: dict) -> list:
+        actor_class = mesh._class
+        if not (issubclass(actor_class, PortServed) and callable(getattr(getattr(actor_class, name, None), "_method", None))):
+            raise TypeError(
+                f"{actor_class.__name__}.{name} is not an endpoint of a PortServed actor, so PortCalls cannot call it: "
+                "mix PortServed into the actor, or call the endpoint with call_one / call"
+            )
         if self._reader is None:
             self._reply_to, self._receiver = Channel.open()
             self._reply_to_pickled = cloudpickle.dumps(self._reply_to)
@@ -120,12 +162,13 @@ class PortCalls:
             # its normal end (BlockingPortCalls' loop never stops), not a task someone forgot.
             self._reader._log_destroy_pending = False
         request = next(self._requests)
-        answer = self._pending[request] = asyncio.get_running_loop().create_future()
+        answers = self._pending[request] = _Answers(mesh.size())
+        served_by = mesh.call_on_port if is_concurrent_endpoint(actor_class, name) else mesh.call_on_port_in_turn
         try:
             # Arguments and answers cross as the C pickler's bytes (forge_rl/wire.py): a prompt or a
             # scored group is one object to Monarch's Python-level pickler instead of hundreds.
-            actor.call_on_port.broadcast(self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
-            return await answer
+            served_by.broadcast(self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
+            return await answers.future
         finally:
             self._pending.pop(request, None)
 
@@ -135,27 +178,29 @@ class PortCalls:
 
     async def _read(self) -> None:
         while True:
-            request, returned, value = await self._receiver.recv()
-            answer = self._pending.get(request)
-            if answer is None or answer.done():
-                continue  # its caller gave up (a timeout, a cancel): the answer has no one to go to
-            if returned:
-                answer.set_result(value)
-            else:
-                answer.set_exception(value)
+            request, returned, value, rank = await self._receiver.recv()
+            answers = self._pending.get(request)
+            if answers is None or answers.future.done():
+                continue  # its caller gave up (a timeout, a cancel) or an actor failed: no one to go to
+            if not returned:
+                answers.future.set_exception(value)
+                continue
+            answers.by_rank[rank] = value
+            if len(answers.by_rank) == answers.expected:
+                answers.future.set_result([answers.by_rank[r] for r in sorted(answers.by_rank)])
 
     def _reader_ended(self, reader: asyncio.Task) -> None:
         """The port failed (or its actor is stopping): every call waiting fails with the cause, and
         the next call opens a new port."""
         self._reader = None
         error = None if reader.cancelled() else reader.exception()
-        for answer in self._pending.values():
-            if answer.done():
+        for answers in self._pending.values():
+            if answers.future.done():
                 continue
             if error is None:
-                answer.cancel()
+                answers.future.cancel()
             else:
-                answer.set_exception(RuntimeError(f"the reply port stopped: {error!r}"))
+                answers.future.set_exception(RuntimeError(f"the reply port stopped: {error!r}"))
 
 
 class BlockingPortCalls:
@@ -213,3 +258,8 @@ class _PortEndpoint:
 
     async def call_one(self, *args, **kwargs) -> Any:
         return await self._calls.call(self._actor, self._name, *args, **kwargs)
+
+    async def call(self, *args, **kwargs) -> list:
+        """Every actor of the mesh: their answers in rank order (a list, where Monarch's `call`
+        gives a ValueMesh; forge_rl/replies.py `rank_zero` reads both)."""
+        return await self._calls.call_each(self._actor, self._name, *args, **kwargs)

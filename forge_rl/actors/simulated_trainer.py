@@ -16,7 +16,7 @@ import time
 from monarch.actor import Actor, endpoint
 
 from forge_rl import metrics as m
-from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.columns import BatchColumns, batch_columns
 from forge_rl.errors import ConfigError
 from forge_rl.trainer_config import TrainerConfig
@@ -24,7 +24,7 @@ from forge_rl.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainSt
 from forge_rl.types import Episode
 
 
-class SimulatedTrainerActor(Actor):
+class SimulatedTrainerActor(PortServed, Actor):
     def __init__(self, config: TrainerConfig, *_unused):
         # Spawned with the TrainerActor's arguments (model_dir, store, ...), which it does not need.
         self.config = config

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.columns import BatchColumns, batch_columns
 from forge_rl.gc_freeze import freeze_startup_objects
 from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from forge_rl.trainer import PolicyTrainer
 
 
-class TrainerActor(Actor):
+class TrainerActor(PortServed, Actor):
     def __init__(
         self,
         config: TrainerConfig,
@@ -92,7 +92,9 @@ class TrainerActor(Actor):
     # both ranks idle: 3 hangs in about 11 runs of test_grpo_loop's fsdp and resume tests, none in
     # 24 with a plain endpoint, 2026-11-25). So step k + 1's call starts once step k has
     # answered, and its batch is asked for while step k trains (`prefetch_next`, BatchPrefetch);
-    # `StepTurns` keeps the order should the endpoint become concurrent again.
+    # `StepTurns` keeps the order should the endpoint become concurrent again. The train loop
+    # calls it on a port (PortCalls.call_each: served in turn, by `call_on_port_in_turn`), since a
+    # mesh `.call()` leaves memory behind in the controller every step.
     @endpoint
     async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the

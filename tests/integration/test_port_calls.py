@@ -1,6 +1,7 @@
 """Calls answered on the caller's one port (forge_rl/actors/port_calls.py), between real Monarch
-actors: answers reach their own request, an endpoint's error comes back as with `call_one`, and
-what cannot be called that way is refused before anything is sent. That these calls keep no memory
+actors: answers reach their own request, an endpoint's error comes back as with `call_one`, a plain
+endpoint is served in turn, a call on a mesh gathers its actors' answers in rank order, and what
+cannot be called that way is refused before anything is sent. That these calls keep no memory
 behind is measured, not tested: `python apps/diagnostics/monarch_call_memory.py --mode port_calls`."""
 
 from __future__ import annotations
@@ -75,12 +76,41 @@ class Served(PortServed, Actor):
     async def plain(self) -> int:
         return 1
 
+    @endpoint
+    async def plain_held(self) -> str:
+        """A plain endpoint that answers once `release_held` is called: the plain calls after it wait."""
+        await self.release.wait()
+        return "held"
+
+    def not_an_endpoint(self) -> None:
+        pass
+
+
+class Ranked(PortServed, Actor):
+    """A mesh of two, as the trainer's ranks."""
+
+    def __init__(self):
+        from monarch.actor import context
+
+        self.rank = context().actor_instance.rank.rank
+        self.never = asyncio.Event()
+
+    @endpoint
+    async def rank_and(self, value: int) -> tuple[int, int]:
+        return self.rank, value
+
+    @endpoint
+    async def fail_on_rank_one(self) -> None:
+        if self.rank == 1:
+            raise KeyError("rank one failed")
+        await self.never.wait()  # as a rank waiting in a collective for the one that failed
+
 
 class Caller(Actor):
     """Makes the calls from an actor, as the pool and the rollouts do."""
 
-    def __init__(self, served):
-        self.served = served
+    def __init__(self, served, ranked):
+        self.served, self.ranked = served, ranked
         self.calls = PortCalls()
 
     @endpoint
@@ -103,10 +133,28 @@ class Caller(Actor):
             await calls.call(served, "fail", "unpicklable")
         except Exception as e:
             out["unpicklable"] = (type(raised_by_actor(e)).__name__, "holds a lock" in str(raised_by_actor(e)))
+        out["plain"] = await calls.call(served, "plain")
+        # A plain endpoint is served in turn: the plain call after a held one waits for it, while a
+        # concurrent one is answered meanwhile.
+        finished = []
+        in_turn = [asyncio.ensure_future(calls.call(served, name)) for name in ("plain_held", "plain")]
+        for call in in_turn:
+            call.add_done_callback(lambda done: finished.append(done.result()))
+        out["concurrent_meanwhile"] = await calls.call(served, "double", 1)
+        out["plain_waiting"] = [call.done() for call in in_turn]
+        await calls.call(served, "release_held")
+        await asyncio.gather(*in_turn)
+        out["plain_order"] = finished
         try:
-            await calls.call(served, "plain")
+            await calls.call(served, "not_an_endpoint")
         except TypeError as e:
-            out["plain"] = str(e)
+            out["not_an_endpoint"] = str(e)
+        out["each"] = await calls.call_each(self.ranked, "rank_and", 7)
+        out["each_through_handle"] = await PortCalled(self.ranked, calls).rank_and.call(8)
+        try:
+            await calls.call_each(self.ranked, "fail_on_rank_one")
+        except Exception as e:
+            out["each_error"] = (type(raised_by_actor(e)).__name__, "rank one failed" in str(raised_by_actor(e)))
         out["through_handle"] = await PortCalled(served, calls).double.call_one(4)
         # Episodes cross packed as the C pickler's bytes (forge_rl/wire.py), and so does the answer;
         # a function, which only cloudpickle pickles, crosses as it always did.
@@ -134,9 +182,10 @@ class Caller(Actor):
 @pytest.fixture(scope="module")
 def results():
     async def run():
-        procs = spawn_procs(this_host(), "callee", 2)
+        procs = spawn_procs(this_host(), "callee", 4)
         served = procs.slice(procs=0).spawn("served", Served)
-        caller = procs.slice(procs=1).spawn("caller", Caller, served)
+        ranked = procs.slice(procs=slice(2, 4)).spawn("ranked", Ranked)
+        caller = procs.slice(procs=1).spawn("caller", Caller, served, ranked)
         try:
             return await caller.run.call_one()
         finally:
@@ -178,8 +227,22 @@ def test_an_endpoint_error_comes_back_to_its_caller_with_its_type_and_an_unpickl
     assert results["unpicklable"] == ("RuntimeError", True)
 
 
-def test_a_plain_endpoint_is_refused_before_anything_is_sent(results):
-    assert "Served.plain is not a concurrent endpoint" in results["plain"]
+def test_a_plain_endpoint_is_served_in_turn(results):
+    assert results["plain"] == 1
+    assert results["concurrent_meanwhile"] == 2
+    assert results["plain_waiting"] == [False, False]  # the second waits for the held first
+    assert results["plain_order"] == ["held", 1]
+
+
+def test_what_is_not_an_endpoint_is_refused_before_anything_is_sent(results):
+    assert "Served.not_an_endpoint is not an endpoint of a PortServed actor" in results["not_an_endpoint"]
+
+
+def test_a_call_on_a_mesh_gathers_its_answers_in_rank_order_and_fails_at_the_first_error(results):
+    assert results["each"] == [(0, 7), (1, 7)]
+    assert results["each_through_handle"] == [(0, 8), (1, 8)]
+    # Rank 0 never answers (it waits as in a collective): the call fails with rank 1's error anyway.
+    assert results["each_error"] == ("KeyError", True)
 
 
 def test_an_in_process_handle_is_called_as_it_is():
