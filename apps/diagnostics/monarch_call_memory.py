@@ -10,7 +10,8 @@ the number of calls: this is what the soak benchmark's growth came from (docs/be
 (forge_rl/actors/port_calls.py), which the per-prompt calls of a run use. `blocking_get` makes
 them with `call_one(...).get()` from a worker thread, as the weight store's writer thread does
 (forge_rl/store/client.py); `mesh_call` with `.call()` on a plain endpoint, as the train loop
-calls each trainer rank's `train_next_step`.
+called the trainer ranks' `train_next_step` until it called them on its port
+(`PortCalls.call_each`).
 """
 
 from __future__ import annotations
