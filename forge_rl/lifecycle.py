@@ -73,6 +73,9 @@ _MESH_STOP_TIMEOUT_S = 4.0
 
 
 class Lifecycle:
+    step_at_stop_s = _STOP_STEP_TIMEOUT_S
+    """How long a step in flight at a stop may take to finish (the loop's steps after a stop too)."""
+
     def __init__(self, config: GRPOConfig, run_path: Path, checkpoint: Path | None):
         self.started = time.monotonic()
         self.config = config
@@ -156,10 +159,16 @@ class Lifecycle:
         actor processes, not of Monarch."""
         self._engine_owners = owners
 
-    def _stop_timeout(self, bound_s: float) -> float:
-        """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts)."""
+    def stop_began(self) -> None:
+        """A stop (Ctrl-C, SIGTERM, a failure) reached the loops: _STOP_BUDGET_S starts now, unless
+        it started already. Every wait of the stop, the loops' included, draws on it (`stop_timeout`)."""
         if self._stopped_at is None:
             self._stopped_at = time.monotonic()
+
+    def stop_timeout(self, bound_s: float) -> float:
+        """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts,
+        if nothing did)."""
+        self.stop_began()
         return max(0.0, min(bound_s, self._stopped_at + _STOP_BUDGET_S - time.monotonic()))
 
     async def _shutdown(self) -> None:
@@ -167,14 +176,14 @@ class Lifecycle:
         if self._engine_owners:
             with contextlib.suppress(Exception, asyncio.TimeoutError):
                 await within(
-                    self._stop_timeout(_ENGINE_STOP_TIMEOUT_S),
+                    self.stop_timeout(_ENGINE_STOP_TIMEOUT_S),
                     asyncio.gather(*(owner.shutdown.call_one() for owner in self._engine_owners), return_exceptions=True),
                 )
         with contextlib.suppress(Exception, asyncio.TimeoutError):
             await within(
                 # A mesh stop gets at least a second, so processes are asked to exit even when the
                 # earlier stages used the budget up.
-                max(1.0, self._stop_timeout(_MESH_STOP_TIMEOUT_S)),
+                max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
                 asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
             )
         self.store.destroy()
@@ -269,7 +278,7 @@ class Lifecycle:
                 task.cancel()
                 raise
             try:
-                return await within(self._stop_timeout(_STOP_STEP_TIMEOUT_S), task), True
+                return await within(self.stop_timeout(_STOP_STEP_TIMEOUT_S), task), True
             except asyncio.TimeoutError:
                 raise asyncio.CancelledError from None
 
@@ -346,7 +355,7 @@ class Lifecycle:
                 await self.checkpoint_committed()
 
         try:
-            await within(self._stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S), save())
+            await within(self.stop_timeout(_STOP_CHECKPOINT_TIMEOUT_S), save())
         except (Exception, asyncio.TimeoutError) as e:
             progress(f"no checkpoint at stop: {type(e).__name__}: {e}")
 

@@ -41,8 +41,10 @@ from forge_rl.native_heap import trim_native_heap_if_due
 from forge_rl.replies import rank_zero
 from forge_rl.timeline import Timeline, idle_fraction
 
-_STOP_ROLLOUTS_TIMEOUT_S = 10.0
-"""A failed or stopped run waits this long for the rollouts to stop before shutting processes down."""
+_STOP_ROLLOUTS_TIMEOUT_S = 3.0
+"""A stopped or failed run waits at most this long for each answer of the rollouts' it needs to
+stop (a batch withheld, the loops stopped), cut to what is left of the stop's budget
+(forge_rl/lifecycle.py `stop_timeout`); then the stop goes on without them."""
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
@@ -177,7 +179,10 @@ class Pipeline:
         left (`ahead`, then the step its trainer asked for ahead, if it did) are finished."""
         if ahead is None:
             return []
-        await self.actors.rollouts.withhold_batch.call_one(sys.maxsize)
+        try:
+            await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sys.maxsize), "withhold every batch")
+        except asyncio.TimeoutError:  # the stop goes on without the rollouts
+            raise asyncio.CancelledError from None
         finished, sent = [], ahead
         while True:
             result = await self._finish_step(sent, lifecycle, withheld=True)
@@ -217,7 +222,7 @@ class Pipeline:
         # a checkpoint, which holds the next batch back, is.
         path_start = sent.waiting_from if self._last_replied_s is None else self._last_replied_s
         try:
-            pulled, stopped = await self._trained(sent, lifecycle)
+            pulled, stopped = await self._trained(sent, lifecycle, after_stop=withheld)
         except BaseException:
             sent.reply.cancel()
             sent.taken.cancel()
@@ -268,13 +273,14 @@ class Pipeline:
         """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
         return self.batches_out > 0
 
-    async def _trained(self, sent: SentStep, lifecycle: Lifecycle) -> tuple[PulledStep | None, bool]:
+    async def _trained(self, sent: SentStep, lifecycle: Lifecycle, after_stop: bool = False) -> tuple[PulledStep | None, bool]:
         """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) First waits
         for the batch to leave the buffer; a stop then withholds it (and the answer is None),
         unless it has left already. From then on `lifecycle` lets a stop wait for the step in
         flight, and the step raises TrainStepTimedOut past config.train_step_timeout_s (the
         previous step has ended by then), so a hung rank or collective stops the run instead of
-        hanging it; the wait for data is not timed."""
+        hanging it; the wait for data is not timed. `after_stop`: the stop came before this step
+        (one whose batch had left): it gets what is left of the stop's budget."""
         stopped = False
         try:
             taken = await asyncio.shield(sent.taken)
@@ -282,12 +288,18 @@ class Pipeline:
             if not lifecycle.stop_waits_for_steps:
                 raise
             try:
-                await within(_STOP_ROLLOUTS_TIMEOUT_S, self.actors.rollouts.withhold_batch.call_one(sent.step))
-                taken, stopped = await within(_STOP_ROLLOUTS_TIMEOUT_S, asyncio.shield(sent.taken)), True
-            except asyncio.TimeoutError:  # the rollouts do not answer: the stop goes on without them
+                await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sent.step), f"withhold step {sent.step}'s batch")
+                taken, stopped = await self._within_stop(lifecycle, asyncio.shield(sent.taken), f"learn whether step {sent.step}'s batch left"), True
+            except asyncio.TimeoutError:  # the stop goes on without the rollouts
                 raise asyncio.CancelledError from None
         if not taken:
             return rank_zero(await sent.reply), stopped
+        if after_stop:  # its batch left before the stop: the step may use what is left of the stop's budget
+            try:
+                values = await self._within_stop(lifecycle, asyncio.shield(sent.reply), f"finish step {sent.step}", lifecycle.step_at_stop_s)
+            except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
+                raise asyncio.CancelledError from None
+            return rank_zero(values), True
         timed = within(
             self.config.train_step_timeout_s,
             asyncio.shield(sent.reply),
@@ -295,6 +307,17 @@ class Pipeline:
         )
         values, stop_now = await lifecycle.finish_despite_stop(timed)
         return rank_zero(values), stopped or stop_now
+
+    @staticmethod
+    async def _within_stop(lifecycle: Lifecycle, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S) -> Any:
+        """Await `awaitable` within `bound_s`, cut to what is left of the stop's budget; past it the
+        stop goes on without it, saying so: raises asyncio.TimeoutError."""
+        timeout_s = lifecycle.stop_timeout(bound_s)
+        try:
+            return await within(timeout_s, awaitable)
+        except asyncio.TimeoutError:
+            progress(f"stopping: did not {what} within {timeout_s:.1f} s; the stop goes on without it")
+            raise
 
     # Both -------------------------------------------------------------------------------------
 
@@ -321,6 +344,7 @@ class Pipeline:
             history = train.result()
             finished = True
         except asyncio.CancelledError:
+            lifecycle.stop_began()  # the stop's budget covers the steps it lets finish too
             await _cancelled(train)
             await lifecycle.checkpoint_at_stop(self)
             raise
@@ -334,8 +358,8 @@ class Pipeline:
                 await self.actors.trainer.wait_for_publish.call()  # its snapshot is taken after the reply
                 self.rollouts_at_stop = await rollouts.stop_loops.call_one(True)
             else:
-                with contextlib.suppress(Exception):
-                    self.rollouts_at_stop = await within(_STOP_ROLLOUTS_TIMEOUT_S, rollouts.stop_loops.call_one(False))
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    self.rollouts_at_stop = await self._within_stop(lifecycle, rollouts.stop_loops.call_one(False), "stop the rollout loops")
         return history, self.rollouts_at_stop["accounting"]
 
 

@@ -130,6 +130,8 @@ def completions_for(episode: Episode, group_size: int, policy_version: int) -> l
 class FakeLifecycle:
     """Checkpoints nothing and never stops: the loops' view of forge_rl/lifecycle.py."""
 
+    step_at_stop_s = 30.0
+
     def checkpoint_due(self, step: int) -> bool:
         return False
 
@@ -142,6 +144,12 @@ class FakeLifecycle:
     @property
     def stop_waits_for_steps(self) -> bool:
         return False
+
+    def stop_began(self) -> None:
+        pass
+
+    def stop_timeout(self, bound_s: float) -> float:
+        return bound_s
 
     async def checkpoint_at_stop(self, pipeline) -> None:
         pass

@@ -363,6 +363,39 @@ def test_a_stop_while_a_steps_batch_waits_at_the_gate_withholds_it_and_the_one_a
     assert pipeline.rollouts_at_stop["accounting"]["trained"] == CONFIG.prompts_per_step
 
 
+def test_a_stop_goes_on_without_rollouts_that_do_not_answer_within_the_stops_budget(tmp_path, capsys):
+    """As the test above, but the rollouts never answer `withhold_batch` nor `stop_loops` (a process
+    too slow or hung): the stop waits for them no longer than the stop's budget allows
+    (forge_rl/lifecycle.py `stop_timeout`), says what it did not get, and goes on."""
+    pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(CONFIG.prompts_per_step))
+
+    class StopWithAShortBudget(FakeLifecycle):
+        stop_waits_for_steps = True
+
+        def stop_timeout(self, bound_s: float) -> float:
+            return 0.05
+
+    async def never(*args):
+        await asyncio.Event().wait()
+
+    async def scenario():
+        logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
+        run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, StopWithAShortBudget()))
+        await wait_until_async(lambda: rollouts._waiting is not None and rollouts._waiting[0] == 2, "step 2 at the gate")
+        pipeline.actors.rollouts.withhold_batch = FakeEndpoint(never)
+        pipeline.actors.rollouts.stop_loops = FakeEndpoint(never)
+        run_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run_task
+        logger.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    said = capsys.readouterr().err
+    assert "did not withhold step 2's batch within 0.1 s; the stop goes on without it" in said
+    assert "did not stop the rollout loops within 0.1 s" in said
+    assert pipeline.rollouts_at_stop == {}
+
+
 def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
     """A checkpoint holds the buffer as of its step: step 3's batch leaves the buffer only after
     step 2 (followed by a checkpoint) is accounted for."""
