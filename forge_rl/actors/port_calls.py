@@ -25,8 +25,8 @@ What changes for the caller, and what does not:
   with a timeout (`within`), or own a callee that lives as long as the run (a dead one then ends
   the run through Monarch's fault hook). `call_one` raises a SupervisionError instead.
 - A concurrent endpoint is served by `call_on_port` (itself concurrent), a plain one by
-  `call_on_port_in_turn` (itself plain: one message at a time, in turn with the actor's other plain
-  endpoints, as a plain endpoint's own calls are).
+  `call_on_port_in_turn` (itself plain: until it ends, the actor handles no other message, as
+  with a plain endpoint's own calls).
 - `call_each` calls every actor of a mesh with one message (the trainer's ranks, each step) and
   gathers their answers in rank order; the first error fails the call at once (the other ranks
   may be waiting for the failed one in a collective).
@@ -65,8 +65,8 @@ class PortServed:
 
     @endpoint
     async def call_on_port_in_turn(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
-        """A plain endpoint's call, answered on the caller's port: one at a time, in turn with the
-        actor's other plain endpoints."""
+        """A plain endpoint's call, answered on the caller's port: until it ends, the actor handles
+        no other message (as with the endpoint's own calls)."""
         await self._answer_on_port(caller_port, request, name, args, kwargs)
 
     async def _answer_on_port(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:

@@ -21,6 +21,7 @@ generator 1 on host 3 goes on serving; then the run trains every step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -145,11 +146,17 @@ def _listening(address: str, worker: subprocess.Popen) -> bool:
 def _kill_everything_below(worker: subprocess.Popen) -> list[str]:
     """SIGKILL every process the worker spawned (its host's share of the run: the generator actor's
     process and its vLLM engine); returns their command lines."""
-    victims = psutil.Process(worker.pid).children(recursive=True)
+    victims, names = [], []
+    for process in psutil.Process(worker.pid).children(recursive=True):
+        try:  # one that exited since it was listed (a zombie until reaped) is no victim
+            names.append(" ".join(process.cmdline())[:120])
+            victims.append(process)
+        except psutil.Error:
+            continue
     assert victims, "the generator's host runs no process of the run"
-    names = [" ".join(p.cmdline())[:120] for p in victims]
     for process in victims:
-        os.kill(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
     return names
 
 

@@ -11,7 +11,7 @@ import os
 import threading
 
 import pytest
-from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
+from monarch.actor import Actor, Channel, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
@@ -31,6 +31,7 @@ class Unpicklable(Exception):
 class Served(PortServed, Actor):
     def __init__(self):
         self.release = asyncio.Event()
+        self.plain_order: list[str] = []
 
     @concurrent_endpoint
     async def double(self, value: int) -> int:
@@ -74,13 +75,23 @@ class Served(PortServed, Actor):
 
     @endpoint
     async def plain(self) -> int:
+        self.plain_order.append("plain")
         return 1
 
     @endpoint
-    async def plain_held(self) -> str:
-        """A plain endpoint that answers once `release_held` is called: the plain calls after it wait."""
-        await self.release.wait()
+    async def plain_held(self, tell) -> str:
+        """A plain endpoint that sends `tell` a port and answers once something comes on it. While it
+        waits, the actor handles no other message (Monarch's plain endpoints hold its mailbox)."""
+        self.plain_order.append("held")
+        release, released = Channel.open()
+        tell.send(release)
+        await released.recv()
+        self.plain_order.append("held-end")
         return "held"
+
+    @endpoint
+    async def order_of_plain_calls(self) -> list[str]:
+        return self.plain_order
 
     def not_an_endpoint(self) -> None:
         pass
@@ -134,17 +145,14 @@ class Caller(Actor):
         except Exception as e:
             out["unpicklable"] = (type(raised_by_actor(e)).__name__, "holds a lock" in str(raised_by_actor(e)))
         out["plain"] = await calls.call(served, "plain")
-        # A plain endpoint is served in turn: the plain call after a held one waits for it, while a
-        # concurrent one is answered meanwhile.
-        finished = []
-        in_turn = [asyncio.ensure_future(calls.call(served, name)) for name in ("plain_held", "plain")]
-        for call in in_turn:
-            call.add_done_callback(lambda done: finished.append(done.result()))
-        out["concurrent_meanwhile"] = await calls.call(served, "double", 1)
-        out["plain_waiting"] = [call.done() for call in in_turn]
-        await calls.call(served, "release_held")
-        await asyncio.gather(*in_turn)
-        out["plain_order"] = finished
+        # A plain endpoint is served in turn: the plain call sent after a held one runs once it ended.
+        tell, told = Channel.open()
+        held = asyncio.ensure_future(calls.call(served, "plain_held", tell))
+        after = asyncio.ensure_future(calls.call(served, "plain"))
+        release = await told.recv()  # the held call runs
+        release.send(None)
+        out["plain_answers"] = await asyncio.gather(held, after)
+        out["plain_order"] = await calls.call(served, "order_of_plain_calls")
         try:
             await calls.call(served, "not_an_endpoint")
         except TypeError as e:
@@ -229,9 +237,8 @@ def test_an_endpoint_error_comes_back_to_its_caller_with_its_type_and_an_unpickl
 
 def test_a_plain_endpoint_is_served_in_turn(results):
     assert results["plain"] == 1
-    assert results["concurrent_meanwhile"] == 2
-    assert results["plain_waiting"] == [False, False]  # the second waits for the held first
-    assert results["plain_order"] == ["held", 1]
+    assert results["plain_answers"] == ["held", 1]
+    assert results["plain_order"] == ["plain", "held", "held-end", "plain"]  # the second plain call waited
 
 
 def test_what_is_not_an_endpoint_is_refused_before_anything_is_sent(results):
