@@ -4,7 +4,10 @@ Every run is the GRPO recipe with real Monarch actors on this machine (the rollo
 buffer and the prompts, the scorer, the generator pool and one process per generator, the trainer
 mesh), but with `generator.engine sim`
 and `trainer.engine sim` (forge_rl/engines/simulated.py): no model runs, tokens are placeholders,
-decode and train steps are timed waits. What is measured is forge_rl's own work.
+decode and train steps are timed waits. What is measured is forge_rl's own work. Each simulated
+generator stands in for an engine on a GPU host of its own, so its process yields the cores to the
+run's others (Linux's SCHED_IDLE, `generator.sim.idle_priority`; `sim_generators_idle_priority` in
+the figures): 128 of them otherwise took 0.7 of the 2 cores here from the control plane.
 
 1. Control-plane overhead at each generator count G (`--generator-counts`), with a zero-cost
    trainer step and prompts per step P = prompts_per_generator_step x G, so every generator has work:
@@ -724,6 +727,8 @@ def main(args: ScaleArgs) -> dict:
         "accounting_ok": all(judge_accounting(r, args.steps) for r in ok),
         "time_scale": args.time_scale,
         "async_time_scale": args.async_time_scale,
+        # The generators' processes yield the cores to the control plane (SimEngineConfig.idle_priority).
+        "sim_generators_idle_priority": base.generator.sim.idle_priority,
         "control_plane": per_count,
     }
     if not args.skip_async_vs_sync:

@@ -145,6 +145,16 @@ class SimEngineConfig:
     time_scale: float = 1.0
     """Wall seconds per simulated second: 0.1 runs the simulation 10x faster than the GPU would
     (the control plane's own costs then weigh 10x more against it)."""
+    idle_priority: bool = True
+    """Run each simulated generator's process under Linux's SCHED_IDLE policy, every thread of it:
+    it gets a core only when the run's other processes leave one. A simulated generator stands in
+    for an engine on a GPU host of its own; on one machine its process (Monarch's runtime, its
+    message handling, the timers) would otherwise take cores from the control plane it is measured
+    against. At 128 generators on 2 cores they took 0.7 of a core, and the rollouts' event loop
+    waited for a core: lag p99 58-64 ms as the same priority, 24-29 ms under SCHED_IDLE
+    (docs/benchmarks.md, "The simulated generators yield the cores"). Lowering their nice value
+    alone does not do it (41-43 ms at nice 19): 128 processes outweigh one however low each is.
+    False: the same priority as the rest of the run."""
 
     def __post_init__(self) -> None:
         checks = {
