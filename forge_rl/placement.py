@@ -387,6 +387,21 @@ def pin_this_process(cpus: tuple[int, ...] | None) -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def yield_this_process() -> None:
+    """Every thread of this process under Linux's SCHED_IDLE policy: it runs only when a core has
+    nothing else to run. As with `pin_this_process`, each thread already running is set (a runtime's
+    threads included); the threads it starts later inherit their creator's policy. Not Linux: the
+    lowest priority the platform gives a process (nice 19)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        os.nice(19)
+        return
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostFacts], model_dir: str) -> list[str]:
     """Per-host resources and transports against the placement. Raises ConfigError on what cannot
     run; returns notes worth printing (slow but working choices)."""

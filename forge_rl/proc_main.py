@@ -6,7 +6,6 @@ interpreter's finalization, which spent 2-3 s collecting garbage at the end of e
 from __future__ import annotations
 
 import multiprocessing
-import os
 import platform
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -14,12 +13,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch.actor import HostMesh, ProcMesh
-
-
-CPU_POLICY_ENV = "FORGE_RL_CPU_POLICY"
-"""A process spawned with this set to "idle" in its environment runs under Linux's SCHED_IDLE
-policy (forge_rl/engines/simulated.py, `SimEngineConfig.idle_priority`); set before Monarch
-starts its threads, so that each of them inherits it."""
 
 
 def spawn_procs(host: "HostMesh", name: str, num_procs: int = 1, env: Mapping[str, str | None] | None = None) -> "ProcMesh":
@@ -41,7 +34,6 @@ def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "Bootstrap
 
 
 def main() -> None:
-    _apply_cpu_policy(os.environ.get(CPU_POLICY_ENV, ""))
     from monarch._src.actor.bootstrap_main import invoke_main
 
     from forge_rl.process_exit import exit_now
@@ -59,18 +51,6 @@ def main() -> None:
         code = stop.code
     _shut_monarch_client_down()
     exit_now(code)
-
-
-def _apply_cpu_policy(policy: str) -> None:
-    """CPU_POLICY_ENV's value for this process, while it has one thread: a thread inherits its
-    creator's scheduling policy."""
-    if policy == "idle":
-        if hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        else:  # not Linux: the lowest priority the platform gives any process
-            os.nice(19)
-    elif policy:
-        raise ValueError(f"{CPU_POLICY_ENV}={policy!r} is not a CPU policy forge_rl knows: set it to 'idle', or leave it unset")
 
 
 def _shut_monarch_client_down() -> None:

@@ -22,7 +22,7 @@ from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.placement import pin_this_process
+from forge_rl.placement import pin_this_process, yield_this_process
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -54,7 +54,11 @@ class GeneratorActor(PortServed, Actor):
         # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
         # `cpus`: the cores of this process and of the engine processes it starts
         # (launch.placement.generator_cpus), pinned before the engine exists so they inherit them.
+        # A simulated generator stands in for an engine on a host of its own: it yields this
+        # machine's cores to the control plane it is measured against (SimEngineConfig.idle_priority).
         self.cpus = pin_this_process(cpus)
+        if config.yields_the_cores:
+            yield_this_process()
         self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
         self.store_index = store_index
         self.store_client_id = store_client_id

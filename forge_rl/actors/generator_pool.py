@@ -57,7 +57,7 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.metrics import progress
 from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.proc_main import CPU_POLICY_ENV, spawn_procs
+from forge_rl.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -334,7 +334,7 @@ class GeneratorPool(PortServed, Actor):
         slot.incarnation += 1
         placement = self.placements[slot.index]
         host = this_host() if placement.host is None else placement.host
-        slot.procs = spawn_procs(host, slot.mesh_name, env=generator_process_env(self.config))
+        slot.procs = spawn_procs(host, slot.mesh_name, env=engine_process_env())
         # A simulated generator loads no weights: without the store's handle its process never
         # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
         store_index = None if self.config.engine == "sim" else self.store_index
@@ -422,15 +422,6 @@ class GeneratorPool(PortServed, Actor):
             await within(_STOP_TIMEOUT_S, self.store_index.drop_reader.call_one(reader_id))
         except Exception as e:  # the store's index is gone or stuck: the run fails on it elsewhere
             progress(f"could not drop the weight-store leases of {reader_id}: {type(e).__name__}: {e}")
-
-
-def generator_process_env(config: GeneratorConfig) -> dict[str, str]:
-    """What a generator's process starts with: the engine's settings (`engine_process_env`), and
-    for a simulated one that yields the cores, the idle CPU policy (`SimEngineConfig.idle_priority`)."""
-    env = engine_process_env()
-    if config.engine == "sim" and config.sim.idle_priority:
-        env[CPU_POLICY_ENV] = "idle"
-    return env
 
 
 async def stop_quietly(procs: ProcMesh) -> None:

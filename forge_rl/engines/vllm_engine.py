@@ -170,6 +170,12 @@ class GeneratorConfig:
     run's first start that does fails the run, naming this flag."""
 
     @property
+    def yields_the_cores(self) -> bool:
+        """Whether a generator's process runs at idle priority (`placement.yield_this_process`):
+        a simulated one with generator.sim.idle_priority; never the real engine."""
+        return self.engine == "sim" and self.sim.idle_priority
+
+    @property
     def records_sampling_support(self) -> bool:
         """Whether each token's kept set is recorded: top-k/top-p can leave tokens out, and
         `record_sampling_support` is on."""

@@ -312,19 +312,8 @@ def test_bad_simulation_settings_name_their_flag(changes, flag):
 
 
 def test_a_simulated_generators_process_yields_the_cores_and_a_real_ones_does_not():
-    from forge_rl.actors.generator_pool import generator_process_env
-    from forge_rl.proc_main import CPU_POLICY_ENV
-
     sim = GeneratorConfig(engine="sim")
-    assert generator_process_env(sim)[CPU_POLICY_ENV] == "idle"
-    same_priority = dataclasses.replace(sim, sim=dataclasses.replace(sim.sim, idle_priority=False))
-    assert CPU_POLICY_ENV not in generator_process_env(same_priority)
-    assert CPU_POLICY_ENV not in generator_process_env(GeneratorConfig())
-
-
-def test_an_unknown_cpu_policy_stops_the_process_naming_the_value_and_the_fix():
-    from forge_rl.proc_main import CPU_POLICY_ENV, _apply_cpu_policy
-
-    with pytest.raises(ValueError, match=rf"{CPU_POLICY_ENV}='lowest' .*set it to 'idle', or leave it unset"):
-        _apply_cpu_policy("lowest")
-    _apply_cpu_policy("")  # unset: nothing changes
+    assert sim.yields_the_cores
+    assert not dataclasses.replace(sim, sim=dataclasses.replace(sim.sim, idle_priority=False)).yields_the_cores
+    assert not GeneratorConfig().yields_the_cores
+    assert not GeneratorConfig(sim=SimEngineConfig(idle_priority=True)).yields_the_cores  # the real engine
