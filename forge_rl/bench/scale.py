@@ -33,7 +33,9 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
        sync step  = straggler + train          (the slowest completion of the step's batch, then the step)
        async step >= max(train, generate, straggler / (A + 1))
    where generate is the step's tokens over the engines' throughput at full batch and A the
-   staleness bound; `sim_efficiency_vs_bound` = the bound's speedup achieved. That bound takes
+   staleness bound; `sim_efficiency_vs_bound` = the bound's speedup achieved, and
+   `sim_token_efficiency_vs_bound` the same in tokens that reached the loss per second (the bound
+   trains a synchronous step's tokens per step). That bound takes
    generate at the largest batch and the straggler at the synchronous run's speed; no batch gives
    both. `sim_efficiency_vs_uniform_batch_bound` holds both to one batch size B, the best:
        async step >= min over B of max(train, generate(B), longest x decode_step(B) / (A + 1))
@@ -41,7 +43,8 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
    A third run, asynchronous with partial rollouts (`buffer.wait_for_stragglers` false: the trainer
    waits for no straggler; one past its last step is trained later with its over-age tokens
    masked), against the same bound: `sim_partial_async_speedup`, `sim_partial_efficiency_vs_bound`,
-   and `sim_partial_dropped_token_fraction` (generated tokens that reached no loss). This part runs
+   `sim_partial_token_efficiency_vs_bound` (in trained tokens: its steps train fewer, the masked
+   ones excluded) and `sim_partial_dropped_token_fraction` (generated tokens that reached no loss). This part runs
    at `async_time_scale` (1.0: the GPU timings as calibrated).
 3. Faults at scale: the control-plane run with `fault_generators` generators; once step
    `fault_kill_after_step` is done, every process of a tenth of them (chosen from `fault_seed`) is
@@ -461,6 +464,15 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         config, tokens_per_step, sync_train, args.async_max_policy_age, longest
     )
     uniform_bound = wall_per_step["sync"] / uniform_floor
+    # The same bound in tokens that reached the loss per second (a step of the bound trains the
+    # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
+    # steps per second alone would count the masked ones as trained.
+    tokens_per_step = {mode: steady_trained_tokens_per_step(read_metrics(path)) for mode, path in runs.items()}
+    bound_tokens_per_s = tokens_per_step["sync"] / async_floor
+
+    def token_efficiency(mode: str) -> float:
+        return tokens_per_step[mode] / wall_per_step[mode] / bound_tokens_per_s
+
     partial = {}
     if "async_partial" in runs:
         # Against the same bound: its straggler term bounds a run that waits for stragglers, so
@@ -470,6 +482,7 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         partial = {
             "sim_partial_async_speedup": partial_speedup,
             "sim_partial_efficiency_vs_bound": partial_speedup / bound,
+            "sim_partial_token_efficiency_vs_bound": token_efficiency("async_partial"),
             "sim_partial_async_wall_per_step_s": wall_per_step["async_partial"],
             # Generated tokens that reached no loss: over-age tokens masked, completions dropped.
             "sim_partial_dropped_token_fraction": last["buffer/dropped_tokens"] / last[GENERATED_TOKENS_TOTAL],
@@ -479,6 +492,8 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
         "sim_efficiency_vs_bound": speedup / bound,
+        "sim_token_efficiency_vs_bound": token_efficiency("async"),
+        "sim_bound_trained_tokens_per_s": bound_tokens_per_s,
         "sim_async_speedup_uniform_batch_bound": uniform_bound,
         "sim_efficiency_vs_uniform_batch_bound": speedup / uniform_bound,
         "sim_uniform_batch_floor_s": uniform_floor,
@@ -494,6 +509,13 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         "async": asynchronous,
         **partial,
     }
+
+
+def steady_trained_tokens_per_step(metrics: list[dict]) -> float:
+    """Mean tokens that reached the loss per step (`num_tokens`: masked tokens excluded), over the
+    steps after the first, as the steady-state step times."""
+    steady = metrics[1:] or metrics
+    return sum(m["num_tokens"] for m in steady) / len(steady)
 
 
 def _decode_step_s(config: GRPOConfig, batch: int, mean_completion: float) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 from forge_rl.bench.scale import (
     _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences,
+    steady_trained_tokens_per_step,
 )
 from forge_rl.timeline import Interval
 
@@ -167,3 +168,10 @@ def test_the_uniform_batch_floor_trades_generation_against_the_longest_completio
     assert floor >= 0.01
     slow_train, _ = uniform_batch_floor(config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8, longest=longest)
     assert slow_train == 100.0
+
+
+def test_trained_tokens_per_step_leave_out_the_first_step_and_the_masked_tokens():
+    # num_tokens is what reached the loss (masked tokens excluded); the first step is the first fill.
+    metrics = [{"num_tokens": 10}, {"num_tokens": 300}, {"num_tokens": 100}]
+    assert steady_trained_tokens_per_step(metrics) == 200
+    assert steady_trained_tokens_per_step([{"num_tokens": 7}]) == 7
