@@ -40,6 +40,10 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
    both. `sim_efficiency_vs_uniform_batch_bound` holds both to one batch size B, the best:
        async step >= min over B of max(train, generate(B), longest x decode_step(B) / (A + 1))
    (`uniform_batch_floor`; longest: the expected longest completion of a step's batch).
+   `sim_efficiency_vs_waiting_bound` adds what no run that waits for its stragglers can beat,
+   however it schedules (`waiting_straggler_floor`): the longest of A + 1 steps' completions
+   (Lwin), decoded alone, must fit in the A + 1 steps it may span:
+       async step >= max(train, generate, straggler / (A + 1), Lwin x decode_step(1) / (A + 1))
    A third run, asynchronous with partial rollouts (`buffer.wait_for_stragglers` false: the trainer
    waits for no straggler; one past its last step is trained later with its over-age tokens
    masked), against the same bound: `sim_partial_async_speedup`, `sim_partial_efficiency_vs_bound`,
@@ -464,6 +468,10 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         config, tokens_per_step, sync_train, args.async_max_policy_age, longest
     )
     uniform_bound = wall_per_step["sync"] / uniform_floor
+    # What no run that waits for its stragglers can beat, however it schedules: the bound's terms
+    # with the straggler's taken at the longest completion of A + 1 steps, decoded alone.
+    window_floor, window_longest = waiting_straggler_floor(config, args.async_max_policy_age)
+    waiting_bound = wall_per_step["sync"] / max(async_floor, window_floor)
     # The same bound in tokens that reached the loss per second (a step of the bound trains the
     # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
     # steps per second alone would count the masked ones as trained.
@@ -494,6 +502,10 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         "sim_efficiency_vs_bound": speedup / bound,
         "sim_token_efficiency_vs_bound": token_efficiency("async"),
         "sim_bound_trained_tokens_per_s": bound_tokens_per_s,
+        "sim_async_speedup_waiting_bound": waiting_bound,
+        "sim_efficiency_vs_waiting_bound": speedup / waiting_bound,
+        "sim_waiting_straggler_floor_s": window_floor,
+        "sim_expected_longest_completion_in_age_window_tokens": window_longest,
         "sim_async_speedup_uniform_batch_bound": uniform_bound,
         "sim_efficiency_vs_uniform_batch_bound": speedup / uniform_bound,
         "sim_uniform_batch_floor_s": uniform_floor,
@@ -534,12 +546,12 @@ def _generation_s(config: GRPOConfig, tokens_per_step: float) -> float:
     return tokens_per_step / (config.num_generators * batch) * _decode_step_s(config, batch, mean_completion)
 
 
-def expected_longest_completion(config: GRPOConfig) -> float:
-    """Expected longest of one step's P x group_size simulated completion lengths (log-normal,
-    median m, sigma s, cut at generator.max_new_tokens L): E[max] = integral over 0..L of
-    1 - F(x)^n dx, F the log-normal's distribution function."""
+def expected_longest_completion(config: GRPOConfig, num_steps: int = 1) -> float:
+    """Expected longest of `num_steps` steps' P x group_size simulated completion lengths each (n in
+    all; log-normal, median m, sigma s, cut at generator.max_new_tokens L): E[max] = integral over
+    0..L of 1 - F(x)^n dx, F the log-normal's distribution function."""
     sim, cut = config.generator.sim, config.generator.max_new_tokens
-    n = config.prompts_per_step * config.group_size
+    n = num_steps * config.prompts_per_step * config.group_size
 
     def below(x: float) -> float:
         if x <= 0:
@@ -568,6 +580,20 @@ def uniform_batch_floor(
         generate = tokens_per_step / (config.num_generators * batch) * step_s
         floors.append((max(train_s, generate, longest * step_s / (max_policy_age + 1)), batch))
     return min(floors)
+
+
+def waiting_straggler_floor(config: GRPOConfig, max_policy_age: int) -> tuple[float, float]:
+    """A floor on the asynchronous step of any run that trains every admitted group whole within
+    A + 1 versions of its admission and waits for its stragglers, however it schedules: the
+    longest of A + 1 steps' completions (Lwin tokens, `expected_longest_completion`) decodes no
+    faster than alone on its engine (batch 1, the latency model's fastest step), from its first
+    token to its last, and the A + 1 steps it may span must last that long:
+    Lwin x step_s(1) / (A + 1). Even a scheduler that knew every length in advance meets it; one
+    that does not decodes the straggler among others, slower. Returns (floor, Lwin)."""
+    longest = expected_longest_completion(config, num_steps=max_policy_age + 1)
+    sim = config.generator.sim
+    step_s = sim.latency.step_s(1, int(8 + longest / 2)) * sim.time_scale
+    return longest * step_s / (max_policy_age + 1), longest
 
 
 def lost_prompts(accounting: dict, held_at_stop: dict) -> int:

@@ -175,3 +175,17 @@ def test_trained_tokens_per_step_leave_out_the_first_step_and_the_masked_tokens(
     metrics = [{"num_tokens": 10}, {"num_tokens": 300}, {"num_tokens": 100}]
     assert steady_trained_tokens_per_step(metrics) == 200
     assert steady_trained_tokens_per_step([{"num_tokens": 7}]) == 7
+
+
+def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_alone():
+    """At the bench's workload (A = 8, completions cut at 4,096 tokens), nearly every window of
+    A + 1 steps holds a completion at the cut: decoded alone, about 27 simulated seconds spread
+    over 9 steps. A larger A spreads it thinner."""
+    from forge_rl.bench.scale import waiting_straggler_floor
+
+    config = _sim_config(time_scale=1.0)
+    floor, longest = waiting_straggler_floor(config, max_policy_age=8)
+    assert longest == pytest.approx(config.generator.max_new_tokens, rel=0.01)
+    assert floor == pytest.approx(27.3 / 9, rel=0.05)
+    wider, _ = waiting_straggler_floor(config, max_policy_age=16)
+    assert wider < floor
