@@ -114,7 +114,7 @@ class ScaleArgs:
     faster than the GPUs would; the control plane's own costs then weigh ten times more)."""
     async_time_scale: float = 1.0
     """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
-    as they are (its three runs take about 16 minutes). Faster, the 2 shared cores that run the
+    as they are (its five runs take about 21 minutes). Faster, the 2 shared cores that run the
     control plane, eight simulated engines and the trainer's process become what limits the
     asynchronous runs, not the schedule (docs/benchmarks.md, "Partial rollouts")."""
     async_generators: int = 8
@@ -122,7 +122,13 @@ class ScaleArgs:
     async_steps: int = 30
     """Train steps per run of the async-vs-sync part."""
     async_max_policy_age: int = 8
-    """Staleness bound A of the asynchronous run."""
+    """Staleness bound A of the asynchronous runs whose figures are the headline ones."""
+    async_more_max_policy_ages: tuple[int, ...] = (16,)
+    """More staleness bounds, each with its own asynchronous runs (about 2.5 minutes each at time
+    scale 1) against the same synchronous run: `sim_by_max_policy_age` in the figures. At the
+    headline A = 8 the workload's longest completions (cut at 4,096 tokens, in nearly every window
+    of A + 1 steps) keep any run that waits for them below 0.75 of the bound
+    (`sim_efficiency_vs_waiting_bound`); at A = 16 they no longer do (docs/benchmarks.md)."""
     skip_async_vs_sync: bool = False
     skip_partial_rollouts: bool = False
     """Skip the async-vs-sync part's third run: asynchronous with partial rollouts
@@ -404,51 +410,79 @@ def control_plane(base: GRPOConfig, args: ScaleArgs, num_generators: int) -> dic
 
 
 def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
-    """Both modes on the GPU-calibrated long-tail workload; the analytic bound from the sync run."""
-    runs, steady = {}, {}
-    # async_partial: the asynchronous run with partial rollouts (buffer.wait_for_stragglers false):
-    # the trainer never waits for a straggler; one that misses its last step under the age bound is
-    # trained later with its over-age tokens masked.
-    variants = (("sync", 0, True), ("async", args.async_max_policy_age, True))
-    if not args.skip_partial_rollouts:
-        variants += (("async_partial", args.async_max_policy_age, False),)
-    for mode, max_policy_age, wait_for_stragglers in variants:
-        progress(f"bench scale: {mode} run, {args.async_generators} simulated generators")
-        config = dataclasses.replace(
-            base,
-            run_dir=args.out_dir / "async_vs_sync" / mode,
-            run_name=None,
-            steps=args.async_steps,
-            num_generators=args.async_generators,
-            prompts_in_flight_per_generator=max(
-                base.prompts_in_flight_per_generator,
-                -(-(max_policy_age + 1) * base.prompts_per_step // args.async_generators),
-            ),
-            # At the same priority as the rest: eight stand-ins take little of the cores, and their
-            # answers are the simulated GPUs' pace, which an idle-priority process behind a busy
-            # core delays (partial rollouts 0.807 of the bound against 0.838, docs/benchmarks.md).
-            generator=dataclasses.replace(
-                base.generator,
-                sim=dataclasses.replace(base.generator.sim, time_scale=args.async_time_scale, idle_priority=False),
-            ),
-            trainer=dataclasses.replace(
-                base.trainer, sim=dataclasses.replace(base.trainer.sim, time_scale=args.async_time_scale)
-            ),
-            buffer=dataclasses.replace(
-                base.buffer,
-                max_policy_age=max_policy_age,
-                capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * base.prompts_per_step),
-                wait_for_stragglers=wait_for_stragglers,
-                drop_policy=base.buffer.drop_policy if wait_for_stragglers else "mask_tokens",
-            ),
-        )
-        steady[mode], runs[mode] = run_probed(config)
+    """Both modes on the GPU-calibrated long-tail workload; the analytic bound from the sync run.
+    The asynchronous runs at `async_max_policy_age` give the headline figures; those at each of
+    `async_more_max_policy_ages` go under `sim_by_max_policy_age`, against the same sync run."""
+    progress(f"bench scale: sync run, {args.async_generators} simulated generators")
+    sync_steady, sync_run = run_probed(_async_part_config(base, args, "sync", 0, wait_for_stragglers=True))
+    sync = analyze(sync_run, args.async_generators, target_reward=math.inf)
+    sync["steady_wall_per_step_s"] = 1.0 / sync_steady["steps_per_s"]
+    sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run))
+    per_age = {}
+    for max_policy_age in (args.async_max_policy_age, *args.async_more_max_policy_ages):
+        suffix = "" if max_policy_age == args.async_max_policy_age else f"_A{max_policy_age}"
+        # async_partial: the asynchronous run with partial rollouts (buffer.wait_for_stragglers
+        # false): the trainer never waits for a straggler; one that misses its last step under the
+        # age bound is trained later with its over-age tokens masked.
+        variants = (("async", True),) + ((("async_partial", False),) if not args.skip_partial_rollouts else ())
+        runs, steady = {}, {}
+        for mode, wait_for_stragglers in variants:
+            progress(f"bench scale: {mode} run, A = {max_policy_age}, {args.async_generators} simulated generators")
+            config = _async_part_config(base, args, mode + suffix, max_policy_age, wait_for_stragglers)
+            steady[mode], runs[mode] = run_probed(config)
+        per_age[max_policy_age] = _async_figures(config, max_policy_age, sync, runs, steady, args.async_generators)
+    figures = dict(per_age[args.async_max_policy_age])
+    figures["sim_by_max_policy_age"] = {
+        str(age): {key: value for key, value in age_figures.items() if key not in ("sync", "async", "async_partial")}
+        for age, age_figures in per_age.items()
+    }
+    return figures
+
+
+def _async_part_config(base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_age: int, wait_for_stragglers: bool) -> GRPOConfig:
+    return dataclasses.replace(
+        base,
+        run_dir=args.out_dir / "async_vs_sync" / mode,
+        run_name=None,
+        steps=args.async_steps,
+        num_generators=args.async_generators,
+        # Every loop can hold a prompt of the (A + 1) x P the gate admits at most.
+        prompts_in_flight_per_generator=max(
+            base.prompts_in_flight_per_generator,
+            -(-(max_policy_age + 1) * base.prompts_per_step // args.async_generators),
+        ),
+        # At the same priority as the rest: eight stand-ins take little of the cores, and their
+        # answers are the simulated GPUs' pace, which an idle-priority process behind a busy
+        # core delays (partial rollouts 0.807 of the bound against 0.838, docs/benchmarks.md).
+        generator=dataclasses.replace(
+            base.generator,
+            sim=dataclasses.replace(base.generator.sim, time_scale=args.async_time_scale, idle_priority=False),
+        ),
+        trainer=dataclasses.replace(
+            base.trainer, sim=dataclasses.replace(base.trainer.sim, time_scale=args.async_time_scale)
+        ),
+        buffer=dataclasses.replace(
+            base.buffer,
+            max_policy_age=max_policy_age,
+            capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * base.prompts_per_step),
+            wait_for_stragglers=wait_for_stragglers,
+            drop_policy=base.buffer.drop_policy if wait_for_stragglers else "mask_tokens",
+        ),
+    )
+
+
+def _async_figures(
+    config: GRPOConfig, max_policy_age: int, sync: dict, runs: dict[str, Path], steady: dict[str, dict], num_generators: int
+) -> dict:
+    """The asynchronous runs at one staleness bound (`runs`: "async", and "async_partial" unless
+    skipped; `config`: theirs) against the synchronous run's analysis `sync` and its bounds."""
     # The timeline analysis of bench async-vs-sync (busy times, pipeline efficiency); no reward to
     # time: a simulation learns nothing.
-    per_mode = {mode: analyze(path, args.async_generators, target_reward=math.inf) for mode, path in runs.items()}
-    sync, asynchronous = per_mode["sync"], per_mode["async"]
+    per_mode = {mode: analyze(path, num_generators, target_reward=math.inf) for mode, path in runs.items()}
+    asynchronous = per_mode["async"]
     # Steady state: the first step (the first fill) excluded, as in the control-plane figures.
-    wall_per_step = {mode: 1.0 / figures["steps_per_s"] for mode, figures in steady.items()}
+    wall_per_step = {"sync": sync["steady_wall_per_step_s"]}
+    wall_per_step.update({mode: 1.0 / figures["steps_per_s"] for mode, figures in steady.items()})
     speedup = wall_per_step["sync"] / wall_per_step["async"]
     # The analytic bound, from the sync run's own busy times (docs/benchmarks.md): a synchronous
     # step is the straggler's generation then the train step; an asynchronous one can be no
@@ -457,29 +491,27 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     sync_train = sync["trainer_busy_s"] / sync["steps"]
     sync_generate = wall_per_step["sync"] - sync_train
     generate = _generation_s(config, sync["generated_tokens_per_s"] * sync["wall_per_step_s"])
-    async_floor = max(sync_train, generate, sync_generate / (args.async_max_policy_age + 1))
+    async_floor = max(sync_train, generate, sync_generate / (max_policy_age + 1))
     bound = wall_per_step["sync"] / async_floor
     # The bound above takes the generation term at the largest batch and the straggler term at the
     # synchronous run's speed, which no single batch size gives at once; this one holds both to the
     # same batch (the best one): what any policy that keeps its engines' batches equal can reach.
     tokens_per_step = sync["generated_tokens_per_s"] * sync["wall_per_step_s"]
     longest = expected_longest_completion(config)
-    uniform_floor, uniform_batch = uniform_batch_floor(
-        config, tokens_per_step, sync_train, args.async_max_policy_age, longest
-    )
+    uniform_floor, uniform_batch = uniform_batch_floor(config, tokens_per_step, sync_train, max_policy_age, longest)
     uniform_bound = wall_per_step["sync"] / uniform_floor
     # What no run that waits for its stragglers can beat, however it schedules: the bound's terms
     # with the straggler's taken at the longest completion of A + 1 steps, decoded alone.
-    window_floor, window_longest = waiting_straggler_floor(config, args.async_max_policy_age)
+    window_floor, window_longest = waiting_straggler_floor(config, max_policy_age)
     waiting_bound = wall_per_step["sync"] / max(async_floor, window_floor)
     # The same bound in tokens that reached the loss per second (a step of the bound trains the
     # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
     # steps per second alone would count the masked ones as trained.
-    tokens_per_step = {mode: steady_trained_tokens_per_step(read_metrics(path)) for mode, path in runs.items()}
-    bound_tokens_per_s = tokens_per_step["sync"] / async_floor
+    trained_per_step = {mode: steady_trained_tokens_per_step(read_metrics(path)) for mode, path in runs.items()}
+    bound_tokens_per_s = sync["steady_trained_tokens_per_step"] / async_floor
 
     def token_efficiency(mode: str) -> float:
-        return tokens_per_step[mode] / wall_per_step[mode] / bound_tokens_per_s
+        return trained_per_step[mode] / wall_per_step[mode] / bound_tokens_per_s
 
     partial = {}
     if "async_partial" in runs:
@@ -497,6 +529,7 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
             "async_partial": per_mode["async_partial"],
         }
     return {
+        "sim_max_policy_age": max_policy_age,
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
         "sim_efficiency_vs_bound": speedup / bound,
@@ -750,6 +783,16 @@ def main(args: ScaleArgs) -> dict:
             f"({args.fault_replaced_by_step}) < fault_steps ({args.fault_steps}) must hold, so the victims are killed "
             "mid-run and the run trains on with their replacements. Fix --fault-kill-after-step, "
             "--fault-replaced-by-step or --fault-steps, or pass --skip-faults."
+        )
+    ages = (args.async_max_policy_age, *args.async_more_max_policy_ages)
+    if not args.skip_async_vs_sync and (min(ages) < 1 or len(set(ages)) < len(ages)):
+        from forge_rl.errors import ConfigError
+
+        raise ConfigError(
+            f"The async-vs-sync part's staleness bounds (async_max_policy_age {args.async_max_policy_age}, "
+            f"async_more_max_policy_ages {list(args.async_more_max_policy_ages)}) must be distinct and >= 1 (A = 0 "
+            "is the synchronous run, made anyway). Fix --async-max-policy-age or --async-more-max-policy-ages "
+            "(pass it with no value for none)."
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     per_count = []

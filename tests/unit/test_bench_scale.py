@@ -189,3 +189,14 @@ def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_al
     assert floor == pytest.approx(27.3 / 9, rel=0.05)
     wider, _ = waiting_straggler_floor(config, max_policy_age=16)
     assert wider < floor
+
+
+@pytest.mark.parametrize("more", [(8,), (0,)])
+def test_the_async_parts_staleness_bounds_must_be_distinct_and_positive(more, tmp_path):
+    from forge_rl.bench.scale import ScaleArgs, main
+    from forge_rl.errors import ConfigError
+
+    args = ScaleArgs(async_max_policy_age=8, async_more_max_policy_ages=more, out_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"must be distinct and >= 1 .*--async-more-max-policy-ages"):
+        main(args)
+    assert not any(tmp_path.iterdir())  # refused before anything ran
