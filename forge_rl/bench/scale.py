@@ -526,6 +526,7 @@ def _async_figures(
             "sim_partial_async_wall_per_step_s": wall_per_step["async_partial"],
             # Generated tokens that reached no loss: over-age tokens masked, completions dropped.
             "sim_partial_dropped_token_fraction": last["buffer/dropped_tokens"] / last[GENERATED_TOKENS_TOTAL],
+            "sim_partial_trainer_idle_fraction": per_mode["async_partial"]["trainer_idle_fraction"],
             "async_partial": per_mode["async_partial"],
         }
     return {
@@ -545,6 +546,7 @@ def _async_figures(
         "sim_uniform_batch_sequences": uniform_batch,
         "sim_expected_longest_completion_tokens": longest,
         "sim_pipeline_efficiency": asynchronous["pipeline_efficiency"],
+        "sim_async_trainer_idle_fraction": asynchronous["trainer_idle_fraction"],
         "sim_sync_wall_per_step_s": wall_per_step["sync"],
         "sim_async_wall_per_step_s": wall_per_step["async"],
         "sim_train_step_s": sync_train,
