@@ -120,7 +120,11 @@ class ScaleArgs:
     async_generators: int = 8
     """Generators of the async-vs-sync part."""
     async_steps: int = 30
-    """Train steps per run of the async-vs-sync part."""
+    """Train steps per run of the async-vs-sync part, the first left out of the steady-state figures.
+    An asynchronous run at staleness bound A trains A more, and leaves its first A + 1 out: the
+    gate's first fill is admitted at version 0, and those groups' deadlines (and their longest
+    completions' stalls) all fall within the first A + 1 steps, a start-up transient that 30 steps
+    at A = 16 would half consist of (docs/benchmarks.md, "Staleness bounds")."""
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous runs whose figures are the headline ones."""
     async_more_max_policy_ages: tuple[int, ...] = (16,)
@@ -190,7 +194,10 @@ class _Probe:
     at the train loop's actor handles, the rollouts' counted by themselves), each event loop's lag,
     generator processes' memory."""
 
-    def __init__(self):
+    def __init__(self, warmup_steps: int = 1):
+        self.warmup_steps = warmup_steps
+        """Steps left out of the steady-state figures: the first (its fill and start-up calls), or
+        more (an asynchronous run's first A + 1, `async_vs_sync`)."""
         self.counts: collections.Counter = collections.Counter()
         self.step_marks: list[tuple[int, float, int, int]] = []
         """(step, wall time, controller calls so far, rollouts' calls so far) after each train step."""
@@ -245,8 +252,10 @@ class _Probe:
         return self.pipeline.rollouts_at_stop["held_at_stop"]
 
     def steady(self) -> dict:
-        """Figures over the steps after the first (its fill and start-up calls excluded)."""
-        (first_step, first_t, first_calls, first_rollout_calls) = self.step_marks[0]
+        """Figures over the steps after the first `warmup_steps` (the first: its fill and start-up
+        calls excluded)."""
+        warm = [mark for mark in self.step_marks[:-1] if mark[0] >= self.warmup_steps] or self.step_marks
+        (first_step, first_t, first_calls, first_rollout_calls) = warm[0]
         (last_step, last_t, last_calls, last_rollout_calls) = self.step_marks[-1]
         steps = max(last_step - first_step, 1)
         rollouts = self.pipeline.rollouts_at_stop
@@ -273,12 +282,12 @@ def _p99_ms(lags_s: list[float]) -> float | None:
     return 1000 * lags[int(0.99 * (len(lags) - 1))] if lags else None
 
 
-def run_probed(config: GRPOConfig, after_step=None) -> tuple[dict, Path]:
+def run_probed(config: GRPOConfig, after_step=None, warmup_steps: int = 1) -> tuple[dict, Path]:
     """Run `config` in this process with the probe (and `after_step`, see `_Probe.install`);
-    returns its figures and the run directory."""
+    returns its figures (steady state: after `warmup_steps`) and the run directory."""
     from forge_rl.recipes import recipe
 
-    probe = _Probe()
+    probe = _Probe(warmup_steps)
     restore = probe.install(after_step)
 
     async def measured():
@@ -417,7 +426,7 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     sync_steady, sync_run = run_probed(_async_part_config(base, args, "sync", 0, wait_for_stragglers=True))
     sync = analyze(sync_run, args.async_generators, target_reward=math.inf)
     sync["steady_wall_per_step_s"] = 1.0 / sync_steady["steps_per_s"]
-    sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run))
+    sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run), warmup_steps=1)
     per_age = {}
     for max_policy_age in (args.async_max_policy_age, *args.async_more_max_policy_ages):
         suffix = "" if max_policy_age == args.async_max_policy_age else f"_A{max_policy_age}"
@@ -429,8 +438,9 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         for mode, wait_for_stragglers in variants:
             progress(f"bench scale: {mode} run, A = {max_policy_age}, {args.async_generators} simulated generators")
             config = _async_part_config(base, args, mode + suffix, max_policy_age, wait_for_stragglers)
-            steady[mode], runs[mode] = run_probed(config)
+            steady[mode], runs[mode] = run_probed(config, warmup_steps=max_policy_age + 1)
         per_age[max_policy_age] = _async_figures(config, max_policy_age, sync, runs, steady, args.async_generators)
+        per_age[max_policy_age]["sim_async_warmup_steps"] = max_policy_age + 1
     figures = dict(per_age[args.async_max_policy_age])
     figures["sim_by_max_policy_age"] = {
         str(age): {key: value for key, value in age_figures.items() if key not in ("sync", "async", "async_partial")}
@@ -444,7 +454,9 @@ def _async_part_config(base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_
         base,
         run_dir=args.out_dir / "async_vs_sync" / mode,
         run_name=None,
-        steps=args.async_steps,
+        # The same steady-state steps in every run: after the first step, or after an
+        # asynchronous run's first A + 1 (`async_steps`).
+        steps=args.async_steps + max_policy_age,
         num_generators=args.async_generators,
         # Every loop can hold a prompt of the (A + 1) x P the gate admits at most.
         prompts_in_flight_per_generator=max(
@@ -507,7 +519,9 @@ def _async_figures(
     # The same bound in tokens that reached the loss per second (a step of the bound trains the
     # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
     # steps per second alone would count the masked ones as trained.
-    trained_per_step = {mode: steady_trained_tokens_per_step(read_metrics(path)) for mode, path in runs.items()}
+    trained_per_step = {
+        mode: steady_trained_tokens_per_step(read_metrics(path), warmup_steps=max_policy_age + 1) for mode, path in runs.items()
+    }
     bound_tokens_per_s = sync["steady_trained_tokens_per_step"] / async_floor
 
     def token_efficiency(mode: str) -> float:
@@ -558,10 +572,10 @@ def _async_figures(
     }
 
 
-def steady_trained_tokens_per_step(metrics: list[dict]) -> float:
+def steady_trained_tokens_per_step(metrics: list[dict], warmup_steps: int) -> float:
     """Mean tokens that reached the loss per step (`num_tokens`: masked tokens excluded), over the
-    steps after the first, as the steady-state step times."""
-    steady = metrics[1:] or metrics
+    steps after the first `warmup_steps`, as the steady-state step times."""
+    steady = metrics[warmup_steps:] or metrics
     return sum(m["num_tokens"] for m in steady) / len(steady)
 
 

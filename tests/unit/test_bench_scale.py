@@ -173,8 +173,9 @@ def test_the_uniform_batch_floor_trades_generation_against_the_longest_completio
 def test_trained_tokens_per_step_leave_out_the_first_step_and_the_masked_tokens():
     # num_tokens is what reached the loss (masked tokens excluded); the first step is the first fill.
     metrics = [{"num_tokens": 10}, {"num_tokens": 300}, {"num_tokens": 100}]
-    assert steady_trained_tokens_per_step(metrics) == 200
-    assert steady_trained_tokens_per_step([{"num_tokens": 7}]) == 7
+    assert steady_trained_tokens_per_step(metrics, warmup_steps=1) == 200
+    assert steady_trained_tokens_per_step(metrics, warmup_steps=2) == 100  # an asynchronous run's first A + 1
+    assert steady_trained_tokens_per_step([{"num_tokens": 7}], warmup_steps=1) == 7
 
 
 def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_alone():
@@ -200,3 +201,20 @@ def test_the_async_parts_staleness_bounds_must_be_distinct_and_positive(more, tm
     with pytest.raises(ConfigError, match=r"must be distinct and >= 1 .*--async-more-max-policy-ages"):
         main(args)
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_the_steady_state_starts_after_the_warmup_steps():
+    """An asynchronous run at staleness bound A leaves its first A + 1 steps out: the first fill's
+    deadlines fall there."""
+    import types
+
+    from forge_rl.bench.scale import _Probe
+
+    probe = _Probe(warmup_steps=3)
+    # (step, wall time, controller calls so far, rollouts' calls so far): slow start-up steps, then 1 s each.
+    probe.step_marks = [(1, 10.0, 5, 50), (2, 30.0, 8, 80), (3, 40.0, 11, 110), (4, 41.0, 14, 140), (5, 42.0, 17, 170)]
+    probe.pipeline = types.SimpleNamespace(rollouts_at_stop={"event_loop_lags_s": [], "calls": {}})
+    steady = probe.steady()
+    assert steady["steps_per_s"] == pytest.approx(1.0)
+    assert steady["controller_calls_per_step"] == pytest.approx(3.0)
+    assert _Probe(warmup_steps=1).warmup_steps == 1
