@@ -21,6 +21,7 @@ import ipaddress
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -379,11 +380,7 @@ def pin_this_process(cpus: tuple[int, ...] | None) -> list[int]:
     calling thread on Linux, not the runtime's threads already running. Returns the cores this
     process's main thread may run on now."""
     if cpus is not None:
-        for thread in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(thread), cpus)
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
+        _for_every_thread(lambda thread: os.sched_setaffinity(thread, cpus))
     return sorted(os.sched_getaffinity(0))
 
 
@@ -395,9 +392,14 @@ def yield_this_process() -> None:
     if not hasattr(os, "SCHED_IDLE"):
         os.nice(19)
         return
+    _for_every_thread(lambda thread: os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0)))
+
+
+def _for_every_thread(apply: Callable[[int], None]) -> None:
+    """`apply(thread id)` for each thread of this process running now (Linux's /proc)."""
     for thread in os.listdir("/proc/self/task"):
         try:
-            os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
+            apply(int(thread))
         except ProcessLookupError:  # the thread ended meanwhile
             pass
 

@@ -640,9 +640,7 @@ def waiting_straggler_floor(config: GRPOConfig, max_policy_age: int) -> tuple[fl
     Lwin x step_s(1) / (A + 1). Even a scheduler that knew every length in advance meets it; one
     that does not decodes the straggler among others, slower. Returns (floor, Lwin)."""
     longest = expected_longest_completion(config, num_steps=max_policy_age + 1)
-    sim = config.generator.sim
-    step_s = sim.latency.step_s(1, int(8 + longest / 2)) * sim.time_scale
-    return longest * step_s / (max_policy_age + 1), longest
+    return longest * _decode_step_s(config, 1, longest) / (max_policy_age + 1), longest
 
 
 def lost_prompts(accounting: dict, held_at_stop: dict) -> int:
