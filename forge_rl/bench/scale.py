@@ -440,7 +440,6 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
             config = _async_part_config(base, args, mode + suffix, max_policy_age, wait_for_stragglers)
             steady[mode], runs[mode] = run_probed(config, warmup_steps=max_policy_age + 1)
         per_age[max_policy_age] = _async_figures(config, max_policy_age, sync, runs, steady, args.async_generators)
-        per_age[max_policy_age]["sim_async_warmup_steps"] = max_policy_age + 1
     figures = dict(per_age[args.async_max_policy_age])
     figures["sim_by_max_policy_age"] = {
         str(age): {key: value for key, value in age_figures.items() if key not in ("sync", "async", "async_partial")}
@@ -491,6 +490,7 @@ def _async_figures(
     # The timeline analysis of bench async-vs-sync (busy times, pipeline efficiency); no reward to
     # time: a simulation learns nothing.
     per_mode = {mode: analyze(path, num_generators, target_reward=math.inf) for mode, path in runs.items()}
+    metrics = {mode: read_metrics(path) for mode, path in runs.items()}
     asynchronous = per_mode["async"]
     # Steady state: the first step (the first fill) excluded, as in the control-plane figures.
     wall_per_step = {"sync": sync["steady_wall_per_step_s"]}
@@ -520,7 +520,7 @@ def _async_figures(
     # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
     # steps per second alone would count the masked ones as trained.
     trained_per_step = {
-        mode: steady_trained_tokens_per_step(read_metrics(path), warmup_steps=max_policy_age + 1) for mode, path in runs.items()
+        mode: steady_trained_tokens_per_step(run_metrics, warmup_steps=max_policy_age + 1) for mode, run_metrics in metrics.items()
     }
     bound_tokens_per_s = sync["steady_trained_tokens_per_step"] / async_floor
 
@@ -532,7 +532,7 @@ def _async_figures(
         # Against the same bound: its straggler term bounds a run that waits for stragglers, so
         # one that does not can only come closer to the others.
         partial_speedup = wall_per_step["sync"] / wall_per_step["async_partial"]
-        last = read_metrics(runs["async_partial"])[-1]
+        last = metrics["async_partial"][-1]
         partial = {
             "sim_partial_async_speedup": partial_speedup,
             "sim_partial_efficiency_vs_bound": partial_speedup / bound,
@@ -545,6 +545,7 @@ def _async_figures(
         }
     return {
         "sim_max_policy_age": max_policy_age,
+        "sim_async_warmup_steps": max_policy_age + 1,
         "sim_async_speedup": speedup,
         "sim_async_speedup_bound": bound,
         "sim_efficiency_vs_bound": speedup / bound,
