@@ -30,6 +30,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
+from forge_rl import monarch_mends
 from forge_rl.deadlines import within
 from forge_rl.metrics import progress
 from forge_rl.proc_main import spawn_procs
@@ -173,6 +174,7 @@ async def start_hosts(config, model_dir) -> Hosts:
     spawned yet. Raises ConfigError (naming the host and the fix) if the placement cannot run."""
     launch: LaunchConfig = config.launch
     set_monarch_defaults()
+    monarch_mends.install()
     if launch.is_local:
         return Hosts(launch, demand_of(config))
     addresses, source = worker_addresses(launch)  # preflight checked them; they may have gone since

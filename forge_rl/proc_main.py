@@ -36,8 +36,10 @@ def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "Bootstrap
 def main() -> None:
     from monarch._src.actor.bootstrap_main import invoke_main
 
+    from forge_rl import monarch_mends
     from forge_rl.process_exit import exit_now
 
+    monarch_mends.install()
     # As Monarch's bootstrap does when run as a script: its processes start multiprocessing's
     # children from a forkserver, never by forking a process that runs Monarch's threads.
     if platform.system() == "Linux":

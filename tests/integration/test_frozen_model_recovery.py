@@ -36,9 +36,10 @@ from forge_rl.types import Completion, Episode
 
 pytestmark = pytest.mark.integration
 
-IN_FLIGHT_BOUND_S = 30.0
+IN_FLIGHT_BOUND_S = 120.0
 """How long the kill waits for the supervisor to report the call in flight (it is at once); the
-bound only turns a broken test into a failure, not a hang."""
+bound only turns a broken test into a failure, not a hang. A call that ends first fails the test
+at once, with what ended it."""
 
 
 def episodes() -> list[Episode]:
@@ -60,7 +61,11 @@ async def kill_under_a_call(supervisor) -> tuple[int, asyncio.Future]:
     call = asyncio.ensure_future(supervisor.token_logprobs.call_one(episodes()))
     deadline = time.monotonic() + IN_FLIGHT_BOUND_S
     while await supervisor.calls_in_flight.call_one() < 1:
-        assert time.monotonic() < deadline, f"the call was not in flight within {IN_FLIGHT_BOUND_S} s"
+        if call.done():  # answered or failed before it was seen in flight: say which, and why
+            raise AssertionError(f"the call ended before it was in flight: {call.exception() or call.result()!r}")
+        if time.monotonic() > deadline:
+            events = await supervisor.recovery_events.call_one()
+            raise AssertionError(f"the call was not in flight within {IN_FLIGHT_BOUND_S} s; recoveries: {events}")
         await asyncio.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     return pid, call
