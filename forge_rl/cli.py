@@ -26,6 +26,10 @@ _SUBCOMMANDS = {
     "worker": "Serve this host to multi-host runs: a Monarch worker on tcp://HOSTNAME:PORT (docs/multi_host.md).",
 }
 
+_CLIENT_SHUTDOWN_S = 5.0
+"""How long the controller's exit lets Monarch's client shut down (its own atexit handler allows 1 s,
+which a loaded machine overran after a Ctrl-C: forge_rl/process_exit.py)."""
+
 _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
     f"  {name:<18} {text}" for name, text in _SUBCOMMANDS.items()
 ) + "\n\n`forge-rl SUBCOMMAND --help` lists every flag with its meaning."
@@ -57,9 +61,11 @@ def run(argv: list[str] | None = None) -> None:
         _run_subcommand(command, args)
     finally:
         if "monarch._src.actor.actor_mesh" in sys.modules:  # the command started Monarch
-            from forge_rl.lifecycle import shut_monarch_client_down
+            from forge_rl.process_exit import shut_monarch_client_down
 
-            shut_monarch_client_down()
+            if not shut_monarch_client_down(host_timeout_s=1.0, timeout_s=_CLIENT_SHUTDOWN_S):
+                print(f"[forge-rl] Monarch's client did not finish shutting down within {_CLIENT_SHUTDOWN_S:g} s; "
+                      "exiting anyway", file=sys.stderr, flush=True)
 
 
 def _run_subcommand(command: str, args: list[str]) -> None:

@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import glob
 import json
-import signal
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -401,26 +399,3 @@ class Lifecycle:
         }
         (self.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-
-def shut_monarch_client_down(timeout_s: float = 5.0) -> None:
-    """Shut this process's Monarch client down now, with time to do it. Monarch otherwise does it
-    at interpreter exit, allowing 1 s, and on a loaded machine (after a Ctrl-C, say) its flushes
-    took longer: the run had stopped cleanly, and the exit printed a TimeoutError traceback.
-
-    SIGINT is ignored meanwhile: the run has stopped and this wait is bounded. A SIGINT arriving
-    during it, after a clean stop on a SIGTERM sent to the controller alone (test_shutdown, a loaded
-    machine; the sender untraced: Monarch's teardown signals process groups with killpg, and a run
-    started in a session of its own is its processes' group), raised a KeyboardInterrupt out of the
-    wait, and a traceback."""
-    from monarch.actor import shutdown_context
-
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-    try:
-        shutdown_context(host_timeout=1.0).get(timeout=timeout_s)
-    except TimeoutError:
-        progress(f"Monarch's client did not finish shutting down within {timeout_s:g} s; exiting anyway")
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)

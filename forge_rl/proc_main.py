@@ -37,7 +37,7 @@ def main() -> None:
     from monarch._src.actor.bootstrap_main import invoke_main
 
     from forge_rl import monarch_mends
-    from forge_rl.process_exit import exit_now
+    from forge_rl.process_exit import exit_now, shut_monarch_client_down
 
     monarch_mends.install()
     # As Monarch's bootstrap does when run as a script: its processes start multiprocessing's
@@ -51,23 +51,8 @@ def main() -> None:
         invoke_main()  # returns by sys.exit(the proc's exit code) once Monarch stopped the proc
     except SystemExit as stop:
         code = stop.code
-    _shut_monarch_client_down()
+    shut_monarch_client_down(host_timeout_s=0.3, timeout_s=1.0)  # a process that spawned none returns at once
     exit_now(code)
-
-
-def _shut_monarch_client_down() -> None:
-    """Shut down the Monarch client this process may have started (one that spawns procs of its
-    own), as Monarch's atexit handler would, with the same bounds, but without its traceback: on a
-    loaded machine the handler's 1 s ran out during a run's stop and printed a TimeoutError
-    (test_shutdown, two pytest workers beside a busy loop), though the process was ending anyway.
-    Monarch's later calls, the handler's included, return at once once a shutdown has begun. A
-    process without a client returns at once here too."""
-    from monarch.actor import shutdown_context
-
-    try:
-        shutdown_context(host_timeout=0.3).get(timeout=1.0)
-    except TimeoutError:
-        pass  # the shutdown goes on natively until the process exits, as it would have
 
 
 if __name__ == "__main__":
