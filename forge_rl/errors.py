@@ -14,6 +14,9 @@ Fatal: the run stops, every process of it is shut down, and the message says wha
                      expensive starts (forge_rl/config.py, forge_rl/preflight.py).
     ProcessDied      a trainer rank or a service process died; the message names the command
                      that resumes the run (forge_rl/lifecycle.py).
+    ProcessNotStarted  a process of the run showed no progress in starting for Monarch's spawn
+                     bound (HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE); the message names the setting
+                     (forge_rl/launch.py `spawn_timed_out`, forge_rl/lifecycle.py).
     TrainStepTimedOut  a train step outlived train_step_timeout_s (a hung rank or collective); the
                      message names the flag that raises it and the command that resumes the run.
     ScorerFailed     the scorer died more than scorer.max_restarts times (a crash on every start, or
@@ -68,6 +71,11 @@ class ScorerFailed(RuntimeError):
 
 class ProcessDied(RuntimeError):
     """A process of the run (a trainer rank, or the services) died; the message says how to resume."""
+
+
+class ProcessNotStarted(RuntimeError):
+    """A process of the run did not start within Monarch's spawn bound; the message names the
+    setting that allows longer and what to look at."""
 
 
 class TrainStepTimedOut(RuntimeError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -50,7 +51,7 @@ from forge_rl.placement import (
     reference_hosts,
     worker_addresses,
 )
-from forge_rl.errors import ConfigError
+from forge_rl.errors import ConfigError, raised_by_actor
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPlacement
@@ -65,6 +66,20 @@ MONARCH_DEFAULTS = {
     "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "180s",
 }
 """Monarch settings of forge_rl's, set as environment defaults (`set_monarch_defaults`)."""
+
+
+_SPAWN_TIMED_OUT = re.compile(r"error spawning proc mesh: statuses: Timeout\(([0-9.]+)s\)")
+"""How torchmonarch 0.7 reports a process that showed no progress in starting (its ValueError)."""
+
+
+def spawn_timed_out(error: BaseException) -> float | None:
+    """The seconds Monarch waited if `error` (a spawn's, or an endpoint's whose actor spawned,
+    wrapped in ActorError) says a process of a mesh showed no progress in starting for
+    HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE; else None."""
+    for text in (str(error), str(raised_by_actor(error))):
+        if match := _SPAWN_TIMED_OUT.search(text):
+            return float(match[1])
+    return None
 
 
 def set_monarch_defaults() -> None:

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import glob
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -41,7 +42,7 @@ from forge_rl.checkpoint import (
     resume_hint,
 )
 from forge_rl.deadlines import within
-from forge_rl.errors import ProcessDied, TrainStepTimedOut
+from forge_rl.errors import ProcessDied, ProcessNotStarted, TrainStepTimedOut
 from forge_rl.metrics import MetricsLogger, open_sinks, progress, run_summary
 from forge_rl.reaper import Reaper
 from forge_rl.replies import rank_zero
@@ -190,11 +191,21 @@ class Lifecycle:
         self._store_reaper.dismiss()
 
     def _translated(self, error: BaseException) -> BaseException:
-        """The exception the run ends with: ProcessDied for a dead process, a hung train step's
-        TrainStepTimedOut with the resume command in its message, else `error` with the resume
+        """The exception the run ends with: ProcessNotStarted for a process Monarch could not start,
+        ProcessDied for a dead process, a hung train step's TrainStepTimedOut with the resume
+        command in its message, else `error` with the resume
         command attached (a Ctrl-C or SIGTERM prints it)."""
         remove_unstarted_run_dir(self.run_path)  # a run that trained no step leaves nothing to resume from
         hint = resume_hint(self.run_path, self.config.checkpoint)
+        if isinstance(error, Exception) and (waited_s := launch.spawn_timed_out(error)) is not None:
+            setting = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
+            return ProcessNotStarted(
+                f"a process of run {self.run_path} did not start: Monarch saw no progress in starting it for "
+                f"{waited_s:.0f} s ({setting}={os.environ.get(setting, launch.MONARCH_DEFAULTS[setting])}), so the "
+                "run stopped. Either the machine was too busy to start it in time (run again when it is less "
+                f"busy, or allow longer with {setting}=600s in the environment), or it hung while starting "
+                f"(Monarch's log, named at the run's start, says which). {hint}"
+            )
         if self.process_failures or (isinstance(error, Exception) and launch.is_process_failure(error)):
             cause = self.process_failures[0] if self.process_failures else f"{type(error).__name__}: {error}"
             return ProcessDied(f"a process of run {self.run_path} died ({cause}); the run stopped. {hint}")

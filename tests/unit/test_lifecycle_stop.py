@@ -13,7 +13,7 @@ import pytest
 
 from forge_rl import lifecycle as lifecycle_module
 from forge_rl.config import GRPOConfig
-from forge_rl.errors import ProcessDied
+from forge_rl.errors import ProcessDied, ProcessNotStarted
 
 
 class FakeStore:
@@ -98,3 +98,27 @@ def test_a_death_reported_after_the_error_it_caused_still_stops_the_run_as_a_dea
 
     with pytest.raises(ProcessDied, match="trainer-0: process exited with signal 9"):
         asyncio.run(a_call_fails())
+
+
+def test_a_process_monarch_could_not_start_stops_the_run_naming_the_setting_that_allows_longer(tmp_path, monkeypatch):
+    # As the generator pool's start raised it when a generator's process showed no progress in
+    # starting (two busy loops beside the suite): Monarch's ValueError inside the call's ActorError.
+    from monarch._src.actor.actor_mesh import ActorError
+
+    from forge_rl.launch import MONARCH_DEFAULTS
+
+    monkeypatch.delenv("HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE", raising=False)
+    hooks: dict = {}
+    lifecycle = a_lifecycle(tmp_path, monkeypatch, hooks)
+    spawn_failure = ValueError("error spawning proc mesh: statuses: Timeout(180.002270958s)=0..1")
+
+    async def a_process_never_starts():
+        async with lifecycle.owning_processes():
+            raise ActorError(spawn_failure, "Actor call generators.start failed.")
+
+    with pytest.raises(ProcessNotStarted) as stopped:
+        asyncio.run(a_process_never_starts())
+    message = str(stopped.value)
+    setting = f"HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE={MONARCH_DEFAULTS['HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE']}"
+    assert "did not start" in message and "for 180 s" in message and setting in message
+    assert "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE=600s" in message
