@@ -527,6 +527,7 @@ def _async_figures(
     def token_efficiency(mode: str) -> float:
         return trained_per_step[mode] / wall_per_step[mode] / bound_tokens_per_s
 
+    masking = whole_group_masking_ceiling(config, tokens_per_step, sync_train, max_policy_age)
     partial = {}
     if "async_partial" in runs:
         # Against the same bound: its straggler term bounds a run that waits for stragglers, so
@@ -537,6 +538,11 @@ def _async_figures(
             "sim_partial_async_speedup": partial_speedup,
             "sim_partial_efficiency_vs_bound": partial_speedup / bound,
             "sim_partial_token_efficiency_vs_bound": token_efficiency("async_partial"),
+            # What a run that trains whole groups can reach in trained tokens with uniform batches.
+            "sim_partial_token_efficiency_ceiling": masking["ceiling"],
+            "sim_partial_ceiling_batch_sequences": masking["batch"],
+            "sim_partial_ceiling_masked_fraction": masking["masked_fraction"],
+            "sim_partial_ceiling_masked_by_own_length_fraction": masking["masked_by_own_length_fraction"],
             "sim_partial_async_wall_per_step_s": wall_per_step["async_partial"],
             # Generated tokens that reached no loss: over-age tokens masked, completions dropped.
             "sim_partial_dropped_token_fraction": last["buffer/dropped_tokens"] / last[GENERATED_TOKENS_TOTAL],
@@ -642,6 +648,42 @@ def waiting_straggler_floor(config: GRPOConfig, max_policy_age: int) -> tuple[fl
     that does not decodes the straggler among others, slower. Returns (floor, Lwin)."""
     longest = expected_longest_completion(config, num_steps=max_policy_age + 1)
     return longest * _decode_step_s(config, 1, longest) / (max_policy_age + 1), longest
+
+
+def whole_group_masking_ceiling(
+    config: GRPOConfig, tokens_per_step: float, train_s: float, max_policy_age: int, groups: int = 20_000, seed: int = 0
+) -> dict:
+    """What partial rollouts (over-age tokens masked) can reach in tokens that reached the loss,
+    when a group trains only once its last completion ends (GRPO's baseline needs all of it) and
+    every engine decodes batches of one size B: a token may be at most A versions old when trained,
+    so of a group whose last completion ends late, the tokens of every member generated more than
+    (A + 1) x step before that end are masked, the short members' included. For each B, the step
+    is max(T, Gen(B)), a sequence gains a token per decode step step_s(B), and the masked fraction
+    is measured on `groups` groups of the simulated lengths (`SimEngineConfig.draw_length`, seeded);
+    the ceiling is the best B's (trained tokens per second over the bound's, at most 1 per step).
+    A scheduler that decoded the long completions on emptier engines could mask less; one that
+    trains no group whole is not GRPO. Returns the ceiling, its B, its masked fraction, and the
+    masked fraction by each completion's own length alone (what the group's wait adds is the rest)."""
+    import numpy as np
+
+    sim, cut, size = config.generator.sim, config.generator.max_new_tokens, config.group_size
+    rng = random.Random(seed)
+    lengths = np.array([[sim.draw_length(rng, cut) for _ in range(size)] for _ in range(groups)], dtype=float)
+    group_end = lengths.max(axis=1, keepdims=True)
+    total = lengths.sum()
+    mean_completion = tokens_per_step / (config.prompts_per_step * size)
+    best = None
+    for batch in range(1, config.generator.max_num_seqs + 1):
+        token_s = _decode_step_s(config, batch, mean_completion)
+        step_s = max(train_s, tokens_per_step / (config.num_generators * batch) * token_s)
+        window = (max_policy_age + 1) * step_s / token_s  # tokens a sequence gains while A + 1 steps pass
+        masked = np.minimum(lengths, np.maximum(group_end - window, 0.0)).sum() / total
+        ceiling = train_s / step_s * (1.0 - masked)
+        if best is None or ceiling > best[0]:
+            own = np.minimum(lengths, np.maximum(lengths - window, 0.0)).sum() / total
+            best = (ceiling, batch, masked, own)
+    ceiling, batch, masked, own = best
+    return {"ceiling": float(ceiling), "batch": batch, "masked_fraction": float(masked), "masked_by_own_length_fraction": float(own)}
 
 
 def lost_prompts(accounting: dict, held_at_stop: dict) -> int:

@@ -192,6 +192,22 @@ def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_al
     assert wider < floor
 
 
+def test_whole_groups_mask_their_short_members_tokens_while_they_wait_for_the_last():
+    """At the bench's workload (the synchronous run's tokens and train step of 2026-11-29): at A = 8 a group waiting for its last completion masks
+    about three times what each completion's own length would, and the ceiling in trained tokens
+    lies near 0.9; at A = 16 nothing need be masked; without spread in the lengths, nothing either."""
+    from forge_rl.bench.scale import whole_group_masking_ceiling
+
+    config = _sim_config(time_scale=1.0)
+    workload = dict(tokens_per_step=110_000, train_s=2.26, groups=4_000)
+    at_8 = whole_group_masking_ceiling(config, max_policy_age=8, **workload)
+    assert 0 < at_8["masked_by_own_length_fraction"] < at_8["masked_fraction"] < 0.2
+    assert at_8["ceiling"] == pytest.approx(1 - at_8["masked_fraction"], rel=0.01)  # a step at the train step's pace
+    assert 1 < at_8["batch"] < config.generator.max_num_seqs
+    assert whole_group_masking_ceiling(config, max_policy_age=16, **workload)["masked_fraction"] == 0
+    assert whole_group_masking_ceiling(_sim_config(time_scale=1.0, length_sigma=0.0), max_policy_age=8, **workload)["ceiling"] == 1
+
+
 @pytest.mark.parametrize("more", [(8,), (0,)])
 def test_the_async_parts_staleness_bounds_must_be_distinct_and_positive(more, tmp_path):
     from forge_rl.bench.scale import ScaleArgs, main
