@@ -1,7 +1,8 @@
-"""The entry point of every process forge_rl spawns on a Monarch host: Monarch's own bootstrap
-(`monarch._src.actor.bootstrap_main`), ended by `forge_rl.process_exit.exit_now` instead of the
-interpreter's finalization, which spent 2-3 s collecting garbage at the end of every run
-(forge_rl/process_exit.py). Spawn with `spawn_procs`."""
+"""The entry point of every process forge_rl spawns on a Monarch host: torchmonarch's races mended
+(forge_rl/monarch_mends.py), then Monarch's own bootstrap (`monarch._src.actor.bootstrap_main`),
+ended by `forge_rl.process_exit.exit_now` instead of the interpreter's finalization, which spent
+2-3 s collecting garbage at the end of every run (forge_rl/process_exit.py). Spawn with
+`spawn_procs`."""
 
 from __future__ import annotations
 
