@@ -63,9 +63,8 @@ def run(argv: list[str] | None = None) -> None:
         if "monarch._src.actor.actor_mesh" in sys.modules:  # the command started Monarch
             from forge_rl.process_exit import shut_monarch_client_down
 
-            if not shut_monarch_client_down(host_timeout_s=1.0, timeout_s=_CLIENT_SHUTDOWN_S):
-                print(f"[forge-rl] Monarch's client did not finish shutting down within {_CLIENT_SHUTDOWN_S:g} s; "
-                      "exiting anyway", file=sys.stderr, flush=True)
+            if (unfinished := shut_monarch_client_down(host_timeout_s=1.0, timeout_s=_CLIENT_SHUTDOWN_S)) is not None:
+                print(f"[forge-rl] Monarch's client {unfinished}; exiting anyway", file=sys.stderr, flush=True)
 
 
 def _run_subcommand(command: str, args: list[str]) -> None:

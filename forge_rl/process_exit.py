@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
 import threading
 
@@ -51,28 +50,26 @@ def exit_now(code: object = 0) -> None:
     os._exit(status)
 
 
-def shut_monarch_client_down(host_timeout_s: float, timeout_s: float) -> bool:
+def shut_monarch_client_down(host_timeout_s: float, timeout_s: float) -> str | None:
     """Shut down the Monarch client this process may have started (one that spawns procs), now and
     within `timeout_s`, as Monarch's atexit handler would, which allows 1 s and on a loaded machine
     ran out during a run's stop, printing a TimeoutError traceback though the run had stopped
-    cleanly. Returns False if it did not finish in time: it goes on natively until the process
-    exits, as it would have. Monarch's later calls, the handler's included, return at once once a
-    shutdown has begun; a process without a client returns at once here too.
+    cleanly. Returns None once it finished, else why it stopped waiting: the shutdown goes on
+    natively until the process exits, as it would have. Monarch's later calls, the handler's
+    included, return at once once a shutdown has begun; a process without a client returns at
+    once here too.
 
-    SIGINT is ignored meanwhile (in the main thread): the work is done and this wait is bounded. A
-    SIGINT arriving during it, after a clean stop on a SIGTERM sent to the controller alone
-    (test_shutdown, a loaded machine; the sender untraced: Monarch's teardown signals process groups
-    with killpg, and a run started in a session of its own is its processes' group), raised a
-    KeyboardInterrupt out of the wait, and a traceback."""
+    A SIGINT during the wait ends the wait, not the exit: after a clean stop on a SIGTERM sent to
+    the controller alone, one arrived there (test_shutdown, a loaded machine; the sender untraced:
+    Monarch's teardown signals process groups with killpg, and a run started in a session of its
+    own is its processes' group) and its KeyboardInterrupt printed a traceback. Ignoring SIGINT
+    instead kept the wait going to its bound, and the run past its 10 s to stop."""
     from monarch.actor import shutdown_context
 
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
         shutdown_context(host_timeout=host_timeout_s).get(timeout=timeout_s)
-        return True
+        return None
     except TimeoutError:
-        return False
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        return f"did not finish shutting down within {timeout_s:g} s"
+    except KeyboardInterrupt:
+        return "was interrupted (SIGINT) while shutting down"
