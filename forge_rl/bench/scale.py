@@ -527,11 +527,11 @@ def _async_figures(
     def token_efficiency(mode: str) -> float:
         return trained_per_step[mode] / wall_per_step[mode] / bound_tokens_per_s
 
-    masking = whole_group_masking_ceiling(config, tokens_per_step, sync_train, max_policy_age)
     partial = {}
     if "async_partial" in runs:
         # Against the same bound: its straggler term bounds a run that waits for stragglers, so
         # one that does not can only come closer to the others.
+        masking = whole_group_masking_ceiling(config, tokens_per_step, sync_train, max_policy_age)
         partial_speedup = wall_per_step["sync"] / wall_per_step["async_partial"]
         last = metrics["async_partial"][-1]
         partial = {
@@ -598,8 +598,15 @@ def _generation_s(config: GRPOConfig, tokens_per_step: float) -> float:
     (every rollout loop's group in flight): tokens / (G x B / step_s(B, B x c)), with B sequences
     per engine and c the mean context of a sequence (prompt + half a completion)."""
     batch = min(config.prompts_in_flight_per_generator * config.group_size, config.generator.max_num_seqs)
+    return _batch_timing(config, tokens_per_step, batch)[1]
+
+
+def _batch_timing(config: GRPOConfig, tokens_per_step: float, batch: int) -> tuple[float, float]:
+    """At `batch` sequences per engine: (its decode step step_s(B), the engines' time Gen(B) for a
+    step's `tokens_per_step`)."""
     mean_completion = tokens_per_step / (config.prompts_per_step * config.group_size)
-    return tokens_per_step / (config.num_generators * batch) * _decode_step_s(config, batch, mean_completion)
+    step_s = _decode_step_s(config, batch, mean_completion)
+    return step_s, tokens_per_step / (config.num_generators * batch) * step_s
 
 
 def expected_longest_completion(config: GRPOConfig, num_steps: int = 1) -> float:
@@ -629,13 +636,17 @@ def uniform_batch_floor(
     batch generates a step's tokens sooner (Gen falls) but decodes each sequence's tokens slower,
     the step's longest completion (`longest` = Lmax tokens, `expected_longest_completion`, which
     must be trained within A + 1 versions of its admission) among them. Returns (floor, B)."""
-    mean_completion = tokens_per_step / (config.prompts_per_step * config.group_size)
-    floors = []
-    for batch in range(1, config.generator.max_num_seqs + 1):
-        step_s = _decode_step_s(config, batch, mean_completion)
-        generate = tokens_per_step / (config.num_generators * batch) * step_s
-        floors.append((max(train_s, generate, longest * step_s / (max_policy_age + 1)), batch))
+    floors = [
+        (max(train_s, generate, longest * step_s / (max_policy_age + 1)), batch)
+        for batch, step_s, generate in _uniform_batches(config, tokens_per_step)
+    ]
     return min(floors)
+
+
+def _uniform_batches(config: GRPOConfig, tokens_per_step: float):
+    """For each batch size B an engine may keep: (B, step_s(B), Gen(B)), as `_batch_timing`."""
+    for batch in range(1, config.generator.max_num_seqs + 1):
+        yield batch, *_batch_timing(config, tokens_per_step, batch)
 
 
 def waiting_straggler_floor(config: GRPOConfig, max_policy_age: int) -> tuple[float, float]:
@@ -671,11 +682,9 @@ def whole_group_masking_ceiling(
     lengths = np.array([[sim.draw_length(rng, cut) for _ in range(size)] for _ in range(groups)], dtype=float)
     group_end = lengths.max(axis=1, keepdims=True)
     total = lengths.sum()
-    mean_completion = tokens_per_step / (config.prompts_per_step * size)
     best = None
-    for batch in range(1, config.generator.max_num_seqs + 1):
-        token_s = _decode_step_s(config, batch, mean_completion)
-        step_s = max(train_s, tokens_per_step / (config.num_generators * batch) * token_s)
+    for batch, token_s, generate in _uniform_batches(config, tokens_per_step):
+        step_s = max(train_s, generate)
         window = (max_policy_age + 1) * step_s / token_s  # tokens a sequence gains while A + 1 steps pass
         masked = np.minimum(lengths, np.maximum(group_end - window, 0.0)).sum() / total
         ceiling = train_s / step_s * (1.0 - masked)

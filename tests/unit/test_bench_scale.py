@@ -193,9 +193,10 @@ def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_al
 
 
 def test_whole_groups_mask_their_short_members_tokens_while_they_wait_for_the_last():
-    """At the bench's workload (the synchronous run's tokens and train step of 2026-11-29): at A = 8 a group waiting for its last completion masks
-    about three times what each completion's own length would, and the ceiling in trained tokens
-    lies near 0.9; at A = 16 nothing need be masked; without spread in the lengths, nothing either."""
+    """At the bench's workload (the synchronous run's tokens and train step of 2026-11-29): at A = 8
+    a group waiting for its last completion masks about three times what each completion's own
+    length would, and the ceiling in trained tokens lies near 0.9; at A = 16 nothing need be
+    masked; without spread in the lengths, nothing either."""
     from forge_rl.bench.scale import whole_group_masking_ceiling
 
     config = _sim_config(time_scale=1.0)

@@ -93,4 +93,3 @@ def test_with_the_mend_the_second_thread_waits_for_the_build_and_both_messages_p
     first.join(WAIT_S)
     second.join(WAIT_S)
     assert results == {"first": {"sent_by": "first"}, "second": {"sent_by": "second"}}
-
