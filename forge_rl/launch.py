@@ -59,11 +59,14 @@ if TYPE_CHECKING:
 # Within the 4 s the recipe's shutdown gives all meshes: procs first, the rest to release the hosts.
 _STOP_TIMEOUT_S = 3.0
 
+SPAWN_MAX_IDLE = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
+"""Monarch's bound on a process spawn that shows no progress (`spawn_timed_out`)."""
+
 MONARCH_DEFAULTS = {
     # Monarch gives up on a process spawn that shows no progress for 30 s. 128 generator processes
     # starting at once on 2 busy cores took longer (`forge-rl bench scale`, control plane and
     # faults at G = 128); a spawn that truly hangs still fails, after 3 minutes.
-    "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE": "180s",
+    SPAWN_MAX_IDLE: "180s",
 }
 """Monarch settings of forge_rl's, set as environment defaults (`set_monarch_defaults`)."""
 
@@ -75,7 +78,7 @@ _SPAWN_TIMED_OUT = re.compile(r"error spawning proc mesh: statuses: Timeout\(([0
 def spawn_timed_out(error: BaseException) -> float | None:
     """The seconds Monarch waited if `error` (a spawn's, or an endpoint's whose actor spawned,
     wrapped in ActorError) says a process of a mesh showed no progress in starting for
-    HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE; else None."""
+    SPAWN_MAX_IDLE; else None."""
     for text in (str(error), str(raised_by_actor(error))):
         if match := _SPAWN_TIMED_OUT.search(text):
             return float(match[1])

@@ -193,12 +193,12 @@ class Lifecycle:
     def _translated(self, error: BaseException) -> BaseException:
         """The exception the run ends with: ProcessNotStarted for a process Monarch could not start,
         ProcessDied for a dead process, a hung train step's TrainStepTimedOut with the resume
-        command in its message, else `error` with the resume
-        command attached (a Ctrl-C or SIGTERM prints it)."""
+        command in its message, else `error` with the resume command attached (a Ctrl-C or
+        SIGTERM prints it)."""
         remove_unstarted_run_dir(self.run_path)  # a run that trained no step leaves nothing to resume from
         hint = resume_hint(self.run_path, self.config.checkpoint)
         if isinstance(error, Exception) and (waited_s := launch.spawn_timed_out(error)) is not None:
-            setting = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
+            setting = launch.SPAWN_MAX_IDLE
             return ProcessNotStarted(
                 f"a process of run {self.run_path} did not start: Monarch saw no progress in starting it for "
                 f"{waited_s:.0f} s ({setting}={os.environ.get(setting, launch.MONARCH_DEFAULTS[setting])}), so the "
