@@ -15,9 +15,11 @@ import asyncio
 import dataclasses
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from monarch.actor import this_host
@@ -38,8 +40,15 @@ pytestmark = pytest.mark.integration
 
 IN_FLIGHT_BOUND_S = 120.0
 """How long the kill waits for the supervisor to report the call in flight (it is at once); the
-bound only turns a broken test into a failure, not a hang. A call that ends first fails the test
-at once, with what ended it."""
+bound only turns a broken test into a failure, not a hang."""
+
+HOLD_ATTEMPTS = 3
+"""Stops and calls before the kill gives up holding a call in flight. Once in CI (2026-11-29) a
+call to the stopped process was answered before the supervisor reported it in flight, with no
+restart recorded: the stop had not held it, cause not found (not reproduced here: no restart, no
+Monarch report of a stopped process in 10 s, its parent alive so its group is not orphaned).
+The kill then stops it and sends the call again, saying so on stderr; a call answered by a
+replacement (a restart recorded) still fails the test."""
 
 
 def episodes() -> list[Episode]:
@@ -53,22 +62,40 @@ def episodes() -> list[Episode]:
     ]
 
 
+def _status(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+
+
 async def kill_under_a_call(supervisor) -> tuple[int, asyncio.Future]:
     """SIGKILL the frozen model's (last) process while a call to it is in flight; returns its pid
     and the call."""
-    pid = (await supervisor.processes.call_one())[-1]
-    os.kill(pid, signal.SIGSTOP)  # it takes no more messages: the call sent now stays in flight
-    call = asyncio.ensure_future(supervisor.token_logprobs.call_one(episodes()))
-    deadline = time.monotonic() + IN_FLIGHT_BOUND_S
-    while await supervisor.calls_in_flight.call_one() < 1:
-        if call.done():  # answered or failed before it was seen in flight: say which, and why
-            raise AssertionError(f"the call ended before it was in flight: {call.exception() or call.result()!r}")
-        if time.monotonic() > deadline:
-            events = await supervisor.recovery_events.call_one()
-            raise AssertionError(f"the call was not in flight within {IN_FLIGHT_BOUND_S} s; recoveries: {events}")
-        await asyncio.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    return pid, call
+    recoveries = len(await supervisor.recovery_events.call_one())
+    unheld = []
+    for _ in range(HOLD_ATTEMPTS):
+        pid = (await supervisor.processes.call_one())[-1]
+        os.kill(pid, signal.SIGSTOP)  # it takes no more messages: the call sent now stays in flight
+        call = asyncio.ensure_future(supervisor.token_logprobs.call_one(episodes()))
+        deadline = time.monotonic() + IN_FLIGHT_BOUND_S
+        while await supervisor.calls_in_flight.call_one() < 1 and not call.done():
+            if time.monotonic() > deadline:
+                events = await supervisor.recovery_events.call_one()
+                raise AssertionError(f"the call was not in flight within {IN_FLIGHT_BOUND_S} s; recoveries: {events}")
+            await asyncio.sleep(0.05)
+        if not call.done():
+            os.kill(pid, signal.SIGKILL)
+            return pid, call
+        events = await supervisor.recovery_events.call_one()
+        unheld.append(
+            f"the call ended before it was in flight ({call.exception() or 'answered'}); stopped pid {pid} is "
+            f"{_status(pid)}, serving now {await supervisor.processes.call_one()}"
+        )
+        print(f"kill_under_a_call: {unheld[-1]}; sending it again", file=sys.stderr)
+        if call.exception() is not None or len(events) > recoveries:
+            raise AssertionError(f"{unheld[-1]}; recoveries: {events}")
+    raise AssertionError(f"no call held in flight in {HOLD_ATTEMPTS} attempts: {unheld}")
 
 
 def test_a_killed_reference_model_is_restarted_and_answers_the_call_in_flight_until_max_restarts(model_dir):
