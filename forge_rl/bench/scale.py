@@ -28,7 +28,8 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
        generator_rss_mib           resident memory of one generator process (its actor and the
                                    simulated engine in it), the mean over generators
 2. Async vs sync on a long-tail workload with the default GPU calibration (Qwen3-8B decode on one
-   H100 per generator, a Qwen3-8B step on 8 H100s): forge-rl bench async-vs-sync's analysis of both
+   H100 per generator, a Qwen3-8B step on 8 H100s; `async_prompts_per_step` x 8 completions a
+   step, log-normal lengths cut at 4,096 tokens): forge-rl bench async-vs-sync's analysis of both
    runs (speedup, pipeline efficiency), and the analytic bound of docs/benchmarks.md:
        sync step  = straggler + train          (the slowest completion of the step's batch, then the step)
        async step >= max(train, generate, straggler / (A + 1))
@@ -114,25 +115,35 @@ class ScaleArgs:
     faster than the GPUs would; the control plane's own costs then weigh ten times more)."""
     async_time_scale: float = 1.0
     """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
-    as they are (its five runs take about 21 minutes). Faster, the 2 shared cores that run the
+    as they are (its five runs take about 25 minutes). Faster, the 2 shared cores that run the
     control plane, eight simulated engines and the trainer's process become what limits the
     asynchronous runs, not the schedule (docs/benchmarks.md, "Partial rollouts")."""
     async_generators: int = 8
     """Generators of the async-vs-sync part."""
-    async_steps: int = 30
-    """Train steps per run of the async-vs-sync part, the first left out of the steady-state figures.
-    An asynchronous run at staleness bound A trains A more, and leaves its first A + 1 out: the
-    gate's first fill is admitted at version 0, and those groups' deadlines (and their longest
-    completions' stalls) all fall within the first A + 1 steps, a start-up transient that 30 steps
-    at A = 16 would half consist of (docs/benchmarks.md, "Staleness bounds")."""
+    async_prompts_per_step: int = 128
+    """Prompts per train step of the async-vs-sync part (x group_size 8: 1,024 completions, a
+    Qwen3-8B step of about 7.5 s on 8 H100s). A staleness bound counts train steps, and the
+    workload's longest completions (cut at 4,096 tokens) take 36-39 s decoded at the batch the
+    engines need: at 32 prompts a step (2.26 s) they span 17 steps, so no run that waits for them
+    keeps pace below A = 16 (docs/benchmarks.md, "Staleness bounds"); at 128 they fit in the
+    A + 1 = 9 steps of the headline A = 8."""
+    async_steps: int = 20
+    """Train steps per asynchronous run of the async-vs-sync part, the first left out of the
+    steady-state figures. An asynchronous run at staleness bound A trains A more, and leaves its
+    first A + 1 out: the gate's first fill is admitted at version 0, and those groups' deadlines
+    (and their longest completions' stalls) all fall within the first A + 1 steps, a start-up
+    transient (docs/benchmarks.md, "Staleness bounds")."""
+    async_sync_steps: int = 8
+    """Train steps of the async-vs-sync part's synchronous run, the first left out: every step has
+    the same shape (its slowest completion, then the train step; about 50 s at 128 prompts)."""
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous runs whose figures are the headline ones."""
-    async_more_max_policy_ages: tuple[int, ...] = (16,)
-    """More staleness bounds, each with its own asynchronous runs (about 2.5 minutes each at time
-    scale 1) against the same synchronous run: `sim_by_max_policy_age` in the figures. At the
-    headline A = 8 the workload's longest completions (cut at 4,096 tokens, in nearly every window
-    of A + 1 steps) keep any run that waits for them below 0.75 of the bound
-    (`sim_efficiency_vs_waiting_bound`); at A = 16 they no longer do (docs/benchmarks.md)."""
+    async_more_max_policy_ages: tuple[int, ...] = (4,)
+    """More staleness bounds, each with its own asynchronous runs (about 3 minutes each at time
+    scale 1) against the same synchronous run: `sim_by_max_policy_age` in the figures. At A = 4 the
+    workload's longest completions (cut at 4,096 tokens), decoded at the engines' batch, about fill
+    the A + 1 = 5 train steps they may span: where the tail starts to set the pace. (At 32 prompts a
+    step they kept a waiting run below 0.75 of the bound at A = 8, docs/benchmarks.md.)"""
     skip_async_vs_sync: bool = False
     skip_partial_rollouts: bool = False
     """Skip the async-vs-sync part's third run: asynchronous with partial rollouts
@@ -423,7 +434,8 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     The asynchronous runs at `async_max_policy_age` give the headline figures; those at each of
     `async_more_max_policy_ages` go under `sim_by_max_policy_age`, against the same sync run."""
     progress(f"bench scale: sync run, {args.async_generators} simulated generators")
-    sync_steady, sync_run = run_probed(_async_part_config(base, args, "sync", 0, wait_for_stragglers=True))
+    sync_config = dataclasses.replace(_async_part_config(base, args, "sync", 0, wait_for_stragglers=True), steps=args.async_sync_steps)
+    sync_steady, sync_run = run_probed(sync_config)
     sync = analyze(sync_run, args.async_generators, target_reward=math.inf)
     sync["steady_wall_per_step_s"] = 1.0 / sync_steady["steps_per_s"]
     sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run), warmup_steps=1)
@@ -449,18 +461,18 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
 
 
 def _async_part_config(base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_age: int, wait_for_stragglers: bool) -> GRPOConfig:
+    prompts_per_step = args.async_prompts_per_step
     return dataclasses.replace(
         base,
         run_dir=args.out_dir / "async_vs_sync" / mode,
         run_name=None,
-        # The same steady-state steps in every run: after the first step, or after an
-        # asynchronous run's first A + 1 (`async_steps`).
+        # The same steady-state steps in every asynchronous run: after its first A + 1.
         steps=args.async_steps + max_policy_age,
         num_generators=args.async_generators,
+        train_batch_size=prompts_per_step * base.group_size,
         # Every loop can hold a prompt of the (A + 1) x P the gate admits at most.
         prompts_in_flight_per_generator=max(
-            base.prompts_in_flight_per_generator,
-            -(-(max_policy_age + 1) * base.prompts_per_step // args.async_generators),
+            base.prompts_in_flight_per_generator, -(-(max_policy_age + 1) * prompts_per_step // args.async_generators)
         ),
         # At the same priority as the rest: eight stand-ins take little of the cores, and their
         # answers are the simulated GPUs' pace, which an idle-priority process behind a busy
@@ -475,7 +487,7 @@ def _async_part_config(base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_
         buffer=dataclasses.replace(
             base.buffer,
             max_policy_age=max_policy_age,
-            capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * base.prompts_per_step),
+            capacity_episodes=max(base.buffer.capacity_episodes, (max_policy_age + 2) * prompts_per_step),
             wait_for_stragglers=wait_for_stragglers,
             drop_policy=base.buffer.drop_policy if wait_for_stragglers else "mask_tokens",
         ),
@@ -859,6 +871,14 @@ def main(args: ScaleArgs) -> dict:
             f"async_more_max_policy_ages {list(args.async_more_max_policy_ages)}) must be distinct and >= 1 (A = 0 "
             "is the synchronous run, made anyway). Fix --async-max-policy-age or --async-more-max-policy-ages "
             "(pass it with no value for none)."
+        )
+    if not args.skip_async_vs_sync and (min(args.async_steps, args.async_sync_steps) < 2 or args.async_prompts_per_step < 1):
+        from forge_rl.errors import ConfigError
+
+        raise ConfigError(
+            f"async_steps ({args.async_steps}) and async_sync_steps ({args.async_sync_steps}) must be >= 2 (each "
+            f"run's first step is left out of its figures) and async_prompts_per_step ({args.async_prompts_per_step}) "
+            ">= 1. Fix --async-steps, --async-sync-steps or --async-prompts-per-step."
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     per_count = []

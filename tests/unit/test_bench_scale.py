@@ -235,3 +235,47 @@ def test_the_steady_state_starts_after_the_warmup_steps():
     assert steady["steps_per_s"] == pytest.approx(1.0)
     assert steady["controller_calls_per_step"] == pytest.approx(3.0)
     assert _Probe(warmup_steps=1).warmup_steps == 1
+
+
+def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_age_window(tmp_path):
+    """The async-vs-sync part's workload (`async_prompts_per_step`): at 128 prompts a step the
+    longest completions, decoded at the batch the engines need to keep up, fit in the A + 1 train
+    steps of the headline A, so neither floor binds and a run that waits for them may reach the
+    bound; at 32 prompts a step (2.26 s) they did not (both floors above the train step)."""
+    import dataclasses
+
+    from forge_rl.bench.scale import (
+        ScaleArgs, _async_part_config, expected_longest_completion, uniform_batch_floor, waiting_straggler_floor,
+    )
+
+    base = _sim_config(time_scale=1.0)
+    args = ScaleArgs(out_dir=tmp_path)
+    mean_completion, prompt_tokens = 422.0, 15  # the log-normal's mean, cut at 4,096; the task's prompts
+
+    def floors(prompts_per_step: int) -> tuple[float, float, float]:
+        config = _async_part_config(
+            base, dataclasses.replace(args, async_prompts_per_step=prompts_per_step), "async", args.async_max_policy_age, True
+        )
+        assert config.prompts_per_step == prompts_per_step
+        assert config.prompts_in_flight_per_generator * args.async_generators >= (args.async_max_policy_age + 1) * prompts_per_step
+        completions = prompts_per_step * config.group_size
+        train_s = config.trainer.sim.step_s(int(completions * (mean_completion + prompt_tokens)))
+        uniform, _ = uniform_batch_floor(
+            config, completions * mean_completion, train_s, args.async_max_policy_age, expected_longest_completion(config)
+        )
+        waiting, _ = waiting_straggler_floor(config, args.async_max_policy_age)
+        return train_s, uniform, waiting
+
+    train_s, uniform, waiting = floors(args.async_prompts_per_step)
+    assert uniform == train_s and waiting < train_s
+    small_train_s, small_uniform, small_waiting = floors(32)
+    assert small_uniform > 1.3 * small_train_s and small_waiting > 1.3 * small_train_s
+
+
+def test_the_async_parts_step_counts_are_checked_before_anything_runs(tmp_path):
+    from forge_rl.bench.scale import ScaleArgs, main
+    from forge_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"async_sync_steps \(1\) must be >= 2.*--async-sync-steps"):
+        main(ScaleArgs(async_sync_steps=1, out_dir=tmp_path))
+    assert not any(tmp_path.iterdir())
