@@ -115,7 +115,7 @@ class ScaleArgs:
     faster than the GPUs would; the control plane's own costs then weigh ten times more)."""
     async_time_scale: float = 1.0
     """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
-    as they are (its five runs take about 25 minutes). Faster, the 2 shared cores that run the
+    as they are (its five runs take about 20 minutes). Faster, the 2 shared cores that run the
     control plane, eight simulated engines and the trainer's process become what limits the
     asynchronous runs, not the schedule (docs/benchmarks.md, "Partial rollouts")."""
     async_generators: int = 8
