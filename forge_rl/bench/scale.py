@@ -135,7 +135,7 @@ class ScaleArgs:
     transient (docs/benchmarks.md, "Staleness bounds")."""
     async_sync_steps: int = 8
     """Train steps of the async-vs-sync part's synchronous run, the first left out: every step has
-    the same shape (its slowest completion, then the train step; about 50 s at 128 prompts)."""
+    the same shape (its slowest completion, then the train step; about 36 s at 128 prompts)."""
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous runs whose figures are the headline ones."""
     async_more_max_policy_ages: tuple[int, ...] = (4,)
@@ -434,8 +434,8 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     The asynchronous runs at `async_max_policy_age` give the headline figures; those at each of
     `async_more_max_policy_ages` go under `sim_by_max_policy_age`, against the same sync run."""
     progress(f"bench scale: sync run, {args.async_generators} simulated generators")
-    sync_config = dataclasses.replace(_async_part_config(base, args, "sync", 0, wait_for_stragglers=True), steps=args.async_sync_steps)
-    sync_steady, sync_run = run_probed(sync_config)
+    sync_config = _async_part_config(base, args, "sync", 0, wait_for_stragglers=True)
+    sync_steady, sync_run = run_probed(dataclasses.replace(sync_config, steps=args.async_sync_steps))
     sync = analyze(sync_run, args.async_generators, target_reward=math.inf)
     sync["steady_wall_per_step_s"] = 1.0 / sync_steady["steps_per_s"]
     sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run), warmup_steps=1)
