@@ -434,8 +434,9 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     The asynchronous runs at `async_max_policy_age` give the headline figures; those at each of
     `async_more_max_policy_ages` go under `sim_by_max_policy_age`, against the same sync run."""
     progress(f"bench scale: sync run, {args.async_generators} simulated generators")
-    sync_config = _async_part_config(base, args, "sync", 0, wait_for_stragglers=True)
-    sync_steady, sync_run = run_probed(dataclasses.replace(sync_config, steps=args.async_sync_steps))
+    sync_steady, sync_run = run_probed(
+        _async_part_config(base, args, "sync", 0, wait_for_stragglers=True, steps=args.async_sync_steps)
+    )
     sync = analyze(sync_run, args.async_generators, target_reward=math.inf)
     sync["steady_wall_per_step_s"] = 1.0 / sync_steady["steps_per_s"]
     sync["steady_trained_tokens_per_step"] = steady_trained_tokens_per_step(read_metrics(sync_run), warmup_steps=1)
@@ -449,7 +450,10 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
         runs, steady = {}, {}
         for mode, wait_for_stragglers in variants:
             progress(f"bench scale: {mode} run, A = {max_policy_age}, {args.async_generators} simulated generators")
-            config = _async_part_config(base, args, mode + suffix, max_policy_age, wait_for_stragglers)
+            # The same steady-state steps in every asynchronous run: after its first A + 1.
+            config = _async_part_config(
+                base, args, mode + suffix, max_policy_age, wait_for_stragglers, steps=args.async_steps + max_policy_age
+            )
             steady[mode], runs[mode] = run_probed(config, warmup_steps=max_policy_age + 1)
         per_age[max_policy_age] = _async_figures(config, max_policy_age, sync, runs, steady, args.async_generators)
     figures = dict(per_age[args.async_max_policy_age])
@@ -460,14 +464,15 @@ def async_vs_sync(base: GRPOConfig, args: ScaleArgs) -> dict:
     return figures
 
 
-def _async_part_config(base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_age: int, wait_for_stragglers: bool) -> GRPOConfig:
+def _async_part_config(
+    base: GRPOConfig, args: ScaleArgs, mode: str, max_policy_age: int, wait_for_stragglers: bool, steps: int
+) -> GRPOConfig:
     prompts_per_step = args.async_prompts_per_step
     return dataclasses.replace(
         base,
         run_dir=args.out_dir / "async_vs_sync" / mode,
         run_name=None,
-        # The same steady-state steps in every asynchronous run: after its first A + 1.
-        steps=args.async_steps + max_policy_age,
+        steps=steps,
         num_generators=args.async_generators,
         train_batch_size=prompts_per_step * base.group_size,
         # Every loop can hold a prompt of the (A + 1) x P the gate admits at most.

@@ -254,7 +254,8 @@ def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_ag
 
     def floors(prompts_per_step: int) -> tuple[float, float, float]:
         config = _async_part_config(
-            base, dataclasses.replace(args, async_prompts_per_step=prompts_per_step), "async", args.async_max_policy_age, True
+            base, dataclasses.replace(args, async_prompts_per_step=prompts_per_step), "async", args.async_max_policy_age,
+            True, steps=args.async_steps,
         )
         assert config.prompts_per_step == prompts_per_step
         assert config.prompts_in_flight_per_generator * args.async_generators >= (args.async_max_policy_age + 1) * prompts_per_step

@@ -71,7 +71,6 @@ def test_forge_rl_spawns_its_processes_with_its_own_entry_point():
     assert command.env == {"MALLOC_ARENA_MAX": "2"}
 
 
-
 SHUTDOWN_SCRIPT = textwrap.dedent(
     """
     import os, signal, monarch.actor
