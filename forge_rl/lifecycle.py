@@ -270,7 +270,7 @@ class Lifecycle:
     @property
     def stop_waits_for_steps(self) -> bool:
         """Whether a stop (Ctrl-C, SIGTERM) now lets the step in flight finish, for the shutdown
-        checkpoint (`finish_despite_stop`); a dead process cancels at once."""
+        checkpoint (forge_rl/loop.py `Pipeline._trained`); a dead process cancels at once."""
         checkpoints = self.config.checkpoint
         return checkpoints.enabled and checkpoints.on_shutdown and not self.process_failures
 

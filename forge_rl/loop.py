@@ -13,10 +13,11 @@ process (forge_rl/rollouts.py), which hold the admission gate, the replay buffer
                    steps before its deadline", then the buffer to hold a full batch
         unblocked  by rollouts
 
-Per step the train loop makes a fixed number of calls, whatever the number of generators and
-prompts: the trainer's `train_next_step` (each rank then takes the batch from the rollouts), the
-rollouts' `batch_taken` (when the batch left the buffer: the step's timeout starts) and `step_done`
-(whose reply carries the data plane's figures). The library owns these loops; a recipe supplies
+Per step the train loop makes two calls, whatever the number of generators and prompts: the
+trainer's `train_next_step` (each rank then takes the batch from the rollouts) and the rollouts'
+`step_done` (whose reply carries the data plane's figures). Only a step slower than its timeout,
+or a stop, asks the rollouts when the batch left the buffer (`batch_taken`): every message leaves
+memory behind in Monarch (docs/benchmarks.md, the soak). The library owns these loops; a recipe supplies
 its actors, its scoring stage (which runs in the rollouts' process) and its work after a publish.
 Nothing here imports Monarch: the actors are handles whose endpoints are called with
 `.call_one()` / `.call()`.
@@ -57,8 +58,8 @@ class RunActors:
     """The actor handles the train loop calls; a recipe spawns them (apps/grpo/main.py)."""
 
     rollouts: Any
-    """The data plane (forge_rl/actors/rollouts.py): `start`, `batch_taken`, `withhold_batch`,
-    `step_done`, `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`; the trainer
+    """The data plane (forge_rl/actors/rollouts.py): `start`, `step_done`, `batch_taken`, `withhold_batch`,
+    `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`; the trainer
     calls its `batch_for_trainer`."""
     trainer: Any
     """The trainer mesh: `train_next_step`, `wait_for_publish`, `save_checkpoint`,
@@ -85,15 +86,22 @@ class SentStep:
     reply: asyncio.Future
     """The trainer mesh's answer to `train_next_step` (a ValueMesh of PulledStep, or of None if a
     stop withheld the batch)."""
-    taken: asyncio.Future
-    """The rollouts' `batch_taken`: True once the batch has left the buffer, False if withheld."""
     waiting_from: float
     """When the loop asked for this step (the timeline's clock)."""
+    taken: asyncio.Future | None = None
+    """The rollouts' `batch_taken`, asked only when needed (`Pipeline._taken`): when the batch left
+    the buffer (the timeline's clock), or None if it was withheld."""
     prefetch_next: bool = False
     """The trainer was told the loop sends step + 1 next, so it asks for step + 1's batch as soon
     as this step's is in hand (forge_rl/trainer_steps.py `BatchPrefetch`)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
+
+    def cancel(self) -> None:
+        """The run fails or is cut: stop waiting for the step's answers."""
+        self.reply.cancel()
+        if self.taken is not None:
+            self.taken.cancel()
 
 
 @dataclasses.dataclass
@@ -165,8 +173,7 @@ class Pipeline:
                 await lifecycle.after_step(self)
         finally:
             if ahead is not None:  # the run fails or is cut: the rollouts' stop releases its call
-                ahead.reply.cancel()
-                ahead.taken.cancel()
+                ahead.cancel()
         return metrics_logger.logged()
 
     def _sends_ahead(self, step: int, lifecycle: Lifecycle) -> bool:
@@ -197,16 +204,15 @@ class Pipeline:
         """Ask the trainer for step `step`: each rank takes the step's batch from the rollouts
         itself once the gate lets it go (forge_rl/trainer_steps.py `train_on_pulled_batch`), so the
         batch's last episode is one message from the trainer. Sent ahead, while the step before
-        trains; the rollouts' `batch_taken` says when the batch has left the buffer."""
+        trains."""
         actors, timeline = self.actors, self.timeline
         # The rollouts' handle goes with the first step only; the trainer keeps it (BatchPrefetch).
         rollouts, self._rollouts_sent = (None if self._rollouts_sent else actors.rollouts), True
         reply = asyncio.ensure_future(
             actors.trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next)
         )
-        taken = asyncio.ensure_future(actors.rollouts.batch_taken.call_one(step))
         self.batches_out += 1  # until the step is accounted for
-        sent = SentStep(step, reply, taken, timeline.now(), prefetch_next)
+        sent = SentStep(step, reply, timeline.now(), prefetch_next=prefetch_next)
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 
@@ -224,8 +230,7 @@ class Pipeline:
         try:
             pulled, stopped = await self._trained(sent, lifecycle, after_stop=withheld)
         except BaseException:
-            sent.reply.cancel()
-            sent.taken.cancel()
+            sent.cancel()
             raise
         if pulled is None:
             self.batches_out -= 1
@@ -274,39 +279,60 @@ class Pipeline:
         return self.batches_out > 0
 
     async def _trained(self, sent: SentStep, lifecycle: Lifecycle, after_stop: bool = False) -> tuple[PulledStep | None, bool]:
-        """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) First waits
-        for the batch to leave the buffer; a stop then withholds it (and the answer is None),
-        unless it has left already. From then on `lifecycle` lets a stop wait for the step in
-        flight, and the step raises TrainStepTimedOut past config.train_step_timeout_s (the
+        """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) The step raises
+        TrainStepTimedOut past config.train_step_timeout_s from when its batch left the buffer (the
         previous step has ended by then), so a hung rank or collective stops the run instead of
-        hanging it; the wait for data is not timed. `after_stop`: the stop came before this step
-        (one whose batch had left): it gets what is left of the stop's budget."""
-        stopped = False
+        hanging it; the wait for data is not timed (`_answer_in_time`). A stop withholds the batch
+        if it has not left (the answer is then None); if it has, `lifecycle` lets the stop wait for
+        the step, for the shutdown checkpoint. `after_stop`: the stop came before this step (the
+        loop withheld every batch): it gets what is left of the stop's budget if its batch left."""
+        if not after_stop:
+            try:
+                return rank_zero(await self._answer_in_time(sent)), False
+            except asyncio.CancelledError:  # a stop
+                if not lifecycle.stop_waits_for_steps:
+                    raise
+                if sent.taken is None or not sent.taken.done():
+                    try:
+                        await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sent.step), f"withhold step {sent.step}'s batch")
+                    except asyncio.TimeoutError:  # the stop goes on without the rollouts
+                        raise asyncio.CancelledError from None
         try:
-            taken = await asyncio.shield(sent.taken)
-        except asyncio.CancelledError:
-            if not lifecycle.stop_waits_for_steps:
-                raise
-            try:
-                await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sent.step), f"withhold step {sent.step}'s batch")
-                taken, stopped = await self._within_stop(lifecycle, asyncio.shield(sent.taken), f"learn whether step {sent.step}'s batch left"), True
-            except asyncio.TimeoutError:  # the stop goes on without the rollouts
-                raise asyncio.CancelledError from None
-        if not taken:
-            return rank_zero(await sent.reply), stopped
-        if after_stop:  # its batch left before the stop: the step may use what is left of the stop's budget
-            try:
-                values = await self._within_stop(lifecycle, asyncio.shield(sent.reply), f"finish step {sent.step}", lifecycle.step_at_stop_s)
-            except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
-                raise asyncio.CancelledError from None
-            return rank_zero(values), True
-        timed = within(
-            self.config.train_step_timeout_s,
+            # Withheld by now unless it had left, so the rollouts answer at once.
+            taken_s = await self._within_stop(lifecycle, asyncio.shield(self._taken(sent)), f"learn whether step {sent.step}'s batch left")
+            if taken_s is None:  # withheld: nothing was taken, and the trainer's ranks answer None
+                return rank_zero(await sent.reply), True
+            values = await self._within_stop(lifecycle, asyncio.shield(sent.reply), f"finish step {sent.step}", lifecycle.step_at_stop_s)
+        except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
+            raise asyncio.CancelledError from None
+        return rank_zero(values), True
+
+    async def _answer_in_time(self, sent: SentStep) -> Any:
+        """The trainer's answer to step `sent.step`; raises TrainStepTimedOut once the step has run
+        config.train_step_timeout_s from when its batch left the buffer. The rollouts are asked when
+        it left (`batch_taken`) only if the answer has not come within the timeout of the step's
+        call: most steps then cost the controller no message for it."""
+        timeout_s = self.config.train_step_timeout_s
+        try:
+            return await within(timeout_s, asyncio.shield(sent.reply))
+        except asyncio.TimeoutError:
+            if sent.reply.done():  # it came at the deadline, or is the trainer's own TimeoutError
+                return sent.reply.result()
+        taken_s = await asyncio.shield(self._taken(sent))  # waits for the data: not timed
+        if taken_s is None:  # withheld: the rollouts' loops stopped, and the ranks answer None
+            return await asyncio.shield(sent.reply)
+        return await within(
+            max(taken_s + timeout_s - self.timeline.now(), 0.0),
             asyncio.shield(sent.reply),
-            lambda: TrainStepTimedOut(sent.step, self.config.train_step_timeout_s),
+            lambda: TrainStepTimedOut(sent.step, timeout_s),
         )
-        values, stop_now = await lifecycle.finish_despite_stop(timed)
-        return rank_zero(values), stopped or stop_now
+
+    def _taken(self, sent: SentStep) -> asyncio.Future:
+        """The rollouts' `batch_taken` for `sent`'s step (asked once): when its batch left the
+        buffer (the timeline's clock), once it has, or None once it is withheld."""
+        if sent.taken is None:
+            sent.taken = asyncio.ensure_future(self.actors.rollouts.batch_taken.call_one(sent.step))
+        return sent.taken
 
     @staticmethod
     async def _within_stop(lifecycle: Lifecycle, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S) -> Any:

@@ -13,10 +13,10 @@ generators or prompts.
                    within max_policy_age of the version it generates with, and fit in the buffer
         unblocked  when the train loop takes a batch or its generator loads newer weights
 
-The train loop (forge_rl/loop.py, in the controller) makes two calls per step here, whatever the
-number of generators and prompts: `batch_taken` (when the step's batch left the buffer) and
-`step_done` (accounts for the step, tells every generator about the new version, and answers with
-this plane's figures for the step). Each trainer rank takes the step's batch itself
+The train loop (forge_rl/loop.py, in the controller) makes one call per step here, whatever the
+number of generators and prompts: `step_done` (accounts for the step, tells every generator about
+the new version, and answers with this plane's figures for the step); and `batch_taken` (when the
+step's batch left the buffer) only for a step slower than its timeout, or at a stop. Each trainer rank takes the step's batch itself
 (`batch_for_trainer`: the gate's go, then the batch out of the buffer); a stop withholds one still
 waiting at the gate (`withhold_batch`).
 Prompt i depends only on (task, seed, i), so prompts need no messages; the buffer and the gate
@@ -210,12 +210,14 @@ class Rollouts:
         columns = await asyncio.to_thread(batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount)
         return PulledBatch(batch.train_version, columns, batch.ready_s)
 
-    async def batch_taken(self, step: int) -> bool:
-        """Waits until step `step`'s batch has left the buffer (True) or was withheld (False): from
-        then on the trainer trains it, and the train loop times the step (train_step_timeout_s)."""
+    async def batch_taken(self, step: int) -> float | None:
+        """Waits until step `step`'s batch has left the buffer, and answers when (on the run's
+        timeline: the train loop times the step from then, train_step_timeout_s), or None once it
+        was withheld. Asked before the step is accounted for (`step_done`), and only for a step
+        slower than its timeout, or at a stop (forge_rl/loop.py)."""
         async with self._batch_events:  # the state is read under the lock its notifier holds
             await self._batch_events.wait_for(lambda: step <= max(self._taken_through, self._withheld_through))
-        return step <= self._taken_through
+        return self.taken[step].ready_s if step <= self._taken_through else None
 
     async def next_batch(self, step: int) -> NextBatch | None:
         """Waits until the gate lets step `step`'s batch be taken, and takes it out of the buffer;

@@ -74,7 +74,8 @@ async def run(config: GRPOConfig) -> dict:
 
         every_step_calls = PortCalls()
         pipeline = Pipeline(config, RunActors(
-            # The calls made every step are answered on one port (forge_rl/actors/port_calls.py).
+            # The calls made every step (and a slow step's `batch_taken`) are answered on one port
+            # (forge_rl/actors/port_calls.py).
             rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
             trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
             after_publish=actors.scoring.after_publish,

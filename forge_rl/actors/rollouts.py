@@ -1,8 +1,8 @@
 """The rollouts' actor: the run's data plane (forge_rl/rollouts.py) in a process of its own.
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
-for all of them; the controller's train loop calls `batch_taken` and `step_done` once per step, and
-each trainer rank `batch_for_trainer`. Its own process, not the controller's: the rollouts' calls
+for all of them; the controller's train loop calls `step_done` once per step (and `batch_taken` for a
+step slower than its timeout, or at a stop), and each trainer rank `batch_for_trainer`. Its own process, not the controller's: the rollouts' calls
 (one per prompt to the generator pool, one to the scoring stage, one per generator and version to
 swap weights) then leave the controller's event loop free for the train loop, and no other role's
 work (the pool's relay, the store's index) delays them.
@@ -68,7 +68,7 @@ class RolloutsActor(PortServed, Actor):
         return await self.rollouts.batch_for_trainer(step, num_ranks)
 
     @concurrent_endpoint
-    async def batch_taken(self, step: int) -> bool:
+    async def batch_taken(self, step: int) -> float | None:
         return await self.rollouts.batch_taken(step)
 
     @concurrent_endpoint

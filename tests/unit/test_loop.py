@@ -154,6 +154,32 @@ def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout
 
 
 
+def test_a_steps_timeout_counts_from_when_its_batch_left_the_buffer_not_from_its_wait_for_data(tmp_path):
+    """Step 1's episodes come only once the train loop has waited past train_step_timeout_s for
+    them, and so asked the rollouts when the batch left (a step within its timeout never asks):
+    the run trains on, since a step's wait for data is not timed."""
+    released, asked = asyncio.Event(), []
+
+    async def generate(index, prompts, group_size):
+        await released.wait()
+        version = rollouts.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    pipeline, rollouts = make_pipeline(generate, dataclasses.replace(CONFIG, train_step_timeout_s=1.0))
+    batch_taken = pipeline.actors.rollouts.batch_taken.function
+
+    async def asked_then_released(step):
+        asked.append(step)
+        released.set()
+        return await batch_taken(step)
+
+    pipeline.actors.rollouts.batch_taken = FakeEndpoint(asked_then_released)
+    history, accounting = run(pipeline, tmp_path)
+    assert [h[m.STEP] for h in history] == [1, 2, 3]
+    assert asked[0] == 1
+    assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
+
+
 def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_fail_unseen(tmp_path):
     """Before, updates still in flight at Ctrl-C outlived the loops, then failed when the pool
     stopped, and asyncio printed "Task exception was never retrieved" for each."""
@@ -213,22 +239,45 @@ def test_the_next_steps_batch_reaches_the_trainer_while_the_step_before_it_train
     assert accounting["trained_more_than_once"] == 0
 
 
+def _stopped_while_step_1_trains(pipeline: Pipeline, rollouts: Rollouts, tmp_path, stop_when, what: str) -> list[dict]:
+    """Run `pipeline` with a shutdown checkpoint wanted, its trainer's step 1 held until a stop
+    (the run task cancelled, as Ctrl-C does) has come once `stop_when()` held; the logged steps."""
+    train_step = pipeline.actors.trainer.train_step.function
+    stopped, steps_begun = asyncio.Event(), []
+
+    async def step_1_trains_until_the_stop(episodes):
+        steps_begun.append(len(steps_begun) + 1)
+        if steps_begun == [1]:
+            await stopped.wait()
+        return await train_step(episodes)
+
+    class StopWaitsForSteps(FakeLifecycle):
+        stop_waits_for_steps = True
+
+    async def scenario():
+        logger = MetricsLogger(tmp_path / "metrics.jsonl", pipeline.config.steps, progress_every_s=1e9)
+        run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, StopWaitsForSteps()))
+        await wait_until_async(stop_when, what)
+        run_task.cancel()
+        stopped.set()
+        with pytest.raises(asyncio.CancelledError):
+            await run_task
+        history = logger.logged()
+        logger.close()
+        return history
+
+    pipeline.actors.trainer = pulling_trainer(step_1_trains_until_the_stop, rollouts)
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_a_stop_trains_the_batch_the_trainer_took_ahead_and_withholds_the_rest(tmp_path):
     """A stop arrives while step 1 trains, after the trainer took step 2's batch ahead: step 2 is
     trained and accounted (the shutdown checkpoint holds it as trained), step 3's batch (its
     prompts never finish) is withheld, and nothing is left taken and untrained."""
     pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(2 * CONFIG.prompts_per_step))
-
-    class StopDuringStep1(FakeLifecycle):
-        async def finish_despite_stop(self, awaitable):
-            await wait_until_async(lambda: rollouts._taken_through >= 2, "step 2's batch taken ahead")
-            return await awaitable, True
-
-    logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, StopDuringStep1()), 30))
-    history = logger.logged()
-    logger.close()
+    history = _stopped_while_step_1_trains(
+        pipeline, rollouts, tmp_path, lambda: rollouts._taken_through >= 2, "step 2's batch taken ahead"
+    )
     assert [h[m.STEP] for h in history] == [1, 2]
     assert pipeline.step == 2 and not pipeline.step_in_flight
     assert rollouts.taken == {}
@@ -324,16 +373,10 @@ def test_a_stop_withholds_the_batch_sent_ahead_while_it_waits_and_accounts_for_t
     """Step 1 trains and a stop arrives meanwhile; step 2's batch, asked for ahead, waits at the
     gate (its prompts never finish): the stop withholds it, so nothing leaves the buffer untrained."""
     pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(CONFIG.prompts_per_step))
-
-    class StopDuringStep1(FakeLifecycle):
-        async def finish_despite_stop(self, awaitable):
-            await wait_until_async(lambda: rollouts._waiting is not None, "step 2 waiting at the gate")
-            return await awaitable, True
-
-    logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(asyncio.wait_for(pipeline.run(tmp_path, logger, StopDuringStep1()), 30))
-    logger.close()
+    history = _stopped_while_step_1_trains(
+        pipeline, rollouts, tmp_path, lambda: rollouts._waiting is not None, "step 2 waiting at the gate"
+    )
+    assert [h[m.STEP] for h in history] == [1]
     assert pipeline.step == 1 and not pipeline.step_in_flight
     assert rollouts.taken == {}
     assert pipeline.rollouts_at_stop["accounting"]["trained"] == CONFIG.prompts_per_step
@@ -659,8 +702,9 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
     tmp_path, num_generators, prompts_per_step
 ):
     """The push path's contract (issue 16): per step the train loop calls the trainer once and
-    the rollouts twice (when the batch left the buffer, then the step's accounting), and the
-    trainer takes its batch from the rollouts itself; the calls per prompt and per generator are the rollouts' own."""
+    the rollouts once (the step's accounting; when the batch left the buffer only for a step
+    slower than its timeout), and the trainer takes its batch from the rollouts itself; the calls
+    per prompt and per generator are the rollouts' own."""
     config = dataclasses.replace(
         CONFIG, num_generators=num_generators, train_batch_size=prompts_per_step * CONFIG.group_size,
         buffer=dataclasses.replace(CONFIG.buffer, capacity_episodes=4 * prompts_per_step),
@@ -676,7 +720,7 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
 
     assert accounting["trained"] == config.steps * prompts_per_step
     per_run = ["rollouts.start", "rollouts.wait_for_failure", "trainer.wait_for_publish", "rollouts.stop_loops"]
-    per_step = ["trainer.train_next_step", "rollouts.batch_taken", "rollouts.step_done"]
+    per_step = ["trainer.train_next_step", "rollouts.step_done"]
     per_step_by_the_trainer = ["rollouts.batch_for_trainer"]  # its one rank takes the batch itself
     assert sorted(calls) == sorted(per_run + (per_step + per_step_by_the_trainer) * config.steps)
     assert rollouts.calls["generators.generate"] >= config.steps * prompts_per_step  # the rollouts' own
