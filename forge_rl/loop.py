@@ -309,10 +309,11 @@ class Pipeline:
 
     async def _answer_in_time(self, sent: SentStep) -> Any:
         """The trainer's answer to step `sent.step`; raises TrainStepTimedOut once the step has run
-        config.train_step_timeout_s from when its batch left the buffer. The rollouts are asked when
-        it left (`batch_taken`) only if the answer has not come within the timeout of the step's
-        call: most steps then cost the controller no message for it."""
-        timeout_s = self.config.train_step_timeout_s
+        config.train_step_timeout_s from when its batch left the buffer, or from now if it left
+        while the step before trained (its ranks take one step at a time). The rollouts are asked
+        when it left (`batch_taken`) only if the answer has not come within the timeout: most steps
+        then cost the controller no message for it."""
+        timeout_s, since_s = self.config.train_step_timeout_s, self.timeline.now()
         try:
             return await within(timeout_s, asyncio.shield(sent.reply))
         except asyncio.TimeoutError:
@@ -322,7 +323,7 @@ class Pipeline:
         if taken_s is None:  # withheld: the rollouts' loops stopped, and the ranks answer None
             return await asyncio.shield(sent.reply)
         return await within(
-            max(taken_s + timeout_s - self.timeline.now(), 0.0),
+            max(max(taken_s, since_s) + timeout_s - self.timeline.now(), 0.0),
             asyncio.shield(sent.reply),
             lambda: TrainStepTimedOut(sent.step, timeout_s),
         )
