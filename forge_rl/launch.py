@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING
 import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
-from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl import monarch_mends
 from forge_rl.deadlines import within
 from forge_rl.metrics import progress
-from forge_rl.proc_main import spawn_procs
+from forge_rl.proc_main import set_torch_distributed_env, spawn_procs
 from forge_rl.placement import (
     HostFacts,
     LaunchConfig,
@@ -151,7 +150,7 @@ class Hosts:
             host_slice = self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1))
             procs = spawn_procs(host_slice, role, num_procs // len(hosts))
             self.proc_meshes.append(procs)
-        await setup_torch_elastic_env_async(procs)
+        await set_torch_distributed_env(procs)
         return procs
 
     def store_volume_procs(self, services: ProcMesh) -> ProcMesh:

@@ -22,6 +22,25 @@ def spawn_procs(host: "HostMesh", name: str, num_procs: int = 1, env: Mapping[st
     return host.spawn_procs(per_host={"procs": num_procs}, name=name, bootstrap_command=bootstrap_command(env))
 
 
+async def set_torch_distributed_env(procs: "ProcMesh") -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the rest of torchrun's variables
+    in every process of `procs`, ready for init_process_group: Monarch's
+    `setup_torch_elastic_env_async`, whose helper actors (`SPMDActor`) are then stopped instead
+    of living as long as the processes. Monarch polls every live actor mesh from its owner's
+    process (every 10 s, HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY), and each poll leaves a few
+    KB there for the life of the process: a mesh that has done its work costs the controller
+    memory for the rest of the run (docs/benchmarks.md, the soak)."""
+    from monarch.spmd import SPMDActor
+
+    helpers = procs.spawn("_SPMDActor", SPMDActor)
+    try:
+        first = dict.fromkeys(procs._labels, 0)  # as Monarch's own helper picks the master
+        master_addr, master_port = await helpers.slice(**first).get_host_port.call_one(None)
+        await helpers.setup_env.call(master_addr, master_port)
+    finally:
+        await helpers.stop()
+
+
 def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "BootstrapCommand":
     """Monarch's default command for a process (this Python, the host's environment) running
     this module, with `env` on top; for `HostMesh.spawn_procs(bootstrap_command=...)`. On another

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
-from monarch.spmd import setup_torch_elastic_env_async
 
 from forge_rl.actors.generator_pool import stop_quietly
 from forge_rl.actors.port_calls import PortServed
@@ -48,7 +47,7 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.metrics import progress
-from forge_rl.proc_main import spawn_procs
+from forge_rl.proc_main import set_torch_distributed_env, spawn_procs
 from forge_rl.reference import ReferenceConfig
 from forge_rl.replies import rank_zero
 from forge_rl.scorer_restarts import RestartingScorer
@@ -175,7 +174,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         try:
             from forge_rl.actors.frozen_model import FrozenModelActor
 
-            await setup_torch_elastic_env_async(procs)
+            await set_torch_distributed_env(procs)
             model = procs.spawn(
                 name, FrozenModelActor, self.config, self.model_dir, self.pad_id, self.store_index, self.store_root, name
             )
