@@ -73,6 +73,16 @@ _ENGINE_STOP_TIMEOUT_S = 4.0
 _MESH_STOP_TIMEOUT_S = 4.0
 
 
+async def _bounded_stage(what: str, timeout_s: float, awaitable) -> None:
+    """Await one stage of a run's shutdown for at most `timeout_s`; past it, say so and go on (the
+    processes the stage did not stop are stopped by the next, or with the controller)."""
+    with contextlib.suppress(Exception):
+        try:
+            await within(timeout_s, awaitable)
+        except TimeoutError:
+            progress(f"stopping: did not {what} within {timeout_s:.1f} s; going on")
+
+
 class Lifecycle:
     step_at_stop_s = _STOP_STEP_TIMEOUT_S
     """How long a step in flight at a stop may take to finish (the loop's steps after a stop too)."""
@@ -173,20 +183,19 @@ class Lifecycle:
         return max(0.0, min(bound_s, self._stopped_at + _STOP_BUDGET_S - time.monotonic()))
 
     async def _shutdown(self) -> None:
-        """Stop the engines, then every process of the run; bounded so a hung actor cannot block exit."""
+        """Stop the engines, then every process of the run; bounded so a hung actor cannot block
+        exit. A stage cut at its bound says so: a slow stop's log then shows where its time went."""
         if self._engine_owners:
-            with contextlib.suppress(Exception, asyncio.TimeoutError):
-                await within(
-                    self.stop_timeout(_ENGINE_STOP_TIMEOUT_S),
-                    asyncio.gather(*(owner.shutdown.call_one() for owner in self._engine_owners), return_exceptions=True),
-                )
-        with contextlib.suppress(Exception, asyncio.TimeoutError):
-            await within(
-                # A mesh stop gets at least a second, so processes are asked to exit even when the
-                # earlier stages used the budget up.
-                max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
-                asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
+            await _bounded_stage(
+                "stop the engines", self.stop_timeout(_ENGINE_STOP_TIMEOUT_S),
+                asyncio.gather(*(owner.shutdown.call_one() for owner in self._engine_owners), return_exceptions=True),
             )
+        # A mesh stop gets at least a second, so processes are asked to exit even when the earlier
+        # stages used the budget up.
+        await _bounded_stage(
+            "stop every process of the run", max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
+            asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
+        )
         self.store.destroy()
         self._store_reaper.dismiss()
 
