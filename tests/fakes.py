@@ -138,9 +138,6 @@ class FakeLifecycle:
     async def after_step(self, pipeline) -> None:
         pass
 
-    async def finish_despite_stop(self, awaitable):
-        return await awaitable, False
-
     @property
     def stop_waits_for_steps(self) -> bool:
         return False
