@@ -39,7 +39,7 @@ from forge_rl.admission import AdmissionGate
 from forge_rl.buffer import WaitingBuffer
 from forge_rl.columns import batch_columns
 from forge_rl.envs.renderers import Renderer
-from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
+from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
 from forge_rl.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
@@ -415,7 +415,7 @@ class Rollouts:
             prompt_text=first_observation,
             answer="",
             prompt_token_ids=[],  # each trajectory holds its prompt as context
-            completions=[trajectory_completion(t) for t in trajectories],
+            completions=group_completions(trajectories),
             generator_index=index,
             temperature=config.generator.temperature,
         )

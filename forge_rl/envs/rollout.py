@@ -165,10 +165,25 @@ _COMPLETION_STATUS = {
 """Every other end (DONE, PARSE_ERROR: the model's own doing, trained with its reward) is OK."""
 
 
-def trajectory_completion(trajectory: Trajectory) -> Completion:
+def group_completions(trajectories: list[Trajectory]) -> list[Completion]:
+    """One completion per trajectory of a group (`trajectory_completion`), with whether turns are
+    process-reward steps decided for the whole group: if the environment rewarded any turn of any
+    of them, every trajectory's turns are steps (an unrewarded turn 0). A trajectory whose turns
+    all went unrewarded then enters the group's step statistics with all-zero steps, against which
+    the rewarded turns are judged; left without steps it would drop out of them, and the contrast
+    between rewarded and unrewarded turns with it."""
+    turns_are_steps = any(r is not None for t in trajectories for r in t.turn_rewards)
+    return [trajectory_completion(t, turns_are_steps) for t in trajectories]
+
+
+def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None = None) -> Completion:
     """The trajectory's first sample as one completion (module docstring): ids exactly as sampled
     and rendered, generated tokens marked, context tokens carrying logprob 0.0 and the version of
-    the generated token before them (the first generated token's before any)."""
+    the generated token before them (the first generated token's before any). `turns_are_steps`:
+    whether its turns become process-reward steps, which its group decides (`group_completions`);
+    None decides it from this trajectory's own turn rewards, as a group of one."""
+    if turns_are_steps is None:
+        turns_are_steps = any(r is not None for r in trajectory.turn_rewards)
     sample = trajectory.samples[0] if trajectory.samples else TrajectorySample()
     first_versions = [span.policy_versions[0] for span in sample.generated_spans if span.token_ids]
     version = first_versions[0] if first_versions else 0
@@ -189,7 +204,7 @@ def trajectory_completion(trajectory: Trajectory) -> Completion:
             versions += [version] * num_tokens
             supports += [[]] * num_tokens
     last_turn = next((m.content for m in reversed(trajectory.conversation) if m.role == "assistant"), "")
-    step_ends, step_rewards = turn_steps(sample, trajectory.turn_rewards)
+    step_ends, step_rewards = turn_steps(sample, trajectory.turn_rewards) if turns_are_steps else (None, None)
     return Completion(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -218,12 +233,13 @@ def turn_steps(sample: TrajectorySample, turn_rewards: list[float | None]) -> tu
     forge_rl/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
     generated tokens and the context after them, up to the next turn (step 0 also holds the
     prompt: context tokens are never in a loss, so only where generated tokens fall matters).
-    A turn whose environment step gave no reward (None) counts as 0; without any turn reward,
-    none are set and the completion trains on its final reward alone (plain GRPO). A forked
-    trajectory's first sample holds only its first turns: it takes their rewards."""
+    A turn whose environment step gave no reward (None) counts as 0, all of them included: whether
+    a trajectory has steps at all is its group's decision (`group_completions`); a group without
+    any turn reward trains on its final rewards alone (plain GRPO). A forked trajectory's first
+    sample holds only its first turns: it takes their rewards. No turn: no steps."""
     turns = [span for span in sample.generated_spans if span.token_ids]
     rewards = list(turn_rewards[: len(turns)])
-    if not turns or all(r is None for r in rewards):
+    if not turns:
         return None, None
     turn_ids, starts, position = {id(span) for span in turns}, [], 0
     for span in sample.spans:

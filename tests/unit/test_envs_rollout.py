@@ -14,7 +14,14 @@ from forge_rl.config import GRPOConfig
 from forge_rl.envs.environment import StepResult
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.python_tool import PythonToolEnv
-from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, TimedEnvironment, play_group, trajectory_completion
+from forge_rl.envs.rollout import (
+    EnvironmentConfig,
+    EnvWaitClock,
+    TimedEnvironment,
+    group_completions,
+    play_group,
+    trajectory_completion,
+)
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
@@ -88,6 +95,26 @@ def test_each_turns_reward_reaches_exactly_that_turns_tokens():
 
     plain, rewarded = make_train_batch([episode], pad_id=0).advantages_NL.tolist()
     assert rewarded[4] > plain[4]  # step_discount 1: the answer's reward reaches back to the call
+
+
+def test_a_trajectory_whose_turns_all_lack_a_reward_gets_all_zero_steps_when_its_group_has_turn_rewards():
+    """Whether turns are steps is decided for the group: the unrewarded trajectory's turns count 0
+    in the group's step statistics, so its call (reward 0, like the other's call) is judged the same
+    as the rewarded trajectory's call, and its answer below the rewarded answer."""
+    rewarded = trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, 1.0])
+    unrewarded = trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None])
+    completions = group_completions([rewarded, unrewarded])
+
+    assert [(c.step_ends, c.step_rewards) for c in completions] == [([10, 12], [0.0, 1.0]), ([10, 12], [0.0, 0.0])]
+    episode = Episode(0, "", "", [], completions)
+    with_answer, without = make_train_batch([episode], pad_id=0, step_discount=0.0).advantages_NL.tolist()
+    assert with_answer[4] == pytest.approx(without[4])  # the calls: both unrewarded turns
+    assert with_answer[10] > without[10]  # the answers: rewarded against unrewarded
+
+
+def test_a_group_without_any_turn_reward_trains_on_its_final_rewards_alone():
+    completions = group_completions([trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None])] * 2)
+    assert [(c.step_ends, c.step_rewards) for c in completions] == [(None, None)] * 2
 
 
 def test_the_age_bound_masks_a_trajectorys_turns_older_than_it_and_keeps_the_rest():
