@@ -385,39 +385,3 @@ def _without_tokens_before(completion: Completion, oldest_allowed_version: int) 
     trainable = [t and v >= oldest_allowed_version for t, v in zip(completion.trainable, completion.policy_versions)]
     return dataclasses.replace(completion, trainable=trainable)
 
-
-def shard_for_rank(episodes: list[Episode], rank: int, world_size: int) -> list[Episode]:
-    """What data-parallel rank `rank` of `world_size` trains: the episodes covering its rows.
-
-    Rows are the completions in order (as `make_train_batch` lays them out) and rank r owns the
-    contiguous block [r * n / world_size, (r + 1) * n / world_size) of the n rows, the same rows
-    `TrainBatch.shard` gives it. A group inside the block is handed over whole. A group that a block
-    boundary cuts is handed whole to every rank it touches (its advantages need every reward of the
-    group), with the completions outside this rank's rows made untrainable, so each completion
-    trains on exactly one rank; that costs the cut group's foreign rows as fully masked padding.
-    No group is cut when the rows per rank are a multiple of the group size.
-    """
-    num_rows = sum(len(e.completions) for e in episodes)
-    if not 0 <= rank < world_size or num_rows % world_size:
-        raise ValueError(
-            f"cannot shard {num_rows} completions for rank {rank} of {world_size} data-parallel ranks: the "
-            "rank must be in [0, world_size) and the completions must split evenly. Set --train-batch-size "
-            "to a multiple of --trainer.parallel.dp-shard."
-        )
-    rows_per_rank = num_rows // world_size
-    first, end = rank * rows_per_rank, (rank + 1) * rows_per_rank
-    shard, row = [], 0
-    for episode in episodes:
-        rows = range(row, row + len(episode.completions))
-        row = rows.stop
-        if rows.stop <= first or rows.start >= end:
-            continue
-        if first <= rows.start and rows.stop <= end:
-            shard.append(episode)
-            continue
-        completions = [
-            c if first <= r < end else dataclasses.replace(c, trainable=[False] * c.num_tokens)
-            for r, c in zip(rows, episode.completions)
-        ]
-        shard.append(dataclasses.replace(episode, completions=completions))
-    return shard

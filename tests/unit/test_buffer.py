@@ -3,17 +3,16 @@ import copy
 import json
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forge_rl.batching import make_train_batch
-from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer, shard_for_rank
+from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer
 from forge_rl.types import Episode
 
 from tests.helpers import wait_until_async
 
-from .builders import completion_advantages, make_completion, make_episode
+from .builders import make_completion, make_episode
 
 
 def test_sample_returns_none_until_a_full_batch_is_fresh():
@@ -187,36 +186,6 @@ def test_restoring_more_than_the_capacity_is_refused():
     buffer.put(make_episode(1), trainer_version=0)
     with pytest.raises(ValueError, match=r"buffer.capacity_episodes \(1\) is below the 2 episodes"):
         ReplayBuffer(BufferConfig(capacity_episodes=1)).load_state_dict(buffer.state_dict())
-
-
-def trained_rows(episodes: list[Episode]) -> list[tuple[int, int]]:
-    """(episode id, completion index) of every completion with a token that reaches the loss."""
-    return [(e.episode_id, i) for e in episodes for i, c in enumerate(e.completions) if any(c.loss_mask)]
-
-
-def test_shards_hand_each_rank_whole_groups_when_they_divide_evenly():
-    episodes = [make_episode(i) for i in range(4)]
-    assert [e.episode_id for e in shard_for_rank(episodes, 1, 2)] == [2, 3]
-    full = make_train_batch(episodes, pad_id=0)
-    mine = make_train_batch(shard_for_rank(episodes, 1, 2), pad_id=0)
-    assert torch.equal(mine.input_ids_NL, full.shard(1, 2).input_ids_NL)
-
-
-def test_a_group_cut_by_a_shard_boundary_trains_each_completion_on_exactly_one_rank():
-    episodes = [make_episode(i, rewards=(1.0, 0.0, 0.5)) for i in range(2)]  # 2 rows per rank cut group 0 and 1
-    shards = [shard_for_rank(episodes, rank, 3) for rank in range(3)]
-    assert sorted(row for shard in shards for row in trained_rows(shard)) == trained_rows(episodes)
-    full_advantages = completion_advantages(make_train_batch(episodes, pad_id=0))
-    for rank, shard in enumerate(shards):
-        batch = make_train_batch(shard, pad_id=0)
-        trained = batch.loss_mask_NL.any(-1)
-        # Each cut group arrives whole, so its advantages are those of the full batch.
-        assert [a for a, t in zip(completion_advantages(batch), trained) if t] == pytest.approx(full_advantages[2 * rank : 2 * rank + 2])
-
-
-def test_shards_that_cannot_split_evenly_name_the_flags():
-    with pytest.raises(ValueError, match="--train-batch-size to a multiple of --trainer.parallel.dp-shard"):
-        shard_for_rank([make_episode(0, rewards=(1.0, 0.0, 0.5))], 0, 2)
 
 
 completion_specs = st.lists(
