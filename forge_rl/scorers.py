@@ -323,31 +323,35 @@ class TeacherScorer(Scorer):
     """On-policy distillation (forge_rl/teacher.py): `client(episodes)` returns the teacher's logprob
     of every completion token ([episode][completion][token], the frozen-model actor's
     `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
-    sampled token, teacher logprob - student (behaviour) logprob, less the group's mean at that
-    position with baseline "group"; the completion's reward is 0 (the teacher has no opinion on the
-    outcome). Component `reverse_kl`: its mean over the completion's
-    tokens, the distance to the teacher that distillation drives down."""
+    sampled token, teacher logprob - student (behaviour) logprob, raw: the group baseline
+    (scorer.teacher.baseline group) is taken by `ScoringStage` once every scorer's dense rewards are
+    added up and the usable completions are known. The completion's reward is 0 (the teacher has no
+    opinion on the outcome). Component `reverse_kl`: its mean over the completion's tokens, the
+    distance to the teacher that distillation drives down."""
 
     name = "teacher"
 
-    def __init__(
-        self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]], baseline: str = "group"
-    ):
+    def __init__(self, client: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]]):
         self.client = client
-        self.baseline = baseline
-        """TeacherConfig.baseline: "group" centers each position's reward on the group (`center_on_group`)."""
+        self.num_completions = 0
+        self.num_tokens = 0
 
     async def score_group(self, episode: Episode) -> list[ScoreResult]:
         (per_completion,) = await self.client([episode])
         negative_kl = [
             reverse_kl_token_rewards(c, logprobs) for c, logprobs in zip(episode.completions, per_completion, strict=True)
         ]
-        generated = [c.generated or [True] * c.num_tokens for c in episode.completions]
-        token_rewards = center_on_group(negative_kl, generated) if self.baseline == "group" else negative_kl
+        generated = [c.generated_mask for c in episode.completions]
+        self.num_completions += len(episode.completions)
+        self.num_tokens += sum(map(sum, generated))
         return [
-            Score(0.0, components={"reverse_kl": -sum(raw) / max(sum(sampled), 1)}, token_rewards=tuple(rewards))
-            for raw, sampled, rewards in zip(negative_kl, generated, token_rewards)
+            Score(0.0, components={"reverse_kl": -sum(raw) / max(sum(sampled), 1)}, token_rewards=tuple(raw))
+            for raw, sampled in zip(negative_kl, generated)
         ]
+
+    def stats(self) -> dict[str, float]:
+        """The completions and the generated tokens the teacher scored."""
+        return {"completions": self.num_completions, "tokens": self.num_tokens}
 
 
 class JudgeScorer(Scorer):
@@ -428,12 +432,23 @@ def build_scorer(
     if reward_model is not None:
         parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
     if teacher is not None:
-        parts.append((TeacherScorer(teacher, config.teacher.baseline), config.teacher.weight))
+        parts.append((TeacherScorer(teacher), config.teacher.weight))
     if judge is not None:
         parts.append((JudgeScorer(config.judge, judge), config.judge.weight))
     if len(parts) == 1 and config.reward_fn_weight == 1.0:
         return reward_fn
     return WeightedSum(parts)
+
+
+def _center_token_rewards(episode: Episode) -> None:
+    """The group baseline of dense rewards (`center_on_group`), taken over the usable completions
+    only: an ERRORED completion is never trained, so its rewards are no baseline for the others."""
+    usable = [
+        c for c in episode.completions if c.status != CompletionStatus.ERRORED and c.token_rewards is not None
+    ]
+    centered = center_on_group([c.token_rewards for c in usable], [c.generated_mask for c in usable])
+    for completion, rewards in zip(usable, centered):
+        completion.token_rewards = rewards
 
 
 def step_ends(token_ids: list[int], boundary_ids: set[int]) -> list[int]:
@@ -459,12 +474,19 @@ def boundary_token_ids(token_texts: Mapping[int, str], delimiter: str = "\n") ->
 class ScoringStage:
     """Runs a scorer on a run's episodes and writes the outcome onto their completions: reward
     (plus DAPO's overlong penalty when `overlong_buffer` is set), components, step and token
-    rewards, or ERRORED with the reason. Counts what it did (`stats`)."""
+    rewards, or ERRORED with the reason. With `token_baseline` "group" (scorer.teacher.baseline),
+    each group's token rewards, every scorer's added up, are then centered on the group's other
+    usable completions (`center_on_group`). Counts what it did (`stats`)."""
 
-    def __init__(self, scorer: Scorer, overlong_buffer: int | None = None, max_new_tokens: int = 0):
+    def __init__(
+        self, scorer: Scorer, overlong_buffer: int | None = None, max_new_tokens: int = 0, token_baseline: str = "none"
+    ):
+        if token_baseline not in ("group", "none"):
+            raise ValueError(f"token_baseline ({token_baseline!r}) must be 'group' or 'none'")
         self.scorer = scorer
         self.overlong_buffer = overlong_buffer
         self.max_new_tokens = max_new_tokens
+        self.token_baseline = token_baseline
         self.num_scored = 0
         self.num_overlong_penalized = 0
         self.num_errored = 0
@@ -482,6 +504,8 @@ class ScoringStage:
                     self._fail(completion, result)
                 else:
                     self._apply(completion, result)
+            if self.token_baseline == "group":
+                _center_token_rewards(episode)
         return episodes
 
     def _apply(self, completion: Completion, score: Score) -> None:

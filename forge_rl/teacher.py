@@ -18,8 +18,9 @@ The student's logprob is the behaviour logprob the generator sampled with, and t
 taken under the same sampling distribution (the episode's temperature, the generator's top-k/top-p
 kept set), so both describe the distribution the token was drawn from.
 
-The reward is `scorer.teacher.weight * (-k_t)` per token, centered on the group's mean at that
-position (`center_on_group`; `scorer.teacher.baseline none`: raw), alone (`scorer.reward_fn_weight 0`:
+The reward is `scorer.teacher.weight * (-k_t)` per token, centered on the group's other samples at
+that position once every scorer's dense rewards are added up (`center_on_group`, run by
+`ScoringStage`; `scorer.teacher.baseline none`: raw), alone (`scorer.reward_fn_weight 0`:
 every completion's outcome reward is 0, so its group advantage is 0 and the teacher alone trains)
 or on top of the task reward's group advantage. Plain Python: no Monarch here.
 """
@@ -78,9 +79,10 @@ class TeacherConfig(ReferenceConfig):
     """Coefficient of the per-token reverse KL in each token's advantage:
     A_t += -weight * (log pi_student - log pi_teacher), less its baseline."""
     baseline: Literal["group", "none"] = "group"
-    """group: each token's -reverse KL less its mean over the group's completions at the same
-    position (`center_on_group`), which keeps every sampled token's direction and removes the part
-    all samples share; none: the raw -reverse KL. See `center_on_group` for why."""
+    """group: each token's dense reward (the weighted -reverse KL, plus any other scorer's) less
+    its mean over the group's other usable completions at the same position (`center_on_group`),
+    which keeps every sampled token's direction and removes the part all samples share; none: the
+    raw -reverse KL. See `center_on_group` for why."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -375,8 +377,12 @@ def reverse_kl_token_rewards(completion: Completion, teacher_logprobs: list[floa
 
 
 def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]]) -> list[list[float]]:
-    """Each completion's token rewards less the mean, at the same position, over the group's
-    completions that sampled a token there (context tokens stay 0 and out of the mean).
+    """Each completion's token rewards less a leave-one-out baseline: the mean, at the same
+    position, over the group's other completions that sampled a token there (context tokens stay
+    0 and out of every mean). Where no other completion sampled a token at that position (the tail
+    of the longest completion), there is nothing to compare with, and the token keeps its raw
+    reward, as with baseline none. The caller passes the group's usable completions only
+    (`ScoringStage`: ERRORED ones are never trained, so their rewards are no baseline).
 
     Why: -k_t on a sampled token is an unbiased but noisy signal. Its mean under the student's
     sampling is -KL(student || teacher) <= 0, so without a baseline nearly every sampled token is
@@ -385,8 +391,10 @@ def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]
     samples got at that position (a baseline, as GRPO subtracts its group mean from the outcome)
     leaves each token's advantage relative to its alternatives: measured on the demo
     (docs/benchmarks.md, `forge-rl bench distill`), from scratch the raw signal learned slower than
-    GRPO and the centered one faster. Positions are compared as they are (token t of each sample),
-    the same prefix length under the same prompt."""
+    GRPO and the centered one faster. The baseline leaves the sample itself out, so it does not
+    depend on the token it judges (RLOO's baseline) and a position one sample alone reaches keeps
+    its signal instead of being centered to exactly 0. Positions are compared as they are (token t
+    of each sample), the same prefix length under the same prompt."""
     longest = max((len(r) for r in token_rewards), default=0)
     sums, counts = [0.0] * longest, [0] * longest
     for rewards, sampled in zip(token_rewards, generated):
@@ -394,8 +402,13 @@ def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]
             if is_sampled:
                 sums[position] += reward
                 counts[position] += 1
+
+    def centered(reward: float, position: int) -> float:
+        others = counts[position] - 1
+        return reward - (sums[position] - reward) / others if others else reward
+
     return [
-        [reward - sums[t] / counts[t] if is_sampled else 0.0 for t, (reward, is_sampled) in enumerate(zip(rewards, sampled))]
+        [centered(reward, t) if is_sampled else 0.0 for t, (reward, is_sampled) in enumerate(zip(rewards, sampled))]
         for rewards, sampled in zip(token_rewards, generated)
     ]
 

@@ -72,7 +72,8 @@ class ScorerActor(PortServed, Actor):
             self._replica_stats.append(functools.partial(engines.stats, "scorer/judge"))
             verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(engines, "judge"))
         scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
-        self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens)
+        token_baseline = config.teacher.baseline if teacher is not None else "none"
+        self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens, token_baseline)
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

@@ -13,7 +13,7 @@ from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.preflight import check_model_inputs
-from forge_rl.scorers import Score, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum
+from forge_rl.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -45,8 +45,8 @@ def fake_teacher(logprobs_by_completion):
     return client, asked
 
 
-def scored(episode, scorer):
-    asyncio.run(ScoringStage(scorer).score([episode]))
+def scored(episode, scorer, **stage_options):
+    asyncio.run(ScoringStage(scorer, **stage_options).score([episode]))
     return episode
 
 
@@ -64,7 +64,7 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     episode = Episode(0, "M37=", "7", PROMPT, completions)
     client, asked = fake_teacher(teacher)
     weight = 0.5
-    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 0.0), (TeacherScorer(client, baseline="none"), weight)]))
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 0.0), (TeacherScorer(client), weight)]))
 
     assert asked == [[episode]]  # one request per group
     batch = make_train_batch([episode], pad_id=0)
@@ -84,10 +84,10 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     )
 
 
-def test_the_group_baseline_centers_each_position_on_the_samples_that_have_a_token_there():
+def test_each_token_is_centered_on_the_other_samples_at_its_position_never_on_a_mean_holding_itself():
     """Three samples; the third is one token long and the second's token 1 is context. Position 0:
-    raw -KL 0.4, -2.0, -0.8 (mean -0.8); position 1: only the first sampled there (mean = itself);
-    position 2: the first and second (-1.0 and 0.5, mean -0.25)."""
+    raw -KL 0.4, -2.0, -0.8, each less the mean of the two others; position 2: the first and second
+    sampled there (-1.0 and 0.5), each less the other's."""
     student = [[-1.0, -1.0, -2.0], [-1.0, -1.0, -1.0], [-1.0]]
     teacher = [[-0.6, -3.0, -3.0], [-3.0, -9.0, -0.5], [-1.8]]
     completions = [
@@ -96,14 +96,56 @@ def test_the_group_baseline_centers_each_position_on_the_samples_that_have_a_tok
         Completion(token_ids=[5], logprobs=student[2], policy_versions=[0]),
     ]
     client, _ = fake_teacher(teacher)
-    episode = scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client))
-    assert completions[0].token_rewards == pytest.approx([0.4 + 0.8, 0.0, -1.0 + 0.25])
-    assert completions[1].token_rewards == pytest.approx([-2.0 + 0.8, 0.0, 0.5 + 0.25])
-    assert completions[2].token_rewards == pytest.approx([-0.8 + 0.8])
+    episode = scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client), token_baseline="group")
+    assert completions[0].token_rewards[0] == pytest.approx(0.4 - (-2.0 - 0.8) / 2)
+    assert completions[1].token_rewards[0] == pytest.approx(-2.0 - (0.4 - 0.8) / 2)
+    assert completions[2].token_rewards == pytest.approx([-0.8 - (0.4 - 2.0) / 2])
+    assert completions[0].token_rewards[2] == pytest.approx(-1.0 - 0.5)
+    assert completions[1].token_rewards[1:] == pytest.approx([0.0, 0.5 + 1.0])  # context stays 0
     # The logged distance is the raw reverse KL, not the centered reward.
     assert completions[0].reward_components["reverse_kl"] == pytest.approx((-0.4 + 2.0 + 1.0) / 3)
     batch = make_train_batch([episode], pad_id=0)
-    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-1.2, 0.0, 0.75])
+    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-1.8, 0.0, 1.5])
+
+
+def test_the_tail_of_the_longest_completion_keeps_the_teachers_signal_under_the_group_baseline():
+    """Past the second-longest completion one sample alone reaches a position: there is no other
+    sample to compare with, so its token keeps the raw -KL instead of being centered to 0."""
+    student = [[-1.0, -1.0, -1.0, -1.0], [-1.0]]
+    teacher = [[-0.5, -3.0, -0.2, -4.0], [-2.0]]
+    completions = [Completion(token_ids=[5] * len(s), logprobs=s, policy_versions=[0] * len(s)) for s in student]
+    client, _ = fake_teacher(teacher)
+    scored(Episode(0, "M37=", "7", PROMPT, completions), TeacherScorer(client), token_baseline="group")
+    assert completions[0].token_rewards == pytest.approx([0.5 - (-1.0), -2.0, 0.8, -3.0])
+    assert completions[1].token_rewards == pytest.approx([-1.0 - 0.5])
+
+
+def test_the_group_baseline_is_taken_after_combining_scorers_over_usable_completions_only():
+    """The outcome scorer fails the third completion (ERRORED, never trained): the teacher's
+    reward on it stays out of the others' baseline, and a second dense scorer's rewards are
+    centered with the teacher's, as their weighted sum."""
+
+    class FailsLast(Scorer):
+        name = "outcome"
+
+        async def score_group(self, episode):
+            return [Score(0.0)] * (len(episode.completions) - 1) + [ScoreFailure("verifier raised", "ValueError")]
+
+    class Dense(Scorer):
+        name = "dense"
+
+        async def score_group(self, episode):
+            return [Score(0.0, token_rewards=(float(i),)) for i, _ in enumerate(episode.completions)]
+
+    student, teacher = [[-1.0], [-1.0], [-1.0]], [[-0.5], [-2.0], [-9.0]]
+    completions = [Completion(token_ids=[5], logprobs=s, policy_versions=[0]) for s in student]
+    client, _ = fake_teacher(teacher)
+    scorer = WeightedSum([(FailsLast(), 1.0), (TeacherScorer(client), 2.0), (Dense(), 1.0)])
+    scored(Episode(0, "M37=", "7", PROMPT, completions), scorer, token_baseline="group")
+    assert completions[2].status == CompletionStatus.ERRORED
+    combined = [2.0 * 0.5 + 0.0, 2.0 * -1.0 + 1.0]  # 2 * (-KL) + the dense scorer's reward
+    assert completions[0].token_rewards == pytest.approx([combined[0] - combined[1]])
+    assert completions[1].token_rewards == pytest.approx([combined[1] - combined[0]])
 
 
 def test_with_the_task_reward_the_reverse_kl_adds_to_the_group_advantage():
@@ -111,7 +153,7 @@ def test_with_the_task_reward_the_reverse_kl_adds_to_the_group_advantage():
     completions = [Completion(token_ids=[5, 6], logprobs=s, policy_versions=[0, 0]) for s in student]
     episode = Episode(0, "M37=", "7", PROMPT, completions)
     client, _ = fake_teacher(teacher)
-    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client, baseline="none"), 2.0)]))
+    scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client), 2.0)]))
     batch = make_train_batch([episode], pad_id=0, normalize_advantage_std=False)
     assert batch.advantages_NL[0, len(PROMPT):].tolist() == pytest.approx([0.5 + 2 * 0.5, 0.5 + 2 * -2.0])
     assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-0.5, -0.5])
