@@ -1,8 +1,9 @@
 """The replay buffer: bounded, version-aware, group-preserving. Plain Python (no Monarch).
 
 Invariant: no trainable token more than `max_policy_age` versions behind the trainer ever leaves
-`sample()`. The bound is applied where episodes enter (`put`) and again where they leave (`sample`),
-because the trainer's version advances while episodes wait. `drop_policy` decides what an over-age
+`sample()`. The bound is applied where episodes enter (`put`, at the version the next batch trains
+at: `WaitingBuffer.trainer_version`) and again where they leave (`sample`), because the trainer's
+version advances while episodes wait. `drop_policy` decides what an over-age
 token costs: its whole episode (`drop_episode`), or only itself (`mask_tokens`: the token is marked
 untrainable in `Completion.trainable`; the completion's reward still counts for its group's
 baseline). Whatever is lost is counted with its completion lengths (`dropped`), beside the lengths
@@ -314,7 +315,11 @@ class WaitingBuffer:
     def __init__(self, config: BufferConfig):
         self.buffer = ReplayBuffer(config)
         self.trainer_version = 0
-        """Version the next sampled batch trains at; staleness is measured against it."""
+        """Version the next sampled batch trains at; staleness is measured against it, at `put`
+        too, so an episode that batch could not train is refused at once instead of held until the
+        next `sample` evicts it. A batch taken at v leaves it at v + 1 (the trainer publishes a
+        version per batch), a skipped step takes it back to v (`step_skipped`), as the admission
+        gate counts `next_train_version`."""
         self.changed = asyncio.Condition()
 
     async def put(self, episodes: list[Episode]) -> int:
@@ -349,8 +354,14 @@ class WaitingBuffer:
                 wait_start = time.perf_counter()
                 await self.changed.wait()
                 waited_s += time.perf_counter() - wait_start
+            self.trainer_version += 1
             self.changed.notify_all()
         return batch, [e.schedule_version for e in evicted], waited_s
+
+    def step_skipped(self) -> None:
+        """The last batch's step was skipped (non-finite loss): no version was published, so the
+        next batch trains at the version that one did."""
+        self.trainer_version -= 1
 
     async def load_state_dict(self, state: dict, trainer_version: int) -> list[int]:
         """Restore a checkpoint's buffer; returns the `schedule_version` of each episode it holds now."""

@@ -269,6 +269,7 @@ class Rollouts:
         batch = self.taken.pop(step)
         if skipped:
             self.accounting.count_skipped(batch.episodes)
+            self.buffer.step_skipped()
             await self.gate.step_skipped()
         else:
             self.accounting.count_trained(batch.episodes)

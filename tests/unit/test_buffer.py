@@ -312,3 +312,35 @@ def test_an_episode_dropped_at_put_while_sample_waits_is_reported_once():
         assert waited_s > 0  # it waited for episode 1
 
     asyncio.run(scenario())
+
+
+def test_an_episode_too_old_for_the_next_batch_is_refused_at_put_not_held_until_sample_evicts_it():
+    """Once a batch is taken at version v, the next one trains at v + 1: `put` judges episodes
+    there, so one that only version v could still train is counted as dropped at once instead of
+    taking a slot until the next `sample` evicts it."""
+
+    async def scenario():
+        buffer = WaitingBuffer(BufferConfig(max_policy_age=0))
+        await buffer.put([make_episode(episode_id=0, policy_version=0)])
+        await buffer.sample(1, 0)
+        assert await buffer.put([make_episode(episode_id=1, policy_version=0)]) == 1
+        assert len(buffer.buffer) == 0 and buffer.buffer.dropped.episode_ids == [1]
+        assert await buffer.put([make_episode(episode_id=2, policy_version=1)]) == 0
+
+    asyncio.run(scenario())
+
+
+def test_after_a_skipped_step_put_judges_at_the_version_the_next_batch_still_trains_at():
+    """A skipped step publishes nothing: the next batch trains at the skipped one's version, so an
+    episode of that version is still kept."""
+
+    async def scenario():
+        buffer = WaitingBuffer(BufferConfig(max_policy_age=0))
+        await buffer.put([make_episode(episode_id=0, policy_version=0)])
+        await buffer.sample(1, 0)
+        buffer.step_skipped()
+        assert await buffer.put([make_episode(episode_id=1, policy_version=0)]) == 0
+        batch, evicted_versions, _ = await buffer.sample(1, 0)
+        assert [e.episode_id for e in batch] == [1] and evicted_versions == []
+
+    asyncio.run(scenario())
