@@ -4,13 +4,24 @@
 confines it (below), runs the code there as `python -I -S main.py` (standard library only) and
 returns its exit status and its output, truncated. Nothing runs in the caller's process.
 
-What it guarantees, on Linux (x86_64 or aarch64) with seccomp and Landlock (kernel >= 5.13 with
-Landlock enabled; tested on 6.18, tests/unit/test_envs.py tries each escape):
+What it guarantees, on Linux with seccomp (through libseccomp) and Landlock (kernel >= 5.13 with
+Landlock enabled; the tests of the sandbox try each escape for real):
+- System calls: an allow list (deny by default, EPERM) of what CPython needs to run the standard
+  library in one thread: files, its own memory, time, its own signal handlers, reading (not
+  changing) its own scheduling. Everything else fails, including nested namespaces (unshare, setns),
+  the mount API, bpf, userfaultfd, pidfd_open, kcmp, memfd_create and System V shared memory, page
+  migration, process_madvise, and changing any process's priority, affinity, scheduler or I/O class.
+  A call through another architecture's convention (i386, x32) kills the process.
 - One process, one thread: it cannot start another process or thread (fork, vfork, clone, clone3
   are denied, so subprocess, os.system, multiprocessing and threading fail), so no fork bomb.
 - Resources (setrlimit in the child): CPU time (`max_cpu_time_s`, then SIGXCPU and SIGKILL),
   address space (`max_memory_bytes`: allocations past it raise MemoryError), size of any file it
-  writes (`max_file_bytes`), open files (`max_open_files`), no core dumps.
+  writes (`max_file_bytes`), open files (`max_open_files`), no core dumps. prlimit64 is allowed on
+  itself only: the kernel lets a process change the limits of any process of its real uid, which
+  the user namespace keeps, so elsewhere it could kill the caller by its RLIMIT_CPU.
+- Disk: where a mount namespace is permitted, its directory is a tmpfs of `max_disk_bytes` (host
+  memory, which RLIMIT_AS does not bound), so what it writes in all is capped; where it is not, the
+  code may create no file at all (only rewrite its main.py, up to `max_file_bytes`).
 - Time: past `max_wall_time_s` it is killed (SIGKILL).
 - Files (Landlock, which also forbids mount): it reads and writes only its temporary directory
   (also its cwd, HOME and TMPDIR), deleted afterwards, and may not execute files there; elsewhere
@@ -20,13 +31,15 @@ Landlock enabled; tested on 6.18, tests/unit/test_envs.py tries each escape):
 - Network: none. socket() is denied for every address family (so also Unix sockets to local
   services), and io_uring, which could open sockets around that; where user and network namespaces
   are permitted it also sits in an empty network namespace, and on Landlock >= 4 TCP is denied too.
-- Other processes: it cannot signal any (Landlock's signal scope on kernels >= 6.12; elsewhere
-  kill, tkill, tgkill, the sigqueue calls and pidfd_send_signal are denied; on every kernel the
-  fcntl and ioctl commands that have a file signal a chosen process are denied), trace them, read or
-  write their memory (ptrace, process_vm_readv/writev, pidfd_getfd, perf_event_open denied) or use
-  the user's key ring.
+- Other processes: it cannot signal any (the kill family is allowed with its own pid only, and
+  Landlock's signal scope adds the same on kernels >= 6.12; only the fcntl and ioctl commands of an
+  allow list pass, none of those that have a file signal a chosen process), trace them, read or
+  write their memory (ptrace, process_vm_readv/writev, pidfd_getfd, perf_event_open) or use the
+  user's key ring.
 - Privileges: no_new_privs; where user namespaces are permitted it runs as "nobody" inside one, so
-  with no capabilities even when the caller is root. A root caller on a machine without user
+  with no capabilities even when the caller is root.
+- The Python installation it reads: `run_python` refuses one (sys.prefix or sys.base_prefix) that
+  is `/` or holds a home directory or the caller's working directory (where `runs/` is written). A root caller on a machine without user
   namespaces is refused (root's capabilities, such as loading kernel modules, must not reach
   untrusted code).
 - Environment: it starts from a scrubbed environment (PATH, HOME, TMPDIR, LANG only); none of the
@@ -35,8 +48,6 @@ Landlock enabled; tested on 6.18, tests/unit/test_envs.py tries each escape):
   naming it: it never runs the code with less isolation than stated here.
 
 What it does not guarantee:
-- Disk: each file is bounded, not their number: the code can fill the file system of its temporary
-  directory until its time runs out.
 - Kernel bugs: the isolation is as strong as seccomp, Landlock and namespaces, not a virtual
   machine's. For hostile users at scale, run the executor on machines of its own.
 - Programs that need threads or child processes do not run here (see above).
@@ -45,9 +56,9 @@ What it does not guarantee:
 
 How: the parent starts `python -I -S sandbox.py` with a scrubbed environment, its cwd the temporary
 directory, and one extra pipe. That child (the functions under "Child side" below: standard library
-only, as forge_rl is not importable there) dies with its parent, enters new user and network
-namespaces where permitted, sets no_new_privs and the rlimits, installs the Landlock ruleset and the
-seccomp filter, reports on the pipe which mechanisms hold, and replaces itself with `python -I -S
+only, as forge_rl is not importable there) dies with its parent, enters new user, mount and
+network namespaces where permitted, mounts its size-capped tmpfs, sets no_new_privs and the
+rlimits, installs the Landlock ruleset and the seccomp filter (libseccomp through ctypes), reports on the pipe which mechanisms hold, and replaces itself with `python -I -S
 main.py`: all of it survives the exec. Why not RLIMIT_NPROC for the process limit: the kernel
 exempts uid 0 from it even inside a user namespace (tested here), so it cannot bind a root caller.
 """
@@ -67,6 +78,8 @@ _UNAVAILABLE_EXIT_CODE = 70
 """The child's exit code when a required mechanism is missing (it then runs nothing)."""
 _REPORT_TIMEOUT_S = 30.0
 """How long the child may take to confine itself before the parent gives up (a busy host)."""
+_FIRST_LOGIN_UID = 1000
+"""Below it (but root), accounts are the system's (login.defs' UID_MIN), whose homes are /bin, /var/www, ..."""
 _OUTPUT_DRAIN_TIMEOUT_S = 5.0
 """How long after the kill the output pipes may take to close. Only a process that survived SIGKILL
 could hold them open longer, and that is reported as an error rather than waited for."""
@@ -84,6 +97,9 @@ class SandboxConfig:
     """Address space (RLIMIT_AS); allocations past it fail (MemoryError)."""
     max_file_bytes: int = 16 * 2**20
     """Largest file it may write (RLIMIT_FSIZE); a write past it fails."""
+    max_disk_bytes: int = 32 * 2**20
+    """Bytes its directory may hold in all, its code included: the directory is a tmpfs of this size
+    (host memory, which RLIMIT_AS does not bound), so a write past it fails with ENOSPC."""
     max_open_files: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
     max_output_bytes: int = 16 * 2**10
@@ -156,6 +172,7 @@ async def run_python(code: str, config: SandboxConfig) -> SandboxResult:
 async def _run_confined(sandbox_dir: str, config: SandboxConfig) -> SandboxResult:
     import subprocess
 
+    _check_installation_is_not_private()
     interpreter = os.path.realpath(sys.executable)  # not a venv's link: the child reads no venv files
     report_read, report_write = os.pipe()
     process = subprocess.Popen(
@@ -175,6 +192,31 @@ async def _run_confined(sandbox_dir: str, config: SandboxConfig) -> SandboxResul
         # SIGKILL by pid is safe from pid reuse: the child is not reaped until the wait below.
         process.kill()
         process.wait()
+
+
+def _check_installation_is_not_private() -> None:
+    """The sandboxed code may read all of the Python installation (sys.prefix, sys.base_prefix):
+    refuse one that is the root or holds a home directory or this process's working directory
+    (where runs, checkpoints and their weights are written, `runs/` by default)."""
+    import pwd
+
+    from forge_rl.errors import SandboxUnavailable
+
+    private = {os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd())}
+    private |= {  # people's homes: root's and those of login users, not system accounts' (/bin, /var/www, ...)
+        os.path.realpath(user.pw_dir) for user in pwd.getpwall()
+        if (user.pw_uid == 0 or _FIRST_LOGIN_UID <= user.pw_uid < _NOBODY) and user.pw_dir not in ("", "/")
+    }
+    for prefix in sorted({sys.prefix, sys.base_prefix}):
+        real = os.path.realpath(prefix)
+        held = sorted(path for path in private if real == "/" or path == real or path.startswith(real + os.sep))
+        if held:
+            raise SandboxUnavailable(
+                f"the Python installation {prefix} (sys.prefix or sys.base_prefix) holds {held[0]}, a home "
+                "directory or this process's working directory, and sandboxed code may read all of the "
+                "installation: it would read what the sandbox exists to hide. Run forge_rl from a Python "
+                "installed or a virtual environment created elsewhere (for example /opt/venv)."
+            )
 
 
 async def _supervise(process, report_pipe, config: SandboxConfig) -> SandboxResult:
@@ -302,6 +344,8 @@ def _confine(parent_pid: int, config: SandboxConfig) -> list[str]:
         raise _Missing(f"untrusted code runs only on Linux (this is {sys.platform}): it needs seccomp and Landlock.")
     _die_with_parent(parent_pid)
     isolation = _enter_namespaces()
+    if "mount namespace" in isolation:
+        _mount_capped_directory(config)
     if "user namespace" not in isolation and os.geteuid() == 0:
         raise _Missing(
             "this runs as root and user namespaces are not permitted here, so the code would keep "
@@ -312,9 +356,9 @@ def _confine(parent_pid: int, config: SandboxConfig) -> list[str]:
     _check_prctl(_libc().prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
     _set_rlimits(config)
     isolation.append("rlimits")
-    landlock_abi = _apply_landlock()
+    landlock_abi = _apply_landlock(capped_directory="mount namespace" in isolation)
     isolation.append("landlock" if landlock_abi < 6 else "landlock+signal scope")
-    _apply_seccomp(deny_signals=landlock_abi < 6)
+    _apply_seccomp()
     isolation.append("seccomp")
     return isolation
 
@@ -336,16 +380,17 @@ def _check_prctl(result: int, what: str) -> None:
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
 _NOBODY = 65534
 
 
 def _enter_namespaces() -> list[str]:
-    """New user and network namespaces if permitted, else a user namespace alone, else none; the
-    code runs as "nobody" inside, so with no capabilities at all once it is exec'd."""
+    """New user, mount and network namespaces if permitted, else user and mount namespaces alone,
+    else none; the code runs as "nobody" inside, so with no capabilities at all once it is exec'd."""
     uid, gid = os.getuid(), os.getgid()
     for flags, names in (
-        (_CLONE_NEWUSER | _CLONE_NEWNET, ["user namespace", "network namespace"]),
-        (_CLONE_NEWUSER, ["user namespace"]),
+        (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET, ["user namespace", "mount namespace", "network namespace"]),
+        (_CLONE_NEWUSER | _CLONE_NEWNS, ["user namespace", "mount namespace"]),
     ):
         if _libc().unshare(flags) == 0:
             break
@@ -359,6 +404,28 @@ def _enter_namespaces() -> list[str]:
     with open("/proc/self/gid_map", "w") as f:
         f.write(f"{_NOBODY} {gid} 1")
     return names
+
+
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MAX_INODES = 1024
+"""Files and directories the capped directory may hold: each costs kernel memory beyond its bytes."""
+
+
+def _mount_capped_directory(config: SandboxConfig) -> None:
+    """Put a tmpfs of `max_disk_bytes` over the sandbox directory, in this process's own mount
+    namespace (invisible to the caller, gone with the process), and the code back into it."""
+    directory = os.getcwd()
+    with open(_MAIN_FILE, "rb") as main_file:
+        code = main_file.read()
+    options = f"size={config.max_disk_bytes},nr_inodes={_MAX_INODES},mode=0700"
+    mounted = _libc().mount(
+        b"tmpfs", directory.encode(), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV | _MS_NOEXEC), options.encode()
+    )
+    if mounted != 0:
+        raise _Missing(f"mounting the sandbox's size-capped tmpfs failed: {os.strerror(ctypes.get_errno())}.")
+    os.chdir(directory)  # the cwd still named the directory under the mount
+    with open(_MAIN_FILE, "wb") as main_file:
+        main_file.write(code)
 
 
 def _set_rlimits(config: SandboxConfig) -> None:
@@ -379,6 +446,7 @@ def _set_rlimits(config: SandboxConfig) -> None:
 _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _FS_FILE_RIGHTS_V1 = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE
 _FS_ALL_V1 = (1 << 13) - 1  # execute ... make_sym
+_FS_MAKE_ANY = ((1 << 13) - 1) & ~((1 << 6) - 1)  # make_char, make_dir, make_reg, make_sock, make_fifo, make_block, make_sym
 _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
@@ -387,7 +455,7 @@ _READ_ONLY_PATHS = ("/usr", "/lib", "/lib64", "/bin", "/etc/ld.so.cache")
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 
 
-def _apply_landlock() -> int:
+def _apply_landlock(capped_directory: bool) -> int:
     """Restrict the file system to the sandbox directory (everything), the Python installation and
     system libraries (read, execute) and a few devices; deny TCP and signals out of the sandbox
     where the kernel's Landlock version can. Returns that version (its ABI)."""
@@ -411,7 +479,12 @@ def _apply_landlock() -> int:
     read_execute = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
     rules = [(path, read_execute) for path in (*_READ_ONLY_PATHS, sys.base_prefix, sys.prefix)]
     rules += [(path, _FS_READ_FILE | _FS_WRITE_FILE) for path in _DEVICES]
-    rules.append((os.getcwd(), handled_fs & ~_FS_EXECUTE))  # the sandbox directory: all but running files
+    # The sandbox directory: all but running files; where it is not a size-capped tmpfs (no mount
+    # namespace), no creating files either, so what it holds stays bounded by max_file_bytes.
+    directory_access = handled_fs & ~_FS_EXECUTE
+    if not capped_directory:
+        directory_access &= ~_FS_MAKE_ANY
+    rules.append((os.getcwd(), directory_access))
     for path, access in rules:
         _add_landlock_rule(ruleset, path, access & handled_fs)
     if syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) != 0:
@@ -435,87 +508,126 @@ def _add_landlock_rule(ruleset: int, path: str, access: int) -> None:
         os.close(fd)
 
 
-# seccomp: (audit arch, {system call: number}) per machine, numbers from the kernel's unistd headers.
-# aarch64 has no fork or vfork call (glibc forks with clone).
-_SECCOMP_ARCHES = {
-    "x86_64": (0xC000003E, {
-        "fork": 57, "vfork": 58, "clone": 56, "clone3": 435,
-        "socket": 41, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-        "perf_event_open": 298, "keyctl": 250, "add_key": 248, "request_key": 249,
-        "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
-        "pidfd_send_signal": 424, "fcntl": 72, "ioctl": 16,
-    }),
-    "aarch64": (0xC00000B7, {
-        "clone": 220, "clone3": 435,
-        "socket": 198, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
-        "perf_event_open": 241, "keyctl": 219, "add_key": 217, "request_key": 218,
-        "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
-        "pidfd_send_signal": 424, "fcntl": 25, "ioctl": 29,
-    }),
+# seccomp, through libseccomp (ctypes: the child runs before site-packages exist, see the module
+# docstring). An allow list: every system call not named here fails with EPERM, so a call added to the
+# kernel tomorrow is denied until someone decides otherwise. Names a machine lacks are skipped
+# (arch_prctl exists only on x86_64; aarch64 has no open, stat or fork); another architecture's calling
+# convention (i386 and x32 on x86_64) kills the process, so its table cannot go around this one.
+_ALLOWED_SYSCALLS = (
+    # Files, always within what Landlock grants: the sandbox directory, read-only system paths.
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+    "open", "openat", "openat2", "creat", "close", "close_range", "dup", "dup2", "dup3", "lseek",
+    "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
+    "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir",
+    "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2",
+    "link", "linkat", "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "umask",
+    "truncate", "ftruncate", "fsync", "fdatasync", "flock", "fadvise64", "fallocate",
+    "utime", "utimes", "utimensat", "futimesat", "sendfile", "copy_file_range", "splice", "tee",
+    "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
+    "pipe", "pipe2", "select", "pselect6", "poll", "ppoll",
+    "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2",
+    # Memory of its own address space (RLIMIT_AS bounds it).
+    "brk", "mmap", "munmap", "mprotect", "mremap", "madvise", "mincore", "msync",
+    # What a process reads of itself; scheduling it may read, not change.
+    "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid",
+    "getgroups", "getpgrp", "getpgid", "getsid", "uname", "sysinfo", "times", "getrusage", "getrlimit",
+    "getcpu", "getpriority", "sched_getaffinity", "sched_getparam", "sched_getscheduler",
+    "sched_get_priority_max", "sched_get_priority_min", "sched_yield",
+    # Time.
+    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time",
+    "getitimer", "setitimer", "alarm",
+    # Its own signal handling (sending signals: _ALLOWED_IF below).
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
+    "sigaltstack", "pause", "restart_syscall",
+    # The C runtime of one thread: locks, thread-local storage, restartable sequences, randomness.
+    "futex", "set_tid_address", "set_robust_list", "get_robust_list", "rseq", "arch_prctl", "getrandom",
+    # Replacing itself (the sandbox's own last step, then any program Landlock lets it execute: it keeps
+    # every confinement) and exiting.
+    "execve", "exit", "exit_group",
+)
+_SELF = "self"
+"""Stands for the sandboxed process's pid in _ALLOWED_IF (the same pid before and after its exec)."""
+_FCNTL_COMMANDS = (0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 16, 36, 37, 38, 1030, 1031, 1032, 1033, 1034)
+"""F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, the record locks, F_GETOWN, F_GETSIG, F_GETOWN_EX,
+the open-file-description locks, F_DUPFD_CLOEXEC, the pipe sizes and the seals. Not F_SETOWN,
+F_SETOWN_EX, F_SETSIG or F_NOTIFY, which make the kernel signal a process of the code's choosing, nor
+F_SETLEASE."""
+_IOCTL_COMMANDS = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
+"""TCGETS (isatty), TIOCGWINSZ, FIONREAD, FIONBIO, FIONCLEX and FIOCLEX (os.set_inheritable). Not
+FIOSETOWN or SIOCSPGRP (a signal to a chosen process when a file is ready), nor anything of devices."""
+_ALLOWED_IF = {
+    # Its own resource limits only: the kernel lets a process change those of any process of the same
+    # real uid, which the user namespace keeps (lowering the rollouts' process's RLIMIT_CPU kills it).
+    "prlimit64": [(0, 0), (0, _SELF)],
+    # Signals to itself only: its process group holds the caller.
+    "kill": [(0, _SELF)], "tkill": [(0, _SELF)], "tgkill": [(0, _SELF)],
+    "rt_sigqueueinfo": [(0, _SELF)], "rt_tgsigqueueinfo": [(0, _SELF)],
+    "fcntl": [(1, command) for command in _FCNTL_COMMANDS],
+    "ioctl": [(1, command) for command in _IOCTL_COMMANDS],
 }
-_SIGNAL_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_send_signal")
-_SIGIO_OWNER_COMMANDS = {"fcntl": (8, 15, 10), "ioctl": (0x8901, 0x8902)}
-"""F_SETOWN, F_SETOWN_EX, F_SETSIG; FIOSETOWN, SIOCSPGRP: they make the kernel signal a process of
-the code's choosing when a file is ready (SIGIO, or any signal), which kill's denial would miss."""
-_X32_SYSCALL_BIT = 0x40000000
+"""System calls allowed when one argument (by index) has one of the listed values."""
 
 
-def _apply_seccomp(deny_signals: bool) -> None:
-    """A classic-BPF filter: another architecture's calling convention kills the process (so i386
-    socketcall cannot go around the table), the denied calls fail with EPERM, the rest pass."""
+class _ArgCompare(ctypes.Structure):
+    """libseccomp's struct scmp_arg_cmp."""
+
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+
+_SCMP_ACT_ALLOW, _SCMP_ACT_KILL_PROCESS, _SCMP_ACT_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_SCMP_CMP_MASKED_EQ = 7
+_SCMP_FLTATR_ACT_BADARCH = 2
+_LOW_32_BITS = 0xFFFFFFFF
+"""pids and ioctl/fcntl commands are 32-bit arguments: the kernel reads the register's low half."""
+
+
+def _apply_seccomp() -> None:
+    """Load the allow list (above) as this process's seccomp filter; it survives the exec."""
     import errno
-    import platform
 
-    machine = platform.machine()
-    if machine not in _SECCOMP_ARCHES:
-        raise _Missing(f"the sandbox's seccomp filter knows x86_64 and aarch64 system calls, not {machine}.")
-    audit_arch, numbers = _SECCOMP_ARCHES[machine]
-    denied = [
-        number for name, number in numbers.items()
-        if name not in _SIGIO_OWNER_COMMANDS and (deny_signals or name not in _SIGNAL_SYSCALLS)
+    try:
+        seccomp = ctypes.CDLL("libseccomp.so.2", use_errno=True)
+    except OSError as missing:
+        raise _Missing(
+            f"libseccomp is not installed ({missing}): the sandbox builds its system-call filter with it. "
+            "Install it (Debian and Ubuntu: apt install libseccomp2; Fedora: dnf install libseccomp)."
+        ) from None
+    seccomp.seccomp_init.restype = ctypes.c_void_p
+    seccomp.seccomp_init.argtypes = [ctypes.c_uint32]
+    seccomp.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    seccomp.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCompare)
     ]
-    load, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
-    kill_process, allow, deny = 0x80000000, 0x7FFF0000, 0x00050000 | errno.EPERM
-    nr, arch, command = 0, 4, 24  # offsets in struct seccomp_data; command: low half of args[1]
-    # (code, k, jump target if true, if false); a string is a label, targets name labels.
-    program: list = [
-        (load, arch, None, None),
-        (jump_eq, audit_arch, "native", None),
-        (ret, kill_process, None, None),
-        "native",
-        (load, nr, None, None),
-        (jump_ge, _X32_SYSCALL_BIT, "deny", None),  # x32 calls on x86_64
-        *[(jump_eq, numbers[name], name, None) for name in _SIGIO_OWNER_COMMANDS],
-        *[(jump_eq, number, "deny", None) for number in denied],
-        (ret, allow, None, None),
-    ]
-    for name, commands in _SIGIO_OWNER_COMMANDS.items():
-        program += [name, (load, command, None, None)]
-        program += [(jump_eq, command, "deny", None) for command in commands] + [(ret, allow, None, None)]
-    program += ["deny", (ret, deny, None, None)]
-    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in _assemble(program)))
-    fprog = struct.pack("=HxxxxxxQ", len(filters) // 8, ctypes.addressof(filters))  # struct sock_fprog
-    _check_prctl(_libc().prctl(22, 2, ctypes.c_char_p(fprog), 0, 0), "PR_SET_SECCOMP")  # 2: MODE_FILTER
+    seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
+    seccomp.seccomp_release.argtypes = [ctypes.c_void_p]
+    context = seccomp.seccomp_init(_SCMP_ACT_ERRNO | errno.EPERM)
+    if not context:
+        raise _Missing("seccomp_init failed: the kernel or libseccomp cannot build a filter here.")
+    try:
+        _check_seccomp(seccomp.seccomp_attr_set(context, _SCMP_FLTATR_ACT_BADARCH, _SCMP_ACT_KILL_PROCESS), "attr_set")
+        for name in (*_ALLOWED_SYSCALLS, *_ALLOWED_IF):
+            number = seccomp.seccomp_syscall_resolve_name(name.encode())
+            if number < 0:  # not a system call of this machine
+                continue
+            for condition in _ALLOWED_IF.get(name, [None]):
+                compare = None
+                if condition is not None:
+                    arg_index, value = condition
+                    value = os.getpid() if value == _SELF else value
+                    compare = _ArgCompare(arg_index, _SCMP_CMP_MASKED_EQ, _LOW_32_BITS, value)
+                rule = seccomp.seccomp_rule_add_array(
+                    context, _SCMP_ACT_ALLOW, number, int(compare is not None), ctypes.byref(compare) if compare else None
+                )
+                _check_seccomp(rule, f"rule_add({name})")
+        _check_seccomp(seccomp.seccomp_load(context), "load")
+    finally:
+        seccomp.seccomp_release(context)
 
 
-def _assemble(program: list) -> list[tuple[int, int, int, int]]:
-    """Classic BPF (code, jt, jf, k) from instructions whose jumps name labels: a jump's offset is
-    the number of instructions it skips, forward only."""
-    labels, instructions = {}, []
-    for item in program:
-        if isinstance(item, str):
-            labels[item] = len(instructions)
-        else:
-            instructions.append(item)
-
-    def offset(index: int, label: str | None) -> int:
-        return 0 if label is None else labels[label] - index - 1
-
-    return [
-        (code, offset(i, if_true), offset(i, if_false), k) for i, (code, k, if_true, if_false) in enumerate(instructions)
-    ]
+def _check_seccomp(result: int, what: str) -> None:
+    if result != 0:
+        raise _Missing(f"seccomp_{what} failed: {os.strerror(-result)}.")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Environments, token-in/token-out trajectories, the episode runner, and the sandbox's escapes.
+"""Environments, token-in/token-out trajectories and the episode runner (the sandbox: test_sandbox.py).
 
 Turns come from `FakeGenerate` (tests/fakes.py), scripted in the tiny models' char tokenizer. Hangs
 are made by construction (an environment awaiting an Event that is never set) under a small
@@ -8,8 +8,6 @@ timeout; nothing sleeps to race a process.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,10 +15,9 @@ import pytest
 
 from forge_rl.envs.calculator import MALFORMED_CALL, MALFORMED_TURN, CalculatorEnv, calculate, make_calculator_env
 from forge_rl.envs.environment import MalformedTurn, Message, StepResult
-from forge_rl.envs.python_tool import PythonToolEnv
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.runner import ContextExhausted, EpisodeLimits, SampledTurn, run_episode
-from forge_rl.envs.sandbox import SandboxConfig, run_python
+from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus
 from forge_rl.errors import GeneratorLost, SandboxUnavailable
 from forge_rl.tasks.synthetic import leading_number_reward, make_prompt
@@ -367,141 +364,6 @@ def test_calculator_problems_are_two_digit_and_depend_only_on_seed_and_index():
 def test_a_wrong_answer_closes_the_calculator_episode_with_no_reward(tokenizer, renderer):
     trajectory, _ = play(CalculatorEnv(37, 52), [sampled(tokenizer, "1925")], renderer)
     assert (trajectory.status, trajectory.final_reward) == (TrajectoryStatus.DONE, 0.0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The sandbox: each escape attempt is stopped and reported
-# ---------------------------------------------------------------------------------------------------
-
-SMALL = SandboxConfig(max_wall_time_s=5.0, max_cpu_time_s=1, max_memory_bytes=256 * 2**20, max_output_bytes=1000)
-
-
-def run(code: str, config: SandboxConfig = SMALL):
-    return asyncio.run(run_python(code, config))
-
-
-@pytest.fixture(scope="module", autouse=False)
-def sandbox():
-    """Skips (naming what is missing) on machines that cannot confine code; runs everywhere else."""
-    try:
-        return run("pass")
-    except SandboxUnavailable as e:
-        pytest.skip(f"the sandbox needs Linux with seccomp and Landlock: {e}")
-
-
-def test_the_sandbox_reports_the_mechanisms_that_confine_it(sandbox):
-    assert sandbox.exit_code == 0
-    assert {"rlimits", "seccomp"} <= set(sandbox.isolation) and any(i.startswith("landlock") for i in sandbox.isolation)
-
-
-def test_sandboxed_code_runs_in_its_own_directory_with_a_scrubbed_environment(sandbox, monkeypatch):
-    monkeypatch.setenv("FORGE_TEST_SECRET", "hunter2")
-    result = run(
-        "import os\n"
-        "print(os.getcwd() == os.environ['HOME'], sorted(os.environ))\n"
-        "try:\n"
-        "    print(open(f'/proc/{os.getppid()}/environ').read())\n"
-        "except OSError as e:\n"
-        "    print('parent environ:', type(e).__name__)\n"
-    )
-    assert result.exit_code == 0 and "hunter2" not in result.stdout
-    assert result.stdout.splitlines() == ["True ['HOME', 'LANG', 'PATH', 'TMPDIR']", "parent environ: PermissionError"]
-
-
-def test_a_fork_bomb_is_refused(sandbox):
-    result = run("import os\nwhile True:\n    os.fork()\n")
-    assert result.exit_code == 1 and "PermissionError" in result.stderr and not result.timed_out
-
-
-def test_starting_a_subprocess_or_thread_is_refused(sandbox):
-    result = run("import subprocess\nsubprocess.run(['true'])\n")
-    assert result.exit_code == 1 and "PermissionError" in result.stderr
-    result = run("import threading\nthreading.Thread(target=print).start()\n")
-    assert result.exit_code == 1 and "can't start new thread" in result.stderr
-
-
-def test_a_memory_bomb_fails_at_the_address_space_limit(sandbox):
-    result = run("blocks = []\nwhile True:\n    blocks.append(bytearray(16 * 2**20))\n")
-    assert result.exit_code == 1 and "MemoryError" in result.stderr
-
-
-def test_an_infinite_loop_is_killed_at_the_cpu_time_limit(sandbox):
-    result = run("while True:\n    pass\n")
-    assert result.ended_by == "killed: CPU time limit" and not result.timed_out
-
-
-def test_code_that_waits_forever_is_killed_at_the_wall_clock_limit(sandbox):
-    result = run("import signal\nsignal.pause()\n", SandboxConfig(max_wall_time_s=0.3))
-    assert result.timed_out and result.ended_by == "killed: wall-clock time limit"
-
-
-def test_sandboxed_code_cannot_write_or_read_outside_its_directory(sandbox, tmp_path):
-    run_dir = tmp_path / "run"  # stands for the run directory: checkpoints, weights, logs
-    run_dir.mkdir()
-    (run_dir / "checkpoint.txt").write_text("weights")
-    result = run(
-        "import os\n"
-        f"for path in ['{run_dir}/escaped.txt', '{tmp_path}/escaped.txt', os.path.expanduser('~/../escaped.txt')]:\n"
-        "    try:\n"
-        "        open(path, 'w').write('x')\n"
-        "    except OSError as e:\n"
-        "        print('write', type(e).__name__)\n"
-        "try:\n"
-        f"    print(open('{run_dir}/checkpoint.txt').read())\n"
-        "except OSError as e:\n"
-        "    print('read', type(e).__name__)\n"
-        "open('inside.txt', 'w').write('fine')\n"
-    )
-    assert result.stdout.splitlines() == ["write PermissionError"] * 3 + ["read PermissionError"]
-    assert result.exit_code == 0 and sorted(os.listdir(run_dir)) == ["checkpoint.txt"]
-    assert not (tmp_path / "escaped.txt").exists()
-
-
-def test_sandboxed_code_cannot_open_a_socket_to_a_local_listener(sandbox):
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        port = listener.getsockname()[1]
-        result = run(
-            "import socket\n"
-            "try:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "    print('connected')\n"
-            "except OSError as e:\n"
-            "    print(type(e).__name__)\n"
-        )
-        listener.setblocking(False)
-        with pytest.raises(BlockingIOError):  # no connection is waiting to be accepted
-            listener.accept()
-    assert result.stdout == "PermissionError\n"
-
-
-def test_sandboxed_code_cannot_signal_its_parent(sandbox):
-    result = run("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n")
-    assert result.exit_code == 1 and "PermissionError" in result.stderr
-    # Nor have the kernel signal it when a file is ready (F_SETOWN); other fcntl commands work.
-    result = run("import fcntl, os\nfcntl.fcntl(1, fcntl.F_GETFL)\nfcntl.fcntl(1, fcntl.F_SETOWN, os.getppid())\n")
-    assert result.exit_code == 1 and "PermissionError" in result.stderr and "F_SETOWN" in result.stderr
-
-
-def test_long_output_is_truncated(sandbox):
-    result = run("print('x' * 5000)\n")
-    assert result.output_truncated and result.stdout == "x" * 1000
-
-
-def test_the_python_tool_runs_code_in_the_sandbox_and_scores_the_answer(sandbox):
-    env = PythonToolEnv(question="What is 6 times 7?", answer="42", sandbox=SMALL)
-
-    async def episode():
-        prompt = await env.reset()
-        ran = await env.step("Let me compute.\n```python\nprint(6 * 7)\n```")
-        done = await env.step("Answer: 42")
-        return prompt, ran, done
-
-    prompt, ran, done = asyncio.run(episode())
-    assert prompt[-1] == Message("user", "What is 6 times 7?")
-    assert ran.observation == [Message("user", "Output:\n42\n\n(exit code 0)")]
-    assert (done.done, done.final_reward) == (True, 1.0)
-    with pytest.raises(MalformedTurn):
-        asyncio.run(env.step("I think it is 42."))
 
 
 # ---------------------------------------------------------------------------------------------------
