@@ -595,7 +595,8 @@ class VLLMEngine:
             # An abort-mode swap: resubmit prefix + tokens so far; the rest carries the new version.
         finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
         return SampledTurn(
-            turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts
+            turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts,
+            turn.num_truncated_support,
         )
 
     @property

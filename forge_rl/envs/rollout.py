@@ -211,6 +211,7 @@ def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None =
         policy_versions=versions,
         generated=generated,
         sampling_support=supports if any(supports) else None,
+        num_truncated_support=sum(span.num_truncated_support for span in sample.generated_spans),
         # One record over every generated token, or none: a turn without one leaves the whole
         # trajectory to the trainer's own routing (counted as a completion without a record).
         routed_experts=RoutingRecord.concat(routings) if routings and all(r is not None for r in routings) else None,

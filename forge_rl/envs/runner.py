@@ -92,6 +92,8 @@ class SampledTurn:
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
     (forge_rl/routing.py); None when not recorded."""
+    num_truncated_support: int = 0
+    """Tokens whose kept set may be incomplete (`Completion.num_truncated_support`)."""
 
 
 GenerateTurn = Callable[[list[int], int], Awaitable[SampledTurn]]
@@ -222,7 +224,8 @@ def turn_span(turn: SampledTurn) -> GeneratedSpan:
     """The sampled turn as a trajectory span, its ids, logprobs and versions as `generate` returned them."""
     support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
     return GeneratedSpan(
-        tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts
+        tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts,
+        turn.num_truncated_support,
     )
 
 

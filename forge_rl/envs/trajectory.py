@@ -77,6 +77,9 @@ class GeneratedSpan:
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
     (forge_rl/routing.py: the routing of the pass that sampled it, the context's last token's
     for the turn's first token); None when not recorded."""
+    num_truncated_support: int = 0
+    """Tokens whose kept set may be incomplete, as the generator counted them
+    (`Completion.num_truncated_support`)."""
 
     def __post_init__(self) -> None:
         lengths = {"token_ids": len(self.token_ids), "logprobs": len(self.logprobs),

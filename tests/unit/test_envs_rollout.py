@@ -22,11 +22,11 @@ from forge_rl.envs.rollout import (
     play_group,
     trajectory_completion,
 )
-from forge_rl.envs.runner import EpisodeLimits, SampledTurn
+from forge_rl.envs.runner import EpisodeLimits, SampledTurn, turn_span
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError, GeneratorLost
-from forge_rl.metrics import EpisodeStats
+from forge_rl.metrics import EpisodeStats, batch_metrics
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.types import CompletionStatus, Episode
 
@@ -118,14 +118,16 @@ def test_a_group_without_any_turn_reward_trains_on_its_final_rewards_alone():
 
 
 def test_the_age_bound_masks_a_trajectorys_turns_older_than_it_and_keeps_the_rest():
-    completion = trajectory_completion(trajectory(PROMPT, CALL, RESULT, ANSWER))
+    fresh_answer = GeneratedSpan((5, 2), (-0.4, -0.02), (4, 4))  # a turn submitted under version 4
+    completions = [trajectory_completion(trajectory(PROMPT, CALL, RESULT, answer)) for answer in (fresh_answer, ANSWER)]
     buffer = ReplayBuffer(BufferConfig(max_policy_age=0, drop_policy="mask_tokens", capacity_episodes=4))
-    buffer.put(Episode(0, "", "", [], [completion]), trainer_version=0)
+    buffer.put(Episode(0, "", "", [], completions), trainer_version=0)
 
     [aged] = buffer.sample(1, trainer_version=4)
-    [trained] = aged.completions
-    kept = [t for t, trains in zip(trained.token_ids, trained.loss_mask) if trains]
-    assert kept == [2]  # the answer's last token, decoded by version 4; every version-3 token is out
+    kept = [[t for t, trains in zip(c.token_ids, c.loss_mask) if trains] for c in aged.completions]
+    # Every version-3 token is out, and so is ANSWER's last one: decoded by version 4, it attends
+    # to the KV that version 3 encoded its turn's first token with.
+    assert kept == [[5, 2], []]
 
 
 def test_an_environment_failure_is_an_errored_completion_never_trained_and_a_failed_reset_an_empty_one():
@@ -138,6 +140,18 @@ def test_an_environment_failure_is_an_errored_completion_never_trained_and_a_fai
     assert truncated.status == CompletionStatus.TRUNCATED and truncated.end_reason == "truncated_turns"
     batch = make_train_batch([Episode(0, "", "", [], [errored, no_reset, truncated])], pad_id=0)
     assert batch.num_generated_tokens == len(CALL.token_ids)  # the truncated one's turn only
+
+
+def test_a_trajectory_counts_the_possibly_truncated_kept_sets_of_every_turn():
+    """A turn's kept sets that filled generator.max_support_ids are counted as the generator
+    returned them, and the trajectory's completion sums its turns', so the step's metric sees them."""
+    call = turn_span(SampledTurn([16, 7, 2], [-0.9, -0.1, -0.05], [3, 3, 3], "stop", [[16, 5], [7], [2]], num_truncated_support=1))
+    answer = turn_span(SampledTurn([5, 2], [-0.4, -0.02], [3, 4], "stop", [[5, 6], [2, 3]], num_truncated_support=2))
+    completion = trajectory_completion(trajectory(PROMPT, call, RESULT, answer))
+
+    assert (call.num_truncated_support, answer.num_truncated_support) == (1, 2)
+    assert completion.num_truncated_support == 3
+    assert batch_metrics([Episode(0, "", "", [], [completion])], train_version=4)[m.TRUNCATED_KEPT_SETS] == 3
 
 
 def test_a_forked_trajectory_trains_its_first_sample_and_counts_the_rest():
