@@ -197,6 +197,15 @@ class GRPOConfig:
         return self.max_model_len - max_new_tokens + self.group_size * max_new_tokens
 
     @property
+    def max_completion_tokens(self) -> int:
+        """Most tokens one completion can generate: generator.max_new_tokens, or with an environment
+        a trajectory's, environment.limits `max_generated_tokens` (its turns within its token
+        budget). Dr. GRPO's length normalizer."""
+        if self.environment.name is not None:
+            return self.environment.limits.max_generated_tokens
+        return self.generator.max_new_tokens
+
+    @property
     def max_tokens_per_request(self) -> int:
         """Most tokens one generator request samples: generator.max_new_tokens, or with an
         environment one turn's environment.limits.max_tokens_per_turn."""
@@ -299,12 +308,16 @@ class GRPOConfig:
 
     def _check_loss_and_scorer(self) -> None:
         loss = self.trainer.loss
-        if loss.name == "dr_grpo" and loss.length_normalizer != self.generator.max_new_tokens:
+        if loss.name == "dr_grpo" and loss.length_normalizer != self.max_completion_tokens:
+            longest = (
+                "generator.max_new_tokens" if self.environment.name is None else
+                "the most tokens a trajectory can generate: min(environment.limits.max_turns x "
+                "max_tokens_per_turn, max_total_tokens)"
+            )
             raise ConfigError(
                 f"trainer.loss.length_normalizer ({loss.length_normalizer}) must equal "
-                f"generator.max_new_tokens ({self.generator.max_new_tokens}) for dr_grpo: Dr. GRPO "
-                "divides by the longest possible completion. Set --trainer.loss.length-normalizer "
-                f"{self.generator.max_new_tokens}."
+                f"{self.max_completion_tokens} ({longest}) for dr_grpo: Dr. GRPO divides by the longest "
+                f"possible completion. Set --trainer.loss.length-normalizer {self.max_completion_tokens}."
             )
         overlong_buffer = self.scorer.overlong_buffer
         if overlong_buffer is not None and overlong_buffer > self.generator.max_new_tokens:

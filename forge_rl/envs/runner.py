@@ -63,6 +63,12 @@ class EpisodeLimits:
     env_step_timeout_s: float = 30.0
     """Seconds one reset or step may take; past it the episode is ENV_TIMEOUT."""
 
+    @property
+    def max_generated_tokens(self) -> int:
+        """Most tokens a trajectory can generate: max_turns turns of max_tokens_per_turn, within
+        its max_total_tokens budget (which its context shares)."""
+        return min(self.max_turns * self.max_tokens_per_turn, self.max_total_tokens)
+
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_tokens_per_turn"):
             if getattr(self, name) < 1:

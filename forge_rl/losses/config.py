@@ -51,9 +51,12 @@ class LossConfig:
     """Upper clip: ratios above 1 + clip_eps_high get no further push. None: the loss's default
     (0.2; dapo 0.28; gspo 4e-4; cispo 3.0, i.e. the IS weight capped at 4)."""
     length_normalizer: int | None = None
-    """dr_grpo only, and required there: the constant each sequence's token sum is divided by (Dr.
-    GRPO uses the generation budget, generator.max_new_tokens). Any constant gives the same
-    gradient direction; it sets the scale, like a learning rate."""
+    """dr_grpo only, and required there: the constant each sequence's token sum is divided by, the
+    generation budget of one completion (Dr. GRPO's MAX_TOKENS): generator.max_new_tokens, or with an
+    environment the most tokens a trajectory can generate, min(environment.limits.max_turns x
+    max_tokens_per_turn, max_total_tokens) (`GRPOConfig.max_completion_tokens`, which the config
+    checks it against). Any constant gives the same gradient direction; it sets the scale, like a
+    learning rate."""
     correction: Correction = "none"
     """Off-policy correction against the behaviour logprobs: none, tis (cap the importance weight
     at is_cap) or mis (drop tokens whose ratio is outside [1/is_cap, is_cap])."""
@@ -75,7 +78,10 @@ class LossConfig:
             if value is not None and not 0.0 < value < 10.0:
                 _fail(name, value, "must be in (0, 10)")
         if self.name == "dr_grpo" and self.length_normalizer is None:
-            requirement = "must be set when trainer.loss.name is 'dr_grpo' (to generator.max_new_tokens)"
+            requirement = (
+                "must be set when trainer.loss.name is 'dr_grpo' (to generator.max_new_tokens, or with an "
+                "environment to the most tokens a trajectory can generate)"
+            )
             _fail("length_normalizer", None, requirement)
         if self.name != "dr_grpo" and self.length_normalizer is not None:
             requirement = f"has no effect with trainer.loss.name {self.name!r}; unset it"

@@ -11,6 +11,7 @@ from forge_rl import metrics as m
 from forge_rl.batching import make_train_batch
 from forge_rl.buffer import BufferConfig, ReplayBuffer
 from forge_rl.config import GRPOConfig
+from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.environment import StepResult
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.python_tool import PythonToolEnv
@@ -26,8 +27,10 @@ from forge_rl.envs.runner import EpisodeLimits, SampledTurn, turn_span
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError, GeneratorLost
+from forge_rl.losses.config import LossConfig
 from forge_rl.metrics import EpisodeStats, batch_metrics
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
+from forge_rl.trainer_config import TrainerConfig
 from forge_rl.types import CompletionStatus, Episode
 
 
@@ -234,6 +237,21 @@ def test_an_environment_must_fit_the_models_context_and_be_one_that_exists():
         EnvironmentConfig(name="no_such_pkg:make")
     config = GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=128)))
     assert config.max_episode_tokens == config.group_size * 128
+
+
+def test_dr_grpo_with_an_environment_divides_by_the_most_tokens_a_trajectory_can_generate():
+    """Dr. GRPO's constant is the longest possible completion: with an environment, a trajectory's
+    turns (max_turns x max_tokens_per_turn) within its token budget, not generator.max_new_tokens."""
+    env = EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=3, max_tokens_per_turn=24, max_total_tokens=128))
+
+    def dr_grpo(length_normalizer: int) -> GRPOConfig:
+        return GRPOConfig(environment=env, trainer=TrainerConfig(loss=LossConfig(name="dr_grpo", length_normalizer=length_normalizer)))
+
+    assert dr_grpo(72).max_completion_tokens == 72
+    with pytest.raises(ConfigError, match=r"length_normalizer \(4\) must equal 72 .*--trainer.loss.length-normalizer 72"):
+        dr_grpo(GeneratorConfig().max_new_tokens)
+    budget = EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=8, max_tokens_per_turn=32, max_total_tokens=128))
+    assert GRPOConfig(environment=budget).max_completion_tokens == 128  # the token budget binds before the turns
 
 
 def test_a_step_timeout_shorter_than_a_sandboxs_start_up_and_run_is_refused_before_any_episode(renderer):
