@@ -31,8 +31,26 @@ tokens by r^2 would bias the gradient):
         bounded cousin of dual-clip PPO).
   mis   tokens with sg(r_t) outside [1/is_cap, is_cap] get no loss.
   seq_mask_geo_mean = x: sequences with exp(mean_t log r_t) outside [1/x, x] get no loss.
-Masked tokens add zero, but normalizers still count every token (sequence) of `loss_mask_NL`, so
-`num_loss_units` weights data-parallel shards exactly.
+
+What the loss divides by
+------------------------
+The denominators (the batch's loss tokens for token means; a row's loss tokens and the rows with
+one for gspo; the rows with one, times length_normalizer, for dr_grpo) count `loss_mask_NL`, and
+two kinds of mask differ there:
+  data     `loss_mask_NL` itself: generated tokens (no context, no padding) of completions that are
+           not ERRORED and not older than max_policy_age (`drop_policy mask_tokens` makes those
+           untrainable). A token outside it is no sample of the objective and is in no denominator;
+           a row left without one leaves the row counts. Masking a stale token drops that part of
+           its episode, as `drop_episode` drops all of it, and a dropped episode is in no
+           denominator either; an ERRORED completion has no measured reward to learn from.
+  estimator  mis and seq_mask_geo_mean (like PPO's clip where it zeroes a gradient): their tokens
+           add zero and stay in every denominator. They judge how far to trust a sampled token;
+           dividing by the tokens kept instead would scale up the step on the rest by the share
+           masked, so the further off-policy a batch, the larger its step, and weighting a
+           data-parallel shard would need every rank's ratios first, where `num_loss_units` needs
+           the batch's mask alone. The KL penalty follows the policy term: such a token has none.
+What each mask took is logged: `buffer/dropped_tokens`, `completions/errored`,
+`loss/mis_masked_fraction`, `loss/seq_masked_fraction`.
 
 The losses (variants are rows of `VARIANTS`, not separate code):
   grpo     -min(r A, clip(r, lo, hi) A) per token, mean over the batch's tokens.
