@@ -130,3 +130,21 @@ def test_an_engine_start_removes_the_socket_directories_of_engines_whose_process
 
     assert remove_dead_engines_socket_dirs() == [str(dead_old)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (dead_fresh, alive_old, unrelated))
+
+
+def test_a_sampled_turn_carries_the_count_of_its_possibly_truncated_kept_sets():
+    """`generate_turn` hands an environment's turn the same count a completion gets (no engine runs:
+    the request's output is a fabricated CPU-path one)."""
+    engine = object.__new__(VLLMEngine)
+    engine.max_model_len, engine._abort_epoch = 64, 0
+    piece = _to_completion(output([[5, 6], [7, 8, 9, 10], [11]], returned=4), "top_logprobs", 4)
+
+    async def request(prompt_token_ids, params):
+        return SimpleNamespace(outputs=[SimpleNamespace(finish_reason="stop")]), 3
+
+    engine._sampling_params = lambda *args: None
+    engine._request = request
+    engine._completion = lambda output, version: piece
+    turn = asyncio.run(engine.generate_turn([1, 2], 8, eos_id=11))
+
+    assert (turn.token_ids, turn.num_truncated_support) == ([5, 7, 11], 1)
