@@ -6,7 +6,8 @@
 - `completion_reward`: what a completion's group advantage is computed from.
 - `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
   rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md.
-- `filter_zero_advantage_groups`: DAPO's dynamic sampling, which keeps only groups with a signal.
+- `has_signal`, `filter_zero_advantage_groups`, `DynamicSampling`: DAPO's dynamic sampling, which
+  keeps only groups with a nonzero advantage on a token that trains, and stops a run that finds none.
 - `overlong_penalty`: DAPO's soft penalty for completions that run into the length budget.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from forge_rl.errors import NoLearningSignal
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 # Keeps a group whose rewards are all equal at advantage 0 instead of dividing by zero.
@@ -35,6 +37,8 @@ def group_advantages(rewards_G: Sequence[float], normalize_std: bool) -> list[fl
     cost more than the whole batch's padding (issue 16 part 7).
     """
     rewards = [float(r) for r in rewards_G]
+    if max(rewards) == min(rewards):  # exactly 0: the float mean of equal values need not equal them
+        return [0.0] * len(rewards)
     mean = math.fsum(rewards) / len(rewards)
     centered = [r - mean for r in rewards]
     if not normalize_std:
@@ -119,22 +123,89 @@ def place_on_steps(step_ends: list[int], step_values: list[float]) -> list[float
     return per_token
 
 
-def has_reward_spread(episode: Episode) -> bool:
-    """True when the group's usable (not ERRORED) rewards are not all equal, i.e. its advantages
-    are not all zero. Compares rewards, not advantages, so float rounding of the mean cannot turn a
-    uniform group into a "signal"."""
-    rewards = [completion_reward(c) for c in episode.completions if c.status != CompletionStatus.ERRORED]
-    return len(rewards) >= 2 and max(rewards) > min(rewards)
+def has_signal(episode: Episode, normalize_std: bool = True, step_discount: float = 1.0) -> bool:
+    """True when some token that trains (`Completion.loss_mask`: generated, trainable, not ERRORED)
+    has a nonzero advantage (`token_advantages`, with the loss's `normalize_std` and
+    `step_discount`): the group moves the policy. The signal may be in the final rewards, in step
+    or turn rewards, or in dense token rewards (a teacher's). A group whose values are all equal
+    gets advantages of exactly 0 (`group_advantages`), so float rounding of a mean never passes
+    for a signal."""
+    if all(c.step_rewards is None and c.token_rewards is None for c in episode.completions):
+        advantages = episode_advantages(episode, normalize_std)
+        return any(a != 0.0 and c.num_trainable_tokens for a, c in zip(advantages, episode.completions))
+    return any(
+        a != 0.0 and trains
+        for completion, per_token in zip(episode.completions, token_advantages(episode, normalize_std, step_discount))
+        for a, trains in zip(per_token, completion.loss_mask)
+    )
 
 
-def filter_zero_advantage_groups(episodes: list[Episode]) -> tuple[list[Episode], list[Episode]]:
+def filter_zero_advantage_groups(
+    episodes: list[Episode], normalize_std: bool = True, step_discount: float = 1.0
+) -> tuple[list[Episode], list[Episode]]:
     """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2): splits `episodes` into (kept, filtered),
-    order preserved, where a filtered group's rewards are all equal, so every advantage is zero and
-    it would only dilute the batch. The caller keeps sampling until it has a full batch of kept
-    groups, and accounts for the filtered ones."""
-    kept = [e for e in episodes if has_reward_spread(e)]
-    filtered = [e for e in episodes if not has_reward_spread(e)]
+    order preserved, where a filtered group has no signal (`has_signal`): every advantage of a
+    token that trains is zero, so it would only dilute the batch. The caller keeps sampling until
+    it has a full batch of kept groups, and accounts for the filtered ones."""
+    signal = [has_signal(e, normalize_std, step_discount) for e in episodes]
+    kept = [e for e, s in zip(episodes, signal) if s]
+    filtered = [e for e, s in zip(episodes, signal) if not s]
     return kept, filtered
+
+
+class DynamicSampling:
+    """`filter_zero_advantage_groups` for a run, which stops it when no group has a signal for
+    `max_filtered_steps` steps' worth of groups in a row (that many times `prompts_per_step`):
+    no batch can then be filled, and the trainer would wait for one forever. A group with a signal
+    starts the count again. Raises NoLearningSignal naming the cause and the fixes."""
+
+    def __init__(self, max_filtered_steps: int, prompts_per_step: int, normalize_std: bool = True, step_discount: float = 1.0):
+        self.max_filtered_steps = max_filtered_steps
+        self.max_filtered_groups = max_filtered_steps * prompts_per_step
+        self.normalize_std, self.step_discount = normalize_std, step_discount
+        self.num_filtered_in_a_row = 0
+
+    def filter(self, episodes: list[Episode]) -> list[Episode]:
+        """The groups of `episodes` with a signal, in order; those left out are filtered."""
+        kept = []
+        for episode in episodes:
+            if has_signal(episode, self.normalize_std, self.step_discount):
+                kept.append(episode)
+                self.num_filtered_in_a_row = 0
+                continue
+            self.num_filtered_in_a_row += 1
+            if self.num_filtered_in_a_row >= self.max_filtered_groups:
+                raise NoLearningSignal(self._message(episode))
+        return kept
+
+    def _message(self, last: Episode) -> str:
+        return (
+            f"dynamic_sampling filtered the last {self.num_filtered_in_a_row} groups in a row "
+            f"(dynamic_sampling_max_filtered_steps {self.max_filtered_steps} steps' worth): none had a nonzero "
+            "advantage on a token that trains, so no batch can be filled and the run stopped instead of waiting. "
+            f"The last one held {describe_signal(last)}. The reward carries no contrast within a group: a task "
+            "solved or hopeless for this policy, scorer.reward_fn_weight 0 with no other scorer's spread, or a "
+            "teacher that agrees with the policy token for token (a pinned teacher starts as the policy itself). "
+            "Set --no-dynamic-sampling to train on such groups anyway, give the reward a spread (another task, "
+            "--scorer.reward-fn-weight, a teacher that differs), or raise --dynamic-sampling-max-filtered-steps "
+            "if groups with a signal are only rare."
+        )
+
+
+def describe_signal(episode: Episode) -> str:
+    """What a group's advantages are made of, in words: its final rewards, step and token rewards."""
+    usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
+    rewards = sorted({completion_reward(c) for c in usable})
+    parts = [
+        f"{len(usable)} usable of {len(episode.completions)} completions",
+        f"final rewards all {rewards[0]:g}" if len(rewards) == 1 else f"final rewards {[f'{r:g}' for r in rewards[:4]]}",
+    ]
+    steps = {r for c in usable for r in c.step_rewards or ()}
+    parts.append("no step rewards" if not steps else f"step rewards {'all equal' if len(steps) == 1 else 'that differ'}")
+    dense = [abs(r) for c in usable for r, trains in zip(c.token_rewards or (), c.loss_mask) if trains]
+    has_dense = any(c.token_rewards is not None for c in usable)
+    parts.append("no token rewards" if not has_dense else f"token rewards of at most {max(dense, default=0.0):g} in size")
+    return ", ".join(parts)
 
 
 def overlong_penalty(num_tokens: int, max_new_tokens: int, overlong_buffer: int) -> float:

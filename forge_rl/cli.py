@@ -99,7 +99,7 @@ def _run_grpo(args: list[str]) -> None:
     except ConfigError as e:
         _fail(f"invalid config: {e}")
 
-    from forge_rl.errors import ProcessDied, ProcessNotStarted, ScorerFailed, TrainStepTimedOut
+    from forge_rl.errors import NoLearningSignal, ProcessDied, ProcessNotStarted, ScorerFailed, TrainStepTimedOut
     from forge_rl.recipes import recipe
 
     run = recipe("grpo")
@@ -107,9 +107,9 @@ def _run_grpo(args: list[str]) -> None:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
     except ConfigError as e:  # preflight (forge_rl/preflight.py): this machine or these files cannot run it
         _fail(f"cannot start the run: {e}")
-    # A process died, hung or never started, or a scorer, reference model or teacher kept dying;
-    # every process was stopped.
-    except (ProcessDied, ProcessNotStarted, TrainStepTimedOut, ScorerFailed) as e:
+    # A process died, hung or never started, a scorer, reference model or teacher kept dying, or
+    # no group had a signal for too long; every process was stopped.
+    except (ProcessDied, ProcessNotStarted, TrainStepTimedOut, ScorerFailed, NoLearningSignal) as e:
         print(f"forge-rl: error: {e}", file=sys.stderr)
         raise SystemExit(1)
     except KeyboardInterrupt:  # Ctrl-C: asyncio.run cancelled the run, which shut its processes down

@@ -153,9 +153,15 @@ class GRPOConfig:
     async-vs-sync benchmark and 1.6 s for a 100M-parameter model on 2 CPU cores (docs/benchmarks.md),
     and minutes for large batches of long sequences; raise it for steps longer than that."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose completions all scored the same (zero advantage,
-    no learning signal) is filtered out before the buffer, so every batch is made of groups with
-    a signal; filtered prompts are counted (accounting.filtered_zero_advantage)."""
+    """DAPO's dynamic sampling: a group with no nonzero advantage on a token that trains (its final,
+    step, turn and token rewards give no contrast: no learning signal) is filtered out before the
+    buffer, so every batch is made of groups with a signal; filtered prompts are counted
+    (accounting.filtered_zero_advantage)."""
+    dynamic_sampling_max_filtered_steps: int = 10
+    """With dynamic_sampling: the run stops with NoLearningSignal, naming the cause, once this many
+    steps' worth of groups in a row (times train_batch_size / group_size) were all filtered: then
+    no batch can be filled, and the trainer would wait for one forever. A group with a signal
+    starts the count again."""
     task: TaskConfig = field(default_factory=TaskConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     """Multi-turn episodes against an environment (forge_rl/envs/, docs/environments.md) instead of
@@ -266,7 +272,8 @@ class GRPOConfig:
 
     def _check_batch_shape(self) -> None:
         _check_positive(
-            self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator"
+            self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator",
+            "dynamic_sampling_max_filtered_steps",
         )
         if self.group_size < 2:
             raise ConfigError(
@@ -319,6 +326,8 @@ class GRPOConfig:
                 f"{self.max_completion_tokens} ({longest}) for dr_grpo: Dr. GRPO divides by the longest "
                 f"possible completion. Set --trainer.loss.length-normalizer {self.max_completion_tokens}."
             )
+        if self.environment.name is not None:
+            self._check_environment_scorers()
         overlong_buffer = self.scorer.overlong_buffer
         if overlong_buffer is not None and overlong_buffer > self.generator.max_new_tokens:
             raise ConfigError(
@@ -326,6 +335,21 @@ class GRPOConfig:
                 f"({self.generator.max_new_tokens}): the penalty ramps over the last overlong_buffer tokens "
                 "of the budget. Set --scorer.overlong-buffer to at most generator.max_new_tokens."
             )
+
+    def _check_environment_scorers(self) -> None:
+        """A reward model or a judge reads a completion's text, and a trajectory's text is its
+        last turn only: on an environment's episodes it would score a fragment, so it is refused.
+        A teacher scores every generated token of the trajectory and runs with one."""
+        for section, path in (("reward_model", self.scorer.reward_model.path), ("judge", self.scorer.judge.path)):
+            if path is not None:
+                flag = "--scorer." + section.replace("_", "-") + ".path"
+                raise ConfigError(
+                    f"scorer.{section}.path ({path}) is set with environment.name ({self.environment.name!r}): a "
+                    f"{section.replace('_', ' ')} reads a completion's text, and a trajectory's is its last turn "
+                    f"only, so it would score a fragment of the episode. Unset {flag} and reward the episode in the "
+                    "environment (its final and per-turn rewards), or distill with a teacher, which scores every "
+                    "generated token of the trajectory (--scorer.teacher.path, or --scorer.teacher.pin)."
+                )
 
     def _check_model_and_parallelism(self) -> None:
         hf_config = self.model.hf_config()

@@ -23,6 +23,9 @@ Fatal: the run stops, every process of it is shut down, and the message says wha
                      too little memory): restarting it again would not help (forge_rl/scorer_restarts.py);
                      or the reference model (teacher) more than reference.max_restarts
                      (scorer.teacher.max_restarts) times.
+    NoLearningSignal  dynamic sampling filtered every group for dynamic_sampling_max_filtered_steps
+                     steps' worth of groups in a row: no batch can be filled (forge_rl/advantages.py
+                     `DynamicSampling`); the message names what the groups held and the fixes.
     StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
                      published twice, a lease on a version that is gone.
     SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
@@ -92,6 +95,14 @@ class TrainStepTimedOut(RuntimeError):
         )
         self.step = step
         self.timeout_s = timeout_s
+
+
+class NoLearningSignal(RuntimeError):
+    """Dynamic sampling found no group with a nonzero advantage on a token that trains for too
+    long; the message names the setting, what the groups held and the fixes."""
+
+    def __reduce__(self):  # crosses process boundaries (raised in the rollouts, caught by the controller)
+        return type(self), self.args
 
 
 class StoreError(RuntimeError):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from forge_rl.advantages import has_reward_spread
+from forge_rl.advantages import has_signal
 from forge_rl.envs.trajectory import Trajectory
 from forge_rl.types import CompletionStatus, Episode
 
@@ -377,10 +377,11 @@ def progress(message: str) -> None:
     print(f"[forge-rl] {message}", file=sys.stderr, flush=True)
 
 
-def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
+def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bool = True, step_discount: float = 1.0) -> dict:
     """Reward and staleness of the episodes one step trained at `train_version`. Policy ages count
     the tokens that reach the loss only: a token masked for its age (`drop_policy: mask_tokens`)
-    was never trained, so it must not raise `policy_age/max` above the bound."""
+    was never trained, so it must not raise `policy_age/max` above the bound. `normalize_std` and
+    `step_discount`: the loss's, which the advantages of `ZERO_ADVANTAGE_FRACTION` are taken with."""
     rewards, ages, components = [], collections.Counter(), collections.defaultdict(list)
     num_errored = num_tokens = num_truncated = 0
     for episode in episodes:
@@ -403,9 +404,9 @@ def batch_metrics(episodes: list[Episode], train_version: int) -> dict:
         POLICY_AGE_MAX: max(ages, default=0),
         POLICY_AGE_MEAN: sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         POLICY_AGE_HISTOGRAM: {str(age): count for age, count in sorted(ages.items())},
-        # Groups whose rewards are all equal carry no signal (zero advantage); dynamic sampling
+        # Groups with no nonzero advantage on a trained token carry no signal; dynamic sampling
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
-        ZERO_ADVANTAGE_FRACTION: sum(not has_reward_spread(e) for e in episodes) / max(len(episodes), 1),
+        ZERO_ADVANTAGE_FRACTION: sum(not has_signal(e, normalize_std, step_discount) for e in episodes) / max(len(episodes), 1),
         **{name: sum(values) / len(values) for name, values in sorted(components.items())},
     }
 

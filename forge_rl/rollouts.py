@@ -275,7 +275,10 @@ class Rollouts:
             self.accounting.count_trained(batch.episodes)
             self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
         return {
-            **batch_metrics(batch.episodes, batch.train_version),
+            **batch_metrics(
+                batch.episodes, batch.train_version, self.config.trainer.loss.normalize_advantage_std,
+                self.config.trainer.loss.step_discount,
+            ),
             TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
             **await self._step_metrics(),
         }

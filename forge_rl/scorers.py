@@ -86,9 +86,11 @@ class ScorerConfig:
     """Reward worker processes; each scores one episode at a time, so this many episodes are
     scored in parallel."""
     reward_fn_weight: float = 1.0
-    """Weight of the task's reward function (task.reward) in the reward. 0 with a reward model: the
+    """Weight of the task's reward function (task.reward) in the reward; with an environment, of
+    the environment's reward (final and per turn), which takes its place. 0 with a reward model: the
     model's score is what trains, and the verifier still runs, logged as reward/components/reward_fn
-    (how to see that the policy learns the task, not the reward model's mistakes)."""
+    (how to see that the policy learns the task, not the reward model's mistakes). 0 with a
+    teacher: distillation alone."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A learned reward model added to the reward (forge_rl/reward_model.py); off unless its path is set."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -305,6 +307,26 @@ class RewardFunctionScorer(Scorer):
         self.pool.close()
 
 
+class EnvironmentRewardScorer(Scorer):
+    """An environment's episodes as the environment rewarded them (forge_rl/envs/rollout.py
+    `trajectory_completion`): each trajectory's final reward and per-turn rewards (as steps),
+    returned as they are. In a weighted sum it takes the task's reward function's place, so a
+    teacher's per-token rewards are added to the environment's, which scorer.reward_fn_weight
+    weights."""
+
+    name = "environment"
+
+    async def score_group(self, episode: Episode) -> list[ScoreResult]:
+        return [
+            Score(
+                c.reward,
+                step_ends=None if c.step_ends is None else tuple(c.step_ends),
+                step_rewards=None if c.step_rewards is None else tuple(c.step_rewards),
+            )
+            for c in episode.completions
+        ]
+
+
 class RewardModelScorer(Scorer):
     """Scores each completion with `client(texts) -> scores` (the reward model actor's `score`
     endpoint), one request per group; the reward is the model's scalar."""
@@ -417,7 +439,7 @@ class JudgeScorer(Scorer):
 
 def build_scorer(
     config: ScorerConfig,
-    reward: str,
+    reward: str | None,
     reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None,
     teacher: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]] | None = None,
     judge: Callable[[str], Awaitable[str]] | None = None,
@@ -426,8 +448,9 @@ def build_scorer(
     weighted sum of it (config.reward_fn_weight) and whichever model scorers run: the reward model
     through its client `reward_model` (config.reward_model.weight), the distillation teacher through
     its client `teacher` (config.teacher.weight, on the per-token reverse KL), an LLM judge through
-    its client `judge` (config.judge.weight)."""
-    reward_fn = RewardFunctionScorer(reward, config)
+    its client `judge` (config.judge.weight). `reward` None: the episodes are an environment's, and
+    its rewards take the reward function's place (`EnvironmentRewardScorer`)."""
+    reward_fn = EnvironmentRewardScorer() if reward is None else RewardFunctionScorer(reward, config)
     parts: list[tuple[Scorer, float]] = [(reward_fn, config.reward_fn_weight)]
     if reward_model is not None:
         parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
@@ -474,7 +497,8 @@ def boundary_token_ids(token_texts: Mapping[int, str], delimiter: str = "\n") ->
 class ScoringStage:
     """Runs a scorer on a run's episodes and writes the outcome onto their completions: reward
     (plus DAPO's overlong penalty when `overlong_buffer` is set), components, step and token
-    rewards, or ERRORED with the reason. With `token_baseline` "group" (scorer.teacher.baseline),
+    rewards, or ERRORED with the reason; a completion that arrives ERRORED (an environment's
+    error) is left as it is, never scored. With `token_baseline` "group" (scorer.teacher.baseline),
     each group's token rewards, every scorer's added up, are then centered on the group's other
     usable completions (`center_on_group`). Counts what it did (`stats`)."""
 
@@ -499,6 +523,8 @@ class ScoringStage:
         groups = await asyncio.gather(*(guarded_group(self.scorer, e) for e in episodes))
         for episode, results in zip(episodes, groups):
             for completion, result in zip(episode.completions, results):
+                if completion.status == CompletionStatus.ERRORED:  # never trained: its error stays
+                    continue
                 self.num_scored += 1
                 if isinstance(result, ScoreFailure):
                     self._fail(completion, result)

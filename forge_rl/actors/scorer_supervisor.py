@@ -58,7 +58,7 @@ class ScorerMeshes:
 
 class ScorerSupervisor(PortServed, RestartingOwner):
     def __init__(
-        self, config: ScorerConfig, reward: str, max_new_tokens: int, teacher=None, host: HostMesh | None = None
+        self, config: ScorerConfig, reward: str | None, max_new_tokens: int, teacher=None, host: HostMesh | None = None
     ):
         """`reward`, `max_new_tokens`, `teacher`: what each incarnation's ScorerActor is built with
         (forge_rl/actors/scorer.py). `host`: where the scorer-side processes run (the services'

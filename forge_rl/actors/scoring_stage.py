@@ -4,7 +4,8 @@
                       ─▶ (dynamic_sampling) drop groups without signal
                       ─▶ (trainer.loss.kl_beta > 0) the reference model's logprobs ─▶ buffer
 
-An environment's episodes carry the environment's reward: they skip the scorer. Each model runs
+An environment's episodes carry the environment's reward: they skip the scorer, unless a teacher
+runs, which the scorer adds to the environment's rewards (`calls_scorer`). Each model runs
 under a supervisor that restarts it if one of its processes dies and answers the call in flight
 again (forge_rl/scorer_restarts.py); one that keeps dying stops the run with its cause
 (ScorerFailed). The loops take `score`, `stats` and `after_publish` from here
@@ -23,7 +24,7 @@ from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.actors.port_calls import PortCalls
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
-from forge_rl.advantages import filter_zero_advantage_groups
+from forge_rl.advantages import DynamicSampling
 from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.reference import attach_reference_logprobs
 from forge_rl.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
@@ -44,9 +45,11 @@ class ScoringStage:
     teacher: FrozenModelSupervisor | None
     """The distillation teacher's owner (the scorer calls it); only when scorer.teacher.path is
     set, or scorer.teacher.pin is not fixed (self-distillation)."""
-    environment_rewards: bool
-    """Episodes are an environment's, rewarded by it: no scorer call."""
-    dynamic_sampling: bool
+    calls_scorer: bool
+    """Whether episodes go through the scorer (`calls_scorer`)."""
+    dynamic_sampling: DynamicSampling | None
+    """Drops groups without signal, and stops a run that finds none (`DynamicSampling`); only with
+    dynamic_sampling."""
     after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
     """A self-distillation teacher's refresh after each published version (forge_rl/teacher.py)."""
     calls: PortCalls = dataclasses.field(default_factory=PortCalls)
@@ -73,8 +76,10 @@ class ScoringStage:
                 "teacher", FrozenModelSupervisor, "teacher", teacher_config, teacher_model, pad_id, *store,
                 *hosts.owned_ranks(teacher_config.num_procs), str(run_path / TEACHER_EMA_FILE) if keeps_average else None,
             )
+        # None: the episodes carry their environment's rewards, which take the reward function's place.
+        reward = None if config.environment.name is not None else config.task.reward
         scorer = services.spawn(
-            "scorer", ScorerSupervisor, config.scorer, config.task.reward, config.generator.max_new_tokens, teacher,
+            "scorer", ScorerSupervisor, config.scorer, reward, config.generator.max_new_tokens, teacher,
             hosts.owned_host(config.launch.placement.scorer_host_index),
         )
         reference = None
@@ -88,8 +93,11 @@ class ScoringStage:
             scorer=scorer,
             reference=reference,
             teacher=teacher,
-            environment_rewards=config.environment.name is not None,
-            dynamic_sampling=config.dynamic_sampling,
+            calls_scorer=calls_scorer(config),
+            dynamic_sampling=DynamicSampling(
+                config.dynamic_sampling_max_filtered_steps, config.prompts_per_step,
+                config.trainer.loss.normalize_advantage_std, config.trainer.loss.step_discount,
+            ) if config.dynamic_sampling else None,
             after_publish=pinned_teacher_refresh(teacher, config.scorer.teacher) if pinned else None,
         )
 
@@ -119,11 +127,11 @@ class ScoringStage:
 
     async def score(self, episodes: list[Episode], timeline: Timeline) -> list[Episode]:
         """The episodes to buffer, scored; those left out are counted as filtered by the loop."""
-        if not self.environment_rewards:
+        if self.calls_scorer:
             with timeline.busy("scorer"):
                 episodes = await _unless_failed(self.calls.call(self.scorer, "score", episodes))
-        if self.dynamic_sampling:
-            episodes, _ = filter_zero_advantage_groups(episodes)
+        if self.dynamic_sampling is not None:
+            episodes = self.dynamic_sampling.filter(episodes)
         if self.reference is not None and episodes:
             with timeline.busy("reference"):
                 logprobs = await _unless_failed(self.calls.call(self.reference, "token_logprobs", episodes))
@@ -140,6 +148,13 @@ class ScoringStage:
         """Every restart of the stage's models so far."""
         events = await asyncio.gather(*(owner.recovery_events.call_one() for owner in self.owners))
         return [event for owner_events in events for event in owner_events]
+
+
+def calls_scorer(config: GRPOConfig) -> bool:
+    """Whether a run's episodes go through the scorer: a task's always (the scorer gives their
+    reward); an environment's, which carry the environment's rewards, only when a teacher adds its
+    per-token rewards to them (a reward model or judge with an environment is refused by the config)."""
+    return config.environment.name is None or config.uses_teacher
 
 
 async def _unless_failed(call: Awaitable):

@@ -2,11 +2,14 @@ import pytest
 import torch
 
 from forge_rl.advantages import (
+    DynamicSampling,
     episode_advantages,
     filter_zero_advantage_groups,
     group_advantages,
+    has_signal,
     overlong_penalty,
 )
+from forge_rl.errors import NoLearningSignal
 from forge_rl.types import CompletionStatus
 
 from .builders import make_episode
@@ -48,6 +51,57 @@ def test_dynamic_sampling_filters_groups_whose_rewards_are_all_equal():
     kept, filtered = filter_zero_advantage_groups([signal, all_right, all_wrong, one_usable])
     assert [e.episode_id for e in kept] == [0]
     assert [e.episode_id for e in filtered] == [1, 2, 3]
+
+
+def test_a_group_whose_rewards_are_all_equal_has_exactly_zero_advantages_whatever_the_value():
+    """0.7 three times has a float mean that is not 0.7: the advantages must still be 0, not rounding."""
+    assert group_advantages([0.7, 0.7, 0.7], normalize_std=True) == [0.0, 0.0, 0.0]
+    assert group_advantages([0.1] * 6, normalize_std=False) == [0.0] * 6
+
+
+def test_dynamic_sampling_keeps_a_group_whose_signal_is_in_its_token_rewards_alone():
+    """Equal final rewards (a teacher alone, scorer.reward_fn_weight 0), differing token rewards."""
+    episode = make_episode(rewards=(0.0, 0.0))
+    episode.completions[0].token_rewards = [0.5, -0.5]
+    episode.completions[1].token_rewards = [-0.5, 0.5]
+    kept, filtered = filter_zero_advantage_groups([episode])
+    assert kept == [episode] and filtered == []
+
+
+def test_dynamic_sampling_keeps_a_group_whose_signal_is_in_its_step_or_turn_rewards_alone():
+    episode = make_episode(rewards=(1.0, 1.0), num_tokens=2)
+    for completion, step_rewards in zip(episode.completions, ([1.0, 0.0], [0.0, 0.0])):
+        completion.step_ends, completion.step_rewards = [1, 2], step_rewards
+    assert has_signal(episode, normalize_std=True, step_discount=0.0)
+    assert filter_zero_advantage_groups([episode])[0] == [episode]
+
+
+def test_a_group_whose_only_nonzero_advantages_fall_on_tokens_that_do_not_train_has_no_signal():
+    """The first completion's tokens are all masked (mask_tokens) and the second's advantage
+    cancels: nothing that trains would move."""
+    episode = make_episode(rewards=(1.0, 0.0, 0.5))
+    episode.completions[0].trainable = [False, False]
+    episode.completions[1].trainable = [False, False]
+    assert not has_signal(episode)
+    episode.completions[1].trainable = [True, False]
+    assert has_signal(episode)
+
+
+def test_dynamic_sampling_stops_the_run_after_n_steps_of_groups_all_filtered_naming_the_cause():
+    """Two steps' worth (2 x 3 prompts per step) of groups in a row without signal: the sixth
+    raises, naming the setting, what the groups held and the fix; a group with signal resets the count."""
+    sampling = DynamicSampling(max_filtered_steps=2, prompts_per_step=3)
+    uniform = [make_episode(i, rewards=(0.0, 0.0)) for i in range(5)]
+    assert sampling.filter(uniform[:4]) == []
+    signal = make_episode(9, rewards=(1.0, 0.0))
+    assert sampling.filter([signal, uniform[4]]) == [signal]  # the count starts again after it
+    assert sampling.filter(uniform[:4]) == []
+    with pytest.raises(NoLearningSignal) as error:
+        sampling.filter(uniform[:2])
+    message = str(error.value)
+    assert "dynamic_sampling filtered the last 6 groups in a row (dynamic_sampling_max_filtered_steps 2" in message
+    assert "final rewards all 0" in message and "no token rewards" in message
+    assert "--no-dynamic-sampling" in message and "--dynamic-sampling-max-filtered-steps" in message
 
 
 @pytest.mark.parametrize(

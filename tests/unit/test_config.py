@@ -287,3 +287,20 @@ def test_the_machine_check_lets_128_simulated_generators_run_on_this_host(tmp_pa
 
     config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
     check_machine(dataclasses.replace(config, num_generators=128, run_dir=tmp_path))
+
+
+@pytest.mark.parametrize("section", ["reward_model", "judge"])
+def test_a_reward_model_or_judge_with_an_environment_is_refused_naming_the_fields_and_the_fix(tmp_path, section):
+    """They read a completion's text, and a trajectory's is its last turn: they would grade a
+    fragment, so the combination is refused before anything starts instead of spawning them."""
+    model = _stub_model_dir(tmp_path / section)
+    text = (
+        "environment:\n  name: calculator\n  limits:\n    max_total_tokens: 64\n    max_tokens_per_turn: 12\n"
+        f"scorer:\n  {section}:\n    path: {model}\n"
+    )
+    with pytest.raises(ConfigError) as error:
+        load_yaml_config(GRPOConfig, write_yaml(tmp_path, text))
+    message = str(error.value)
+    assert f"scorer.{section}.path ({model})" in message and "environment.name ('calculator')" in message
+    assert f"Unset --scorer.{section.replace('_', '-')}.path" in message
+    assert "--scorer.teacher" in message  # what can score trajectories: a teacher

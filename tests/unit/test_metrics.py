@@ -70,3 +70,18 @@ def test_the_generators_time_splits_into_forward_other_busy_and_idle_summed_over
     assert summary["generator_forward_fraction"] == pytest.approx(9.0 / 20.0)
     # A generator not serving at the end (or a simulated one) reports none: no split then.
     assert m.generator_time_summary([last], [{"forward_s": 4.0}, {}]) == {}
+
+
+def test_zero_advantage_fraction_counts_groups_without_a_nonzero_advantage_on_a_trained_token():
+    """Equal final rewards with a teacher's token rewards is a group with signal; unequal rewards
+    whose tokens were all masked for their age is one without."""
+    dense = make_episode(0, rewards=(0.0, 0.0))
+    for completion, rewards in zip(dense.completions, ([0.3, -0.1], [-0.3, 0.1])):
+        completion.token_rewards = rewards
+    masked = make_episode(1, rewards=(1.0, 0.0))
+    for completion in masked.completions:
+        completion.trainable = [False] * completion.num_tokens
+    plain = make_episode(2, rewards=(1.0, 0.0))
+    assert batch_metrics([dense], 0)[m.ZERO_ADVANTAGE_FRACTION] == 0.0
+    assert batch_metrics([masked], 0)[m.ZERO_ADVANTAGE_FRACTION] == 1.0
+    assert batch_metrics([dense, masked, plain], 0)[m.ZERO_ADVANTAGE_FRACTION] == pytest.approx(1 / 3)

@@ -13,7 +13,7 @@ from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.preflight import check_model_inputs
-from forge_rl.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum
+from forge_rl.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -439,3 +439,51 @@ def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and
     config = getattr(reference, config_class, None) or getattr(teacher, config_class)
     with pytest.raises(ValueError, match=rf"max_restarts \(-1\) must be >= 0. Set {flag}."):
         config(max_restarts=-1)
+
+
+def test_a_teacher_distills_environment_trajectories_on_top_of_the_environments_rewards():
+    """An environment's group (each trajectory holds its prompt as context), scored as a run
+    scores it with a teacher: the environment's final and per-turn rewards stay (weighted by
+    scorer.reward_fn_weight), the teacher's reverse KL lands on the generated tokens only, centered
+    over the usable trajectories, and a trajectory the environment ERRORED stays as it was, out of
+    the baseline."""
+    mask = [False, False, False, True, True, False, True]  # prompt, turn 1, tool output, turn 2
+    completions = [
+        Completion(token_ids=[1, 7, 11, 40, 41, 16, 42], logprobs=[0.0 if not g else -1.0 for g in mask],
+                   policy_versions=[0] * 7, generated=mask, reward=1.0, step_ends=[5, 7], step_rewards=[0.5, 1.0]),
+        Completion(token_ids=[1, 7, 11, 40, 43, 16, 44], logprobs=[0.0 if not g else -1.0 for g in mask],
+                   policy_versions=[0] * 7, generated=mask, reward=0.0, step_ends=[5, 7], step_rewards=[0.0, 0.0]),
+        Completion(token_ids=[1, 7, 11], logprobs=[0.0] * 3, policy_versions=[0] * 3, generated=[False] * 3,
+                   status=CompletionStatus.ERRORED, error="the environment raised"),
+    ]
+    episode = Episode(0, "37*52=", "", [], completions)
+    client, asked = fake_teacher([
+        [-9.0, -9.0, -9.0, -0.5, -0.5, -9.0, -0.5], [-9.0, -9.0, -9.0, -2.0, -2.0, -9.0, -2.0], [-9.0] * 3,
+    ])
+    config = ScorerConfig(reward_fn_weight=0.5, teacher=TeacherConfig(pin="lagged", versions_back=1))
+    stage = ScoringStage(build_scorer(config, None, teacher=client), token_baseline="group")
+    asyncio.run(stage.score([episode]))
+
+    assert asked == [[episode]]
+    first, second, errored = completions
+    assert (first.reward, first.step_ends, first.step_rewards) == (0.5, [5, 7], [0.25, 0.5])
+    assert (second.reward, second.step_rewards) == (0.0, [0.0, 0.0])
+    # Raw -KL: +0.5 on the first's generated tokens, -1.0 on the second's; each less the other's.
+    assert first.token_rewards == pytest.approx([0.0, 0.0, 0.0, 1.5, 1.5, 0.0, 1.5])
+    assert second.token_rewards == pytest.approx([0.0, 0.0, 0.0, -1.5, -1.5, 0.0, -1.5])
+    assert first.reward_components["teacher/reverse_kl"] == pytest.approx(-0.5)
+    assert (errored.status, errored.error, errored.token_rewards) == (CompletionStatus.ERRORED, "the environment raised", None)
+    stats = stage.stats()
+    assert stats["scorer/teacher/tokens"] == 6 and stats["scorer/completions"] == 2 and stats["scorer/errored"] == 0
+
+
+def test_an_environments_episodes_go_through_the_scorer_when_a_teacher_runs():
+    from forge_rl.actors.scoring_stage import calls_scorer
+    from forge_rl.envs.rollout import EnvironmentConfig
+    from forge_rl.envs.runner import EpisodeLimits
+
+    environment = EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=128))
+    teacher = ScorerConfig(teacher=TeacherConfig(pin="lagged", versions_back=1))
+    assert calls_scorer(GRPOConfig(environment=environment, scorer=teacher))
+    assert not calls_scorer(GRPOConfig(environment=environment))  # the environment's reward alone
+    assert calls_scorer(GRPOConfig())
