@@ -1,7 +1,9 @@
 """The replay buffer: bounded, version-aware, group-preserving. Plain Python (no Monarch).
 
-Invariant: no trainable token more than `max_policy_age` versions behind the trainer ever leaves
-`sample()`. The bound is applied where episodes enter (`put`, at the version the next batch trains
+Invariant: no trainable token that depends on weights more than `max_policy_age` versions behind
+the trainer ever leaves `sample()`; a token depends on the weights that sampled it and on those that
+encoded the KV it attended to (forge_rl/columns.py `exact_versions`). The bound is applied where
+episodes enter (`put`, at the version the next batch trains
 at: `WaitingBuffer.trainer_version`) and again where they leave (`sample`), because the trainer's
 version advances while episodes wait. `drop_policy` decides what an over-age
 token costs: its whole episode (`drop_episode`), or only itself (`mask_tokens`: the token is marked
@@ -26,6 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from forge_rl.columns import exact_versions
 from forge_rl.types import Completion, Episode
 
 
@@ -57,8 +60,10 @@ class BufferConfig:
     last chance under the age bound is the next step. False (partial rollouts): the trainer takes a
     batch as soon as a full one is buffered; a straggler decodes on past its deadline (the engine
     stamps its later tokens with the newer versions it decodes them under) and, once it arrives,
-    is trained with its tokens older than max_policy_age masked (drop_policy mask_tokens, which
-    this needs). It spends a long completion's oldest tokens to keep the trainer from idling on
+    is trained with every token that depends on weights older than max_policy_age masked
+    (drop_policy mask_tokens, which this needs): under generator.swap_kv reuse its later tokens
+    attend to the KV its start version encoded, and count as that version (`exact_versions`).
+    It spends a long completion's oldest tokens to keep the trainer from idling on
     it; the masked tokens are counted (`buffer/dropped_tokens`)."""
     sampling: Literal["fifo", "freshest"] = "fifo"
     """Which episodes a batch takes first. fifo: the earliest admitted first (`Episode.schedule_version`:
@@ -392,7 +397,12 @@ def _tally_from_dict(state: dict[str, Any]) -> CompletionTally:
 
 
 def _without_tokens_before(completion: Completion, oldest_allowed_version: int) -> Completion:
-    """`completion` with every token decoded before `oldest_allowed_version` marked untrainable."""
-    trainable = [t and v >= oldest_allowed_version for t, v in zip(completion.trainable, completion.policy_versions)]
+    """`completion` with every token that depends on weights older than `oldest_allowed_version`
+    marked untrainable: by `exact_versions`, not by the version that sampled it, since a straggler
+    that decoded on across swaps that kept its KV attends to a prefix encoded by the version it
+    started at, however new the weights that sample its later tokens (context tokens, -1 there,
+    never reach a loss and keep their mark)."""
+    depends_on = exact_versions(completion)
+    trainable = [t and (v < 0 or v >= oldest_allowed_version) for t, v in zip(completion.trainable, depends_on)]
     return dataclasses.replace(completion, trainable=trainable)
 

@@ -146,6 +146,8 @@ def _advantage_columns(episode: Episode, normalize_advantage_std: bool, step_dis
 
 def _exact_version_column(completion: Completion) -> array:
     """`exact_versions` as a "q" column."""
+    if completion.generated is None and completion.kv_versions is not None:
+        return array("q", completion.kv_versions)
     versions = completion.policy_versions
     if completion.generated is None and versions and min(versions) == versions[0]:
         return array("q", versions[:1]) * len(versions)  # exact_versions' common case, in C
@@ -153,19 +155,31 @@ def _exact_version_column(completion: Completion) -> array:
 
 
 def exact_versions(completion: Completion) -> list[int]:
-    """Per token, [T]: for a generated token, the oldest version among its turn's generated tokens
-    up to it; -1 for context. A turn is one vLLM request, whose prefix is encoded by the version
-    that samples its first token (a request is salted with the version it is submitted under, and
-    one arriving during a swap is held until the swap ends: forge_rl/engines/vllm_engine.py). A
-    swap in the middle of a turn (swap_mode keep, swap_kv reuse) leaves the rest of the turn
-    attending to KV of the older weights, so those tokens count as that older version (after a
-    swap that re-encoded the prefix, swap_kv recompute or swap_mode abort, they would be exact,
-    but the record does not say which swap it was: they count as older all the same). A turn is a
-    run of generated tokens; context tokens end it.
+    """Per token, [T]: for a generated token, the oldest weights it depends on (those that sampled
+    it, and those that encoded the KV it attended to); -1 for context. What every age bound is
+    applied to (forge_rl/buffer.py).
+
+    Where the engine recorded them (`Completion.kv_versions`: a single-turn completion of the vLLM
+    engine), they are its record: the version a request was submitted under, lowered by each swap
+    that kept the request's KV (swap_mode keep, swap_kv reuse), and reset to the new version by a
+    swap that re-encoded it (swap_kv recompute) and by the resubmission of an aborted request
+    (swap_mode abort; an adapter retired under a request, `VLLMEngine.load_adapter`).
+
+    Otherwise, the oldest version among its turn's generated tokens up to it. A turn is one vLLM
+    request, whose prefix is encoded by the version that samples its first token (a request is
+    salted with the version it is submitted under, and one arriving during a swap is held until
+    the swap ends: forge_rl/engines/vllm_engine.py). A swap in the middle of a turn leaves the rest
+    of the turn attending to KV of the older weights, so those tokens count as that older version;
+    after a swap that re-encoded the prefix they would be exact, but without a record nothing says
+    which swap it was, so they count as older all the same. A turn is a run of generated tokens;
+    context tokens end it.
 
         versions [3, 3, 4, 4] generated [T, T, T, T] -> [3, 3, 3, 3]   (swap mid-turn)
         versions [3, 3, 3, 4] generated [T, F, F, T] -> [3, -1, -1, 4] (swap between two turns)
+        versions [3, 3, 4, 4] kv_versions [3, 3, 4, 4] -> [3, 3, 4, 4] (a swap that re-encoded)
     """
+    if completion.kv_versions is not None:
+        return [v if generated else -1 for v, generated in zip(completion.kv_versions, completion.generated_mask)]
     out, oldest = [], None
     for version, generated in zip(completion.policy_versions, completion.generated_mask):
         if not generated:

@@ -125,6 +125,13 @@ class Completion:
     through, [G, layers, top_k] over the G generated tokens in order (context tokens have none);
     None when not recorded (dense model, recording off, or an engine that cannot), and the trainer
     then routes those tokens itself. forge_rl/routing.py."""
+    kv_versions: list[int] | None = None
+    """Per token, [T]: the oldest weights a generated token depends on, those that sampled it and
+    those that encoded the KV it attended to, as the engine recorded it; the entry of a context
+    token means nothing. None: not recorded, and forge_rl/columns.py `exact_versions` takes each
+    turn's oldest version up to the token, which is never younger. Every age bound is applied to
+    these versions (forge_rl/buffer.py), so a token that continued on KV of older weights is as old
+    as they are."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -135,7 +142,7 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
-        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards"):
+        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards", "kv_versions"):
             if getattr(self, name) is not None:
                 lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:

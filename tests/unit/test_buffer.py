@@ -105,6 +105,14 @@ def swapped_episode(episode_id: int, *versions: list[int]) -> Episode:
     return Episode(episode_id, "M56=", "6", [1, 5, 6], completions)
 
 
+def re_encoded(episode: Episode) -> Episode:
+    """`episode` as if each swap re-encoded its completions' KV (swap_kv recompute): each token
+    depends only on the weights that sampled it (`Completion.kv_versions`)."""
+    for completion in episode.completions:
+        completion.kv_versions = list(completion.policy_versions)
+    return episode
+
+
 def test_token_capacity_paces_producers_before_the_episode_capacity_does():
     buffer = ReplayBuffer(BufferConfig(capacity_episodes=8, capacity_tokens=14))  # episodes hold 3 + 2 * 2
     for episode_id in range(2):
@@ -121,9 +129,9 @@ def test_an_episode_larger_than_the_token_capacity_is_refused_naming_the_flag():
         buffer.put(make_episode(0), trainer_version=0)
 
 
-def test_mask_tokens_keeps_the_fresh_part_of_a_sequence_swapped_mid_decode():
+def test_mask_tokens_keeps_the_fresh_part_of_a_sequence_whose_kv_a_swap_re_encoded_mid_decode():
     buffer = mask_buffer(max_policy_age=0)
-    assert buffer.put(swapped_episode(0, [0, 1], [1, 1]), trainer_version=1)
+    assert buffer.put(re_encoded(swapped_episode(0, [0, 1], [1, 1])), trainer_version=1)
     (episode,) = buffer.sample(1, trainer_version=1)
     assert [c.trainable for c in episode.completions] == [[False, True], [True, True]]
     assert (buffer.dropped.tokens, buffer.dropped.completions, buffer.dropped.episodes) == (1, 0, 0)
@@ -148,7 +156,7 @@ def test_mask_tokens_drops_an_episode_with_nothing_left_to_train():
 
 def test_the_age_bound_is_applied_again_when_sampling():
     buffer = mask_buffer(max_policy_age=1)
-    buffer.put(swapped_episode(0, [1, 2], [2, 2]), trainer_version=2)
+    buffer.put(re_encoded(swapped_episode(0, [1, 2], [2, 2])), trainer_version=2)
     (episode,) = buffer.sample(1, trainer_version=3)
     assert episode.completions[0].trainable == [False, True]
 

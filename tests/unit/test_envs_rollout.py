@@ -121,14 +121,16 @@ def test_a_group_without_any_turn_reward_trains_on_its_final_rewards_alone():
 
 
 def test_the_age_bound_masks_a_trajectorys_turns_older_than_it_and_keeps_the_rest():
-    completion = trajectory_completion(trajectory(PROMPT, CALL, RESULT, ANSWER))
+    fresh_answer = GeneratedSpan((5, 2), (-0.4, -0.02), (4, 4))  # a turn submitted under version 4
+    completions = [trajectory_completion(trajectory(PROMPT, CALL, RESULT, answer)) for answer in (fresh_answer, ANSWER)]
     buffer = ReplayBuffer(BufferConfig(max_policy_age=0, drop_policy="mask_tokens", capacity_episodes=4))
-    buffer.put(Episode(0, "", "", [], [completion]), trainer_version=0)
+    buffer.put(Episode(0, "", "", [], completions), trainer_version=0)
 
     [aged] = buffer.sample(1, trainer_version=4)
-    [trained] = aged.completions
-    kept = [t for t, trains in zip(trained.token_ids, trained.loss_mask) if trains]
-    assert kept == [2]  # the answer's last token, decoded by version 4; every version-3 token is out
+    kept = [[t for t, trains in zip(c.token_ids, c.loss_mask) if trains] for c in aged.completions]
+    # Every version-3 token is out, and so is ANSWER's last one: decoded by version 4, it attends
+    # to the KV that version 3 encoded its turn's first token with.
+    assert kept == [[5, 2], []]
 
 
 def test_an_environment_failure_is_an_errored_completion_never_trained_and_a_failed_reset_an_empty_one():

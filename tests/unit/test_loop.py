@@ -11,6 +11,7 @@ import pytest
 
 from forge_rl import metrics as m
 from forge_rl.buffer import BufferConfig
+from forge_rl.columns import exact_versions
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
@@ -285,12 +286,16 @@ def test_a_stop_trains_the_batch_the_trainer_took_ahead_and_withholds_the_rest(t
     assert accounting["trained"] == 2 * CONFIG.prompts_per_step and accounting["trained_more_than_once"] == 0
 
 
-def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_over_age_tokens(tmp_path):
+@pytest.mark.parametrize("kv", ["re-encoded", "reused"])
+def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_tokens_that_depend_on_over_age_weights(tmp_path, kv):
     """buffer.wait_for_stragglers false, age bound 2: the first prompt's rollout is still decoding
     at step 3, its last chance; the run trains on without it. It comes back once its generator
-    serves version 4, its first tokens sampled at 0 and its last at 4 (a keep swap), and is trained
-    with the version-0 tokens masked: every trained token within the bound, the prompt trained
-    once, nothing lost."""
+    serves version 4, its first tokens sampled at 0 and its last at 4, and is trained with every
+    token that depends on version 0 masked: every trained token within the bound by the oldest
+    weights it depends on, the prompt trained once or counted as dropped, nothing lost. Where the
+    swap re-encoded its KV (an abort resubmission: `Completion.kv_versions` says so) the version-4
+    token depends on version 4 alone and is trained; where the swap kept its KV (swap_kv reuse) it
+    attends to what version 0 encoded, and the straggler has nothing left to train."""
     config = dataclasses.replace(
         CONFIG, steps=8,
         buffer=BufferConfig(max_policy_age=2, capacity_episodes=8, wait_for_stragglers=False, drop_policy="mask_tokens"),
@@ -302,7 +307,11 @@ def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_over_age_t
         if not straggler_ids:
             straggler_ids.extend(p.episode_id for p in prompts)
             await wait_until_async(lambda: rollouts.gate.generator_versions[index] >= 4, "version 4 served")
-            stale_then_fresh = [Completion([5, 6, 2], [-0.5] * 3, [0, 0, 4], reward=float(i % 2)) for i in range(group_size)]
+            stale_then_fresh = [
+                Completion([5, 6, 2], [-0.5] * 3, [0, 0, 4], reward=float(i % 2),
+                           **({"kv_versions": [0, 0, 4]} if kv == "re-encoded" else {}))
+                for i in range(group_size)
+            ]
             return [dataclasses.replace(p, completions=stale_then_fresh) for p in prompts]
         version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
@@ -323,19 +332,24 @@ def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_over_age_t
     history, accounting = run(pipeline, tmp_path)
 
     assert [h[m.STEP] for h in history] == list(range(1, 9))
-    (straggler_version, straggler), = [
-        (version, e) for version, batch in trained for e in batch if e.episode_id in straggler_ids
-    ]
-    assert straggler_version in (5, 6)  # after its last chance under the bound (step 3, version 2)
-    for completion in straggler.completions:
-        assert completion.trainable == [False, False, True]  # the version-0 tokens masked, the fresh one kept
+    stragglers = [(version, e) for version, batch in trained for e in batch if e.episode_id in straggler_ids]
+    if kv == "re-encoded":
+        ((straggler_version, straggler),) = stragglers
+        assert straggler_version in (5, 6)  # after its last chance under the bound (step 3, version 2)
+        for completion in straggler.completions:
+            assert completion.trainable == [False, False, True]  # the version-0 tokens masked, the fresh one kept
+        assert history[-1]["buffer/dropped_tokens"] == 2 * config.group_size
+    else:
+        assert stragglers == []
+        assert history[-1]["buffer/dropped_tokens"] == 3 * config.group_size
+        assert history[-1]["buffer/dropped_episodes"] == 1
     for version, batch in trained:
         for completion in (c for e in batch for c in e.completions):
-            ages = [version - v for v, trains in zip(completion.policy_versions, completion.loss_mask) if trains]
+            ages = [version - v for v, trains in zip(exact_versions(completion), completion.loss_mask) if trains]
             assert max(ages) <= 2
     assert accounting["trained"] == config.steps * config.prompts_per_step
+    assert accounting["dropped"] == (0 if kv == "re-encoded" else 1)
     assert accounting["trained_more_than_once"] == 0
-    assert history[-1]["buffer/dropped_tokens"] == 2 * config.group_size
 
 
 def _generate_only_the_first_prompts(num_prompts: int):

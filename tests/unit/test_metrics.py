@@ -13,6 +13,7 @@ def test_policy_age_counts_only_tokens_that_reach_the_loss():
     never trained: they must not show up as ages above the bound."""
     episode = make_episode(rewards=(1.0, 0.0))
     episode.completions = [make_completion(policy_version=[0, 2, 2]), make_completion(policy_version=[2, 2, 2])]
+    episode.completions[0].kv_versions = [0, 2, 2]  # its swap re-encoded the KV: version 2's tokens depend on 2 alone
     buffer = ReplayBuffer(BufferConfig(max_policy_age=1, drop_policy="mask_tokens"))
     assert buffer.put(episode, trainer_version=3)
     (trained,) = buffer.sample(1, trainer_version=3)
