@@ -153,8 +153,9 @@ class ScoringStage:
 def calls_scorer(config: GRPOConfig) -> bool:
     """Whether a run's episodes go through the scorer: a task's always (the scorer gives their
     reward); an environment's, which carry the environment's rewards, only when a teacher adds its
-    per-token rewards to them (a reward model or judge with an environment is refused by the config)."""
-    return config.environment.name is None or config.uses_teacher
+    per-token rewards to them or scorer.reward_fn_weight weights them (a reward model or judge with
+    an environment is refused by the config)."""
+    return config.environment.name is None or config.uses_teacher or config.scorer.reward_fn_weight != 1.0
 
 
 async def _unless_failed(call: Awaitable):

@@ -486,4 +486,41 @@ def test_an_environments_episodes_go_through_the_scorer_when_a_teacher_runs():
     teacher = ScorerConfig(teacher=TeacherConfig(pin="lagged", versions_back=1))
     assert calls_scorer(GRPOConfig(environment=environment, scorer=teacher))
     assert not calls_scorer(GRPOConfig(environment=environment))  # the environment's reward alone
+    assert calls_scorer(GRPOConfig(environment=environment, scorer=ScorerConfig(reward_fn_weight=0.5)))  # weighted
     assert calls_scorer(GRPOConfig())
+
+
+def test_self_distillation_with_lora_is_refused_at_config_time_naming_the_fields_and_the_fix():
+    """With LoRA the weight store holds each version's adapter only, which a pinned teacher cannot
+    stage as its weights: refused before anything starts, not at the first refresh."""
+    from forge_rl.models.lora_config import LoRAConfig
+    from forge_rl.trainer_config import TrainerConfig
+
+    lora = TrainerConfig(lora=LoRAConfig(enabled=True))
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(trainer=lora, scorer=ScorerConfig(teacher=TeacherConfig(pin="lagged", versions_back=1)))
+    message = str(error.value)
+    assert "scorer.teacher.pin (lagged)" in message and "trainer.lora.enabled" in message
+    assert "--scorer.teacher.path" in message and "--trainer.lora.no-enabled" in message
+    GRPOConfig(trainer=lora)  # LoRA alone runs, and so does a fixed teacher with it (it never reads the store)
+
+
+def test_a_teacher_with_a_shorter_context_than_the_students_sequences_is_refused(tmp_path):
+    """The teacher scores whole sequences: prompt and completion (the student's context,
+    max_model_len), or with an environment a whole trajectory (environment.limits.max_total_tokens)."""
+    from forge_rl.envs.rollout import EnvironmentConfig
+    from forge_rl.envs.runner import EpisodeLimits
+
+    short = create_tiny_model(TinyModelConfig(max_position_embeddings=64), tmp_path / "short-teacher")
+    teacher = ScorerConfig(teacher=TeacherConfig(path=short))
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(scorer=teacher)
+    message = str(error.value)
+    assert f"scorer.teacher.path ({short}) has a context of 64 tokens" in message
+    assert "the student's longest sequence (128 tokens" in message and "max_model_len" in message
+    def environment(max_total_tokens):
+        return EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=max_total_tokens, max_tokens_per_turn=12))
+
+    with pytest.raises(ConfigError, match=r"longest sequence \(96 tokens: environment.limits.max_total_tokens\).*--environment.limits.max-total-tokens 64"):
+        GRPOConfig(scorer=teacher, environment=environment(96))
+    GRPOConfig(scorer=teacher, environment=environment(64))  # trajectories that fit the teacher
