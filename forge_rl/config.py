@@ -366,7 +366,12 @@ class GRPOConfig:
             self._check_frozen_model(self.reference, hf_config)
         if self.uses_teacher:
             pinned = self.scorer.teacher.path is None  # a snapshot of the policy itself
-            self._check_frozen_model(self.scorer.teacher, hf_config if pinned else self._teacher_hf_config())
+            teacher_hf_config = hf_config if pinned else self._teacher_hf_config()
+            self._check_frozen_model(self.scorer.teacher, teacher_hf_config)
+            if pinned:
+                self._check_pinned_teacher_weights()
+            else:
+                self._check_teacher_context(teacher_hf_config["max_position_embeddings"])
         if self.scorer.judge.path is not None:
             self._check_judge()
 
@@ -401,6 +406,35 @@ class GRPOConfig:
                 f"= {dp}: the {section} model scores one group at a time, split evenly over its data-parallel "
                 f"ranks, so the first rollout would fail. Set --group-size to a multiple of {dp}, or "
                 f"{flag}.parallel.dp-shard (with {flag}.num-procs) to a divisor of it."
+            )
+
+    def _check_pinned_teacher_weights(self) -> None:
+        """A pinned teacher stages policy versions from the weight store as its whole weights; with
+        LoRA a version there is the adapter alone, which is no model's weights."""
+        if self.trainer.lora.enabled:
+            raise ConfigError(
+                f"scorer.teacher.pin ({self.scorer.teacher.pin}) with trainer.lora.enabled: a pinned teacher loads "
+                "policy versions from the weight store as its weights, and with LoRA the store holds only each "
+                "version's adapter, not a model. Distill from a fixed teacher (--scorer.teacher.pin fixed with "
+                "--scorer.teacher.path, a model directory with the student's tokenizer), or train the whole model "
+                "(--trainer.lora.no-enabled)."
+            )
+
+    def _check_teacher_context(self, teacher_context: int) -> None:
+        """The teacher reads every sequence the student makes, whole: a prompt with its completion
+        (up to the student's context), or with an environment a whole trajectory."""
+        if self.environment.name is not None:
+            longest, source = self.environment.limits.max_total_tokens, "environment.limits.max_total_tokens"
+            fix = f"Set --environment.limits.max-total-tokens {teacher_context} or less"
+        else:
+            longest, source = self.max_model_len, "max_model_len, the student's max_position_embeddings"
+            fix = "Use a student with no longer a context (model.path, or --model.tiny.max-position-embeddings)"
+        if teacher_context < longest:
+            raise ConfigError(
+                f"scorer.teacher.path ({self.scorer.teacher.path}) has a context of {teacher_context} tokens "
+                f"(max_position_embeddings in its config.json), below the student's longest sequence ({longest} "
+                f"tokens: {source}): the teacher could not score the longest prompts and completions. {fix}, or "
+                f"distill from a teacher whose context holds {longest} tokens."
             )
 
     def _teacher_hf_config(self) -> dict:
