@@ -50,7 +50,7 @@ demo: venv
 
 # Two pytest-xdist workers, a test file to each (its module-scoped run starts once): 21.5 min here
 # against 31-36 min on one, since one run alone leaves a core idle much of the time
-# (docs/benchmarks.md). `make TEST_WORKERS=0 test` runs the suite in one process.
+# (docs/benchmarks/README.md, "The demo and the test suite"). `make TEST_WORKERS=0 test` runs the suite in one process.
 TEST_WORKERS ?= 2
 
 test: venv

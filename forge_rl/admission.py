@@ -16,7 +16,7 @@ earlier-admitted long ones are still decoding. The buffer serves the earliest-ad
 (`batch_may_be_sampled`) while taking that batch would leave the episodes still in flight more
 than the remaining steps can train in time, i.e. until the ones that need this step have arrived.
 Taking the short ones first and letting the gate admit new work into the slots the long ones need
-is how an admitted episode used to be dropped (docs/benchmarks.md, the scale benchmark).
+is how an admitted episode used to be dropped (`forge-rl bench scale`).
 Together, with the trainer waiting for stragglers (the default): nothing the gate admitted is ever
 dropped.
 
@@ -243,7 +243,7 @@ class AdmissionGate:
         it. Otherwise the first engine to finish its swap took every slot the step freed, and kept
         winning: over 30 simulated steps, eight engines ran from 67 to 246 groups each, and the
         loaded engines' longest completions, decoded slowest, set the pace of the whole run under
-        the age bound (docs/benchmarks.md, "Balanced admissions"). The slots wait for the swap
+        the age bound (`forge-rl bench scale`). The slots wait for the swap
         instead, a fraction of a step.
 
         At most ADMISSIONS_PER_TURN per event-loop turn, then the pass goes on in the next turn:

@@ -8,7 +8,7 @@ token, on its critical path: between the batch leaving the buffer and the step's
 `array.array`s cross a process as a few byte buffers, are unpickled in microseconds and become
 tensors with `torch.frombuffer`, so the trainer's share of turning episodes into a batch is the
 padding alone; the walk runs in the rollouts' process, where it costs the trainer nothing.
-Figures: docs/benchmarks.md ("The trainer's critical path on the demo").
+Figures: docs/benchmarks/README.md ("The demo and the test suite").
 
 Row i is the prompt and completion i of its episode, rows one after another: the per-token
 columns hold sum(lengths) values each, the per-row columns N.

@@ -45,11 +45,11 @@ weight swap's pause (a whole reload with swap_loader "reload"), a loaded host's 
 _DECODE_STEP_ALLOWANCE_S = 1.0
 """Seconds allowed per decode step a call may wait for. Measured decode steps of 256 sequences on 2
 CPU cores: about 16 ms for the demo's tiny model (forge_rl/engines/vllm_engine.py, `_engine_env`),
-26-28 ms for a 100M-parameter model (docs/benchmarks.md); on a GPU, tens of ms. A second per step
+26-28 ms for a 100M-parameter model (`forge-rl bench weight-sync`); on a GPU, tens of ms. A second per step
 is reached only by an engine that has all but stopped."""
 _UPDATE_TIMEOUT_S = 600.0
 """A weight update end to end (forge_rl/store/loader.py): measured 0.2-1.2 s for a 398 MB model on
-2 CPU cores, cross-host included (docs/benchmarks.md); the slowest legitimate case in view, a
+2 CPU cores, cross-host included (`forge-rl bench weight-sync`); the slowest legitimate case in view, a
 100+ GB model fetched over Monarch's TCP fallback (0.46 GB/s measured), takes about 5 minutes.
 Updates of one generator run one at a time, so an update may first wait out the one before it."""
 
@@ -150,7 +150,7 @@ class GRPOConfig:
     """Most seconds one train step (the optimizer step on every trainer rank, then the snapshot its
     publish starts from) may take. A step past it means a hung rank or collective: the run stops with
     TrainStepTimedOut, naming the command that resumes it. Half an hour: steps take about 1 s in the
-    async-vs-sync benchmark and 1.6 s for a 100M-parameter model on 2 CPU cores (docs/benchmarks.md),
+    async-vs-sync benchmark and 1.6 s for a 100M-parameter model on 2 CPU cores (docs/benchmarks/README.md),
     and minutes for large batches of long sequences; raise it for steps longer than that."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group with no nonzero advantage on a token that trains (its final,

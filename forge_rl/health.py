@@ -16,7 +16,7 @@ tokens), or they attended to KV of older weights (tokens after a mid-turn swap, 
 their KL adds the policy lag, the size of the updates since, which no running level predicts. One
 step without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
 thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.09, and
-an alarm on it warned at 24-34 steps of healthy runs (docs/benchmarks.md, "Multi-turn recipe").
+an alarm on it warned at 24-34 steps of healthy runs (docs/recipes.md, the calculator recipe).
 
 A step may hold no exact token of a generator: single-turn async batches hold almost none (the
 demo at max_policy_age 1: at 1 step of 60; presumably because each batch is taken while the step

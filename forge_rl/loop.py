@@ -17,7 +17,7 @@ Per step the train loop makes two calls, whatever the number of generators and p
 trainer's `train_next_step` (each rank then takes the batch from the rollouts) and the rollouts'
 `step_done` (whose reply carries the data plane's figures). Only a step slower than its timeout,
 or a stop, asks the rollouts when the batch left the buffer (`batch_taken`): every message leaves
-memory behind in Monarch (docs/benchmarks.md, the soak). The library owns these loops; a recipe supplies
+memory behind in Monarch (docs/benchmarks/README.md, "soak"). The library owns these loops; a recipe supplies
 its actors, its scoring stage (which runs in the rollouts' process) and its work after a publish.
 Nothing here imports Monarch: the actors are handles whose endpoints are called with
 `.call_one()` / `.call()`.

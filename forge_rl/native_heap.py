@@ -3,8 +3,8 @@
 A long run's processes allocate and free large native buffers over and over: the trainer's rank
 gathers and snapshots the whole model every step, its publish thread frees the snapshot, torch's
 temporaries come and go. glibc's `free` returns memory to the system only from the top of an
-arena; free chunks in the middle stay resident. In the soak (docs/benchmarks.md, "Free memory the
-heap kept") the trainer's rank grew about 5 MB a minute while its live native allocations
+arena; free chunks in the middle stay resident. In the soak (docs/benchmarks/README.md,
+"soak") the trainer's rank grew about 5 MB a minute while its live native allocations
 (`mallinfo2`'s in-use bytes) grew 3 KB a step: the rest was free memory its arenas kept.
 `malloc_trim(0)` returns the free pages of every arena; with it every 200 steps the rank's
 anonymous memory stayed at 437-446 MB over 2,200 steps (it grew 422 -> 470 MB in 8 minutes

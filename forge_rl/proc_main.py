@@ -29,7 +29,7 @@ async def set_torch_distributed_env(procs: "ProcMesh") -> None:
     of living as long as the processes. Monarch polls every live actor mesh from its owner's
     process (every 10 s, HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY), and each poll leaves a few
     KB there for the life of the process: a mesh that has done its work costs the controller
-    memory for the rest of the run (docs/benchmarks.md, the soak)."""
+    memory for the rest of the run (docs/benchmarks/README.md, "soak")."""
     from monarch.spmd import SPMDActor
 
     helpers = procs.spawn("_SPMDActor", SPMDActor)

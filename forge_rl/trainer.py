@@ -299,7 +299,7 @@ class PolicyTrainer:
         # gradient, yet AdamW would still move the weights: by its momentum from earlier batches and
         # by weight decay. Runs of such batches then kept pushing the policy the way the last
         # batches with signal had, and once pushed it into a calculator-recipe collapse (reward 0,
-        # entropy rising with no gradient: docs/benchmarks.md). No signal, no update; the version
+        # entropy rising with no gradient: docs/recipes.md, the calculator recipe). No signal, no update; the version
         # still advances, so the loop's accounting is the same as for any step.
         metrics["step_without_gradient"] = float(metrics["grad_norm"] == 0.0)
         if not metrics["step_without_gradient"]:

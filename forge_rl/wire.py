@@ -3,7 +3,7 @@
 Monarch pickles every message with cloudpickle's Python-level pickler, whose Python hooks
 (`reducer_override`, Monarch's `persistent_id`) run for every object of the message: for a prompt
 or a scored group, hundreds of Python calls a message. At 128 generators that was about a sixth of
-the rollouts' process (py-spy, docs/benchmarks.md "Every part in one run"), the process whose
+the rollouts' process (py-spy, `forge-rl bench scale`), the process whose
 event-loop lag `bench scale` bounds. `packed(value)` pickles the value with the C pickler instead;
 the message then holds one bytes object, and unpickling it calls `pickle.loads` on those bytes, so
 the receiver gets `value` itself: nothing changes on its side.

@@ -5,8 +5,8 @@
 A controller process calls a trivial echo actor over and over and prints both processes' unique
 memory (USS) after each round. With `call_one` the Python heap does not grow (checked with
 tracemalloc) but, with torchmonarch 0.7.0, the native memory of both processes does, linearly in
-the number of calls: this is what the soak benchmark's growth came from (docs/benchmarks.md,
-"Soak"). `port_calls` makes the same calls answered on one long-lived port
+the number of calls: this is what the soak benchmark's growth came from (docs/benchmarks/README.md,
+"soak"). `port_calls` makes the same calls answered on one long-lived port
 (forge_rl/actors/port_calls.py), which the per-prompt calls of a run use. `blocking_get` makes
 them with `call_one(...).get()` from a worker thread, as the weight store's writer thread does
 (forge_rl/store/client.py); `mesh_call` with `.call()` on a plain endpoint, as the train loop

@@ -10,8 +10,8 @@ actor meshes on them (stopped before measuring with `--stop-extra`), then makes 
 and prints its own unique memory (USS) every 30 s and its growth per second. With torchmonarch
 0.7.0 it grows linearly: Monarch polls every live mesh from its owner's process every
 HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY (10 s by default), and each poll leaves about 3 KB per
-mesh behind, whatever the mesh does (docs/benchmarks.md, "What the controller's memory grows
-with"). `--kill-one` instead SIGKILLs the first process and prints how long Monarch took to report
+mesh behind, whatever the mesh does (docs/benchmarks/README.md,
+"soak"). `--kill-one` instead SIGKILLs the first process and prints how long Monarch took to report
 it to this owner's fault hook: the poll is how a dead process is found.
 """
 

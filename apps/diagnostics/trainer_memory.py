@@ -8,7 +8,7 @@ prompts x 8 completions of 24 tokens), the publish snapshot of the weights (`hf_
 on CPU, then dropped), and every `--checkpoint-every` steps a DCP checkpoint (written, then
 deleted). Prints the process's unique memory (USS) every 100 steps. MODEL_DIR: an HF model
 directory, e.g. a run's RUN_DIR/model. The 30-minute soak saw the trainer ranks grow about 32 KB
-per step each (docs/benchmarks.md, "Soak"); this separates PolicyTrainer's work from what the
+per step each (docs/benchmarks/README.md, "soak"); this separates PolicyTrainer's work from what the
 trainer actor adds around it (Monarch, the weight store's writer, the collectives between ranks).
 """
 

@@ -3,7 +3,7 @@ once per prompt (a generate, a scoring) that a long run makes millions of.
 
 Why not `call_one`: torchmonarch 0.7 keeps about 1.3 KB in the caller and 0.5 KB in the callee for
 every `call_one`, for the life of the process (apps/diagnostics/monarch_call_memory.py; the soak's
-memory growth in docs/benchmarks.md). A `call_one` opens a reply port of its own; a message sent
+memory growth in docs/benchmarks/README.md). A `call_one` opens a reply port of its own; a message sent
 with `.broadcast` whose answer comes back on a port the caller opened once keeps about 26 B in the
 caller and 8 B in the callee (`--mode port_calls`). So the caller opens one port
 (`PortCalls`), sends each request with the port and a request number to the callee's
@@ -14,7 +14,7 @@ The port itself crosses as bytes pickled once, when the caller opens it, and the
 each caller's port once (`PortServed._reply_port`): a Monarch `Port` pickles by value (its
 `__reduce__` returns a nested function, which cloudpickle sends with its code object), about
 1.6 KB and 0.3-0.9 ms of pickling each time on this machine, against about 12 us for the rest of
-a step's call (2026-11-28, docs/benchmarks.md, "A reply port and the rollouts' handle pickled once"). A caller makes
+a step's call (`forge-rl bench scale`). A caller makes
 hundreds of calls a step at 128 generators.
 
 What changes for the caller, and what does not:

@@ -63,7 +63,7 @@ class LoRASyncArgs:
     """Learning rate of the demo's LoRA runs (full fine-tuning keeps the recipe's 3e-4): the adapters
     start at B = 0 and carry all of the learning on a frozen base, so they take a larger step. From
     the format base, 1e-3 ended at 0.973 and 3e-3 (LoRA's usual 10x) at 0.934, plateauing lower
-    (seeds 0 and 1, docs/benchmarks.md)."""
+    (seeds 0 and 1, `forge-rl bench lora-sync`)."""
     reward_pretrain_steps: int = 200
     """Supervised steps that make the base both variants start from: the demo's model trained on its
     task's format, each problem followed by one of its two digits at random, so the base answers
@@ -341,7 +341,7 @@ def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
 
 
 # With one seed per variant there is no spread to measure; the final reward of the demo varies by
-# a few hundredths between seeds at a converged run (docs/benchmarks.md, staleness), so this floor
+# a few hundredths between seeds at a converged run (docs/benchmarks/README.md, "staleness"), so this floor
 # stands in for the noise and keeps two seeds that happen to agree closely from demanding exactness.
 MIN_REWARD_NOISE = 0.02
 

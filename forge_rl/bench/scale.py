@@ -30,7 +30,7 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
 2. Async vs sync on a long-tail workload with the default GPU calibration (Qwen3-8B decode on one
    H100 per generator, a Qwen3-8B step on 8 H100s; `async_prompts_per_step` x 8 completions a
    step, log-normal lengths cut at 4,096 tokens): forge-rl bench async-vs-sync's analysis of both
-   runs (speedup, pipeline efficiency), and the analytic bound of docs/benchmarks.md:
+   runs (speedup, pipeline efficiency), and the analytic bound of docs/benchmarks/README.md:
        sync step  = straggler + train          (the slowest completion of the step's batch, then the step)
        async step >= max(train, generate, straggler / (A + 1))
    where generate is the step's tokens over the engines' throughput at full batch and A the
@@ -117,7 +117,7 @@ class ScaleArgs:
     """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
     as they are (its five runs take about 20 minutes). Faster, the 2 shared cores that run the
     control plane, eight simulated engines and the trainer's process become what limits the
-    asynchronous runs, not the schedule (docs/benchmarks.md, "Partial rollouts")."""
+    asynchronous runs, not the schedule (docs/benchmarks/README.md, "scale")."""
     async_generators: int = 8
     """Generators of the async-vs-sync part."""
     async_prompts_per_step: int = 128
@@ -125,14 +125,14 @@ class ScaleArgs:
     Qwen3-8B step of about 7.5 s on 8 H100s). A staleness bound counts train steps, and the
     workload's longest completions (cut at 4,096 tokens) take 36-39 s decoded at the batch the
     engines need: at 32 prompts a step (2.26 s) they span 17 steps, so no run that waits for them
-    keeps pace below A = 16 (docs/benchmarks.md, "Staleness bounds"); at 128 they fit in the
+    keeps pace below A = 16 (docs/benchmarks/README.md, "scale"); at 128 they fit in the
     A + 1 = 9 steps of the headline A = 8."""
     async_steps: int = 20
     """Train steps per asynchronous run of the async-vs-sync part, the first left out of the
     steady-state figures. An asynchronous run at staleness bound A trains A more, and leaves its
     first A + 1 out: the gate's first fill is admitted at version 0, and those groups' deadlines
     (and their longest completions' stalls) all fall within the first A + 1 steps, a start-up
-    transient (docs/benchmarks.md, "Staleness bounds")."""
+    transient (docs/benchmarks/README.md, "scale")."""
     async_sync_steps: int = 8
     """Train steps of the async-vs-sync part's synchronous run, the first left out: every step has
     the same shape (its slowest completion, then the train step; about 36 s at 128 prompts)."""
@@ -143,7 +143,7 @@ class ScaleArgs:
     scale 1) against the same synchronous run: `sim_by_max_policy_age` in the figures. At A = 4 the
     workload's longest completions (cut at 4,096 tokens), decoded at the engines' batch, about fill
     the A + 1 = 5 train steps they may span: where the tail starts to set the pace. (At 32 prompts a
-    step they kept a waiting run below 0.75 of the bound at A = 8, docs/benchmarks.md.)"""
+    step they kept a waiting run below 0.75 of the bound at A = 8, docs/benchmarks/README.md.)"""
     skip_async_vs_sync: bool = False
     skip_partial_rollouts: bool = False
     """Skip the async-vs-sync part's third run: asynchronous with partial rollouts
@@ -151,13 +151,13 @@ class ScaleArgs:
     fault_generators: int = 128
     """Generators of the faults part: the control plane's largest scale, where a tenth (13) are
     replaced at once while the others serve; about 2 minutes on 2 shared cores (20 takes about
-    20 s, docs/benchmarks.md)."""
+    20 s, docs/benchmarks/README.md)."""
     fault_kill_fraction: float = 0.1
     """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
     fault_prompts_in_flight_per_generator: int = 2
     """Rollout loops per generator in the faults part: 2, not 4. The gate admits fewer prompts than
     4 x P loops and the loops that win admissions are mostly the same ones, so some generators
-    would seldom have a call in progress to lose (docs/benchmarks.md, "Faults")."""
+    would seldom have a call in progress to lose (docs/benchmarks/README.md, "scale")."""
     fault_seed: int = 0
     """Chooses which generators are killed (`choose_victims`)."""
     fault_steps: int = 20
@@ -481,7 +481,7 @@ def _async_part_config(
         ),
         # At the same priority as the rest: eight stand-ins take little of the cores, and their
         # answers are the simulated GPUs' pace, which an idle-priority process behind a busy
-        # core delays (partial rollouts 0.807 of the bound against 0.838, docs/benchmarks.md).
+        # core delays (partial rollouts 0.807 of the bound against 0.838, docs/benchmarks/README.md).
         generator=dataclasses.replace(
             base.generator,
             sim=dataclasses.replace(base.generator.sim, time_scale=args.async_time_scale, idle_priority=False),
@@ -513,7 +513,7 @@ def _async_figures(
     wall_per_step = {"sync": sync["steady_wall_per_step_s"]}
     wall_per_step.update({mode: 1.0 / figures["steps_per_s"] for mode, figures in steady.items()})
     speedup = wall_per_step["sync"] / wall_per_step["async"]
-    # The analytic bound, from the sync run's own busy times (docs/benchmarks.md): a synchronous
+    # The analytic bound, from the sync run's own busy times (docs/benchmarks/README.md): a synchronous
     # step is the straggler's generation then the train step; an asynchronous one can be no
     # shorter than the train step, than the generation work, or than the straggler spread over the
     # A + 1 versions it may span.
@@ -649,7 +649,7 @@ def uniform_batch_floor(
     config: GRPOConfig, tokens_per_step: float, train_s: float, max_policy_age: int, longest: float
 ) -> tuple[float, int]:
     """The asynchronous step's floor when every engine decodes batches of one size B, whichever B
-    is best (docs/benchmarks.md): min over B of max(T, Gen(B), Lmax x step_s(B) / (A + 1)). A larger
+    is best (docs/benchmarks/README.md): min over B of max(T, Gen(B), Lmax x step_s(B) / (A + 1)). A larger
     batch generates a step's tokens sooner (Gen falls) but decodes each sequence's tokens slower,
     the step's longest completion (`longest` = Lmax tokens, `expected_longest_completion`, which
     must be trained within A + 1 versions of its admission) among them. Returns (floor, B)."""

@@ -5,7 +5,7 @@ self-distillation (forge_rl/teacher.py `TeacherPin`) with the teacher lagged `ve
 versions, an exponential moving average of the versions, and the version after the best step. The
 distillation term pulls each token toward what the policy's recent past preferred, a moving trust
 region; whether that helps depends on how unstable plain GRPO is, so `--lr` sets the regime (the
-demo's 3e-4 learns steadily; docs/benchmarks.md has what 1e-3 and up do) and `--seeds` repeats
+demo's 3e-4 learns steadily; docs/benchmarks/README.md has what 1e-3 and up do) and `--seeds` repeats
 every variant (a seed is the trainer's, the prompts' and the generators' seed; the initial model is
 the same).
 
@@ -48,7 +48,7 @@ class SelfDistillArgs:
     """Trainer steps per run."""
     lr: float = 1e-3
     """trainer.lr of every variant: the regime. On the demo plain GRPO is steady at 3e-4 and 1e-3,
-    reaches 0.8 and falls back at 2e-3 (where the teachers helped), stalls at 3e-3 (docs/benchmarks.md)."""
+    reaches 0.8 and falls back at 2e-3 (where the teachers helped), stalls at 3e-3 (docs/benchmarks/README.md)."""
     seeds: tuple[int, ...] = (0,)
     """Each variant runs once per seed, as trainer.seed, task.seed and generator.seed."""
     teacher_weight: float = 1.0

@@ -7,7 +7,7 @@ is lost if the driver dies), and stops the run with SIGTERM after `duration_s`. 
 a run started from a background shell inherits an ignored SIGINT and would not stop. Reports the growth of
 the total unique memory (USS: pages no other process shares, so mapped /dev/shm snapshots are not
 counted once per reader) between the end of the warm-up and the end of the run, and the largest
-replay-buffer occupancy logged, against its capacity. Not a test: a command for docs/benchmarks.md.
+replay-buffer occupancy logged, against its capacity. Not a test: a command for docs/benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ host slowed the simulated GPUs themselves.)
 Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive it on a virtual clock
 (tests/unit/test_simulated_engine.py) and the results do not depend on how busy the machine is.
 
-Calibration (docs/benchmarks.md, "The simulated engine"): Qwen3-8B in bf16 served by vLLM on one
+Calibration (docs/benchmarks/README.md, "scale"): Qwen3-8B in bf16 served by vLLM on one
 H100 SXM (80 GB HBM3, 3.35 TB/s, 989 dense bf16 TFLOP/s). Decode is bound by memory traffic: every
 step reads the 16.4 GB of weights (4.9 ms at peak bandwidth) plus the KV cache of every sequence in
 the batch (36 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 144 KiB per context token,
@@ -152,7 +152,7 @@ class SimEngineConfig:
     message handling, the timers) would otherwise take cores from the control plane it is measured
     against. At 128 generators on 2 cores they took 0.7 of a core, and the rollouts' event loop
     waited for a core: lag p99 58-64 ms as the same priority, 24-29 ms under SCHED_IDLE
-    (docs/benchmarks.md, "The simulated generators yield the cores"). Lowering their nice value
+    (`forge-rl bench scale`). Lowering their nice value
     alone does not do it (41-43 ms at nice 19): 128 processes outweigh one however low each is.
     False: the same priority as the rest of the run."""
 

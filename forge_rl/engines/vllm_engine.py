@@ -428,7 +428,7 @@ class VLLMEngine:
             # On CPU the worker runs inside the engine-core process: vLLM's CPU platform turns "uni"
             # into "mp" (a third process, one more ~13 s vLLM import on every engine start) because
             # it cannot pin OpenMP threads in-process; forge_rl pins none ("nobind" below), so naming
-            # the executor class keeps it. Engine start 42 -> 33 s on the demo (docs/benchmarks.md).
+            # the executor class keeps it. One vLLM import fewer per engine start.
             **({} if on_gpu else {"distributed_executor_backend": _IN_ENGINE_CORE_EXECUTOR}),
             # A progress bar per weight reload (one per policy version) would flood the log.
             use_tqdm_on_load=False,

@@ -220,8 +220,8 @@ def test_the_callee_unpickles_each_callers_port_once(results):
 
 def test_a_port_called_handle_arrives_as_the_handle_itself(results):
     # Not unpickled once per process: a handle's bytes pickled inside Monarch's message pickler may
-    # hold a mesh-reference slot that only that message fills (docs/benchmarks.md, "A reply port
-    # and the rollouts' handle pickled once"). The train loop sends the rollouts' handle once instead.
+    # hold a mesh-reference slot that only that message fills (this test
+    # caught it). The train loop sends the rollouts' handle once instead.
     assert results["handle_arrived"] == "ActorMesh"
 
 

@@ -76,7 +76,7 @@ def test_the_train_loop_waits_for_in_flight_episodes_this_step_is_the_last_chanc
 
 
 def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need():
-    """The scale benchmark's over-age drops under admission=pause (docs/benchmarks.md): one step of
+    """The scale benchmark's over-age drops under admission=pause (`forge-rl bench scale`): one step of
     one episode, age 2. Episodes 0 and 1 (long) and 2 (short) start at version 0; 2 is trained at
     0; 3 (short) starts at 1. Trained at 1, 3 would leave 0 and 1 both needing step 2, one of them
     dropped; the gate instead holds step 1 until 0 has arrived."""

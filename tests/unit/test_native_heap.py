@@ -34,7 +34,7 @@ def test_the_trimmer_trims_at_most_once_per_interval_and_never_at_its_first_call
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's (Linux)")
 def test_the_trim_reaches_glibc_on_linux():
-    """Not a no-op here: the soak's figures depend on it (docs/benchmarks.md)."""
+    """Not a no-op here: the soak's figures depend on it (docs/benchmarks/README.md, "soak")."""
     assert native_heap._MALLOC_TRIM is not None
     blocks = [bytearray(200_000) for _ in range(200)]
     del blocks[::2]  # free chunks between live ones

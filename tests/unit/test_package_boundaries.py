@@ -203,8 +203,8 @@ TORCH_FREE_PROCESSES = {
 }
 """Processes that must start without torch: importing it costs each ~3-4 s of CPU on this machine,
 at every run's start, while the generators' vLLM and the trainer start on the same cores, and the
-controller's and the services' come before any generator is spawned (docs/benchmarks.md,
-"2026-11-27"). What they do at run time is checked by test_shutdown (the controller mid-run)."""
+controller's and the services' come before any generator is spawned (docs/architecture.md,
+"How processes start and end"). What they do at run time is checked by test_shutdown (the controller mid-run)."""
 
 
 @pytest.mark.parametrize("process", sorted(TORCH_FREE_PROCESSES))
