@@ -13,7 +13,9 @@ from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.preflight import check_model_inputs
-from forge_rl.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer
+from forge_rl.scorers import (
+    Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer,
+)
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
