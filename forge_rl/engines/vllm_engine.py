@@ -221,10 +221,11 @@ class AdapterServing:
     trainer.lora and buffer.max_policy_age (`GRPOConfig.adapter_serving`), not a flag.
 
     Each version is a new vLLM adapter (name "forge-policy-<v>", id v + 1), never reloaded in
-    place; a request keeps the adapter it was submitted with until it finishes, so its tokens are
-    exact samples of that version and are stamped with it. `resident` adapters stay loaded (vLLM
-    gets one slot more, so the next loads at once): an older one is unloaded once no request in
-    flight uses it.
+    place; a request keeps the adapter it was submitted with, so its tokens are exact samples of
+    that version and are stamped with it. `resident` adapters stay loaded (vLLM gets one slot
+    more, so the next loads at once): past them the oldest is unloaded, and a request still on it
+    (one that outlived the age bound: partial rollouts, admission drop) is aborted and continues
+    on the newest adapter, as an abort-mode swap continues a request on new weights.
     """
 
     rank: int
@@ -267,6 +268,13 @@ class VLLMEngine:
         """policy version -> its loaded adapter, oldest first (with `adapters`)."""
         self._in_flight: collections.Counter[int] = collections.Counter()
         """policy version -> requests in flight submitted under it."""
+        self._submitted: dict[int, set[str]] = collections.defaultdict(set)
+        """policy version -> ids of its requests in flight that vLLM holds (so an abort reaches them)."""
+        self._retiring: set[int] = set()
+        """Versions whose adapter is being unloaded: a request of theirs reaching vLLM is aborted."""
+        self._re_encoding_swaps: set[int] = set()
+        """Versions whose swap re-encoded the KV of the requests in flight (swap_kv recompute):
+        tokens sampled after it depend on it alone (`Completion.kv_versions`)."""
         self._drained = asyncio.Condition()
         """Notified whenever a request finishes (an adapter waiting to be unloaded may now go)."""
         self._unloading: asyncio.Future | None = None
@@ -482,7 +490,7 @@ class VLLMEngine:
         if self.adapters is None:
             return {}
         # One slot more than `resident`: a new version loads at once, and the oldest is unloaded
-        # after it, once its last request ends (`load_adapter`). Slots (max_loras) = cache
+        # after it, its requests moved to the newest (`load_adapter`). Slots (max_loras) = cache
         # (max_cpu_loras), and forge_rl never holds more: vLLM never evicts an adapter on its own
         # (its LRU picks by last use, not version, and would reload an evicted one from a path
         # the store may have collected).
@@ -614,6 +622,7 @@ class VLLMEngine:
             # vLLM labels tokens with the engine's weight version, which adapters do not change: a
             # request decodes with the adapter it was submitted with, to its end (AdapterServing).
             completion.policy_versions = [submitted_version] * completion.num_tokens
+        completion.kv_versions = self._kv_versions(completion.policy_versions, submitted_version)
         if completion.num_truncated_support and not self.num_truncated_support:
             _logger.warning(
                 "a top-p/top-k kept set filled all generator.max_support_ids (%d) slots, so it may hold "
@@ -624,6 +633,19 @@ class VLLMEngine:
             )
         self.num_truncated_support += completion.num_truncated_support
         return completion
+
+    def _kv_versions(self, policy_versions: list[int], submitted_version: int) -> list[int]:
+        """Per token of one request, the oldest weights it depends on (`Completion.kv_versions`).
+        Its prompt is encoded by the version it was submitted under (salted with it, `prompt`); a
+        swap that keeps the KV (swap_kv reuse) leaves the later tokens attending to it, and one
+        that re-encodes it (swap_kv recompute) leaves them depending on the new version alone. A
+        request's label changes only at a swap, so the swap is known by the label it changes to."""
+        out, oldest, previous = [], submitted_version, submitted_version
+        for version in policy_versions:
+            oldest = version if version != previous and version in self._re_encoding_swaps else min(oldest, version)
+            previous = version
+            out.append(oldest)
+        return out
 
     def prompt(self, prompt_token_ids: list[int]):
         """vLLM's prompt for `prompt_token_ids`, its prefix-cache blocks salted by the version
@@ -650,13 +672,27 @@ class VLLMEngine:
         version = self.policy_version
         lora = self._resident.get(version) if self.adapters is not None else None
         request_id = f"gen-{next(self._request_ids)}"
+        llm = self._running_llm
         self._in_flight[version] += 1
         try:
-            final = None
-            async for final in self._running_llm.generate(
-                self.prompt(prompt_token_ids), params, request_id, lora_request=lora
-            ):
-                pass  # FINAL_ONLY: one output, after the last child finished.
+            # AsyncLLM.generate's loop, with the moment vLLM holds the request in view: from then
+            # on an abort reaches it, and an adapter retired while it was being submitted (its
+            # prompt is processed in a worker thread) aborts it here (`_retire_adapter`).
+            queue = await llm.add_request(request_id, self.prompt(prompt_token_ids), params, lora_request=lora)
+            self._submitted[version].add(request_id)
+            try:
+                if version in self._retiring:
+                    await llm.abort(request_id)
+                final = queue.get_nowait() or await queue.get()
+                while not final.finished:  # FINAL_ONLY: one output, after the last child finished
+                    final = queue.get_nowait() or await queue.get()
+            except asyncio.CancelledError:
+                await llm.abort(queue.request_id, internal=True)
+                raise
+            finally:
+                self._submitted[version].discard(request_id)
+                if not self._submitted[version]:
+                    del self._submitted[version]
         finally:
             self._in_flight[version] -= 1
             if self._in_flight[version] == 0:
@@ -811,6 +847,8 @@ class VLLMEngine:
                 # The engine core labels every token sampled from now on with it (module docstring).
                 await llm.update_weight_version(str(policy_version))
                 self.policy_version = policy_version
+                if clear_cache:
+                    self._re_encoding_swaps.add(policy_version)
             finally:
                 await llm.resume_generation()
         finally:
@@ -836,9 +874,13 @@ class VLLMEngine:
         Nothing pauses: vLLM loads the adapter in its engine core between two decode steps (the
         only stall), requests in flight keep decoding with their own adapters, and requests
         submitted from now on use this one. Then, past `adapters.resident` loaded, the oldest is
-        unloaded in the background once the last request using it has finished (off the
-        publish-to-servable path: an engine-core call waits for the current decode step, about
-        0.2 s under load on this CPU); the next load waits for that unload if it is still pending.
+        unloaded in the background (off the publish-to-servable path: an engine-core call waits
+        for the current decode step). A request still on it has outlived the age bound (the
+        admission gate never lets one under `buffer.admission pause` with the trainer waiting for
+        stragglers): it is aborted and continues on the newest adapter (`generate` resubmits its
+        prompt and tokens so far, as after an abort-mode swap), so the unload waits for no request
+        and the next load, which waits for that unload if it is still pending, never waits for one
+        either.
 
         No prefix-cache reset is needed: vLLM hashes each block with its request's adapter name
         and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`), every version has
@@ -894,15 +936,30 @@ class VLLMEngine:
         return [] if pending is None else await pending
 
     async def _unload_beyond_resident(self) -> list[int]:
-        """Unload the oldest adapters down to `adapters.resident`, each once no request uses it."""
+        """Unload the oldest adapters down to `adapters.resident`, each once its requests left it."""
         unloaded = []
         while len(self._resident) > self.adapters.resident:
             oldest = min(self._resident)
-            async with self._drained:
-                await self._drained.wait_for(lambda: self._in_flight[oldest] == 0)
+            await self._retire_adapter(oldest)
             await self._running_llm.remove_lora(self._resident.pop(oldest).lora_int_id)
             unloaded.append(oldest)
         return unloaded
+
+    async def _retire_adapter(self, version: int) -> None:
+        """Move every request in flight on `version`'s adapter to the newest one: abort them (a
+        request still being submitted is aborted as it reaches vLLM, `_request`), and their callers
+        resubmit prompt + tokens so far, stamped and encoded with the version served then. Returns
+        once none is left on it. vLLM answers an abort at once with the tokens sampled so far,
+        so this waits for no decode."""
+        self._retiring.add(version)
+        try:
+            if self._in_flight[version]:
+                self._abort_epoch += 1  # generate() and generate_turn() resubmit what this aborts
+                await self._running_llm.abort(list(self._submitted[version]))
+            async with self._drained:
+                await self._drained.wait_for(lambda: self._in_flight[version] == 0)
+        finally:
+            self._retiring.discard(version)
 
     def _can_stage(self) -> bool:
         """The staged loader needs eager mode and one worker (see forge_rl/store/vllm_staging.py)."""
@@ -1051,6 +1108,9 @@ def _join(head: Completion, tail: Completion) -> Completion:
         sampling_support=support,
         num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
         routed_experts=routing,
+        # The continuation's prefix was encoded anew when it was resubmitted: its tokens depend on
+        # its own versions, whatever the head's did.
+        kv_versions=None if head.kv_versions is None or tail.kv_versions is None else head.kv_versions + tail.kv_versions,
     )
 
 
@@ -1060,8 +1120,8 @@ class AdapterLoadStats:
 
     policy_version: int
     wait_s: float
-    """Waiting for the previous load's unload of the oldest adapter, if still pending (its last
-    request had not finished)."""
+    """Waiting for the previous load's unload of the oldest adapter, if still pending (its
+    engine-core call, and moving the requests still on it to the newest adapter)."""
     load_s: float
     """vLLM's add_lora, a call into the engine core answered between two decode steps: an upper
     bound of the decode stall (it includes the round trip to the engine-core process)."""

@@ -160,3 +160,39 @@ def test_a_request_in_flight_across_an_update_keeps_its_adapter_and_version(lora
     (after,) = s.run(s.engine.generate(PROMPT, n=1, eos_id=None))
     assert after.policy_versions == [4] * NEW_TOKENS
     assert _close(after.logprobs, s.trainer.logprobs(after.token_ids, 4)) < LOGPROB_TOLERANCE
+
+
+def test_a_request_that_outlives_its_adapter_continues_on_the_newest_and_no_load_waits_for_it(lora_setup):
+    """Two adapters resident: the second load after a request's own retires its adapter while the
+    request is held mid-decode (a straggler past the age bound). The request is moved to the
+    newest adapter, and the load after that is answered without the request finishing."""
+    from forge_rl.columns import exact_versions
+    from forge_rl.store.loader import load_version
+
+    s = lora_setup
+    held_version = s.engine.policy_version + 1
+
+    async def retire_under_a_held_request():
+        await s.trainer.publish(held_version)
+        await load_version(s.engine, s.store, held_version)
+        batch = await hold_mid_request(
+            s.engine, lambda: s.engine.generate(PROMPT, n=1, eos_id=None), num_requests=1, hold_after_tokens=3
+        )
+        for version in range(held_version + 1, held_version + 4):
+            await s.trainer.publish(version)
+            # The third load waits for the second's unload, of the held request's adapter: bounded
+            # here so that an unload waiting for the request fails the test instead of hanging it.
+            await asyncio.wait_for(load_version(s.engine, s.store, version), timeout=60)
+        await s.engine.resume()
+        return await batch
+
+    (completion,) = s.run(retire_under_a_held_request())
+    head, tail = completion.policy_versions[:3], completion.policy_versions[3:]
+    assert head == [held_version] * 3 and len(set(tail)) == 1, completion.policy_versions
+    (tail_version,) = set(tail)
+    assert tail_version >= held_version + 2  # the newest adapter when its own was retired
+    assert exact_versions(completion) == head + tail  # its prefix encoded anew by the newest adapter
+    assert _close(completion.logprobs[:3], s.trainer.logprobs(completion.token_ids, held_version)[:3]) < LOGPROB_TOLERANCE
+    assert _close(completion.logprobs[3:], s.trainer.logprobs(completion.token_ids, tail_version)[3:]) < LOGPROB_TOLERANCE
+    assert s.run(s.engine.adapters_settled()) == [held_version + 1]
+    assert sorted(s.run(s.engine._running_llm.list_loras())) == [held_version + 2 + 1, held_version + 3 + 1]

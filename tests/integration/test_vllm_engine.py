@@ -204,6 +204,7 @@ def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(
     for _, completion in sampled:
         assert completion.num_tokens == CONFIG.max_new_tokens
         assert completion.policy_versions == [0] * HOLD_AFTER_TOKENS + [1] * (CONFIG.max_new_tokens - HOLD_AFTER_TOKENS)
+        assert completion.kv_versions == completion.policy_versions  # the swap re-encoded their KV
     # Each token's logprob must come from the weights its version names: tokens decoded before the
     # pause from the old model, tokens after it from the new one (prefix recomputed on resume).
     for prompt, completion in sampled[:8]:
@@ -254,6 +255,7 @@ def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_
         assert completion.policy_versions == (
             [before] * HOLD_AFTER_TOKENS + [version] * (CONFIG.max_new_tokens - HOLD_AFTER_TOKENS)
         )
+        assert completion.kv_versions == [before] * CONFIG.max_new_tokens  # later tokens attend to its KV
     prompt = served.prompts(1)[0]
     for completion in served.run(served.engine.generate(prompt, n=2, eos_id=None)):
         assert completion.policy_versions == [version] * completion.num_tokens
