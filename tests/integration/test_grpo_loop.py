@@ -190,10 +190,13 @@ def test_trainer_and_generator_logprobs_agree_at_version_zero(finished_run):
 
 
 def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
+    """A group has a signal when any token it trains has a nonzero advantage. Here the pinned
+    teacher's token rewards give nearly every group one (its reverse KL is nonzero wherever the
+    engine's and the trainer's numerics differ), so few or none are filtered; groups whose signal is
+    in final rewards alone are filtered in tests/unit/test_advantages.py."""
     summary, metrics, _, config = fsdp_run
     assert all(m["groups/zero_advantage_fraction"] == 0 for m in metrics)
     accounting = summary["accounting"]
-    assert accounting["filtered_zero_advantage"] > 0  # a random policy solves few prompts
     assert accounting["trained"] == NUM_STEPS * config.prompts_per_step
     assert accounting["trained_more_than_once"] == 0
     # max_new_tokens 3, overlong_buffer 1: a 3-token (truncated) completion loses 1.
