@@ -28,7 +28,7 @@ _SUBCOMMANDS = {
 
 _CLIENT_SHUTDOWN_S = 5.0
 """How long the controller's exit lets Monarch's client shut down (its own atexit handler allows 1 s,
-which a loaded machine overran after a Ctrl-C: forge_rl/process_exit.py)."""
+which a loaded machine overran after a Ctrl-C: forge_rl/plumbing/process_exit.py)."""
 
 _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
     f"  {name:<18} {text}" for name, text in _SUBCOMMANDS.items()
@@ -38,8 +38,8 @@ _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAG
 def main(argv: list[str] | None = None) -> None:
     """The `forge-rl` program (pyproject's script, `python -m forge_rl.cli`): runs the subcommand,
     then ends the process without the interpreter's final garbage collection, which took 2 s after
-    a run's summary (forge_rl/process_exit.py). `run` is the same without ending the process."""
-    from forge_rl.process_exit import exit_now
+    a run's summary (forge_rl/plumbing/process_exit.py). `run` is the same without ending the process."""
+    from forge_rl.plumbing.process_exit import exit_now
 
     try:
         run(argv)
@@ -61,7 +61,7 @@ def run(argv: list[str] | None = None) -> None:
         _run_subcommand(command, args)
     finally:
         if "monarch._src.actor.actor_mesh" in sys.modules:  # the command started Monarch
-            from forge_rl.process_exit import shut_monarch_client_down
+            from forge_rl.plumbing.process_exit import shut_monarch_client_down
 
             if (unfinished := shut_monarch_client_down(host_timeout_s=1.0, timeout_s=_CLIENT_SHUTDOWN_S)) is not None:
                 print(f"[forge-rl] Monarch's client {unfinished}; exiting anyway", file=sys.stderr, flush=True)
@@ -88,7 +88,7 @@ def _run_grpo(args: list[str]) -> None:
     from forge_rl.config import GRPOConfig
     from forge_rl.errors import ConfigError
 
-    from forge_rl.run_dir import saved_config_path
+    from forge_rl.run.run_dir import saved_config_path
 
     resume = _flag_value(args, "--resume")
     try:
@@ -100,12 +100,12 @@ def _run_grpo(args: list[str]) -> None:
         _fail(f"invalid config: {e}")
 
     from forge_rl.errors import NoLearningSignal, ProcessDied, ProcessNotStarted, ScorerFailed, TrainStepTimedOut
-    from forge_rl.recipes import recipe
+    from forge_rl.run.recipes import recipe
 
     run = recipe("grpo")
     try:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
-    except ConfigError as e:  # preflight (forge_rl/preflight.py): this machine or these files cannot run it
+    except ConfigError as e:  # preflight (forge_rl/run/preflight.py): this machine or these files cannot run it
         _fail(f"cannot start the run: {e}")
     # A process died, hung or never started, a scorer, reference model or teacher kept dying, or
     # no group had a signal for too long; every process was stopped.
@@ -187,7 +187,7 @@ def _run_bench(args: list[str]) -> None:
 def _run_plot(args: list[str]) -> None:
     import tyro
 
-    from forge_rl.plot import PlotArgs, plot_dashboard
+    from forge_rl.observability.plot import PlotArgs, plot_dashboard
 
     plot_args = tyro.cli(PlotArgs, args=args, prog="forge-rl plot", description=_SUBCOMMANDS["plot"])
     try:
@@ -200,7 +200,7 @@ def _run_export(args: list[str]) -> None:
     import tyro
 
     from forge_rl.errors import ConfigError
-    from forge_rl.export import ExportArgs, export_run
+    from forge_rl.run.export import ExportArgs, export_run
 
     export_args = tyro.cli(ExportArgs, args=args, prog="forge-rl export", description=_SUBCOMMANDS["export"])
     try:
@@ -228,7 +228,7 @@ def _run_train_reward_model(args: list[str]) -> None:
     import torch
     import tyro
 
-    from forge_rl.reward_model import RewardModelTraining, train_reward_model
+    from forge_rl.scoring.reward_model import RewardModelTraining, train_reward_model
 
     description = _SUBCOMMANDS["train-reward-model"]
     training = tyro.cli(RewardModelTraining, args=args, prog="forge-rl train-reward-model", description=description)
@@ -239,8 +239,8 @@ def _run_train_reward_model(args: list[str]) -> None:
 def _run_worker(args: list[str]) -> None:
     import tyro
 
-    from forge_rl.launch import run_worker
-    from forge_rl.placement import WorkerArgs
+    from forge_rl.run.launch import run_worker
+    from forge_rl.plumbing.placement import WorkerArgs
 
     worker_args = tyro.cli(WorkerArgs, args=args, prog="forge-rl worker", description=_SUBCOMMANDS["worker"])
     run_worker(worker_args.port, worker_args.host)

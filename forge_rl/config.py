@@ -15,21 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from forge_rl.buffer import BufferConfig
-from forge_rl.checkpoint import CheckpointConfig
+from forge_rl.core.buffer import BufferConfig
+from forge_rl.core.checkpoint import CheckpointConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
-from forge_rl.health import MismatchAlarmConfig
+from forge_rl.observability.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.lora_config import check_rank, check_targets, llama_layer_shapes
 from forge_rl.models.parallel import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
-from forge_rl.placement import LaunchConfig, check_placement, demand_of
-from forge_rl.reference import ReferenceConfig
-from forge_rl.scorers import ScorerConfig
+from forge_rl.plumbing.placement import LaunchConfig, check_placement, demand_of
+from forge_rl.training.reference import ReferenceConfig
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
-from forge_rl.trainer_config import TrainerConfig
+from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.errors import ConfigError
 
 
@@ -106,9 +106,9 @@ class LogConfig:
     wandb_project: str = "forge_rl"
     """W&B project name; the W&B run is named after the run directory."""
     mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)
-    """Warn when a generator's sampler mismatch jumps (forge_rl/health.py): on by default."""
+    """Warn when a generator's sampler mismatch jumps (forge_rl/observability/health.py): on by default."""
     event_loop_lag: bool = False
-    """Time the rollouts' event loop (forge_rl/rollouts.py): how late a 10 ms timer fires, every 10 ms,
+    """Time the rollouts' event loop (forge_rl/pipeline/rollouts.py): how late a 10 ms timer fires, every 10 ms,
     reported at the end of the run (`forge-rl bench scale` turns it on)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
@@ -221,7 +221,7 @@ class GRPOConfig:
 
     @property
     def max_episodes_queued(self) -> int:
-        """Most episodes admitted and not yet trained (forge_rl/admission.py) = min(
+        """Most episodes admitted and not yet trained (forge_rl/core/admission.py) = min(
         (buffer.max_policy_age + 1) * prompts_per_step with admission "pause", buffer.capacity_episodes,
         buffer.capacity_tokens // max_episode_tokens). Never more than the buffer can hold, so no
         admitted episode ever waits for room while the trainer waits for it."""
@@ -440,7 +440,7 @@ class GRPOConfig:
     def _teacher_hf_config(self) -> dict:
         """The teacher directory's config.json; a ConfigError naming scorer.teacher.path when the
         directory is not a model (the tokenizer is compared with the student's by
-        forge_rl/preflight.py, once the student's directory exists)."""
+        forge_rl/run/preflight.py, once the student's directory exists)."""
         try:
             return ModelConfig(path=self.scorer.teacher.path).hf_config()
         except ConfigError as e:
@@ -555,7 +555,7 @@ class GRPOConfig:
 
     @property
     def uses_teacher(self) -> bool:
-        """Whether a distillation teacher runs (forge_rl/teacher.py)."""
+        """Whether a distillation teacher runs (forge_rl/scoring/teacher.py)."""
         return self.scorer.teacher.enabled
 
 

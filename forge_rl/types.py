@@ -44,7 +44,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_rl.routing import RoutingRecord
+from forge_rl.core.routing import RoutingRecord
 
 
 class CompletionStatus(str, enum.Enum):
@@ -110,27 +110,27 @@ class Completion:
     done, truncated_turns, truncated_tokens, parse_error, env_error, env_timeout); None for a
     single-turn completion, whose `status` says it."""
     reward_components: dict[str, float] = field(default_factory=dict)
-    """The named parts of `reward` as the scorer reported them (forge_rl/scorers.py): a scorer's own
+    """The named parts of `reward` as the scorer reported them (forge_rl/scoring/scorers.py): a scorer's own
     components, and with several scorers each one's reward under its name. Logged as
     `reward/components/<name>` means; the reward is what trains."""
     step_ends: list[int] | None = None
     """Process rewards: the exclusive end of each step in `token_ids`, [S], increasing, the last
     = T (a step is tokens [previous end, end)); set with `step_rewards` by a per-step scorer."""
     step_rewards: list[float] | None = None
-    """Reward of each step, [S]; forge_rl/advantages.py `token_advantages` places it on its tokens."""
+    """Reward of each step, [S]; forge_rl/core/advantages.py `token_advantages` places it on its tokens."""
     token_rewards: list[float] | None = None
     """Dense reward of each token, [T]; added to that token's advantage (`token_advantages`)."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies with Keep Routing: the experts each generated token was sampled
     through, [G, layers, top_k] over the G generated tokens in order (context tokens have none);
     None when not recorded (dense model, recording off, or an engine that cannot), and the trainer
-    then routes those tokens itself. forge_rl/routing.py."""
+    then routes those tokens itself. forge_rl/core/routing.py."""
     kv_versions: list[int] | None = None
     """Per token, [T]: the oldest weights a generated token depends on, those that sampled it and
     those that encoded the KV it attended to, as the engine recorded it; the entry of a context
-    token means nothing. None: not recorded, and forge_rl/columns.py `exact_versions` takes each
+    token means nothing. None: not recorded, and forge_rl/core/columns.py `exact_versions` takes each
     turn's oldest version up to the token, which is never younger. Every age bound is applied to
-    these versions (forge_rl/buffer.py), so a token that continued on KV of older weights is as old
+    these versions (forge_rl/core/buffer.py), so a token that continued on KV of older weights is as old
     as they are."""
 
     def __post_init__(self) -> None:
@@ -257,7 +257,7 @@ class Episode:
     @property
     def schedule_version(self) -> int:
         """The version the buffer serves stalest-first by and the admission gate schedules by
-        (forge_rl/admission.py): the admitted version, else the oldest token's (never older)."""
+        (forge_rl/core/admission.py): the admitted version, else the oldest token's (never older)."""
         return self.oldest_policy_version if self.admitted_version is None else self.admitted_version
 
     @property

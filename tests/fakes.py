@@ -1,7 +1,7 @@
 """Named fakes for unit tests of core logic: stand-ins for actor handles, never for the real path.
 
 A fake endpoint has the shape the loops call (`call_one`, and `call` whose result has
-`.items()`, read by forge_rl/replies.py), so forge_rl/loop.py runs against it without Monarch. `FakeGenerate` samples
+`.items()`, read by forge_rl/plumbing/replies.py), so forge_rl/run/loop.py runs against it without Monarch. `FakeGenerate` samples
 scripted turns for forge_rl/envs/runner.py.
 """
 
@@ -53,7 +53,7 @@ def endpoints(**functions) -> Any:
 
 def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]], rollouts: Any) -> Any:
     """A FAKE trainer mesh of one rank for the train loop: its `train_next_step` takes the step's
-    batch from the rollouts as the real trainer does (forge_rl/trainer_steps.py
+    batch from the rollouts as the real trainer does (forge_rl/training/trainer_steps.py
     `train_on_pulled_batch`), asking for the next step's ahead when told to, and trains it with
     `train_step(episodes)` (also reachable as `.train_step.function`). One call at a time, in the
     order they arrive, as Monarch runs the real trainer's plain endpoint.
@@ -61,8 +61,8 @@ def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]], rollo
     The batch comes as columns; `train_step` gets the episodes they were made of, which
     `rollouts` (the real Rollouts) holds while the step trains, after checking that the columns
     are exactly those episodes'."""
-    from forge_rl.columns import batch_columns
-    from forge_rl.trainer_steps import BatchPrefetch, train_on_pulled_batch
+    from forge_rl.core.columns import batch_columns
+    from forge_rl.training.trainer_steps import BatchPrefetch, train_on_pulled_batch
 
     prefetch, one_at_a_time = BatchPrefetch(), asyncio.Lock()
     loss = rollouts.config.trainer.loss
@@ -100,7 +100,7 @@ def local_actor(obj: Any, *names: str) -> Any:
 
 class FakePrompts:
     """Prompts of the max_of_two task with three-token prompts (no tokenizer): the rollouts' view of
-    forge_rl/prompts.py."""
+    forge_rl/core/prompts.py."""
 
     def __init__(self):
         self.cursor = 0
@@ -128,7 +128,7 @@ def completions_for(episode: Episode, group_size: int, policy_version: int) -> l
 
 
 class FakeLifecycle:
-    """Checkpoints nothing and never stops: the loops' view of forge_rl/lifecycle.py."""
+    """Checkpoints nothing and never stops: the loops' view of forge_rl/run/lifecycle.py."""
 
     step_at_stop_s = 30.0
 

@@ -163,7 +163,7 @@ def described(processes) -> list[str]:
 
 
 def alive(processes) -> list:
-    """Those of `psutil` `processes` still running and not zombies (`forge_rl.reaper.is_running`)."""
-    from forge_rl.reaper import is_running
+    """Those of `psutil` `processes` still running and not zombies (`forge_rl.plumbing.reaper.is_running`)."""
+    from forge_rl.plumbing.reaper import is_running
 
     return [process for process in processes if is_running(process)]

@@ -26,7 +26,7 @@ import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.port_calls import PortCalls, PortServed
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 
 
 class Echo(PortServed, Actor):

@@ -27,7 +27,7 @@ import monarch.actor
 import psutil
 from monarch.actor import Actor, endpoint, this_host
 
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 
 _POLL = "HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"
 

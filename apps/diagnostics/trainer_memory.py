@@ -24,9 +24,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
 
 

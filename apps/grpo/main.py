@@ -8,13 +8,13 @@
                                      │                                                                  ▼
                        /dev/shm weight store ◀──────────── publish v ─────────── TrainerActor mesh (FSDP2/TP)
 
-Two kinds of loop run concurrently: the train loop in this process (forge_rl/loop.py), the rollout
-loops in the RolloutsActor's (forge_rl/rollouts.py), with the admission gate, the buffer and the
+Two kinds of loop run concurrently: the train loop in this process (forge_rl/run/loop.py), the rollout
+loops in the RolloutsActor's (forge_rl/pipeline/rollouts.py), with the admission gate, the buffer and the
 prompts:
 
   rollout loop (prompts_in_flight_per_generator per generator)   prompt -> group_size completions ->
       the scoring stage (forge_rl/actors/scoring_stage.py) -> buffer; paced by the admission gate
-      (forge_rl/admission.py): its episodes must be trainable within buffer.max_policy_age versions,
+      (forge_rl/core/admission.py): its episodes must be trainable within buffer.max_policy_age versions,
       and fit in the buffer. With `environment.name` set, a prompt is group_size multi-turn episodes
       of that environment, each turn sampled on the generator while other episodes' environments
       step; the environment gives the reward, so the stage skips the scorer (forge_rl/envs/rollout.py,
@@ -24,7 +24,7 @@ prompts:
 
 With buffer.max_policy_age=0 the same program is synchronous RL: generate, train, publish, repeat.
 The lifecycle around the loops (run directory, checkpoints, `--resume`, Ctrl-C, a dead process) is
-forge_rl/lifecycle.py.
+forge_rl/run/lifecycle.py.
 
 Run it with `forge-rl grpo --config configs/grpo_tiny_cpu.yaml` (or `python -m apps.grpo.main ...`).
 """
@@ -36,7 +36,7 @@ import dataclasses
 import json
 import sys
 
-from forge_rl import launch
+from forge_rl.run import launch
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.port_calls import PortCalled, PortCalls
 from forge_rl.actors.rollouts import RolloutsActor
@@ -44,10 +44,10 @@ from forge_rl.actors.scoring_stage import ScoringStage
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
-from forge_rl.gc_freeze import frozen_startup_objects
-from forge_rl.lifecycle import Lifecycle
-from forge_rl.loop import Pipeline, RunActors
-from forge_rl.metrics import generator_time_summary, progress
+from forge_rl.plumbing.gc_freeze import frozen_startup_objects
+from forge_rl.run.lifecycle import Lifecycle
+from forge_rl.run.loop import Pipeline, RunActors
+from forge_rl.observability.metrics import generator_time_summary, progress
 from forge_rl.store.actors import spawn_store
 from forge_rl.tasks.tokenizer import PromptTokenizer
 
@@ -106,14 +106,14 @@ class Actors:
     scoring: ScoringStage
     """Scorer, reference model and teacher, each restarted if it dies (forge_rl/actors/scoring_stage.py)."""
     rollouts: RolloutsActor
-    """The rollout loops, the admission gate, the replay buffer and the prompts (forge_rl/rollouts.py)."""
+    """The rollout loops, the admission gate, the replay buffer and the prompts (forge_rl/pipeline/rollouts.py)."""
     trainer: TrainerActor
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     """Services (the scoring stage's supervisors, the weight store's index and volume, and the
     generator pool, which spawns one process per generator itself), the rollouts' process and the
-    trainer ranks, on the hosts `config.launch` places them (forge_rl/launch.py; this machine by
+    trainer ranks, on the hosts `config.launch` places them (forge_rl/run/launch.py; this machine by
     default)."""
     model_dir, store_root = str(lifecycle.model_dir), str(lifecycle.store.root)
     pad_id = PromptTokenizer(model_dir).pad_id

@@ -1,8 +1,8 @@
 """Frozen-model shell: one actor per rank of a model that scores tokens and never trains.
 
 It serves both "frozen models that score tokens": the reference model of the KL penalty
-(forge_rl/reference.py, spawned when trainer.loss.kl_beta > 0, its logprobs stored on the
-completions) and the teacher of on-policy distillation (forge_rl/teacher.py, spawned when
+(forge_rl/training/reference.py, spawned when trainer.loss.kl_beta > 0, its logprobs stored on the
+completions) and the teacher of on-policy distillation (forge_rl/scoring/teacher.py, spawned when
 scorer.teacher.path is set, its logprobs turned into per-token rewards by the teacher scorer).
 The model is a `PolicyTrainer` that never takes a step: the same TorchTitan build, parallelism and
 logprob code as the policy (the generator's temperature and kept sets), so a frozen model and the
@@ -37,11 +37,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.models.titan import titan_state_dict_from_hf
-from forge_rl.reference import ReferenceConfig, completion_logprobs
-from forge_rl.teacher import load_teacher_weights, save_teacher_weights, teacher_store_reader
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.reference import ReferenceConfig, completion_logprobs
+from forge_rl.scoring.teacher import load_teacher_weights, save_teacher_weights, teacher_store_reader
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
 
@@ -118,7 +118,7 @@ class FrozenModelActor(Actor):
     @endpoint
     async def save_weights(self, path: str) -> dict:
         """Write the served weights and the staged ones (a pinned teacher's checkpoint,
-        forge_rl/teacher.py `save_teacher_weights`); returns their versions."""
+        forge_rl/scoring/teacher.py `save_teacher_weights`); returns their versions."""
         served = _full(self.model.model.state_dict())  # collectives: every rank, in this order
         staged = None if self.staged is None else _full(self.staged)
         if self.model.rank == 0:

@@ -8,7 +8,7 @@ controller's fault hook (which stops the run), and, like the scorer's supervisor
 (forge_rl/actors/scorer_supervisor.py), polls the OS pids of its ranks on this host to act on a
 death within POLL_INTERVAL_S. Any death retires the whole mesh (a collective over the ranks cannot
 go on without one; spawning onto a damaged mesh hangs) and starts the model again on fresh
-processes, from its directory. The restart core is the scorer's (forge_rl/scorer_restarts.py
+processes, from its directory. The restart core is the scorer's (forge_rl/scoring/restarts.py
 `RestartingScorer`): a `token_logprobs` call in flight on the dead mesh, or made while it restarts,
 waits for the replacement and is sent again with the same episodes (the caller still holds them),
 so none is lost and each comes back once; past `max_restarts` (reference.max_restarts,
@@ -18,7 +18,7 @@ A frozen model's answer depends only on its weights, so a replacement of a refer
 fixed teacher (loaded from the same directory) answers exactly as the dead one would have. A
 pinned (self-distillation) teacher serves a version it loaded from the weight store, which keeps
 only the newest versions: this supervisor holds a store lease on the version the teacher serves
-and on the one it has staged (`TeacherVersions`, forge_rl/teacher.py), so a replacement loads them
+and on the one it has staged (`TeacherVersions`, forge_rl/scoring/teacher.py), so a replacement loads them
 again and serves what the dead one served. For pin ema the served weights are an average of
 versions that no longer exist anywhere: the replacement serves the newest version averaged in, and
 the average starts again from there (a progress line says so), unless it writes its average to a
@@ -44,14 +44,14 @@ from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, 
 from forge_rl.actors.generator_pool import stop_quietly
 from forge_rl.actors.port_calls import PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
-from forge_rl.deadlines import within
+from forge_rl.core.deadlines import within
 from forge_rl.errors import ScorerLost
-from forge_rl.metrics import progress
-from forge_rl.proc_main import set_torch_distributed_env, spawn_procs
-from forge_rl.reference import ReferenceConfig
-from forge_rl.replies import rank_zero
-from forge_rl.scorer_restarts import RestartingScorer
-from forge_rl.teacher import TeacherVersions, teacher_store_reader
+from forge_rl.observability.metrics import progress
+from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
+from forge_rl.training.reference import ReferenceConfig
+from forge_rl.plumbing.replies import rank_zero
+from forge_rl.scoring.restarts import RestartingScorer
+from forge_rl.scoring.teacher import TeacherVersions, teacher_store_reader
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:  # imported where spawned: it needs torch, which the processes holding a handle to
@@ -83,7 +83,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         """`role`: "reference" or "teacher" (mesh names, metrics). `config`, `model_dir`, `pad_id`,
         `store_index`, `store_root`: what each incarnation's FrozenModelActor is built with (the
         store only for a pinned teacher). `host`: the host(s) its ranks run on, `procs_per_host`
-        ranks on each (forge_rl/launch.py `Hosts.owned_ranks`); None: this actor's own host, all
+        ranks on each (forge_rl/run/launch.py `Hosts.owned_ranks`); None: this actor's own host, all
         config.num_procs ranks there. `ema_file`: where an ema teacher writes its average after
         each swap (scorer.teacher.keep_ema_average), so a replacement serves it; None: nowhere."""
         super().__init__()

@@ -21,8 +21,8 @@ from forge_rl.actors.port_calls import PortServed
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
-from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.placement import pin_this_process, yield_this_process
+from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -49,7 +49,7 @@ class GeneratorActor(PortServed, Actor):
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
-        # block of its host's GPUs (forge_rl/placement.py); the engine's processes see only those.
+        # block of its host's GPUs (forge_rl/plumbing/placement.py); the engine's processes see only those.
         # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model, no
         # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
         # `cpus`: the cores of this process and of the engine processes it starts

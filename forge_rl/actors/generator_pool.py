@@ -25,8 +25,8 @@ vLLM engine, or a hung generator: a generate call past `generate_timeout_s` or a
 Any other exception raised by a generator's endpoint (a prompt longer than the context, say)
 reaches the caller unchanged.
 
-Each generator runs where `placements[i]` says (forge_rl/launch.py): a host, and a block of that
-host's GPUs that its vLLM processes alone see (forge_rl/placement.py, `generator_devices`); a
+Each generator runs where `placements[i]` says (forge_rl/run/launch.py): a host, and a block of that
+host's GPUs that its vLLM processes alone see (forge_rl/plumbing/placement.py, `generator_devices`); a
 replacement starts on the same host and devices.
 
 The controller talks to generator i through `generate(i, ...)` and `update_weights(i, ...)`.
@@ -51,13 +51,13 @@ from monarch.actor import (
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.port_calls import PortCalls, PortServed
-from forge_rl.deadlines import within
+from forge_rl.core.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
-from forge_rl.metrics import progress
-from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.proc_main import spawn_procs
+from forge_rl.observability.metrics import progress
+from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
 
@@ -82,13 +82,13 @@ class SlotState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class GeneratorPlacement:
-    """Where one generator runs (forge_rl/launch.py, `Hosts.generator_placements`): a replacement
+    """Where one generator runs (forge_rl/run/launch.py, `Hosts.generator_placements`): a replacement
     starts at the same place."""
 
     host: HostMesh | None
     """None: the pool's own host (launch.hosts local)."""
     cuda_devices: tuple[int, ...]
-    """Its block of that host's GPUs (forge_rl/placement.py, `generator_devices`); unused on CPU."""
+    """Its block of that host's GPUs (forge_rl/plumbing/placement.py, `generator_devices`); unused on CPU."""
     cpus: tuple[int, ...] | None = None
     """The cores its processes run on (launch.placement.generator_cpus); None: any."""
 
@@ -151,7 +151,7 @@ class GeneratorPool(PortServed, Actor):
         self.adapters = adapters
         """LoRA: each generator serves policy versions as adapters on the base (GRPOConfig.adapter_serving)."""
         self.placements = placements
-        """Host and GPU block of each generator (forge_rl/launch.py, `Hosts.generator_placements`)."""
+        """Host and GPU block of each generator (forge_rl/run/launch.py, `Hosts.generator_placements`)."""
         self.generate_timeout_s = generate_timeout_s
         """A generate call past it is a hung generator (GRPOConfig.generate_timeout_s)."""
         self.update_timeout_s = update_timeout_s

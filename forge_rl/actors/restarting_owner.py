@@ -1,5 +1,5 @@
 """What the scorer's and the frozen models' supervisors share: they own the proc meshes of a
-restartable part of the run (forge_rl/scorer_restarts.py `RestartingScorer` decides what a death
+restartable part of the run (forge_rl/scoring/restarts.py `RestartingScorer` decides what a death
 does to the calls in flight and to the restart budget) and notice deaths two ways.
 
 Monarch reports a failed mesh to its owner (`__supervise__`, in each subclass: which report names
@@ -16,7 +16,7 @@ import asyncio
 from monarch.actor import Actor, ProcMesh, concurrent_endpoint, endpoint
 
 from forge_rl.actors.generator_pool import POLL_INTERVAL_S, is_alive, stop_quietly
-from forge_rl.scorer_restarts import RestartingScorer, ScorerState
+from forge_rl.scoring.restarts import RestartingScorer, ScorerState
 
 
 class RestartingOwner(Actor):

@@ -1,4 +1,4 @@
-"""Reward-model shell: serves a sequence-classification model (forge_rl/reward_model.py) on its own
+"""Reward-model shell: serves a sequence-classification model (forge_rl/scoring/reward_model.py) on its own
 processes, gathering concurrent requests into batches.
 
 `score(texts)` is a concurrent endpoint: every scorer call in flight joins the batcher, and one
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.reward_model import RewardBatcher, RewardModelConfig, SequenceClassifier
+from forge_rl.scoring.reward_model import RewardBatcher, RewardModelConfig, SequenceClassifier
 
 
 class RewardModelActor(Actor):

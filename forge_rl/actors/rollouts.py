@@ -1,4 +1,4 @@
-"""The rollouts' actor: the run's data plane (forge_rl/rollouts.py) in a process of its own.
+"""The rollouts' actor: the run's data plane (forge_rl/pipeline/rollouts.py) in a process of its own.
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
 for all of them; the controller's train loop calls `step_done` once per step (and `batch_taken` for a
@@ -18,11 +18,11 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
-from forge_rl.gc_freeze import freeze_startup_objects
-from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.prompts import PromptSource
-from forge_rl.rollouts import RolloutActors, Rollouts
-from forge_rl.trainer_steps import PulledBatch
+from forge_rl.plumbing.gc_freeze import freeze_startup_objects
+from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.core.prompts import PromptSource
+from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
+from forge_rl.training.trainer_steps import PulledBatch
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPool
@@ -53,7 +53,7 @@ class RolloutsActor(PortServed, Actor):
     @concurrent_endpoint
     async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:
         # The process's startup objects (Monarch, the tokenizer, the configs) out of the collector's
-        # full scans before the loops start, as in the trainer (forge_rl/gc_freeze.py): at 128
+        # full scans before the loops start, as in the trainer (forge_rl/plumbing/gc_freeze.py): at 128
         # generators a full collection took 150-170 ms of this loop, 93 ms after the freeze (one
         # `bench scale` run each, with gc.callbacks; the 2 cores shared by 130 processes).
         freeze_startup_objects()

@@ -1,4 +1,4 @@
-"""Scores completions: the actor shell around forge_rl/scorers.py's `ScoringStage`.
+"""Scores completions: the actor shell around forge_rl/scoring/scorers.py's `ScoringStage`.
 
 The scorer is the task's reward function, run in sandboxed worker processes
 (`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
@@ -30,8 +30,8 @@ from forge_rl.actors.generator_pool import is_engine_dead
 from forge_rl.actors.port_calls import PortServed
 from forge_rl.actors.reward_model import LeastBusyReplica
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
-from forge_rl.judge import judge_client
-from forge_rl.scorers import ScorerConfig, ScoringStage, build_scorer
+from forge_rl.scoring.judge import judge_client
+from forge_rl.scoring.scorers import ScorerConfig, ScoringStage, build_scorer
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 

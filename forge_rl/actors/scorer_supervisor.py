@@ -12,7 +12,7 @@ Any death retires the whole incarnation (its meshes stopped without waiting on t
 fresh one on fresh proc meshes (spawning onto a damaged mesh hangs): the scorer holds its models'
 handles, so a new reward model or judge needs a new scorer anyway, and a scorer alone restarts in
 seconds. What happens to the calls in flight, the restart budget (scorer.max_restarts) and the
-counters is the core's: forge_rl/scorer_restarts.py. The distillation teacher and the reference
+counters is the core's: forge_rl/scoring/restarts.py. The distillation teacher and the reference
 model are not owned here: each has a supervisor of its own (forge_rl/actors/frozen_model_supervisor.py,
 the same restart core), which the scorer (teacher) and the controller (reference) call, so a dead
 teacher is restarted without restarting the scorer, and the scorer never sees the death. A teacher
@@ -38,9 +38,9 @@ from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
-from forge_rl.proc_main import spawn_procs
-from forge_rl.scorer_restarts import RestartingScorer, ScorerState
-from forge_rl.scorers import ScorerConfig
+from forge_rl.plumbing.proc_main import spawn_procs
+from forge_rl.scoring.restarts import RestartingScorer, ScorerState
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.types import Episode
 
 
@@ -62,7 +62,7 @@ class ScorerSupervisor(PortServed, RestartingOwner):
     ):
         """`reward`, `max_new_tokens`, `teacher`: what each incarnation's ScorerActor is built with
         (forge_rl/actors/scorer.py). `host`: where the scorer-side processes run (the services'
-        host, forge_rl/launch.py `Hosts.owned_host`); None: this actor's own host."""
+        host, forge_rl/run/launch.py `Hosts.owned_host`); None: this actor's own host."""
         super().__init__()
         self.config, self.reward, self.max_new_tokens, self.teacher = config, reward, max_new_tokens, teacher
         self.host = host

@@ -7,9 +7,9 @@
 An environment's episodes carry the environment's reward: they skip the scorer, unless a teacher
 runs, which the scorer adds to the environment's rewards (`calls_scorer`). Each model runs
 under a supervisor that restarts it if one of its processes dies and answers the call in flight
-again (forge_rl/scorer_restarts.py); one that keeps dying stops the run with its cause
+again (forge_rl/scoring/restarts.py); one that keeps dying stops the run with its cause
 (ScorerFailed). The loops take `score`, `stats` and `after_publish` from here
-(`forge_rl/loop.py` `RunActors`).
+(`forge_rl/run/loop.py` `RunActors`).
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.actors.port_calls import PortCalls
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
-from forge_rl.advantages import DynamicSampling
+from forge_rl.core.advantages import DynamicSampling
 from forge_rl.errors import ScorerFailed, raised_by_actor
-from forge_rl.reference import attach_reference_logprobs
-from forge_rl.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
-from forge_rl.timeline import Timeline
+from forge_rl.training.reference import attach_reference_logprobs
+from forge_rl.scoring.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
+from forge_rl.observability.timeline import Timeline
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
-    from forge_rl.launch import Hosts
+    from forge_rl.run.launch import Hosts
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class ScoringStage:
     """Drops groups without signal, and stops a run that finds none (`DynamicSampling`); only with
     dynamic_sampling."""
     after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
-    """A self-distillation teacher's refresh after each published version (forge_rl/teacher.py)."""
+    """A self-distillation teacher's refresh after each published version (forge_rl/scoring/teacher.py)."""
     calls: PortCalls = dataclasses.field(default_factory=PortCalls)
     """The per-prompt calls, `score` and the reference's `token_logprobs` (forge_rl/port_calls.py):
     their supervisors live as long as the run."""
@@ -69,7 +69,7 @@ class ScoringStage:
             teacher_config = config.scorer.teacher
             if teacher_config.path is not None:
                 teacher_model, store = str(teacher_config.path), (None, None)
-            else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/teacher.py)
+            else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/scoring/teacher.py)
                 teacher_model, store = model_dir, (store_index, store_root)
             keeps_average = teacher_config.pin == "ema" and teacher_config.keep_ema_average
             teacher = services.spawn(

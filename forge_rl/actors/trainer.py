@@ -20,22 +20,22 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, endpoint
 
 from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
-from forge_rl.columns import BatchColumns, batch_columns
-from forge_rl.gc_freeze import freeze_startup_objects
-from forge_rl.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
-from forge_rl.native_heap import trim_native_heap_if_due
-from forge_rl.placement import pin_this_process
+from forge_rl.core.columns import BatchColumns, batch_columns
+from forge_rl.plumbing.gc_freeze import freeze_startup_objects
+from forge_rl.observability.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
+from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.placement import pin_this_process
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
-from forge_rl.trainer_config import TrainerConfig
-from forge_rl.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.training.trainer_config import TrainerConfig
+from forge_rl.training.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
     import torch
 
-    from forge_rl.trainer import PolicyTrainer
+    from forge_rl.training.trainer import PolicyTrainer
 
 
 class TrainerActor(PortServed, Actor):
@@ -75,7 +75,7 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def setup(self) -> dict:
         from forge_rl.store.client import WeightStore
-        from forge_rl.trainer import PolicyTrainer
+        from forge_rl.training.trainer import PolicyTrainer
 
         started = time.perf_counter()
         # PolicyTrainer joins the process group itself (init_process_group_from_env), after
@@ -98,7 +98,7 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the
-        RolloutsActor) itself once the admission gate lets it go (forge_rl/trainer.py
+        RolloutsActor) itself once the admission gate lets it go (forge_rl/training/trainer.py
         `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
         `prefetch_next`: the train loop sends step + 1 next, so its batch is asked for as soon as
         this one's is in hand. `rollouts` comes with the loop's first step only, None after
@@ -138,7 +138,7 @@ class TrainerActor(PortServed, Actor):
         A step whose loss or gradient was not finite is skipped: nothing is published and the
         version does not advance. Too many skips in a row raise FloatingPointError (see PolicyTrainer).
         """
-        from forge_rl.batching import pad_columns
+        from forge_rl.core.batching import pad_columns
 
         publish_start = time.perf_counter()
         published_before = await self._published()
@@ -172,7 +172,7 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def compute_logprobs(self, episodes: list[Episode]) -> torch.Tensor:
         """Trainer logprobs [N, L] of the episodes' tokens under the current weights (for checks)."""
-        from forge_rl.batching import pad_columns
+        from forge_rl.core.batching import pad_columns
 
         await self._published()
         return self.trainer.compute_logprobs(pad_columns(self._columns(episodes), self.pad_id))
@@ -180,7 +180,7 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def save_checkpoint(self, path: str, written) -> dict:
         """Every rank writes its shards of the training state to the DCP checkpoint `path`
-        (forge_rl/checkpoint.py) in the background: the endpoint returns once the state is copied
+        (forge_rl/core/checkpoint.py) in the background: the endpoint returns once the state is copied
         to host memory, and the copy is written while the next steps train
         (PolicyTrainer.start_checkpoint). Rank 0 sends None on the port `written`
         (monarch.actor.Channel) once every rank's shards are written, or the error's text. Returns

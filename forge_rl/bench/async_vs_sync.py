@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.common import run_variant, time_to_reward
-from forge_rl.metrics import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S, run_summary
+from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S, run_summary
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
-from forge_rl.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
+from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
+from forge_rl.observability.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def run_sync_and_async(args: AsyncVsSyncArgs, bench_name: str) -> dict:
     """Run `args.config` synchronously (max_policy_age 0) then asynchronously (args.max_policy_age)
     into args.out_dir, chart both, and compare them (the multi-turn benchmark reuses this on its
     own workload); with args.pin_cores, again pinned apart into args.out_dir / "pinned"."""
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)
@@ -209,7 +209,7 @@ def pinned_apart(base: GRPOConfig) -> GRPOConfig:
 
 def compare_modes(base: GRPOConfig, args: AsyncVsSyncArgs, bench_name: str) -> dict:
     """Run `base` synchronously then asynchronously into args.out_dir, chart both, compare them."""
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = {}
@@ -230,7 +230,7 @@ def compare_modes(base: GRPOConfig, args: AsyncVsSyncArgs, bench_name: str) -> d
 
 
 def write_summary(summary: dict, path: Path, bench_name: str) -> None:
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
 
     path.write_text(json.dumps(summary, indent=2))
     for warning in summary["warnings"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.metrics import FINAL_REWARD_WINDOW, REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, REWARD_MEAN, WALL_TIME_S
 
 # Reward curves are smoothed over this many steps before reading off a time (final values use the
 # same window: metrics.final_reward).
@@ -17,7 +17,7 @@ SMOOTHING_STEPS = FINAL_REWARD_WINDOW
 
 def run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) -> Path:
     """Run `base` with `changes` (dataclasses.replace fields) as OUT_DIR/NAME; returns that path."""
-    from forge_rl.recipes import recipe
+    from forge_rl.run.recipes import recipe
 
     asyncio.run(recipe("grpo")(dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes)))
     return out_dir / name
@@ -41,7 +41,7 @@ def reuse_or_run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) 
     directory there holding anything else is an error naming the fix."""
     import yaml
 
-    from forge_rl.run_dir import config_to_dict, saved_config_path
+    from forge_rl.run.run_dir import config_to_dict, saved_config_path
 
     config = dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes)
     path = out_dir / name

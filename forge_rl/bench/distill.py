@@ -2,11 +2,11 @@
 side by side with GRPO from scratch on the same student, for the same number of trainer steps.
 
 1. teacher   the demo recipe (configs/grpo_tiny_cpu.yaml) trains the tiny model from scratch, and
-             its newest checkpoint is exported as an HF directory (forge_rl/export.py); or
+             its newest checkpoint is exported as an HF directory (forge_rl/run/export.py); or
              `--teacher-run RUN_DIR` reuses a trained run
 2. distill   the same recipe from a fresh student (the config's from-scratch model), the task
              reward's weight 0 and the teacher's per-token reverse KL as the only signal
-             (forge_rl/teacher.py): every token's advantage is teacher - student logprob
+             (forge_rl/scoring/teacher.py): every token's advantage is teacher - student logprob
 3. grpo      the same recipe from the same fresh student, the task reward alone
 
 Both student curves are the task's reward (the verifier, which the distillation run still runs and
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from forge_rl.bench.common import run_variant, steps_to
 from forge_rl.config import GRPOConfig
-from forge_rl.metrics import FINAL_REWARD_WINDOW, REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S, progress
-from forge_rl.plot import plot_per_step, read_metrics
+from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S, progress
+from forge_rl.observability.plot import plot_per_step, read_metrics
 
 TASK_REWARD_OF_DISTILLATION = f"{REWARD_COMPONENTS}/reward_fn"
-"""The verifier's reward in a run whose reward is a weighted sum (forge_rl/scorers.py `WeightedSum`)."""
+"""The verifier's reward in a run whose reward is a weighted sum (forge_rl/scoring/scorers.py `WeightedSum`)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def compare(teacher: list[float], distill: list[float], grpo: list[float], thres
 
 def train_teacher(base: GRPOConfig, args: DistillArgs) -> tuple[Path, Path]:
     """(the teacher's run directory, its exported model directory)."""
-    from forge_rl.export import export_run
+    from forge_rl.run.export import export_run
 
     run_path = args.teacher_run
     if run_path is None:
@@ -112,7 +112,7 @@ def train_teacher(base: GRPOConfig, args: DistillArgs) -> tuple[Path, Path]:
 
 
 def run_students(base: GRPOConfig, args: DistillArgs, teacher_model: Path) -> dict[str, Path]:
-    from forge_rl.teacher import TeacherConfig
+    from forge_rl.scoring.teacher import TeacherConfig
 
     no_checkpoints = dataclasses.replace(base.checkpoint, enabled=False)
     teacher = TeacherConfig(path=teacher_model, weight=args.teacher_weight)

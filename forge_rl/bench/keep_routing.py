@@ -1,5 +1,5 @@
 """`forge-rl bench keep-routing`: how far the trainer's logprobs drift from the sampler's on a
-mixture-of-experts policy, with and without Keep Routing (forge_rl/routing.py), and what the
+mixture-of-experts policy, with and without Keep Routing (forge_rl/core/routing.py), and what the
 routing record costs.
 
 One tiny Qwen3-MoE: from scratch (`TinyModelConfig` with experts), or `--model-path`, pre-trained
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from forge_rl.metrics import progress
+from forge_rl.observability.metrics import progress
 from forge_rl.models.tiny import TinyModelConfig
 
 
@@ -144,7 +144,7 @@ def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
 
     from forge_rl.tasks import TaskConfig
     from forge_rl.tasks.tokenizer import PromptTokenizer
-    from forge_rl.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
+    from forge_rl.training.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
 
     start = time.perf_counter()
     tokenizer = PromptTokenizer(model_dir)
@@ -195,9 +195,9 @@ def _measure(trainer, batch) -> dict[str, float]:
     """
     import torch
 
-    from forge_rl.losses.corrections import k3_kl_NL
+    from forge_rl.training.losses.corrections import k3_kl_NL
     from forge_rl.models.moe import last_routing, replay_routers
-    from forge_rl.routing import routing_differs_NL
+    from forge_rl.core.routing import routing_differs_NL
 
     mask_NL = batch.loss_mask_NL
     unreplayed = dataclasses.replace(batch, routed_experts_NLXK=None, routed_NL=None)
@@ -263,10 +263,10 @@ def _prepare_model(args: KeepRoutingArgs, model_dir: Path) -> None:
 
 
 def main(args: KeepRoutingArgs) -> dict:
-    from forge_rl.batching import make_train_batch
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.models.moe import routing_shape
     from forge_rl.models.titan import read_hf_config
-    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+    from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = args.out_dir / "model"
@@ -327,8 +327,8 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
 
     from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
-    from forge_rl.metrics import MISMATCH_KL, REWARD_MEAN, final_reward
-    from forge_rl.plot import plot_per_step, read_metrics
+    from forge_rl.observability.metrics import MISMATCH_KL, REWARD_MEAN, final_reward
+    from forge_rl.observability.plot import plot_per_step, read_metrics
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.reward_config)

@@ -124,10 +124,10 @@ class TrainerSide:
 def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
     """Median step time and peak RSS of a single-process PolicyTrainer on `model_path`, fully
     fine-tuned or with LoRA; run in a fresh process (its peak RSS is this variant's alone)."""
-    from forge_rl.batching import make_train_batch
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
     from forge_rl.models.lora import LoRAConfig
-    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+    from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
     torch.set_num_threads(1)
     config = TrainerConfig(lora=LoRAConfig(enabled=lora, rank=rank))
@@ -152,7 +152,7 @@ def trainer_comparison(args: LoRASyncArgs) -> dict:
     import concurrent.futures
     import multiprocessing
 
-    from forge_rl.trainer import PolicyTrainer
+    from forge_rl.training.trainer import PolicyTrainer
 
     if not hasattr(PolicyTrainer, "adapter_state_dict"):
         return {"skipped": "this PolicyTrainer has no LoRA training (issue 15 part 4: branch lora-trainer)"}
@@ -272,9 +272,9 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
 
     from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
-    from forge_rl.metrics import final_reward
+    from forge_rl.observability.metrics import final_reward
     from forge_rl.models.lora import LoRAConfig
-    from forge_rl.plot import read_metrics
+    from forge_rl.observability.plot import read_metrics
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.reward_config)
@@ -320,7 +320,7 @@ def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
 
     from forge_rl.models.tiny import create_tiny_model
     from forge_rl.tasks.tokenizer import PromptTokenizer
-    from forge_rl.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
+    from forge_rl.training.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
 
     if base.task.name != "max_of_two" or base.model.path is not None:
         raise ValueError(

@@ -20,9 +20,9 @@ from forge_rl.models.lora import LoRAConfig
 
 
 def _measure(model_dir: str, lora: LoRAConfig, repeats: int, num_threads: int, queue) -> None:
-    from forge_rl.batching import make_train_batch
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
-    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+    from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
     trainer = PolicyTrainer(TrainerConfig(num_threads=num_threads, lora=lora), model_dir)
     # Token ids below the tiny tokenizer's vocabulary: valid for any model at least that large.

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.async_vs_sync import AsyncVsSyncArgs, run_sync_and_async, write_summary
-from forge_rl.metrics import (
+from forge_rl.observability.metrics import (
     ENV_STEP_LATENCY_P50_S,
     ENV_STEP_LATENCY_P99_S,
     GENERATORS_IDLE_ON_ENV_FRACTION,
     SPANNED_WEIGHT_UPDATE_FRACTION,
 )
-from forge_rl.plot import read_metrics
+from forge_rl.observability.plot import read_metrics
 
 
 @dataclass(frozen=True)

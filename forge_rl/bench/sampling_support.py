@@ -5,7 +5,7 @@ its behaviour logprob is higher than the full-vocabulary softmax the trainer com
 every ratio pi/b comes out below 1 by the mass top-p cut off, and the off-policy corrections then
 act on a bias, not on staleness. forge_rl records each token's kept set (vLLM's sampling mask,
 `generator.record_sampling_support`) and the trainer renormalizes over it
-(forge_rl/batching.py, `token_logprobs`).
+(forge_rl/core/batching.py, `token_logprobs`).
 
 Runs the recipe twice with the same seeds at `generator.top_p`, synchronously (max_policy_age 0,
 so staleness adds nothing to the ratio): kept sets off, then on. Reports the token-mean
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.common import run_variant
-from forge_rl.metrics import MISMATCH_KL, final_reward
+from forge_rl.observability.metrics import MISMATCH_KL, final_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import plot_per_step, read_metrics
+from forge_rl.observability.plot import plot_per_step, read_metrics
 
 _VARIANTS = {"full_vocabulary": False, "kept_set": True}
 """Run name -> generator.record_sampling_support."""
@@ -59,7 +59,7 @@ def plot(runs: dict[str, Path], out: Path) -> None:
 
 
 def main(args: SamplingSupportArgs) -> dict:
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)

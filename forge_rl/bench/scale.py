@@ -15,7 +15,7 @@ from the control plane. Part 2's eight run as the rest: there their answers set 
        controller_calls_per_step   endpoint calls the controller process makes per train step,
                                    counted at the train loop's actor handles (loop.RunActors) in
                                    the steady state (first step excluded)
-       rollouts_calls_per_step     the same for the rollouts' process (forge_rl/rollouts.py,
+       rollouts_calls_per_step     the same for the rollouts' process (forge_rl/pipeline/rollouts.py,
                                    counted there): per prompt and per generator; the pool's relay
                                    to each generator and the store's messages are in neither
        steps_per_s                 train steps per second in the steady state
@@ -82,11 +82,11 @@ import psutil
 
 from forge_rl.bench.async_vs_sync import analyze
 from forge_rl.config import GRPOConfig
-from forge_rl.deadlines import within
-from forge_rl.metrics import GENERATED_TOKENS_TOTAL, progress
-from forge_rl.plot import read_metrics
-from forge_rl.reaper import kill_trees
-from forge_rl.timeline import Timeline, watch_event_loop_lag
+from forge_rl.core.deadlines import within
+from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, progress
+from forge_rl.observability.plot import read_metrics
+from forge_rl.plumbing.reaper import kill_trees
+from forge_rl.observability.timeline import Timeline, watch_event_loop_lag
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class ScaleArgs:
     control_max_policy_age: int = 3
     """buffer.max_policy_age of the control-plane part. The gate keeps at most (A + 1) x P prompts
     admitted and not yet trained, the most that can all be trained within the bound at P a step
-    (forge_rl/admission.py). A + 1 = prompts_in_flight_per_generator (with P = G prompts a step)
+    (forge_rl/core/admission.py). A + 1 = prompts_in_flight_per_generator (with P = G prompts a step)
     lets every rollout loop hold a prompt: 4,096 sequences at G = 128. The config's A = 2 left a
     quarter of the loops idle (3,072)."""
     control_median_tokens: float = 32.0
@@ -225,8 +225,8 @@ class _Probe:
     def install(self, after_step=None):
         """Count the calls of every Pipeline built from now on (the recipe builds one); with
         `after_step`, await `after_step(probe, step)` once each train step is done."""
-        from forge_rl import loop
-        from forge_rl.rollouts import ROLLOUT_CALLS_TOTAL
+        from forge_rl.run import loop
+        from forge_rl.pipeline.rollouts import ROLLOUT_CALLS_TOTAL
 
         probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
 
@@ -257,7 +257,7 @@ class _Probe:
 
     def held_at_stop(self) -> dict:
         """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
-        counted where they were (forge_rl/rollouts.py `stop`): in the buffer (admitted, reached it,
+        counted where they were (forge_rl/pipeline/rollouts.py `stop`): in the buffer (admitted, reached it,
         not taken), in the queue of prompts to generate again after a generator died, or cut short
         in a rollout."""
         return self.pipeline.rollouts_at_stop["held_at_stop"]
@@ -296,7 +296,7 @@ def _p99_ms(lags_s: list[float]) -> float | None:
 def run_probed(config: GRPOConfig, after_step=None, warmup_steps: int = 1) -> tuple[dict, Path]:
     """Run `config` in this process with the probe (and `after_step`, see `_Probe.install`);
     returns its figures (steady state: after `warmup_steps`) and the run directory."""
-    from forge_rl.recipes import recipe
+    from forge_rl.run.recipes import recipe
 
     probe = _Probe(warmup_steps)
     restore = probe.install(after_step)

@@ -1,7 +1,7 @@
 """`forge-rl bench self-distill`: GRPO with and without a teacher pinned to the policy's own past.
 
 The same recipe config runs once per variant and seed, same steps: GRPO alone, then GRPO plus
-self-distillation (forge_rl/teacher.py `TeacherPin`) with the teacher lagged `versions_back`
+self-distillation (forge_rl/scoring/teacher.py `TeacherPin`) with the teacher lagged `versions_back`
 versions, an exponential moving average of the versions, and the version after the best step. The
 distillation term pulls each token toward what the policy's recent past preferred, a moving trust
 region; whether that helps depends on how unstable plain GRPO is, so `--lr` sets the regime (the
@@ -31,8 +31,8 @@ from pathlib import Path
 from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded, smoothed, steps_to
 from forge_rl.bench.distill import final, task_rewards
 from forge_rl.config import GRPOConfig
-from forge_rl.metrics import WALL_TIME_S, progress
-from forge_rl.plot import plot_per_step_panels, read_metrics
+from forge_rl.observability.metrics import WALL_TIME_S, progress
+from forge_rl.observability.plot import plot_per_step_panels, read_metrics
 from forge_rl.tasks import TaskName
 
 PINS = ("lagged", "ema", "best")
@@ -127,7 +127,7 @@ def over_seeds(runs: list[dict]) -> dict:
 
 def variants(base: GRPOConfig, args: SelfDistillArgs) -> dict:
     """The scorer config of each variant: GRPO's own, then one per pin."""
-    from forge_rl.teacher import TeacherConfig
+    from forge_rl.scoring.teacher import TeacherConfig
 
     scorers = {"grpo": base.scorer}
     for pin in PINS:

@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 
 from forge_rl.config import GRPOConfig
-from forge_rl.metrics import final_reward
-from forge_rl.plot import headless_pyplot, read_metrics, save_figure
+from forge_rl.observability.metrics import final_reward
+from forge_rl.observability.plot import headless_pyplot, read_metrics, save_figure
 
 # Samples averaged at each end of the comparison, so one noisy sample cannot decide it.
 _SAMPLES_PER_END = 3
@@ -92,20 +92,20 @@ def role(process: psutil.Process, root: psutil.Process) -> str:
         return "vllm_engine_core"
     if "Worker" in name and "VLLM" in name:
         return "vllm_worker"
-    if "forge_rl.scoring" in command:
+    if "forge_rl.scoring.reward_workers" in command:
         return "reward_worker"
     if "monarch" not in command:
         return "other"
     children = " ".join(" ".join(c.cmdline()) + c.name() for c in process.children())
     if "EngineCore" in children:
         return "generator_proc"
-    if "forge_rl.scoring" in children:
+    if "forge_rl.scoring.reward_workers" in children:
         return "services_proc"
     return "monarch_proc"
 
 
 def main(args: SoakArgs) -> dict:
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 from forge_rl.bench.common import run_variant, time_to_reward
-from forge_rl.metrics import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S, final_reward
+from forge_rl.observability.metrics import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S, final_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
+from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def plot(runs: dict[str, Path], per_run: dict[str, dict], out: Path, target: flo
 
 
 def main(args: StalenessArgs) -> dict:
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)

@@ -122,9 +122,9 @@ class BareTitanLoop:
 def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out: Path) -> None:
     import torch.distributed as dist
 
-    from forge_rl.batching import make_train_batch
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.models.titan import ParallelConfig
-    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+    from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.num_procs))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -281,7 +281,7 @@ def _table(figures: dict) -> str:
 
 
 def _plot(figures: dict, out: Path) -> None:
-    from forge_rl.plot import headless_pyplot, save_figure
+    from forge_rl.observability.plot import headless_pyplot, save_figure
 
     plt = headless_pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

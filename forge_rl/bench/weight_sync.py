@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint
 
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 
 _MB = 10**6
 # Versions published before timing: keep_latest=1 leaves the first files in the pool by the third.
@@ -218,11 +218,11 @@ def _copy_all(destination: dict[str, torch.Tensor], source: dict[str, torch.Tens
 
 async def trainer_publish(args: WeightSyncArgs, model_dir: Path, workdir: Path) -> dict:
     """Step time of a real PolicyTrainer with synchronous vs background publishing."""
-    from forge_rl.batching import make_train_batch
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.store.actors import open_store
     from forge_rl.store.client import WeightStore
     from forge_rl.store.publisher import PublishConfig, WeightPublisher
-    from forge_rl.trainer import PolicyTrainer, TrainerConfig
+    from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
     from forge_rl.types import Completion, Episode
 
     trainer = PolicyTrainer(TrainerConfig(), model_dir)
@@ -538,7 +538,7 @@ def _remove(path: Path) -> None:
 
 
 def _progress(message: str) -> None:
-    from forge_rl.metrics import progress
+    from forge_rl.observability.metrics import progress
 
     progress(message)
 

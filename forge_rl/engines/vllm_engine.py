@@ -53,8 +53,8 @@ import psutil
 
 from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
-from forge_rl.reaper import Reaper
-from forge_rl.routing import RoutingRecord
+from forge_rl.plumbing.reaper import Reaper
+from forge_rl.core.routing import RoutingRecord
 from forge_rl.types import Completion, CompletionStatus
 
 _logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ _SHUTDOWN_GRACE_S = 1.0
 is 5 s, and the core takes about 4 of them, lingering on its output socket to the front end
 (vllm/v1/engine/core.py): most of a stop's 10 s budget. Killed, the core and its worker are gone at
 once, and multiprocessing's resource tracker unlinks the shared memory they held (it prints a
-warning that it did), as after a crash (forge_rl/reaper.py). Measured here, Ctrl-C or SIGTERM on
+warning that it did), as after a crash (forge_rl/plumbing/reaper.py). Measured here, Ctrl-C or SIGTERM on
 the demo to every process gone (tests/integration/test_shutdown.py): 6.5-9.5 s with vLLM's 5 s,
 4.2-5.9 s with 1 s; an engine alone is gone 2.2 s after `shutdown` against 5.1 s."""
 
@@ -108,7 +108,7 @@ class GeneratorConfig:
     """Most sequences vLLM decodes in one batch."""
     tensor_parallel_size: int = 1
     """GPUs per generator: vLLM shards the model over this many (one worker process each), a
-    contiguous block of its host's devices (forge_rl/placement.py, `generator_devices`). GPU
+    contiguous block of its host's devices (forge_rl/plumbing/placement.py, `generator_devices`). GPU
     only; with more than 1 the swap uses vLLM's stock reload (the staged loader is TP 1 only)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
@@ -134,7 +134,7 @@ class GeneratorConfig:
     the old weights first (new requests wait); "abort" aborts them and resubmits prompt + tokens so far."""
     swap_loader: Literal["staged", "reload"] = "staged"
     """"staged": load and repack the new weights in a worker thread while decoding continues, then
-    swap references while paused (forge_rl/store/vllm_staging.py); "reload": vLLM's stock
+    swap references while paused (forge_rl/engines/vllm_staging.py); "reload": vLLM's stock
     reload_weights from the snapshot directory while paused. Staged needs enforce_eager (else reload)."""
     swap_kv: Literal["reuse", "recompute"] = "reuse"
     """KV of in-flight requests at a swap: "reuse" continues on it (as PipelineRL does): tokens
@@ -158,7 +158,7 @@ class GeneratorConfig:
     matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
     against an fp32 trainer (`forge-rl bench keep-routing`)."""
     record_routing: bool = False
-    """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
+    """Mixture-of-experts policies (Keep Routing, forge_rl/core/routing.py): record the experts every
     generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
     On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
     captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
@@ -281,7 +281,7 @@ class VLLMEngine:
         """The background unload of adapters past `adapters.resident` (see `load_adapter`)."""
         self.cuda_devices = cuda_devices
         """Indices, among this host's visible CUDA devices, of the devices the engine's workers
-        use (forge_rl/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
+        use (forge_rl/plumbing/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
         self.policy_version = 0
         """Version of the weights the engine decodes with now (0 = the model directory's)."""
         self.max_model_len = 0
@@ -380,7 +380,7 @@ class VLLMEngine:
             raise ValueError(
                 f"the engine was assigned {len(self.cuda_devices)} CUDA device(s) {list(self.cuda_devices)} but "
                 f"generator.tensor_parallel_size is {tp_size}; assign one device per tensor-parallel rank "
-                "(forge_rl/placement.py, generator_devices)."
+                "(forge_rl/plumbing/placement.py, generator_devices)."
             )
 
     def _pick_support_source(self) -> Literal["none", "sampling_mask", "top_logprobs"]:
@@ -773,7 +773,7 @@ class VLLMEngine:
             ignore_eos=eos_id is None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             # Keep Routing on GPU: a generated token's routing is its predecessor's row
-            # (forge_rl/routing.py), so the rows start at the prompt's last token.
+            # (forge_rl/core/routing.py), so the rows start at the prompt's last token.
             **({"routed_experts_prompt_start": max(num_prompt_tokens - 1, 0)} if self.config.record_routing else {}),
         )
 
@@ -924,7 +924,7 @@ class VLLMEngine:
     async def wait_until_in_flight_since(self, policy_version: int) -> None:
         """Wait until every request in flight was submitted under `policy_version` or newer: the
         state a run's admission gate guarantees when the trainer publishes `policy_version` +
-        max_policy_age (forge_rl/admission.py: an episode started under version v is trained by
+        max_policy_age (forge_rl/core/admission.py: an episode started under version v is trained by
         v + max_policy_age, so the trainer does not pass that version while it still decodes).
         `forge-rl bench lora-sync` drives its load to that state before each publish."""
         async with self._drained:
@@ -962,7 +962,7 @@ class VLLMEngine:
             self._retiring.discard(version)
 
     def _can_stage(self) -> bool:
-        """The staged loader needs eager mode and one worker (see forge_rl/store/vllm_staging.py)."""
+        """The staged loader needs eager mode and one worker (see forge_rl/engines/vllm_staging.py)."""
         return self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
 
     async def forward_time(self) -> dict:

@@ -8,7 +8,7 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     calculator.py    calculator tool for the tiny models (products of two-digit numbers)
     python_tool.py   Python tool for chat models, running code in the sandbox
     long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
-    demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/warmup.py)
+    demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/training/warmup.py)
     chat_client.py   agent code written against openai.AsyncOpenAI, served in process by the generator
     openenv_adapter.py    OpenEnv environments (openenv), in process
     verifiers_adapter.py  verifiers environments, played by verifiers' own chat program

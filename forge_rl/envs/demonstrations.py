@@ -1,5 +1,5 @@
 """Demonstrations: well-formed episodes of an environment, for the supervised warm-up on its turn
-format (forge_rl/warmup.py). Functional core: no Monarch, no vLLM, no torch.
+format (forge_rl/training/warmup.py). Functional core: no Monarch, no vLLM, no torch.
 
 An environment that can show a well-formed episode implements `demonstration()`: the model turns
 of one (for the calculator, ["C37*52", "1924"]). `demonstration_samples` plays those turns through

@@ -1,4 +1,4 @@
-"""Environment episodes as GRPO groups: what the rollout loop (forge_rl/loop.py) runs when
+"""Environment episodes as GRPO groups: what the rollout loop (forge_rl/run/loop.py) runs when
 `environment.name` is set. Functional core: no Monarch, no vLLM.
 
 One prompt hand-out (an episode id) becomes `group_size` episodes of the environment, each a fresh
@@ -6,13 +6,13 @@ instance made by `make_env(seed, episode_id)`, played concurrently by forge_rl/e
 turn is sampled on the rollout's generator (`generate`, the pool's `generate_turn` endpoint), so
 while one episode waits on its environment (a tool, a sandbox) the engine decodes the others, and
 those of every other rollout on that generator. The group is admitted once and counted in flight
-until its last episode ends (forge_rl/admission.py), however many weight updates it spans; every
+until its last episode ends (forge_rl/core/admission.py), however many weight updates it spans; every
 token keeps the version that decoded it, and the buffer's age bound reads the oldest generated one.
 
 Each trajectory becomes one `Completion` (forge_rl/types.py): its token sequence with a
 `generated` mask (prompt and observations are context, never in a loss), behaviour logprobs and
 versions on generated tokens, the environment's final reward as its reward (the advantage's input,
-forge_rl/advantages.py `completion_rewards`), its per-turn rewards recorded beside it, and
+forge_rl/core/advantages.py `completion_rewards`), its per-turn rewards recorded beside it, and
 `end_reason` saying why it ended. A single-turn prompt is the same thing with one turn and no
 context in the completion (its prompt is the episode's), which is why both reach the buffer, the
 trainer and the loss through one path.
@@ -42,7 +42,7 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError
-from forge_rl.routing import RoutingRecord
+from forge_rl.core.routing import RoutingRecord
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, CompletionStatus
 
@@ -75,7 +75,7 @@ class EnvironmentConfig:
     malformed turns, seconds per environment call."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up of the from-scratch model on the environment's demonstrations before RL
-    (forge_rl/warmup.py); off unless warmup.episodes > 0."""
+    (forge_rl/training/warmup.py); off unless warmup.episodes > 0."""
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -231,7 +231,7 @@ def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None =
 
 def turn_steps(sample: TrajectorySample, turn_rewards: list[float | None]) -> tuple[list[int] | None, list[float] | None]:
     """Per-turn rewards as process rewards (`Completion.step_ends`/`step_rewards`, which
-    forge_rl/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
+    forge_rl/core/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
     generated tokens and the context after them, up to the next turn (step 0 also holds the
     prompt: context tokens are never in a loss, so only where generated tokens fall matters).
     A turn whose environment step gave no reward (None) counts as 0, all of them included: whether

@@ -1,4 +1,4 @@
-"""Each generator's vLLM workers run on the GPUs placement gives it (forge_rl/placement.py,
+"""Each generator's vLLM workers run on the GPUs placement gives it (forge_rl/plumbing/placement.py,
 `generator_devices`), one per tensor-parallel rank.
 
 Skipped without CUDA (tests/conftest.py), and each test without the GPUs it names. The engines
@@ -12,11 +12,11 @@ import asyncio
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]

@@ -1,7 +1,7 @@
 """A RolloutsActor whose scoring stage and generate calls a test can watch and hold
 (tests/integration/test_judge_run.py).
 
-The scoring stage and the generate calls run in the rollouts' process (forge_rl/rollouts.py), so a
+The scoring stage and the generate calls run in the rollouts' process (forge_rl/pipeline/rollouts.py), so a
 test in the controller reaches them through endpoints: which episodes are being scored now, every
 episode the stage returned, a gate that holds new scoring calls back until those in flight have
 returned, and a generate call held open (its reply kept from its rollout) until released. The

@@ -13,8 +13,8 @@ import threading
 import pytest
 from monarch.actor import Actor, endpoint, this_host
 
-from forge_rl.placement import yield_this_process
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.placement import yield_this_process
+from forge_rl.plumbing.proc_main import spawn_procs
 
 pytestmark = [
     pytest.mark.integration,

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
-from forge_rl.buffer import BufferConfig, ReplayBuffer
+from forge_rl.core.batching import make_train_batch
+from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer

@@ -21,10 +21,10 @@ import time
 import pytest
 
 from apps.grpo.main import run
-from forge_rl.buffer import BufferConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.lifecycle import Lifecycle
+from forge_rl.run.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.integration
 

@@ -18,18 +18,18 @@ import pytest
 import yaml
 
 from apps.grpo.main import run
-from forge_rl.buffer import BufferConfig
-from forge_rl.checkpoint import CheckpointConfig, newest_complete_checkpoint
+from forge_rl.core.buffer import BufferConfig
+from forge_rl.core.checkpoint import CheckpointConfig, newest_complete_checkpoint
 from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.losses.policy import LossConfig
+from forge_rl.training.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.placement import LaunchConfig, PlacementConfig
-from forge_rl.run_dir import config_to_dict
-from forge_rl.scorers import ScorerConfig
+from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
+from forge_rl.run.run_dir import config_to_dict
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
-from forge_rl.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_teacher_weights
-from forge_rl.trainer import TrainerConfig
+from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_teacher_weights
+from forge_rl.training.trainer import TrainerConfig
 from tests.helpers import wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
 
@@ -40,7 +40,7 @@ NUM_STEPS = 4
 
 SELF_TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
 """Self-distillation: the teacher starts as the initial policy; after step 2 it serves version 1,
-after step 4 version 3 (forge_rl/teacher.py `TeacherPin`)."""
+after step 4 version 3 (forge_rl/scoring/teacher.py `TeacherPin`)."""
 
 # Each variant also runs recipe options that only a whole loop can check end to end:
 #   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty,

@@ -44,15 +44,15 @@ import pytest
 from apps.grpo import main as grpo_main
 from apps.grpo.main import run, spawn_actors
 from forge_rl.actors import scoring_stage
-from forge_rl.buffer import BufferConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.judge import JudgeConfig
-from forge_rl.lifecycle import Lifecycle
-from forge_rl.scorers import ScorerConfig
+from forge_rl.scoring.judge import JudgeConfig
+from forge_rl.run.lifecycle import Lifecycle
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.tasks import TaskConfig
-from forge_rl.teacher import TeacherConfig, pinned_teacher_refresh
-from forge_rl.timeline import Timeline
+from forge_rl.scoring.teacher import TeacherConfig, pinned_teacher_refresh
+from forge_rl.observability.timeline import Timeline
 from forge_rl.types import CompletionStatus
 from tests.integration.held_reward import HOLD_DIR_ENV
 from tests.integration.scoring_probe import ProbedRolloutsActor
@@ -77,7 +77,7 @@ JUDGE = JudgeConfig(
     max_model_len=128,  # the tiny model's context
 )
 TEACHER = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
-"""The initial policy until step 2, then version 1, after step 4 version 3 (forge_rl/teacher.py);
+"""The initial policy until step 2, then version 1, after step 4 version 3 (forge_rl/scoring/teacher.py);
 it stages versions 1, 3 and 5 after steps 1, 3 and 5."""
 
 
@@ -248,7 +248,7 @@ def test_a_killed_judge_is_restarted_and_its_call_judged_again(judged_run):
             assert c.status != CompletionStatus.ERRORED or judge_failed(c), c.error
             if c.status != CompletionStatus.ERRORED:
                 assert "judge" in c.reward_components
-    # Over both incarnations (each one's counters as last read, forge_rl/scorer_restarts.py), every
+    # Over both incarnations (each one's counters as last read, forge_rl/scoring/restarts.py), every
     # completion scored had its verdict or timeout counted: a verdict is counted before its
     # completion is.
     for m in metrics:

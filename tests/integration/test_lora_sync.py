@@ -166,7 +166,7 @@ def test_a_request_that_outlives_its_adapter_continues_on_the_newest_and_no_load
     """Two adapters resident: the second load after a request's own retires its adapter while the
     request is held mid-decode (a straggler past the age bound). The request is moved to the
     newest adapter, and the load after that is answered without the request finishing."""
-    from forge_rl.columns import exact_versions
+    from forge_rl.core.columns import exact_versions
     from forge_rl.store.loader import load_version
 
     s = lora_setup

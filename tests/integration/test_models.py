@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.models.hf_checkpoint import INDEX_FILE, export_hf_model_dir, weight_files
 from forge_rl.models.titan import ParallelConfig, build_titan_model, read_hf_config, validate_parallelism
 from forge_rl.tasks import tokenizer as char_tokenizer
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
 from tests.helpers import run_on_ranks
 

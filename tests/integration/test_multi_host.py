@@ -1,6 +1,6 @@
 """Multi-host launching on one machine: two real Monarch workers (`forge-rl worker`, listening on
 tcp://127.0.0.1:PORT) stand in for two hosts, and a controller attaches to them through
-forge_rl/launch.py with a host-list config. It checks that every role lands on the host the
+forge_rl/run/launch.py with a host-list config. It checks that every role lands on the host the
 placement names (a process is on worker w's "host" when w is its ancestor), that trainer ranks get
 their torch.distributed environment, that a mesh passed to an actor spawns there (the generator
 pool's path, and the scorer supervisor's on `scorer_host`), and that the weight store's volume
@@ -25,7 +25,7 @@ import psutil
 import pytest
 from monarch.actor import Actor, endpoint
 
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 from tests.integration.workers import start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
@@ -84,12 +84,12 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
 
 
 async def _controller(model_dir: str, ports: list[str]) -> dict:
-    from forge_rl import launch
+    from forge_rl.run import launch
     from forge_rl.config import GRPOConfig
     from forge_rl.models.titan import ParallelConfig
-    from forge_rl.placement import LaunchConfig, PlacementConfig
+    from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
     from forge_rl.store.actors import StorageVolumeActor
-    from forge_rl.trainer import TrainerConfig
+    from forge_rl.training.trainer import TrainerConfig
 
     config = GRPOConfig(
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)),

@@ -33,11 +33,11 @@ import psutil
 import pytest
 import yaml
 
-from forge_rl.buffer import BufferConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.placement import LaunchConfig, PlacementConfig
-from forge_rl.run_dir import config_to_dict
+from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
+from forge_rl.run.run_dir import config_to_dict
 from forge_rl.tasks import TaskConfig
 from tests.helpers import wait_until
 from tests.integration.held_reward import HOLD_DIR_ENV

@@ -15,7 +15,7 @@ from monarch.actor import Actor, Channel, concurrent_endpoint, endpoint, this_ho
 
 from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.types import Episode
 from tests.fakes import completions_for
 
@@ -164,7 +164,7 @@ class Caller(Actor):
         except Exception as e:
             out["each_error"] = (type(raised_by_actor(e)).__name__, "rank one failed" in str(raised_by_actor(e)))
         out["through_handle"] = await PortCalled(served, calls).double.call_one(4)
-        # Episodes cross packed as the C pickler's bytes (forge_rl/wire.py), and so does the answer;
+        # Episodes cross packed as the C pickler's bytes (forge_rl/plumbing/wire.py), and so does the answer;
         # a function, which only cloudpickle pickles, crosses as it always did.
         out["episodes_sent"] = [Episode(3, "M37=", "7", [1, 2, 3], completions_for(Episode(3, "", "", []), 2, 5))]
         out["episodes_back"] = await calls.call(served, "echo", out["episodes_sent"], times=2)

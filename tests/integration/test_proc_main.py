@@ -1,5 +1,5 @@
-"""forge_rl/proc_main.py, the entry point of every process forge_rl spawns: torchmonarch's races
-are mended there (forge_rl/monarch_mends.py) before any actor runs."""
+"""forge_rl/plumbing/proc_main.py, the entry point of every process forge_rl spawns: torchmonarch's races
+are mended there (forge_rl/plumbing/monarch_mends.py) before any actor runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from monarch._src.actor import pickle as monarch_pickle
 from monarch.actor import Actor, endpoint, this_host
 
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 
 pytestmark = pytest.mark.integration
 

@@ -36,10 +36,10 @@ import psutil
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
-from forge_rl.checkpoint import newest_complete_checkpoint, read_controller_state
+from forge_rl.core.batching import make_train_batch
+from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller_state
 from forge_rl.models.titan import ParallelConfig, read_hf_config
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from tests.helpers import alive, described, run_on_ranks, wait_until
 
 from .test_trainer import _episodes

@@ -11,9 +11,9 @@ from monarch.actor import this_host
 
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.proc_main import spawn_procs
-from forge_rl.reward_model import RewardModelConfig, RewardModelTraining, SequenceClassifier, train_reward_model
-from forge_rl.scorers import ScorerConfig
+from forge_rl.plumbing.proc_main import spawn_procs
+from forge_rl.scoring.reward_model import RewardModelConfig, RewardModelTraining, SequenceClassifier, train_reward_model
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 pytestmark = pytest.mark.integration

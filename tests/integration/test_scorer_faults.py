@@ -11,8 +11,8 @@ import pytest
 from monarch.actor import this_host
 
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.proc_main import spawn_procs
-from forge_rl.scorers import ScorerConfig
+from forge_rl.plumbing.proc_main import spawn_procs
+from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.helpers import alive, wait_until
 from tests.unit.faulty_rewards import HANG_TIMEOUT_S
@@ -34,7 +34,7 @@ def reward_workers() -> list[psutil.Process]:
     for process in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmdline = process.cmdline()
-            if "forge_rl.scoring" in cmdline and SCRIPTED in cmdline:
+            if "forge_rl.scoring.reward_workers" in cmdline and SCRIPTED in cmdline:
                 workers.append(process)
     return workers
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge_rl.checkpoint import newest_complete_checkpoint
+from forge_rl.core.checkpoint import newest_complete_checkpoint
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.models.tiny import create_tiny_model
@@ -136,10 +136,10 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert descendants, "expected actor and engine processes"
         # Every process Monarch starts for the run runs forge_rl's entry point, which exits without
-        # the interpreter's final garbage collection (forge_rl/proc_main.py).
+        # the interpreter's final garbage collection (forge_rl/plumbing/proc_main.py).
         started_by_monarch = [" ".join(p.cmdline()) for p in descendants if "bootstrap_main" in " ".join(p.cmdline())]
         assert started_by_monarch == [], started_by_monarch
-        assert any("forge_rl.proc_main" in " ".join(p.cmdline()) for p in descendants), described(descendants)
+        assert any("forge_rl.plumbing.proc_main" in " ".join(p.cmdline()) for p in descendants), described(descendants)
         # The controller orchestrates and imports no torch, not even at run time (its replies,
         # its preflight): ~3 s of CPU every run's start would pay (docs/architecture.md). Linux.
         assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()

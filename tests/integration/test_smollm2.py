@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.models.convert import SMOLLM2_INSTALL, convert_gguf, smollm2_gguf_path
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 
 pytestmark = [

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.bench.trainer import TrainerBenchArgs
 from forge_rl.bench.trainer import long_tail_episodes as bench_episodes
-from forge_rl.metrics import TRAINER_STEP_CLOCK
+from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.packing import layout_token_logprobs, plan_microbatches
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.core.packing import layout_token_logprobs, plan_microbatches
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 from tests.helpers import run_on_ranks
 from tests.integration.test_trainer import PARITY_CONFIG

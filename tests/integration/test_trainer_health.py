@@ -1,5 +1,5 @@
 """What the trainer reports about the sampler: entropy of the policy, and the mismatch per
-generator that catches a generator serving stale weights (forge_rl/health.py)."""
+generator that catches a generator serving stale weights (forge_rl/observability/health.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from forge_rl.batching import make_train_batch
-from forge_rl.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
-from forge_rl.metrics import POLICY_ENTROPY
+from forge_rl.core.batching import make_train_batch
+from forge_rl.observability.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
+from forge_rl.observability.metrics import POLICY_ENTROPY
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import read_hf_config
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
-from forge_rl.trainer import PolicyTrainer, TrainerConfig
+from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
 
 pytestmark = pytest.mark.integration

@@ -263,10 +263,10 @@ def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_
 
 
 def test_a_real_judge_answering_garbage_errors_and_counts_every_completion(served):
-    """The tiny random model as an LLM judge (forge_rl/judge.py) on the module's engine: its verdicts
+    """The tiny random model as an LLM judge (forge_rl/scoring/judge.py) on the module's engine: its verdicts
     hold no score, so every completion is ERRORED, counted as unparsable, and scoring goes on."""
-    from forge_rl.judge import JudgeConfig, judge_client
-    from forge_rl.scorers import JudgeScorer, ScoringStage
+    from forge_rl.scoring.judge import JudgeConfig, judge_client
+    from forge_rl.scoring.scorers import JudgeScorer, ScoringStage
     from forge_rl.types import Episode
 
     async def generate(episodes, group_size):  # GeneratorActor.generate, on this module's engine

@@ -16,7 +16,7 @@ import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
-from forge_rl.proc_main import spawn_procs
+from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key

@@ -1,4 +1,4 @@
-from forge_rl.accounting import PromptAccounting
+from forge_rl.core.accounting import PromptAccounting
 
 from .builders import make_episode
 

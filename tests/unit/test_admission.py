@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.admission import ADMISSIONS_PER_TURN, AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
+from forge_rl.core.admission import ADMISSIONS_PER_TURN, AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
 from tests.helpers import wait_until_async
 
 

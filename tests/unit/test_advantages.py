@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from forge_rl.advantages import (
+from forge_rl.core.advantages import (
     DynamicSampling,
     episode_advantages,
     filter_zero_advantage_groups,

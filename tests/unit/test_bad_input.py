@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl import preflight
+from forge_rl.run import preflight
 from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.run_dir import create_run_dir, remove_unstarted_run_dir
+from forge_rl.run.run_dir import create_run_dir, remove_unstarted_run_dir
 from forge_rl.tasks import TaskConfig
-from forge_rl.trainer import TrainerConfig
+from forge_rl.training.trainer import TrainerConfig
 from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
 
@@ -162,7 +162,7 @@ CASES: list = [
         lambda s: s.load_yaml("trainer:\n  max_consecutive_nonfinite_steps: 0\n"),
         ("trainer.max_consecutive_nonfinite_steps (0) must be >= 1", "--trainer.max-consecutive-nonfinite-steps"),
     ),
-    # hosts and placement (multi-host launching, forge_rl/placement.py)
+    # hosts and placement (multi-host launching, forge_rl/plumbing/placement.py)
     (
         "host_list_without_workers",
         lambda s: s.load_yaml("launch:\n  hosts: list\n"),
@@ -322,12 +322,12 @@ def test_a_good_config_creates_the_run_directory_atomically(tiny_model, tmp_path
 
 def test_a_failure_while_writing_the_run_directory_removes_it(tiny_model, tmp_path, monkeypatch):
     """The tiny model is written inside the .partial directory; its failure leaves nothing behind."""
-    import forge_rl.run_dir
+    import forge_rl.run.run_dir
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device", "model.safetensors")
 
-    monkeypatch.setattr(forge_rl.run_dir, "create_tiny_model", disk_full)
+    monkeypatch.setattr(forge_rl.run.run_dir, "create_tiny_model", disk_full)
     scene = Scene(tmp_path, tiny_model, monkeypatch)
     with pytest.raises(ConfigError, match="No space left on device.*Free space or set --run-dir"):
         scene.start()

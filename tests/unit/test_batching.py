@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from forge_rl.batching import kept_sets, make_train_batch, token_logprobs
+from forge_rl.core.batching import kept_sets, make_train_batch, token_logprobs
 from forge_rl.types import Completion, CompletionStatus
 
 from .builders import completion_advantages, make_completion, make_episode

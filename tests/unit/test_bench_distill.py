@@ -1,11 +1,11 @@
 """`forge-rl bench distill`'s figures from reward curves (forge_rl/bench/distill.py), and the export
-of a run without a checkpoint (forge_rl/export.py)."""
+of a run without a checkpoint (forge_rl/run/export.py)."""
 
 import pytest
 
 from forge_rl.bench.distill import compare, steps_to, task_rewards
 from forge_rl.errors import ConfigError
-from forge_rl.export import export_run
+from forge_rl.run.export import export_run
 
 
 def test_steps_to_target_reads_the_smoothed_curve_and_counts_trainer_steps():

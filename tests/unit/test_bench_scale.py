@@ -11,7 +11,7 @@ from forge_rl.bench.scale import (
     _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences,
     steady_trained_tokens_per_step,
 )
-from forge_rl.timeline import Interval
+from forge_rl.observability.timeline import Interval
 
 
 def test_concurrent_sequences_peak_where_calls_of_all_generators_overlap(tmp_path):

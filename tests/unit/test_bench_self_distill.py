@@ -11,7 +11,7 @@ from forge_rl.bench.common import reuse_or_run_variant, seeded, smoothed
 from forge_rl.bench.self_distill import SelfDistillArgs, min_after_reaching, over_seeds, run_figures
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.run_dir import config_to_dict
+from forge_rl.run.run_dir import config_to_dict
 
 LEARNS = [0.0] * 5 + [1.0] * 15
 """Smoothed: reaches 0.8 at step 9, then 1.0."""

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.batching import make_train_batch
-from forge_rl.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer
+from forge_rl.core.batching import make_train_batch
+from forge_rl.core.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer
 from forge_rl.types import Episode
 
 from tests.helpers import wait_until_async

@@ -338,7 +338,7 @@ def test_verifiers_chat_program_reads_the_streamed_calls_and_sends_the_results_b
 def test_preflight_refuses_an_unknown_parser_and_a_model_without_a_chat_template_before_any_process(tmp_path):
     from forge_rl.config import GRPOConfig, ModelConfig
     from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-    from forge_rl.preflight import check_model_inputs
+    from forge_rl.run.preflight import check_model_inputs
     from tests.tool_chat import TOOL_ALPHABET
 
     plain = create_tiny_model(TinyModelConfig(), tmp_path / "plain", TOOL_ALPHABET)  # a character tokenizer, no template

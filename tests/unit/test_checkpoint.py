@@ -9,9 +9,9 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge_rl.accounting import PromptAccounting
-from forge_rl.buffer import BufferConfig, ReplayBuffer
-from forge_rl.checkpoint import (
+from forge_rl.core.accounting import PromptAccounting
+from forge_rl.core.buffer import BufferConfig, ReplayBuffer
+from forge_rl.core.checkpoint import (
     COMPLETE_FILE,
     CheckpointConfig,
     ControllerState,
@@ -29,7 +29,7 @@ from forge_rl.checkpoint import (
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.run_dir import (
+from forge_rl.run.run_dir import (
     config_to_dict,
     create_run_dir,
     open_run_dir_for_resume,
@@ -37,7 +37,7 @@ from forge_rl.run_dir import (
     saved_config_path,
     truncate_metrics,
 )
-from forge_rl.trainer import TrainerConfig
+from forge_rl.training.trainer import TrainerConfig
 from forge_rl.errors import ConfigError, TrainStepTimedOut
 from forge_rl.yaml_config import load_yaml_config
 
@@ -210,7 +210,7 @@ def test_resume_hint_names_the_command_or_how_to_enable_checkpoints(tmp_path):
 
 
 def test_a_timed_out_train_steps_message_names_the_step_the_flag_and_the_resume_command(tmp_path):
-    """What forge_rl/lifecycle.py raises when a train step hangs: the loop's TrainStepTimedOut with
+    """What forge_rl/run/lifecycle.py raises when a train step hangs: the loop's TrainStepTimedOut with
     the run's resume hint."""
     save_checkpoint(tmp_path, 4)
     message = str(TrainStepTimedOut(5, 1800.0, resume_hint(tmp_path, CheckpointConfig(enabled=True))))

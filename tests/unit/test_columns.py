@@ -1,4 +1,4 @@
-"""A batch as columns (forge_rl/columns.py) and padded from them (forge_rl/batching.py `pad_columns`):
+"""A batch as columns (forge_rl/core/columns.py) and padded from them (forge_rl/core/batching.py `pad_columns`):
 what the rollouts send the trainer, and what the trainer makes of it."""
 
 import pickle
@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.batching import make_train_batch, pad_columns
-from forge_rl.advantages import token_advantages
-from forge_rl.columns import batch_columns, exact_versions
+from forge_rl.core.batching import make_train_batch, pad_columns
+from forge_rl.core.advantages import token_advantages
+from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 

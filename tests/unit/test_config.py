@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from forge_rl.cli import parse_config
-from forge_rl.buffer import BufferConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.store.publisher import PublishConfig
@@ -272,7 +272,7 @@ def test_generator_timeouts_are_derived_from_what_a_call_can_legitimately_take()
 
 def test_simulated_roles_place_no_compute_threads(tmp_path):
     """A simulated engine or trainer step is a timed wait: 128 of them fit a 2-core host."""
-    from forge_rl.placement import demand_of
+    from forge_rl.plumbing.placement import demand_of
 
     config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
     demand = demand_of(config)
@@ -283,7 +283,7 @@ def test_the_machine_check_lets_128_simulated_generators_run_on_this_host(tmp_pa
     """The core and KV-memory checks guard real engines; simulated ones use neither."""
     import dataclasses
 
-    from forge_rl.preflight import check_machine
+    from forge_rl.run.preflight import check_machine
 
     config = load_yaml_config(GRPOConfig, REPO / "configs" / "sim_scale.yaml")
     check_machine(dataclasses.replace(config, num_generators=128, run_dir=tmp_path))

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from forge_rl.deadlines import within
+from forge_rl.core.deadlines import within
 
 
 class Hung(RuntimeError):

@@ -3,7 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forge_rl.gc_freeze import frozen_startup_objects
+from forge_rl.plumbing.gc_freeze import frozen_startup_objects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ class Node:
         sys.stdout.write("freed at exit")
 kept = Node()
 kept.cycle = kept  # alive when frozen; garbage only once the interpreter clears this module
-from forge_rl.gc_freeze import freeze_startup_objects
+from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 freeze_startup_objects()
 '''
 

@@ -1,8 +1,8 @@
-"""The mismatch alarm (forge_rl/health.py) on fabricated per-step metrics."""
+"""The mismatch alarm (forge_rl/observability/health.py) on fabricated per-step metrics."""
 
 import pytest
 
-from forge_rl.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
+from forge_rl.observability.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
 from tests.unit.builders import make_episode
 
 

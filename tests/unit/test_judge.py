@@ -1,4 +1,4 @@
-"""LLM-as-judge (forge_rl/judge.py, `JudgeScorer` in forge_rl/scorers.py) against a fake judge
+"""LLM-as-judge (forge_rl/scoring/judge.py, `JudgeScorer` in forge_rl/scoring/scorers.py) against a fake judge
 engine: verdict parsing, unparsable verdicts and timeouts counted and excluded, never a crash."""
 
 import asyncio
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.judge import JudgeConfig, judge_client, parse_ranking, parse_verdict
-from forge_rl.scorers import JudgeScorer, ScoringStage, WeightedSum
+from forge_rl.scoring.judge import JudgeConfig, judge_client, parse_ranking, parse_verdict
+from forge_rl.scoring.scorers import JudgeScorer, ScoringStage, WeightedSum
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.unit.test_teacher import FakeOutcome
 
@@ -231,8 +231,8 @@ def test_a_judge_directory_that_is_not_a_model_or_lacks_a_chat_template_is_a_con
     from forge_rl.config import GRPOConfig, ModelConfig
     from forge_rl.errors import ConfigError
     from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-    from forge_rl.preflight import check_model_inputs
-    from forge_rl.scorers import ScorerConfig
+    from forge_rl.run.preflight import check_model_inputs
+    from forge_rl.scoring.scorers import ScorerConfig
 
     with pytest.raises(ConfigError, match=r"scorer.judge.path.*lacks config.json"):
         GRPOConfig(scorer=ScorerConfig(judge=JudgeConfig(path=tmp_path / "no-such-judge")))
@@ -251,7 +251,7 @@ def test_a_judge_directory_that_is_not_a_model_or_lacks_a_chat_template_is_a_con
 
 def test_judge_replicas_are_checked_and_each_counts_its_engines_threads():
     from forge_rl.engines.vllm_engine import GeneratorConfig
-    from forge_rl.scorers import ScorerConfig
+    from forge_rl.scoring.scorers import ScorerConfig
 
     with pytest.raises(ValueError, match=r"scorer.judge.replicas \(0\) must be >= 1. Set --scorer.judge.replicas"):
         JudgeConfig(replicas=0)

@@ -1,11 +1,11 @@
 """The age bound on the oldest weights a token depends on: the weights that sampled it and those
-whose KV it attended to (forge_rl/columns.py `exact_versions`), as the buffer applies it with
+whose KV it attended to (forge_rl/core/columns.py `exact_versions`), as the buffer applies it with
 `drop_policy: mask_tokens` to a partial rollout's straggler."""
 
 import pytest
 
-from forge_rl.buffer import BufferConfig, ReplayBuffer
-from forge_rl.columns import batch_columns, exact_versions
+from forge_rl.core.buffer import BufferConfig, ReplayBuffer
+from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.types import Completion, Episode
 
 from .builders import make_completion

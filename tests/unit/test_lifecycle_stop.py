@@ -1,4 +1,4 @@
-"""forge_rl.lifecycle.Lifecycle.owning_processes: a process failure Monarch reports while the run is
+"""forge_rl.run.lifecycle.Lifecycle.owning_processes: a process failure Monarch reports while the run is
 stopping its processes is the stop's own, and must not turn a clean stop (Ctrl-C, SIGTERM) into
 "a process died" (exit 1 instead of 130 or 143). Found in test_shutdown: the generator pool, still
 replying to the rollouts when their process stopped first, failed on the undeliverable reply.
@@ -11,7 +11,7 @@ import contextlib
 
 import pytest
 
-from forge_rl import lifecycle as lifecycle_module
+from forge_rl.run import lifecycle as lifecycle_module
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ProcessDied, ProcessNotStarted
 
@@ -105,7 +105,7 @@ def test_a_process_monarch_could_not_start_stops_the_run_naming_the_setting_that
     # starting (two busy loops beside the suite): Monarch's ValueError inside the call's ActorError.
     from monarch._src.actor.actor_mesh import ActorError
 
-    from forge_rl.launch import MONARCH_DEFAULTS
+    from forge_rl.run.launch import MONARCH_DEFAULTS
 
     monkeypatch.delenv("HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE", raising=False)
     hooks: dict = {}

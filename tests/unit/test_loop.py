@@ -1,5 +1,5 @@
-"""The loops against named fakes of the actors: the train loop (forge_rl/loop.py) and the rollouts
-(forge_rl/rollouts.py, a real Rollouts called in this event loop as its actor would be): what they
+"""The loops against named fakes of the actors: the train loop (forge_rl/run/loop.py) and the rollouts
+(forge_rl/pipeline/rollouts.py, a real Rollouts called in this event loop as its actor would be): what they
 do with failures."""
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ import dataclasses
 
 import pytest
 
-from forge_rl import metrics as m
-from forge_rl.buffer import BufferConfig
-from forge_rl.columns import exact_versions
+from forge_rl.observability import metrics as m
+from forge_rl.core.buffer import BufferConfig
+from forge_rl.core.columns import exact_versions
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut
-from forge_rl.loop import Pipeline, RunActors
-from forge_rl.metrics import MetricsLogger
-from forge_rl.rollouts import RolloutActors, Rollouts
+from forge_rl.run.loop import Pipeline, RunActors
+from forge_rl.observability.metrics import MetricsLogger
+from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
-from forge_rl.trainer_steps import BatchPrefetch, TrainStepResult
+from forge_rl.training.trainer_steps import BatchPrefetch, TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.fakes import (
     FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer,
@@ -135,7 +135,7 @@ def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_rem
 
 def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout_and_the_flag(tmp_path):
     """A hung trainer (its step never returns, by construction) stops the run instead of hanging it;
-    forge_rl/lifecycle.py then adds the resume command to the message (tests/unit/test_checkpoint.py)."""
+    forge_rl/run/lifecycle.py then adds the resume command to the message (tests/unit/test_checkpoint.py)."""
 
     async def generate(index, prompts, group_size):
         await asyncio.sleep(0)
@@ -423,7 +423,7 @@ def test_a_stop_while_a_steps_batch_waits_at_the_gate_withholds_it_and_the_one_a
 def test_a_stop_goes_on_without_rollouts_that_do_not_answer_within_the_stops_budget(tmp_path, capsys):
     """As the test above, but the rollouts never answer `withhold_batch` nor `stop_loops` (a process
     too slow or hung): the stop waits for them no longer than the stop's budget allows
-    (forge_rl/lifecycle.py `stop_timeout`), says what it did not get, and goes on."""
+    (forge_rl/run/lifecycle.py `stop_timeout`), says what it did not get, and goes on."""
     pipeline, rollouts = make_pipeline(_generate_only_the_first_prompts(CONFIG.prompts_per_step))
 
     class StopWithAShortBudget(FakeLifecycle):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from forge_rl.losses.policy import LossConfig, num_loss_units, policy_loss
+from forge_rl.training.losses.policy import LossConfig, num_loss_units, policy_loss
 
 LOSS_NAMES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 LENGTH_NORMALIZER = 8  # dr_grpo's constant in these tests

@@ -1,10 +1,10 @@
-"""Per-step metrics and the run summary (forge_rl/metrics.py)."""
+"""Per-step metrics and the run summary (forge_rl/observability/metrics.py)."""
 
 import pytest
 
-from forge_rl.buffer import BufferConfig, ReplayBuffer
-from forge_rl import metrics as m
-from forge_rl.metrics import POLICY_AGE_HISTOGRAM, POLICY_AGE_MAX, batch_metrics, final_reward, run_summary
+from forge_rl.core.buffer import BufferConfig, ReplayBuffer
+from forge_rl.observability import metrics as m
+from forge_rl.observability.metrics import POLICY_AGE_HISTOGRAM, POLICY_AGE_MAX, batch_metrics, final_reward, run_summary
 from tests.unit.builders import make_completion, make_episode
 
 

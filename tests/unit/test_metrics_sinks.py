@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from forge_rl.config import LogConfig
-from forge_rl.metrics import MetricsLogger, TensorBoardSink, WandbSink, open_sinks
+from forge_rl.observability.metrics import MetricsLogger, TensorBoardSink, WandbSink, open_sinks
 
 STEPS = [
     {
@@ -160,7 +160,7 @@ def test_a_simulated_steps_progress_line_says_so_instead_of_a_loss_it_never_had(
 
 
 def fabricated_run(run_path: Path, num_steps: int = 6, with_timeline: bool = True) -> Path:
-    from forge_rl.timeline import Interval
+    from forge_rl.observability.timeline import Interval
 
     run_path.mkdir(parents=True, exist_ok=True)
     (run_path / "config.yaml").write_text("buffer:\n  capacity_episodes: 8\n")
@@ -198,7 +198,7 @@ def fabricated_run(run_path: Path, num_steps: int = 6, with_timeline: bool = Tru
 
 @pytest.mark.parametrize("with_timeline", [True, False], ids=["finished_run", "live_run"])
 def test_the_dashboard_plots_a_run(tmp_path, with_timeline):
-    from forge_rl.plot import PlotArgs, plot_dashboard
+    from forge_rl.observability.plot import PlotArgs, plot_dashboard
 
     run_path = fabricated_run(tmp_path / "run", with_timeline=with_timeline)
     out = plot_dashboard(PlotArgs(run_path))
@@ -207,7 +207,7 @@ def test_the_dashboard_plots_a_run(tmp_path, with_timeline):
 
 
 def test_plotting_a_run_without_steps_says_so(tmp_path):
-    from forge_rl.plot import PlotArgs, plot_dashboard
+    from forge_rl.observability.plot import PlotArgs, plot_dashboard
 
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="has no steps yet"):

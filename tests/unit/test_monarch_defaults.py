@@ -3,7 +3,7 @@ own setting wins."""
 
 import os
 
-from forge_rl.launch import MONARCH_DEFAULTS, set_monarch_defaults
+from forge_rl.run.launch import MONARCH_DEFAULTS, set_monarch_defaults
 
 SPAWN_IDLE = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
 

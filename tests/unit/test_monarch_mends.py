@@ -1,4 +1,4 @@
-"""forge_rl/monarch_mends.py: a second thread pickling a message while torchmonarch builds its
+"""forge_rl/plumbing/monarch_mends.py: a second thread pickling a message while torchmonarch builds its
 torch-aware pickler waits for it instead of calling a pickler that is still None."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 from monarch._src.actor import pickle as monarch_pickle
 
-from forge_rl.monarch_mends import make_torch_pickling_thread_safe
+from forge_rl.plumbing.monarch_mends import make_torch_pickling_thread_safe
 
 WAIT_S = 60.0  # a bound for a failing test only: each wait ends on an event
 

@@ -1,4 +1,4 @@
-"""forge_rl/native_heap.py: the trim's schedule, and the trim itself on this machine's C library."""
+"""forge_rl/plumbing/native_heap.py: the trim's schedule, and the trim itself on this machine's C library."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from forge_rl import native_heap
-from forge_rl.native_heap import HeapTrimmer, trim_native_heap
+from forge_rl.plumbing import native_heap
+from forge_rl.plumbing.native_heap import HeapTrimmer, trim_native_heap
 
 
 class FakeClock:

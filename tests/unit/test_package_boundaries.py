@@ -21,9 +21,9 @@ HEAVY = ("monarch", "vllm", "torchtitan")
 ALLOWED = {
     "monarch": (
         "forge_rl.actors.",
-        "forge_rl.launch",
-        "forge_rl.lifecycle",
-        "forge_rl.proc_main",  # the entry point of the processes forge_rl spawns
+        "forge_rl.run.launch",
+        "forge_rl.run.lifecycle",
+        "forge_rl.plumbing.proc_main",  # the entry point of the processes forge_rl spawns
         "forge_rl.store.actors",
         "forge_rl.store.client",
         "forge_rl.bench.weight_sync",
@@ -40,33 +40,33 @@ CORE_MODULES = [
     "forge_rl.types",
     "forge_rl.errors",
     "forge_rl.config",
-    "forge_rl.buffer",
-    "forge_rl.admission",
-    "forge_rl.loop",
-    "forge_rl.recipes",
-    "forge_rl.advantages",
-    "forge_rl.batching",
-    "forge_rl.columns",
-    "forge_rl.losses.policy",
-    "forge_rl.losses.corrections",
+    "forge_rl.core.buffer",
+    "forge_rl.core.admission",
+    "forge_rl.run.loop",
+    "forge_rl.run.recipes",
+    "forge_rl.core.advantages",
+    "forge_rl.core.batching",
+    "forge_rl.core.columns",
+    "forge_rl.training.losses.policy",
+    "forge_rl.training.losses.corrections",
     "forge_rl.tasks.synthetic",
     "forge_rl.store.shm",
-    "forge_rl.metrics",
-    "forge_rl.accounting",
-    "forge_rl.timeline",
-    "forge_rl.scoring",
-    "forge_rl.scorers",
-    "forge_rl.scorer_restarts",
-    "forge_rl.reward_model",
-    "forge_rl.preflight",
+    "forge_rl.observability.metrics",
+    "forge_rl.core.accounting",
+    "forge_rl.observability.timeline",
+    "forge_rl.scoring.reward_workers",
+    "forge_rl.scoring.scorers",
+    "forge_rl.scoring.restarts",
+    "forge_rl.scoring.reward_model",
+    "forge_rl.run.preflight",
     "forge_rl.tasks.rewards",
     "forge_rl.tasks.reasoning_gym",
     "forge_rl.models.convert",
     "forge_rl.models.lora",
-    "forge_rl.reference",
-    "forge_rl.teacher",
-    "forge_rl.judge",
-    "forge_rl.placement",
+    "forge_rl.training.reference",
+    "forge_rl.scoring.teacher",
+    "forge_rl.scoring.judge",
+    "forge_rl.plumbing.placement",
     "forge_rl.envs.environment",
     "forge_rl.envs.trajectory",
     "forge_rl.envs.renderers",
@@ -151,8 +151,8 @@ def test_only_the_shells_import_monarch_and_only_the_model_layer_imports_torchti
 
 def test_the_boundary_check_sees_imports_through_other_modules():
     heavy = heavy_imports_by_module()
-    assert "monarch" in heavy["forge_rl.lifecycle"]  # through forge_rl.launch
-    assert heavy["forge_rl.loop"] == set()
+    assert "monarch" in heavy["forge_rl.run.lifecycle"]  # through forge_rl.run.launch
+    assert heavy["forge_rl.run.loop"] == set()
 
 
 def loaded_in_a_fresh_interpreter(modules: list[str], heavy: tuple[str, ...]) -> str:
@@ -179,26 +179,26 @@ TORCH_FREE_PROCESSES = {
     "the CLI validating a config": ["forge_rl.cli", "forge_rl.config"],
     # What a process unpickles to host these actors (their modules, their arguments' classes, the
     # handles they hold): they pass configs, episodes and calls on, and train or serve nothing; the
-    # rollouts turn each batch into columns for the trainer (forge_rl/columns.py) without torch.
+    # rollouts turn each batch into columns for the trainer (forge_rl/core/columns.py) without torch.
     "the rollouts' process": [
         "forge_rl.actors.rollouts", "forge_rl.config", "forge_rl.actors.generator_pool",
-        "forge_rl.actors.scoring_stage", "forge_rl.store.actors", "forge_rl.columns",
+        "forge_rl.actors.scoring_stage", "forge_rl.store.actors", "forge_rl.core.columns",
     ],
-    "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scorers"],
+    "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scoring.scorers"],
     # The services' process hosts the weight store's index and volume (the volume serves files)
     # and the supervisors that spawn generators, scorers and frozen models.
     "the services' process": [
         "forge_rl.store.actors", "forge_rl.store.shm", "forge_rl.actors.generator_pool",
         "forge_rl.actors.scorer_supervisor", "forge_rl.actors.frozen_model_supervisor", "forge_rl.config",
     ],
-    # A multi-host run probes every host before it spawns anything (forge_rl/launch.py).
+    # A multi-host run probes every host before it spawns anything (forge_rl/run/launch.py).
     "a host's probe": ["forge_rl.actors.host_probe", "monarch.rdma"],
     # The run's controller spawns every actor (so imports their classes), runs the loop and the
-    # lifecycle, and unpickles the trainer's replies (forge_rl/trainer_steps.py).
+    # lifecycle, and unpickles the trainer's replies (forge_rl/training/trainer_steps.py).
     "a run's controller": [
-        "apps.grpo.main", "forge_rl.lifecycle", "forge_rl.loop", "forge_rl.actors.trainer",
-        "forge_rl.actors.simulated_trainer", "forge_rl.trainer_steps",
-        "forge_rl.checkpoint", "forge_rl.preflight",
+        "apps.grpo.main", "forge_rl.run.lifecycle", "forge_rl.run.loop", "forge_rl.actors.trainer",
+        "forge_rl.actors.simulated_trainer", "forge_rl.training.trainer_steps",
+        "forge_rl.core.checkpoint", "forge_rl.run.preflight",
     ],
 }
 """Processes that must start without torch: importing it costs each ~3-4 s of CPU on this machine,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from forge_rl.placement import (
+from forge_rl.plumbing.placement import (
     HostFacts,
     LaunchConfig,
     PlacementConfig,
@@ -211,7 +211,7 @@ def test_pinned_cores_must_exist_where_the_role_runs():
 
 PIN_A_THREAD_STARTED_BEFORE = """
 import os, threading
-from forge_rl.placement import pin_this_process
+from forge_rl.plumbing.placement import pin_this_process
 ready, done = threading.Event(), threading.Event()
 def runtime_thread():  # like a runtime's thread, running before the pin
     ready.set(); done.wait()
@@ -304,10 +304,10 @@ def test_a_scorer_host_takes_the_scorer_models_threads_off_the_services_host():
 
 def test_the_scorer_models_threads_are_counted_alike_by_preflight_and_placement(tmp_path):
     from forge_rl.config import GRPOConfig
-    from forge_rl.placement import demand_of
-    from forge_rl.preflight import compute_threads
-    from forge_rl.reward_model import RewardModelConfig
-    from forge_rl.scorers import ScorerConfig
+    from forge_rl.plumbing.placement import demand_of
+    from forge_rl.run.preflight import compute_threads
+    from forge_rl.scoring.reward_model import RewardModelConfig
+    from forge_rl.scoring.scorers import ScorerConfig
 
     (tmp_path / "config.json").write_text("{}")  # a model directory, as far as the config checks go
     config = GRPOConfig(scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=3, num_threads=2)))

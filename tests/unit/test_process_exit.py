@@ -1,4 +1,4 @@
-"""forge_rl.process_exit.exit_now: the process ends with the code `sys.exit` would give, after what
+"""forge_rl.plumbing.process_exit.exit_now: the process ends with the code `sys.exit` would give, after what
 finalization does that anyone relies on (non-daemon threads joined, then the atexit handlers, then
 stdout flushed), and without the final garbage collection (no `__del__` of what is still alive)."""
 
@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from forge_rl.process_exit import exit_code_of
+from forge_rl.plumbing.process_exit import exit_code_of
 
 SCRIPT = textwrap.dedent(
     """
     import atexit, threading, time
-    from forge_rl.process_exit import exit_now
+    from forge_rl.plumbing.process_exit import exit_now
 
     class Collected:
         def __del__(self):
@@ -64,17 +64,17 @@ def test_exit_code_of_follows_sys_exit(code, status, capsys):
 
 
 def test_forge_rl_spawns_its_processes_with_its_own_entry_point():
-    from forge_rl.proc_main import bootstrap_command
+    from forge_rl.plumbing.proc_main import bootstrap_command
 
     command = bootstrap_command({"MALLOC_ARENA_MAX": "2"})
-    assert (command.program, command.args) == (sys.executable, ["-m", "forge_rl.proc_main"])
+    assert (command.program, command.args) == (sys.executable, ["-m", "forge_rl.plumbing.proc_main"])
     assert command.env == {"MALLOC_ARENA_MAX": "2"}
 
 
 SHUTDOWN_SCRIPT = textwrap.dedent(
     """
     import os, signal, monarch.actor
-    from forge_rl.process_exit import shut_monarch_client_down
+    from forge_rl.plumbing.process_exit import shut_monarch_client_down
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a controller started from a terminal
 

@@ -19,7 +19,7 @@ DEADLINE_S = 10
 GUARDED = textwrap.dedent("""
     import subprocess, sys, time
     import psutil
-    from forge_rl.reaper import Reaper
+    from forge_rl.plumbing.reaper import Reaper
 
     stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
@@ -73,7 +73,7 @@ def test_a_dismissed_reaper_touches_nothing(tmp_path):
 
 def test_a_reaper_exits_once_what_it_guards_has_exited():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    from forge_rl.reaper import Reaper
+    from forge_rl.plumbing.reaper import Reaper
 
     reaper = Reaper.start(kill=[psutil.Process(sleeper.pid)])
     os.kill(sleeper.pid, signal.SIGKILL)

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from forge_rl.errors import ConfigError
-from forge_rl.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
-from forge_rl.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
+from forge_rl.scoring.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
+from forge_rl.scoring.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.helpers import wait_until_async
 
@@ -161,7 +161,7 @@ def test_each_call_goes_to_the_least_busy_replica():
 def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatch):
     """Its replicas are compute threads like the generators': too many on this machine's cores is
     a ConfigError naming the setting, before any process starts."""
-    from forge_rl import preflight
+    from forge_rl.run import preflight
     from forge_rl.config import GRPOConfig
 
     (tmp_path / "config.json").write_text("{}")

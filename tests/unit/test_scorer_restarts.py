@@ -1,6 +1,6 @@
 """A scorer whose process dies is restarted and its calls in flight are scored again by the
 replacement: every episode comes back once, scored once, none ERRORED for the death; a scorer
-that keeps dying stops the run with the cause and the flag (forge_rl/scorer_restarts.py).
+that keeps dying stops the run with the cause and the flag (forge_rl/scoring/restarts.py).
 
 The scorer processes are a fake (FakeScorerProcesses): each incarnation scores by setting the
 reward to its own number, and the test decides when one dies and how the death shows (its call
@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from forge_rl.errors import ScorerFailed, ScorerLost
-from forge_rl.scorer_restarts import RestartingScorer, ScorerState
+from forge_rl.scoring.restarts import RestartingScorer, ScorerState
 from forge_rl.types import Completion, Episode
 
 

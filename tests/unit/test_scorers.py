@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.advantages import episode_advantages, place_on_steps, returns_to_go, token_advantages
-from forge_rl.batching import make_train_batch
+from forge_rl.core.advantages import episode_advantages, place_on_steps, returns_to_go, token_advantages
+from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ScorerLost
-from forge_rl.metrics import batch_metrics
-from forge_rl.scorers import (
+from forge_rl.observability.metrics import batch_metrics
+from forge_rl.scoring.scorers import (
     Score,
     ScoreFailure,
     Scorer,
@@ -140,7 +140,7 @@ class FakeDeadGroupModel(FakeDeadModel):
 @pytest.mark.parametrize("dead", [FakeDeadModel, FakeDeadGroupModel], ids=["per_completion", "per_group"])
 def test_a_model_whose_process_died_loses_the_call_instead_of_erroring_its_completions(dead):
     """ScorerLost goes up through a weighted sum and the stage: the scorer's supervisor scores the
-    episodes again after a restart (forge_rl/scorer_restarts.py), so none is ERRORED or counted."""
+    episodes again after a restart (forge_rl/scoring/restarts.py), so none is ERRORED or counted."""
     stage = ScoringStage(WeightedSum([(FakeLengthScorer(), 1.0), (dead(), 1.0)]))
     episodes = [group(1, 2)]
     with pytest.raises(ScorerLost, match="reward model's process died"):

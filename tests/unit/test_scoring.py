@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from forge_rl.scorers import ScorerConfig
-from forge_rl.scoring import RewardWorkerPool
+from forge_rl.scoring.scorers import ScorerConfig
+from forge_rl.scoring.reward_workers import RewardWorkerPool
 from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.errors import ConfigError
 from tests.helpers import wait_until
@@ -96,7 +96,7 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
     """No reward worker outlives the process that owns the pool, even one stuck in `while True`."""
     code = (
         "import asyncio, sys\n"
-        "from forge_rl.scorers import ScorerConfig\nfrom forge_rl.scoring import RewardWorkerPool\n"
+        "from forge_rl.scoring.scorers import ScorerConfig\nfrom forge_rl.scoring.reward_workers import RewardWorkerPool\n"
         "async def main():\n"
         f"    pool = RewardWorkerPool({SCRIPTED!r}, ScorerConfig(reward_timeout_s=600))\n"
         "    print(pool.workers[0].process.pid, flush=True)\n"

@@ -1,8 +1,8 @@
-"""`StepTurns` (forge_rl/trainer.py): a trainer rank trains its concurrent steps in the order they were asked for."""
+"""`StepTurns` (forge_rl/training/trainer.py): a trainer rank trains its concurrent steps in the order they were asked for."""
 
 import asyncio
 
-from forge_rl.trainer_steps import StepTurns
+from forge_rl.training.trainer_steps import StepTurns
 
 
 def test_steps_train_in_the_order_asked_whatever_order_their_batches_come_in():

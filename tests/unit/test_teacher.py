@@ -1,5 +1,5 @@
 """On-policy distillation's core: the teacher scorer's per-token reverse KL, where it lands in the
-advantages, and the checks on the teacher's directory and tokenizer (forge_rl/teacher.py)."""
+advantages, and the checks on the teacher's directory and tokenizer (forge_rl/scoring/teacher.py)."""
 
 import asyncio
 import json
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.batching import make_train_batch
+from forge_rl.core.batching import make_train_batch
 from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.preflight import check_model_inputs
-from forge_rl.scorers import (
+from forge_rl.run.preflight import check_model_inputs
+from forge_rl.scoring.scorers import (
     Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer,
 )
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
-from forge_rl.teacher import TeacherConfig, check_same_tokenizer
+from forge_rl.scoring.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 PROMPT = [1, 2, 3]
@@ -232,7 +232,7 @@ def test_distillation_alone_needs_no_task_reward_weight():
 
 def served_versions(pin: str, rewards=(0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1), **changes):
     """(actions, version served) after each of 8 steps; step s publishes version s."""
-    from forge_rl.teacher import TeacherPin
+    from forge_rl.scoring.teacher import TeacherPin
 
     schedule = TeacherPin(TeacherConfig(pin=pin, **changes))
     return [(schedule.after_step(step, step, r).actions, schedule.serving) for step, r in enumerate(rewards, start=1)]
@@ -248,7 +248,7 @@ def test_a_lagged_teacher_serves_the_version_versions_back_right_after_each_refr
 
 
 def test_an_ema_teacher_blends_the_newest_version_at_each_refresh():
-    from forge_rl.teacher import TeacherPin
+    from forge_rl.scoring.teacher import TeacherPin
 
     schedule = TeacherPin(TeacherConfig(pin="ema", refresh_every_n_steps=2, ema_decay=0.75))
     assert schedule.after_step(1, 1, 0.0).actions == ()
@@ -280,8 +280,8 @@ def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, messag
 def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_order():
     """`pinned_teacher_refresh` (the recipe's after_publish) against a fake teacher actor: the
     stage and swap calls of a lagged pin, in order, and the served version as a metric."""
-    from forge_rl.teacher import pinned_teacher_refresh
-    from forge_rl.timeline import Timeline
+    from forge_rl.scoring.teacher import pinned_teacher_refresh
+    from forge_rl.observability.timeline import Timeline
     from tests.fakes import endpoints
 
     calls = []
@@ -308,7 +308,7 @@ def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_or
 def test_a_pinned_teachers_leases_keep_exactly_its_served_and_staged_versions_in_the_store():
     """`TeacherVersions`: the teacher's supervisor leases each version before staging it and lets
     go of every lease its replacement would not need (the served and the staged versions)."""
-    from forge_rl.teacher import TeacherVersions
+    from forge_rl.scoring.teacher import TeacherVersions
 
     versions = TeacherVersions()
     versions.leased("v00000001")
@@ -325,7 +325,7 @@ def test_a_pinned_teachers_leases_keep_exactly_its_served_and_staged_versions_in
 
 
 def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an_ema_says_its_average_restarts():
-    from forge_rl.teacher import TeacherVersions
+    from forge_rl.scoring.teacher import TeacherVersions
 
     versions = TeacherVersions()
     assert versions.reload_plan("lagged") == ([], None)  # the initial policy: its directory has it
@@ -343,7 +343,7 @@ def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an
 def test_a_schedule_restored_from_its_state_goes_on_as_the_uninterrupted_one(pin, changes):
     """What a resume does with a pinned teacher's schedule: saved after step 4 (JSON and back),
     loaded into a fresh schedule, steps 5-8 act and serve as without the stop."""
-    from forge_rl.teacher import TeacherPin
+    from forge_rl.scoring.teacher import TeacherPin
 
     rewards = (0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1)
     uninterrupted = served_versions(pin, rewards, **changes)
@@ -357,7 +357,7 @@ def test_a_schedule_restored_from_its_state_goes_on_as_the_uninterrupted_one(pin
 
 
 def test_after_a_resume_a_replacement_teacher_loads_the_checkpoints_weights_until_a_refresh_replaces_them():
-    from forge_rl.teacher import TeacherVersions
+    from forge_rl.scoring.teacher import TeacherVersions
 
     ema = TeacherVersions()
     ema.restored("/ckpt/teacher/teacher_weights.pt", served=4, staged=None)
@@ -375,7 +375,7 @@ def test_after_a_resume_a_replacement_teacher_loads_the_checkpoints_weights_unti
 
 
 def test_an_ema_teacher_that_wrote_its_average_is_reloaded_from_that_file_and_needs_no_lease():
-    from forge_rl.teacher import TeacherVersions
+    from forge_rl.scoring.teacher import TeacherVersions
 
     ema = TeacherVersions()
     ema.leased("v00000002"), ema.staged_now(2), ema.swapped()
@@ -390,7 +390,7 @@ def test_an_ema_teacher_that_wrote_its_average_is_reloaded_from_that_file_and_ne
 def test_a_pinned_teachers_weights_file_holds_the_served_and_staged_weights_exactly(tmp_path):
     import torch
 
-    from forge_rl.teacher import load_teacher_weights, save_teacher_weights
+    from forge_rl.scoring.teacher import load_teacher_weights, save_teacher_weights
 
     served = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(0))}
     staged = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(1))}
@@ -404,8 +404,8 @@ def test_a_pinned_teachers_weights_file_holds_the_served_and_staged_weights_exac
 
 
 def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_and_load_its_weights(tmp_path):
-    from forge_rl.teacher import TEACHER_WEIGHTS_FILE, pinned_teacher_refresh
-    from forge_rl.timeline import Timeline
+    from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, pinned_teacher_refresh
+    from forge_rl.observability.timeline import Timeline
     from tests.fakes import endpoints
 
     calls = []
@@ -436,7 +436,8 @@ def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_
 
 @pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
 def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and_flag(config_class, flag):
-    from forge_rl import reference, teacher
+    from forge_rl.training import reference
+    from forge_rl.scoring import teacher
 
     config = getattr(reference, config_class, None) or getattr(teacher, config_class)
     with pytest.raises(ValueError, match=rf"max_restarts \(-1\) must be >= 0. Set {flag}."):
@@ -496,7 +497,7 @@ def test_self_distillation_with_lora_is_refused_at_config_time_naming_the_fields
     """With LoRA the weight store holds each version's adapter only, which a pinned teacher cannot
     stage as its weights: refused before anything starts, not at the first refresh."""
     from forge_rl.models.lora_config import LoRAConfig
-    from forge_rl.trainer_config import TrainerConfig
+    from forge_rl.training.trainer_config import TrainerConfig
 
     lora = TrainerConfig(lora=LoRAConfig(enabled=True))
     with pytest.raises(ConfigError) as error:

@@ -1,6 +1,6 @@
 import pytest
 
-from forge_rl.timeline import Interval, busy_s, mean_sequences_in_flight, merged
+from forge_rl.observability.timeline import Interval, busy_s, mean_sequences_in_flight, merged
 
 
 def test_overlapping_calls_count_once_toward_busy_time():
@@ -19,8 +19,8 @@ def test_occupancy_averages_sequences_over_the_window():
 
 
 def test_running_busy_time_counts_overlapping_calls_once_and_streams_intervals(tmp_path, monkeypatch):
-    import forge_rl.timeline as timeline_module
-    from forge_rl.timeline import Timeline
+    import forge_rl.observability.timeline as timeline_module
+    from forge_rl.observability.timeline import Timeline
 
     clock = [100.0]
     monkeypatch.setattr(timeline_module.time, "monotonic", lambda: clock[0])

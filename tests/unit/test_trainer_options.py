@@ -5,7 +5,7 @@ import pytest
 
 from forge_rl.config import GRPOConfig
 from forge_rl.models.titan import ParallelConfig, validate_parallelism
-from forge_rl.trainer import TrainerConfig
+from forge_rl.training.trainer import TrainerConfig
 from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
 

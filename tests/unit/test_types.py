@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge_rl.reference import attach_reference_logprobs, completion_logprobs
+from forge_rl.training.reference import attach_reference_logprobs, completion_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 from .builders import make_completion, make_episode

@@ -1,4 +1,4 @@
-"""The supervised warm-up (forge_rl/warmup.py) on demonstrations (forge_rl/envs/demonstrations.py):
+"""The supervised warm-up (forge_rl/training/warmup.py) on demonstrations (forge_rl/envs/demonstrations.py):
 it trains exactly the token layout RL samples and trains, on the generated tokens only."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from forge_rl.errors import ConfigError
 from forge_rl.models.hf_checkpoint import load_hf_state_dict
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
-from forge_rl.warmup import demonstration_loss, next_token_batch, warm_up_model
+from forge_rl.training.warmup import demonstration_loss, next_token_batch, warm_up_model
 from tests.fakes import FakeGenerate
 from tests.unit.test_envs import sampled
 
@@ -128,7 +128,7 @@ def test_the_no_tool_baseline_demonstrates_a_bare_answer_and_refuses_calls(token
 
 def test_task_text_samples_follow_each_problem_with_its_answer_and_eos(tokenizer):
     from forge_rl.tasks import TaskConfig, make_task_prompt
-    from forge_rl.warmup import task_text_samples
+    from forge_rl.training.warmup import task_text_samples
 
     task = TaskConfig(seed=3)
     [solved] = task_text_samples(tokenizer, task, num_samples=1, problems_per_sample=2)

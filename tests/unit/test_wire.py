@@ -1,14 +1,14 @@
-"""Values packed as the C pickler's bytes (forge_rl/wire.py) cross Monarch's message pickler as one
+"""Values packed as the C pickler's bytes (forge_rl/plumbing/wire.py) cross Monarch's message pickler as one
 object and arrive as themselves."""
 
 import dataclasses
 
 from monarch._src.actor.pickle import flatten, unflatten
 
-from forge_rl.columns import BatchColumns, batch_columns
-from forge_rl.trainer_steps import PulledBatch
+from forge_rl.core.columns import BatchColumns, batch_columns
+from forge_rl.training.trainer_steps import PulledBatch
 from forge_rl.types import Completion, CompletionStatus, Episode
-from forge_rl.wire import packed
+from forge_rl.plumbing.wire import packed
 from tests.fakes import completions_for
 
 

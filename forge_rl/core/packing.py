@@ -1,0 +1,218 @@
+"""How a batch's sequences are laid out for the model's forward pass: pad, bucket or pack. Plain PyTorch.
+
+`TrainBatch` keeps one sequence (prompt + completion) per row, right-padded to the longest; that
+is the *logical* layout the loss reads. The forward pass may use another *physical* layout, and
+the token logprobs are mapped back to the logical one, so the loss code never sees the difference:
+
+    pad     one forward over the [N, L] rows as they are (every row as long as the longest).
+    bucket  rows sorted by length and cut into up to `NUM_BUCKETS` micro-batches holding about
+            equal numbers of real tokens; each pads only to its own longest row. The micro-batches'
+            logprobs join one graph, so there is still one loss and one backward.
+    pack    sequences placed first-fit-decreasing into rows as wide as the longest sequence; each
+            token attends only to earlier tokens of its own sequence (a boolean block-diagonal
+            causal mask, `document_mask`) and positions restart at 0 per sequence, so every
+            sequence sees exactly what it sees alone in a row.
+
+Worked example, lengths [5, 1, 4, 2] (N = 4, L = 5, 12 real tokens):
+
+    pad:    1 forward of 4 x 5  = 20 slots, 8 of them padding
+    bucket: [5, 4] -> 2 x 5, [2, 1] -> 2 x 2:  14 slots
+    pack:   rows [5], [4, 1], [2] -> 3 x 5 = 15 slots; row 1 = seq 2 at 0..3, seq 1 at 4
+
+All layouts give the same logprobs (within float rounding of a differently shaped matmul, about
+1e-6): position 0 of each sequence and positions past its length are 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from forge_rl.core.batching import empty_kept_set, token_entropy, token_logprobs
+from forge_rl.training.trainer_config import BATCHING_MODES
+
+# Each forward pass has a fixed cost (kernel launches, Python, FSDP all-gathers per block); 4
+# buckets remove most of a long tail's padding for that cost.
+NUM_BUCKETS = 4
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward pass over `num_rows` rows of `width` positions.
+
+    `placements` holds (sequence index, row, offset): sequence i's tokens sit at
+    row r, positions offset .. offset + length - 1. `packed` rows may hold several sequences.
+    """
+
+    num_rows: int
+    width: int
+    placements: tuple[tuple[int, int, int], ...]
+    packed: bool = False
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_rows * self.width
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, width: int | None = None) -> list[MicroBatch]:
+    """The forward passes that cover sequences of `lengths` in layout `mode` (see the module docstring).
+
+    Widths are rounded up to `length_multiple` (sequence parallelism splits positions over TP ranks);
+    `width` is the pad layout's width (the batch tensor's L; default the longest length).
+    """
+    if mode not in BATCHING_MODES:
+        raise ValueError(f"batching mode {mode!r} is not one of {', '.join(BATCHING_MODES)}")
+    if not lengths:
+        return []
+    longest = max(lengths)
+    if mode == "pad":
+        return [MicroBatch(len(lengths), _round_up(width or longest, length_multiple),
+                           tuple((i, i, 0) for i in range(len(lengths))))]
+    # An empty sequence (an environment episode whose reset failed: no token at all) has nothing
+    # to compute and would make a bucket of width 0; it is left out, its logprobs stay 0.
+    order = sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: (-lengths[i], i))
+    if mode == "bucket":
+        return [
+            MicroBatch(len(group), _round_up(lengths[group[0]], length_multiple),
+                       tuple((i, row, 0) for row, i in enumerate(group)))
+            for group in _equal_token_groups(order, lengths, NUM_BUCKETS)
+        ]
+    capacity = _round_up(longest, length_multiple)
+    free: list[int] = []  # free positions left in each packed row
+    placements = []
+    for i in order:  # first fit, longest first
+        row = next((r for r, space in enumerate(free) if space >= lengths[i]), None)
+        if row is None:
+            row = len(free)
+            free.append(capacity)
+        placements.append((i, row, capacity - free[row]))
+        free[row] -= lengths[i]
+    return [MicroBatch(len(free), capacity, tuple(sorted(placements)), packed=True)]
+
+
+def _equal_token_groups(order: list[int], lengths: list[int], num_groups: int) -> list[list[int]]:
+    """`order` (longest first) cut into at most `num_groups` runs of about equal total length."""
+    total = sum(lengths[i] for i in order)
+    groups, current, seen = [], [], 0
+    for i in order:
+        current.append(i)
+        seen += lengths[i]
+        if seen >= total * (len(groups) + 1) / num_groups and len(groups) < num_groups - 1:
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups
+
+
+def document_mask(microbatch: MicroBatch, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions [R, W] int64, mask [R, 1, W, W] bool) of a packed micro-batch.
+
+    mask[r, 0, q, k] is True when positions q and k of row r hold the same sequence and k <= q.
+    Each row's unused tail is one more "sequence" of its own, so no query row is fully masked
+    (an all-False row gives NaN in attention, and NaN poisons the backward even where unused).
+    """
+    rows, width = microbatch.num_rows, microbatch.width
+    documents_RW = torch.full((rows, width), -1, dtype=torch.int64)
+    positions_RW = torch.zeros((rows, width), dtype=torch.int64)
+    used = [0] * rows
+    for i, row, offset in microbatch.placements:
+        n = lengths[i]
+        documents_RW[row, offset : offset + n] = i
+        positions_RW[row, offset : offset + n] = torch.arange(n)
+        used[row] = max(used[row], offset + n)
+    for row in range(rows):
+        positions_RW[row, used[row] :] = torch.arange(width - used[row])
+    causal_WW = torch.ones(width, width, dtype=torch.bool).tril()
+    same_RWW = documents_RW[:, :, None] == documents_RW[:, None, :]
+    return positions_RW, (same_RWW & causal_WW).unsqueeze(1)
+
+
+# forward(input_ids [R, W], positions [R, W] or None, mask [R, 1, W, W] or None) -> logits [R, W, V];
+# with a routing replay, forward(..., (expert ids [R, W, X, K], has-record [R, W])) (forge_rl/core/routing.py)
+Forward = Callable[..., torch.Tensor]
+
+
+def _replay_layout(
+    mb: MicroBatch, lengths: list[int], expert_ids_NLXK: torch.Tensor, routed_NL: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's replay: token t's record at the position of token t-1 (see
+    forge_rl/core/routing.py: the routing of the pass that sampled a token is its predecessor's)."""
+    replay_RWXK = expert_ids_NLXK.new_zeros((mb.num_rows, mb.width, *expert_ids_NLXK.shape[2:]))
+    replay_RW = torch.zeros((mb.num_rows, mb.width), dtype=torch.bool)
+    for i, row, offset in mb.placements:
+        n = min(lengths[i], mb.width - offset)
+        if n > 1:
+            replay_RWXK[row, offset : offset + n - 1] = expert_ids_NLXK[i, 1:n]
+            replay_RW[row, offset : offset + n - 1] = routed_NL[i, 1:n]
+    return replay_RWXK, replay_RW
+
+
+def layout_token_logprobs(
+    forward: Forward,
+    input_ids_NL: torch.Tensor,
+    lengths: list[int],
+    microbatches: list[MicroBatch],
+    temperature_N: torch.Tensor | None = None,
+    support_NLK: torch.Tensor | None = None,
+    entropy_NL: torch.Tensor | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """[N, L] fp32 logprob of each token given its own sequence's prefix, through `microbatches`,
+    under each sequence's sampling temperature and kept sets (`forge_rl.core.batching.token_logprobs`).
+
+    Position 0 of every sequence and positions at or past its length are 0. Differentiable: the
+    gathers from each micro-batch's logprobs join one autograd graph. Given `entropy_NL` (an [N, L]
+    tensor), also fills it with the policy's entropy at each position (`token_entropy`), from the
+    same forward passes.
+
+    `routing` ([N, L, X, K] recorded experts, [N, L] has-record: `TrainBatch.routed_experts_NLXK`,
+    `routed_NL`) is replayed: a token's record belongs to the position that predicts it, so it is
+    placed one position back in the micro-batch and passed to `forward` as a fourth argument.
+    """
+    num_rows, length = input_ids_NL.shape
+    values, entropies, destinations = [], [], []
+    for mb in microbatches:
+        ids_RW = torch.zeros((mb.num_rows, mb.width), dtype=input_ids_NL.dtype)
+        temperature_RW = None if temperature_N is None else torch.ones((mb.num_rows, mb.width))
+        support_RWK = None if support_NLK is None else support_NLK.new_full(
+            (mb.num_rows, mb.width, support_NLK.shape[-1]), empty_kept_set(support_NLK)
+        )
+        for i, row, offset in mb.placements:
+            n = min(lengths[i], mb.width - offset)
+            ids_RW[row, offset : offset + n] = input_ids_NL[i, :n]
+            if temperature_RW is not None:
+                temperature_RW[row, offset : offset + n] = temperature_N[i]
+            if support_RWK is not None:
+                support_RWK[row, offset : offset + n] = support_NLK[i, :n]
+        positions_RW, mask = document_mask(mb, lengths) if mb.packed else (None, None)
+        if routing is None:
+            logits_RWV = forward(ids_RW, positions_RW, mask)
+        else:
+            logits_RWV = forward(ids_RW, positions_RW, mask, _replay_layout(mb, lengths, *routing))
+        logprobs_RW = token_logprobs(logits_RWV, ids_RW.to(logits_RWV.device), temperature_RW, support_RWK)
+        if entropy_NL is not None:
+            entropies.append(token_entropy(logits_RWV, temperature_RW).flatten())
+        source, destination = [], []
+        for i, row, offset in mb.placements:
+            n = max(min(lengths[i], length), 1)  # an empty sequence (pad layout) predicts nothing, like one of 1
+            # position t of sequence i is predicted at row `row`, position offset + t
+            source.append(torch.arange(row * mb.width + offset + 1, row * mb.width + offset + n))
+            destination.append(torch.arange(i * length + 1, i * length + n))
+        source_index = torch.cat(source).to(logprobs_RW.device)
+        values.append(logprobs_RW.flatten().index_select(0, source_index))
+        if entropy_NL is not None:
+            entropies[-1] = entropies[-1].index_select(0, source_index)
+        destinations.append(torch.cat(destination).to(logprobs_RW.device))
+    flat, destination_index = torch.cat(values), torch.cat(destinations)
+    if entropy_NL is not None:
+        entropy_NL.view(-1).index_copy_(0, destination_index.to(entropy_NL.device), torch.cat(entropies).to(entropy_NL))
+    out = torch.zeros(num_rows * length, dtype=flat.dtype, device=flat.device)
+    return out.index_copy(0, destination_index, flat).view(num_rows, length)
+

@@ -1,0 +1,533 @@
+"""The run's data plane: rollouts on every generator, the admission gate, the replay buffer, the
+prompts and their accounting, on one event loop in a process of their own (the RolloutsActor,
+forge_rl/actors/rollouts.py), so the controller's work per step does not grow with the number of
+generators or prompts.
+
+    rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
+        consumes   a prompt (a re-queued one first; built here from its index, forge_rl/core/prompts.py)
+                   and an admission from the gate
+        produces   scored episodes into the buffer (the recipe's scoring stage runs between); with
+                   `environment.name` set, a prompt is group_size episodes of the environment,
+                   played turn by turn on the generator (forge_rl/envs/rollout.py), rewarded by it
+        waits for  the admission gate (forge_rl/core/admission.py): its episodes must be trainable
+                   within max_policy_age of the version it generates with, and fit in the buffer
+        unblocked  when the train loop takes a batch or its generator loads newer weights
+
+The train loop (forge_rl/run/loop.py, in the controller) makes one call per step here, whatever the
+number of generators and prompts: `step_done` (accounts for the step, tells every generator about
+the new version, and answers with this plane's figures for the step); and `batch_taken` (when the
+step's batch left the buffer) only for a step slower than its timeout, or at a stop. Each trainer rank takes the step's batch itself
+(`batch_for_trainer`: the gate's go, then the batch out of the buffer); a stop withholds one still
+waiting at the gate (`withhold_batch`).
+Prompt i depends only on (task, seed, i), so prompts need no messages; the buffer and the gate
+are where the episodes arrive, so buffering one needs none either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from forge_rl.observability import metrics as m
+from forge_rl.core.accounting import PromptAccounting
+from forge_rl.core.admission import AdmissionGate
+from forge_rl.core.buffer import WaitingBuffer
+from forge_rl.core.columns import batch_columns
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
+from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
+from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
+from forge_rl.observability.metrics import EpisodeStats, batch_metrics
+from forge_rl.store.loader import FETCHED_BYTES
+from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
+from forge_rl.training.trainer_steps import PulledBatch
+from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
+
+UPDATES_PER_TURN = 16
+"""Weight-update calls the rollouts send per event-loop turn when a version is published."""
+
+ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
+"""Endpoint calls this plane made since the loops started (generators' pool and the scoring stage)."""
+
+
+class Prompts(Protocol):
+    """Where prompts come from (forge_rl/core/prompts.py `PromptSource`)."""
+
+    def next_episodes(self, num_prompts: int) -> list[Episode]: ...
+    def state(self) -> dict: ...
+    def load_state(self, cursor: int, reissue: list[int]) -> None: ...
+
+
+@dataclasses.dataclass
+class NextBatch:
+    """A step's batch as it left the buffer (`Rollouts.next_batch`), kept until its step is
+    accounted for (`step_done`); the trainer gets it as columns (`batch_for_trainer`)."""
+
+    train_version: int
+    """The policy version it trains at (the gate counts it from then)."""
+    episodes: list[Episode]
+    ready_s: float
+    """When it was taken, on the run's timeline (the controller's clock): the end of the train
+    loop's data wait."""
+
+
+@dataclasses.dataclass
+class RolloutActors:
+    """What the rollouts call: the generator pool and the recipe's stage from generated to buffered."""
+
+    generators: Any
+    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)` (single-turn
+    prompts), `generate_turn(i, ...)` (environment episodes), `update_weights(i, ...)`,
+    `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
+    score: Callable[[list[Episode], Timeline], Awaitable[list[Episode]]]
+    """The recipe's stage from generated to buffered (forge_rl/actors/scoring_stage.py): returns the
+    episodes to keep; those it leaves out are counted as filtered (never trained)."""
+    stats: Callable[[], Awaitable[dict]]
+    """The stage's per-step metrics (the scorer's failures, say)."""
+    renderer: Renderer | None = None
+    """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
+    when config.environment.name is set."""
+
+
+class Rollouts:
+    """The data plane's state and loops. Only its own event loop touches it."""
+
+    def __init__(self, config: GRPOConfig, actors: RolloutActors, prompts: Prompts):
+        self.config = config
+        self.actors = actors
+        self.prompts = prompts
+        self.gate = AdmissionGate(
+            num_generators=config.num_generators,
+            episodes_per_step=config.prompts_per_step,
+            max_policy_age=config.buffer.max_policy_age,
+            max_episodes_queued=config.max_episodes_queued,
+            admission=config.buffer.admission,
+            wait_for_stragglers=config.buffer.wait_for_stragglers,
+        )
+        self.buffer = WaitingBuffer(config.buffer)
+        self.accounting = PromptAccounting()
+        self.requeued: collections.deque[Episode] = collections.deque()
+        """Prompts whose generator died mid-request; handed out again first."""
+        self.taken: dict[int, NextBatch] = {}
+        """The batch of each step taken and not yet accounted for (`step_done`)."""
+        self._pulled: dict[int, list] = {}
+        """Per step the trainer's ranks ask for: [the `next_batch` task, ranks yet to ask]."""
+        self._batch_events = asyncio.Condition()
+        """Notified when a batch is taken or withheld (`batch_taken`)."""
+        self.num_generated_tokens = 0
+        self._generated_tokens_at_last_step = 0
+        self._last_step_end_s = 0.0
+        self.last_weight_update: dict = {}
+        self.weights_fetched_bytes = 0
+        """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
+        self.timeline = Timeline()
+        """Busy intervals of the generators and the scoring stage; `start` gives it the run's file."""
+        self.make_env = None if config.environment.name is None else config.environment.make_env()
+        if self.make_env is not None and actors.renderer is None:
+            raise ValueError("environment.name is set but RolloutActors.renderer is None: episodes need a renderer")
+        self.episode_stats = EpisodeStats()
+        """Environment episodes played since the last step's figures."""
+        self.env_waits = EnvWaitClock(config.num_generators)
+        """Generator idle time while episodes wait on environments; `start` restarts it with the timeline."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Endpoint calls made here, per endpoint (ROLLOUT_CALLS_TOTAL)."""
+        self.lags_s: list[tuple[float, float]] = []
+        """(wall time, seconds late) of each 10 ms timer on this event loop (log.event_loop_lag)."""
+        self.cut_at_stop: set[int] = set()
+        """Prompts whose generation or scoring the stop cut short."""
+        self._tasks: set[asyncio.Task] = set()
+        """Rollout loops, weight updates and probes; held here because the event loop keeps only weak
+        references to tasks."""
+        self._updates: set[asyncio.Task] = set()
+        """The weight updates in flight (also in `_tasks`)."""
+        self._failure: asyncio.Future | None = None
+        """The first error of a rollout or a weight update (`start` makes it): fails the run
+        (`wait_for_failure`)."""
+        self._stage_stats: dict = {}
+        self._stage_stats_next: asyncio.Future | None = None
+        self._taking = asyncio.Lock()
+        """Held by a `next_batch` from the gate to the batch: steps take their batches in order."""
+        self._waiting: tuple[int, asyncio.Future] | None = None
+        """The step whose `next_batch` waits at the gate, and what `withhold_batch` resolves to stop it."""
+        self._withheld_through = 0
+        """`next_batch` for this step or an earlier one returns None (`withhold_batch`)."""
+        self._taken_through = 0
+        """The newest step whose batch was taken (steps take their batches in order)."""
+
+    # The train loop's calls -------------------------------------------------------------------
+
+    def start(self, timeline_path: Path | None, origin_unix_time: float | None) -> None:
+        """Start the rollout loops; busy intervals go to `timeline_path` (the run's timeline.jsonl,
+        which the controller also appends to), on the controller's origin `origin_unix_time`."""
+        self._failure = asyncio.get_running_loop().create_future()
+        self.timeline = Timeline(timeline_path, origin_unix_time=origin_unix_time)
+        self.env_waits = EnvWaitClock(self.config.num_generators)
+        for index in range(self.config.num_generators):
+            for _ in range(self.config.prompts_in_flight_per_generator):
+                self._spawn(self._rollout_loop(index))
+        if self.config.log.event_loop_lag:
+            self._spawn(watch_event_loop_lag(self.lags_s))
+
+    async def wait_for_failure(self) -> None:
+        """Raises the first error of a rollout or a weight update (none: waits for ever)."""
+        if self._failure is None:
+            raise RuntimeError("Rollouts.wait_for_failure called before start")
+        await asyncio.shield(self._failure)
+
+    async def batch_for_trainer(self, step: int, num_ranks: int) -> PulledBatch | None:
+        """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
+        themselves (forge_rl/training/trainer_steps.py `train_on_pulled_batch`): the first call waits for the gate
+        and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
+        batch's episodes reach the trainer in one message from here, as columns (forge_rl/core/columns.py:
+        the trainer only pads them). None if withheld."""
+        if step not in self._pulled:
+            self._pulled[step] = [asyncio.ensure_future(self._columns_of_next_batch(step)), num_ranks]
+        pulled = self._pulled[step]
+        try:
+            return await asyncio.shield(pulled[0])
+        finally:
+            pulled[1] -= 1
+            if not pulled[1]:
+                del self._pulled[step]
+
+    async def _columns_of_next_batch(self, step: int) -> PulledBatch | None:
+        batch = await self.next_batch(step)
+        if batch is None:
+            return None
+        loss = self.config.trainer.loss
+        # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which on this
+        # event loop would hold up every rollout loop for as long; a thread lets the loop run every
+        # 5 ms (the GIL's switch interval). The episodes left the buffer: nothing writes them now.
+        columns = await asyncio.to_thread(batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount)
+        return PulledBatch(batch.train_version, columns, batch.ready_s)
+
+    async def batch_taken(self, step: int) -> float | None:
+        """Waits until step `step`'s batch has left the buffer, and answers when (on the run's
+        timeline: the train loop times the step from then, train_step_timeout_s), or None once it
+        was withheld. Asked before the step is accounted for (`step_done`), and only for a step
+        slower than its timeout, or at a stop (forge_rl/run/loop.py)."""
+        async with self._batch_events:  # the state is read under the lock its notifier holds
+            await self._batch_events.wait_for(lambda: step <= max(self._taken_through, self._withheld_through))
+        return self.taken[step].ready_s if step <= self._taken_through else None
+
+    async def next_batch(self, step: int) -> NextBatch | None:
+        """Waits until the gate lets step `step`'s batch be taken, and takes it out of the buffer;
+        steps take theirs in the order they ask. None if `withhold_batch(step)` came first or
+        while it waited at the gate (nothing taken: a stop abandons it); once past the gate, the
+        batch is taken and returned whatever comes."""
+        async with self._taking:
+            if step <= self._withheld_through:
+                return None
+            withheld = asyncio.get_running_loop().create_future()
+            self._waiting = (step, withheld)
+            go = asyncio.ensure_future(self.gate.wait_for_batch())
+            try:
+                await asyncio.wait([go, withheld], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._waiting = None
+            if not go.done():
+                go.cancel()
+                await asyncio.gather(go, return_exceptions=True)
+                return None
+            train_version = go.result()
+            episodes, evicted_versions, _ = await self.buffer.sample(self.config.prompts_per_step, train_version)
+            batch = self.taken[step] = NextBatch(train_version, episodes, self.timeline.now())
+            self._taken_through = step
+            await self._notify_batch_events()
+            # The trainer is not waiting for the gate's bookkeeping: its ranks get the batch at once.
+            await self.gate.took_batch([e.schedule_version for e in episodes], evicted_versions)
+            return batch
+
+    async def withhold_batch(self, step: int) -> None:
+        """`next_batch` for step `step` or earlier returns None if it is waiting at the gate or has
+        not begun yet; one past the gate is not stopped."""
+        self._withheld_through = max(self._withheld_through, step)
+        if self._waiting is not None and self._waiting[0] <= step and not self._waiting[1].done():
+            self._waiting[1].set_result(None)
+        await self._notify_batch_events()
+
+    async def _notify_batch_events(self) -> None:
+        async with self._batch_events:
+            self._batch_events.notify_all()
+
+    async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
+        """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
+        its batch, tell every generator about `policy_version` (not awaited), and answer with this
+        plane's figures: the batch's (`batch_metrics`, and its token versions by generator under
+        TOKEN_VERSIONS_BY_GENERATOR, for the mismatch alarm's message), then the generators', the
+        buffer's and the scoring stage's (its counters as of the step before: they are read off
+        the train loop's path)."""
+        batch = self.taken.pop(step)
+        if skipped:
+            self.accounting.count_skipped(batch.episodes)
+            self.buffer.step_skipped()
+            await self.gate.step_skipped()
+        else:
+            self.accounting.count_trained(batch.episodes)
+            self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
+        return {
+            **batch_metrics(
+                batch.episodes, batch.train_version, self.config.trainer.loss.normalize_advantage_std,
+                self.config.trainer.loss.step_discount,
+            ),
+            TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
+            **await self._step_metrics(),
+        }
+
+    async def stop_loops(self, finish_updates: bool) -> dict:
+        """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
+        that a run that ends leaves every generator at its last version); returns the prompt
+        accounting, what was held where at the stop, and the probes' figures."""
+        while finish_updates and self._updates:
+            await asyncio.gather(*self._updates)
+        await self.withhold_batch(sys.maxsize)  # a trainer rank still asking for a batch gets None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._stage_stats_next is not None:
+            self._stage_stats_next.cancel()
+        self.timeline.close()
+        return {
+            "accounting": self.accounting.summary(self.buffer.buffer.dropped.episodes),
+            "held_at_stop": {
+                "buffered": self.gate.num_episodes_queued,
+                "requeued_not_regenerated": len(self.requeued),
+                # A rollout cut while buffering has counted its filtered prompts already.
+                "cut_in_flight": len(self.cut_at_stop - set(self.accounting.filtered_ids)),
+            },
+            "calls": dict(self.calls),
+            "event_loop_lags_s": list(self.lags_s),
+        }
+
+    def state_dict(self, include_episodes: bool) -> dict:
+        """What a checkpoint keeps of this plane (forge_rl/core/checkpoint.py). The buffer is read before
+        the prompts' cursor, so every prompt in the buffer's snapshot is below that cursor; one
+        handed out after the read is above it and is simply handed out again."""
+        buffer = self.buffer.buffer.state_dict(include_episodes)
+        prompts = self.prompts.state()
+        return {
+            "buffer": buffer,
+            "prompts": prompts,
+            "accounting": self.accounting.state_dict(),
+            "reissue": self.accounting.unsettled_ids(
+                prompts["cursor"],
+                [*buffer["dropped"]["episode_ids"], *(episode["episode_id"] for episode in buffer["episodes"])],
+            ),
+            "num_generated_tokens": self.num_generated_tokens,
+        }
+
+    async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
+        """Continue from a checkpoint (`state_dict`'s figures, the prompts to hand out again first
+        as state["reissue"]): every generator serves `policy_version` before this returns, and
+        before any rollout starts. Returns the number of episodes the buffer holds now."""
+        buffered_versions = await self.buffer.load_state_dict(state["buffer"], policy_version)
+        self.prompts.load_state(state["dataset_cursor"], state["reissue"])
+        self.gate.restore(policy_version, buffered_versions)
+        self.accounting = PromptAccounting.from_state_dict(
+            state["accounting"], handed_out=state["dataset_cursor"] - len(state["reissue"])
+        )
+        self.accounting.reissued_after_resume += len(state["reissue"])
+        self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
+        await asyncio.gather(
+            *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
+        )
+        return len(buffered_versions)
+
+    # Rollouts ---------------------------------------------------------------------------------
+
+    async def _rollout_loop(self, index: int) -> None:
+        """One prompt at a time on generator `index`; many of these run per generator."""
+        while True:
+            start_version = await self.gate.admit(index)
+            try:
+                prompts = [self.requeued.popleft()] if self.requeued else self._next_prompts()
+            except BaseException:
+                await self.gate.settle(start_version, 1, num_not_queued=1)  # the admission goes back
+                raise
+            prompts = [dataclasses.replace(p, admitted_version=start_version) for p in prompts]
+            try:
+                num_buffered = await self._rollout(index, prompts)
+            except GeneratorLost:
+                await self._requeue_after_loss(index, prompts, start_version)
+                continue
+            except BaseException as e:
+                if isinstance(e, asyncio.CancelledError):  # the run ended (nothing else cancels a rollout)
+                    self.cut_at_stop.update(prompt.episode_id for prompt in prompts)
+                await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+                raise
+            await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts) - num_buffered)
+
+    async def _rollout(self, index: int, prompts: list[Episode]) -> int:
+        """Generate, score and buffer `prompts` on generator `index`; returns how many reached the buffer."""
+        config, actors = self.config, self.actors
+        if self.make_env is not None:
+            episodes = [await self._play(index, prompt) for prompt in prompts]
+        else:
+            with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
+                try:
+                    self.calls["generators.generate"] += 1
+                    episodes = await actors.generators.generate.call_one(index, prompts, config.group_size)
+                except Exception as e:
+                    lost = generator_lost(e)
+                    if lost is None:
+                        raise
+                    raise lost from None
+        self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
+        self.calls["score"] += 1
+        kept = await actors.score(episodes, self.timeline)
+        kept_ids = {e.episode_id for e in kept}
+        self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
+        num_stale = await self.buffer.put(kept) if kept else 0
+        return len(kept) - num_stale
+
+    async def _play(self, index: int, prompt: Episode) -> Episode:
+        """`prompt` as group_size episodes of the environment played on generator `index`: one
+        completion per trajectory, its reward the environment's (forge_rl/envs/rollout.py)."""
+        config = self.config
+        envs = [
+            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id), self.env_waits, index)
+            for _ in range(config.group_size)
+        ]
+
+        async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+            with self.timeline.busy(f"generator{index}", num_sequences=1), self.env_waits.turn(index):
+                try:
+                    self.calls["generators.generate_turn"] += 1
+                    return await self.actors.generators.generate_turn.call_one(index, prefix_token_ids, max_new_tokens)
+                except Exception as e:
+                    raised = raised_by_actor(e)
+                    if isinstance(raised, (GeneratorLost, ContextExhausted)):
+                        raise raised from None
+                    raise
+
+        trajectories = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
+        for trajectory in trajectories:
+            self.episode_stats.observe(trajectory)
+        first_observation = trajectories[0].conversation[0].content if trajectories[0].conversation else ""
+        return dataclasses.replace(
+            prompt,
+            prompt_text=first_observation,
+            answer="",
+            prompt_token_ids=[],  # each trajectory holds its prompt as context
+            completions=group_completions(trajectories),
+            generator_index=index,
+            temperature=config.generator.temperature,
+        )
+
+    def _next_prompts(self) -> list[Episode]:
+        prompts = self.prompts.next_episodes(1)
+        self.accounting.handed_out += len(prompts)
+        return prompts
+
+    async def _requeue_after_loss(self, index: int, prompts: list[Episode], start_version: int) -> None:
+        """The generator died mid-request: its prompts go out again once it (replaced) serves."""
+        self.requeued.extend(prompts)
+        self.accounting.requeued += len(prompts)
+        await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+        self.calls["generators.wait_until_serving"] += 1
+        loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        await self.gate.generator_serves(index, loaded_version)
+
+    # Weights ----------------------------------------------------------------------------------
+
+    async def _tell_generators(self, policy_version: int, weights_dir: str) -> None:
+        """Start every generator's update to `policy_version`, UPDATES_PER_TURN per event-loop turn:
+        128 update calls sent in one turn held the loop (the rollouts' replies, the train loop's
+        next `next_batch`) for tens of milliseconds."""
+        for index in range(self.config.num_generators):
+            if index and index % UPDATES_PER_TURN == 0:
+                await asyncio.sleep(0)  # the rest of the loop's work runs between
+            self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
+
+    async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
+        """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+        self.gate.generator_updating(index, policy_version)
+        with self.timeline.busy(f"weights{index}"):
+            try:
+                self.calls["generators.update_weights"] += 1
+                result = await self.actors.generators.update_weights.call_one(index, policy_version, weights_dir)
+            except Exception as e:
+                if generator_lost(e) is None:
+                    raise
+                await self.gate.generator_update_abandoned(index)
+                return  # its replacement loads the newest version itself
+        await self.gate.generator_serves(index, result["policy_version"])
+        self.last_weight_update = {k: v for k, v in result.items() if k.startswith("weights/")}
+        self.weights_fetched_bytes += result.get(FETCHED_BYTES, 0)
+
+    # Figures ----------------------------------------------------------------------------------
+
+    async def _step_metrics(self) -> dict:
+        """Generation since the previous step, idle fractions since the loops started, the buffer's
+        and the scoring stage's counters, the newest weight update's figures."""
+        timeline, now = self.timeline, self.timeline.now()
+        generator_busy_s = [timeline.busy_s(f"generator{i}") for i in range(self.config.num_generators)]
+        generated_tokens_per_s = (self.num_generated_tokens - self._generated_tokens_at_last_step) / max(
+            now - self._last_step_end_s, 1e-9
+        )
+        self._generated_tokens_at_last_step, self._last_step_end_s = self.num_generated_tokens, now
+        await self._refresh_stage_stats()
+        return {
+            m.GENERATED_TOKENS_TOTAL: self.num_generated_tokens,
+            m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
+            m.GENERATORS_IDLE_FRACTION: idle_fraction(generator_busy_s, now),
+            **self._episode_metrics(now),
+            **self.buffer.stats(),
+            **self._stage_stats,
+            **self.last_weight_update,
+            m.WEIGHTS_FETCHED_BYTES_TOTAL: self.weights_fetched_bytes,
+            m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
+            ROLLOUT_CALLS_TOTAL: sum(self.calls.values()),
+        }
+
+    async def _refresh_stage_stats(self) -> None:
+        """Take the stage's counters read since the last step, and read them again in the
+        background (a few calls per step, whatever the number of generators). The first step
+        waits for its read: nothing was read before it."""
+        if self._stage_stats_next is None:
+            self._stage_stats_next = self._read_stage_stats()
+            await asyncio.wait([self._stage_stats_next])
+        if self._stage_stats_next.done():
+            self._stage_stats = self._stage_stats_next.result()  # a failed read fails the step
+            self._stage_stats_next = self._read_stage_stats()
+
+    def _read_stage_stats(self) -> asyncio.Future:
+        self.calls["stats"] += 1
+        return asyncio.ensure_future(self.actors.stats())
+
+    def _episode_metrics(self, now: float) -> dict:
+        """Environment episodes played since the previous step, and the generators' idle time
+        waiting on environments since the loops started (none without an environment)."""
+        if self.make_env is None:
+            return {}
+        figures, self.episode_stats = self.episode_stats.figures(), EpisodeStats()
+        waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in range(self.config.num_generators))
+        figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * self.config.num_generators, 1e-9)
+        return figures
+
+    # Tasks ------------------------------------------------------------------------------------
+
+    def _spawn(self, coroutine) -> asyncio.Task:
+        """Run `coroutine` in the background; its error (a cancellation aside) fails the run."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._updates.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_exception(task.exception())
