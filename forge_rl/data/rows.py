@@ -1,0 +1,117 @@
+"""The row every prompt source hands out, the protocol sources share, and `export_rows`, which
+writes any source's first rows to a JSONL file that a `FileSource` reads back.
+
+Worked example (a JSONL line {"question": "2+3?", "answer": 5}, template "Solve: {question}",
+answer_column "answer"; it is row 4 of a 10-row file, which prompt 14 reads if the order of epoch 1
+puts row 4 at position 4):
+
+    Row(index=14, row_number=4, epoch=1, columns={"question": "2+3?", "answer": 5},
+        prompt="Solve: 2+3?", answer="5")
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from forge_rl.errors import ConfigError
+
+Message = dict[str, str]
+"""One chat message: {"role": ..., "content": ...}."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One prompt of a source, with everything its reward and its environment may read."""
+
+    index: int
+    """Prompt index: the place in the source's stream (for a file, epoch * num_rows + position)."""
+    row_number: int
+    """The row in the data, 0-based in storage order (line row_number + 1 of a JSONL file)."""
+    epoch: int
+    """How many times every row was read before this one (0 for an endless source)."""
+    columns: dict[str, Any]
+    """Every column of the row, by name, as `datasets` decodes it."""
+    prompt: str | list[Message]
+    """The built prompt: text, or chat messages when the source has them or a system prompt."""
+    answer: str | None
+    """The row's answer as text (numbers formatted with str), or None when the source has none."""
+
+
+class RowSource(Protocol):
+    """What every prompt source offers: a file (`FileSource`), a task, a reasoning-gym dataset."""
+
+    @property
+    def num_rows(self) -> int | None:
+        """Rows per epoch; None for an endless source (a generated task)."""
+        ...
+
+    def next_row(self, index: int) -> Row:
+        """The row of the first index >= `index` that the source hands out (a file skips rows
+        whose prompt does not fit the context); `Row.index` says which index that is."""
+        ...
+
+
+def export_rows(source: RowSource, path: str | os.PathLike, num_rows: int) -> int:
+    """Write the source's first `num_rows` rows (in its order, skipped rows left out) to the JSONL
+    file `path`, one row a line, and return how many it wrote: fewer than asked when a finite
+    source's first epoch ends first, since a second epoch would repeat rows.
+
+    Each line holds the row's columns, then the built prompt under "prompt" (text) or "messages"
+    (chat), and the answer under "answer" when there is one; these replace columns of the same
+    name. The file reads back with DataConfig(path, prompt_column="prompt" or
+    messages_column="messages", answer_column="answer"). It is written beside `path` and renamed
+    over it, so a reader never sees half a file."""
+    if num_rows < 0:
+        raise ConfigError(f"the number of rows to export ({num_rows}) must be >= 0.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    written, index = 0, 0
+    with partial.open("w", encoding="utf-8") as file:
+        while written < num_rows:
+            row = source.next_row(index)
+            if source.num_rows is not None and row.index >= source.num_rows:
+                break
+            file.write(_json_line(row) + "\n")
+            written, index = written + 1, row.index + 1
+    partial.replace(path)
+    return written
+
+
+def _json_line(row: Row) -> str:
+    record = dict(row.columns)
+    record["messages" if isinstance(row.prompt, list) else "prompt"] = row.prompt
+    if row.answer is not None:
+        record["answer"] = row.answer
+    try:
+        return json.dumps(record, ensure_ascii=False, default=_json_value)
+    except TypeError as error:
+        unwritable = [name for name, value in record.items() if not _writable(value)]
+        raise ConfigError(
+            f"row {row.row_number} (prompt {row.index}) cannot be written as JSON: column(s) "
+            f"{', '.join(map(repr, unwritable))} hold values JSON has no form for ({error}). Drop or convert "
+            "those columns before exporting."
+        ) from error
+
+
+def _json_value(value: Any) -> Any:
+    """JSON forms of the non-JSON values `datasets` decodes Arrow columns to."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _writable(value: Any) -> bool:
+    try:
+        json.dumps(value, default=_json_value)
+    except TypeError:
+        return False
+    return True
