@@ -59,5 +59,10 @@ test: venv
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
+# The import contract: the package's layers and where Monarch, vLLM and TorchTitan may be imported
+# (pyproject.toml [tool.importlinter]; the suite checks it too).
+lint: venv
+	$(VENV)/bin/lint-imports
+
 clean:
 	rm -rf $(VENV) runs

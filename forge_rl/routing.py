@@ -24,7 +24,7 @@ smallest integer type that holds the expert count (uint8 up to 256 experts, int1
 bytes per token for Qwen3-30B-A3B's 48 layers x top-8 of 128 experts is 384 bytes, against 8 bytes
 for its token id, logprob and version together. In a `TrainBatch` the records sit at their tokens'
 positions (`routed_experts_NLXK`, `routed_NL`) like behaviour logprobs; the forward shifts them one
-position back (`forge_rl.core.packing.layout_token_logprobs`).
+position back (`forge_rl.training.packing.layout_token_logprobs`).
 
 Worked example (2 MoE layers, top-2 of 8 experts, prompt of 3 tokens, completion of 2):
 

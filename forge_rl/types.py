@@ -44,7 +44,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from forge_rl.core.routing import RoutingRecord
+from forge_rl.routing import RoutingRecord
 
 
 class CompletionStatus(str, enum.Enum):
@@ -124,7 +124,7 @@ class Completion:
     """Mixture-of-experts policies with Keep Routing: the experts each generated token was sampled
     through, [G, layers, top_k] over the G generated tokens in order (context tokens have none);
     None when not recorded (dense model, recording off, or an engine that cannot), and the trainer
-    then routes those tokens itself. forge_rl/core/routing.py."""
+    then routes those tokens itself. forge_rl/routing.py."""
     kv_versions: list[int] | None = None
     """Per token, [T]: the oldest weights a generated token depends on, those that sampled it and
     those that encoded the KV it attended to, as the engine recorded it; the entry of a context
@@ -302,3 +302,30 @@ class Episode:
             for c in data["completions"]
         ]
         return cls(**data | {"completions": completions})
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """One weight swap, timed from the generator's side. Seconds throughout."""
+
+    policy_version: int
+    mode: str
+    """vLLM pause mode: keep (in flight), wait (drain) or abort (abort and resubmit)."""
+    loader: str
+    """"staged" (references swapped while paused) or "reload" (vLLM's reload_weights while paused)."""
+    stage_s: float
+    """Staging in the worker while the engine decoded (0 when staged beforehand or reloading)."""
+    pause_s: float
+    """From asking for the pause to the engine being paused: the current step finishing
+    (keep), every in-flight request finishing (wait), or the abort (abort)."""
+    load_s: float
+    """Paused, swapping (staged: a reference swap; reload: the whole reload)."""
+    stall_s: float
+    """From asking for the pause to resuming: `pause_s` + the paused time."""
+    paused_s: float
+    """From paused to resumed: the time the engine could not decode at all."""
+    num_bytes: int
+    num_requests_over_older_kv: int = 0
+    """Requests that continued across the swap on KV computed by older weights (swap_kv="reuse"):
+    their later tokens are labelled with the new version, one version younger than the oldest
+    weights they depend on."""

@@ -100,7 +100,7 @@ def local_actor(obj: Any, *names: str) -> Any:
 
 class FakePrompts:
     """Prompts of the max_of_two task with three-token prompts (no tokenizer): the rollouts' view of
-    forge_rl/core/prompts.py."""
+    forge_rl/pipeline/prompts.py."""
 
     def __init__(self):
         self.cursor = 0

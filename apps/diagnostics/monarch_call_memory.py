@@ -7,7 +7,7 @@ memory (USS) after each round. With `call_one` the Python heap does not grow (ch
 tracemalloc) but, with torchmonarch 0.7.0, the native memory of both processes does, linearly in
 the number of calls: this is what the soak benchmark's growth came from (docs/benchmarks/README.md,
 "soak"). `port_calls` makes the same calls answered on one long-lived port
-(forge_rl/actors/port_calls.py), which the per-prompt calls of a run use. `blocking_get` makes
+(forge_rl/plumbing/port_calls.py), which the per-prompt calls of a run use. `blocking_get` makes
 them with `call_one(...).get()` from a worker thread, as the weight store's writer thread does
 (forge_rl/store/client.py); `mesh_call` with `.call()` on a plain endpoint, as the train loop
 called the trainer ranks' `train_next_step` until it called them on its port
@@ -25,7 +25,7 @@ import time
 import psutil
 from monarch.actor import Actor, concurrent_endpoint, endpoint, this_host
 
-from forge_rl.actors.port_calls import PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 
 

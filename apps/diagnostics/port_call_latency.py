@@ -1,4 +1,4 @@
-"""What a call answered on a port (forge_rl/actors/port_calls.py) costs in latency against `call_one`,
+"""What a call answered on a port (forge_rl/plumbing/port_calls.py) costs in latency against `call_one`,
 with calls in flight as a run has them.
 
     python apps/diagnostics/port_call_latency.py [--in-flight 16] [--calls 100] [--work-ms 5]
@@ -15,7 +15,7 @@ import time
 
 from monarch.actor import Actor, concurrent_endpoint, this_host
 
-from forge_rl.actors.port_calls import PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 
 

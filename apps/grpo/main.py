@@ -38,7 +38,7 @@ import sys
 
 from forge_rl.run import launch
 from forge_rl.actors.generator_pool import GeneratorPool
-from forge_rl.actors.port_calls import PortCalled, PortCalls
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls
 from forge_rl.actors.rollouts import RolloutsActor
 from forge_rl.actors.scoring_stage import ScoringStage
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
@@ -75,7 +75,7 @@ async def run(config: GRPOConfig) -> dict:
         every_step_calls = PortCalls()
         pipeline = Pipeline(config, RunActors(
             # The calls made every step (and a slow step's `batch_taken`) are answered on one port
-            # (forge_rl/actors/port_calls.py).
+            # (forge_rl/plumbing/port_calls.py).
             rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
             trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
             after_publish=actors.scoring.after_publish,

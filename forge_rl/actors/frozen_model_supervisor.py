@@ -42,7 +42,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator_pool import stop_quietly
-from forge_rl.actors.port_calls import PortServed
+from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.core.deadlines import within
 from forge_rl.errors import ScorerLost

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.actors.port_calls import PortServed
+from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn

@@ -50,7 +50,7 @@ from monarch.actor import (
 )
 
 from forge_rl.actors.generator import GeneratorActor
-from forge_rl.actors.port_calls import PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.core.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.run.preflight import local_gpu_count
+from forge_rl.plumbing.placement import local_gpu_count
 
 
 class HostProbe(Actor):

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint
 
-from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
 from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
-from forge_rl.core.prompts import PromptSource
+from forge_rl.pipeline.prompts import PromptSource
 from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
 from forge_rl.training.trainer_steps import PulledBatch
 
@@ -34,7 +34,7 @@ class RolloutsActor(PortServed, Actor):
     def __init__(self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
         # controller runs, is left out: a closure does not cross processes). The pool's calls, a
-        # generate per prompt, are answered on one port (forge_rl/actors/port_calls.py).
+        # generate per prompt, are answered on one port (forge_rl/plumbing/port_calls.py).
         renderer = None
         if config.environment.name is not None:
             renderer = make_renderer(config.environment.renderer, Path(model_dir), config.environment.tool_call_parser)

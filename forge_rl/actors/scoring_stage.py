@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
-from forge_rl.actors.port_calls import PortCalls
+from forge_rl.plumbing.port_calls import PortCalls
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.core.advantages import DynamicSampling

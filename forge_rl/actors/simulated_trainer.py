@@ -16,7 +16,7 @@ import time
 from monarch.actor import Actor, endpoint
 
 from forge_rl.observability import metrics as m
-from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.core.columns import BatchColumns, batch_columns
 from forge_rl.errors import ConfigError
 from forge_rl.training.trainer_config import TrainerConfig
@@ -31,7 +31,7 @@ class SimulatedTrainerActor(PortServed, Actor):
         self.policy_version = 0
         self._turns = StepTurns()
         self._prefetch = BatchPrefetch()
-        self._calls = PortCalls()  # each step's batch_for_trainer (forge_rl/actors/port_calls.py)
+        self._calls = PortCalls()  # each step's batch_for_trainer (forge_rl/plumbing/port_calls.py)
 
     @endpoint
     async def setup(self) -> dict:

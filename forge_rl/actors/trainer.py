@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.actors.port_calls import PortCalled, PortCalls, PortServed
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.core.columns import BatchColumns, batch_columns
 from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 from forge_rl.observability.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
@@ -66,7 +66,7 @@ class TrainerActor(PortServed, Actor):
         self._prefetch = BatchPrefetch()
         """The next step's batch, asked for while this one trains."""
         self._calls = PortCalls()
-        """Each step's `batch_for_trainer`, answered on one port (forge_rl/actors/port_calls.py)."""
+        """Each step's `batch_for_trainer`, answered on one port (forge_rl/plumbing/port_calls.py)."""
         self._publishing: asyncio.Future | None = None
         """The publish of the newest version, started after its step answered (`_train_step`)."""
         self._telling_written: asyncio.Future | None = None

@@ -1,5 +1,5 @@
 """`forge-rl bench keep-routing`: how far the trainer's logprobs drift from the sampler's on a
-mixture-of-experts policy, with and without Keep Routing (forge_rl/core/routing.py), and what the
+mixture-of-experts policy, with and without Keep Routing (forge_rl/routing.py), and what the
 routing record costs.
 
 One tiny Qwen3-MoE: from scratch (`TinyModelConfig` with experts), or `--model-path`, pre-trained
@@ -197,7 +197,7 @@ def _measure(trainer, batch) -> dict[str, float]:
 
     from forge_rl.training.losses.corrections import k3_kl_NL
     from forge_rl.models.moe import last_routing, replay_routers
-    from forge_rl.core.routing import routing_differs_NL
+    from forge_rl.routing import routing_differs_NL
 
     mask_NL = batch.loss_mask_NL
     unreplayed = dataclasses.replace(batch, routed_experts_NLXK=None, routed_NL=None)

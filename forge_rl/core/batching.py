@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from forge_rl.core.columns import BatchColumns, batch_columns
-from forge_rl.core.routing import batch_routing
+from forge_rl.routing import batch_routing
 from forge_rl.types import Episode
 
 
@@ -51,9 +51,9 @@ class TrainBatch:
     (`LossConfig.kl_beta` > 0); None when no reference model runs."""
     lengths_N: torch.Tensor | None = None
     """[N] int64 real tokens (prompt + completion) of each row, the rest is padding; None means
-    every row is L long. The trainer's forward layout (`forge_rl.core.packing`) reads it."""
+    every row is L long. The trainer's forward layout (`forge_rl.training.packing`) reads it."""
     routed_experts_NLXK: torch.Tensor | None = None
-    """[N, L, X, K] uint8/int16 Keep Routing records (forge_rl/core/routing.py): at each generated token,
+    """[N, L, X, K] uint8/int16 Keep Routing records (forge_rl/routing.py): at each generated token,
     the experts of each of the X MoE layers its sampling pass used (0 where `routed_NL` is False);
     None when no completion of the batch has a record."""
     routed_NL: torch.Tensor | None = None

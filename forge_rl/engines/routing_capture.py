@@ -16,7 +16,7 @@ the rows that sampled a token. forge_rl's CPU worker runs inside the engine-core
 Which rows. A forward step computes rows of several requests, in the order of the model runner's
 `input_batch.req_ids`, `num_scheduled_tokens[req]` consecutive rows each, at the positions the
 model is called with. Row at position p of a request with a prompt of P tokens sampled generated
-token p - (P - 1) when p >= P - 1 (forge_rl/core/routing.py: a token's routing is that of the pass that
+token p - (P - 1) when p >= P - 1 (forge_rl/routing.py: a token's routing is that of the pass that
 sampled it). The first row recorded for a token is kept: a later recomputation of the same
 position (preemption, a KV recompute after a weight swap) did not sample it.
 
@@ -31,7 +31,7 @@ import re
 import torch
 
 from forge_rl.engines.forward_clock import ForwardClockExtension
-from forge_rl.core.routing import RoutingRecord, expert_id_dtype
+from forge_rl.routing import RoutingRecord, expert_id_dtype
 from forge_rl.engines.vllm_staging import StagedWeightsExtension
 
 _INTERNAL_ID = re.compile(r"^(?:(?P<child>\d+)_)?(?P<external>.+)-[0-9a-zA-Z]{8}$")

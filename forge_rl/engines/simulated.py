@@ -351,7 +351,7 @@ class SimulatedEngine:
         swap, resume; tokens decoded from then on carry `policy_version`. mode abort is simulated
         as keep with the prefixes recomputed (what vLLM's abort and resubmit costs). Returns the
         same SwapStats as VLLMEngine.swap_weights."""
-        from forge_rl.engines.vllm_engine import SwapStats
+        from forge_rl.types import SwapStats
 
         loop = asyncio.get_running_loop()
         recompute = mode == "abort" or (swap_kv or self.config.swap_kv) == "recompute"

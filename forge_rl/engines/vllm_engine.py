@@ -54,8 +54,8 @@ import psutil
 from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
-from forge_rl.core.routing import RoutingRecord
-from forge_rl.types import Completion, CompletionStatus
+from forge_rl.routing import RoutingRecord
+from forge_rl.types import Completion, CompletionStatus, SwapStats
 
 _logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class GeneratorConfig:
     matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
     against an fp32 trainer (`forge-rl bench keep-routing`)."""
     record_routing: bool = False
-    """Mixture-of-experts policies (Keep Routing, forge_rl/core/routing.py): record the experts every
+    """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
     generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
     On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
     captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
@@ -773,7 +773,7 @@ class VLLMEngine:
             ignore_eos=eos_id is None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             # Keep Routing on GPU: a generated token's routing is its predecessor's row
-            # (forge_rl/core/routing.py), so the rows start at the prompt's last token.
+            # (forge_rl/routing.py), so the rows start at the prompt's last token.
             **({"routed_experts_prompt_start": max(num_prompt_tokens - 1, 0)} if self.config.record_routing else {}),
         )
 
@@ -1129,33 +1129,6 @@ class AdapterLoadStats:
     """Versions whose adapters the previous load's unload removed (waited for here)."""
     resident: list[int]
     """Versions whose adapters are loaded now."""
-
-
-@dataclass(frozen=True)
-class SwapStats:
-    """One weight swap, timed from the generator's side. Seconds throughout."""
-
-    policy_version: int
-    mode: str
-    """vLLM pause mode: keep (in flight), wait (drain) or abort (abort and resubmit)."""
-    loader: str
-    """"staged" (references swapped while paused) or "reload" (vLLM's reload_weights while paused)."""
-    stage_s: float
-    """Staging in the worker while the engine decoded (0 when staged beforehand or reloading)."""
-    pause_s: float
-    """From asking for the pause to the engine being paused: the current step finishing
-    (keep), every in-flight request finishing (wait), or the abort (abort)."""
-    load_s: float
-    """Paused, swapping (staged: a reference swap; reload: the whole reload)."""
-    stall_s: float
-    """From asking for the pause to resuming: `pause_s` + the paused time."""
-    paused_s: float
-    """From paused to resumed: the time the engine could not decode at all."""
-    num_bytes: int
-    num_requests_over_older_kv: int = 0
-    """Requests that continued across the swap on KV computed by older weights (swap_kv="reuse"):
-    their later tokens are labelled with the new version, one version younger than the oldest
-    weights they depend on."""
 
 
 async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:

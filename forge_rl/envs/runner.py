@@ -43,7 +43,7 @@ from forge_rl.envs.environment import Environment, MalformedTurn, Observation, S
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectoryBuilder, TrajectoryStatus
 from forge_rl.errors import ConfigError
-from forge_rl.core.routing import RoutingRecord
+from forge_rl.routing import RoutingRecord
 
 T = TypeVar("T")
 
@@ -97,7 +97,7 @@ class SampledTurn:
     logprobs over them); None when nothing was filtered out or the generator does not record them."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
-    (forge_rl/core/routing.py); None when not recorded."""
+    (forge_rl/routing.py); None when not recorded."""
     num_truncated_support: int = 0
     """Tokens whose kept set may be incomplete (`Completion.num_truncated_support`)."""
 

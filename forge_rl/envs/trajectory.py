@@ -50,7 +50,7 @@ from typing import Union
 
 from forge_rl.envs.environment import Message, Observation, as_messages
 from forge_rl.envs.renderers import Renderer
-from forge_rl.core.routing import RoutingRecord
+from forge_rl.routing import RoutingRecord
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class GeneratedSpan:
     `Completion.sampling_support`); None when nothing was filtered or none were recorded."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
-    (forge_rl/core/routing.py: the routing of the pass that sampled it, the context's last token's
+    (forge_rl/routing.py: the routing of the pass that sampled it, the context's last token's
     for the turn's first token); None when not recorded."""
     num_truncated_support: int = 0
     """Tokens whose kept set may be incomplete, as the generator counted them

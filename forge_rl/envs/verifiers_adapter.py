@@ -268,10 +268,3 @@ def _chat_program() -> dict[str, Any]:
     return namespace
 
 
-
-def sums_environment(seed: int, index: int) -> VerifiersEnvironment:
-    """A small verifiers environment for the tiny models, built with verifiers' own classes
-    (forge_rl/envs/verifiers_sums.py): "3+4=" answered "7"."""
-    from forge_rl.envs.verifiers_sums import make_sums_environment
-
-    return make_sums_environment(seed)(seed, index)

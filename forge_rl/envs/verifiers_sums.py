@@ -1,7 +1,7 @@
 """A small verifiers environment written as a verifiers user writes one, with verifiers' own
 classes (`vf.TaskData`, `vf.Task` with a `@vf.reward`, `vf.Taskset`) and no dataset download:
 sums of two digits for the tiny models ("3+4=" -> "7", reward 1.0 when the reply is the sum).
-Imported only when a run names it (verifiers_adapter.sums_environment): it needs `verifiers`.
+Imported only when a run names it (`sums_environment`): it needs `verifiers`.
 """
 
 from __future__ import annotations
@@ -44,3 +44,8 @@ def make_sums_environment(seed: int):
     """make_env(seed, index) over the taskset of `seed` (built once per seed)."""
     return verifiers_environment(SumsTaskset(SumsTasksetConfig(seed=seed)))
 
+
+def sums_environment(seed: int, index: int):
+    """A small verifiers environment for the tiny models, built with verifiers' own classes:
+    "3+4=" answered "7"."""
+    return make_sums_environment(seed)(seed, index)

@@ -3,7 +3,7 @@
 TorchTitan 0.3.0 attends within packed documents only through FlexAttention (compiled; no
 backward on CPU) or varlen attention (no CPU kernel), and its `ScaledDotProductAttention` refuses
 masks. This inner attention takes, as `attention_masks`, either None (plain causal attention,
-exactly TorchTitan's SDPA) or a boolean [B, 1, L, L] mask from `forge_rl.core.packing.document_mask`
+exactly TorchTitan's SDPA) or a boolean [B, 1, L, L] mask from `forge_rl.training.packing.document_mask`
 (True where query q may attend to key k: same document and k <= q), and hands it to
 `F.scaled_dot_product_attention`, which has a CPU kernel and backward for boolean masks.
 

@@ -2,7 +2,7 @@
 
 TorchTitan's own MoE (torchtitan/models/common/moe.py) is used as is, with two parts swapped:
 
-- `ReplayRouter`: TorchTitan's top-k router plus Keep Routing (forge_rl/core/routing.py). While a
+- `ReplayRouter`: TorchTitan's top-k router plus Keep Routing (forge_rl/routing.py). While a
   replay is set (`routing_replay`), tokens with a record use the recorded experts, their gate
   weights recomputed from the router's scores; the others route normally. It also keeps the
   experts it used last (`last_expert_ids_BLK`), which the trainer compares with the records.
@@ -34,7 +34,7 @@ from torchtitan.models.common.config_utils import make_moe_config, make_routed_e
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
 
-from forge_rl.core.routing import RoutingShape, replay_topk, routing_differs_NL
+from forge_rl.routing import RoutingShape, replay_topk, routing_differs_NL
 
 
 class ReplayRouter(TokenChoiceTopKRouter):

@@ -34,7 +34,7 @@ from forge_rl.models.parallel import ParallelConfig, read_hf_config, validate_pa
 def _inner_attention_config():
     """SDPA, not TorchTitan's flex/varlen (flex has no CPU backward, varlen no CPU kernel): plain
     causal when the model is called without attention masks (a right-padded sequence per row), or
-    restricted to documents by a boolean mask when sequences are packed (`forge_rl.core.packing`)."""
+    restricted to documents by a boolean mask when sequences are packed (`forge_rl.training.packing`)."""
     from forge_rl.models.document_attention import DocumentCausalSDPA
 
     return DocumentCausalSDPA.Config()

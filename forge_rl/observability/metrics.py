@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from forge_rl.core.advantages import has_signal
-from forge_rl.envs.trajectory import Trajectory
 from forge_rl.types import CompletionStatus, Episode
 
 if TYPE_CHECKING:
+    from forge_rl.envs.trajectory import Trajectory
     from forge_rl.config import LogConfig
 
 # Names of the metrics that more than one module reads (the loop writes them; the summary, the

@@ -4,7 +4,7 @@ forge_rl/actors/rollouts.py), so the controller's work per step does not grow wi
 generators or prompts.
 
     rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
-        consumes   a prompt (a re-queued one first; built here from its index, forge_rl/core/prompts.py)
+        consumes   a prompt (a re-queued one first; built here from its index, forge_rl/pipeline/prompts.py)
                    and an admission from the gate
         produces   scored episodes into the buffer (the recipe's scoring stage runs between); with
                    `environment.name` set, a prompt is group_size episodes of the environment,
@@ -60,7 +60,7 @@ ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 
 
 class Prompts(Protocol):
-    """Where prompts come from (forge_rl/core/prompts.py `PromptSource`)."""
+    """Where prompts come from (forge_rl/pipeline/prompts.py `PromptSource`)."""
 
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...

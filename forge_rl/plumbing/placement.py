@@ -21,6 +21,7 @@ import ipaddress
 import os
 import re
 import socket
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -625,3 +626,13 @@ def demand_of(config) -> RoleDemand:
         scorer_model_threads=sum(config.scorer.model_threads().values()),
     )
 
+
+def local_gpu_count() -> int:
+    """The CUDA devices this process sees. Asks torch only where a GPU driver is loaded: torch's
+    import is ~3 s of CPU that every run's controller would otherwise pay before spawning anything,
+    and without the driver's /proc entry (NVIDIA) or /dev/kfd (ROCm) torch finds no device."""
+    if not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists()):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

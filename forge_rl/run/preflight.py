@@ -16,6 +16,7 @@ from pathlib import Path
 
 from forge_rl.config import GRPOConfig
 from forge_rl.plumbing.placement import (
+    local_gpu_count,
     MAX_COMPUTE_THREADS_PER_CORE,
     check_gpus,
     check_host_indices,
@@ -50,17 +51,6 @@ def check_machine(config: GRPOConfig) -> None:
         return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)
-
-
-def local_gpu_count() -> int:
-    """The CUDA devices this process sees. Asks torch only where a GPU driver is loaded: torch's
-    import is ~3 s of CPU that every run's controller would otherwise pay before spawning anything,
-    and without the driver's /proc entry (NVIDIA) or /dev/kfd (ROCm) torch finds no device."""
-    if not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists()):
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_run_dir_location(run_dir: Path) -> None:

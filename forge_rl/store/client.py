@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from forge_rl.actors.port_calls import BlockingPortCalls, PortCalls
+from forge_rl.plumbing.port_calls import BlockingPortCalls, PortCalls
 from forge_rl.store.actors import location_of, split_location
 from forge_rl.store.host_copies import HostCopies
 from forge_rl.store.index import ADAPTER_OF, key_version, version_key
@@ -96,7 +96,7 @@ class WeightStore:
     ):
         self.index = index
         self._calls = PortCalls()
-        """The index's calls (forge_rl/actors/port_calls.py): a reader leases every version it loads."""
+        """The index's calls (forge_rl/plumbing/port_calls.py): a reader leases every version it loads."""
         self._blocking_calls = BlockingPortCalls()
         """The same for `put_state_dict_blocking`, which runs in a writer thread without an event loop."""
         self.local = SharedMemorySnapshots(Path(root), Path(extra_files_dir) if extra_files_dir else None)

@@ -1,7 +1,7 @@
 """Tasks: prompt generators with exact verifiers (`synthetic.py`, and reasoning-gym's datasets
 through `reasoning_gym.py`), reward functions (`rewards.py`), and the config the dataset and the
 scorer read. `make_task_prompt` and `encode_task_prompt` are the one way to get a task's prompt
-and its token ids (the rollouts' prompts (forge_rl/core/prompts.py), the preflight checks and `forge-rl bench task-baseline`)."""
+and its token ids (the rollouts' prompts (forge_rl/pipeline/prompts.py), the preflight checks and `forge-rl bench task-baseline`)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from forge_rl.observability.metrics import (
     TRAINER_FORWARD_S,
     TRAINER_OPTIMIZER_S,
 )
-from forge_rl.core.packing import layout_token_logprobs, plan_microbatches
-from forge_rl.core.routing import keep_routing_metrics
+from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
+from forge_rl.routing import keep_routing_metrics
 from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.models.titan import (
     build_titan_model,
@@ -134,7 +134,7 @@ class PolicyTrainer:
         """[N, L, V] fp32 logits; under TP the vocab-sharded output is gathered (differentiably).
 
         Without `positions_NL`/`mask_N1LL` each row is one causal sequence; with them (a packed
-        row, `forge_rl.core.packing.document_mask`) attention stays within each sequence. `replay`
+        row, `forge_rl.training.packing.document_mask`) attention stays within each sequence. `replay`
         (expert ids [N, L, X, K], has-record [N, L]) pins the MoE routing (trainer.keep_routing).
         """
         length = input_ids_NL.shape[1]

@@ -14,7 +14,7 @@ from forge_rl.models.lora_config import LoRAConfig
 from forge_rl.models.parallel import ParallelConfig
 
 BATCHING_MODES = ("pad", "bucket", "pack")
-"""How a trainer rank lays its rows out (`TrainerConfig.batching`, forge_rl/core/packing.py)."""
+"""How a trainer rank lays its rows out (`TrainerConfig.batching`, forge_rl/training/packing.py)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class TrainerConfig:
     version untouched); this many non-finite steps in a row stop the run with an error (so 1 stops
     at the first)."""
     batching: str = "pack"
-    """How each rank lays its rows out for the forward pass (forge_rl/core/packing.py): "pad" (one row
+    """How each rank lays its rows out for the forward pass (forge_rl/training/packing.py): "pad" (one row
     per completion, padded to the longest), "bucket" (rows sorted by length into a few micro-batches,
     each padded to its own longest) or "pack" (several completions per row, attention kept within
     each, positions restarting at 0). Logprobs and loss are the same in all three."""
@@ -67,7 +67,7 @@ class TrainerConfig:
     keep_routing: bool = False
     """Mixture-of-experts policies: replay the expert routing the generator recorded for each
     generated token (`Completion.routed_experts`) in the trainer's forward, so the trainer
-    optimizes the function that sampled (forge_rl/core/routing.py). Tokens without a record (the prompt,
+    optimizes the function that sampled (forge_rl/routing.py). Tokens without a record (the prompt,
     completions from an engine that records none) route normally; such completions are counted
     (`keep_routing/completions_without_record`). Refused on a dense model."""
 

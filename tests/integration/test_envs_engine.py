@@ -239,7 +239,7 @@ def test_openenv_verifiers_and_chat_client_agents_record_exactly_what_vllm_sampl
     from forge_rl.envs.chat_client import ChatAgentEnvironment
     from forge_rl.envs.openenv_adapter import openenv_echo_env
     from forge_rl.envs.rollout import play_episode
-    from forge_rl.envs.verifiers_adapter import sums_environment
+    from forge_rl.envs.verifiers_sums import sums_environment
 
     async def three_calls(client):
         messages = [{"role": "user", "content": "37*52="}]

@@ -15,7 +15,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.models.moe import last_routing
 from forge_rl.models.tiny import create_tiny_model
-from forge_rl.core.routing import routing_differs_NL
+from forge_rl.routing import routing_differs_NL
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 from tests.unit.test_keep_routing import NUM_LAYERS, PROMPT, TOP_K, TINY_MOE

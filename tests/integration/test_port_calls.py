@@ -1,4 +1,4 @@
-"""Calls answered on the caller's one port (forge_rl/actors/port_calls.py), between real Monarch
+"""Calls answered on the caller's one port (forge_rl/plumbing/port_calls.py), between real Monarch
 actors: answers reach their own request, an endpoint's error comes back as with `call_one`, a plain
 endpoint is served in turn, a call on a mesh gathers its actors' answers in rank order, and what
 cannot be called that way is refused before anything is sent. That these calls keep no memory
@@ -13,7 +13,7 @@ import threading
 import pytest
 from monarch.actor import Actor, Channel, concurrent_endpoint, endpoint, this_host
 
-from forge_rl.actors.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
+from forge_rl.plumbing.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.types import Episode

@@ -1,5 +1,5 @@
 """The tiny Qwen3-MoE in one trainer process: the TorchTitan model is the HF checkpoint in and out,
-and Keep Routing (forge_rl/core/routing.py) replays exactly the recorded experts, a record equal to the
+and Keep Routing (forge_rl/routing.py) replays exactly the recorded experts, a record equal to the
 trainer's own routing changes nothing, bad records are refused, completions without one fall back
 and are counted, records travel through trajectories, batches and checkpoints, EP is validated."""
 
@@ -14,7 +14,7 @@ import torch
 from forge_rl.core.batching import make_train_batch
 from forge_rl.models.moe import last_routing, take_replay_counts
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.core.routing import RoutingRecord, replay_topk, routing_differs_NL
+from forge_rl.routing import RoutingRecord, replay_topk, routing_differs_NL
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
@@ -179,7 +179,7 @@ def test_replayed_gate_weights_are_the_softmax_over_the_recorded_experts():
 
 @pytest.mark.parametrize("mode", ["bucket", "pack"])
 def test_every_batching_layout_replays_the_same_routing(trainer, mode):
-    from forge_rl.core.packing import layout_token_logprobs, plan_microbatches
+    from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 
     batch = make_train_batch([_episode([_random_record(4, 9), _random_record(3, 10)])], pad_id=0)
     padded = trainer.compute_logprobs(batch)

@@ -1,41 +1,22 @@
-"""Which modules may import Monarch, vLLM and TorchTitan, checked over the whole package; every actor
-endpoint is async.
+"""What importing forge_rl's modules loads, in a fresh interpreter; every actor endpoint is async.
 
-The rule (docs/architecture.md): Monarch is imported by the actor shells and what owns processes
-(actors/, launch, lifecycle, the store's actor and client, a benchmark that spawns actors); vLLM by
-nobody at import time (the engine imports it inside its methods); TorchTitan only by the model
-layer (models/). Everything else is plain Python and PyTorch: the functional core. Environments
-(envs/) import not even torch or transformers.
+The layers and the static bans live in the import contract (pyproject.toml `[tool.importlinter]`,
+test_import_contract.py). Here the rules that hold at import time: no module of the functional core
+loads Monarch, vLLM or TorchTitan (the engine imports vLLM inside its methods, the model layer
+TorchTitan); environments load not even torch or transformers; the processes that train and serve
+nothing start without torch.
 """
 
-import ast
 import inspect
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "forge_rl"
-HEAVY = ("monarch", "vllm", "torchtitan")
-ALLOWED = {
-    "monarch": (
-        "forge_rl.actors.",
-        "forge_rl.run.launch",
-        "forge_rl.run.lifecycle",
-        "forge_rl.plumbing.proc_main",  # the entry point of the processes forge_rl spawns
-        "forge_rl.store.actors",
-        "forge_rl.store.client",
-        "forge_rl.bench.weight_sync",
-        "forge_rl.bench.lora_sync",  # reuses weight_sync's load generator; spawns the store
-    ),
-    "vllm": (),
-    "torchtitan": ("forge_rl.models.",),
-}
-"""Module-name prefixes that may import each package (directly or through other forge_rl modules)."""
-
-# A sample of the core checked at run time too: the static check below reads only forge_rl's own
-# imports, this one also catches a third-party package that pulls Monarch in.
+# A sample of the core checked at run time: the import contract (pyproject.toml, checked by
+# test_import_contract.py) reads forge_rl's own import statements, lazy ones included; this also
+# catches a third-party package that pulls Monarch in, and holds the import-time rules (vLLM and
+# TorchTitan imported only inside the functions that use them).
 CORE_MODULES = [
     "forge_rl.types",
     "forge_rl.errors",
@@ -83,76 +64,6 @@ CORE_MODULES = [
 ENV_MODULES = [m for m in CORE_MODULES if m.startswith("forge_rl.envs.")]
 """Environments are lighter still: the rollout shell may run them in processes of their own, beside
 the generators, where importing torch (seconds, hundreds of MB) would be pure cost."""
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def import_time_imports(path: Path) -> set[str]:
-    """Modules `path` imports when it is imported: module level, not under `if TYPE_CHECKING:`,
-    not inside functions (a lazy import is the sanctioned way to use a heavy package)."""
-    name, found = module_name(path), set()
-
-    def visit(body) -> None:
-        for node in body:
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
-                module = ".".join(filter(None, [base, node.module]))
-                found.add(module)
-                found.update(f"{module}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-
-    visit(ast.parse(path.read_text()).body)
-    return found
-
-
-def heavy_imports_by_module() -> dict[str, set[str]]:
-    """module -> the heavy packages importing it imports, through any chain of forge_rl modules."""
-    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-    direct = {name: import_time_imports(path) for name, path in modules.items()}
-
-    def forge_modules(imported: str) -> list[str]:  # a.b.c imports the packages a and a.b too
-        parts = imported.split(".")
-        return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules]
-
-    result = {}
-    for name in modules:
-        seen, stack, heavy = {name}, [name], set()
-        while stack:
-            for imported in direct[stack.pop()]:
-                if imported.split(".")[0] in HEAVY:
-                    heavy.add(imported.split(".")[0])
-                for module in forge_modules(imported):
-                    if module not in seen:
-                        seen.add(module)
-                        stack.append(module)
-        result[name] = heavy
-    return result
-
-
-def test_only_the_shells_import_monarch_and_only_the_model_layer_imports_torchtitan():
-    violations = [
-        f"{module} imports {package}"
-        for module, packages in sorted(heavy_imports_by_module().items())
-        for package in sorted(packages)
-        if not module.startswith(ALLOWED[package])
-    ]
-    assert violations == []
-
-
-def test_the_boundary_check_sees_imports_through_other_modules():
-    heavy = heavy_imports_by_module()
-    assert "monarch" in heavy["forge_rl.run.lifecycle"]  # through forge_rl.run.launch
-    assert heavy["forge_rl.run.loop"] == set()
 
 
 def loaded_in_a_fresh_interpreter(modules: list[str], heavy: tuple[str, ...]) -> str:

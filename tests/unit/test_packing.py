@@ -1,10 +1,10 @@
-"""Forward layouts (forge_rl/core/packing.py): the plans, the document mask, and the mapping back to rows."""
+"""Forward layouts (forge_rl/training/packing.py): the plans, the document mask, and the mapping back to rows."""
 
 import pytest
 import torch
 
 from forge_rl.core.batching import kept_sets
-from forge_rl.core.packing import document_mask, layout_token_logprobs, plan_microbatches
+from forge_rl.training.packing import document_mask, layout_token_logprobs, plan_microbatches
 
 
 def _covered(microbatches, lengths):

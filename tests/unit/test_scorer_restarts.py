@@ -141,7 +141,7 @@ def test_counters_add_up_over_incarnations_and_a_rescored_completion_counts_once
 
 
 def test_a_stats_read_its_scorer_never_answers_is_ended_by_the_death_and_the_last_read_stands():
-    """Stats are read on a port (forge_rl/actors/port_calls.py): a dead scorer never answers, so
+    """Stats are read on a port (forge_rl/plumbing/port_calls.py): a dead scorer never answers, so
     the watchdog's `lost` ends the read, and the dead incarnation's last read is carried over."""
 
     async def main():

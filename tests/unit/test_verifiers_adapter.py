@@ -17,7 +17,8 @@ from forge_rl.envs.renderers import PlainTextRenderer  # noqa: E402
 from forge_rl.envs.rollout import play_episode, trajectory_completion  # noqa: E402
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn  # noqa: E402
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus  # noqa: E402
-from forge_rl.envs.verifiers_adapter import sums_environment, verifiers_environment  # noqa: E402
+from forge_rl.envs.verifiers_adapter import verifiers_environment  # noqa: E402
+from forge_rl.envs.verifiers_sums import sums_environment  # noqa: E402
 from forge_rl.errors import ConfigError  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
