@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from forge_rl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from forge_rl.data.files import DataConfig
+    from forge_rl.data.config import DataConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a prompt's chat message may have."""

@@ -18,7 +18,8 @@ import pyarrow
 import pyarrow.parquet as pq
 import pytest
 
-from forge_rl.data.files import DataConfig, FileSource, LengthLimit
+from forge_rl.data.config import DataConfig
+from forge_rl.data.files import FileSource, LengthLimit
 from forge_rl.data.order import locate, permute
 from forge_rl.data.rows import Row, export_rows
 from forge_rl.errors import ConfigError
