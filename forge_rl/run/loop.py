@@ -31,7 +31,7 @@ import dataclasses
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from forge_rl.observability import metrics as m
 from forge_rl.core.deadlines import within
@@ -49,8 +49,35 @@ stop (a batch withheld, the loops stopped), cut to what is left of the stop's bu
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
-    from forge_rl.run.lifecycle import Lifecycle
     from forge_rl.training.trainer_steps import PulledStep
+
+
+class LoopHooks(Protocol):
+    """What the train loop asks of the run around it (`forge_rl.run.lifecycle.Lifecycle` is the
+    run's): checkpoints between steps, and the bounds of a stop. The loop knows the lifecycle
+    through these alone, so the lifecycle sits above it and imports it, never the reverse."""
+
+    step_at_stop_s: float
+    """How long a step in flight at a stop may take to finish."""
+
+    @property
+    def stop_waits_for_steps(self) -> bool:
+        """Whether a stop now lets the step in flight finish (for a shutdown checkpoint)."""
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint follows `step`."""
+
+    async def after_step(self, pipeline: Pipeline) -> None:
+        """Between steps: a checkpoint when due, the run's stop if one arrived."""
+
+    async def checkpoint_at_stop(self, pipeline: Pipeline) -> None:
+        """The shutdown checkpoint, when the config wants one."""
+
+    def stop_began(self) -> None:
+        """A stop reached the loops: its time budget starts now."""
+
+    def stop_timeout(self, bound_s: float) -> float:
+        """`bound_s`, cut to what is left of the stop's budget."""
 
 
 @dataclasses.dataclass
@@ -136,7 +163,7 @@ class Pipeline:
 
     # Training ---------------------------------------------------------------------------------
 
-    async def train_loop(self, metrics_logger: MetricsLogger, lifecycle: Lifecycle) -> list[dict]:
+    async def train_loop(self, metrics_logger: MetricsLogger, lifecycle: LoopHooks) -> list[dict]:
         """Steps self.step + 1 to config.steps; `lifecycle` checkpoints between steps and lets a
         stop (Ctrl-C, SIGTERM) wait for the steps in flight when a shutdown checkpoint is wanted.
 
@@ -176,12 +203,12 @@ class Pipeline:
                 ahead.cancel()
         return metrics_logger.logged()
 
-    def _sends_ahead(self, step: int, lifecycle: Lifecycle) -> bool:
+    def _sends_ahead(self, step: int, lifecycle: LoopHooks) -> bool:
         """Whether the loop sends step + 1 while step `step` trains: not past the last step, nor
         past a checkpoint, which holds the buffer as of its step."""
         return step < self.config.steps and not lifecycle.checkpoint_due(step)
 
-    async def _finish_taken(self, ahead: SentStep | None, lifecycle: Lifecycle) -> list[StepResult]:
+    async def _finish_taken(self, ahead: SentStep | None, lifecycle: LoopHooks) -> list[StepResult]:
         """After a stop: no batch leaves the buffer from now on, and the steps whose batches had
         left (`ahead`, then the step its trainer asked for ahead, if it did) are finished."""
         if ahead is None:
@@ -216,7 +243,7 @@ class Pipeline:
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 
-    async def _finish_step(self, sent: SentStep, lifecycle: Lifecycle, withheld: bool = False) -> StepResult | None:
+    async def _finish_step(self, sent: SentStep, lifecycle: LoopHooks, withheld: bool = False) -> StepResult | None:
         """Wait for the trainer's step, and account for it; the rollouts tell every generator
         about the new version (not awaited) and answer with the data plane's figures. None if a
         stop withheld the step's batch (nothing was taken or trained); `withheld`: the loop
@@ -278,7 +305,7 @@ class Pipeline:
         """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
         return self.batches_out > 0
 
-    async def _trained(self, sent: SentStep, lifecycle: Lifecycle, after_stop: bool = False) -> tuple[PulledStep | None, bool]:
+    async def _trained(self, sent: SentStep, lifecycle: LoopHooks, after_stop: bool = False) -> tuple[PulledStep | None, bool]:
         """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) The step raises
         TrainStepTimedOut past config.train_step_timeout_s from when its batch left the buffer (the
         previous step has ended by then), so a hung rank or collective stops the run instead of
@@ -336,7 +363,7 @@ class Pipeline:
         return sent.taken
 
     @staticmethod
-    async def _within_stop(lifecycle: Lifecycle, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S) -> Any:
+    async def _within_stop(lifecycle: LoopHooks, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S) -> Any:
         """Await `awaitable` within `bound_s`, cut to what is left of the stop's budget; past it the
         stop goes on without it, saying so: raises asyncio.TimeoutError."""
         timeout_s = lifecycle.stop_timeout(bound_s)
@@ -348,7 +375,7 @@ class Pipeline:
 
     # Both -------------------------------------------------------------------------------------
 
-    async def run(self, run_path: Path, metrics_logger: MetricsLogger, lifecycle: Lifecycle) -> tuple[list[dict], dict]:
+    async def run(self, run_path: Path, metrics_logger: MetricsLogger, lifecycle: LoopHooks) -> tuple[list[dict], dict]:
         """The rollout loops and the train loop until config.steps steps are trained; returns the
         steps' metrics and the prompt accounting. A stop checkpoints first when configured."""
         rollouts = self.actors.rollouts
