@@ -24,7 +24,6 @@ from forge_rl.types import CompletionStatus, Episode
 
 if TYPE_CHECKING:
     from forge_rl.envs.trajectory import Trajectory
-    from forge_rl.config import LogConfig
 
 # Names of the metrics that more than one module reads (the loop writes them; the summary, the
 # progress line, the plots and the benchmarks read them). docs/observability.md lists them all.
@@ -215,7 +214,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def open_sinks(log: LogConfig, run_path: Path, hparams: dict) -> list[MetricsSink]:
+class SinkSettings(Protocol):
+    """What the sinks read of the run's `forge_rl.config.LogConfig`."""
+
+    tensorboard: bool
+    wandb: bool
+    wandb_project: str
+    wandb_mode: str
+
+
+def open_sinks(log: SinkSettings, run_path: Path, hparams: dict) -> list[MetricsSink]:
     """The sinks `log` asks for, writing under `run_path`; `hparams` is the run's config as a dict."""
     sinks: list[MetricsSink] = []
     if log.tensorboard:

@@ -26,12 +26,17 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # a worker process runs this module: it imports nothing it does not need
-    from forge_rl.scoring.scorers import ScorerConfig
+from typing import Protocol
 
 from forge_rl.core.deadlines import within
+
+class PoolSettings(Protocol):
+    """What the pool reads of its config (`forge_rl.scoring.scorers.ScorerConfig` is the run's): a
+    worker process runs this module, so it imports nothing it does not need."""
+
+    num_workers: int
+    reward_timeout_s: float
+
 
 _WORKER_START_TIMEOUT_S = 120.0
 """How long a new worker may take to import and report ready (a busy CPU host can be slow)."""
@@ -105,7 +110,7 @@ class RewardWorker:
 class RewardWorkerPool:
     """`num_workers` reward worker processes; `score` takes an idle one, replacing it on a fault."""
 
-    def __init__(self, reward: str, config: "ScorerConfig"):
+    def __init__(self, reward: str, config: PoolSettings):
         self.reward = reward
         self.config = config
         self.num_worker_restarts = 0
