@@ -48,8 +48,8 @@ env-adapters:
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml
 
-# Two pytest-xdist workers, a test file to each (its module-scoped run starts once): 21.5 min here
-# against 31-36 min on one, since one run alone leaves a core idle much of the time
+# Two pytest-xdist workers, a test file to each (its module-scoped run starts once): one real run
+# alone leaves a core idle much of the time, so two workers finish the suite well before one
 # (docs/benchmarks/README.md, "The demo and the test suite"). `make TEST_WORKERS=0 test` runs the suite in one process.
 TEST_WORKERS ?= 2
 
