@@ -88,9 +88,8 @@ class TrainerActor(PortServed, Actor):
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
 
     # A plain endpoint, not a concurrent one: called on the whole mesh with `.call()`, a concurrent
-    # endpoint's reply from a rank went missing now and then (the train loop waited for ever with
-    # both ranks idle: 3 hangs in about 11 runs of test_grpo_loop's fsdp and resume tests, none in
-    # 24 with a plain endpoint, 2026-11-25). So step k + 1's call starts once step k has
+    # endpoint's reply from a rank can go missing (the train loop then waits for ever with both
+    # ranks idle; a plain endpoint's replies always arrive). So step k + 1's call starts once step k has
     # answered, and its batch is asked for while step k trains (`prefetch_next`, BatchPrefetch);
     # `StepTurns` keeps the order should the endpoint become concurrent again. The train loop
     # calls it on a port (PortCalls.call_each: served in turn, by `call_on_port_in_turn`), since a
@@ -210,7 +209,7 @@ class TrainerActor(PortServed, Actor):
         writes = self.rank == 0
         adapter = None
         if self.config.lora.enabled:
-            # Adapters only (issue 15): gathered on every rank (a collective under FSDP2/TP), full
+            # Adapters only: gathered on every rank (a collective under FSDP2/TP), full
             # on rank 0, converted there to the PEFT adapter directory vLLM loads.
             dtype = self.publish_config.torch_dtype()
             adapters = self.trainer.adapter_state_dict(dtype, keep=writes)

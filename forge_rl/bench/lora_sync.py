@@ -155,7 +155,7 @@ def trainer_comparison(args: LoRASyncArgs) -> dict:
     from forge_rl.training.trainer import PolicyTrainer
 
     if not hasattr(PolicyTrainer, "adapter_state_dict"):
-        return {"skipped": "this PolicyTrainer has no LoRA training (issue 15 part 4: branch lora-trainer)"}
+        return {"skipped": "this PolicyTrainer has no LoRA training"}
     results = {}
     for name, lora in (("full", False), ("lora", True)):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -16,7 +16,7 @@ earlier-admitted long ones are still decoding. The buffer serves the earliest-ad
 (`batch_may_be_sampled`) while taking that batch would leave the episodes still in flight more
 than the remaining steps can train in time, i.e. until the ones that need this step have arrived.
 Taking the short ones first and letting the gate admit new work into the slots the long ones need
-is how an admitted episode used to be dropped (`forge-rl bench scale`).
+would drop an admitted episode (`forge-rl bench scale` counts such drops).
 Together, with the trainer waiting for stragglers (the default): nothing the gate admitted is ever
 dropped.
 

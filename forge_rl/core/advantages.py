@@ -34,7 +34,7 @@ def group_advantages(rewards_G: Sequence[float], normalize_std: bool) -> list[fl
 
     Plain float64 arithmetic, not tensors: a group holds a handful of numbers and the trainer
     computes one group per prompt on its critical path, where four tensor operations per group
-    cost more than the whole batch's padding (issue 16 part 7).
+    cost more than the whole batch's padding.
     """
     rewards = [float(r) for r in rewards_G]
     if max(rewards) == min(rewards):  # exactly 0: the float mean of equal values need not equal them

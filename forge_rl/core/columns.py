@@ -2,9 +2,9 @@
 trainer's padded tensors are made of (forge_rl/core/batching.py `make_train_batch`). Plain Python, no
 torch: the rollouts' process builds them as the batch leaves the buffer.
 
-Why columns, and why there. The trainer used to receive the batch as episodes (about a hundred
-dataclass objects for the CPU demo) and turn them into tensors itself, a Python walk over every
-token, on its critical path: between the batch leaving the buffer and the step's compute. A few
+Why columns, and why there. A batch sent as episodes (about a hundred dataclass objects for the
+CPU demo) would have the trainer turn them into tensors itself, a Python walk over every token, on
+its critical path: between the batch leaving the buffer and the step's compute. A few
 `array.array`s cross a process as a few byte buffers, are unpickled in microseconds and become
 tensors with `torch.frombuffer`, so the trainer's share of turning episodes into a batch is the
 padding alone; the walk runs in the rollouts' process, where it costs the trainer nothing.

@@ -7,7 +7,7 @@ For each targeted linear layer y = W x, LoRA trains two small matrices and serve
 A starts Kaiming-uniform (drawn from `seed` alone, so every rank and every parallelism starts from
 the same adapters) and B at zero, so an adapted model starts as exactly its base. Only A and B
 train: with rank 16 on every attention and MLP projection of SmolLM2-135M they are 3.2% of the
-weights (4.33M of 134.5M), which is what weight sync then moves (issue 15, part 5).
+weights (4.33M of 134.5M), which is what weight sync then moves.
 
 The adapters live in their own module (`LoRAAdapters`), not inside the model: the model's
 parameters, state_dict keys and TorchTitan state-dict adapter stay those of the base, so the HF

@@ -77,7 +77,7 @@ class SnapshotRecord:
 
     @property
     def adapter_of(self) -> str | None:
-        """For an adapter version (LoRA: only the adapter tensors, issue 15), the base model it
+        """For an adapter version (LoRA: only the adapter tensors), the base model it
         applies to, as the writer named it (the base's model directory); None for full weights."""
         return self.info.get(ADAPTER_OF)
 

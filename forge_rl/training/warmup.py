@@ -1,4 +1,4 @@
-"""The supervised warm-up on an environment's turn format, before RL (issue 13's calculator recipe).
+"""The supervised warm-up on an environment's turn format, before RL (the calculator recipe's).
 
 From scratch, the tiny model never writes a well-formed tool call, so every reward is 0 and GRPO
 has no signal. `warm_up_model` trains the freshly created model with cross-entropy on the
