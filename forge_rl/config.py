@@ -17,6 +17,7 @@ from typing import Literal
 
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig
+from forge_rl.data.config import DataConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.observability.health import MismatchAlarmConfig
@@ -163,6 +164,11 @@ class GRPOConfig:
     no batch can be filled, and the trainer would wait for one forever. A group with a signal
     starts the count again."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig | None = None
+    """Prompts from a data file (forge_rl/data, docs/data.md) instead of the task's generator; unset by
+    default. The task still gives the reward (task.reward, against data.answer_column) and the
+    prompt format of text prompts (task.prompt_format); its name and seed must stay at their
+    defaults, since the file, not the task, decides the prompts."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     """Multi-turn episodes against an environment (forge_rl/envs/, docs/environments.md) instead of
     the task's single-turn prompts; unset by default."""
@@ -265,6 +271,7 @@ class GRPOConfig:
         self._check_loss_and_scorer()
         self._check_model_and_parallelism()
         self._check_environment()
+        self._check_data()
         self._check_timeouts()
         self._check_simulation()
         self._check_keep_routing()
@@ -475,6 +482,27 @@ class GRPOConfig:
                 f"({self.environment.name!r}): an environment's episodes take their reward from the "
                 "environment, never from the scorer, so the penalty would not apply. Unset "
                 "--scorer.overlong-buffer, or fold a length penalty into the environment's reward."
+            )
+
+    def _check_data(self) -> None:
+        """A data file and a task's own prompt sequence are two sources of prompts: a task name or seed
+        other than the default with data.path set would be silently ignored, so it is refused."""
+        if self.data is None:
+            return
+        default = TaskConfig()
+        for name, fix in (("name", "data.path decides the prompts"), ("seed", "set --data.seed for the file's order")):
+            value = getattr(self.task, name)
+            if value != getattr(default, name):
+                raise ConfigError(
+                    f"data.path ({self.data.path!r}) and task.{name} ({value!r}) are both set, and the prompts come "
+                    f"from one source: {fix}. Unset --task.{name} (default {getattr(default, name)!r}), or unset "
+                    "data to train on the task."
+                )
+        if self.environment.name is not None:
+            raise ConfigError(
+                f"data.path ({self.data.path!r}) and environment.name ({self.environment.name!r}) are both set; an "
+                "environment makes its own prompts and reads no row. Unset --environment.name to train on the "
+                "file's prompts, or unset data to train on the environment."
             )
 
     def _check_timeouts(self) -> None:

@@ -249,6 +249,9 @@ class Episode:
     admitted_version: int | None = None
     """The generator's policy version when the admission gate let this episode's rollout start
     (set by the train loop); None for an episode made outside a run's rollout loops."""
+    columns: dict[str, Any] | None = None
+    """Every column of the data row the prompt came from, by name (a run with data.path); None for a
+    task's prompt. A checkpoint without it loads as None."""
 
     @property
     def oldest_policy_version(self) -> int:

@@ -43,7 +43,10 @@ class RolloutsActor(PortServed, Actor):
             RolloutActors(
                 generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer
             ),
-            PromptSource(config.task, model_dir, config.generator.max_new_tokens),
+            PromptSource(
+                config.task, model_dir, config.generator.max_new_tokens, config.data,
+                config.max_model_len if config.data is not None else None,
+            ),
         )
 
     @concurrent_endpoint

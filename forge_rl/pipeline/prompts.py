@@ -3,24 +3,103 @@
 Prompt i is a function of (task, seed, i) (forge_rl/tasks), so prompts are built where they are
 used: in the rollouts' process (forge_rl/pipeline/rollouts.py), with no message per prompt. After a resume, the prompts a checkpoint left unsettled (forge_rl/core/checkpoint.py) are handed out
 again first, under their own index, then the cursor continues where it stopped.
+
+With `data` set, prompt i is row i of a file instead (forge_rl/data/files.py `FileSource`: the
+seed's permutation of epoch i // N, at i % N). A new prompt is the next row that fits the context
+(`next_row(cursor)`; the cursor moves past skipped rows), a reissued one `row(index)`, so the state
+stays {cursor, reissue} and a resume continues mid-epoch with nothing skipped or repeated.
 """
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from forge_rl.data.config import DataConfig
+from forge_rl.data.rows import Row
+from forge_rl.errors import ConfigError
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.synthetic import long_tail_length
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
+if TYPE_CHECKING:
+    from forge_rl.data.files import FileSource
+    from forge_rl.data.rows import Message
+
+
+def encode_row_prompt(task: TaskConfig, tokenizer: PromptTokenizer, prompt: str | list[Message]) -> list[int]:
+    """A row's prompt as token ids: text in the task's prompt_format, chat messages through the
+    model's chat template, ending with the assistant header."""
+    if isinstance(prompt, list):
+        return tokenizer.encode_chat(prompt, add_generation_prompt=True)
+    return encode_task_prompt(task, tokenizer, prompt)
+
+
+def open_file_source(
+    data: DataConfig, task: TaskConfig, tokenizer: PromptTokenizer, max_model_len: int, max_new_tokens: int
+) -> FileSource:
+    """The run's data file as a source whose rows must fit max_model_len with max_new_tokens, counted
+    by the tokens the generator will see (what the preflight checks and the rollouts read)."""
+    from forge_rl.data.files import FileSource, LengthLimit  # opens datasets and pyarrow: only for a data file
+
+    limit = LengthLimit(lambda prompt: len(encode_row_prompt(task, tokenizer, prompt)), max_model_len, max_new_tokens)
+    return FileSource(data, limit)
+
+
+class TaskRows:
+    """A built-in task as a row source (forge_rl/data/rows.py `RowSource`): endless, prompt i its
+    row i, with the prompt text and the answer (what `forge-rl data export` writes)."""
+
+    num_rows = None
+
+    def __init__(self, task: TaskConfig):
+        if task.name == "reasoning_gym":
+            # Its prompts' answers are keys the reasoning-gym verifier looks up, not text a reward
+            # over a file's answer column could compare with.
+            raise ConfigError(
+                "task.name ('reasoning_gym') cannot be exported: its answers are lookup keys of reasoning-gym's own "
+                "verifier, not answers a file can hold. Export max_of_two, copy_digit or add_mod10 (--task.name)."
+            )
+        self.task = task
+
+    def next_row(self, index: int) -> Row:
+        prompt = make_task_prompt(self.task, index)
+        return Row(index=index, row_number=index, epoch=0, columns={}, prompt=prompt.text, answer=prompt.answer)
+
+
+@dataclass(frozen=True)
+class DataExportArgs:
+    """Write a built-in task's first prompts, with their answers, to a JSONL file (columns prompt and
+    answer) that a run reads with --data.path FILE --data.answer-column answer."""
+
+    out: Path
+    """The JSONL file to write (replaced whole when it exists)."""
+    rows: int = 1000
+    """How many prompts to write: prompts 0 .. rows-1 of the task."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+
 
 class PromptSource:
-    def __init__(self, task: TaskConfig, model_dir: str, max_new_tokens: int):
+    def __init__(
+        self,
+        task: TaskConfig,
+        model_dir: str,
+        max_new_tokens: int,
+        data: DataConfig | None = None,
+        max_model_len: int | None = None,
+    ):
         self.task = task
         self.max_new_tokens = max_new_tokens
         self.tokenizer = PromptTokenizer(Path(model_dir))
+        self.file: FileSource | None = None
+        """The data file's rows (data set; max_model_len then required), else None: the task's prompts."""
+        if data is not None:
+            if max_model_len is None:
+                raise ValueError("a PromptSource over data needs max_model_len (GRPOConfig.max_model_len)")
+            self.file = open_file_source(data, task, self.tokenizer, max_model_len, max_new_tokens)
         self.cursor = 0
         """Index of the next new prompt; episode ids are prompt indices, so a prompt is counted by its id."""
         self.reissue: collections.deque[int] = collections.deque()
@@ -29,6 +108,9 @@ class PromptSource:
     def next_episodes(self, num_prompts: int) -> list[Episode]:
         episodes = []
         for _ in range(num_prompts):
+            if self.file is not None:
+                episodes.append(self._row_episode())
+                continue
             if self.reissue:
                 index = self.reissue.popleft()
             else:
@@ -45,6 +127,24 @@ class PromptSource:
             )
         return episodes
 
+    def _row_episode(self) -> Episode:
+        if self.reissue:
+            row = self.file.row(self.reissue.popleft())
+        else:
+            row = self.file.next_row(self.cursor)
+            self.cursor = row.index + 1
+        prompt = row.prompt
+        # A chat prompt's text for what reads it as text (a judge's template): its last message.
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return Episode(
+            episode_id=row.index,
+            prompt_text=text,
+            answer="" if row.answer is None else row.answer,
+            prompt_token_ids=encode_row_prompt(self.task, self.tokenizer, prompt),
+            forced_length=self._forced_length(row.index),
+            columns=row.columns,
+        )
+
     def _forced_length(self, index: int) -> int | None:
         if self.task.completion_lengths == "natural":
             return None
@@ -57,4 +157,8 @@ class PromptSource:
 
     def load_state(self, cursor: int, reissue: list[int]) -> None:
         self.cursor = cursor
+        if self.file is not None:
+            # Indices a file passed over as too long are below the cursor and never trained, so the
+            # checkpoint lists them as unsettled; they stay passed over.
+            reissue = [index for index in reissue if self.file.next_row(index).index == index]
         self.reissue = collections.deque(reissue)

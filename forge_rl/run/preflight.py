@@ -25,6 +25,7 @@ from forge_rl.plumbing.placement import (
     demand_of,
     worker_addresses,
 )
+from forge_rl.pipeline.prompts import open_file_source
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
@@ -139,6 +140,9 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
         _check_environment_renderer(config.environment, model_dir)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
+    if config.data is not None:
+        check_data(config, tokenizer, max_model_len)
+        return
     for index in range(NUM_PROMPTS_CHECKED):
         prompt = make_task_prompt(config.task, index)
         try:
@@ -163,6 +167,27 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
                 "Lower --generator.max-new-tokens, or use a model with a longer context "
                 "(--model.tiny.max-position-embeddings for the tiny model)."
             )
+
+
+def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
+    """The data file opens (its columns and values checked, forge_rl/data/checks.py), its rows carry
+    the answers the reward compares against, a chat prompt finds a chat template, and with
+    data.too_long refuse no row's prompt is too long (every row counted here, not when it comes up)."""
+    source = open_file_source(config.data, config.task, tokenizer, max_model_len, config.generator.max_new_tokens)
+    # Every registered reward, and a "module:function" one, is called with (completion, answer).
+    source.require_answer(f"task.reward ({config.task.reward!r})")
+    try:
+        if config.data.too_long == "refuse":
+            source.check_lengths()
+        else:
+            source.next_row(0)  # the first row that fits; a file where none fits is refused here
+    except ConfigError:
+        raise
+    except ValueError as e:  # chat messages (or a system prompt) on a model without a chat template
+        raise ConfigError(
+            f"data.path ({config.data.path!r}) gives chat prompts (data.messages_column or data.system_prompt): {e} "
+            "Or use a text column (--data.prompt-column) without --data.system-prompt."
+        ) from None
 
 
 def _check_judge_tokenizer(judge) -> None:

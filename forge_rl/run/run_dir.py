@@ -19,10 +19,10 @@ from forge_rl.run.preflight import check_machine, check_model_inputs
 from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
 
-RESUME_FIXED_FIELDS = ("model", "task", "group_size", "trainer.num_procs", "trainer.parallel")
+RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel")
 """What a resumed run may not change: the checkpoint's shards are laid out for the model and the
 parallelism, and the prompt indices it accounts for, and their groups, mean something only for the
-task and group size they were drawn with."""
+task or data file (its path, columns and seed) and group size they were drawn with."""
 
 
 def config_to_dict(config: object) -> dict:

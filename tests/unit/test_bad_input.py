@@ -372,6 +372,11 @@ CLI_CASES = [
         ["grpo", "--model.path", "{model}", "--run-dir", "{tmp}/runs", "--steps", "1"],
         ("cannot start the run", "tokenizer.json cannot be loaded"),
     ),
+    (
+        "missing_data_file",
+        ["grpo", "--run-dir", "{tmp}/runs", "--steps", "1", "--data.path", "{tmp}/nope.jsonl"],
+        ("cannot start the run", "data.path ('{tmp}/nope.jsonl')", "Check the path", "--data.path"),
+    ),
 ]
 
 
@@ -382,5 +387,6 @@ def test_the_cli_refuses_bad_input_with_exit_code_2(argv, fragments, tiny_model,
     stderr = " ".join(result.stderr.replace("│", " ").split())  # tyro draws boxes around its errors
     assert result.returncode == 2, result.stderr
     for fragment in fragments:
+        fragment = fragment.replace("{tmp}", str(tmp_path))
         assert fragment in stderr, f"{fragment!r} not in: {stderr}"
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
