@@ -6,7 +6,7 @@
 - `completion_reward`: what a completion's group advantage is computed from.
 - `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
   rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md.
-- `has_signal`, `filter_zero_advantage_groups`, `DynamicSampling`: DAPO's dynamic sampling, which
+- `has_signal`, `DynamicSampling`: DAPO's dynamic sampling, which
   keeps only groups with a nonzero advantage on a token that trains, and stops a run that finds none.
 - `overlong_penalty`: DAPO's soft penalty for completions that run into the length budget.
 """
@@ -140,21 +140,11 @@ def has_signal(episode: Episode, normalize_std: bool = True, step_discount: floa
     )
 
 
-def filter_zero_advantage_groups(
-    episodes: list[Episode], normalize_std: bool = True, step_discount: float = 1.0
-) -> tuple[list[Episode], list[Episode]]:
-    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2): splits `episodes` into (kept, filtered),
-    order preserved, where a filtered group has no signal (`has_signal`): every advantage of a
-    token that trains is zero, so it would only dilute the batch. The caller keeps sampling until
-    it has a full batch of kept groups, and accounts for the filtered ones."""
-    signal = [has_signal(e, normalize_std, step_discount) for e in episodes]
-    kept = [e for e, s in zip(episodes, signal) if s]
-    filtered = [e for e, s in zip(episodes, signal) if not s]
-    return kept, filtered
-
-
 class DynamicSampling:
-    """`filter_zero_advantage_groups` for a run, which stops it when no group has a signal for
+    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2) for a run: keeps the groups with a signal
+    (`has_signal`), order preserved, since a group whose every trained token has a zero advantage
+    would only dilute the batch (the caller keeps sampling until it has a full batch of kept groups,
+    and accounts for the filtered ones); and stops the run when no group has a signal for
     `max_filtered_steps` steps' worth of groups in a row (that many times `prompts_per_step`):
     no batch can then be filled, and the trainer would wait for one forever. A group with a signal
     starts the count again. Raises NoLearningSignal naming the cause and the fixes."""

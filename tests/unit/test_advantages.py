@@ -4,7 +4,6 @@ import torch
 from forge_rl.core.advantages import (
     DynamicSampling,
     episode_advantages,
-    filter_zero_advantage_groups,
     group_advantages,
     has_signal,
     overlong_penalty,
@@ -40,6 +39,12 @@ def test_errored_completions_get_zero_and_stay_out_of_the_group_statistics():
     assert episode_advantages(episode, normalize_std=False) == pytest.approx([0.5, -0.5, 0.0])
 
 
+def dynamic_sampling_split(episodes):
+    """(kept, filtered) by a run's dynamic sampling, with a stop far off."""
+    kept = DynamicSampling(max_filtered_steps=100, prompts_per_step=1).filter(episodes)
+    return kept, [e for e in episodes if all(e is not k for k in kept)]
+
+
 def test_dynamic_sampling_filters_groups_whose_rewards_are_all_equal():
     signal, all_right, all_wrong, one_usable = (
         make_episode(0, rewards=(1.0, 0.0)),
@@ -48,7 +53,7 @@ def test_dynamic_sampling_filters_groups_whose_rewards_are_all_equal():
         make_episode(3, rewards=(1.0, 0.0)),
     )
     one_usable.completions[1].status = CompletionStatus.ERRORED
-    kept, filtered = filter_zero_advantage_groups([signal, all_right, all_wrong, one_usable])
+    kept, filtered = dynamic_sampling_split([signal, all_right, all_wrong, one_usable])
     assert [e.episode_id for e in kept] == [0]
     assert [e.episode_id for e in filtered] == [1, 2, 3]
 
@@ -64,7 +69,7 @@ def test_dynamic_sampling_keeps_a_group_whose_signal_is_in_its_token_rewards_alo
     episode = make_episode(rewards=(0.0, 0.0))
     episode.completions[0].token_rewards = [0.5, -0.5]
     episode.completions[1].token_rewards = [-0.5, 0.5]
-    kept, filtered = filter_zero_advantage_groups([episode])
+    kept, filtered = dynamic_sampling_split([episode])
     assert kept == [episode] and filtered == []
 
 
@@ -73,7 +78,7 @@ def test_dynamic_sampling_keeps_a_group_whose_signal_is_in_its_step_or_turn_rewa
     for completion, step_rewards in zip(episode.completions, ([1.0, 0.0], [0.0, 0.0])):
         completion.step_ends, completion.step_rewards = [1, 2], step_rewards
     assert has_signal(episode, normalize_std=True, step_discount=0.0)
-    assert filter_zero_advantage_groups([episode])[0] == [episode]
+    assert dynamic_sampling_split([episode])[0] == [episode]
 
 
 def test_a_group_whose_only_nonzero_advantages_fall_on_tokens_that_do_not_train_has_no_signal():
