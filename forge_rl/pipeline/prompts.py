@@ -13,6 +13,7 @@ stays {cursor, reissue} and a resume continues mid-epoch with nothing skipped or
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,14 +40,13 @@ def encode_row_prompt(task: TaskConfig, tokenizer: PromptTokenizer, prompt: str 
 
 
 def open_file_source(
-    data: DataConfig, task: TaskConfig, tokenizer: PromptTokenizer, max_model_len: int, max_new_tokens: int
+    data: DataConfig, encode: Callable[[str | list[Message]], list[int]], max_model_len: int, max_new_tokens: int
 ) -> FileSource:
     """The run's data file as a source whose rows must fit max_model_len with max_new_tokens, counted
-    by the tokens the generator will see (what the preflight checks and the rollouts read)."""
+    by the tokens the generator will see (`encode`: a prompt as its token ids, `encode_row_prompt`)."""
     from forge_rl.data.files import FileSource, LengthLimit  # opens datasets and pyarrow: only for a data file
 
-    limit = LengthLimit(lambda prompt: len(encode_row_prompt(task, tokenizer, prompt)), max_model_len, max_new_tokens)
-    return FileSource(data, limit)
+    return FileSource(data, LengthLimit(lambda prompt: len(encode(prompt)), max_model_len, max_new_tokens))
 
 
 class TaskRows:
@@ -94,12 +94,14 @@ class PromptSource:
         self.task = task
         self.max_new_tokens = max_new_tokens
         self.tokenizer = PromptTokenizer(Path(model_dir))
+        self._encoded: tuple[str | list[Message], list[int]] | None = None
+        """The last row prompt encoded, with its ids (`_encode_row_prompt`)."""
         self.file: FileSource | None = None
         """The data file's rows (data set; max_model_len then required), else None: the task's prompts."""
         if data is not None:
             if max_model_len is None:
                 raise ValueError("a PromptSource over data needs max_model_len (GRPOConfig.max_model_len)")
-            self.file = open_file_source(data, task, self.tokenizer, max_model_len, max_new_tokens)
+            self.file = open_file_source(data, self._encode_row_prompt, max_model_len, max_new_tokens)
         self.cursor = 0
         """Index of the next new prompt; episode ids are prompt indices, so a prompt is counted by its id."""
         self.reissue: collections.deque[int] = collections.deque()
@@ -140,10 +142,17 @@ class PromptSource:
             episode_id=row.index,
             prompt_text=text,
             answer="" if row.answer is None else row.answer,
-            prompt_token_ids=encode_row_prompt(self.task, self.tokenizer, prompt),
+            prompt_token_ids=self._encode_row_prompt(prompt),
             forced_length=self._forced_length(row.index),
             columns=row.columns,
         )
+
+    def _encode_row_prompt(self, prompt: str | list[Message]) -> list[int]:
+        """`encode_row_prompt`, once per row: `next_row`'s length check encodes the very prompt the
+        episode then carries (a chat template is rendered, not looked up)."""
+        if self._encoded is None or self._encoded[0] is not prompt:
+            self._encoded = (prompt, encode_row_prompt(self.task, self.tokenizer, prompt))
+        return self._encoded[1]
 
     def _forced_length(self, index: int) -> int | None:
         if self.task.completion_lengths == "natural":

@@ -25,7 +25,7 @@ from forge_rl.plumbing.placement import (
     demand_of,
     worker_addresses,
 )
-from forge_rl.pipeline.prompts import open_file_source
+from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
@@ -173,7 +173,10 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
     """The data file opens (its columns and values checked, forge_rl/data/checks.py), its rows carry
     the answers the reward compares against, a chat prompt finds a chat template, and with
     data.too_long refuse no row's prompt is too long (every row counted here, not when it comes up)."""
-    source = open_file_source(config.data, config.task, tokenizer, max_model_len, config.generator.max_new_tokens)
+    source = open_file_source(
+        config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
+        config.generator.max_new_tokens,
+    )
     # Every registered reward, and a "module:function" one, is called with (completion, answer).
     source.require_answer(f"task.reward ({config.task.reward!r})")
     try:
