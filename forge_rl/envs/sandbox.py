@@ -66,6 +66,7 @@ exempts uid 0 from it even inside a user namespace (tested here), so it cannot b
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import struct
@@ -198,15 +199,9 @@ def _check_installation_is_not_private() -> None:
     """The sandboxed code may read all of the Python installation (sys.prefix, sys.base_prefix):
     refuse one that is the root or holds a home directory or this process's working directory
     (where runs, checkpoints and their weights are written, `runs/` by default)."""
-    import pwd
-
     from forge_rl.errors import SandboxUnavailable
 
-    private = {os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd())}
-    private |= {  # people's homes: root's and those of login users, not system accounts' (/bin, /var/www, ...)
-        os.path.realpath(user.pw_dir) for user in pwd.getpwall()
-        if (user.pw_uid == 0 or _FIRST_LOGIN_UID <= user.pw_uid < _NOBODY) and user.pw_dir not in ("", "/")
-    }
+    private = {os.path.realpath(os.path.expanduser("~")), os.path.realpath(os.getcwd())} | _login_homes()
     for prefix in sorted({sys.prefix, sys.base_prefix}):
         real = os.path.realpath(prefix)
         held = sorted(path for path in private if real == "/" or path == real or path.startswith(real + os.sep))
@@ -217,6 +212,18 @@ def _check_installation_is_not_private() -> None:
                 "installation: it would read what the sandbox exists to hide. Run forge_rl from a Python "
                 "installed or a virtual environment created elsewhere (for example /opt/venv)."
             )
+
+
+@functools.cache
+def _login_homes() -> frozenset[str]:
+    """People's homes: root's and those of login users, not system accounts' (/bin, /var/www, ...).
+    Read once per process: every sandbox run asks, and the user database can be remote (NSS)."""
+    import pwd
+
+    return frozenset(
+        os.path.realpath(user.pw_dir) for user in pwd.getpwall()
+        if (user.pw_uid == 0 or _FIRST_LOGIN_UID <= user.pw_uid < _NOBODY) and user.pw_dir not in ("", "/")
+    )
 
 
 async def _supervise(process, report_pipe, config: SandboxConfig) -> SandboxResult:
