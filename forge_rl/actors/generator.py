@@ -111,8 +111,9 @@ class GeneratorActor(PortServed, Actor):
         return await self.engine.generate_turn(prefix_token_ids, max_new_tokens, eos_id=self.tokenizer.eos_id)
 
     @concurrent_endpoint
-    async def update_weights(self, policy_version: int, weights_dir: str) -> dict:
-        """Serve `policy_version`, or the newest complete version after it, from the weight store.
+    async def update_weights(self, policy_version: int, weights_dir: str, exact: bool = False) -> dict:
+        """Serve `policy_version`, or the newest complete version after it, from the weight store;
+        `exact`: that version itself (an evaluation's generator, `load_version`).
 
         `weights_dir` is where the trainer writes that version; its parent names the store. The
         version may still be being written: the store says when it is complete, and keeps it
@@ -126,7 +127,7 @@ class GeneratorActor(PortServed, Actor):
             if isinstance(self.engine, SimulatedEngine):  # the simulated trainer publishes no weights
                 return await self.engine.load_version(policy_version)
             store = await self._weight_store(Path(weights_dir).parent)
-            return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode)
+            return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode, exact=exact)
 
     async def _weight_store(self, root: Path) -> WeightStore:
         from forge_rl.store.client import WeightStore

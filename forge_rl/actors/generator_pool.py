@@ -215,16 +215,17 @@ class GeneratorPool(PortServed, Actor):
             raise
 
     @concurrent_endpoint
-    async def update_weights(self, index: int, policy_version: int, weights_dir: str) -> dict:
-        """Swap generator `index` to `policy_version`; raises GeneratorLost if it died or the update
-        hung (its replacement loads the newest version itself)."""
+    async def update_weights(self, index: int, policy_version: int, weights_dir: str, exact: bool = False) -> dict:
+        """Swap generator `index` to `policy_version` (`exact`: that version, never a newer one);
+        raises GeneratorLost if it died or the update hung (its replacement loads the newest
+        version itself)."""
         if self.latest_weights is None or policy_version > self.latest_weights[0]:
             self.latest_weights = (policy_version, weights_dir)
         trim_native_heap_if_due()  # once a minute at most
         slot = self.slots[index]
         result = await self._forward(
             slot,
-            lambda actor: self._calls.call(actor, "update_weights", policy_version, weights_dir),
+            lambda actor: self._calls.call(actor, "update_weights", policy_version, weights_dir, exact),
             self.update_timeout_s,
             "weight update ran past generator.update_timeout_s",
         )

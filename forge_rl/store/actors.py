@@ -127,6 +127,15 @@ class StoreIndexActor(PortServed, Actor):
         return _describe(self.index.acquire(reader, key))
 
     @concurrent_endpoint
+    async def reserve(self, reader: str, version: int) -> bool:
+        """Lease policy version `version` now, or the moment it commits (index rule 3a)."""
+        return self.index.reserve(reader, version)
+
+    @concurrent_endpoint
+    async def cancel_reservation(self, reader: str, version: int) -> list[str]:
+        return await self._collect(self.index.cancel_reservation(reader, version))
+
+    @concurrent_endpoint
     async def release(self, reader: str, key: str) -> list[str]:
         return await self._collect(self.index.release(reader, key))
 

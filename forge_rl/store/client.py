@@ -205,6 +205,15 @@ class WeightStore:
     async def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
         return await self._calls.call(self.index, "wait_for_version", min_version, timeout_s)
 
+    async def reserve(self, policy_version: int) -> bool:
+        """Hold `policy_version` from now on, or from the moment it commits if it has not yet (index
+        rule 3a): no later commit can collect it until `cancel_reservation`. True if it is held now."""
+        return await self._calls.call(self.index, "reserve", self.client_id, policy_version)
+
+    async def cancel_reservation(self, policy_version: int) -> None:
+        """Give up a reservation (and the hold it took, if the version committed)."""
+        await self._calls.call(self.index, "cancel_reservation", self.client_id, policy_version)
+
     @contextlib.asynccontextmanager
     async def lease(
         self, key: str | None = None, transport: Transport | None = None, min_version: int | None = None,

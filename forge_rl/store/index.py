@@ -17,6 +17,10 @@ Rules
     3. Garbage collection: a policy-version snapshot is collectable when it is complete, not held,
        and older than the newest `keep_latest` complete versions. `delete(key)` marks a snapshot
        collectable at once (if held, it goes when the last lease is released).
+    3a. Reservation: `reserve(reader, v)` is a lease on policy version v taken now if v is
+       complete, else at the moment v commits, so no commit in between can collect it (an
+       evaluation of exactly v, asked for before the trainer publishes v, or v+1).
+       `cancel_reservation` withdraws one not yet taken; a taken one is released like any lease.
     4. Reader failure: `drop_reader` releases every lease of a reader that died (or closed), and
        refuses it new ones: a call of a dead reader still in flight, such as one parked waiting for
        a version, must not pin that version after the death. A reader id is used once.
@@ -96,6 +100,8 @@ class VersionIndex:
         self._records: dict[str, SnapshotRecord] = {}
         self._dropped_readers: set[str] = set()
         """Readers `drop_reader` was called for (rule 4)."""
+        self._reservations: dict[str, collections.Counter] = {}
+        """key -> {reader: reservations} of versions not committed yet (rule 3a)."""
 
     # Writers -------------------------------------------------------------------------------
 
@@ -110,6 +116,7 @@ class VersionIndex:
         if record.state is not SnapshotState.WRITING:
             raise StoreError(f"snapshot {key!r} is {record.state.value}; only a begun snapshot can be committed")
         record.state, record.num_bytes, record.info = SnapshotState.COMPLETE, num_bytes, dict(info or {})
+        record.holders.update(self._reservations.pop(key, collections.Counter()))
         return self.collectable()
 
     def abort(self, key: str) -> None:
@@ -142,6 +149,37 @@ class VersionIndex:
         record.holders[reader] += 1
         return record
 
+    def reserve(self, reader: str, version: int) -> bool:
+        """Lease policy version `version` for `reader` now if it is complete, else when it commits
+        (rule 3a); True if the lease is held already. Refuses a version already collected."""
+        key = version_key(version)
+        record = self._records.get(key)
+        if record is not None and record.state is SnapshotState.COMPLETE:
+            self.acquire(reader, key)
+            return True
+        if reader in self._dropped_readers:
+            raise StoreError(f"reader {reader!r} was dropped (it died or closed) and cannot reserve {key}")
+        complete = self.complete_versions()
+        if record is None and complete and version < complete[-1]:
+            raise StoreError(
+                f"policy version {version} cannot be reserved: it is older than the newest ({complete[-1]}) and was "
+                "collected, or never published; reserve a version before the one after it commits"
+            )
+        self._reservations.setdefault(key, collections.Counter())[reader] += 1
+        return False
+
+    def cancel_reservation(self, reader: str, version: int) -> list[str]:
+        """Withdraw `reader`'s reservation of `version`: release it if it was taken (the version
+        committed), else forget it."""
+        key = version_key(version)
+        pending = self._reservations.get(key)
+        if pending is not None and pending[reader] > 0:
+            pending[reader] -= 1
+            if not +pending:
+                del self._reservations[key]
+            return self.collectable()
+        return self.release(reader, key)
+
     def release(self, reader: str, key: str) -> list[str]:
         record = self._records.get(key)
         if record is None or record.holders[reader] <= 0:
@@ -156,6 +194,8 @@ class VersionIndex:
         self._dropped_readers.add(reader)
         for record in self._records.values():
             record.holders.pop(reader, None)
+        for pending in self._reservations.values():
+            pending.pop(reader, None)
         return self.collectable()
 
     # Queries -------------------------------------------------------------------------------

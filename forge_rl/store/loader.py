@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from forge_rl.store.index import ADAPTER_OF
+from forge_rl.store.index import ADAPTER_OF, version_key
 
 # What each metric means, by its name in the update's result (and the run's metrics.jsonl).
 PUBLISH_S = "weights/publish_s"  # trainer: snapshot + write to /dev/shm of this version
@@ -47,16 +47,21 @@ ADAPTERS_RESIDENT = "weights/adapters_resident"  # adapters loaded right after t
 
 
 async def load_version(
-    engine, store, min_version: int, swap_mode: str = "keep", verify: bool = False, **swap_overrides
+    engine, store, min_version: int, swap_mode: str = "keep", verify: bool = False, exact: bool = False,
+    **swap_overrides,
 ) -> dict:
     """Serve the newest complete version >= `min_version` on `engine`; returns the update's metrics.
+
+    `exact` serves `min_version` itself, never a newer one (an evaluation of exactly that version,
+    whose caller holds a reservation of it: the version is complete and cannot be collected).
 
     `verify` checks every tensor's checksum against the writer's before the engine reads it
     (XXH3-64, off the critical path), raising ChecksumError on a mismatch. `swap_overrides`
     (loader=, swap_kv=) go to `engine.swap_weights` (benchmarks compare them).
     """
     started = time.perf_counter()
-    async with store.lease(min_version=min_version) as snapshot:  # waits until one is complete
+    lease = store.lease(version_key(min_version)) if exact else store.lease(min_version=min_version)
+    async with lease as snapshot:  # waits until one is complete
         version = snapshot.version
         leased_at = time.time() - snapshot.fetch_s  # an RDMA fetch counts as prefetch
         complete = time.perf_counter() - snapshot.fetch_s  # the RDMA fetch counts as prefetch

@@ -182,3 +182,39 @@ def test_the_index_says_which_versions_are_adapters_and_of_which_base():
     index.commit(version_key(2), num_bytes=10, info={ADAPTER_OF: "/models/base"})
     assert index.record(version_key(1)).adapter_of is None  # full weights
     assert index.record(version_key(2)).adapter_of == "/models/base"
+
+
+def test_a_reserved_version_is_held_from_its_commit_so_the_next_commit_cannot_collect_it():
+    index = VersionIndex(keep_latest=1)
+    index.begin("v00000000", "h:/s")
+    index.commit("v00000000", 1)
+    assert index.reserve("evaluator", 1) is False  # not published yet: held from its commit
+    index.begin("v00000001", "h:/s")
+    index.commit("v00000001", 1)
+    assert index.holders("v00000001") == {"evaluator": 1}
+    index.begin("v00000002", "h:/s")
+    assert index.commit("v00000002", 1) == ["v00000000"]  # v1 is older than the newest, but held
+    index.forget("v00000000")  # what the store's actor does with what is collectable
+    assert index.cancel_reservation("evaluator", 1) == ["v00000001"]
+
+
+def test_a_complete_version_is_leased_by_its_reservation_at_once_and_a_collected_one_is_refused():
+    index = VersionIndex(keep_latest=1)
+    for collectable in map(lambda v: committed(index, v), range(2)):
+        for key in collectable:
+            index.forget(key)  # what the store's actor does with what is collectable
+    assert index.reserve("evaluator", 1) is True
+    assert index.holders("v00000001") == {"evaluator": 1}
+    with pytest.raises(StoreError, match="policy version 0 cannot be reserved"):
+        index.reserve("evaluator", 0)
+
+
+def test_a_reservation_withdrawn_before_its_commit_holds_nothing_and_a_dropped_reader_loses_its_reservations():
+    index = VersionIndex(keep_latest=1)
+    index.reserve("evaluator", 0)
+    index.cancel_reservation("evaluator", 0)
+    index.reserve("dead", 0)
+    index.drop_reader("dead")
+    index.begin("v00000000", "h:/s")
+    index.commit("v00000000", 1)
+    assert index.holders("v00000000") == {}
