@@ -30,6 +30,7 @@ from forge_rl.training.reference import ReferenceConfig
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
+from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
 from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.errors import ConfigError
 
@@ -166,9 +167,10 @@ class GRPOConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig | None = None
     """Prompts from a data file (forge_rl/data, docs/data.md) instead of the task's generator; unset by
-    default. The task still gives the reward (task.reward, against data.answer_column) and the
-    prompt format of text prompts (task.prompt_format); its name and seed must stay at their
-    defaults, since the file, not the task, decides the prompts."""
+    default. The task still gives the reward (task.reward or task.rewards, against data.answer_column
+    and the columns each reward function names) and the prompt format of text prompts
+    (task.prompt_format); its name and seed must stay at their defaults, since the file, not the
+    task, decides the prompts."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     """Multi-turn episodes against an environment (forge_rl/envs/, docs/environments.md) instead of
     the task's single-turn prompts; unset by default."""
@@ -486,8 +488,12 @@ class GRPOConfig:
 
     def _check_data(self) -> None:
         """A data file and a task's own prompt sequence are two sources of prompts: a task name or seed
-        other than the default with data.path set would be silently ignored, so it is refused."""
+        other than the default with data.path set would be silently ignored, so it is refused. Without
+        data, a reward function that reads a row's column (forge_rl/tasks/rewards.py) would find none:
+        refused too."""
         if self.data is None:
+            if self.environment.name is None:
+                self._check_rewards_read_no_column()
             return
         default = TaskConfig()
         for name, fix in (("name", "data.path decides the prompts"), ("seed", "set --data.seed for the file's order")):
@@ -504,6 +510,18 @@ class GRPOConfig:
                 "environment makes its own prompts and reads no row. Unset --environment.name to train on the "
                 "file's prompts, or unset data to train on the environment."
             )
+
+    def _check_rewards_read_no_column(self) -> None:
+        field = "task.reward" if self.task.rewards is None else "task.rewards"
+        for spec in self.task.reward_weights:
+            required = reward_columns(resolve_reward_fn(spec, field), spec, field).required
+            if required:
+                raise ConfigError(
+                    f"{field} {spec!r} has parameter(s) {', '.join(map(repr, required))}, which it reads as column(s) "
+                    f"of each row, and the prompts are task {self.task.name!r}'s, which have no columns (only an answer). "
+                    "Set --data.path to a file with those columns, or give the parameter(s) a default "
+                    f"(e.g. {required[0]}=None)."
+                )
 
     def _check_timeouts(self) -> None:
         if not 0 < self.train_step_timeout_s < math.inf:

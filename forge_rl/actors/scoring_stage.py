@@ -77,7 +77,7 @@ class ScoringStage:
                 *hosts.owned_ranks(teacher_config.num_procs), str(run_path / TEACHER_EMA_FILE) if keeps_average else None,
             )
         # None: the episodes carry their environment's rewards, which take the reward function's place.
-        reward = None if config.environment.name is not None else config.task.reward
+        reward = None if config.environment.name is not None else config.task.reward_weights
         scorer = services.spawn(
             "scorer", ScorerSupervisor, config.scorer, reward, config.generator.max_new_tokens, teacher,
             hosts.owned_host(config.launch.placement.scorer_host_index),

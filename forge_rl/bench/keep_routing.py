@@ -108,7 +108,7 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
     from forge_rl.types import Episode
 
     task, tokenizer = TaskConfig(), PromptTokenizer(model_dir)
-    reward_fn = resolve_reward_fn(task.reward)
+    reward_fn = resolve_reward_fn(task.only_reward)
     engine = VLLMEngine(GeneratorConfig(
         max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed, dtype=args.generator_dtype
     ))

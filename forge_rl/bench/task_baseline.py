@@ -70,7 +70,7 @@ def main(args: TaskBaselineArgs) -> dict:
     from forge_rl.tasks.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer(args.model_path)
-    reward_fn = resolve_reward_fn(args.task.reward)
+    reward_fn = resolve_reward_fn(args.task.only_reward)
     task_prompts = [make_task_prompt(args.task, i) for i in range(args.num_prompts)]
     token_ids = [encode_task_prompt(args.task, tokenizer, p.text) for p in task_prompts]
     start = time.perf_counter()

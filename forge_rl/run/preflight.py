@@ -27,6 +27,7 @@ from forge_rl.plumbing.placement import (
 )
 from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
+from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
 from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
 
@@ -177,8 +178,7 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
         config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
         config.generator.max_new_tokens,
     )
-    # Every registered reward, and a "module:function" one, is called with (completion, answer).
-    source.require_answer(f"task.reward ({config.task.reward!r})")
+    check_reward_columns(config, source)
     try:
         if config.data.too_long == "refuse":
             source.check_lengths()
@@ -191,6 +191,19 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
             f"data.path ({config.data.path!r}) gives chat prompts (data.messages_column or data.system_prompt): {e} "
             "Or use a text column (--data.prompt-column) without --data.system-prompt."
         ) from None
+
+
+def check_reward_columns(config: GRPOConfig, source) -> None:
+    """Each reward function of the task gets what it reads from the data file `source`: the row's
+    answer (every reward is called with (completion, answer)) and each column it names as a
+    parameter without a default (forge_rl/tasks/rewards.py `RewardColumns`). An environment's
+    episodes take its rewards instead: nothing to check."""
+    if config.environment.name is not None:
+        return
+    field = "task.reward" if config.task.rewards is None else "task.rewards"
+    for spec in config.task.reward_weights:
+        reward_columns(resolve_reward_fn(spec, field), spec, field).check(spec, field, source.column_names, source.where)
+    source.require_answer(f"{field} ({', '.join(config.task.reward_weights)})")
 
 
 def _check_judge_tokenizer(judge) -> None:

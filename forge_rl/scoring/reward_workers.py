@@ -119,8 +119,9 @@ class RewardWorkerPool:
         for worker in self.workers:
             self._idle.put_nowait(worker)
 
-    async def score(self, items: list[tuple[str, str]]) -> list[RewardResult]:
-        """Rewards of (completion_text, answer) pairs, in order; never raises for a reward fault."""
+    async def score(self, items: list[tuple[str, str, dict]]) -> list[RewardResult]:
+        """Rewards of (completion_text, answer, columns) items, in order, where `columns` are the
+        row's columns the function reads, passed to it by name; never raises for a reward fault."""
         worker = await self._idle.get()
         results: list[RewardResult] = []
         try:
@@ -178,10 +179,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _reward(reward_fn, completion_text: str, answer: str) -> tuple[str, object]:
+def _reward(reward_fn, completion_text: str, answer: str, columns: dict) -> tuple[str, object]:
     """("ok", reward) or ("error", (message, kind)): one message back to the pool."""
     try:
-        reward = float(reward_fn(completion_text, answer))
+        reward = float(reward_fn(completion_text, answer, **columns))
     except Exception as e:  # any verifier bug costs this completion only
         return "error", ("".join(traceback.format_exception_only(e)).strip(), type(e).__name__)
     if not math.isfinite(reward):
@@ -208,8 +209,8 @@ def _serve(requests_fd: int, results_fd: int, reward: str, parent_pid: int) -> N
             items = requests.recv()
         except EOFError:  # the pool closed the pipe: shut down
             return
-        for completion_text, answer in items:
-            results.send(_reward(reward_fn, completion_text, answer))
+        for completion_text, answer, columns in items:
+            results.send(_reward(reward_fn, completion_text, answer, columns))
 
 
 if __name__ == "__main__":

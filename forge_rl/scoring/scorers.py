@@ -39,6 +39,7 @@ from forge_rl.scoring.judge import JudgeConfig, parse_ranking, parse_verdict, re
 from forge_rl.scoring.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring.reward_workers import RewardWorkerPool
 from forge_rl.scoring.teacher import TeacherConfig, center_on_group, reverse_kl_token_rewards
+from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns, reward_name
 from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
 
 
@@ -86,7 +87,8 @@ class ScorerConfig:
     """Reward worker processes; each scores one episode at a time, so this many episodes are
     scored in parallel."""
     reward_fn_weight: float = 1.0
-    """Weight of the task's reward function (task.reward) in the reward; with an environment, of
+    """Weight of the task's reward function (task.reward; with task.rewards, a factor on each of
+    their weights) in the reward; with an environment, of
     the environment's reward (final and per turn), which takes its place. 0 with a reward model: the
     model's score is what trains, and the verifier still runs, logged as reward/components/reward_fn
     (how to see that the policy learns the task, not the reward model's mistakes). 0 with a
@@ -286,18 +288,20 @@ class WeightedSum(Scorer):
 
 
 class RewardFunctionScorer(Scorer):
-    """The task's reward function `reward` (a registered name or "module:function", see
-    forge_rl/tasks/rewards.py) on (completion text, answer), in `config.num_workers` worker
-    processes: a group per round trip; a raise, a hang past `config.reward_timeout_s` or a dead
-    worker fails that completion only."""
+    """The reward function `reward` (a registered name or "module:function", see
+    forge_rl/tasks/rewards.py) on each completion's text, its row's answer and the row's columns the
+    function names (`RewardColumns`), in `config.num_workers` worker processes: a group per round
+    trip; a raise, a hang past `config.reward_timeout_s` or a dead worker fails that completion only.
+    `name` keys its component in a weighted sum."""
 
-    name = "reward_fn"
-
-    def __init__(self, reward: str, config: ScorerConfig):
+    def __init__(self, reward: str, config: ScorerConfig, name: str = "reward_fn"):
+        self.name = name
+        self.columns = reward_columns(resolve_reward_fn(reward), reward)
         self.pool = RewardWorkerPool(reward, config)
 
     async def score_group(self, episode: Episode) -> list[ScoreResult]:
-        results = await self.pool.score([(c.text, episode.answer) for c in episode.completions])
+        columns = self.columns.select(episode.columns)
+        results = await self.pool.score([(c.text, episode.answer, columns) for c in episode.completions])
         return [Score(r.reward) if r.error is None else ScoreFailure(r.error, r.error_kind) for r in results]
 
     def stats(self) -> dict[str, float]:
@@ -439,27 +443,40 @@ class JudgeScorer(Scorer):
 
 def build_scorer(
     config: ScorerConfig,
-    reward: str | None,
+    reward: str | Mapping[str, float] | None,
     reward_model: Callable[[list[str]], Awaitable[list[float]]] | None = None,
     teacher: Callable[[list[Episode]], Awaitable[list[list[list[float]]]]] | None = None,
     judge: Callable[[str], Awaitable[str]] | None = None,
 ) -> Scorer:
     """The run's scorer: the task's reward function `reward` alone (weight 1: today's run), or the
-    weighted sum of it (config.reward_fn_weight) and whichever model scorers run: the reward model
+    weighted sum of the task's reward functions and whichever model scorers run: the reward model
     through its client `reward_model` (config.reward_model.weight), the distillation teacher through
     its client `teacher` (config.teacher.weight, on the per-token reverse KL), an LLM judge through
-    its client `judge` (config.judge.weight). `reward` None: the episodes are an environment's, and
-    its rewards take the reward function's place (`EnvironmentRewardScorer`)."""
-    reward_fn = EnvironmentRewardScorer() if reward is None else RewardFunctionScorer(reward, config)
-    parts: list[tuple[Scorer, float]] = [(reward_fn, config.reward_fn_weight)]
+    its client `judge` (config.judge.weight). `reward`: one spec, or each spec with its weight
+    (`TaskConfig.reward_weights`); one function is the part "reward_fn", several are parts under
+    their own names (`reward_name`), each weighted by its weight times config.reward_fn_weight.
+    `reward` None: the episodes are an environment's, and its rewards take the reward function's
+    place (`EnvironmentRewardScorer`)."""
+    if reward is None:
+        parts: list[tuple[Scorer, float]] = [(EnvironmentRewardScorer(), config.reward_fn_weight)]
+    else:
+        weights = {reward: 1.0} if isinstance(reward, str) else dict(reward)
+        if len(weights) == 1:
+            ((spec, weight),) = weights.items()
+            parts = [(RewardFunctionScorer(spec, config), config.reward_fn_weight * weight)]
+        else:
+            parts = [
+                (RewardFunctionScorer(spec, config, reward_name(spec)), config.reward_fn_weight * weight)
+                for spec, weight in weights.items()
+            ]
     if reward_model is not None:
         parts.append((RewardModelScorer(reward_model), config.reward_model.weight))
     if teacher is not None:
         parts.append((TeacherScorer(teacher), config.teacher.weight))
     if judge is not None:
         parts.append((JudgeScorer(config.judge, judge), config.judge.weight))
-    if len(parts) == 1 and config.reward_fn_weight == 1.0:
-        return reward_fn
+    if len(parts) == 1 and parts[0][1] == 1.0:
+        return parts[0][0]
     return WeightedSum(parts)
 
 

@@ -22,7 +22,7 @@ def score(items, reward=SCRIPTED, timeout_s=HANG_TIMEOUT_S, num_workers=1):
     async def main():
         pool = RewardWorkerPool(reward, ScorerConfig(reward_timeout_s=timeout_s, num_workers=num_workers))
         try:
-            return await pool.score(items), pool.num_worker_restarts
+            return await pool.score([(text, answer, {}) for text, answer in items]), pool.num_worker_restarts
         finally:
             pool.close()
 
@@ -63,7 +63,7 @@ def test_workers_score_episodes_in_parallel(tmp_path):
     async def main():
         pool = RewardWorkerPool(SCRIPTED, ScorerConfig(num_workers=2, reward_timeout_s=120))
         try:
-            return await asyncio.gather(pool.score([("meet", str(tmp_path))]), pool.score([("meet", str(tmp_path))]))
+            return await asyncio.gather(pool.score([("meet", str(tmp_path), {})]), pool.score([("meet", str(tmp_path), {})]))
         finally:
             pool.close()
 
@@ -78,7 +78,7 @@ def test_scoring_an_episode_costs_well_under_a_millisecond_per_completion():
     async def main():
         pool = RewardWorkerPool("leading_number", ScorerConfig())
         try:
-            episode = [("7", "7")] * 8
+            episode = [("7", "7", {})] * 8
             await pool.score(episode)
             started = time.perf_counter()
             for _ in range(200):
@@ -100,7 +100,7 @@ def test_a_hung_worker_dies_with_its_parent(tmp_path):
         "async def main():\n"
         f"    pool = RewardWorkerPool({SCRIPTED!r}, ScorerConfig(reward_timeout_s=600))\n"
         "    print(pool.workers[0].process.pid, flush=True)\n"
-        f"    await pool.score([('spin', {str(tmp_path)!r})])\n"
+        f"    await pool.score([('spin', {str(tmp_path)!r}, {{}})])\n"
         "asyncio.run(main())\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
@@ -132,17 +132,17 @@ def test_an_unusable_reward_name_fails_naming_the_fix(spec, message):
     with pytest.raises(ConfigError) as error:
         resolve_reward_fn(spec)
     assert message in str(error.value)
-    assert "--task.reward" in str(error.value) or "importable" in str(error.value) or "Wrap it" in str(error.value)
+    assert "--task.reward" in str(error.value) or "importable" in str(error.value)
 
 
 def test_a_worker_killed_while_idle_is_replaced_without_losing_a_completion():
     async def main():
         pool = RewardWorkerPool(SCRIPTED, ScorerConfig())
         try:
-            await pool.score([("ok", "1")])
+            await pool.score([("ok", "1", {})])
             pool.workers[0].process.kill()
             pool.workers[0].process.wait()
-            return await pool.score([("ok", "1"), ("ok", "1")]), pool.num_worker_restarts
+            return await pool.score([("ok", "1", {}), ("ok", "1", {})]), pool.num_worker_restarts
         finally:
             pool.close()
 
