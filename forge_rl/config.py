@@ -20,6 +20,7 @@ from forge_rl.core.checkpoint import CheckpointConfig
 from forge_rl.data.config import DataConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
+from forge_rl.evaluation.config import EvalConfig
 from forge_rl.observability.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.lora_config import check_rank, check_targets, llama_layer_shapes
@@ -188,6 +189,9 @@ class GRPOConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """The hosts of the run and where each role runs (docs/multi_host.md); this machine by default."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation at exact policy versions beside training, on eval sets from files
+    (forge_rl/evaluation/config.py, docs/evaluation.md); none by default."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -277,6 +281,7 @@ class GRPOConfig:
         self._check_timeouts()
         self._check_simulation()
         self._check_keep_routing()
+        self._check_eval()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -284,6 +289,13 @@ class GRPOConfig:
             self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator",
             "dynamic_sampling_max_filtered_steps",
         )
+        if self.generator.temperature <= 0:
+            # The engine takes 0 (greedy) for an evaluation's own engines; RL samples.
+            raise ConfigError(
+                f"generator.temperature ({self.generator.temperature}) must be > 0: greedy decoding is not RL sampling "
+                "(every completion of a group would be the same). Set --generator.temperature (greedy evaluation: "
+                "--eval.temperature 0)."
+            )
         if self.group_size < 2:
             raise ConfigError(
                 f"group_size ({self.group_size}) must be >= 2: GRPO normalizes rewards within a group, "
@@ -543,6 +555,27 @@ class GRPOConfig:
         """Whether this run is a SIMULATION (generator.engine and trainer.engine sim): no model runs,
         tokens are placeholders, nothing is trained (forge_rl/engines/simulated.py)."""
         return self.generator.engine == "sim"
+
+    def _check_eval(self) -> None:
+        if not self.eval.enabled:
+            return
+        if self.simulated:
+            raise ConfigError(
+                "eval.sets with a simulation (generator.engine sim): a simulated engine samples placeholder tokens, "
+                "so an evaluation would measure nothing. Unset eval.sets, or run the real engine."
+            )
+        if self.environment.name is not None:
+            raise ConfigError(
+                f"eval.sets with environment.name ({self.environment.name!r}): an evaluation samples single-turn "
+                "completions of its sets' prompts, scored by the task's reward functions, not environment episodes. "
+                "Unset eval.sets, or evaluate the run's checkpoints with `forge-rl eval`."
+            )
+        max_new_tokens = self.eval.max_new_tokens or self.generator.max_new_tokens
+        if max_new_tokens >= self.max_model_len:
+            raise ConfigError(
+                f"eval.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's context "
+                f"({self.max_model_len}). Lower --eval.max-new-tokens."
+            )
 
     def _check_simulation(self) -> None:
         generator, trainer = self.generator.engine, self.trainer.engine

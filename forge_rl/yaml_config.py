@@ -123,6 +123,13 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
                 f"or set {_flag(field)}."
             )
         return value
+    if origin is tuple:
+        args = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{field} must be a list, got {value!r}. Fix it in the file.")
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of X
+            return tuple(_convert(args[0], item, f"{field}[{i}]") for i, item in enumerate(value))
+        return tuple(value)
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ConfigError(f"{field} must be a mapping of its fields, got {value!r}")

@@ -45,10 +45,11 @@ from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
 from forge_rl.plumbing.gc_freeze import frozen_startup_objects
+from forge_rl.run.evaluation import Evaluation
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.run.loop import Pipeline, RunActors
 from forge_rl.observability.metrics import generator_time_summary, progress
-from forge_rl.store.actors import spawn_store
+from forge_rl.store.actors import StoreIndexActor, spawn_store
 from forge_rl.tasks.tokenizer import PromptTokenizer
 
 
@@ -80,6 +81,10 @@ async def run(config: GRPOConfig) -> dict:
             trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
             after_publish=actors.scoring.after_publish,
             generators=actors.generators, checkpointed=actors.scoring.checkpointed,
+            evaluation=None if actors.eval_generators is None else Evaluation(
+                config, actors.eval_generators, actors.store_index, lifecycle.store.root, lifecycle.run_path,
+                lifecycle.model_dir,
+            ),
         ))
         await lifecycle.resume(pipeline)
         with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
@@ -96,6 +101,7 @@ async def run(config: GRPOConfig) -> dict:
         scorer_recoveries=scorer_recoveries,
         # A simulation (generator.engine sim) ran no model: its figures are the control plane's only.
         simulated=config.simulated,
+        **({"eval": pipeline.evaluated} if config.eval.enabled else {}),
     )
 
 
@@ -108,6 +114,9 @@ class Actors:
     rollouts: RolloutsActor
     """The rollout loops, the admission gate, the replay buffer and the prompts (forge_rl/pipeline/rollouts.py)."""
     trainer: TrainerActor
+    store_index: StoreIndexActor
+    eval_generators: GeneratorPool | None
+    """The evaluation's own generators (eval.sets set), which load only the version under evaluation."""
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -130,6 +139,13 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         adapters=config.adapter_serving(model_dir),
     )
     scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path)
+    eval_generators = None
+    if config.eval.enabled:
+        eval_generators = services.spawn(
+            "eval_generators", GeneratorPool, Evaluation.generator_config(config), model_dir, config.max_model_len,
+            config.eval.num_generators, store_index, hosts.eval_generator_placements(config.eval.num_generators),
+            config.generate_timeout_s, config.update_timeout_s, adapters=config.adapter_serving(model_dir),
+        )
     actors = Actors(
         generators=generators,
         scoring=scoring,
@@ -141,9 +157,11 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
             store_index, store_root, pad_id, config.publish, config.launch.placement.trainer_cpus,
         ),
+        store_index=store_index,
+        eval_generators=eval_generators,
     )
     # Their shutdown stops the processes they own (engines, reward workers, frozen-model ranks).
-    lifecycle.stop_engines_first(actors.generators, *actors.scoring.owners)
+    lifecycle.stop_engines_first(actors.generators, *actors.scoring.owners, *filter(None, [eval_generators]))
     return actors
 
 
@@ -151,11 +169,13 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
     """Start every engine, trainer rank and scoring model at once; record their pids in the run
     directory's processes.json (crash tests and users look there). Returns each generator's start
     figures."""
-    generator_starts, trainer_starts, scoring_processes = await asyncio.gather(
-        actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start()
+    eval_start = actors.eval_generators.start.call_one() if actors.eval_generators is not None else asyncio.sleep(0)
+    generator_starts, trainer_starts, scoring_processes, _ = await asyncio.gather(
+        actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start(), eval_start
     )
     processes = {
         "generators": await actors.generators.processes.call_one(),
+        **({"eval_generators": await actors.eval_generators.processes.call_one()} if actors.eval_generators else {}),
         "trainer": [start["pid"] for start in trainer_starts.values()],
         "rollouts": await actors.rollouts.process_id.call_one(),
         **scoring_processes,

@@ -89,7 +89,8 @@ class GeneratorConfig:
     max_new_tokens: int = 4
     """Most tokens sampled per completion; a completion that reaches it without EOS is TRUNCATED."""
     temperature: float = 1.0
-    """Sampling temperature (> 0; greedy decoding is not RL sampling)."""
+    """Sampling temperature. A run's generators need > 0 (greedy decoding is not RL sampling:
+    GRPOConfig refuses 0); 0, greedy, is for an evaluation's own engines (eval.temperature)."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 keeps the whole vocabulary."""
     top_k: int = 0
@@ -184,7 +185,7 @@ class GeneratorConfig:
     def __post_init__(self) -> None:
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
-            ("temperature", self.temperature > 0, "> 0"),
+            ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite (0: greedy, for evaluation only)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),

@@ -162,18 +162,23 @@ class MetricsLogger:
 
     def log(self, metrics: dict) -> None:
         self._file.write(json.dumps(metrics) + "\n")
-        for sink in list(self.sinks):
-            try:
-                sink.log(metrics[STEP], metrics)
-            except Exception as e:  # a dashboard outage must not cost the run
-                progress(f"metrics sink {type(sink).__name__} failed and is turned off: {type(e).__name__}: {e}")
-                self.sinks.remove(sink)
+        self.log_to_sinks(metrics)
         self._num_skipped_steps += bool(metrics.get(STEP_SKIPPED))
         self._num_errored += metrics.get(COMPLETIONS_ERRORED, 0)
         now = time.monotonic()
         if now - self._last_progress >= self.progress_every_s or metrics[STEP] >= self.total_steps:
             self._last_progress = now
             progress(self.progress_line(metrics))
+
+    def log_to_sinks(self, metrics: dict) -> None:
+        """`metrics` (with its step) to the dashboards only: what has a file of its own, such as an
+        evaluation's record (RUN_DIR/eval.jsonl)."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(metrics[STEP], metrics)
+            except Exception as e:  # a dashboard outage must not cost the run
+                progress(f"metrics sink {type(sink).__name__} failed and is turned off: {type(e).__name__}: {e}")
+                self.sinks.remove(sink)
 
     def progress_line(self, metrics: dict) -> str:
         """step 40/300 | reward 0.812 | loss -0.0123 | gen 950 tok/s | train 3100 tok/s | age<=1 | ..."""

@@ -174,6 +174,15 @@ class Hosts:
             for i, devices in enumerate(generator_devices(self.launch, self.demand))
         ]
 
+    def eval_generator_placements(self, num_generators: int) -> list[GeneratorPlacement]:
+        """Where the evaluation's own generators run (eval.num_generators): the services host, on
+        the GPU block of the run's first generator (which they share there), on any of its cores."""
+        from forge_rl.actors.generator_pool import GeneratorPlacement
+
+        devices = generator_devices(self.launch, self.demand)[0]
+        host = self.owned_host(self.launch.placement.services_host)
+        return [GeneratorPlacement(host, devices) for _ in range(num_generators)]
+
     async def stop(self) -> None:
         """Every proc mesh spawned here (bounded), then release the workers (they keep running,
         ready for the next run)."""

@@ -393,7 +393,7 @@ class Lifecycle:
                 f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
             )
         restore_rng_state(saved.rng)
-        pipeline.step = saved.step
+        pipeline.step, pipeline.policy_version = saved.step, saved.policy_version
         for name, part in actors.checkpointed.items():
             await part.load_checkpoint(checkpoint / name)
         num_buffered = await actors.rollouts.load_state_dict.call_one(

@@ -98,6 +98,10 @@ class RunActors:
     decoding meanwhile."""
     generators: Any = None
     """The generator pool, for what watches a run (bench scale's faults); the loop never calls it."""
+    evaluation: Any = None
+    """The run's evaluation at exact policy versions (forge_rl/run/evaluation.py `Evaluation`), or
+    None: started with the loops, told of every step's version (`published`, which returns at once),
+    waited for once training ends; the loop never waits for an evaluation."""
     checkpointed: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The recipe's other parts a checkpoint holds, by name: each has async `save_checkpoint(dir)`
     and `load_checkpoint(dir)`, with dir RUN_DIR/checkpoints/step-N/<name> (a self-distillation
@@ -147,6 +151,10 @@ class Pipeline:
         self.actors = actors
         self.step = 0
         """Train-loop steps done, skipped non-finite steps included (restored by a resume)."""
+        self.policy_version = 0
+        """The newest version a step made (restored by a resume)."""
+        self.evaluated: dict[str, dict] = {}
+        """The last evaluation's figures of each eval set, once training ended (the summary's)."""
         self.batches_out = 0
         """Batches taken from the buffer whose steps are not yet accounted for (two while the next
         step's batch is sent ahead)."""
@@ -288,6 +296,9 @@ class Pipeline:
         }
         if self.actors.after_publish is not None and not trained.skipped:
             step_metrics.update(await self.actors.after_publish(step, trained.policy_version, step_metrics, timeline))
+        self.policy_version = trained.policy_version
+        if self.actors.evaluation is not None:
+            await self.actors.evaluation.published(step, trained.policy_version)
         alarms = self.mismatch_alarm.observe(step, step_metrics, token_versions, pulled.train_version)
         for warning in alarms:
             progress(f"WARNING {warning}")
@@ -381,6 +392,9 @@ class Pipeline:
         rollouts = self.actors.rollouts
         self.timeline = Timeline(run_path / "timeline.jsonl")  # its origin is when the loops start
         await rollouts.start.call_one(str(run_path / "timeline.jsonl"), self.timeline.origin_unix_time)
+        evaluation = self.actors.evaluation
+        if evaluation is not None:
+            await evaluation.start(self.step, self.policy_version, metrics_logger)
         # A rollout or a weight update that fails (anything but a lost generator, which the
         # rollouts handle) fails the run at once, instead of leaving the train loop waiting for
         # episodes that will not come.
@@ -411,6 +425,12 @@ class Pipeline:
             if finished:  # the last version's updates reach every generator before the run ends
                 await self.actors.trainer.wait_for_publish.call()  # its snapshot is taken after the reply
                 self.rollouts_at_stop = await rollouts.stop_loops.call_one(True)
+                if evaluation is not None:
+                    progress("training done; waiting for the evaluations asked for (eval.at_end: the last version's)")
+                    self.evaluated = await evaluation.finish()
+            elif evaluation is not None:  # bounded: the store may be gone with the run's failure
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await self._within_stop(lifecycle, evaluation.stop(), "stop the evaluations")
             else:
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
                     self.rollouts_at_stop = await self._within_stop(lifecycle, rollouts.stop_loops.call_one(False), "stop the rollout loops")
