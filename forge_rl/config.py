@@ -9,6 +9,7 @@ always before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -272,6 +273,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         """Every rule that spans components, in the order a user fixes them: batch shape, buffer,
         loss, model and parallelism, timeouts, placement."""
+        self._resolve_environment_limits()
         self._check_batch_shape()
         self._check_buffer()
         self._check_loss_and_scorer()
@@ -488,7 +490,7 @@ class GRPOConfig:
                 f"environment.limits.max_total_tokens ({max_total_tokens}) exceeds the model's context "
                 f"(max_model_len, its max_position_embeddings: {self.max_model_len}): an episode would "
                 "outgrow what the generator can read and end truncated at the context instead of at the "
-                f"budget. Set --environment.limits.max-total-tokens to at most {self.max_model_len}."
+                f"budget. Set --environment.limits.max-total-tokens to at most {self.max_model_len}, or unset it to follow the model."
             )
         if self.scorer.overlong_buffer is not None:
             raise ConfigError(
@@ -506,6 +508,12 @@ class GRPOConfig:
         if self.data is None:
             if self.environment.name is None:
                 self._check_rewards_read_no_column()
+            elif self.environment.reads_row == "required":
+                raise ConfigError(
+                    f"environment.name ({self.environment.name!r}) takes a `row` (the data row of each prompt), and "
+                    "data.path is unset: there are no rows. Set --data.path to the file whose rows drive the episodes, "
+                    "or give the factory's row parameter a default (row=None) to play without one."
+                )
             return
         default = TaskConfig()
         for name, fix in (("name", "data.path decides the prompts"), ("seed", "set --data.seed for the file's order")):
@@ -516,12 +524,24 @@ class GRPOConfig:
                     f"from one source: {fix}. Unset --task.{name} (default {getattr(default, name)!r}), or unset "
                     "data to train on the task."
                 )
-        if self.environment.name is not None:
+        if self.environment.name is not None and self.environment.reads_row is None:
             raise ConfigError(
-                f"data.path ({self.data.path!r}) and environment.name ({self.environment.name!r}) are both set; an "
-                "environment makes its own prompts and reads no row. Unset --environment.name to train on the "
-                "file's prompts, or unset data to train on the environment."
+                f"data.path ({self.data.path!r}) and environment.name ({self.environment.name!r}) are both set, and "
+                "that environment's factory takes (seed, index) and no row, so it would make its own prompts and "
+                "ignore the file. Give the factory a `row` parameter, def make_env(seed, index, row), to play each "
+                "row's episode; or unset --environment.name to train on the file's prompts, or unset data to train "
+                "on the environment."
             )
+
+    def _resolve_environment_limits(self) -> None:
+        """environment.limits' unset token limits follow the model and the generator: a trajectory may
+        fill the model's context (max_model_len) and a turn samples at most generator.max_new_tokens,
+        as a single-turn completion does (`EpisodeLimits.resolved`)."""
+        limits = self.environment.limits
+        if self.environment.name is None or limits.is_resolved:
+            return
+        resolved = limits.resolved(self.max_model_len, self.generator.max_new_tokens)
+        object.__setattr__(self, "environment", dataclasses.replace(self.environment, limits=resolved))
 
     def _check_rewards_read_no_column(self) -> None:
         field = "task.reward" if self.task.rewards is None else "task.rewards"

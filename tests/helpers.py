@@ -167,3 +167,12 @@ def alive(processes) -> list:
     from forge_rl.plumbing.reaper import is_running
 
     return [process for process in processes if is_running(process)]
+
+
+def episode_limits(**fields):
+    """`EpisodeLimits` with both token limits set, for a test that plays episodes without a run (a
+    run resolves unset limits against its model and generator): 4096 tokens in all and 1024 per
+    turn unless `fields` say otherwise."""
+    from forge_rl.envs.runner import EpisodeLimits
+
+    return EpisodeLimits(**{"max_total_tokens": 4096, "max_tokens_per_turn": 1024, **fields})

@@ -271,6 +271,7 @@ class ChatSession:
     """One episode's chat endpoint: serves calls within `limits` and records them (module docstring)."""
 
     def __init__(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits):
+        limits.require_resolved()
         self.generate, self.renderer, self.limits = generate, renderer, limits
         self.recorder = ChatRecorder()
         self.truncation: tuple[TrajectoryStatus, str] | None = None

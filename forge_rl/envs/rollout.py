@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,8 +47,10 @@ from forge_rl.routing import RoutingRecord
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, CompletionStatus
 
-MakeEnvironment = Callable[[int, int], Environment]
-"""make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode)."""
+MakeEnvironment = Callable[..., Environment]
+"""make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode);
+a factory with a parameter named `row` is also given the data row the prompt came from
+(`make_env(seed, index, row=columns)`, the row's columns by name), so a data file drives its episodes."""
 
 ENVIRONMENTS: dict[str, MakeEnvironment] = {
     "calculator": make_calculator_env,
@@ -62,8 +65,10 @@ class EnvironmentConfig:
     name: str | None = None
     """The environment every episode plays: a registered name (calculator) or
     "package.module:function" taking (seed, index) and returning a fresh Environment
-    (forge_rl/envs/environment.py); seed is task.seed, index the prompt's episode id. Unset: the
-    single-turn prompts of `task`, scored by task.reward."""
+    (forge_rl/envs/environment.py); seed is task.seed, index the prompt's episode id. A function
+    that also takes `row` plays the rows of `data.path`: it gets each prompt's row, its columns by
+    name (data.path is then required, unless `row` has a default). Unset: the single-turn prompts
+    of `task`, scored by task.reward."""
     renderer: Literal["plain", "chat_template"] = "plain"
     """How observations become tokens: the tiny models' plain format, or the model's chat template."""
     tool_call_parser: str | None = None
@@ -88,9 +93,34 @@ class EnvironmentConfig:
             )
 
     def make_env(self) -> MakeEnvironment:
+        """The factory, called as make_env(seed, index) or, with a data row, make_env(seed, index, row)."""
         if self.name is None:
             raise ValueError("environment.name is unset: the run plays single-turn prompts, no environment")
-        return resolve_environment(self.name)
+        factory = resolve_environment(self.name)
+        if reads_row(factory) is None:
+            return factory
+
+        def make_env(seed: int, index: int, row: dict | None = None) -> Environment:
+            return factory(seed, index) if row is None else factory(seed, index, row=row)
+
+        return make_env
+
+    @property
+    def reads_row(self) -> Literal["required", "optional"] | None:
+        """Whether the factory takes a data row (`reads_row`); None without an environment."""
+        return None if self.name is None else reads_row(resolve_environment(self.name))
+
+
+def reads_row(factory: MakeEnvironment) -> Literal["required", "optional"] | None:
+    """"required" when `factory` has a parameter `row` without a default, "optional" with one,
+    None when it takes no row (the (seed, index) form)."""
+    try:
+        parameter = inspect.signature(factory).parameters.get("row")
+    except ValueError:  # no signature to read: the (seed, index) form
+        return None
+    if parameter is None:
+        return None
+    return "required" if parameter.default is inspect.Parameter.empty else "optional"
 
 
 def resolve_environment(name: str) -> MakeEnvironment:

@@ -33,6 +33,7 @@ again).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -50,13 +51,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class EpisodeLimits:
+    """What bounds one episode. The two token limits follow the model and the generator unless set:
+    a run resolves them against its config (`resolved`) before anything plays."""
+
     max_turns: int = 8
     """Model turns per episode; an episode the environment has not closed by then is TRUNCATED_TURNS."""
-    max_total_tokens: int = 4096
-    """Longest token sequence of a sample (prompt, turns and observations): the context budget;
-    at most the model's context length (128 for the tiny models)."""
-    max_tokens_per_turn: int = 1024
-    """Tokens one turn may sample (the engine's max_tokens for that request)."""
+    max_total_tokens: int | None = None
+    """Longest token sequence of a sample (prompt, turns and observations): the context budget. At
+    most the model's context length; unset: all of it (max_model_len, 128 for the tiny models)."""
+    max_tokens_per_turn: int | None = None
+    """Tokens one turn may sample (the engine's max_tokens for that request). Unset:
+    generator.max_new_tokens, the bound of a single-turn completion."""
     max_malformed_turns: int = 1
     """Malformed turns (MalformedTurn) answered with an error observation; one more ends the
     episode as PARSE_ERROR. 0: the first one ends it."""
@@ -64,15 +69,45 @@ class EpisodeLimits:
     """Seconds one reset or step may take; past it the episode is ENV_TIMEOUT."""
 
     @property
+    def is_resolved(self) -> bool:
+        return self.max_total_tokens is not None and self.max_tokens_per_turn is not None
+
+    def resolved(self, max_model_len: int, max_new_tokens: int) -> EpisodeLimits:
+        """These limits with the unset token limits derived: max_total_tokens the model's context
+        `max_model_len`, max_tokens_per_turn `max_new_tokens` (generator.max_new_tokens), within it."""
+        return dataclasses.replace(
+            self,
+            max_total_tokens=max_model_len if self.max_total_tokens is None else self.max_total_tokens,
+            max_tokens_per_turn=(
+                min(max_new_tokens, self.max_total_tokens or max_model_len)
+                if self.max_tokens_per_turn is None else self.max_tokens_per_turn
+            ),
+        )
+
+    @property
     def max_generated_tokens(self) -> int:
         """Most tokens a trajectory can generate: max_turns turns of max_tokens_per_turn, within
         its max_total_tokens budget (which its context shares)."""
+        self.require_resolved()
         return min(self.max_turns * self.max_tokens_per_turn, self.max_total_tokens)
+
+    def require_resolved(self) -> None:
+        """ValueError unless both token limits are known (set, or `resolved` against the model)."""
+        if not self.is_resolved:
+            raise ValueError(
+                f"EpisodeLimits(max_total_tokens={self.max_total_tokens}, max_tokens_per_turn={self.max_tokens_per_turn}) "
+                "has an unset token limit, which follows the model: call limits.resolved(max_model_len, "
+                "max_new_tokens) first (a run's GRPOConfig does), or set both."
+            )
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens", "max_tokens_per_turn"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EpisodeLimits.{name} ({getattr(self, name)}) must be >= 1.")
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(
+                    f"environment.limits.{name} ({value}) must be >= 1. Set --environment.limits.{name.replace('_', '-')}"
+                    + (", or unset it to follow the model." if name != "max_turns" else ".")
+                )
         if self.max_malformed_turns < 0:
             raise ValueError(f"EpisodeLimits.max_malformed_turns ({self.max_malformed_turns}) must be >= 0.")
         if not 0 < self.env_step_timeout_s < math.inf:
@@ -119,6 +154,7 @@ async def run_episode(
     env: Environment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
 ) -> Trajectory:
     """Play `env` to its end (or its limits) with turns from `generate`; see the module docstring."""
+    limits.require_resolved()
     builder = TrajectoryBuilder(renderer, limits.max_total_tokens)
     record = _Record()
 

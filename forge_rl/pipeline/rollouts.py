@@ -391,11 +391,14 @@ class Rollouts:
         return len(kept) - num_stale
 
     async def _play(self, index: int, prompt: Episode) -> Episode:
-        """`prompt` as group_size episodes of the environment played on generator `index`: one
-        completion per trajectory, its reward the environment's (forge_rl/envs/rollout.py)."""
+        """`prompt` as group_size episodes of the environment played on generator `index` (each made
+        with the prompt's data row, when it has one): one completion per trajectory, its reward the
+        environment's (forge_rl/envs/rollout.py)."""
         config = self.config
+        # A prompt from a data file hands its row to the environment (EnvironmentConfig.make_env).
+        row = {} if prompt.columns is None else {"row": prompt.columns}
         envs = [
-            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id), self.env_waits, index)
+            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id, **row), self.env_waits, index)
             for _ in range(config.group_size)
         ]
 

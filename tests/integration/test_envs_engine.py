@@ -34,6 +34,7 @@ from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import ALPHABET, PromptTokenizer
 from forge_rl.types import Episode
 from tests.integration.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
+from tests.helpers import episode_limits
 
 pytestmark = pytest.mark.integration
 
@@ -204,7 +205,7 @@ def test_a_prefix_longer_than_the_context_ends_the_episode_truncated_before_reac
             raise AssertionError("no turn can be sampled")
 
     num_requests_before = len(served.engine.requests)
-    trajectory = served.play(LongPromptEnv(), EpisodeLimits(max_total_tokens=4096))
+    trajectory = served.play(LongPromptEnv(), episode_limits(max_total_tokens=4096))
 
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.num_turns == 0
     assert "prefix has 129 tokens" in trajectory.error and "max_model_len) is 128" in trajectory.error

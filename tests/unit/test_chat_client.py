@@ -18,6 +18,7 @@ from forge_rl.envs.runner import ContextExhausted, EpisodeLimits, SampledTurn  #
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
+from tests.helpers import episode_limits
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def play(agent, generate, renderer, limits=EpisodeLimits()):
+def play(agent, generate, renderer, limits=episode_limits()):
     return asyncio.run(ChatAgentEnvironment(agent).play(generate, renderer, limits))
 
 
@@ -161,7 +162,7 @@ def test_a_call_past_max_turns_is_a_400_naming_the_limit_and_the_episode_ends_tr
             errors.append(e)
             raise
 
-    trajectory = play(recording_agent, FakeGenerate([sampled(tokenizer, "A")] * 2), renderer, EpisodeLimits(max_turns=2))
+    trajectory = play(recording_agent, FakeGenerate([sampled(tokenizer, "A")] * 2), renderer, episode_limits(max_turns=2))
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TURNS and trajectory.final_reward == 0.0
     assert errors[0].status_code == 400 and "max_turns (2)" in str(errors[0])
     assert trajectory.num_turns == 2
@@ -176,7 +177,7 @@ def test_a_prompt_with_no_room_left_is_a_400_context_length_exceeded_and_the_epi
             return 1.0  # the agent carries on: its reward is not used after a limit
         raise AssertionError("expected a 400")
 
-    trajectory = play(agent, FakeGenerate([]), renderer, EpisodeLimits(max_total_tokens=8))
+    trajectory = play(agent, FakeGenerate([]), renderer, episode_limits(max_total_tokens=8))
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.final_reward == 0.0
 
 
@@ -240,7 +241,7 @@ def test_an_agent_that_hangs_between_calls_ends_env_timeout(tokenizer, renderer)
         await client.chat.completions.create(model="p", messages=[user("Q=")])
         await asyncio.Event().wait()
 
-    trajectory = play(hangs, FakeGenerate([sampled(tokenizer, "A")]), renderer, EpisodeLimits(env_step_timeout_s=0.05))
+    trajectory = play(hangs, FakeGenerate([sampled(tokenizer, "A")]), renderer, episode_limits(env_step_timeout_s=0.05))
     assert trajectory.status == TrajectoryStatus.ENV_TIMEOUT and trajectory.num_turns == 1
 
 
@@ -254,7 +255,7 @@ def test_a_slow_turn_is_not_the_agents_time(tokenizer, renderer):
         return 1.0
 
     # The agent's own time around its one call is milliseconds; 0.5 s leaves a loaded machine room.
-    assert play(agent, slow, renderer, EpisodeLimits(env_step_timeout_s=0.5)).status == TrajectoryStatus.DONE
+    assert play(agent, slow, renderer, episode_limits(env_step_timeout_s=0.5)).status == TrajectoryStatus.DONE
 
 
 def test_a_lost_generator_propagates_out_of_the_episode(tokenizer, renderer):
@@ -296,14 +297,14 @@ def test_the_rollout_plays_agent_environments_in_a_group_and_times_them_as_envir
     clock = EnvWaitClock(1)
     envs = [TimedEnvironment(ChatAgentEnvironment(agent), clock, 0) for _ in range(2)]
     generate = FakeGenerate([sampled(tokenizer, "A"), sampled(tokenizer, "B")])
-    trajectories = asyncio.run(play_group(envs, generate, renderer, EpisodeLimits()))
+    trajectories = asyncio.run(play_group(envs, generate, renderer, episode_limits()))
     assert sorted(t.final_reward for t in trajectories) == [0.0, 1.0]
     assert all(t.status == TrajectoryStatus.DONE for t in trajectories)
 
 
 def test_a_direct_session_serves_without_an_agent_environment(tokenizer, renderer):
     async def main():
-        session = ChatSession(FakeGenerate([sampled(tokenizer, "7")]), renderer, EpisodeLimits())
+        session = ChatSession(FakeGenerate([sampled(tokenizer, "7")]), renderer, episode_limits())
         client = session.client()
         models = await client.models.list()
         reply = await client.chat.completions.create(model=models.data[0].id, messages=[user("3+4=")])

@@ -23,6 +23,7 @@ from forge_rl.errors import GeneratorLost, SandboxUnavailable
 from forge_rl.tasks.synthetic import leading_number_reward, make_prompt
 from forge_rl.tasks.tokenizer import EOS, PAD, PromptTokenizer, save_char_tokenizer
 from tests.fakes import FakeGenerate
+from tests.helpers import episode_limits
 
 # ---------------------------------------------------------------------------------------------------
 # Builders
@@ -52,7 +53,7 @@ def sampled(tokenizer, text: str, policy_version: int | list[int] = 0, stop: boo
 
 def play(env, turns, renderer, **limits):
     generate = FakeGenerate(turns)
-    trajectory = asyncio.run(run_episode(env, generate, renderer, EpisodeLimits(**limits)))
+    trajectory = asyncio.run(run_episode(env, generate, renderer, episode_limits(**limits)))
     return trajectory, generate
 
 
@@ -259,7 +260,7 @@ def test_a_generator_whose_context_is_full_truncates_the_episode_with_its_reason
             return first_turn
         raise ContextExhausted(f"the prefix has {len(prefix)} tokens and the generator's context is 16")
 
-    trajectory = asyncio.run(run_episode(CalculatorEnv(37, 52), generate, renderer, EpisodeLimits()))
+    trajectory = asyncio.run(run_episode(CalculatorEnv(37, 52), generate, renderer, episode_limits()))
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.status.trainable
     assert trajectory.error == "turn 2: the prefix has 20 tokens and the generator's context is 16"
     assert trajectory.num_turns == 1 and trajectory.final_reward == 0.0
@@ -321,7 +322,7 @@ def test_fatal_errors_and_generator_failures_reach_the_caller(tokenizer, rendere
         raise GeneratorLost(0, "process died")
 
     with pytest.raises(GeneratorLost):
-        asyncio.run(run_episode(ScriptedEnv(), lost_generator, renderer, EpisodeLimits()))
+        asyncio.run(run_episode(ScriptedEnv(), lost_generator, renderer, episode_limits()))
 
 
 def test_step_result_refuses_an_end_without_a_reward_and_a_reward_without_an_end():
@@ -334,7 +335,7 @@ def test_step_result_refuses_an_end_without_a_reward_and_a_reward_without_an_end
 
 
 def test_limits_that_would_stop_everything_or_nothing_are_refused_with_the_field():
-    with pytest.raises(ValueError, match=r"EpisodeLimits.max_turns \(0\)"):
+    with pytest.raises(ValueError, match=r"environment.limits.max_turns \(0\) must be >= 1"):
         EpisodeLimits(max_turns=0)
     with pytest.raises(ValueError, match=r"env_step_timeout_s \(inf\).*hung environment"):
         EpisodeLimits(env_step_timeout_s=float("inf"))

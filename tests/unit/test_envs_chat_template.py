@@ -12,10 +12,11 @@ import pytest
 
 from forge_rl.envs.environment import Message, StepResult
 from forge_rl.envs.renderers import ChatTemplateRenderer
-from forge_rl.envs.runner import EpisodeLimits, SampledTurn, run_episode
+from forge_rl.envs.runner import SampledTurn, run_episode
 from forge_rl.envs.trajectory import ContextSpan, TrajectoryStatus
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from tests.fakes import FakeGenerate
+from tests.helpers import episode_limits
 
 # A miniature of Qwen3's template: role header, content, end of turn; earlier assistant turns lose
 # their reasoning (here: the text up to "/", as Qwen3 drops <think>...</think>).
@@ -59,7 +60,7 @@ def test_the_chat_template_prefix_holds_until_it_rewrites_history_and_then_the_t
     renderer = ChatTemplateRenderer(tokenizer)
     turns = [turn(tokenizer, "A"), turn(tokenizer, "THINK/B"), turn(tokenizer, "C")]
     generate = FakeGenerate(turns)
-    trajectory = asyncio.run(run_episode(TwoObservations(), generate, renderer, EpisodeLimits()))
+    trajectory = asyncio.run(run_episode(TwoObservations(), generate, renderer, episode_limits()))
 
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.num_forks == 1
     first, second = trajectory.samples
@@ -93,8 +94,8 @@ def test_an_openai_client_agent_on_the_chat_template_forks_where_the_builder_doe
             messages += [{"role": "user", "content": observation}] if observation else []
         return 1.0
 
-    via_client = asyncio.run(ChatAgentEnvironment(agent).play(generate, renderer, EpisodeLimits()))
-    via_runner = asyncio.run(run_episode(TwoObservations(), FakeGenerate(turns), renderer, EpisodeLimits()))
+    via_client = asyncio.run(ChatAgentEnvironment(agent).play(generate, renderer, episode_limits()))
+    via_runner = asyncio.run(run_episode(TwoObservations(), FakeGenerate(turns), renderer, episode_limits()))
     assert via_client.status == TrajectoryStatus.DONE and via_client.num_forks == 1
     assert [s.spans for s in via_client.samples] == [s.spans for s in via_runner.samples]
 

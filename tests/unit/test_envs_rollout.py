@@ -32,6 +32,7 @@ from forge_rl.observability.metrics import EpisodeStats, batch_metrics
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.types import CompletionStatus, Episode
+from tests.helpers import episode_limits
 
 
 def trajectory(*spans, status=TrajectoryStatus.DONE, final_reward=1.0, samples=None, **fields) -> Trajectory:
@@ -226,19 +227,32 @@ def test_a_lost_generator_cancels_the_whole_group_and_reaches_the_rollout(render
         return SampledTurn([5, 2], [-0.1, -0.1], [0, 0], "stop")
 
     with pytest.raises(GeneratorLost):
-        asyncio.run(play_group([WaitsForever(), WaitsForever()], generate, renderer, EpisodeLimits(max_total_tokens=64)))
+        asyncio.run(play_group([WaitsForever(), WaitsForever()], generate, renderer, episode_limits(max_total_tokens=64)))
     assert len(cancelled) == 1
 
 
 def test_an_environment_must_fit_the_models_context_and_be_one_that_exists():
     with pytest.raises(ConfigError, match=r"max_total_tokens \(4096\) exceeds the model's context .*128.*--environment.limits.max-total-tokens"):
-        GRPOConfig(environment=EnvironmentConfig(name="calculator"))
+        GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=4096)))
     with pytest.raises(ConfigError, match=r"environment.name \('chess'\) is not a registered environment.*calculator"):
         EnvironmentConfig(name="chess")
     with pytest.raises(ConfigError, match=r"environment.name \('no_such_pkg:make'\): module 'no_such_pkg' cannot be imported"):
         EnvironmentConfig(name="no_such_pkg:make")
     config = GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=128)))
     assert config.max_episode_tokens == config.group_size * 128
+
+
+def test_unset_token_limits_follow_the_models_context_and_max_new_tokens():
+    config = GRPOConfig(environment=EnvironmentConfig(name="calculator"), generator=GeneratorConfig(max_new_tokens=2))
+    limits = config.environment.limits
+    assert (limits.max_total_tokens, limits.max_tokens_per_turn) == (config.max_model_len, 2) == (128, 2)
+    assert config.max_tokens_per_request == 2 and config.max_episode_tokens == config.group_size * 128
+    # A limit the user set stays as set; the other still follows.
+    config = GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_tokens_per_turn=16)))
+    assert (config.environment.limits.max_total_tokens, config.environment.limits.max_tokens_per_turn) == (128, 16)
+    # Unresolved limits are refused by the runner, naming how to resolve them.
+    with pytest.raises(ValueError, match=r"limits.resolved\(max_model_len, max_new_tokens\)"):
+        EpisodeLimits().max_generated_tokens
 
 
 def test_dr_grpo_with_an_environment_divides_by_the_most_tokens_a_trajectory_can_generate():
@@ -265,7 +279,7 @@ def test_a_step_timeout_shorter_than_a_sandboxs_start_up_and_run_is_refused_befo
         raise AssertionError("no turn may be sampled")
 
     with pytest.raises(ConfigError, match=r"env_step_timeout_s \(30\) is below what one step of PythonToolEnv may take \(45 s"):
-        asyncio.run(play_group([env], generate, renderer, EpisodeLimits(env_step_timeout_s=30)))
+        asyncio.run(play_group([env], generate, renderer, episode_limits(env_step_timeout_s=30)))
     timed = TimedEnvironment(env, EnvWaitClock(1), 0)
     with pytest.raises(ConfigError, match="--environment.limits.env-step-timeout-s to at least 45"):
-        asyncio.run(play_group([timed], generate, renderer, EpisodeLimits(env_step_timeout_s=44)))
+        asyncio.run(play_group([timed], generate, renderer, episode_limits(env_step_timeout_s=44)))

@@ -7,10 +7,11 @@ import random
 from collections import Counter
 
 from forge_rl.envs.long_tail import LongTailEnv, make_long_tail_env, pareto
-from forge_rl.envs.runner import EpisodeLimits, run_episode
+from forge_rl.envs.runner import run_episode
 from forge_rl.envs.trajectory import TrajectoryStatus
 from tests.fakes import FakeGenerate
 from tests.unit.test_envs import renderer, sampled, tokenizer  # noqa: F401 (fixtures)
+from tests.helpers import episode_limits
 
 
 def test_turns_and_latencies_are_heavy_tailed_bounded_and_replayable():
@@ -26,7 +27,7 @@ def test_turns_and_latencies_are_heavy_tailed_bounded_and_replayable():
 def test_an_episode_takes_its_drawn_turns_and_is_rewarded_on_the_last(tokenizer, renderer):  # noqa: F811
     env = LongTailEnv(3, 8, [0.0, 0.0, 0.0])
     turns = [sampled(tokenizer, "A"), sampled(tokenizer, "B"), sampled(tokenizer, "8")]
-    trajectory = asyncio.run(run_episode(env, FakeGenerate(turns), renderer, EpisodeLimits(max_turns=6)))
+    trajectory = asyncio.run(run_episode(env, FakeGenerate(turns), renderer, episode_limits(max_turns=6)))
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     assert trajectory.num_turns == 3
     assert tokenizer.decode(trajectory.samples[0].token_ids) == "L38=AR2=BR1=8"

@@ -16,10 +16,11 @@ from openenv.core.env_server.types import Action, Observation, State  # noqa: E4
 from forge_rl.envs.environment import MalformedTurn, StepResult  # noqa: E402
 from forge_rl.envs.openenv_adapter import OpenEnvEnvironment, observation_fields, openenv_echo_env  # noqa: E402
 from forge_rl.envs.renderers import PlainTextRenderer  # noqa: E402
-from forge_rl.envs.runner import EpisodeLimits, SampledTurn, run_episode  # noqa: E402
+from forge_rl.envs.runner import SampledTurn, run_episode  # noqa: E402
 from forge_rl.envs.trajectory import ContextSpan, TrajectoryStatus  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
+from tests.helpers import episode_limits
 
 
 class GuessAction(Action):
@@ -77,7 +78,7 @@ def guess_env(cls=GuessEnvironment) -> OpenEnvEnvironment:
 
 def test_openenvs_echo_environment_runs_unmodified_and_its_rewards_sum_into_the_episodes_return(tokenizer):
     turns = [sampled(tokenizer, "AB"), sampled(tokenizer, "HELLO"), sampled(tokenizer, "X")]
-    trajectory = asyncio.run(run_episode(openenv_echo_env(0, 0), FakeGenerate(turns), PlainTextRenderer(tokenizer), EpisodeLimits()))
+    trajectory = asyncio.run(run_episode(openenv_echo_env(0, 0), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits()))
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.num_turns == 3
     assert trajectory.final_reward == pytest.approx(0.1 * (2 + 5 + 1))  # the echo environment's own reward
     assert [m.content for m in trajectory.conversation] == ["ECHO ENV ENVIRONMENT READY=", "AB", "AB=", "HELLO", "HELLO=", "X"]
@@ -88,7 +89,7 @@ def test_openenvs_echo_environment_runs_unmodified_and_its_rewards_sum_into_the_
 
 def test_an_environment_that_says_done_closes_the_episode_with_its_reward(tokenizer):
     turns = [sampled(tokenizer, "3"), sampled(tokenizer, "9"), sampled(tokenizer, "7")]
-    trajectory = asyncio.run(run_episode(guess_env(), FakeGenerate(turns), PlainTextRenderer(tokenizer), EpisodeLimits()))
+    trajectory = asyncio.run(run_episode(guess_env(), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits()))
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     assert [m.content for m in trajectory.conversation] == ["GUESS=", "3", "HIGHER=", "9", "LOWER=", "7"]
 

@@ -15,13 +15,14 @@ import verifiers.v1 as vf  # noqa: E402
 
 from forge_rl.envs.renderers import PlainTextRenderer  # noqa: E402
 from forge_rl.envs.rollout import play_episode, trajectory_completion  # noqa: E402
-from forge_rl.envs.runner import EpisodeLimits, SampledTurn  # noqa: E402
+from forge_rl.envs.runner import SampledTurn  # noqa: E402
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus  # noqa: E402
 from forge_rl.envs.verifiers_adapter import verifiers_environment  # noqa: E402
 from forge_rl.envs.verifiers_sums import sums_environment  # noqa: E402
 from forge_rl.errors import ConfigError  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
+from tests.helpers import episode_limits
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_a_verifiers_task_is_played_by_its_chat_program_on_the_generator_and_sco
     prompt, answer = env.task.data.prompt, env.task.data.answer
     right, wrong = sampled(tokenizer, answer, version=5), sampled(tokenizer, "99", version=5)
     generate = FakeGenerate([right])
-    trajectory = asyncio.run(play_episode(env, generate, renderer, EpisodeLimits()))
+    trajectory = asyncio.run(play_episode(env, generate, renderer, episode_limits()))
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     [sample] = trajectory.samples
     prompt_ids = renderer.render([]) + tokenizer.encode_text(prompt)
@@ -50,14 +51,14 @@ def test_a_verifiers_task_is_played_by_its_chat_program_on_the_generator_and_sco
     assert generate.calls[0][0] == prompt_ids
     completion = trajectory_completion(trajectory)
     assert completion.reward == 1.0 and sum(completion.generated) == len(right.token_ids)
-    again = asyncio.run(play_episode(sums_environment(seed=0, index=3), FakeGenerate([wrong]), renderer, EpisodeLimits()))
+    again = asyncio.run(play_episode(sums_environment(seed=0, index=3), FakeGenerate([wrong]), renderer, episode_limits()))
     assert again.status == TrajectoryStatus.DONE and again.final_reward == 0.0
 
 
 def test_the_chat_programs_context_overflow_ends_the_episode_truncated(tokenizer):
     # verifiers' loop ends its run on a context overflow (a 400 context_length_exceeded) and scores it;
     # forge_rl keeps the truncation and does not train on that score.
-    trajectory = asyncio.run(play_episode(sums_environment(0, 0), FakeGenerate([]), PlainTextRenderer(tokenizer), EpisodeLimits(max_total_tokens=3)))
+    trajectory = asyncio.run(play_episode(sums_environment(0, 0), FakeGenerate([]), PlainTextRenderer(tokenizer), episode_limits(max_total_tokens=3)))
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.final_reward == 0.0
 
 
@@ -78,7 +79,7 @@ class ConversationTaskset(vf.Taskset[ConversationTask, vf.TasksetConfig]):
 def test_the_task_scores_a_trace_holding_the_whole_conversation(tokenizer):
     make_env = verifiers_environment(ConversationTaskset(vf.TasksetConfig()))
     generate = FakeGenerate([sampled(tokenizer, "7", version=0)])
-    trajectory = asyncio.run(play_episode(make_env(0, 0), generate, PlainTextRenderer(tokenizer), EpisodeLimits()))
+    trajectory = asyncio.run(play_episode(make_env(0, 0), generate, PlainTextRenderer(tokenizer), episode_limits()))
     assert trajectory.final_reward == 1.0
     assert generate.calls[0][0] == PlainTextRenderer(tokenizer).render([]) + tokenizer.encode_text("SUM3+4=")
 
