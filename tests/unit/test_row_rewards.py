@@ -186,3 +186,31 @@ def test_a_reward_with_no_answer_column_or_a_missing_one_is_refused_listing_the_
 def test_a_reward_reading_a_column_without_a_data_file_is_refused_when_the_config_is_built():
     with pytest.raises(ConfigError, match=r"parameter\(s\) 'difficulty'.*task 'max_of_two'.*no columns.*--data.path"):
         GRPOConfig(task=TaskConfig(reward=DIFFICULTY))
+
+
+def test_the_rewards_example_of_the_data_docs_scores_a_row_of_its_file(tmp_path, monkeypatch):
+    """docs/data.md "Rewards": its file, its reward module and its config, scored as a run would."""
+    from forge_rl.yaml_config import load_yaml_config
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    section = page.split("## Rewards")[1].split("\n## ")[0]
+    block = lambda lang: section.split(f"```{lang}\n")[1].split("```")[0]
+    (tmp_path / "problems.jsonl").write_text(block("json"))
+    (tmp_path / "my_rewards.py").write_text(block("python"))
+    (tmp_path / "rewards.yaml").write_text(block("yaml"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # PYTHONPATH=. of the command; the workers inherit it
+    config = load_yaml_config(GRPOConfig, tmp_path / "rewards.yaml")
+    rows = [json.loads(line) for line in block("json").splitlines()]
+    completions = ["1/4 + 1/4 = 2/4 = $\\frac{1}{2}$", "0.4"]
+    episodes = [episode(i, row, *completions, answer=row["solution"]) for i, row in enumerate(rows)]
+    scored_episodes, _ = scored(build_scorer(config.scorer, config.task.reward_weights), episodes)
+    first, second = ([c.reward_components for c in e.completions] for e in scored_episodes)
+    assert first == [{"math_verify": 1.0, "shows_work": 1.0}, {"math_verify": 0.0, "shows_work": 0.0}]
+    assert second == [{"math_verify": 1.0, "shows_work": 1.0}, {"math_verify": 0.0, "shows_work": 0.0}]
+    assert scored_episodes[0].rewards == [1.0 + 0.2 * 1.0, 0.0]
+
+
+@pytest.mark.parametrize("completion", ["$\\frac{1}{2}$", "\\boxed{0.5}", "\\frac{1}{2}"])
+def test_the_math_verify_forms_the_docs_name_score_for_answer_one_half(completion):
+    assert math_verify_reward(completion, "0.5") == 1.0
