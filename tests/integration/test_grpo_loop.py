@@ -21,6 +21,10 @@ from apps.grpo.main import run
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig, newest_complete_checkpoint
 from forge_rl.config import GRPOConfig, LogConfig
+from forge_rl.data.config import DataConfig
+from forge_rl.data.rows import export_rows
+from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
+from forge_rl.pipeline.prompts import TaskRows
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.training.losses.policy import LossConfig
 from forge_rl.models.titan import ParallelConfig
@@ -45,7 +49,8 @@ after step 4 version 3 (forge_rl/scoring/teacher.py `TeacherPin`)."""
 # Each variant also runs recipe options that only a whole loop can check end to end:
 #   fsdp  synchronous (max_policy_age 0), DAPO's dynamic sampling and soft overlong penalty,
 #         self-distillation from a teacher pinned one version back, on its own process, and
-#         checkpoints every 2 steps (a resume of it continues the teacher's schedule);
+#         checkpoints every 2 steps (a resume of it continues the teacher's schedule), and an
+#         evaluation of every step's version on generators of its own (the resume's too);
 #   tp    asynchronous (max_policy_age 1), temperature and top-p (the trainer must renormalize over
 #         the generator's kept sets to agree with its logprobs), the KL penalty to a reference
 #         model on its own process, a reward function that raises and hangs (it must cost
@@ -94,9 +99,19 @@ def finished(summary: dict, config: GRPOConfig):
     return summary, metrics, run_path, config
 
 
+def held_out_eval(tmp_path_factory) -> EvalConfig:
+    """Every step's version evaluated on 16 prompts of the task written to a file (another seed's),
+    on the evaluation's own generator, none dropped: each result must be exactly its step's version
+    while the run's generator swaps to every version."""
+    rows = tmp_path_factory.mktemp("eval") / "held_out.jsonl"
+    export_rows(TaskRows(TaskConfig(seed=1)), rows, 16)
+    data = DataConfig(str(rows), answer_column="answer")
+    return EvalConfig(sets=(EvalSetConfig("held_out", data, max_prompts=16),), every_n_steps=1, max_waiting=NUM_STEPS + 2)
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    config = variant_config("fsdp", tmp_path_factory)
+    config = variant_config("fsdp", tmp_path_factory, eval=held_out_eval(tmp_path_factory))
     return finished(asyncio.run(asyncio.wait_for(run(config), RUN_HANG_S)), config)
 
 
@@ -237,9 +252,33 @@ def test_a_resumed_self_distillation_run_serves_the_teacher_it_had_at_the_checkp
     metrics = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
     served = {m["step"]: m["teacher/policy_version"] for m in metrics}
     assert (served[5], served[6]) == (3, 5)
+    # The resumed run evaluates the version it resumed at (held in its store), then steps 5 and 6.
+    assert [(r["step"], r["policy_version"]) for r in eval_records(copy)][-3:] == [(4, 4), (5, 5), (6, 6)]
     checkpoint = newest_complete_checkpoint(copy)
     assert checkpoint.name == "step-000006"
     assert load_teacher_weights(checkpoint / "teacher" / TEACHER_WEIGHTS_FILE)["served_version"] == 5
+
+
+def eval_records(run_path) -> list[dict]:
+    return [json.loads(line) for line in (run_path / "eval.jsonl").read_text().splitlines()]
+
+
+def test_every_steps_version_is_evaluated_exactly_beside_training_and_never_trained(fsdp_run):
+    """Each evaluation loads exactly its step's version, reserved in the store a step ahead, and
+    every sampled token proves it (a result with another version's token is discarded and counted
+    in eval/failed); the run's generator meanwhile swaps to each version. Nothing evaluated reaches
+    the buffer: the accounting holds the training prompts only."""
+    summary, metrics, run_path, config = fsdp_run
+    records = eval_records(run_path)
+    assert [(r["step"], r["policy_version"]) for r in records] == [(s, s) for s in range(NUM_STEPS + 1)]
+    assert all(r["eval/failed"] == 0 and r["eval/dropped"] == 0 for r in records)
+    assert all(r["eval/held_out/num_prompts"] == 16 and r["eval/held_out/version"] == r["policy_version"] for r in records)
+    for record in records:
+        samples = (run_path / "eval" / "held_out" / f"version-{record['policy_version']}.jsonl").read_text().splitlines()
+        assert len(samples) == 16
+    assert summary["eval"]["held_out"] == {k: v for k, v in records[-1].items() if k.startswith("eval/held_out/")}
+    assert summary["accounting"]["trained"] == NUM_STEPS * config.prompts_per_step
+    assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
 
 
 def test_reference_model_is_the_initial_policy(tp_run):
