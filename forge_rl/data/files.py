@@ -19,6 +19,8 @@ stays cheap to import); opening a `FileSource` does.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,17 +81,30 @@ class FileSource:
     `cache_dir` is where `datasets` keeps the Arrow conversion of a file (default
     HF_DATASETS_CACHE); the rows are memory-mapped from there, never read into memory whole."""
 
-    def __init__(self, config: DataConfig, length_limit: LengthLimit | None = None, cache_dir: str | None = None):
+    def __init__(
+        self, config: DataConfig, length_limit: LengthLimit | None = None, cache_dir: str | None = None,
+        field: str = "data",
+    ):
         # Imported here, not at the top, so importing DataConfig costs nothing (see the module docstring).
         from forge_rl.data.checks import check_columns
         from forge_rl.data.loading import open_dataset
 
         self.config = config
         self.length_limit = length_limit
-        self.where = f"data.path ({config.path!r}, split {config.split!r})"
-        self.dataset: datasets.Dataset = open_dataset(config.path, config.split, cache_dir)
-        check_columns(self.dataset, config, self.where)
-        self._prompt(self.dataset[0], 0)  # a template that cannot format the rows fails here, not mid-run
+        self.field = field
+        self.where = f"{field}.path ({config.path!r}, split {config.split!r})"
+        """How messages name the file: by the config field that holds its DataConfig (`field`:
+        "data" for the run's, "eval.sets[0].data" for an eval set's)."""
+        try:
+            self.dataset: datasets.Dataset = open_dataset(config.path, config.split, cache_dir)
+            check_columns(self.dataset, config, self.where)
+            self._prompt(self.dataset[0], 0)  # a template that cannot format the rows fails here, not mid-run
+        except ConfigError as error:
+            if field == "data":
+                raise
+            # The loaders name the run's own fields (data.path, --data.path): this file's are field's.
+            message = str(error).replace("--data.", _flag(field) + ".")
+            raise ConfigError(re.sub(r"(?<![\w.-])data\.", f"{field}.", message)) from None
         self._too_long: dict[int, int] = {}
         """Row number -> prompt tokens, for each row met that does not fit (too_long skip)."""
 
@@ -143,6 +158,22 @@ class FileSource:
                 )
             index += 1
 
+    def count_prompts_among(self, prompts: list[str | list[Message]], batch_size: int = 1024) -> int:
+        """How many of `prompts` are the prompt of some row of this file (an eval set's prompts among
+        the training data's), counted over every row once, in storage order, never holding more
+        than one batch of rows."""
+        wanted = {_prompt_key(prompt) for prompt in prompts}
+        found: set[str] = set()
+        row_number = 0
+        for batch in self.dataset.iter(batch_size=batch_size):
+            names = list(batch)
+            for values in zip(*(batch[name] for name in names)):
+                key = _prompt_key(self._prompt(dict(zip(names, values)), row_number))
+                if key in wanted:
+                    found.add(key)
+                row_number += 1
+        return sum(_prompt_key(prompt) in found for prompt in prompts)
+
     def check_lengths(self, batch_size: int = 1024) -> LengthReport:
         """Count every row's prompt tokens once, in storage order: the report a preflight shows
         (and, with too_long refuse, a ConfigError naming the rows before a run starts)."""
@@ -177,8 +208,8 @@ class FileSource:
         """Refuse unless rows have answers: `needed_by` (a reward) compares completions against them."""
         if self.config.answer_column is None:
             raise ConfigError(
-                f"{needed_by} compares each completion with its row's answer, and data.answer_column is unset. "
-                f"Set --data.answer-column to the column of {self.where} that holds the answers (its columns: "
+                f"{needed_by} compares each completion with its row's answer, and {self.field}.answer_column is unset. "
+                f"Set {_flag(self.field)}.answer-column to the column of {self.where} that holds the answers (its columns: "
                 f"{', '.join(map(repr, self.dataset.column_names))})."
             )
 
@@ -238,3 +269,11 @@ class FileSource:
         )
 
 
+def _prompt_key(prompt: str | list[Message]) -> str:
+    """A prompt as one string that equals another's exactly when the prompts are the same."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def _flag(field: str) -> str:
+    """The command-line flag of a DataConfig's field path: eval.sets[0].data -> --eval.sets.0.data."""
+    return "--" + field.replace("[", ".").replace("]", "").replace("_", "-")

@@ -40,13 +40,15 @@ def encode_row_prompt(task: TaskConfig, tokenizer: PromptTokenizer, prompt: str 
 
 
 def open_file_source(
-    data: DataConfig, encode: Callable[[str | list[Message]], list[int]], max_model_len: int, max_new_tokens: int
+    data: DataConfig, encode: Callable[[str | list[Message]], list[int]], max_model_len: int, max_new_tokens: int,
+    field: str = "data",
 ) -> FileSource:
-    """The run's data file as a source whose rows must fit max_model_len with max_new_tokens, counted
-    by the tokens the generator will see (`encode`: a prompt as its token ids, `encode_row_prompt`)."""
+    """A data file as a source whose rows must fit max_model_len with max_new_tokens, counted by the
+    tokens the generator will see (`encode`: a prompt as its token ids, `encode_row_prompt`);
+    `field` names its DataConfig in messages ("data", "eval.sets[0].data")."""
     from forge_rl.data.files import FileSource, LengthLimit  # opens datasets and pyarrow: only for a data file
 
-    return FileSource(data, LengthLimit(lambda prompt: len(encode(prompt)), max_model_len, max_new_tokens))
+    return FileSource(data, LengthLimit(lambda prompt: len(encode(prompt)), max_model_len, max_new_tokens), field=field)
 
 
 class TaskRows:

@@ -66,11 +66,15 @@ class EvalJob:
     """Whether this evaluation holds a reservation of its version (released when it ends)."""
 
 
-def load_eval_set(eval_set: EvalSetConfig, config: GRPOConfig, tokenizer: PromptTokenizer, max_new_tokens: int) -> list[EvalPrompt]:
+def load_eval_set(
+    eval_set: EvalSetConfig, config: GRPOConfig, tokenizer: PromptTokenizer, max_new_tokens: int, field: str
+) -> list[EvalPrompt]:
     """The set's first `max_prompts` rows that fit the context with `max_new_tokens`, in the order
-    of its data.seed (epoch 0), tokenized as the generators will see them."""
+    of its data.seed (epoch 0), tokenized as the generators will see them; `field` names the set's
+    DataConfig in messages (eval.sets[0].data)."""
     source = open_file_source(
-        eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), config.max_model_len, max_new_tokens
+        eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), config.max_model_len,
+        max_new_tokens, field=field,
     )
     prompts: list[EvalPrompt] = []
     index = 0
@@ -133,8 +137,10 @@ class Evaluation:
         """Load the sets; evaluate `version` (the one training starts from) if eval.at_start;
         reserve the next version if the next step is due."""
         self.metrics_logger = metrics_logger
-        for eval_set in self.eval.sets:
-            self.sets[eval_set.name] = load_eval_set(eval_set, self.config, self.tokenizer, self.max_new_tokens)
+        for i, eval_set in enumerate(self.eval.sets):
+            self.sets[eval_set.name] = load_eval_set(
+                eval_set, self.config, self.tokenizer, self.max_new_tokens, f"eval.sets[{i}].data"
+            )
         self.due_steps = set(self.eval.steps(step, self.config.steps))
         (self.run_path / "eval").mkdir(exist_ok=True)
         self._worker = asyncio.create_task(self._work())

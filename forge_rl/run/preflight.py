@@ -30,6 +30,7 @@ from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
 from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.errors import ConfigError
+from forge_rl.observability.metrics import progress
 
 NUM_PROMPTS_CHECKED = 256
 """Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""
@@ -141,6 +142,8 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
         _check_environment_renderer(config.environment, model_dir)
     max_model_len = config.model.hf_config()["max_position_embeddings"]
     max_new_tokens = config.generator.max_new_tokens
+    if config.eval.enabled:
+        check_eval_sets(config, tokenizer, max_model_len)
     if config.data is not None:
         check_data(config, tokenizer, max_model_len)
         return
@@ -191,6 +194,43 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
             f"data.path ({config.data.path!r}) gives chat prompts (data.messages_column or data.system_prompt): {e} "
             "Or use a text column (--data.prompt-column) without --data.system-prompt."
         ) from None
+
+
+def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
+    """Each eval set opens, has the answers and columns the task's reward functions read, and has a
+    row that fits the context with the evaluation's max_new_tokens; one that shares prompts with
+    the training data is warned about with the count (its figures then measure training prompts)."""
+    max_new_tokens = config.eval.max_new_tokens or config.generator.max_new_tokens
+    train = None
+    for i, eval_set in enumerate(config.eval.sets):
+        field = f"eval.sets[{i}].data"
+        source = open_file_source(
+            eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
+            max_new_tokens, field=field,
+        )
+        check_reward_columns(config, source)
+        first = source.next_row(0)  # a set where no row fits is refused here
+        if config.data is None:
+            continue
+        if train is None:
+            train = open_file_source(
+                config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
+                config.generator.max_new_tokens,
+            )
+        prompts, index = [first.prompt], first.index + 1
+        while len(prompts) < min(eval_set.max_prompts, source.num_rows):
+            row = source.row(index)
+            if row.epoch > 0:
+                break
+            prompts.append(row.prompt)
+            index += 1
+        shared = train.count_prompts_among(prompts)
+        if shared:
+            progress(
+                f"WARNING eval set {eval_set.name!r} shares {shared} of its {len(prompts)} evaluated prompts with the "
+                f"training data ({train.where}): its figures then measure prompts the run trains on. Use disjoint "
+                f"files (or splits) for {field}.path and data.path"
+            )
 
 
 def check_reward_columns(config: GRPOConfig, source) -> None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 
 from forge_rl.config import GRPOConfig
@@ -19,10 +20,17 @@ from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.evaluation.results import MixedVersions, summarize, version_of
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.run.evaluation import READER_ID, Evaluation
+from forge_rl.run import preflight
+from forge_rl.run.evaluation import READER_ID, Evaluation, load_eval_set
 from forge_rl.store.index import VersionIndex, version_key
 from forge_rl.tasks import TaskConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    # The Arrow cache a file is converted into goes under the test's directory, not the user's home.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
 
 
 def eval_set(path: Path, **fields) -> EvalSetConfig:
@@ -283,3 +291,52 @@ def test_an_evaluation_slower_than_training_falls_behind_in_versions_and_holds_n
     records = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in records] == [0, 6]
     assert records[-1]["eval/dropped"] == 5
+
+
+# Bad input, before anything starts ------------------------------------------------------------
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_missing_eval_file_is_refused_before_the_run_starts_naming_the_set(tmp_path, tiny_model):
+    config = dataclasses.replace(
+        run_config(tmp_path, tiny_model), eval=EvalConfig(sets=(eval_set(tmp_path / "missing.jsonl"),))
+    )
+    with pytest.raises(ConfigError, match=r"eval.sets\[0\].data.path \('.*missing.jsonl'\): no file or directory"):
+        preflight.check_model_inputs(config, tiny_model)
+
+
+def test_an_eval_set_without_the_answers_its_reward_compares_with_is_refused_naming_the_flag(tmp_path, tiny_model):
+    rows = write_rows(tmp_path / "no_answers.jsonl", [{"prompt": "M12=", "solution": "2"}])
+    config = dataclasses.replace(
+        run_config(tmp_path, tiny_model),
+        eval=EvalConfig(sets=(EvalSetConfig("held_out", DataConfig(str(rows))),)),
+    )
+    with pytest.raises(ConfigError, match=r"eval.sets\[0\].data.answer_column is unset. Set --eval.sets.0.data.answer-column"):
+        preflight.check_model_inputs(config, tiny_model)
+
+
+def test_an_eval_set_sharing_prompts_with_the_training_data_is_warned_about_with_the_count(tmp_path, tiny_model, capsys):
+    train = write_rows(tmp_path / "train.jsonl", [{"prompt": f"M{i}0=", "answer": str(i)} for i in range(8)])
+    held = write_rows(tmp_path / "held.jsonl", [{"prompt": f"M{i}0=", "answer": str(i)} for i in range(6, 12)])
+    config = dataclasses.replace(
+        run_config(tmp_path, tiny_model), data=DataConfig(str(train), answer_column="answer"),
+        eval=EvalConfig(sets=(eval_set(held, max_prompts=6),)),
+    )
+    preflight.check_model_inputs(config, tiny_model)
+    assert "eval set 'held_out' shares 2 of its 6 evaluated prompts with the training data" in capsys.readouterr().err
+
+
+def test_an_eval_set_larger_than_max_prompts_is_cut_to_a_fixed_sample_with_a_warning(tmp_path, tiny_model, capsys):
+    config = run_config(tmp_path, tiny_model)  # its set: 10 rows, max_prompts 6
+    evaluation = Evaluation(config, None, None, tmp_path / "store", tmp_path, tiny_model)
+
+    def load():
+        return load_eval_set(config.eval.sets[0], config, evaluation.tokenizer, evaluation.max_new_tokens, "eval.sets[0].data")
+
+    first, again = load(), load()
+    assert len(first) == 6 and [p.row_number for p in first] == [p.row_number for p in again]
+    assert "10 rows, of which the first 6" in capsys.readouterr().err
