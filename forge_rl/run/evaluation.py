@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,14 +99,22 @@ def load_eval_set(
 
 class Evaluation:
     """The run's evaluations (module docstring). `generators` is the evaluation's own generator
-    pool (forge_rl/actors/generator_pool.py), `store_index` the weight store's index actor."""
+    pool (forge_rl/actors/generator_pool.py), `store_index` the weight store's index actor.
+    `on_sampled(num_prompts)` hears of each generate call's prompts as they come back.
 
-    def __init__(self, config: GRPOConfig, generators, store_index, store_root: Path, run_path: Path, model_dir: Path):
+    `forge-rl eval` uses the same object without a store: `load_sets`, then `evaluate_served` on
+    generators that already serve the version, then `finish`."""
+
+    def __init__(
+        self, config: GRPOConfig, generators, store_index, store_root: Path | None, run_path: Path, model_dir: Path,
+        on_sampled: Callable[[int], None] | None = None,
+    ):
         self.config = config
         self.eval: EvalConfig = config.eval
         self.generators = generators
         self.store_index = store_index
-        self.store_root = Path(store_root)
+        self.store_root = None if store_root is None else Path(store_root)
+        self.on_sampled = on_sampled
         self.run_path = Path(run_path)
         self.tokenizer = PromptTokenizer(model_dir)
         self.max_new_tokens = self.eval.max_new_tokens or config.generator.max_new_tokens
@@ -137,12 +146,8 @@ class Evaluation:
         """Load the sets; evaluate `version` (the one training starts from) if eval.at_start;
         reserve the next version if the next step is due."""
         self.metrics_logger = metrics_logger
-        for i, eval_set in enumerate(self.eval.sets):
-            self.sets[eval_set.name] = load_eval_set(
-                eval_set, self.config, self.tokenizer, self.max_new_tokens, f"eval.sets[{i}].data"
-            )
+        self.load_sets()
         self.due_steps = set(self.eval.steps(step, self.config.steps))
-        (self.run_path / "eval").mkdir(exist_ok=True)
         self._worker = asyncio.create_task(self._work())
         if self.eval.at_start:
             # A fresh run's version 0 is the model directory's weights, which every engine starts
@@ -152,6 +157,14 @@ class Evaluation:
                 await self.store_index.reserve.call_one(READER_ID, version)
             await self._queue(EvalJob(step, version, reserved=in_store))
         await self._reserve_if_next_due(step, version)
+
+    def load_sets(self) -> None:
+        """Read every eval set's prompts (`load_eval_set`) and make RUN_DIR/eval."""
+        for i, eval_set in enumerate(self.eval.sets):
+            self.sets[eval_set.name] = load_eval_set(
+                eval_set, self.config, self.tokenizer, self.max_new_tokens, f"eval.sets[{i}].data"
+            )
+        (self.run_path / "eval").mkdir(parents=True, exist_ok=True)
 
     async def published(self, step: int, version: int) -> None:
         """Step `step` is accounted for, at policy version `version` (the same as before if the
@@ -247,15 +260,22 @@ class Evaluation:
             self.generators.update_weights.call_one(i, job.version, weights_dir, True)
             for i in range(self.eval.num_generators)
         ))
-        record: dict[str, Any] = {"step": job.step, "policy_version": job.version}
+        await self.evaluate_served(job.step, job.version, started)
+
+    async def evaluate_served(self, step: int, version: int, started: float | None = None) -> dict[str, Any]:
+        """Evaluate every set on the generators, which serve exactly `version` now: sampled, proved
+        `version`'s, scored, written (eval.jsonl, eval/<set>/version-<v>.jsonl) and logged. Returns
+        the record eval.jsonl got; its eval/seconds count from `started` (default: now)."""
+        started = time.monotonic() if started is None else started
+        record: dict[str, Any] = {"step": step, "policy_version": version}
         for name, prompts in self.sets.items():
-            episodes = await self._sample(prompts)
-            version_of(episodes, job.version)
+            episodes = await self.sample(prompts)
+            version_of(episodes, version)
             await self._scoring.score(episodes)
             result = summarize(
-                name, job.version, episodes, [p.row_number for p in prompts], self.eval.k_values, self.eval.pass_threshold
+                name, version, episodes, [p.row_number for p in prompts], self.eval.k_values, self.eval.pass_threshold
             )
-            self._write_prompts(name, job.version, result.prompts)
+            self._write_prompts(name, version, result.prompts)
             self.results[name] = result.metrics
             record.update(result.metrics)
         self.num_evaluated += 1
@@ -270,10 +290,12 @@ class Evaluation:
             f"{name} pass@{self.eval.k_values[0]} {self.results[name][f'eval/{name}/pass@{self.eval.k_values[0]}']:.3f}"
             for name in self.sets
         )
-        progress(f"eval of policy version {job.version} (step {job.step}): {figures} ({record['eval/seconds']:.1f} s)")
+        progress(f"eval of policy version {version} (step {step}): {figures} ({record['eval/seconds']:.1f} s)")
+        return record
 
-    async def _sample(self, prompts: list[EvalPrompt]) -> list[Episode]:
-        """Every prompt's num_samples samples, spread over the evaluation's generators."""
+    async def sample(self, prompts: list[EvalPrompt]) -> list[Episode]:
+        """Every prompt's num_samples samples, spread over the evaluation's generators, in the
+        order of `prompts`."""
         chunks = [prompts[i : i + PROMPTS_PER_CALL] for i in range(0, len(prompts), PROMPTS_PER_CALL)]
         pending: asyncio.Queue[tuple[int, list[EvalPrompt]]] = asyncio.Queue()
         for position, chunk in enumerate(chunks):
@@ -291,6 +313,8 @@ class Evaluation:
                     for p in chunk
                 ]
                 sampled[position] = await self.generators.generate.call_one(generator, episodes, self.eval.num_samples)
+                if self.on_sampled is not None:
+                    self.on_sampled(len(chunk))
 
         await asyncio.gather(*(
             feed(generator) for generator in range(self.eval.num_generators) for _ in range(CALLS_PER_GENERATOR)
