@@ -228,7 +228,9 @@ def _run_data(args: list[str]) -> None:
 
     try:
         export_args = tyro.cli(DataExportArgs, args=args[1:], prog="forge-rl data export", description=DataExportArgs.__doc__)
-        written = export_rows(TaskRows(export_args.task), export_args.out, export_args.rows)
+        written = export_rows(
+            TaskRows(export_args.task), export_args.out, export_args.rows, export_args.unique, export_args.exclude
+        )
     except (ConfigError, OSError) as e:
         _fail(f"cannot export: {e}")
     except ValueError as e:  # a TaskConfig's own checks, raised while tyro builds it

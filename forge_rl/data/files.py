@@ -19,7 +19,6 @@ stays cheap to import); opening a `FileSource` does.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge_rl.data.config import DataConfig
 from forge_rl.data.order import Position, locate
-from forge_rl.data.rows import Message, Row
+from forge_rl.data.rows import Message, Row, prompt_key
 from forge_rl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -162,17 +161,17 @@ class FileSource:
         """How many of `prompts` are the prompt of some row of this file (an eval set's prompts among
         the training data's), counted over every row once, in storage order, never holding more
         than one batch of rows."""
-        wanted = {_prompt_key(prompt) for prompt in prompts}
+        wanted = {prompt_key(prompt) for prompt in prompts}
         found: set[str] = set()
         row_number = 0
         for batch in self.dataset.iter(batch_size=batch_size):
             names = list(batch)
             for values in zip(*(batch[name] for name in names)):
-                key = _prompt_key(self._prompt(dict(zip(names, values)), row_number))
+                key = prompt_key(self._prompt(dict(zip(names, values)), row_number))
                 if key in wanted:
                     found.add(key)
                 row_number += 1
-        return sum(_prompt_key(prompt) in found for prompt in prompts)
+        return sum(prompt_key(prompt) in found for prompt in prompts)
 
     def check_lengths(self, batch_size: int = 1024) -> LengthReport:
         """Count every row's prompt tokens once, in storage order: the report a preflight shows
@@ -267,11 +266,6 @@ class FileSource:
             f"{shown}{more}, and data.too_long is refuse. Set --data.too-long skip to train without them, lower "
             "--generator.max-new-tokens, shorten those prompts, or use a model with a longer context."
         )
-
-
-def _prompt_key(prompt: str | list[Message]) -> str:
-    """A prompt as one string that equals another's exactly when the prompts are the same."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def _flag(field: str) -> str:

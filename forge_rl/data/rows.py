@@ -57,10 +57,21 @@ class RowSource(Protocol):
         ...
 
 
-def export_rows(source: RowSource, path: str | os.PathLike, num_rows: int) -> int:
+MAX_PASSED_OVER = 100_000
+"""With unique or exclude, an export stops after passing over this many prompts in a row: an
+endless source whose distinct prompts are all written (or excluded) would otherwise never end."""
+
+
+def export_rows(
+    source: RowSource, path: str | os.PathLike, num_rows: int, unique: bool = False,
+    exclude: str | os.PathLike | None = None,
+) -> int:
     """Write the source's first `num_rows` rows (in its order, skipped rows left out) to the JSONL
     file `path`, one row a line, and return how many it wrote: fewer than asked when a finite
-    source's first epoch ends first, since a second epoch would repeat rows.
+    source's first epoch ends first, since a second epoch would repeat rows. `unique` passes over a
+    prompt written before; `exclude` (a JSONL file of prompts, another export) passes over its
+    prompts, so the two files are disjoint; either stops after MAX_PASSED_OVER prompts in a row
+    are passed over (every distinct prompt is in).
 
     Each line holds the row's columns, then the built prompt under "prompt" (text) or "messages"
     (chat), and the answer under "answer" when there is one; these replace columns of the same
@@ -72,16 +83,48 @@ def export_rows(source: RowSource, path: str | os.PathLike, num_rows: int) -> in
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    written, index = 0, 0
+    passed = set() if exclude is None else excluded_prompts(exclude)
+    written, index, passed_over = 0, 0, 0
     with partial.open("w", encoding="utf-8") as file:
-        while written < num_rows:
+        while written < num_rows and passed_over < MAX_PASSED_OVER:
             row = source.next_row(index)
             if source.num_rows is not None and row.index >= source.num_rows:
                 break
+            index = row.index + 1
+            key = prompt_key(row.prompt)
+            if key in passed:
+                passed_over += 1
+                continue
+            if unique:
+                passed.add(key)
             file.write(_json_line(row) + "\n")
-            written, index = written + 1, row.index + 1
+            written, passed_over = written + 1, 0
     partial.replace(path)
     return written
+
+
+def prompt_key(prompt: str | list[Message]) -> str:
+    """A prompt as one string that equals another's exactly when the prompts are the same."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def excluded_prompts(path: str | os.PathLike) -> set[str]:
+    """The prompts of a JSONL file an export wrote (its "prompt" or "messages" on each line)."""
+    keys = set()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ConfigError(f"--exclude ({str(path)!r}) cannot be read: {error}. Point it at a JSONL file an export wrote.") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            keys.add(prompt_key(record["messages"] if "messages" in record else record["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(
+                f"--exclude ({str(path)!r}) line {number} is not a JSON object with a 'prompt' or 'messages': "
+                f"{line[:80]!r}. Point it at a JSONL file an export wrote."
+            ) from None
+    return keys
 
 
 def _json_line(row: Row) -> str:

@@ -22,6 +22,7 @@ from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import Row
 from forge_rl.errors import ConfigError
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
+from forge_rl.tasks.reasoning_gym import reasoning_gym_row
 from forge_rl.tasks.synthetic import long_tail_length
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -53,23 +54,23 @@ def open_file_source(
 
 class TaskRows:
     """A built-in task as a row source (forge_rl/data/rows.py `RowSource`): endless, prompt i its
-    row i, with the prompt text and the answer (what `forge-rl data export` writes)."""
+    row i, with the prompt text and the answer as text (what `forge-rl data export` writes). A
+    reasoning-gym question's answer is the dataset's oracle answer, for rewards that compare text
+    (math_verify, exact_match); a run on the task itself scores with the dataset's own verifier."""
 
     num_rows = None
 
     def __init__(self, task: TaskConfig):
-        if task.name == "reasoning_gym":
-            # Its prompts' answers are keys the reasoning-gym verifier looks up, not text a reward
-            # over a file's answer column could compare with.
-            raise ConfigError(
-                "task.name ('reasoning_gym') cannot be exported: its answers are lookup keys of reasoning-gym's own "
-                "verifier, not answers a file can hold. Export max_of_two, copy_digit or add_mod10 (--task.name)."
-            )
         self.task = task
 
     def next_row(self, index: int) -> Row:
-        prompt = make_task_prompt(self.task, index)
-        return Row(index=index, row_number=index, epoch=0, columns={}, prompt=prompt.text, answer=prompt.answer)
+        if self.task.name == "reasoning_gym":
+            task = self.task
+            text, answer = reasoning_gym_row(task.reasoning_gym_dataset, task.reasoning_gym_options, task.seed, index)
+        else:
+            prompt = make_task_prompt(self.task, index)
+            text, answer = prompt.text, prompt.answer
+        return Row(index=index, row_number=index, epoch=0, columns={}, prompt=text, answer=answer)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,14 @@ class DataExportArgs:
     out: Path
     """The JSONL file to write (replaced whole when it exists)."""
     rows: int = 1000
-    """How many prompts to write: prompts 0 .. rows-1 of the task."""
+    """How many prompts to write: prompts 0 .. rows-1 of the task (with unique or exclude, the
+    first `rows` prompts kept)."""
+    unique: bool = False
+    """Write each prompt once: a repeat of an earlier prompt is passed over (tasks with few distinct
+    prompts, such as one-digit sums)."""
+    exclude: Path | None = None
+    """A JSONL file (another export: the held-out set) whose prompts are passed over, so that the
+    two files share none."""
     task: TaskConfig = field(default_factory=TaskConfig)
 
 

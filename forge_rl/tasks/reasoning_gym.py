@@ -90,6 +90,14 @@ def make_reasoning_gym_prompt(name: str, options: dict, seed: int, index: int, e
     return Prompt(index=index, text=entry["question"], answer=key)
 
 
+def reasoning_gym_row(name: str, options: dict, seed: int, index: int) -> tuple[str, str]:
+    """The index-th question of dataset `name` with its answer as text (the dataset's oracle
+    answer): what a file of its questions holds, for rewards that compare text (math_verify,
+    exact_match) rather than the dataset's own verifier."""
+    entry = _dataset(name, json.dumps(options, sort_keys=True), seed)[index]
+    return entry["question"], str(entry["answer"])
+
+
 def extract_answer(completion_text: str, extract: str = "tag_or_all") -> str:
     """tag_or_all: the last <answer>...</answer> span when there is one, else the whole completion,
     stripped. last_number: the last number in the completion ("" when there is none)."""

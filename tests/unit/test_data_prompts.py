@@ -135,3 +135,34 @@ def test_a_row_passed_over_as_too_long_is_not_handed_out_again_after_a_resume(tm
     # A checkpoint lists every index below the cursor that was not trained, the passed-over one included.
     resumed.load_state(cursor=before.cursor, reissue=[*passed_over, episodes[0].episode_id])
     assert [e.episode_id for e in resumed.next_episodes(2)] == [episodes[0].episode_id, before.cursor]
+
+
+def test_export_with_unique_and_exclude_writes_disjoint_files_of_distinct_prompts(tmp_path):
+    """max_of_two has 100 distinct prompts: a held-out file of 30, then a training file of every
+    other one (asked for more than exist, it stops when none is left), sharing none."""
+    held_out, train = tmp_path / "held_out.jsonl", tmp_path / "train.jsonl"
+    cli.run(["data", "export", "--task.name", "max_of_two", "--task.seed", "1", "--out", str(held_out), "--rows", "30", "--unique"])
+    cli.run(["data", "export", "--out", str(train), "--rows", "1000", "--unique", "--exclude", str(held_out)])
+    held_prompts = [json.loads(line)["prompt"] for line in held_out.read_text().splitlines()]
+    train_prompts = [json.loads(line)["prompt"] for line in train.read_text().splitlines()]
+    assert len(set(held_prompts)) == len(held_prompts) == 30
+    assert len(set(train_prompts)) == len(train_prompts) == 70
+    assert not set(held_prompts) & set(train_prompts)
+
+
+def test_a_reasoning_gym_task_exports_its_questions_with_answers_a_text_reward_scores(tmp_path):
+    from forge_rl.tasks.rewards import resolve_reward_fn
+
+    out = tmp_path / "sums.jsonl"
+    cli.run([
+        "data", "export", "--task.name", "reasoning_gym", "--task.reward", "reasoning_gym", "--task.reasoning-gym-dataset",
+        "chain_sum", "--task.reasoning-gym-options", "min_terms", "2", "max_terms", "2", "max_digits", "1",
+        "--out", str(out), "--rows", "5",
+    ])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and all("arithmetic problem" in row["prompt"] for row in rows)
+    math_verify = resolve_reward_fn("math_verify")
+    for row in rows:
+        terms = row["prompt"].split(":")[-1].rstrip("= ").strip()
+        assert str(eval(terms)) == row["answer"]  # the oracle answer, as text
+        assert math_verify(f"The answer is {row['answer']}.", row["answer"]) == 1.0
