@@ -110,6 +110,7 @@ def plot_dashboard(args: PlotArgs) -> Path:
     fig, axes = plt.subplots(3, 3, figsize=(16, 11))
     lines = functools.partial(_lines, metrics=metrics)
     lines(axes[0, 0], "mean reward", [("reward/mean", "reward")])
+    _evaluations(axes[0, 0], run_dir, metrics)
     lines(
         axes[0, 1],
         "tokens/s",
@@ -134,6 +135,23 @@ def plot_dashboard(args: PlotArgs) -> Path:
     out = args.out or run_dir / "dashboard.png"
     save_figure(fig, out)
     return out
+
+
+def _evaluations(axis, run_dir: Path, metrics: list[dict]) -> None:
+    """Each eval set's pass@k (RUN_DIR/eval.jsonl) at the wall time of the step whose version it
+    evaluated (step 0: the start), beside the training reward."""
+    path = run_dir / "eval.jsonl"
+    if not path.is_file():
+        return
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    wall_time = {0: 0.0} | {m["step"]: m["wall_time_s"] for m in metrics if "wall_time_s" in m}
+    keys = sorted({k for r in records for k in r if k.startswith("eval/") and "/pass@" in k})
+    for key in keys:
+        points = [(wall_time[r["step"]], r[key]) for r in records if key in r and r["step"] in wall_time]
+        if points:
+            axis.plot(*zip(*points), marker="o", label=key.removeprefix("eval/"))
+    if keys:
+        axis.legend(fontsize="small")
 
 
 def _lines(axis, title: str, series: list[tuple[str, str]], metrics: list[dict]) -> None:

@@ -340,3 +340,28 @@ def test_an_eval_set_larger_than_max_prompts_is_cut_to_a_fixed_sample_with_a_war
     first, again = load(), load()
     assert len(first) == 6 and [p.row_number for p in first] == [p.row_number for p in again]
     assert "10 rows, of which the first 6" in capsys.readouterr().err
+
+
+def test_the_docs_complete_example_builds_its_files_and_a_config_preflight_accepts(tmp_path, monkeypatch, capsys):
+    """docs/evaluation.md's example as written: its two export commands, then its YAML with the flags
+    it names, through the CLI's parser and the checks a run makes before it starts."""
+    import re
+    import shlex
+
+    from forge_rl import cli
+    from forge_rl.models.tiny import TinyModelConfig
+
+    doc = (Path(__file__).parents[2] / "docs" / "evaluation.md").read_text()
+    commands = [line for line in re.findall(r"```bash\n(.*?)```", doc, re.S)[0].splitlines() if line.startswith("forge-rl data")]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        cli.run(shlex.split(command)[1:])
+    (tmp_path / "held_out_demo.yaml").write_text(re.findall(r"```yaml\n(.*?)```", doc, re.S)[0])
+    config = cli.parse_config(
+        GRPOConfig, ["--config", "held_out_demo.yaml", "--eval.every-n-steps", "25", "--eval.sets.0.max-prompts", "10"],
+        prog="forge-rl grpo",
+    )
+    assert (config.eval.every_n_steps, config.eval.sets[0].max_prompts) == (25, 10)
+    model_dir = create_tiny_model(TinyModelConfig(**dataclasses.asdict(config.model.tiny)), tmp_path / "model")
+    preflight.check_model_inputs(config, model_dir)
+    assert "shares" not in capsys.readouterr().err  # the two files are disjoint

@@ -206,6 +206,21 @@ def test_the_dashboard_plots_a_run(tmp_path, with_timeline):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_dashboard_plots_each_eval_sets_pass_at_k_beside_the_reward(tmp_path, monkeypatch):
+    from forge_rl.observability import plot
+
+    run_path = fabricated_run(tmp_path / "run", with_timeline=False)
+    records = [{"step": s, "policy_version": s, "eval/held_out/pass@1": s / 10} for s in (0, 2)]
+    (run_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plotted = []
+    original = plot._evaluations
+    monkeypatch.setattr(plot, "_evaluations", lambda axis, *args: plotted.append(original(axis, *args) or axis.get_lines()))
+    plot.plot_dashboard(plot.PlotArgs(run_path))
+    (lines,) = plotted
+    assert [line.get_label() for line in lines][-1] == "held_out/pass@1"
+    assert list(lines[-1].get_ydata()) == [0.0, 0.2]
+
+
 def test_plotting_a_run_without_steps_says_so(tmp_path):
     from forge_rl.observability.plot import PlotArgs, plot_dashboard
 
