@@ -145,6 +145,7 @@ _BENCHMARKS = {
     "keep-routing": "MoE policy: trainer-vs-sampler mismatch with and without Keep Routing, and the record's bytes/token.",
     "distill": "On-policy distillation of a trained teacher into a fresh student vs GRPO from scratch, same steps.",
     "self-distill": "GRPO alone vs GRPO + a teacher pinned to the policy's past (lagged, EMA, best), same steps.",
+    "eval-overhead": "Trained tokens/s with an evaluation every n steps over the same without, interleaved runs.",
 }
 
 
@@ -158,8 +159,8 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, distill, keep_routing, lora_sync, multi_turn, sampling_support, scale, self_distill, soak,
-        staleness, task_baseline, trainer, weight_sync,
+        async_vs_sync, distill, eval_overhead, keep_routing, lora_sync, multi_turn, sampling_support, scale,
+        self_distill, soak, staleness, task_baseline, trainer, weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -178,6 +179,7 @@ def _run_bench(args: list[str]) -> None:
         "keep-routing": (keep_routing, keep_routing.KeepRoutingArgs),
         "distill": (distill, distill.DistillArgs),
         "self-distill": (self_distill, self_distill.SelfDistillArgs),
+        "eval-overhead": (eval_overhead, eval_overhead.EvalOverheadArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:
