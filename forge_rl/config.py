@@ -591,6 +591,12 @@ class GRPOConfig:
                 "Unset eval.sets, or evaluate the run's checkpoints with `forge-rl eval`."
             )
         max_new_tokens = self.eval.max_new_tokens or self.generator.max_new_tokens
+        if self.eval.placement == "shared" and max_new_tokens > self.generator.max_new_tokens:
+            raise ConfigError(
+                f"eval.max_new_tokens ({max_new_tokens}) above generator.max_new_tokens ({self.generator.max_new_tokens}) "
+                "with eval.placement shared: the run's generators are sized for their own requests. Lower "
+                "--eval.max-new-tokens, or use --eval.placement own."
+            )
         if max_new_tokens >= self.max_model_len:
             raise ConfigError(
                 f"eval.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's context "

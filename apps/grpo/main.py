@@ -81,9 +81,9 @@ async def run(config: GRPOConfig) -> dict:
             trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
             after_publish=actors.scoring.after_publish,
             generators=actors.generators, checkpointed=actors.scoring.checkpointed,
-            evaluation=None if actors.eval_generators is None else Evaluation(
-                config, actors.eval_generators, actors.store_index, lifecycle.store.root, lifecycle.run_path,
-                lifecycle.model_dir,
+            evaluation=None if not config.eval.enabled else Evaluation(
+                config, actors.eval_generators or actors.generators, actors.store_index, lifecycle.store.root,
+                lifecycle.run_path, lifecycle.model_dir,
             ),
         ))
         await lifecycle.resume(pipeline)
@@ -101,7 +101,7 @@ async def run(config: GRPOConfig) -> dict:
         scorer_recoveries=scorer_recoveries,
         # A simulation (generator.engine sim) ran no model: its figures are the control plane's only.
         simulated=config.simulated,
-        **({"eval": pipeline.evaluated} if config.eval.enabled else {}),
+        **({"eval": pipeline.evaluated, "evaluations": pipeline.evaluations} if config.eval.enabled else {}),
     )
 
 
@@ -116,7 +116,8 @@ class Actors:
     trainer: TrainerActor
     store_index: StoreIndexActor
     eval_generators: GeneratorPool | None
-    """The evaluation's own generators (eval.sets set), which load only the version under evaluation."""
+    """The evaluation's own generators (eval.sets set, eval.placement own), which load only the
+    version under evaluation."""
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -140,7 +141,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     )
     scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path)
     eval_generators = None
-    if config.eval.enabled:
+    if config.eval.enabled and config.eval.placement == "own":
         eval_generators = services.spawn(
             "eval_generators", GeneratorPool, Evaluation.generator_config(config), model_dir, config.max_model_len,
             config.eval.num_generators, store_index, hosts.eval_generator_placements(config.eval.num_generators),

@@ -65,8 +65,11 @@ class GeneratorActor(PortServed, Actor):
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
         self.tokenizer = PromptTokenizer(self.model_dir)
-        # One swap at a time; a swap for an older version than the loaded one is a no-op.
+        # One swap at a time; a swap for an older version than the loaded one is a no-op. A
+        # pinned generate call holds it too, so no swap starts under it.
         self.swap_lock = asyncio.Lock()
+        self._version_served: asyncio.Condition | None = None
+        """Notified after each weight update (`generate_pinned` waits on it for its version)."""
         self.store: WeightStore | None = None
 
     @endpoint
@@ -105,6 +108,45 @@ class GeneratorActor(PortServed, Actor):
         return episodes
 
     @concurrent_endpoint
+    async def generate_pinned(
+        self, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
+        max_new_tokens: int, max_in_flight: int,
+    ) -> list[Episode] | None:
+        """`generate` with `temperature` and `max_new_tokens`, while this generator serves exactly
+        `policy_version`: it waits until the generator serves it, and no weight update starts
+        until the call ends (they wait behind it; the run's requests keep decoding, on this
+        version). At most `max_in_flight` of the episodes decode at once, beside the run's own
+        requests. None if the generator serves a newer version already: the call cannot be made.
+        An evaluation beside training on the run's generators (forge_rl/run/evaluation.py)."""
+        async with self.version_served:
+            await self.version_served.wait_for(lambda: self.engine.policy_version >= policy_version)
+        async with self.swap_lock:
+            if self.engine.policy_version != policy_version:
+                return None
+            in_flight = asyncio.Semaphore(max_in_flight)
+
+            async def sampled(episode: Episode) -> list:
+                async with in_flight:
+                    return await self.engine.generate(
+                        episode.prompt_token_ids, group_size, self.tokenizer.eos_id,
+                        temperature=temperature, max_new_tokens=max_new_tokens,
+                    )
+
+            groups = await asyncio.gather(*(sampled(e) for e in episodes))
+        for episode, completions in zip(episodes, groups):
+            for completion in completions:
+                completion.text = self.tokenizer.decode(completion.token_ids)
+            episode.completions = completions
+            episode.temperature = temperature
+        return episodes
+
+    @property
+    def version_served(self) -> asyncio.Condition:
+        if self._version_served is None:  # bound to the actor's running loop on first use
+            self._version_served = asyncio.Condition()
+        return self._version_served
+
+    @concurrent_endpoint
     async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
         """One turn of an environment episode after exactly `prefix_token_ids` (the rollout loop's
         `generate` for forge_rl/envs/runner.py); raises ContextExhausted when the context is full."""
@@ -127,7 +169,10 @@ class GeneratorActor(PortServed, Actor):
             if isinstance(self.engine, SimulatedEngine):  # the simulated trainer publishes no weights
                 return await self.engine.load_version(policy_version)
             store = await self._weight_store(Path(weights_dir).parent)
-            return await load_version(self.engine, store, policy_version, self.engine.config.swap_mode, exact=exact)
+            loaded = await load_version(self.engine, store, policy_version, self.engine.config.swap_mode, exact=exact)
+        async with self.version_served:
+            self.version_served.notify_all()
+        return loaded
 
     async def _weight_store(self, root: Path) -> WeightStore:
         from forge_rl.store.client import WeightStore

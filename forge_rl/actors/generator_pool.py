@@ -197,6 +197,24 @@ class GeneratorPool(PortServed, Actor):
         return episodes
 
     @concurrent_endpoint
+    async def generate_pinned(
+        self, index: int, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
+        max_new_tokens: int, max_in_flight: int,
+    ) -> list[Episode] | None:
+        """Generator `index`'s `generate_pinned` (forge_rl/actors/generator.py): sampled with exactly
+        `policy_version`, or None if it serves a newer one; raises GeneratorLost if it died meanwhile."""
+        with self.slots[index].generating_call():
+            return await self._forward(
+                self.slots[index],
+                lambda actor: self._calls.call(
+                    actor, "generate_pinned", policy_version, episodes, group_size, temperature, max_new_tokens,
+                    max_in_flight,
+                ),
+                self.generate_timeout_s + self.update_timeout_s,  # it may wait for its version first
+                "pinned generate call ran past generator.generate_timeout_s + generator.update_timeout_s",
+            )
+
+    @concurrent_endpoint
     async def generate_turn(self, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
         """One turn of an environment episode from generator `index`; raises GeneratorLost if it
         died meanwhile, and ContextExhausted (unwrapped, so the caller's runner sees its own type)

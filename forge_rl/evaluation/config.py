@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from forge_rl.data.config import DataConfig
 from forge_rl.errors import ConfigError
@@ -38,10 +39,11 @@ class EvalSetConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Evaluation at exact policy versions, beside training: version v is reserved in the weight
-    store when the step that makes it is near, sampled with v's weights only on generators of the
-    evaluation's own, scored, and logged by version; its requests are never trained, buffered or
-    admitted, and the train loop never waits for them (only the run's end waits for the last)."""
+    """Evaluation at exact policy versions, beside training: version v is sampled with v's weights
+    only (on generators of the evaluation's own, v reserved in the weight store when the step that
+    makes it is near; or pinned on the run's generators), scored, and logged by version; its
+    requests are never trained, buffered or admitted, and the train loop never waits for them (only
+    the run's end waits for the last)."""
 
     sets: tuple[EvalSetConfig, ...] = ()
     """The eval sets (none: no evaluation)."""
@@ -62,9 +64,18 @@ class EvalConfig:
     """Most tokens per sample; unset: generator.max_new_tokens."""
     pass_threshold: float = 1.0
     """A sample passes when its reward is at least this (1.0: a verifier's "correct")."""
+    placement: Literal["own", "shared"] = "own"
+    """own: on generators of the evaluation's own (`num_generators`), which load exactly the
+    version under evaluation. shared: on the run's generators, each holding off its weight updates
+    while it samples the evaluation's share of the prompts (the run's requests keep decoding, on
+    that version), at most `shared_prompts_in_flight` at once; a version the generators have left
+    behind before the evaluation reaches them cannot be evaluated there (counted in eval/failed)."""
     num_generators: int = 1
-    """Generators of the evaluation's own: each one vLLM engine like the training generators', on
-    the services host, loading only the version under evaluation."""
+    """Generators of the evaluation's own (placement own): each one vLLM engine like the training
+    generators', on the services host, loading only the version under evaluation."""
+    shared_prompts_in_flight: int = 4
+    """Placement shared: the most eval prompts a run's generator decodes at once (their
+    num_samples samples each), beside the run's requests: the share evaluation may take."""
     max_waiting: int = 1
     """Evaluations waiting behind the one running; when a newer version's is asked for with this
     many waiting, the oldest waiting one is dropped (counted in eval/dropped): evaluation slower
@@ -85,6 +96,7 @@ class EvalConfig:
             ("max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, ">= 1, or unset"),
             ("pass_threshold", math.isfinite(self.pass_threshold), "finite"),
             ("num_generators", self.num_generators >= 1, ">= 1"),
+            ("shared_prompts_in_flight", self.shared_prompts_in_flight >= 1, ">= 1"),
             ("max_waiting", self.max_waiting >= 1, ">= 1"),
         ]
         for name, ok, rule in checks:

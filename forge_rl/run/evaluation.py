@@ -118,6 +118,8 @@ class Evaluation:
         self.run_path = Path(run_path)
         self.tokenizer = PromptTokenizer(model_dir)
         self.max_new_tokens = self.eval.max_new_tokens or config.generator.max_new_tokens
+        self.shared = self.eval.placement == "shared"
+        """The evaluation samples on the run's generators (`generators` is the run's pool)."""
         self.sets: dict[str, list[EvalPrompt]] = {}
         self.due_steps: set[int] = set()
         self.reserved: set[int] = set()
@@ -152,7 +154,7 @@ class Evaluation:
         if self.eval.at_start:
             # A fresh run's version 0 is the model directory's weights, which every engine starts
             # from: it is never in the store. A resumed run's version is (the resume published it).
-            in_store = await self.store_index.latest_version.call_one() is not None
+            in_store = not self.shared and await self.store_index.latest_version.call_one() is not None
             if in_store:
                 await self.store_index.reserve.call_one(READER_ID, version)
             await self._queue(EvalJob(step, version, reserved=in_store))
@@ -169,7 +171,10 @@ class Evaluation:
     async def published(self, step: int, version: int) -> None:
         """Step `step` is accounted for, at policy version `version` (the same as before if the
         step was skipped): queue its evaluation if due, reserve the next version if the next step is."""
-        if step in self.due_steps and version != self._last_queued:
+        if step in self.due_steps and version != self._last_queued and self.shared:
+            # The run's generators serve the version themselves: nothing to hold in the store.
+            await self._queue(EvalJob(step, version, reserved=False))
+        elif step in self.due_steps and version != self._last_queued:
             if version not in self.reserved:
                 # This step was skipped (its loss not finite), so it made no version and the one
                 # reserved ahead is not it: the step's version is the newest, which no commit can
@@ -194,6 +199,10 @@ class Evaluation:
         self._scoring.close()
         return self.results
 
+    def counts(self) -> dict[str, int]:
+        """Evaluations made, failed (counted, never mixed) and dropped (fallen behind) so far."""
+        return {"evaluated": self.num_evaluated, "failed": self.num_failed, "dropped": self.num_dropped}
+
     async def stop(self) -> None:
         """A stopped run: no evaluation more; what waits is dropped, reservations released."""
         if self._worker is not None:
@@ -207,6 +216,8 @@ class Evaluation:
         self._scoring.close()
 
     async def _reserve_if_next_due(self, step: int, version: int) -> None:
+        if self.shared:
+            return
         if step + 1 in self.due_steps and version + 1 not in self.reserved:
             await self.store_index.reserve.call_one(READER_ID, version + 1)
             self.reserved.add(version + 1)
@@ -253,6 +264,9 @@ class Evaluation:
 
     async def _evaluate(self, job: EvalJob) -> None:
         started = time.monotonic()
+        if self.shared:  # the run's generators: each call waits for the version (`sample`)
+            await self.evaluate_served(job.step, job.version, started)
+            return
         if job.reserved:  # reserved ahead, so held from its commit: wait for that commit
             await self.store_index.wait_for_version.call_one(job.version)
         weights_dir = str(self.store_root / version_key(job.version))
@@ -269,7 +283,7 @@ class Evaluation:
         started = time.monotonic() if started is None else started
         record: dict[str, Any] = {"step": step, "policy_version": version}
         for name, prompts in self.sets.items():
-            episodes = await self.sample(prompts)
+            episodes = await (self._sample_pinned(prompts, version) if self.shared else self.sample(prompts))
             version_of(episodes, version)
             await self._scoring.score(episodes)
             result = summarize(
@@ -305,13 +319,7 @@ class Evaluation:
         async def feed(generator: int) -> None:
             while not pending.empty():
                 position, chunk = pending.get_nowait()
-                episodes = [
-                    Episode(
-                        episode_id=p.row_number, prompt_text=p.prompt_text, answer=p.answer,
-                        prompt_token_ids=p.prompt_token_ids, columns=p.columns,
-                    )
-                    for p in chunk
-                ]
+                episodes = [_episode(p) for p in chunk]
                 sampled[position] = await self.generators.generate.call_one(generator, episodes, self.eval.num_samples)
                 if self.on_sampled is not None:
                     self.on_sampled(len(chunk))
@@ -321,9 +329,50 @@ class Evaluation:
         ))
         return [episode for chunk in sampled for episode in chunk]
 
+    async def _sample_pinned(self, prompts: list[EvalPrompt], version: int) -> list[Episode]:
+        """eval.placement shared: every prompt's samples from the run's generators, each taking its
+        share of the prompts in one pinned call (forge_rl/actors/generator.py `generate_pinned`):
+        sampled while it serves exactly `version`, its weight updates waiting behind the call, at
+        most eval.shared_prompts_in_flight prompts at once beside the run's requests."""
+        num_generators = self.config.num_generators
+        shares = [prompts[i::num_generators] for i in range(num_generators)]
+
+        async def pinned(generator: int, share: list[EvalPrompt]) -> list[Episode]:
+            if not share:
+                return []
+            sampled = await self.generators.generate_pinned.call_one(
+                generator, version, [_episode(p) for p in share], self.eval.num_samples, self.eval.temperature,
+                self.max_new_tokens, self.eval.shared_prompts_in_flight,
+            )
+            if sampled is None:
+                raise VersionGone(
+                    f"generator {generator} served a newer version than {version} before the evaluation's call reached "
+                    "it (training ran ahead of evaluation); evaluate on generators of its own (eval.placement own) to "
+                    "evaluate every version asked for"
+                )
+            if self.on_sampled is not None:
+                self.on_sampled(len(share))
+            return sampled
+
+        by_generator = await asyncio.gather(*(pinned(i, share) for i, share in enumerate(shares)))
+        order = {id(p): position for position, p in enumerate(prompts)}
+        pairs = [(order[id(p)], e) for share, episodes in zip(shares, by_generator) for p, e in zip(share, episodes)]
+        return [episode for _, episode in sorted(pairs, key=lambda pair: pair[0])]
+
     def _write_prompts(self, name: str, version: int, prompts: list[dict]) -> None:
         directory = self.run_path / "eval" / name
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"version-{version}.jsonl", "w") as file:
             for prompt in prompts:
                 file.write(json.dumps(prompt) + "\n")
+
+
+class VersionGone(RuntimeError):
+    """A shared-placement evaluation's version is no longer served by a generator it needed."""
+
+
+def _episode(prompt: EvalPrompt) -> Episode:
+    return Episode(
+        episode_id=prompt.row_number, prompt_text=prompt.prompt_text, answer=prompt.answer,
+        prompt_token_ids=prompt.prompt_token_ids, columns=prompt.columns,
+    )

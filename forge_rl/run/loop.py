@@ -155,6 +155,8 @@ class Pipeline:
         """The newest version a step made (restored by a resume)."""
         self.evaluated: dict[str, dict] = {}
         """The last evaluation's figures of each eval set, once training ended (the summary's)."""
+        self.evaluations: dict[str, int] = {}
+        """Evaluations made, failed and dropped, once training ended (the summary's)."""
         self.batches_out = 0
         """Batches taken from the buffer whose steps are not yet accounted for (two while the next
         step's batch is sent ahead)."""
@@ -428,6 +430,7 @@ class Pipeline:
                 if evaluation is not None:
                     progress("training done; waiting for the evaluations asked for (eval.at_end: the last version's)")
                     self.evaluated = await evaluation.finish()
+                    self.evaluations = evaluation.counts()
             elif evaluation is not None:  # bounded: the store may be gone with the run's failure
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
                     await self._within_stop(lifecycle, evaluation.stop(), "stop the evaluations")

@@ -99,14 +99,18 @@ def finished(summary: dict, config: GRPOConfig):
     return summary, metrics, run_path, config
 
 
-def held_out_eval(tmp_path_factory) -> EvalConfig:
+def held_out_eval(tmp_path_factory, placement: str = "own") -> EvalConfig:
     """Every step's version evaluated on 16 prompts of the task written to a file (another seed's),
-    on the evaluation's own generator, none dropped: each result must be exactly its step's version
-    while the run's generator swaps to every version."""
+    none dropped: on the evaluation's own generator (placement own), each result must be exactly
+    its step's version while the run's generator swaps to every version; on the run's generator
+    (shared), pinned to it."""
     rows = tmp_path_factory.mktemp("eval") / "held_out.jsonl"
     export_rows(TaskRows(TaskConfig(seed=1)), rows, 16)
     data = DataConfig(str(rows), answer_column="answer")
-    return EvalConfig(sets=(EvalSetConfig("held_out", data, max_prompts=16),), every_n_steps=1, max_waiting=NUM_STEPS + 2)
+    return EvalConfig(
+        sets=(EvalSetConfig("held_out", data, max_prompts=16),), every_n_steps=1, max_waiting=NUM_STEPS + 2,
+        placement=placement,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +140,7 @@ def tp_run(tmp_path_factory, tp_workers_after_the_run):
             workers=tuple(f"tcp://127.0.0.1:{port}" for port in after["ports"]),
             placement=PlacementConfig(generator_hosts=(1,), scorer_host=1),
         ),
+        eval=held_out_eval(tmp_path_factory, placement="shared"),
     )
     config_path = config.run_dir / "tp.yaml"
     config_path.write_text(yaml.safe_dump(config_to_dict(config)))
@@ -277,8 +282,25 @@ def test_every_steps_version_is_evaluated_exactly_beside_training_and_never_trai
         samples = (run_path / "eval" / "held_out" / f"version-{record['policy_version']}.jsonl").read_text().splitlines()
         assert len(samples) == 16
     assert summary["eval"]["held_out"] == {k: v for k, v in records[-1].items() if k.startswith("eval/held_out/")}
+    assert summary["evaluations"] == {"evaluated": NUM_STEPS + 1, "failed": 0, "dropped": 0}
     assert summary["accounting"]["trained"] == NUM_STEPS * config.prompts_per_step
     assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
+
+
+def test_an_evaluation_on_the_runs_generator_is_pinned_to_its_version_while_training_goes_on(tp_run):
+    """eval.placement shared over a host list: the run's generator (on the second worker) samples
+    each evaluation while it serves exactly the version, its updates held behind the call. The
+    version training starts from is evaluated before the first step can publish (a batch must be
+    generated first); a later version the generator has passed by the time its evaluation comes
+    cannot be evaluated there, and is counted, never mixed."""
+    summary, _, run_path, config = tp_run
+    records = eval_records(run_path)
+    assert (records[0]["step"], records[0]["policy_version"]) == (0, 0)
+    assert all(r["eval/held_out/version"] == r["policy_version"] and r["eval/held_out/num_prompts"] == 16 for r in records)
+    counts = summary["evaluations"]
+    assert counts["evaluated"] == len(records) and counts["dropped"] == 0
+    assert counts["evaluated"] + counts["failed"] == NUM_STEPS + 1  # every one asked for: made, or counted
+    assert summary["accounting"]["trained"] == NUM_STEPS * config.prompts_per_step
 
 
 def test_reference_model_is_the_initial_policy(tp_run):

@@ -365,3 +365,50 @@ def test_the_docs_complete_example_builds_its_files_and_a_config_preflight_accep
     model_dir = create_tiny_model(TinyModelConfig(**dataclasses.asdict(config.model.tiny)), tmp_path / "model")
     preflight.check_model_inputs(config, model_dir)
     assert "shares" not in capsys.readouterr().err  # the two files are disjoint
+
+
+class FakeRunGenerators:
+    """A fake of the run's GeneratorPool for eval.placement shared: generator i serves
+    `serving[i]`; `generate_pinned` samples with it when it is the version asked for, else None
+    (the real generator waits for an older one to be served, and answers None for one it passed)."""
+
+    def __init__(self, num_generators: int):
+        self.serving = [0] * num_generators
+        self.calls = []
+        self.generate_pinned = Endpoint(self._generate_pinned)
+
+    def _generate_pinned(self, index, version, episodes, num_samples, temperature, max_new_tokens, max_in_flight):
+        self.calls.append((index, version, len(episodes), temperature, max_new_tokens, max_in_flight))
+        if self.serving[index] != version:
+            return None
+        for episode in episodes:
+            episode.completions = [completion(episode.answer, [version]) for _ in range(num_samples)]
+        return episodes
+
+
+def test_a_shared_evaluation_splits_its_prompts_over_the_runs_generators_pinned_to_the_version(tmp_path, tiny_model):
+    config = dataclasses.replace(
+        run_config(tmp_path, tiny_model, every_n_steps=3, at_start=False, placement="shared", shared_prompts_in_flight=2),
+        num_generators=2,
+    )
+    generators = FakeRunGenerators(2)
+    evaluation = Evaluation(config, generators, None, None, tmp_path, tiny_model)
+    logger = FakeMetricsLogger()
+
+    async def run():
+        evaluated = asyncio.Event()
+        logger.log_to_sinks = lambda record: (logger.logged.append(record), evaluated.set())
+        await evaluation.start(0, 0, logger)
+        for step in range(1, config.steps + 1):
+            generators.serving = [step, step] if step != 6 else [6, 7]  # generator 1 moved on before step 6's eval
+            await evaluation.published(step, step)
+            if step == 3:
+                await evaluated.wait()  # step 3's evaluation, while its generators serve 3
+        return await evaluation.finish()
+
+    asyncio.run(run())
+    records = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["policy_version"], r["eval/held_out/pass@1"]) for r in records] == [(3, 3, 1.0)]
+    assert evaluation.num_failed == 1  # step 6: generator 1 served 7 when the call came
+    assert {(index, n) for index, _, n, *_ in generators.calls} == {(0, 3), (1, 3)}  # 6 prompts, split over 2
+    assert all(call[3:] == (0.0, config.generator.max_new_tokens, 2) for call in generators.calls)
