@@ -1,14 +1,15 @@
 """`forge-rl bench eval-overhead`: what evaluation beside training costs the training.
 
-One recipe config run several times in one invocation, with and without an evaluation every
-`every_n_steps` steps (a held-out file of the task's prompts under another seed, greedy, on the
-evaluation's own generator: docs/evaluation.md), interleaved (off, on, on, off, ...) so that a drift
-of the machine's load falls on both alike. The figure is each run's trained tokens per second over
+One recipe config run several times in one invocation: without evaluation, and with an
+evaluation every `every_n_steps` steps (a held-out file of the task's prompts under another seed,
+greedy: docs/evaluation.md) on generators of its own (eval.placement own) and on the run's
+generators (shared), interleaved (off, own, shared, shared, own, off, ...) so that a drift of the
+machine's load falls on every mode alike. The figure is each run's trained tokens per second over
 its train loop (the trained tokens of every step / the loop's wall time; the wait for the last
-evaluation after the last step is not training time), its median per mode, and their ratio:
+evaluation after the last step is not training time), its median per mode, and per placement:
 
-    ratio      with evaluation / without (1.0: evaluation costs training nothing)
-    slowdown   1 - ratio
+    ratio_<placement>      with evaluation / without (1.0: evaluation costs training nothing)
+    slowdown_<placement>   1 - ratio
 
 Also reported: the evaluations each run made and their mean seconds, and each run's final reward.
 Figures go to OUT_DIR/eval_overhead.json; the last line of stdout is the JSON summary.
@@ -44,7 +45,9 @@ class EvalOverheadArgs:
     eval_prompts: int = 64
     """Prompts of the held-out set: the task's, under seed + 1."""
     repeats: int = 2
-    """Runs of each mode, interleaved off, on, on, off, ..."""
+    """Runs of each mode, interleaved off, own, shared, shared, own, off, ..."""
+    placements: tuple[str, ...] = ("own", "shared")
+    """The eval.placement of the runs with evaluation (own, shared or both)."""
     out_dir: Path = Path("runs/bench-eval-overhead")
     """Where the run directories, the held-out file and the JSON figures go."""
 
@@ -52,6 +55,8 @@ class EvalOverheadArgs:
 def main(args: EvalOverheadArgs) -> dict:
     from forge_rl.yaml_config import load_yaml_config
 
+    if not args.placements or set(args.placements) - {"own", "shared"}:
+        raise ConfigError(f"bench eval-overhead: --placements ({list(args.placements)}) must name own, shared or both.")
     if args.steps < args.every_n_steps or args.every_n_steps < 1 or args.repeats < 1 or args.eval_prompts < 1:
         raise ConfigError(
             f"bench eval-overhead: --steps ({args.steps}) must reach --every-n-steps ({args.every_n_steps}) >= 1, and "
@@ -73,27 +78,33 @@ def main(args: EvalOverheadArgs) -> dict:
     base = dataclasses.replace(
         base, steps=args.steps, checkpoint=dataclasses.replace(base.checkpoint, enabled=False)
     )
-    order = [mode for i in range(args.repeats) for mode in (("off", "on") if i % 2 == 0 else ("on", "off"))]
-    runs = {"off": [], "on": []}
+    modes = ("off", *args.placements)
+    order = [mode for i in range(args.repeats) for mode in (modes if i % 2 == 0 else modes[::-1])]
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for i, mode in enumerate(order):
         progress(f"bench eval-overhead: run {i + 1}/{len(order)}, evaluation {mode}")
-        changes = {"eval": evaluation} if mode == "on" else {}
+        changes = {"eval": dataclasses.replace(evaluation, placement=mode)} if mode != "off" else {}
         runs[mode].append(analyze(run_variant(base, args.out_dir, f"{mode}-{i}", **changes)))
-    without = statistics.median(r["trained_tokens_per_s"] for r in runs["off"])
-    with_eval = statistics.median(r["trained_tokens_per_s"] for r in runs["on"])
+    tokens_per_s = {mode: statistics.median(r["trained_tokens_per_s"] for r in runs[mode]) for mode in modes}
     summary = {
         "bench": "eval-overhead",
         "config": str(args.config),
         "steps": args.steps,
         "every_n_steps": args.every_n_steps,
         "eval_prompts": written,
-        "placement": "own generators",
-        "trained_tokens_per_s_without_eval": without,
-        "trained_tokens_per_s_with_eval": with_eval,
-        "ratio": with_eval / without,
-        "slowdown": 1 - with_eval / without,
-        "runs": runs,
+        "repeats": args.repeats,
+        "trained_tokens_per_s_without_eval": tokens_per_s["off"],
     }
+    for placement in args.placements:
+        ratio = tokens_per_s[placement] / tokens_per_s["off"]
+        summary |= {
+            f"trained_tokens_per_s_{placement}": tokens_per_s[placement],
+            f"ratio_{placement}": ratio,
+            f"slowdown_{placement}": 1 - ratio,
+            f"evaluations_{placement}": statistics.median(r["evaluations"] for r in runs[placement]),
+            f"eval_failed_{placement}": max(r["eval_failed"] or 0 for r in runs[placement]),
+        }
+    summary["runs"] = runs
     (args.out_dir / "eval_overhead.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -105,13 +116,14 @@ def analyze(run_path: Path) -> dict:
     evaluations = []
     if (run_path / "eval.jsonl").is_file():
         evaluations = [json.loads(line) for line in (run_path / "eval.jsonl").read_text().splitlines() if line.strip()]
+    counts = json.loads((run_path / "summary.json").read_text()).get("evaluations", {})
     return {
         "run": str(run_path),
         "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / summary["loop_time_s"],
         "loop_time_s": summary["loop_time_s"],
         "final_mean_reward": summary["final_mean_reward"],
-        "evaluations": len(evaluations),
+        "evaluations": counts.get("evaluated", 0),
+        "eval_failed": counts.get("failed", 0),
         "eval_seconds_mean": statistics.mean(e["eval/seconds"] for e in evaluations) if evaluations else None,
-        "eval_failed": evaluations[-1]["eval/failed"] if evaluations else None,
         "final_eval_pass@1": evaluations[-1].get("eval/held_out/pass@1") if evaluations else None,
     }
