@@ -29,7 +29,7 @@ from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import export_rows
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
-from forge_rl.observability.metrics import TRAINED_TOKENS, progress, run_summary
+from forge_rl.observability.metrics import TRAINED_TOKENS, WALL_TIME_S, final_reward, progress
 from forge_rl.observability.plot import read_metrics
 from forge_rl.pipeline.prompts import TaskRows
 
@@ -79,7 +79,7 @@ def main(args: EvalOverheadArgs) -> dict:
         base, steps=args.steps, checkpoint=dataclasses.replace(base.checkpoint, enabled=False)
     )
     modes = ("off", *args.placements)
-    order = [mode for i in range(args.repeats) for mode in (modes if i % 2 == 0 else modes[::-1])]
+    order = interleaved(modes, args.repeats)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for i, mode in enumerate(order):
         progress(f"bench eval-overhead: run {i + 1}/{len(order)}, evaluation {mode}")
@@ -109,19 +109,24 @@ def main(args: EvalOverheadArgs) -> dict:
     return summary
 
 
+def interleaved(modes: tuple[str, ...], repeats: int) -> list[str]:
+    """`repeats` runs of each mode, every other round reversed: ("off", "own"), 2 -> off, own, own, off."""
+    return [mode for i in range(repeats) for mode in (modes if i % 2 == 0 else modes[::-1])]
+
+
 def analyze(run_path: Path) -> dict:
     """A run's trained tokens per second over its train loop, its evaluations, its final reward."""
     metrics = read_metrics(run_path)
-    summary = run_summary(metrics)
+    loop_time_s = metrics[-1][WALL_TIME_S]
     evaluations = []
     if (run_path / "eval.jsonl").is_file():
         evaluations = [json.loads(line) for line in (run_path / "eval.jsonl").read_text().splitlines() if line.strip()]
     counts = json.loads((run_path / "summary.json").read_text()).get("evaluations", {})
     return {
         "run": str(run_path),
-        "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / summary["loop_time_s"],
-        "loop_time_s": summary["loop_time_s"],
-        "final_mean_reward": summary["final_mean_reward"],
+        "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / loop_time_s,
+        "loop_time_s": loop_time_s,
+        "final_mean_reward": final_reward(metrics),
         "evaluations": counts.get("evaluated", 0),
         "eval_failed": counts.get("failed", 0),
         "eval_seconds_mean": statistics.mean(e["eval/seconds"] for e in evaluations) if evaluations else None,
