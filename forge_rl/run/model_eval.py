@@ -281,7 +281,8 @@ def eval_config_of(args: EvalArgs, model_dir: Path) -> GRPOConfig:
     try:
         return GRPOConfig(
             model=ModelConfig(path=Path(model_dir)), task=args.task, generator=generator,
-            eval=dataclasses.replace(args.eval, sets=args.sets),
+            # On generators of its own: there is no run whose generators it could share.
+            eval=dataclasses.replace(args.eval, sets=args.sets, placement="own"),
         )
     except ConfigError:
         raise
