@@ -98,6 +98,9 @@ class ControllerState:
     num_generated_tokens: int
     rng: dict[str, Any]
     """The controller's python, numpy and torch RNG states (`capture_rng_state`)."""
+    data_fingerprint: str | None = None
+    """With data.path: the file's fingerprint (forge_rl/data/files.py `FileSource.fingerprint`),
+    which a resume must find unchanged, since the cursor counts rows of that file."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

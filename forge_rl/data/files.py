@@ -19,6 +19,9 @@ stays cheap to import); opening a `FileSource` does.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +76,10 @@ class LengthReport:
     """The longest prompt, in tokens."""
 
 
+FINGERPRINT_ROWS = 64
+"""Rows a file's fingerprint reads (`FileSource.fingerprint`), spread evenly over it."""
+
+
 class FileSource:
     """A data file as a prompt source: `row(i)` is prompt i's row, `next_row(i)` the first row at
     or after index i whose prompt fits `length_limit` (no limit: every row fits).
@@ -106,6 +113,18 @@ class FileSource:
             raise ConfigError(re.sub(r"(?<![\w.-])data\.", f"{field}.", message)) from None
         self._too_long: dict[int, int] = {}
         """Row number -> prompt tokens, for each row met that does not fit (too_long skip)."""
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What a resume compares to know the file is the one its checkpoint counted rows of: a
+        hash of the row count, the columns and FINGERPRINT_ROWS rows spread evenly over the file
+        (a few reads of the memory-mapped rows, whatever the file's size). A change to rows between
+        the sampled ones goes unseen."""
+        step = max(self.num_rows // FINGERPRINT_ROWS, 1)
+        sampled = [self.dataset[i] for i in range(0, self.num_rows, step)][:FINGERPRINT_ROWS]
+        sampled.append(self.dataset[self.num_rows - 1])
+        text = json.dumps([self.num_rows, self.column_names, sampled], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @property
     def num_rows(self) -> int:

@@ -172,9 +172,19 @@ class PromptSource:
         )
 
     def state(self) -> dict:
-        return {"cursor": self.cursor, "reissue": list(self.reissue)}
+        state = {"cursor": self.cursor, "reissue": list(self.reissue)}
+        if self.file is not None:
+            state["data_fingerprint"] = self.file.fingerprint
+        return state
 
-    def load_state(self, cursor: int, reissue: list[int]) -> None:
+    def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None:
+        if self.file is not None and data_fingerprint is not None and data_fingerprint != self.file.fingerprint:
+            raise ConfigError(
+                f"{self.file.where} is not the file the checkpoint was taken on (its rows differ: "
+                f"forge_rl/data/files.py FileSource.fingerprint), and the checkpoint's cursor ({cursor}) counts "
+                "rows of that file: resumed, the run would skip or repeat rows. Restore the file the run "
+                "trained on, or start a new run on this one (without --resume)."
+            )
         self.cursor = cursor
         if self.file is not None:
             # Indices a file passed over as too long are below the cursor and never trained, so the

@@ -64,7 +64,7 @@ class Prompts(Protocol):
 
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...
-    def load_state(self, cursor: int, reissue: list[int]) -> None: ...
+    def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None: ...
 
 
 @dataclasses.dataclass
@@ -331,7 +331,7 @@ class Rollouts:
         as state["reissue"]): every generator serves `policy_version` before this returns, and
         before any rollout starts. Returns the number of episodes the buffer holds now."""
         buffered_versions = await self.buffer.load_state_dict(state["buffer"], policy_version)
-        self.prompts.load_state(state["dataset_cursor"], state["reissue"])
+        self.prompts.load_state(state["dataset_cursor"], state["reissue"], state.get("data_fingerprint"))
         self.gate.restore(policy_version, buffered_versions)
         self.accounting = PromptAccounting.from_state_dict(
             state["accounting"], handed_out=state["dataset_cursor"] - len(state["reissue"])

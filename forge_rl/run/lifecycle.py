@@ -334,6 +334,7 @@ class Lifecycle:
             buffer=rollouts["buffer"],
             num_generated_tokens=rollouts["num_generated_tokens"],
             rng=capture_rng_state(),
+            data_fingerprint=rollouts["prompts"].get("data_fingerprint"),
         )
         held_s = time.monotonic() - started
         self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))

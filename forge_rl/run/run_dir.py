@@ -116,6 +116,21 @@ def saved_config_path(run_path: Path) -> Path:
     return Path(run_path) / "config.yaml"
 
 
+def _check_same_data(config: GRPOConfig, fingerprint: str, run_path: Path, checkpoint: Path) -> None:
+    """The data file is the one the checkpoint counted rows of (`FileSource.fingerprint`): its
+    cursor means nothing over another file, where a resume would skip or repeat rows."""
+    from forge_rl.data.files import FileSource  # opens datasets: only for a run on a data file
+
+    source = FileSource(config.data)
+    if source.fingerprint != fingerprint:
+        raise ConfigError(
+            f"--resume {run_path}: {source.where} ({source.num_rows} rows) is not the file {checkpoint.name} was "
+            "taken on (its row count, columns or rows differ), and the checkpoint's prompt cursor counts rows of "
+            "that file: resumed, the run would skip or repeat rows. Restore the file the run trained on, or start "
+            "a new run on this one (without --resume)."
+        )
+
+
 def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]:
     """For `config.resume`: `config` pointed at that run directory, the directory, and its newest
     complete checkpoint. Raises ConfigError when the directory has no complete checkpoint, when
@@ -148,7 +163,10 @@ def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]
             "start a new run."
         )
     config = dataclasses.replace(config, run_dir=run_path.parent, run_name=run_path.name)
-    step = read_controller_state(checkpoint).step
+    controller = read_controller_state(checkpoint)
+    step = controller.step
+    if config.data is not None and controller.data_fingerprint is not None:
+        _check_same_data(config, controller.data_fingerprint, run_path, checkpoint)
     if step >= config.steps:
         raise ConfigError(
             f"--resume {run_path}: its newest checkpoint ({checkpoint.name}) is at step {step} and steps is "

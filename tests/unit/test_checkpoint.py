@@ -58,10 +58,10 @@ def controller_state(step: int, **changes) -> ControllerState:
     return ControllerState(**fields | changes)
 
 
-def save_checkpoint(run_path, step: int) -> None:
+def save_checkpoint(run_path, step: int, **changes) -> None:
     partial = begin_checkpoint(run_path, step)
     (partial / "trainer").mkdir()
-    commit_checkpoint(partial, controller_state(step))
+    commit_checkpoint(partial, controller_state(step, **changes))
 
 
 @pytest.mark.parametrize(
@@ -257,6 +257,31 @@ def test_resume_refuses_a_config_that_conflicts_with_the_checkpoint(stopped_run,
     with pytest.raises(ConfigError) as error:
         open_run_dir_for_resume(config)
     assert message in str(error.value)
+
+
+def test_resume_refuses_a_data_file_that_changed_since_the_checkpoint(tmp_path, monkeypatch):
+    """The checkpoint's cursor counts rows of the file it was taken on: over another file a resume
+    would skip or repeat rows, so it is refused before anything starts; the same file resumes."""
+    import datasets
+
+    from forge_rl.data.config import DataConfig
+    from forge_rl.data.files import FileSource
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"M{i}0=", "answer": str(i)}) + "\n" for i in range(10)))
+    data = DataConfig(str(rows), answer_column="answer")
+    config = GRPOConfig(run_dir=tmp_path, run_name="r", steps=4, train_batch_size=8, group_size=4, data=data)
+    run_path = tmp_path / "r"
+    run_path.mkdir()
+    saved_config_path(run_path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    save_checkpoint(run_path, 2, data_fingerprint=FileSource(data).fingerprint)
+    resumed = GRPOConfig(**{**config.__dict__, "resume": run_path})
+    assert open_run_dir_for_resume(resumed)[2].name == "step-000002"
+
+    rows.write_text(rows.read_text() + json.dumps({"prompt": "M90=", "answer": "9"}) + "\n")
+    with pytest.raises(ConfigError, match=r"\(11 rows\) is not the file step-000002 was taken on"):
+        open_run_dir_for_resume(resumed)
 
 
 def test_resume_refuses_a_run_without_a_complete_checkpoint(stopped_run):

@@ -62,7 +62,7 @@ def test_a_run_config_with_a_data_path_hands_out_each_row_once_per_epoch(tmp_pat
     for epoch in range(2):
         ids = sorted(e.columns["id"] for e in episodes[epoch * NUM_ROWS : (epoch + 1) * NUM_ROWS])
         assert ids == list(range(NUM_ROWS))
-    assert source.state() == {"cursor": 2 * NUM_ROWS, "reissue": []}
+    assert source.state() == {"cursor": 2 * NUM_ROWS, "reissue": [], "data_fingerprint": source.file.fingerprint}
 
 
 def test_a_source_loaded_from_a_mid_epoch_state_continues_with_exactly_the_remaining_rows(tmp_path, tiny_model):
@@ -85,7 +85,7 @@ def test_a_reissued_prompt_is_the_same_row_under_its_own_index(tmp_path, tiny_mo
     resumed.load_state(cursor=4, reissue=[1])
     again, new = resumed.next_episodes(2)
     assert (again.episode_id, again.columns) == (1, handed_out[1].columns)
-    assert new.episode_id == 4 and resumed.state() == {"cursor": 5, "reissue": []}
+    assert new.episode_id == 4 and resumed.state() == {"cursor": 5, "reissue": [], "data_fingerprint": resumed.file.fingerprint}
 
 
 @pytest.mark.parametrize("task, named", [
@@ -166,3 +166,13 @@ def test_a_reasoning_gym_task_exports_its_questions_with_answers_a_text_reward_s
         terms = row["prompt"].split(":")[-1].rstrip("= ").strip()
         assert str(eval(terms)) == row["answer"]  # the oracle answer, as text
         assert math_verify(f"The answer is {row['answer']}.", row["answer"]) == 1.0
+
+
+def test_a_source_refuses_a_checkpoints_state_taken_on_another_file(tmp_path, tiny_model):
+    before = source_of(run_config(write_rows(tmp_path)), tiny_model)
+    before.next_episodes(3)
+    state = before.state()
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(row) + "\n" for row in reversed(ROWS)))
+    with pytest.raises(ConfigError, match="is not the file the checkpoint was taken on"):
+        source_of(run_config(other), tiny_model).load_state(**state)
