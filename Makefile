@@ -19,7 +19,7 @@ VERIFIERS_PACKAGES := verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0
 	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 \
 	math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 
-.PHONY: venv env-adapters demo test test-gpu lint clean
+.PHONY: venv env-adapters peers-venv demo test test-gpu lint clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,21 @@ env-adapters:
 	$(PY) -m pip install --no-deps $(ENVS_PACKAGES)
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then $(PY) -m pip install --no-deps $(VERIFIERS_PACKAGES); fi
 
+# TRL in an environment of its own for `forge-rl bench peers` (forge_rl/bench/peers.py): TRL pins a
+# transformers that vLLM's pins exclude. Every package is pinned in requirements/peers-trl.txt; torch
+# comes first, as in `venv`, so that pip takes the same build.
+PEER_VENV := .venv-trl
+PEER_STAMP := $(PEER_VENV)/.peers-installed
+
+peers-venv: $(PEER_STAMP)
+
+$(PEER_STAMP): requirements/peers-trl.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --upgrade "pip>=24"
+	$(PEER_VENV)/bin/python -m pip install "torch==2.13.0"
+	$(PEER_VENV)/bin/python -m pip install -r requirements/peers-trl.txt
+	touch $(PEER_STAMP)
+
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml
 
@@ -65,4 +80,4 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(PEER_VENV) runs

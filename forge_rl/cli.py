@@ -176,6 +176,7 @@ _BENCHMARKS = {
     "distill": "On-policy distillation of a trained teacher into a fresh student vs GRPO from scratch, same steps.",
     "self-distill": "GRPO alone vs GRPO + a teacher pinned to the policy's past (lagged, EMA, best), same steps.",
     "eval-overhead": "Trained tokens/s with an evaluation every n steps over the same without, interleaved runs.",
+    "peers": "forge_rl beside TRL's GRPOTrainer (own venv: make peers-venv) on the same task: time to reward, ratio.",
 }
 
 
@@ -189,7 +190,7 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, distill, eval_overhead, keep_routing, lora_sync, multi_turn, sampling_support, scale,
+        async_vs_sync, distill, eval_overhead, keep_routing, lora_sync, multi_turn, peers, sampling_support, scale,
         self_distill, soak, staleness, task_baseline, trainer, weight_sync,
     )
     from forge_rl.errors import ConfigError
@@ -210,6 +211,7 @@ def _run_bench(args: list[str]) -> None:
         "distill": (distill, distill.DistillArgs),
         "self-distill": (self_distill, self_distill.SelfDistillArgs),
         "eval-overhead": (eval_overhead, eval_overhead.EvalOverheadArgs),
+        "peers": (peers, peers.PeersArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

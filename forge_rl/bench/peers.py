@@ -1,0 +1,334 @@
+"""`forge-rl bench peers`: forge_rl beside TRL's `GRPOTrainer` on the same machine, the same
+model files, prompts, batch, lengths, loss and optimizer, one after the other in one invocation.
+
+The workload (`configs/bench_peers_tiny_cpu.yaml`, the matched tiny task): a Llama with a
+16-token vocabulary (the special tokens and "0123456789M="), hidden 128, 4 layers, built once into
+OUT_DIR/model, learns "max of two digits" from scratch (`M37=` -> `7`, the task's
+`leading_number_reward`), 32 prompts x 8 completions a step, 4 new tokens, temperature 1, DAPO
+(clip 0.2 / 0.28, token mean), no KL, AdamW at a constant lr 3e-4. TRL reads the task's first
+prompts from OUT_DIR/prompts.jsonl (`forge-rl data export` rows) and every other setting from the
+same config, so a change to the config changes both sides.
+
+TRL runs in a virtual environment of its own (`make peers-venv` builds `.venv-trl` from pinned
+versions: TRL pins a transformers that vLLM's pins exclude), as a subprocess running
+`forge_rl/bench/peer_trl.py`, the TRL script beside this module. Without that environment the
+bench says how to build it and runs forge_rl's side alone, marked `peer_status: "missing"`.
+
+Per library and seed, from each run's per-step log:
+
+    startup_s              launch to the first step's start (engines and trainer built, data loaded)
+    steps_to_reward        trainer steps until the reward, smoothed over SMOOTHING_STEPS steps, first
+                           reaches each threshold (`steps_to`); time_to_reward_s the seconds since
+                           training began at that step (`time_to_reward`)
+    reward_at_s            the smoothed reward of the last step logged by each of those times
+    steps_per_s            steps / seconds of training; trained_tokens_per_s the completion tokens
+                           trained / seconds of training
+    max_policy_age_seen    forge_rl only: the oldest policy a trained token came from
+
+A run that crashes or does not reach a threshold within its budget (`--steps`, `--budget-s`
+seconds of training) has status "crashed" or "not_reached" and null for that time, never a
+number; the ratio forge_rl / TRL of the median times to the main threshold is then null too.
+Figures go to OUT_DIR/peers.json; the last line of stdout is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
+from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError
+from forge_rl.observability.metrics import POLICY_AGE_MAX, REWARD_MEAN, TRAINED_TOKENS, WALL_TIME_S, progress
+
+PEER_VENV = Path(".venv-trl")
+PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
+"""Whose versions the result records (the pins are the Makefile's `peers-venv`)."""
+TINY_ALPHABET = "0123456789M="
+"""The characters of the task's prompts and answers: with the 4 special tokens, a 16-token vocabulary."""
+WORKLOAD = "matched_tiny"
+
+
+@dataclass(frozen=True)
+class PeersArgs:
+    config: Path = Path("configs/bench_peers_tiny_cpu.yaml")
+    """Recipe config of forge_rl's side; TRL's settings are read from it too."""
+    seeds: tuple[int, ...] = (0,)
+    """One run per library per seed, TRL first."""
+    steps: int | None = None
+    """Step budget of every run; unset: the config's steps."""
+    budget_s: float = 300.0
+    """Seconds of training (from the first step's start) after which a run is stopped."""
+    startup_budget_s: float = 180.0
+    """Seconds a run may take to start before it counts as crashed."""
+    target_rewards: tuple[float, ...] = (0.5, 0.9)
+    """Smoothed rewards whose first crossing is timed; the last is the one the ratio compares."""
+    at_times_s: tuple[float, ...] = (15.0, 30.0, 60.0)
+    """Seconds of training at which the smoothed reward is read."""
+    peer_venv: Path = PEER_VENV
+    """TRL's virtual environment (`make peers-venv`)."""
+    peer_threads: int | None = None
+    """Torch threads of TRL's process (generation and training share it); unset: the cores this process may use."""
+    trainer_threads: int | None = None
+    """forge_rl's trainer.num_threads; unset: the config's."""
+    skip_peer: bool = False
+    """Run forge_rl's side alone."""
+    out_dir: Path = Path("runs/bench-peers")
+    """Where the model, the prompts, each run's directory and peers.json go."""
+
+
+def main(args: PeersArgs) -> dict:
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, args.config)
+    check_args(args, base)
+    steps = args.steps or base.steps
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(base, args.out_dir / "model")
+    base = dataclasses.replace(
+        base, steps=steps, model=dataclasses.replace(base.model, path=model_dir),
+        checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
+        trainer=base.trainer if args.trainer_threads is None else dataclasses.replace(base.trainer, num_threads=args.trainer_threads),
+    )
+    peer = None if args.skip_peer else peer_versions(args.peer_venv)
+    if peer is None and not args.skip_peer:
+        progress(f"bench peers: no TRL environment at {args.peer_venv}: build it with `make peers-venv`; "
+                 "running forge_rl's side alone")
+    runs: dict[str, list[dict]] = {"trl": [], "forge_rl": []}
+    for seed in args.seeds:
+        if peer is not None:
+            progress(f"bench peers: TRL, seed {seed}")
+            runs["trl"].append(run_trl(base, args, seed, model_dir))
+        progress(f"bench peers: forge_rl, seed {seed}")
+        runs["forge_rl"].append(run_forge_rl(base, args, seed))
+    summary = summarize(runs, args.target_rewards, peer, args.skip_peer)
+    summary.update({
+        "config": str(args.config), "seeds": list(args.seeds), "steps_budget": steps, "budget_s": args.budget_s,
+        "forge_rl_trainer_threads": base.trainer.num_threads, "forge_rl_generator_threads": base.generator.cpu_threads,
+        "peer_threads": trl_threads(args),
+    })
+    (args.out_dir / "peers.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def check_args(args: PeersArgs, base: GRPOConfig) -> None:
+    if base.data is not None or base.environment.name is not None or base.task.name != "max_of_two":
+        raise ConfigError(f"bench peers: {args.config} must train the max_of_two task (no data.path, no environment): "
+                          "TRL's side is written for it.")
+    if not args.seeds or not args.target_rewards or args.budget_s <= 0 or (args.steps is not None and args.steps < 1):
+        raise ConfigError(f"bench peers: --seeds ({args.seeds}) and --target-rewards ({args.target_rewards}) need an "
+                          f"entry, --budget-s ({args.budget_s}) must be > 0 and --steps ({args.steps}) >= 1.")
+
+
+def build_model(base: GRPOConfig, model_dir: Path) -> Path:
+    """The workload's model, written once: every run of both libraries reads these files."""
+    from forge_rl.models.tiny import create_tiny_model
+
+    if not (model_dir / "config.json").is_file():
+        create_tiny_model(base.model.tiny, model_dir, alphabet=TINY_ALPHABET)
+    return model_dir
+
+
+def peer_versions(venv: Path) -> dict | None:
+    """The versions of TRL's environment, or None when it is missing or cannot import TRL."""
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        return None
+    probe = ("import importlib.metadata as m, json, trl; "
+             f"print(json.dumps({{p: m.version(p) for p in {list(PEER_PACKAGES)!r}}}))")
+    result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        progress(f"bench peers: {python} cannot import trl ({result.stderr.strip().splitlines()[-1:]})")
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def trl_threads(args: PeersArgs) -> int:
+    return args.peer_threads or len(os.sched_getaffinity(0))
+
+
+def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, model_dir: Path, run_dir: Path) -> dict:
+    """TRL's settings, each from forge_rl's config (`peer_trl.main` reads them)."""
+    from forge_rl.data.rows import export_rows
+    from forge_rl.pipeline.prompts import TaskRows
+    from forge_rl.tasks import synthetic
+    from forge_rl.tasks.tokenizer import BOS
+    from forge_rl.training.losses.config import VARIANTS
+
+    loss = base.trainer.loss
+    variant = VARIANTS[loss.name]
+    if loss.name != "dapo":  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
+        raise ConfigError(f"bench peers: trainer.loss.name is {loss.name!r}; the workload is matched for dapo only "
+                          "(the same token-mean clipped loss in both libraries). Set --trainer.loss.name dapo in the config.")
+    prompts = run_dir / "prompts.jsonl"
+    task = dataclasses.replace(base.task, seed=seed)
+    export_rows(TaskRows(task), prompts, base.steps * base.prompts_per_step)
+    return {
+        "model_dir": str(model_dir), "prompts_path": str(prompts), "prompt_prefix": BOS,
+        "reward_module": synthetic.__file__, "metrics_path": str(run_dir / "trl_metrics.jsonl"),
+        "output_dir": str(run_dir / "trl"), "seed": seed, "threads": trl_threads(args),
+        "completions_per_step": base.train_batch_size, "group_size": base.group_size,
+        "max_new_tokens": base.generator.max_new_tokens, "temperature": base.generator.temperature,
+        "top_p": base.generator.top_p, "top_k": base.generator.top_k,
+        "lr": base.trainer.lr, "weight_decay": base.trainer.weight_decay, "adam_eps": base.trainer.adam_eps,
+        "max_grad_norm": base.trainer.max_grad_norm, "loss_type": loss.name,
+        "clip_eps_low": variant.clip_eps[0] if loss.clip_eps_low is None else loss.clip_eps_low,
+        "clip_eps_high": variant.clip_eps[1] if loss.clip_eps_high is None else loss.clip_eps_high,
+        "kl_beta": loss.kl_beta, "max_steps": base.steps, "budget_s": args.budget_s,
+    }
+
+
+def run_trl(base: GRPOConfig, args: PeersArgs, seed: int, model_dir: Path) -> dict:
+    run_dir = args.out_dir / f"trl-seed{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = trl_spec(base, args, seed, model_dir, run_dir)
+    (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    script = Path(__file__).with_name("peer_trl.py")
+    launched = time.time()
+    error = None
+    with open(run_dir / "trl.log", "w") as log:
+        try:
+            result = subprocess.run(
+                [str(args.peer_venv / "bin" / "python"), str(script), str(run_dir / "spec.json")],
+                stdout=log, stderr=subprocess.STDOUT, timeout=args.startup_budget_s + args.budget_s + 60,
+            )
+            if result.returncode != 0:
+                error = f"exit status {result.returncode} (log: {run_dir / 'trl.log'})"
+        except subprocess.TimeoutExpired:
+            error = f"still running past its start-up and training budgets (log: {run_dir / 'trl.log'})"
+    begin, metrics = read_trl_metrics(Path(spec["metrics_path"]))
+    startup = None if begin is None else begin - launched
+    return analyze("trl", seed, metrics, startup, args, error)
+
+
+def read_trl_metrics(path: Path) -> tuple[float | None, list[dict]]:
+    """TRL's per-step log as forge_rl's metric names, and the Unix time its training began."""
+    if not path.is_file():
+        return None, []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    begin = next((line["train_begin_unix_time"] for line in lines if "train_begin_unix_time" in line), None)
+    metrics = [
+        {REWARD_MEAN: line["reward"], WALL_TIME_S: line["wall_time_s"], TRAINED_TOKENS: line["completion_tokens"]}
+        for line in lines if "reward" in line
+    ]
+    return begin, metrics
+
+
+def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int) -> dict:
+    from forge_rl.observability.plot import read_metrics
+    from forge_rl.run.recipes import recipe
+
+    name = f"forge_rl-seed{seed}"
+    config = dataclasses.replace(seeded(base, seed), run_dir=args.out_dir, run_name=name)
+    launched = time.time()
+    error = None
+    try:
+        asyncio.run(asyncio.wait_for(recipe("grpo")(config), args.startup_budget_s + args.budget_s))
+    except TimeoutError:
+        pass  # the budget: the steps logged so far are the run's
+    except Exception as e:  # a crashed run is reported as one, not as figures
+        error = f"{type(e).__name__}: {e}"
+    path = args.out_dir / name
+    try:
+        metrics = read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        metrics = []
+    origin = path / "timeline_origin.json"
+    startup = json.loads(origin.read_text())["unix_time"] - launched if origin.is_file() else None
+    return analyze("forge_rl", seed, metrics, startup, args, error)
+
+
+def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs,
+            error: str | None) -> dict:
+    """One run's figures from its per-step metrics (forge_rl's names); a run with `error` or no
+    step is "crashed", one that misses the main threshold "not_reached"."""
+    rewards = [m[REWARD_MEAN] for m in metrics]
+    steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
+    time_to_reward = {
+        str(t): None if n is None else metrics[n - 1][WALL_TIME_S] for t, n in zip(args.target_rewards, steps_to_reward.values())
+    }
+    result = {
+        "library": library, "seed": seed, "steps": len(metrics), "startup_s": startup_s,
+        "steps_to_reward": steps_to_reward, "time_to_reward_s": time_to_reward,
+        "reward_at_s": reward_at(metrics, args.at_times_s),
+    }
+    if error is not None or not metrics:
+        return {**result, "status": "crashed", "error": error or "no step logged"}
+    loop_s = max(metrics[-1][WALL_TIME_S], 1e-9)
+    result.update({
+        "status": "ok" if time_to_reward[str(args.target_rewards[-1])] is not None else "not_reached",
+        "training_s": metrics[-1][WALL_TIME_S],
+        "steps_per_s": len(metrics) / loop_s,
+        "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / loop_s,
+        "final_mean_reward": smoothed(rewards)[-1] if len(rewards) >= SMOOTHING_STEPS else None,
+    })
+    if library == "forge_rl":
+        from forge_rl.observability.metrics import trainer_overhead_summary
+
+        result["max_policy_age_seen"] = max(m[POLICY_AGE_MAX] for m in metrics)
+        result.update(trainer_overhead_summary(metrics))
+    return result
+
+
+def reward_at(metrics: list[dict], times_s: tuple[float, ...]) -> dict[str, float | None]:
+    """Per time: the smoothed reward of the last step logged by then (null before the first
+    smoothed value, or past the run's end)."""
+    rewards = smoothed([m[REWARD_MEAN] for m in metrics])
+    out = {}
+    for t in times_s:
+        logged = [i for i, m in enumerate(metrics) if m[WALL_TIME_S] <= t]
+        ended = not metrics or metrics[-1][WALL_TIME_S] < t
+        index = logged[-1] - SMOOTHING_STEPS + 1 if logged else -1
+        out[str(t)] = None if ended or index < 0 else rewards[index]
+    return out
+
+
+def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...], peer: dict | None, skip_peer: bool) -> dict:
+    """Medians over seeds per library, and forge_rl's median time to the main threshold over TRL's:
+    a median only when every seed of that library reached it (else null), the ratio only when both."""
+    target = str(target_rewards[-1])
+    per_library = {}
+    for library, results in runs.items():
+        if not results:
+            continue
+        times = [r["time_to_reward_s"][target] for r in results]
+        reached = bool(results) and all(t is not None for t in times)
+        ok = [r for r in results if r["status"] != "crashed"]
+        per_library[library] = {
+            "runs": len(results),
+            "statuses": [r["status"] for r in results],
+            "median_time_to_reward_s": statistics.median(times) if reached else None,
+            "median_steps_to_reward": statistics.median(r["steps_to_reward"][target] for r in results) if reached else None,
+            "median_steps_per_s": statistics.median(r["steps_per_s"] for r in ok) if ok else None,
+            "median_trained_tokens_per_s": statistics.median(r["trained_tokens_per_s"] for r in ok) if ok else None,
+            "median_startup_s": statistics.median(r["startup_s"] for r in ok if r["startup_s"] is not None)
+            if any(r["startup_s"] is not None for r in ok) else None,
+        }
+    trl, ours = per_library.get("trl", {}), per_library.get("forge_rl", {})
+    ratio = None
+    if trl.get("median_time_to_reward_s") and ours.get("median_time_to_reward_s") is not None:
+        ratio = ours["median_time_to_reward_s"] / trl["median_time_to_reward_s"]
+    peer_status = "skipped" if skip_peer else "missing" if peer is None else "ran"
+    return {
+        "bench": "peers",
+        "workload": WORKLOAD,
+        "target_reward": target_rewards[-1],
+        "peer_status": peer_status,
+        "peer_versions": peer,
+        "peer": None if peer is None else f"trl {peer['trl']}",
+        f"{WORKLOAD}/trl_statuses": trl.get("statuses"),
+        f"{WORKLOAD}/forge_rl_statuses": ours.get("statuses"),
+        f"{WORKLOAD}/trl_time_to_reward_s": trl.get("median_time_to_reward_s"),
+        f"{WORKLOAD}/forge_rl_time_to_reward_s": ours.get("median_time_to_reward_s"),
+        f"{WORKLOAD}/ratio_forge_rl_over_trl": ratio,
+        **({"build_peer": "make peers-venv"} if peer_status == "missing" else {}),
+        "libraries": per_library,
+        "runs": runs,
+    }
