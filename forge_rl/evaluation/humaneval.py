@@ -72,7 +72,8 @@ REQUIRED_COLUMNS = ("prompt", "test", "entry_point")
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n```")
 """Where a continuation of a prompt ends: the start of a new top-level statement after the body (the
 stop sequences of the Codex paper's evaluation), or the close of a code fence."""
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL | re.IGNORECASE)
+_FENCE_LINE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[ \t]*$", re.MULTILINE)
+_PYTHON_TAGS = ("python", "python3", "py")
 _REPORT = "forge_rl humaneval: all tests passed"
 _DETAIL_CHARS = 200
 """Characters kept of a failed sample's last stderr line in its `ended_by`."""
@@ -211,13 +212,25 @@ def truncate_at_stop(text: str, stop_sequences: Sequence[str] = STOP_SEQUENCES) 
 
 
 def extract_code(text: str, entry_point: str) -> str | None:
-    """The code of the fenced block in `text` (```python ... ```, or an unclosed one up to the end)
-    that defines `entry_point`, else its first fenced block; None when `text` has no fence."""
-    blocks = _FENCE.findall(text)
-    if not blocks:
+    """The code of a fenced block in `text`: the first that defines `entry_point`, else the first
+    tagged python, else the first; None when `text` has no fence line.
+
+    A block runs from a fence line to the next one (or the end): every stretch between two fences
+    is a candidate, since a model may first close a fence it imagines around the prompt, which
+    pairs every later fence the other way round."""
+    fences = list(_FENCE_LINE.finditer(text))
+    if not fences:
         return None
+    blocks = [
+        (fence.group(1).lower(), text[fence.end() : after.start() if after else len(text)].strip("\n"))
+        for fence, after in zip(fences, [*fences[1:], None])
+    ]
     defines = re.compile(rf"^def\s+{re.escape(entry_point)}\s*\(", re.MULTILINE)
-    return next((block for block in blocks if defines.search(block)), blocks[0])
+    return (
+        next((code for _, code in blocks if defines.search(code)), None)
+        or next((code for tag, code in blocks if tag in _PYTHON_TAGS and code.strip()), None)
+        or blocks[0][1]
+    )
 
 
 def completion_of(problem: HumanEvalProblem, text: str) -> str:

@@ -56,6 +56,12 @@ def test_a_fenced_block_is_taken_out_of_an_instruct_models_prose(problem):
     assert extract_code("```\nx = 1\n```\n```py\ndef truncate_number(n):\n    return n % 1", "truncate_number") == (
         "def truncate_number(n):\n    return n % 1"
     )
+    # A model that first closes a fence it imagines around the prompt still has its function found.
+    closed_first = "```\n\nHere it is:\n```python\ndef truncate_number(number):\n    return number % 1.0\n```\nDone."
+    assert extract_code(closed_first, "truncate_number") == "def truncate_number(number):\n    return number % 1.0"
+    assert extract_code("```\n\nUsage:\n```python\nprint(truncate_number(3.5))\n```", "truncate_number") == (
+        "print(truncate_number(3.5))"
+    )
     # An indented block is a body: it continues the prompt as it is.
     assert completion_of(problem, "```python\n    return number % 1.0\n```") == "    return number % 1.0"
     assert extract_code("    return number % 1.0", "truncate_number") is None
