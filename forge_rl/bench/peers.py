@@ -23,7 +23,10 @@ Per library and seed, from each run's per-step log:
     reward_at_s            the smoothed reward of the last step logged by each of those times
     steps_per_s            steps / seconds of training; trained_tokens_per_s the completion tokens
                            trained / seconds of training
-    max_policy_age_seen    forge_rl only: the oldest policy a trained token came from
+    max_policy_age_seen    forge_rl only: the oldest policy a trained token came from; also its
+                           trainer's and generator's idle fractions, the trainer's seconds by part
+                           (data wait, forward, backward, optimizer, overhead: `trainer_time_s`)
+                           and, for a run that finished its steps, the engine's (`generator_time_s`)
 
 A run that crashes or does not reach a threshold within its budget (`--steps`, `--budget-s`
 seconds of training) has status "crashed" or "not_reached" and null for that time, never a
@@ -46,7 +49,9 @@ from pathlib import Path
 from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import POLICY_AGE_MAX, REWARD_MEAN, TRAINED_TOKENS, WALL_TIME_S, progress
+from forge_rl.observability.metrics import (
+    GENERATORS_IDLE_FRACTION, POLICY_AGE_MAX, REWARD_MEAN, TRAINED_TOKENS, TRAINER_IDLE_FRACTION, WALL_TIME_S, progress,
+)
 
 PEER_VENV = Path(".venv-trl")
 PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
@@ -242,7 +247,12 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int) -> dict:
         metrics = []
     origin = path / "timeline_origin.json"
     startup = json.loads(origin.read_text())["unix_time"] - launched if origin.is_file() else None
-    return analyze("forge_rl", seed, metrics, startup, args, error)
+    result = analyze("forge_rl", seed, metrics, startup, args, error)
+    summary = path / "summary.json"  # written by a run that finished its steps, not one stopped at budget_s
+    if summary.is_file():
+        ran = json.loads(summary.read_text())
+        result.update({k: ran[k] for k in ("engine_start_s", "generator_time_s", "generator_forward_fraction") if k in ran})
+    return result
 
 
 def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs,
@@ -273,6 +283,8 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
         from forge_rl.observability.metrics import trainer_overhead_summary
 
         result["max_policy_age_seen"] = max(m[POLICY_AGE_MAX] for m in metrics)
+        result["trainer_idle_fraction"] = metrics[-1][TRAINER_IDLE_FRACTION]
+        result["generator_idle_fraction"] = metrics[-1][GENERATORS_IDLE_FRACTION]
         result.update(trainer_overhead_summary(metrics))
     return result
 

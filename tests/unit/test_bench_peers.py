@@ -24,7 +24,8 @@ CONFIG = REPO / "configs" / "bench_peers_tiny_cpu.yaml"
 def fake_metrics(rewards: list[float], step_s: float, tokens: int = 100) -> list[dict]:
     """Per-step metrics as a run logs them (forge_rl's names), one step every `step_s` seconds."""
     return [
-        {"reward/mean": r, "wall_time_s": (i + 1) * step_s, "num_tokens": tokens, "policy_age/max": i % 2}
+        {"reward/mean": r, "wall_time_s": (i + 1) * step_s, "num_tokens": tokens, "policy_age/max": i % 2,
+         "idle_fraction/trainer": 0.25, "idle_fraction/generators": 0.5}
         for i, r in enumerate(rewards)
     ]
 
@@ -41,7 +42,7 @@ def test_time_and_steps_to_each_threshold_are_read_off_the_smoothed_reward():
     assert run["status"] == "ok"
     assert run["steps_per_s"] == pytest.approx(2.0)
     assert run["trained_tokens_per_s"] == pytest.approx(15 * 100 / 7.5)
-    assert run["max_policy_age_seen"] == 1
+    assert (run["max_policy_age_seen"], run["trainer_idle_fraction"], run["generator_idle_fraction"]) == (1, 0.25, 0.5)
     assert run["reward_at_s"] == {"3.0": pytest.approx(0.2), "4.0": pytest.approx(0.6)}
 
 
