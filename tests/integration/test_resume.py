@@ -5,7 +5,8 @@ Two levels, and which one is exact:
 - Trainer (exact): two FSDP2 ranks train 2 steps on a fixed batch and write a DCP checkpoint; fresh
   processes load it and train 2 more. Their losses and weights equal those of 4 uninterrupted steps
   (to 1e-6; they are in fact bit-identical).
-- Whole loop (continuity, not equality), one run in three segments, each ended a different way:
+- Whole loop (continuity, not equality), one run on a data file in three segments, each ended a
+  different way:
   1. `forge-rl grpo` runs synchronously (max_policy_age 0) with a checkpoint every 2 steps until a
      trainer process is killed. The run must stop on its own, naming the resume command and the
      newest checkpoint, and leave no process behind.
@@ -15,7 +16,8 @@ Two levels, and which one is exact:
      processes mapped or held open at the kill (tests that run beside it have their own).
   3. A second resume runs 2 steps past the newest checkpoint and ends normally: step numbers, policy
      versions and the dataset cursor go on from the checkpoint, the prompts that were unsettled at
-     it are trained (none skipped), and no prompt is trained twice over the whole run.
+     it are trained (none skipped), and no prompt is trained twice over the whole run: every row of
+     the file once per epoch.
   Completions after a resume are not those of an uninterrupted run: vLLM's sampler restarts from
   its seed and async generation interleaves differently (docs/checkpointing.md).
 """
@@ -38,6 +40,11 @@ import torch
 
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller_state
+from forge_rl.data.config import DataConfig
+from forge_rl.data.order import locate
+from forge_rl.data.rows import export_rows
+from forge_rl.pipeline.prompts import TaskRows
+from forge_rl.tasks import TaskConfig
 from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from tests.helpers import alive, described, run_on_ranks, wait_until
@@ -174,11 +181,18 @@ def _poll(condition, deadline: float) -> None:
         time.sleep(0.1)
 
 
+NUM_ROWS = 40
+"""Rows of the run's data file (the demo task's first prompts): 8 prompts a step, an epoch each 5 steps."""
+
+
 def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
     stderr_path = tmp_path / "first.stderr"
+    rows = tmp_path / "rows.jsonl"
+    export_rows(TaskRows(TaskConfig()), rows, NUM_ROWS)
     process = _started(
         _grpo(
-            "--config", "configs/grpo_tiny_cpu.yaml", "--steps", "1000", "--train-batch-size", "32", "--group-size", "4",
+            "--config", "configs/grpo_tiny_cpu.yaml", "--data.path", str(rows), "--data.answer-column", "answer",
+            "--steps", "1000", "--train-batch-size", "32", "--group-size", "4",
             "--prompts-in-flight-per-generator", "8", "--buffer.max-policy-age", "0",
             "--checkpoint.enabled", "--checkpoint.every-n-steps", str(CHECKPOINT_EVERY),
             "--checkpoint.keep-last", "2", "--run-dir", str(tmp_path), "--run-name", "run",
@@ -313,5 +327,14 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments
     }
     assert set(at_resume.reissue) <= settled_or_pending
     assert set(range(at_end.dataset_cursor)) == settled_or_pending
+    # Prompt i is row perm(epoch)[i mod N] of the data file: every epoch the cursor passed handed
+    # out each row exactly once, across the killed trainer, the killed controller and both resumes.
+    rows_by_epoch: dict[int, list[int]] = {}
+    for index in range(at_end.dataset_cursor):
+        position = locate(index, NUM_ROWS, DataConfig(path="rows.jsonl").seed)
+        rows_by_epoch.setdefault(position.epoch, []).append(position.row_number)
+    assert len(rows_by_epoch) >= 2  # the run went past the end of the file
+    assert all(sorted(rows) == list(range(NUM_ROWS)) for epoch, rows in rows_by_epoch.items() if epoch < max(rows_by_epoch))
+    assert all(len(set(rows)) == len(rows) for rows in rows_by_epoch.values())
     if three_segments["second"] is not None:
         assert not three_segments["third_store_roots"], "the resumed run left its weight store behind"
