@@ -116,8 +116,11 @@ class FakePrompts:
     def state(self) -> dict:
         return {"cursor": self.cursor, "reissue": []}
 
-    def load_state(self, cursor: int, reissue: list[int]) -> None:
+    def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None:
         self.cursor = cursor
+
+    def stats(self) -> dict:
+        return {}
 
 
 def completions_for(episode: Episode, group_size: int, policy_version: int) -> list[Completion]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import Row
 from forge_rl.errors import ConfigError
+from forge_rl.observability import metrics as m
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.reasoning_gym import reasoning_gym_row
 from forge_rl.tasks.synthetic import long_tail_length
@@ -170,6 +171,12 @@ class PromptSource:
         return long_tail_length(
             self.task.seed, index, self.task.long_tail_min_tokens, self.task.long_tail_alpha, self.max_new_tokens
         )
+
+    def stats(self) -> dict:
+        """The data file's figures for the step's metrics (none for a task's prompts)."""
+        if self.file is None:
+            return {}
+        return {m.DATA_SKIPPED_ROWS: len(self.file.skipped_rows), m.DATA_EPOCH: self.file.locate(self.cursor).epoch}
 
     def state(self) -> dict:
         state = {"cursor": self.cursor, "reissue": list(self.reissue)}

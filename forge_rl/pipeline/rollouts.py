@@ -65,6 +65,7 @@ class Prompts(Protocol):
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...
     def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None: ...
+    def stats(self) -> dict: ...
 
 
 @dataclasses.dataclass
@@ -491,6 +492,7 @@ class Rollouts:
             m.WEIGHTS_FETCHED_BYTES_TOTAL: self.weights_fetched_bytes,
             m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
             ROLLOUT_CALLS_TOTAL: sum(self.calls.values()),
+            **self.prompts.stats(),
         }
 
     async def _refresh_stage_stats(self) -> None:

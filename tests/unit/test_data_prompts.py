@@ -176,3 +176,14 @@ def test_a_source_refuses_a_checkpoints_state_taken_on_another_file(tmp_path, ti
     other.write_text("".join(json.dumps(row) + "\n" for row in reversed(ROWS)))
     with pytest.raises(ConfigError, match="is not the file the checkpoint was taken on"):
         source_of(run_config(other), tiny_model).load_state(**state)
+
+
+def test_a_file_sources_step_metrics_count_the_rows_passed_over_and_the_epoch(tmp_path, tiny_model):
+    rows = [{"prompt": "M" + "1" * (200 if i == 2 else 1) + "=", "answer": "1"} for i in range(4)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    source = source_of(run_config(path), tiny_model)
+    assert source.stats() == {"data/skipped_rows": 0, "data/epoch": 0}
+    source.next_episodes(3 + 3)  # row 2's prompt is longer than the tiny model's context
+    assert source.stats() == {"data/skipped_rows": 1, "data/epoch": 2}
+    assert source_of(GRPOConfig(), tiny_model).stats() == {}
