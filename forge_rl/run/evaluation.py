@@ -12,9 +12,12 @@ accounts for step s (one step ahead), so version v+1 can commit, and leave v to 
 before this process hears of v. Reserved while step s-1 is accounted for, when step s+1 has not been
 sent, v is held from the moment it commits.
 
-The evaluation's requests go to generators of its own, which no one else swaps: nothing the
-training generators do (swaps, aborts) reaches them, and nothing here enters the rollouts' buffer,
-admission or accounting. Evaluations run one at a time in version order; with eval.max_waiting
+With eval.placement own the evaluation's requests go to generators of its own, which no one else
+swaps: nothing the training generators do (swaps, aborts) reaches them. With shared they go to the
+run's generators, each sampling its share of the prompts in one call pinned to v (its weight
+updates wait behind the call; `generate_pinned`), and nothing is reserved: the generators hold v
+themselves. Either way nothing here enters the rollouts' buffer, admission or accounting.
+Evaluations run one at a time in version order; with eval.max_waiting
 waiting, asking for a newer one drops the oldest waiting (counted), so a slow evaluation falls
 behind in versions and never holds more than max_waiting + 1 versions in the store.
 """
