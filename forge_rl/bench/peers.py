@@ -50,7 +50,13 @@ from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
 from forge_rl.observability.metrics import (
-    GENERATORS_IDLE_FRACTION, POLICY_AGE_MAX, REWARD_MEAN, TRAINED_TOKENS, TRAINER_IDLE_FRACTION, WALL_TIME_S, progress,
+    GENERATORS_IDLE_FRACTION,
+    POLICY_AGE_MAX,
+    REWARD_MEAN,
+    TRAINED_TOKENS,
+    TRAINER_IDLE_FRACTION,
+    WALL_TIME_S,
+    progress,
 )
 
 PEER_VENV = Path(".venv-trl")
@@ -258,7 +264,10 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int) -> dict:
 def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs,
             error: str | None) -> dict:
     """One run's figures from its per-step metrics (forge_rl's names); a run with `error` or no
-    step is "crashed", one that misses the main threshold "not_reached"."""
+    step is "crashed", one that misses the main threshold "not_reached". Steps logged past
+    `budget_s` seconds of training are left out: forge_rl's run is stopped on its whole time, start-up
+    included, and TRL's at the end of the step that crosses the budget."""
+    metrics = [m for m in metrics if m[WALL_TIME_S] <= args.budget_s]
     rewards = [m[REWARD_MEAN] for m in metrics]
     steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
     time_to_reward = {

@@ -163,3 +163,8 @@ def test_trls_side_trains_two_steps_on_the_workloads_model(tmp_path):
     assert result["steps"] == 2 and result["status"] == "not_reached", result
     assert result["startup_s"] > 0 and result["trained_tokens_per_s"] > 0
     assert os.path.isfile(tmp_path / "trl-seed0" / "trl_metrics.jsonl")
+
+
+def test_steps_past_the_training_budget_are_left_out():
+    late = analyze("forge_rl", 0, fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0), 5.0, PeersArgs(budget_s=9.5), None)
+    assert (late["steps"], late["status"], late["time_to_reward_s"]["0.9"]) == (9, "not_reached", None)
