@@ -68,7 +68,7 @@ demo: venv
 # (docs/benchmarks/README.md, "The demo and the test suite"). `make TEST_WORKERS=0 test` runs the suite in one process.
 TEST_WORKERS ?= 2
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-gpu: venv
@@ -76,8 +76,10 @@ test-gpu: venv
 
 # The import contract: the package's layers and where Monarch, vLLM and TorchTitan may be imported
 # (pyproject.toml [tool.importlinter]; the suite checks it too).
+# The import contract (pyproject.toml [tool.importlinter]) and ruff's rules (ruff.toml); `make test` runs it first.
 lint: venv
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check forge_rl apps tests
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) runs

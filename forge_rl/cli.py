@@ -93,7 +93,6 @@ def _run_subcommand(command: str, args: list[str]) -> None:
 def _run_grpo(args: list[str]) -> None:
     from forge_rl.config import GRPOConfig
     from forge_rl.errors import ConfigError
-
     from forge_rl.run.run_dir import saved_config_path
 
     resume = _flag_value(args, "--resume")
@@ -117,13 +116,13 @@ def _run_grpo(args: list[str]) -> None:
     # no group had a signal for too long; every process was stopped.
     except (ProcessDied, ProcessNotStarted, TrainStepTimedOut, ScorerFailed, NoLearningSignal) as e:
         print(f"forge-rl: error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C: asyncio.run cancelled the run, which shut its processes down
         print("[forge-rl] interrupted (SIGINT); all processes of the run stopped", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except asyncio.CancelledError:
         print("[forge-rl] terminated (SIGTERM); all processes of the run stopped", file=sys.stderr)
-        raise SystemExit(143)
+        raise SystemExit(143) from None
     print(json.dumps(summary), flush=True)
 
 
@@ -147,10 +146,10 @@ def _run_eval(args: list[str]) -> None:
         _fail(f"cannot evaluate: {e}")
     except KeyboardInterrupt:
         print("[forge-rl] interrupted (SIGINT); all processes of the evaluation stopped", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except asyncio.CancelledError:
         print("[forge-rl] terminated (SIGTERM); all processes of the evaluation stopped", file=sys.stderr)
-        raise SystemExit(143)
+        raise SystemExit(143) from None
     print(json.dumps(summary), flush=True)
 
 
@@ -190,8 +189,21 @@ def _run_bench(args: list[str]) -> None:
     import tyro
 
     from forge_rl.bench import (
-        async_vs_sync, distill, eval_overhead, keep_routing, lora_sync, multi_turn, peers, sampling_support, scale,
-        self_distill, soak, staleness, task_baseline, trainer, weight_sync,
+        async_vs_sync,
+        distill,
+        eval_overhead,
+        keep_routing,
+        lora_sync,
+        multi_turn,
+        peers,
+        sampling_support,
+        scale,
+        self_distill,
+        soak,
+        staleness,
+        task_baseline,
+        trainer,
+        weight_sync,
     )
     from forge_rl.errors import ConfigError
 
@@ -279,7 +291,8 @@ def _run_convert(args: list[str]) -> None:
     import tyro
 
     from forge_rl.errors import ConfigError
-    from forge_rl.models.convert import ConvertArgs, main as convert
+    from forge_rl.models.convert import ConvertArgs
+    from forge_rl.models.convert import main as convert
 
     convert_args = tyro.cli(ConvertArgs, args=args, prog="forge-rl convert", description=_SUBCOMMANDS["convert"])
     try:
@@ -304,8 +317,8 @@ def _run_train_reward_model(args: list[str]) -> None:
 def _run_worker(args: list[str]) -> None:
     import tyro
 
-    from forge_rl.run.launch import run_worker
     from forge_rl.plumbing.placement import WorkerArgs
+    from forge_rl.run.launch import run_worker
 
     worker_args = tyro.cli(WorkerArgs, args=args, prog="forge-rl worker", description=_SUBCOMMANDS["worker"])
     run_worker(worker_args.port, worker_args.host)
@@ -317,7 +330,6 @@ def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = N
     import tyro
 
     from forge_rl.errors import ConfigError
-
     from forge_rl.yaml_config import load_yaml_config
 
     config_path = _flag_value(args, "--config") or defaults_file

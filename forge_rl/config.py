@@ -21,21 +21,20 @@ from forge_rl.core.checkpoint import CheckpointConfig
 from forge_rl.data.config import DataConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
+from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig
-from forge_rl.observability.health import MismatchAlarmConfig
 from forge_rl.models.hf_checkpoint import weight_files
 from forge_rl.models.lora_config import check_rank, check_targets, llama_layer_shapes
 from forge_rl.models.parallel import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.observability.health import MismatchAlarmConfig
 from forge_rl.plumbing.placement import LaunchConfig, check_placement, demand_of
-from forge_rl.training.reference import ReferenceConfig
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
+from forge_rl.training.reference import ReferenceConfig
 from forge_rl.training.trainer_config import TrainerConfig
-from forge_rl.errors import ConfigError
-
 
 REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 """Besides the safetensors weights: model.safetensors, or shards listed in model.safetensors.index.json."""

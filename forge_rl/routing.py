@@ -101,7 +101,7 @@ class RoutingRecord:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RoutingRecord":
+    def from_dict(cls, data: dict) -> RoutingRecord:
         import torch
         raw = bytearray(base64.b64decode(data["data"]))
         dtype = getattr(torch, data["dtype"])
@@ -109,7 +109,7 @@ class RoutingRecord:
         return cls(ids.reshape(data["shape"]))
 
     @classmethod
-    def concat(cls, records: list["RoutingRecord"]) -> "RoutingRecord":
+    def concat(cls, records: list[RoutingRecord]) -> RoutingRecord:
         """The records of consecutive pieces (turns, or a request resumed after an abort) as one."""
         import torch
         return cls(torch.cat([r.expert_ids_GXK for r in records]))

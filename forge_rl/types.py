@@ -295,7 +295,7 @@ class Episode:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Episode":
+    def from_dict(cls, data: dict[str, Any]) -> Episode:
         """Inverse of `to_dict`."""
         completions = [
             Completion(**c | {

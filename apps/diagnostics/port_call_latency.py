@@ -34,7 +34,7 @@ async def measure(in_flight: int, calls: int, work_s: float) -> None:
     await port_calls.call(worker, "work", 0.0)
     for mode in ("call_one", "port_calls") * 2:
 
-        async def caller() -> list[float]:
+        async def caller(mode: str = mode) -> list[float]:
             latencies = []
             for _ in range(calls):
                 started = time.perf_counter()

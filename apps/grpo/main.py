@@ -36,19 +36,19 @@ import dataclasses
 import json
 import sys
 
-from forge_rl.run import launch
 from forge_rl.actors.generator_pool import GeneratorPool
-from forge_rl.plumbing.port_calls import PortCalled, PortCalls
 from forge_rl.actors.rollouts import RolloutsActor
 from forge_rl.actors.scoring_stage import ScoringStage
 from forge_rl.actors.simulated_trainer import SimulatedTrainerActor
 from forge_rl.actors.trainer import TrainerActor
 from forge_rl.config import GRPOConfig
+from forge_rl.observability.metrics import generator_time_summary, progress
 from forge_rl.plumbing.gc_freeze import frozen_startup_objects
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls
+from forge_rl.run import launch
 from forge_rl.run.evaluation import Evaluation
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.run.loop import Pipeline, RunActors
-from forge_rl.observability.metrics import generator_time_summary, progress
 from forge_rl.store.actors import StoreIndexActor, spawn_store
 from forge_rl.tasks.tokenizer import PromptTokenizer
 

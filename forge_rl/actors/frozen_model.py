@@ -33,14 +33,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
-
 from monarch.actor import Actor, concurrent_endpoint, endpoint
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge_rl.core.batching import make_train_batch
 from forge_rl.models.titan import titan_state_dict_from_hf
-from forge_rl.training.reference import ReferenceConfig, completion_logprobs
 from forge_rl.scoring.teacher import load_teacher_weights, save_teacher_weights, teacher_store_reader
+from forge_rl.training.reference import ReferenceConfig, completion_logprobs
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
 

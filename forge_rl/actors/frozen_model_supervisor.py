@@ -42,16 +42,16 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator_pool import stop_quietly
-from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.core.deadlines import within
 from forge_rl.errors import ScorerLost
 from forge_rl.observability.metrics import progress
+from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
-from forge_rl.training.reference import ReferenceConfig
 from forge_rl.plumbing.replies import rank_zero
 from forge_rl.scoring.restarts import RestartingScorer
 from forge_rl.scoring.teacher import TeacherVersions, teacher_store_reader
+from forge_rl.training.reference import ReferenceConfig
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:  # imported where spawned: it needs torch, which the processes holding a handle to

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
-from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process, yield_this_process
+from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode

@@ -45,18 +45,16 @@ from collections.abc import Iterator
 
 import psutil
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-from monarch.actor import (
-    Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host,
-)
+from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
-from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.core.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.observability.metrics import progress
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Episode
@@ -380,7 +378,7 @@ class GeneratorPool(PortServed, Actor):
                 self.update_timeout_s,
                 slot.actor.update_weights.call_one(*self.latest_weights),
                 # A hung load: this start attempt failed, the next one is on a fresh mesh.
-                lambda: TimeoutError(
+                lambda policy_version=policy_version: TimeoutError(
                     f"loading policy version {policy_version} ran past generator.update_timeout_s "
                     f"({self.update_timeout_s:g} s)"
                 ),

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint
 
-from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.envs.renderers import make_renderer
-from forge_rl.plumbing.gc_freeze import freeze_startup_objects
-from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.pipeline.prompts import PromptSource
 from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
+from forge_rl.plumbing.gc_freeze import freeze_startup_objects
+from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.training.trainer_steps import PulledBatch
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.actors.generator_pool import is_engine_dead
-from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.actors.reward_model import LeastBusyReplica
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
+from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.scoring.judge import judge_client
 from forge_rl.scoring.scorers import ScorerConfig, ScoringStage, build_scorer
 from forge_rl.tasks.tokenizer import PromptTokenizer

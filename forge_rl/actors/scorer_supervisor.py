@@ -33,11 +33,11 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, MeshFailure, ProcMesh, concurrent_endpoint, endpoint, this_host
 
 from forge_rl.actors.generator import GeneratorActor
-from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.reward_model import RewardModelActor
 from forge_rl.actors.scorer import ScorerActor
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.scoring.restarts import RestartingScorer, ScorerState
 from forge_rl.scoring.scorers import ScorerConfig

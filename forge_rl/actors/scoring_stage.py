@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
-from forge_rl.plumbing.port_calls import PortCalls
 from forge_rl.actors.restarting_owner import RestartingOwner
 from forge_rl.actors.scorer_supervisor import ScorerSupervisor
 from forge_rl.core.advantages import DynamicSampling
 from forge_rl.errors import ScorerFailed, raised_by_actor
-from forge_rl.training.reference import attach_reference_logprobs
-from forge_rl.scoring.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
 from forge_rl.observability.timeline import Timeline
+from forge_rl.plumbing.port_calls import PortCalls
+from forge_rl.scoring.teacher import TEACHER_EMA_FILE, PinnedTeacherRefresh, pinned_teacher_refresh
+from forge_rl.training.reference import attach_reference_logprobs
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:

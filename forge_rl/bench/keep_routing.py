@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from forge_rl.observability.metrics import progress
 from forge_rl.models.tiny import TinyModelConfig
+from forge_rl.observability.metrics import progress
 
 
 @dataclass(frozen=True)
@@ -195,9 +195,9 @@ def _measure(trainer, batch) -> dict[str, float]:
     """
     import torch
 
-    from forge_rl.training.losses.corrections import k3_kl_NL
     from forge_rl.models.moe import last_routing, replay_routers
     from forge_rl.routing import routing_differs_NL
+    from forge_rl.training.losses.corrections import k3_kl_NL
 
     mask_NL = batch.loss_mask_NL
     unreplayed = dataclasses.replace(batch, routed_experts_NLXK=None, routed_NL=None)

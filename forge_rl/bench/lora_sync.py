@@ -25,11 +25,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from forge_rl.bench.weight_sync import Load, _progress, _remove
 from forge_rl.models.peft_format import merged_hf_state_dict
+
+if TYPE_CHECKING:
+    from forge_rl.config import GRPOConfig
 
 
 @dataclass(frozen=True)
@@ -124,8 +128,8 @@ class TrainerSide:
 def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
     """Median step time and peak RSS of a single-process PolicyTrainer on `model_path`, fully
     fine-tuned or with LoRA; run in a fresh process (its peak RSS is this variant's alone)."""
-    from forge_rl.core.batching import make_train_batch
     from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.models.lora import LoRAConfig
     from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
@@ -272,8 +276,8 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
 
     from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
-    from forge_rl.observability.metrics import final_reward
     from forge_rl.models.lora import LoRAConfig
+    from forge_rl.observability.metrics import final_reward
     from forge_rl.observability.plot import read_metrics
     from forge_rl.yaml_config import load_yaml_config
 

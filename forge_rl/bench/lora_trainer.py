@@ -20,8 +20,8 @@ from forge_rl.models.lora import LoRAConfig
 
 
 def _measure(model_dir: str, lora: LoRAConfig, repeats: int, num_threads: int, queue) -> None:
-    from forge_rl.core.batching import make_train_batch
     from forge_rl.bench.trainer import TrainerBenchArgs, long_tail_episodes
+    from forge_rl.core.batching import make_train_batch
     from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 
     trainer = PolicyTrainer(TrainerConfig(num_threads=num_threads, lora=lora), model_dir)

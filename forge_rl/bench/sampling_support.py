@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.common import run_variant
-from forge_rl.observability.metrics import MISMATCH_KL, final_reward
 from forge_rl.config import GRPOConfig
+from forge_rl.observability.metrics import MISMATCH_KL, final_reward
 from forge_rl.observability.plot import plot_per_step, read_metrics
 
 _VARIANTS = {"full_vocabulary": False, "kept_set": True}

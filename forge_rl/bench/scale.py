@@ -85,8 +85,8 @@ from forge_rl.config import GRPOConfig
 from forge_rl.core.deadlines import within
 from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, progress
 from forge_rl.observability.plot import read_metrics
-from forge_rl.plumbing.reaper import kill_trees
 from forge_rl.observability.timeline import Timeline, watch_event_loop_lag
+from forge_rl.plumbing.reaper import kill_trees
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,8 @@ class _Probe:
     def install(self, after_step=None):
         """Count the calls of every Pipeline built from now on (the recipe builds one); with
         `after_step`, await `after_step(probe, step)` once each train step is done."""
-        from forge_rl.run import loop
         from forge_rl.pipeline.rollouts import ROLLOUT_CALLS_TOTAL
+        from forge_rl.run import loop
 
         probe, original_init, original_step = self, loop.Pipeline.__init__, loop.Pipeline._finish_step
 

@@ -358,9 +358,9 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     from safetensors.torch import load_file
 
     from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.store import loader
     from forge_rl.store.actors import open_store
     from forge_rl.store.client import WeightStore
-    from forge_rl.store import loader
     from forge_rl.store.loader import GBPS, PAUSED_S, PUBLISH_TO_SERVABLE_S, STAGE_S, STALL_S, load_version
 
     memcpy = memcpy_gbps(served_bytes)

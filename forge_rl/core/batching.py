@@ -71,7 +71,7 @@ class TrainBatch:
             return [self.input_ids_NL.shape[1]] * self.input_ids_NL.shape[0]
         return self.lengths_N.tolist()
 
-    def shard(self, rank: int, world_size: int) -> "TrainBatch":
+    def shard(self, rank: int, world_size: int) -> TrainBatch:
         """Rows of data-parallel rank `rank` (contiguous blocks; N must divide evenly)."""
         rows = self.input_ids_NL.shape[0]
         if rows % world_size:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import copy
-import time
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -332,7 +332,7 @@ class WaitingBuffer:
         num_stale = 0
         async with self.changed:
             for episode in episodes:
-                await self.changed.wait_for(lambda: self.buffer.has_room(episode))
+                await self.changed.wait_for(lambda episode=episode: self.buffer.has_room(episode))
                 num_stale += not self.buffer.put(episode, self.trainer_version)
             self.changed.notify_all()
         return num_stale

@@ -31,8 +31,8 @@ import re
 import torch
 
 from forge_rl.engines.forward_clock import ForwardClockExtension
-from forge_rl.routing import RoutingRecord, expert_id_dtype
 from forge_rl.engines.vllm_staging import StagedWeightsExtension
+from forge_rl.routing import RoutingRecord, expert_id_dtype
 
 _INTERNAL_ID = re.compile(r"^(?:(?P<child>\d+)_)?(?P<external>.+)-[0-9a-zA-Z]{8}$")
 """vLLM's internal request id: "<external>-<8 random chars>" (input_processor.assign_request_id),

@@ -69,6 +69,7 @@ the demo to every process gone (tests/integration/test_shutdown.py): 6.5-9.5 s w
 4.2-5.9 s with 1 s; an engine alone is gone 2.2 s after `shutdown` against 5.1 s."""
 
 if TYPE_CHECKING:
+    import torch
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
@@ -1054,7 +1055,7 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _as_tensor(rows) -> "torch.Tensor":
+def _as_tensor(rows) -> torch.Tensor:
     """vLLM's routed-experts rows (numpy uint8/uint16) as a RoutingRecord's uint8/int16 tensor."""
     import numpy as np
     import torch

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Message:
     tool_call_id: str | None = None
 
 
-Observation = Union[str, list[Message]]
+Observation = str | list[Message]
 """What the model reads next: raw text (the tiny models' plain format), or chat messages. Raw text
 given to a chat template is one user message."""
 

@@ -395,7 +395,7 @@ def _enter_namespaces() -> list[str]:
     """New user, mount and network namespaces if permitted, else user and mount namespaces alone,
     else none; the code runs as "nobody" inside, so with no capabilities at all once it is exec'd."""
     uid, gid = os.getuid(), os.getgid()
-    for flags, names in (
+    for flags, names in (  # noqa: B007 (the namespaces of the flags the loop stops at are returned)
         (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET, ["user namespace", "mount namespace", "network namespace"]),
         (_CLONE_NEWUSER | _CLONE_NEWNS, ["user namespace", "mount namespace"]),
     ):

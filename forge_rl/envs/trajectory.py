@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
 
 from forge_rl.envs.environment import Message, Observation, as_messages
 from forge_rl.envs.renderers import Renderer
@@ -92,7 +91,7 @@ class GeneratedSpan:
             raise ValueError(f"GeneratedSpan fields disagree in length: {lengths}")
 
 
-Span = Union[ContextSpan, GeneratedSpan]
+Span = ContextSpan | GeneratedSpan
 
 
 @dataclass

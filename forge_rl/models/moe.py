@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common.config_utils import make_moe_config, make_routed_experts_config
 from torchtitan.models.common.linear import Linear
-from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+from torchtitan.models.common.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 
 from forge_rl.routing import RoutingShape, replay_topk, routing_differs_NL
 

@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from forge_rl.observability import metrics as m
 from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.admission import AdmissionGate
 from forge_rl.core.buffer import WaitingBuffer
@@ -42,10 +41,11 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
+from forge_rl.observability import metrics as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
 from forge_rl.observability.metrics import EpisodeStats, batch_metrics
-from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
+from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.training.trainer_steps import PulledBatch
 from forge_rl.types import Episode
 

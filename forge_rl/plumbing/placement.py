@@ -21,9 +21,9 @@ import ipaddress
 import os
 import re
 import socket
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from forge_rl.errors import ConfigError

@@ -16,13 +16,13 @@ if TYPE_CHECKING:
     from monarch.actor import HostMesh, ProcMesh
 
 
-def spawn_procs(host: "HostMesh", name: str, num_procs: int = 1, env: Mapping[str, str | None] | None = None) -> "ProcMesh":
+def spawn_procs(host: HostMesh, name: str, num_procs: int = 1, env: Mapping[str, str | None] | None = None) -> ProcMesh:
     """`num_procs` processes on each host of `host`, as mesh `name`, each running this module with
     `env` on top of its host's environment (`bootstrap_command`): how forge_rl starts every process."""
     return host.spawn_procs(per_host={"procs": num_procs}, name=name, bootstrap_command=bootstrap_command(env))
 
 
-async def set_torch_distributed_env(procs: "ProcMesh") -> None:
+async def set_torch_distributed_env(procs: ProcMesh) -> None:
     """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the rest of torchrun's variables
     in every process of `procs`, ready for init_process_group: Monarch's
     `setup_torch_elastic_env_async`, whose helper actors (`SPMDActor`) are then stopped instead
@@ -41,7 +41,7 @@ async def set_torch_distributed_env(procs: "ProcMesh") -> None:
         await helpers.stop()
 
 
-def bootstrap_command(env: Mapping[str, str | None] | None = None) -> "BootstrapCommand":
+def bootstrap_command(env: Mapping[str, str | None] | None = None) -> BootstrapCommand:
     """Monarch's default command for a process (this Python, the host's environment) running
     this module, with `env` on top; for `HostMesh.spawn_procs(bootstrap_command=...)`. On another
     host too, this process's Python path: workers run the same environment at the same path

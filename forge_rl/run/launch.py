@@ -30,17 +30,17 @@ import monarch.actor
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import HostMesh, ProcMesh, attach_to_workers, enable_transport, this_host
 
-from forge_rl.plumbing import monarch_mends
 from forge_rl.core.deadlines import within
+from forge_rl.errors import ConfigError, raised_by_actor
 from forge_rl.observability.metrics import progress
-from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
+from forge_rl.plumbing import monarch_mends
 from forge_rl.plumbing.placement import (
     HostFacts,
     LaunchConfig,
     RoleDemand,
     check_host_facts,
-    check_hostname_routable,
     check_host_indices,
+    check_hostname_routable,
     check_reachable,
     demand_of,
     generator_devices,
@@ -50,7 +50,7 @@ from forge_rl.plumbing.placement import (
     reference_hosts,
     worker_addresses,
 )
-from forge_rl.errors import ConfigError, raised_by_actor
+from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPlacement

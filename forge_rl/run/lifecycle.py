@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forge_rl.run import launch
 from forge_rl.core.checkpoint import (
     TRAINER_DIR,
     ControllerState,
@@ -46,6 +45,7 @@ from forge_rl.errors import ProcessDied, ProcessNotStarted, TrainStepTimedOut
 from forge_rl.observability.metrics import MetricsLogger, open_sinks, progress, run_summary
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.plumbing.replies import rank_zero
+from forge_rl.run import launch
 from forge_rl.run.run_dir import (
     config_to_dict,
     create_run_dir,

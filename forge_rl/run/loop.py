@@ -33,14 +33,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from forge_rl.observability import metrics as m
 from forge_rl.core.deadlines import within
 from forge_rl.errors import TrainStepTimedOut, raised_by_actor
+from forge_rl.observability import metrics as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, MismatchAlarm
 from forge_rl.observability.metrics import MetricsLogger, progress
+from forge_rl.observability.timeline import Timeline, idle_fraction
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.replies import rank_zero
-from forge_rl.observability.timeline import Timeline, idle_fraction
 
 _STOP_ROLLOUTS_TIMEOUT_S = 3.0
 """A stopped or failed run waits at most this long for each answer of the rollouts' it needs to

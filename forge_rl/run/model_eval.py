@@ -28,7 +28,6 @@ the completions checked). Progress goes to stderr; the last stdout line is the s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -448,20 +447,27 @@ async def _evaluate_humaneval(evaluation: Evaluation, prompts: list[EvalPrompt],
         episode.answer: [humaneval.completion_of(problems[episode.answer], c.text) for c in episode.completions]
         for episode in episodes
     }
-    progress(f"humaneval: checking {sum(map(len, completions.values()))} samples in the sandbox")
-    result = await humaneval.evaluate(completions, evaluation.eval.k_values, problems=problems, progress=progress)
     path = out / "eval" / "humaneval" / f"version-{version}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as file:
-        for episode, problem in zip(episodes, result.problems, strict=True):
-            file.write(json.dumps({
-                **problem.record(),
-                "prompt": episode.prompt_text,
-                "samples": [
-                    {"text": c.text, "completion": checked, "num_tokens": c.num_tokens, "status": c.status.value}
-                    for c, checked in zip(episode.completions, completions[episode.answer])
-                ],
-            }) + "\n")
+
+    def write(results: tuple[humaneval.ProblemResult, ...] | None) -> None:
+        """Each problem's samples (before the check: the sampling is the costly part, kept should
+        the check fail), with its `ProblemResult.record()` once checked."""
+        with open(path, "w") as file:
+            for episode, problem in zip(episodes, results or [None] * len(episodes), strict=True):
+                file.write(json.dumps({
+                    **(problem.record() if problem is not None else {"task_id": episode.answer}),
+                    "prompt": episode.prompt_text,
+                    "samples": [
+                        {"text": c.text, "completion": checked, "num_tokens": c.num_tokens, "status": c.status.value}
+                        for c, checked in zip(episode.completions, completions[episode.answer])
+                    ],
+                }) + "\n")
+
+    write(None)
+    progress(f"humaneval: checking {sum(map(len, completions.values()))} samples in the sandbox (samples in {path})")
+    result = await humaneval.evaluate(completions, evaluation.eval.k_values, problems=problems, progress=progress)
+    write(result.problems)
     tokens = [c.num_tokens for episode in episodes for c in episode.completions]
     totals = result.totals()
     figures = {

@@ -15,22 +15,22 @@ import os
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError
+from forge_rl.observability.metrics import progress
+from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
 from forge_rl.plumbing.placement import (
-    local_gpu_count,
     MAX_COMPUTE_THREADS_PER_CORE,
     check_gpus,
     check_host_indices,
     check_pinned_cores,
     check_reachable,
     demand_of,
+    local_gpu_count,
     worker_addresses,
 )
-from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
+from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
-from forge_rl.scoring.teacher import check_same_tokenizer
-from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import progress
 
 NUM_PROMPTS_CHECKED = 256
 """Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""

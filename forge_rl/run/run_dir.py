@@ -11,12 +11,12 @@ from pathlib import Path
 
 import yaml
 
-from forge_rl.core.checkpoint import checkpoints_root, newest_complete_checkpoint, read_controller_state
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import progress
-from forge_rl.models.tiny import create_tiny_model
-from forge_rl.run.preflight import check_machine, check_model_inputs
+from forge_rl.core.checkpoint import checkpoints_root, newest_complete_checkpoint, read_controller_state
 from forge_rl.errors import ConfigError
+from forge_rl.models.tiny import create_tiny_model
+from forge_rl.observability.metrics import progress
+from forge_rl.run.preflight import check_machine, check_model_inputs
 from forge_rl.yaml_config import load_yaml_config
 
 RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel")

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from forge_rl.core.deadlines import within
 
+
 class PoolSettings(Protocol):
     """What the pool reads of its config (`forge_rl.scoring.scorers.ScorerConfig` is the run's): a
     worker process runs this module, so it imports nothing it does not need."""

@@ -31,7 +31,6 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Union
 
 from forge_rl.core.advantages import overlong_penalty
 from forge_rl.errors import ScorerFailed, ScorerLost
@@ -75,7 +74,7 @@ class ScoreFailure:
         return self.kind == "timeout"
 
 
-ScoreResult = Union[Score, ScoreFailure]
+ScoreResult = Score | ScoreFailure
 
 
 @dataclass(frozen=True)

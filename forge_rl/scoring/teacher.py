@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from forge_rl.observability import metrics as m
 from forge_rl.errors import ConfigError
-from forge_rl.training.reference import ReferenceConfig
-from forge_rl.store.index import version_key
+from forge_rl.observability import metrics as m
 from forge_rl.observability.timeline import Timeline
+from forge_rl.store.index import version_key
+from forge_rl.training.reference import ReferenceConfig
 from forge_rl.types import Completion
 
 if TYPE_CHECKING:

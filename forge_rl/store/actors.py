@@ -20,10 +20,10 @@ from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint, get_or_spawn_controller
 
-from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.core.deadlines import within
 from forge_rl.errors import StoreError
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.store.index import SnapshotRecord, VersionIndex
 
 

@@ -42,14 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forge_rl.store.layout import (
-    SAFETENSORS_FILE,
-    SnapshotLayout,
-    header_length,
-    layout_of,
-    parse_header,
-    tensor_checksum,
-)
+from forge_rl.store.layout import SAFETENSORS_FILE, SnapshotLayout, header_length, layout_of, parse_header, tensor_checksum
 
 if TYPE_CHECKING:
     import torch

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+from forge_rl.errors import ConfigError
 from forge_rl.tasks.reasoning_gym import reasoning_gym_reward
 from forge_rl.tasks.synthetic import leading_number_reward
-from forge_rl.errors import ConfigError
 
 RewardFn = Callable[..., float]
 """reward_fn(completion_text, answer, **the columns it names) -> float."""

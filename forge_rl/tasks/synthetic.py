@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 SyntheticTaskName = Literal["max_of_two", "copy_digit", "add_mod10"]
 

@@ -25,8 +25,8 @@ All layouts give the same logprobs (within float rounding of a differently shape
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forge_rl.core.batching import TrainBatch
-from forge_rl.training.losses.corrections import k3_kl_NL
-from forge_rl.training.losses.policy import num_loss_units, policy_loss, token_mean
 from forge_rl.models.lora import LoRAAdapters
+from forge_rl.models.titan import build_titan_model, export_hf_state_dict, init_process_group_from_env, reshard
 from forge_rl.observability.metrics import (
     MISMATCH_KL_BY_GENERATOR,
     MISMATCH_KL_FRESH_BY_GENERATOR,
@@ -32,16 +31,11 @@ from forge_rl.observability.metrics import (
     TRAINER_FORWARD_S,
     TRAINER_OPTIMIZER_S,
 )
-from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.routing import keep_routing_metrics
+from forge_rl.training.losses.corrections import k3_kl_NL
+from forge_rl.training.losses.policy import num_loss_units, policy_loss, token_mean
+from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.training.trainer_config import TrainerConfig
-from forge_rl.models.titan import (
-    build_titan_model,
-    export_hf_state_dict,
-    init_process_group_from_env,
-    reshard,
-)
-
 
 _ADAPTERS = "adapters"
 """The checkpoint section of a LoRA run's adapters (a full run's weights are under "model")."""

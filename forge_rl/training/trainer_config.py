@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from forge_rl.engines.simulated import SimTrainerConfig
-from forge_rl.training.losses.config import LossConfig
 from forge_rl.models.lora_config import LoRAConfig
 from forge_rl.models.parallel import ParallelConfig
+from forge_rl.training.losses.config import LossConfig
 
 BATCHING_MODES = ("pad", "bucket", "pack")
 """How a trainer rank lays its rows out (`TrainerConfig.batching`, forge_rl/training/packing.py)."""

@@ -30,7 +30,6 @@ from forge_rl.models.titan import ParallelConfig, build_titan_model, export_hf_s
 from forge_rl.tasks import Prompt, make_task_prompt
 from forge_rl.tasks.tokenizer import PromptTokenizer
 
-
 TEXT_TASK_SEED = 1_000_003
 """Task seed of supervised task text (`task_text_samples`) that benchmarks train on before a run:
 not the runs' prompts (task seed 0)."""

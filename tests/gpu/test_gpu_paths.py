@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from forge_rl.core.batching import make_train_batch, token_logprobs
+from forge_rl.core.batching import make_train_batch
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import VOCAB_SIZE, PromptTokenizer
@@ -59,8 +59,8 @@ def test_cuda_vllm_logprobs_agree_with_the_cuda_trainer(model_dir):
 
 def test_the_whole_loop_runs_on_one_gpu(tmp_path):
     from apps.grpo.main import run
-    from forge_rl.core.buffer import BufferConfig
     from forge_rl.config import GRPOConfig
+    from forge_rl.core.buffer import BufferConfig
     from forge_rl.plumbing.placement import LaunchConfig
 
     config = GRPOConfig(

@@ -27,13 +27,13 @@ from monarch.actor import this_host
 from forge_rl.actors.frozen_model_supervisor import FrozenModelSupervisor
 from forge_rl.errors import ScorerFailed, raised_by_actor
 from forge_rl.models.parallel import ParallelConfig
-from forge_rl.models.titan import read_hf_config
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+from forge_rl.models.titan import read_hf_config
 from forge_rl.plumbing.proc_main import spawn_procs
-from forge_rl.training.reference import ReferenceConfig
+from forge_rl.scoring.teacher import TeacherConfig, load_teacher_weights
 from forge_rl.store.actors import spawn_store
 from forge_rl.store.client import WeightStore
-from forge_rl.scoring.teacher import TeacherConfig, load_teacher_weights
+from forge_rl.training.reference import ReferenceConfig
 from forge_rl.types import Completion, Episode
 
 pytestmark = pytest.mark.integration

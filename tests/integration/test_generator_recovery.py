@@ -21,8 +21,8 @@ import time
 import pytest
 
 from apps.grpo.main import run
-from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 

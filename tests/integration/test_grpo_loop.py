@@ -18,21 +18,21 @@ import pytest
 import yaml
 
 from apps.grpo.main import run
+from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig, newest_complete_checkpoint
-from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import export_rows
-from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
-from forge_rl.pipeline.prompts import TaskRows
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.training.losses.policy import LossConfig
+from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.models.titan import ParallelConfig
+from forge_rl.pipeline.prompts import TaskRows
 from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
 from forge_rl.run.run_dir import config_to_dict
 from forge_rl.scoring.scorers import ScorerConfig
-from forge_rl.tasks import TaskConfig
 from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_teacher_weights
+from forge_rl.tasks import TaskConfig
+from forge_rl.training.losses.policy import LossConfig
 from forge_rl.training.trainer import TrainerConfig
 from tests.helpers import wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker

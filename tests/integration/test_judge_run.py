@@ -44,15 +44,15 @@ import pytest
 from apps.grpo import main as grpo_main
 from apps.grpo.main import run, spawn_actors
 from forge_rl.actors import scoring_stage
-from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.scoring.judge import JudgeConfig
-from forge_rl.run.lifecycle import Lifecycle
-from forge_rl.scoring.scorers import ScorerConfig
-from forge_rl.tasks import TaskConfig
-from forge_rl.scoring.teacher import TeacherConfig, pinned_teacher_refresh
 from forge_rl.observability.timeline import Timeline
+from forge_rl.run.lifecycle import Lifecycle
+from forge_rl.scoring.judge import JudgeConfig
+from forge_rl.scoring.scorers import ScorerConfig
+from forge_rl.scoring.teacher import TeacherConfig, pinned_teacher_refresh
+from forge_rl.tasks import TaskConfig
 from forge_rl.types import CompletionStatus
 from tests.integration.held_reward import HOLD_DIR_ENV
 from tests.integration.scoring_probe import ProbedRolloutsActor

@@ -84,10 +84,10 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
 
 
 async def _controller(model_dir: str, ports: list[str]) -> dict:
-    from forge_rl.run import launch
     from forge_rl.config import GRPOConfig
     from forge_rl.models.titan import ParallelConfig
     from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
+    from forge_rl.run import launch
     from forge_rl.store.actors import StorageVolumeActor
     from forge_rl.training.trainer import TrainerConfig
 

@@ -33,8 +33,8 @@ import psutil
 import pytest
 import yaml
 
-from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
 from forge_rl.run.run_dir import config_to_dict
@@ -75,7 +75,7 @@ def run_over_namespaces(tmp_path_factory):
         ]
         try:
             for i, worker in zip(WORKER_HOSTS, workers):
-                wait_until(lambda: _listening(hosts.address(i), worker), f"host {i}'s worker to listen")
+                wait_until(lambda i=i, worker=worker: _listening(hosts.address(i), worker), f"host {i}'s worker to listen")
             config = GRPOConfig(
                 run_dir=tmp / "runs",
                 run_name="netns",

@@ -13,8 +13,8 @@ import threading
 import pytest
 from monarch.actor import Actor, Channel, concurrent_endpoint, endpoint, this_host
 
-from forge_rl.plumbing.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.errors import raised_by_actor
+from forge_rl.plumbing.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.types import Episode
 from tests.fakes import completions_for

@@ -43,9 +43,9 @@ from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller
 from forge_rl.data.config import DataConfig
 from forge_rl.data.order import locate
 from forge_rl.data.rows import export_rows
+from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.pipeline.prompts import TaskRows
 from forge_rl.tasks import TaskConfig
-from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from tests.helpers import alive, described, run_on_ranks, wait_until
 

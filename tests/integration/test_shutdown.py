@@ -29,9 +29,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge_rl.core.checkpoint import newest_complete_checkpoint
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
+from forge_rl.core.checkpoint import newest_complete_checkpoint
 from forge_rl.models.tiny import create_tiny_model
 from tests.helpers import described, wait_until
 

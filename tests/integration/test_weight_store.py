@@ -306,7 +306,8 @@ async def seeded_samples(engine, prompts: list[list[int]]) -> list[tuple[list[in
         params = SamplingParams(max_tokens=16, temperature=TEMPERATURE, seed=1000 + i, logprobs=0,
                                 ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for final in engine._running_llm.generate(engine.prompt(prompt), params, f"seeded-{i}-{time.monotonic_ns()}"):
+        async for final in engine._running_llm.generate(  # noqa: B007 (the last output is read below)
+            engine.prompt(prompt), params, f"seeded-{i}-{time.monotonic_ns()}"):
             pass
         out = final.outputs[0]
         return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]

@@ -32,7 +32,7 @@ def start_workers(count: int) -> tuple[list[int], list[subprocess.Popen]]:
     ]
     try:
         for port, worker in zip(ports, workers):
-            wait_until(lambda: listening(port, worker), f"the worker on port {port} to listen")
+            wait_until(lambda port=port, worker=worker: listening(port, worker), f"the worker on port {port} to listen")
     except BaseException:
         for worker in workers:
             stop_worker(worker)

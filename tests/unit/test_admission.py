@@ -293,7 +293,7 @@ def test_a_change_spreads_its_admissions_over_the_generators_and_wakes_no_other_
         await wait_until_async(lambda: waiters[1, 0].done() and waiters[2, 0].done(), "one rollout each admitted")
         assert {key for key, waiter in waiters.items() if waiter.done()} == {(1, 0), (2, 0)}
         assert checks == [1, 2, 0]  # one each, then one look at version 0 for all the rest
-        for key, waiter in waiters.items():
+        for waiter in waiters.values():
             if not waiter.done():
                 waiter.cancel()
         await asyncio.gather(*waiters.values(), return_exceptions=True)

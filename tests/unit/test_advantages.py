@@ -1,13 +1,7 @@
 import pytest
 import torch
 
-from forge_rl.core.advantages import (
-    DynamicSampling,
-    episode_advantages,
-    group_advantages,
-    has_signal,
-    overlong_penalty,
-)
+from forge_rl.core.advantages import DynamicSampling, episode_advantages, group_advantages, has_signal, overlong_penalty
 from forge_rl.errors import NoLearningSignal
 from forge_rl.types import CompletionStatus
 

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.run import preflight
 from forge_rl.config import GRPOConfig, ModelConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig
+from forge_rl.run import preflight
 from forge_rl.run.run_dir import create_run_dir, remove_unstarted_run_dir
 from forge_rl.tasks import TaskConfig
 from forge_rl.training.trainer import TrainerConfig
-from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,12 @@ import json
 import pytest
 
 from forge_rl.bench.scale import (
-    _CountingActor, choose_victims, fault_figures, judge_accounting, lost_prompts, max_concurrent_sequences,
+    _CountingActor,
+    choose_victims,
+    fault_figures,
+    judge_accounting,
+    lost_prompts,
+    max_concurrent_sequences,
     steady_trained_tokens_per_step,
 )
 from forge_rl.observability.timeline import Interval
@@ -245,7 +250,11 @@ def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_ag
     import dataclasses
 
     from forge_rl.bench.scale import (
-        ScaleArgs, _async_part_config, expected_longest_completion, uniform_batch_floor, waiting_straggler_floor,
+        ScaleArgs,
+        _async_part_config,
+        expected_longest_completion,
+        uniform_batch_floor,
+        waiting_straggler_floor,
     )
 
     base = _sim_config(time_scale=1.0)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer
 from forge_rl.types import Episode
-
 from tests.helpers import wait_until_async
 
 from .builders import make_completion, make_episode

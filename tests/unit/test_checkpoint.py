@@ -9,6 +9,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from forge_rl.cli import parse_config
+from forge_rl.config import GRPOConfig
 from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.core.checkpoint import (
@@ -26,8 +28,7 @@ from forge_rl.core.checkpoint import (
     restore_rng_state,
     resume_hint,
 )
-from forge_rl.cli import parse_config
-from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError, TrainStepTimedOut
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.run.run_dir import (
     config_to_dict,
@@ -38,7 +39,6 @@ from forge_rl.run.run_dir import (
     truncate_metrics,
 )
 from forge_rl.training.trainer import TrainerConfig
-from forge_rl.errors import ConfigError, TrainStepTimedOut
 from forge_rl.yaml_config import load_yaml_config
 
 from .builders import make_episode

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.core.batching import make_train_batch, pad_columns
 from forge_rl.core.advantages import token_advantages
+from forge_rl.core.batching import make_train_batch, pad_columns
 from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.types import Completion, CompletionStatus, Episode
 

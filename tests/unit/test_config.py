@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from forge_rl.cli import parse_config
-from forge_rl.core.buffer import BufferConfig
 from forge_rl.config import GRPOConfig
+from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.store.publisher import PublishConfig
 from forge_rl.errors import ConfigError
+from forge_rl.store.publisher import PublishConfig
 from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,9 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import (
-    GeneratorConfig, VLLMEngine, _join, _to_completion, engine_process_env, visible_devices,
-)
+from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _join, _to_completion, engine_process_env, visible_devices
 
 
 def output(kept_per_token: list[list[int]], returned: int, finish_reason: str = "stop") -> SimpleNamespace:

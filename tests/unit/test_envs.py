@@ -21,7 +21,7 @@ from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus
 from forge_rl.errors import GeneratorLost, SandboxUnavailable
 from forge_rl.tasks.synthetic import leading_number_reward, make_prompt
-from forge_rl.tasks.tokenizer import EOS, PAD, PromptTokenizer, save_char_tokenizer
+from forge_rl.tasks.tokenizer import PAD, PromptTokenizer, save_char_tokenizer
 from tests.fakes import FakeGenerate
 from tests.helpers import episode_limits
 

@@ -7,29 +7,22 @@ import asyncio
 
 import pytest
 
-from forge_rl.observability import metrics as m
+from forge_rl.config import GRPOConfig
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
-from forge_rl.config import GRPOConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.environment import StepResult
-from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.python_tool import PythonToolEnv
-from forge_rl.envs.rollout import (
-    EnvironmentConfig,
-    EnvWaitClock,
-    TimedEnvironment,
-    group_completions,
-    play_group,
-    trajectory_completion,
-)
+from forge_rl.envs.renderers import PlainTextRenderer
+from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, TimedEnvironment, group_completions, play_group, trajectory_completion
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn, turn_span
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError, GeneratorLost
-from forge_rl.training.losses.config import LossConfig
+from forge_rl.observability import metrics as m
 from forge_rl.observability.metrics import EpisodeStats, batch_metrics
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
+from forge_rl.training.losses.config import LossConfig
 from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.types import CompletionStatus, Episode
 from tests.helpers import episode_limits

@@ -11,9 +11,9 @@ import contextlib
 
 import pytest
 
-from forge_rl.run import lifecycle as lifecycle_module
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ProcessDied, ProcessNotStarted
+from forge_rl.run import lifecycle as lifecycle_module
 
 
 class FakeStore:

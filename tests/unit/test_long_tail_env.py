@@ -10,8 +10,8 @@ from forge_rl.envs.long_tail import LongTailEnv, make_long_tail_env, pareto
 from forge_rl.envs.runner import run_episode
 from forge_rl.envs.trajectory import TrajectoryStatus
 from tests.fakes import FakeGenerate
-from tests.unit.test_envs import renderer, sampled, tokenizer  # noqa: F401 (fixtures)
 from tests.helpers import episode_limits
+from tests.unit.test_envs import renderer, sampled, tokenizer  # noqa: F401 (fixtures)
 
 
 def test_turns_and_latencies_are_heavy_tailed_bounded_and_replayable():

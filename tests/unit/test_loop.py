@@ -9,24 +9,22 @@ import dataclasses
 
 import pytest
 
-from forge_rl.observability import metrics as m
+from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.columns import exact_versions
-from forge_rl.config import GRPOConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.errors import GeneratorLost, TrainStepTimedOut
-from forge_rl.run.loop import Pipeline, RunActors
+from forge_rl.observability import metrics as m
 from forge_rl.observability.metrics import MetricsLogger
 from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
+from forge_rl.run.loop import Pipeline, RunActors
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.training.trainer_steps import BatchPrefetch, TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode
-from tests.fakes import (
-    FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer,
-)
+from tests.fakes import FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer
 from tests.helpers import wait_until_async
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
@@ -634,7 +632,7 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
         for c in e.completions
     ]
     assert len(spanning) == ENV_CONFIG.group_size
-    for train_version, completion in spanning:
+    for _, completion in spanning:
         generated_versions = [v for v, g in zip(completion.policy_versions, completion.generated) if g]
         assert generated_versions[0] == 0 and generated_versions[-1] == 1  # the call at 0, the answer at 1
         assert completion.oldest_policy_version == 0

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest

@@ -14,14 +14,7 @@ from forge_rl.cli import run as cli_run
 from forge_rl.data.config import DataConfig
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
-from forge_rl.evaluation.humaneval import (
-    STOP_SEQUENCES,
-    check_completion,
-    completion_of,
-    extract_code,
-    load_problems,
-    truncate_at_stop,
-)
+from forge_rl.evaluation.humaneval import STOP_SEQUENCES, check_completion, completion_of, extract_code, load_problems, truncate_at_stop
 from forge_rl.run.model_eval import EvalArgs, default_args, out_dir_of, targets_of
 
 TRUNCATE = "HumanEval/2"  # truncate_number(number: float) -> float: number % 1.0

@@ -11,12 +11,7 @@ import pytest
 import torch
 
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
-from forge_rl.models.peft_format import (
-    ADAPTER_CONFIG_FILE,
-    merged_hf_state_dict,
-    peft_state_dict,
-    write_peft_adapter,
-)
+from forge_rl.models.peft_format import ADAPTER_CONFIG_FILE, merged_hf_state_dict, peft_state_dict, write_peft_adapter
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig, build_titan_model, state_dict_adapter
 

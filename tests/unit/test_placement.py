@@ -11,13 +11,14 @@ import time
 
 import pytest
 
+from forge_rl.errors import ConfigError
 from forge_rl.plumbing.placement import (
     HostFacts,
     LaunchConfig,
     PlacementConfig,
     RoleDemand,
-    check_host_facts,
     check_gpus,
+    check_host_facts,
     check_pinned_cores,
     check_placement,
     check_reachable,
@@ -28,7 +29,6 @@ from forge_rl.plumbing.placement import (
     pin_this_process,
     slurm_worker_addresses,
 )
-from forge_rl.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -161,8 +161,8 @@ def test_each_call_goes_to_the_least_busy_replica():
 def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatch):
     """Its replicas are compute threads like the generators': too many on this machine's cores is
     a ConfigError naming the setting, before any process starts."""
-    from forge_rl.run import preflight
     from forge_rl.config import GRPOConfig
+    from forge_rl.run import preflight
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(preflight.os, "sched_getaffinity", lambda pid: {0, 1})

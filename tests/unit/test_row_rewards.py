@@ -194,7 +194,10 @@ def test_the_rewards_example_of_the_data_docs_scores_a_row_of_its_file(tmp_path,
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     section = page.split("## Rewards")[1].split("\n## ")[0]
-    block = lambda lang: section.split(f"```{lang}\n")[1].split("```")[0]
+
+    def block(lang: str) -> str:
+        return section.split(f"```{lang}\n")[1].split("```")[0]
+
     (tmp_path / "problems.jsonl").write_text(block("json"))
     (tmp_path / "my_rewards.py").write_text(block("python"))
     (tmp_path / "rewards.yaml").write_text(block("yaml"))

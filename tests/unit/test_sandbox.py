@@ -238,7 +238,7 @@ RESTRICTED_CALLS = {
     "pidfd_open": "(os.getppid(), 0)",
     "kcmp": "(os.getpid(), os.getppid(), 0, 0, 0)",
     "process_madvise": "(0, 0, 0, 0, 0)",
-    "ioprio_set": f"(1, BYSTANDER, (3 << 13))",  # IOPRIO_WHO_PROCESS, idle class
+    "ioprio_set": "(1, BYSTANDER, (3 << 13))",  # IOPRIO_WHO_PROCESS, idle class
     "migrate_pages": "(BYSTANDER, 64, None, None)",
     "move_pages": "(BYSTANDER, 0, None, None, None, 0)",
     "bpf": "(0, None, 0)",

@@ -13,15 +13,7 @@ from forge_rl.core.advantages import episode_advantages, place_on_steps, returns
 from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ScorerLost
 from forge_rl.observability.metrics import batch_metrics
-from forge_rl.scoring.scorers import (
-    Score,
-    ScoreFailure,
-    Scorer,
-    ScoringStage,
-    WeightedSum,
-    boundary_token_ids,
-    step_ends,
-)
+from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScoringStage, WeightedSum, boundary_token_ids, step_ends
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 from .builders import make_episode

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from forge_rl.scoring.scorers import ScorerConfig
-from forge_rl.scoring.reward_workers import RewardWorkerPool
-from forge_rl.tasks.rewards import resolve_reward_fn
 from forge_rl.errors import ConfigError
+from forge_rl.scoring.reward_workers import RewardWorkerPool
+from forge_rl.scoring.scorers import ScorerConfig
+from forge_rl.tasks.rewards import resolve_reward_fn
 from tests.helpers import wait_until
 from tests.unit.faulty_rewards import HANG_TIMEOUT_S
 

@@ -16,13 +16,7 @@ import statistics
 
 import pytest
 
-from forge_rl.engines.simulated import (
-    PLACEHOLDER_TOKEN_ID,
-    LatencyModel,
-    SimEngineConfig,
-    SimTrainerConfig,
-    SimulatedEngine,
-)
+from forge_rl.engines.simulated import PLACEHOLDER_TOKEN_ID, LatencyModel, SimEngineConfig, SimTrainerConfig, SimulatedEngine
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.types import CompletionStatus
 

@@ -50,7 +50,7 @@ def test_readers_of_one_host_fetch_a_version_once_and_map_that_copy(tmp_path):
     assert fetches == ["v00000001"]
     assert [fetched for _, fetched in results] == [True, False, False]
     paths = {reader.snapshots.file("v00000001") for reader in readers}
-    assert len(paths) == 1 and (path := paths.pop()).read_bytes() == bytes([1]) * NUM_BYTES
+    assert len(paths) == 1 and paths.pop().read_bytes() == bytes([1]) * NUM_BYTES
 
 
 def test_a_copy_stays_while_newest_or_held_and_goes_once_a_newer_one_is_here(tmp_path):

@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.core.batching import make_train_batch
 from forge_rl.config import GRPOConfig, ModelConfig
+from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.run.preflight import check_model_inputs
-from forge_rl.scoring.scorers import (
-    Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer,
-)
-from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
+from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer
 from forge_rl.scoring.teacher import TeacherConfig, check_same_tokenizer
+from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 PROMPT = [1, 2, 3]
@@ -280,8 +278,8 @@ def test_bad_self_distillation_settings_are_refused_with_the_fix(changes, messag
 def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_order():
     """`pinned_teacher_refresh` (the recipe's after_publish) against a fake teacher actor: the
     stage and swap calls of a lagged pin, in order, and the served version as a metric."""
-    from forge_rl.scoring.teacher import pinned_teacher_refresh
     from forge_rl.observability.timeline import Timeline
+    from forge_rl.scoring.teacher import pinned_teacher_refresh
     from tests.fakes import endpoints
 
     calls = []
@@ -404,8 +402,8 @@ def test_a_pinned_teachers_weights_file_holds_the_served_and_staged_weights_exac
 
 
 def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_and_load_its_weights(tmp_path):
-    from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, pinned_teacher_refresh
     from forge_rl.observability.timeline import Timeline
+    from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, pinned_teacher_refresh
     from tests.fakes import endpoints
 
     calls = []
@@ -436,8 +434,8 @@ def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_
 
 @pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
 def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and_flag(config_class, flag):
-    from forge_rl.training import reference
     from forge_rl.scoring import teacher
+    from forge_rl.training import reference
 
     config = getattr(reference, config_class, None) or getattr(teacher, config_class)
     with pytest.raises(ValueError, match=rf"max_restarts \(-1\) must be >= 0. Set {flag}."):

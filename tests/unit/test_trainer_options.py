@@ -4,9 +4,9 @@ validated at config time, naming the field, the value and the flag."""
 import pytest
 
 from forge_rl.config import GRPOConfig
+from forge_rl.errors import ConfigError
 from forge_rl.models.titan import ParallelConfig, validate_parallelism
 from forge_rl.training.trainer import TrainerConfig
-from forge_rl.errors import ConfigError
 from forge_rl.yaml_config import load_yaml_config
 
 HF_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": True}

@@ -20,8 +20,6 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")
 
-from tests.openenv_server import PRINTABLE, echo_url, require_openenv_for_verifiers  # noqa: E402, F401 (a fixture)
-
 import verifiers.v1 as vf  # noqa: E402
 
 from forge_rl.envs.renderers import PlainTextRenderer  # noqa: E402
@@ -32,6 +30,7 @@ from forge_rl.envs.verifiers_adapter import verifiers_env_environment  # noqa: E
 from forge_rl.errors import ConfigError  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
+from tests.openenv_server import PRINTABLE, echo_url, require_openenv_for_verifiers  # noqa: E402, F401 (a fixture)
 
 LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=8192, max_tokens_per_turn=16)
 

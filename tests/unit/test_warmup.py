@@ -11,8 +11,8 @@ import torch
 
 from forge_rl.config import GRPOConfig
 from forge_rl.envs.calculator import CalculatorEnv, make_calculator_env, make_calculator_env_without_tool
-from forge_rl.envs.environment import MalformedTurn
 from forge_rl.envs.demonstrations import WarmupConfig, demonstration_sample
+from forge_rl.envs.environment import MalformedTurn
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.envs.runner import EpisodeLimits, run_episode

@@ -6,9 +6,9 @@ import dataclasses
 from monarch._src.actor.pickle import flatten, unflatten
 
 from forge_rl.core.columns import BatchColumns, batch_columns
+from forge_rl.plumbing.wire import packed
 from forge_rl.training.trainer_steps import PulledBatch
 from forge_rl.types import Completion, CompletionStatus, Episode
-from forge_rl.plumbing.wire import packed
 from tests.fakes import completions_for
 
 
