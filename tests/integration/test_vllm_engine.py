@@ -115,7 +115,7 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: Completion) -> l
 
 
 def test_config_errors_name_the_field_the_value_and_the_flag():
-    expected = "generator.temperature (-1.0) must be > 0. Set --generator.temperature."
+    expected = "generator.temperature (-1.0) must be >= 0 and finite (0: greedy, for evaluation only). Set --generator.temperature."
     with pytest.raises(ValueError, match=re.escape(expected)):
         GeneratorConfig(temperature=-1.0)
 

@@ -148,8 +148,10 @@ def test_a_peer_run_that_crashes_is_reported_as_crashed_with_its_log(tmp_path):
 def test_bad_bench_arguments_are_refused_before_any_run(tmp_path):
     with pytest.raises(ConfigError, match="--seeds"):
         peers.main(PeersArgs(config=CONFIG, seeds=(), out_dir=tmp_path))
+    other_task = tmp_path / "add_mod10.yaml"
+    other_task.write_text(CONFIG.read_text().replace("name: max_of_two", "name: add_mod10"))
     with pytest.raises(ConfigError, match="max_of_two"):
-        peers.main(PeersArgs(config=REPO / "configs" / "grpo_smollm2_data_cpu.yaml", out_dir=tmp_path))
+        peers.main(PeersArgs(config=other_task, out_dir=tmp_path / "out"))
 
 
 PEER_PYTHON = REPO / peers.PEER_VENV / "bin" / "python"

@@ -406,7 +406,12 @@ def test_a_stop_while_a_steps_batch_waits_at_the_gate_withholds_it_and_the_one_a
     async def scenario():
         logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
         run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, StopWaitsForSteps()))
-        await wait_until_async(lambda: rollouts._waiting is not None and rollouts._waiting[0] == 2, "step 2 at the gate")
+        # Step 1 accounted for (the controller's step_done) and step 2's batch at the gate: the
+        # gate can hold step 2 while step 1's accounting is still in flight.
+        await wait_until_async(
+            lambda: pipeline.step == 1 and rollouts._waiting is not None and rollouts._waiting[0] == 2,
+            "step 1 accounted for and step 2 at the gate",
+        )
         run_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run_task
