@@ -38,11 +38,13 @@ from forge_rl.types import Episode
 
 class ScorerActor(PortServed, Actor):
     def __init__(
-        self, config: ScorerConfig = ScorerConfig(), reward: str | None = "leading_number", max_new_tokens: int = 0,
+        self, config: ScorerConfig = ScorerConfig(), reward: str | dict[str, float] | None = "leading_number",
+        max_new_tokens: int = 0,
         reward_model=None, teacher=None, judge=None,
     ):
-        """`reward`: the task's reward function; None: the episodes are an environment's, rewarded by
-        it (`build_scorer`). `reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py, one actor per
+        """`reward`: the task's reward function, or each of its functions with its weight
+        (`TaskConfig.reward_weights`); None: the episodes are an environment's, rewarded by it
+        (`build_scorer`). `reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py, one actor per
         replica) when scorer.reward_model.path is set; its replicas' `score` is the reward model
         scorer's client.
         `teacher`: the teacher's FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py)
