@@ -97,7 +97,7 @@ def _unchecked(cls: type[T], kwargs: dict[str, Any], prefix: str) -> T:
         elif field.default_factory is not dataclasses.MISSING:
             value = field.default_factory()
         else:
-            raise ConfigError(f"{prefix}{field.name} is required. Set it in the file or with {_flag(prefix + field.name)}.")
+            raise ConfigError(f"{prefix}{field.name} is required. Set it in the file or with {flag(prefix + field.name)}.")
         object.__setattr__(instance, field.name, value)
     return instance
 
@@ -120,7 +120,7 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
         if value not in allowed:
             raise ConfigError(
                 f"{field} ({value!r}) must be one of {', '.join(map(repr, allowed))}. Fix it in the file "
-                f"or set {_flag(field)}."
+                f"or set {flag(field)}."
             )
         return value
     if origin is tuple:
@@ -144,11 +144,12 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
         raise ConfigError(
-            f"{field} must be {annotation.__name__}, got {value!r}. Fix it in the file or set {_flag(field)}."
+            f"{field} must be {annotation.__name__}, got {value!r}. Fix it in the file or set {flag(field)}."
         )
     return value
 
 
-def _flag(field: str) -> str:
-    """The command-line flag of a dotted config field: trainer.num_procs -> --trainer.num-procs."""
-    return "--" + field.replace("_", "-")
+def flag(field: str) -> str:
+    """The command-line flag of a dotted config field: trainer.num_procs -> --trainer.num-procs;
+    an item of a list field as tyro names it: eval.sets[0].data -> --eval.sets.0.data."""
+    return "--" + field.replace("[", ".").replace("]", "").replace("_", "-")

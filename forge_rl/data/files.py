@@ -31,6 +31,7 @@ from forge_rl.data.config import DataConfig
 from forge_rl.data.order import Position, locate
 from forge_rl.data.rows import Message, Row, prompt_key
 from forge_rl.errors import ConfigError
+from forge_rl.yaml_config import flag
 
 if TYPE_CHECKING:
     import datasets
@@ -109,7 +110,7 @@ class FileSource:
             if field == "data":
                 raise
             # The loaders name the run's own fields (data.path, --data.path): this file's are field's.
-            message = str(error).replace("--data.", _flag(field) + ".")
+            message = str(error).replace("--data.", flag(field) + ".")
             raise ConfigError(re.sub(r"(?<![\w.-])data\.", f"{field}.", message)) from None
         self._too_long: dict[int, int] = {}
         """Row number -> prompt tokens, for each row met that does not fit (too_long skip)."""
@@ -227,7 +228,7 @@ class FileSource:
         if self.config.answer_column is None:
             raise ConfigError(
                 f"{needed_by} compares each completion with its row's answer, and {self.field}.answer_column is unset. "
-                f"Set {_flag(self.field)}.answer-column to the column of {self.where} that holds the answers (its columns: "
+                f"Set {flag(self.field)}.answer-column to the column of {self.where} that holds the answers (its columns: "
                 f"{', '.join(map(repr, self.dataset.column_names))})."
             )
 
@@ -285,8 +286,3 @@ class FileSource:
             f"{shown}{more}, and data.too_long is refuse. Set --data.too-long skip to train without them, lower "
             "--generator.max-new-tokens, shorten those prompts, or use a model with a longer context."
         )
-
-
-def _flag(field: str) -> str:
-    """The command-line flag of a DataConfig's field path: eval.sets[0].data -> --eval.sets.0.data."""
-    return "--" + field.replace("[", ".").replace("]", "").replace("_", "-")
