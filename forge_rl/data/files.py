@@ -177,6 +177,19 @@ class FileSource:
                 )
             index += 1
 
+    def first_rows(self, limit: int) -> list[Row]:
+        """The first `limit` rows of the first epoch, in the seed's order, that fit (`next_row`):
+        a fixed sample of the file (an eval set's prompts at every version)."""
+        rows: list[Row] = []
+        index = 0
+        while len(rows) < limit:
+            row = self.next_row(index)
+            if row.epoch > 0:  # every row of the file is in
+                break
+            rows.append(row)
+            index = row.index + 1
+        return rows
+
     def count_prompts_among(self, prompts: list[str | list[Message]], batch_size: int = 1024) -> int:
         """How many of `prompts` are the prompt of some row of this file (an eval set's prompts among
         the training data's), counted over every row once, in storage order, never holding more

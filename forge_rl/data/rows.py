@@ -42,6 +42,12 @@ class Row:
     answer: str | None
     """The row's answer as text (numbers formatted with str), or None when the source has none."""
 
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as text for what reads it as text (a judge's template, a results file): the
+        text itself, or a chat prompt's last message."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[-1]["content"]
+
 
 class RowSource(Protocol):
     """What every prompt source offers: a file (`FileSource`), a task, a reasoning-gym dataset."""

@@ -147,11 +147,9 @@ class PromptSource:
             row = self.file.next_row(self.cursor)
             self.cursor = row.index + 1
         prompt = row.prompt
-        # A chat prompt's text for what reads it as text (a judge's template): its last message.
-        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return Episode(
             episode_id=row.index,
-            prompt_text=text,
+            prompt_text=row.prompt_text,
             answer="" if row.answer is None else row.answer,
             prompt_token_ids=self._encode_row_prompt(prompt),
             forced_length=self._forced_length(row.index),

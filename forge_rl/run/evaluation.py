@@ -80,18 +80,13 @@ def load_eval_set(
         eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), config.max_model_len,
         max_new_tokens, field=field,
     )
-    prompts: list[EvalPrompt] = []
-    index = 0
-    while len(prompts) < eval_set.max_prompts:
-        row = source.next_row(index)
-        if row.epoch > 0:  # every row of the file is in
-            break
-        index = row.index + 1
-        text = row.prompt if isinstance(row.prompt, str) else row.prompt[-1]["content"]
-        prompts.append(EvalPrompt(
-            row.row_number, text, "" if row.answer is None else row.answer,
+    prompts = [
+        EvalPrompt(
+            row.row_number, row.prompt_text, "" if row.answer is None else row.answer,
             encode_row_prompt(config.task, tokenizer, row.prompt), row.columns,
-        ))
+        )
+        for row in source.first_rows(eval_set.max_prompts)
+    ]
     if source.num_rows > len(prompts) and len(prompts) == eval_set.max_prompts:
         progress(
             f"eval set {eval_set.name!r}: {source.num_rows} rows, of which the first {eval_set.max_prompts} (in the order of "

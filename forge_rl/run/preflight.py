@@ -209,7 +209,7 @@ def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
             max_new_tokens, field=field,
         )
         check_reward_columns(config, source)
-        first = source.next_row(0)  # a set where no row fits is refused here
+        source.next_row(0)  # a set where no row fits is refused here
         if config.data is None:
             continue
         if train is None:
@@ -217,13 +217,7 @@ def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
                 config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
                 config.generator.max_new_tokens,
             )
-        prompts, index = [first.prompt], first.index + 1
-        while len(prompts) < min(eval_set.max_prompts, source.num_rows):
-            row = source.row(index)
-            if row.epoch > 0:
-                break
-            prompts.append(row.prompt)
-            index += 1
+        prompts = [row.prompt for row in source.first_rows(eval_set.max_prompts)]  # the ones evaluated
         shared = train.count_prompts_among(prompts)
         if shared:
             progress(
