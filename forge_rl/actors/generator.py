@@ -100,12 +100,7 @@ class GeneratorActor(PortServed, Actor):
                 for e in episodes
             )
         )
-        for episode, completions in zip(episodes, groups):
-            for completion in completions:
-                completion.text = self.tokenizer.decode(completion.token_ids)
-            episode.completions = completions
-            episode.temperature = self.engine.config.temperature
-        return episodes
+        return self._with_completions(episodes, groups, self.engine.config.temperature)
 
     @concurrent_endpoint
     async def generate_pinned(
@@ -133,6 +128,10 @@ class GeneratorActor(PortServed, Actor):
                     )
 
             groups = await asyncio.gather(*(sampled(e) for e in episodes))
+        return self._with_completions(episodes, groups, temperature)
+
+    def _with_completions(self, episodes: list[Episode], groups: list[list], temperature: float) -> list[Episode]:
+        """`episodes` with each one's sampled group as its completions, their text decoded."""
         for episode, completions in zip(episodes, groups):
             for completion in completions:
                 completion.text = self.tokenizer.decode(completion.token_ids)

@@ -353,9 +353,10 @@ class Evaluation:
             return sampled
 
         by_generator = await asyncio.gather(*(pinned(i, share) for i, share in enumerate(shares)))
-        order = {id(p): position for position, p in enumerate(prompts)}
-        pairs = [(order[id(p)], e) for share, episodes in zip(shares, by_generator) for p, e in zip(share, episodes)]
-        return [episode for _, episode in sorted(pairs, key=lambda pair: pair[0])]
+        episodes: list[Episode] = [None] * len(prompts)
+        for i, sampled in enumerate(by_generator):  # generator i sampled prompts i, i + n, ...
+            episodes[i::num_generators] = sampled
+        return episodes
 
     def _write_prompts(self, name: str, version: int, prompts: list[dict]) -> None:
         directory = self.run_path / "eval" / name
