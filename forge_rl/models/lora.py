@@ -150,6 +150,17 @@ class LoRAAdapters(nn.Module):
             lora_B = distribute_tensor(lora_B, mesh, [placement_B], src_data_rank=None)
         return LoRALayer(lora_A, lora_B, self.config.scaling)
 
+    def initial_state(self, seed: int) -> dict[str, torch.Tensor]:
+        """Adapters as a fresh `LoRAAdapters` with `seed` would start (A drawn from it, B zero),
+        split as these are, keyed as `named_adapter_parameters`: another tenant's start
+        (forge_rl/training/tenants.py)."""
+        generator = torch.Generator().manual_seed(seed)
+        state = {}
+        for name in self.module_names:
+            fresh = self._build(self._model_linears[name], generator)
+            state[f"{name}.lora_A"], state[f"{name}.lora_B"] = fresh.lora_A.detach(), fresh.lora_B.detach()
+        return state
+
     def attach(self) -> None:
         """From now on each targeted layer outputs W x + scaling * B (A x). Idempotent."""
         if self._hooks:
