@@ -15,11 +15,14 @@ then it is dropped, so the table's memory stays bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import heapq
 import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -48,6 +51,7 @@ class _Future:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
     task: asyncio.Task[None] | None = None
+    seq_key: tuple[str, int] | None = None
     started: bool = False
     finished_at: float | None = None
     retrieved_at: float | None = None
@@ -76,6 +80,8 @@ class _ModelQueue:
         self.changed = asyncio.Event()
         self.worker: asyncio.Task[None] | None = None
         self.gap_wait_s = gap_wait_s
+        self.gap_since: float | None = None
+        """When the queue began waiting for `next_seq`: later arrivals do not extend the wait."""
 
 
 class FutureTable:
@@ -90,28 +96,34 @@ class FutureTable:
         self._clock = clock
         self._futures: dict[str, _Future] = {}
         self._queues: dict[str, _ModelQueue] = {}
-        self._by_seq: dict[tuple[str, int], str] = {}
+        self._by_seq: dict[tuple[str, int], tuple[str, bytes]] = {}
+        """(model_id, seq_id) -> the request id and body fingerprint of the request that took it."""
         self._arrivals = itertools.count()
-        self._background: set[asyncio.Task[None]] = set()
+        self._pending: Counter[str] = Counter()
 
     # --- submitting ----------------------------------------------------------------------------
 
-    def submit(self, kind: str, run: Callable[[], Awaitable[Any]], *, model_id: str | None = None, seq_id: int | None = None) -> str:
+    def submit(
+        self, kind: str, run: Callable[[], Awaitable[Any]], *, model_id: str | None = None, seq_id: int | None = None, body: bytes = b"",
+    ) -> str:
         """Start `run` (on `model_id`'s queue when given, in `seq_id` order) and return its request
-        id. A repeated (model_id, seq_id) is the client's retry of the same request: it gets the
-        first one's id and runs once."""
+        id. The same `body` again under the same (model_id, seq_id) is the client's retry of one
+        request (the SDK resends after a lost connection): it gets the first one's id and runs once."""
         self._sweep()
+        fingerprint = hashlib.blake2b(body, digest_size=16).digest()
         if model_id is not None and seq_id is not None:
             earlier = self._by_seq.get((model_id, seq_id))
-            if earlier is not None and earlier in self._futures:
-                return earlier
+            if earlier is not None and earlier[1] == fingerprint and earlier[0] in self._futures:
+                return earlier[0]
         future = _Future(request_id=f"req-{uuid.uuid4().hex}", kind=kind, model_id=model_id)
         self._futures[future.request_id] = future
+        self._pending[kind] += 1
         if model_id is None:
             future.task = asyncio.get_running_loop().create_task(self._run(future, run))
         else:
             if seq_id is not None:
-                self._by_seq[(model_id, seq_id)] = future.request_id
+                future.seq_key = (model_id, seq_id)
+                self._by_seq[future.seq_key] = (future.request_id, fingerprint)
             self._enqueue(model_id, seq_id, future, run)
         return future.request_id
 
@@ -123,9 +135,7 @@ class FutureTable:
 
     def forget_model(self, model_id: str) -> None:
         """Drop an unloaded model's queue (its operations have all run) and its seq_ids."""
-        queue = self._queues.pop(model_id, None)
-        if queue is not None and queue.worker is not None and not queue.heap:
-            queue.worker.cancel()
+        self._queues.pop(model_id, None)  # its worker, if still running, ends with its heap
         for key in [k for k in self._by_seq if k[0] == model_id]:
             del self._by_seq[key]
 
@@ -143,17 +153,23 @@ class FutureTable:
             queue.worker = asyncio.get_running_loop().create_task(self._drain(model_id, queue))
 
     async def _drain(self, model_id: str, queue: _ModelQueue) -> None:
+        loop = asyncio.get_running_loop()
         while queue.heap:
             head = queue.heap[0]
             if head.seq_id > queue.next_seq:
-                queue.changed.clear()
-                try:
-                    await asyncio.wait_for(queue.changed.wait(), timeout=queue.gap_wait_s)
+                if queue.gap_since is None:
+                    queue.gap_since = loop.time()
+                remaining = queue.gap_since + queue.gap_wait_s - loop.time()
+                if remaining > 0:
+                    queue.changed.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(queue.changed.wait(), timeout=remaining)
                     continue
-                except asyncio.TimeoutError:
-                    logger.warning(
-                        "model %s: no request with seq_id %d arrived in %.0f s; running seq_id %d", model_id, queue.next_seq, queue.gap_wait_s, head.seq_id,
-                    )
+                logger.warning(
+                    "model %s: no request with seq_id %d arrived in %g s; running seq_id %d next",
+                    model_id, queue.next_seq, queue.gap_wait_s, head.seq_id,
+                )
+            queue.gap_since = None
             heapq.heappop(queue.heap)
             if head.ordered:
                 queue.next_seq = max(queue.next_seq, head.seq_id + 1)
@@ -184,6 +200,7 @@ class FutureTable:
         future.outcome = outcome
         future.finished_at = self._clock()
         future.done.set()
+        self._pending[future.kind] -= 1
 
     # --- retrieving ----------------------------------------------------------------------------
 
@@ -232,10 +249,16 @@ class FutureTable:
                 expired = now - future.finished_at > self.unclaimed_s
             if expired:
                 del self._futures[request_id]
+                if future.seq_key is not None and self._by_seq.get(future.seq_key, ("",))[0] == request_id:
+                    del self._by_seq[future.seq_key]
 
     def sweep(self) -> None:
         """Drop the outcomes past their retention (each submit does this too)."""
         self._sweep()
+
+    def pending(self, kind: str) -> int:
+        """How many `kind` operations are unfinished."""
+        return self._pending[kind]
 
     def counts(self) -> dict[str, int]:
         pending = sum(1 for f in self._futures.values() if not f.done.is_set())

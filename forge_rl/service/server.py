@@ -23,7 +23,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 import uvicorn
@@ -38,6 +38,8 @@ from forge_rl.service.backend import LoraSpec, RequestRefused, ServiceBackend
 from forge_rl.service.futures import FutureTable, Outcome
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 API_KEY_HEADER = "X-API-Key"
 """The header the SDK's ApiKeyAuthProvider puts the key in."""
@@ -57,6 +59,8 @@ class ServiceLimits:
     """How long a training model's queue waits for a missing seq_id before running the next."""
     max_num_samples: int = 128
     """The most samples one sample request may ask for."""
+    max_pending_samples: int = 4096
+    """Sample requests beyond this many unfinished are answered 429: the SDK backs off and resends."""
 
 
 _UNSERVED: dict[str, str] = {
@@ -213,17 +217,34 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         if model_id is not None:
             service.per_model[model_id][kind] += 1
 
-    async def on_model(kind: str, model_id: str, seq_id: int | None, run: Callable[[str], Awaitable[_Reply]]) -> dict[str, Any]:
+    async def on_model(kind: str, model_id: str, seq_id: int | None, body: bytes, run: Callable[[str], Awaitable[_Reply]]) -> dict[str, Any]:
         """Queue `run(backend_model_id)` on the client's training model, in seq_id order."""
-        count(kind, model_id)
         try:
             backend_id = service.backend_model(model_id)
         except RequestRefused:
             service.futures.pass_over(model_id, seq_id)
             raise
-        return future_response(service.futures.submit(kind, lambda: run(backend_id), model_id=model_id, seq_id=seq_id), model_id)
+        count(kind, model_id)  # known models only: a client's made-up ids grow no table
+        request_id = service.futures.submit(kind, lambda: run(backend_id), model_id=model_id, seq_id=seq_id, body=body)
+        return future_response(request_id, model_id)
 
-    async def parsed_for_model(model_id: str, seq_id: int | None, parse: Callable[[], Any]) -> Any:
+    def passing_over(raw: bytes, parse: Callable[[], M]) -> M:
+        """`parse()` of a JSON body for a training model: refused, its seq_id (where the body
+        names one) is passed over."""
+        try:
+            return parse()
+        except RequestRefused:
+            ids = wire.model_and_seq(raw)
+            if ids is not None:
+                service.futures.pass_over(*ids)
+            raise
+
+    async def model_request(model: type[M], request: Request) -> tuple[M, bytes]:
+        """The request for a training model as `model`, and its body."""
+        raw = await _body(request, limits.max_body_bytes)
+        return passing_over(raw, lambda: wire.parse_json(model, raw)), raw
+
+    def parsed_for_model(model_id: str, seq_id: int | None, parse: Callable[[], Any]) -> Any:
         """`parse()`, passing over the request's seq_id when it is refused, so the model's queue
         does not wait for it."""
         try:
@@ -246,6 +267,8 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         return types.ClientConfigResponse(
             pjwt_auth_enabled=False, use_pyqwest_transport=False, proto_compress_fwdbwd=False, sample_use_retrieve_futures=False,
             custom_loss_server_side=False, sample_join_sampling_session=False,
+            # The SDK splits a forward_backward into chunks of about this many bytes: well under the body limit.
+            fwdbwd_max_chunk_bytes_count=min(types.ClientConfigResponse().fwdbwd_max_chunk_bytes_count, limits.max_body_bytes // 2),
         ).model_dump(mode="json")
 
     @app.post("/api/v1/client/dynamic_config", dependencies=[api])
@@ -317,8 +340,9 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     @app.post("/api/v1/get_info", dependencies=[api])
     async def get_info(request: Request) -> dict[str, Any]:
         body = wire.parse_json(types.GetInfoRequest, await _body(request, limits.max_body_bytes))
+        spec = backend.model_info(service.backend_model(body.model_id))
         count("get_info", body.model_id)
-        return info(body.model_id, backend.model_info(service.backend_model(body.model_id))).model_dump(mode="json", exclude_none=True)
+        return info(body.model_id, spec).model_dump(mode="json", exclude_none=True)
 
     @app.post("/api/v1/weights_info", dependencies=[api])
     async def weights_info(request: Request) -> dict[str, Any]:
@@ -335,18 +359,18 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         if wire.PROTO_CONTENT_TYPE in request.headers.get("content-type", ""):
             msg = wire.read_forward_backward_proto(raw)
             model_id, seq_id = msg.model_id, msg.seq_id or None
-            call = await parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_proto(msg, max_context, forward_only=forward_only))
+            call = parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_proto(msg, max_context, forward_only=forward_only))
         else:
-            body = wire.read_forward_backward_json(raw)
+            body = passing_over(raw, lambda: wire.read_forward_backward_json(raw))
             model_id, seq_id = body.model_id, body.seq_id
-            call = await parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_json(body, max_context, forward_only=bool(forward_only)))
+            call = parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_json(body, max_context, forward_only=bool(forward_only)))
 
         async def run(backend_id: str) -> _Reply:
             result = await backend.forward_backward(backend_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
             proto = wire.forward_backward_output_proto(result, len(call.data))
             return _Reply(lambda: wire.forward_backward_output_json(result, len(call.data)), proto)
 
-        return await on_model("forward" if call.forward_only else "forward_backward", call.model_id, call.seq_id, run)
+        return await on_model("forward" if call.forward_only else "forward_backward", call.model_id, call.seq_id, raw, run)
 
     @app.post("/api/v1/forward_backward", dependencies=[api])
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -358,17 +382,17 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
     @app.post("/api/v1/optim_step", dependencies=[api])
     async def optim_step(request: Request) -> dict[str, Any]:
-        body = wire.parse_json(types.OptimStepRequest, await _body(request, limits.max_body_bytes))
-        step = await parsed_for_model(body.model_id, body.seq_id, lambda: wire.adam_step(body))
+        body, raw = await model_request(types.OptimStepRequest, request)
+        step = parsed_for_model(body.model_id, body.seq_id, lambda: wire.adam_step(body))
 
         async def run(backend_id: str) -> _Reply:
             return _json(types.OptimStepResponse(metrics=await backend.optim_step(backend_id, step)))
 
-        return await on_model("optim_step", body.model_id, body.seq_id, run)
+        return await on_model("optim_step", body.model_id, body.seq_id, raw, run)
 
     @app.post("/api/v1/save_weights_for_sampler", dependencies=[api])
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        body = wire.parse_json(types.SaveWeightsForSamplerRequest, await _body(request, limits.max_body_bytes))
+        body, raw = await model_request(types.SaveWeightsForSamplerRequest, request)
         with_session = body.path is None or body.sampling_session_seq_id is not None
 
         async def run(backend_id: str) -> _Reply:
@@ -381,28 +405,28 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
                 path=saved.path, sampling_session_id=sampling_session_id, type="save_weights_for_sampler",
             ))
 
-        return await on_model("save_weights_for_sampler", body.model_id, body.seq_id, run)
+        return await on_model("save_weights_for_sampler", body.model_id, body.seq_id, raw, run)
 
     @app.post("/api/v1/save_weights", dependencies=[api])
     async def save_weights(request: Request) -> dict[str, Any]:
-        body = wire.parse_json(types.SaveWeightsRequest, await _body(request, limits.max_body_bytes))
+        body, raw = await model_request(types.SaveWeightsRequest, request)
 
         def name() -> str:
             if not body.path:
                 raise wire.refuse("path", body.path, "a saved state needs a name", "pass save_state(name=...)")
             return body.path
 
-        checkpoint = await parsed_for_model(body.model_id, body.seq_id, name)
+        checkpoint = parsed_for_model(body.model_id, body.seq_id, name)
 
         async def run(backend_id: str) -> _Reply:
             saved = await backend.save_state(backend_id, checkpoint)
             return _json(types.SaveWeightsResponse(path=saved.path, type="save_weights"))
 
-        return await on_model("save_weights", body.model_id, body.seq_id, run)
+        return await on_model("save_weights", body.model_id, body.seq_id, raw, run)
 
     @app.post("/api/v1/load_weights", dependencies=[api])
     async def load_weights(request: Request) -> dict[str, Any]:
-        body = wire.parse_json(types.LoadWeightsRequest, await _body(request, limits.max_body_bytes))
+        body, raw = await model_request(types.LoadWeightsRequest, request)
         if body.model_id is not None:
             _source_model(body.path, "path")
 
@@ -410,7 +434,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
                 await backend.load_state(backend_id, body.path, body.optimizer)
                 return _json(types.LoadWeightsResponse(path=body.path, model_id=body.model_id, type="load_weights"))
 
-            return await on_model("load_weights", body.model_id, body.seq_id, run)
+            return await on_model("load_weights", body.model_id, body.seq_id, raw, run)
         return await create_from_checkpoint(body)
 
     async def create_from_checkpoint(body: types.LoadWeightsRequest) -> dict[str, Any]:
@@ -438,7 +462,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
     @app.post("/api/v1/unload_model", dependencies=[api])
     async def unload_model(request: Request) -> dict[str, Any]:
-        body = wire.parse_json(types.UnloadModelRequest, await _body(request, limits.max_body_bytes))
+        body, raw = await model_request(types.UnloadModelRequest, request)
 
         async def run(backend_id: str) -> _Reply:
             await backend.unload_model(backend_id)
@@ -446,7 +470,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
             service.futures.forget_model(body.model_id)
             return _json(types.UnloadModelResponse(model_id=body.model_id, type="unload_model"))
 
-        return await on_model("unload_model", body.model_id, None, run)
+        return await on_model("unload_model", body.model_id, None, raw, run)
 
     # --- sampling -------------------------------------------------------------------------------
 
@@ -488,6 +512,11 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
             if model_path is not None:
                 _source_model(model_path, "model_path")
         call = wire.sample_call(body, max_context, limits.max_num_samples)
+        if service.futures.pending("asample") >= limits.max_pending_samples:
+            raise RequestRefused(
+                f"asample: {limits.max_pending_samples} sample requests are unfinished (ServiceLimits.max_pending_samples); send this one again shortly",
+                status=429,
+            )
 
         async def run() -> _Reply:
             result = await backend.sample(model_path, call.spec)

@@ -80,6 +80,19 @@ def parse_json(model: type[M], body: bytes) -> M:
         raise FieldRefused(field, f"{model.__name__}: {problems}; fix these fields as tinker.types.{model.__name__} defines them") from None
 
 
+def model_and_seq(body: bytes) -> tuple[str, int | None] | None:
+    """The `model_id` and `seq_id` of a JSON body that was refused, where it names them, so the
+    model's queue passes over the seq_id rather than waiting for it."""
+    try:
+        raw = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_id"), str):
+        return None
+    seq_id = raw.get("seq_id")
+    return raw["model_id"], seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else None
+
+
 def _field(loc: tuple[int | str, ...]) -> str:
     """A pydantic error location as the client's field path: the members a union was tried as
     (`AdamParams`, `function-after[...]`) are pydantic's, not the client's."""
@@ -483,11 +496,11 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
     if not 1 <= request.num_samples <= max_num_samples:
         raise refuse("num_samples", request.num_samples, f"must be between 1 and {max_num_samples}", "ask for 1 or more samples per request")
     params = request.sampling_params
-    room = max_context_length - len(prompt)
-    if params.max_tokens is not None and not 1 <= params.max_tokens <= max(room, 1):
+    room = max(max_context_length - len(prompt), 1)
+    if params.max_tokens is not None and not 1 <= params.max_tokens <= room:
         raise refuse(
             "sampling_params.max_tokens", params.max_tokens,
-            f"must be between 1 and the {room} tokens the {len(prompt)}-token prompt leaves in the {max_context_length}-token context",
+            f"must be between 1 and {room}: the {max_context_length}-token context holds the {len(prompt)}-token prompt and its continuation",
             "lower max_tokens or shorten the prompt",
         )
     if not (math.isfinite(params.temperature) and params.temperature >= 0):

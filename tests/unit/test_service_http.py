@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import numpy as np
@@ -161,7 +161,9 @@ class ServerThread:
         self.loop.close()
 
 
-LIMITS = ServiceLimits(max_body_bytes=1 << 20, poll_wait_s=0.2, seq_gap_wait_s=30.0)
+# A model's queue waits for a missing seq_id far longer than any test runs: a request whose seq_id
+# was not passed over would hang its test, not slow it.
+LIMITS = ServiceLimits(max_body_bytes=1 << 20, poll_wait_s=0.2, seq_gap_wait_s=600.0)
 
 
 @pytest.fixture(scope="module")
@@ -285,12 +287,14 @@ def post(served, path: str, body=None, *, content: bytes | None = None, headers=
 
 
 def result_of(served, request_id: str, accept: str = "application/x-protobuf") -> httpx.Response:
-    """Poll retrieve_future as the SDK does: a 408 "try again" means poll again."""
-    while True:
+    """Poll retrieve_future as the SDK does: a 408 "try again" means poll again (each poll waits
+    up to LIMITS.poll_wait_s on the server; 150 of them bound a hung request)."""
+    for _ in range(150):
         response = post(served, "/api/v1/retrieve_future", {"request_id": request_id}, headers={"Accept": accept})
         if response.status_code != 408:
             return response
         assert response.json() == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    raise AssertionError(f"request {request_id} never finished")
 
 
 def raw_model(served) -> str:
@@ -334,6 +338,49 @@ def test_one_models_requests_run_in_seq_id_order_whatever_order_they_arrive_in(s
     for request_id in (second, first):
         assert result_of(served, request_id).status_code == 200
     assert [c.detail for c in served.backend.calls if c.model_id == model_id and c.what == "forward_backward"] == [[[10, 11]], [[20, 21]]]
+
+
+def test_a_request_refused_at_once_gives_up_its_seq_id_so_the_next_one_runs(served):
+    model_id = raw_model(served)
+    refused = post(served, "/api/v1/optim_step", {"adam_params": {"learning_rate": -1.0}, "model_id": model_id, "seq_id": 1})
+    assert refused.status_code == 400 and refused.json()["field"] == "optim_params.learning_rate"
+    undecodable = post(served, "/api/v1/optim_step", {"adam_params": {"beta1": "high"}, "model_id": model_id, "seq_id": 2})
+    assert undecodable.status_code == 400
+    request_id = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 3, [1, 2]), headers=PROTO).json()["request_id"]
+    assert result_of(served, request_id).status_code == 200
+
+
+def test_the_sdk_splits_a_large_forward_backward_into_chunks_the_server_runs_in_order():
+    # A body limit of 8 KiB makes the SDK send chunks of at most 4 KiB: two 100-token data each.
+    server = ServerThread(FakeBackend(), replace(LIMITS, max_body_bytes=8 << 10))
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    try:
+        training = client.create_lora_training_client(base_model=BASE, rank=8).result(timeout=60)
+        data = [datum(list(range(i, i + 100))) for i in range(7)]
+        out = training.forward_backward(data, "cross_entropy").result(timeout=60)
+        calls = [c.detail for c in server.backend.calls if c.what == "forward_backward"]
+        assert [len(chunk) for chunk in calls] == [2, 2, 2, 1]
+        assert [tokens[0] for chunk in calls for tokens in chunk] == list(range(7))
+        assert len(out.loss_fn_outputs) == 7 and out.metrics == {"loss:sum": pytest.approx(350.0)}
+    finally:
+        client.close("success").result(timeout=30)
+        server.close()
+
+
+def test_samples_past_the_pending_limit_are_429_for_the_sdk_to_back_off():
+    server = ServerThread(FakeBackend(), replace(LIMITS, max_pending_samples=1))
+    try:
+        server.hold()
+        sample = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]}, "sampling_params": {"max_tokens": 1}, "base_model": BASE}
+        first = post(server, "/api/v1/asample", sample)
+        assert first.status_code == 200
+        second = post(server, "/api/v1/asample", sample)
+        assert second.status_code == 429 and "max_pending_samples" in second.json()["error"]
+        server.release()
+        assert result_of(server, first.json()["request_id"]).status_code == 200
+        assert post(server, "/api/v1/asample", sample).status_code == 200
+    finally:
+        server.close()
 
 
 def test_a_cancelled_sample_fails_its_future_as_cancelled(served):
@@ -406,6 +453,35 @@ def test_without_a_server_key_any_key_is_accepted():
 
 
 # --- the futures table on its own --------------------------------------------------------------
+
+
+def test_a_models_queue_waits_out_a_missing_seq_id_then_runs_the_next_and_runs_a_repeat_once():
+    ran: list[str] = []
+
+    def op(name: str):
+        async def run() -> str:
+            ran.append(name)
+            return name
+
+        return run
+
+    async def scenario() -> None:
+        table = FutureTable(gap_wait_s=0.05)
+        third = table.submit("x", op("third"), model_id="m", seq_id=3)
+        assert table.submit("x", op("third again"), model_id="m", seq_id=3) == third
+        second = table.submit("x", op("second"), model_id="m", seq_id=2)
+        # seq_id 1 never comes: after gap_wait_s the queue runs 2, then 3, in order.
+        assert (await table.retrieve(third, wait_s=10)).value == "third"
+        assert (await table.retrieve(second, wait_s=10)).value == "second"
+        # Another body under a taken seq_id is another request (a second client of the model).
+        other = table.submit("x", op("other body"), model_id="m", seq_id=3, body=b"other")
+        assert other != third and (await table.retrieve(other, wait_s=10)).value == "other body"
+        waited = FutureTable(gap_wait_s=1000)
+        waited.pass_over("m", 1)
+        assert (await waited.retrieve(waited.submit("x", op("after the refused"), model_id="m", seq_id=2), wait_s=10)).value == "after the refused"
+
+    asyncio.run(scenario())
+    assert ran == ["second", "third", "other body", "after the refused"]
 
 
 def test_a_fetched_result_is_dropped_after_its_retention_and_an_unclaimed_one_after_longer():
