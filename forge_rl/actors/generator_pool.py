@@ -57,7 +57,7 @@ from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
-from forge_rl.types import Episode
+from forge_rl.types import Episode, SampleResult, SampleSpec
 
 # How often the pool checks that its generators' processes are alive.
 POLL_INTERVAL_S = 0.5
@@ -210,6 +210,20 @@ class GeneratorPool(PortServed, Actor):
                 ),
                 self.generate_timeout_s + self.update_timeout_s,  # it may wait for its version first
                 "pinned generate call ran past generator.generate_timeout_s + generator.update_timeout_s",
+            )
+
+    @concurrent_endpoint
+    async def sample(
+        self, index: int, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None,
+        weights_dir: str | None,
+    ) -> SampleResult:
+        """Generator `index`'s `sample` (the service's): raises GeneratorLost if it died meanwhile."""
+        with self.slots[index].generating_call():
+            return await self._forward(
+                self.slots[index],
+                lambda actor: self._calls.call(actor, "sample", prompt_token_ids, spec, policy_version, weights_dir),
+                self.generate_timeout_s + self.update_timeout_s,  # it may load the adapter first
+                "sample call ran past generator.generate_timeout_s + generator.update_timeout_s",
             )
 
     @concurrent_endpoint

@@ -55,7 +55,7 @@ from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.routing import RoutingRecord
-from forge_rl.types import Completion, CompletionStatus, SwapStats
+from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats
 
 _logger = logging.getLogger(__name__)
 
@@ -254,6 +254,18 @@ class AdapterServing:
 
 class AdapterMismatch(ValueError):
     """An adapter version that does not fit the base model an engine serves."""
+
+
+class AdapterNotResident(LookupError):
+    """`VLLMEngine.sample` was asked for an adapter version the engine does not hold now."""
+
+    def __init__(self, policy_version: int) -> None:
+        super().__init__(f"adapter version {policy_version} is not loaded in this engine")
+        self.policy_version = policy_version
+
+
+BASE_MODEL = -1
+"""`VLLMEngine.sample`'s adapter version for the base model alone."""
 
 
 class VLLMEngine:
@@ -660,10 +672,11 @@ class VLLMEngine:
 
         return TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=f"forge-policy-{self.policy_version}")
 
-    async def _request(self, prompt_token_ids: list[int], params: SamplingParams):
+    async def _request(self, prompt_token_ids: list[int], params: SamplingParams, adapter_version: int | None = None):
         """(vLLM's final output, the policy version it was submitted under). With adapters the
         request runs on that version's adapter to its end; it is counted in flight meanwhile, so
-        the adapter is not unloaded under it."""
+        the adapter is not unloaded under it. `adapter_version`: that resident adapter instead of
+        the newest (BASE_MODEL: the base alone), for `sample`."""
         # A request arriving during a swap waits for its end. Submitted meanwhile, it would carry
         # the outgoing version's cache salt, and once scheduled after the resume, the new weights
         # would decode it over the outgoing weights' prefix-cache blocks of its prompt: tokens
@@ -675,8 +688,10 @@ class VLLMEngine:
                 await self._swap_ended.wait()
             finally:
                 self.num_requests_held_for_swap -= 1
-        version = self.policy_version
+        version = self.policy_version if adapter_version is None else adapter_version
         lora = self._resident.get(version) if self.adapters is not None else None
+        if adapter_version is not None and adapter_version != BASE_MODEL and lora is None:
+            raise AdapterNotResident(adapter_version)
         request_id = f"gen-{next(self._request_ids)}"
         llm = self._running_llm
         self._in_flight[version] += 1
@@ -749,6 +764,73 @@ class VLLMEngine:
         if completion.num_tokens >= max_tokens and not ended_on_eos:
             completion.status = CompletionStatus.TRUNCATED
         return completion
+
+    async def sample(self, prompt_token_ids: list[int], spec: SampleSpec, adapter_version: int, eos_id: int | None) -> SampleResult:
+        """`spec.num_samples` continuations of the prompt by the resident adapter of
+        `adapter_version` (BASE_MODEL: the base), with the request's own sampling parameters: the
+        service's sampling (forge_rl/service/meshes.py). Every token is that version's sample:
+        should its adapter be unloaded meanwhile (AdapterNotResident is raised then, before
+        anything is submitted), the caller loads it again and asks again.
+        ValueError for a prompt that leaves no room in the context."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, the model's context {self.max_model_len}: no room "
+                "to sample. Shorten the prompt."
+            )
+        stop_ids = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, int)]
+        stop_strings = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, str)]
+        params = SamplingParams(
+            n=spec.num_samples,
+            max_tokens=min(spec.max_tokens or room, room),
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k if spec.top_k > 0 else 0,
+            seed=spec.seed,
+            logprobs=0,  # the sampled token's own
+            prompt_logprobs=0 if spec.prompt_logprobs else None,
+            # stop None: EOS ends a sequence; [] never stops early; else these tokens or strings.
+            stop_token_ids=stop_ids + ([eos_id] if spec.stop is None and eos_id is not None else []),
+            stop=stop_strings or None,
+            ignore_eos=spec.stop is not None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final, version = await self._request(prompt_token_ids, params, adapter_version)
+        if any(output.finish_reason == "abort" for output in final.outputs):
+            # Its adapter was unloaded under it (past `adapters.resident`): sampled again from the
+            # start on that adapter, never continued on another version's.
+            raise AdapterNotResident(adapter_version)
+        sequences = []
+        for output in final.outputs:
+            tokens = list(output.token_ids)
+            logprobs = [position[token].logprob for token, position in zip(tokens, output.logprobs or [])]
+            sequences.append(SampledSequence(
+                tokens, logprobs, "length" if output.finish_reason == "length" else "stop", [version] * len(tokens),
+            ))
+        prompt_logprobs = None
+        if spec.prompt_logprobs:
+            prompt_logprobs = [
+                None if position is None else position[token].logprob
+                for token, position in zip(prompt_token_ids, final.prompt_logprobs or [])
+            ]
+        return SampleResult(sequences, prompt_logprobs)
+
+    async def serve_adapter(self, adapter_dir: Path, policy_version: int, adapter_of: str | None) -> None:
+        """Make `policy_version`'s adapter resident again (an older one a sample asks for), or for
+        the first time; the newest version served stays what it was unless this one is newer."""
+        if policy_version in self._resident:
+            return
+        if policy_version > self.policy_version:
+            await self.load_adapter(adapter_dir, policy_version, adapter_of)
+            return
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"forge-policy-{policy_version}", policy_version + 1, str(adapter_dir))
+        await self._running_llm.add_lora(request)
+        self._resident[policy_version] = request
 
     def _check_prompt_length(self, num_prompt_tokens: int) -> None:
         limit = self.max_model_len - self.config.max_new_tokens

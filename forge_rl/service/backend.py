@@ -18,6 +18,13 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from forge_rl.types import SampledSequence, SampleResult, SampleSpec
+
+__all__ = [
+    "LOSS_FUNCTIONS", "AdamStep", "ForwardBackwardResult", "LoraSpec", "RequestRefused", "SampleResult", "SampleSpec",
+    "SampledSequence", "SavedWeights", "ServiceBackend", "TrainingDatum",
+]
+
 LOSS_FUNCTIONS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 """The Tinker losses the trainer computes (forge_rl/training/tinker_losses.py); the SDK's others
 ("gspo", "stable_reinforce", "custom") are refused by name."""
@@ -77,38 +84,6 @@ class AdamStep:
 
 
 @dataclass(frozen=True)
-class SampleSpec:
-    prompt: list[int]
-    num_samples: int = 1
-    max_tokens: int | None = None
-    """Unset: up to the context's end."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1: no limit."""
-    stop: list[int] | list[str] | None = None
-    """Stop token ids or stop strings; None: stop at EOS; []: never stop before max_tokens."""
-    seed: int | None = None
-    prompt_logprobs: bool = False
-
-
-@dataclass(frozen=True)
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: Literal["stop", "length"]
-    policy_versions: list[int]
-    """The weights version each token was sampled by (forge_rl's per-token stamp)."""
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None = None
-    """With SampleSpec.prompt_logprobs: each prompt token's logprob (None for the first)."""
-
-
-@dataclass(frozen=True)
 class SavedWeights:
     path: str
     """The tinker:// path the client passes back (to sample, to load)."""
@@ -123,6 +98,9 @@ class ServiceBackend(Protocol):
     base_model: str
     """The served base model's name, as clients give it (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct")."""
     max_context_length: int
+    tokenizer_id: str
+    """What clients load the base model's tokenizer from (the SDK's get_tokenizer passes it to
+    transformers' AutoTokenizer): a hub name, or the served model's directory."""
 
     async def create_model(self, lora: LoraSpec) -> str:
         """A new training model; returns its id."""

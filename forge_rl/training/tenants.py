@@ -106,7 +106,8 @@ class TenantTrainer:
             loss_sum = sum(part[0] for part in gathered)
             for part in gathered:
                 outputs.update(part[1])
-        metrics = {"loss:sum": loss_sum, "forward_backward_s": time.perf_counter() - started}
+        # Tinker names each metric with how chunks of one call combine ("name:reduction").
+        metrics = {"loss:sum": loss_sum, "forward_backward_s:sum": time.perf_counter() - started}
         return [outputs[i] for i in range(len(data))], metrics
 
     def _forward_chunk(
@@ -258,6 +259,6 @@ def _padded(rows: list[np.ndarray], width: int) -> torch.Tensor:
     dtype = torch.long if np.asarray(rows[0]).dtype.kind in "iu" else torch.float32
     out = torch.zeros(len(rows), width, dtype=dtype)
     for row, values in enumerate(rows):
-        values = torch.as_tensor(np.asarray(values).reshape(-1), dtype=dtype)
+        values = torch.as_tensor(np.array(values).reshape(-1), dtype=dtype)  # a copy: wire arrays are read-only
         out[row, : values.shape[0]] = values
     return out

@@ -1,0 +1,164 @@
+"""`forge-rl serve` for real, driven by the official Tinker SDK as a user's loop would: the command
+in its own process (trainer rank, vLLM engine, weight store, HTTP server) on a tiny model, and
+`tinker.ServiceClient` here.
+
+What is checked: a short session (create, forward_backward, optim_step, save for the sampler,
+sample) whose training reaches the sampler (greedy samples of the trained continuation); two
+tenants on the one base, each sampled with its own adapter; refused requests naming their fault;
+Ctrl-C stopping every process of the service."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+tinker = pytest.importorskip("tinker")
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+START_S = 300
+"""Most seconds the service may take to listen (engine start on a loaded machine)."""
+RANK = 8
+PROMPT = [1, 14, 9, 7, 40]
+SEQUENCES = {"a": [21, 22, 23, 24], "b": [30, 29, 28, 27]}
+"""What each tenant learns to continue PROMPT with."""
+ADAM = tinker.AdamParams(learning_rate=3e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def _wait_for_server(process: subprocess.Popen, server_file: Path, log: Path) -> dict:
+    """The service's server.json once it listens; fails with the log's tail if the process ends."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if server_file.is_file():
+            return json.loads(server_file.read_text())
+        if process.poll() is not None:
+            pytest.fail(f"forge-rl serve exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)  # polling a file another process writes once: no event to wait on
+    process.kill()
+    pytest.fail(f"forge-rl serve did not listen within {START_S} s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("serve")
+    log = run_dir / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(run_dir), "--run-name", "svc",
+             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny-test", "--generator.max-num-seqs", "8"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )
+    info = _wait_for_server(process, run_dir / "svc" / "server.json", log)
+    yield {"url": info["url"], "process": process, "dir": run_dir / "svc", "log": log}
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return tinker.ServiceClient(base_url=service["url"], api_key="tml-local")
+
+
+def _datum(sequence: list[int]) -> tinker.Datum:
+    """PROMPT then `sequence`, the loss on `sequence` only (Tinker's shift: input i predicts target i)."""
+    tokens = PROMPT + sequence
+    weights = [0.0] * (len(PROMPT) - 1) + [1.0] * len(sequence)
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64), "weights": np.array(weights, dtype=np.float32)},
+    )
+
+
+def _greedy(sampler) -> list[int]:
+    params = tinker.SamplingParams(max_tokens=len(SEQUENCES["a"]), temperature=0.0, stop=[])
+    result = sampler.sample(prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result()
+    return list(result.sequences[0].tokens)
+
+
+def _teach(training, sequence: list[int], steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        result = training.forward_backward([_datum(sequence)], "cross_entropy").result()
+        training.optim_step(ADAM).result()
+        losses.append(result.metrics["loss:sum"])
+    return losses
+
+
+def test_a_short_session_trains_and_the_sampler_serves_what_it_learned(client, service):
+    capabilities = client.get_server_capabilities()  # the cookbook's call (the SDK now also has RestClient's)
+    assert [m.model_name for m in capabilities.supported_models] == ["forge-rl/tiny-test"]
+    training = client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result()
+    forward = training.forward([_datum(SEQUENCES["a"])], "cross_entropy").result()
+    logprobs = forward.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logprobs.shape == (len(PROMPT) + len(SEQUENCES["a"]) - 1,) and (logprobs <= 0).all()
+
+    losses = _teach(training, SEQUENCES["a"], steps=25)
+    # The tiny model's random unembedding (which LoRA leaves as it is) caps each logit, and so the
+    # loss, near 1.5 per token: enough for the taught tokens to be the most likely ones.
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    sampler = training.save_weights_and_get_sampling_client()
+    assert _greedy(sampler) == SEQUENCES["a"]
+    # The sampler's logprobs are the trainer's, on the same weights.
+    sampled = sampler.sample(
+        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=3,
+        sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0, stop=[]),
+    ).result()
+    assert len(sampled.sequences) == 3 and all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in sampled.sequences)
+    prompt_logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT + SEQUENCES["a"])).result()
+    trained = training.forward([_datum(SEQUENCES["a"])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert prompt_logprobs[0] is None
+    np.testing.assert_allclose(prompt_logprobs[len(PROMPT):], trained[len(PROMPT) - 1:], atol=0.05)
+
+    metrics = [json.loads(line) for line in (service["dir"] / "tenants" / training.model_id / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 26)) and all(m["grad_norm"] > 0 for m in metrics)
+
+
+def test_two_tenants_on_one_base_each_sample_with_their_own_adapter(client):
+    tenants = {name: client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result() for name in SEQUENCES}
+    for _ in range(25):  # interleaved: each step of one tenant between two of the other
+        for name, training in tenants.items():
+            training.forward_backward([_datum(SEQUENCES[name])], "cross_entropy").result()
+            training.optim_step(ADAM).result()
+    samplers = {name: training.save_weights_and_get_sampling_client() for name, training in tenants.items()}
+    for name, sampler in samplers.items():
+        assert _greedy(sampler) == SEQUENCES[name], name
+    base = client.create_sampling_client(base_model="forge-rl/tiny-test")
+    assert _greedy(base) not in SEQUENCES.values()
+
+
+def test_bad_requests_are_refused_naming_their_fault(client):
+    training = client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result()
+    with pytest.raises(Exception, match="gspo.*cross_entropy|cross_entropy.*gspo"):
+        training.forward_backward([_datum(SEQUENCES["a"])], "gspo").result()
+    with pytest.raises(Exception, match="rank"):
+        client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK * 2).result()
+    too_long = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints([1] * 400),
+        loss_fn_inputs={"target_tokens": np.ones(400, dtype=np.int64), "weights": np.ones(400, dtype=np.float32)},
+    )
+    with pytest.raises(Exception, match="context"):
+        training.forward_backward([too_long], "cross_entropy").result()
+
+
+def test_ctrl_c_stops_the_server_and_every_process_of_the_service(service):
+    processes = json.loads((service["dir"] / "processes.json").read_text())
+    pids = [pid for group in processes["generators"] for pid in group] + processes["trainer"]
+    service["process"].send_signal(signal.SIGINT)
+    assert service["process"].wait(timeout=120) == 0, service["log"].read_text()[-3000:]
+    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
+    assert not alive, [p.pid for p in alive]
+    summary = json.loads(service["log"].read_text().strip().splitlines()[-1])
+    assert summary["service_dir"] == str(service["dir"])
+    # The service directory stays (each tenant's metrics); the server file goes with the server.
+    assert not (service["dir"] / "server.json").exists() and (service["dir"] / "tenants").is_dir()
