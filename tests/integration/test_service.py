@@ -9,7 +9,10 @@ Ctrl-C stopping every process of the service."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -54,7 +57,7 @@ def service(tmp_path_factory):
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(run_dir), "--run-name", "svc",
-             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny-test", "--generator.max-num-seqs", "8"],
+             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny", "--generator.max-num-seqs", "8"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )
     info = _wait_for_server(process, run_dir / "svc" / "server.json", log)
@@ -96,8 +99,8 @@ def _teach(training, sequence: list[int], steps: int) -> list[float]:
 
 def test_a_short_session_trains_and_the_sampler_serves_what_it_learned(client, service):
     capabilities = client.get_server_capabilities()  # the cookbook's call (the SDK now also has RestClient's)
-    assert [m.model_name for m in capabilities.supported_models] == ["forge-rl/tiny-test"]
-    training = client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result()
+    assert [m.model_name for m in capabilities.supported_models] == ["forge-rl/tiny"]
+    training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
     forward = training.forward([_datum(SEQUENCES["a"])], "cross_entropy").result()
     logprobs = forward.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert logprobs.shape == (len(PROMPT) + len(SEQUENCES["a"]) - 1,) and (logprobs <= 0).all()
@@ -124,8 +127,18 @@ def test_a_short_session_trains_and_the_sampler_serves_what_it_learned(client, s
     assert [m["step"] for m in metrics] == list(range(1, 26)) and all(m["grad_norm"] > 0 for m in metrics)
 
 
+def test_the_docs_example_runs_as_written(service):
+    """docs/service.md's session, with the URL this test's service listens on."""
+    doc = (REPO / "docs" / "service.md").read_text()
+    example = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(example.replace("http://127.0.0.1:8000", service["url"]), {})
+    assert printed.getvalue().strip().splitlines()[-1] == str(SEQUENCES["a"])
+
+
 def test_two_tenants_on_one_base_each_sample_with_their_own_adapter(client):
-    tenants = {name: client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result() for name in SEQUENCES}
+    tenants = {name: client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result() for name in SEQUENCES}
     for _ in range(25):  # interleaved: each step of one tenant between two of the other
         for name, training in tenants.items():
             training.forward_backward([_datum(SEQUENCES[name])], "cross_entropy").result()
@@ -133,16 +146,16 @@ def test_two_tenants_on_one_base_each_sample_with_their_own_adapter(client):
     samplers = {name: training.save_weights_and_get_sampling_client() for name, training in tenants.items()}
     for name, sampler in samplers.items():
         assert _greedy(sampler) == SEQUENCES[name], name
-    base = client.create_sampling_client(base_model="forge-rl/tiny-test")
+    base = client.create_sampling_client(base_model="forge-rl/tiny")
     assert _greedy(base) not in SEQUENCES.values()
 
 
 def test_bad_requests_are_refused_naming_their_fault(client):
-    training = client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK).result()
+    training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
     with pytest.raises(Exception, match="gspo.*cross_entropy|cross_entropy.*gspo"):
         training.forward_backward([_datum(SEQUENCES["a"])], "gspo").result()
     with pytest.raises(Exception, match="rank"):
-        client.create_lora_training_client(base_model="forge-rl/tiny-test", rank=RANK * 2).result()
+        client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK * 2).result()
     too_long = tinker.Datum(
         model_input=tinker.ModelInput.from_ints([1] * 400),
         loss_fn_inputs={"target_tokens": np.ones(400, dtype=np.int64), "weights": np.ones(400, dtype=np.float32)},
