@@ -79,7 +79,7 @@ test-gpu: venv
 # The import contract (pyproject.toml [tool.importlinter]) and ruff's rules (ruff.toml); `make test` runs it first.
 lint: venv
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check forge_rl apps tests
+	$(VENV)/bin/ruff check forge_rl apps tests examples
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) runs

@@ -205,6 +205,7 @@ _BENCHMARKS = {
     "self-distill": "GRPO alone vs GRPO + a teacher pinned to the policy's past (lagged, EMA, best), same steps.",
     "eval-overhead": "Trained tokens/s with an evaluation every n steps over the same without, interleaved runs.",
     "peers": "forge_rl beside TRL's GRPOTrainer (own venv: make peers-venv) on the same task: time to reward, ratio.",
+    "serve": "forge-rl serve driven by the Tinker SDK: training steps/s and sampled tokens/s, one tenant and two at once.",
 }
 
 
@@ -228,6 +229,7 @@ def _run_bench(args: list[str]) -> None:
         sampling_support,
         scale,
         self_distill,
+        serve,
         soak,
         staleness,
         task_baseline,
@@ -253,6 +255,7 @@ def _run_bench(args: list[str]) -> None:
         "self-distill": (self_distill, self_distill.SelfDistillArgs),
         "eval-overhead": (eval_overhead, eval_overhead.EvalOverheadArgs),
         "peers": (peers, peers.PeersArgs),
+        "serve": (serve, serve.ServeBenchArgs),
     }[name]
     bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
     try:

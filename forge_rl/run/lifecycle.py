@@ -259,6 +259,16 @@ class Lifecycle:
             (self.run_path / "timeline_origin.json").write_text(json.dumps(origin))
         return previous_history + history, accounting
 
+    async def serve_until(self, awaitable) -> None:
+        """Await `awaitable` (a service's life, `forge-rl serve`: until it is stopped) in place of
+        the loops: a process that dies meanwhile cancels it, and `owning_processes` then raises
+        ProcessDied naming the process."""
+        self._loops = asyncio.ensure_future(awaitable)
+        try:
+            await self._loops
+        finally:
+            self._loops = None
+
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint follows step `step` (every_n_steps, or the last step)."""
         checkpoints = self.config.checkpoint

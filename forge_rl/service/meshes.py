@@ -12,7 +12,7 @@ inflight path to the new version: samples of that path from then on use it.
 Calls on one training model are carried out in the order they were made (each model's lock);
 calls of different models reach the trainer mesh, whose plain endpoints serialize them, without
 waiting for each other here. Each optimizer step appends the tenant's figures to
-<service dir>/tenants/<model id>/metrics.jsonl.
+<service dir>/tenants/<model id>/metrics.jsonl (and its TensorBoard or W&B, with --log.*).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Literal
 
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.service_trainer import ServiceTrainerActor
-from forge_rl.errors import raised_by_actor
+from forge_rl.errors import generator_lost, raised_by_actor
 from forge_rl.models.parallel import read_hf_config
+from forge_rl.observability.metrics import open_sinks, progress
 from forge_rl.service.backend import (
     LOSS_FUNCTIONS,
     AdamStep,
@@ -59,6 +60,10 @@ class _Tenant:
     """tinker:// sampler path -> weight store version."""
     num_steps: int = 0
     tokens_since_step: int = 0
+    loss_since_step: float = 0.0
+    sinks: list = field(default_factory=list)
+    """TensorBoard / W&B, as --log.tensorboard and --log.wandb ask (under the tenant's directory)."""
+    last_progress: float = float("-inf")
 
 
 class MeshBackend:
@@ -137,8 +142,10 @@ class MeshBackend:
         model_id = f"model-{next(self._model_ids)}"
         seed = lora.seed if lora.seed is not None else len(self._tenants)
         await self._on_trainer("add_tenant", model_id, seed)
-        self._tenants[model_id] = _Tenant(model_id, lora)
-        (self.service_dir / "tenants" / model_id).mkdir(parents=True, exist_ok=True)
+        directory = self.service_dir / "tenants" / model_id
+        directory.mkdir(parents=True, exist_ok=True)
+        sinks = open_sinks(self.config.log, directory, {"model_id": model_id, "lora_rank": lora.rank, "seed": seed})
+        self._tenants[model_id] = _Tenant(model_id, lora, sinks=sinks)
         return model_id
 
     def model_info(self, model_id: str) -> LoraSpec:
@@ -149,6 +156,8 @@ class MeshBackend:
         async with tenant.lock:
             await self._on_trainer("remove_tenant", model_id)
             del self._tenants[model_id]
+        for sink in tenant.sinks:
+            sink.close()
 
     async def forward_backward(
         self, model_id: str, data: list[TrainingDatum], loss_fn: str, loss_fn_config: dict[str, float] | None,
@@ -167,6 +176,7 @@ class MeshBackend:
             outputs, metrics = await self._on_trainer("forward_backward", model_id, wire, loss_fn, loss_fn_config, backward)
             if backward:
                 tenant.tokens_since_step += sum(len(datum.tokens) for datum in data)
+                tenant.loss_since_step += metrics["loss:sum"]
         return ForwardBackwardResult(outputs, metrics)
 
     async def optim_step(self, model_id: str, step: AdamStep) -> dict[str, float]:
@@ -179,11 +189,35 @@ class MeshBackend:
             metrics = await self._on_trainer("optim_step", model_id, step.__dict__)
             tenant.num_steps += 1
             record = {"step": tenant.num_steps, "time": time.time(), "tokens": tenant.tokens_since_step,
-                      "learning_rate": step.learning_rate, **metrics}
-            tenant.tokens_since_step = 0
-        with (self.service_dir / "tenants" / model_id / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(record) + "\n")
+                      "loss_sum": tenant.loss_since_step, "learning_rate": step.learning_rate, **metrics}
+            tenant.tokens_since_step, tenant.loss_since_step = 0, 0.0
+        self._log(tenant, record)
         return metrics
+
+    def _log(self, tenant: _Tenant, record: dict) -> None:
+        """The step's record to the tenant's metrics.jsonl and sinks, and a progress line at most
+        every log.progress_every_s per tenant."""
+        with (self.service_dir / "tenants" / tenant.model_id / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in list(tenant.sinks):
+            try:
+                sink.log(record["step"], record)
+            except Exception as e:  # a dashboard outage must not cost the tenant its step
+                progress(f"{tenant.model_id}: metrics sink {type(sink).__name__} failed and is turned off: {e}")
+                tenant.sinks.remove(sink)
+        now = time.monotonic()
+        if now - tenant.last_progress >= self.config.log.progress_every_s:
+            tenant.last_progress = now
+            progress(
+                f"{tenant.model_id} step {record['step']} | loss {record['loss_sum']:.4g} | grad norm "
+                f"{record['grad_norm']:.3g} | {record['tokens']} tokens"
+            )
+
+    def close(self) -> None:
+        """Close every tenant's sinks (the service is stopping)."""
+        for tenant in self._tenants.values():
+            for sink in tenant.sinks:
+                sink.close()
 
     async def save_for_sampler(
         self, model_id: str, name: str | None, kind: Literal["snapshot", "inflight"],
@@ -233,10 +267,18 @@ class MeshBackend:
         if spec.num_samples < 1:
             raise RequestRefused(f"num_samples ({spec.num_samples}) must be >= 1.")
         weights_dir = None if version is None else str(self.store_root / version_key(version))
-        try:
-            return await self.generators.sample.call_one(next(self._next_generator), spec.prompt, spec, version, weights_dir)
-        except Exception as e:
-            raise _refused_or_raised(e) from e
+        for attempt in range(self.config.num_generators + 1):
+            index = next(self._next_generator)
+            try:
+                return await self.generators.sample.call_one(index, spec.prompt, spec, version, weights_dir)
+            except Exception as e:
+                if generator_lost(e) is None or attempt == self.config.num_generators:
+                    raise _refused_or_raised(e) from e
+                # Its generator died: the pool replaces it; the request is sampled again on the
+                # replacement (which loads the adapter from the store) or on the next generator.
+                progress(f"generator {index} was lost during a sample ({generator_lost(e)}); sampling again")
+                await self.generators.wait_until_serving.call_one(index)
+        raise AssertionError("unreachable")
 
     def _sampler_version(self, model_path: str) -> int:
         for tenant in self._tenants.values():

@@ -47,8 +47,10 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None) -> dict:
         (lifecycle.run_path / SERVER_FILE).write_text(json.dumps({"url": url, "base_model": backend.base_model}))
         progress(f"serving the Tinker API for {backend.base_model} at {url} (Ctrl-C stops it)")
         try:
-            await (stop.wait() if stop is not None else asyncio.Event().wait())
+            await lifecycle.serve_until(stop.wait() if stop is not None else asyncio.Event().wait())
         except asyncio.CancelledError:
+            if lifecycle.process_failures:  # a process died: the lifecycle says which
+                raise
             # Ctrl-C or SIGTERM: a service's normal end. Stopping here, not by the cancellation
             # unwinding the lifecycle, keeps the service directory (the tenants' metrics and saved
             # states), which a run stopped before its first step would lose.
@@ -57,4 +59,5 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None) -> dict:
         finally:
             (lifecycle.run_path / SERVER_FILE).unlink(missing_ok=True)
             await server.stop()
+            backend.close()
     return {"service_dir": str(lifecycle.run_path), "url": url, **started, **server.metrics()}

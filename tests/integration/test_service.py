@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import signal
 import subprocess
@@ -57,7 +58,8 @@ def service(tmp_path_factory):
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(run_dir), "--run-name", "svc",
-             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny", "--generator.max-num-seqs", "8"],
+             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny", "--generator.max-num-seqs", "8",
+             "--log.tensorboard"],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
         )
     info = _wait_for_server(process, run_dir / "svc" / "server.json", log)
@@ -150,6 +152,20 @@ def test_two_tenants_on_one_base_each_sample_with_their_own_adapter(client):
     assert _greedy(base) not in SEQUENCES.values()
 
 
+def test_an_inflight_sampler_follows_the_newest_save_and_a_snapshot_stays(client, service):
+    training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
+    inflight = training.save_weights_and_get_sampling_client(kind="inflight").result()
+    snapshot = training.save_weights_and_get_sampling_client().result()
+    untrained = _greedy(snapshot)
+    assert _greedy(inflight) == untrained
+    _teach(training, SEQUENCES["b"], steps=25)
+    training.save_weights_and_get_sampling_client(kind="inflight").result()  # moves every inflight client
+    assert _greedy(inflight) == SEQUENCES["b"]
+    assert _greedy(snapshot) == untrained
+    # The tenant's step figures went to its dashboard too (--log.tensorboard).
+    assert any((service["dir"] / "tenants" / training.model_id / "tensorboard").iterdir())
+
+
 def test_bad_requests_are_refused_naming_their_fault(client):
     training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
     with pytest.raises(Exception, match="gspo.*cross_entropy|cross_entropy.*gspo"):
@@ -164,12 +180,27 @@ def test_bad_requests_are_refused_naming_their_fault(client):
         training.forward_backward([too_long], "cross_entropy").result()
 
 
+def test_a_sample_survives_its_generator_dying_and_the_replacement_serves_the_adapter(client, service):
+    training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
+    _teach(training, SEQUENCES["a"], steps=25)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    assert _greedy(sampler) == SEQUENCES["a"]
+    generator_pid = json.loads((service["dir"] / "processes.json").read_text())["generators"][0][0]
+    os.kill(generator_pid, signal.SIGKILL)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(generator_pid).wait(timeout=30)
+    # The pool replaces the generator; the sample waits for it, and the new engine loads the
+    # adapter from the weight store: the same greedy continuation.
+    assert _greedy(sampler) == SEQUENCES["a"]
+
+
 def test_ctrl_c_stops_the_server_and_every_process_of_the_service(service):
-    processes = json.loads((service["dir"] / "processes.json").read_text())
-    pids = [pid for group in processes["generators"] for pid in group] + processes["trainer"]
+    # Every process of the service descends from the command's (Monarch's, vLLM's engines).
+    descendants = psutil.Process(service["process"].pid).children(recursive=True)
+    assert len(descendants) >= 3
     service["process"].send_signal(signal.SIGINT)
     assert service["process"].wait(timeout=120) == 0, service["log"].read_text()[-3000:]
-    _, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=30)
+    _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not alive, [p.pid for p in alive]
     summary = json.loads(service["log"].read_text().strip().splitlines()[-1])
     assert summary["service_dir"] == str(service["dir"])
