@@ -83,13 +83,17 @@ def main(args: ServeBenchArgs) -> dict:
         def train(training) -> float:
             started = time.perf_counter()
             for _ in range(args.steps):
-                training.forward_backward(datums, "cross_entropy").result()
-                training.optim_step(adam).result()
+                # As the cookbook's loops do: both calls submitted, then both results awaited.
+                backward, step = training.forward_backward(datums, "cross_entropy"), training.optim_step(adam)
+                backward.result(), step.result()
             return time.perf_counter() - started
 
         samplers = [t.save_weights_and_get_sampling_client().result() for t in tenants]
         prompt = tinker.ModelInput.from_ints([int(x) for x in rng.integers(1, 20, size=8)])
         params = tinker.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[])
+
+        for sampler in samplers:  # warm-up: each adapter's first request loads it into the engine
+            sampler.sample(prompt, 1, params).result()
 
         def sample(sampler) -> tuple[float, int]:
             started = time.perf_counter()
