@@ -32,6 +32,7 @@ from forge_rl.plumbing.placement import LaunchConfig, check_placement, demand_of
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
+from forge_rl.tasks import tokenizer as char_tokenizer
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
 from forge_rl.training.reference import ReferenceConfig
 from forge_rl.training.trainer_config import TrainerConfig
@@ -76,6 +77,7 @@ class ModelConfig:
                 **({"num_experts": tiny.num_experts} if tiny.num_experts else {}),  # checked by trainer.parallel.ep
                 "hidden_size": tiny.hidden_size,
                 "intermediate_size": tiny.intermediate_size,
+                "vocab_size": char_tokenizer.VOCAB_SIZE,  # the run's tiny model: the default alphabet
             }
         missing = [name for name in REQUIRED_MODEL_FILES if not (self.path / name).is_file()]
         if missing:
@@ -380,7 +382,7 @@ class GRPOConfig:
         if lora.enabled:  # the shapes TorchTitan will build, checked before any process starts
             shapes = llama_layer_shapes(hf_config)
             try:
-                check_targets(lora, [*shapes, "lm_head"])
+                check_targets(lora, list(shapes))
                 check_rank(lora, {name: shape for name, shape in shapes.items() if name in lora.targets})
             except ValueError as e:
                 raise ConfigError(str(e)) from None

@@ -507,7 +507,8 @@ class VLLMEngine:
         # after it, its requests moved to the newest (`load_adapter`). Slots (max_loras) = cache
         # (max_cpu_loras), and forge_rl never holds more: vLLM never evicts an adapter on its own
         # (its LRU picks by last use, not version, and would reload an evicted one from a path
-        # the store may have collected).
+        # the store may have collected). No target_modules: vLLM wraps every layer it can adapt,
+        # lm_head included (LogitsProcessorWithLoRA), so any trainer.lora.targets are served.
         slots = self.adapters.resident + 1
         return dict(enable_lora=True, max_loras=slots, max_cpu_loras=slots, max_lora_rank=self.adapters.max_lora_rank)
 

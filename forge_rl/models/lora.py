@@ -20,7 +20,8 @@ their base layer's tensor-parallel split, as DTensors on the tp mesh:
 
     base layer                 W on tp       A              B              adapter output
     column parallel (wqkv,     Shard(0)      Replicate      Shard(0)       Shard(-1), as W x
-      w1, w3): out split
+      w1, w3, lm_head):
+      out split
     row parallel (wo, w2):     Shard(1)      Shard(1)       Replicate      Partial, redistributed to
       in split                                                             W x's layout (SP: Shard(1))
 
@@ -32,7 +33,10 @@ sums their gradients over those ranks, as FSDP2 sums the base's (no division: th
 normalizes its loss by the batch's token count).
 
 Targets are the last component of a module's name: TorchTitan's llama3/qwen3 blocks call their
-projections `wqkv` (q, k and v fused), `wo`, and `w1`, `w2`, `w3` (the SwiGLU MLP).
+projections `wqkv` (q, k and v fused), `wo`, and `w1`, `w2`, `w3` (the SwiGLU MLP); the
+unembedding is `lm_head` (vocabulary split under TP, as TorchTitan splits it). With tied embeddings
+the hook adapts lm_head's output alone, so the input embedding stays the base's; such an adapter
+cannot be merged (`merged`), the one matrix serving both.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class LoRAAdapters(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.layers = nn.ModuleDict({_key(name): self._build(layer, generator) for name, layer in targeted.items()})
         self._model_linears = targeted
+        self._tied = [name for name in targeted if name == "lm_head" and getattr(model, "enable_weight_tying", False)]
+        """Targeted layers whose weight is also the input embedding's (TorchTitan's weight tying)."""
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for param in model.parameters():
             param.requires_grad_(False)
@@ -202,7 +208,15 @@ class LoRAAdapters(nn.Module):
         afterwards. A collective under TP/FSDP2 (every rank enters it), and FSDP2 modules must be
         resharded (`titan.reshard`), so that the registered weights are the shards. The merge goes
         through the weights themselves, not state_dict keys, because TorchTitan's state_dict
-        splits the fused wqkv into wq/wk/wv."""
+        splits the fused wqkv into wq/wk/wv. ValueError for an adapter on a tied lm_head."""
+        if self._tied:
+            raise ValueError(
+                f"the adapter on {self._tied[0]} cannot be merged into its weight: the model ties it to "
+                "tok_embeddings (tie_word_embeddings true), so the merge would change the input embedding too, "
+                "and the HF export holds one matrix for both. Serve the adapters unmerged "
+                "(adapter_state_dict(), as a PEFT adapter directory: forge_rl.models.peft_format), or leave "
+                "lm_head out of --trainer.lora.targets."
+            )
         hooked = bool(self._hooks)
         self.detach()
         originals = {}

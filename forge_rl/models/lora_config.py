@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 ATTENTION_TARGETS = ("wqkv", "wo")
 MLP_TARGETS = ("w1", "w2", "w3")
+UNEMBED_TARGETS = ("lm_head",)
+"""The final projection to the vocabulary (TorchTitan and HF both call it lm_head). Not a default
+target: the Tinker API's `train_unembed` adds it. Without it, a model whose unembedding is random
+(the tiny models) caps each token's probability near what that matrix's norm allows, whatever the
+adapters learn upstream."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,8 @@ class LoRAConfig:
     alpha: float = 32.0
     """Scale of the adapter's output: alpha / rank (so the step size barely depends on the rank)."""
     targets: tuple[str, ...] = ATTENTION_TARGETS + MLP_TARGETS
-    """Last name components of the linear layers to adapt (TorchTitan: wqkv, wo, w1, w2, w3)."""
+    """Last name components of the linear layers to adapt (TorchTitan: wqkv, wo, w1, w2, w3, and
+    lm_head, the unembedding, which the default leaves out)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -41,7 +47,8 @@ class LoRAConfig:
 
 def llama_layer_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
     """[out_features, in_features] of each projection a llama3/qwen3 block builds from `hf_config`
-    (HF config.json), by TorchTitan name: what `check_rank` needs before any model is built."""
+    (HF config.json), by TorchTitan name, and of the unembedding (lm_head): what `check_rank` needs
+    before any model is built."""
     hidden = hf_config["hidden_size"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
@@ -53,6 +60,7 @@ def llama_layer_shapes(hf_config: dict) -> dict[str, tuple[int, int]]:
         "w1": (intermediate, hidden),
         "w2": (hidden, intermediate),
         "w3": (intermediate, hidden),
+        "lm_head": (hf_config["vocab_size"], hidden),
     }
 
 

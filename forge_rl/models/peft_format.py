@@ -4,6 +4,7 @@
     "layers.3.attention.qkv_linear.wqkv.lora_A"  ─▶ "base_model.model.model.layers.3.self_attn.{q,k,v}_proj.lora_A.weight"
     "layers.3.attention.qkv_linear.wqkv.lora_B"  ─▶ "...{q,k,v}_proj.lora_B.weight"   (rows of B, split)
     "layers.3.feed_forward.w1.lora_A" / _B       ─▶ "...mlp.gate_proj.lora_A.weight" / lora_B.weight
+    "lm_head.lora_A" / _B                        ─▶ "base_model.model.lm_head.lora_A.weight" / ...
     + adapter_config.json {peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path}
 
 Why rows of B and nothing else: LoRA adds scaling * B A to a weight W [out, in]. TorchTitan's
@@ -12,7 +13,9 @@ llama3 converter also permutes q and k rows (RoPE layout); both are maps of outp
 row map T gives T(W + s B A) = T(W) + s T(B) A: every HF projection keeps A (shared by q, k, v)
 and takes its own rows of B. The row maps are not re-derived here: `row_maps` pushes row indices
 through TorchTitan's own split of `wqkv` and its own HF converter, so they are the exact maps
-forge_rl's full-weight export uses (tested against it in tests/unit/test_peft_format.py).
+forge_rl's full-weight export uses (tested against it in tests/unit/test_peft_format.py). The
+unembedding, `lm_head` in both namings, is copied as is by both families' converters; with tied
+embeddings PEFT and vLLM add its adapter to the logits alone, as the trainer does.
 
 Pure functions over tensors and config.json; no vLLM, no peft (only the test imports peft).
 """
@@ -35,6 +38,7 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."  # PEFT's prefix: PeftModel -> LoraModel -> the HF model
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _FUSED_QKV = "attention.qkv_linear.wqkv"
+_UNEMBED = "lm_head"  # TorchTitan's and HF's name of the unembedding, outside the blocks
 
 
 def row_maps(hf_config: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -90,10 +94,14 @@ def peft_state_dict(adapter_state_dict: dict[str, torch.Tensor], hf_config: dict
     for key, tensor in adapter_state_dict.items():
         module, _, part = key.rpartition(".")
         match = _LAYER.match(module)
+        if part in ("lora_A", "lora_B") and module == _UNEMBED:
+            out[f"{_PEFT_PREFIX}{_UNEMBED}.{part}.weight"] = tensor.contiguous()
+            continue
         if part not in ("lora_A", "lora_B") or match is None or match.group(2) not in maps:
             raise ValueError(
-                f"adapter tensor {key!r} is not a LoRA factor of a transformer block's projection; expected "
-                f"'layers.N.<{'|'.join(maps)}>.lora_A' or '.lora_B' (LoRAAdapters.adapter_state_dict())."
+                f"adapter tensor {key!r} is not a LoRA factor of a transformer block's projection or of "
+                f"{_UNEMBED}; expected 'layers.N.<{'|'.join(maps)}>.lora_A' or '.lora_B', or "
+                f"'{_UNEMBED}.lora_A' / '.lora_B' (LoRAAdapters.adapter_state_dict())."
             )
         layer, suffix = match.groups()
         for hf_module, rows in maps[suffix]:
@@ -109,6 +117,7 @@ def peft_target_modules(lora: LoRAConfig, hf_config: dict) -> list[str]:
     return sorted(
         {hf_module.rsplit(".", 1)[-1] for suffix, modules in maps.items()
          if suffix.rsplit(".", 1)[-1] in lora.targets for hf_module, _ in modules}
+        | ({_UNEMBED} if _UNEMBED in lora.targets else set())
     )
 
 

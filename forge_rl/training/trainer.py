@@ -478,7 +478,8 @@ class PolicyTrainer:
     def hf_state_dict(self, dtype: torch.dtype = torch.float32, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full weights in HF names; a collective, so call it on every rank. `keep=False` (ranks
         that do not publish) joins the gathers without copying anything to host memory: {}.
-        With LoRA: the merged weights (base + scaling * B A), what the adapted model computes."""
+        With LoRA: the merged weights (base + scaling * B A), what the adapted model computes;
+        ValueError for an lm_head adapter on tied embeddings, which no merge represents."""
         if self.lora is None:
             return export_hf_state_dict(self.model, dtype, keep)
         reshard(self.model)  # the merge adds to the registered weights, which must be the shards

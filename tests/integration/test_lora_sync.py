@@ -34,13 +34,13 @@ LOGPROB_TOLERANCE = 1e-4  # measured 2.4e-7 (fp32 on both sides); a wrong or mis
 class Trainer:
     """The trainer side in one process: the TorchTitan model, its adapters, the store publisher."""
 
-    def __init__(self, model_dir: Path, publisher: WeightPublisher):
+    def __init__(self, model_dir: Path, publisher: WeightPublisher, targets: tuple[str, ...] | None = None):
         from forge_rl.models.lora import LoRAAdapters, LoRAConfig
         from forge_rl.models.titan import ParallelConfig, build_titan_model
 
         self.model_dir, self.publisher = model_dir, publisher
         self.model, _ = build_titan_model(model_dir, ParallelConfig(), torch.device("cpu"))
-        self.lora = LoRAConfig(rank=RANK, alpha=8.0)
+        self.lora = LoRAConfig(rank=RANK, alpha=8.0, **({"targets": targets} if targets else {}))
         self.adapters = LoRAAdapters(self.model, self.lora)
         self.adapters.attach()
 
@@ -66,10 +66,14 @@ class Trainer:
         else:
             self.set_version(version)
         try:
-            with torch.no_grad():
-                logits = self.model(torch.tensor([PROMPT + tokens]))[0]
+            return self.current_logprobs(tokens)
         finally:
             self.adapters.attach()
+
+    def current_logprobs(self, tokens: list[int]) -> list[float]:
+        """Logprobs of `tokens` after PROMPT with the adapters as they are now."""
+        with torch.no_grad():
+            logits = self.model(torch.tensor([PROMPT + tokens]))[0]
         positions = torch.log_softmax(logits.float(), dim=-1)[len(PROMPT) - 1 : -1]
         return [positions[i, t].item() for i, t in enumerate(tokens)]
 
@@ -196,3 +200,72 @@ def test_a_request_that_outlives_its_adapter_continues_on_the_newest_and_no_load
     assert _close(completion.logprobs[3:], s.trainer.logprobs(completion.token_ids, tail_version)[3:]) < LOGPROB_TOLERANCE
     assert s.run(s.engine.adapters_settled()) == [held_version + 1]
     assert sorted(s.run(s.engine._running_llm.list_loras())) == [held_version + 2 + 1, held_version + 3 + 1]
+
+
+def test_an_adapter_on_the_unembedding_is_served_with_the_trainers_logprobs(lora_setup):
+    """lm_head among the targets: vLLM applies its adapter in LogitsProcessorWithLoRA, on the same
+    engine (every adapter version may or may not adapt lm_head). Its logprobs equal the trainer's,
+    and differ from those of the same adapters without the lm_head one."""
+    from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+    from forge_rl.store.loader import load_version
+
+    s = lora_setup
+    trainer = Trainer(s.trainer.model_dir, s.trainer.publisher, ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS)
+    version = s.engine.policy_version + 1
+    s.run(trainer.publish(version))
+    assert s.run(load_version(s.engine, s.store, version))["policy_version"] == version
+    (completion,) = s.run(s.engine.generate(PROMPT, n=1, eos_id=None))
+    assert completion.policy_versions == [version] * NEW_TOKENS
+    assert _close(completion.logprobs, trainer.logprobs(completion.token_ids, version)) < LOGPROB_TOLERANCE
+    with torch.no_grad():
+        trainer.adapters.layers["lm_head"].lora_B.zero_()  # the other adapters of `version` kept
+    without_unembedding = trainer.current_logprobs(completion.token_ids)
+    assert _close(completion.logprobs, without_unembedding) > 0.05, "lm_head's adapter not applied"
+
+
+def _tied(model_dir: Path) -> Path:
+    """`model_dir` rewritten with tie_word_embeddings true: lm_head.weight dropped, the embedding
+    serving as the unembedding too (as SmolLM2 and Qwen3-0.6B)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    return model_dir
+
+
+def test_an_unembedding_adapter_on_tied_embeddings_is_served_with_the_trainers_logprobs(tmp_path):
+    """Tied embeddings: the trainer adds lm_head's adapter to the logits alone (the shared matrix
+    stays the base's), and so does vLLM (LogitsProcessorWithLoRA over the tied head)."""
+    from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
+    from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+    from forge_rl.models.peft_format import write_peft_adapter
+    from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+
+    model_dir = _tied(create_tiny_model(TinyModelConfig(num_kv_heads=2), tmp_path / "model"))
+    trainer = Trainer(model_dir, None, ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS)
+    assert trainer.model.tok_embeddings.weight is trainer.model.lm_head.weight
+    trainer.set_version(1)
+    adapter_dir = write_peft_adapter(tmp_path / "adapter", trainer.adapters.adapter_state_dict(), trainer.lora, model_dir)
+
+    async def serve():
+        engine = VLLMEngine(
+            GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=1.0),
+            adapters=AdapterServing(rank=RANK, resident=1, base_model=str(model_dir)),
+        )
+        await engine.start(model_dir, MAX_MODEL_LEN)
+        try:
+            await engine.load_adapter(adapter_dir, 1, str(model_dir))
+            return await engine.generate(PROMPT, n=1, eos_id=None)
+        finally:
+            await engine.shutdown()
+
+    (completion,) = asyncio.run(serve())
+    assert _close(completion.logprobs, trainer.logprobs(completion.token_ids, 1)) < LOGPROB_TOLERANCE
+    with torch.no_grad():
+        trainer.adapters.layers["lm_head"].lora_B.zero_()
+    assert _close(completion.logprobs, trainer.current_logprobs(completion.token_ids)) > 0.05, "lm_head's adapter not applied"

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from forge_rl.core.batching import TrainBatch, make_train_batch
 from forge_rl.models.lora import LoRAConfig
+from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
 from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
@@ -31,8 +32,12 @@ NUM_STEPS = 3
 # default eps 1e-8 lets those differences swing the update by a good fraction of lr (seen: 5e-5 under
 # TP). With eps 1e-5 a gradient difference of 1e-8 moves the update by at most lr * 1e-3.
 PARITY_CONFIG = TrainerConfig(adam_eps=1e-5)
-# Rank 4 on every projection; lr 1e-3 so that 3 steps move B (zero at start) well past the tolerance.
-LORA_PARITY_CONFIG = dataclasses.replace(PARITY_CONFIG, lr=1e-3, lora=LoRAConfig(enabled=True, rank=4, alpha=8.0))
+# Rank 4 on every projection and the unembedding (lm_head, column-parallel under TP as wqkv); lr
+# 1e-3 so that 3 steps move B (zero at start) well past the tolerance.
+LORA_PARITY_CONFIG = dataclasses.replace(
+    PARITY_CONFIG, lr=1e-3,
+    lora=LoRAConfig(enabled=True, rank=4, alpha=8.0, targets=ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS),
+)
 
 
 def _episodes() -> list[Episode]:

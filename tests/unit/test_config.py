@@ -125,6 +125,10 @@ def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
             "trainer.lora.targets ['q_proj'] match no linear layer of the model. Its linear layers are named "
             "['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv']",
         ),
+        (  # the tiny model's vocabulary (46) is smaller than its width (128)
+            "trainer:\n  lora:\n    enabled: true\n    rank: 64\n    targets: [wo, lm_head]\n",
+            "trainer.lora.rank (64) exceeds the smaller dimension of 1 targeted layer(s), e.g. lm_head [46 x 128]",
+        ),
         (
             "generator:\n  engine: sim\n  sim:\n    length_sigma: -1\ntrainer:\n  engine: sim\n",
             "generator.sim.length_sigma (-1.0) must be >= 0 and finite. Set --generator.sim.length-sigma.",
@@ -148,6 +152,7 @@ def test_the_configs_these_checks_refuse_have_a_valid_neighbour(tmp_path):
         "generator:\n  engine: sim\ntrainer:\n  engine: sim\n",
         "model:\n  tiny:\n    num_experts: 8\ngenerator:\n  record_routing: true\ntrainer:\n  keep_routing: true\n",
         "trainer:\n  lora:\n    enabled: true\n    rank: 128\n    targets: [wo]\n",
+        "trainer:\n  lora:\n    enabled: true\n    rank: 46\n    targets: [wo, lm_head]\n",
     ):
         assert isinstance(load_yaml_config(GRPOConfig, write_yaml(tmp_path, text)), GRPOConfig)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from forge_rl.models.lora import LoRAAdapters, LoRAConfig
+from forge_rl.models.lora_config import UNEMBED_TARGETS
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig, build_titan_model
 
@@ -50,9 +51,11 @@ def test_adapters_start_as_the_base_and_only_they_train(model_dir):
     assert torch.equal(model(TOKENS), adapted_logits)
 
 
-def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir):
+@pytest.mark.parametrize("targets", [LoRAConfig().targets, LoRAConfig().targets + UNEMBED_TARGETS], ids=["default", "lm_head"])
+def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir, targets):
     model = _model(model_dir)
-    adapters = LoRAAdapters(model, LoRAConfig(rank=8, alpha=16.0))
+    adapters = LoRAAdapters(model, LoRAConfig(rank=8, alpha=16.0, targets=targets))
+    assert ("lm_head" in adapters.module_names) == ("lm_head" in targets)
     with torch.no_grad():
         for p in adapters.parameters():
             p.normal_(0, 0.05)
@@ -68,6 +71,25 @@ def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir):
     assert (merged(TOKENS) - _model(model_dir)(TOKENS)).abs().max() > 1e-3
     adapters.detach()  # the merge left the adapted model's own base weights as they were
     assert torch.equal(model(TOKENS), _model(model_dir)(TOKENS))
+
+
+@pytest.mark.parametrize("targets, reachable", [(LoRAConfig().targets, False), (LoRAConfig().targets + UNEMBED_TARGETS, True)], ids=["default", "lm_head"])
+def test_only_an_unembedding_adapter_lifts_a_token_past_the_random_unembeddings_cap(model_dir, targets, reachable):
+    """The tiny model's unembedding is random: with it frozen, the adapters upstream cannot raise a
+    token's probability past a cap its rows set (about 0.25 for this token), however they train."""
+    model = _model(model_dir)
+    adapters = LoRAAdapters(model, LoRAConfig(rank=4, targets=targets))
+    adapters.attach()
+    optimizer = torch.optim.AdamW(adapters.parameters(), lr=3e-2, weight_decay=0.0)
+    target = torch.full((TOKENS.numel(),), 7)
+    for _ in range(40):
+        loss = torch.nn.functional.cross_entropy(model(TOKENS).flatten(0, 1), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        probability = torch.softmax(model(TOKENS), dim=-1)[..., 7]
+    assert probability.min() > 0.9 if reachable else probability.max() < 0.3
 
 
 def test_adapters_only_checkpoint_round_trips(model_dir):
