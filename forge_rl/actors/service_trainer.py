@@ -59,8 +59,8 @@ class ServiceTrainerActor(Actor):
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "lora_rank": self.tenants.rank}
 
     @endpoint
-    async def add_tenant(self, tenant: str, seed: int) -> None:
-        self.tenants.add_tenant(tenant, seed)
+    async def add_tenant(self, tenant: str, seed: int, frozen_targets: tuple[str, ...] = ()) -> None:
+        self.tenants.add_tenant(tenant, seed, frozen_targets)
 
     @endpoint
     async def remove_tenant(self, tenant: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from forge_rl.config import GRPOConfig, LogConfig, ModelConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.errors import ConfigError
-from forge_rl.models.lora_config import LoRAConfig
+from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoRAConfig
 from forge_rl.plumbing.placement import LaunchConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.training.trainer_config import TrainerConfig
@@ -27,8 +27,11 @@ LOOPBACK = "127.0.0.1"
 
 
 def _service_trainer() -> TrainerConfig:
-    # The tinker cookbook's default rank (its recipes create rank-32 training clients).
-    return TrainerConfig(lora=LoRAConfig(enabled=True, rank=32, alpha=32.0))
+    # The tinker cookbook's default rank (its recipes create rank-32 training clients), on every
+    # layer kind a Tinker LoRA config may train (its train_attn, train_mlp, train_unembed: all on
+    # by default); each tenant trains the kinds its config asks for.
+    targets = ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS
+    return TrainerConfig(lora=LoRAConfig(enabled=True, rank=32, alpha=32.0, targets=targets))
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,9 @@ class ServeConfig:
     """The name clients pass as base_model (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"); unset: the
     model directory's name. Any other name is refused, naming this one."""
     trainer: TrainerConfig = field(default_factory=_service_trainer)
-    """The trainer mesh (trainer.lora.rank: every tenant's adapter rank; lora.enabled is always on)."""
+    """The trainer mesh (trainer.lora.rank: every tenant's adapter rank; trainer.lora.targets: the
+    layers tenants may adapt, by default attention, MLP and the unembedding; lora.enabled is
+    always on)."""
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """The vLLM engines (KV cache, threads, eager mode); sampling parameters come with each request."""
     num_generators: int = 1

@@ -29,6 +29,7 @@ from typing import Literal
 from forge_rl.actors.generator_pool import GeneratorPool
 from forge_rl.actors.service_trainer import ServiceTrainerActor
 from forge_rl.errors import generator_lost, raised_by_actor
+from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from forge_rl.models.parallel import read_hf_config
 from forge_rl.observability.metrics import open_sinks, progress
 from forge_rl.service.backend import (
@@ -139,14 +140,34 @@ class MeshBackend:
                 f"adapter has the server's rank. Create the training client with rank={served}, or restart "
                 f"`forge-rl serve` with --trainer.lora.rank {lora.rank}."
             )
+        frozen = self._frozen_targets(lora)
         model_id = f"model-{next(self._model_ids)}"
         seed = lora.seed if lora.seed is not None else len(self._tenants)
-        await self._on_trainer("add_tenant", model_id, seed)
+        await self._on_trainer("add_tenant", model_id, seed, frozen)
         directory = self.service_dir / "tenants" / model_id
         directory.mkdir(parents=True, exist_ok=True)
         sinks = open_sinks(self.config.log, directory, {"model_id": model_id, "lora_rank": lora.rank, "seed": seed})
         self._tenants[model_id] = _Tenant(model_id, lora, sinks=sinks)
         return model_id
+
+    def _frozen_targets(self, lora: LoraSpec) -> tuple[str, ...]:
+        """The served targets this tenant leaves untrained; RequestRefused for a kind of layer it
+        asks to train that the server does not adapt."""
+        served = set(self.config.trainer.lora.targets)
+        kinds = {"train_attn": ATTENTION_TARGETS, "train_mlp": MLP_TARGETS, "train_unembed": UNEMBED_TARGETS}
+        frozen = []
+        for flag, targets in kinds.items():
+            if getattr(lora, flag):
+                missing = [t for t in targets if t not in served]
+                if missing:
+                    raise RequestRefused(
+                        f"lora_config.{flag} is true, but this server does not adapt {missing} (its "
+                        f"--trainer.lora.targets: {sorted(served)}). Set {flag}=False, or restart `forge-rl serve` "
+                        f"with those layers in --trainer.lora.targets."
+                    )
+            else:
+                frozen += [t for t in targets if t in served]
+        return tuple(frozen)
 
     def model_info(self, model_id: str) -> LoraSpec:
         return self._tenant(model_id).lora
@@ -226,6 +247,9 @@ class MeshBackend:
         async with tenant.lock:
             version = next(self._versions)
             await self._on_trainer("publish", model_id, version)
+            # The write runs in the background on rank 0; a sample of the path may come the moment
+            # it is answered (the cookbook's loops sample at once), so answer once it is complete.
+            await self._on_trainer("wait_for_publish")
         if kind == "inflight":
             path = f"tinker://{model_id}/sampler_weights/inflight"
         else:

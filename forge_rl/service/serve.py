@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Callable
 
 from forge_rl.observability.metrics import progress
 from forge_rl.run import launch
@@ -28,8 +29,12 @@ SERVER_FILE = "server.json"
 """In the service directory once the server listens: {"url", "base_model", "pid"}."""
 
 
-async def serve(config: ServeConfig, stop: asyncio.Event | None = None) -> dict:
-    """Serve until `stop` is set (or the task is cancelled: Ctrl-C); returns the summary."""
+async def serve(
+    config: ServeConfig, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None,
+) -> dict:
+    """Serve until `stop` is set (or the task is cancelled: Ctrl-C); returns the summary.
+    `on_ready` is called with the server's URL once it listens (a notebook serving from its own
+    event loop waits for it)."""
     run = config.run_config()
     lifecycle = Lifecycle.open(run)
     if "torch" in sys.modules:  # this process only orchestrates: the cores are the engines' and the trainer's
@@ -46,6 +51,8 @@ async def serve(config: ServeConfig, stop: asyncio.Event | None = None) -> dict:
         url = server.url
         (lifecycle.run_path / SERVER_FILE).write_text(json.dumps({"url": url, "base_model": backend.base_model}))
         progress(f"serving the Tinker API for {backend.base_model} at {url} (Ctrl-C stops it)")
+        if on_ready is not None:
+            on_ready(url)
         try:
             await lifecycle.serve_until(stop.wait() if stop is not None else asyncio.Event().wait())
         except asyncio.CancelledError:

@@ -39,6 +39,9 @@ class _TenantState:
     """What a tenant owns while another is live; None entries are held by the live tensors."""
 
     adapters: dict[str, torch.Tensor]
+    frozen: frozenset[str] = frozenset()
+    """Adapter parameters the tenant does not train (layers its LoRA config leaves out): their B
+    stays zero, so they add nothing to its model."""
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     moments: dict[str, dict] = field(default_factory=dict)
     num_steps: int = 0
@@ -62,11 +65,17 @@ class TenantTrainer:
     def rank(self) -> int:
         return self.lora.config.rank
 
-    def add_tenant(self, tenant: str, seed: int) -> None:
-        """A new tenant whose adapters start as LoRA's do (A from `seed`, B zero): as the base."""
+    def add_tenant(self, tenant: str, seed: int, frozen_targets: tuple[str, ...] = ()) -> None:
+        """A new tenant whose adapters start as LoRA's do (A from `seed`, B zero): as the base.
+        `frozen_targets`: layer names (trainer.lora.targets entries) whose adapters this tenant
+        does not train (the Tinker API's train_attn / train_mlp / train_unembed set to false)."""
         if tenant in self._tenants:
             raise ValueError(f"tenant {tenant!r} exists already")
-        self._tenants[tenant] = _TenantState(adapters=self.lora.initial_state(seed))
+        unknown = sorted(set(frozen_targets) - set(self.lora.config.targets))
+        if unknown:
+            raise ValueError(f"frozen targets {unknown} are not adapted here (trainer.lora.targets {list(self.lora.config.targets)})")
+        frozen = frozenset(name for name in self._params if name.rsplit(".", 2)[-2] in frozen_targets)
+        self._tenants[tenant] = _TenantState(adapters=self.lora.initial_state(seed), frozen=frozen)
 
     def remove_tenant(self, tenant: str) -> None:
         self._state(tenant)
@@ -152,8 +161,11 @@ class TenantTrainer:
         optimizer = self.trainer.optimizer
         for group in optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        for name in self._tenants[tenant].frozen:  # no gradient: AdamW leaves them where they are
+            self._params[name].grad = None
         params = list(self._params.values())
-        if all(p.grad is None for p in params):
+        params = [p for p in params if p.grad is not None]
+        if not params:
             return {"grad_norm": 0.0, "step_skipped": 0.0, "optim_step_s": 0.0}
         max_norm = grad_clip_norm if grad_clip_norm > 0 else math.inf
         norm = float(clip_grad_norm_(params, max_norm, foreach=True).item())

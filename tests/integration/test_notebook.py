@@ -1,5 +1,6 @@
 """docs/notebook.ipynb runs top to bottom on CPU: proc meshes by hand, a vLLM generator, a trainer,
-GRPO steps driven from the notebook, and a reward plot."""
+GRPO steps driven from the notebook, a reward plot, and the same actors as a service that the
+tinker SDK trains a LoRA tenant on."""
 
 from __future__ import annotations
 
@@ -28,3 +29,6 @@ def test_the_notebook_drives_grpo_by_hand_and_plots_the_reward():
     assert summary["steps"] == 60
     assert summary["policy_version"] == 61  # the step by hand, then the loop's 60
     assert summary["last_rewards"] > summary["first_rewards"] + 0.1, summary
+    sevens_before, sevens_after = summary["sevens_before_after"]  # of 16 samples of "M37="
+    assert sevens_after >= 12 and sevens_after > sevens_before, summary
+    assert summary["service_requests"] > 40, summary

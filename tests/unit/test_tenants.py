@@ -116,6 +116,17 @@ def test_tenants_never_mix_however_their_calls_interleave(tenants):
     assert any(not torch.equal(state["a"][key], state["b"][key]) for key in state["a"])
 
 
+def test_layers_a_tenant_does_not_train_stay_as_the_base(tenants):
+    tenants.add_tenant("attention_only", seed=4, frozen_targets=("w1", "w2", "w3"))
+    tenants.forward_backward("attention_only", [_rl_datum(-3.0, 1.0)], "importance_sampling", None, backward=True)
+    tenants.optim_step("attention_only", **ADAM)
+    adapters = tenants.adapter_state_dict("attention_only", torch.float32, keep=True)
+    moved = {key.rsplit(".", 2)[-2] for key, value in adapters.items() if key.endswith("lora_B") and value.any()}
+    assert moved == {"wqkv", "wo"}
+    with pytest.raises(ValueError, match="not adapted here"):
+        tenants.add_tenant("nowhere", seed=0, frozen_targets=("lm_head",))
+
+
 def test_a_new_tenant_starts_as_the_base_and_bad_data_is_refused(tenants):
     tenants.add_tenant("fresh", seed=3)
     adapters = tenants.adapter_state_dict("fresh", torch.float32, keep=True)
