@@ -172,6 +172,18 @@ def test_a_tenant_that_trains_attention_alone_learns_less_than_one_that_trains_e
     assert losses["every layer"] < losses["attention"], losses
 
 
+def test_the_grpo_loop_example_runs_against_the_service(service):
+    """examples/grpo_loop.py, a few steps (its learning is measured in docs/service.md, not here)."""
+    loop = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "grpo_loop.py"), "--base-url", service["url"], "--steps", "3",
+         "--prompts-per-step", "4", "--rank", str(RANK)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert loop.returncode == 0, loop.stderr[-3000:]
+    summary = json.loads(loop.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and 0.0 <= summary["final_reward"] <= 1.0
+
+
 def test_bad_requests_are_refused_naming_their_fault(client):
     training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
     with pytest.raises(Exception, match="gspo.*cross_entropy|cross_entropy.*gspo"):
