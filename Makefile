@@ -19,7 +19,7 @@ VERIFIERS_PACKAGES := verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0
 	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 \
 	math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 
-.PHONY: venv env-adapters peers-venv demo test test-gpu lint clean
+.PHONY: venv env-adapters peers-venv cookbook-venv demo test test-gpu lint clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,23 @@ $(PEER_STAMP): requirements/peers-trl.txt
 	$(PEER_VENV)/bin/python -m pip install -r requirements/peers-trl.txt
 	touch $(PEER_STAMP)
 
+# The tinker cookbook in an environment of its own, to run its recipes against `forge-rl serve`
+# (docs/service.md, "The tinker cookbook against forge-rl serve"): its pins are not forge_rl's.
+# torch first, as in `venv`; then every package pinned in requirements/cookbook.txt; the cookbook
+# last, with --no-deps (that file says why).
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK_STAMP := $(COOKBOOK_VENV)/.cookbook-installed
+
+cookbook-venv: $(COOKBOOK_STAMP)
+
+$(COOKBOOK_STAMP): requirements/cookbook.txt
+	$(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/python -m pip install --upgrade "pip>=24"
+	$(COOKBOOK_VENV)/bin/python -m pip install "torch==2.13.0"
+	$(COOKBOOK_VENV)/bin/python -m pip install -r requirements/cookbook.txt
+	$(COOKBOOK_VENV)/bin/python -m pip install --no-deps "tinker-cookbook==0.6.1"
+	touch $(COOKBOOK_STAMP)
+
 demo: venv
 	$(VENV)/bin/forge-rl grpo --config configs/grpo_tiny_cpu.yaml
 
@@ -82,4 +99,4 @@ lint: venv
 	$(VENV)/bin/ruff check forge_rl apps tests examples
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) runs
+	rm -rf $(VENV) $(PEER_VENV) $(COOKBOOK_VENV) runs

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -505,3 +506,50 @@ def test_a_fetched_result_is_dropped_after_its_retention_and_an_unclaimed_one_af
         assert not table.known(unclaimed)
 
     asyncio.run(scenario())
+
+
+def test_a_save_for_sampler_answers_once_its_adapter_is_written_so_a_sample_of_the_path_can_load_it(tmp_path):
+    """The meshes' save (MeshBackend on a fake trainer mesh): rank 0 writes the published adapter in
+    the background, and a sample of the path may come as soon as the save answers (the cookbook's
+    RL loops sample at once), so the save answers only once the write is complete."""
+    from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
+    from forge_rl.service.config import ServeConfig
+    from forge_rl.service.meshes import MeshBackend
+
+    model_dir = create_tiny_model(TinyModelConfig(), tmp_path / "model")
+    written: list[int] = []
+    writes: list[asyncio.Task] = []
+
+    async def add_tenant(model_id, *args) -> None:
+        pass
+
+    async def publish(model_id, version) -> dict:
+        async def write() -> None:
+            await asyncio.sleep(0.05)
+            written.append(version)
+
+        writes.append(asyncio.create_task(write()))
+        return {}
+
+    async def wait_for_publish() -> None:
+        if writes:
+            await writes.pop()
+
+    class Endpoint:  # the trainer mesh of one rank: `call()` answers each rank's value
+        def __init__(self, function):
+            self.function = function
+
+        async def call(self, *args):
+            return {0: await self.function(*args)}
+
+    trainer = SimpleNamespace(add_tenant=Endpoint(add_tenant), publish=Endpoint(publish), wait_for_publish=Endpoint(wait_for_publish))
+
+    async def scenario() -> None:
+        backend = MeshBackend(ServeConfig(), trainer, None, None, tmp_path / "store", tmp_path, model_dir)
+        model_id = await backend.create_model(LoraSpec(rank=32, seed=0))
+        for kind in ("snapshot", "inflight"):
+            saved = await backend.save_for_sampler(model_id, None, kind)
+            assert written[-1:] == [saved.policy_version], f"a {kind} save answered before version {saved.policy_version} was written"
+
+    asyncio.run(scenario())
+    assert written == [1, 2]
