@@ -274,15 +274,19 @@ class Evaluation:
         ))
         await self.evaluate_served(job.step, job.version, started)
 
-    async def evaluate_served(self, step: int, version: int, started: float | None = None) -> dict[str, Any]:
+    async def evaluate_served(
+        self, step: int, version: int, started: float | None = None, stamped: int | None = None,
+    ) -> dict[str, Any]:
         """Evaluate every set on the generators, which serve exactly `version` now: sampled, proved
         `version`'s, scored, written (eval.jsonl, eval/<set>/version-<v>.jsonl) and logged. Returns
-        the record eval.jsonl got; its eval/seconds count from `started` (default: now)."""
+        the record eval.jsonl got; its eval/seconds count from `started` (default: now).
+        `stamped`: the version the generators stamp on its tokens, when it is not `version` (an
+        engine started from a checkpoint's export serves it as its own version 0)."""
         started = time.monotonic() if started is None else started
         record: dict[str, Any] = {"step": step, "policy_version": version}
         for name, prompts in self.sets.items():
             episodes = await (self._sample_pinned(prompts, version) if self.shared else self.sample(prompts))
-            version_of(episodes, version)
+            version_of(episodes, version if stamped is None else stamped)
             await self._scoring.score(episodes)
             result = summarize(
                 name, version, episodes, [p.row_number for p in prompts], self.eval.k_values, self.eval.pass_threshold

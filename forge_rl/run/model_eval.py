@@ -331,7 +331,9 @@ async def _evaluate_target(args: EvalArgs, target: Target, model_dir: Path, out:
             evaluation.load_sets()
             meter.num_prompts = sum(map(len, evaluation.sets.values())) + len(humaneval or ())
             if evaluation.sets:  # eval.jsonl gets the sets' record, as beside training
-                record = await evaluation.evaluate_served(step, version)
+                # The engines started from the model directory (a checkpoint's export), which they
+                # serve as their version 0, whatever policy version it holds.
+                record = await evaluation.evaluate_served(step, version, stamped=0)
                 for name in evaluation.sets:
                     summary[name] = _set_figures(record, name, out / "eval" / name / f"version-{version}.jsonl")
             if humaneval is not None:  # and HumanEval's its own
@@ -441,7 +443,7 @@ async def _evaluate_humaneval(evaluation: Evaluation, prompts: list[EvalPrompt],
     from forge_rl.evaluation.results import version_of
 
     episodes = await evaluation.sample(prompts)
-    version_of(episodes, version)
+    version_of(episodes, 0)  # the engines serve the model directory as their version 0
     problems = humaneval.load_problems()
     completions = {
         episode.answer: [humaneval.completion_of(problems[episode.answer], c.text) for c in episode.completions]

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from forge_rl.core.batching import make_train_batch
-from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller_state
+from forge_rl.core.checkpoint import complete_checkpoints, newest_complete_checkpoint, read_controller_state
 from forge_rl.data.config import DataConfig
 from forge_rl.data.order import locate
 from forge_rl.data.rows import export_rows
@@ -338,3 +338,25 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments
     assert all(len(set(rows)) == len(rows) for rows in rows_by_epoch.values())
     if three_segments["second"] is not None:
         assert not three_segments["third_store_roots"], "the resumed run left its weight store behind"
+
+
+def test_forge_rl_eval_draws_the_runs_curve_over_its_checkpoints(three_segments, tmp_path):
+    """`forge-rl eval --run RUN --every-checkpoint` on the resumed run: each complete checkpoint
+    exported and evaluated in step order, at the policy version it saved."""
+    run_path = three_segments["run_path"]
+    checkpoints = complete_checkpoints(run_path)
+    out = tmp_path / "eval"
+    cli = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "eval", "--run", str(run_path), "--every-checkpoint",
+         "--data.path", str(run_path.parent / "rows.jsonl"), "--data.answer-column", "answer", "--max-prompts", "8",
+         "--eval.num-samples", "2", "--eval.temperature", "1.0", "--eval.k-values", "1", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    curve = json.loads(cli.stdout.strip().splitlines()[-1])["curve"]
+    versions = [read_controller_state(path).policy_version for _, path in checkpoints]
+    assert [(c["step"], c["policy_version"]) for c in curve] == [(step, v) for (step, _), v in zip(checkpoints, versions)]
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [step for step, _ in checkpoints]
+    assert all(r["eval/rows/num_prompts"] == 8 and 0.0 <= r["eval/rows/pass@1"] <= r["eval/rows/pass@2"] <= 1.0 for r in records)
+
