@@ -23,6 +23,7 @@ from forge_rl.envs.runner import SampledTurn
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.plumbing.port_calls import PortServed
+from forge_rl.store.index import ADAPTER_OF, version_key
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode, SampleResult, SampleSpec
@@ -161,8 +162,6 @@ class GeneratorActor(PortServed, Actor):
                 await self._serve_adapter(version, weights_dir)
 
     async def _serve_adapter(self, policy_version: int, weights_dir: str) -> None:
-        from forge_rl.store.index import ADAPTER_OF, version_key
-
         async with self.swap_lock:
             store = await self._weight_store(Path(weights_dir).parent)
             async with store.lease(version_key(policy_version)) as snapshot:  # vLLM reads it in add_lora

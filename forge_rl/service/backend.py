@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from forge_rl.training.tinker_losses import REQUIRED_INPUTS
 from forge_rl.types import SampledSequence, SampleResult, SampleSpec
 
 __all__ = [
@@ -25,7 +26,7 @@ __all__ = [
     "SampledSequence", "SavedWeights", "ServiceBackend", "TrainingDatum",
 ]
 
-LOSS_FUNCTIONS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSS_FUNCTIONS = tuple(REQUIRED_INPUTS)
 """The Tinker losses the trainer computes (forge_rl/training/tinker_losses.py); the SDK's others
 ("gspo", "stable_reinforce", "custom") are refused by name."""
 

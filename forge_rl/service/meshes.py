@@ -33,7 +33,6 @@ from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_
 from forge_rl.models.parallel import read_hf_config
 from forge_rl.observability.metrics import open_sinks, progress
 from forge_rl.service.backend import (
-    LOSS_FUNCTIONS,
     AdamStep,
     ForwardBackwardResult,
     LoraSpec,
@@ -81,8 +80,9 @@ class MeshBackend:
         self.store_root = store_root
         self.service_dir = service_dir
         self.base_model = config.served_name
-        self.max_context_length = config.run_config().max_model_len
-        self.vocab_size = read_hf_config(model_dir)["vocab_size"]
+        hf_config = read_hf_config(model_dir)
+        self.max_context_length = hf_config["max_position_embeddings"]  # the run's max_model_len
+        self.vocab_size = hf_config["vocab_size"]
         self.tokenizer_id = str(Path(model_dir).resolve())
         """What the SDK's get_tokenizer loads (transformers' AutoTokenizer): the model directory."""
         self.eos_id = PromptTokenizer(model_dir).eos_id
@@ -97,7 +97,7 @@ class MeshBackend:
     async def spawn(cls, config: ServeConfig, hosts, lifecycle) -> MeshBackend:
         """The service's processes on `hosts` (forge_rl/run/launch.py): the services process (the
         store's index and volume, the generator pool) and the trainer ranks."""
-        run = config.run_config()
+        run = lifecycle.config  # the run these meshes are (ServeConfig.run_config)
         model_dir, store_root = str(lifecycle.model_dir), str(lifecycle.store.root)
         services = hosts.spawn_services()
         trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
@@ -185,13 +185,8 @@ class MeshBackend:
         backward: bool,
     ) -> ForwardBackwardResult:
         tenant = self._tenant(model_id)
-        if loss_fn not in LOSS_FUNCTIONS:
-            raise RequestRefused(
-                f"loss_fn {loss_fn!r} is not one this server computes; it computes {', '.join(LOSS_FUNCTIONS)}. "
-                "Use one of those, or compute a custom loss from forward's logprobs client-side."
-            )
         for index, datum in enumerate(data):
-            self._check_tokens(datum.tokens, f"data[{index}].model_input")
+            self._check_vocabulary(datum.tokens, f"data[{index}].model_input")
         wire = [(datum.tokens, datum.inputs) for datum in data]
         async with tenant.lock:
             outputs, metrics = await self._on_trainer("forward_backward", model_id, wire, loss_fn, loss_fn_config, backward)
@@ -282,14 +277,7 @@ class MeshBackend:
 
     async def sample(self, model_path: str | None, spec: SampleSpec) -> SampleResult:
         version = None if model_path is None else self._sampler_version(model_path)
-        self._check_tokens(spec.prompt, "prompt")
-        if len(spec.prompt) >= self.max_context_length:
-            raise RequestRefused(
-                f"prompt has {len(spec.prompt)} tokens; the model's context is {self.max_context_length}, which leaves "
-                "no room to sample. Shorten the prompt."
-            )
-        if spec.num_samples < 1:
-            raise RequestRefused(f"num_samples ({spec.num_samples}) must be >= 1.")
+        self._check_vocabulary(spec.prompt, "prompt")
         weights_dir = None if version is None else str(self.store_root / version_key(version))
         for attempt in range(self.config.num_generators + 1):
             index = next(self._next_generator)
@@ -325,14 +313,10 @@ class MeshBackend:
             )
         return tenant
 
-    def _check_tokens(self, tokens: list[int], where: str) -> None:
-        if not tokens:
-            raise RequestRefused(f"{where} is empty: give at least one token.")
-        if len(tokens) > self.max_context_length:
-            raise RequestRefused(
-                f"{where} has {len(tokens)} tokens, more than the model's context ({self.max_context_length}). "
-                "Shorten the sequence."
-            )
+    def _check_vocabulary(self, tokens: list[int], where: str) -> None:
+        """Token ids the model has. The face has checked the rest of a request's shape (empty,
+        negative ids, the context, num_samples, the loss: forge_rl/service/wire.py); the vocabulary
+        is the model's, known here."""
         bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
         if bad is not None:
             raise RequestRefused(

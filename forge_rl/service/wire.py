@@ -493,10 +493,15 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
     if request.record_stability_info:
         raise refuse("record_stability_info", True, "forge-rl serve records no stability information (stable_reinforce is not served)", "leave it unset")
     prompt = model_input_tokens(request.prompt, "prompt", max_context_length)
+    if len(prompt) >= max_context_length:
+        raise refuse(
+            "prompt", f"{len(prompt)} tokens", f"fills the served model's {max_context_length}-token context: no room to sample",
+            "shorten the prompt",
+        )
     if not 1 <= request.num_samples <= max_num_samples:
         raise refuse("num_samples", request.num_samples, f"must be between 1 and {max_num_samples}", "ask for 1 or more samples per request")
     params = request.sampling_params
-    room = max(max_context_length - len(prompt), 1)
+    room = max_context_length - len(prompt)
     if params.max_tokens is not None and not 1 <= params.max_tokens <= room:
         raise refuse(
             "sampling_params.max_tokens", params.max_tokens,

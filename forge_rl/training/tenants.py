@@ -2,7 +2,7 @@
 
 Each tenant (a Tinker training model) owns its adapters, their gradients since its last optimizer
 step and its AdamW moments. One `PolicyTrainer` with LoRA holds the base and the live adapter
-tensors; a tenant's call first makes it the live one (`_activate`): the outgoing tenant's adapters,
+tensors; a tenant's call first makes it the live one (`activate`): the outgoing tenant's adapters,
 gradients and moments are moved out, the incoming tenant's moved in. Moving is a copy of the
 adapters (3% of the weights at rank 16) and a handover of the gradient and moment tensors, so
 gradients of two tenants never meet in one tensor and calls of different tenants may interleave
@@ -94,7 +94,7 @@ class TenantTrainer:
         input, or inputs of the wrong length, before anything runs."""
         config = config_of(loss_fn, loss_fn_config)
         _check_data(data, loss_fn)
-        self._activate(tenant)
+        self.activate(tenant)
         started = time.perf_counter()
         trainer = self.trainer
         dp_rank, dp_size = trainer._dp_rank, trainer._dp_size
@@ -156,7 +156,7 @@ class TenantTrainer:
         non-finite gradient norm skips the step (nothing moves; `step_skipped` 1)."""
         from torchtitan.distributed.utils import clip_grad_norm_
 
-        self._activate(tenant)
+        self.activate(tenant)
         started = time.perf_counter()
         optimizer = self.trainer.optimizer
         for group in optimizer.param_groups:
@@ -178,19 +178,15 @@ class TenantTrainer:
 
     def adapter_state_dict(self, tenant: str, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
         """The tenant's adapters, full CPU copies (`LoRAAdapters.adapter_state_dict`)."""
-        self._activate(tenant)
+        self.activate(tenant)
         return self.lora.adapter_state_dict(dtype, keep)
 
     def num_steps(self, tenant: str) -> int:
         return self._state(tenant).num_steps
 
-    def activate(self, tenant: str) -> None:
-        """Make `tenant` live, so that the trainer's own checkpoint calls save or load its state."""
-        self._activate(tenant)
-
     def reset_optimizer(self, tenant: str) -> None:
         """Drop the tenant's AdamW moments (a load of weights without the optimizer state)."""
-        self._activate(tenant)
+        self.activate(tenant)
         for param in self._params.values():
             self.trainer.optimizer.state.pop(param, None)
 
@@ -200,7 +196,9 @@ class TenantTrainer:
         except KeyError:
             raise ValueError(f"unknown tenant {tenant!r}; the trainer holds {sorted(self._tenants)}") from None
 
-    def _activate(self, tenant: str) -> None:
+    def activate(self, tenant: str) -> None:
+        """Make `tenant` live: every call does first; the trainer's own checkpoint calls then save
+        or load its state."""
         incoming = self._state(tenant)
         if self._live == tenant:
             return

@@ -168,6 +168,12 @@ def test_a_sample_request_asking_what_the_generators_do_not_do_is_refused_naming
     assert refused.value.field == field
 
 
+def test_a_prompt_that_fills_the_context_is_refused_naming_it():
+    with pytest.raises(wire.FieldRefused, match="no room to sample") as refused:
+        wire.sample_call(sdk_sample_request(), 3, 8)  # the prompt's 3 tokens are the whole context
+    assert refused.value.field == "prompt"
+
+
 def test_the_sample_response_reads_back_in_the_sdk_with_the_same_tokens_logprobs_and_prompt_logprobs():
     call = wire.sample_call(sdk_sample_request(num_samples=2, prompt_logprobs=True), CONTEXT, 8)
     result = SampleResult(
