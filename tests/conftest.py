@@ -31,3 +31,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_MONARCH_FAULTS: list[str] = []
+
+
+def _record_monarch_fault(failure) -> None:
+    """Monarch's fault hook for this process: a mesh it owns failed and no supervisor handled it.
+    Monarch's default exits the process through a KeyboardInterrupt, which takes the pytest-xdist
+    worker and the whole session down with it; here the test that was running fails instead,
+    naming the failure. (A test that installs its own hook, as a run does, restores this one.)"""
+    _MONARCH_FAULTS.append(str(failure).strip()[:3000])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _monarch_faults_are_recorded():
+    import sys
+
+    monarch_actor = sys.modules.get("monarch.actor")  # imported at collection by the tests that use it
+    if monarch_actor is not None:
+        monarch_actor.unhandled_fault_hook = _record_monarch_fault
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _a_monarch_fault_fails_the_test(_monarch_faults_are_recorded):
+    seen = len(_MONARCH_FAULTS)
+    yield
+    if len(_MONARCH_FAULTS) > seen:
+        faults = "\n".join(_MONARCH_FAULTS[seen:])
+        pytest.fail(f"a Monarch mesh owned by this test process failed and nothing supervised it:\n{faults}")

@@ -104,17 +104,24 @@ class Ranked(PortServed, Actor):
         from monarch.actor import context
 
         self.rank = context().actor_instance.rank.rank
-        self.never = asyncio.Event()
+        self.released = asyncio.Event()
 
     @endpoint
     async def rank_and(self, value: int) -> tuple[int, int]:
         return self.rank, value
 
-    @endpoint
+    @concurrent_endpoint  # so that `release` is served while rank 0 waits here
     async def fail_on_rank_one(self) -> None:
         if self.rank == 1:
             raise KeyError("rank one failed")
-        await self.never.wait()  # as a rank waiting in a collective for the one that failed
+        await self.released.wait()  # as a rank waiting in a collective for the one that failed
+
+    @concurrent_endpoint
+    async def release(self) -> None:
+        """Ends rank 0's wait, so that stopping the mesh finds no endpoint still running (an actor
+        stopped mid-endpoint may outlast the stop's grace on a loaded machine, and its process
+        is then killed: a fault of the mesh)."""
+        self.released.set()
 
 
 class Caller(Actor):
@@ -197,6 +204,7 @@ def results():
         try:
             return await caller.run.call_one()
         finally:
+            await ranked.release.call()
             await procs.stop()
 
     return asyncio.run(run())
