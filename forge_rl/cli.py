@@ -197,6 +197,7 @@ _BENCHMARKS = {
     "lora-sync": "Adapter-only vs full-weight publish-to-servable into vLLM (same model, same run), decode stall.",
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
+    "trees": "Trainer step trained tokens/s, groups as prefix trees (prompt computed once) vs flat packing.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync; faults.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
@@ -234,6 +235,7 @@ def _run_bench(args: list[str]) -> None:
         staleness,
         task_baseline,
         trainer,
+        trees,
         weight_sync,
     )
     from forge_rl.errors import ConfigError
@@ -247,6 +249,7 @@ def _run_bench(args: list[str]) -> None:
         "weight-sync": (weight_sync, weight_sync.WeightSyncArgs),
         "lora-sync": (lora_sync, lora_sync.LoRASyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
+        "trees": (trees, trees.TreesBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
         "scale": (scale, scale.ScaleArgs),
         "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),

@@ -191,32 +191,50 @@ def token_logprobs(
 ) -> torch.Tensor:
     """Logprob of each token given its prefix, aligned to the token: [N, L] (position 0 gets 0).
 
-    The distribution the generator sampled from: softmax(logits / temperature), restricted to the
-    token's kept set where `support_NLK` has one (top-k/top-p) and renormalized over it. Without
-    the restriction every filtered token would look less likely to the trainer than it was to the
-    generator (by the mass top-p cut off), and every importance ratio would be biased below 1.
+    Row r's position t predicts its token t + 1 (`predicted_logprobs` on the shifted rows);
     `temperature_NL` is per token (its sequence's temperature; rows may pack several sequences).
     """
-    scaled_NLV = logits_NLV[:, :-1].float()
-    if temperature_NL is not None:
-        scaled_NLV = scaled_NLV / temperature_NL[:, 1:, None].to(scaled_NLV.device)
-    next_tokens_NL = input_ids_NL[:, 1:]
-    picked_NL = scaled_NLV.gather(-1, next_tokens_NL.unsqueeze(-1)).squeeze(-1)
-    log_normalizer_NL = torch.logsumexp(scaled_NLV, dim=-1)
-    if support_NLK is not None:
-        support_NLK = support_NLK[:, 1:].to(scaled_NLV.device)
+    logprobs_NL = predicted_logprobs(
+        logits_NLV[:, :-1], input_ids_NL[:, 1:],
+        None if temperature_NL is None else temperature_NL[:, 1:],
+        None if support_NLK is None else support_NLK[:, 1:],
+    )
+    return torch.nn.functional.pad(logprobs_NL, (1, 0), value=0.0)
+
+
+def predicted_logprobs(
+    logits_XV: torch.Tensor,
+    targets_X: torch.Tensor,
+    temperature_X: torch.Tensor | None = None,
+    support_XK: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 logprob of `targets_X` under the distributions whose logits are `logits_XV` (any
+    leading shape X: the rows' positions, or the prediction slots of a prefix tree).
+
+    The distribution the generator sampled from: softmax(logits / temperature), restricted to the
+    target's kept set where `support_XK` has one (top-k/top-p) and renormalized over it. Without
+    the restriction every filtered token would look less likely to the trainer than it was to the
+    generator (by the mass top-p cut off), and every importance ratio would be biased below 1.
+    """
+    scaled_XV = logits_XV.float()
+    if temperature_X is not None:
+        scaled_XV = scaled_XV / temperature_X[..., None].to(scaled_XV.device)
+    picked_X = scaled_XV.gather(-1, targets_X.to(scaled_XV.device).unsqueeze(-1)).squeeze(-1)
+    log_normalizer_X = torch.logsumexp(scaled_XV, dim=-1)
+    if support_XK is not None:
+        support_XK = support_XK.to(scaled_XV.device)
         # A large finite fill, not -inf: a position with no kept set would get logsumexp(-inf...)
         # = -inf, whose gradient is NaN, and torch.where passes NaN * 0 = NaN to the unused branch.
-        if support_NLK.dtype == torch.uint8:  # bitmask (see `kept_sets`)
-            kept_NLV = _unpack_kept(support_NLK, scaled_NLV.shape[-1])
-            filtered_NL = kept_NLV.any(-1)
-            kept_logits = scaled_NLV.masked_fill(~kept_NLV, _NOT_KEPT)
+        if support_XK.dtype == torch.uint8:  # bitmask (see `kept_sets`)
+            kept_XV = _unpack_kept(support_XK, scaled_XV.shape[-1])
+            filtered_X = kept_XV.any(-1)
+            kept_logits = scaled_XV.masked_fill(~kept_XV, _NOT_KEPT)
         else:  # ids padded with -1
-            kept_NLK = support_NLK >= 0
-            filtered_NL = kept_NLK.any(-1)
-            kept_logits = scaled_NLV.gather(-1, support_NLK.long().clamp(min=0)).masked_fill(~kept_NLK, _NOT_KEPT)
-        log_normalizer_NL = torch.where(filtered_NL, torch.logsumexp(kept_logits, dim=-1), log_normalizer_NL)
-    return torch.nn.functional.pad(picked_NL - log_normalizer_NL, (1, 0), value=0.0)
+            kept_XK = support_XK >= 0
+            filtered_X = kept_XK.any(-1)
+            kept_logits = scaled_XV.gather(-1, support_XK.long().clamp(min=0)).masked_fill(~kept_XK, _NOT_KEPT)
+        log_normalizer_X = torch.where(filtered_X, torch.logsumexp(kept_logits, dim=-1), log_normalizer_X)
+    return picked_X - log_normalizer_X
 
 
 @torch.no_grad()
@@ -225,10 +243,16 @@ def token_entropy(logits_NLV: torch.Tensor, temperature_NL: torch.Tensor | None 
     over the whole vocabulary, aligned like `token_logprobs` (position 0 gets 0). A metric, never a
     loss: computed without gradient. Entropy collapsing toward 0 early is the usual sign of a run
     that stopped exploring."""
-    scaled_NLV = logits_NLV[:, :-1].float()
-    if temperature_NL is not None:
-        scaled_NLV = scaled_NLV / temperature_NL[:, 1:, None].to(scaled_NLV.device)
-    log_p_NLV = torch.log_softmax(scaled_NLV, dim=-1)
-    entropy_NL = -(log_p_NLV.exp() * log_p_NLV).sum(-1)
+    entropy_NL = predicted_entropy(logits_NLV[:, :-1], None if temperature_NL is None else temperature_NL[:, 1:])
     return torch.nn.functional.pad(entropy_NL, (1, 0), value=0.0)
+
+
+@torch.no_grad()
+def predicted_entropy(logits_XV: torch.Tensor, temperature_X: torch.Tensor | None = None) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits / temperature) over the whole vocabulary, any leading shape X."""
+    scaled_XV = logits_XV.float()
+    if temperature_X is not None:
+        scaled_XV = scaled_XV / temperature_X[..., None].to(scaled_XV.device)
+    log_p_XV = torch.log_softmax(scaled_XV, dim=-1)
+    return -(log_p_XV.exp() * log_p_XV).sum(-1)
 

@@ -12,12 +12,21 @@ the token logprobs are mapped back to the logical one, so the loss code never se
             token attends only to earlier tokens of its own sequence (a boolean block-diagonal
             causal mask, `document_mask`) and positions restart at 0 per sequence, so every
             sequence sees exactly what it sees alone in a row.
+    tree    sequences that begin with the same tokens (a group's prompt, a branch's prefix) share
+            them: each row holds a prefix tree, every shared token computed once, every token
+            attending to its own path from the root only (`plan_prefix_tree`). Under causal
+            attention a token's hidden state depends on its prefix alone, so each sequence sees
+            what it sees alone in a row, and its tokens' logprobs, loss and gradients are the
+            flat layouts' (the shared states' gradients are the sum of their sequences').
 
 Worked example, lengths [5, 1, 4, 2] (N = 4, L = 5, 12 real tokens):
 
     pad:    1 forward of 4 x 5  = 20 slots, 8 of them padding
     bucket: [5, 4] -> 2 x 5, [2, 1] -> 2 x 2:  14 slots
     pack:   rows [5], [4, 1], [2] -> 3 x 5 = 15 slots; row 1 = seq 2 at 0..3, seq 1 at 4
+
+    tree:   [5, 1, 4, 2] where sequences 0 and 2 begin with the same 3 tokens: rows
+            [seq 0 (5), seq 2's last 1], [seq 3 (2), seq 1 (1), 2 pad] -> 2 x 10 = 20 slots, 9 computed
 
 All layouts give the same logprobs (within float rounding of a differently shaped matmul, about
 1e-6): position 0 of each sequence and positions past its length are 0.
@@ -30,12 +39,17 @@ from dataclasses import dataclass
 
 import torch
 
-from forge_rl.core.batching import empty_kept_set, token_entropy, token_logprobs
+from forge_rl.core.batching import empty_kept_set, predicted_entropy, predicted_logprobs, token_entropy, token_logprobs
 from forge_rl.training.trainer_config import BATCHING_MODES
 
 # Each forward pass has a fixed cost (kernel launches, Python, FSDP all-gathers per block); 4
 # buckets remove most of a long tail's padding for that cost.
 NUM_BUCKETS = 4
+
+# A prefix tree's row is this many times as wide as the longest sequence: wide enough to hold a
+# prefix once and several branches after it, narrow enough that the dense attention over a row
+# (its cost grows with the square of the width) stays below the flat layouts' for a long prefix.
+TREE_ROW_WIDTHS = 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, w
     """
     if mode not in BATCHING_MODES:
         raise ValueError(f"batching mode {mode!r} is not one of {', '.join(BATCHING_MODES)}")
+    if mode == "tree":
+        raise ValueError("the tree layout is planned from the tokens, not the lengths: call plan_prefix_tree")
     if not lengths:
         return []
     longest = max(lengths)
@@ -216,3 +232,168 @@ def layout_token_logprobs(
     out = torch.zeros(num_rows * length, dtype=flat.dtype, device=flat.device)
     return out.index_copy(0, destination_index, flat).view(num_rows, length)
 
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Rows that hold prefix trees (the `tree` layout): `num_rows` rows of `width` slots.
+
+    `slot_NL[i, t]` is the flat slot (row * width + position) holding token t of sequence i (-1 at
+    or past its length); sequences that share their first tokens share those slots. `unique_NL[i,
+    t]` (t >= 1) indexes the distinct predictions (slot of token t - 1, token t, temperature, kept
+    set): the prediction of a token two sequences share is computed once. `positions_RW` is each
+    slot's depth in its tree, `mask_R1WW[r, 0, q, k]` True where slot k lies on slot q's path from
+    its tree's root (k = q included); a slot no sequence uses attends to itself alone, so no
+    query's row is all False (NaN in attention, and in the backward even where unused).
+    """
+
+    num_rows: int
+    width: int
+    ids_RW: torch.Tensor
+    positions_RW: torch.Tensor
+    mask_R1WW: torch.Tensor
+    slot_NL: torch.Tensor
+    unique_NL: torch.Tensor
+    unique_slot_U: torch.Tensor
+    unique_index_U: torch.Tensor  # the flat [N * L] index of the token each distinct prediction targets
+    num_computed: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_rows * self.width
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(len(a), len(b))
+    return int((a[:n] == b[:n]).to(torch.int64).cumprod(0).sum())
+
+
+def plan_prefix_tree(
+    input_ids_NL: torch.Tensor,
+    lengths: list[int],
+    temperature_N: torch.Tensor | None = None,
+    support_NLK: torch.Tensor | None = None,
+    length_multiple: int = 1,
+) -> PrefixTree:
+    """The `tree` layout of a batch: sequences in lexicographic order (so a sequence's longest
+    common prefix with any earlier one is its common prefix with the one just before it), each
+    placed in the row of the sequence before it when its unshared tail fits there, sharing their
+    common prefix's slots, else first fit into a row of its own path. Sequences sampled at
+    different temperatures share nothing (their predictions differ from the first token on).
+    """
+    num_rows_N, length = input_ids_NL.shape
+    ids = input_ids_NL.cpu()
+    temperatures = [1.0] * num_rows_N if temperature_N is None else [float(t) for t in temperature_N.cpu()]
+    order = sorted((i for i in range(num_rows_N) if lengths[i]), key=lambda i: (temperatures[i], ids[i, : lengths[i]].tolist()))
+    width = _round_up(max(lengths, default=1) * TREE_ROW_WIDTHS, length_multiple)
+    free: list[int] = []
+    slot_NL = torch.full((num_rows_N, length), -1, dtype=torch.int64)
+    row_of = [-1] * num_rows_N
+    shared_N = [0] * num_rows_N
+    previous = None
+    for i in order:
+        n = lengths[i]
+        common = 0
+        if previous is not None and temperatures[previous] == temperatures[i]:
+            common = _common_prefix(ids[i, :n], ids[previous, : lengths[previous]])
+        row = row_of[previous] if common else -1
+        if not common or free[row] < n - common:
+            common = 0
+            row = next((r for r, space in enumerate(free) if space >= n), None)
+            if row is None:
+                row = len(free)
+                free.append(width)
+        start = row * width + width - free[row]
+        if common:
+            slot_NL[i, :common] = slot_NL[previous, :common]
+        slot_NL[i, common:n] = torch.arange(start, start + n - common)
+        free[row] -= n - common
+        row_of[i], shared_N[i], previous = row, common, i
+    rows = max(len(free), 1)
+    ids_RW = torch.zeros(rows * width, dtype=input_ids_NL.dtype)
+    positions_RW = torch.zeros(rows * width, dtype=torch.int64)
+    mask_RWW = torch.zeros((rows, width, width), dtype=torch.bool)
+    used = torch.zeros(rows * width, dtype=torch.bool)
+    for i in order:
+        n, common = lengths[i], shared_N[i]
+        slots = slot_NL[i, :n]
+        ids_RW[slots[common:]] = ids[i, common:n]
+        positions_RW[slots[common:]] = torch.arange(common, n)
+        used[slots[common:]] = True
+        # each new slot q = token t attends to the slots of tokens 0..t of its own path
+        queries, keys = torch.tril_indices(n, n, offset=0)
+        new = queries >= common
+        queries, keys = slots[queries[new]], slots[keys[new]]
+        mask_RWW[queries // width, queries % width, keys % width] = True
+    unused = (~used).nonzero().squeeze(-1)
+    mask_RWW[unused // width, unused % width, unused % width] = True
+    unique_NL, unique_slot, unique_index = _distinct_predictions(ids, lengths, order, shared_N, slot_NL, support_NLK)
+    return PrefixTree(
+        num_rows=rows, width=width, ids_RW=ids_RW.view(rows, width), positions_RW=positions_RW.view(rows, width),
+        mask_R1WW=mask_RWW.unsqueeze(1), slot_NL=slot_NL, unique_NL=unique_NL, unique_slot_U=unique_slot,
+        unique_index_U=unique_index, num_computed=int(used.sum()),
+    )
+
+
+def _distinct_predictions(
+    ids: torch.Tensor, lengths: list[int], order: list[int], shared_N: list[int], slot_NL: torch.Tensor,
+    support_NLK: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """unique_NL, and per distinct prediction its predicting slot and its target's flat index.
+    Token t of sequence i (t >= 1) is the prediction of the sequence before it in `order` when
+    both share token t (t < shared) and its kept set (prompt tokens have none; sampled ones may
+    differ across policy versions); else a new one."""
+    num_rows_N, length = ids.shape
+    unique_NL = torch.zeros((num_rows_N, length), dtype=torch.int64)
+    slots, targets = [], []
+    count, previous = 0, None
+    for i in order:
+        n, common = lengths[i], shared_N[i]
+        fresh = torch.ones(n, dtype=torch.bool)
+        fresh[0] = False  # token 0 is predicted by nothing
+        if common:
+            same = torch.ones(common, dtype=torch.bool)
+            if support_NLK is not None:
+                same = (support_NLK[i, :common] == support_NLK[previous, :common]).all(-1).cpu()
+            fresh[1:common] = ~same[1:]
+            unique_NL[i, 1:common] = unique_NL[previous, 1:common]
+        positions = fresh.nonzero().squeeze(-1)
+        unique_NL[i, positions] = torch.arange(count, count + len(positions))
+        count += len(positions)
+        slots.append(slot_NL[i, positions - 1])
+        targets.append(i * length + positions)
+        previous = i
+    if not slots:
+        return unique_NL, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    return unique_NL, torch.cat(slots), torch.cat(targets)
+
+
+def tree_token_logprobs(
+    forward: Forward,
+    input_ids_NL: torch.Tensor,
+    lengths: list[int],
+    tree: PrefixTree,
+    temperature_N: torch.Tensor | None = None,
+    support_NLK: torch.Tensor | None = None,
+    entropy_NL: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`layout_token_logprobs` through a `PrefixTree`: one forward over its rows, each distinct
+    prediction's logprob computed once, and every token's taken from its prediction (so a shared
+    prediction's gradient is the sum of its tokens')."""
+    num_rows_N, length = input_ids_NL.shape
+    logits_RWV = forward(tree.ids_RW, tree.positions_RW, tree.mask_R1WW)
+    device = logits_RWV.device
+    logits_UV = logits_RWV.flatten(0, 1).index_select(0, tree.unique_slot_U.to(device))
+    index_U = tree.unique_index_U
+    temperature_U = None if temperature_N is None else temperature_N.cpu().float()[index_U // length]
+    support_UK = None if support_NLK is None else support_NLK.flatten(0, 1)[index_U.to(support_NLK.device)]
+    logprobs_U = predicted_logprobs(logits_UV, input_ids_NL.flatten()[index_U.to(input_ids_NL.device)], temperature_U, support_UK)
+    real_NL = tree.slot_NL >= 0
+    real_NL[:, 0] = False
+    destination = real_NL.flatten().nonzero().squeeze(-1)
+    source = tree.unique_NL.flatten()[destination]
+    if entropy_NL is not None:
+        entropy_U = predicted_entropy(logits_UV, temperature_U)
+        entropy_NL.view(-1).index_copy_(0, destination.to(entropy_NL.device), entropy_U[source.to(device)].to(entropy_NL))
+    out = torch.zeros(num_rows_N * length, dtype=logprobs_U.dtype, device=device)
+    return out.index_copy(0, destination.to(device), logprobs_U.index_select(0, source.to(device))).view(num_rows_N, length)

@@ -34,7 +34,7 @@ from forge_rl.observability.metrics import (
 from forge_rl.routing import keep_routing_metrics
 from forge_rl.training.losses.corrections import k3_kl_NL
 from forge_rl.training.losses.policy import num_loss_units, policy_loss, token_mean
-from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
+from forge_rl.training.packing import layout_token_logprobs, plan_microbatches, plan_prefix_tree, tree_token_logprobs
 from forge_rl.training.trainer_config import TrainerConfig
 
 _ADAPTERS = "adapters"
@@ -155,15 +155,26 @@ class PolicyTrainer:
         policy's entropy there, and this rank's token counts: real tokens through the model and
         slots (real + padding)."""
         lengths = shard.row_lengths
+        entropy_NL = torch.zeros(shard.input_ids_NL.shape, device=self.device)
+        if self.config.batching == "tree":
+            tree = plan_prefix_tree(
+                shard.input_ids_NL, lengths, shard.temperature_N, shard.support_NLK, self._length_multiple
+            )
+            logprobs_NL = tree_token_logprobs(
+                self._logits, shard.input_ids_NL, lengths, tree, shard.temperature_N, shard.support_NLK, entropy_NL
+            )
+            counts = {"input_tokens": float(sum(lengths)), "computed": float(tree.num_computed),
+                      "slots": float(tree.num_slots)}
+            return logprobs_NL, entropy_NL, counts
         microbatches = plan_microbatches(
             lengths, self.config.batching, self._length_multiple, width=shard.input_ids_NL.shape[1]
         )
-        entropy_NL = torch.zeros(shard.input_ids_NL.shape, device=self.device)
         logprobs_NL = layout_token_logprobs(
             self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK, entropy_NL,
             routing=self._replayed_routing(shard),
         )
-        counts = {"input_tokens": float(sum(lengths)), "slots": float(sum(m.num_slots for m in microbatches))}
+        counts = {"input_tokens": float(sum(lengths)), "computed": float(sum(lengths)),
+                  "slots": float(sum(m.num_slots for m in microbatches))}
         return logprobs_NL, entropy_NL, counts
 
     def _replayed_routing(self, shard: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -307,10 +318,14 @@ class PolicyTrainer:
         return metrics
 
     def _layout_metrics(self, counts: dict[str, float]) -> dict[str, float]:
-        """Batch-wide real tokens through the model (prompt + completion) and the fraction of
-        forward slots that were padding under `trainer.batching`."""
-        input_tokens, slots = self._dp_reduce([counts["input_tokens"], counts["slots"]], dist.ReduceOp.SUM)
-        return {"num_input_tokens": input_tokens, "padding_fraction": 1.0 - input_tokens / max(slots, 1.0)}
+        """Batch-wide tokens of the sequences trained (prompt + completion), the fraction of forward
+        slots that were padding under `trainer.batching`, and the fraction of the tokens a prefix
+        tree computed for another sequence that shares them (0 outside the tree layout)."""
+        input_tokens, computed, slots = self._dp_reduce(
+            [counts["input_tokens"], counts["computed"], counts["slots"]], dist.ReduceOp.SUM
+        )
+        return {"num_input_tokens": input_tokens, "padding_fraction": 1.0 - computed / max(slots, 1.0),
+                "shared_token_fraction": 1.0 - computed / max(input_tokens, 1.0)}
 
     def _clip_grad_norm(self) -> float:
         """Clip to max_grad_norm; returns the global norm before clipping (DTensor shards reduced)."""

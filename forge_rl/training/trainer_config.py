@@ -13,7 +13,7 @@ from forge_rl.models.lora_config import LoRAConfig
 from forge_rl.models.parallel import ParallelConfig
 from forge_rl.training.losses.config import LossConfig
 
-BATCHING_MODES = ("pad", "bucket", "pack")
+BATCHING_MODES = ("pad", "bucket", "pack", "tree")
 """How a trainer rank lays its rows out (`TrainerConfig.batching`, forge_rl/training/packing.py)."""
 
 
@@ -55,7 +55,9 @@ class TrainerConfig:
     """How each rank lays its rows out for the forward pass (forge_rl/training/packing.py): "pad" (one row
     per completion, padded to the longest), "bucket" (rows sorted by length into a few micro-batches,
     each padded to its own longest) or "pack" (several completions per row, attention kept within
-    each, positions restarting at 0). Logprobs and loss are the same in all three."""
+    each, positions restarting at 0) or "tree" (sequences that begin alike, a group's prompt or a
+    branch's prefix, share those tokens' computation: each row a prefix tree, each token attending
+    to its own path). Logprobs, loss and gradients are the same in all four."""
     activation_checkpointing: str = "none"
     """"full" recomputes each transformer block's activations in the backward pass (TorchTitan's
     FullAC, torch's checkpoint wrapper per block): less memory, about one more forward of compute."""
@@ -89,3 +91,8 @@ class TrainerConfig:
                 flag = name.replace("_", "-")
                 value = getattr(self, name)
                 raise ValueError(f"trainer.{name} ({value}) must be {constraint}. Set --trainer.{flag}.")
+        if self.batching == "tree" and self.keep_routing:
+            raise ValueError(
+                "trainer.batching tree with trainer.keep_routing: a shared prompt token would replay one "
+                "sequence's routing record for all. Set --trainer.batching pack (or leave keep_routing off)."
+            )

@@ -1,5 +1,5 @@
-"""Trainer layouts and options on the tiny Llama: pad, bucket and pack give the same logprobs, loss
-and weights (1 process, and FSDP2 / TP / HSDP over 2 gloo processes); activation checkpointing
+"""Trainer layouts and options on the tiny Llama: pad, bucket, pack and tree give the same logprobs,
+loss and weights (1 process, and FSDP2 / TP / HSDP over 2 gloo processes); activation checkpointing
 changes nothing but memory; bf16 mixed precision trains close to fp32.
 """
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 NUM_STEPS = 2
 TOLERANCE = 1e-5
 # Depend on the layout by definition, or on the clock.
-LAYOUT_METRICS = ("padding_fraction", *TRAINER_STEP_CLOCK)
+LAYOUT_METRICS = ("padding_fraction", "shared_token_fraction", *TRAINER_STEP_CLOCK)
 
 
 def long_tail_episodes() -> list[Episode]:
@@ -75,13 +75,17 @@ def test_the_long_tail_batch_really_packs(batch):
 
 @pytest.mark.parametrize(
     "options",
-    [{"batching": "bucket"}, {"batching": "pack"}, {"batching": "pack", "activation_checkpointing": "full"}],
-    ids=["bucket", "pack", "pack+full_ac"],
+    [{"batching": "bucket"}, {"batching": "pack"}, {"batching": "pack", "activation_checkpointing": "full"},
+     {"batching": "tree"}],
+    ids=["bucket", "pack", "pack+full_ac", "tree"],
 )
 def test_layouts_give_the_padded_logprobs_loss_and_weights(options, model_dir, batch, padded, single_process):
     result = _run(dataclasses.replace(PARITY_CONFIG, **options), model_dir, batch)
     _assert_same_run(result, padded, batch)
-    assert result["metrics"][0]["padding_fraction"] < padded["metrics"][0]["padding_fraction"] / 2
+    if options["batching"] == "tree":  # each group's prompt computed once: 3 of its 4 copies shared
+        assert result["metrics"][0]["shared_token_fraction"] >= 0.75 * 4 * 4 * 3 / sum(batch.row_lengths)
+    else:
+        assert result["metrics"][0]["padding_fraction"] < padded["metrics"][0]["padding_fraction"] / 2
     # Trained tokens are real generated tokens in every layout, padding never.
     assert result["metrics"][0]["num_tokens"] == padded["metrics"][0]["num_tokens"] == batch.loss_mask_NL.sum()
     assert result["metrics"][0]["num_input_tokens"] == sum(batch.row_lengths)
@@ -118,9 +122,10 @@ def _run_rank(rank: int, config: TrainerConfig, model_dir: Path, batch, out: Pat
     [
         (ParallelConfig(dp_shard=2), {"batching": "pack"}),
         (ParallelConfig(tp=2), {"batching": "pack"}),
+        (ParallelConfig(tp=2), {"batching": "tree"}),
         (ParallelConfig(dp_replicate=2), {"batching": "bucket", "activation_checkpointing": "full"}),
     ],
-    ids=["fsdp2_pack", "tp2_pack", "hsdp_replicate2_bucket_ac"],
+    ids=["fsdp2_pack", "tp2_pack", "tp2_tree", "hsdp_replicate2_bucket_ac"],
 )
 def test_two_processes_in_any_layout_match_one_padded(parallel, options, model_dir, batch, padded, tmp_path):
     out = tmp_path / "rank0.pt"
