@@ -25,8 +25,8 @@ Worked example, lengths [5, 1, 4, 2] (N = 4, L = 5, 12 real tokens):
     bucket: [5, 4] -> 2 x 5, [2, 1] -> 2 x 2:  14 slots
     pack:   rows [5], [4, 1], [2] -> 3 x 5 = 15 slots; row 1 = seq 2 at 0..3, seq 1 at 4
 
-    tree:   [5, 1, 4, 2] where sequences 0 and 2 begin with the same 3 tokens: rows
-            [seq 0 (5), seq 2's last 1], [seq 3 (2), seq 1 (1), 2 pad] -> 2 x 10 = 20 slots, 9 computed
+    tree:   [5, 1, 4, 2] where sequences 0 and 2 begin with the same 3 tokens (a tree of 6):
+            rows [seq 0 (5), seq 2's last 1], [seq 3 (2), seq 1 (1), 3 pad] -> 2 x 6 = 12 slots, 9 computed
 
 All layouts give the same logprobs (within float rounding of a differently shaped matmul, about
 1e-6): position 0 of each sequence and positions past its length are 0.
@@ -46,10 +46,11 @@ from forge_rl.training.trainer_config import BATCHING_MODES
 # buckets remove most of a long tail's padding for that cost.
 NUM_BUCKETS = 4
 
-# A prefix tree's row is this many times as wide as the longest sequence: wide enough to hold a
-# prefix once and several branches after it, narrow enough that the dense attention over a row
-# (its cost grows with the square of the width) stays below the flat layouts' for a long prefix.
-TREE_ROW_WIDTHS = 2
+# A prefix tree's row is as wide as the largest tree, up to this many times the longest sequence:
+# wide enough to hold a group's prompt once and its branches after it, narrow enough that the
+# dense attention over a row (its cost grows with the square of the width) stays near the flat
+# layouts' for a long prefix.
+TREE_ROW_WIDTHS = 4
 
 
 @dataclass(frozen=True)
@@ -278,24 +279,42 @@ def plan_prefix_tree(
     """The `tree` layout of a batch: sequences in lexicographic order (so a sequence's longest
     common prefix with any earlier one is its common prefix with the one just before it), each
     placed in the row of the sequence before it when its unshared tail fits there, sharing their
-    common prefix's slots, else first fit into a row of its own path. Sequences sampled at
+    common prefix's slots, else first fit into a row of its own path. Rows are as wide as the
+    largest tree, within [longest sequence, `TREE_ROW_WIDTHS` x longest]; a larger tree is split
+    over rows of about equal share. Sequences sampled at
     different temperatures share nothing (their predictions differ from the first token on).
     """
     num_rows_N, length = input_ids_NL.shape
     ids = input_ids_NL.cpu()
     temperatures = [1.0] * num_rows_N if temperature_N is None else [float(t) for t in temperature_N.cpu()]
     order = sorted((i for i in range(num_rows_N) if lengths[i]), key=lambda i: (temperatures[i], ids[i, : lengths[i]].tolist()))
-    width = _round_up(max(lengths, default=1) * TREE_ROW_WIDTHS, length_multiple)
+    common_N = [0] * num_rows_N  # shared with the sequence before in `order`, rows aside
+    for previous, i in zip(order, order[1:]):
+        if temperatures[previous] == temperatures[i]:
+            common_N[i] = _common_prefix(ids[i, : lengths[i]], ids[previous, : lengths[previous]])
+    tree_sizes, size = [], 0
+    for i in order:
+        if not common_N[i] and size:
+            tree_sizes.append(size)
+            size = 0
+        size += lengths[i] - common_N[i]
+    tree_sizes.append(size)
+    longest = max(lengths, default=1) or 1
+    largest, cap = max(tree_sizes), TREE_ROW_WIDTHS * longest
+    if largest > cap:
+        # Split over rows of about equal share, each with room for its copy of the prefix (at most
+        # the longest sequence): a row just narrower than the tree would leave one branch and a
+        # copy of the prefix to a second row of the full width, mostly padding.
+        parts = -(-largest // cap)
+        largest = min(cap, -(-largest // parts) + longest)
+    width = _round_up(max(longest, largest), length_multiple)
     free: list[int] = []
     slot_NL = torch.full((num_rows_N, length), -1, dtype=torch.int64)
     row_of = [-1] * num_rows_N
     shared_N = [0] * num_rows_N
     previous = None
     for i in order:
-        n = lengths[i]
-        common = 0
-        if previous is not None and temperatures[previous] == temperatures[i]:
-            common = _common_prefix(ids[i, :n], ids[previous, : lengths[previous]])
+        n, common = lengths[i], common_N[i]
         row = row_of[previous] if common else -1
         if not common or free[row] < n - common:
             common = 0

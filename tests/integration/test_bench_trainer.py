@@ -29,3 +29,21 @@ def test_bench_trainer_smoke(tmp_path):
     figures = json.loads((tmp_path / "trainer.json").read_text())
     assert set(figures["variants"]) == {"bare_pad", "forge_pad", "forge_bucket", "forge_pack"}
     assert (tmp_path / "trainer_throughput.png").stat().st_size > 0
+
+
+def test_bench_trees_smoke(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "bench", "trees", "--out-dir", str(tmp_path), "--group-sizes", "4",
+         "--prompt-tokens", "8", "32", "--min-completion", "4", "--max-completion", "8", "--repeats", "1",
+         "--headline", "4", "32", "--hidden-size", "64", "--num-heads", "2", "--num-layers", "1",
+         "--intermediate-size", "128", "--num-threads", "1"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (summary["group_size"], summary["prompt_tokens"]) == (4, 32) and summary["tree_over_pack"] > 0
+    # a group of 4 sharing a 32-token prompt: 3 of its 4 prompt copies are shared
+    assert summary["shared_token_fraction"] >= 3 * 32 / (4 * (32 + 8))
+    figures = json.loads((tmp_path / "trees.json").read_text())
+    assert [(c["group_size"], c["prompt_tokens"]) for c in figures["cells"]] == [(4, 8), (4, 32)]
+    assert (tmp_path / "trees.png").stat().st_size > 0

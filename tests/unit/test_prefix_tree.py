@@ -15,12 +15,12 @@ class PrefixModel(torch.nn.Module):
     """A differentiable stand-in for a causal model whose logits depend on the whole visible
     prefix (a masked mean of embeddings) and on the position: what the layouts must preserve."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = VOCAB):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        self.embed = torch.nn.Parameter(torch.randn(VOCAB, 6, generator=generator))
+        self.embed = torch.nn.Parameter(torch.randn(vocab, 6, generator=generator))
         self.position = torch.nn.Parameter(torch.randn(64, 6, generator=generator))
-        self.out = torch.nn.Parameter(torch.randn(6, VOCAB, generator=generator))
+        self.out = torch.nn.Parameter(torch.randn(6, vocab, generator=generator))
 
     def forward(self, ids_RW, positions=None, mask=None):
         width = ids_RW.shape[1]
@@ -58,7 +58,7 @@ def _tree(model, ids, lengths, temperature=None, support=None, entropy=None):
 def test_the_docstring_example():
     ids = torch.tensor([[1, 2, 3, 4, 5], [6, 0, 0, 0, 0], [1, 2, 3, 7, 0], [4, 4, 0, 0, 0]])
     tree = plan_prefix_tree(ids, [5, 1, 4, 2])
-    assert (tree.num_rows, tree.width, tree.num_computed) == (1, 10, 9)
+    assert (tree.num_rows, tree.width, tree.num_computed) == (2, 6, 9)
     assert tree.slot_NL[2, :3].tolist() == tree.slot_NL[0, :3].tolist()  # the shared first 3 tokens
 
 
@@ -139,14 +139,24 @@ def test_sequences_at_other_temperatures_share_nothing():
 
 
 def test_branches_that_overflow_a_row_start_another_with_their_prefix_again():
-    # width 2 x the longest (10): the prompt (6) and three 4-token branches fill 18 of a row's 20
-    # slots; the fourth branch cannot share that row and carries the prompt again in one of its own
-    ids = torch.tensor([[1] * 6 + [b] * 4 for b in range(2, 6)])
-    lengths = [10] * 4
+    # a tree of 6 + 12 x 4 = 54 slots, more than 4 x the longest (40): split over 2 rows of 54 / 2
+    # + 10 (room for the prompt's copy) = 37; the prompt and 7 branches fill 34 of the first, the
+    # eighth carries the prompt again into the second
+    ids = torch.tensor([[1] * 6 + [b] * 4 for b in range(2, 14)])
+    lengths = [10] * 12
     tree = plan_prefix_tree(ids, lengths)
-    assert (tree.num_rows, tree.width, tree.num_computed) == (2, 20, 6 + 3 * 4 + 10)
-    model = PrefixModel()
+    assert (tree.num_rows, tree.width, tree.num_computed) == (2, 37, 6 + 7 * 4 + 6 + 5 * 4)
+    model = PrefixModel(vocab=16)
     assert torch.allclose(tree_token_logprobs(model, ids, lengths, tree), _padded(model, ids, lengths), atol=1e-6)
+
+
+def test_rows_are_as_wide_as_the_largest_tree():
+    rows = [[1, 1, 1, 2], [1, 1, 1, 3, 3], [1, 1, 1, 4], [5, 5, 6], [5, 5, 7]]  # trees of 3 + 4 and 2 + 2
+    ids = torch.zeros((5, 5), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    tree = plan_prefix_tree(ids, [len(r) for r in rows])
+    assert (tree.num_rows, tree.width, tree.num_computed) == (2, 7, 11)
 
 
 def test_the_tree_layout_is_not_planned_from_lengths():
