@@ -1,4 +1,4 @@
-"""How a batch's sequences are laid out for the model's forward pass: pad, bucket or pack. Plain PyTorch.
+"""How a batch's sequences are laid out for the model's forward pass: pad, bucket, pack or tree. Plain PyTorch.
 
 `TrainBatch` keeps one sequence (prompt + completion) per row, right-padded to the longest; that
 is the *logical* layout the loss reads. The forward pass may use another *physical* layout, and
