@@ -152,8 +152,9 @@ class PolicyTrainer:
     def _token_logprobs(self, shard: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """[N, L] logprobs of the shard's tokens through the `trainer.batching` layout, under the
         distribution the generator sampled from (temperature, top-k/top-p kept sets), [N, L] the
-        policy's entropy there, and this rank's token counts: real tokens through the model and
-        slots (real + padding)."""
+        policy's entropy there, and this rank's token counts: the sequences' tokens, those the
+        forward computed (fewer than the sequences' in a prefix tree, which computes a shared
+        prefix once) and its slots (computed + padding)."""
         lengths = shard.row_lengths
         entropy_NL = torch.zeros(shard.input_ids_NL.shape, device=self.device)
         if self.config.batching == "tree":
