@@ -115,6 +115,10 @@ class LogConfig:
     event_loop_lag: bool = False
     """Time the rollouts' event loop (forge_rl/pipeline/rollouts.py): how late a 10 ms timer fires, every 10 ms,
     reported at the end of the run (`forge-rl bench scale` turns it on)."""
+    rollouts: bool = False
+    """Write every trained episode to RUN_DIR/rollouts.jsonl as its step is accounted for: step,
+    episode id, generator, prompt (text and ids) and each completion's text, reward, status, token
+    ids, logprobs and policy versions (forge_rl/pipeline/rollouts.py, `rollout_record`)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
     online streams to the W&B server (needs `wandb login`)."""

@@ -207,6 +207,32 @@ class Completion:
         return dict(collections.Counter(v for v, trains in zip(versions, self.loss_mask) if trains))
 
 
+def join_pieces(head: Completion, tail: Completion) -> Completion:
+    """One completion from a prefix sampled by one request and its continuation by a later one
+    (after an abort-mode swap's abort, at a segment's end, or on another generator after its own
+    died): tokens, logprobs, versions and kept sets in order; the tail's status and text. An empty
+    head (a completion restarted from nothing) is the tail itself."""
+    if not head.token_ids:
+        return tail
+    support = None if head.sampling_support is None else head.sampling_support + (tail.sampling_support or [])
+    routing = None  # a record for the whole completion, or none (one piece unrecorded)
+    if head.routed_experts is not None and tail.routed_experts is not None:
+        routing = RoutingRecord.concat([head.routed_experts, tail.routed_experts])
+    return Completion(
+        head.token_ids + tail.token_ids,
+        head.logprobs + tail.logprobs,
+        head.policy_versions + tail.policy_versions,
+        text=tail.text,
+        status=tail.status,
+        sampling_support=support,
+        num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
+        routed_experts=routing,
+        # The continuation's prefix was encoded anew when it was submitted: its tokens depend on
+        # its own versions, whatever the head's did.
+        kv_versions=None if head.kv_versions is None or tail.kv_versions is None else head.kv_versions + tail.kv_versions,
+    )
+
+
 def check_steps(step_ends: list[int] | None, step_rewards: list[float] | None, num_tokens: int) -> None:
     """ValueError unless the steps cover the tokens in order, one reward each (or there are none)."""
     if (step_ends is None) != (step_rewards is None):

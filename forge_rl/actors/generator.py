@@ -26,7 +26,7 @@ from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.store.index import ADAPTER_OF, version_key
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.types import Episode, SampleResult, SampleSpec
+from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 
 if TYPE_CHECKING:
     # Imported where used: the store's client imports torch (300 MiB resident per process where
@@ -102,6 +102,27 @@ class GeneratorActor(PortServed, Actor):
             )
         )
         return self._with_completions(episodes, groups, self.engine.config.temperature)
+
+    @concurrent_endpoint
+    async def generate_segment(
+        self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None, group_size: int,
+        segment_tokens: int,
+    ) -> list[tuple[Completion, bool]]:
+        """One segment of a group (`VLLMEngine.generate_segment`): each piece with whether its
+        completion is finished; a finished one's text is its whole completion's (head and piece)."""
+        return await self._segment(prompt_token_ids, forced_length, heads, group_size, segment_tokens)
+
+    async def _segment(
+        self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None, group_size: int,
+        segment_tokens: int,
+    ) -> list[tuple[Completion, bool]]:
+        pieces = await self.engine.generate_segment(
+            prompt_token_ids, heads, group_size, self.tokenizer.eos_id, forced_length, segment_tokens
+        )
+        for i, (piece, finished) in enumerate(pieces):
+            if finished:
+                piece.text = self.tokenizer.decode((heads[i] if heads else []) + piece.token_ids)
+        return pieces
 
     @concurrent_endpoint
     async def generate_pinned(

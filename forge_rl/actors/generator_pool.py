@@ -57,7 +57,7 @@ from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
-from forge_rl.types import Episode, SampleResult, SampleSpec
+from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 
 # How often the pool checks that its generators' processes are alive.
 POLL_INTERVAL_S = 0.5
@@ -193,6 +193,24 @@ class GeneratorPool(PortServed, Actor):
         for episode in episodes:
             episode.generator_index = index
         return episodes
+
+    @concurrent_endpoint
+    async def generate_segment(
+        self, index: int, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None,
+        group_size: int, segment_tokens: int,
+    ) -> list[tuple[Completion, bool]]:
+        """One segment of a group from generator `index` (forge_rl/actors/generator.py
+        `generate_segment`); raises GeneratorLost if it died meanwhile (the pieces sampled before
+        are the caller's)."""
+        with self.slots[index].generating_call():
+            return await self._forward(
+                self.slots[index],
+                lambda actor: self._calls.call(
+                    actor, "generate_segment", prompt_token_ids, forced_length, heads, group_size, segment_tokens
+                ),
+                self.generate_timeout_s,
+                "generate_segment call ran past generator.generate_timeout_s",
+            )
 
     @concurrent_endpoint
     async def generate_pinned(

@@ -23,6 +23,14 @@ class PromptAccounting:
     re-issued after a resume is, since the checkpoint did not count it)."""
     requeued: int = 0
     """Times a prompt was generated again because its generator died mid-request."""
+    continued_after_generator_failure: int = 0
+    """Times a re-queued prompt's group continued from what its dead generator had sampled
+    (generator.segment_tokens) instead of starting afresh."""
+    salvaged_tokens: int = 0
+    """Tokens a dead generator had sampled that such a continuation kept."""
+    salvage_discarded_tokens: int = 0
+    """Tokens a dead generator had sampled that were thrown away, already too old to be trained
+    (forge_rl/pipeline/rollouts.py, `_salvage`)."""
     reissued_after_resume: int = 0
     """Prompts that were unsettled at the checkpoint a resume started from, so were handed out again."""
     skipped_ids: list[int] = dataclasses.field(default_factory=list)
@@ -75,6 +83,9 @@ class PromptAccounting:
             "unfinished_at_stop": self.handed_out - trained - num_dropped - num_skipped - num_filtered,
             "trained_more_than_once": sum(1 for count in self._times_trained if count > 1),
             "requeued_after_generator_failure": self.requeued,
+            "continued_after_generator_failure": self.continued_after_generator_failure,
+            "salvaged_tokens": self.salvaged_tokens,
+            "salvage_discarded_tokens": self.salvage_discarded_tokens,
             "reissued_after_resume": self.reissued_after_resume,
         }
 
@@ -82,6 +93,9 @@ class PromptAccounting:
         """Everything but `handed_out`, which a resume derives from the prompts it re-issues."""
         return {
             "requeued": self.requeued,
+            "continued_after_generator_failure": self.continued_after_generator_failure,
+            "salvaged_tokens": self.salvaged_tokens,
+            "salvage_discarded_tokens": self.salvage_discarded_tokens,
             "reissued_after_resume": self.reissued_after_resume,
             "skipped_ids": list(self.skipped_ids),
             "filtered_ids": list(self.filtered_ids),
@@ -93,6 +107,9 @@ class PromptAccounting:
         return cls(
             handed_out=handed_out,
             requeued=state["requeued"],
+            continued_after_generator_failure=state.get("continued_after_generator_failure", 0),
+            salvaged_tokens=state.get("salvaged_tokens", 0),
+            salvage_discarded_tokens=state.get("salvage_discarded_tokens", 0),
             reissued_after_resume=state["reissued_after_resume"],
             skipped_ids=list(state["skipped_ids"]),
             filtered_ids=list(state["filtered_ids"]),

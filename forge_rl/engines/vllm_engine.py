@@ -55,7 +55,7 @@ from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.routing import RoutingRecord
-from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats
+from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats, join_pieces
 
 _logger = logging.getLogger(__name__)
 
@@ -165,6 +165,15 @@ class GeneratorConfig:
     On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
     captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
     turn (`GeneratedSpan.routed_experts`)."""
+    segment_tokens: int | None = None
+    """Decode each completion in requests of at most this many tokens (single-turn groups). Between
+    two, the tokens sampled so far (with their logprobs, versions and kept sets) are held by the
+    rollouts, not the engine, so a generator that dies mid-completion loses at most the segment
+    it was decoding: its prompt's completions continue on a live generator from them
+    (forge_rl/pipeline/rollouts.py, `_generate_in_segments`). Each segment after the first
+    prefills its completion's prefix again (from the prefix cache when its blocks are cached
+    under the weights served then). None: one request per group, and a dead generator's prompt is
+    generated again from scratch. vLLM engines only."""
     start_timeout_s: float = 900.0
     """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
     before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
@@ -199,6 +208,7 @@ class GeneratorConfig:
             ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
             ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),
             ("start_timeout_s", 0 < self.start_timeout_s < math.inf, "> 0 and finite"),
+            ("segment_tokens", self.segment_tokens is None or self.segment_tokens >= 1, ">= 1 (or unset: no segments)"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -206,6 +216,11 @@ class GeneratorConfig:
                 raise ValueError(
                     f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}."
                 )
+        if self.segment_tokens is not None and self.engine == "sim":
+            raise ValueError(
+                f"generator.segment_tokens ({self.segment_tokens}) needs generator.engine vllm: the simulated "
+                "engine decodes each group in one piece. Unset --generator.segment-tokens."
+            )
 
 
 def _unset_or_finite_positive(seconds: float | None) -> bool:
@@ -547,12 +562,52 @@ class VLLMEngine:
         call: an evaluation's requests on a training generator.
         """
         self._check_prompt_length(len(prompt_token_ids))
-        # One request with n children (vLLM fans them out, sharing the prompt's KV through the
-        # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
-        epoch = self._abort_epoch
         limit = min(max_new_tokens or self.config.max_new_tokens, self.config.max_new_tokens)
         max_tokens = min(forced_length or limit, limit)
+        return await self._sample(prompt_token_ids, n, None if forced_length else eos_id, max_tokens, temperature)
+
+    async def generate_segment(
+        self, prompt_token_ids: list[int], heads: list[list[int]] | None, n: int, eos_id: int | None,
+        forced_length: int | None, segment_tokens: int,
+    ) -> list[tuple[Completion, bool]]:
+        """One segment of a group's completions (`GeneratorConfig.segment_tokens`): at most
+        `segment_tokens` more tokens of each, so that what was sampled before it is held by the
+        caller and outlives this engine. `heads` None: the group's first segment, `n` completions
+        of the prompt in one request (as `generate`); else the tokens sampled so far of each
+        completion still unfinished, each continued from prompt + its head in a request of its
+        own, on the weights served now (its head's KV is encoded by them: the piece's
+        `kv_versions` say so). Returns each piece (its new tokens only, labelled as `generate`
+        labels them) and whether its completion is finished: stopped on EOS, or its whole budget
+        (`max_new_tokens`, or `forced_length`) sampled. A finished piece's status is its
+        completion's; an unfinished one's says nothing."""
+        self._check_prompt_length(len(prompt_token_ids))
+        budget = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id
+
+        def finished(piece: Completion, num_head_tokens: int) -> bool:
+            return piece.status == CompletionStatus.OK or num_head_tokens + piece.num_tokens >= budget
+
+        if heads is None:
+            pieces = await self._sample(prompt_token_ids, n, eos_id, min(budget, segment_tokens))
+            return [(piece, finished(piece, 0)) for piece in pieces]
+
+        async def continued(head: list[int]) -> tuple[Completion, bool]:
+            if len(head) >= budget:
+                raise ValueError(f"a head of {len(head)} tokens has no budget left ({budget}): it is finished already")
+            (piece,) = await self._sample(prompt_token_ids + head, 1, eos_id, min(budget - len(head), segment_tokens))
+            return piece, finished(piece, len(head))
+
+        return list(await asyncio.gather(*(continued(head) for head in heads)))
+
+    async def _sample(
+        self, prefix_token_ids: list[int], n: int, eos_id: int | None, max_tokens: int, temperature: float | None = None
+    ) -> list[Completion]:
+        """`n` completions of at most `max_tokens` after `prefix_token_ids` (`eos_id` None: never
+        stopped early), in one request; a request aborted by an abort-mode swap is resubmitted."""
+        # One request with n children (vLLM fans them out, sharing the prompt's KV through the
+        # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
+        prompt_token_ids = prefix_token_ids
+        epoch = self._abort_epoch
         final, version = await self._request(
             prompt_token_ids, self._sampling_params(n, eos_id, max_tokens, len(prompt_token_ids), temperature)
         )
@@ -611,7 +666,7 @@ class VLLMEngine:
             final, version = await self._request(prefix_token_ids + sampled_so_far, params)
             output = final.outputs[0]
             piece = self._completion(output, version)
-            turn = piece if turn is None else _join(turn, piece)
+            turn = piece if turn is None else join_pieces(turn, piece)
             if output.finish_reason != "abort":
                 break
             if self._abort_epoch == epoch:
@@ -758,7 +813,7 @@ class VLLMEngine:
             )
             final, version = await self._request(prompt_token_ids + completion.token_ids, params)
             output = final.outputs[0]
-            completion = _join(completion, self._completion(output, version))
+            completion = join_pieces(completion, self._completion(output, version))
             if output.finish_reason != "abort" or self._abort_epoch == epoch:
                 break
         ended_on_eos = eos_id is not None and completion.token_ids[-1:] == [eos_id]
@@ -1183,26 +1238,6 @@ def _to_completion(output: CompletionOutput, support_source: str, max_support_id
 
 async def _done(completion: Completion) -> Completion:
     return completion
-
-
-def _join(head: Completion, tail: Completion) -> Completion:
-    """One completion from a prefix sampled before an abort and its continuation after it."""
-    support = None if head.sampling_support is None else head.sampling_support + tail.sampling_support
-    routing = None  # a record for the whole completion, or none (one piece unrecorded)
-    if head.routed_experts is not None and tail.routed_experts is not None:
-        routing = RoutingRecord.concat([head.routed_experts, tail.routed_experts])
-    return Completion(
-        head.token_ids + tail.token_ids,
-        head.logprobs + tail.logprobs,
-        head.policy_versions + tail.policy_versions,
-        status=tail.status,
-        sampling_support=support,
-        num_truncated_support=head.num_truncated_support + tail.num_truncated_support,
-        routed_experts=routing,
-        # The continuation's prefix was encoded anew when it was resubmitted: its tokens depend on
-        # its own versions, whatever the head's did.
-        kv_versions=None if head.kv_versions is None or tail.kv_versions is None else head.kv_versions + tail.kv_versions,
-    )
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.admission import AdmissionGate
 from forge_rl.core.buffer import WaitingBuffer
-from forge_rl.core.columns import batch_columns
+from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
@@ -47,7 +48,7 @@ from forge_rl.observability.metrics import EpisodeStats, batch_metrics
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.training.trainer_steps import PulledBatch
-from forge_rl.types import Episode
+from forge_rl.types import Completion, Episode, join_pieces
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
@@ -66,6 +67,15 @@ class Prompts(Protocol):
     def state(self) -> dict: ...
     def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None: ...
     def stats(self) -> dict: ...
+
+
+@dataclasses.dataclass
+class PartialGroup:
+    """A group generated a segment at a time (`Rollouts._generate_in_segments`): its completions
+    so far and which of them are finished."""
+
+    completions: list[Completion]
+    finished: list[bool]
 
 
 @dataclasses.dataclass
@@ -118,6 +128,9 @@ class Rollouts:
         self.accounting = PromptAccounting()
         self.requeued: collections.deque[Episode] = collections.deque()
         """Prompts whose generator died mid-request; handed out again first."""
+        self.salvaged: dict[int, PartialGroup] = {}
+        """Per re-queued prompt (episode id), what its dead generator had sampled of its group, a
+        segment at a time (generator.segment_tokens): its next generator continues from it."""
         self.taken: dict[int, NextBatch] = {}
         """The batch of each step taken and not yet accounted for (`step_done`)."""
         self._pulled: dict[int, list] = {}
@@ -143,6 +156,8 @@ class Rollouts:
         """Endpoint calls made here, per endpoint (ROLLOUT_CALLS_TOTAL)."""
         self.lags_s: list[tuple[float, float]] = []
         """(wall time, seconds late) of each 10 ms timer on this event loop (log.event_loop_lag)."""
+        self.rollouts_log: TextIO | None = None
+        """RUN_DIR/rollouts.jsonl, with log.rollouts: each trained episode (`rollout_record`)."""
         self.cut_at_stop: set[int] = set()
         """Prompts whose generation or scoring the stop cut short."""
         self._tasks: set[asyncio.Task] = set()
@@ -171,6 +186,8 @@ class Rollouts:
         which the controller also appends to), on the controller's origin `origin_unix_time`."""
         self._failure = asyncio.get_running_loop().create_future()
         self.timeline = Timeline(timeline_path, origin_unix_time=origin_unix_time)
+        if self.config.log.rollouts and timeline_path is not None:  # the run directory's
+            self.rollouts_log = open(timeline_path.parent / "rollouts.jsonl", "a", buffering=1)
         self.env_waits = EnvWaitClock(self.config.num_generators)
         for index in range(self.config.num_generators):
             for _ in range(self.config.prompts_in_flight_per_generator):
@@ -275,6 +292,10 @@ class Rollouts:
         else:
             self.accounting.count_trained(batch.episodes)
             self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
+            if self.rollouts_log is not None:
+                self.rollouts_log.writelines(
+                    json.dumps(rollout_record(step, batch.train_version, episode)) + "\n" for episode in batch.episodes
+                )
         return {
             **batch_metrics(
                 batch.episodes, batch.train_version, self.config.trainer.loss.normalize_advantage_std,
@@ -298,11 +319,15 @@ class Rollouts:
         if self._stage_stats_next is not None:
             self._stage_stats_next.cancel()
         self.timeline.close()
+        if self.rollouts_log is not None:
+            self.rollouts_log.close()
+            self.rollouts_log = None
         return {
             "accounting": self.accounting.summary(self.buffer.buffer.dropped.episodes),
             "held_at_stop": {
                 "buffered": self.gate.num_episodes_queued,
                 "requeued_not_regenerated": len(self.requeued),
+                "salvaged_not_continued": len(self.salvaged),
                 # A rollout cut while buffering has counted its filtered prompts already.
                 "cut_in_flight": len(self.cut_at_stop - set(self.accounting.filtered_ids)),
             },
@@ -373,6 +398,8 @@ class Rollouts:
         config, actors = self.config, self.actors
         if self.make_env is not None:
             episodes = [await self._play(index, prompt) for prompt in prompts]
+        elif config.generator.segment_tokens is not None:
+            episodes = [await self._generate_in_segments(index, prompt) for prompt in prompts]
         else:
             with self.timeline.busy(f"generator{index}", num_sequences=config.group_size):
                 try:
@@ -390,6 +417,63 @@ class Rollouts:
         self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
         num_stale = await self.buffer.put(kept) if kept else 0
         return len(kept) - num_stale
+
+    async def _generate_in_segments(self, index: int, prompt: Episode) -> Episode:
+        """`prompt`'s group generated on generator `index` a segment at a time
+        (`GeneratorConfig.segment_tokens`), from what an earlier generator sampled of it before it
+        died, when that is still trainable (`_salvage`). Each segment's pieces join their
+        completions here, so should this generator die too, they are what the next one continues."""
+        config = self.config
+        group = self._salvage(prompt)
+        while group is None or not all(group.finished):
+            todo = [] if group is None else [i for i, done in enumerate(group.finished) if not done]
+            heads = None if group is None else [group.completions[i].token_ids for i in todo]
+            with self.timeline.busy(f"generator{index}", num_sequences=len(todo) or config.group_size):
+                try:
+                    self.calls["generators.generate_segment"] += 1
+                    pieces = await self.actors.generators.generate_segment.call_one(
+                        index, prompt.prompt_token_ids, prompt.forced_length, heads, config.group_size,
+                        config.generator.segment_tokens,
+                    )
+                except Exception as e:
+                    lost = generator_lost(e)
+                    if lost is None:
+                        raise
+                    if group is not None:
+                        self.salvaged[prompt.episode_id] = group
+                    raise lost from None
+            if group is None:
+                group = PartialGroup([piece for piece, _ in pieces], [done for _, done in pieces])
+            else:
+                for i, (piece, done) in zip(todo, pieces):
+                    group.completions[i] = join_pieces(group.completions[i], piece)
+                    group.finished[i] = done
+        return dataclasses.replace(
+            prompt, completions=group.completions, generator_index=index, temperature=config.generator.temperature
+        )
+
+    def _salvage(self, prompt: Episode) -> PartialGroup | None:
+        """What generators that died sampled of `prompt`'s group, to continue from, or None (start
+        afresh). A completion with a token the trainer can no longer take (older than
+        max_policy_age behind the version the next batch trains at, as every later one does or
+        after) is restarted from nothing with drop_policy drop_episode,
+        whose buffer would drop the whole group for that token; with mask_tokens it is continued,
+        and the buffer masks the token."""
+        group = self.salvaged.pop(prompt.episode_id, None)
+        if group is None:
+            return None
+        oldest_trainable = self.buffer.trainer_version - self.config.buffer.max_policy_age
+        for i, completion in enumerate(group.completions):
+            too_old = min(exact_versions(completion), default=oldest_trainable) < oldest_trainable
+            if too_old and self.config.buffer.drop_policy == "drop_episode":
+                self.accounting.salvage_discarded_tokens += completion.num_tokens
+                group.completions[i], group.finished[i] = Completion([], [], []), False
+            else:
+                self.accounting.salvaged_tokens += completion.num_tokens
+        if all(completion.num_tokens == 0 for completion in group.completions):
+            return None
+        self.accounting.continued_after_generator_failure += 1
+        return group
 
     async def _play(self, index: int, prompt: Episode) -> Episode:
         """`prompt` as group_size episodes of the environment played on generator `index` (each made
@@ -536,3 +620,22 @@ class Rollouts:
             return
         if self._failure is not None and not self._failure.done():
             self._failure.set_exception(task.exception())
+
+
+def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
+    """One trained episode as RUN_DIR/rollouts.jsonl holds it (log.rollouts)."""
+    return {
+        "step": step,
+        "train_version": train_version,
+        "episode_id": episode.episode_id,
+        "generator": episode.generator_index,
+        "prompt_text": episode.prompt_text,
+        "prompt_token_ids": episode.prompt_token_ids,
+        "completions": [
+            {
+                "text": c.text, "reward": c.reward, "status": c.status.value, "token_ids": c.token_ids,
+                "logprobs": c.logprobs, "policy_versions": c.policy_versions,
+            }
+            for c in episode.completions
+        ],
+    }
