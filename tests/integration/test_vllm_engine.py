@@ -22,7 +22,7 @@ import torch
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
-from forge_rl.types import Completion, CompletionStatus
+from forge_rl.types import Completion, CompletionStatus, join_pieces
 from tests.integration.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
@@ -167,6 +167,29 @@ def test_behaviour_logprobs_match_transformers(served):
     for completion in completions:
         expected = hf_logprobs(served.model_dir, prompt, completion)
         assert completion.logprobs == pytest.approx(expected, abs=LOGPROB_ATOL)
+
+
+def test_a_group_decoded_in_segments_joins_into_completions_the_model_would_have_sampled(served):
+    """Segments of 5 tokens of a 12-token budget (forced_length): 5, 5, then 2 that finish it;
+    the joined completions' behaviour logprobs are the model's over the whole sequence, as if
+    sampled in one request, and every token keeps its kept set and version."""
+    prompt = served.prompts(1)[0]
+    eos_id = served.tokenizer.eos_id
+    first = served.run(served.engine.generate_segment(prompt, None, 3, eos_id, forced_length=12, segment_tokens=5))
+    assert [(piece.num_tokens, done) for piece, done in first] == [(5, False)] * 3
+    completions = [piece for piece, _ in first]
+    for expected_tokens, expected_done in ((5, False), (2, True)):
+        pieces = served.run(served.engine.generate_segment(
+            prompt, [c.token_ids for c in completions], 1, eos_id, forced_length=12, segment_tokens=5
+        ))
+        assert [(piece.num_tokens, done) for piece, done in pieces] == [(expected_tokens, expected_done)] * 3
+        completions = [join_pieces(c, piece) for c, (piece, _) in zip(completions, pieces)]
+    for completion in completions:
+        assert completion.num_tokens == 12 and completion.status is CompletionStatus.TRUNCATED
+        assert completion.policy_versions == completion.kv_versions == [0] * 12
+        assert len(completion.sampling_support) == 12
+        assert all(token in kept for token, kept in zip(completion.token_ids, completion.sampling_support))
+        assert completion.logprobs == pytest.approx(hf_logprobs(served.model_dir, prompt, completion), abs=LOGPROB_ATOL)
 
 
 def test_too_long_prompt_is_rejected_before_submission(served):

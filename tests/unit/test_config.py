@@ -106,6 +106,11 @@ def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
             "generator.update_timeout_s (600) is below the generate timeout (900 s) with generator.swap_mode wait",
         ),
         ("generator:\n  engine: sim\n", "generator.engine (sim) and trainer.engine (torchtitan) must both be sim"),
+        ("generator:\n  segment_tokens: 0\n", "generator.segment_tokens (0) must be >= 1 (or unset: no segments)"),
+        (
+            "generator:\n  engine: sim\n  segment_tokens: 8\n",
+            "generator.segment_tokens (8) needs generator.engine vllm: the simulated engine decodes each group in one piece",
+        ),
         (
             "model:\n  tiny:\n    num_experts: 8\ntrainer:\n  keep_routing: true\n",
             "trainer.keep_routing is on but generator.record_routing is off",

@@ -5,6 +5,7 @@ do with failures."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 
 import pytest
@@ -36,7 +37,7 @@ ROLLOUTS_ENDPOINTS = (
 )
 
 
-def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> tuple[Pipeline, Rollouts]:
+def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None, prompts=None) -> tuple[Pipeline, Rollouts]:
     """The train loop, and the rollouts it calls; `generate`: the generators' FAKE generate; by
     default every call succeeds with completions stamped with the calling generator's current
     version."""
@@ -68,7 +69,7 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None) -> 
         generate=generate or generate_at_the_generators_version, update_weights=update_weights,
         wait_until_serving=wait_until_serving,
     )
-    rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), FakePrompts())
+    rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), prompts or FakePrompts())
     pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step, rollouts)))
     return pipeline, rollouts
 
@@ -110,6 +111,108 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
     assert accounting["requeued_after_generator_failure"] == 1
     assert accounting["trained_more_than_once"] == 0
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
+
+
+SEGMENT_CONFIG = dataclasses.replace(CONFIG, generator=dataclasses.replace(CONFIG.generator, max_new_tokens=6, segment_tokens=2))
+
+
+class DistinctPrompts(FakePrompts):
+    """FakePrompts whose token ids tell the prompts apart: [1, 2, 3, its index]."""
+
+    def next_episodes(self, num_prompts: int) -> list[Episode]:
+        return [dataclasses.replace(e, prompt_token_ids=[1, 2, 3, e.episode_id]) for e in super().next_episodes(num_prompts)]
+
+
+def fake_segments(rollouts, lose_first_continuation: bool = False, hold_versions_at: int | None = None):
+    """A FAKE `generate_segment`: each piece is `segment_tokens` tokens (token i of a completion
+    is i + 10), finished once the budget is sampled; with `lose_first_continuation` the first call
+    that continues a group raises GeneratorLost (its generator died mid-segment, the group's
+    first segment sampled). Records every call. `hold_versions_at`: the first pieces carry this
+    version instead of the generator's."""
+    calls: list[dict] = []
+
+    async def generate_segment(index, prompt_token_ids, forced_length, heads, group_size, segment_tokens):
+        first_continuation = heads is not None and not any(c["heads"] is not None for c in calls)
+        calls.append({"index": index, "prompt": list(prompt_token_ids), "heads": heads})
+        await asyncio.sleep(0)  # a remote call yields to the event loop
+        if lose_first_continuation and first_continuation:
+            raise GeneratorLost(index, "its process died")
+        version = rollouts.gate.generator_versions[index]
+        if heads is None and hold_versions_at is not None:
+            version = hold_versions_at
+        starts = [0] * group_size if heads is None else [len(head) for head in heads]
+        pieces = []
+        for start in starts:
+            n = min(segment_tokens, SEGMENT_CONFIG.generator.max_new_tokens - start)
+            tokens = [start + i + 10 for i in range(n)]
+            done = start + n >= SEGMENT_CONFIG.generator.max_new_tokens
+            pieces.append((Completion(tokens, [-0.5] * n, [version] * n, status=CompletionStatus.TRUNCATED), done))
+        return pieces
+
+    return generate_segment, calls
+
+
+def test_a_group_decoded_in_segments_is_joined_in_order(tmp_path):
+    pipeline, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(rollouts)
+    rollouts.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    taken = []
+    step_done = rollouts.step_done
+
+    async def recording_step_done(step, skipped, policy_version, weights_dir):
+        taken.extend(rollouts.taken[step].episodes)
+        return await step_done(step, skipped, policy_version, weights_dir)
+
+    rollouts.step_done = recording_step_done
+    pipeline.actors.rollouts = local_actor(rollouts, *ROLLOUTS_ENDPOINTS)
+    run(pipeline, tmp_path)
+    assert taken and all(c.token_ids == list(range(10, 16)) for e in taken for c in e.completions)
+    # Three calls per group: the first segment, then two continuations of both completions (fewer
+    # for a group the run's end cut short).
+    heads = collections.Counter(repr(c["heads"]) for c in calls)
+    assert list(heads) == ["None", repr([[10, 11]] * 2), repr([[10, 11, 12, 13]] * 2)]
+    assert heads["None"] >= heads[repr([[10, 11]] * 2)] >= heads[repr([[10, 11, 12, 13]] * 2)] >= len(taken)
+
+
+def test_a_lost_generators_segments_are_continued_on_the_next_and_counted(tmp_path):
+    pipeline, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(rollouts, lose_first_continuation=True)
+    rollouts.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    history, accounting = run(pipeline, tmp_path)
+
+    at = next(i for i, c in enumerate(calls) if c["heads"] is not None)
+    lost = calls[at]
+    # The next call for that prompt continued from exactly the heads the lost call had been given.
+    resumed = next(c for c in calls[at + 1:] if c["prompt"] == lost["prompt"])
+    assert resumed["heads"] == lost["heads"]
+    assert accounting["continued_after_generator_failure"] == 1
+    assert accounting["salvaged_tokens"] == sum(len(head) for head in lost["heads"])
+    assert accounting["salvage_discarded_tokens"] == 0
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["trained"] == SEGMENT_CONFIG.steps * SEGMENT_CONFIG.prompts_per_step
+
+
+@pytest.mark.parametrize("drop_policy", ["drop_episode", "mask_tokens"])
+def test_salvaged_tokens_already_too_old_restart_the_completion_or_are_masked(drop_policy, tmp_path):
+    """A head sampled at a version the trainer can no longer take (-5, with max_policy_age 1):
+    drop_episode starts its completion afresh (its whole group would be dropped for it), counted
+    as discarded; mask_tokens continues it, and the buffer masks those tokens."""
+    config = dataclasses.replace(SEGMENT_CONFIG, buffer=dataclasses.replace(SEGMENT_CONFIG.buffer, drop_policy=drop_policy))
+    pipeline, rollouts = make_pipeline(config=config, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(rollouts, lose_first_continuation=True, hold_versions_at=-5)
+    rollouts.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    _, accounting = run(pipeline, tmp_path)
+    at = next(i for i, c in enumerate(calls) if c["heads"] is not None)
+    lost = calls[at]
+    resumed = next(c for c in calls[at + 1:] if c["prompt"] == lost["prompt"])
+    if drop_policy == "drop_episode":
+        assert resumed["heads"] is None  # every completion restarted: one request for the group
+        assert accounting["salvage_discarded_tokens"] == sum(len(head) for head in lost["heads"])
+        assert accounting["salvaged_tokens"] == 0
+    else:
+        assert resumed["heads"] == lost["heads"]
+        assert accounting["salvaged_tokens"] == sum(len(head) for head in lost["heads"])
+    assert accounting["trained_more_than_once"] == 0
 
 
 def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):

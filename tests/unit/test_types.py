@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from forge_rl.training.reference import attach_reference_logprobs, completion_logprobs
-from forge_rl.types import Completion, CompletionStatus, Episode
+from forge_rl.types import Completion, CompletionStatus, Episode, join_pieces
 
 from .builders import make_completion, make_episode
 
@@ -90,3 +90,14 @@ def test_the_fast_token_counts_equal_their_definitions_over_the_loss_mask(tokens
     assert completion.trained_tokens_by_version() == dict(expected)
     sampled = [v for v, g in zip(versions, completion.generated_mask) if g]
     assert completion.oldest_policy_version == min(sampled, default=0)
+
+
+def test_pieces_join_in_order_and_an_empty_head_is_the_tail_itself():
+    head = Completion([4, 5], [-0.1, -0.2], [1, 1], sampling_support=[[4], [5, 6]], kv_versions=[1, 1])
+    tail = Completion([6, 2], [-0.3, -0.4], [3, 3], text="whole", status=CompletionStatus.TRUNCATED,
+                      sampling_support=[[6], [2]], kv_versions=[3, 3])
+    joined = join_pieces(head, tail)
+    assert (joined.token_ids, joined.logprobs, joined.policy_versions) == ([4, 5, 6, 2], [-0.1, -0.2, -0.3, -0.4], [1, 1, 3, 3])
+    assert joined.sampling_support == [[4], [5, 6], [6], [2]] and joined.kv_versions == [1, 1, 3, 3]
+    assert (joined.text, joined.status) == ("whole", CompletionStatus.TRUNCATED)
+    assert join_pieces(Completion([], [], []), tail) is tail
