@@ -310,27 +310,28 @@ class Episode:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain lists, numbers and strings (status as its value): what checkpoints store."""
-        return dataclasses.asdict(self) | {
-            "completions": [
-                dataclasses.asdict(c) | {
-                    "status": c.status.value,
-                    "routed_experts": None if c.routed_experts is None else c.routed_experts.to_dict(),
-                }
-                for c in self.completions
-            ]
-        }
+        return dataclasses.asdict(self) | {"completions": [completion_to_dict(c) for c in self.completions]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Episode:
         """Inverse of `to_dict`."""
-        completions = [
-            Completion(**c | {
-                "status": CompletionStatus(c["status"]),
-                "routed_experts": None if c.get("routed_experts") is None else RoutingRecord.from_dict(c["routed_experts"]),
-            })
-            for c in data["completions"]
-        ]
-        return cls(**data | {"completions": completions})
+        return cls(**data | {"completions": [completion_from_dict(c) for c in data["completions"]]})
+
+
+def completion_to_dict(completion: Completion) -> dict[str, Any]:
+    """Plain lists, numbers and strings (status as its value): what checkpoints store."""
+    return dataclasses.asdict(completion) | {
+        "status": completion.status.value,
+        "routed_experts": None if completion.routed_experts is None else completion.routed_experts.to_dict(),
+    }
+
+
+def completion_from_dict(data: dict[str, Any]) -> Completion:
+    """Inverse of `completion_to_dict`."""
+    return Completion(**data | {
+        "status": CompletionStatus(data["status"]),
+        "routed_experts": None if data.get("routed_experts") is None else RoutingRecord.from_dict(data["routed_experts"]),
+    })
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,14 @@ class PromptAccounting:
     continued_after_generator_failure: int = 0
     """Times a re-queued prompt's group continued from what its dead generator had sampled
     (generator.segment_tokens) instead of starting afresh."""
+    continued_after_resume: int = 0
+    """Prompts re-issued after a resume whose group continued from the checkpoint's partial group
+    (generator.segment_tokens) instead of starting afresh."""
     salvaged_tokens: int = 0
-    """Tokens a dead generator had sampled that such a continuation kept."""
+    """Tokens sampled before a generator died or the run was checkpointed that such a
+    continuation kept."""
     salvage_discarded_tokens: int = 0
-    """Tokens a dead generator had sampled that were thrown away, already too old to be trained
+    """Such tokens thrown away instead, already too old to be trained
     (forge_rl/pipeline/rollouts.py, `_salvage`)."""
     reissued_after_resume: int = 0
     """Prompts that were unsettled at the checkpoint a resume started from, so were handed out again."""
@@ -84,6 +88,7 @@ class PromptAccounting:
             "trained_more_than_once": sum(1 for count in self._times_trained if count > 1),
             "requeued_after_generator_failure": self.requeued,
             "continued_after_generator_failure": self.continued_after_generator_failure,
+            "continued_after_resume": self.continued_after_resume,
             "salvaged_tokens": self.salvaged_tokens,
             "salvage_discarded_tokens": self.salvage_discarded_tokens,
             "reissued_after_resume": self.reissued_after_resume,
@@ -94,6 +99,7 @@ class PromptAccounting:
         return {
             "requeued": self.requeued,
             "continued_after_generator_failure": self.continued_after_generator_failure,
+            "continued_after_resume": self.continued_after_resume,
             "salvaged_tokens": self.salvaged_tokens,
             "salvage_discarded_tokens": self.salvage_discarded_tokens,
             "reissued_after_resume": self.reissued_after_resume,
@@ -108,6 +114,7 @@ class PromptAccounting:
             handed_out=handed_out,
             requeued=state["requeued"],
             continued_after_generator_failure=state.get("continued_after_generator_failure", 0),
+            continued_after_resume=state.get("continued_after_resume", 0),
             salvaged_tokens=state.get("salvaged_tokens", 0),
             salvage_discarded_tokens=state.get("salvage_discarded_tokens", 0),
             reissued_after_resume=state["reissued_after_resume"],

@@ -101,6 +101,10 @@ class ControllerState:
     data_fingerprint: str | None = None
     """With data.path: the file's fingerprint (forge_rl/data/files.py `FileSource.fingerprint`),
     which a resume must find unchanged, since the cursor counts rows of that file."""
+    partial_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The groups that were being generated a segment at a time (generator.segment_tokens), each
+    as far as its last finished segment (forge_rl/pipeline/rollouts.py `PartialGroup.to_dict`):
+    their prompts are among `reissue`, and a resume continues them from there."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -48,7 +48,7 @@ from forge_rl.observability.metrics import EpisodeStats, batch_metrics
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.training.trainer_steps import PulledBatch
-from forge_rl.types import Completion, Episode, join_pieces
+from forge_rl.types import Completion, Episode, completion_from_dict, completion_to_dict, join_pieces
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
@@ -76,6 +76,23 @@ class PartialGroup:
 
     completions: list[Completion]
     finished: list[bool]
+    after_resume: bool = False
+    """Restored from a checkpoint (`Rollouts.load_state_dict`), not left by a dead generator."""
+
+    def to_dict(self, episode_id: int) -> dict:
+        """Plain lists and numbers (forge_rl/core/checkpoint.py `ControllerState.partial_groups`)."""
+        return {
+            "episode_id": episode_id, "completions": [completion_to_dict(c) for c in self.completions],
+            "finished": list(self.finished),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PartialGroup:
+        """Inverse of `to_dict`, as restored: `after_resume`."""
+        completions = [completion_from_dict(c) for c in data["completions"]]
+        if len(completions) != len(data["finished"]):
+            raise ValueError(f"{len(completions)} completions but {len(data['finished'])} finished flags")
+        return cls(completions, [bool(done) for done in data["finished"]], after_resume=True)
 
 
 @dataclasses.dataclass
@@ -130,7 +147,11 @@ class Rollouts:
         """Prompts whose generator died mid-request; handed out again first."""
         self.salvaged: dict[int, PartialGroup] = {}
         """Per re-queued prompt (episode id), what its dead generator had sampled of its group, a
-        segment at a time (generator.segment_tokens): its next generator continues from it."""
+        segment at a time (generator.segment_tokens), or what a checkpoint held of it: its next
+        generator continues from it."""
+        self.in_progress: dict[int, PartialGroup] = {}
+        """Per prompt being generated a segment at a time, its group as of its last segment (what
+        a checkpoint keeps)."""
         self.taken: dict[int, NextBatch] = {}
         """The batch of each step taken and not yet accounted for (`step_done`)."""
         self._pulled: dict[int, list] = {}
@@ -327,7 +348,6 @@ class Rollouts:
             "held_at_stop": {
                 "buffered": self.gate.num_episodes_queued,
                 "requeued_not_regenerated": len(self.requeued),
-                "salvaged_not_continued": len(self.salvaged),
                 # A rollout cut while buffering has counted its filtered prompts already.
                 "cut_in_flight": len(self.cut_at_stop - set(self.accounting.filtered_ids)),
             },
@@ -341,15 +361,21 @@ class Rollouts:
         handed out after the read is above it and is simply handed out again."""
         buffer = self.buffer.buffer.state_dict(include_episodes)
         prompts = self.prompts.state()
+        reissue = self.accounting.unsettled_ids(
+            prompts["cursor"],
+            [*buffer["dropped"]["episode_ids"], *(episode["episode_id"] for episode in buffer["episodes"])],
+        )
+        reissued = set(reissue)
         return {
             "buffer": buffer,
             "prompts": prompts,
             "accounting": self.accounting.state_dict(),
-            "reissue": self.accounting.unsettled_ids(
-                prompts["cursor"],
-                [*buffer["dropped"]["episode_ids"], *(episode["episode_id"] for episode in buffer["episodes"])],
-            ),
+            "reissue": reissue,
             "num_generated_tokens": self.num_generated_tokens,
+            "partial_groups": [
+                group.to_dict(episode_id)
+                for episode_id, group in {**self.salvaged, **self.in_progress}.items() if episode_id in reissued
+            ],
         }
 
     async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
@@ -364,6 +390,7 @@ class Rollouts:
         )
         self.accounting.reissued_after_resume += len(state["reissue"])
         self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
+        self.salvaged = restored_partial_groups(state.get("partial_groups", []), state["reissue"])
         await asyncio.gather(
             *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
         )
@@ -421,40 +448,52 @@ class Rollouts:
     async def _generate_in_segments(self, index: int, prompt: Episode) -> Episode:
         """`prompt`'s group generated on generator `index` a segment at a time
         (`GeneratorConfig.segment_tokens`), from what an earlier generator sampled of it before it
-        died, when that is still trainable (`_salvage`). Each segment's pieces join their
+        died, or a checkpoint held of it, when that is still trainable (`_salvage`). Each segment's pieces join their
         completions here, so should this generator die too, they are what the next one continues."""
         config = self.config
         group = self._salvage(prompt)
-        while group is None or not all(group.finished):
-            todo = [] if group is None else [i for i, done in enumerate(group.finished) if not done]
-            heads = None if group is None else [group.completions[i].token_ids for i in todo]
-            with self.timeline.busy(f"generator{index}", num_sequences=len(todo) or config.group_size):
-                try:
-                    self.calls["generators.generate_segment"] += 1
-                    pieces = await self.actors.generators.generate_segment.call_one(
-                        index, prompt.prompt_token_ids, prompt.forced_length, heads, config.group_size,
-                        config.generator.segment_tokens,
-                    )
-                except Exception as e:
-                    lost = generator_lost(e)
-                    if lost is None:
-                        raise
-                    if group is not None:
-                        self.salvaged[prompt.episode_id] = group
-                    raise lost from None
-            if group is None:
-                group = PartialGroup([piece for piece, _ in pieces], [done for _, done in pieces])
-            else:
-                for i, (piece, done) in zip(todo, pieces):
-                    group.completions[i] = join_pieces(group.completions[i], piece)
-                    group.finished[i] = done
+        if group is not None:  # a checkpoint taken before its next segment keeps it
+            self.in_progress[prompt.episode_id] = group
+        try:
+            while group is None or not all(group.finished):
+                group = await self._next_segment(index, prompt, group)
+        finally:
+            self.in_progress.pop(prompt.episode_id, None)
         return dataclasses.replace(
             prompt, completions=group.completions, generator_index=index, temperature=config.generator.temperature
         )
 
+    async def _next_segment(self, index: int, prompt: Episode, group: PartialGroup | None) -> PartialGroup:
+        """`group` (None: not begun) one segment further on generator `index`."""
+        config = self.config
+        todo = [] if group is None else [i for i, done in enumerate(group.finished) if not done]
+        heads = None if group is None else [group.completions[i].token_ids for i in todo]
+        with self.timeline.busy(f"generator{index}", num_sequences=len(todo) or config.group_size):
+            try:
+                self.calls["generators.generate_segment"] += 1
+                pieces = await self.actors.generators.generate_segment.call_one(
+                    index, prompt.prompt_token_ids, prompt.forced_length, heads, config.group_size,
+                    config.generator.segment_tokens,
+                )
+            except Exception as e:
+                lost = generator_lost(e)
+                if lost is None:
+                    raise
+                if group is not None:
+                    self.salvaged[prompt.episode_id] = group
+                raise lost from None
+        if group is None:
+            group = PartialGroup([piece for piece, _ in pieces], [done for _, done in pieces])
+        else:
+            for i, (piece, done) in zip(todo, pieces):
+                group.completions[i] = join_pieces(group.completions[i], piece)
+                group.finished[i] = done
+        self.in_progress[prompt.episode_id] = group
+        return group
+
     def _salvage(self, prompt: Episode) -> PartialGroup | None:
-        """What generators that died sampled of `prompt`'s group, to continue from, or None (start
-        afresh). A completion with a token the trainer can no longer take (older than
+        """What generators that died sampled of `prompt`'s group, or the checkpoint a resume began
+        from held of it, to continue from, or None (start afresh). A completion with a token the trainer can no longer take (older than
         max_policy_age behind the version the next batch trains at, as every later one does or
         after) is restarted from nothing with drop_policy drop_episode,
         whose buffer would drop the whole group for that token; with mask_tokens it is continued,
@@ -472,7 +511,10 @@ class Rollouts:
                 self.accounting.salvaged_tokens += completion.num_tokens
         if all(completion.num_tokens == 0 for completion in group.completions):
             return None
-        self.accounting.continued_after_generator_failure += 1
+        if group.after_resume:
+            self.accounting.continued_after_resume += 1
+        else:
+            self.accounting.continued_after_generator_failure += 1
         return group
 
     async def _play(self, index: int, prompt: Episode) -> Episode:
@@ -639,3 +681,22 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
             for c in episode.completions
         ],
     }
+
+
+def restored_partial_groups(saved: list[dict], reissue: list[int]) -> dict[int, PartialGroup]:
+    """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt; ValueError
+    naming the group for one that is malformed or whose prompt the checkpoint does not re-issue."""
+    reissued, groups = set(reissue), {}
+    for number, data in enumerate(saved):
+        try:
+            episode_id = int(data["episode_id"])
+            if episode_id not in reissued:
+                raise ValueError(f"its prompt {episode_id} is not among the checkpoint's prompts to re-issue")
+            groups[episode_id] = PartialGroup.from_dict(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"partial group {number} of the checkpoint's controller state is malformed ({type(e).__name__}: {e}). "
+                "Resume from an earlier checkpoint, or remove the partial_groups entry of its controller.json to "
+                "generate those prompts again from the start."
+            ) from None
+    return groups

@@ -345,6 +345,7 @@ class Lifecycle:
             num_generated_tokens=rollouts["num_generated_tokens"],
             rng=capture_rng_state(),
             data_fingerprint=rollouts["prompts"].get("data_fingerprint"),
+            partial_groups=rollouts["partial_groups"],
         )
         held_s = time.monotonic() - started
         self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))
@@ -413,6 +414,7 @@ class Lifecycle:
         progress(
             f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "
             f"{num_buffered} buffered episodes, {len(saved.reissue)} prompts re-issued"
+            + (f" ({len(saved.partial_groups)} continuing their partial groups)" if saved.partial_groups else "")
         )
 
     # Summary ----------------------------------------------------------------------------------

@@ -117,10 +117,25 @@ SEGMENT_CONFIG = dataclasses.replace(CONFIG, generator=dataclasses.replace(CONFI
 
 
 class DistinctPrompts(FakePrompts):
-    """FakePrompts whose token ids tell the prompts apart: [1, 2, 3, its index]."""
+    """FakePrompts whose token ids tell the prompts apart ([1, 2, 3, its index]), and which hand
+    out a resume's prompts to re-issue first."""
+
+    def __init__(self):
+        super().__init__()
+        self.reissue: list[int] = []
 
     def next_episodes(self, num_prompts: int) -> list[Episode]:
-        return [dataclasses.replace(e, prompt_token_ids=[1, 2, 3, e.episode_id]) for e in super().next_episodes(num_prompts)]
+        episodes = []
+        for _ in range(num_prompts):
+            if self.reissue:
+                index = self.reissue.pop(0)
+                episodes.append(Episode(index, f"prompt {index}", "7", [1, 2, 3]))
+            else:
+                episodes.extend(super().next_episodes(1))
+        return [dataclasses.replace(e, prompt_token_ids=[1, 2, 3, e.episode_id]) for e in episodes]
+
+    def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None:
+        self.cursor, self.reissue = cursor, list(reissue)
 
 
 def fake_segments(rollouts, lose_first_continuation: bool = False, hold_versions_at: int | None = None):
@@ -213,6 +228,66 @@ def test_salvaged_tokens_already_too_old_restart_the_completion_or_are_masked(dr
         assert resumed["heads"] == lost["heads"]
         assert accounting["salvaged_tokens"] == sum(len(head) for head in lost["heads"])
     assert accounting["trained_more_than_once"] == 0
+
+
+def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tmp_path):
+    """The rollouts' state taken while a group waits on its second segment holds the group as of
+    its first; a resume from that state continues it from there (its prompt re-issued once)."""
+    pipeline, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+    held = asyncio.Event()
+
+    async def hold_continuations(index, prompt_token_ids, forced_length, heads, group_size, segment_tokens):
+        if heads is not None:
+            held.set()
+            await asyncio.Event().wait()  # until the run is torn down
+        return [(Completion([10, 11], [-0.5] * 2, [0] * 2), False) for _ in range(group_size)]
+
+    rollouts.actors.generators.generate_segment = FakeEndpoint(hold_continuations)
+
+    async def state_once_held() -> dict:
+        rollouts.start(None, None)
+        await held.wait()
+        state = rollouts.state_dict(include_episodes=True)
+        await rollouts.stop_loops(finish_updates=False)
+        return state
+
+    state = asyncio.run(asyncio.wait_for(state_once_held(), 30))
+    assert state["partial_groups"], "no group was mid-generation"
+    assert {g["episode_id"] for g in state["partial_groups"]} <= set(state["reissue"])
+    assert all(c["token_ids"] == [10, 11] for g in state["partial_groups"] for c in g["completions"])
+
+    pipeline, resumed = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(resumed)
+    resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    saved = {**state, "dataset_cursor": state["prompts"]["cursor"]}
+    asyncio.run(resumed.load_state_dict(saved, 0, "/nowhere"))
+    history, accounting = run(pipeline, tmp_path)
+    first_calls = {}
+    for call in calls:
+        first_calls.setdefault(tuple(call["prompt"]), call)
+    continued = sorted(prompt[-1] for prompt, call in first_calls.items() if call["heads"] is not None)
+    # Those prompts' first calls continued the saved heads; every other prompt began afresh.
+    assert continued == sorted(g["episode_id"] for g in state["partial_groups"])
+    assert all(first_calls[(1, 2, 3, i)]["heads"] == [[10, 11]] * 2 for i in continued)
+    assert accounting["continued_after_resume"] == len(state["partial_groups"])
+    assert accounting["salvaged_tokens"] == 4 * len(state["partial_groups"])
+    assert accounting["trained_more_than_once"] == 0
+
+
+@pytest.mark.parametrize(
+    "partial_groups, message",
+    [
+        ([{"episode_id": 999, "completions": [], "finished": []}], "its prompt 999 is not among the checkpoint's prompts to re-issue"),
+        ([{"episode_id": 0, "completions": [{"token_ids": [1]}], "finished": [False]}], "partial group 0 of the checkpoint's controller state is malformed"),
+        ([{"completions": [], "finished": []}], "KeyError"),
+    ],
+)
+def test_a_checkpoints_malformed_partial_group_is_refused_naming_it_and_the_fix(partial_groups, message):
+    from forge_rl.pipeline.rollouts import restored_partial_groups
+
+    with pytest.raises(ValueError, match="Resume from an earlier checkpoint") as raised:
+        restored_partial_groups(partial_groups, reissue=[0, 1])
+    assert message in str(raised.value)
 
 
 def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):
