@@ -94,6 +94,12 @@ class GeneratorActor(PortServed, Actor):
         return await self.engine.forward_time()
 
     @concurrent_endpoint
+    async def tokens_in_flight(self) -> int:
+        """Tokens its requests in flight have sampled so far (`VLLMEngine.tokens_in_flight`): what
+        its death would lose (`forge-rl bench faults`)."""
+        return self.engine.tokens_in_flight()
+
+    @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
         groups = await asyncio.gather(
             *(

@@ -304,6 +304,14 @@ class GeneratorPool(PortServed, Actor):
         return [slot.generating for slot in self.slots]
 
     @concurrent_endpoint
+    async def tokens_in_flight(self, index: int) -> int:
+        """Generator `index`'s tokens sampled by requests in flight; raises GeneratorLost if it is not serving."""
+        return await self._forward(
+            self.slots[index], lambda actor: actor.tokens_in_flight.call_one(), self.update_timeout_s,
+            "tokens_in_flight call ran past generator.update_timeout_s",
+        )
+
+    @concurrent_endpoint
     async def recovery_events(self) -> list[dict]:
         return list(self.recoveries)
 

@@ -599,6 +599,13 @@ class VLLMEngine:
 
         return list(await asyncio.gather(*(continued(head) for head in heads)))
 
+    def tokens_in_flight(self) -> int:
+        """Tokens sampled so far by the requests in flight: vLLM's front end holds them until a
+        request finishes, so they are what this engine's death would lose (counted as of the
+        newest decode step that reached this process)."""
+        states = self._running_llm.output_processor.request_states
+        return sum(state.detokenizer.num_output_tokens() for state in states.values())
+
     async def _sample(
         self, prefix_token_ids: list[int], n: int, eos_id: int | None, max_tokens: int, temperature: float | None = None
     ) -> list[Completion]:

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _join, _to_completion, engine_process_env, visible_devices
+from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _to_completion, engine_process_env, visible_devices
+from forge_rl.types import join_pieces
 
 
 def output(kept_per_token: list[list[int]], returned: int, finish_reason: str = "stop") -> SimpleNamespace:
@@ -40,7 +41,7 @@ def test_nothing_is_counted_when_every_kept_set_fits():
 def test_a_resubmitted_completion_keeps_the_count_of_both_pieces():
     head = _to_completion(output([[7, 8, 9, 10]], returned=4, finish_reason="abort"), "top_logprobs", 4)
     tail = _to_completion(output([[1, 2, 3, 4], [5]], returned=4), "top_logprobs", 4)
-    assert _join(head, tail).num_truncated_support == 2
+    assert join_pieces(head, tail).num_truncated_support == 2
 
 
 def test_an_engine_sees_its_assigned_devices_through_the_devices_its_process_sees():
