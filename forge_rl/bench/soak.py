@@ -6,7 +6,8 @@ every `sample_every_s` (each sample is appended to OUT_DIR/samples.jsonl as it i
 is lost if the driver dies), and stops the run with SIGTERM after `duration_s`. SIGTERM, not SIGINT:
 a run started from a background shell inherits an ignored SIGINT and would not stop. Reports the growth of
 the total unique memory (USS: pages no other process shares, so mapped /dev/shm snapshots are not
-counted once per reader) between the end of the warm-up and the end of the run, and the largest
+counted once per reader) between the end of the warm-up and the end of the run, each role's fitted slope of resident memory
+after warm-up (MB per hour) and what it adds in 24 hours (`growth_slopes`), and the largest
 replay-buffer occupancy logged, against its capacity. Not a test: a command for docs/benchmarks/README.md.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -190,9 +192,39 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
         # Resident memory per role, the issue's figure: the largest growth over the roles.
         "rss_growth_fraction_by_role": dict(sorted(rss_growth.items())),
         "rss_growth_fraction_max": max(rss_growth.values(), default=None),
+        **growth_slopes(after_warmup),
         "buffer_max_episodes": max(m["buffer/size"] for m in metrics),
         "buffer_capacity_episodes": config.buffer.capacity_episodes,
         "final_mean_reward": final_reward(metrics),
+    }
+
+
+HOURS_PROJECTED = 24.0
+"""The horizon of the growth projection: RL runs last days."""
+
+
+def growth_slopes(after_warmup: list[dict]) -> dict:
+    """Per role, the least-squares slope of its resident memory over the samples after warm-up
+    (MB per hour), and what that slope adds in HOURS_PROJECTED hours as a fraction of its
+    resident memory at the first of them: a steady leak shows in the slope where the two ends'
+    difference is buried in noise. Roles present in fewer than 3 samples are left out."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for sample in after_warmup:
+        for name, rss in sample.get("rss_by_role", {}).items():
+            series.setdefault(name, []).append((sample["t_s"] / 3600.0, rss / 2**20))
+    slopes, projections = {}, {}
+    for name, points in sorted(series.items()):
+        hours = [t for t, _ in points]
+        if len(points) < 3 or max(hours) == min(hours):
+            continue
+        slope = statistics.linear_regression(hours, [mb for _, mb in points]).slope
+        slopes[name] = slope
+        projections[name] = slope * HOURS_PROJECTED / points[0][1] if points[0][1] else None
+    finite = [p for p in projections.values() if p is not None]
+    return {
+        "rss_slope_mb_per_hour_by_role": slopes,
+        "rss_24h_projection_fraction_by_role": projections,
+        "rss_24h_projection_fraction_max": max(finite, default=None),
     }
 
 

@@ -207,6 +207,30 @@ def test_a_lost_generators_segments_are_continued_on_the_next_and_counted(tmp_pa
     assert accounting["trained"] == SEGMENT_CONFIG.steps * SEGMENT_CONFIG.prompts_per_step
 
 
+def test_the_generator_that_took_over_a_migrated_group_dying_in_turn_passes_it_on_again(tmp_path):
+    """Lost twice: the second generator's continuation fails too; the third continues from
+    everything the first two sampled, and the prompt is still trained once."""
+    pipeline, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(rollouts)
+    losses = {"left": 2}
+
+    async def lose_the_first_two_continuations_of_prompt_zero(index, prompt_token_ids, forced_length, heads, *rest):
+        if prompt_token_ids[-1] == 0 and heads is not None and losses["left"]:
+            calls.append({"index": index, "prompt": list(prompt_token_ids), "heads": heads, "lost": True})
+            losses["left"] -= 1
+            raise GeneratorLost(index, "its process died")
+        return await generate_segment(index, prompt_token_ids, forced_length, heads, *rest)
+
+    rollouts.actors.generators.generate_segment = FakeEndpoint(lose_the_first_two_continuations_of_prompt_zero)
+    _, accounting = run(pipeline, tmp_path)
+    of_zero = [c for c in calls if c["prompt"][-1] == 0]
+    assert [c["heads"] for c in of_zero[:4]] == [None, [[10, 11]] * 2, [[10, 11]] * 2, [[10, 11]] * 2]
+    assert [c.get("lost", False) for c in of_zero[:4]] == [False, True, True, False]
+    assert accounting["continued_after_generator_failure"] == 2
+    assert accounting["requeued_after_generator_failure"] == 2
+    assert accounting["trained_more_than_once"] == 0
+
+
 @pytest.mark.parametrize("drop_policy", ["drop_episode", "mask_tokens"])
 def test_salvaged_tokens_already_too_old_restart_the_completion_or_are_masked(drop_policy, tmp_path):
     """A head sampled at a version the trainer can no longer take (-5, with max_policy_age 1):
