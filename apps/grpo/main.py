@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 
 from forge_rl.actors.generator_pool import GeneratorPool
@@ -175,6 +176,7 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
         actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start(), eval_start
     )
     processes = {
+        "controller": os.getpid(),
         "generators": await actors.generators.processes.call_one(),
         **({"eval_generators": await actors.eval_generators.processes.call_one()} if actors.eval_generators else {}),
         "trainer": [start["pid"] for start in trainer_starts.values()],

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import os
 import re
 import socket
 import time
@@ -76,6 +77,8 @@ class SlotState(enum.Enum):
     """A process died; a replacement is starting on a fresh proc mesh."""
     FAILED = "failed"
     """No replacement could be started; the run cannot use this slot again."""
+    REMOVED = "removed"
+    """Taken out of the pool while the run goes on (`remove_generator`); never used again."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +182,50 @@ class GeneratorPool(PortServed, Actor):
         starts = await asyncio.gather(*(self._start_slot(slot) for slot in self.slots))
         self._watchdog = asyncio.create_task(self._watch_processes())
         return starts
+
+    @concurrent_endpoint
+    async def add_generator(self) -> dict:
+        """One more generator while the run goes on, at the place of generator 0 (this host: on
+        CPU it shares the cores; its GPUs or another host's need a placement the pool cannot
+        choose, and are refused). It starts, loads the newest published version, and serves;
+        returns its index, the version it serves and its start figures."""
+        first = self.placements[0]
+        # A GPU host, told without importing torch here: its devices would be shared with generator 0's.
+        if first.host is not None or os.path.exists("/dev/nvidiactl"):
+            raise ValueError(
+                "adding a generator to a run on GPUs or on other hosts needs a place for it (its GPU block, its "
+                "host), which the pool cannot choose yet: start the run with --num-generators set to the most "
+                "generators it may use, and remove those it does not need."
+            )
+        slot = GeneratorSlot(len(self.slots))
+        self.slots.append(slot)
+        self.placements.append(first)
+        try:
+            started = await self._start_slot(slot)
+        except Exception:
+            slot.state, slot.failure = SlotState.REMOVED, "its start failed"
+            self._retire(slot)
+            raise
+        progress(f"generator {slot.index} added and serving at policy version {slot.policy_version}")
+        return {"index": slot.index, "policy_version": slot.policy_version, **started}
+
+    @concurrent_endpoint
+    async def remove_generator(self, index: int) -> None:
+        """Take generator `index` out for good: its calls in flight raise GeneratorLost at once
+        (their callers continue or re-issue that work elsewhere), its processes are stopped and its
+        weight-store leases dropped."""
+        slot = self.slots[index]
+        if slot.state == SlotState.REMOVED:
+            return
+        if slot.recovery is not None and not slot.recovery.done():
+            slot.recovery.cancel()
+        slot.state = SlotState.REMOVED
+        slot.serving.set()  # wakes wait_until_serving, which raises
+        for task in list(slot.in_flight):
+            task.cancel()
+        self._retire(slot)
+        slot.pids = []
+        progress(f"generator {index} removed")
 
     @concurrent_endpoint
     async def generate(self, index: int, episodes: list[Episode], group_size: int) -> list[Episode]:
@@ -290,6 +337,8 @@ class GeneratorPool(PortServed, Actor):
         await slot.serving.wait()
         if slot.state == SlotState.FAILED:
             raise RuntimeError(f"generator {index} could not be replaced: {slot.failure}")
+        if slot.state == SlotState.REMOVED:
+            raise GeneratorLost(index, "it was removed from the pool")
         return slot.policy_version
 
     @concurrent_endpoint
@@ -370,6 +419,8 @@ class GeneratorPool(PortServed, Actor):
         except asyncio.CancelledError:
             if task.cancelled() and slot.state == SlotState.RECOVERING:
                 raise GeneratorLost(slot.index, "it died during the call") from None  # cancelled by the recovery
+            if task.cancelled() and slot.state == SlotState.REMOVED:
+                raise GeneratorLost(slot.index, "it was removed from the pool during the call") from None
             raise
         except SupervisionError as e:  # the generator's process died
             if slot.state == SlotState.SERVING:

@@ -95,3 +95,16 @@ class RolloutsActor(PortServed, Actor):
     async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
         return await self.rollouts.load_state_dict(state, policy_version, weights_dir)
 
+
+    @concurrent_endpoint
+    async def add_generator(self) -> dict:
+        return await self.rollouts.add_generator()
+
+    @concurrent_endpoint
+    async def remove_generator(self, index: int, grace_s: float) -> dict:
+        return await self.rollouts.remove_generator(index, grace_s)
+
+    @concurrent_endpoint
+    async def generators(self) -> list[int]:
+        """The generators in the pool now, by index."""
+        return list(self.rollouts.generators)

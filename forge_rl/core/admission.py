@@ -319,6 +319,14 @@ class AdmissionGate:
         self.next_train_version -= 1
         await self._notify()
 
+    def add_generator(self, policy_version: int) -> int:
+        """A generator joined the run, serving `policy_version`; returns its index (the next one).
+        One that leaves needs nothing here: its rollouts stop asking for admissions."""
+        self.generator_versions.append(policy_version)
+        self.generator_targets.append(policy_version)
+        self._waiting.append(collections.deque())
+        return len(self.generator_versions) - 1
+
     def generator_updating(self, generator_index: int, policy_version: int) -> None:
         """Generator `generator_index` was told to load `policy_version`: it swaps until it
         `generator_serves` it (or its update is abandoned)."""

@@ -293,6 +293,13 @@ class EnvWaitClock:
         self._since = [clock()] * num_generators
         self._idle_waiting_s = [0.0] * num_generators
 
+    def add_generator(self) -> None:
+        """Count one more generator (it joined the run: the next index)."""
+        self._turns.append(0)
+        self._env_calls.append(0)
+        self._since.append(self.clock())
+        self._idle_waiting_s.append(0.0)
+
     @contextlib.contextmanager
     def turn(self, index: int) -> Iterator[None]:
         """A turn being sampled on generator `index`."""

@@ -80,6 +80,8 @@ GENERATORS_IDLE_FRACTION = "idle_fraction/generators"
 DROPPED_COMPLETIONS = "buffer/dropped_completions"
 DROPPED_EPISODES = "buffer/dropped_episodes"
 GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
+NUM_GENERATORS = "generator/count"
+"""Generators in the pool at the step (the run's num_generators, then as `forge-rl scale` changes it)."""
 WEIGHTS_FETCHED_BYTES_TOTAL = "weights/fetched_bytes_total"
 """Bytes every generator's weight updates moved between hosts since the run started: one copy per
 version per remote host (store/host_copies.py), 0 when every generator shares the trainer's host."""

@@ -179,6 +179,13 @@ class Rollouts:
         """(wall time, seconds late) of each 10 ms timer on this event loop (log.event_loop_lag)."""
         self.rollouts_log: TextIO | None = None
         """RUN_DIR/rollouts.jsonl, with log.rollouts: each trained episode (`rollout_record`)."""
+        self.generators: list[int] = list(range(config.num_generators))
+        """The generators in the pool now, by index: the run's first `num_generators`, then those
+        added (`add_generator`), less those removed (`remove_generator`)."""
+        self._leaving: dict[int, asyncio.Event] = {}
+        """Set for a generator being removed: its rollout loops take no more admissions."""
+        self._loops: dict[int, set[asyncio.Task]] = {}
+        """Each generator's rollout loops."""
         self.cut_at_stop: set[int] = set()
         """Prompts whose generation or scoring the stop cut short."""
         self._tasks: set[asyncio.Task] = set()
@@ -210,9 +217,8 @@ class Rollouts:
         if self.config.log.rollouts and timeline_path is not None:  # the run directory's
             self.rollouts_log = open(timeline_path.parent / "rollouts.jsonl", "a", buffering=1)
         self.env_waits = EnvWaitClock(self.config.num_generators)
-        for index in range(self.config.num_generators):
-            for _ in range(self.config.prompts_in_flight_per_generator):
-                self._spawn(self._rollout_loop(index))
+        for index in self.generators:
+            self._spawn_rollout_loops(index)
         if self.config.log.event_loop_lag:
             self._spawn(watch_event_loop_lag(self.lags_s))
 
@@ -396,12 +402,75 @@ class Rollouts:
         )
         return len(buffered_versions)
 
+    # The pool changing size -------------------------------------------------------------------
+
+    async def add_generator(self) -> dict:
+        """One more generator (the pool starts it: `GeneratorPool.add_generator`), with its
+        rollout loops; returns what the pool reported of it."""
+        self.calls["generators.add_generator"] += 1
+        added = await self.actors.generators.add_generator.call_one()
+        index = self.gate.add_generator(added["policy_version"])
+        if index != added["index"]:
+            raise RuntimeError(f"the pool added generator {added['index']}, the admission gate counted {index}")
+        self.env_waits.add_generator()
+        self.generators.append(index)
+        self._spawn_rollout_loops(index)
+        return added
+
+    async def remove_generator(self, index: int, grace_s: float) -> dict:
+        """Take generator `index` out of the run: its rollout loops take no more admissions, the
+        groups it decodes get up to `grace_s` to finish (a preemption notice's grace), then the
+        pool removes it and what is still in flight on it is continued elsewhere (with
+        generator.segment_tokens, from the tokens held) or handed out again. Returns how many
+        groups finished within the grace and how many were cut."""
+        if index not in self.generators:
+            raise ValueError(f"generator {index} is not in the pool (it has {self.generators})")
+        if len(self.generators) == 1:
+            raise ValueError(f"generator {index} is the pool's last: a run needs one. Add one before removing it.")
+        self.generators.remove(index)
+        self._leaving.setdefault(index, asyncio.Event()).set()
+        loops = set(self._loops.get(index, ()))
+        _, cut = await asyncio.wait(loops, timeout=grace_s) if loops else (set(), set())
+        self.calls["generators.remove_generator"] += 1
+        await self.actors.generators.remove_generator.call_one(index)
+        if cut:  # their calls fail at once now: they re-queue their prompts and end
+            await asyncio.wait(cut)
+        return {"index": index, "loops_drained": len(loops) - len(cut), "loops_cut": len(cut)}
+
+    def _spawn_rollout_loops(self, index: int) -> None:
+        loops = self._loops.setdefault(index, set())
+        for _ in range(self.config.prompts_in_flight_per_generator):
+            task = self._spawn(self._rollout_loop(index))
+            loops.add(task)
+            task.add_done_callback(loops.discard)
+
+    async def _admission(self, index: int) -> int | None:
+        """The gate's admission on generator `index` (its start version), or None once the
+        generator is leaving the pool."""
+        leaving = self._leaving.setdefault(index, asyncio.Event())
+        if leaving.is_set():
+            return None
+        admit = asyncio.ensure_future(self.gate.admit(index))
+        left = asyncio.ensure_future(leaving.wait())
+        try:
+            await asyncio.wait([admit, left], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if admit.done():
+            return admit.result()
+        admit.cancel()  # an admission granted meanwhile goes back (`AdmissionGate.admit`)
+        await asyncio.gather(admit, return_exceptions=True)
+        return None
+
     # Rollouts ---------------------------------------------------------------------------------
 
     async def _rollout_loop(self, index: int) -> None:
-        """One prompt at a time on generator `index`; many of these run per generator."""
+        """One prompt at a time on generator `index`; many of these run per generator, until it
+        leaves the pool."""
         while True:
-            start_version = await self.gate.admit(index)
+            start_version = await self._admission(index)
+            if start_version is None:
+                return
             try:
                 prompts = [self.requeued.popleft()] if self.requeued else self._next_prompts()
             except BaseException:
@@ -564,6 +633,8 @@ class Rollouts:
         self.requeued.extend(prompts)
         self.accounting.requeued += len(prompts)
         await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
+        if self._leaving.get(index) is not None and self._leaving[index].is_set():
+            return  # removed from the pool, not dead: nothing to wait for
         self.calls["generators.wait_until_serving"] += 1
         loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
         await self.gate.generator_serves(index, loaded_version)
@@ -574,8 +645,8 @@ class Rollouts:
         """Start every generator's update to `policy_version`, UPDATES_PER_TURN per event-loop turn:
         128 update calls sent in one turn held the loop (the rollouts' replies, the train loop's
         next `next_batch`) for tens of milliseconds."""
-        for index in range(self.config.num_generators):
-            if index and index % UPDATES_PER_TURN == 0:
+        for position, index in enumerate(list(self.generators)):
+            if position and position % UPDATES_PER_TURN == 0:
                 await asyncio.sleep(0)  # the rest of the loop's work runs between
             self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
 
@@ -601,7 +672,7 @@ class Rollouts:
         """Generation since the previous step, idle fractions since the loops started, the buffer's
         and the scoring stage's counters, the newest weight update's figures."""
         timeline, now = self.timeline, self.timeline.now()
-        generator_busy_s = [timeline.busy_s(f"generator{i}") for i in range(self.config.num_generators)]
+        generator_busy_s = [timeline.busy_s(f"generator{i}") for i in self.generators]
         generated_tokens_per_s = (self.num_generated_tokens - self._generated_tokens_at_last_step) / max(
             now - self._last_step_end_s, 1e-9
         )
@@ -616,7 +687,8 @@ class Rollouts:
             **self._stage_stats,
             **self.last_weight_update,
             m.WEIGHTS_FETCHED_BYTES_TOTAL: self.weights_fetched_bytes,
-            m.GENERATOR_POLICY_VERSIONS: list(self.gate.generator_versions),
+            m.GENERATOR_POLICY_VERSIONS: [self.gate.generator_versions[i] for i in self.generators],
+            m.NUM_GENERATORS: len(self.generators),
             ROLLOUT_CALLS_TOTAL: sum(self.calls.values()),
             **self.prompts.stats(),
         }
@@ -642,8 +714,8 @@ class Rollouts:
         if self.make_env is None:
             return {}
         figures, self.episode_stats = self.episode_stats.figures(), EpisodeStats()
-        waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in range(self.config.num_generators))
-        figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * self.config.num_generators, 1e-9)
+        waiting_s = sum(self.env_waits.idle_waiting_s(i) for i in self.generators)
+        figures[m.GENERATORS_IDLE_ON_ENV_FRACTION] = waiting_s / max(now * len(self.generators), 1e-9)
         return figures
 
     # Tasks ------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from forge_rl.run.run_dir import (
     remove_unstarted_run_dir,
     truncate_metrics,
 )
+from forge_rl.run.scaling import Scaling
 from forge_rl.store.shm import SharedMemorySnapshots, default_store_root
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class Lifecycle:
         """The newest checkpoint's commit, waiting for the trainer's background write (`_commit`)."""
         self._stopped_at: float | None = None
         """When a stop (or failure) began to unwind the run: the clock of _STOP_BUDGET_S."""
+        self.scaling = Scaling(run_path)
+        """`forge-rl scale` requests, read after each step (forge_rl/run/scaling.py)."""
 
     @classmethod
     def open(cls, config: GRPOConfig) -> Lifecycle:
@@ -254,6 +257,7 @@ class Lifecycle:
                 self._committing.cancel()
             raise
         finally:
+            self.scaling.cancel()
             metrics_logger.close()
             origin = {"unix_time": pipeline.timeline.origin_unix_time}
             (self.run_path / "timeline_origin.json").write_text(json.dumps(origin))
@@ -280,6 +284,7 @@ class Lifecycle:
         background write raised, if it failed meanwhile."""
         if self._committing is not None and self._committing.done():
             await self.checkpoint_committed()
+        await self.scaling.after_step(pipeline)
         if self.checkpoint_due(pipeline.step):
             # Finished even if the run is stopped meanwhile: a stop then needs no checkpoint of its own.
             _, stopped = await self.finish_despite_stop(self.save_checkpoint(pipeline))

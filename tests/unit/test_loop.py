@@ -971,3 +971,46 @@ def _counted(function, name: str, calls: list[str]):
         return await function(*args, **kwargs)
 
     return counted
+
+
+def test_removing_the_pools_last_generator_or_one_it_lacks_is_refused_naming_the_fix():
+    _, rollouts = make_pipeline()
+    with pytest.raises(ValueError, match="generator 5 is not in the pool"):
+        asyncio.run(rollouts.remove_generator(5, grace_s=0.0))
+    with pytest.raises(ValueError, match="the pool's last: a run needs one. Add one before removing it"):
+        asyncio.run(rollouts.remove_generator(0, grace_s=0.0))
+
+
+def test_a_generator_added_and_one_removed_mid_run_leave_the_accounting_exact(tmp_path):
+    """FAKE pool: generator 1 joins after the first step, generator 0 leaves after the second
+    (its groups in flight get no grace: they are cut and handed out again)."""
+    pipeline, rollouts = make_pipeline(config=dataclasses.replace(CONFIG, steps=6))
+    removed = []
+
+    async def add_generator():
+        return {"index": 1, "policy_version": rollouts.gate.generator_versions[0], "engine_start_s": 0.0}
+
+    async def remove_generator(index):
+        removed.append(index)
+
+    rollouts.actors.generators.add_generator = FakeEndpoint(add_generator)
+    rollouts.actors.generators.remove_generator = FakeEndpoint(remove_generator)
+    step_done = rollouts.step_done
+    changes = []
+
+    async def changing_step_done(step, skipped, policy_version, weights_dir):
+        figures = await step_done(step, skipped, policy_version, weights_dir)
+        if step == 1:
+            changes.append(await rollouts.add_generator())
+        if step == 2:
+            changes.append(await rollouts.remove_generator(0, grace_s=0.0))
+        return figures
+
+    rollouts.step_done = changing_step_done
+    pipeline.actors.rollouts = local_actor(rollouts, *ROLLOUTS_ENDPOINTS)
+    history, accounting = run(pipeline, tmp_path)
+    assert removed == [0] and rollouts.generators == [1]
+    assert [h[m.NUM_GENERATORS] for h in history][:2] == [1, 2]
+    assert history[-1][m.NUM_GENERATORS] == 1
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["trained"] == 6 * CONFIG.prompts_per_step
