@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import tyro
 
 from forge_rl.observability.metrics import progress
 
@@ -40,7 +41,7 @@ PROCESSES_FILE = "processes.json"
 
 @dataclass(frozen=True)
 class ScaleArgs:
-    run: Path
+    run: tyro.conf.Positional[Path]
     """The running run's directory (RUN_DIR/RUN_NAME)."""
     generators: int
     """How many generators the pool should have (>= 1)."""

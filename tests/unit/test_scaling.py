@@ -62,3 +62,12 @@ def test_an_unanswered_request_times_out_naming_the_flag(tmp_path):
     request_id = request_scale(path, 2, 5.0)
     with pytest.raises(TimeoutError, match="raise --wait-s"):
         wait_for_answer(path, request_id, timeout_s=0.3)
+
+
+def test_the_command_refuses_a_bad_request_with_exit_status_2_naming_the_fix(tmp_path):
+    path = run_dir(tmp_path, os.getpid())
+    done = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "scale", str(path), "--generators", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "cannot scale: --generators (0) must be an integer >= 1" in done.stderr
