@@ -454,6 +454,11 @@ class Rollouts:
         left = asyncio.ensure_future(leaving.wait())
         try:
             await asyncio.wait([admit, left], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the run ended: no admission may stay taken
+            if admit.done() and not admit.cancelled() and admit.exception() is None:
+                await self.gate.settle(admit.result(), 1, num_not_queued=1)
+            admit.cancel()
+            raise
         finally:
             left.cancel()
         if admit.done():

@@ -98,8 +98,9 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
 
     async def generate(index, prompts, group_size):
         calls["n"] += 1
+        call = calls["n"]  # the calls overlap: each knows its own number
         await asyncio.sleep(0)  # a remote call yields to the event loop
-        if calls["n"] == 2:  # the second call's generator dies mid-request
+        if call == 2:  # the second call's generator dies mid-request
             raise GeneratorLost(index, "its process died")
         version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
@@ -319,10 +320,11 @@ def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_rem
 
     async def generate(index, prompts, group_size):
         calls["n"] += 1
+        call = calls["n"]  # the calls overlap: each knows its own number
         await asyncio.sleep(0)
-        if calls["n"] == 2:
+        if call == 2:
             raise FakeActorError(GeneratorLost(index, "its process died"))
-        if calls["n"] == 5:
+        if call == 5:
             raise FakeActorError(ValueError("prompt longer than the context"))
         version = rollouts.gate.generator_versions[index]
         return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
