@@ -176,3 +176,13 @@ def episode_limits(**fields):
     from forge_rl.envs.runner import EpisodeLimits
 
     return EpisodeLimits(**{"max_total_tokens": 4096, "max_tokens_per_turn": 1024, **fields})
+
+
+def assert_every_prompt_accounted_for(accounting: dict, trained: int | None = None) -> None:
+    """A run summary's prompt accounting is exact: none trained twice, every prompt handed out
+    trained, dropped, filtered, skipped or unfinished at the stop; `trained`: that many trained."""
+    assert accounting["trained_more_than_once"] == 0
+    settled = ("trained", "dropped", "filtered_zero_advantage", "skipped_nonfinite", "unfinished_at_stop")
+    assert accounting["prompts_handed_out"] == sum(accounting[outcome] for outcome in settled), accounting
+    if trained is not None:
+        assert accounting["trained"] == trained, accounting

@@ -25,6 +25,7 @@ from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
+from tests.helpers import assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 
@@ -121,9 +122,4 @@ def test_the_other_generator_keeps_serving_meanwhile(recovered_run):
 
 def test_no_prompt_is_lost_or_trained_twice(recovered_run):
     summary, *_, config = recovered_run
-    accounting = summary["accounting"]
-    assert accounting["trained_more_than_once"] == 0
-    assert accounting["prompts_handed_out"] == (
-        accounting["trained"] + accounting["dropped"] + accounting["unfinished_at_stop"]
-    )
-    assert accounting["trained"] == config.steps * config.prompts_per_step
+    assert_every_prompt_accounted_for(summary["accounting"], trained=config.steps * config.prompts_per_step)

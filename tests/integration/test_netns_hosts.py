@@ -39,7 +39,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
 from forge_rl.run.run_dir import config_to_dict
 from forge_rl.tasks import TaskConfig
-from tests.helpers import wait_until
+from tests.helpers import assert_every_prompt_accounted_for, wait_until
 from tests.integration.held_reward import HOLD_DIR_ENV
 from tests.integration.netns_hosts import NetnsHosts
 from tests.integration.workers import REPO, stop_worker
@@ -174,13 +174,7 @@ def test_a_killed_remote_generator_is_detected_and_replaced_with_nothing_lost(ru
     assert len(killed) >= 2, killed  # the generator actor's process and its engine core, at least
     [event] = summary["generator_recoveries"]
     assert event["generator"] == 0 and killed_at - 1.0 <= event["detected_at"] <= event["serving_at"]
-    accounting = summary["accounting"]
-    assert accounting["trained"] == config.steps * config.prompts_per_step
-    assert accounting["trained_more_than_once"] == 0
-    assert accounting["prompts_handed_out"] == (
-        accounting["trained"] + accounting["dropped"] + accounting["filtered_zero_advantage"]
-        + accounting["skipped_nonfinite"] + accounting["unfinished_at_stop"]
-    )
+    assert_every_prompt_accounted_for(summary["accounting"], trained=config.steps * config.prompts_per_step)
     assert workers_alive, "a worker exited with the run"
     metrics = [json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()]
     # The replacement on host 2 loaded versions the trainer published after the kill, and

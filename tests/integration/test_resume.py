@@ -242,6 +242,20 @@ def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
     return {"survivors": survivors, "run_shm": run_shm, "left_in_shm": left_in_shm, "cleaned_up_s": cleaned_up_s}
 
 
+def _resume_to(run_path: Path, steps: int) -> tuple[dict, str, int]:
+    """`forge-rl grpo --resume RUN_PATH --steps STEPS` to its end: its summary, its stderr, its pid."""
+    resumed = subprocess.Popen(
+        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        stdout, stderr = resumed.communicate(timeout=HANG_S)
+    finally:
+        resumed.kill()
+    assert resumed.returncode == 0, stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1]), stderr, resumed.pid
+
+
 @pytest.fixture(scope="module")
 def three_segments(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("resume")
@@ -251,19 +265,11 @@ def three_segments(tmp_path_factory):
     last_resumed_from = newest_complete_checkpoint(run_path)
     at_last_resume = read_controller_state(last_resumed_from)
     steps = at_last_resume.step + STEPS_AFTER_LAST_RESUME
-    third = subprocess.Popen(
-        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        stdout, stderr = third.communicate(timeout=HANG_S)
-    finally:
-        third.kill()
-    assert third.returncode == 0, stderr[-3000:]
+    summary, _, third_pid = _resume_to(run_path, steps)
     return {
         "first": first, "second": second, "last_resumed_from": last_resumed_from, "at_last_resume": at_last_resume,
-        "steps": steps, "run_path": run_path, "third_store_roots": _store_roots(third.pid),
-        "summary": json.loads(stdout.strip().splitlines()[-1]),
+        "steps": steps, "run_path": run_path, "third_store_roots": _store_roots(third_pid),
+        "summary": summary,
         "metrics": [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()],
     }
 

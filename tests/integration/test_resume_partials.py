@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 
 import pytest
 
 from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller_state
+from tests.helpers import assert_every_prompt_accounted_for
 
-from .test_resume import HANG_S, REPO, _grpo, _kill_leftovers, _run_processes, _started, _wait_for_checkpoint
+from .test_resume import _grpo, _kill_leftovers, _resume_to, _run_processes, _started, _wait_for_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -57,18 +57,10 @@ def resumed(tmp_path_factory):
     checkpoint = newest_complete_checkpoint(run_path)
     saved = read_controller_state(checkpoint)
     steps = saved.step + STEPS_AFTER_RESUME
-    second = subprocess.Popen(
-        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        stdout, stderr = second.communicate(timeout=HANG_S)
-    finally:
-        second.kill()
-    assert second.returncode == 0, stderr[-3000:]
+    summary, stderr, _ = _resume_to(run_path, steps)
     records = [json.loads(line) for line in (run_path / "rollouts.jsonl").read_text().splitlines()]
     return {
-        "saved": saved, "steps": steps, "summary": json.loads(stdout.strip().splitlines()[-1]), "stderr": stderr,
+        "saved": saved, "steps": steps, "summary": summary, "stderr": stderr,
         # The resumed run's, which come after the killed one's in the file: the last of each episode.
         "trained": {r["episode_id"]: r for r in records if r["step"] > saved.step},
     }
@@ -108,8 +100,4 @@ def test_the_summary_counts_them_and_the_accounting_is_exact(resumed):
     assert accounting["salvaged_tokens"] >= sum(
         len(c["token_ids"]) for group in saved.partial_groups for c in group["completions"]
     )
-    assert accounting["trained_more_than_once"] == 0
-    assert accounting["prompts_handed_out"] == (
-        accounting["trained"] + accounting["dropped"] + accounting["skipped_nonfinite"]
-        + accounting["filtered_zero_advantage"] + accounting["unfinished_at_stop"]
-    )
+    assert_every_prompt_accounted_for(accounting)

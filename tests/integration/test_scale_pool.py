@@ -25,6 +25,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.observability.metrics import NUM_GENERATORS
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.run.scaling import ANSWER_FILE, CONTROL_DIR, request_scale
+from tests.helpers import assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 
@@ -105,10 +106,5 @@ def test_the_removed_generators_processes_are_gone_and_processes_json_follows_th
 
 def test_no_prompt_is_lost_or_trained_twice(scaled_run):
     summary, *_, config = scaled_run
-    accounting = summary["accounting"]
     assert summary["steps"] == config.steps
-    assert accounting["trained_more_than_once"] == 0
-    assert accounting["prompts_handed_out"] == (
-        accounting["trained"] + accounting["dropped"] + accounting["unfinished_at_stop"]
-    )
-    assert accounting["trained"] == config.steps * config.prompts_per_step
+    assert_every_prompt_accounted_for(summary["accounting"], trained=config.steps * config.prompts_per_step)
