@@ -522,8 +522,9 @@ class Rollouts:
     async def _generate_in_segments(self, index: int, prompt: Episode) -> Episode:
         """`prompt`'s group generated on generator `index` a segment at a time
         (`GeneratorConfig.segment_tokens`), from what an earlier generator sampled of it before it
-        died, or a checkpoint held of it, when that is still trainable (`_salvage`). Each segment's pieces join their
-        completions here, so should this generator die too, they are what the next one continues."""
+        died, or a checkpoint held of it, when that is still trainable (`_salvage`). Each
+        segment's pieces join their completions here, so should this generator die too, they are
+        what the next one continues."""
         config = self.config
         group = self._salvage(prompt)
         if group is not None:  # a checkpoint taken before its next segment keeps it
@@ -567,11 +568,11 @@ class Rollouts:
 
     def _salvage(self, prompt: Episode) -> PartialGroup | None:
         """What generators that died sampled of `prompt`'s group, or the checkpoint a resume began
-        from held of it, to continue from, or None (start afresh). A completion with a token the trainer can no longer take (older than
-        max_policy_age behind the version the next batch trains at, as every later one does or
-        after) is restarted from nothing with drop_policy drop_episode,
-        whose buffer would drop the whole group for that token; with mask_tokens it is continued,
-        and the buffer masks the token."""
+        from held of it, to continue from, or None (start afresh). A completion with a token the
+        trainer can no longer take (older than max_policy_age behind the version the next batch
+        trains at, as every later one does or after) is restarted from nothing with drop_policy
+        drop_episode, whose buffer would drop the whole group for that token; with mask_tokens it
+        is continued, and the buffer masks the token."""
         group = self.salvaged.pop(prompt.episode_id, None)
         if group is None:
             return None
@@ -638,10 +639,16 @@ class Rollouts:
         self.requeued.extend(prompts)
         self.accounting.requeued += len(prompts)
         await self.gate.settle(start_version, len(prompts), num_not_queued=len(prompts))
-        if self._leaving.get(index) is not None and self._leaving[index].is_set():
+        leaving = self._leaving.setdefault(index, asyncio.Event())
+        if leaving.is_set():
             return  # removed from the pool, not dead: nothing to wait for
         self.calls["generators.wait_until_serving"] += 1
-        loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        try:
+            loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        except Exception as e:
+            if generator_lost(e) is None or not leaving.is_set():
+                raise
+            return  # removed while its replacement started
         await self.gate.generator_serves(index, loaded_version)
 
     # Weights ----------------------------------------------------------------------------------
