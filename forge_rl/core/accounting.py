@@ -35,6 +35,9 @@ class PromptAccounting:
     salvage_discarded_tokens: int = 0
     """Such tokens thrown away instead, already too old to be trained
     (forge_rl/pipeline/rollouts.py, `_salvage`)."""
+    turns_moved_after_generator_failure: int = 0
+    """Turns of environment episodes sampled again on another generator because theirs was lost
+    mid-turn: the episodes so far, and their environments, were kept."""
     reissued_after_resume: int = 0
     """Prompts that were unsettled at the checkpoint a resume started from, so were handed out again."""
     skipped_ids: list[int] = dataclasses.field(default_factory=list)
@@ -91,6 +94,7 @@ class PromptAccounting:
             "continued_after_resume": self.continued_after_resume,
             "salvaged_tokens": self.salvaged_tokens,
             "salvage_discarded_tokens": self.salvage_discarded_tokens,
+            "turns_moved_after_generator_failure": self.turns_moved_after_generator_failure,
             "reissued_after_resume": self.reissued_after_resume,
         }
 
@@ -102,6 +106,7 @@ class PromptAccounting:
             "continued_after_resume": self.continued_after_resume,
             "salvaged_tokens": self.salvaged_tokens,
             "salvage_discarded_tokens": self.salvage_discarded_tokens,
+            "turns_moved_after_generator_failure": self.turns_moved_after_generator_failure,
             "reissued_after_resume": self.reissued_after_resume,
             "skipped_ids": list(self.skipped_ids),
             "filtered_ids": list(self.filtered_ids),
@@ -117,6 +122,7 @@ class PromptAccounting:
             continued_after_resume=state.get("continued_after_resume", 0),
             salvaged_tokens=state.get("salvaged_tokens", 0),
             salvage_discarded_tokens=state.get("salvage_discarded_tokens", 0),
+            turns_moved_after_generator_failure=state.get("turns_moved_after_generator_failure", 0),
             reissued_after_resume=state["reissued_after_resume"],
             skipped_ids=list(state["skipped_ids"]),
             filtered_ids=list(state["filtered_ids"]),

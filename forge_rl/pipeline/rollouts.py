@@ -604,16 +604,28 @@ class Rollouts:
             for _ in range(config.group_size)
         ]
 
+        # The group's turns go to generator `index` until it is lost mid-turn; the episodes so far
+        # (tokens, environments) live here, so only that turn is sampled again, on the next
+        # generator that answers (`_turn_elsewhere`).
+        serving = {"on": index}
+
         async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
-            with self.timeline.busy(f"generator{index}", num_sequences=1), self.env_waits.turn(index):
-                try:
-                    self.calls["generators.generate_turn"] += 1
-                    return await self.actors.generators.generate_turn.call_one(index, prefix_token_ids, max_new_tokens)
-                except Exception as e:
-                    raised = raised_by_actor(e)
-                    if isinstance(raised, (GeneratorLost, ContextExhausted)):
-                        raise raised from None
-                    raise
+            tried: list[int] = []
+            while True:
+                on = serving["on"]
+                with self.timeline.busy(f"generator{on}", num_sequences=1), self.env_waits.turn(on):
+                    try:
+                        self.calls["generators.generate_turn"] += 1
+                        return await self.actors.generators.generate_turn.call_one(on, prefix_token_ids, max_new_tokens)
+                    except Exception as e:
+                        raised = raised_by_actor(e)
+                        if isinstance(raised, ContextExhausted):
+                            raise raised from None
+                        if not isinstance(raised, GeneratorLost):
+                            raise
+                tried.append(on)
+                serving["on"] = await self._turn_elsewhere(index, tried)
+                self.accounting.turns_moved_after_generator_failure += 1
 
         trajectories = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
         for trajectory in trajectories:
@@ -628,6 +640,39 @@ class Rollouts:
             generator_index=index,
             temperature=config.generator.temperature,
         )
+
+    async def _turn_elsewhere(self, index: int, tried: list[int]) -> int:
+        """Where an environment episode's turn goes after its generator was lost mid-turn (the
+        generators in `tried`, in order): the next generator of the pool not tried yet, after
+        the last one tried; once every one was, the replacement of the rollout's own generator
+        `index`, waited for. Each lost generator is marked serving again in the gate once its
+        replacement serves (`_serves_again`). GeneratorLost if `index` left the pool and every
+        other generator was tried."""
+        lost = tried[-1]
+        self._spawn(self._serves_again(lost))
+        pool = [i for i in self.generators if not self._leaving.get(i, asyncio.Event()).is_set()]
+        untried = [i for i in pool if i not in tried]
+        if untried:
+            after = [i for i in untried if i > lost]
+            return (after or untried)[0]
+        if index not in pool:
+            raise GeneratorLost(index, "it left the pool, and every other generator was lost mid-turn")
+        tried.clear()
+        self.calls["generators.wait_until_serving"] += 1
+        await self.actors.generators.wait_until_serving.call_one(index)
+        return index
+
+    async def _serves_again(self, index: int) -> None:
+        """Once lost generator `index`'s replacement serves, the gate admits on it at the version
+        it loaded (a rollout loop that re-queued after the loss does this itself)."""
+        try:
+            self.calls["generators.wait_until_serving"] += 1
+            loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+        except Exception as e:
+            if generator_lost(e) is None:  # removed from the pool meanwhile: nothing to mark
+                raise
+            return
+        await self.gate.generator_serves(index, loaded_version)
 
     def _next_prompts(self) -> list[Episode]:
         prompts = self.prompts.next_episodes(1)

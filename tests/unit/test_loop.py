@@ -1016,3 +1016,35 @@ def test_a_generator_added_and_one_removed_mid_run_leave_the_accounting_exact(tm
     assert history[-1][m.NUM_GENERATORS] == 1
     assert accounting["trained_more_than_once"] == 0
     assert accounting["trained"] == 6 * CONFIG.prompts_per_step
+
+
+@pytest.mark.parametrize("num_generators", [1, 2])
+def test_an_environment_turn_lost_with_its_generator_is_sampled_again_and_the_episode_goes_on(
+    num_generators, tmp_path, char_tokenizer
+):
+    """Generator 0 is lost in the middle of an episode's second turn: that turn is sampled again
+    (on generator 1, or on generator 0's replacement when it is the only one), and the episode,
+    its first turn and its environment kept, ends as it would have."""
+    config = dataclasses.replace(ENV_CONFIG, num_generators=num_generators)
+    pipeline, rollouts, policy, trained = make_env_pipeline(char_tokenizer, config)
+    lost = []
+
+    async def losing_one_second_turn(index, prefix_token_ids, max_new_tokens):
+        if not lost and index == 0 and "R" in char_tokenizer.decode(prefix_token_ids):
+            lost.append(list(prefix_token_ids))
+            raise FakeActorError(GeneratorLost(index, "its process died"))
+        return await policy.generate_turn(index, prefix_token_ids, max_new_tokens)
+
+    rollouts.actors.generators.generate_turn = FakeEndpoint(losing_one_second_turn)
+    _, accounting = run(pipeline, tmp_path)
+    assert len(lost) == 1
+    assert accounting["turns_moved_after_generator_failure"] == 1
+    assert accounting["requeued_after_generator_failure"] == 0  # nothing generated again but the turn
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["trained"] == config.steps * config.prompts_per_step
+    # The lost turn's prefix was sampled again, exactly, once: its episode went on from it (its
+    # twin in the group, the same scripted episode, sampled the same prefix).
+    assert [prefix for prefix, _, _ in policy.turns].count(lost[0]) == config.group_size
+    for _, episodes in trained:
+        for episode in episodes:
+            assert all(c.num_turns == 2 and c.reward == 1.0 for c in episode.completions)
