@@ -397,6 +397,12 @@ class Rollouts:
         self.accounting.reissued_after_resume += len(state["reissue"])
         self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
         self.salvaged = restored_partial_groups(state.get("partial_groups", []), state["reissue"])
+        if self.salvaged and self.config.generator.segment_tokens is None:
+            # Resumed without segments: those prompts are generated from the start.
+            self.accounting.salvage_discarded_tokens += sum(
+                c.num_tokens for group in self.salvaged.values() for c in group.completions
+            )
+            self.salvaged = {}
         await asyncio.gather(
             *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
         )
@@ -577,7 +583,11 @@ class Rollouts:
         if group is None:
             return None
         oldest_trainable = self.buffer.trainer_version - self.config.buffer.max_policy_age
+        limit = self.config.generator.max_new_tokens
+        budget = min(prompt.forced_length or limit, limit)
         for i, completion in enumerate(group.completions):
+            # A resume with a lower generator.max_new_tokens: a head already at the budget is done.
+            group.finished[i] = group.finished[i] or completion.num_tokens >= budget
             too_old = min(exact_versions(completion), default=oldest_trainable) < oldest_trainable
             if too_old and self.config.buffer.drop_policy == "drop_episode":
                 self.accounting.salvage_discarded_tokens += completion.num_tokens

@@ -255,10 +255,10 @@ def test_salvaged_tokens_already_too_old_restart_the_completion_or_are_masked(dr
     assert accounting["trained_more_than_once"] == 0
 
 
-def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tmp_path):
-    """The rollouts' state taken while a group waits on its second segment holds the group as of
-    its first; a resume from that state continues it from there (its prompt re-issued once)."""
-    pipeline, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
+def state_with_partial_groups() -> dict:
+    """The rollouts' state (as a checkpoint's controller state holds it) taken while groups wait
+    on their second segment: their first segments (2 tokens each) are their partial groups."""
+    _, rollouts = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
     held = asyncio.Event()
 
     async def hold_continuations(index, prompt_token_ids, forced_length, heads, group_size, segment_tokens):
@@ -277,6 +277,13 @@ def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tm
         return state
 
     state = asyncio.run(asyncio.wait_for(state_once_held(), 30))
+    return {**state, "dataset_cursor": state["prompts"]["cursor"]}
+
+
+def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tmp_path):
+    """The rollouts' state taken while a group waits on its second segment holds the group as of
+    its first; a resume from that state continues it from there (its prompt re-issued once)."""
+    state = state_with_partial_groups()
     assert state["partial_groups"], "no group was mid-generation"
     assert {g["episode_id"] for g in state["partial_groups"]} <= set(state["reissue"])
     assert all(c["token_ids"] == [10, 11] for g in state["partial_groups"] for c in g["completions"])
@@ -284,8 +291,7 @@ def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tm
     pipeline, resumed = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
     generate_segment, calls = fake_segments(resumed)
     resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
-    saved = {**state, "dataset_cursor": state["prompts"]["cursor"]}
-    asyncio.run(resumed.load_state_dict(saved, 0, "/nowhere"))
+    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
     history, accounting = run(pipeline, tmp_path)
     first_calls = {}
     for call in calls:
@@ -296,6 +302,33 @@ def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tm
     assert all(first_calls[(1, 2, 3, i)]["heads"] == [[10, 11]] * 2 for i in continued)
     assert accounting["continued_after_resume"] == len(state["partial_groups"])
     assert accounting["salvaged_tokens"] == 4 * len(state["partial_groups"])
+    assert accounting["trained_more_than_once"] == 0
+
+
+@pytest.mark.parametrize("change", ["no segments", "a budget as long as the heads"])
+def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_heads_as_done(change, tmp_path):
+    """Resumed without generator.segment_tokens, the saved groups' prompts are generated from the
+    start (their tokens counted as discarded); with max_new_tokens lowered to the heads' length,
+    each head is a finished completion (nothing more is asked of a generator for it)."""
+    state = state_with_partial_groups()
+    generator = SEGMENT_CONFIG.generator
+    generator = (
+        dataclasses.replace(generator, segment_tokens=None) if change == "no segments"
+        else dataclasses.replace(generator, max_new_tokens=2)
+    )
+    config = dataclasses.replace(SEGMENT_CONFIG, generator=generator)
+    pipeline, resumed = make_pipeline(config=config, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(resumed)
+    resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+    _, accounting = run(pipeline, tmp_path)
+    saved_tokens = 2 * SEGMENT_CONFIG.group_size * len(state["partial_groups"])
+    if change == "no segments":
+        assert accounting["salvage_discarded_tokens"] == saved_tokens and accounting["continued_after_resume"] == 0
+    else:
+        assert accounting["continued_after_resume"] == len(state["partial_groups"])
+        saved_ids = {group["episode_id"] for group in state["partial_groups"]}
+        assert not any(call["prompt"][-1] in saved_ids for call in calls)  # all done: no generator asked
     assert accounting["trained_more_than_once"] == 0
 
 
