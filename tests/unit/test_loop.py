@@ -668,17 +668,27 @@ def test_a_stop_goes_on_without_rollouts_that_do_not_answer_within_the_stops_bud
 
     class StopWithAShortBudget(FakeLifecycle):
         stop_waits_for_steps = True
+        steps_done = 0
 
         def stop_timeout(self, bound_s: float) -> float:
             return 0.05
+
+        async def after_step(self, pipeline) -> None:
+            self.steps_done = pipeline.step
 
     async def never(*args):
         await asyncio.Event().wait()
 
     async def scenario():
         logger = MetricsLogger(tmp_path / "metrics.jsonl", CONFIG.steps, progress_every_s=1e9)
-        run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, StopWithAShortBudget()))
-        await wait_until_async(lambda: rollouts._waiting is not None and rollouts._waiting[0] == 2, "step 2 at the gate")
+        lifecycle = StopWithAShortBudget()
+        run_task = asyncio.ensure_future(pipeline.run(tmp_path, logger, lifecycle))
+        # Step 1 done (the loop awaits step 2's answer from then on: its batch was sent ahead),
+        # and step 2's batch waiting at the gate.
+        await wait_until_async(
+            lambda: lifecycle.steps_done == 1 and rollouts._waiting is not None and rollouts._waiting[0] == 2,
+            "step 1 done and step 2 at the gate",
+        )
         pipeline.actors.rollouts.withhold_batch = FakeEndpoint(never)
         pipeline.actors.rollouts.stop_loops = FakeEndpoint(never)
         run_task.cancel()
