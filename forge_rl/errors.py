@@ -54,6 +54,19 @@ class GeneratorLost(RuntimeError):
         return type(self), (self.index, self.reason)
 
 
+class GeneratorFailed(RuntimeError):
+    """Generator `index` died and no replacement could be started (its host is gone, say): the
+    pool gave it up. The run goes on with the others, or stops with this cause if it was the last."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"generator {index} could not be replaced: {reason}")
+        self.index = index
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.index, self.reason)
+
+
 class ScorerLost(RuntimeError):
     """A scorer-side process died while scoring; the call's episodes were not scored (a completion
     is not to blame for it, so none is ERRORED). Recoverable: score them again once a restarted

@@ -16,8 +16,8 @@ placement) is left to Monarch's report:
        the damaged one hangs), loads the newest published weights (again, until no newer version
        was published while it loaded) and serves again; the other generators keep serving
        throughout. A replacement that fails to start, or whose start (generator.start_timeout_s) or load hangs, is retried; after
-       _MAX_START_ATTEMPTS the slot is FAILED and `wait_until_serving` raises, which stops the run
-       with the cause.
+       _MAX_START_ATTEMPTS the slot is FAILED and `wait_until_serving` raises GeneratorFailed: the
+       run goes on with the other generators, or stops with the cause if it was the last.
 
 A replacement is triggered by a dead process (Monarch's SupervisionError, or the watchdog), a dead
 vLLM engine, or a hung generator: a generate call past `generate_timeout_s` or a weight update past
@@ -52,7 +52,7 @@ from forge_rl.actors.generator import GeneratorActor
 from forge_rl.core.deadlines import within
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
-from forge_rl.errors import GeneratorLost, raised_by_actor
+from forge_rl.errors import GeneratorFailed, GeneratorLost, raised_by_actor
 from forge_rl.observability.metrics import progress
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.port_calls import PortCalls, PortServed
@@ -336,7 +336,7 @@ class GeneratorPool(PortServed, Actor):
         slot = self.slots[index]
         await slot.serving.wait()
         if slot.state == SlotState.FAILED:
-            raise RuntimeError(f"generator {index} could not be replaced: {slot.failure}")
+            raise GeneratorFailed(index, slot.failure)
         if slot.state == SlotState.REMOVED:
             raise GeneratorLost(index, "it was removed from the pool")
         return slot.policy_version

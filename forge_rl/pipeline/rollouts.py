@@ -41,10 +41,10 @@ from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
-from forge_rl.errors import GeneratorLost, generator_lost, raised_by_actor
+from forge_rl.errors import GeneratorFailed, GeneratorLost, generator_lost, raised_by_actor
 from forge_rl.observability import metrics as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
-from forge_rl.observability.metrics import EpisodeStats, batch_metrics
+from forge_rl.observability.metrics import EpisodeStats, batch_metrics, progress
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.training.trainer_steps import PulledBatch
@@ -668,21 +668,19 @@ class Rollouts:
         if index not in pool:
             raise GeneratorLost(index, "it left the pool, and every other generator was lost mid-turn")
         tried.clear()
-        self.calls["generators.wait_until_serving"] += 1
-        await self.actors.generators.wait_until_serving.call_one(index)
-        return index
+        if await self._wait_until_serving(index) is not None:
+            return index
+        pool = [i for i in self.generators if not self._leaving.get(i, asyncio.Event()).is_set()]
+        if not pool:
+            raise GeneratorLost(index, "it left the pool, and no other generator is left")
+        return pool[0]  # it left the pool (given up): the others are tried again
 
     async def _serves_again(self, index: int) -> None:
         """Once lost generator `index`'s replacement serves, the gate admits on it at the version
         it loaded (a rollout loop that re-queued after the loss does this itself)."""
-        try:
-            self.calls["generators.wait_until_serving"] += 1
-            loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
-        except Exception as e:
-            if generator_lost(e) is None:  # removed from the pool meanwhile: nothing to mark
-                raise
-            return
-        await self.gate.generator_serves(index, loaded_version)
+        loaded_version = await self._wait_until_serving(index)
+        if loaded_version is not None:
+            await self.gate.generator_serves(index, loaded_version)
 
     def _next_prompts(self) -> list[Episode]:
         prompts = self.prompts.next_episodes(1)
@@ -697,14 +695,28 @@ class Rollouts:
         leaving = self._leaving.setdefault(index, asyncio.Event())
         if leaving.is_set():
             return  # removed from the pool, not dead: nothing to wait for
+        loaded_version = await self._wait_until_serving(index)
+        if loaded_version is not None:
+            await self.gate.generator_serves(index, loaded_version)
+
+    async def _wait_until_serving(self, index: int) -> int | None:
+        """The version lost generator `index` serves again with, once its replacement does; None
+        if it left the pool meanwhile, or could not be replaced while others serve (it leaves
+        the pool: the run goes on without it). GeneratorFailed if it was the pool's last."""
         self.calls["generators.wait_until_serving"] += 1
         try:
-            loaded_version = await self.actors.generators.wait_until_serving.call_one(index)
+            return await self.actors.generators.wait_until_serving.call_one(index)
         except Exception as e:
-            if generator_lost(e) is None or not leaving.is_set():
+            leaving = self._leaving.setdefault(index, asyncio.Event())
+            if leaving.is_set():
+                return None  # removed, or given up by another waiter, while its replacement started
+            failed = raised_by_actor(e)
+            if not isinstance(failed, GeneratorFailed) or len(self.generators) == 1:
                 raise
-            return  # removed while its replacement started
-        await self.gate.generator_serves(index, loaded_version)
+            self.generators.remove(index)
+            leaving.set()
+            progress(f"{failed}; the run goes on with generators {self.generators}")
+            return None
 
     # Weights ----------------------------------------------------------------------------------
 

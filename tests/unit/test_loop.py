@@ -17,7 +17,7 @@ from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
-from forge_rl.errors import GeneratorLost, TrainStepTimedOut
+from forge_rl.errors import GeneratorFailed, GeneratorLost, TrainStepTimedOut
 from forge_rl.observability import metrics as m
 from forge_rl.observability.metrics import MetricsLogger
 from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
@@ -1091,3 +1091,35 @@ def test_an_environment_turn_lost_with_its_generator_is_sampled_again_and_the_ep
     for _, episodes in trained:
         for episode in episodes:
             assert all(c.num_turns == 2 and c.reward == 1.0 for c in episode.completions)
+
+
+@pytest.mark.parametrize("num_generators", [2, 1])
+def test_a_generator_that_cannot_be_replaced_leaves_the_pool_unless_it_was_the_last(num_generators, tmp_path):
+    """Generator 0 dies and the pool gives it up (its host is gone): with another generator the
+    run goes on without it, its prompt handed out again there; alone, the run stops naming why."""
+    config = dataclasses.replace(CONFIG, num_generators=num_generators, steps=4)
+    calls = {"n": 0}
+
+    async def generate(index, prompts, group_size):
+        calls["n"] += 1
+        call = calls["n"]
+        await asyncio.sleep(0)  # a remote call yields to the event loop
+        if index == 0 and call == 1:
+            raise FakeActorError(GeneratorLost(index, "its process died"))
+        version = rollouts.gate.generator_versions[index]
+        return [dataclasses.replace(p, completions=completions_for(p, group_size, version)) for p in prompts]
+
+    async def wait_until_serving(index):
+        raise FakeActorError(GeneratorFailed(index, "3 attempts failed, last: its host is gone"))
+
+    pipeline, rollouts = make_pipeline(generate, config)
+    rollouts.actors.generators.wait_until_serving = FakeEndpoint(wait_until_serving)
+    if num_generators == 1:
+        with pytest.raises((FakeActorError, GeneratorFailed), match="generator 0 could not be replaced: 3 attempts failed"):
+            run(pipeline, tmp_path)
+        return
+    history, accounting = run(pipeline, tmp_path)
+    assert rollouts.generators == [1] and history[-1][m.NUM_GENERATORS] == 1
+    assert accounting["requeued_after_generator_failure"] == 1
+    assert accounting["trained_more_than_once"] == 0
+    assert accounting["trained"] == config.steps * config.prompts_per_step
