@@ -202,6 +202,7 @@ _BENCHMARKS = {
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "trees": "Trainer step trained tokens/s, groups as prefix trees (prompt computed once) vs flat packing.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
+    "elastic": "SIMULATED engines: throughput of a run whose generator pool goes 8 -> 32 -> 4 while it trains.",
     "faults": "Generators killed mid-generation: tokens wasted with their work migrated (segments) vs re-issued.",
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync; faults.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",
@@ -226,6 +227,7 @@ def _run_bench(args: list[str]) -> None:
     from forge_rl.bench import (
         async_vs_sync,
         distill,
+        elastic,
         eval_overhead,
         faults,
         keep_routing,
@@ -256,6 +258,7 @@ def _run_bench(args: list[str]) -> None:
         "trainer": (trainer, trainer.TrainerBenchArgs),
         "trees": (trees, trees.TreesBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
+        "elastic": (elastic, elastic.ElasticArgs),
         "faults": (faults, faults.FaultsBenchArgs),
         "scale": (scale, scale.ScaleArgs),
         "multi-turn": (multi_turn, multi_turn.MultiTurnArgs),
