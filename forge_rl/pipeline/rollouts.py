@@ -415,10 +415,11 @@ class Rollouts:
         rollout loops; returns what the pool reported of it."""
         self.calls["generators.add_generator"] += 1
         added = await self.actors.generators.add_generator.call_one()
-        index = self.gate.add_generator(added["policy_version"])
-        if index != added["index"]:
-            raise RuntimeError(f"the pool added generator {added['index']}, the admission gate counted {index}")
-        self.env_waits.add_generator()
+        index = added["index"]
+        # Indices the pool gave to generators whose start failed get entries too, never used.
+        while len(self.gate.generator_versions) <= index:
+            self.gate.add_generator(added["policy_version"])
+            self.env_waits.add_generator()
         self.generators.append(index)
         self._spawn_rollout_loops(index)
         return added
