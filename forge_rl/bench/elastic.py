@@ -2,8 +2,8 @@
 it trains (`forge-rl scale`, forge_rl/run/scaling.py), on SIMULATED engines and trainer.
 
 One run of configs/sim_scale.yaml (generators decode on a latency model of Qwen3-8B on one H100
-each; the trainer's step is a timed wait: nothing is trained, `forge_rl/engines/simulated.py`),
-at a fixed batch, through `counts` generators in turn: it starts with the first, and after every
+each; nothing is trained, `forge_rl/engines/simulated.py`) whose trainer step costs nothing, so
+generation sets the pace, at a fixed batch, through `counts` generators in turn: it starts with the first, and after every
 `steps_per_phase` steps asks for the next, the way the command does (a request the controller
 reads after the step), and after one more step waits for the answer. Reported per phase: the
 generators it had, how long the change took, and the generated and trained tokens per second over
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,10 @@ def main(args: ElasticArgs) -> dict:
         num_generators=args.counts[0],
         train_batch_size=args.prompts_per_step * base.group_size,
         generator=dataclasses.replace(base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale)),
+        # A trainer step that costs nothing: generation sets the pace, so the pool's size shows.
+        trainer=dataclasses.replace(base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0)),
     )
+    shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     phases = _Phases(config.run_dir / config.run_name, args)
     figures, run_path = run_probed(config, after_step=phases.after_step)
     metrics = read_metrics(run_path)

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ def run_config(base: GRPOConfig, args: FaultsBenchArgs, mode: str) -> GRPOConfig
 def run_mode(config: GRPOConfig, args: FaultsBenchArgs) -> dict:
     from forge_rl.bench.scale import run_probed
 
+    shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     killer = _KillInTurn(
         config.num_generators, args.kill_every_steps, config.steps, args.kill_delay_max_s, args.seed, args.recovery_timeout_s
     )

@@ -135,8 +135,11 @@ class Scaling:
                 added = await actors.rollouts.add_generator.call_one()
                 answer["added"].append({k: added[k] for k in ("index", "policy_version", "engine_start_s")})
                 generators = await actors.rollouts.generators.call_one()
-            for index in sorted(generators, reverse=True)[: max(len(generators) - request["generators"], 0)]:
-                answer["removed"].append(await actors.rollouts.remove_generator.call_one(index, request["grace_s"]))
+            leaving = sorted(generators, reverse=True)[: max(len(generators) - request["generators"], 0)]
+            # At once: each gets the whole grace, not a share of it.
+            answer["removed"] = list(await asyncio.gather(
+                *(actors.rollouts.remove_generator.call_one(index, request["grace_s"]) for index in leaving)
+            ))
             answer["generators"] = await actors.rollouts.generators.call_one()
             await self._record_processes(actors)
         except Exception as e:  # the run goes on as it is; the requester gets the reason
