@@ -661,20 +661,19 @@ class Rollouts:
         other generator was tried."""
         lost = tried[-1]
         self._spawn(self._serves_again(lost))
-        pool = [i for i in self.generators if not self._leaving.get(i, asyncio.Event()).is_set()]
-        untried = [i for i in pool if i not in tried]
+        # A generator leaving the pool is out of `self.generators` already.
+        untried = [i for i in self.generators if i not in tried]
         if untried:
             after = [i for i in untried if i > lost]
             return (after or untried)[0]
-        if index not in pool:
+        if index not in self.generators:
             raise GeneratorLost(index, "it left the pool, and every other generator was lost mid-turn")
         tried.clear()
         if await self._wait_until_serving(index) is not None:
             return index
-        pool = [i for i in self.generators if not self._leaving.get(i, asyncio.Event()).is_set()]
-        if not pool:
+        if not self.generators:
             raise GeneratorLost(index, "it left the pool, and no other generator is left")
-        return pool[0]  # it left the pool (given up): the others are tried again
+        return self.generators[0]  # it left the pool (given up): the others are tried again
 
     async def _serves_again(self, index: int) -> None:
         """Once lost generator `index`'s replacement serves, the gate admits on it at the version
