@@ -132,6 +132,13 @@ class Completion:
     turn's oldest version up to the token, which is never younger. Every age bound is applied to
     these versions (forge_rl/core/buffer.py), so a token that continued on KV of older weights is as old
     as they are."""
+    agent: str | None = None
+    """The agent of a multi-agent episode whose view this is ("proposer", "solver/2":
+    forge_rl/envs/graph.py); None in a single-agent episode."""
+    baseline_group: str | None = None
+    """Which completions of its group this one's advantage is baselined against: those with the same
+    value (an agent's seat, or its seat within one episode: forge_rl/envs/rollout.py
+    `group_completions`); None: the whole group, GRPO's baseline."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:

@@ -55,16 +55,32 @@ def completion_reward(completion: Completion) -> float:
     return completion.reward
 
 
+def baseline_groups(episode: Episode) -> list[list[int]]:
+    """The completions of `episode` by `Completion.baseline_group`, as index lists in order of first
+    appearance: one list of all of them for a single-agent group (GRPO's), one per seat (or per
+    seat and episode) for a multi-agent one (forge_rl/envs/graph.py)."""
+    groups: dict[str | None, list[int]] = {}
+    for index, completion in enumerate(episode.completions):
+        groups.setdefault(completion.baseline_group, []).append(index)
+    return list(groups.values())
+
+
 def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
-    """One advantage per completion of `episode`, in order. ERRORED completions get 0 and are left
-    out of the group's mean and std (their reward is not a measurement). Completions whose tokens
-    are all untrainable still count: their reward is a valid sample for the baseline."""
-    usable = [c.status != CompletionStatus.ERRORED for c in episode.completions]
-    if not any(usable):
-        return [0.0] * len(episode.completions)
-    rewards_G = [completion_reward(c) for c, ok in zip(episode.completions, usable) if ok]
-    advantages = iter(group_advantages(rewards_G, normalize_std))
-    return [next(advantages) if ok else 0.0 for ok in usable]
+    """One advantage per completion of `episode`, in order, each against the completions of its
+    baseline group (`baseline_groups`: the whole group unless agents of a multi-agent episode name
+    their own): A_i = (r_i - mean_B r) / (std_B r + eps), B the usable completions of i's baseline
+    group. ERRORED completions get 0 and are left out of the mean and std (their reward is not a
+    measurement). Completions whose tokens are all untrainable still count: their reward is a valid
+    sample for the baseline."""
+    result = [0.0] * len(episode.completions)
+    for indices in baseline_groups(episode):
+        usable = [i for i in indices if episode.completions[i].status != CompletionStatus.ERRORED]
+        if not usable:
+            continue
+        advantages = group_advantages([completion_reward(episode.completions[i]) for i in usable], normalize_std)
+        for i, advantage in zip(usable, advantages):
+            result[i] = advantage
+    return result
 
 
 def token_advantages(episode: Episode, normalize_std: bool, step_discount: float = 1.0) -> list[list[float]]:
@@ -73,27 +89,30 @@ def token_advantages(episode: Episode, normalize_std: bool, step_discount: float
         A_it = A_i + sum_{k >= k(t)} step_discount^(k - k(t)) * r~_ik + d_it
 
     A_i is the completion's group advantage (`episode_advantages`); k(t) is the step holding token
-    t; r~_ik = (r_ik - mean(R)) / (std(R) + eps), R being every step reward of the group's usable
-    completions (centered only when not `normalize_std`), so a step is judged against the steps of
-    its group, as DeepSeekMath's GRPO with process supervision does (Shao et al. 2024, Sec. 4.1.3,
-    step_discount = 1: a token is credited with its own step and every later one); step_discount
-    = 0 credits a token with its own step only. d_it is the token's dense reward (`token_rewards`),
-    unnormalized (a teacher's per-token log ratio is already on a per-token scale). Without step
-    or token rewards A_it = A_i: plain GRPO. A turn of a multi-turn episode is a step. ERRORED
-    completions get zeros. Worked example and reasoning: docs/scoring.md."""
+    t; r~_ik = (r_ik - mean(R)) / (std(R) + eps), R being every step reward of the usable
+    completions of its baseline group (centered only when not `normalize_std`), so a step is judged
+    against the steps of its group, as DeepSeekMath's GRPO with process supervision does (Shao et
+    al. 2024, Sec. 4.1.3, step_discount = 1: a token is credited with its own step and every later
+    one); step_discount = 0 credits a token with its own step only. d_it is the token's dense
+    reward (`token_rewards`), unnormalized (a teacher's per-token log ratio is already on a
+    per-token scale). Without step or token rewards A_it = A_i: plain GRPO. A turn of a multi-turn
+    episode is a step. ERRORED completions get zeros. Worked example and reasoning: docs/scoring.md."""
     if not 0.0 <= step_discount <= 1.0:
         raise ValueError(f"step_discount ({step_discount}) must be in [0, 1]")
-    usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED]
-    step_rewards = [r for c in usable for r in c.step_rewards or ()]
-    if step_rewards:
-        normalized = group_advantages(step_rewards, normalize_std)
-    normalized_steps = iter(normalized if step_rewards else ())
+    completions = episode.completions
+    normalized_steps: dict[int, list[float]] = {}
+    for indices in baseline_groups(episode):
+        usable = [i for i in indices if completions[i].status != CompletionStatus.ERRORED]
+        step_rewards = [r for i in usable for r in completions[i].step_rewards or ()]
+        normalized = iter(group_advantages(step_rewards, normalize_std) if step_rewards else ())
+        for i in usable:
+            normalized_steps[i] = [next(normalized) for _ in completions[i].step_rewards or ()]
     result = []
-    for completion, advantage in zip(episode.completions, episode_advantages(episode, normalize_std)):
+    for i, (completion, advantage) in enumerate(zip(completions, episode_advantages(episode, normalize_std))):
         if completion.status == CompletionStatus.ERRORED:
             result.append([0.0] * completion.num_tokens)
             continue
-        steps = [next(normalized_steps) for _ in completion.step_rewards or ()]
+        steps = normalized_steps[i]
         per_token = [advantage] * completion.num_tokens
         if steps:
             credits = place_on_steps(completion.step_ends, returns_to_go(steps, step_discount))

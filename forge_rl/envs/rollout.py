@@ -38,9 +38,11 @@ from typing import Literal, Protocol
 from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
 from forge_rl.envs.demonstrations import WarmupConfig
 from forge_rl.envs.environment import Environment, Observation, StepResult
+from forge_rl.envs.graph import EpisodeGraph, GraphStep, MultiAgentEnvironment, is_multi_agent
 from forge_rl.envs.long_tail import make_long_tail_env
 from forge_rl.envs.renderers import Renderer
-from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode
+from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode, run_graph
+from forge_rl.envs.selfplay import make_selfplay_env
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError
 from forge_rl.routing import RoutingRecord
@@ -53,6 +55,7 @@ a factory with a parameter named `row` is also given the data row the prompt cam
 (`make_env(seed, index, row=columns)`, the row's columns by name), so a data file drives its episodes."""
 
 ENVIRONMENTS: dict[str, MakeEnvironment] = {
+    "selfplay": make_selfplay_env,
     "calculator": make_calculator_env,
     "calculator_no_tool": make_calculator_env_without_tool,
     "long_tail": make_long_tail_env,
@@ -135,12 +138,12 @@ def resolve_environment(name: str) -> MakeEnvironment:
     return ENVIRONMENTS[name]
 
 
-async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> list[Trajectory]:
-    """Play `envs` concurrently, one episode each; their trajectories, in order. An exception from
+async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> list[EpisodeGraph]:
+    """Play `envs` concurrently, one episode each; their episode graphs, in order. An exception from
     `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
     for env in envs:
         check_step_timeout(env, limits)
-    tasks = [asyncio.ensure_future(play_episode(env, generate, renderer, limits)) for env in envs]
+    tasks = [asyncio.ensure_future(play_graph(env, generate, renderer, limits)) for env in envs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -172,6 +175,16 @@ async def play_episode(
     return await run_episode(env, generate, renderer, limits)
 
 
+async def play_graph(
+    env: Environment | AgentEnvironment | MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+) -> EpisodeGraph:
+    """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), or
+    the one agent of any other (`play_episode`)."""
+    if is_multi_agent(env):
+        return await run_graph(env, generate, renderer, limits)
+    return EpisodeGraph.of(await play_episode(env, generate, renderer, limits))
+
+
 def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
     """ConfigError when env_step_timeout_s is below the environment's own `max_step_s` (a sandbox's
     start-up plus its whole run): every such step could be killed mid-run."""
@@ -195,15 +208,31 @@ _COMPLETION_STATUS = {
 """Every other end (DONE, PARSE_ERROR: the model's own doing, trained with its reward) is OK."""
 
 
-def group_completions(trajectories: list[Trajectory]) -> list[Completion]:
-    """One completion per trajectory of a group (`trajectory_completion`), with whether turns are
-    process-reward steps decided for the whole group: if the environment rewarded any turn of any
-    of them, every trajectory's turns are steps (an unrewarded turn 0). A trajectory whose turns
-    all went unrewarded then enters the group's step statistics with all-zero steps, against which
-    the rewarded turns are judged; left without steps it would drop out of them, and the contrast
-    between rewarded and unrewarded turns with it."""
-    turns_are_steps = any(r is not None for t in trajectories for r in t.turn_rewards)
-    return [trajectory_completion(t, turns_are_steps) for t in trajectories]
+def group_completions(graphs: list[EpisodeGraph]) -> list[Completion]:
+    """One completion per agent of each episode of a group (`trajectory_completion`), in order;
+    a single-agent episode's one completion is named by no agent.
+
+    Each agent's completion says which others its advantage is baselined against
+    (`Completion.baseline_group`): its seat's agents over the group, or over its own episode
+    (`Seat.baseline`); an untrainable seat's tokens are all untrainable. Whether turns are
+    process-reward steps is decided for the whole group: if the environment rewarded any turn of
+    any trajectory, every trajectory's turns are steps (an unrewarded turn 0). A trajectory whose
+    turns all went unrewarded then enters the group's step statistics with all-zero steps, against
+    which the rewarded turns are judged; left without steps it would drop out of them, and the
+    contrast between rewarded and unrewarded turns with it."""
+    turns_are_steps = any(r is not None for graph in graphs for _, t in graph.trajectories() for r in t.turn_rewards)
+    completions = []
+    for index, graph in enumerate(graphs):
+        for agent, trajectory in graph.trajectories():
+            completion = trajectory_completion(trajectory, turns_are_steps)
+            if not graph.is_single_agent:
+                seat = graph.seat(agent)
+                completion.agent = agent
+                completion.baseline_group = seat.name if seat.baseline == "group" else f"{seat.name}@{index}"
+                if not seat.trainable:
+                    completion.trainable = [False] * completion.num_tokens
+            completions.append(completion)
+    return completions
 
 
 def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None = None) -> Completion:
@@ -336,22 +365,32 @@ class EnvWaitClock:
 class TimedEnvironment:
     """`env` with each reset and step counted as an environment call of generator `index` (EnvWaitClock).
     An agent environment's whole `play` is one call: while its agent waits on a turn the generator
-    is busy (the turn's own clock), and the rest of the time it is the environment's."""
+    is busy (the turn's own clock), and the rest of the time it is the environment's. A multi-agent
+    environment keeps its seats, and its `agent_ended` is counted as a call too."""
 
-    def __init__(self, env: Environment | AgentEnvironment, clock: EnvWaitClock, index: int):
+    def __init__(self, env: Environment | AgentEnvironment | MultiAgentEnvironment, clock: EnvWaitClock, index: int):
         self.env, self.clock, self.index = env, clock, index
         self.max_step_s = getattr(env, "max_step_s", None)
         if is_agent_environment(env):
             self.play = self._play
+        if is_multi_agent(env):
+            self.seats = env.seats
+            if callable(getattr(env, "agent_ended", None)):
+                self.agent_ended = self._agent_ended
 
     async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory:
         with self.clock.env_call(self.index):
             return await self.env.play(generate, renderer, limits)
 
+    async def _agent_ended(self, agent: str, status: TrajectoryStatus) -> GraphStep:
+        with self.clock.env_call(self.index):
+            return await self.env.agent_ended(agent, status)
+
     async def reset(self) -> Observation:
         with self.clock.env_call(self.index):
             return await self.env.reset()
 
-    async def step(self, turn_text: str) -> StepResult:
+    async def step(self, *turn: str) -> StepResult | GraphStep:
+        """(turn_text), or (agent, turn_text) for a multi-agent environment."""
         with self.clock.env_call(self.index):
-            return await self.env.step(turn_text)
+            return await self.env.step(*turn)

@@ -33,14 +33,16 @@ again).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from forge_rl.envs.environment import Environment, MalformedTurn, Observation, StepResult
+from forge_rl.envs.graph import SINGLE_AGENT, EpisodeGraph, GraphStep, MultiAgentEnvironment, Seat, TurnNode, declared_seats, seat_of
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectoryBuilder, TrajectoryStatus
 from forge_rl.errors import ConfigError
@@ -153,62 +155,300 @@ class ContextExhausted(Exception):
 async def run_episode(
     env: Environment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
 ) -> Trajectory:
-    """Play `env` to its end (or its limits) with turns from `generate`; see the module docstring."""
-    limits.require_resolved()
-    builder = TrajectoryBuilder(renderer, limits.max_total_tokens)
-    record = _Record()
+    """Play `env` to its end (or its limits) with turns from `generate`; see the module docstring.
+    The episode is the graph of one agent (`run_graph` over the environment's one seat)."""
+    graph = await run_graph(OneSeat(env), generate, renderer, limits)
+    return graph.agents[SINGLE_AGENT]
 
-    def end(status: TrajectoryStatus, error: str | None = None, final_reward: float = 0.0) -> Trajectory:
+
+class OneSeat:
+    """A single-agent `Environment` as a multi-agent one with the seat `agent`: its observations
+    go to that agent, and the agent's end on a limit closes the episode with no reward."""
+
+    seats = (Seat(SINGLE_AGENT),)
+
+    def __init__(self, env: Environment):
+        self.env = env
+        self.max_step_s = getattr(env, "max_step_s", None)
+
+    async def reset(self) -> dict[str, Observation]:
+        return {SINGLE_AGENT: await self.env.reset()}
+
+    async def step(self, agent: str, turn_text: str) -> GraphStep:
+        result = await self.env.step(turn_text)
+        if not isinstance(result, StepResult):
+            raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a StepResult")
+        if result.done:
+            return GraphStep(turn_reward=result.turn_reward, done=True, rewards={SINGLE_AGENT: result.final_reward})
+        return GraphStep({SINGLE_AGENT: result.observation}, result.turn_reward)
+
+    async def agent_ended(self, agent: str, status: TrajectoryStatus) -> GraphStep:
+        return GraphStep(done=True, rewards={SINGLE_AGENT: 0.0})
+
+
+async def run_graph(
+    env: MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+) -> EpisodeGraph:
+    """Play a multi-agent episode (forge_rl/envs/graph.py) to its end: each agent's turns are
+    sampled with `generate` within `limits` (and its seat's own max_turns and turn_timeout_s),
+    concurrently with the other agents'; the environment is called one call at a time. Whatever
+    `generate` raises (a lost generator) cancels the episode's other turns and propagates."""
+    limits.require_resolved()
+    return await _GraphPlay(env, declared_seats(env), generate, renderer, limits).play()
+
+
+class _Agent:
+    """One agent of an episode being played: its view (builder), its figures, what it has to answer."""
+
+    def __init__(self, agent_id: str, seat: Seat, renderer: Renderer, limits: EpisodeLimits):
+        self.id, self.seat = agent_id, seat
+        self.builder = TrajectoryBuilder(renderer, limits.max_total_tokens)
+        self.record = _Record()
+        self.max_turns = seat.max_turns or limits.max_turns
+        self.inbox: list[tuple[Observation, tuple[int, ...]]] = []
+        """Observations to read before its next turn, each with the nodes whose steps produced it."""
+        self.ended: tuple[TrajectoryStatus, str] | None = None
+        """Set when it reached one of its own limits: its status, and why."""
+        self.task: asyncio.Future | None = None
+        self.reward = 0.0
+
+    def trajectory(self, status: TrajectoryStatus, error: str | None) -> Trajectory:
         return Trajectory(
-            samples=builder.samples, status=status, final_reward=final_reward, error=error,
-            conversation=builder.conversation, turn_rewards=record.turn_rewards, num_turns=record.num_turns,
-            num_malformed_turns=record.num_malformed_turns, env_latencies_s=record.env_latencies_s,
+            samples=self.builder.samples, status=status, final_reward=self.reward, error=error,
+            conversation=self.builder.conversation, turn_rewards=self.record.turn_rewards,
+            num_turns=self.record.num_turns, num_malformed_turns=self.record.num_malformed_turns,
+            env_latencies_s=self.record.env_latencies_s,
         )
 
-    no_room = f"does not leave room for a turn within max_total_tokens ({limits.max_total_tokens})"
-    try:
-        observation = await _call_env(env.reset(), limits.env_step_timeout_s, record)
-        if not _render(builder.start, observation):
-            return end(TrajectoryStatus.TRUNCATED_TOKENS, f"the prompt {no_room}")
-    except MalformedTurn:
-        return end(TrajectoryStatus.ENV_ERROR, "reset raised MalformedTurn, which only step may raise")
-    except _EnvFailed as failure:
-        return end(failure.status, f"reset: {failure}")
-    while True:
-        if record.num_turns == limits.max_turns:
-            return end(TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) reached")
-        room = limits.max_total_tokens - builder.num_tokens
-        max_new_tokens = min(limits.max_tokens_per_turn, room)
+
+class _GraphFailed(Exception):
+    """The whole episode failed (the environment's doing): every agent's view is counted, not trained."""
+
+    def __init__(self, status: TrajectoryStatus, reason: str):
+        super().__init__(reason)
+        self.status = status
+
+
+class _GraphPlay:
+    def __init__(self, env: MultiAgentEnvironment, seats: dict[str, Seat], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits):
+        self.env, self.seats, self.generate, self.renderer, self.limits = env, seats, generate, renderer, limits
+        self.agents: dict[str, _Agent] = {}
+        self.nodes: list[TurnNode] = []
+        self.lock = asyncio.Lock()  # one environment call at a time
+        self.closed = False
+        self.single = isinstance(env, OneSeat)  # a plain Environment: messages name no agent
+
+    def label(self, agent: _Agent) -> str:
+        return "" if self.single else f"{agent.id}: "
+
+    async def play(self) -> EpisodeGraph:
+        reset_record = _Record()
         try:
-            turn = await generate(builder.prefix, max_new_tokens)
-        except ContextExhausted as full:
-            return end(TrajectoryStatus.TRUNCATED_TOKENS, f"turn {record.num_turns + 1}: {full}")
-        check_turn(turn, max_new_tokens)
-        turn_text = builder.add_turn(turn_span(turn))
-        record.num_turns += 1
-        if turn.finish_reason == "length" and max_new_tokens == room:
-            reason = f"turn {record.num_turns} used the last of max_total_tokens ({limits.max_total_tokens})"
-            return end(TrajectoryStatus.TRUNCATED_TOKENS, reason)
+            try:
+                first = await _call_env(self.env.reset(), self.limits.env_step_timeout_s, reset_record)
+            except MalformedTurn:
+                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, "reset raised MalformedTurn, which only step may raise") from None
+            except _EnvFailed as failure:
+                raise _GraphFailed(failure.status, f"reset: {failure}") from None
+            if not isinstance(first, Mapping) or not first:
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR, f"reset returned {first!r}: it must map the agents that speak first to their observations"
+                )
+            self._deliver(first, (), "reset")
+            for agent in self.agents.values():
+                agent.record.env_latencies_s += reset_record.env_latencies_s
+            await self._run_agents()
+        except _GraphFailed as failure:
+            await self._cancel_all()
+            return self._failed(failure)
+        finally:
+            await self._cancel_all()  # turns still being sampled when the episode closed (or failed)
+        return self._closed_graph()
+
+    async def _run_agents(self) -> None:
+        while not self.closed:
+            for agent in self.agents.values():
+                if agent.inbox and agent.task is None and agent.ended is None:
+                    agent.task = asyncio.ensure_future(self._answer(agent))
+            running = [agent.task for agent in self.agents.values() if agent.task is not None]
+            if not running:
+                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, self._stalled())
+            finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for agent in self.agents.values():
+                if agent.task in finished:
+                    task, agent.task = agent.task, None
+                    task.result()  # raises _GraphFailed, or whatever generate raised
+
+    def _stalled(self) -> str:
+        """Why nothing can go on, in words: nobody has anything to answer, and the episode is open."""
+        waiting = [a.id for a in self.agents.values() if a.ended is None]
+        if waiting:
+            return (
+                f"no agent has anything to answer and the environment has not closed the episode: its agents wait on "
+                f"each other (waiting: {', '.join(waiting)}). A step must give an observation to some agent, or say "
+                "done with every agent's reward."
+            )
+        ended = ", ".join(f"{a.id}: {a.ended[0].value}" for a in self.agents.values())
+        return (
+            f"every agent has ended ({ended}) and the environment has not closed the episode: close it (done, with "
+            "every agent's reward) from agent_ended when the last one ends."
+        )
+
+    async def _cancel_all(self) -> None:
+        tasks = [agent.task for agent in self.agents.values() if agent.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for agent in self.agents.values():
+            agent.task = None
+
+    async def _answer(self, agent: _Agent) -> None:
+        """`agent` reads what it was sent and takes turns until it has nothing left to answer."""
+        limits, record, builder = self.limits, agent.record, agent.builder
+        label = self.label(agent)
+        no_room = f"does not leave room for a turn within max_total_tokens ({limits.max_total_tokens})"
+        while agent.inbox and not self.closed:
+            observation, shown = agent.inbox.pop(0)
+            started = bool(builder.samples)
+            try:
+                fits = _render(builder.add_observation if started else builder.start, observation)
+            except _EnvFailed as failure:
+                where = f"step {record.num_turns}" if started else ("reset" if not shown else "prompt")
+                raise _GraphFailed(failure.status, f"{label}{where}: {failure}") from None
+            if not fits:
+                where = f"observation {record.num_turns}" if started else "the prompt"
+                return await self._end(agent, TrajectoryStatus.TRUNCATED_TOKENS, f"{where} {no_room}")
+            if record.num_turns == agent.max_turns:
+                return await self._end(agent, TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({agent.max_turns}) reached")
+            room = limits.max_total_tokens - builder.num_tokens
+            max_new_tokens = min(limits.max_tokens_per_turn, room)
+            try:
+                turn = await self._sample(agent, builder.prefix, max_new_tokens)
+            except ContextExhausted as full:
+                return await self._end(agent, TrajectoryStatus.TRUNCATED_TOKENS, f"turn {record.num_turns + 1}: {full}")
+            check_turn(turn, max_new_tokens)
+            turn_text = builder.add_turn(turn_span(turn))
+            node = len(self.nodes)
+            self.nodes.append(TurnNode(agent.id, record.num_turns, shown))
+            record.num_turns += 1
+            if turn.finish_reason == "length" and max_new_tokens == room:
+                reason = f"turn {record.num_turns} used the last of max_total_tokens ({limits.max_total_tokens})"
+                return await self._end(agent, TrajectoryStatus.TRUNCATED_TOKENS, reason)
+            async with self.lock:
+                if self.closed:
+                    return
+                try:
+                    result = await _call_env(self.env.step(agent.id, turn_text), limits.env_step_timeout_s, record)
+                    if not isinstance(result, GraphStep):
+                        raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a GraphStep")
+                except MalformedTurn as malformed:
+                    record.num_malformed_turns += 1
+                    if record.num_malformed_turns > limits.max_malformed_turns:
+                        reason = f"turn {record.num_turns} malformed: {malformed.observation!r}"
+                        return await self._end(agent, TrajectoryStatus.PARSE_ERROR, reason, locked=True)
+                    result = GraphStep({agent.id: malformed.observation})
+                except _EnvFailed as failure:
+                    raise _GraphFailed(failure.status, f"{label}step {record.num_turns}: {failure}") from None
+                record.turn_rewards.append(result.turn_reward)
+                self._apply(result, (node,), f"{label}step {record.num_turns}")
+
+    async def _sample(self, agent: _Agent, prefix: list[int], max_new_tokens: int) -> SampledTurn:
+        timeout_s = agent.seat.turn_timeout_s
+        if timeout_s is None:
+            return await self.generate(prefix, max_new_tokens)
+        task = asyncio.ensure_future(self.generate(prefix, max_new_tokens))
         try:
-            result = await _call_env(env.step(turn_text), limits.env_step_timeout_s, record)
-            if not isinstance(result, StepResult):
-                raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a StepResult")
-        except MalformedTurn as malformed:
-            record.num_malformed_turns += 1
-            if record.num_malformed_turns > limits.max_malformed_turns:
-                reason = f"turn {record.num_turns} malformed: {malformed.observation!r}"
-                return end(TrajectoryStatus.PARSE_ERROR, reason)
-            result = StepResult(observation=malformed.observation)
-        except _EnvFailed as failure:
-            return end(failure.status, f"step {record.num_turns}: {failure}")
-        record.turn_rewards.append(result.turn_reward)
+            await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise _GraphFailed(
+                TrajectoryStatus.ENV_TIMEOUT,
+                f"{agent.id}: turn {agent.record.num_turns + 1} was not sampled within seat {agent.seat.name!r}'s "
+                f"turn_timeout_s ({timeout_s:g} s)",
+            )
+        return task.result()
+
+    async def _end(self, agent: _Agent, status: TrajectoryStatus, reason: str, locked: bool = False) -> None:
+        """`agent` reached one of its own limits: it takes no more turns, and the environment is told."""
+        agent.ended = (status, reason)
+        agent.inbox.clear()
+        ended = getattr(self.env, "agent_ended", None)
+        if ended is None:
+            return
+        async with contextlib.nullcontext() if locked else self.lock:
+            if self.closed:
+                return
+            try:
+                result = await _call_env(ended(agent.id, status), self.limits.env_step_timeout_s, None)
+                if not isinstance(result, GraphStep):
+                    raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a GraphStep")
+            except MalformedTurn:
+                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{agent.id}: agent_ended raised MalformedTurn, which only step may raise") from None
+            except _EnvFailed as failure:
+                raise _GraphFailed(failure.status, f"{agent.id}: agent_ended: {failure}") from None
+            self._apply(result, (), f"{self.label(agent)}agent_ended")
+
+    def _apply(self, result: GraphStep, shown: tuple[int, ...], where: str) -> None:
+        """A step's answer: its observations to their agents, or the episode closed with its rewards."""
         if result.done:
-            return end(TrajectoryStatus.DONE, final_reward=result.final_reward)
-        try:
-            if not _render(builder.add_observation, result.observation):
-                return end(TrajectoryStatus.TRUNCATED_TOKENS, f"observation {record.num_turns} {no_room}")
-        except _EnvFailed as failure:
-            return end(failure.status, f"step {record.num_turns}: {failure}")
+            self._close(result.rewards, where)
+        else:
+            self._deliver(result.observations, shown, where)
+
+    def _deliver(self, observations: Mapping[str, Observation], shown: tuple[int, ...], where: str) -> None:
+        for agent_id, observation in observations.items():
+            seat = self.seats.get(seat_of(agent_id)) if isinstance(agent_id, str) else None
+            if seat is None:
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{where} addressed agent {agent_id!r}, whose seat is not declared (seats: "
+                    f"{', '.join(self.seats)}). Address agents as 'seat' or 'seat/k' of a declared seat.",
+                )
+            agent = self.agents.get(agent_id)
+            if agent is None:
+                agent = self.agents[agent_id] = _Agent(agent_id, seat, self.renderer, self.limits)
+            elif agent.ended is not None:
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{where} addressed agent {agent_id!r}, which has ended ({agent.ended[0].value}: {agent.ended[1]})",
+                )
+            agent.inbox.append((observation, shown))
+
+    def _close(self, rewards: Mapping[str, float], where: str) -> None:
+        unknown = [a for a in rewards if a not in self.agents]
+        if unknown:
+            raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{where} closed the episode with rewards for agents that never spoke: {unknown}")
+        missing = [a.id for a in self.agents.values() if a.record.num_turns and a.seat.trainable and a.id not in rewards]
+        if missing:
+            raise _GraphFailed(
+                TrajectoryStatus.ENV_ERROR,
+                f"{where} closed the episode without a reward for {', '.join(missing)}: done=True needs a reward for "
+                "every agent that took a turn",
+            )
+        for agent_id, reward in rewards.items():
+            self.agents[agent_id].reward = float(reward)
+        self.closed = True
+
+    def _closed_graph(self) -> EpisodeGraph:
+        # An agent that never took a turn (the episode closed before it answered) has nothing to
+        # train and no reward: it is left out, so it does not enter its seat's baseline as a 0.
+        kept = {
+            agent_id: agent.trajectory(*(agent.ended or (TrajectoryStatus.DONE, None)))
+            for agent_id, agent in self.agents.items() if agent.record.num_turns or agent.ended or self.single
+        }
+        return EpisodeGraph(kept, self.nodes, self.seats)
+
+    def _failed(self, failure: _GraphFailed) -> EpisodeGraph:
+        error = str(failure)
+        agents = {agent_id: agent.trajectory(failure.status, error) for agent_id, agent in self.agents.items()}
+        for name, seat in self.seats.items():  # a row for a seat nobody played: the failure is counted there
+            if not any(seat_of(agent_id) == name for agent_id in agents):
+                agents[name] = _Agent(name, seat, self.renderer, self.limits).trajectory(failure.status, error)
+        return EpisodeGraph(agents, self.nodes, self.seats, error)
 
 
 def _render(add: Callable[[Observation], bool], observation: Observation) -> bool:
@@ -235,7 +475,7 @@ class _EnvFailed(Exception):
         self.status = status
 
 
-async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record) -> T:
+async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record | None) -> T:
     """The environment call's result; _EnvFailed if it raised or ran past `timeout_s`.
     MalformedTurn and fatal errors (ConfigError) pass through."""
     started = time.monotonic()
@@ -254,11 +494,12 @@ async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record) -> T:
     if task.cancelled():
         raise _EnvFailed(TrajectoryStatus.ENV_ERROR, "the environment's call was cancelled from inside")
     error = task.exception()
-    if isinstance(error, (MalformedTurn, ConfigError)):
+    if isinstance(error, (MalformedTurn, ConfigError, _EnvFailed)):
         raise error
     if error is not None:
         raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"{type(error).__name__}: {error}") from error
-    record.env_latencies_s.append(time.monotonic() - started)
+    if record is not None:
+        record.env_latencies_s.append(time.monotonic() - started)
     return task.result()
 
 

@@ -23,7 +23,7 @@ from forge_rl.core.advantages import has_signal
 from forge_rl.types import CompletionStatus, Episode
 
 if TYPE_CHECKING:
-    from forge_rl.envs.trajectory import Trajectory
+    from forge_rl.envs.graph import EpisodeGraph
 
 # Names of the metrics that more than one module reads (the loop writes them; the summary, the
 # progress line, the plots and the benchmarks read them). docs/observability.md lists them all.
@@ -122,7 +122,13 @@ ENV_STEP_LATENCY_P99_S = "env/step_latency_p99_s"
 FORKED_SAMPLES_DROPPED = "episodes/forked_samples_dropped"
 """Samples after a prefix break, not trained (forge_rl/envs/rollout.py says why)."""
 EPISODE_STATUS_PREFIX = "episodes/status/"
-"""`episodes/status/<status>`: episodes that ended so (forge_rl/envs/trajectory.py, TrajectoryStatus)."""
+"""`episodes/status/<status>`: agents' views that ended so (forge_rl/envs/trajectory.py,
+TrajectoryStatus); one per episode of a single-agent environment."""
+AGENTS_PER_EPISODE = "episodes/agents_mean"
+"""Agents whose views an episode trains (forge_rl/envs/graph.py); 1 for a single-agent environment."""
+REWARD_BY_SEAT = "reward/by_seat"
+"""`reward/by_seat/<seat>`: the mean reward of a multi-agent episode's agents of that seat, over
+the completions of the step (ERRORED ones aside)."""
 GENERATORS_IDLE_ON_ENV_FRACTION = "idle_fraction/generators_waiting_on_env"
 """Since the loops started, generator-seconds with no turn in flight while episodes waited on
 environment calls (forge_rl/envs/rollout.py, EnvWaitClock), over all generator-seconds."""
@@ -403,6 +409,7 @@ def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bo
     was never trained, so it must not raise `policy_age/max` above the bound. `normalize_std` and
     `step_discount`: the loss's, which the advantages of `ZERO_ADVANTAGE_FRACTION` are taken with."""
     rewards, ages, components = [], collections.Counter(), collections.defaultdict(list)
+    by_seat = collections.defaultdict(list)
     num_errored = num_tokens = num_truncated = 0
     for episode in episodes:
         for completion in episode.completions:
@@ -410,6 +417,8 @@ def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bo
                 num_errored += 1
                 continue
             rewards.append(completion.reward)
+            if completion.agent is not None:
+                by_seat[f"{REWARD_BY_SEAT}/{completion.agent.split('/', 1)[0]}"].append(completion.reward)
             for name, value in completion.reward_components.items():
                 components[f"{REWARD_COMPONENTS}/{name}"].append(value)
             num_tokens += completion.num_tokens
@@ -428,6 +437,7 @@ def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bo
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
         ZERO_ADVANTAGE_FRACTION: sum(not has_signal(e, normalize_std, step_discount) for e in episodes) / max(len(episodes), 1),
         **{name: sum(values) / len(values) for name, values in sorted(components.items())},
+        **{name: sum(values) / len(values) for name, values in sorted(by_seat.items())},
     }
 
 
@@ -437,6 +447,7 @@ class EpisodeStats:
     fresh one after each step's `figures`."""
 
     num_episodes: int = 0
+    num_agents: int = 0
     num_turns: int = 0
     num_malformed_turns: int = 0
     num_tokens: int = 0
@@ -446,22 +457,26 @@ class EpisodeStats:
     env_latencies_s: list[float] = dataclasses.field(default_factory=list)
     statuses: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def observe(self, trajectory: Trajectory) -> None:
+    def observe(self, graph: EpisodeGraph) -> None:
+        """One episode: its turns, tokens and statuses summed over its agents' views."""
         self.num_episodes += 1
-        self.num_turns += trajectory.num_turns
-        self.num_malformed_turns += trajectory.num_malformed_turns
-        self.num_tokens += sum(sample.num_tokens for sample in trajectory.samples)
-        self.num_generated_tokens += trajectory.num_generated_tokens
-        versions = {v for span in trajectory.generated_spans for v in span.policy_versions}
+        self.num_agents += len(graph.agents)
+        for trajectory in graph.agents.values():
+            self.num_turns += trajectory.num_turns
+            self.num_malformed_turns += trajectory.num_malformed_turns
+            self.num_tokens += sum(sample.num_tokens for sample in trajectory.samples)
+            self.num_generated_tokens += trajectory.num_generated_tokens
+            self.num_forked_samples_dropped += trajectory.num_forks
+            self.env_latencies_s += trajectory.env_latencies_s
+            self.statuses[trajectory.status.value] = self.statuses.get(trajectory.status.value, 0) + 1
+        versions = {v for t in graph.agents.values() for span in t.generated_spans for v in span.policy_versions}
         self.num_spanning_update += len(versions) > 1
-        self.num_forked_samples_dropped += trajectory.num_forks
-        self.env_latencies_s += trajectory.env_latencies_s
-        self.statuses[trajectory.status.value] = self.statuses.get(trajectory.status.value, 0) + 1
 
     def figures(self) -> dict:
         episodes = max(self.num_episodes, 1)
         return {
             EPISODES_PLAYED: self.num_episodes,
+            AGENTS_PER_EPISODE: self.num_agents / episodes,
             TURNS_PER_EPISODE: self.num_turns / episodes,
             TOKENS_PER_EPISODE: self.num_tokens / episodes,
             GENERATED_TOKENS_PER_EPISODE: self.num_generated_tokens / episodes,

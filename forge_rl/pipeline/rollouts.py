@@ -638,16 +638,17 @@ class Rollouts:
                 serving["on"] = await self._turn_elsewhere(index, tried)
                 self.accounting.turns_moved_after_generator_failure += 1
 
-        trajectories = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
-        for trajectory in trajectories:
-            self.episode_stats.observe(trajectory)
-        first_observation = trajectories[0].conversation[0].content if trajectories[0].conversation else ""
+        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
+        for graph in graphs:
+            self.episode_stats.observe(graph)
+        first = next(iter(graphs[0].agents.values()))
+        first_observation = first.conversation[0].content if first.conversation else ""
         return dataclasses.replace(
             prompt,
             prompt_text=first_observation,
             answer="",
             prompt_token_ids=[],  # each trajectory holds its prompt as context
-            completions=group_completions(trajectories),
+            completions=group_completions(graphs),
             generator_index=index,
             temperature=config.generator.temperature,
         )

@@ -398,11 +398,12 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     # unclosed; then the trajectory is one sample, and the trainer's row holds all three turns.
     engine.allowed_token_ids = served.tokenizer.encode_text(ALPHABET)
     try:
-        [trajectory] = served.run(
+        [graph] = served.run(
             play_group([make_calculator_env(seed=5, index=0)], generate, UnclosedTurnsRenderer(served.tokenizer), limits)
         )
     finally:
         engine.allowed_token_ids = None
+    trajectory = graph.agents["agent"]
     assert len(trajectory.samples) == 1
     completion = trajectory_completion(trajectory)
 

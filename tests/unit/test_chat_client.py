@@ -297,7 +297,7 @@ def test_the_rollout_plays_agent_environments_in_a_group_and_times_them_as_envir
     clock = EnvWaitClock(1)
     envs = [TimedEnvironment(ChatAgentEnvironment(agent), clock, 0) for _ in range(2)]
     generate = FakeGenerate([sampled(tokenizer, "A"), sampled(tokenizer, "B")])
-    trajectories = asyncio.run(play_group(envs, generate, renderer, episode_limits()))
+    trajectories = [graph.agents['agent'] for graph in asyncio.run(play_group(envs, generate, renderer, episode_limits()))]
     assert sorted(t.final_reward for t in trajectories) == [0.0, 1.0]
     assert all(t.status == TrajectoryStatus.DONE for t in trajectories)
 

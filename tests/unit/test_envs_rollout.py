@@ -12,6 +12,7 @@ from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.envs.environment import StepResult
+from forge_rl.envs.graph import EpisodeGraph
 from forge_rl.envs.python_tool import PythonToolEnv
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, TimedEnvironment, group_completions, play_group, trajectory_completion
@@ -100,7 +101,7 @@ def test_a_trajectory_whose_turns_all_lack_a_reward_gets_all_zero_steps_when_its
     as the rewarded trajectory's call, and its answer below the rewarded answer."""
     rewarded = trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, 1.0])
     unrewarded = trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None])
-    completions = group_completions([rewarded, unrewarded])
+    completions = group_completions([EpisodeGraph.of(rewarded), EpisodeGraph.of(unrewarded)])
 
     assert [(c.step_ends, c.step_rewards) for c in completions] == [([10, 12], [0.0, 1.0]), ([10, 12], [0.0, 0.0])]
     episode = Episode(0, "", "", [], completions)
@@ -110,7 +111,7 @@ def test_a_trajectory_whose_turns_all_lack_a_reward_gets_all_zero_steps_when_its
 
 
 def test_a_group_without_any_turn_reward_trains_on_its_final_rewards_alone():
-    completions = group_completions([trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None])] * 2)
+    completions = group_completions([EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None]))] * 2)
     assert [(c.step_ends, c.step_rewards) for c in completions] == [(None, None)] * 2
 
 
@@ -155,15 +156,15 @@ def test_a_forked_trajectory_trains_its_first_sample_and_counts_the_rest():
     forked = trajectory(samples=[TrajectorySample([PROMPT, CALL]), TrajectorySample([ContextSpan((1, 7, 31)), ANSWER])])
     assert trajectory_completion(forked).token_ids == list(PROMPT.token_ids + CALL.token_ids)
     stats = EpisodeStats()
-    stats.observe(forked)
+    stats.observe(EpisodeGraph.of(forked))
     assert stats.figures()[m.FORKED_SAMPLES_DROPPED] == 1
 
 
 def test_episode_figures_count_turns_tokens_tool_errors_latencies_updates_and_statuses():
     stats = EpisodeStats()
-    stats.observe(trajectory(PROMPT, CALL, RESULT, ANSWER, num_malformed_turns=1, env_latencies_s=[0.1, 0.3]))
-    stats.observe(trajectory(PROMPT, CALL, status=TrajectoryStatus.TRUNCATED_TURNS, final_reward=0.0,
-                             num_turns=1, env_latencies_s=[0.2]))
+    stats.observe(EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, num_malformed_turns=1, env_latencies_s=[0.1, 0.3])))
+    stats.observe(EpisodeGraph.of(trajectory(PROMPT, CALL, status=TrajectoryStatus.TRUNCATED_TURNS, final_reward=0.0,
+                                             num_turns=1, env_latencies_s=[0.2])))
     figures = stats.figures()
 
     assert figures[m.EPISODES_PLAYED] == 2

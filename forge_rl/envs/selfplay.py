@@ -1,0 +1,96 @@
+"""Proposer/solver self-play on the tiny models' vocabulary: one policy writes tasks for itself.
+
+One episode is a graph of 1 + num_solvers agents (forge_rl/envs/graph.py):
+
+    proposer   reads "P=", writes a task: its first two digits a, b ("37")
+    solver/k   reads "M37=" (the max-of-two task of forge_rl/tasks/synthetic.py), answers "7"
+
+Rewards, known once every solver has answered:
+
+    solver/k   1.0 when its answer's leading number is max(a, b), else 0.0
+    proposer   learnability of its task: with s the solvers' solve rate, 1 - s when 0 < s < 1,
+               0.0 when s is 0 or 1 (a task always or never solved teaches nothing), as Absolute
+               Zero's proposer reward (Zhao et al. 2025); or s itself under
+               proposer_reward="solve_rate" (a cooperative proposer)
+               -1.0 for a turn with fewer than two digits: no task (a format penalty below any
+               task's reward, so the proposer learns to write one)
+
+Credit: the proposers of a prompt's group are baselined against each other (seat baseline
+"group"); each solver against the other solvers of its own episode (baseline "episode"), the GRPO
+group of the task it answered. With `environment.name: selfplay` the same policy plays both seats;
+`forge-rl grpo --config configs/selfplay_tiny_cpu.yaml` trains it from scratch on a CPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from forge_rl.envs.graph import GraphStep, Seat
+from forge_rl.envs.trajectory import TrajectoryStatus
+from forge_rl.tasks.synthetic import leading_number_reward
+
+PROPOSE = "P="
+NO_TASK_REWARD = -1.0
+_DIGIT = re.compile(r"\d")
+
+
+@dataclass
+class ProposerSolverEnv:
+    """One self-play episode (module docstring)."""
+
+    num_solvers: int = 4
+    proposer_reward: Literal["learnability", "solve_rate"] = "learnability"
+    seats: ClassVar[tuple[Seat, ...]] = (
+        Seat("proposer", baseline="group", max_turns=1),
+        Seat("solver", baseline="episode", max_turns=1),
+    )
+    task: tuple[int, int] | None = None
+    solved: dict[str, float] = field(default_factory=dict)
+    """Solver agent -> its reward, as they answer."""
+
+    def __post_init__(self) -> None:
+        if self.num_solvers < 1:
+            raise ValueError(f"ProposerSolverEnv.num_solvers ({self.num_solvers}) must be >= 1")
+        if self.proposer_reward not in ("learnability", "solve_rate"):
+            raise ValueError(f"ProposerSolverEnv.proposer_reward ({self.proposer_reward!r}) must be 'learnability' or 'solve_rate'")
+
+    async def reset(self) -> dict[str, str]:
+        return {"proposer": PROPOSE}
+
+    async def step(self, agent: str, turn_text: str) -> GraphStep:
+        if agent == "proposer":
+            digits = _DIGIT.findall(turn_text)
+            if len(digits) < 2:
+                return GraphStep(done=True, rewards={"proposer": NO_TASK_REWARD})
+            self.task = (int(digits[0]), int(digits[1]))
+            prompt = f"M{self.task[0]}{self.task[1]}="
+            return GraphStep({f"solver/{k}": prompt for k in range(self.num_solvers)})
+        self.solved[agent] = leading_number_reward(turn_text, str(max(self.task)))
+        return self._close_when_answered()
+
+    async def agent_ended(self, agent: str, status: TrajectoryStatus) -> GraphStep:
+        """A solver out of tokens failed its task; a proposer that wrote nothing proposed none."""
+        if agent == "proposer":
+            return GraphStep(done=True, rewards={"proposer": NO_TASK_REWARD})
+        self.solved[agent] = 0.0
+        return self._close_when_answered()
+
+    def _close_when_answered(self) -> GraphStep:
+        if len(self.solved) < self.num_solvers:
+            return GraphStep()
+        rate = sum(self.solved.values()) / self.num_solvers
+        return GraphStep(done=True, rewards={"proposer": proposer_reward(rate, self.proposer_reward), **self.solved})
+
+
+def proposer_reward(solve_rate: float, kind: Literal["learnability", "solve_rate"] = "learnability") -> float:
+    """The proposer's reward for a task its solvers solved at `solve_rate` (module docstring)."""
+    if kind == "solve_rate":
+        return solve_rate
+    return 0.0 if solve_rate in (0.0, 1.0) else 1.0 - solve_rate
+
+
+def make_selfplay_env(seed: int, index: int) -> ProposerSolverEnv:
+    """Every episode alike: the proposer's turn is the only source of tasks."""
+    return ProposerSolverEnv()
