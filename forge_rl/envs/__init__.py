@@ -4,9 +4,11 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     environment.py   the interface: async reset / step, StepResult, MalformedTurn
     trajectory.py    spans (generated or context), samples, statuses, the builder
     renderers.py     conversation -> token ids: chat template, or the tiny models' plain format
-    runner.py        run_episode: one episode within its limits, over any `generate` coroutine
+    graph.py         episode graphs: several agents (seats) in one episode, each with a view of its own
+    runner.py        run_graph, run_episode: one episode within its limits, over any `generate` coroutine
     calculator.py    calculator tool for the tiny models (products of two-digit numbers)
     python_tool.py   Python tool for chat models, running code in the sandbox
+    selfplay.py      proposer/solver self-play for the tiny models (one policy, two seats)
     long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
     demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/training/warmup.py)
     chat_client.py   agent code written against openai.AsyncOpenAI, served in process by the generator

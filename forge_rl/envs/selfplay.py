@@ -2,12 +2,16 @@
 
 One episode is a graph of 1 + num_solvers agents (forge_rl/envs/graph.py):
 
-    proposer   reads "P=", writes a task: its first two digits a, b ("37")
-    solver/k   reads "M37=" (the max-of-two task of forge_rl/tasks/synthetic.py), answers "7"
+    proposer   reads "P=", writes a task: the first 2 to 4 digits of its turn ("37", "3791")
+    solver/k   reads "M37=" ("M3791="), answers the largest digit: "7" ("9")
+
+The longer the task, the harder for the solvers (the max-of-two task of
+forge_rl/tasks/synthetic.py is the shortest), so a proposer rewarded for tasks solved only
+sometimes has a direction to go once the short ones are solved every time.
 
 Rewards, known once every solver has answered:
 
-    solver/k   1.0 when its answer's leading number is max(a, b), else 0.0
+    solver/k   1.0 when its answer's leading number is the task's largest digit, else 0.0
     proposer   learnability of its task: with s the solvers' solve rate, 1 - s when 0 < s < 1,
                0.0 when s is 0 or 1 (a task always or never solved teaches nothing), as Absolute
                Zero's proposer reward (Zhao et al. 2025); or s itself under
@@ -33,6 +37,7 @@ from forge_rl.tasks.synthetic import leading_number_reward
 
 PROPOSE = "P="
 NO_TASK_REWARD = -1.0
+MAX_TASK_DIGITS = 4
 _DIGIT = re.compile(r"\d")
 
 
@@ -46,7 +51,7 @@ class ProposerSolverEnv:
         Seat("proposer", baseline="group", max_turns=1),
         Seat("solver", baseline="episode", max_turns=1),
     )
-    task: tuple[int, int] | None = None
+    task: tuple[int, ...] | None = None
     solved: dict[str, float] = field(default_factory=dict)
     """Solver agent -> its reward, as they answer."""
 
@@ -61,11 +66,11 @@ class ProposerSolverEnv:
 
     async def step(self, agent: str, turn_text: str) -> GraphStep:
         if agent == "proposer":
-            digits = _DIGIT.findall(turn_text)
+            digits = _DIGIT.findall(turn_text)[:MAX_TASK_DIGITS]
             if len(digits) < 2:
                 return GraphStep(done=True, rewards={"proposer": NO_TASK_REWARD})
-            self.task = (int(digits[0]), int(digits[1]))
-            prompt = f"M{self.task[0]}{self.task[1]}="
+            self.task = tuple(int(d) for d in digits)
+            prompt = f"M{''.join(digits)}="
             return GraphStep({f"solver/{k}": prompt for k in range(self.num_solvers)})
         self.solved[agent] = leading_number_reward(turn_text, str(max(self.task)))
         return self._close_when_answered()

@@ -54,6 +54,7 @@ def check_machine(config: GRPOConfig) -> None:
         return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)
+    _check_cpu_kv_block_size(config)
 
 
 def check_run_dir_location(run_dir: Path) -> None:
@@ -103,6 +104,20 @@ def _check_cpu_threads(config: GRPOConfig) -> None:
             f"{MAX_COMPUTE_THREADS_PER_CORE} per core: the run would crawl until timeouts fire. Lower "
             "--trainer.num-procs or --num-generators (or their thread counts), or the other terms' "
             "settings, or use a larger machine."
+        )
+
+
+CPU_KV_BLOCK_MULTIPLE = 32
+"""vLLM's CPU attention backend takes KV blocks of a multiple of 32 tokens only."""
+
+
+def _check_cpu_kv_block_size(config: GRPOConfig) -> None:
+    block_size = config.generator.kv_block_size
+    if config.generator.engine == "vllm" and block_size is not None and block_size % CPU_KV_BLOCK_MULTIPLE:
+        raise ConfigError(
+            f"generator.kv_block_size ({block_size}) is not a multiple of {CPU_KV_BLOCK_MULTIPLE}, which vLLM's CPU "
+            "attention backend needs: the engine would fail to start. Set --generator.kv-block-size 32 (or another "
+            "multiple of 32), or unset it for vLLM's default."
         )
 
 

@@ -265,6 +265,11 @@ CASES: list = [
         lambda s: s.start(generator=GeneratorConfig(kv_cache_space_gib=1e6)),
         ("GiB of KV cache exceeds this machine's available memory", "--generator.kv-cache-space-gib"),
     ),
+    (
+        "kv_block_size_the_cpu_backend_refuses",
+        lambda s: s.start(generator=GeneratorConfig(kv_block_size=16)),
+        ("generator.kv_block_size (16) is not a multiple of 32", "--generator.kv-block-size 32"),
+    ),
     ("more_trainer_ranks_than_gpus", _more_trainer_ranks_than_gpus,
      ("this machine has 1 GPU(s) but the placement needs 3 there: 2 trainer rank(s)", "--trainer.num-procs")),
     ("generator_without_a_gpu_of_its_own", _generator_without_a_gpu_of_its_own,

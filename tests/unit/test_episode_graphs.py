@@ -242,3 +242,12 @@ def test_seat_names_and_graph_steps_are_checked_where_they_are_made():
         GraphStep(done=True)
     with pytest.raises(ValueError, match="finite"):
         GraphStep(done=True, rewards={"a": float("nan")})
+
+
+def test_the_multi_agent_environment_of_the_docs_runs(capsys):
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    code = next(block.split("```")[0] for block in page.split("```python\n")[1:] if "class Echo" in block)
+    exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs_example"})
+    assert capsys.readouterr().out == "{'speaker': 1.0, 'listener': 1.0}\n[('speaker', ()), ('listener', (0,))]\n"
