@@ -267,20 +267,51 @@ class ChatRecorder:
         return best
 
 
-class ChatSession:
-    """One episode's chat endpoint: serves calls within `limits` and records them (module docstring)."""
+class ChatActivity:
+    """The model calls of one episode's sessions (one per agent; one for a single agent): how many
+    are in flight, when the last began or ended, and what `generate` raised, if it did. An agent
+    that goes env_step_timeout_s without a call in flight is timed out (`watch`)."""
 
-    def __init__(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits):
+    def __init__(self) -> None:
+        self.calls_in_flight = 0
+        self.last_activity_s = time.monotonic()
+        self.lost: BaseException | None = None
+        """What `generate` raised, other than ContextExhausted: the episode's end, raised by `play`."""
+        self._changed = asyncio.Event()
+
+    def touch(self, delta: int) -> None:
+        self.calls_in_flight += delta
+        self.last_activity_s = time.monotonic()
+        self._changed.set()
+
+    async def watch(self, task: asyncio.Future, timeout_s: float) -> bool:
+        """Wait for `task`; True when it went `timeout_s` without a model call in flight."""
+        while not task.done() and self.lost is None:
+            self._changed.clear()
+            timeout = None
+            if self.calls_in_flight == 0:
+                timeout = self.last_activity_s + timeout_s - time.monotonic()
+                if timeout <= 0:
+                    return True
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({task, changed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+        return False
+
+
+class ChatSession:
+    """One agent's chat endpoint in an episode: serves calls within `limits` and records them
+    (module docstring). Sessions of one episode's agents share its `activity`."""
+
+    def __init__(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits, activity: ChatActivity | None = None):
         limits.require_resolved()
         self.generate, self.renderer, self.limits = generate, renderer, limits
         self.recorder = ChatRecorder()
         self.truncation: tuple[TrajectoryStatus, str] | None = None
         """The first limit the episode hit: its status and why."""
-        self.lost: BaseException | None = None
-        """What `generate` raised, other than ContextExhausted: the episode's end, raised by `play`."""
-        self.calls_in_flight = 0
-        self.last_activity_s = time.monotonic()
-        self._activity = asyncio.Event()
+        self.activity = activity or ChatActivity()
 
     def client(self, **kwargs):
         """An `openai.AsyncOpenAI` served by this session in process (no retries: an error is an answer)."""
@@ -294,16 +325,16 @@ class ChatSession:
 
     async def complete(self, body: Any) -> dict:
         """The chat completion for a request body (a JSON object); ChatRequestError for an HTTP error."""
-        self._touch(+1)
+        self.activity.touch(+1)
         try:
             return await self._complete(parse_request(body))
         finally:
-            self._touch(-1)
+            self.activity.touch(-1)
 
     async def _complete(self, request: ChatRequest) -> dict:
         limits, recorder = self.limits, self.recorder
-        if self.lost is not None:
-            raise ChatRequestError(f"the generator was lost: {self.lost!r}", status=503)
+        if self.activity.lost is not None:
+            raise ChatRequestError(f"the generator was lost: {self.activity.lost!r}", status=503)
         tool_request = self._tool_request(request)
         if recorder.num_calls >= limits.max_turns:
             reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
@@ -328,7 +359,7 @@ class ChatSession:
         except ContextExhausted as full:
             raise self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, str(full), "context_length_exceeded") from None
         except Exception as e:
-            self.lost = e
+            self.activity.lost = e
             raise ChatRequestError(f"the generator was lost: {e!r}", status=503) from None
         if tool_request is None:
             reply = ParsedTurn(self.renderer.decode(turn.token_ids))
@@ -377,31 +408,15 @@ class ChatSession:
             self.truncation = (status, reason)
         return ChatRequestError(reason, code=code)
 
-    def _touch(self, delta: int) -> None:
-        self.calls_in_flight += delta
-        self.last_activity_s = time.monotonic()
-        self._activity.set()
-
     async def play(self, agent: Awaitable[float | None]) -> Trajectory:
         """Run the agent (a coroutine returning the episode's reward) to its end; the trajectory of
         its calls. Between its calls the agent may take `env_step_timeout_s` at most (ENV_TIMEOUT);
         an exception it raises ends the episode ENV_ERROR, unless a limit ended it first; after a
         limit its reward is not used (0.0, as for a truncated `run_episode`)."""
         task = asyncio.ensure_future(agent)
-        try:
-            timed_out = await self._watch(task)
-        except BaseException:
-            task.cancel()
-            raise
-        if self.lost is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise self.lost
-        if timed_out:
-            task.cancel()  # not awaited: an agent that ignores cancellation must not hold the episode
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            reason = f"the agent took more than env_step_timeout_s ({self.limits.env_step_timeout_s} s) between model calls"
-            return self.trajectory(TrajectoryStatus.ENV_TIMEOUT, reason)
+        ended = await run_watched(task, self.activity, self.limits.env_step_timeout_s)
+        if ended is not None:
+            return self.trajectory(*ended)
         error = task.exception()
         if self.truncation is not None:
             return self.trajectory(*self.truncation)
@@ -414,22 +429,6 @@ class ChatSession:
             return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent's reward ({reward!r}) is not a finite number")
         return self.trajectory(TrajectoryStatus.DONE, final_reward=float(reward))
 
-    async def _watch(self, task: asyncio.Future) -> bool:
-        """Wait for `task`; True when the agent went `env_step_timeout_s` without a model call in flight."""
-        while not task.done() and self.lost is None:
-            self._activity.clear()
-            timeout = None
-            if self.calls_in_flight == 0:
-                timeout = self.last_activity_s + self.limits.env_step_timeout_s - time.monotonic()
-                if timeout <= 0:
-                    return True
-            activity = asyncio.ensure_future(self._activity.wait())
-            try:
-                await asyncio.wait({task, activity}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                activity.cancel()
-        return False
-
     def trajectory(self, status: TrajectoryStatus, error: str | None = None, final_reward: float = 0.0) -> Trajectory:
         recorder = self.recorder
         return Trajectory(
@@ -437,6 +436,26 @@ class ChatSession:
             conversation=recorder.conversation, num_turns=recorder.num_calls, num_malformed_turns=0,
             env_latencies_s=[], error=error,
         )
+
+
+async def run_watched(task: asyncio.Future, activity: ChatActivity, timeout_s: float) -> tuple[TrajectoryStatus, str] | None:
+    """Wait for an agent's `task` (its calls counted in `activity`): None once it ended by itself
+    (its result or exception is the caller's to read), (ENV_TIMEOUT, why) when it went `timeout_s`
+    without a model call in flight (it is cancelled). What `generate` raised is raised here."""
+    try:
+        timed_out = await activity.watch(task, timeout_s)
+    except BaseException:
+        task.cancel()
+        raise
+    if activity.lost is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise activity.lost
+    if timed_out:
+        task.cancel()  # not awaited: an agent that ignores cancellation must not hold the episode
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return TrajectoryStatus.ENV_TIMEOUT, f"the agent took more than env_step_timeout_s ({timeout_s} s) between model calls"
+    return None
 
 
 def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn, reply: ParsedTurn, token_text) -> dict:

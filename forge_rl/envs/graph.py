@@ -184,7 +184,7 @@ class EpisodeGraph:
 
     @property
     def is_single_agent(self) -> bool:
-        return list(self.seats) == [SINGLE_AGENT]
+        return list(self.seats) == [SINGLE_AGENT] and list(self.agents) == [SINGLE_AGENT]
 
     @property
     def failed(self) -> bool:

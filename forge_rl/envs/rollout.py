@@ -157,9 +157,10 @@ class AgentEnvironment(Protocol):
     """An environment whose own code drives the model (an agent written against an OpenAI-style
     chat client: forge_rl/envs/chat_client.py, forge_rl/envs/verifiers_adapter.py). Instead of
     reset/step it plays the whole episode, sampling its turns with `generate`, and returns the
-    trajectory, within the same limits."""
+    trajectory, within the same limits; or, when it played several agents, their episode graph
+    (forge_rl/envs/graph.py)."""
 
-    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory: ...
+    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph: ...
 
 
 def is_agent_environment(env: object) -> bool:
@@ -168,8 +169,9 @@ def is_agent_environment(env: object) -> bool:
 
 async def play_episode(
     env: Environment | AgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
-) -> Trajectory:
-    """One episode: an agent environment plays itself; any other runs under `run_episode`."""
+) -> Trajectory | EpisodeGraph:
+    """One episode: an agent environment plays itself (its trajectory, or its graph when it played
+    several agents); any other runs under `run_episode`."""
     if is_agent_environment(env):
         return await env.play(generate, renderer, limits)
     return await run_episode(env, generate, renderer, limits)
@@ -178,11 +180,13 @@ async def play_episode(
 async def play_graph(
     env: Environment | AgentEnvironment | MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
 ) -> EpisodeGraph:
-    """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), or
+    """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), an
+    agent environment's own graph when it played several agents (verifiers' multi-seat envs), or
     the one agent of any other (`play_episode`)."""
     if is_multi_agent(env):
         return await run_graph(env, generate, renderer, limits)
-    return EpisodeGraph.of(await play_episode(env, generate, renderer, limits))
+    played = await play_episode(env, generate, renderer, limits)
+    return played if isinstance(played, EpisodeGraph) else EpisodeGraph.of(played)
 
 
 def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
@@ -378,7 +382,7 @@ class TimedEnvironment:
             if callable(getattr(env, "agent_ended", None)):
                 self.agent_ended = self._agent_ended
 
-    async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory:
+    async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph:
         with self.clock.env_call(self.index):
             return await self.env.play(generate, renderer, limits)
 

@@ -24,9 +24,13 @@ rewards score the trace when the interaction closes.
 
     make_env = verifiers_env_environment(OpenEnvEnv(OpenEnvEnvConfig(taskset=OpenEnvConfig(id="openenv", base_url=URL))))
 
+An env with several seats (verifiers' user-sim, a judge seat) or a seat run several times
+(best-of-n) is played with the policy in every seat: each run is an agent of an episode graph
+(forge_rl/envs/graph.py), trained with credit per seat, except seats the env marks untrainable.
+Seats played by other models (a fixed judge of its own weights) are not served yet.
+
 What is not supported: tasks whose rewards or metrics need a runtime (a sandbox to run tests in:
-use forge_rl's own sandbox, forge_rl/envs/python_tool.py) and envs with more than one seat (a
-modeled user, a judge: each needs a model of its own), both refused at construction rather than
+use forge_rl's own sandbox, forge_rl/envs/python_tool.py), refused at construction rather than
 silently skipped; and tool-calling harnesses (MCP toolsets, bash, edit): the chat program always
 runs with no tools. The chat endpoint now serves tools (a chat template that renders them and
 vLLM's tool parser: docs/environments.md), so the calls themselves would work; what is missing
@@ -38,14 +42,20 @@ bash or edit run the model's commands on the host, which forge_rl runs only in i
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import inspect
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
-from forge_rl.envs.chat_client import MODEL_NAME, ChatAgentEnvironment
+from forge_rl.envs.chat_client import MODEL_NAME, ChatActivity, ChatAgentEnvironment, ChatSession, run_watched
+from forge_rl.envs.graph import EpisodeGraph, Seat, TurnNode
+from forge_rl.envs.renderers import Renderer
+from forge_rl.envs.runner import EpisodeLimits, GenerateTurn
+from forge_rl.envs.trajectory import Trajectory, TrajectoryStatus
 from forge_rl.errors import ConfigError
 
 
@@ -84,24 +94,16 @@ class VerifiersEnvironment(ChatAgentEnvironment):
 
     async def rollout(self, client: Any) -> float:
         """verifiers' chat loop on the task's prompt with `client`, then the task's score: the reward."""
-        trace = await ChatSeat(client, self.model).run(self.task)
+        trace = await ChatSeat(lambda: (client, None), self.model).run(self.task)
         return trace.reward
 
 
 def verifiers_env_environment(env: Any, max_tasks: int = 10_000) -> Callable[[int, int], VerifiersEnvEpisode]:
     """make_env(seed, index) for a verifiers `vf.Env`: the environment's own `run(task, agents)`
-    plays each episode, the environment speaking as the user turn by turn (verifiers' OpenEnvEnv
-    and TextArenaEnv do so); the index-th task of its taskset (the first `max_tasks` of an
-    infinite one), cycling. One seat only: the policy's (an env with a modeled user or a judge
-    seat needs a model per seat, which forge_rl does not serve)."""
-    from verifiers.v1.configs.agent import agent_config_fields
-
-    seats = list(agent_config_fields(env.config))
-    if len(seats) != 1:
-        raise ConfigError(
-            f"{type(env).__name__} declares {len(seats)} agent seats ({', '.join(seats)}); forge_rl plays envs "
-            "with one seat, the policy's. A modeled user or judge needs a model of its own."
-        )
+    plays each episode (the environment speaking as the user turn by turn, as verifiers' OpenEnvEnv
+    and TextArenaEnv do, or relaying between seats, as its user-sim and best-of-n envs do); the
+    index-th task of its taskset (the first `max_tasks` of an infinite one), cycling. Every seat is
+    played by the policy (`VerifiersEnvEpisode`)."""
     taskset = env.taskset
     tasks = list(itertools.islice(taskset, max_tasks) if getattr(taskset, "INFINITE", False) else taskset)
     if not tasks:
@@ -111,38 +113,92 @@ def verifiers_env_environment(env: Any, max_tasks: int = 10_000) -> Callable[[in
     return lambda seed, index: VerifiersEnvEpisode(env, tasks[index % len(tasks)])
 
 
-class VerifiersEnvEpisode(ChatAgentEnvironment):
+class VerifiersEnvEpisode:
     """One episode of a verifiers `vf.Env` on one task: `setup`, `run` and `finalize` as verifiers
-    calls them, with forge_rl's seat (`ChatSeat`) as the environment's one agent."""
+    calls them, with forge_rl's seat (`ChatSeat`) as each of the environment's agents. Each run of
+    a seat (an `agents.<seat>.run` or `.interaction`) is an agent of the episode with a chat session
+    of its own (its own view, its own trajectory), its reward the task's score of its trace: a
+    single run of a single seat is a single-agent episode (its trajectory), anything else an
+    episode graph (forge_rl/envs/graph.py) whose agents are the seats, or `seat/k` for the k-th run
+    of a seat that ran more than once. A seat the environment's setup marks untrainable
+    (`agents.user.trainable = False`, a modeled user) is played by the policy and never trained.
+    Runs are played as the environment's code orders them; their turns are chained per agent (the
+    relays between seats are the environment's own code, not recorded as edges)."""
 
     def __init__(self, env: Any, task: Any, model: str = MODEL_NAME):
-        super().__init__(self.rollout)
         self.env, self.task, self.model = env, task, model
 
-    async def rollout(self, client: Any) -> float:
-        from verifiers.v1 import Agents, Episode
+    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph:
+        from verifiers.v1 import Agents
+
+        activity, clients, seats = ChatActivity(), [], {}
+
+        def open_run() -> tuple[Any, ChatSession]:
+            session = ChatSession(generate, renderer, limits, activity)
+            clients.append(session.client())
+            return clients[-1], session
+
+        def make(name: str, config: Any) -> ChatSeat:
+            seats[name] = ChatSeat(open_run, self.model, config.max_turns, name)  # the seat's own turn cap
+            return seats[name]
+
+        agents = Agents(self.env.config, make)
+        episode = asyncio.ensure_future(self._episode(agents, seats))
+        try:
+            ended = await run_watched(episode, activity, limits.env_step_timeout_s)
+        finally:
+            for client in clients:
+                await client.close()
+        if ended is None and episode.exception() is not None:
+            error = episode.exception()
+            ended = (TrajectoryStatus.ENV_ERROR, f"{type(self.env).__name__} raised {type(error).__name__}: {error}")
+        views = {}
+        for name, seat in seats.items():
+            runs = seat.runs or [(None, ChatSession(generate, renderer, limits))]  # a seat nobody played: its failure row
+            for k, (interaction, session) in enumerate(runs):
+                agent = name if len(runs) == 1 else f"{name}/{k}"
+                views[agent] = _run_trajectory(interaction, session, ended)
+        if len(views) == 1:
+            return next(iter(views.values()))
+        graph_seats = {name: Seat(name, trainable=bool(seat.trainable)) for name, seat in seats.items()}
+        nodes: list[TurnNode] = []
+        for agent, trajectory in views.items():
+            first = len(nodes)
+            nodes += [TurnNode(agent, k, (first + k - 1,) if k else ()) for k in range(trajectory.num_turns)]
+        return EpisodeGraph(views, nodes, graph_seats, None if ended is None else ended[1])
+
+    async def _episode(self, agents: Any, seats: dict[str, ChatSeat]) -> None:
+        from verifiers.v1 import Episode
         from verifiers.v1.episode import EnvInfo
         from verifiers.v1.trace import TraceTask
 
-        seat = ChatSeat(client, self.model)
-
-        def make(name: str, config: Any) -> ChatSeat:
-            seat.max_turns = config.max_turns  # the seat's own turn cap (verifiers' --env.<seat>.max-turns)
-            return seat
-
-        agents = Agents(self.env.config, make)
         await self.env.setup(agents)
         await self.env.run(self.task, agents)
-        if seat.trace is None:
+        traces = [interaction.trace for seat in seats.values() for interaction, _ in seat.runs]
+        if not traces:
             raise RuntimeError(f"{type(self.env).__name__}.run() ran no agent: every episode must carry a run")
         task = self.task
         episode = Episode(
             env=EnvInfo(id=self.env.config.env_id),
             task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-            traces=[seat.trace],
+            traces=traces,
         )
         await self.env.finalize(task, episode)
-        return seat.trace.reward
+
+
+def _run_trajectory(interaction: Any, session: ChatSession, ended: tuple[TrajectoryStatus, str] | None) -> Trajectory:
+    """One run's trajectory: the episode's failure (`ended`), else the run's own limit (its reward
+    unused, as for a truncated `run_episode`), else DONE with the task's score of its trace."""
+    if ended is not None:
+        return session.trajectory(*ended)
+    if session.truncation is not None:
+        return session.trajectory(*session.truncation)
+    if not session.recorder.samples:
+        return session.trajectory(TrajectoryStatus.ENV_ERROR, "the run made no chat completion call: nothing to train")
+    reward = interaction.trace.reward
+    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return session.trajectory(TrajectoryStatus.ENV_ERROR, f"the run's reward ({reward!r}) is not a finite number")
+    return session.trajectory(TrajectoryStatus.DONE, final_reward=float(reward))
 
 
 LIMIT_CODES = frozenset({"max_turns_exceeded", "context_length_exceeded"})
@@ -154,19 +210,22 @@ class ChatSeat:
     """The policy's seat in a verifiers episode, in place of verifiers' `Agent` (a harness
     program in a sandbox behind an interception server): the same two arrows, `run(task)` (the
     task's prompt, one harness run) and `interaction(task)` (the caller plays the user, one
-    `turn()` per segment), with verifiers' own chat program calling forge_rl's chat client."""
+    `turn()` per segment), with verifiers' own chat program calling forge_rl's chat client.
+    `open_run()` gives each run its client, and the session recording it (None: the caller's own,
+    which records one run only)."""
 
     trainable = True
-    """verifiers' seat flag (an env's setup may read or set it); the one seat is the policy."""
+    """verifiers' seat flag (an env's setup may read or set it): False keeps the seat's runs out
+    of every loss (a modeled user)."""
 
-    def __init__(self, client: Any, model: str = MODEL_NAME, max_turns: int | None = None):
-        self.client, self.model = client, model
+    def __init__(self, open_run: Callable[[], tuple[Any, ChatSession | None]], model: str = MODEL_NAME, max_turns: int | None = None, name: str = "agent"):
+        self.open_run, self.model, self.name = open_run, model, name
         self.max_turns = max_turns
         """verifiers' `AgentConfig.max_turns`: model turns per run, None for no cap. Reaching it
         ends the run as verifiers ends it (stop condition `max_turns`, the env goes on to score);
         forge_rl's `EpisodeLimits.max_turns` stays the hard cap, whose episodes end truncated."""
-        self.trace: Any = None
-        """The trace of the seat's run: one run per episode."""
+        self.runs: list[tuple[ChatInteraction, ChatSession | None]] = []
+        """Each run's interaction (its trace) and session, in the order they started."""
 
     async def run(self, task: Any) -> Any:
         """The task's prompt, answered by one run of the chat program; the scored trace."""
@@ -178,10 +237,11 @@ class ChatSeat:
     async def interaction(self, task: Any):
         """The run held open turn by turn (`ChatInteraction`); leaving it closes the exchange as
         `user_closed` and scores the trace with the task's own rewards, as verifiers does."""
-        if self.trace is not None:
-            raise RuntimeError("forge_rl's verifiers seat plays one run per episode; this env started a second")
-        interaction = ChatInteraction(task, self.client, self.model, self.max_turns)
-        self.trace = interaction.trace
+        client, session = self.open_run()
+        if session is None and self.runs:
+            raise RuntimeError("this verifiers seat records one run on its one chat client; the task started a second")
+        interaction = ChatInteraction(task, client, self.model, self.max_turns, self.name, self.trainable)
+        self.runs.append((interaction, session))
         try:
             yield interaction
         finally:
@@ -196,7 +256,7 @@ class ChatInteraction:
     conversation as verifiers' message nodes, the model's replies marked sampled (their tokens
     live in forge_rl's trajectory)."""
 
-    def __init__(self, task: Any, client: Any, model: str, max_turns: int | None = None):
+    def __init__(self, task: Any, client: Any, model: str, max_turns: int | None = None, agent: str = "agent", trainable: bool = True):
         from verifiers.v1.configs.agent import AgentConfig
         from verifiers.v1.dialects.chat import message_to_wire
         from verifiers.v1.trace import AgentInfo, Trace, TraceTask
@@ -215,7 +275,7 @@ class ChatInteraction:
         self.compactor.note_good(messages)
         self.trace = Trace(
             task=TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
-            agent=AgentInfo(config=AgentConfig()),
+            agent=AgentInfo(config=AgentConfig(), name=agent, trainable=trainable),
         )
         self.max_turns, self.over = max_turns, False
 

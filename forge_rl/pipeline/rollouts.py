@@ -605,8 +605,8 @@ class Rollouts:
 
     async def _play(self, index: int, prompt: Episode) -> Episode:
         """`prompt` as group_size episodes of the environment played on generator `index` (each made
-        with the prompt's data row, when it has one): one completion per trajectory, its reward the
-        environment's (forge_rl/envs/rollout.py)."""
+        with the prompt's data row, when it has one): one completion per agent of each episode (one
+        for a single-agent environment), its reward the environment's (forge_rl/envs/rollout.py)."""
         config = self.config
         # A prompt from a data file hands its row to the environment (EnvironmentConfig.make_env).
         row = {} if prompt.columns is None else {"row": prompt.columns}
@@ -829,6 +829,7 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
             {
                 "text": c.text, "reward": c.reward, "status": c.status.value, "token_ids": c.token_ids,
                 "logprobs": c.logprobs, "policy_versions": c.policy_versions,
+                **({} if c.agent is None else {"agent": c.agent}),
             }
             for c in episode.completions
         ],

@@ -251,3 +251,16 @@ def test_the_multi_agent_environment_of_the_docs_runs(capsys):
     code = next(block.split("```")[0] for block in page.split("```python\n")[1:] if "class Echo" in block)
     exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs_example"})
     assert capsys.readouterr().out == "{'speaker': 1.0, 'listener': 1.0}\n[('speaker', ()), ('listener', (0,))]\n"
+
+
+def test_a_chain_of_roles_hands_each_answer_to_the_next_and_rewards_the_team_at_the_end(tokenizer, renderer):
+    from forge_rl.envs.long_tail import ChainEnv, make_chain_env
+
+    generate = FakeAgentsGenerate(tokenizer, {"L37=": ["7"], "7L37=": ["3"], "3L37=": ["7"]})
+    graph = play_graph(ChainEnv(3, 7, [0.0, 0.0, 0.0]), generate, renderer)
+    assert list(graph.agents) == ["role0", "role1", "role2"]
+    assert [(n.agent, n.shown) for n in graph.nodes] == [("role0", ()), ("role1", (0,)), ("role2", (1,))]
+    assert {t.final_reward for t in graph.agents.values()} == {1.0}  # the last role's answer is right
+    chain = make_chain_env(seed=0, index=5, depth=3)
+    assert len(chain.seats) == 3 and all(0.02 <= s <= 2.0 for s in chain.step_latencies_s)
+    assert chain.step_latencies_s == make_chain_env(seed=0, index=5, depth=3).step_latencies_s  # per (seed, index)

@@ -27,7 +27,6 @@ from forge_rl.envs.rollout import play_episode, trajectory_completion  # noqa: E
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn  # noqa: E402
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, TrajectoryStatus  # noqa: E402
 from forge_rl.envs.verifiers_adapter import verifiers_env_environment  # noqa: E402
-from forge_rl.errors import ConfigError  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer  # noqa: E402
 from tests.fakes import FakeGenerate  # noqa: E402
 from tests.openenv_server import PRINTABLE, echo_url, require_openenv_for_verifiers  # noqa: E402, F401 (a fixture)
@@ -94,24 +93,6 @@ def test_forge_rls_own_turn_limit_ends_the_episode_truncated(echo_url, renderer)
     trajectory = asyncio.run(play_episode(env, generate, renderer, limits))
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TURNS and trajectory.final_reward == 0.0
     assert trajectory.num_turns == 2
-
-
-class TwoSeatConfig(vf.EnvConfig):
-    solver: vf.AgentConfig = vf.AgentConfig()
-    judge: vf.AgentConfig = vf.AgentConfig()
-
-
-class TwoSeatEnv(vf.Env[TwoSeatConfig]):
-    async def run(self, task, agents):
-        raise AssertionError("never played")
-
-
-def test_an_env_with_more_than_the_policys_seat_is_refused():
-    from verifiers.v1.tasksets.openenv import OpenEnvConfig
-
-    env = TwoSeatEnv(TwoSeatConfig(taskset=OpenEnvConfig(id="openenv", base_url="http://127.0.0.1:9")))  # never reached
-    with pytest.raises(ConfigError, match="2 agent seats"):
-        verifiers_env_environment(env)
 
 
 def test_an_unreachable_openenv_server_ends_the_episode_as_an_environment_error(renderer):
