@@ -118,7 +118,7 @@ class LogConfig:
     rollouts: bool = False
     """Write every trained episode to RUN_DIR/rollouts.jsonl as its step is accounted for: step,
     episode id, generator, prompt (text and ids) and each completion's text, reward, status, token
-    ids, logprobs and policy versions, and its agent in a multi-agent environment
+    ids, logprobs, policy versions and tokens trained, and its agent in a multi-agent environment
     (forge_rl/pipeline/rollouts.py, `rollout_record`)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.

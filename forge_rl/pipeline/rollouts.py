@@ -828,7 +828,7 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
         "completions": [
             {
                 "text": c.text, "reward": c.reward, "status": c.status.value, "token_ids": c.token_ids,
-                "logprobs": c.logprobs, "policy_versions": c.policy_versions,
+                "logprobs": c.logprobs, "policy_versions": c.policy_versions, "trained_tokens": sum(c.loss_mask),
                 **({} if c.agent is None else {"agent": c.agent}),
             }
             for c in episode.completions
