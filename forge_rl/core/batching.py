@@ -72,19 +72,35 @@ class TrainBatch:
         return self.lengths_N.tolist()
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
-        """Rows of data-parallel rank `rank` (contiguous blocks; N must divide evenly)."""
-        rows = self.input_ids_NL.shape[0]
-        if rows % world_size:
-            raise ValueError(f"{rows} rows do not split evenly over {world_size} data-parallel ranks")
-        per_rank = rows // world_size
+        """Rows of data-parallel rank `rank` (contiguous blocks). A batch whose rows do not split
+        evenly (a multi-agent group holds as many rows as it had agents) is first filled up with
+        fully masked rows (`with_masked_rows`), which reach no loss and no token count."""
+        batch = self.with_masked_rows(-self.input_ids_NL.shape[0] % world_size)
+        per_rank = batch.input_ids_NL.shape[0] // world_size
         rank_rows = slice(rank * per_rank, (rank + 1) * per_rank)
         # Every field is a tensor (or None) whose first dimension is the row.
         return TrainBatch(
             **{
-                f.name: None if (value := getattr(self, f.name)) is None else value[rank_rows]
-                for f in dataclasses.fields(self)
+                f.name: None if (value := getattr(batch, f.name)) is None else value[rank_rows]
+                for f in dataclasses.fields(batch)
             }
         )
+
+    def with_masked_rows(self, count: int) -> TrainBatch:
+        """This batch and `count` more rows: copies of its shortest row (the least compute) with
+        nothing in the loss."""
+        if count == 0:
+            return self
+        shortest = min(range(len(self.row_lengths)), key=self.row_lengths.__getitem__)
+        extra = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                copies = value[shortest : shortest + 1].repeat_interleave(count, dim=0)
+                extra[f.name] = torch.cat([value, torch.zeros_like(copies) if f.name == "loss_mask_NL" else copies])
+            else:
+                extra[f.name] = None
+        return TrainBatch(**extra)
 
 
 def make_train_batch(

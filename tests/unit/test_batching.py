@@ -46,6 +46,20 @@ def test_shards_split_rows_evenly_across_data_parallel_ranks():
     assert torch.equal(torch.cat([s.input_ids_NL for s in shards]), batch.input_ids_NL)
 
 
+def test_rows_that_do_not_split_evenly_are_filled_up_with_rows_that_reach_no_loss():
+    # A multi-agent group holds as many rows as it had agents: here 3, over 2 ranks.
+    episode = make_episode(rewards=(1.0, 0.0, 0.5), num_tokens=2)
+    episode.completions[1] = Completion(token_ids=[30], logprobs=[-0.5], policy_versions=[0], reward=0.0)
+    batch = make_train_batch([episode], pad_id=0)
+    shards = [batch.shard(rank, 2) for rank in range(2)]
+    assert [s.input_ids_NL.shape[0] for s in shards] == [2, 2]
+    assert torch.equal(torch.cat([s.input_ids_NL for s in shards])[:3], batch.input_ids_NL)
+    filler = shards[1]
+    assert filler.input_ids_NL[1].tolist() == batch.input_ids_NL[1].tolist()  # a copy of the shortest row
+    assert not filler.loss_mask_NL[1].any()
+    assert sum(s.num_generated_tokens for s in shards) == batch.num_generated_tokens
+
+
 def test_token_logprobs_align_each_token_with_the_prediction_from_its_prefix():
     logits = torch.zeros(1, 3, 4)
     logits[0, 0, 2] = 10.0  # position 0 predicts token 2

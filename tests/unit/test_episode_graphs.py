@@ -264,3 +264,12 @@ def test_a_chain_of_roles_hands_each_answer_to_the_next_and_rewards_the_team_at_
     chain = make_chain_env(seed=0, index=5, depth=3)
     assert len(chain.seats) == 3 and all(0.02 <= s <= 2.0 for s in chain.step_latencies_s)
     assert chain.step_latencies_s == make_chain_env(seed=0, index=5, depth=3).step_latencies_s  # per (seed, index)
+
+
+def test_a_multi_agent_group_round_trips_through_a_checkpoint_with_its_agents_and_baselines(tokenizer, renderer):
+    generate = FakeAgentsGenerate(tokenizer, {"P=": ["37"], "M37=": ["7", "3"]})
+    graphs = asyncio.run(play_group([ProposerSolverEnv(num_solvers=2)], generate, renderer, episode_limits()))
+    episode = Episode(4, "P=", "", [], group_completions(graphs))
+    restored = Episode.from_dict(episode.to_dict())
+    assert [(c.agent, c.baseline_group) for c in restored.completions] == [(c.agent, c.baseline_group) for c in episode.completions]
+    assert episode_advantages(restored, normalize_std=True) == episode_advantages(episode, normalize_std=True)
