@@ -52,6 +52,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.types import Completion, CompletionStatus
 
 PLACEHOLDER_TOKEN_ID = 0
@@ -306,11 +307,27 @@ class SimulatedEngine:
         ends_on_eos = eos_id is not None and not forced_length
         return [self._completion(s, max_tokens, eos_id if ends_on_eos else None) for s in sequences]
 
-    async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None):
-        raise NotImplementedError(
-            "the simulated engine (generator.engine sim) samples single-turn groups only; multi-turn "
-            "environment episodes need generator.engine vllm."
-        )
+    async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None) -> SampledTurn:
+        """One simulated turn after `prefix_token_ids` (VLLMEngine.generate_turn's contract): its
+        length drawn from the configured distribution within `max_new_tokens` and the context,
+        placeholder tokens ending on `eos_id` unless cut at that budget ("length"), each token
+        stamped with the version it was decoded under. The whole prefix is prefilled: the
+        simulation keeps no prefix cache, so a later turn costs what a cache miss would."""
+        room = self.max_model_len - len(prefix_token_ids)
+        if room < 1:
+            raise ContextExhausted(
+                f"the prefix has {len(prefix_token_ids)} tokens and the simulated generator's context "
+                f"(max_model_len) is {self.max_model_len}: no room for one more token."
+            )
+        budget = min(max_new_tokens, room)
+        loop = asyncio.get_running_loop()
+        sequence = _Sequence(len(prefix_token_ids), self.sim.draw_length(self._rng, budget), loop.create_future(), arrived_at=loop.time())
+        self._waiting.append((sequence, len(prefix_token_ids)))
+        self._wake.set()
+        await sequence.done
+        turn = self._completion(sequence, budget, eos_id)
+        finish = "length" if turn.status == CompletionStatus.TRUNCATED else "stop"
+        return SampledTurn(turn.token_ids, turn.logprobs, turn.policy_versions, finish)
 
     def _completion(self, sequence: _Sequence, max_tokens: int, eos_id: int | None) -> Completion:
         truncated = eos_id is None or sequence.generated >= max_tokens

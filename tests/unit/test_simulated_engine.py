@@ -205,6 +205,28 @@ def test_an_eos_completion_ends_on_eos_and_a_cut_one_is_truncated():
     assert {c.status for c in completions} == {CompletionStatus.OK, CompletionStatus.TRUNCATED}
 
 
+def test_a_turn_after_a_prefix_is_drawn_within_its_budget_and_the_context():
+    from forge_rl.envs.runner import ContextExhausted
+
+    async def scenario():
+        engine = await started_engine(sim_config(length_median_tokens=8, length_sigma=1.0))
+        turns = [await engine.generate_turn([1] * 100, 12, eos_id=2) for _ in range(40)]
+        at_the_edge = await engine.generate_turn([1] * 4090, 1000, eos_id=2)  # 6 tokens of context left
+        with pytest.raises(ContextExhausted, match="no room for one more token"):
+            await engine.generate_turn([1] * 4096, 4, eos_id=2)
+        await engine.shutdown()
+        return turns, at_the_edge
+
+    turns, at_the_edge = run_virtual(scenario())
+    for turn in turns:
+        assert 1 <= len(turn.token_ids) <= 12 and len(turn.logprobs) == len(turn.policy_versions) == len(turn.token_ids)
+        # A turn cut at its budget ends "length"; any other ends on eos, as vLLM's would.
+        assert (turn.finish_reason, turn.token_ids[-1]) in {("stop", 2), ("length", PLACEHOLDER_TOKEN_ID)}
+        assert turn.finish_reason == "stop" or len(turn.token_ids) == 12
+    assert {turn.finish_reason for turn in turns} == {"stop", "length"}
+    assert len(at_the_edge.token_ids) <= 6
+
+
 def test_a_keep_swap_lands_between_two_steps_and_later_tokens_carry_the_new_version():
     async def scenario():
         engine = await started_engine(sim_config(latency=dataclasses.replace(LATENCY, prefill_per_token_s=0.0)))
