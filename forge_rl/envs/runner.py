@@ -1,5 +1,7 @@
 """Plays one episode: reset, then generate a turn, step the environment, and so on, within the
-episode's limits; returns the Trajectory.
+episode's limits; returns the Trajectory (`run_episode`), or for a multi-agent environment the
+episode graph of its agents (`run_graph`, forge_rl/envs/graph.py). A plain environment is played
+as the graph of its one agent, so both go through the same loop: what follows holds per agent.
 
 The runner knows no engine: `generate` is any coroutine that, given the token prefix and a token
 budget, samples the next turn. On the real engine it is `VLLMEngine.generate_turn`
@@ -18,7 +20,7 @@ What ends an episode (TrajectoryStatus):
     the turn used the last of max_total_tokens             TRUNCATED_TOKENS (the environment never sees it)
     step raises, or runs past env_step_timeout_s           ENV_ERROR, ENV_TIMEOUT
     step raises MalformedTurn once more than allowed       PARSE_ERROR (until then: its observation is shown)
-    step says done                                         DONE, with its final reward
+    step says done                                         DONE, with its final reward (every agent's)
     the observation cannot be rendered                     ENV_ERROR
     the observation leaves no room for a turn              TRUNCATED_TOKENS
 
