@@ -418,11 +418,16 @@ class ChatSession:
         if ended is not None:
             return self.trajectory(*ended)
         error = task.exception()
+        if error is not None and self.truncation is None:
+            return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent raised {type(error).__name__}: {error}")
+        return self.outcome(None if error is not None else task.result())
+
+    def outcome(self, reward: Any) -> Trajectory:
+        """The trajectory of an agent that ran to its end with `reward`: the first limit it hit (its
+        reward unused), else DONE with the reward, unless it made no call or its reward is not a
+        finite number (ENV_ERROR)."""
         if self.truncation is not None:
             return self.trajectory(*self.truncation)
-        if error is not None:
-            return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent raised {type(error).__name__}: {error}")
-        reward = task.result()
         if not self.recorder.samples:
             return self.trajectory(TrajectoryStatus.ENV_ERROR, "the agent made no chat completion call: nothing to train")
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):

@@ -245,6 +245,7 @@ class _GraphPlay:
 
     async def play(self) -> EpisodeGraph:
         reset_record = _Record()
+        failure = None
         try:
             try:
                 first = await _call_env(self.env.reset(), self.limits.env_step_timeout_s, reset_record)
@@ -260,12 +261,11 @@ class _GraphPlay:
             for agent in self.agents.values():
                 agent.record.env_latencies_s += reset_record.env_latencies_s
             await self._run_agents()
-        except _GraphFailed as failure:
-            await self._cancel_all()
-            return self._failed(failure)
+        except _GraphFailed as failed:
+            failure = failed
         finally:
             await self._cancel_all()  # turns still being sampled when the episode closed (or failed)
-        return self._closed_graph()
+        return self._closed_graph() if failure is None else self._failed(failure)
 
     async def _run_agents(self) -> None:
         while not self.closed:
@@ -340,9 +340,7 @@ class _GraphPlay:
                 if self.closed:
                     return
                 try:
-                    result = await _call_env(self.env.step(agent.id, turn_text), limits.env_step_timeout_s, record)
-                    if not isinstance(result, GraphStep):
-                        raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a GraphStep")
+                    result = await self._env_answer(self.env.step(agent.id, turn_text), record)
                 except MalformedTurn as malformed:
                     record.num_malformed_turns += 1
                     if record.num_malformed_turns > limits.max_malformed_turns:
@@ -358,15 +356,8 @@ class _GraphPlay:
         timeout_s = agent.seat.turn_timeout_s
         if timeout_s is None:
             return await self.generate(prefix, max_new_tokens)
-        task = asyncio.ensure_future(self.generate(prefix, max_new_tokens))
-        try:
-            await asyncio.wait({task}, timeout=timeout_s)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task = await _within(self.generate(prefix, max_new_tokens), timeout_s)
+        if task is None:
             raise _GraphFailed(
                 TrajectoryStatus.ENV_TIMEOUT,
                 f"{agent.id}: turn {agent.record.num_turns + 1} was not sampled within seat {agent.seat.name!r}'s "
@@ -385,14 +376,19 @@ class _GraphPlay:
             if self.closed:
                 return
             try:
-                result = await _call_env(ended(agent.id, status), self.limits.env_step_timeout_s, None)
-                if not isinstance(result, GraphStep):
-                    raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a GraphStep")
+                result = await self._env_answer(ended(agent.id, status), None)
             except MalformedTurn:
                 raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{agent.id}: agent_ended raised MalformedTurn, which only step may raise") from None
             except _EnvFailed as failure:
                 raise _GraphFailed(failure.status, f"{agent.id}: agent_ended: {failure}") from None
             self._apply(result, (), f"{self.label(agent)}agent_ended")
+
+    async def _env_answer(self, call: Awaitable[GraphStep], record: _Record | None) -> GraphStep:
+        """A step's or agent_ended's answer (`_call_env`), refused unless it is a GraphStep."""
+        result = await _call_env(call, self.limits.env_step_timeout_s, record)
+        if not isinstance(result, GraphStep):
+            raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a GraphStep")
+        return result
 
     def _apply(self, result: GraphStep, shown: tuple[int, ...], where: str) -> None:
         """A step's answer: its observations to their agents, or the episode closed with its rewards."""
@@ -481,17 +477,8 @@ async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record | None
     """The environment call's result; _EnvFailed if it raised or ran past `timeout_s`.
     MalformedTurn and fatal errors (ConfigError) pass through."""
     started = time.monotonic()
-    task = asyncio.ensure_future(call)
-    try:
-        await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:  # the episode itself is being cancelled: take the call with it
-        task.cancel()
-        raise
-    if not task.done():
-        # Cancelled, not awaited: an environment that ignores cancellation must not hold its
-        # episode. Retrieving its eventual exception keeps asyncio from logging it as lost.
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    task = await _within(call, timeout_s)
+    if task is None:
         raise _EnvFailed(TrajectoryStatus.ENV_TIMEOUT, f"no answer within env_step_timeout_s ({timeout_s} s)")
     if task.cancelled():
         raise _EnvFailed(TrajectoryStatus.ENV_ERROR, "the environment's call was cancelled from inside")
@@ -503,6 +490,23 @@ async def _call_env(call: Awaitable[T], timeout_s: float, record: _Record | None
     if record is not None:
         record.env_latencies_s.append(time.monotonic() - started)
     return task.result()
+
+
+async def _within(call: Awaitable[T], timeout_s: float) -> asyncio.Future[T] | None:
+    """`call` as a finished task, or None when it ran past `timeout_s` (then it is cancelled and
+    abandoned: a call that ignores cancellation must not hold its episode, and retrieving its
+    eventual exception keeps asyncio from logging it as lost). Cancelling the caller cancels it."""
+    task = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:  # the episode itself is being cancelled: take the call with it
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return None
+    return task
 
 
 def turn_span(turn: SampledTurn) -> GeneratedSpan:

@@ -47,7 +47,6 @@ import contextlib
 import functools
 import inspect
 import itertools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -187,18 +186,11 @@ class VerifiersEnvEpisode:
 
 
 def _run_trajectory(interaction: Any, session: ChatSession, ended: tuple[TrajectoryStatus, str] | None) -> Trajectory:
-    """One run's trajectory: the episode's failure (`ended`), else the run's own limit (its reward
-    unused, as for a truncated `run_episode`), else DONE with the task's score of its trace."""
+    """One run's trajectory: the episode's failure (`ended`), else the run's own outcome with the
+    task's score of its trace (`ChatSession.outcome`)."""
     if ended is not None:
         return session.trajectory(*ended)
-    if session.truncation is not None:
-        return session.trajectory(*session.truncation)
-    if not session.recorder.samples:
-        return session.trajectory(TrajectoryStatus.ENV_ERROR, "the run made no chat completion call: nothing to train")
-    reward = interaction.trace.reward
-    if not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        return session.trajectory(TrajectoryStatus.ENV_ERROR, f"the run's reward ({reward!r}) is not a finite number")
-    return session.trajectory(TrajectoryStatus.DONE, final_reward=float(reward))
+    return session.outcome(None if interaction is None else interaction.trace.reward)
 
 
 LIMIT_CODES = frozenset({"max_turns_exceeded", "context_length_exceeded"})
