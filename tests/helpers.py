@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
+import signal
 import socket
 import time
 import traceback
@@ -49,6 +50,13 @@ async def wait_until_async(condition: Callable[[], Any], what: str, timeout_s: f
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         await asyncio.sleep(POLL_S)
     return result
+
+
+def sigint_handled() -> None:
+    """A `preexec_fn` for a command a test stops with Ctrl-C: SIGINT handled, as a terminal starts a
+    job. A shell without job control starts its background commands (pytest among them, and so
+    every process pytest starts) with SIGINT ignored, and the command would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

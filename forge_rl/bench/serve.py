@@ -168,9 +168,10 @@ def _start_service(args: ServeBenchArgs, name: str) -> dict:
 
 
 def _stop_service(service: dict) -> dict:
-    """Ctrl-C to the service; its summary line (requests served, refused)."""
+    """Stop the service as a supervisor does (SIGTERM: a bench started in the background holds
+    SIGINT ignored, and so would the service); its summary line (requests served, refused)."""
     process = service["process"]
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=120)
     except subprocess.TimeoutExpired:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from collections.abc import Callable
 
@@ -50,7 +51,7 @@ async def serve(
         await server.start()
         url = server.url
         (lifecycle.run_path / SERVER_FILE).write_text(json.dumps({"url": url, "base_model": backend.base_model}))
-        progress(f"serving the Tinker API for {backend.base_model} at {url} (Ctrl-C stops it)")
+        progress(f"serving the Tinker API for {backend.base_model} at {url} ({_how_to_stop()})")
         if on_ready is not None:
             on_ready(url)
         try:
@@ -68,3 +69,11 @@ async def serve(
             await server.stop()
             backend.close()
     return {"service_dir": str(lifecycle.run_path), "url": url, **started, **server.metrics()}
+
+
+def _how_to_stop() -> str:
+    # A shell without job control starts background commands with SIGINT ignored: there Ctrl-C
+    # (or a supervisor's SIGINT) never reaches the service, and saying so spares a hunt.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return "SIGINT is ignored in this process, as in a background job: SIGTERM stops it"
+    return "Ctrl-C stops it"

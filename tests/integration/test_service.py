@@ -24,6 +24,8 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.helpers import sigint_handled
+
 tinker = pytest.importorskip("tinker")
 
 pytestmark = pytest.mark.integration
@@ -60,7 +62,7 @@ def service(tmp_path_factory):
             [sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(run_dir), "--run-name", "svc",
              "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny", "--generator.max-num-seqs", "8",
              "--log.tensorboard"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, preexec_fn=sigint_handled,
         )
     info = _wait_for_server(process, run_dir / "svc" / "server.json", log)
     yield {"url": info["url"], "process": process, "dir": run_dir / "svc", "log": log}

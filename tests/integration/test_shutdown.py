@@ -33,7 +33,7 @@ from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.core.checkpoint import newest_complete_checkpoint
 from forge_rl.models.tiny import create_tiny_model
-from tests.helpers import described, wait_until
+from tests.helpers import described, sigint_handled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -127,9 +127,7 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
             command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
-            # As a terminal starts a job: SIGINT handled. A shell without job control starts its
-            # background commands (pytest among them, and so the run) with SIGINT ignored.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=sigint_handled,
         )
     try:
         wait_for_training(process, stderr_path)
