@@ -72,6 +72,11 @@ class KeepRoutingArgs:
     """Tokens per completion (EOS ignored, so every completion has them all)."""
     max_staleness: int = 3
     """Optimizer steps between sampling and the last measurement."""
+    resubmit_after: int | None = None
+    """Tokens of each completion sampled before it is resubmitted to the next version's weights
+    (None: half of max_new_tokens, where max_staleness >= 1; 0: no resubmission measurement).
+    Its continuation attends to KV the new weights encoded anew, not the recorded passes: the
+    case where the replay is not exact (`_resubmitted`)."""
     lr: float = 3e-4
     """Trainer learning rate (the demo's)."""
     seed: int = 0
@@ -94,13 +99,30 @@ class KeepRoutingArgs:
             raise ValueError("bench keep-routing needs a mixture of experts: set --model.num-experts > 0.")
         if self.reward_steps and not self.reward_seeds:
             raise ValueError("reward_seeds is empty but reward_steps is set. Set --reward-seeds or --reward-steps 0.")
-        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0)):
+        if self.resubmit_after is None:
+            half = self.max_new_tokens // 2 if self.max_staleness >= 1 else 0
+            object.__setattr__(self, "resubmit_after", half)
+        if self.resubmit_after and not 0 < self.resubmit_after < self.max_new_tokens:
+            raise ValueError(
+                f"resubmit_after ({self.resubmit_after}) must be between 1 and max_new_tokens - 1 "
+                f"({self.max_new_tokens - 1}): a completion is resubmitted with tokens left to sample. "
+                "Set --resubmit-after, or 0 for none."
+            )
+        if self.resubmit_after and self.max_staleness < 1:
+            raise ValueError(
+                "resubmit_after needs the next version (max_staleness >= 1): the continuation runs on "
+                "the weights after one optimizer step. Set --max-staleness 1 or more, or --resubmit-after 0."
+            )
+        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0),
+                            ("resubmit_after", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= {least}. Set --{name.replace('_', '-')}.")
 
 
 def _sample(args: KeepRoutingArgs, model_dir: Path):
-    """The batch's episodes, sampled by vLLM with routing recorded, rewarded by the task."""
+    """The batch's episodes, sampled by vLLM with routing recorded, rewarded by the task; and, with
+    `resubmit_after`, per prompt the first `resubmit_after` tokens of another group (the heads
+    `_resubmitted` continues on the next version), else None."""
     from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
     from forge_rl.tasks import TaskConfig, make_task_prompt
     from forge_rl.tasks.rewards import resolve_reward_fn
@@ -113,7 +135,7 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
         max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed, dtype=args.generator_dtype
     ))
     loop = asyncio.new_event_loop()
-    episodes = []
+    episodes, heads = [], [] if args.resubmit_after else None
     try:
         loop.run_until_complete(engine.start(model_dir, max_model_len=64))
         for index in range(args.num_prompts):
@@ -124,10 +146,78 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
                 completion.text = tokenizer.decode(completion.token_ids)
                 completion.reward = reward_fn(completion.text, prompt.answer)
             episodes.append(Episode(index, prompt.text, prompt.answer, ids, completions))
+            if heads is not None:
+                pieces = loop.run_until_complete(
+                    engine.generate_segment(ids, None, args.group_size, None, None, args.resubmit_after)
+                )
+                heads.append([piece for piece, _ in pieces])
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
-    return episodes
+    return episodes, heads
+
+
+def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, heads, version: int):
+    """The heads' completions continued by a vLLM engine on the trainer's weights now (`version`),
+    each in a request of its own, as a swap that re-encodes the KV of the requests in flight, or
+    an abort-mode resubmission, continues them: the continuation's prefix (prompt and head) is
+    prefilled anew by the new weights, so its tokens attend to KV the routing record does not
+    describe. Returns the episodes of the joined completions; their `kv_versions` mark the
+    continuation."""
+    import shutil
+
+    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.models.hf_checkpoint import export_hf_model_dir
+    from forge_rl.tasks import TaskConfig
+    from forge_rl.tasks.rewards import resolve_reward_fn
+    from forge_rl.tasks.tokenizer import PromptTokenizer
+    from forge_rl.types import Episode, join_pieces
+
+    next_dir = args.out_dir / f"model-version-{version}"
+    shutil.rmtree(next_dir, ignore_errors=True)
+    export_hf_model_dir(trainer.hf_state_dict(), model_dir, next_dir)
+    tokenizer, reward_fn = PromptTokenizer(model_dir), resolve_reward_fn(TaskConfig().only_reward)
+    engine = VLLMEngine(GeneratorConfig(
+        max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed + 1, dtype=args.generator_dtype
+    ))
+    loop = asyncio.new_event_loop()
+    out = []
+    try:
+        loop.run_until_complete(engine.start(next_dir, max_model_len=64))
+        for episode, group in zip(episodes, heads):
+            tails = loop.run_until_complete(engine.generate_segment(
+                episode.prompt_token_ids, [head.token_ids for head in group], 1, None, None,
+                args.max_new_tokens - args.resubmit_after,
+            ))
+            completions = []
+            for head, (tail, _) in zip(group, tails):
+                # This engine loaded `version` from a directory, so it labels its tokens 0: they
+                # were sampled by `version`, and the re-encoded KV they attend to is its too.
+                tail.policy_versions = [version] * tail.num_tokens
+                tail.kv_versions = [version] * tail.num_tokens
+                completion = join_pieces(head, tail)
+                completion.text = tokenizer.decode(completion.token_ids)
+                completion.reward = reward_fn(completion.text, episode.answer)
+                completions.append(completion)
+            out.append(Episode(episode.episode_id, episode.prompt_text, episode.answer, episode.prompt_token_ids, completions))
+    finally:
+        loop.run_until_complete(engine.shutdown())
+        loop.close()
+    return out
+
+
+def reencoded_tokens_T(completions) -> list[bool]:
+    """Per generated token, in batch order: whether the KV it attended to was encoded by newer
+    weights than sampled an earlier token of its completion (a re-encoding swap or a
+    resubmission: `Completion.kv_versions` newer than the oldest sampling version so far), so
+    the routing record does not describe how that KV was computed."""
+    out = []
+    for completion in completions:
+        oldest = None
+        for sampled, kv in zip(completion.policy_versions, completion.kv_versions or completion.policy_versions):
+            oldest = sampled if oldest is None else min(oldest, sampled)
+            out.append(kv > oldest)
+    return out
 
 
 _PROBLEMS_PER_SEQUENCE = 4
@@ -181,7 +271,7 @@ def _split(kl_T, group_T, prefix: str) -> dict[str, float]:
     }
 
 
-def _measure(trainer, batch) -> dict[str, float]:
+def _measure(trainer, batch, reencoded_T=None) -> dict[str, float]:
     """Mismatch with and without the replay, how often the trainer's own routing differs, how
     decisive its routers are, and where the mismatch lives.
 
@@ -192,6 +282,7 @@ def _measure(trainer, batch) -> dict[str, float]:
     sides and are not recorded, so a prompt routed differently by the generator stays invisible
     here. `ratio_floor` is the unaffected tokens' mean KL (without the replay) over all tokens'
     mean: the ratio a replay that left affected tokens no worse off than the rest would reach.
+    `reencoded_T` (a bool per generated token, `reencoded_tokens_T`) splits the KL once more.
     """
     import torch
 
@@ -230,11 +321,43 @@ def _measure(trainer, batch) -> dict[str, float]:
         out[f"max_token_kl_{name}"] = kl_T.max().item()
         out.update(_split(kl_T, differs_NL[mask_NL], f"{name}/differs"))
         out.update(_split(kl_T, affected_NL[mask_NL], f"{name}/affected"))
+        if reencoded_T is not None:
+            out.update(_split(kl_T, reencoded_T, f"{name}/reencoded"))
     # No mismatch to remove (an fp32 generator at staleness 0): no ratio.
     without = out["mismatch_kl_without"]
     out["mismatch_kl_ratio"] = out["mismatch_kl_with"] / without if without > 0 else None
     out["ratio_floor"] = out["without/affected_rest_kl_mean"] / without if without > 0 else None
+    if reencoded_T is not None:
+        reencoded_without = out["without/reencoded_kl_mean"]
+        out["reencoded_mismatch_kl_ratio"] = (
+            out["with/reencoded_kl_mean"] / reencoded_without if reencoded_without > 0 else None
+        )
     return out
+
+
+def _measure_resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, heads) -> dict:
+    """The mismatch of a batch whose completions were resubmitted to the trainer's weights now
+    (version 1) after `resubmit_after` tokens, on the continued tokens apart: each was sampled by
+    the weights the trainer holds (staleness 0), so its mismatch is numerics and routing only,
+    but the record replayed on its head's rows is the version-0 decode's, not the routing of
+    the prefill that encoded the KV it read."""
+    import torch
+
+    from forge_rl.core.batching import make_train_batch
+
+    progress(f"bench keep-routing: resubmitting after {args.resubmit_after} tokens to version 1's weights")
+    resubmitted = _resubmitted(args, trainer, model_dir, episodes, heads, version=1)
+    batch = make_train_batch(resubmitted, pad_id=0)
+    reencoded_T = reencoded_tokens_T([c for e in resubmitted for c in e.completions])
+    if len(reencoded_T) != int(batch.loss_mask_NL.sum()):
+        raise AssertionError(f"{len(reencoded_T)} flags for {int(batch.loss_mask_NL.sum())} generated tokens")
+    measured = _measure(trainer, batch, torch.tensor(reencoded_T))
+    measured["reencoded_tokens"] = sum(reencoded_T)
+    progress("bench keep-routing: resubmitted, on the continued tokens: " + ", ".join(
+        f"{k} {measured[k]:.4g}" for k in ("without/reencoded_kl_mean", "with/reencoded_kl_mean",
+                                           "reencoded_mismatch_kl_ratio") if measured.get(k) is not None
+    ))
+    return measured
 
 
 def _prepare_model(args: KeepRoutingArgs, model_dir: Path) -> None:
@@ -273,7 +396,7 @@ def main(args: KeepRoutingArgs) -> dict:
     if not (model_dir / "config.json").is_file():
         _prepare_model(args, model_dir)
     progress(f"bench keep-routing: sampling {args.num_prompts} x {args.group_size} with routing recorded")
-    episodes = _sample(args, model_dir)
+    episodes, heads = _sample(args, model_dir)
     batch = make_train_batch(episodes, pad_id=0)
     record = episodes[0].completions[0].routed_experts
     trainer = PolicyTrainer(TrainerConfig(keep_routing=True, batching="pad", lr=args.lr, seed=args.seed), model_dir)
@@ -283,6 +406,8 @@ def main(args: KeepRoutingArgs) -> dict:
         progress("bench keep-routing: " + ", ".join(
             f"{k} {measured[k]:.4g}" for k in _PROGRESS_KEYS if measured.get(k) is not None
         ))
+        if staleness == 1 and heads is not None:
+            measured["resubmitted"] = _measure_resubmitted(args, trainer, model_dir, episodes, heads)
         per_staleness.append(measured)
         if staleness < args.max_staleness:
             trainer.train_step(batch)
@@ -313,6 +438,15 @@ def main(args: KeepRoutingArgs) -> dict:
         "pretrain": json.loads(pretrain_json.read_text()) if pretrain_json.is_file() else None,
         "per_staleness": per_staleness,
     }
+    if heads is not None:
+        resubmitted = per_staleness[1]["resubmitted"]
+        summary.update({
+            "resubmit_after": args.resubmit_after,
+            "reencoded_mismatch_kl_ratio": resubmitted["reencoded_mismatch_kl_ratio"],
+            "reencoded_mismatch_kl_without": resubmitted["without/reencoded_kl_mean"],
+            "reencoded_mismatch_kl_with": resubmitted["with/reencoded_kl_mean"],
+            "reencoded_tokens": resubmitted["reencoded_tokens"],
+        })
     if args.reward_steps:
         summary.update(reward_curves(args))
     (args.out_dir / "keep_routing.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -266,6 +266,33 @@ def test_the_benchmark_measures_the_mismatch_the_replay_removes(trainer):
     assert TOP_K / NUM_EXPERTS <= measured["router_topk_mass"] <= 1.0
 
 
+def test_the_benchmark_splits_out_the_tokens_that_read_kv_the_record_does_not_describe(trainer):
+    """A completion resubmitted to version 1 after two tokens: its continuation attends to KV that
+    version 1 encoded anew (`kv_versions`), so those tokens are measured apart."""
+    from forge_rl.bench.keep_routing import KeepRoutingArgs, _measure, reencoded_tokens_T
+
+    episode = _episode([_random_record(4, 40), _random_record(3, 41)])
+    resubmitted, untouched = episode.completions
+    resubmitted.policy_versions, resubmitted.kv_versions = [0, 0, 1, 1], [0, 0, 1, 1]
+    # A swap that kept the KV: the tokens after it still read version 0's KV, which the record describes.
+    untouched.policy_versions, untouched.kv_versions = [0, 1, 1], [0, 0, 0]
+    reencoded_T = reencoded_tokens_T(episode.completions)
+    assert reencoded_T == [False, False, True, True, False, False, False]
+    batch = make_train_batch([episode], pad_id=0)
+    batch = dataclasses.replace(batch, behaviour_logprobs_NL=trainer.compute_logprobs(batch))
+    measured = _measure(trainer, batch, torch.tensor(reencoded_T))
+    assert measured["with/reencoded_kl_mean"] == pytest.approx(0.0, abs=1e-10)
+    assert measured["without/reencoded_kl_mean"] > 0 and measured["reencoded_mismatch_kl_ratio"] < 1e-3
+    assert 0 < measured["without/reencoded_kl_share"] < 1
+
+    assert KeepRoutingArgs().resubmit_after == 4  # half of max_new_tokens
+    assert KeepRoutingArgs(max_staleness=0).resubmit_after == 0  # no next version to resubmit to
+    with pytest.raises(ValueError, match=r"resubmit_after \(8\) must be between 1 and max_new_tokens - 1 \(7\)"):
+        KeepRoutingArgs(resubmit_after=8)
+    with pytest.raises(ValueError, match=r"needs the next version.*--max-staleness 1"):
+        KeepRoutingArgs(resubmit_after=2, max_staleness=0)
+
+
 def test_the_benchmark_pretrains_its_model_on_the_task_and_refuses_a_dense_one(moe_dir, tmp_path):
     """`--pretrain-steps` lowers the model's loss on the task's text and records it beside the
     weights; `--model-path` to a dense model is refused before anything starts."""
