@@ -39,7 +39,9 @@ skips them. Figures go to OUT_DIR/keep_routing.json; the last stdout line is the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -113,8 +115,7 @@ class KeepRoutingArgs:
                 "resubmit_after needs the next version (max_staleness >= 1): the continuation runs on "
                 "the weights after one optimizer step. Set --max-staleness 1 or more, or --resubmit-after 0."
             )
-        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0),
-                            ("resubmit_after", 0)):
+        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= {least}. Set --{name.replace('_', '-')}.")
 
@@ -123,38 +124,56 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
     """The batch's episodes, sampled by vLLM with routing recorded, rewarded by the task; and, with
     `resubmit_after`, per prompt the first `resubmit_after` tokens of another group (the heads
     `_resubmitted` continues on the next version), else None."""
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
     from forge_rl.tasks import TaskConfig, make_task_prompt
-    from forge_rl.tasks.rewards import resolve_reward_fn
     from forge_rl.tasks.tokenizer import PromptTokenizer
     from forge_rl.types import Episode
 
     task, tokenizer = TaskConfig(), PromptTokenizer(model_dir)
-    reward_fn = resolve_reward_fn(task.only_reward)
-    engine = VLLMEngine(GeneratorConfig(
-        max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed, dtype=args.generator_dtype
-    ))
-    loop = asyncio.new_event_loop()
     episodes, heads = [], [] if args.resubmit_after else None
-    try:
-        loop.run_until_complete(engine.start(model_dir, max_model_len=64))
+    with _recording_engine(args, model_dir, args.seed) as (engine, run):
         for index in range(args.num_prompts):
             prompt = make_task_prompt(task, index)
             ids = tokenizer.encode_prompt(prompt.text)
-            completions = loop.run_until_complete(engine.generate(ids, args.group_size, eos_id=None))
+            completions = run(engine.generate(ids, args.group_size, eos_id=None))
             for completion in completions:
-                completion.text = tokenizer.decode(completion.token_ids)
-                completion.reward = reward_fn(completion.text, prompt.answer)
+                _score(completion, tokenizer, prompt.answer)
             episodes.append(Episode(index, prompt.text, prompt.answer, ids, completions))
             if heads is not None:
-                pieces = loop.run_until_complete(
-                    engine.generate_segment(ids, None, args.group_size, None, None, args.resubmit_after)
-                )
+                pieces = run(engine.generate_segment(ids, None, args.group_size, None, None, args.resubmit_after))
                 heads.append([piece for piece, _ in pieces])
+    return episodes, heads
+
+
+@contextlib.contextmanager
+def _recording_engine(args: KeepRoutingArgs, model_dir: Path, seed: int):
+    """A started vLLM engine on `model_dir` recording routing, and `run` (a coroutine to its
+    result on the engine's own event loop); shut down on exit."""
+    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+
+    engine = VLLMEngine(GeneratorConfig(
+        max_new_tokens=args.max_new_tokens, record_routing=True, seed=seed, dtype=args.generator_dtype
+    ))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(engine.start(model_dir, max_model_len=64))
+        yield engine, loop.run_until_complete
     finally:
         loop.run_until_complete(engine.shutdown())
         loop.close()
-    return episodes, heads
+
+
+@functools.cache
+def _task_reward():
+    from forge_rl.tasks import TaskConfig
+    from forge_rl.tasks.rewards import resolve_reward_fn
+
+    return resolve_reward_fn(TaskConfig().only_reward)
+
+
+def _score(completion, tokenizer, answer: str) -> None:
+    """The completion's text and the task's reward for it."""
+    completion.text = tokenizer.decode(completion.token_ids)
+    completion.reward = _task_reward()(completion.text, answer)
 
 
 def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, heads, version: int):
@@ -166,26 +185,18 @@ def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, head
     continuation."""
     import shutil
 
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
     from forge_rl.models.hf_checkpoint import export_hf_model_dir
-    from forge_rl.tasks import TaskConfig
-    from forge_rl.tasks.rewards import resolve_reward_fn
     from forge_rl.tasks.tokenizer import PromptTokenizer
     from forge_rl.types import Episode, join_pieces
 
     next_dir = args.out_dir / f"model-version-{version}"
     shutil.rmtree(next_dir, ignore_errors=True)
     export_hf_model_dir(trainer.hf_state_dict(), model_dir, next_dir)
-    tokenizer, reward_fn = PromptTokenizer(model_dir), resolve_reward_fn(TaskConfig().only_reward)
-    engine = VLLMEngine(GeneratorConfig(
-        max_new_tokens=args.max_new_tokens, record_routing=True, seed=args.seed + 1, dtype=args.generator_dtype
-    ))
-    loop = asyncio.new_event_loop()
+    tokenizer = PromptTokenizer(model_dir)
     out = []
-    try:
-        loop.run_until_complete(engine.start(next_dir, max_model_len=64))
+    with _recording_engine(args, next_dir, args.seed + 1) as (engine, run):
         for episode, group in zip(episodes, heads):
-            tails = loop.run_until_complete(engine.generate_segment(
+            tails = run(engine.generate_segment(
                 episode.prompt_token_ids, [head.token_ids for head in group], 1, None, None,
                 args.max_new_tokens - args.resubmit_after,
             ))
@@ -196,13 +207,9 @@ def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, head
                 tail.policy_versions = [version] * tail.num_tokens
                 tail.kv_versions = [version] * tail.num_tokens
                 completion = join_pieces(head, tail)
-                completion.text = tokenizer.decode(completion.token_ids)
-                completion.reward = reward_fn(completion.text, episode.answer)
+                _score(completion, tokenizer, episode.answer)
                 completions.append(completion)
             out.append(Episode(episode.episode_id, episode.prompt_text, episode.answer, episode.prompt_token_ids, completions))
-    finally:
-        loop.run_until_complete(engine.shutdown())
-        loop.close()
     return out
 
 
