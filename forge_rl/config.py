@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from forge_rl.core.branches import BranchConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig
 from forge_rl.data.config import DataConfig
@@ -33,7 +34,7 @@ from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
 from forge_rl.tasks import tokenizer as char_tokenizer
-from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
+from forge_rl.tasks.rewards import import_function, resolve_reward_fn, reward_columns
 from forge_rl.training.reference import ReferenceConfig
 from forge_rl.training.trainer_config import TrainerConfig
 
@@ -184,6 +185,9 @@ class GRPOConfig:
     the task's single-turn prompts; unset by default."""
     model: ModelConfig = field(default_factory=ModelConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    branch: BranchConfig = field(default_factory=BranchConfig)
+    """Branch rollouts: grow each sampled group into a tree of continuations from pivots inside
+    its completions (docs/branches.md); off by default (branch.rule none)."""
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
@@ -213,13 +217,14 @@ class GRPOConfig:
     @property
     def max_episode_tokens(self) -> int:
         """Most tokens one episode can hold (what buffer.capacity_tokens counts): a prompt of at most
-        max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens;
+        max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens
+        (with branch rollouts, every completion its tree can hold: `BranchConfig.max_completions_per_group`);
         with an environment, group_size trajectories of environment.limits.max_total_tokens (each
         holds its own prompt)."""
         if self.environment.name is not None:
             return self.group_size * self.environment.limits.max_total_tokens
         max_new_tokens = self.generator.max_new_tokens
-        return self.max_model_len - max_new_tokens + self.group_size * max_new_tokens
+        return self.max_model_len - max_new_tokens + self.branch.max_completions_per_group(self.group_size) * max_new_tokens
 
     @property
     def max_completion_tokens(self) -> int:
@@ -280,6 +285,7 @@ class GRPOConfig:
         """Every rule that spans components, in the order a user fixes them: batch shape, buffer,
         loss, model and parallelism, timeouts, placement."""
         self._resolve_environment_limits()
+        self._resolve_branch_entropy()
         self._check_batch_shape()
         self._check_buffer()
         self._check_loss_and_scorer()
@@ -289,6 +295,7 @@ class GRPOConfig:
         self._check_timeouts()
         self._check_simulation()
         self._check_keep_routing()
+        self._check_branch()
         self._check_eval()
         check_placement(self.launch, demand_of(self))
 
@@ -548,6 +555,37 @@ class GRPOConfig:
             return
         resolved = limits.resolved(self.max_model_len, self.generator.max_new_tokens)
         object.__setattr__(self, "environment", dataclasses.replace(self.environment, limits=resolved))
+
+    def _resolve_branch_entropy(self) -> None:
+        """branch.rule entropy reads each token's entropy, which the generator then records."""
+        if self.branch.rule == "entropy" and self.generator.record_entropy_top_logprobs != self.branch.entropy_top_logprobs:
+            generator = dataclasses.replace(self.generator, record_entropy_top_logprobs=self.branch.entropy_top_logprobs)
+            object.__setattr__(self, "generator", generator)
+
+    def _check_branch(self) -> None:
+        branch = self.branch
+        if not branch.enabled:
+            return
+        refused = [
+            (self.environment.name is not None, f"environment.name ({self.environment.name!r})",
+             "an environment's episode cannot be continued from a mid-turn token: its state is the environment's"),
+            (self.generator.segment_tokens is not None, f"generator.segment_tokens ({self.generator.segment_tokens})",
+             "a group sampled a segment at a time is branched nowhere"),
+            (self.simulated, "generator.engine sim", "a simulated engine's placeholder tokens have no distribution to pivot on"),
+            (self.trainer.keep_routing, "trainer.keep_routing", "a branch's context holds no routing record of its parent's prefix"),
+        ]
+        for refuse, setting, why in refused:
+            if refuse:
+                raise ConfigError(f"branch.rule ({branch.rule}) with {setting}: {why}. Set --branch.rule none, or change {setting}.")
+        max_new_tokens = self.generator.max_new_tokens
+        if branch.min_prefix_tokens + branch.min_suffix_tokens > max_new_tokens:
+            raise ConfigError(
+                f"branch.min_prefix_tokens ({branch.min_prefix_tokens}) + branch.min_suffix_tokens "
+                f"({branch.min_suffix_tokens}) exceed generator.max_new_tokens ({max_new_tokens}): no completion has "
+                "a position to branch from. Lower them, or raise --generator.max-new-tokens."
+            )
+        if branch.function is not None:
+            import_function(branch.function, "branch.function")
 
     def _check_rewards_read_no_column(self) -> None:
         field = "task.reward" if self.task.rewards is None else "task.rewards"

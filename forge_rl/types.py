@@ -139,6 +139,16 @@ class Completion:
     """Which completions of its group this one's advantage is baselined against: those with the same
     value (an agent's seat, or its seat within one episode: forge_rl/envs/rollout.py
     `group_completions`); None: the whole group, GRPO's baseline."""
+    entropies: list[float] | None = None
+    """Per token, [T]: the entropy in nats of the distribution it was sampled from, as the engine
+    estimated it (forge_rl/core/branches.py `token_entropies`); recorded only for branch.rule
+    entropy, 0.0 for a context token."""
+    parent: int | None = None
+    """A branch (forge_rl/core/branches.py): the index, in its group, of the completion it
+    continues; None for a completion sampled from the prompt."""
+    fork_at: int = 0
+    """A branch's pivot: its first `fork_at` tokens are its parent's, held as context; 0 for a
+    completion sampled from the prompt."""
 
     def __post_init__(self) -> None:
         if self.trainable is None:
@@ -149,7 +159,7 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
-        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards", "kv_versions"):
+        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards", "kv_versions", "entropies"):
             if getattr(self, name) is not None:
                 lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:
@@ -237,6 +247,7 @@ def join_pieces(head: Completion, tail: Completion) -> Completion:
         # The continuation's prefix was encoded anew when it was submitted: its tokens depend on
         # its own versions, whatever the head's did.
         kv_versions=None if head.kv_versions is None or tail.kv_versions is None else head.kv_versions + tail.kv_versions,
+        entropies=None if head.entropies is None or tail.entropies is None else head.entropies + tail.entropies,
     )
 
 

@@ -131,6 +131,20 @@ class GeneratorActor(PortServed, Actor):
         return pieces
 
     @concurrent_endpoint
+    async def generate_branches(
+        self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]], n: int
+    ) -> list[tuple[list[Completion], int]]:
+        """`n` continuations of each head (`VLLMEngine.generate_branches`), each with its whole
+        sequence's text (head and continuation), and per head its prefix-cache hits."""
+        if not isinstance(self.engine, VLLMEngine):
+            raise TypeError("branch rollouts need the vLLM engine (generator.engine vllm)")
+        branched = await self.engine.generate_branches(prompt_token_ids, heads, n, self.tokenizer.eos_id, forced_length)
+        for head, (pieces, _) in zip(heads, branched):
+            for piece in pieces:
+                piece.text = self.tokenizer.decode(head + piece.token_ids)
+        return branched
+
+    @concurrent_endpoint
     async def generate_pinned(
         self, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
         max_new_tokens: int, max_in_flight: int,

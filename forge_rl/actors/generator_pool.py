@@ -260,6 +260,20 @@ class GeneratorPool(PortServed, Actor):
             )
 
     @concurrent_endpoint
+    async def generate_branches(
+        self, index: int, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]], n: int
+    ) -> list[tuple[list[Completion], int]]:
+        """Branches of a group's completions from generator `index` (forge_rl/actors/generator.py
+        `generate_branches`); raises GeneratorLost if it died meanwhile."""
+        with self.slots[index].generating_call():
+            return await self._forward(
+                self.slots[index],
+                lambda actor: self._calls.call(actor, "generate_branches", prompt_token_ids, forced_length, heads, n),
+                self.generate_timeout_s,
+                "generate_branches call ran past generator.generate_timeout_s",
+            )
+
+    @concurrent_endpoint
     async def generate_pinned(
         self, index: int, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
         max_new_tokens: int, max_in_flight: int,

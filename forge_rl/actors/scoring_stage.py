@@ -97,6 +97,7 @@ class ScoringStage:
             dynamic_sampling=DynamicSampling(
                 config.dynamic_sampling_max_filtered_steps, config.prompts_per_step,
                 config.trainer.loss.normalize_advantage_std, config.trainer.loss.step_discount,
+                config.trainer.loss.local_advantage_weight,
             ) if config.dynamic_sampling else None,
             after_publish=pinned_teacher_refresh(teacher, config.scorer.teacher) if pinned else None,
         )

@@ -49,7 +49,9 @@ class SimulatedTrainerActor(PortServed, Actor):
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
         loss = self.config.loss
-        return await self._train_step(batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount))
+        return await self._train_step(batch_columns(
+            episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
+        ))
 
     async def _train_step(self, columns: BatchColumns) -> TrainStepResult:
         started = time.perf_counter()

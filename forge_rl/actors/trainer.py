@@ -117,7 +117,7 @@ class TrainerActor(PortServed, Actor):
 
     def _columns(self, episodes: list[Episode]) -> BatchColumns:
         loss = self.config.loss
-        return batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount)
+        return batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight)
 
     @endpoint
     async def wait_for_publish(self) -> None:

@@ -5,7 +5,9 @@
 - `episode_advantages`: the same for one `Episode`, leaving ERRORED completions out of the statistics.
 - `completion_reward`: what a completion's group advantage is computed from.
 - `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
-  rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md.
+  rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md. A
+  branched group (forge_rl/core/branches.py) gets its tree's credit instead (docs/branches.md).
+- `is_plain`: whether one advantage per completion says it all (no steps, dense rewards or branches).
 - `has_signal`, `DynamicSampling`: DAPO's dynamic sampling, which
   keeps only groups with a nonzero advantage on a token that trains, and stops a run that finds none.
 - `overlong_penalty`: DAPO's soft penalty for completions that run into the length budget.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from forge_rl.core.branches import is_tree, tree_token_advantages
 from forge_rl.errors import NoLearningSignal
 from forge_rl.types import Completion, CompletionStatus, Episode
 
@@ -83,7 +86,15 @@ def episode_advantages(episode: Episode, normalize_std: bool) -> list[float]:
     return result
 
 
-def token_advantages(episode: Episode, normalize_std: bool, step_discount: float = 1.0) -> list[list[float]]:
+def is_plain(episode: Episode) -> bool:
+    """True when every token of a completion gets its completion's group advantage: no step or
+    dense rewards and no branches in the group."""
+    return all(c.step_rewards is None and c.token_rewards is None and c.parent is None for c in episode.completions)
+
+
+def token_advantages(
+    episode: Episode, normalize_std: bool, step_discount: float = 1.0, local_weight: float = 1.0
+) -> list[list[float]]:
     """Per completion of `episode`, the advantage of each of its tokens, [G][T]:
 
         A_it = A_i + sum_{k >= k(t)} step_discount^(k - k(t)) * r~_ik + d_it
@@ -96,10 +107,15 @@ def token_advantages(episode: Episode, normalize_std: bool, step_discount: float
     one); step_discount = 0 credits a token with its own step only. d_it is the token's dense
     reward (`token_rewards`), unnormalized (a teacher's per-token log ratio is already on a
     per-token scale). Without step or token rewards A_it = A_i: plain GRPO. A turn of a multi-turn
-    episode is a step. ERRORED completions get zeros. Worked example and reasoning: docs/scoring.md."""
+    episode is a step. ERRORED completions get zeros. Worked example and reasoning: docs/scoring.md.
+
+    In a branched group (its completions continue one another from pivots) A_it is the tree's
+    credit of token t's segment instead (`tree_token_advantages`, `local_weight` its local term's
+    weight), and step and dense rewards add to it as above."""
     if not 0.0 <= step_discount <= 1.0:
         raise ValueError(f"step_discount ({step_discount}) must be in [0, 1]")
     completions = episode.completions
+    tree = tree_token_advantages(episode, normalize_std, local_weight) if is_tree(episode) else None
     normalized_steps: dict[int, list[float]] = {}
     for indices in baseline_groups(episode):
         usable = [i for i in indices if completions[i].status != CompletionStatus.ERRORED]
@@ -113,7 +129,7 @@ def token_advantages(episode: Episode, normalize_std: bool, step_discount: float
             result.append([0.0] * completion.num_tokens)
             continue
         steps = normalized_steps[i]
-        per_token = [advantage] * completion.num_tokens
+        per_token = [advantage] * completion.num_tokens if tree is None else tree[i]
         if steps:
             credits = place_on_steps(completion.step_ends, returns_to_go(steps, step_discount))
             per_token = [a + c for a, c in zip(per_token, credits)]
@@ -142,19 +158,21 @@ def place_on_steps(step_ends: list[int], step_values: list[float]) -> list[float
     return per_token
 
 
-def has_signal(episode: Episode, normalize_std: bool = True, step_discount: float = 1.0) -> bool:
+def has_signal(episode: Episode, normalize_std: bool = True, step_discount: float = 1.0, local_weight: float = 1.0) -> bool:
     """True when some token that trains (`Completion.loss_mask`: generated, trainable, not ERRORED)
     has a nonzero advantage (`token_advantages`, with the loss's `normalize_std` and
-    `step_discount`): the group moves the policy. The signal may be in the final rewards, in step
+    `step_discount`, and a tree's `local_weight`): the group moves the policy. The signal may be
+    in the final rewards, in step
     or turn rewards, or in dense token rewards (a teacher's). A group whose values are all equal
     gets advantages of exactly 0 (`group_advantages`), so float rounding of a mean never passes
     for a signal."""
-    if all(c.step_rewards is None and c.token_rewards is None for c in episode.completions):
+    if is_plain(episode):
         advantages = episode_advantages(episode, normalize_std)
         return any(a != 0.0 and c.num_trainable_tokens for a, c in zip(advantages, episode.completions))
+    per_completion = token_advantages(episode, normalize_std, step_discount, local_weight)
     return any(
         a != 0.0 and trains
-        for completion, per_token in zip(episode.completions, token_advantages(episode, normalize_std, step_discount))
+        for completion, per_token in zip(episode.completions, per_completion)
         for a, trains in zip(per_token, completion.loss_mask)
     )
 
@@ -168,17 +186,20 @@ class DynamicSampling:
     no batch can then be filled, and the trainer would wait for one forever. A group with a signal
     starts the count again. Raises NoLearningSignal naming the cause and the fixes."""
 
-    def __init__(self, max_filtered_steps: int, prompts_per_step: int, normalize_std: bool = True, step_discount: float = 1.0):
+    def __init__(
+        self, max_filtered_steps: int, prompts_per_step: int, normalize_std: bool = True, step_discount: float = 1.0,
+        local_weight: float = 1.0,
+    ):
         self.max_filtered_steps = max_filtered_steps
         self.max_filtered_groups = max_filtered_steps * prompts_per_step
-        self.normalize_std, self.step_discount = normalize_std, step_discount
+        self.normalize_std, self.step_discount, self.local_weight = normalize_std, step_discount, local_weight
         self.num_filtered_in_a_row = 0
 
     def filter(self, episodes: list[Episode]) -> list[Episode]:
         """The groups of `episodes` with a signal, in order; those left out are filtered."""
         kept = []
         for episode in episodes:
-            if has_signal(episode, self.normalize_std, self.step_discount):
+            if has_signal(episode, self.normalize_std, self.step_discount, self.local_weight):
                 kept.append(episode)
                 self.num_filtered_in_a_row = 0
                 continue

@@ -104,12 +104,13 @@ class TrainBatch:
 
 
 def make_train_batch(
-    episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True, step_discount: float = 1.0
+    episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True, step_discount: float = 1.0,
+    local_weight: float = 1.0,
 ) -> TrainBatch:
     """One row per completion (`forge_rl.core.columns.batch_columns`, which says what reaches the loss),
     padded (`pad_columns`): both halves in this process. A run's trainer gets its batches as
     columns built in the rollouts' process and pads them only."""
-    return pad_columns(batch_columns(episodes, normalize_advantage_std, step_discount), pad_id)
+    return pad_columns(batch_columns(episodes, normalize_advantage_std, step_discount, local_weight), pad_id)
 
 
 def pad_columns(columns: BatchColumns, pad_id: int) -> TrainBatch:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-from forge_rl.core.advantages import episode_advantages, token_advantages
+from forge_rl.core.advantages import episode_advantages, is_plain, token_advantages
 from forge_rl.types import Completion, Episode
 
 
@@ -69,13 +69,16 @@ class BatchColumns:
         return self.loss_mask.count(1)
 
 
-def batch_columns(episodes: list[Episode], normalize_advantage_std: bool = True, step_discount: float = 1.0) -> BatchColumns:
+def batch_columns(
+    episodes: list[Episode], normalize_advantage_std: bool = True, step_discount: float = 1.0, local_weight: float = 1.0
+) -> BatchColumns:
     """One row per completion. A token reaches the loss only where `Completion.loss_mask` says so:
     ERRORED completions and rows whose tokens are all untrainable keep their row (so N always
     equals the configured batch and splits evenly over data-parallel ranks) but are fully masked.
 
     `normalize_advantage_std` is `LossConfig.normalize_advantage_std` (False for Dr. GRPO),
-    `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back).
+    `step_discount` is `LossConfig.step_discount` (how far a process reward's credit reaches back),
+    `local_weight` is `LossConfig.local_advantage_weight` (a branched group's local term).
     """
     lengths, token_ids, exact, generators = array("q"), array("q"), array("q"), array("q")
     loss_mask, behaviour, advantages, temperatures, references = array("B"), array("f"), array("f"), array("f"), array("f")
@@ -90,7 +93,8 @@ def batch_columns(episodes: list[Episode], normalize_advantage_std: bool = True,
         prompt = array("q", episode.prompt_token_ids)
         prompt_zeros, prompt_false, prompt_context = array("f", bytes(4 * len(prompt))), bytes(len(prompt)), array("q", [-1]) * len(prompt)
         generator = -1 if episode.generator_index is None else episode.generator_index
-        for completion, completion_advantages in zip(episode.completions, _advantage_columns(episode, normalize_advantage_std, step_discount)):
+        advantage_columns = _advantage_columns(episode, normalize_advantage_std, step_discount, local_weight)
+        for completion, completion_advantages in zip(episode.completions, advantage_columns):
             num_tokens = completion.num_tokens
             lengths.append(len(prompt) + num_tokens)
             token_ids.extend(prompt)
@@ -135,13 +139,15 @@ def batch_columns(episodes: list[Episode], normalize_advantage_std: bool = True,
     )
 
 
-def _advantage_columns(episode: Episode, normalize_advantage_std: bool, step_discount: float) -> list[array]:
+def _advantage_columns(
+    episode: Episode, normalize_advantage_std: bool, step_discount: float, local_weight: float
+) -> list[array]:
     """`token_advantages` of each completion as a "f" column: one value repeated for plain GRPO
-    (no step or dense rewards in the group, so every token carries its completion's advantage)."""
-    if all(c.step_rewards is None and c.token_rewards is None for c in episode.completions):
+    (`is_plain`: every token carries its completion's advantage)."""
+    if is_plain(episode):
         per_completion = episode_advantages(episode, normalize_advantage_std)
         return [array("f", [a]) * c.num_tokens for a, c in zip(per_completion, episode.completions)]
-    return [array("f", a) for a in token_advantages(episode, normalize_advantage_std, step_discount)]
+    return [array("f", a) for a in token_advantages(episode, normalize_advantage_std, step_discount, local_weight)]
 
 
 def _exact_version_column(completion: Completion) -> array:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 
 import psutil
 
+from forge_rl.core.branches import token_entropies
 from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
@@ -106,6 +107,10 @@ class GeneratorConfig:
     instead (a filtered token's is -inf). Exact while kept sets are no larger (always, for a vocabulary
     of at most this many tokens, or top_k <= it); a larger set is recorded as its most likely ids,
     counted (`Completion.num_truncated_support`) and warned about once per engine."""
+    record_entropy_top_logprobs: int = 0
+    """Record each sampled token's entropy (`Completion.entropies`), estimated from this many most
+    likely processed logprobs (renormalized); 0: none. Branch rollouts with branch.rule entropy set
+    it (branch.entropy_top_logprobs)."""
     max_num_seqs: int = 256
     """Most sequences vLLM decodes in one batch."""
     tensor_parallel_size: int = 1
@@ -451,7 +456,7 @@ class VLLMEngine:
             # The kept set of every sampled token, so the trainer can renormalize over it
             # (Completion.sampling_support). Needs vLLM's model runner V2 (the default with Triton).
             return_sampling_mask=self._support_source == "sampling_mask",
-            max_logprobs=max(20, self.config.max_support_ids),
+            max_logprobs=max(20, self.config.max_support_ids, self.config.record_entropy_top_logprobs),
             # Safe with weight swaps: every request is salted with the version it was submitted
             # under (`_request`), so no request reuses a block encoded by older weights, whether
             # or not a swap clears the cache (swap_kv="reuse" cannot: requests hold blocks).
@@ -599,6 +604,28 @@ class VLLMEngine:
 
         return list(await asyncio.gather(*(continued(head) for head in heads)))
 
+    async def generate_branches(
+        self, prompt_token_ids: list[int], heads: list[list[int]], n: int, eos_id: int | None,
+        forced_length: int | None,
+    ) -> list[tuple[list[Completion], int]]:
+        """Branch rollouts (forge_rl/core/branches.py): `n` continuations of prompt + each head (a
+        completion's tokens before its pivot), each head one request of `n` children, with what is
+        left of the completion's budget (`max_new_tokens`, or `forced_length`). Returns per head the
+        continuations (new tokens only, labelled as `generate` labels them) and how many of the
+        request's prefix tokens came from the prefix cache: the head's KV is reused only while the
+        engine serves the weights that encoded it (requests are salted by version, `prompt`), and
+        encoded afresh by the weights serving now otherwise; `kv_versions` say which."""
+        self._check_prompt_length(len(prompt_token_ids))
+        budget = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
+        eos_id = None if forced_length else eos_id
+
+        async def branched(head: list[int]) -> tuple[list[Completion], int]:
+            if len(head) >= budget:
+                raise ValueError(f"a head of {len(head)} tokens leaves no budget ({budget}) to branch from")
+            return await self._sample_counting_cache(prompt_token_ids + head, n, eos_id, budget - len(head))
+
+        return list(await asyncio.gather(*(branched(head) for head in heads)))
+
     def tokens_in_flight(self) -> int:
         """Tokens sampled so far by the requests in flight: vLLM's front end holds them until a
         request finishes, so they are what this engine's death would lose (counted as of the
@@ -611,6 +638,13 @@ class VLLMEngine:
     ) -> list[Completion]:
         """`n` completions of at most `max_tokens` after `prefix_token_ids` (`eos_id` None: never
         stopped early), in one request; a request aborted by an abort-mode swap is resubmitted."""
+        completions, _ = await self._sample_counting_cache(prefix_token_ids, n, eos_id, max_tokens, temperature)
+        return completions
+
+    async def _sample_counting_cache(
+        self, prefix_token_ids: list[int], n: int, eos_id: int | None, max_tokens: int, temperature: float | None = None
+    ) -> tuple[list[Completion], int]:
+        """`_sample`, and how many of the prefix's tokens vLLM read from its prefix cache."""
         # One request with n children (vLLM fans them out, sharing the prompt's KV through the
         # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
         prompt_token_ids = prefix_token_ids
@@ -619,19 +653,19 @@ class VLLMEngine:
             prompt_token_ids, self._sampling_params(n, eos_id, max_tokens, len(prompt_token_ids), temperature)
         )
         completions = [self._completion(output, version) for output in final.outputs]
+        cached = final.num_cached_tokens or 0
         if self._abort_epoch == epoch:
-            return completions
+            return completions, cached
         # A swap in "abort" mode ran meanwhile: resubmit what it aborted, prompt + tokens so far.
-        return list(
-            await asyncio.gather(
-                *(
-                    self._continue_aborted(prompt_token_ids, completion, eos_id, max_tokens)
-                    if output.finish_reason == "abort"
-                    else _done(completion)
-                    for output, completion in zip(final.outputs, completions)
-                )
+        resubmitted = await asyncio.gather(
+            *(
+                self._continue_aborted(prompt_token_ids, completion, eos_id, max_tokens)
+                if output.finish_reason == "abort"
+                else _done(completion)
+                for output, completion in zip(final.outputs, completions)
             )
         )
+        return list(resubmitted), cached
 
     async def generate_turn(
         self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None
@@ -689,15 +723,26 @@ class VLLMEngine:
         )
 
     @property
+    def _num_logprobs_requested(self) -> int:
+        """Most likely logprobs asked of vLLM per token: the kept set's (top-logprobs path) and the
+        entropy's (`record_entropy_top_logprobs`), whichever is more; 0 asks for the sampled one only."""
+        support = self._num_support_logprobs if self._support_source == "top_logprobs" else 0
+        return max(support, min(self.config.record_entropy_top_logprobs, self._vocab_size))
+
+    @property
     def _num_support_logprobs(self) -> int:
         """Most likely logprobs asked of vLLM per token on the top-logprobs path."""
         return min(self.config.max_support_ids, self._vocab_size)
 
     def _completion(self, output: CompletionOutput, submitted_version: int) -> Completion:
-        top_k, cap = self.config.top_k, self._num_support_logprobs
+        top_k, cap = self.config.top_k, max(self._num_support_logprobs, self._num_logprobs_requested)
         # top_k <= what vLLM returns, or the whole vocabulary returned: every kept set fits, even a full one.
         fits = 0 < top_k <= cap or cap >= self._vocab_size
         completion = _to_completion(output, self._support_source, None if fits else cap)
+        if self.config.record_entropy_top_logprobs:
+            completion.entropies = token_entropies(
+                [lp.logprob for lp in position.values()] for position in output.logprobs
+            )
         completion.routed_experts = getattr(output, "forge_routed_experts", None)
         if self.adapters is not None:
             # vLLM labels tokens with the engine's weight version, which adapters do not change: a
@@ -920,7 +965,7 @@ class VLLMEngine:
             # The sampled token's logprob, plus the most likely ones when they give the kept set.
             # No more than the vocabulary: vLLM's CPU sampler takes a top-k of that many and fails
             # past it ("selected index k out of range").
-            logprobs=self._num_support_logprobs if self._support_source == "top_logprobs" else 0,
+            logprobs=self._num_logprobs_requested,
             # ignore_eos also drops the EOS vLLM reads from generation_config.json.
             stop_token_ids=[] if eos_id is None else [eos_id],
             ignore_eos=eos_id is None,

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from forge_rl.core.advantages import has_signal
-from forge_rl.types import CompletionStatus, Episode
+from forge_rl.core.columns import exact_versions
+from forge_rl.types import Completion, CompletionStatus, Episode
 
 if TYPE_CHECKING:
     from forge_rl.envs.graph import EpisodeGraph
@@ -42,6 +43,11 @@ POLICY_AGE_MAX = "policy_age/max"
 POLICY_AGE_MEAN = "policy_age/mean"
 POLICY_AGE_HISTOGRAM = "policy_age/histogram"
 """{age: number of trained tokens} of one step, ages as strings (JSON object keys)."""
+POLICY_AGE_DEPENDENCY_MAX = "policy_age/dependency_max"
+"""The largest age of a trained token by the oldest weights it depends on: those that sampled it
+and those whose KV it attended to (forge_rl/core/columns.py `exact_versions`); what
+buffer.max_policy_age bounds. policy_age/max ages by the sampling version alone."""
+POLICY_AGE_DEPENDENCY_MEAN = "policy_age/dependency_mean"
 ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
 POLICY_ENTROPY = "policy/entropy"
 """Mean entropy (nats) of the policy's next-token distribution over the trained tokens."""
@@ -71,6 +77,20 @@ DATA_SKIPPED_ROWS = "data/skipped_rows"
 counted once, however many epochs met it."""
 DATA_EPOCH = "data/epoch"
 """The epoch of the data file the next new prompt comes from (0 during the first pass)."""
+BRANCH_PIVOTS_TOTAL = "branch/pivots_total"
+"""Branch rollouts (docs/branches.md): pivots branched from, since the start."""
+BRANCH_COMPLETIONS_TOTAL = "branch/completions_total"
+"""Branch completions sampled (pivots x branch.branches_per_pivot)."""
+BRANCH_UNBRANCHED_TOTAL = "branch/unbranched_total"
+"""Completions the pivot rule found no pivot in: they train as plain samples."""
+BRANCH_PIVOT_ERRORS_TOTAL = "branch/pivot_errors_total"
+"""Completions left unbranched because branch.function raised or named a position outside them."""
+BRANCH_PREFIX_CACHE_HIT_FRACTION = "branch/prefix_cache_hit_fraction"
+"""Of the prefix tokens of branch requests (prompt and head), the fraction read from the
+generator's prefix cache: 0 where the weights changed between the pivot's sampling and its
+branches (the prefix is encoded afresh), near 1 where they did not."""
+BRANCH_TOKENS_TOTAL = "branch/tokens_total"
+"""Tokens the branches sampled."""
 GENERATED_TOKENS_TOTAL = "tokens/generated_total"
 GENERATED_TOKENS_PER_S = "throughput/generated_tokens_per_s"
 TRAINED_TOKENS_PER_S = "throughput/trained_tokens_per_s"
@@ -343,6 +363,7 @@ def run_summary(history: Sequence[dict]) -> dict:
         "final_mean_reward": final_reward(history),
         "steps": len(history),
         "max_policy_age_seen": max(m[POLICY_AGE_MAX] for m in history),
+        "max_dependency_age_seen": max(m.get(POLICY_AGE_DEPENDENCY_MAX, 0) for m in history),
         "dropped_samples": last[DROPPED_COMPLETIONS],
         "errored_samples": sum(m[COMPLETIONS_ERRORED] for m in history),
         "loop_time_s": last[WALL_TIME_S],
@@ -403,12 +424,19 @@ def progress(message: str) -> None:
     print(f"[forge-rl] {message}", file=sys.stderr, flush=True)
 
 
-def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bool = True, step_discount: float = 1.0) -> dict:
+def batch_metrics(
+    episodes: list[Episode], train_version: int, normalize_std: bool = True, step_discount: float = 1.0,
+    local_weight: float = 1.0,
+) -> dict:
     """Reward and staleness of the episodes one step trained at `train_version`. Policy ages count
     the tokens that reach the loss only: a token masked for its age (`drop_policy: mask_tokens`)
     was never trained, so it must not raise `policy_age/max` above the bound. `normalize_std` and
-    `step_discount`: the loss's, which the advantages of `ZERO_ADVANTAGE_FRACTION` are taken with."""
+    `step_discount`, `local_weight`: the loss's, which the advantages of `ZERO_ADVANTAGE_FRACTION`
+    are taken with. `POLICY_AGE_DEPENDENCY_MAX` / `_MEAN` age each trained token by the oldest
+    weights it depends on (`exact_versions`: those that sampled it and those whose KV it read),
+    which is what the age bound holds."""
     rewards, ages, components = [], collections.Counter(), collections.defaultdict(list)
+    dependency_ages = collections.Counter()
     by_seat = collections.defaultdict(list)
     num_errored = num_tokens = num_truncated = 0
     for episode in episodes:
@@ -425,6 +453,8 @@ def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bo
             num_truncated += completion.num_truncated_support
             for version, count in completion.trained_tokens_by_version().items():
                 ages[train_version - version] += count
+            for version, count in _trained_tokens_by_dependency(completion).items():
+                dependency_ages[train_version - version] += count
     return {
         REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
         COMPLETIONS_ERRORED: num_errored,
@@ -433,12 +463,26 @@ def batch_metrics(episodes: list[Episode], train_version: int, normalize_std: bo
         POLICY_AGE_MAX: max(ages, default=0),
         POLICY_AGE_MEAN: sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         POLICY_AGE_HISTOGRAM: {str(age): count for age, count in sorted(ages.items())},
+        POLICY_AGE_DEPENDENCY_MAX: max(dependency_ages, default=0),
+        POLICY_AGE_DEPENDENCY_MEAN: sum(age * n for age, n in dependency_ages.items()) / max(sum(dependency_ages.values()), 1),
         # Groups with no nonzero advantage on a trained token carry no signal; dynamic sampling
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
-        ZERO_ADVANTAGE_FRACTION: sum(not has_signal(e, normalize_std, step_discount) for e in episodes) / max(len(episodes), 1),
+        ZERO_ADVANTAGE_FRACTION: sum(
+            not has_signal(e, normalize_std, step_discount, local_weight) for e in episodes
+        ) / max(len(episodes), 1),
         **{name: sum(values) / len(values) for name, values in sorted(components.items())},
         **{name: sum(values) / len(values) for name, values in sorted(by_seat.items())},
     }
+
+
+def _trained_tokens_by_dependency(completion: Completion) -> dict[int, int]:
+    """Tokens that reach the loss, counted by the oldest weights each depends on (`exact_versions`)."""
+    if completion.kv_versions is None and completion.generated is None:
+        versions = completion.policy_versions
+        if versions and min(versions) == versions[0]:  # one request, no older KV: its first version
+            count = completion.num_trainable_tokens
+            return {versions[0]: count} if count else {}
+    return dict(collections.Counter(v for v, trains in zip(exact_versions(completion), completion.loss_mask) if trains))
 
 
 @dataclasses.dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ from forge_rl.observability import metrics as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
 from forge_rl.observability.metrics import EpisodeStats, batch_metrics, progress
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag
+from forge_rl.pipeline.branching import Brancher
 from forge_rl.store.loader import FETCHED_BYTES
 from forge_rl.training.trainer_steps import PulledBatch
 from forge_rl.types import Completion, Episode, completion_from_dict, completion_to_dict, join_pieces
@@ -169,6 +171,8 @@ class Rollouts:
         self.make_env = None if config.environment.name is None else config.environment.make_env()
         if self.make_env is not None and actors.renderer is None:
             raise ValueError("environment.name is set but RolloutActors.renderer is None: episodes need a renderer")
+        self.brancher = Brancher(config.branch) if config.branch.enabled else None
+        """Grows each sampled group into a tree (branch.rule; forge_rl/pipeline/branching.py)."""
         self.episode_stats = EpisodeStats()
         """Environment episodes played since the last step's figures."""
         self.env_waits = EnvWaitClock(config.num_generators)
@@ -252,7 +256,9 @@ class Rollouts:
         # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which on this
         # event loop would hold up every rollout loop for as long; a thread lets the loop run every
         # 5 ms (the GIL's switch interval). The episodes left the buffer: nothing writes them now.
-        columns = await asyncio.to_thread(batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount)
+        columns = await asyncio.to_thread(
+            batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
+        )
         return PulledBatch(batch.train_version, columns, batch.ready_s)
 
     async def batch_taken(self, step: int) -> float | None:
@@ -326,7 +332,7 @@ class Rollouts:
         return {
             **batch_metrics(
                 batch.episodes, batch.train_version, self.config.trainer.loss.normalize_advantage_std,
-                self.config.trainer.loss.step_discount,
+                self.config.trainer.loss.step_discount, self.config.trainer.loss.local_advantage_weight,
             ),
             TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
             **await self._step_metrics(),
@@ -518,6 +524,8 @@ class Rollouts:
                     if lost is None:
                         raise
                     raise lost from None
+            if self.brancher is not None:  # the generator's busy interval above has ended: these are its own
+                episodes = [await self.brancher.grow(e, functools.partial(self._branches, index)) for e in episodes]
         self.num_generated_tokens += sum(e.num_generated_tokens for e in episodes)
         self.calls["score"] += 1
         kept = await actors.score(episodes, self.timeline)
@@ -525,6 +533,22 @@ class Rollouts:
         self.accounting.count_filtered([e for e in episodes if e.episode_id not in kept_ids])
         num_stale = await self.buffer.put(kept) if kept else 0
         return len(kept) - num_stale
+
+    async def _branches(
+        self, index: int, group: Episode, heads: list[list[int]], n: int
+    ) -> list[tuple[list[Completion], int]]:
+        """`n` continuations of each head of `group` from generator `index` (`Brancher.grow`)."""
+        with self.timeline.busy(f"generator{index}", num_sequences=len(heads) * n):
+            try:
+                self.calls["generators.generate_branches"] += 1
+                return await self.actors.generators.generate_branches.call_one(
+                    index, group.prompt_token_ids, group.forced_length, heads, n
+                )
+            except Exception as e:
+                lost = generator_lost(e)
+                if lost is None:
+                    raise
+                raise lost from None
 
     async def _generate_in_segments(self, index: int, prompt: Episode) -> Episode:
         """`prompt`'s group generated on generator `index` a segment at a time
@@ -763,6 +787,7 @@ class Rollouts:
             m.GENERATED_TOKENS_PER_S: generated_tokens_per_s,
             m.GENERATORS_IDLE_FRACTION: idle_fraction(generator_busy_s, now),
             **self._episode_metrics(now),
+            **(self.brancher.counts.metrics() if self.brancher is not None else {}),
             **self.buffer.stats(),
             **self._stage_stats,
             **self.last_weight_update,

@@ -71,6 +71,10 @@ class LossConfig:
     """Process rewards (per step or per turn): a token's advantage adds its own step's normalized
     reward and step_discount^j times that of the step j later (1: every later step, DeepSeekMath's
     GRPO; 0: its own step only). No effect on completions without step rewards. docs/scoring.md."""
+    local_advantage_weight: float = 1.0
+    """Branch rollouts (branch.rule): the weight of a token's local advantage, its segment's value
+    against the fork it continues, beside the group advantage (0: the group's alone).
+    docs/branches.md."""
 
     def __post_init__(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high"):
