@@ -614,7 +614,10 @@ class VLLMEngine:
         continuations (new tokens only, labelled as `generate` labels them) and how many of the
         request's prefix tokens came from the prefix cache: the head's KV is reused only while the
         engine serves the weights that encoded it (requests are salted by version, `prompt`), and
-        encoded afresh by the weights serving now otherwise; `kv_versions` say which."""
+        encoded afresh by the weights serving now otherwise; `kv_versions` say which. vLLM counts
+        the cached tokens of a request's last child: with `n` > 1 the later children read the
+        first one's prefill, so the count says the prefix was encoded once for the `n`, not that
+        the parent's KV was reused."""
         self._check_prompt_length(len(prompt_token_ids))
         budget = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
         eos_id = None if forced_length else eos_id

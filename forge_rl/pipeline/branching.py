@@ -38,7 +38,8 @@ class BranchCounts:
     prefix_tokens: int = 0
     """Prompt and head tokens of the branch requests: what a resample from scratch would prefill."""
     prefix_cached_tokens: int = 0
-    """Of those, read from the generator's prefix cache (encoded by the weights serving the request)."""
+    """Of those, read from the generator's prefix cache (encoded by the weights serving the
+    request: the parent's, or with K > 1 the first continuation's, as vLLM counts them)."""
     branch_tokens: int = 0
     """Tokens the branches sampled."""
 

@@ -94,3 +94,38 @@ def test_a_request_sent_during_a_swap_never_decodes_over_the_old_weights_prefix_
 
     assert completion.policy_versions == [version] * CONFIG.max_new_tokens
     assert completion.logprobs == pytest.approx(logprobs_under(new_dir, PROMPT, completion), abs=LOGPROB_ATOL)
+
+
+def test_a_branch_reuses_its_heads_kv_under_the_weights_that_encoded_it_and_reencodes_it_after_a_swap(
+    served, tmp_path_factory
+):
+    """Branch rollouts (forge_rl/core/branches.py) resample from a completion's prefix: the head's
+    KV comes from the prefix cache while the weights that encoded it serve, and is encoded afresh
+    by the new weights after a swap. Either way each continuation token's logprob is that of the
+    version it is labelled with, and its `kv_versions` name the weights its context came from."""
+    engine, loop = served
+    prompt = PROMPT[:60]
+    old, new = engine.policy_version + 1, engine.policy_version + 2
+    old_dir = create_tiny_model(TinyModelConfig(seed=20 + old), tmp_path_factory.mktemp(f"model_v{old}"))
+    new_dir = create_tiny_model(TinyModelConfig(seed=20 + new), tmp_path_factory.mktemp(f"model_v{new}"))
+    loop.run_until_complete(engine.swap_weights(old_dir, old, mode="keep"))
+    (parent,) = loop.run_until_complete(engine.generate(prompt, n=1, eos_id=None))
+    head = parent.token_ids[:6]  # prompt + head: 66 tokens, two whole blocks, the second holding head tokens
+
+    # One child per request here: vLLM reports the cached count of a request's last child, and
+    # with several the later ones read the first one's prefill whatever the weights.
+    ((_, cached),) = loop.run_until_complete(engine.generate_branches(prompt, [head], 1, None, None))
+    assert cached == 64
+    ((pieces, _),) = loop.run_until_complete(engine.generate_branches(prompt, [head], 3, None, None))
+    for piece in pieces:
+        assert piece.num_tokens == CONFIG.max_new_tokens - len(head)
+        assert piece.policy_versions == piece.kv_versions == [old] * piece.num_tokens
+        assert piece.logprobs == pytest.approx(logprobs_under(old_dir, prompt + head, piece), abs=LOGPROB_ATOL)
+
+    loop.run_until_complete(engine.swap_weights(new_dir, new, mode="keep"))
+    ((_, cached),) = loop.run_until_complete(engine.generate_branches(prompt, [head], 1, None, None))
+    assert cached == 0  # the head's blocks were encoded by the old weights: salted apart
+    ((pieces, _),) = loop.run_until_complete(engine.generate_branches(prompt, [head], 3, None, None))
+    for piece in pieces:
+        assert piece.policy_versions == piece.kv_versions == [new] * piece.num_tokens
+        assert piece.logprobs == pytest.approx(logprobs_under(new_dir, prompt + head, piece), abs=LOGPROB_ATOL)
