@@ -201,6 +201,7 @@ _BENCHMARKS = {
     "weight-sync": "Publish-to-servable vs memcpy (10 MB-2 GB, shm and RDMA), decode stall per swap policy in vLLM.",
     "trainer": "Trainer step real tokens/s vs a bare TorchTitan loop; pack and bucket vs pad on a long-tailed batch.",
     "trees": "Trainer step trained tokens/s, groups as prefix trees (prompt computed once) vs flat packing.",
+    "branches": "Branch rollouts vs plain GRPO at equal samples and on the same roots: reward vs wall time, tokens generated.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
     "elastic": "SIMULATED engines: throughput of a run whose generator pool goes 8 -> 32 -> 4 while it trains.",
     "faults": "Generators killed mid-generation: tokens wasted with their work migrated (segments) vs re-issued.",
@@ -227,6 +228,7 @@ def _run_bench(args: list[str]) -> None:
 
     from forge_rl.bench import (
         async_vs_sync,
+        branches,
         distill,
         elastic,
         eval_overhead,
@@ -259,6 +261,7 @@ def _run_bench(args: list[str]) -> None:
         "lora-sync": (lora_sync, lora_sync.LoRASyncArgs),
         "trainer": (trainer, trainer.TrainerBenchArgs),
         "trees": (trees, trees.TreesBenchArgs),
+        "branches": (branches, branches.BranchesBenchArgs),
         "task-baseline": (task_baseline, task_baseline.TaskBaselineArgs),
         "elastic": (elastic, elastic.ElasticArgs),
         "faults": (faults, faults.FaultsBenchArgs),

@@ -79,4 +79,14 @@ def leading_number_reward(completion_text: str, answer: str) -> float:
     return 1.0 if match is not None and match.group(1) == answer else 0.0
 
 
+def trailing_number_reward(completion_text: str, answer: str) -> float:
+    """1.0 when the last number in the completion is exactly the answer, else 0.0: GSM8K-style
+    final-answer extraction, where what comes before the answer is the model's own ("x=7" scores
+    for answer "7"; "37" does not). With forced completion lengths (task.completion_lengths) the
+    reward then depends on the completion's end: the workload of `forge-rl bench branches`."""
+    numbers = _NUMBER.findall(completion_text)
+    return 1.0 if numbers and numbers[-1] == answer else 0.0
+
+
 _LEADING_NUMBER = re.compile(r"\s*(\d+)")
+_NUMBER = re.compile(r"\d+")

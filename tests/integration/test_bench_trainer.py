@@ -47,3 +47,20 @@ def test_bench_trees_smoke(tmp_path):
     figures = json.loads((tmp_path / "trees.json").read_text())
     assert [(c["group_size"], c["prompt_tokens"]) for c in figures["cells"]] == [(4, 8), (4, 32)]
     assert (tmp_path / "trees.png").stat().st_size > 0
+
+
+def test_bench_branches_smoke(tmp_path):
+    """Three short runs of configs/bench_branches_cpu.yaml: the tree, plain groups of as many
+    samples, plain groups of the same roots."""
+    result = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "bench", "branches", "--out-dir", str(tmp_path), "--steps", "2", "--seeds", "0"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    # The tree resamples only the completions' last tokens: fewer generated than as many whole samples.
+    assert 0 < summary["branch_over_plain_equal_generated_tokens"] < 1
+    assert summary["samples_per_prompt_branch"] == 3 * summary["group_size"]
+    figures = json.loads((tmp_path / "branches.json").read_text())
+    assert set(figures["runs"]) == {"branch", "plain-equal", "plain-roots"}
+    assert (tmp_path / "branches.png").stat().st_size > 0

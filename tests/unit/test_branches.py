@@ -4,6 +4,7 @@ tree growth (with a stand-in for the generator), metrics and the config's refusa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 
@@ -266,3 +267,17 @@ def test_branching_is_refused_where_it_cannot_work_naming_the_setting():
         small(branch=BranchConfig(rule="entropy", min_prefix_tokens=5, min_suffix_tokens=4))
     with pytest.raises(ConfigError, match="branch.function .*cannot be imported"):
         small(branch=BranchConfig(rule="function", function="no_such_module:pick"))
+
+
+def test_the_bench_compares_the_tree_with_plain_groups_of_equal_samples_and_of_the_same_roots():
+    from forge_rl.bench.branches import variant_changes
+
+    base = small(branch=BranchConfig(rule="token_prob", branches_per_pivot=3))
+    changes = variant_changes(base)
+    assert changes["branch"] == {}
+    equal = dataclasses.replace(base, **changes["plain-equal"])
+    assert not equal.branch.enabled and equal.group_size == base.group_size * 4
+    assert equal.prompts_per_step == base.prompts_per_step
+    assert dataclasses.replace(base, **changes["plain-roots"]).group_size == base.group_size
+    with pytest.raises(ConfigError, match="branch.rule is none"):
+        variant_changes(small())

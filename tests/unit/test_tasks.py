@@ -2,7 +2,7 @@ import importlib.util
 
 import pytest
 
-from forge_rl.tasks.synthetic import TASKS, leading_number_reward, make_prompt
+from forge_rl.tasks.synthetic import TASKS, leading_number_reward, make_prompt, trailing_number_reward
 
 
 def test_prompts_depend_only_on_task_seed_and_index():
@@ -27,6 +27,13 @@ def test_max_of_two_answers_the_larger_digit():
 )
 def test_the_reward_reads_the_leading_number(completion, reward):
     assert leading_number_reward(completion, "7") == reward
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"), [("x=7", 1.0), ("3 then 7", 1.0), ("7x", 1.0), ("37", 0.0), ("7 then 3", 0.0), ("none", 0.0)]
+)
+def test_the_trailing_reward_reads_the_last_number(completion, reward):
+    assert trailing_number_reward(completion, "7") == reward
 
 
 # reasoning-gym as a task source (optional extra .[tasks]).
