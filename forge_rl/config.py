@@ -219,10 +219,10 @@ class GRPOConfig:
         """Most tokens one episode can hold (what buffer.capacity_tokens counts): a prompt of at most
         max_model_len - max_new_tokens tokens, once, plus group_size completions of max_new_tokens
         (with branch rollouts, every completion its tree can hold: `BranchConfig.max_completions_per_group`);
-        with an environment, group_size trajectories of environment.limits.max_total_tokens (each
-        holds its own prompt)."""
+        with an environment, group_size trajectories (and their forks) of
+        environment.limits.max_total_tokens (each holds its own prompt)."""
         if self.environment.name is not None:
-            return self.group_size * self.environment.limits.max_total_tokens
+            return self.branch.max_completions_per_group(self.group_size) * self.environment.limits.max_total_tokens
         max_new_tokens = self.generator.max_new_tokens
         return self.max_model_len - max_new_tokens + self.branch.max_completions_per_group(self.group_size) * max_new_tokens
 
@@ -566,9 +566,9 @@ class GRPOConfig:
         branch = self.branch
         if not branch.enabled:
             return
+        if self.environment.name is not None:
+            self._check_episode_forks()
         refused = [
-            (self.environment.name is not None, f"environment.name ({self.environment.name!r})",
-             "an environment's episode cannot be continued from a mid-turn token: its state is the environment's"),
             (self.generator.segment_tokens is not None, f"generator.segment_tokens ({self.generator.segment_tokens})",
              "a group sampled a segment at a time is branched nowhere"),
             (self.simulated, "generator.engine sim", "a simulated engine's placeholder tokens have no distribution to pivot on"),
@@ -586,6 +586,26 @@ class GRPOConfig:
             )
         if branch.function is not None:
             import_function(branch.function, "branch.function")
+
+    def _check_episode_forks(self) -> None:
+        """Branch rollouts of environment episodes fork them at the starts of turns, replaying the
+        turns before on a fresh environment (forge_rl/envs/forks.py)."""
+        from forge_rl.envs.forks import refuse_unless_replayable
+
+        branch, name = self.branch, self.environment.name
+        if branch.rule not in ("token_prob", "function"):
+            raise ConfigError(
+                f"branch.rule ({branch.rule}) with environment.name ({name!r}): an environment episode forks at the "
+                "start of a turn, which rule token_prob (the turn of the least likely token) or function picks; the "
+                "generator records no entropies of turns. Set --branch.rule token_prob or function."
+            )
+        if branch.depth != 1:
+            raise ConfigError(
+                f"branch.depth ({branch.depth}) with environment.name ({name!r}): a fork of an environment episode "
+                "is not forked again. Set --branch.depth 1."
+            )
+        if self.environment.reads_row != "required":  # one whose factory needs a row is checked per episode
+            refuse_unless_replayable(self.environment.make_env()(self.task.seed, 0), name)
 
     def _check_rewards_read_no_column(self) -> None:
         field = "task.reward" if self.task.rewards is None else "task.rewards"

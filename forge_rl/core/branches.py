@@ -11,11 +11,15 @@ buffer, the admission gate, the age bound, the accounting and checkpoints see it
 - `BranchConfig`: where and how often to branch.
 - `pivot_candidates`, `pick_pivots`: the positions a rule picks in one completion.
 - `branch_completion`: a branch's completion from its parent, its pivot and the continuation.
+- `turn_starts`, `pick_turn_pivots`, `fork_completion`: the same for environment episodes, whose
+  pivots are the starts of turns and whose forks replay the turns before them
+  (forge_rl/envs/forks.py).
 - `tree_token_advantages`: the credit of every token of a tree (formulas in docs/branches.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -166,6 +170,81 @@ def branch_completion(parent: Completion, parent_index: int, pivot: int, piece: 
         generated=[False] * pivot + [True] * piece.num_tokens,
         kv_versions=kv,
         entropies=entropies,
+        parent=parent_index,
+        fork_at=pivot,
+    )
+
+
+def turn_starts(completion: Completion) -> list[int]:
+    """Where each of an environment trajectory's turns starts in its completion: the first token
+    of every run of generated tokens (a turn is followed by the environment's observation, context)."""
+    generated = completion.generated or [True] * completion.num_tokens
+    return [t for t, g in enumerate(generated) if g and (t == 0 or not generated[t - 1])]
+
+
+def pick_turn_pivots(completion: Completion, config: BranchConfig, function: PivotFunction | None = None) -> list[int]:
+    """Where to fork an environment episode's completion, in increasing order: the starts of its
+    turns after the first (a fork there replays the turns before it and samples that turn afresh),
+    the `pivots_per_sample` that score highest: a turn scores its least likely sampled token's
+    surprise (-log p, rule token_prob; `threshold` bars it as a probability); a `function` rule's
+    positions are taken as given, and must be turn starts (ValueError otherwise, the caller counts
+    it). No pivot where the turns cannot be told apart (a turn not followed by context)."""
+    starts = turn_starts(completion)
+    if completion.status == CompletionStatus.ERRORED or len(starts) != completion.num_turns:
+        return []
+    candidates = starts[1:]
+    if not candidates:
+        return []
+    if config.rule == "function":
+        if function is None:
+            raise ValueError("branch.rule function needs the function itself (the caller resolves branch.function)")
+        chosen = sorted({int(t) for t in function(completion, [])})
+        outside = [t for t in chosen if t not in candidates]
+        if outside:
+            raise ValueError(
+                f"branch.function {config.function!r} returned positions {outside[:5]} that start no turn but the "
+                f"first: an environment episode forks at the start of a turn ({candidates[:5]})"
+            )
+        return chosen[: config.pivots_per_sample]
+    if config.rule != "token_prob":
+        raise ValueError(f"branch.rule {config.rule} picks no turn of an environment episode (token_prob or function do)")
+    ends = starts[1:] + [completion.num_tokens]
+    generated = completion.generated or [True] * completion.num_tokens
+    scores = {
+        start: max(-completion.logprobs[t] for t in range(start, end) if generated[t])
+        for start, end in zip(starts, ends) if start in candidates
+    }
+    bar = None if config.threshold is None else -math.log(config.threshold)
+    ranked = sorted((t for t in candidates if bar is None or scores[t] >= bar), key=lambda t: (-scores[t], t))
+    return sorted(ranked[: config.pivots_per_sample])
+
+
+def fork_completion(parent: Completion, parent_index: int, pivot: int, played: Completion) -> Completion:
+    """A fork of environment episode `parent` (completion `parent_index` of its group) at turn
+    start `pivot`, from `played`: the completion of the episode replayed up to the pivot and played
+    on from there. Its tokens before the pivot must be the parent's (the replay reached the same
+    state; ValueError naming the first difference otherwise) and become context, as a branch's
+    prefix is (`branch_completion`); what follows is its own, with its reward, turns and status."""
+    if played.token_ids[:pivot] != parent.token_ids[:pivot]:
+        differs = next((t for t, (a, b) in enumerate(zip(played.token_ids, parent.token_ids)) if a != b), len(played.token_ids))
+        raise ValueError(
+            f"the replayed episode differs from the one it forks at token {differs} (of the {pivot} before the "
+            "pivot): the environment did not come back to the same state"
+        )
+    if played.num_tokens <= pivot:
+        raise ValueError(f"the forked episode ended before its pivot ({played.num_tokens} tokens, pivot {pivot})")
+    generated = played.generated or [True] * played.num_tokens
+    first_version = next((v for v, g in zip(played.policy_versions[pivot:], generated[pivot:]) if g), played.policy_versions[pivot])
+    support = None
+    if played.sampling_support is not None:
+        support = [[] for _ in range(pivot)] + played.sampling_support[pivot:]
+    return dataclasses.replace(
+        played,
+        logprobs=[0.0] * pivot + played.logprobs[pivot:],
+        policy_versions=[first_version] * pivot + played.policy_versions[pivot:],
+        generated=[False] * pivot + generated[pivot:],
+        sampling_support=support,
+        kv_versions=None if played.kv_versions is None else [first_version] * pivot + played.kv_versions[pivot:],
         parent=parent_index,
         fork_at=pivot,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from forge_rl.envs.environment import MalformedTurn, StepResult
 
@@ -42,6 +43,9 @@ class CalculatorEnv:
     right: int
     tool: bool = True
     """False: the no-tool baseline, the same problem with every call refused (a malformed turn)."""
+    replayable: ClassVar[bool] = True
+    """Its answers depend on the problem and the turns alone: an episode can be forked by replaying
+    its turns (forge_rl/envs/forks.py)."""
 
     async def reset(self) -> str:
         return f"{self.left}*{self.right}="

@@ -116,7 +116,9 @@ class Environment(Protocol):
     Optional: an environment whose step may legitimately take long (it starts a sandbox, runs a
     test suite) says how long with a `max_step_s` attribute; the rollout refuses limits whose
     env_step_timeout_s would cut such a step short (forge_rl/envs/rollout.py), since the timeout
-    would kill the sandbox mid-run and blame the environment."""
+    would kill the sandbox mid-run and blame the environment. One whose reset and step depend on
+    nothing but (seed, index) and the turns it is given says so with `replayable = True`: branch
+    rollouts may then fork its episodes by replaying their turns (forge_rl/envs/forks.py)."""
 
     async def reset(self) -> Observation:
         """The first observation: the prompt."""

@@ -39,9 +39,10 @@ from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.admission import AdmissionGate
 from forge_rl.core.buffer import WaitingBuffer
 from forge_rl.core.columns import batch_columns, exact_versions
+from forge_rl.envs.forks import play_forks, refuse_unless_replayable
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
-from forge_rl.envs.runner import ContextExhausted, SampledTurn
+from forge_rl.envs.runner import ContextExhausted, GenerateTurn, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, generator_lost, raised_by_actor
 from forge_rl.observability import metrics as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
@@ -630,18 +631,52 @@ class Rollouts:
     async def _play(self, index: int, prompt: Episode) -> Episode:
         """`prompt` as group_size episodes of the environment played on generator `index` (each made
         with the prompt's data row, when it has one): one completion per agent of each episode (one
-        for a single-agent environment), its reward the environment's (forge_rl/envs/rollout.py)."""
+        for a single-agent environment), its reward the environment's (forge_rl/envs/rollout.py);
+        with branch rollouts, the episodes' forks too (`Brancher.fork`)."""
         config = self.config
-        # A prompt from a data file hands its row to the environment (EnvironmentConfig.make_env).
-        row = {} if prompt.columns is None else {"row": prompt.columns}
-        envs = [
-            TimedEnvironment(self.make_env(config.task.seed, prompt.episode_id, **row), self.env_waits, index)
-            for _ in range(config.group_size)
+        generate = self._turns_on(index)
+        graphs = await play_group(self._envs(index, prompt, config.group_size), generate, self.actors.renderer, config.environment.limits)
+        for graph in graphs:
+            self.episode_stats.observe(graph)
+        first = next(iter(graphs[0].agents.values()))
+        first_observation = first.conversation[0].content if first.conversation else ""
+        episode = dataclasses.replace(
+            prompt,
+            prompt_text=first_observation,
+            answer="",
+            prompt_token_ids=[],  # each trajectory holds its prompt as context
+            completions=group_completions(graphs),
+            generator_index=index,
+            temperature=config.generator.temperature,
+        )
+        if self.brancher is None:
+            return episode
+        # Checked at config time where the factory takes no data row; here for every environment.
+        refuse_unless_replayable(self.make_env(config.task.seed, prompt.episode_id, **self._row(prompt)), config.environment.name)
+
+        async def forks(parent: Completion, pivot: int, n: int) -> list[Completion]:
+            envs = self._envs(index, prompt, n)
+            played = await play_forks(envs, generate, parent, pivot, self.actors.renderer, config.environment.limits)
+            return group_completions(played)
+
+        return await self.brancher.fork(episode, forks)
+
+    def _envs(self, index: int, prompt: Episode, count: int) -> list[TimedEnvironment]:
+        """`count` fresh environments of `prompt`'s episode, timed as generator `index`'s."""
+        return [
+            TimedEnvironment(self.make_env(self.config.task.seed, prompt.episode_id, **self._row(prompt)), self.env_waits, index)
+            for _ in range(count)
         ]
 
-        # The group's turns go to generator `index` until it is lost mid-turn; the episodes so far
-        # (tokens, environments) live here, so only that turn is sampled again, on the next
-        # generator that answers (`_turn_elsewhere`).
+    @staticmethod
+    def _row(prompt: Episode) -> dict:
+        """A prompt from a data file hands its row to the environment (EnvironmentConfig.make_env)."""
+        return {} if prompt.columns is None else {"row": prompt.columns}
+
+    def _turns_on(self, index: int) -> GenerateTurn:
+        """`generate` for a group's turns: on generator `index` until it is lost mid-turn. The
+        episodes so far (tokens, environments) live here, so only that turn is sampled again, on
+        the next generator that answers (`_turn_elsewhere`)."""
         serving = {"on": index}
 
         async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
@@ -662,20 +697,7 @@ class Rollouts:
                 serving["on"] = await self._turn_elsewhere(index, tried)
                 self.accounting.turns_moved_after_generator_failure += 1
 
-        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
-        for graph in graphs:
-            self.episode_stats.observe(graph)
-        first = next(iter(graphs[0].agents.values()))
-        first_observation = first.conversation[0].content if first.conversation else ""
-        return dataclasses.replace(
-            prompt,
-            prompt_text=first_observation,
-            answer="",
-            prompt_token_ids=[],  # each trajectory holds its prompt as context
-            completions=group_completions(graphs),
-            generator_index=index,
-            temperature=config.generator.temperature,
-        )
+        return generate
 
     async def _turn_elsewhere(self, index: int, tried: list[int]) -> int:
         """Where an environment episode's turn goes after its generator was lost mid-turn (the

@@ -50,3 +50,30 @@ def test_each_pivot_grows_k_continuations_and_the_shared_prefixes_are_computed_o
     assert last[m.BRANCH_COMPLETIONS_TOTAL] == config.branch.branches_per_pivot * last[m.BRANCH_PIVOTS_TOTAL]
     # The trainer lays each tree out once: its prompt and every pivot's prefix are shared slots.
     assert all(step["shared_token_fraction"] > 0.3 for step in metrics)
+
+
+@pytest.fixture(scope="module")
+def fork_run(tmp_path_factory):
+    """The calculator recipe (configs/grpo_tool_tiny_cpu.yaml) with its episodes forked at turns."""
+    from forge_rl.core.branches import BranchConfig
+
+    config = dataclasses.replace(
+        load_yaml_config(GRPOConfig, REPO / "configs/grpo_tool_tiny_cpu.yaml"),
+        steps=NUM_STEPS, run_dir=tmp_path_factory.mktemp("runs"), run_name="forks",
+        branch=BranchConfig(rule="token_prob", branches_per_pivot=2),
+    )
+    summary = asyncio.run(asyncio.wait_for(run(config), 600))
+    metrics = [json.loads(line) for line in (config.run_dir / "forks" / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics, config
+
+
+def test_environment_episodes_fork_at_turns_replayed_on_fresh_environments(fork_run):
+    """Every fork's replay reaches its episode's state on the real calculator (none diverged), and
+    the forks train within the age bound with every prompt accounted for."""
+    summary, metrics, config = fork_run
+    last = metrics[-1]
+    assert summary["steps"] == NUM_STEPS
+    assert last[m.BRANCH_PIVOTS_TOTAL] > 0 and last[m.BRANCH_PIVOT_ERRORS_TOTAL] == 0
+    assert last[m.BRANCH_COMPLETIONS_TOTAL] == config.branch.branches_per_pivot * last[m.BRANCH_PIVOTS_TOTAL]
+    assert summary["max_dependency_age_seen"] <= config.buffer.max_policy_age
+    assert_every_prompt_accounted_for(summary["accounting"], trained=NUM_STEPS * config.prompts_per_step)

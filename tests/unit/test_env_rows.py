@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import types
 
 import pytest
@@ -76,6 +77,10 @@ def test_the_rollout_makes_each_episode_with_its_prompts_row(tmp_path):
             generators=types.SimpleNamespace(generate_turn=FakeEndpoint(generate_turn)), renderer=PlainTextRenderer(tokenizer),
         ),
     )
+    rollouts.brancher = None
+    for method in ("_turns_on", "_envs"):
+        setattr(rollouts, method, functools.partial(getattr(Rollouts, method), rollouts))
+    rollouts._row = Rollouts._row
     row = {"prompt": "say 42", "secret": 42}
     prompt = Episode(episode_id=9, prompt_text="say 42", answer="", prompt_token_ids=[1], columns=row)
     row_envs.made_with.clear()
