@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded, smoothed, steps_to, time_to_reward
+from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to, time_to_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
 from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S, final_reward, progress
@@ -97,10 +97,7 @@ def over_seeds(runs: list[dict]) -> dict:
     reached = [r for r in runs if r["time_to_target_s"] is not None]
     return {
         "runs": len(runs),
-        "final_reward_mean": statistics.mean(finals),
-        "final_reward_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-        "final_reward_min": min(finals),
-        "final_reward_max": max(finals),
+        **final_reward_spread(finals),
         "reached_target": len(reached),
         "time_to_target_s_mean": statistics.mean(r["time_to_target_s"] for r in reached) if reached else None,
         "steps_to_target_mean": statistics.mean(r["steps_to_target"] for r in reached) if reached else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import statistics
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
@@ -78,3 +79,14 @@ def time_to_reward(metrics: list[dict], target: float) -> float | None:
     """Seconds since the loops started until the smoothed mean reward first reaches `target`."""
     steps = steps_to([m[REWARD_MEAN] for m in metrics], target)
     return None if steps is None else metrics[steps - 1][WALL_TIME_S]
+
+
+def final_reward_spread(finals: list[float]) -> dict:
+    """Final rewards of one variant's runs (one per seed): their mean, sample standard deviation
+    (0 for one run), lowest and highest."""
+    return {
+        "final_reward_mean": statistics.mean(finals),
+        "final_reward_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        "final_reward_min": min(finals),
+        "final_reward_max": max(finals),
+    }

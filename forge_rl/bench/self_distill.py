@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import SMOOTHING_STEPS, reuse_or_run_variant, seeded, smoothed, steps_to
+from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to
 from forge_rl.bench.distill import final, task_rewards
 from forge_rl.config import GRPOConfig
 from forge_rl.observability.metrics import WALL_TIME_S, progress
@@ -113,10 +113,7 @@ def over_seeds(runs: list[dict]) -> dict:
 
     return {
         "runs": len(runs),
-        "final_reward_mean": statistics.mean(finals),
-        "final_reward_stdev": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-        "final_reward_min": min(finals),
-        "final_reward_max": max(finals),
+        **final_reward_spread(finals),
         "peak_reward_mean": mean([r["peak_reward"] for r in runs if r["peak_reward"] is not None]),
         "reached_target": len(reached),
         "steps_to_target_mean": mean([r["steps_to_target"] for r in reached]),

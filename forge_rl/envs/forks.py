@@ -14,12 +14,10 @@ sees another prefix than the episode's (the environment answered differently) ra
 
 from __future__ import annotations
 
-import asyncio
-
 from forge_rl.core.branches import turn_starts
 from forge_rl.envs.graph import EpisodeGraph, is_multi_agent
 from forge_rl.envs.renderers import Renderer
-from forge_rl.envs.rollout import check_step_timeout, is_agent_environment, play_graph
+from forge_rl.envs.rollout import check_step_timeout, gather_or_cancel, is_agent_environment, play_graph
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, SampledTurn
 from forge_rl.errors import ConfigError
 from forge_rl.types import Completion
@@ -106,11 +104,4 @@ async def play_forks(
     `generate` raises (a lost generator) propagates, as from `play_group`."""
     for env in envs:
         check_step_timeout(env, limits)
-    tasks = [asyncio.ensure_future(play_graph(env, replaying(generate, parent, pivot), renderer, limits)) for env in envs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gather_or_cancel([play_graph(env, replaying(generate, parent, pivot), renderer, limits) for env in envs])

@@ -31,9 +31,9 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
 from forge_rl.envs.demonstrations import WarmupConfig
@@ -48,6 +48,8 @@ from forge_rl.errors import ConfigError
 from forge_rl.routing import RoutingRecord
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, CompletionStatus
+
+T = TypeVar("T")
 
 MakeEnvironment = Callable[..., Environment]
 """make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode);
@@ -143,7 +145,13 @@ async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: 
     `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
     for env in envs:
         check_step_timeout(env, limits)
-    tasks = [asyncio.ensure_future(play_graph(env, generate, renderer, limits)) for env in envs]
+    return await gather_or_cancel([play_graph(env, generate, renderer, limits) for env in envs])
+
+
+async def gather_or_cancel(episodes: list[Awaitable[T]]) -> list[T]:
+    """The results of `episodes`, played concurrently, in order; the first exception cancels the
+    others (waited for) and propagates."""
+    tasks = [asyncio.ensure_future(episode) for episode in episodes]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
