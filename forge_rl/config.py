@@ -464,7 +464,10 @@ class GRPOConfig:
             fix = f"Set --environment.limits.max-total-tokens {teacher_context} or less"
         else:
             longest, source = self.max_model_len, "max_model_len, the student's max_position_embeddings"
-            fix = "Use a student with no longer a context (model.path, or --model.tiny.max-position-embeddings)"
+            fix = (
+                f"Use a student whose context is {teacher_context} tokens or less (model.path, or "
+                "--model.tiny.max-position-embeddings)"
+            )
         if teacher_context < longest:
             raise ConfigError(
                 f"scorer.teacher.path ({self.scorer.teacher.path}) has a context of {teacher_context} tokens "
