@@ -32,9 +32,10 @@ from tests.integration.held_generator import HeldGeneratorActor, held_episode
 pytestmark = pytest.mark.integration
 
 CONFIG = GeneratorConfig(max_new_tokens=4)
-GENERATE_TIMEOUT_S = 10.0
+GENERATE_TIMEOUT_S = 30.0
 """What the held call runs past. The replacement's own call (2 samples of 4 tokens of a tiny
-model, well under a second) must finish within it too."""
+model, well under a second on an idle machine) must finish within it too, on a machine whose cores
+other work keeps busy, where the engine's threads get a fraction of them."""
 PLANTED = version_key(1)
 """A snapshot leased under the hung incarnation's reader id before the hang."""
 
@@ -118,7 +119,7 @@ def hung_and_replaced(model_dir) -> HungAndReplaced:
 
 def test_a_generate_call_past_its_timeout_loses_the_generator(hung_and_replaced):
     assert isinstance(hung_and_replaced.lost, GeneratorLost)
-    assert "hung: a generate call ran past generator.generate_timeout_s (10 s)" in str(hung_and_replaced.lost)
+    assert f"hung: a generate call ran past generator.generate_timeout_s ({GENERATE_TIMEOUT_S:g} s)" in str(hung_and_replaced.lost)
     [event] = hung_and_replaced.recoveries
     assert event["generator"] == 0 and event["reason"].startswith("hung: a generate call")
 
