@@ -32,6 +32,7 @@ from pathlib import Path
 
 from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to, time_to_reward
 from forge_rl.config import GRPOConfig
+from forge_rl.core.branches import BranchConfig
 from forge_rl.errors import ConfigError
 from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S, final_reward, progress
 from forge_rl.observability.plot import headless_pyplot, read_metrics, save_figure
@@ -60,8 +61,6 @@ class BranchesBenchArgs:
 
 def variant_changes(base: GRPOConfig) -> dict[str, dict]:
     """The `dataclasses.replace` fields of each variant."""
-    from forge_rl.core.branches import BranchConfig
-
     if not base.branch.enabled:
         raise ConfigError(
             "bench branches compares branch rollouts with plain GRPO, and the config's branch.rule is none. "

@@ -219,20 +219,25 @@ def pick_turn_pivots(completion: Completion, config: BranchConfig, function: Piv
     return sorted(ranked[: config.pivots_per_sample])
 
 
+class ReplayDiverged(Exception):
+    """An episode fork's replay did not come back to the episode's state: the environment answered
+    a replayed turn otherwise, or ended the episode before the pivot (forge_rl/envs/forks.py)."""
+
+
 def fork_completion(parent: Completion, parent_index: int, pivot: int, played: Completion) -> Completion:
     """A fork of environment episode `parent` (completion `parent_index` of its group) at turn
     start `pivot`, from `played`: the completion of the episode replayed up to the pivot and played
     on from there. Its tokens before the pivot must be the parent's (the replay reached the same
-    state; ValueError naming the first difference otherwise) and become context, as a branch's
+    state; ReplayDiverged naming the first difference otherwise) and become context, as a branch's
     prefix is (`branch_completion`); what follows is its own, with its reward, turns and status."""
     if played.token_ids[:pivot] != parent.token_ids[:pivot]:
         differs = next((t for t, (a, b) in enumerate(zip(played.token_ids, parent.token_ids)) if a != b), len(played.token_ids))
-        raise ValueError(
+        raise ReplayDiverged(
             f"the replayed episode differs from the one it forks at token {differs} (of the {pivot} before the "
             "pivot): the environment did not come back to the same state"
         )
     if played.num_tokens <= pivot:
-        raise ValueError(f"the forked episode ended before its pivot ({played.num_tokens} tokens, pivot {pivot})")
+        raise ReplayDiverged(f"the forked episode ended before its pivot ({played.num_tokens} tokens, pivot {pivot})")
     generated = played.generated or [True] * played.num_tokens
     first_version = next((v for v, g in zip(played.policy_versions[pivot:], generated[pivot:]) if g), played.policy_versions[pivot])
     support = None

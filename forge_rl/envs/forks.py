@@ -14,18 +14,13 @@ sees another prefix than the episode's (the environment answered differently) ra
 
 from __future__ import annotations
 
-from forge_rl.core.branches import turn_starts
+from forge_rl.core.branches import ReplayDiverged, turn_starts
 from forge_rl.envs.graph import EpisodeGraph, is_multi_agent
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import check_step_timeout, gather_or_cancel, is_agent_environment, play_graph
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, SampledTurn
 from forge_rl.errors import ConfigError
 from forge_rl.types import Completion
-
-
-class ReplayDiverged(Exception):
-    """A fork's replay reached a prefix that is not the episode's: the environment did not answer
-    the replayed turns as it did the first time."""
 
 
 def refuse_unless_replayable(env: object, name: str) -> None:

@@ -16,9 +16,15 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from forge_rl.core.branches import BranchConfig, PivotFunction, branch_completion, fork_completion, pick_pivots, pick_turn_pivots
-from forge_rl.envs.forks import ReplayDiverged
-from forge_rl.errors import ConfigError
+from forge_rl.core.branches import (
+    BranchConfig,
+    PivotFunction,
+    ReplayDiverged,
+    branch_completion,
+    fork_completion,
+    pick_pivots,
+    pick_turn_pivots,
+)
 from forge_rl.observability import metrics as m
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, Episode
@@ -117,11 +123,7 @@ class Brancher:
                 return [fork_completion(parent, i, pivot, p) for p in played]
             except ReplayDiverged as e:
                 self._count_error("a fork's replay", e, "that pivot's forks are dropped")
-            except ValueError as e:  # fork_completion: the fork is not the episode's up to its pivot
-                if isinstance(e, ConfigError):
-                    raise
-                self._count_error("a fork's replay", e, "that pivot's forks are dropped")
-            return []
+                return []
 
         forks = [(i, pivot) for i, c in enumerate(episode.completions) for pivot in self._pivots(c, self._turn_pivots)]
         grown = await asyncio.gather(*(forked(i, pivot) for i, pivot in forks))

@@ -635,7 +635,10 @@ class Rollouts:
         with branch rollouts, the episodes' forks too (`Brancher.fork`)."""
         config = self.config
         generate = self._turns_on(index)
-        graphs = await play_group(self._envs(index, prompt, config.group_size), generate, self.actors.renderer, config.environment.limits)
+        envs = self._envs(index, prompt, config.group_size)
+        if self.brancher is not None:  # checked at config time too, where the factory takes no data row
+            refuse_unless_replayable(envs[0], config.environment.name)
+        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
         for graph in graphs:
             self.episode_stats.observe(graph)
         first = next(iter(graphs[0].agents.values()))
@@ -651,8 +654,6 @@ class Rollouts:
         )
         if self.brancher is None:
             return episode
-        # Checked at config time where the factory takes no data row; here for every environment.
-        refuse_unless_replayable(self.make_env(config.task.seed, prompt.episode_id, **self._row(prompt)), config.environment.name)
 
         async def forks(parent: Completion, pivot: int, n: int) -> list[Completion]:
             envs = self._envs(index, prompt, n)
