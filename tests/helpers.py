@@ -194,3 +194,19 @@ def assert_every_prompt_accounted_for(accounting: dict, trained: int | None = No
     assert accounting["prompts_handed_out"] == sum(accounting[outcome] for outcome in settled), accounting
     if trained is not None:
         assert accounting["trained"] == trained, accounting
+
+
+def run_config_file(path, run_dir, run_name: str, **changes):
+    """The recipe run of the YAML config at `path` with `changes` (dataclasses.replace fields), in
+    this process, as RUN_DIR/RUN_NAME: (its summary, its per-step metrics, the config it ran)."""
+    import dataclasses
+    import json
+
+    from apps.grpo.main import run
+    from forge_rl.config import GRPOConfig
+    from forge_rl.yaml_config import load_yaml_config
+
+    config = dataclasses.replace(load_yaml_config(GRPOConfig, path), run_dir=run_dir, run_name=run_name, **changes)
+    summary = asyncio.run(asyncio.wait_for(run(config), HANG_S * 5))
+    metrics = [json.loads(line) for line in (config.run_dir / run_name / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics, config

@@ -5,17 +5,11 @@ sampled it and the one whose KV its context came from."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-
 import pytest
 
-from apps.grpo.main import run
-from forge_rl.config import GRPOConfig
+from forge_rl.core.branches import BranchConfig
 from forge_rl.observability import metrics as m
-from forge_rl.yaml_config import load_yaml_config
-from tests.helpers import assert_every_prompt_accounted_for
+from tests.helpers import assert_every_prompt_accounted_for, run_config_file
 from tests.integration.workers import REPO
 
 pytestmark = pytest.mark.integration
@@ -25,13 +19,7 @@ NUM_STEPS = 6
 
 @pytest.fixture(scope="module")
 def branch_run(tmp_path_factory):
-    config = dataclasses.replace(
-        load_yaml_config(GRPOConfig, REPO / "configs/grpo_branch_tiny_cpu.yaml"),
-        steps=NUM_STEPS, run_dir=tmp_path_factory.mktemp("runs"), run_name="branch",
-    )
-    summary = asyncio.run(asyncio.wait_for(run(config), 600))
-    metrics = [json.loads(line) for line in (config.run_dir / "branch" / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics, config
+    return run_config_file(REPO / "configs/grpo_branch_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "branch", steps=NUM_STEPS)
 
 
 def test_every_step_trains_trees_whose_tokens_are_within_the_age_bound_by_both_versions(branch_run):
@@ -55,16 +43,10 @@ def test_each_pivot_grows_k_continuations_and_the_shared_prefixes_are_computed_o
 @pytest.fixture(scope="module")
 def fork_run(tmp_path_factory):
     """The calculator recipe (configs/grpo_tool_tiny_cpu.yaml) with its episodes forked at turns."""
-    from forge_rl.core.branches import BranchConfig
-
-    config = dataclasses.replace(
-        load_yaml_config(GRPOConfig, REPO / "configs/grpo_tool_tiny_cpu.yaml"),
-        steps=NUM_STEPS, run_dir=tmp_path_factory.mktemp("runs"), run_name="forks",
+    return run_config_file(
+        REPO / "configs/grpo_tool_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "forks", steps=NUM_STEPS,
         branch=BranchConfig(rule="token_prob", branches_per_pivot=2),
     )
-    summary = asyncio.run(asyncio.wait_for(run(config), 600))
-    metrics = [json.loads(line) for line in (config.run_dir / "forks" / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics, config
 
 
 def test_environment_episodes_fork_at_turns_replayed_on_fresh_environments(fork_run):

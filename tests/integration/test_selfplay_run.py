@@ -5,16 +5,9 @@ accounted for."""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-
 import pytest
 
-from apps.grpo.main import run
-from forge_rl.config import GRPOConfig
-from forge_rl.yaml_config import load_yaml_config
-from tests.helpers import assert_every_prompt_accounted_for
+from tests.helpers import assert_every_prompt_accounted_for, run_config_file
 from tests.integration.workers import REPO
 
 pytestmark = pytest.mark.integration
@@ -24,13 +17,7 @@ NUM_STEPS = 6
 
 @pytest.fixture(scope="module")
 def selfplay_run(tmp_path_factory):
-    config = dataclasses.replace(
-        load_yaml_config(GRPOConfig, REPO / "configs/selfplay_tiny_cpu.yaml"),
-        steps=NUM_STEPS, run_dir=tmp_path_factory.mktemp("runs"), run_name="selfplay",
-    )
-    summary = asyncio.run(asyncio.wait_for(run(config), 600))
-    metrics = [json.loads(line) for line in (config.run_dir / "selfplay" / "metrics.jsonl").read_text().splitlines()]
-    return summary, metrics, config
+    return run_config_file(REPO / "configs/selfplay_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "selfplay", steps=NUM_STEPS)
 
 
 def test_each_step_trains_both_seats_with_a_reward_of_their_own(selfplay_run):
