@@ -19,7 +19,7 @@ VERIFIERS_PACKAGES := verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0
 	connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0 tenacity==9.2.1 \
 	math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
 
-.PHONY: venv env-adapters peers-venv cookbook-venv demo test test-gpu lint clean
+.PHONY: venv env-adapters peers-venv cookbook-venv demo test test-gpu lint reference clean
 
 venv: $(STAMP)
 
@@ -97,6 +97,11 @@ test-gpu: venv
 lint: venv
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check forge_rl apps tests examples
+	# docs/reference/ is generated from the docstrings: stale pages fail here (`make reference` writes them).
+	$(PY) -m forge_rl.reference --check
+
+reference: venv
+	$(PY) -m forge_rl.reference
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) $(COOKBOOK_VENV) runs

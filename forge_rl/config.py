@@ -160,9 +160,9 @@ class GRPOConfig:
     train_step_timeout_s: float = 1800.0
     """Most seconds one train step (the optimizer step on every trainer rank, then the snapshot its
     publish starts from) may take. A step past it means a hung rank or collective: the run stops with
-    TrainStepTimedOut, naming the command that resumes it. Half an hour: steps take about 1 s in the
-    async-vs-sync benchmark and 1.6 s for a 100M-parameter model on 2 CPU cores (docs/benchmarks/README.md),
-    and minutes for large batches of long sequences; raise it for steps longer than that."""
+    TrainStepTimedOut, naming the command that resumes it. Half an hour is far past the steps of the
+    recipes and benchmarks (docs/benchmarks/README.md holds their step times); large batches of long
+    sequences take minutes, and a step longer than this needs it raised."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group with no nonzero advantage on a token that trains (its final,
     step, turn and token rewards give no contrast: no learning signal) is filtered out before the
