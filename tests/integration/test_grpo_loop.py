@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -285,6 +286,35 @@ def test_every_steps_version_is_evaluated_exactly_beside_training_and_never_trai
     assert summary["evaluations"] == {"evaluated": NUM_STEPS + 1, "failed": 0, "dropped": 0}
     assert summary["accounting"]["trained"] == NUM_STEPS * config.prompts_per_step
     assert [min(m["generator/policy_versions"]) for m in metrics][-1] >= NUM_STEPS - 1
+
+
+def test_forge_rl_eval_of_every_checkpoint_draws_the_runs_curve_from_its_checkpoints(fsdp_run, tmp_path):
+    """`forge-rl eval --run RUN --every-checkpoint` after the run: each complete checkpoint (steps 2
+    and 4) is written as an HF model directory and evaluated, in step order, on the run's own eval
+    set (read from its config.yaml: one greedy sample per prompt) by an engine started from that
+    directory; every sample is stamped with the engine's only version, so each result is that
+    checkpoint's weights alone."""
+    _, _, run_path, _ = fsdp_run
+    out = tmp_path / "curve"
+    cli = subprocess.run(
+        [sys.executable, "-m", "forge_rl.cli", "eval", "--run", str(run_path), "--every-checkpoint",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=RUN_HANG_S,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    summary = json.loads(cli.stdout.strip().splitlines()[-1])
+    assert [(point["step"], point["policy_version"]) for point in summary["curve"]] == [(2, 2), (4, 4)]
+    assert (summary["step"], summary["policy_version"]) == (4, 4)
+    for point in summary["curve"]:
+        held = point["held_out"]
+        assert (held["num_prompts"], held["num_errored"], held["version"]) == (16, 0, point["policy_version"])
+        assert 0.0 <= held["pass@1"] <= 1.0
+        prompts = [json.loads(line) for line in Path(held["results"]).read_text().splitlines()]
+        assert len(prompts) == 16 and all(len(p["samples"]) == 1 for p in prompts)
+    records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["policy_version"]) for r in records] == [(2, 2), (4, 4)]
+    assert "writing checkpoint step 2 (policy version 2)" in cli.stderr
+    assert not list(out.glob("**/model.safetensors"))  # the exports are temporary
 
 
 def test_an_evaluation_on_the_runs_generator_is_pinned_to_its_version_while_training_goes_on(tp_run):
