@@ -49,7 +49,6 @@ class Section:
     leaves; `repeated` for a tuple of sections (each item's flags carry its index)."""
 
     prefix: str
-    cls: type
     doc: str
     fields: tuple[Field, ...]
     optional: bool = False
@@ -76,7 +75,7 @@ def config_sections(cls: type, prefix: str = "", *, optional: bool = False, repe
     doc = inspect.cleandoc(cls.__doc__ or "")
     if doc.startswith(f"{cls.__name__}("):  # dataclass's generated signature: no docstring of its own
         doc = ""
-    return [Section(prefix.rstrip("."), cls, doc, tuple(leaves), optional, repeated), *below]
+    return [Section(prefix.rstrip("."), doc, tuple(leaves), optional, repeated), *below]
 
 
 def configuration_page() -> str:
@@ -175,8 +174,6 @@ def _default_text(item: dataclasses.Field) -> str:
         value = value.value
     if isinstance(value, Path):
         return str(value)
-    if isinstance(value, (tuple, list)) and not value:
-        return "()"
     return repr(value)
 
 

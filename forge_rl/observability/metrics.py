@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from forge_rl.envs.graph import EpisodeGraph
 
 # Names of the metrics that more than one module reads (the loop writes them; the summary, the
-# progress line, the plots and the benchmarks read them). docs/observability.md lists them all.
+# progress line, the plots and the benchmarks read them). Each one's docstring is its entry in
+# docs/reference/metrics.md (`make reference`).
 STEP = "step"
 """Batches the trainer consumed: the step a record is of (1 for the first trained batch)."""
 WALL_TIME_S = "wall_time_s"
