@@ -187,7 +187,9 @@ class SimTrainerConfig:
     reduction."""
 
     step_fixed_s: float = 0.5
+    """Simulated seconds of every step whatever its batch: the optimizer step and the gradient reduction."""
     step_per_token_s: float = 1.56e-5
+    """Simulated seconds per trained token: forward and backward."""
     time_scale: float = 1.0
     """Wall seconds per simulated second (set it equal to generator.sim.time_scale)."""
 

@@ -52,3 +52,10 @@ def test_every_metric_name_has_a_meaning():
     metrics = reference.metric_names()
     assert len(metrics) > 50
     assert [m.constant for m in metrics if not m.doc] == []
+
+
+def test_every_config_field_has_a_meaning():
+    from forge_rl.config import GRPOConfig
+
+    undocumented = [f.name for s in reference.config_sections(GRPOConfig) for f in s.fields if not f.doc]
+    assert undocumented == []
