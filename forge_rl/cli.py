@@ -387,7 +387,7 @@ def _run_worker(args: list[str]) -> None:
     from forge_rl.run.launch import run_worker
 
     worker_args = tyro.cli(WorkerArgs, args=args, prog="forge-rl worker", description=_SUBCOMMANDS["worker"])
-    run_worker(worker_args.port, worker_args.host)
+    run_worker(worker_args.port, worker_args.host, worker_args.preemption_grace_s)
 
 
 def parse_config(cls, args: list[str], prog: str, defaults_file: Path | None = None):

@@ -23,6 +23,7 @@ from forge_rl.envs.runner import SampledTurn
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.plumbing.port_calls import PortServed
+from forge_rl.plumbing.preemption import wait_for_preemption_notice
 from forge_rl.store.index import ADAPTER_OF, version_key
 from forge_rl.store.loader import LOAD_S, STALL_S, load_version
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -92,6 +93,12 @@ class GeneratorActor(PortServed, Actor):
     async def forward_time(self) -> dict:
         """The engine's model time since it started ({} for a simulated engine)."""
         return await self.engine.forward_time()
+
+    @concurrent_endpoint
+    async def preemption_notice(self) -> dict | None:
+        """Returns once this process's host got a preemption notice (its worker's SIGTERM:
+        forge_rl/plumbing/preemption.py), with the grace left; None at once off a worker."""
+        return await wait_for_preemption_notice()
 
     @concurrent_endpoint
     async def tokens_in_flight(self) -> int:

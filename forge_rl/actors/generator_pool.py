@@ -113,6 +113,8 @@ class GeneratorSlot:
     """The replacement under way; held here because the event loop keeps only weak references to tasks."""
     generating: int = 0
     """`generate` and `generate_turn` calls for this slot not yet answered."""
+    notice_watch: asyncio.Task | None = None
+    """Waits for this incarnation's host's preemption notice (`GeneratorPool._watch_notice`)."""
 
     @contextlib.contextmanager
     def generating_call(self) -> Iterator[None]:
@@ -175,6 +177,8 @@ class GeneratorPool(PortServed, Actor):
         a dead generator's calls are cancelled by its recovery (the watchdog, `__supervise__`)."""
         self._stopping = False
         """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
+        self.notices: asyncio.Queue[dict] = asyncio.Queue()
+        """Preemption notices of generators' hosts, for `next_preemption_notice`."""
 
     @endpoint
     async def start(self) -> list[dict]:
@@ -356,6 +360,27 @@ class GeneratorPool(PortServed, Actor):
         return slot.policy_version
 
     @concurrent_endpoint
+    async def next_preemption_notice(self) -> dict:
+        """Returns the next preemption notice of a serving generator's host (its worker's SIGTERM:
+        forge_rl/plumbing/preemption.py): the generator's index, its host, the grace left."""
+        return await self.notices.get()
+
+    async def _watch_notice(self, slot: GeneratorSlot) -> None:
+        """Queue the preemption notice of the host `slot`'s incarnation runs on, once it comes."""
+        incarnation = slot.incarnation
+        try:
+            notice = await slot.actor.preemption_notice.call_one()
+        except Exception:  # it died, or was stopped: its recovery or removal is under way
+            return
+        if notice is None or slot.incarnation != incarnation or slot.state != SlotState.SERVING:
+            return
+        progress(
+            f"generator {slot.index}'s host {notice['host']} is being preempted ({notice['grace_left_s']:.0f} s of "
+            "grace left)"
+        )
+        self.notices.put_nowait({"index": slot.index, **notice})
+
+    @concurrent_endpoint
     async def processes(self) -> list[list[int]]:
         """OS pids of each generator (actor process first, then its engine processes)."""
         return [list(slot.pids) for slot in self.slots]
@@ -398,6 +423,9 @@ class GeneratorPool(PortServed, Actor):
         self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        for slot in self.slots:
+            if slot.notice_watch is not None:
+                slot.notice_watch.cancel()
         await asyncio.gather(
             *(slot.actor.shutdown.call_one() for slot in self.slots if slot.state == SlotState.SERVING),
             return_exceptions=True,
@@ -493,6 +521,7 @@ class GeneratorPool(PortServed, Actor):
         slot.pids = [started["pid"], *started["engine_pids"]] if started["hostname"] == socket.gethostname() else []
         slot.state = SlotState.SERVING
         slot.serving.set()
+        slot.notice_watch = asyncio.create_task(self._watch_notice(slot))
         return started
 
     async def _watch_processes(self) -> None:
@@ -534,6 +563,8 @@ class GeneratorPool(PortServed, Actor):
         """Let go of the incarnation `slot` holds (dead, hung, or a replacement that failed to
         start) without waiting on it: stop its mesh, and drop its weight-store leases, so the
         versions it held can be collected (the store also refuses it new ones, should it still run)."""
+        if slot.notice_watch is not None:
+            slot.notice_watch.cancel()
         for retiring in (stop_quietly(slot.procs), self._drop_leases(slot.store_reader_id)):
             task = asyncio.create_task(retiring)
             self._background.add(task)

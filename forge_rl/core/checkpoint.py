@@ -40,7 +40,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_DIR = "trainer"
@@ -65,6 +65,12 @@ class CheckpointConfig:
     on_shutdown: bool = True
     """Also checkpoint at the end of the run and when it is stopped with Ctrl-C or SIGTERM (after
     the optimizer step in flight, if any, finishes)."""
+    partial_groups_on_error: Literal["refuse", "regenerate"] = "refuse"
+    """What `--resume` does when the checkpoint's partial groups (`ControllerState.partial_groups`)
+    cannot be continued: malformed, with token ids outside the model's vocabulary, or sampled under
+    another tokenizer. refuse: stop before anything starts, naming the file and the problem.
+    regenerate: warn, and generate those prompts again from the start (their saved tokens are
+    counted as salvage_discarded_tokens)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -105,6 +111,12 @@ class ControllerState:
     """The groups that were being generated a segment at a time (generator.segment_tokens), each
     as far as its last finished segment (forge_rl/pipeline/rollouts.py `PartialGroup.to_dict`):
     their prompts are among `reissue`, and a resume continues them from there."""
+    tokenizer_fingerprint: str | None = None
+    """The model directory's tokenizer (forge_rl/tasks/tokenizer.py `tokenizer_fingerprint`) the
+    partial groups' token ids were sampled under: a resume continues them only under the same one."""
+    num_generators: int | None = None
+    """The generator pool's size at the checkpoint (it changes while a run goes on: `forge-rl scale`):
+    a resume starts that many unless --num-generators chooses another count."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -25,7 +25,7 @@ from forge_rl.observability import metrics as m
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.reasoning_gym import reasoning_gym_row
 from forge_rl.tasks.synthetic import long_tail_length
-from forge_rl.tasks.tokenizer import PromptTokenizer
+from forge_rl.tasks.tokenizer import PromptTokenizer, tokenizer_fingerprint
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
@@ -105,6 +105,8 @@ class PromptSource:
         self.task = task
         self.max_new_tokens = max_new_tokens
         self.tokenizer = PromptTokenizer(Path(model_dir))
+        self.tokenizer_fingerprint = tokenizer_fingerprint(Path(model_dir))
+        """What a checkpoint's partial groups were sampled under (forge_rl/tasks/tokenizer.py)."""
         self._encoded: tuple[str | list[Message], list[int]] | None = None
         """The last row prompt encoded, with its ids (`_encode_row_prompt`)."""
         self.file: FileSource | None = None
@@ -177,7 +179,7 @@ class PromptSource:
         return {m.DATA_SKIPPED_ROWS: len(self.file.skipped_rows), m.DATA_EPOCH: self.file.locate(self.cursor).epoch}
 
     def state(self) -> dict:
-        state = {"cursor": self.cursor, "reissue": list(self.reissue)}
+        state = {"cursor": self.cursor, "reissue": list(self.reissue), "tokenizer_fingerprint": self.tokenizer_fingerprint}
         if self.file is not None:
             state["data_fingerprint"] = self.file.fingerprint
         return state

@@ -385,6 +385,7 @@ class Rollouts:
             "accounting": self.accounting.state_dict(),
             "reissue": reissue,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_generators": len(self.generators),
             "partial_groups": [
                 group.to_dict(episode_id)
                 for episode_id, group in {**self.salvaged, **self.in_progress}.items() if episode_id in reissued
@@ -403,7 +404,22 @@ class Rollouts:
         )
         self.accounting.reissued_after_resume += len(state["reissue"])
         self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
-        self.salvaged = restored_partial_groups(state.get("partial_groups", []), state["reissue"])
+        saved_groups = state.get("partial_groups", [])
+        problem = partial_groups_problem(
+            saved_groups, state["reissue"], self.config.model.hf_config()["vocab_size"],
+            state.get("tokenizer_fingerprint"), self.prompts.state().get("tokenizer_fingerprint"),
+        )
+        if problem is not None and self.config.checkpoint.partial_groups_on_error == "refuse":
+            raise ValueError(
+                f"the checkpoint's partial groups cannot be continued: {problem}. Resume with "
+                "--checkpoint.partial-groups-on-error regenerate to generate those prompts from the start, or from "
+                "an earlier checkpoint."
+            )
+        if problem is not None:
+            # checkpoint.partial_groups_on_error regenerate: `open_run_dir_for_resume` warned.
+            self.accounting.salvage_discarded_tokens += saved_partial_tokens(saved_groups)
+            saved_groups = []
+        self.salvaged = restored_partial_groups(saved_groups, state["reissue"])
         if self.salvaged and self.config.generator.segment_tokens is None:
             # Resumed without segments: those prompts are generated from the start.
             self.accounting.salvage_discarded_tokens += sum(
@@ -884,20 +900,56 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
     }
 
 
-def restored_partial_groups(saved: list[dict], reissue: list[int]) -> dict[int, PartialGroup]:
+def restored_partial_groups(saved: list[dict], reissue: list[int], vocab_size: int | None = None) -> dict[int, PartialGroup]:
     """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt; ValueError
-    naming the group for one that is malformed or whose prompt the checkpoint does not re-issue."""
+    naming the group for one that is malformed, holds a token id outside `vocab_size` (when
+    given), or whose prompt the checkpoint does not re-issue."""
     reissued, groups = set(reissue), {}
     for number, data in enumerate(saved):
         try:
             episode_id = int(data["episode_id"])
             if episode_id not in reissued:
                 raise ValueError(f"its prompt {episode_id} is not among the checkpoint's prompts to re-issue")
-            groups[episode_id] = PartialGroup.from_dict(data)
+            group = PartialGroup.from_dict(data)
+            for completion in group.completions:
+                lengths = {len(completion.token_ids), len(completion.logprobs), len(completion.policy_versions)}
+                if len(lengths) != 1:
+                    raise ValueError("a completion's token_ids, logprobs and policy_versions differ in length")
+                outside = [t for t in completion.token_ids if vocab_size is not None and not 0 <= t < vocab_size]
+                if outside:
+                    raise ValueError(f"token id {outside[0]} is outside the model's vocabulary (0 to {vocab_size - 1})")
+            groups[episode_id] = group
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"partial group {number} of the checkpoint's controller state is malformed ({type(e).__name__}: {e}). "
-                "Resume from an earlier checkpoint, or remove the partial_groups entry of its controller.json to "
-                "generate those prompts again from the start."
-            ) from None
+            raise ValueError(f"partial group {number} is malformed ({type(e).__name__}: {e})") from None
     return groups
+
+
+def partial_groups_problem(
+    saved: list[dict], reissue: list[int], vocab_size: int, saved_tokenizer: str | None, tokenizer: str | None,
+) -> str | None:
+    """Why a checkpoint's partial groups cannot be continued by a run whose model has `vocab_size`
+    token ids and whose tokenizer's fingerprint is `tokenizer` (forge_rl/tasks/tokenizer.py), or
+    None when they can: a different tokenizer than the one they were sampled under, or a group
+    `restored_partial_groups` refuses."""
+    if saved and None not in (saved_tokenizer, tokenizer) and saved_tokenizer != tokenizer:
+        return (
+            f"its {len(saved)} partial groups were sampled under another tokenizer (fingerprint {saved_tokenizer}; "
+            f"the model directory's is {tokenizer}), so their token ids would not continue these prompts"
+        )
+    try:
+        restored_partial_groups(saved, reissue, vocab_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def saved_partial_tokens(saved: list[dict]) -> int:
+    """The token ids a checkpoint's partial groups hold, counting what can be read of malformed ones."""
+    def count(completion) -> int:
+        token_ids = completion.get("token_ids") if isinstance(completion, dict) else None
+        return len(token_ids) if isinstance(token_ids, list) else 0
+
+    return sum(
+        count(c) for group in saved if isinstance(group, dict) and isinstance(group.get("completions"), list)
+        for c in group["completions"]
+    )

@@ -184,6 +184,17 @@ class WorkerArgs:
     """TCP port to serve on; the controller lists tcp://HOST:PORT in launch.workers."""
     host: str | None = None
     """Name or address the worker serves and is reached at; unset: this machine's hostname."""
+    preemption_grace_s: float = 30.0
+    """Seconds from this worker's SIGTERM (a preemption notice) to its end: the run takes this
+    host's generators out meanwhile, their groups finishing or continuing on other hosts
+    (forge_rl/plumbing/preemption.py). Set it a few seconds under the scheduler's grace."""
+
+    def __post_init__(self) -> None:
+        if not self.preemption_grace_s >= 0:
+            raise ValueError(
+                f"--preemption-grace-s ({self.preemption_grace_s}) must be >= 0 (seconds from SIGTERM to the "
+                "worker's end). Set it a few seconds under the scheduler's grace, or 0 to end at SIGTERM."
+            )
 
 
 def parse_worker_address(address: str) -> tuple[str, int]:

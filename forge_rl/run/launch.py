@@ -50,6 +50,7 @@ from forge_rl.plumbing.placement import (
     reference_hosts,
     worker_addresses,
 )
+from forge_rl.plumbing.preemption import arm_preemption_notice
 from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
 
 if TYPE_CHECKING:
@@ -262,15 +263,17 @@ async def _probe(host_mesh: HostMesh, addresses: list[str], model_dir: str) -> l
     return [HostFacts(address=addresses[i], **by_host[i]) for i in range(len(addresses))]
 
 
-def run_worker(port: int, host: str | None = None) -> None:
+def run_worker(port: int, host: str | None = None, preemption_grace_s: float = 30.0) -> None:
     """This host's Monarch worker (`forge-rl worker`): serves tcp://HOST:PORT until killed; a run's
-    controller attaches to it, spawns processes here, and releases it when the run ends."""
+    controller attaches to it, spawns processes here, and releases it when the run ends. Its
+    SIGTERM is a preemption notice: it ends `preemption_grace_s` later (forge_rl/plumbing/preemption.py)."""
     import socket
 
     from monarch.actor import run_worker_loop_forever
 
     address = f"tcp://{host or socket.gethostname()}:{port}"
     set_monarch_defaults()  # its processes are spawned from here
+    arm_preemption_notice(preemption_grace_s, port)
     print(f"[forge-rl worker] serving {address}", file=sys.stderr, flush=True)
     run_worker_loop_forever(address=address, ca="trust_all_connections")
 

@@ -112,7 +112,8 @@ class Lifecycle:
         self._stopped_at: float | None = None
         """When a stop (or failure) began to unwind the run: the clock of _STOP_BUDGET_S."""
         self.scaling = Scaling(run_path)
-        """`forge-rl scale` requests, read after each step (forge_rl/run/scaling.py)."""
+        """`forge-rl scale` requests, read after each step, and the generators' hosts' preemption
+        notices (forge_rl/run/scaling.py)."""
 
     @classmethod
     def open(cls, config: GRPOConfig) -> Lifecycle:
@@ -246,6 +247,7 @@ class Lifecycle:
             self.config.log.progress_every_s,
             sinks=open_sinks(self.config.log, self.run_path, config_to_dict(self.config)),
         )
+        self.scaling.start(pipeline.actors)
         self._loops = asyncio.ensure_future(pipeline.run(self.run_path, metrics_logger, self))
         try:
             history, accounting = await self._loops
@@ -351,6 +353,8 @@ class Lifecycle:
             rng=capture_rng_state(),
             data_fingerprint=rollouts["prompts"].get("data_fingerprint"),
             partial_groups=rollouts["partial_groups"],
+            tokenizer_fingerprint=rollouts["prompts"].get("tokenizer_fingerprint"),
+            num_generators=rollouts["num_generators"],
         )
         held_s = time.monotonic() - started
         self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))
@@ -434,6 +438,7 @@ class Lifecycle:
             "accounting": accounting,
             "run_dir": str(self.run_path),
             "resumed_from": None if self.checkpoint is None else str(self.checkpoint),
+            "generator_preemptions": self.scaling.preempted,
         }
         (self.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary

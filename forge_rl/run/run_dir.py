@@ -12,11 +12,13 @@ from pathlib import Path
 import yaml
 
 from forge_rl.config import GRPOConfig
-from forge_rl.core.checkpoint import checkpoints_root, newest_complete_checkpoint, read_controller_state
+from forge_rl.core.checkpoint import CONTROLLER_FILE, ControllerState, checkpoints_root, newest_complete_checkpoint, read_controller_state
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.observability.metrics import progress
+from forge_rl.pipeline.rollouts import partial_groups_problem, saved_partial_tokens
 from forge_rl.run.preflight import check_machine, check_model_inputs
+from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.yaml_config import load_yaml_config
 
 RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel")
@@ -131,6 +133,29 @@ def _check_same_data(config: GRPOConfig, fingerprint: str, run_path: Path, check
         )
 
 
+def _check_partial_groups(config: GRPOConfig, controller: ControllerState, run_path: Path, checkpoint: Path) -> None:
+    """The checkpoint's partial groups can be continued by `config`'s model (forge_rl/pipeline/rollouts.py
+    `partial_groups_problem`); otherwise ConfigError naming the file, or, with
+    checkpoint.partial_groups_on_error regenerate, a warning (the rollouts then generate them afresh)."""
+    problem = partial_groups_problem(
+        controller.partial_groups, controller.reissue, config.model.hf_config()["vocab_size"],
+        controller.tokenizer_fingerprint, tokenizer_fingerprint(prepare_model_dir(config, run_path)),
+    )
+    if problem is None:
+        return
+    where = checkpoint / CONTROLLER_FILE
+    if config.checkpoint.partial_groups_on_error == "refuse":
+        raise ConfigError(
+            f"--resume {run_path}: {where}: {problem}. Resume with --checkpoint.partial-groups-on-error "
+            "regenerate to generate those prompts again from the start (their saved tokens are counted as "
+            f"salvage_discarded_tokens), or from an earlier checkpoint under {checkpoints_root(run_path)}."
+        )
+    progress(
+        f"--resume {run_path}: {where}: {problem}; those {len(controller.partial_groups)} prompts are generated "
+        f"again from the start ({saved_partial_tokens(controller.partial_groups)} saved tokens discarded)"
+    )
+
+
 def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]:
     """For `config.resume`: `config` pointed at that run directory, the directory, and its newest
     complete checkpoint. Raises ConfigError when the directory has no complete checkpoint, when
@@ -167,6 +192,15 @@ def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]
     step = controller.step
     if config.data is not None and controller.data_fingerprint is not None:
         _check_same_data(config, controller.data_fingerprint, run_path, checkpoint)
+    if controller.partial_groups:
+        _check_partial_groups(config, controller, run_path, checkpoint)
+    if controller.num_generators not in (None, config.num_generators) and config.num_generators == saved.num_generators:
+        progress(
+            f"--resume {run_path}: the pool had {controller.num_generators} generators at {checkpoint.name} "
+            f"(changed while the run went on; config.yaml has {saved.num_generators}): starting "
+            f"{controller.num_generators}. Pass --num-generators to start another count."
+        )
+        config = dataclasses.replace(config, num_generators=controller.num_generators)
     if step >= config.steps:
         raise ConfigError(
             f"--resume {run_path}: its newest checkpoint ({checkpoint.name}) is at step {step} and steps is "

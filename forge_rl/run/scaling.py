@@ -13,8 +13,9 @@ takes no more admissions, the groups it decodes get `--grace-s` to finish, then 
 what is still in flight on it is continued on the others (with generator.segment_tokens, from the
 tokens it had returned) or handed out again (`remove_generator`). The pool never goes below one
 generator. A request the run cannot carry out (a GPU or multi-host placement the pool cannot
-extend) is answered with its error; the run goes on as it was. The pool's size is not part of a
-checkpoint: a resumed run starts with its config's num_generators.
+extend) is answered with its error; the run goes on as it was. A checkpoint records the pool's size, and a resume
+starts as many generators unless --num-generators chooses (forge_rl/run/run_dir.py
+`open_run_dir_for_resume`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ CONTROL_DIR = "control"
 REQUEST_FILE = "scale-request.json"
 ANSWER_FILE = "scale-answer.json"
 PROCESSES_FILE = "processes.json"
+_REMOVAL_MARGIN_S = 3.0
+"""Of a preemption notice's grace, what is left to stopping the generator after its groups' grace."""
 
 
 @dataclass(frozen=True)
@@ -106,12 +109,42 @@ def _controller_pid(run_path: Path) -> int | None:
 
 class Scaling:
     """The controller's side: after each step, start carrying out a new request (one at a time),
-    beside training."""
+    beside training; and take out each generator whose host got a preemption notice, as it comes."""
 
     def __init__(self, run_path: Path):
         self.run_path = Path(run_path)
         self.answered: str | None = None
         self._task: asyncio.Task | None = None
+        self._notices: asyncio.Task | None = None
+        self.preempted: list[dict] = []
+        """What each preemption notice's removal did (`Rollouts.remove_generator`'s answer, or why not)."""
+
+    def start(self, actors) -> None:
+        """Answer the generators' preemption notices while the loops run."""
+        self._notices = asyncio.create_task(self._answer_preemption_notices(actors))
+
+    async def _answer_preemption_notices(self, actors) -> None:
+        """A generator whose host is being preempted (forge_rl/plumbing/preemption.py) is removed
+        as `forge-rl scale` removes one, its groups given the notice's grace left (less a margin for
+        the removal itself); the pool's last generator is not: the run cannot go on without one."""
+        while True:
+            notice = await actors.generators.next_preemption_notice.call_one()
+            index = notice["index"]
+            grace_s = max(0.0, notice["grace_left_s"] - _REMOVAL_MARGIN_S)
+            try:
+                generators = await actors.rollouts.generators.call_one()
+                if generators == [index]:
+                    raise ValueError(
+                        f"it is the run's last generator: the run stops when {notice['host']} goes, resumable from "
+                        "its newest checkpoint. Give a run on preemptible hosts generators on two hosts or more"
+                    )
+                removed = await actors.rollouts.remove_generator.call_one(index, grace_s)
+                self.preempted.append({"host": notice["host"], **removed})
+                await self._record_processes(actors)
+                progress(f"generator {index} taken out of the run before its host {notice['host']} goes: {removed}")
+            except Exception as e:  # the run goes on as it is until the host goes
+                self.preempted.append({"host": notice["host"], "index": index, "error": f"{type(e).__name__}: {e}"})
+                progress(f"generator {index} stays in the run despite its host's preemption notice: {e}")
 
     async def after_step(self, pipeline) -> None:
         if self._task is not None and not self._task.done():
@@ -163,5 +196,6 @@ class Scaling:
 
     def cancel(self) -> None:
         """The run is ending: a request still being carried out stops where it is (unanswered)."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._notices):
+            if task is not None:
+                task.cancel()

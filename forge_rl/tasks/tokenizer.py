@@ -10,6 +10,7 @@ load offline.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -50,6 +51,22 @@ def save_char_tokenizer(model_dir: Path, alphabet: str = ALPHABET) -> None:
             indent=2,
         )
     )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+"""What turns text into a model directory's token ids: the vocabulary and merges, the special
+tokens, the chat template (in tokenizer_config.json or beside it)."""
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """A digest of `model_dir`'s TOKENIZER_FILES (those it has): two directories with the same one
+    map every text and chat to the same ids, so token ids sampled under one continue under the other."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _token_content(value) -> str | None:

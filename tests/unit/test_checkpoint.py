@@ -1,5 +1,6 @@
 """Checkpoint layout, picking the newest complete one, pruning, resume config checks, re-issue."""
 
+import dataclasses
 import json
 import random
 
@@ -15,6 +16,7 @@ from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.core.checkpoint import (
     COMPLETE_FILE,
+    CONTROLLER_FILE,
     CheckpointConfig,
     ControllerState,
     begin_checkpoint,
@@ -38,7 +40,9 @@ from forge_rl.run.run_dir import (
     saved_config_path,
     truncate_metrics,
 )
+from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.training.trainer import TrainerConfig
+from forge_rl.types import Completion, completion_to_dict
 from forge_rl.yaml_config import load_yaml_config
 
 from .builders import make_episode
@@ -304,3 +308,57 @@ def test_a_resume_drops_the_metrics_of_steps_after_its_checkpoint(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": -s}) + "\n" for s in (1, 2, 3)))
     assert truncate_metrics(tmp_path, 2) == [{"step": 1, "loss": -1}, {"step": 2, "loss": -2}]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def partial_group(episode_id: int, token_ids: list[int]) -> dict:
+    n = len(token_ids)
+    return {"episode_id": episode_id, "completions": [completion_to_dict(Completion(token_ids, [-0.1] * n, [1] * n))], "finished": [False]}
+
+
+@pytest.mark.parametrize(
+    "changes,problem",
+    [
+        (dict(partial_groups=[partial_group(5, [3, 10**6])]), "token id 1000000 is outside the model's vocabulary"),
+        (dict(partial_groups=[partial_group(5, [3])], tokenizer_fingerprint="0" * 32), "sampled under another tokenizer"),
+        (dict(partial_groups=[{"episode_id": 5, "completions": "?", "finished": []}]), "partial group 0 is malformed"),
+    ],
+)
+def test_resume_refuses_partial_groups_it_cannot_continue_naming_the_file_or_regenerates_them(
+    stopped_run, capsys, changes, problem
+):
+    """Corrupt, or sampled under another tokenizer: refused before anything starts, naming the
+    controller.json, the problem and the fix; with checkpoint.partial_groups_on_error regenerate,
+    the resume goes on and says those prompts start afresh."""
+    save_checkpoint(stopped_run, 3, reissue=[5], **changes)
+    saved = load_yaml_config(GRPOConfig, saved_config_path(stopped_run))
+    config = GRPOConfig(**{**saved.__dict__, "resume": stopped_run})
+    with pytest.raises(ConfigError) as error:
+        open_run_dir_for_resume(config)
+    message = str(error.value)
+    assert str(checkpoints_root(stopped_run) / "step-000003" / CONTROLLER_FILE) in message
+    assert problem in message and "--checkpoint.partial-groups-on-error regenerate" in message
+
+    regenerate = dataclasses.replace(config, checkpoint=CheckpointConfig(partial_groups_on_error="regenerate"))
+    assert open_run_dir_for_resume(regenerate)[2].name == "step-000003"
+    assert "prompts are generated again from the start" in capsys.readouterr().err
+
+
+def test_resume_continues_partial_groups_sampled_under_the_same_tokenizer(stopped_run):
+    fingerprint = tokenizer_fingerprint(stopped_run / "model")
+    save_checkpoint(stopped_run, 3, reissue=[5], partial_groups=[partial_group(5, [3, 4])], tokenizer_fingerprint=fingerprint)
+    saved = load_yaml_config(GRPOConfig, saved_config_path(stopped_run))
+    assert open_run_dir_for_resume(GRPOConfig(**{**saved.__dict__, "resume": stopped_run}))[2].name == "step-000003"
+
+
+def test_resume_starts_the_pool_the_checkpoint_had_unless_num_generators_is_given(stopped_run, capsys):
+    """The pool changed size while the run went on (forge-rl scale): a resume starts as many as the
+    checkpoint had, not config.yaml's count, unless --num-generators chooses."""
+    save_checkpoint(stopped_run, 3, num_generators=2)
+    saved = load_yaml_config(GRPOConfig, saved_config_path(stopped_run))
+    assert saved.num_generators == 1
+    config = GRPOConfig(**{**saved.__dict__, "resume": stopped_run})
+    assert open_run_dir_for_resume(config)[0].num_generators == 2
+    assert "the pool had 2 generators at step-000003" in capsys.readouterr().err
+    assert load_yaml_config(GRPOConfig, saved_config_path(stopped_run)).num_generators == 2
+    chosen = dataclasses.replace(config, num_generators=3)
+    assert open_run_dir_for_resume(chosen)[0].num_generators == 3

@@ -24,7 +24,7 @@ from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
 from forge_rl.run.loop import Pipeline, RunActors
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.training.trainer_steps import BatchPrefetch, TrainStepResult
-from forge_rl.types import Completion, CompletionStatus, Episode
+from forge_rl.types import Completion, CompletionStatus, Episode, completion_to_dict
 from tests.fakes import FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer
 from tests.helpers import wait_until_async
 
@@ -336,16 +336,56 @@ def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_head
     "partial_groups, message",
     [
         ([{"episode_id": 999, "completions": [], "finished": []}], "its prompt 999 is not among the checkpoint's prompts to re-issue"),
-        ([{"episode_id": 0, "completions": [{"token_ids": [1]}], "finished": [False]}], "partial group 0 of the checkpoint's controller state is malformed"),
+        ([{"episode_id": 0, "completions": [{"token_ids": [1]}], "finished": [False]}], "partial group 0 is malformed"),
         ([{"completions": [], "finished": []}], "KeyError"),
+        (
+            [{"episode_id": 1, "completions": [completion_to_dict(Completion([3, 70], [-0.1] * 2, [0] * 2))], "finished": [False]}],
+            "token id 70 is outside the model's vocabulary (0 to 63)",
+        ),
     ],
 )
-def test_a_checkpoints_malformed_partial_group_is_refused_naming_it_and_the_fix(partial_groups, message):
-    from forge_rl.pipeline.rollouts import restored_partial_groups
+def test_a_checkpoints_malformed_partial_group_is_named_with_its_problem(partial_groups, message):
+    from forge_rl.pipeline.rollouts import partial_groups_problem
 
-    with pytest.raises(ValueError, match="Resume from an earlier checkpoint") as raised:
-        restored_partial_groups(partial_groups, reissue=[0, 1])
-    assert message in str(raised.value)
+    assert message in partial_groups_problem(partial_groups, [0, 1], 64, saved_tokenizer=None, tokenizer=None)
+
+
+def test_partial_groups_sampled_under_another_tokenizer_are_named_as_such():
+    from forge_rl.pipeline.rollouts import partial_groups_problem
+
+    group = {"episode_id": 0, "completions": [completion_to_dict(Completion([3], [-0.1], [0]))], "finished": [False]}
+    assert partial_groups_problem([group], [0], 64, "aaaa", "aaaa") is None
+    assert "sampled under another tokenizer (fingerprint aaaa; the model directory's is bbbb)" in (
+        partial_groups_problem([group], [0], 64, "aaaa", "bbbb")
+    )
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "regenerate"])
+def test_a_resume_refuses_a_corrupt_partial_group_or_generates_its_prompts_afresh(on_error, tmp_path):
+    """A saved group with a token id outside the vocabulary: refused (nothing starts), or, with
+    checkpoint.partial_groups_on_error regenerate, every saved group's prompt generated from the
+    start, its tokens counted as discarded, each prompt still trained once."""
+    state = state_with_partial_groups()
+    state["partial_groups"][0]["completions"][0]["token_ids"][0] = 10**6
+    config = dataclasses.replace(
+        SEGMENT_CONFIG, checkpoint=dataclasses.replace(SEGMENT_CONFIG.checkpoint, partial_groups_on_error=on_error)
+    )
+    pipeline, resumed = make_pipeline(config=config, prompts=DistinctPrompts())
+    generate_segment, calls = fake_segments(resumed)
+    resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
+    if on_error == "refuse":
+        with pytest.raises(ValueError, match="token id 1000000 is outside the model's vocabulary.*partial-groups-on-error regenerate"):
+            asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+        return
+    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+    _, accounting = run(pipeline, tmp_path)
+    assert accounting["salvage_discarded_tokens"] == 2 * SEGMENT_CONFIG.group_size * len(state["partial_groups"])
+    assert accounting["continued_after_resume"] == 0 and accounting["salvaged_tokens"] == 0
+    first_calls = {}
+    for call in calls:
+        first_calls.setdefault(tuple(call["prompt"]), call)
+    assert all(call["heads"] is None for call in first_calls.values())  # every prompt began afresh
+    assert accounting["trained_more_than_once"] == 0
 
 
 def test_a_wrapped_generator_loss_is_recovered_and_any_other_error_keeps_its_remote_report(tmp_path):
