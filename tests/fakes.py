@@ -102,6 +102,8 @@ class FakePrompts:
     """Prompts of the max_of_two task with three-token prompts (no tokenizer): the rollouts' view of
     forge_rl/pipeline/prompts.py."""
 
+    tokenizer_fingerprint = None
+
     def __init__(self):
         self.cursor = 0
 

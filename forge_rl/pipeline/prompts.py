@@ -179,7 +179,7 @@ class PromptSource:
         return {m.DATA_SKIPPED_ROWS: len(self.file.skipped_rows), m.DATA_EPOCH: self.file.locate(self.cursor).epoch}
 
     def state(self) -> dict:
-        state = {"cursor": self.cursor, "reissue": list(self.reissue), "tokenizer_fingerprint": self.tokenizer_fingerprint}
+        state = {"cursor": self.cursor, "reissue": list(self.reissue)}
         if self.file is not None:
             state["data_fingerprint"] = self.file.fingerprint
         return state

@@ -66,6 +66,9 @@ ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 class Prompts(Protocol):
     """Where prompts come from (forge_rl/pipeline/prompts.py `PromptSource`)."""
 
+    tokenizer_fingerprint: str | None
+    """The tokenizer its prompts are encoded with (forge_rl/tasks/tokenizer.py), None if unknown."""
+
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...
     def load_state(self, cursor: int, reissue: list[int], data_fingerprint: str | None = None) -> None: ...
@@ -386,6 +389,7 @@ class Rollouts:
             "reissue": reissue,
             "num_generated_tokens": self.num_generated_tokens,
             "num_generators": len(self.generators),
+            "tokenizer_fingerprint": self.prompts.tokenizer_fingerprint,
             "partial_groups": [
                 group.to_dict(episode_id)
                 for episode_id, group in {**self.salvaged, **self.in_progress}.items() if episode_id in reissued
@@ -407,7 +411,7 @@ class Rollouts:
         saved_groups = state.get("partial_groups", [])
         problem = partial_groups_problem(
             saved_groups, state["reissue"], self.config.model.hf_config()["vocab_size"],
-            state.get("tokenizer_fingerprint"), self.prompts.state().get("tokenizer_fingerprint"),
+            state.get("tokenizer_fingerprint"), self.prompts.tokenizer_fingerprint,
         )
         if problem is not None and self.config.checkpoint.partial_groups_on_error == "refuse":
             raise ValueError(

@@ -353,7 +353,7 @@ class Lifecycle:
             rng=capture_rng_state(),
             data_fingerprint=rollouts["prompts"].get("data_fingerprint"),
             partial_groups=rollouts["partial_groups"],
-            tokenizer_fingerprint=rollouts["prompts"].get("tokenizer_fingerprint"),
+            tokenizer_fingerprint=rollouts["tokenizer_fingerprint"],
             num_generators=rollouts["num_generators"],
         )
         held_s = time.monotonic() - started
