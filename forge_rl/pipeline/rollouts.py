@@ -409,21 +409,21 @@ class Rollouts:
         self.accounting.reissued_after_resume += len(state["reissue"])
         self.num_generated_tokens = self._generated_tokens_at_last_step = state["num_generated_tokens"]
         saved_groups = state.get("partial_groups", [])
-        problem = partial_groups_problem(
-            saved_groups, state["reissue"], self.config.model.hf_config()["vocab_size"],
-            state.get("tokenizer_fingerprint"), self.prompts.tokenizer_fingerprint,
-        )
-        if problem is not None and self.config.checkpoint.partial_groups_on_error == "refuse":
-            raise ValueError(
-                f"the checkpoint's partial groups cannot be continued: {problem}. Resume with "
-                "--checkpoint.partial-groups-on-error regenerate to generate those prompts from the start, or from "
-                "an earlier checkpoint."
+        try:
+            self.salvaged = restored_partial_groups(
+                saved_groups, state["reissue"], self.config.model.hf_config()["vocab_size"],
+                state.get("tokenizer_fingerprint"), self.prompts.tokenizer_fingerprint,
             )
-        if problem is not None:
+        except ValueError as e:
+            if self.config.checkpoint.partial_groups_on_error == "refuse":
+                raise ValueError(
+                    f"the checkpoint's partial groups cannot be continued: {e}. Resume with "
+                    "--checkpoint.partial-groups-on-error regenerate to generate those prompts from the start, or "
+                    "from an earlier checkpoint."
+                ) from None
             # checkpoint.partial_groups_on_error regenerate: `open_run_dir_for_resume` warned.
             self.accounting.salvage_discarded_tokens += saved_partial_tokens(saved_groups)
-            saved_groups = []
-        self.salvaged = restored_partial_groups(saved_groups, state["reissue"])
+            self.salvaged = {}
         if self.salvaged and self.config.generator.segment_tokens is None:
             # Resumed without segments: those prompts are generated from the start.
             self.accounting.salvage_discarded_tokens += sum(
@@ -904,10 +904,20 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
     }
 
 
-def restored_partial_groups(saved: list[dict], reissue: list[int], vocab_size: int | None = None) -> dict[int, PartialGroup]:
-    """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt; ValueError
-    naming the group for one that is malformed, holds a token id outside `vocab_size` (when
-    given), or whose prompt the checkpoint does not re-issue."""
+def restored_partial_groups(
+    saved: list[dict], reissue: list[int], vocab_size: int | None = None,
+    saved_tokenizer: str | None = None, tokenizer: str | None = None,
+) -> dict[int, PartialGroup]:
+    """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt, to be continued
+    by a run whose model has `vocab_size` token ids and whose tokenizer's fingerprint is
+    `tokenizer` (forge_rl/tasks/tokenizer.py). ValueError saying why not: they were sampled under
+    another tokenizer, or a group is malformed, holds a token id outside the vocabulary, or has a
+    prompt the checkpoint does not re-issue (naming the group)."""
+    if saved and None not in (saved_tokenizer, tokenizer) and saved_tokenizer != tokenizer:
+        raise ValueError(
+            f"its {len(saved)} partial groups were sampled under another tokenizer (fingerprint {saved_tokenizer}; "
+            f"the model directory's is {tokenizer}), so their token ids would not continue these prompts"
+        )
     reissued, groups = set(reissue), {}
     for number, data in enumerate(saved):
         try:
@@ -931,17 +941,10 @@ def restored_partial_groups(saved: list[dict], reissue: list[int], vocab_size: i
 def partial_groups_problem(
     saved: list[dict], reissue: list[int], vocab_size: int, saved_tokenizer: str | None, tokenizer: str | None,
 ) -> str | None:
-    """Why a checkpoint's partial groups cannot be continued by a run whose model has `vocab_size`
-    token ids and whose tokenizer's fingerprint is `tokenizer` (forge_rl/tasks/tokenizer.py), or
-    None when they can: a different tokenizer than the one they were sampled under, or a group
-    `restored_partial_groups` refuses."""
-    if saved and None not in (saved_tokenizer, tokenizer) and saved_tokenizer != tokenizer:
-        return (
-            f"its {len(saved)} partial groups were sampled under another tokenizer (fingerprint {saved_tokenizer}; "
-            f"the model directory's is {tokenizer}), so their token ids would not continue these prompts"
-        )
+    """Why `restored_partial_groups` refuses these groups, or None when it takes them: what a
+    resume checks before anything starts (forge_rl/run/run_dir.py)."""
     try:
-        restored_partial_groups(saved, reissue, vocab_size)
+        restored_partial_groups(saved, reissue, vocab_size, saved_tokenizer, tokenizer)
     except ValueError as e:
         return str(e)
     return None
