@@ -5,8 +5,9 @@ A file of the package rather than a script beside it: the bench finds it next to
 forge_rl is installed, and the settings it reads (one JSON spec the bench writes from the recipe's
 config) stay beside the code that writes them. It imports nothing of forge_rl as a package: TRL's
 environment holds none of forge_rl's dependencies (TRL pins a transformers that vLLM's pins
-exclude). The reward is the task's own `leading_number_reward`, loaded from the file the spec
-names (the task module imports only the standard library), so both libraries score alike.
+exclude). The reward is the task's own function (the spec's `reward_function`, e.g.
+`leading_number_reward`), loaded from the file the spec names (the task module imports only the
+standard library), so both libraries score alike.
 
 Per step it appends one JSON line to the spec's `metrics_path`: the step, seconds since training
 began (`on_train_begin`, after the model, the data and the trainer are built), the step's mean
@@ -23,12 +24,12 @@ import sys
 import time
 
 
-def load_reward(path: str):
+def load_reward(path: str, name: str):
     spec = importlib.util.spec_from_file_location("_peer_task", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.leading_number_reward
+    return getattr(module, name)
 
 
 def main(spec_path: str) -> None:
@@ -42,14 +43,14 @@ def main(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    leading_number_reward = load_reward(spec["reward_module"])
+    reward_fn = load_reward(spec["reward_module"], spec["reward_function"])
     with open(spec["prompts_path"]) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     # The prompt as forge_rl encodes it: the tokenizer's bos, then the text.
     dataset = Dataset.from_list([{"prompt": spec["prompt_prefix"] + r["prompt"], "answer": r["answer"]} for r in rows])
 
     def reward(completions, answer, **_):
-        return [leading_number_reward(c, a) for c, a in zip(completions, answer)]
+        return [reward_fn(c, a) for c, a in zip(completions, answer)]
 
     out = open(spec["metrics_path"], "w")
     state = {"start": None}

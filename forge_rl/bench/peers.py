@@ -1,13 +1,26 @@
 """`forge-rl bench peers`: forge_rl beside TRL's `GRPOTrainer` on the same machine, the same
 model files, prompts, batch, lengths, loss and optimizer, one after the other in one invocation.
 
-The workload (`configs/bench_peers_tiny_cpu.yaml`, the matched tiny task): a Llama with a
-16-token vocabulary (the special tokens and "0123456789M="), hidden 128, 4 layers, built once into
-OUT_DIR/model, learns "max of two digits" from scratch (`M37=` -> `7`, the task's
-`leading_number_reward`), 32 prompts x 8 completions a step, 4 new tokens, temperature 1, DAPO
-(clip 0.2 / 0.28, token mean), no KL, AdamW at a constant lr 3e-4. TRL reads the task's first
-prompts from OUT_DIR/prompts.jsonl (`forge-rl data export` rows) and every other setting from the
-same config, so a change to the config changes both sides.
+The workloads (`WORKLOADS`), each a recipe config that both sides read:
+
+    matched_tiny   configs/bench_peers_tiny_cpu.yaml: a Llama with a 16-token vocabulary (the
+                   special tokens and "0123456789M="), hidden 128, 4 layers, built once into
+                   OUT_DIR/matched_tiny/model, learns "max of two digits" from scratch (`M37=` ->
+                   `7`, `leading_number`), 32 prompts x 8 completions a step, 4 new tokens.
+    long_tail      configs/bench_peers_long_tail_cpu.yaml: the same model shape over "0123456789R="
+                   learns repeat_digit (`R8=` -> the digit 12 times: correct answers of 1 to 24
+                   tokens, most short), scored by `prefix_match`, up to 32 new tokens: the
+                   straggler case, where a synchronous step decodes as long as its longest answer.
+                   Its model is first trained FORM_STEPS supervised steps on the answers' form
+                   without their length (each digit repeated as often as a random digit's answer),
+                   so completions vary in length from the first step and RL learns the lengths.
+
+Both: temperature 1, DAPO (clip 0.2 / 0.28, token mean), no KL, AdamW at a constant lr 3e-4. TRL
+reads the task's prompts from the run's prompts.jsonl (`forge-rl data export` rows), the task's
+own reward function, and every other setting from the same config, so a change to the config
+changes both sides. A config TRL's side cannot run (a data file, an environment, a reward outside
+forge_rl/tasks/synthetic.py, a loss other than dapo) runs forge_rl's side alone, the reason named
+(`peer_cannot_express`).
 
 TRL runs in a virtual environment of its own (`make peers-venv` builds `.venv-trl` from pinned
 versions: TRL pins a transformers that vLLM's pins exclude), as a subprocess running
@@ -31,7 +44,8 @@ Per library and seed, from each run's per-step log:
 A run that crashes or does not reach a threshold within its budget (`--steps`, `--budget-s`
 seconds of training) has status "crashed" or "not_reached" and null for that time, never a
 number; the ratio forge_rl / TRL of the median times to the main threshold is then null too.
-Figures go to OUT_DIR/peers.json; the last line of stdout is the JSON summary.
+Figures go to OUT_DIR/peers.json; the last line of stdout is the JSON summary, with per workload
+W `W/trl_time_to_reward_s`, `W/forge_rl_time_to_reward_s` and `W/ratio_forge_rl_over_trl`.
 """
 
 from __future__ import annotations
@@ -43,8 +57,10 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
 from forge_rl.config import GRPOConfig
@@ -62,15 +78,45 @@ from forge_rl.observability.metrics import (
 PEER_VENV = Path(".venv-trl")
 PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
 """Whose versions the result records (the pins are the Makefile's `peers-venv`)."""
-TINY_ALPHABET = "0123456789M="
-"""The characters of the task's prompts and answers: with the 4 special tokens, a 16-token vocabulary."""
-WORKLOAD = "matched_tiny"
+
+WorkloadName = Literal["matched_tiny", "long_tail"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    config: Path
+    """The recipe config both sides read."""
+    alphabet: str
+    """The characters of the task's prompts and answers: with the 4 special tokens, the model's vocabulary."""
+    form: Callable | None = None
+    """form(prompt, rng) -> text: what the model is trained on after each prompt before RL (the
+    answer's form, not the answer), FORM_STEPS supervised steps; None: RL from the fresh model."""
+
+
+def repeat_digit_form(prompt, draw) -> str:
+    """repeat_digit's answer without its length: the prompt's digit, as often as a random digit's answer."""
+    from forge_rl.tasks.synthetic import REPEAT_LENGTHS
+
+    return prompt.text[1] * draw.choice(REPEAT_LENGTHS)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "matched_tiny": Workload("matched_tiny", Path("configs/bench_peers_tiny_cpu.yaml"), "0123456789M="),
+    "long_tail": Workload("long_tail", Path("configs/bench_peers_long_tail_cpu.yaml"), "0123456789R=", repeat_digit_form),
+}
+FORM_STEPS = 200
+FORM_BATCH_SIZE = 32
+FORM_PROBLEMS_PER_SEQUENCE = 4
+FORM_LR = 1e-3
 
 
 @dataclass(frozen=True)
 class PeersArgs:
-    config: Path = Path("configs/bench_peers_tiny_cpu.yaml")
-    """Recipe config of forge_rl's side; TRL's settings are read from it too."""
+    workloads: tuple[WorkloadName, ...] = ("matched_tiny", "long_tail")
+    """The workloads to run, in order (module docstring); each runs every seed of both libraries."""
+    config: Path | None = None
+    """A recipe config in place of the workload's (one workload only); TRL's settings are read from it too."""
     seeds: tuple[int, ...] = (0,)
     """One run per library per seed, TRL first."""
     steps: int | None = None
@@ -92,59 +138,154 @@ class PeersArgs:
     skip_peer: bool = False
     """Run forge_rl's side alone."""
     out_dir: Path = Path("runs/bench-peers")
-    """Where the model, the prompts, each run's directory and peers.json go."""
+    """Where each workload's model, prompts and run directories go (OUT_DIR/WORKLOAD/), and peers.json."""
 
 
 def main(args: PeersArgs) -> dict:
-    from forge_rl.yaml_config import load_yaml_config
-
-    base = load_yaml_config(GRPOConfig, args.config)
-    check_args(args, base)
-    steps = args.steps or base.steps
+    check_args(args)
+    bases = {name: workload_config(args, WORKLOADS[name]) for name in args.workloads}  # every config read before any run
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(base, args.out_dir / "model")
-    base = dataclasses.replace(
-        base, steps=steps, model=dataclasses.replace(base.model, path=model_dir),
-        checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
-        trainer=base.trainer if args.trainer_threads is None else dataclasses.replace(base.trainer, num_threads=args.trainer_threads),
-    )
     peer = None if args.skip_peer else peer_versions(args.peer_venv)
     if peer is None and not args.skip_peer:
         progress(f"bench peers: no TRL environment at {args.peer_venv}: build it with `make peers-venv`; "
                  "running forge_rl's side alone")
-    runs: dict[str, list[dict]] = {"trl": [], "forge_rl": []}
-    for seed in args.seeds:
-        if peer is not None:
-            progress(f"bench peers: TRL, seed {seed}")
-            runs["trl"].append(run_trl(base, args, seed, model_dir))
-        progress(f"bench peers: forge_rl, seed {seed}")
-        runs["forge_rl"].append(run_forge_rl(base, args, seed))
-    summary = summarize(runs, args.target_rewards, peer, args.skip_peer)
+    peer_status = "skipped" if args.skip_peer else "missing" if peer is None else "ran"
+    summary: dict = {
+        "bench": "peers", "workloads": list(args.workloads), "target_reward": args.target_rewards[-1],
+        "peer_status": peer_status, "peer_versions": peer, "peer": None if peer is None else f"trl {peer['trl']}",
+        **({"build_peer": "make peers-venv"} if peer_status == "missing" else {}),
+    }
+    per_workload = {}
+    for name, base in bases.items():
+        per_workload[name] = run_workload(name, base, args, peer)
+        summary.update({f"{name}/{key}": value for key, value in per_workload[name].items() if key in HEADLINE})
     summary.update({
-        "config": str(args.config), "seeds": list(args.seeds), "steps_budget": steps, "budget_s": args.budget_s,
-        "forge_rl_trainer_threads": base.trainer.num_threads, "forge_rl_generator_threads": base.generator.cpu_threads,
-        "peer_threads": trl_threads(args),
+        "seeds": list(args.seeds), "budget_s": args.budget_s, "peer_threads": trl_threads(args),
+        "by_workload": per_workload,
     })
     (args.out_dir / "peers.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def check_args(args: PeersArgs, base: GRPOConfig) -> None:
-    if base.data is not None or base.environment.name is not None or base.task.name != "max_of_two":
-        raise ConfigError(f"bench peers: {args.config} must train the max_of_two task (no data.path, no environment): "
-                          "TRL's side is written for it.")
+HEADLINE = ("trl_statuses", "forge_rl_statuses", "trl_time_to_reward_s", "forge_rl_time_to_reward_s",
+            "ratio_forge_rl_over_trl", "peer_skipped")
+"""A workload's keys that the summary's top level repeats as WORKLOAD/KEY."""
+
+
+def check_args(args: PeersArgs) -> None:
+    unknown = [name for name in args.workloads if name not in WORKLOADS]
+    if not args.workloads or unknown:
+        raise ConfigError(f"bench peers: --workloads ({' '.join(args.workloads) or 'none'}) must name at least one of "
+                          f"{', '.join(WORKLOADS)}{f'; unknown: {unknown}' if unknown else ''}.")
+    if args.config is not None and len(args.workloads) != 1:
+        raise ConfigError(f"bench peers: --config ({args.config}) takes the place of one workload's config, and "
+                          f"--workloads names {len(args.workloads)} ({' '.join(args.workloads)}). Name one with "
+                          "--workloads, or leave --config unset.")
     if not args.seeds or not args.target_rewards or args.budget_s <= 0 or (args.steps is not None and args.steps < 1):
         raise ConfigError(f"bench peers: --seeds ({args.seeds}) and --target-rewards ({args.target_rewards}) need an "
                           f"entry, --budget-s ({args.budget_s}) must be > 0 and --steps ({args.steps}) >= 1.")
 
 
-def build_model(base: GRPOConfig, model_dir: Path) -> Path:
-    """The workload's model, written once: every run of both libraries reads these files."""
-    from forge_rl.models.tiny import create_tiny_model
+def workload_config(args: PeersArgs, workload: Workload) -> GRPOConfig:
+    """The workload's config as both sides run it, but for its model files (`run_workload` sets
+    them): the bench's steps, no checkpoints, the trainer's threads."""
+    from forge_rl.yaml_config import load_yaml_config
 
-    if not (model_dir / "config.json").is_file():
-        create_tiny_model(base.model.tiny, model_dir, alphabet=TINY_ALPHABET)
+    path = args.config or workload.config
+    base = load_yaml_config(GRPOConfig, path)
+    if base.data is not None or base.environment.name is not None or base.task.name not in synthetic_tasks():
+        raise ConfigError(f"bench peers: {path} must train a synthetic task ({', '.join(synthetic_tasks())}; no "
+                          f"data.path, no environment): the workload builds its model for the task's characters.")
+    return dataclasses.replace(
+        base, steps=args.steps or base.steps,
+        checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
+        trainer=base.trainer if args.trainer_threads is None else dataclasses.replace(base.trainer, num_threads=args.trainer_threads),
+    )
+
+
+def synthetic_tasks() -> tuple[str, ...]:
+    from forge_rl.tasks.synthetic import TASKS
+
+    return tuple(TASKS)
+
+
+def run_workload(name: str, base: GRPOConfig, args: PeersArgs, peer: dict | None) -> dict:
+    """Every seed of both libraries on one workload, TRL first, on the model built once into
+    OUT_DIR/WORKLOAD/model; its summary (`summarize`)."""
+    model_dir = build_model(base, WORKLOADS[name], args.out_dir / name / "model")
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=model_dir))
+    cannot = peer_cannot_express(base)
+    if peer is not None and cannot is not None:
+        progress(f"bench peers: {name}: TRL's side cannot run this workload ({cannot}); running forge_rl's side alone")
+    runs: dict[str, list[dict]] = {"trl": [], "forge_rl": []}
+    for seed in args.seeds:
+        if peer is not None and cannot is None:
+            progress(f"bench peers: {name}: TRL, seed {seed}")
+            runs["trl"].append(run_trl(base, args, seed, name))
+        progress(f"bench peers: {name}: forge_rl, seed {seed}")
+        runs["forge_rl"].append(run_forge_rl(base, args, seed, name))
+    result = summarize(runs, args.target_rewards)
+    result.update({
+        "config": str(args.config or WORKLOADS[name].config), "steps_budget": base.steps,
+        "forge_rl_trainer_threads": base.trainer.num_threads, "forge_rl_generator_threads": base.generator.cpu_threads,
+        **({"peer_skipped": cannot} if cannot is not None else {}),
+    })
+    return result
+
+
+def build_model(base: GRPOConfig, workload: Workload, model_dir: Path) -> Path:
+    """The workload's model (`base.model.tiny`) at `model_dir`, written once (trained on its form,
+    where it has one): every run of both libraries reads these files."""
+    import random
+    import shutil
+
+    import torch
+
+    from forge_rl.models.tiny import create_tiny_model
+    from forge_rl.tasks.tokenizer import PromptTokenizer
+    from forge_rl.training.warmup import TEXT_TASK_SEED, task_text_samples, train_in_place
+
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    building = model_dir.with_name(f".{model_dir.name}.building")  # a build cut short is never taken for the model
+    shutil.rmtree(building, ignore_errors=True)
+    create_tiny_model(base.model.tiny, building, alphabet=workload.alphabet)
+    if workload.form is not None:
+        progress(f"bench peers: {workload.name}: training the model {FORM_STEPS} supervised steps on the answers' form")
+        tokenizer, draw = PromptTokenizer(building), random.Random(TEXT_TASK_SEED)
+        samples = task_text_samples(
+            tokenizer, dataclasses.replace(base.task, seed=TEXT_TASK_SEED), FORM_STEPS * FORM_BATCH_SIZE,
+            FORM_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: workload.form(prompt, draw),
+        )
+        threads = torch.get_num_threads()
+        # One thread: a tiny model's ops are too small to split, and on a machine that is running
+        # anything else a second thread makes every op wait for a descheduled one.
+        torch.set_num_threads(1)
+        try:
+            train_in_place(building, samples, FORM_STEPS, FORM_BATCH_SIZE, FORM_LR, base.trainer.seed, tokenizer.pad_id)
+        finally:
+            torch.set_num_threads(threads)
+    building.rename(model_dir)
     return model_dir
+
+
+def peer_cannot_express(base: GRPOConfig) -> str | None:
+    """Why TRL's side cannot run `base` as forge_rl does, or None when it can: TRL's script
+    scores with the task's reward function from forge_rl/tasks/synthetic.py (it imports nothing
+    else of forge_rl) and matches the loss for dapo only."""
+    from forge_rl.tasks import synthetic
+    from forge_rl.tasks.rewards import resolve_reward_fn
+
+    if base.trainer.loss.name != "dapo":  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
+        return (f"trainer.loss.name is {base.trainer.loss.name!r}; the workload is matched for dapo only (the same "
+                "token-mean clipped loss in both libraries): set --trainer.loss.name dapo in the config")
+    if len(base.task.reward_weights) != 1:
+        return f"task.rewards names {len(base.task.reward_weights)} reward functions; TRL's side scores with one"
+    reward = resolve_reward_fn(base.task.only_reward)
+    if reward.__module__ != synthetic.__name__:
+        return (f"the reward {base.task.only_reward!r} is not a function of forge_rl/tasks/synthetic.py, the one module "
+                "TRL's side loads")
+    return None
 
 
 def peer_versions(venv: Path) -> dict | None:
@@ -165,25 +306,27 @@ def trl_threads(args: PeersArgs) -> int:
     return args.peer_threads or len(os.sched_getaffinity(0))
 
 
-def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, model_dir: Path, run_dir: Path) -> dict:
+def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, run_dir: Path) -> dict:
     """TRL's settings, each from forge_rl's config (`peer_trl.main` reads them)."""
     from forge_rl.data.rows import export_rows
     from forge_rl.pipeline.prompts import TaskRows
     from forge_rl.tasks import synthetic
+    from forge_rl.tasks.rewards import resolve_reward_fn
     from forge_rl.tasks.tokenizer import BOS
     from forge_rl.training.losses.config import VARIANTS
 
+    cannot = peer_cannot_express(base)
+    if cannot is not None:
+        raise ConfigError(f"bench peers: TRL's side cannot run this config: {cannot}.")
     loss = base.trainer.loss
     variant = VARIANTS[loss.name]
-    if loss.name != "dapo":  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
-        raise ConfigError(f"bench peers: trainer.loss.name is {loss.name!r}; the workload is matched for dapo only "
-                          "(the same token-mean clipped loss in both libraries). Set --trainer.loss.name dapo in the config.")
     prompts = run_dir / "prompts.jsonl"
     task = dataclasses.replace(base.task, seed=seed)
     export_rows(TaskRows(task), prompts, base.steps * base.prompts_per_step)
     return {
-        "model_dir": str(model_dir), "prompts_path": str(prompts), "prompt_prefix": BOS,
-        "reward_module": synthetic.__file__, "metrics_path": str(run_dir / "trl_metrics.jsonl"),
+        "model_dir": str(base.model.path), "prompts_path": str(prompts), "prompt_prefix": BOS,
+        "reward_module": synthetic.__file__, "reward_function": resolve_reward_fn(base.task.only_reward).__name__,
+        "metrics_path": str(run_dir / "trl_metrics.jsonl"),
         "output_dir": str(run_dir / "trl"), "seed": seed, "threads": trl_threads(args),
         "completions_per_step": base.train_batch_size, "group_size": base.group_size,
         "max_new_tokens": base.generator.max_new_tokens, "temperature": base.generator.temperature,
@@ -196,10 +339,10 @@ def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, model_dir: Path, run_
     }
 
 
-def run_trl(base: GRPOConfig, args: PeersArgs, seed: int, model_dir: Path) -> dict:
-    run_dir = args.out_dir / f"trl-seed{seed}"
+def run_trl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) -> dict:
+    run_dir = args.out_dir / workload / f"trl-seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = trl_spec(base, args, seed, model_dir, run_dir)
+    spec = trl_spec(base, args, seed, run_dir)
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     script = Path(__file__).with_name("peer_trl.py")
     launched = time.time()
@@ -232,12 +375,12 @@ def read_trl_metrics(path: Path) -> tuple[float | None, list[dict]]:
     return begin, metrics
 
 
-def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int) -> dict:
+def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) -> dict:
     from forge_rl.observability.plot import read_metrics
     from forge_rl.run.recipes import recipe
 
     name = f"forge_rl-seed{seed}"
-    config = dataclasses.replace(seeded(base, seed), run_dir=args.out_dir, run_name=name)
+    config = dataclasses.replace(seeded(base, seed), run_dir=args.out_dir / workload, run_name=name)
     launched = time.time()
     error = None
     try:
@@ -246,7 +389,7 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int) -> dict:
         pass  # the budget: the steps logged so far are the run's
     except Exception as e:  # a crashed run is reported as one, not as figures
         error = f"{type(e).__name__}: {e}"
-    path = args.out_dir / name
+    path = args.out_dir / workload / name
     try:
         metrics = read_metrics(path)
     except (FileNotFoundError, ValueError):
@@ -311,9 +454,10 @@ def reward_at(metrics: list[dict], times_s: tuple[float, ...]) -> dict[str, floa
     return out
 
 
-def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...], peer: dict | None, skip_peer: bool) -> dict:
-    """Medians over seeds per library, and forge_rl's median time to the main threshold over TRL's:
-    a median only when every seed of that library reached it (else null), the ratio only when both."""
+def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...]) -> dict:
+    """One workload's medians over seeds per library, and forge_rl's median time to the main
+    threshold over TRL's: a median only when every seed of that library reached it (else null),
+    the ratio only when both."""
     target = str(target_rewards[-1])
     per_library = {}
     for library, results in runs.items():
@@ -336,20 +480,12 @@ def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...], pe
     ratio = None
     if trl.get("median_time_to_reward_s") and ours.get("median_time_to_reward_s") is not None:
         ratio = ours["median_time_to_reward_s"] / trl["median_time_to_reward_s"]
-    peer_status = "skipped" if skip_peer else "missing" if peer is None else "ran"
     return {
-        "bench": "peers",
-        "workload": WORKLOAD,
-        "target_reward": target_rewards[-1],
-        "peer_status": peer_status,
-        "peer_versions": peer,
-        "peer": None if peer is None else f"trl {peer['trl']}",
-        f"{WORKLOAD}/trl_statuses": trl.get("statuses"),
-        f"{WORKLOAD}/forge_rl_statuses": ours.get("statuses"),
-        f"{WORKLOAD}/trl_time_to_reward_s": trl.get("median_time_to_reward_s"),
-        f"{WORKLOAD}/forge_rl_time_to_reward_s": ours.get("median_time_to_reward_s"),
-        f"{WORKLOAD}/ratio_forge_rl_over_trl": ratio,
-        **({"build_peer": "make peers-venv"} if peer_status == "missing" else {}),
+        "trl_statuses": trl.get("statuses"),
+        "forge_rl_statuses": ours.get("statuses"),
+        "trl_time_to_reward_s": trl.get("median_time_to_reward_s"),
+        "forge_rl_time_to_reward_s": ours.get("median_time_to_reward_s"),
+        "ratio_forge_rl_over_trl": ratio,
         "libraries": per_library,
         "runs": runs,
     }

@@ -11,11 +11,16 @@ after one warm-up round; the order rotates every round so none always runs first
     forge_pad     PolicyTrainer.train_step with trainer.batching=pad (one padded row per completion).
     forge_bucket  ... with trainer.batching=bucket.
     forge_pack    ... with trainer.batching=pack.
+    hf_pad        one process only: the same weights as transformers' LlamaForCausalLM, the
+                  padded rows with their attention mask, the same loss, clip and AdamW: what a
+                  transformers-based trainer (TRL's GRPOTrainer) computes per step on CPU.
 
 Every variant trains on the same rows (each rank on its data-parallel shard). Tokens/s counts real
 tokens only (prompt + completion, never padding) over the median step time (barrier to barrier).
 Ratios: `vs_bare_torchtitan` = forge_pad / bare_pad (same layout: the framework's overhead),
-`packing_speedup` = forge_pack / forge_pad, `bucketing_speedup` = forge_bucket / forge_pad.
+`packing_speedup` = forge_pack / forge_pad, `bucketing_speedup` = forge_bucket / forge_pad;
+with one process `vs_transformers` = forge_pad / hf_pad (the same padded rows: the model code) and
+`forge_pack_vs_transformers_padded` = forge_pack / hf_pad (each trainer's own layout).
 
 Figures go to OUT_DIR/trainer.json and OUT_DIR/trainer_throughput.png; the last line of stdout
 is the JSON summary.
@@ -37,6 +42,8 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("bare_pad", "forge_pad", "forge_bucket", "forge_pack")
+SINGLE_PROCESS_VARIANTS = ("hf_pad",)
+"""Variants timed only with num_procs 1 (transformers' model is not sharded over the ranks)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,33 @@ class BareTitanLoop:
         return loss.item()
 
 
+class TransformersLoop:
+    """The same step in transformers' LlamaForCausalLM, loaded from the same HF files."""
+
+    def __init__(self, model_dir: Path, trainer_config) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.max_grad_norm = trainer_config.max_grad_norm
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=trainer_config.lr, eps=trainer_config.adam_eps, foreach=True
+        )
+
+    def step(self, input_ids_NL: torch.Tensor, attention_mask_NL: torch.Tensor, loss_mask_NL: torch.Tensor,
+             global_tokens: int) -> float:
+        logits_NLV = self.model(input_ids=input_ids_NL, attention_mask=attention_mask_NL).logits
+        token_loss = torch.nn.functional.cross_entropy(
+            logits_NLV[:, :-1].float().flatten(0, 1), input_ids_NL[:, 1:].flatten(), reduction="none"
+        )
+        loss = (token_loss * loss_mask_NL[:, 1:].flatten()).sum() / global_tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+
 def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out: Path) -> None:
     import torch.distributed as dist
 
@@ -134,6 +168,8 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
     )
     trainer = PolicyTrainer(config, model_dir)  # joins the process group
     bare = BareTitanLoop(model_dir, config, trainer.device)
+    variants = VARIANTS + (SINGLE_PROCESS_VARIANTS if args.num_procs == 1 else ())
+    hf = TransformersLoop(model_dir, config) if "hf_pad" in variants else None
     batch = make_train_batch(long_tail_episodes(args), pad_id=0)
     dp_rank, dp_size = (dist.get_rank(), args.num_procs) if args.num_procs > 1 else (0, 1)
     shard = batch.shard(dp_rank, dp_size)
@@ -143,14 +179,18 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
     def run(variant: str) -> None:
         if variant == "bare_pad":
             bare.step(shard.input_ids_NL, shard.loss_mask_NL, batch.num_generated_tokens)
+        elif variant == "hf_pad":
+            hf.step(shard.input_ids_NL, attention_mask_NL, shard.loss_mask_NL, batch.num_generated_tokens)
         else:
             trainer.config = configs[variant]  # one model and optimizer for the three layouts
             metrics[variant] = trainer.train_step(batch)
 
-    step_s = {v: [] for v in VARIANTS}
+    lengths = torch.tensor(shard.row_lengths)
+    attention_mask_NL = (torch.arange(shard.input_ids_NL.shape[1])[None, :] < lengths[:, None]).long()
+    step_s = {v: [] for v in variants}
     for round_ in range(args.repeats + 1):
-        shift = round_ % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+        shift = round_ % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             _barrier()
             started = time.perf_counter()
             run(variant)
@@ -246,6 +286,14 @@ def _figures(args: TrainerBenchArgs, raw: dict) -> dict:
         "padding_fraction_pack": variants["forge_pack"]["padding_fraction"],
         "num_procs": args.num_procs,
     }
+    if "hf_pad" in variants:
+        summary.update({
+            "vs_transformers": ratio("forge_pad", "hf_pad"),
+            "vs_transformers_paired": paired("forge_pad", "hf_pad"),
+            "forge_pack_vs_transformers_padded": ratio("forge_pack", "hf_pad"),
+            "real_tokens_per_s_hf_pad": variants["hf_pad"]["real_tokens_per_s"],
+            "transformers_version": _transformers_version(),
+        })
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -256,6 +304,12 @@ def _figures(args: TrainerBenchArgs, raw: dict) -> dict:
         "variants": variants,
         "summary": summary,
     }
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _table(figures: dict) -> str:
@@ -277,6 +331,11 @@ def _table(figures: dict) -> str:
         f"packing_speedup {s['packing_speedup']:.2f}x, bucketing_speedup {s['bucketing_speedup']:.2f}x, "
         f"forge pack vs bare padded {s['forge_pack_vs_bare_padded']:.2f}x"
     )
+    if "vs_transformers" in s:
+        lines.append(
+            f"vs_transformers {s['vs_transformers']:.3f} (paired {s['vs_transformers_paired']:.3f}), "
+            f"forge pack vs transformers padded {s['forge_pack_vs_transformers_padded']:.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -290,7 +349,8 @@ def _plot(figures: dict, out: Path) -> None:
     real = figures["batch"]["real_tokens"]
     low = [m - real / figures["variants"][n]["step_s_max"] for n, m in zip(names, medians)]
     high = [real / figures["variants"][n]["step_s_min"] - m for n, m in zip(names, medians)]
-    left.bar(names, medians, yerr=[low, high], capsize=4, color=["grey", "tab:blue", "tab:orange", "tab:green"])
+    left.bar(names, medians, yerr=[low, high], capsize=4,
+             color=["grey", "tab:blue", "tab:orange", "tab:green", "tab:purple"][: len(names)])
     left.set_ylabel("real tokens/s (median; bars: min-max)")
     left.set_title(f"trainer step, {figures['args']['num_procs']} gloo process(es)")
     left.tick_params(axis="x", rotation=20)

@@ -17,7 +17,7 @@ from forge_rl.tasks.synthetic import Prompt, make_prompt
 if TYPE_CHECKING:
     from forge_rl.tasks.tokenizer import PromptTokenizer
 
-TaskName = Literal["max_of_two", "copy_digit", "add_mod10", "reasoning_gym"]
+TaskName = Literal["max_of_two", "copy_digit", "add_mod10", "repeat_digit", "reasoning_gym"]
 
 DEFAULT_REWARD = "leading_number"
 """The reward of a config that names none: the synthetic tasks' verifier."""
@@ -26,12 +26,12 @@ DEFAULT_REWARD = "leading_number"
 @dataclass(frozen=True)
 class TaskConfig:
     name: TaskName = "max_of_two"
-    """Synthetic task: max_of_two, copy_digit or add_mod10 (see forge_rl/tasks/synthetic.py); or
+    """Synthetic task: max_of_two, copy_digit, add_mod10 or repeat_digit (see forge_rl/tasks/synthetic.py); or
     reasoning_gym: the questions of `reasoning_gym_dataset` (optional extra, forge_rl/tasks/reasoning_gym.py)."""
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
     reward: str | None = None
-    """The reward function: a registered name (leading_number, trailing_number, exact_match, math_verify,
+    """The reward function: a registered name (leading_number, trailing_number, exact_match, prefix_match, math_verify,
     reasoning_gym) or "package.module:function" taking (completion_text, answer, **columns by name)
     -> float (see forge_rl/tasks/rewards.py). Unset: leading_number, unless `rewards` is set. Task
     reasoning_gym needs reward reasoning_gym (its answers are question keys, not strings)."""

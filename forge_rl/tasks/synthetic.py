@@ -7,6 +7,8 @@ next: resuming at cursor k replays exactly the prompts an uninterrupted run woul
     max_of_two   "M37=" -> "7"      (learns from scratch: about 0.01 -> 0.9 in 35 s of plain GRPO)
     copy_digit   "C5="  -> "5"
     add_mod10    "A37=" -> "0"      (needs a short supervised warm-up to leave chance level)
+    repeat_digit "R8=" -> "888888888888" (the digit, REPEAT_LENGTHS[digit] times: answers of 1 to
+                                      24 tokens, most short, a few long; scored by prefix_match)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-SyntheticTaskName = Literal["max_of_two", "copy_digit", "add_mod10"]
+SyntheticTaskName = Literal["max_of_two", "copy_digit", "add_mod10", "repeat_digit"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,23 @@ def _add_mod10(rng: random.Random) -> tuple[str, str]:
     return f"A{a}{b}=", str((a + b) % 10)
 
 
+REPEAT_LENGTHS = (1, 1, 1, 2, 2, 3, 4, 6, 12, 24)
+"""How many times repeat_digit's answer repeats each digit: a long tail of correct lengths (mean 5.6
+tokens, the longest 24), so a batch of a few dozen prompts almost always holds a 24-token answer
+while most of its answers are a few tokens long. That is the straggler case: a synchronous step
+decodes as long as its longest completion; a generator that streams requests does not wait for it."""
+
+
+def _repeat_digit(rng: random.Random) -> tuple[str, str]:
+    a = rng.randrange(10)
+    return f"R{a}=", str(a) * REPEAT_LENGTHS[a]
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "max_of_two": _max_of_two,
     "copy_digit": _copy_digit,
     "add_mod10": _add_mod10,
+    "repeat_digit": _repeat_digit,
 }
 
 
@@ -86,6 +101,24 @@ def trailing_number_reward(completion_text: str, answer: str) -> float:
     reward then depends on the completion's end: the workload of `forge-rl bench branches`."""
     numbers = _NUMBER.findall(completion_text)
     return 1.0 if numbers and numbers[-1] == answer else 0.0
+
+
+def prefix_match_reward(completion_text: str, answer: str) -> float:
+    """The share of the longer of completion and answer that their common prefix covers, in [0, 1]:
+    1.0 for exactly the answer, partial credit for a completion that stops early or runs on ("8888"
+    for answer "888888" scores 4/6, "88888888" scores 6/8). Surrounding whitespace is ignored. A
+    reward that grows token by token, for answers whose length is part of being right
+    (repeat_digit)."""
+    text, answer = completion_text.strip(), answer.strip()
+    longest = max(len(text), len(answer))
+    if longest == 0:
+        return 1.0
+    shared = 0
+    for a, b in zip(text, answer):
+        if a != b:
+            break
+        shared += 1
+    return shared / longest
 
 
 _LEADING_NUMBER = re.compile(r"\s*(\d+)")

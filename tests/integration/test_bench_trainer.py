@@ -15,9 +15,11 @@ TINY = ["--repeats", "1", "--num-prompts", "2", "--group-size", "4", "--max-comp
         "--hidden-size", "64", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "128"]
 
 
-def test_bench_trainer_smoke(tmp_path):
+@pytest.mark.parametrize("num_procs", [1, 2])
+def test_bench_trainer_smoke(tmp_path, num_procs):
+    """Two gloo processes time the four TorchTitan variants; one process adds transformers' step."""
     result = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "bench", "trainer", "--out-dir", str(tmp_path), "--num-procs", "2", *TINY],
+        [sys.executable, "-m", "forge_rl.cli", "bench", "trainer", "--out-dir", str(tmp_path), "--num-procs", str(num_procs), *TINY],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -27,7 +29,11 @@ def test_bench_trainer_smoke(tmp_path):
     assert summary["padding_fraction_pack"] < summary["padding_fraction_pad"]
     assert any(line.startswith("forge_pack") for line in lines)
     figures = json.loads((tmp_path / "trainer.json").read_text())
-    assert set(figures["variants"]) == {"bare_pad", "forge_pad", "forge_bucket", "forge_pack"}
+    torchtitan = {"bare_pad", "forge_pad", "forge_bucket", "forge_pack"}
+    assert set(figures["variants"]) == (torchtitan | {"hf_pad"} if num_procs == 1 else torchtitan)
+    assert ("vs_transformers" in summary) == (num_procs == 1)
+    if num_procs == 1:
+        assert summary["vs_transformers"] > 0 and summary["transformers_version"]
     assert (tmp_path / "trainer_throughput.png").stat().st_size > 0
 
 

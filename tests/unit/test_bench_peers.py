@@ -1,11 +1,12 @@
 """`forge-rl bench peers`' figures on fabricated per-step metrics, and its bad-input paths: TRL's
-environment missing (forge_rl's side alone, marked), a peer run that crashes or misses the
-threshold (reported as such, never as a number). The one test that runs TRL itself needs
-`make peers-venv` and skips without it."""
+environment missing (forge_rl's side alone, marked), a workload TRL's side cannot express (named,
+forge_rl's side alone), a peer run that crashes or misses the threshold (reported as such, never
+as a number). The one test that runs TRL itself needs `make peers-venv` and skips without it."""
 
 import dataclasses
 import json
 import os
+import random
 import stat
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from forge_rl.bench import peers
 from forge_rl.bench.peers import PeersArgs, analyze, read_trl_metrics, reward_at, summarize
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
+from forge_rl.tasks.synthetic import make_prompt
 from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,16 +70,15 @@ def test_the_ratio_is_forge_rls_median_time_over_trls_and_null_unless_every_seed
         "trl": [fake_run("trl", s, learns, step_s) for s, step_s in ((0, 0.2), (1, 0.4), (2, 0.3))],
         "forge_rl": [fake_run("forge_rl", s, learns, step_s) for s, step_s in ((0, 0.5), (1, 0.6), (2, 0.4))],
     }
-    summary = summarize(runs, (0.5, 0.9), {"trl": "1.16.0"}, skip_peer=False)
-    assert summary["matched_tiny/trl_time_to_reward_s"] == pytest.approx(3.0)  # median step 0.3 s x 10 steps
-    assert summary["matched_tiny/forge_rl_time_to_reward_s"] == pytest.approx(5.0)
-    assert summary["matched_tiny/ratio_forge_rl_over_trl"] == pytest.approx(5.0 / 3.0)
-    assert (summary["peer_status"], summary["peer"]) == ("ran", "trl 1.16.0")
+    summary = summarize(runs, (0.5, 0.9))
+    assert summary["trl_time_to_reward_s"] == pytest.approx(3.0)  # median step 0.3 s x 10 steps
+    assert summary["forge_rl_time_to_reward_s"] == pytest.approx(5.0)
+    assert summary["ratio_forge_rl_over_trl"] == pytest.approx(5.0 / 3.0)
     runs["trl"][1] = fake_run("trl", 1, [0.0] * 15, 0.4)
-    summary = summarize(runs, (0.5, 0.9), {"trl": "1.16.0"}, skip_peer=False)
-    assert summary["matched_tiny/trl_statuses"] == ["ok", "not_reached", "ok"]
-    assert summary["matched_tiny/trl_time_to_reward_s"] is None
-    assert summary["matched_tiny/ratio_forge_rl_over_trl"] is None
+    summary = summarize(runs, (0.5, 0.9))
+    assert summary["trl_statuses"] == ["ok", "not_reached", "ok"]
+    assert summary["trl_time_to_reward_s"] is None
+    assert summary["ratio_forge_rl_over_trl"] is None
 
 
 def test_trls_log_reads_back_as_forge_rls_metric_names(tmp_path):
@@ -92,20 +93,21 @@ def test_trls_log_reads_back_as_forge_rls_metric_names(tmp_path):
 
 def test_trls_settings_are_forge_rls_configs(tmp_path):
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=3)
-    spec = peers.trl_spec(base, PeersArgs(out_dir=tmp_path), 7, tmp_path / "model", tmp_path)
+    spec = peers.trl_spec(base, PeersArgs(out_dir=tmp_path), 7, tmp_path)
     assert (spec["completions_per_step"], spec["group_size"], spec["max_new_tokens"]) == (256, 8, 4)
+    assert (Path(spec["reward_module"]).name, spec["reward_function"]) == ("synthetic.py", "leading_number_reward")
     assert (spec["loss_type"], spec["clip_eps_low"], spec["clip_eps_high"], spec["kl_beta"]) == ("dapo", 0.2, 0.28, 0.0)
     assert (spec["lr"], spec["temperature"], spec["seed"], spec["prompt_prefix"]) == (3e-4, 1.0, 7, "<bos>")
     rows = [json.loads(line) for line in Path(spec["prompts_path"]).read_text().splitlines()]
     assert len(rows) == 3 * 32 and rows[0]["prompt"].startswith("M") and rows[0]["prompt"].endswith("=")
     grpo = dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, loss=dataclasses.replace(base.trainer.loss, name="grpo")))
     with pytest.raises(ConfigError, match="matched for dapo only"):
-        peers.trl_spec(grpo, PeersArgs(out_dir=tmp_path), 0, tmp_path / "model", tmp_path)
+        peers.trl_spec(grpo, PeersArgs(out_dir=tmp_path), 0, tmp_path)
 
 
 def fake_forge_rl_side(calls):
-    def run_forge_rl(base, args, seed):
-        calls.append(("forge_rl", seed))
+    def run_forge_rl(base, args, seed, workload):
+        calls.append(("forge_rl", workload, seed))
         return fake_run("forge_rl", seed, [0.0] * 5 + [1.0] * 10, 0.5)
     return run_forge_rl
 
@@ -113,13 +115,44 @@ def fake_forge_rl_side(calls):
 def test_without_trls_environment_forge_rls_side_runs_alone_and_the_summary_says_how_to_build_it(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(peers, "run_forge_rl", fake_forge_rl_side(calls))
-    summary = peers.main(PeersArgs(config=CONFIG, peer_venv=tmp_path / "no-venv", seeds=(0, 1), out_dir=tmp_path / "out"))
-    assert calls == [("forge_rl", 0), ("forge_rl", 1)]
+    args = PeersArgs(workloads=("matched_tiny",), config=CONFIG, peer_venv=tmp_path / "no-venv", seeds=(0, 1), out_dir=tmp_path / "out")
+    summary = peers.main(args)
+    assert calls == [("forge_rl", "matched_tiny", 0), ("forge_rl", "matched_tiny", 1)]
     assert (summary["peer_status"], summary["build_peer"], summary["peer"]) == ("missing", "make peers-venv", None)
-    assert summary["runs"]["trl"] == [] and "trl" not in summary["libraries"]
+    workload = summary["by_workload"]["matched_tiny"]
+    assert workload["runs"]["trl"] == [] and "trl" not in workload["libraries"]
     assert summary["matched_tiny/forge_rl_time_to_reward_s"] == pytest.approx(5.0)
     assert summary["matched_tiny/ratio_forge_rl_over_trl"] is None
+    assert (tmp_path / "out" / "matched_tiny" / "model" / "config.json").is_file()
     assert json.loads((tmp_path / "out" / "peers.json").read_text())["peer_status"] == "missing"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ("  reward: leading_number\n", None),
+        ("  reward: exact_match\n", "not a function of forge_rl/tasks/synthetic.py"),
+        ("  rewards: {leading_number: 1.0, trailing_number: 0.5}\n", "names 2 reward functions"),
+    ],
+)
+def test_what_trls_side_cannot_express_is_named(tmp_path, change, named):
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.read_text().replace("  name: max_of_two\n", "  name: max_of_two\n" + change))
+    reason = peers.peer_cannot_express(load_yaml_config(GRPOConfig, config))
+    assert reason is None if named is None else named in reason
+
+
+def test_a_workload_trls_side_cannot_express_runs_forge_rls_side_alone_and_says_why(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(peers, "run_forge_rl", fake_forge_rl_side(calls))
+    monkeypatch.setattr(peers, "peer_versions", lambda venv: {"trl": "1.16.0"})
+    monkeypatch.setattr(peers, "run_trl", lambda *a: pytest.fail("TRL's side ran a workload it cannot express"))
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.read_text().replace("    name: dapo", "    name: grpo"))
+    summary = peers.main(PeersArgs(workloads=("matched_tiny",), config=config, out_dir=tmp_path / "out"))
+    assert calls == [("forge_rl", "matched_tiny", 0)]
+    assert summary["peer_status"] == "ran" and "matched for dapo only" in summary["matched_tiny/peer_skipped"]
+    assert summary["matched_tiny/trl_time_to_reward_s"] is None and summary["matched_tiny/forge_rl_time_to_reward_s"] == 5.0
 
 
 def fake_venv(path: Path, script: str) -> Path:
@@ -139,19 +172,24 @@ def test_an_environment_that_cannot_import_trl_counts_as_missing(tmp_path):
 def test_a_peer_run_that_crashes_is_reported_as_crashed_with_its_log(tmp_path):
     venv = fake_venv(tmp_path / "venv", "echo boom; exit 3\n")
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=2)
-    result = peers.run_trl(base, PeersArgs(peer_venv=venv, out_dir=tmp_path / "out"), 0, tmp_path / "model")
+    result = peers.run_trl(base, PeersArgs(peer_venv=venv, out_dir=tmp_path / "out"), 0, "matched_tiny")
     assert result["status"] == "crashed" and result["error"].startswith("exit status 3")
     assert result["time_to_reward_s"]["0.9"] is None and result["startup_s"] is None
-    assert (tmp_path / "out" / "trl-seed0" / "trl.log").read_text().strip() == "boom"
+    assert (tmp_path / "out" / "matched_tiny" / "trl-seed0" / "trl.log").read_text().strip() == "boom"
 
 
 def test_bad_bench_arguments_are_refused_before_any_run(tmp_path):
     with pytest.raises(ConfigError, match="--seeds"):
-        peers.main(PeersArgs(config=CONFIG, seeds=(), out_dir=tmp_path))
-    other_task = tmp_path / "add_mod10.yaml"
-    other_task.write_text(CONFIG.read_text().replace("name: max_of_two", "name: add_mod10"))
-    with pytest.raises(ConfigError, match="max_of_two"):
-        peers.main(PeersArgs(config=other_task, out_dir=tmp_path / "out"))
+        peers.main(PeersArgs(workloads=("matched_tiny",), seeds=(), out_dir=tmp_path))
+    with pytest.raises(ConfigError, match="unknown: \\['huge'\\]"):
+        peers.main(PeersArgs(workloads=("matched_tiny", "huge"), out_dir=tmp_path))
+    with pytest.raises(ConfigError, match="--config .* takes the place of one workload's config"):
+        peers.main(PeersArgs(config=CONFIG, out_dir=tmp_path))
+    other_task = tmp_path / "reasoning_gym.yaml"
+    other_task.write_text(CONFIG.read_text().replace("name: max_of_two", "name: reasoning_gym\n  reward: reasoning_gym"))
+    with pytest.raises(ConfigError, match="must train a synthetic task"):
+        peers.main(PeersArgs(workloads=("matched_tiny",), config=other_task, out_dir=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 PEER_PYTHON = REPO / peers.PEER_VENV / "bin" / "python"
@@ -160,11 +198,24 @@ PEER_PYTHON = REPO / peers.PEER_VENV / "bin" / "python"
 @pytest.mark.skipif(not PEER_PYTHON.is_file(), reason=f"needs TRL's environment {peers.PEER_VENV} (make peers-venv)")
 def test_trls_side_trains_two_steps_on_the_workloads_model(tmp_path):
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=2)
-    model = peers.build_model(base, tmp_path / "model")
-    result = peers.run_trl(base, PeersArgs(peer_venv=REPO / peers.PEER_VENV, out_dir=tmp_path, peer_threads=1), 0, model)
+    model = peers.build_model(base, peers.WORKLOADS["matched_tiny"], tmp_path / "model")
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=model))
+    args = PeersArgs(peer_venv=REPO / peers.PEER_VENV, out_dir=tmp_path, peer_threads=1)
+    result = peers.run_trl(base, args, 0, "matched_tiny")
     assert result["steps"] == 2 and result["status"] == "not_reached", result
     assert result["startup_s"] > 0 and result["trained_tokens_per_s"] > 0
-    assert os.path.isfile(tmp_path / "trl-seed0" / "trl_metrics.jsonl")
+    assert os.path.isfile(tmp_path / "matched_tiny" / "trl-seed0" / "trl_metrics.jsonl")
+
+
+def test_a_workload_with_a_form_trains_its_model_on_it_before_both_sides_read_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "FORM_STEPS", 2)
+    base = load_yaml_config(GRPOConfig, REPO / peers.WORKLOADS["long_tail"].config)
+    model = peers.build_model(base, peers.WORKLOADS["long_tail"], tmp_path / "model")
+    assert (model / "config.json").is_file() and not (tmp_path / ".model.building").exists()
+    fresh = peers.build_model(base, peers.WORKLOADS["matched_tiny"], tmp_path / "fresh")
+    assert (model / "model.safetensors").read_bytes() != (fresh / "model.safetensors").read_bytes()
+    forms = {peers.repeat_digit_form(make_prompt("repeat_digit", 0, 0), random.Random(seed)) for seed in range(20)}
+    assert len({form[0] for form in forms}) == 1 and len({len(form) for form in forms}) > 2  # its digit, at several lengths
 
 
 def test_steps_past_the_training_budget_are_left_out():

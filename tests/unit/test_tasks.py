@@ -2,7 +2,7 @@ import importlib.util
 
 import pytest
 
-from forge_rl.tasks.synthetic import TASKS, leading_number_reward, make_prompt, trailing_number_reward
+from forge_rl.tasks.synthetic import REPEAT_LENGTHS, TASKS, leading_number_reward, make_prompt, prefix_match_reward, trailing_number_reward
 
 
 def test_prompts_depend_only_on_task_seed_and_index():
@@ -34,6 +34,24 @@ def test_the_reward_reads_the_leading_number(completion, reward):
 )
 def test_the_trailing_reward_reads_the_last_number(completion, reward):
     assert trailing_number_reward(completion, "7") == reward
+
+
+def test_repeat_digit_answers_its_digit_as_often_as_the_digits_length_says():
+    prompts = [make_prompt("repeat_digit", 0, i) for i in range(200)]
+    for prompt in prompts:
+        digit = prompt.text[1]
+        assert prompt.text == f"R{digit}=" and prompt.answer == digit * REPEAT_LENGTHS[int(digit)]
+    lengths = sorted(len(p.answer) for p in prompts)
+    assert lengths[len(lengths) // 2] <= 3 and lengths[-1] == 24  # most answers short, the longest 24 tokens
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [("888888", 1.0), (" 888888 ", 1.0), ("8888", 4 / 6), ("88888888", 6 / 8), ("888188", 3 / 6), ("", 0.0), ("1", 0.0)],
+)
+def test_the_prefix_match_reward_is_the_share_of_the_longer_text_the_common_prefix_covers(completion, reward):
+    assert prefix_match_reward(completion, "888888") == pytest.approx(reward)
+    assert prefix_match_reward("", "") == 1.0
 
 
 # reasoning-gym as a task source (optional extra .[tasks]).
