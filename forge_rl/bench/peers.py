@@ -40,6 +40,10 @@ Per library and seed, from each run's per-step log:
                            trainer's and generator's idle fractions, the trainer's seconds by part
                            (data wait, forward, backward, optimizer, overhead: `trainer_time_s`)
                            and, for a run that finished its steps, the engine's (`generator_time_s`)
+    bound_time_to_reward_s forge_rl only: the steps it took times the longer of its trainer's and
+                           its generators' busy seconds per step (`role_bound`): the time full
+                           overlap would take with these roles; over TRL's time,
+                           `bound_ratio_forge_rl_over_trl`
 
 A run that crashes or does not reach a threshold within its budget (`--steps`, `--budget-s`
 seconds of training) has status "crashed" or "not_reached" and null for that time, never a
@@ -51,6 +55,7 @@ W `W/trl_time_to_reward_s`, `W/forge_rl_time_to_reward_s` and `W/ratio_forge_rl_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -70,6 +75,8 @@ from forge_rl.observability.metrics import (
     POLICY_AGE_MAX,
     REWARD_MEAN,
     TRAINED_TOKENS,
+    TRAINER_BREAKDOWN,
+    TRAINER_DATA_WAIT_S,
     TRAINER_IDLE_FRACTION,
     WALL_TIME_S,
     progress,
@@ -78,6 +85,9 @@ from forge_rl.observability.metrics import (
 PEER_VENV = Path(".venv-trl")
 PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
 """Whose versions the result records (the pins are the Makefile's `peers-venv`)."""
+
+TRAINER_BUSY_PARTS = tuple(name for name in TRAINER_BREAKDOWN if name != TRAINER_DATA_WAIT_S)
+"""The parts of the trainer's step that are its own work (all but its wait for data)."""
 
 WorkloadName = Literal["matched_tiny", "long_tail"]
 
@@ -168,7 +178,7 @@ def main(args: PeersArgs) -> dict:
 
 
 HEADLINE = ("trl_statuses", "forge_rl_statuses", "trl_time_to_reward_s", "forge_rl_time_to_reward_s",
-            "ratio_forge_rl_over_trl", "peer_skipped")
+            "ratio_forge_rl_over_trl", "bound_ratio_forge_rl_over_trl", "peer_skipped")
 """A workload's keys that the summary's top level repeats as WORKLOAD/KEY."""
 
 
@@ -381,15 +391,13 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) ->
 
     name = f"forge_rl-seed{seed}"
     config = dataclasses.replace(seeded(base, seed), run_dir=args.out_dir / workload, run_name=name)
+    path = args.out_dir / workload / name
     launched = time.time()
     error = None
     try:
-        asyncio.run(asyncio.wait_for(recipe("grpo")(config), args.startup_budget_s + args.budget_s))
-    except TimeoutError:
-        pass  # the budget: the steps logged so far are the run's
+        asyncio.run(within_budget(recipe("grpo")(config), path / "metrics.jsonl", args))
     except Exception as e:  # a crashed run is reported as one, not as figures
         error = f"{type(e).__name__}: {e}"
-    path = args.out_dir / workload / name
     try:
         metrics = read_metrics(path)
     except (FileNotFoundError, ValueError):
@@ -404,12 +412,41 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) ->
     return result
 
 
+async def within_budget(run, metrics_path: Path, args: PeersArgs, poll_s: float = 1.0) -> None:
+    """Run the recipe coroutine `run` until it ends, its last logged step is past `budget_s`
+    seconds of training, or start-up and training together pass both budgets; the steps logged by
+    then are the run's. Cancelled, the recipe shuts its actors down as on Ctrl-C."""
+    task = asyncio.ensure_future(run)
+    deadline = time.monotonic() + args.startup_budget_s + args.budget_s
+    while not task.done():
+        await asyncio.wait([task], timeout=poll_s)
+        if not task.done() and (time.monotonic() > deadline or trained_past(metrics_path, args.budget_s)):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return
+    task.result()
+
+
+def trained_past(metrics_path: Path, budget_s: float) -> bool:
+    """Whether the run's last logged step ended past `budget_s` seconds of training."""
+    try:
+        lines = metrics_path.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    last = next((line for line in reversed(lines) if line.strip()), None)
+    try:
+        return last is not None and json.loads(last)[WALL_TIME_S] > budget_s
+    except (json.JSONDecodeError, KeyError):  # a line being written
+        return False
+
+
 def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs,
             error: str | None) -> dict:
     """One run's figures from its per-step metrics (forge_rl's names); a run with `error` or no
     step is "crashed", one that misses the main threshold "not_reached". Steps logged past
-    `budget_s` seconds of training are left out: forge_rl's run is stopped on its whole time, start-up
-    included, and TRL's at the end of the step that crosses the budget."""
+    `budget_s` seconds of training are left out: both runs are stopped at the end of the step that
+    crosses the budget (forge_rl's by `within_budget`, once that step is logged)."""
     metrics = [m for m in metrics if m[WALL_TIME_S] <= args.budget_s]
     rewards = [m[REWARD_MEAN] for m in metrics]
     steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
@@ -438,7 +475,26 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
         result["trainer_idle_fraction"] = metrics[-1][TRAINER_IDLE_FRACTION]
         result["generator_idle_fraction"] = metrics[-1][GENERATORS_IDLE_FRACTION]
         result.update(trainer_overhead_summary(metrics))
+        result.update(role_bound(metrics, steps_to_reward[str(args.target_rewards[-1])]))
     return result
+
+
+def role_bound(metrics: list[dict], steps_to_target: int | None) -> dict:
+    """The time to the threshold that forge_rl's roles allow at best: the trainer and the generators
+    each work through a step in their busy seconds per step (the trainer's step but its wait for
+    data; the generators' wall time but their idle share), and with generation and training fully
+    overlapped a step still takes the longer of the two, so `steps_to_target` steps take at least
+    that many times it. A run's measured time above this bound is time the overlap lost; a bound
+    above a target is what a faster role, not a better overlap, would have to win."""
+    if TRAINER_BUSY_PARTS[0] not in metrics[-1]:
+        return {}
+    steps = len(metrics)
+    trainer = sum(m.get(name, 0.0) for m in metrics for name in TRAINER_BUSY_PARTS) / steps
+    generator = (1.0 - metrics[-1][GENERATORS_IDLE_FRACTION]) * metrics[-1][WALL_TIME_S] / steps
+    return {
+        "trainer_busy_s_per_step": trainer, "generator_busy_s_per_step": generator,
+        "bound_time_to_reward_s": None if steps_to_target is None else steps_to_target * max(trainer, generator),
+    }
 
 
 def reward_at(metrics: list[dict], times_s: tuple[float, ...]) -> dict[str, float | None]:
@@ -476,16 +532,22 @@ def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...]) ->
             "median_startup_s": statistics.median(r["startup_s"] for r in ok if r["startup_s"] is not None)
             if any(r["startup_s"] is not None for r in ok) else None,
         }
+        bounds = [r.get("bound_time_to_reward_s") for r in results]
+        if library == "forge_rl" and reached and all(b is not None for b in bounds):
+            per_library[library]["median_bound_time_to_reward_s"] = statistics.median(bounds)
     trl, ours = per_library.get("trl", {}), per_library.get("forge_rl", {})
-    ratio = None
+    ratio = bound_ratio = None
     if trl.get("median_time_to_reward_s") and ours.get("median_time_to_reward_s") is not None:
         ratio = ours["median_time_to_reward_s"] / trl["median_time_to_reward_s"]
+    if trl.get("median_time_to_reward_s") and ours.get("median_bound_time_to_reward_s") is not None:
+        bound_ratio = ours["median_bound_time_to_reward_s"] / trl["median_time_to_reward_s"]
     return {
         "trl_statuses": trl.get("statuses"),
         "forge_rl_statuses": ours.get("statuses"),
         "trl_time_to_reward_s": trl.get("median_time_to_reward_s"),
         "forge_rl_time_to_reward_s": ours.get("median_time_to_reward_s"),
         "ratio_forge_rl_over_trl": ratio,
+        "bound_ratio_forge_rl_over_trl": bound_ratio,
         "libraries": per_library,
         "runs": runs,
     }

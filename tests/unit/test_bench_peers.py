@@ -221,3 +221,59 @@ def test_a_workload_with_a_form_trains_its_model_on_it_before_both_sides_read_it
 def test_steps_past_the_training_budget_are_left_out():
     late = analyze("forge_rl", 0, fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0), 5.0, PeersArgs(budget_s=9.5), None)
     assert (late["steps"], late["status"], late["time_to_reward_s"]["0.9"]) == (9, "not_reached", None)
+
+
+def test_the_role_bound_is_the_steps_taken_times_the_busier_roles_seconds_per_step():
+    metrics = fake_metrics([0.0] * 5 + [1.0] * 10, step_s=0.5)  # generators idle half of 7.5 s: busy 0.25 s a step
+    for m in metrics:
+        m.update({"trainer/data_wait_s": 0.2, "trainer/forward_s": 0.1, "trainer/backward_s": 0.15,
+                  "trainer/optimizer_s": 0.02, "trainer/batching_s": 0.01, "trainer/publish_s": 0.01,
+                  "trainer/overhead_s": 0.01})
+    run = analyze("forge_rl", 0, metrics, 10.0, PeersArgs(), None)
+    assert run["trainer_busy_s_per_step"] == pytest.approx(0.30)  # its step but the wait for data
+    assert run["generator_busy_s_per_step"] == pytest.approx(0.25)
+    assert run["bound_time_to_reward_s"] == pytest.approx(10 * 0.30)  # reached 0.9 at step 10
+    trl = [fake_run("trl", 0, [0.0] * 5 + [1.0] * 10, 0.2)]
+    summary = summarize({"trl": trl, "forge_rl": [run]}, (0.5, 0.9))
+    assert summary["bound_ratio_forge_rl_over_trl"] == pytest.approx(3.0 / 2.0)
+    assert summary["ratio_forge_rl_over_trl"] == pytest.approx(5.0 / 2.0)
+    assert "bound_time_to_reward_s" not in fake_run("forge_rl", 0, [0.0] * 15, 0.5)  # a run without the trainer's parts
+
+
+def test_forge_rls_run_is_cancelled_once_a_logged_step_passes_the_training_budget(tmp_path):
+    import asyncio
+
+    metrics = tmp_path / "metrics.jsonl"
+    events = []
+
+    async def fake_recipe(logged: asyncio.Event):
+        try:
+            with open(metrics, "w") as f:
+                f.write(json.dumps({"wall_time_s": 5.0}) + "\n")
+                f.flush()
+                assert not peers.trained_past(metrics, 10.0)
+                f.write(json.dumps({"wall_time_s": 11.0}) + "\n")
+            logged.set()
+            await asyncio.Event().wait()  # a run that would go on for its steps
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    async def main():
+        logged = asyncio.Event()
+        await peers.within_budget(fake_recipe(logged), metrics, PeersArgs(budget_s=10.0), poll_s=0.01)
+        assert logged.is_set()
+
+    asyncio.run(main())
+    assert events == ["cancelled"]
+    assert not peers.trained_past(tmp_path / "absent.jsonl", 10.0)
+
+    async def ends():
+        return None
+
+    async def fails():
+        raise RuntimeError("the recipe's own error")
+
+    asyncio.run(peers.within_budget(ends(), metrics.with_name("none.jsonl"), PeersArgs(), poll_s=0.01))
+    with pytest.raises(RuntimeError, match="own error"):
+        asyncio.run(peers.within_budget(fails(), metrics.with_name("none.jsonl"), PeersArgs(), poll_s=0.01))
