@@ -41,8 +41,8 @@ _USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAG
 
 def main(argv: list[str] | None = None) -> None:
     """The `forge-rl` program (pyproject's script, `python -m forge_rl.cli`): runs the subcommand,
-    then ends the process without the interpreter's final garbage collection, which took 2 s after
-    a run's summary (forge_rl/plumbing/process_exit.py). `run` is the same without ending the process."""
+    then ends the process without the interpreter's final garbage collection, which after a run
+    spends seconds freeing what the exit frees anyway (forge_rl/plumbing/process_exit.py). `run` is the same without ending the process."""
     from forge_rl.plumbing.process_exit import exit_now
 
     try:

@@ -53,9 +53,9 @@ CPU cores: about 16 ms for the demo's tiny model (forge_rl/engines/vllm_engine.p
 26-28 ms for a 100M-parameter model (`forge-rl bench weight-sync`); on a GPU, tens of ms. A second per step
 is reached only by an engine that has all but stopped."""
 _UPDATE_TIMEOUT_S = 600.0
-"""A weight update end to end (forge_rl/store/loader.py): measured 0.2-1.2 s for a 398 MB model on
-2 CPU cores, cross-host included (`forge-rl bench weight-sync`); the slowest legitimate case in view, a
-100+ GB model fetched over Monarch's TCP fallback (0.46 GB/s measured), takes about 5 minutes.
+"""A weight update end to end (forge_rl/store/loader.py): about a second for a small model, cross-host
+included (`forge-rl bench weight-sync`, docs/benchmarks/README.md); the slowest legitimate case in
+view, a 100+ GB model fetched over Monarch's TCP fallback, takes minutes.
 Updates of one generator run one at a time, so an update may first wait out the one before it."""
 
 

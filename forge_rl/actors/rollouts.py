@@ -56,9 +56,9 @@ class RolloutsActor(PortServed, Actor):
     @concurrent_endpoint
     async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:
         # The process's startup objects (Monarch, the tokenizer, the configs) out of the collector's
-        # full scans before the loops start, as in the trainer (forge_rl/plumbing/gc_freeze.py): at 128
-        # generators a full collection took 150-170 ms of this loop, 93 ms after the freeze (one
-        # `bench scale` run each, with gc.callbacks; the 2 cores shared by 130 processes).
+        # full scans before the loops start, as in the trainer (forge_rl/plumbing/gc_freeze.py): with
+        # many generators this loop is the control plane's busiest, and a full collection scanning
+        # them stalls every generator's next request.
         freeze_startup_objects()
         self.rollouts.start(None if timeline_path is None else Path(timeline_path), origin_unix_time)
 

@@ -87,8 +87,8 @@ def batch_columns(
     num_references = 0
     # Filled with C loops: `fromlist` where values differ, repeated arrays where they do not (the
     # prompt's zeros, a completion's one advantage and one version), `extend` by an array (a copy).
-    # A Python walk over every token took 25 ms for `bench scale`'s batch at 128 generators
-    # (63 k tokens), on the rollouts' event loop.
+    # A Python walk over every token would hold the rollouts' event loop for as long as a large
+    # batch has tokens.
     for episode in episodes:
         prompt = array("q", episode.prompt_token_ids)
         prompt_zeros, prompt_false, prompt_context = array("f", bytes(4 * len(prompt))), bytes(len(prompt)), array("q", [-1]) * len(prompt)

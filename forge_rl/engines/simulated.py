@@ -141,8 +141,7 @@ class SimEngineConfig:
     """A weight update's fetch and staging beside the served version, before the swap (the engine
     keeps decoding meanwhile): 16.4 GB at about 10 GB/s host to device."""
     swap_paused_s: float = 0.003
-    """Paused for the swap itself with the staged loader (a reference swap; measured 3 ms,
-    docs/weight_store.md). With generator.swap_kv recompute a prefill of every token in flight is added."""
+    """Paused for the swap itself with the staged loader (a reference swap, docs/weight_store.md). With generator.swap_kv recompute a prefill of every token in flight is added."""
     time_scale: float = 1.0
     """Wall seconds per simulated second: 0.1 runs the simulation 10x faster than the GPU would
     (the control plane's own costs then weigh 10x more against it)."""
@@ -151,11 +150,9 @@ class SimEngineConfig:
     it gets a core only when the run's other processes leave one. A simulated generator stands in
     for an engine on a GPU host of its own; on one machine its process (Monarch's runtime, its
     message handling, the timers) would otherwise take cores from the control plane it is measured
-    against. At 128 generators on 2 cores they took 0.7 of a core, and the rollouts' event loop
-    waited for a core: lag p99 58-64 ms as the same priority, 24-29 ms under SCHED_IDLE
-    (`forge-rl bench scale`). Lowering their nice value
-    alone does not do it (41-43 ms at nice 19): 128 processes outweigh one however low each is.
-    False: the same priority as the rest of the run."""
+    against, and the rollouts' event loop would wait for a core. A higher nice value alone does not
+    do it: a hundred processes outweigh one however low each is. False: the same priority as the
+    rest of the run."""
 
     def __post_init__(self) -> None:
         checks = {

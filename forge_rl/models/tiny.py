@@ -7,7 +7,7 @@ downloaded. head_dim must be >= 32 because vLLM's CPU attention backend rejects 
 
 A model is built once per (config, alphabet, transformers version) and kept in a cache
 (`tiny_model_cache_dir`); later runs copy it. Building it means importing `transformers`' modeling
-code, about 5 s of a 2-core machine's start-up of every run, on the controller's critical path
+code, seconds of every run's start-up on a CPU, on the controller's critical path
 before any process is spawned; the copy is the same bytes (the seed fixes the weights).
 """
 

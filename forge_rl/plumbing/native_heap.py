@@ -10,8 +10,7 @@ arena; free chunks in the middle stay resident. In the soak (docs/benchmarks/REA
 anonymous memory stayed at 437-446 MB over 2,200 steps (it grew 422 -> 470 MB in 8 minutes
 without).
 
-A trim takes milliseconds (14 ms releasing 130 MB of a fragmented heap, 2 ms with nothing to
-release, measured on this machine), so `trim_native_heap_if_due` does it at most once a minute
+A trim takes milliseconds, more on a fragmented heap, so `trim_native_heap_if_due` does it at most once a minute
 per process (the heap is the process's, whichever of its actors calls), from the call sites that
 run every step. Where the C library is not glibc (macOS, musl) it does nothing.
 """

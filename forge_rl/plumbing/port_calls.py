@@ -12,9 +12,8 @@ future.
 
 The port itself crosses as bytes pickled once, when the caller opens it, and the callee unpickles
 each caller's port once (`PortServed._reply_port`): a Monarch `Port` pickles by value (its
-`__reduce__` returns a nested function, which cloudpickle sends with its code object), about
-1.6 KB and 0.3-0.9 ms of pickling each time on this machine, against about 12 us for the rest of
-a step's call (`forge-rl bench scale`). A caller makes
+`__reduce__` returns a nested function, which cloudpickle sends with its code object): more
+than a kilobyte, and more pickling time than the rest of the call (`forge-rl bench scale`). A caller makes
 hundreds of calls a step at 128 generators.
 
 What changes for the caller, and what does not:

@@ -4,8 +4,7 @@ completion (ERRORED, with the reason) and never the run.
 A thread cannot be stopped, and a pure-Python `while True:` never returns, so each worker is its own
 process: past `scorer.reward_timeout_s` on one completion the worker is killed and a fresh one takes
 over the rest of the episode. A worker scores a whole episode per round trip and streams back one
-result per completion, so the per-completion deadline needs no extra messages (overhead: about
-0.1 ms per episode on a laptop core, measured by tests/unit/test_scoring.py).
+result per completion, so the per-completion deadline needs no extra messages.
 
 Workers are plain subprocesses (`python -m forge_rl.scoring.reward_workers`) talking over two pipes, not
 multiprocessing's spawn, which would re-import the parent's __main__ (a Monarch bootstrap in an
