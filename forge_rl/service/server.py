@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hmac
 import logging
 import socket
@@ -70,8 +71,8 @@ _UNSERVED: dict[str, str] = {
     "/api/v1/auth/token": "JWT exchange (this server takes API keys)",
     "/api/v1/save_weights_external": "saving weights in an external format",
     "/api/v1/copy_weights": "copying weights between projects",
-    "/api/v1/training_runs": "listing training runs and checkpoints",
-    "/api/v1/checkpoints": "listing checkpoints",
+    "/api/v1/training_runs": "publishing, TTLs, deleting and exporting checkpoints",
+    "/api/v1/checkpoints": "checkpoint storage usage",
     "/api/v1/sessions": "listing and searching sessions",
     "/api/v1/audit": "audit logs",
     "/api/v1/billing": "billing",
@@ -110,6 +111,10 @@ class _Service:
     models: dict[str, str] = field(default_factory=dict)
     """The client's model id -> the backend's (they differ for a model created by loading a checkpoint,
     whose id the SDK derives itself)."""
+    checkpoints: defaultdict[str, dict[str, types.Checkpoint]] = field(default_factory=lambda: defaultdict(dict))
+    """The backend's model id -> its saved states and sampler weights by tinker path, in the order saved."""
+    last_request: dict[str, datetime.datetime] = field(default_factory=dict)
+    """The backend's model id -> when a request last reached it."""
     requests: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)
     per_model: defaultdict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
@@ -123,6 +128,23 @@ class _Service:
             )
         return backend_id
 
+    def training_run(self, run_id: str) -> str:
+        """The backend's model id of a training run, named by the client's model id or by the id
+        its tinker:// paths carry (the SDK's ParsedCheckpointTinkerPath.training_run_id)."""
+        if run_id in self.models.values():
+            return run_id
+        return self.backend_model(run_id, "training_run_id")
+
+    def record_checkpoint(self, backend_id: str, path: str) -> None:
+        """A save's path as the Checkpoint the listing endpoints return (a path saved again, such as
+        the in-flight sampler weights, is listed once, at its latest time)."""
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
+        saved = self.checkpoints[backend_id]
+        saved.pop(path, None)
+        saved[path] = types.Checkpoint(
+            checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type, time=_now(), tinker_path=path,
+        )
+
     def metrics(self) -> dict[str, Any]:
         return {
             "requests": dict(self.requests),
@@ -133,6 +155,17 @@ class _Service:
             "samplers": len(self.samplers),
             **self.futures.counts(),
         }
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _page(items: list, limit: int, offset: int) -> tuple[list, types.Cursor]:
+    if limit < 1 or offset < 0:
+        raise wire.refuse("limit" if limit < 1 else "offset", limit if limit < 1 else offset, "must be >= 1 (limit) and >= 0 (offset)",
+                          "pass limit >= 1 and offset >= 0")
+    return items[offset : offset + limit], types.Cursor(offset=offset, limit=limit, total_count=len(items))
 
 
 def service_of(app: FastAPI) -> _Service:
@@ -225,6 +258,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
             service.futures.pass_over(model_id, seq_id)
             raise
         count(kind, model_id)  # known models only: a client's made-up ids grow no table
+        service.last_request[backend_id] = _now()
         request_id = service.futures.submit(kind, lambda: run(backend_id), model_id=model_id, seq_id=seq_id, body=body)
         return future_response(request_id, model_id)
 
@@ -397,6 +431,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
         async def run(backend_id: str) -> _Reply:
             saved = await backend.save_for_sampler(backend_id, body.path, body.kind)
+            service.record_checkpoint(backend_id, saved.path)
             sampling_session_id = None
             if with_session:
                 sampling_session_id = f"sampler-{uuid.uuid4().hex[:16]}"
@@ -420,6 +455,7 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
         async def run(backend_id: str) -> _Reply:
             saved = await backend.save_state(backend_id, checkpoint)
+            service.record_checkpoint(backend_id, saved.path)
             return _json(types.SaveWeightsResponse(path=saved.path, type="save_weights"))
 
         return await on_model("save_weights", body.model_id, body.seq_id, raw, run)
@@ -546,6 +582,42 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         body = wire.parse_json(_CancelRequest, await _body(request, limits.max_body_bytes))
         count("cancel_future")
         return {"request_id": body.request_id, "cancelled": service.futures.cancel(body.request_id)}
+
+    # --- training runs and their checkpoints (the SDK's RestClient) ----------------------------
+
+    def training_run(run_id: str) -> types.TrainingRun:
+        backend_id = service.training_run(run_id)
+        saved = list(service.checkpoints[backend_id].values())
+        last = {kind: next((c for c in reversed(saved) if c.checkpoint_type == kind), None) for kind in ("training", "sampler")}
+        return types.TrainingRun(
+            training_run_id=backend_id, base_model=base_model, model_owner="forge-rl serve", is_lora=True,
+            lora_rank=backend.model_info(backend_id).rank, last_request_time=service.last_request.get(backend_id, _now()),
+            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
+        )
+
+    @app.get("/api/v1/training_runs", dependencies=[api])
+    async def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        count("list_training_runs")
+        runs, cursor = _page(sorted(set(service.models.values())), limit, offset)
+        return types.TrainingRunsResponse(training_runs=[training_run(r) for r in runs], cursor=cursor).model_dump(mode="json")
+
+    @app.get("/api/v1/training_runs/{run_id}", dependencies=[api])
+    async def get_training_run(run_id: str) -> dict[str, Any]:
+        count("get_training_run")
+        return training_run(run_id).model_dump(mode="json")
+
+    @app.get("/api/v1/training_runs/{run_id}/checkpoints", dependencies=[api])
+    async def list_checkpoints(run_id: str) -> dict[str, Any]:
+        count("list_checkpoints")
+        saved = list(service.checkpoints[service.training_run(run_id)].values())
+        return types.CheckpointsListResponse(checkpoints=saved).model_dump(mode="json")
+
+    @app.get("/api/v1/checkpoints", dependencies=[api])
+    async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        count("list_user_checkpoints")
+        every = sorted((c for saved in service.checkpoints.values() for c in saved.values()), key=lambda c: c.time, reverse=True)
+        page, cursor = _page(every, limit, offset)
+        return types.CheckpointsListResponse(checkpoints=page, cursor=cursor).model_dump(mode="json")
 
     # --- what is not served ---------------------------------------------------------------------
 

@@ -265,6 +265,35 @@ def test_a_saved_state_loads_into_a_new_training_client_and_a_named_sampler_path
     assert served.backend.calls[-1] == Call("sample", None, None)
 
 
+def test_a_training_runs_saves_are_listed_as_the_sdks_rest_client_reads_them(served, service):
+    training = service.create_lora_training_client(base_model=BASE, rank=8).result(timeout=60)
+    state = training.save_state("listed-1").result(timeout=60)
+    sampler = training.save_weights_for_sampler("listed-final").result(timeout=60)
+    rest = tinker.RestClient(base_url=served.url, api_key=KEY)
+
+    listed = rest.list_checkpoints(training.model_id).result(timeout=60)
+    assert [(c.checkpoint_type, c.checkpoint_id, c.tinker_path) for c in listed.checkpoints] == [
+        ("training", "weights/listed-1", state.path), ("sampler", "sampler_weights/listed-final", sampler.path),
+    ]
+    run = rest.get_training_run(training.model_id).result(timeout=60)
+    assert (run.training_run_id, run.base_model, run.is_lora, run.lora_rank) == (training.model_id, BASE, True, 8)
+    assert (run.last_checkpoint.tinker_path, run.last_sampler_checkpoint.tinker_path) == (state.path, sampler.path)
+    assert rest.get_training_run_by_tinker_path(state.path).result(timeout=60).training_run_id == training.model_id
+
+    newest = rest.list_user_checkpoints(limit=1).result(timeout=60)  # every run's saves, newest first
+    assert [c.tinker_path for c in newest.checkpoints] == [sampler.path]
+    assert newest.cursor.total_count >= 2 and (newest.cursor.offset, newest.cursor.limit) == (0, 1)
+    every = rest.list_user_checkpoints(limit=100).result(timeout=60)
+    assert {state.path, sampler.path} <= {c.tinker_path for c in every.checkpoints}
+    runs = rest.list_training_runs(limit=50).result(timeout=60)
+    assert training.model_id in {r.training_run_id for r in runs.training_runs}
+
+    with pytest.raises(tinker.NotFoundError, match="training_run_id='no-such-run'"):
+        rest.list_checkpoints("no-such-run").result(timeout=60)
+    with pytest.raises(tinker.NotFoundError, match="does not serve publishing"):
+        rest.publish_checkpoint_from_tinker_path(state.path).result(timeout=60)
+
+
 def test_a_refused_loss_reaches_the_user_naming_the_supported_ones_and_the_client_goes_on(served, service):
     training = service.create_lora_training_client(base_model=BASE, rank=8).result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="loss_fn='gspo'.*cross_entropy, importance_sampling, ppo, cispo, dro"):
