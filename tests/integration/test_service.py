@@ -186,7 +186,7 @@ def test_the_grpo_loop_example_runs_against_the_service(service):
     assert summary["steps"] == 3 and 0.0 <= summary["final_reward"] <= 1.0
 
 
-def test_a_saved_state_loads_back_into_its_tenant_and_into_a_new_one(client):
+def test_a_saved_state_loads_back_into_its_tenant_and_into_a_new_one(client, service):
     training = client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result()
     probe = [_datum(SEQUENCES["a"])]
 
@@ -206,6 +206,8 @@ def test_a_saved_state_loads_back_into_its_tenant_and_into_a_new_one(client):
     for model in (training, copy):
         _teach(model, SEQUENCES["a"], steps=1)
     np.testing.assert_allclose(logprobs(copy), logprobs(training), atol=1e-5)
+    listed = tinker.RestClient(base_url=service["url"], api_key="tml-local").list_checkpoints(training.model_id).result()
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed.checkpoints] == [("training", saved.path)]
 
 
 def test_bad_requests_are_refused_naming_their_fault(client):
