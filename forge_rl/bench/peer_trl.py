@@ -9,6 +9,10 @@ exclude). The reward is the task's own function (the spec's `reward_function`, e
 `leading_number_reward`), loaded from the file the spec names (the task module imports only the
 standard library), so both libraries score alike.
 
+With the spec's `chat`, each prompt is one user message (TRL renders it with the model's chat
+template, as forge_rl's `prompt_format: chat` does); with its `lora`, PEFT adapters of that rank,
+alpha and target modules train on the frozen model (`peft`, pinned in TRL's environment).
+
 Per step it appends one JSON line to the spec's `metrics_path`: the step, seconds since training
 began (`on_train_begin`, after the model, the data and the trainer are built), the step's mean
 reward, its completion tokens and TRL's own step time. The first line records the Unix time
@@ -46,11 +50,16 @@ def main(spec_path: str) -> None:
     reward_fn = load_reward(spec["reward_module"], spec["reward_function"])
     with open(spec["prompts_path"]) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    # The prompt as forge_rl encodes it: the tokenizer's bos, then the text.
-    dataset = Dataset.from_list([{"prompt": spec["prompt_prefix"] + r["prompt"], "answer": r["answer"]} for r in rows])
+    if spec["chat"]:  # one user message, rendered by the model's chat template with the assistant header, as forge_rl does
+        prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+    else:  # the prompt as forge_rl encodes it: the tokenizer's bos, then the text
+        prompts = [spec["prompt_prefix"] + r["prompt"] for r in rows]
+    dataset = Dataset.from_list([{"prompt": prompt, "answer": r["answer"]} for prompt, r in zip(prompts, rows)])
 
     def reward(completions, answer, **_):
-        return [reward_fn(c, a) for c, a in zip(completions, answer)]
+        # A conversational prompt's completion comes as its messages: the assistant's one reply.
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [reward_fn(t, a) for t, a in zip(texts, answer)]
 
     out = open(spec["metrics_path"], "w")
     state = {"start": None}
@@ -111,9 +120,18 @@ def main(spec_path: str) -> None:
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    peft_config = None
+    if spec["lora"] is not None:
+        from peft import LoraConfig
+
+        lora = spec["lora"]
+        peft_config = LoraConfig(
+            r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["target_modules"], lora_dropout=0.0, bias="none",
+            task_type="CAUSAL_LM",
+        )
     trainer = GRPOTrainer(
         model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[StepLog()],
+        callbacks=[StepLog()], peft_config=peft_config,
     )
     trainer.train()
     out.close()

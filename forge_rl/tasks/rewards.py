@@ -19,7 +19,7 @@ function of your own; either way it is resolved when the config is built, so a t
 anything starts.
 
     task:
-      reward: leading_number              # built in (also trailing_number, exact_match, prefix_match, math_verify, reasoning_gym)
+      reward: leading_number              # built in (also trailing_number, final_integer, exact_match, prefix_match, math_verify, reasoning_gym)
       reward: my_project.verifiers:math   # yours; importable in every process of the run
       rewards:                            # several, instead of reward: each spec with its weight
         math_verify: 1.0
@@ -36,7 +36,7 @@ from typing import Any
 
 from forge_rl.errors import ConfigError
 from forge_rl.tasks.reasoning_gym import reasoning_gym_reward
-from forge_rl.tasks.synthetic import leading_number_reward, prefix_match_reward, trailing_number_reward
+from forge_rl.tasks.synthetic import final_integer_reward, leading_number_reward, prefix_match_reward, trailing_number_reward
 
 RewardFn = Callable[..., float]
 """reward_fn(completion_text, answer, **the columns it names) -> float."""
@@ -63,6 +63,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "trailing_number": trailing_number_reward,
     "exact_match": exact_match_reward,
     "prefix_match": prefix_match_reward,
+    "final_integer": final_integer_reward,
     "math_verify": math_verify_reward,
     # The verifiers of reasoning-gym (optional extra), for task.name "reasoning_gym" only.
     "reasoning_gym": reasoning_gym_reward,

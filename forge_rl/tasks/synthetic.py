@@ -103,6 +103,14 @@ def trailing_number_reward(completion_text: str, answer: str) -> float:
     return 1.0 if numbers and numbers[-1] == answer else 0.0
 
 
+def final_integer_reward(completion_text: str, answer: str) -> float:
+    """1.0 when the last integer in the completion, with its sign, is exactly the answer, else 0.0:
+    final-answer extraction for answers that may be negative ("0 - 4 = -4" and "it is -4" score
+    for answer "-4"; "4" does not)."""
+    numbers = _SIGNED_INTEGER.findall(completion_text)
+    return 1.0 if numbers and numbers[-1] == answer.strip() else 0.0
+
+
 def prefix_match_reward(completion_text: str, answer: str) -> float:
     """The share of the longer of completion and answer that their common prefix covers, in [0, 1]:
     1.0 for exactly the answer, partial credit for a completion that stops early or runs on ("8888"
@@ -123,3 +131,4 @@ def prefix_match_reward(completion_text: str, answer: str) -> float:
 
 _LEADING_NUMBER = re.compile(r"\s*(\d+)")
 _NUMBER = re.compile(r"\d+")
+_SIGNED_INTEGER = re.compile(r"-?\d+")

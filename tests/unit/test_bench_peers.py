@@ -21,6 +21,9 @@ from forge_rl.yaml_config import load_yaml_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "bench_peers_tiny_cpu.yaml"
+TARGETS = (0.5, 0.9)
+ANALYZED = PeersArgs(target_rewards=TARGETS, at_times_s=(15.0, 30.0, 60.0))
+"""The arguments a workload's runs are analyzed with (`main` fills in the workload's targets and times)."""
 
 
 def fake_metrics(rewards: list[float], step_s: float, tokens: int = 100) -> list[dict]:
@@ -33,7 +36,7 @@ def fake_metrics(rewards: list[float], step_s: float, tokens: int = 100) -> list
 
 
 def fake_run(library: str, seed: int, rewards: list[float], step_s: float, error: str | None = None) -> dict:
-    return analyze(library, seed, fake_metrics(rewards, step_s), 10.0, PeersArgs(at_times_s=(3.0, 4.0)), error)
+    return analyze(library, seed, fake_metrics(rewards, step_s), 10.0, PeersArgs(target_rewards=TARGETS, at_times_s=(3.0, 4.0)), error)
 
 
 def test_time_and_steps_to_each_threshold_are_read_off_the_smoothed_reward():
@@ -60,7 +63,7 @@ def test_a_run_that_misses_the_threshold_or_crashes_reports_no_time():
     crashed = fake_run("trl", 1, [0.0, 1.0], step_s=0.2, error="exit status 1")
     assert (crashed["status"], crashed["error"]) == ("crashed", "exit status 1")
     assert "steps_per_s" not in crashed
-    nothing = analyze("trl", 2, [], None, PeersArgs(), None)
+    nothing = analyze("trl", 2, [], None, ANALYZED, None)
     assert (nothing["status"], nothing["error"], nothing["time_to_reward_s"]["0.9"]) == ("crashed", "no step logged", None)
 
 
@@ -172,7 +175,7 @@ def test_an_environment_that_cannot_import_trl_counts_as_missing(tmp_path):
 def test_a_peer_run_that_crashes_is_reported_as_crashed_with_its_log(tmp_path):
     venv = fake_venv(tmp_path / "venv", "echo boom; exit 3\n")
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=2)
-    result = peers.run_trl(base, PeersArgs(peer_venv=venv, out_dir=tmp_path / "out"), 0, "matched_tiny")
+    result = peers.run_trl(base, dataclasses.replace(ANALYZED, peer_venv=venv, out_dir=tmp_path / "out"), 0, "matched_tiny")
     assert result["status"] == "crashed" and result["error"].startswith("exit status 3")
     assert result["time_to_reward_s"]["0.9"] is None and result["startup_s"] is None
     assert (tmp_path / "out" / "matched_tiny" / "trl-seed0" / "trl.log").read_text().strip() == "boom"
@@ -200,7 +203,7 @@ def test_trls_side_trains_two_steps_on_the_workloads_model(tmp_path):
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=2)
     model = peers.build_model(base, peers.WORKLOADS["matched_tiny"], tmp_path / "model")
     base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=model))
-    args = PeersArgs(peer_venv=REPO / peers.PEER_VENV, out_dir=tmp_path, peer_threads=1)
+    args = dataclasses.replace(ANALYZED, peer_venv=REPO / peers.PEER_VENV, out_dir=tmp_path, peer_threads=1)
     result = peers.run_trl(base, args, 0, "matched_tiny")
     assert result["steps"] == 2 and result["status"] == "not_reached", result
     assert result["startup_s"] > 0 and result["trained_tokens_per_s"] > 0
@@ -219,7 +222,7 @@ def test_a_workload_with_a_form_trains_its_model_on_it_before_both_sides_read_it
 
 
 def test_steps_past_the_training_budget_are_left_out():
-    late = analyze("forge_rl", 0, fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0), 5.0, PeersArgs(budget_s=9.5), None)
+    late = analyze("forge_rl", 0, fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0), 5.0, dataclasses.replace(ANALYZED, budget_s=9.5), None)
     assert (late["steps"], late["status"], late["time_to_reward_s"]["0.9"]) == (9, "not_reached", None)
 
 
@@ -229,7 +232,7 @@ def test_the_role_bound_is_the_steps_taken_times_the_busier_roles_seconds_per_st
         m.update({"trainer/data_wait_s": 0.2, "trainer/forward_s": 0.1, "trainer/backward_s": 0.15,
                   "trainer/optimizer_s": 0.02, "trainer/batching_s": 0.01, "trainer/publish_s": 0.01,
                   "trainer/overhead_s": 0.01})
-    run = analyze("forge_rl", 0, metrics, 10.0, PeersArgs(), None)
+    run = analyze("forge_rl", 0, metrics, 10.0, ANALYZED, None)
     assert run["trainer_busy_s_per_step"] == pytest.approx(0.30)  # its step but the wait for data
     assert run["generator_busy_s_per_step"] == pytest.approx(0.25)
     assert run["bound_time_to_reward_s"] == pytest.approx(10 * 0.30)  # reached 0.9 at step 10
@@ -277,3 +280,33 @@ def test_forge_rls_run_is_cancelled_once_a_logged_step_passes_the_training_budge
     asyncio.run(peers.within_budget(ends(), metrics.with_name("none.jsonl"), PeersArgs(), poll_s=0.01))
     with pytest.raises(RuntimeError, match="own error"):
         asyncio.run(peers.within_budget(fails(), metrics.with_name("none.jsonl"), PeersArgs(), poll_s=0.01))
+
+
+SMOLLM2 = REPO / peers.WORKLOADS["smollm2_lora"].config
+
+
+def test_the_lora_workloads_trl_settings_carry_chat_prompts_the_data_rows_and_peft_names_of_the_same_layers(tmp_path):
+    # Read unchecked: the converted model need not be here for TRL's settings to be derived.
+    base = dataclasses.replace(load_yaml_config(GRPOConfig, SMOLLM2, checked=False), steps=2)
+    assert peers.peer_cannot_express(base) is None
+    spec = peers.trl_spec(base, ANALYZED, 0, tmp_path)
+    assert spec["chat"] and spec["reward_function"] == "final_integer_reward"
+    assert spec["lora"] == {"r": 16, "alpha": 32.0, "target_modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]}
+    rows = [json.loads(line) for line in Path(spec["prompts_path"]).read_text().splitlines()]
+    source = [json.loads(line) for line in (REPO / "data" / "chain_sum_train.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": r["prompt"], "answer": r["answer"]} for r in source]
+    lm_head = dataclasses.replace(base, trainer=dataclasses.replace(
+        base.trainer, lora=dataclasses.replace(base.trainer.lora, targets=("wqkv", "lm_head"))))
+    assert "['wqkv', 'lm_head']" in peers.peer_cannot_express(lm_head)
+    (tmp_path / "rows.json").write_text(json.dumps([{"prompt": "1 + 1 =", "answer": "2"}]))
+    json_list = dataclasses.replace(base, data=dataclasses.replace(base.data, path=str(tmp_path / "rows.json")))
+    assert "not a .jsonl file" in peers.peer_cannot_express(json_list)
+
+
+def test_the_lora_workload_without_its_converted_model_is_refused_naming_the_command_that_writes_it(tmp_path):
+    config = tmp_path / "smollm2.yaml"
+    config.write_text(SMOLLM2.read_text().replace("path: models/SmolLM2-135M-Instruct", f"path: {tmp_path / 'absent'}"))
+    with pytest.raises(ConfigError, match="forge-rl convert"):
+        peers.main(PeersArgs(workloads=("smollm2_lora",), config=config, out_dir=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

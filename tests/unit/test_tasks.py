@@ -125,3 +125,13 @@ def test_last_number_extraction_scores_the_last_number_of_a_wordy_answer():
     # The same wording under the default extraction earns only reasoning-gym's partial credit.
     whole = make_task_prompt(TaskConfig(**CHAIN_SUM), 5)
     assert reward(f"The answer to this problem is {oracle}.", whole.answer) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "reward"),
+    [("0 - 4 = -4", "-4", 1.0), ("it is -4.", "-4", 1.0), ("4", "-4", 0.0), ("-4 then 3", "-4", 0.0), ("7", " 7 ", 1.0), ("none", "7", 0.0)],
+)
+def test_the_final_integer_reward_reads_the_last_integer_with_its_sign(completion, answer, reward):
+    from forge_rl.tasks.synthetic import final_integer_reward
+
+    assert final_integer_reward(completion, answer) == reward
