@@ -286,8 +286,12 @@ SMOLLM2 = REPO / peers.WORKLOADS["smollm2_lora"].config
 
 
 def test_the_lora_workloads_trl_settings_carry_chat_prompts_the_data_rows_and_peft_names_of_the_same_layers(tmp_path):
-    # Read unchecked: the converted model need not be here for TRL's settings to be derived.
-    base = dataclasses.replace(load_yaml_config(GRPOConfig, SMOLLM2, checked=False), steps=2)
+    # A tiny model in the converted model's place: TRL's settings do not depend on its weights.
+    tiny = load_yaml_config(GRPOConfig, CONFIG)
+    model = peers.build_model(tiny, peers.WORKLOADS["matched_tiny"], tmp_path / "model")
+    config = tmp_path / "smollm2.yaml"
+    config.write_text(SMOLLM2.read_text().replace("path: models/SmolLM2-135M-Instruct", f"path: {model}"))
+    base = dataclasses.replace(load_yaml_config(GRPOConfig, config), steps=2)
     assert peers.peer_cannot_express(base) is None
     spec = peers.trl_spec(base, ANALYZED, 0, tmp_path)
     assert spec["chat"] and spec["reward_function"] == "final_integer_reward"
