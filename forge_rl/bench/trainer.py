@@ -93,6 +93,16 @@ def long_tail_episodes(args: TrainerBenchArgs) -> list:
     return episodes
 
 
+def next_token_loss(logits_NLV: torch.Tensor, input_ids_NL: torch.Tensor, loss_mask_NL: torch.Tensor,
+                    global_tokens: int) -> torch.Tensor:
+    """Cross-entropy of each row's next token on its generated tokens, summed over this rank's and
+    divided by the batch's (FSDP2 sums gradients over ranks): the loss of the reference loops."""
+    token_loss = torch.nn.functional.cross_entropy(
+        logits_NLV[:, :-1].float().flatten(0, 1), input_ids_NL[:, 1:].flatten(), reduction="none"
+    )
+    return (token_loss * loss_mask_NL[:, 1:].flatten()).sum() / global_tokens
+
+
 class BareTitanLoop:
     """What a plain TorchTitan training loop does per step, on the same model build and mesh."""
 
@@ -113,12 +123,7 @@ class BareTitanLoop:
         logits_NLV = self.model(input_ids_NL.to(self.device))
         if isinstance(logits_NLV, DTensor):
             logits_NLV = logits_NLV.full_tensor()
-        targets = input_ids_NL[:, 1:].to(self.device)
-        token_loss = torch.nn.functional.cross_entropy(
-            logits_NLV[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none"
-        )
-        # Summed over this rank's generated tokens / the batch's: FSDP2 sums gradients over ranks.
-        loss = (token_loss * loss_mask_NL[:, 1:].flatten().to(self.device)).sum() / global_tokens
+        loss = next_token_loss(logits_NLV, input_ids_NL.to(self.device), loss_mask_NL.to(self.device), global_tokens)
         loss.backward()
         clip_grad_norm_(list(self.model.parameters()), self.max_grad_norm, foreach=True)
         self.optimizer.step()
@@ -142,10 +147,7 @@ class TransformersLoop:
     def step(self, input_ids_NL: torch.Tensor, attention_mask_NL: torch.Tensor, loss_mask_NL: torch.Tensor,
              global_tokens: int) -> float:
         logits_NLV = self.model(input_ids=input_ids_NL, attention_mask=attention_mask_NL).logits
-        token_loss = torch.nn.functional.cross_entropy(
-            logits_NLV[:, :-1].float().flatten(0, 1), input_ids_NL[:, 1:].flatten(), reduction="none"
-        )
-        loss = (token_loss * loss_mask_NL[:, 1:].flatten()).sum() / global_tokens
+        loss = next_token_loss(logits_NLV, input_ids_NL, loss_mask_NL, global_tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm, foreach=True)
         self.optimizer.step()
