@@ -19,6 +19,7 @@ from typing import Literal
 from forge_rl.core.branches import BranchConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig
+from forge_rl.core.policies import Policies, PolicyConfig
 from forge_rl.data.config import DataConfig
 from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
@@ -203,6 +204,10 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation at exact policy versions beside training, on eval sets from files
     (forge_rl/evaluation/config.py, docs/evaluation.md); none by default."""
+    policies: tuple[PolicyConfig, ...] = ()
+    """More policies beside the run's own, each playing the seats of a multi-agent environment it
+    names with weights, a trainer, generators and versions of its own (forge_rl/core/policies.py,
+    docs/environments.md "Several policies"); none by default: the run's policy plays every seat."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -297,6 +302,7 @@ class GRPOConfig:
         self._check_keep_routing()
         self._check_branch()
         self._check_eval()
+        self._check_policies()
         check_placement(self.launch, demand_of(self))
 
     def _check_batch_shape(self) -> None:
@@ -609,6 +615,51 @@ class GRPOConfig:
             )
         if self.environment.reads_row != "required":  # one whose factory needs a row is checked per episode
             refuse_unless_replayable(self.environment.make_env()(self.task.seed, 0), name)
+
+    @property
+    def run_policies(self) -> Policies:
+        """The run's policies resolved (forge_rl/core/policies.py): who plays each seat, each one's age bound."""
+        return Policies(self.policies, self.buffer.max_policy_age)
+
+    def policy_trainer_config(self, policy: PolicyConfig) -> TrainerConfig:
+        """The trainer of one of `policies`: the run's trainer with its own learning rate."""
+        return self.trainer if policy.lr is None else dataclasses.replace(self.trainer, lr=policy.lr)
+
+    def _check_policies(self) -> None:
+        """Several policies need a native multi-agent environment whose seats they name, and the
+        parts of a run that know one policy only are refused with them, before anything starts."""
+        if not self.policies:
+            return
+        policies = self.run_policies  # names and seats checked there
+        names = [p.name for p in self.policies]
+        name = self.environment.name
+        if name is None:
+            raise ConfigError(
+                f"policies ({names}) with no environment.name: a policy plays seats of a multi-agent environment "
+                "(forge_rl/envs/graph.py). Set --environment.name, or drop policies."
+            )
+        refused = [
+            (self.checkpoint.enabled, "checkpoint.enabled", "a checkpoint holds the run's own trainer only", "--checkpoint.no-enabled"),
+            (self.branch.enabled, f"branch.rule ({self.branch.rule})", "forks replay turns on the run's own generators", "--branch.rule none"),
+            (self.simulated or self.trainer.engine == "sim", "a simulated engine or trainer", "it publishes no weights per policy", "vllm and the TorchTitan trainer"),
+            (self.eval.enabled, "eval.sets", "an evaluation samples the run's own policy only", "no eval.sets"),
+            (self.launch.hosts != "local", f"launch.hosts ({self.launch.hosts})", "the other policies' roles are placed on this machine only", "launch.hosts local"),
+        ]
+        for refuse, setting, why, fix in refused:
+            if refuse:
+                raise ConfigError(f"policies ({names}) with {setting}: {why}. Use {fix}, or drop policies.")
+        if self.environment.reads_row == "required":
+            return  # its factory needs a data row: its seats are checked when its first episode is made
+        env = self.environment.make_env()(self.task.seed, 0)
+        from forge_rl.envs.graph import declared_seats, is_multi_agent
+
+        if not is_multi_agent(env):
+            raise ConfigError(
+                f"policies ({names}) with environment {name!r}, which is not a multi-agent environment "
+                "(forge_rl/envs/graph.py MultiAgentEnvironment: seats, reset, step): its one agent is the run's "
+                "own policy. Drop policies, or use an environment with seats."
+            )
+        policies.check_seats({seat.name: seat.trainable for seat in declared_seats(env).values()}, name)
 
     def _check_rewards_read_no_column(self) -> None:
         field = "task.reward" if self.task.rewards is None else "task.rewards"

@@ -139,6 +139,9 @@ class Completion:
     """Which completions of its group this one's advantage is baselined against: those with the same
     value (an agent's seat, or its seat within one episode: forge_rl/envs/rollout.py
     `group_completions`); None: the whole group, GRPO's baseline."""
+    policy: str | None = None
+    """The policy that sampled it and that trains it (a `policies` entry of the run's config, by
+    name: its own trainer, versions and age bound); None: the run's own policy."""
     entropies: list[float] | None = None
     """Per token, [T]: the entropy in nats of the distribution it was sampled from, as the engine
     estimated it (forge_rl/core/branches.py `token_entropies`); recorded only for branch.rule

@@ -80,6 +80,10 @@ async def run(config: GRPOConfig) -> dict:
             # (forge_rl/plumbing/port_calls.py).
             rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
             trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
+            policy_trainers={
+                name: PortCalled(policy.trainer, every_step_calls, only=("train_next_step",))
+                for name, policy in actors.policies.items()
+            },
             after_publish=actors.scoring.after_publish,
             generators=actors.generators, checkpointed=actors.scoring.checkpointed,
             evaluation=None if not config.eval.enabled else Evaluation(
@@ -119,6 +123,41 @@ class Actors:
     eval_generators: GeneratorPool | None
     """The evaluation's own generators (eval.sets set, eval.placement own), which load only the
     version under evaluation."""
+    policies: dict[str, PolicyActors] = dataclasses.field(default_factory=dict)
+    """Each of config.policies' own trainer, generators and weight store, by name."""
+
+
+@dataclasses.dataclass
+class PolicyActors:
+    """One of config.policies (forge_rl/core/policies.py): its trainer ranks, which train its part of
+    each batch and publish its versions to its own weight store, and the generators serving them."""
+
+    trainer: TrainerActor
+    generators: GeneratorPool
+    store_index: StoreIndexActor
+
+
+async def spawn_policies(config: GRPOConfig, lifecycle: Lifecycle, hosts: launch.Hosts, pad_id: int) -> dict[str, PolicyActors]:
+    """Each of config.policies' roles: a services process (its store's index and volume, its
+    generator pool) and its trainer ranks, on this machine, from the run's starting model."""
+    model_dir = str(lifecycle.model_dir)
+    spawned = {}
+    for policy in config.policies:
+        services = hosts.spawn_procs(f"services-{policy.name}", 1, config.launch.placement.services_host)
+        root = lifecycle.policy_stores[policy.name].root
+        store_index, _ = await spawn_store(services, root, extra_files_dir=model_dir)
+        generators = services.spawn(
+            "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, policy.num_generators,
+            store_index, hosts.policy_generator_placements(policy.num_generators), config.generate_timeout_s,
+            config.update_timeout_s, adapters=config.adapter_serving(model_dir),
+        )
+        trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs, name=f"trainer-{policy.name}")
+        trainer = trainer_procs.spawn(
+            "trainer", TrainerActor, config.policy_trainer_config(policy), model_dir, store_index, str(root), pad_id,
+            config.publish, config.launch.placement.trainer_cpus, policy.name,
+        )
+        spawned[policy.name] = PolicyActors(trainer, generators, store_index)
+    return spawned
 
 
 async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
@@ -148,12 +187,14 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             config.eval.num_generators, store_index, hosts.eval_generator_placements(config.eval.num_generators),
             config.generate_timeout_s, config.update_timeout_s, adapters=config.adapter_serving(model_dir),
         )
+    policies = await spawn_policies(config, lifecycle, hosts, pad_id)
     actors = Actors(
         generators=generators,
         scoring=scoring,
         # Its after_publish runs here, in the controller; a closure does not cross processes.
         rollouts=hosts.spawn_rollouts().spawn(
-            "rollouts", RolloutsActor, config, model_dir, generators, dataclasses.replace(scoring, after_publish=None)
+            "rollouts", RolloutsActor, config, model_dir, generators, dataclasses.replace(scoring, after_publish=None),
+            {name: policy.generators for name, policy in policies.items()},
         ),
         trainer=trainer_procs.spawn(
             "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
@@ -161,9 +202,12 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         ),
         store_index=store_index,
         eval_generators=eval_generators,
+        policies=policies,
     )
     # Their shutdown stops the processes they own (engines, reward workers, frozen-model ranks).
-    lifecycle.stop_engines_first(actors.generators, *actors.scoring.owners, *filter(None, [eval_generators]))
+    lifecycle.stop_engines_first(
+        actors.generators, *actors.scoring.owners, *filter(None, [eval_generators]), *(p.generators for p in policies.values())
+    )
     return actors
 
 
@@ -172,13 +216,21 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
     directory's processes.json (crash tests and users look there). Returns each generator's start
     figures."""
     eval_start = actors.eval_generators.start.call_one() if actors.eval_generators is not None else asyncio.sleep(0)
-    generator_starts, trainer_starts, scoring_processes, _ = await asyncio.gather(
-        actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start(), eval_start
+    policies = list(actors.policies.values())
+    generator_starts, trainer_starts, scoring_processes, _, *policy_starts = await asyncio.gather(
+        actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start(), eval_start,
+        *(policy.generators.start.call_one() for policy in policies), *(policy.trainer.setup.call() for policy in policies),
     )
+    policy_trainer_starts = policy_starts[len(policies):]
     processes = {
         "controller": os.getpid(),
         "generators": await actors.generators.processes.call_one(),
         **({"eval_generators": await actors.eval_generators.processes.call_one()} if actors.eval_generators else {}),
+        **{f"generators-{name}": await policy.generators.processes.call_one() for name, policy in actors.policies.items()},
+        **{
+            f"trainer-{name}": [start["pid"] for start in starts.values()]
+            for name, starts in zip(actors.policies, policy_trainer_starts)
+        },
         "trainer": [start["pid"] for start in trainer_starts.values()],
         "rollouts": await actors.rollouts.process_id.call_one(),
         **scoring_processes,

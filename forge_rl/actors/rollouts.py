@@ -31,17 +31,22 @@ if TYPE_CHECKING:
 
 
 class RolloutsActor(PortServed, Actor):
-    def __init__(self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage):
+    def __init__(
+        self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage,
+        policy_generators: dict[str, GeneratorPool] | None = None,
+    ):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
         # controller runs, is left out: a closure does not cross processes). The pool's calls, a
         # generate per prompt, are answered on one port (forge_rl/plumbing/port_calls.py).
+        # `policy_generators`: the pool of each of config.policies, by name.
         renderer = None
         if config.environment.name is not None:
             renderer = make_renderer(config.environment.renderer, Path(model_dir), config.environment.tool_call_parser)
         self.rollouts = Rollouts(
             config,
             RolloutActors(
-                generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer
+                generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer,
+                policy_generators={name: PortCalled(pool, PortCalls()) for name, pool in (policy_generators or {}).items()},
             ),
             PromptSource(
                 config.task, model_dir, config.generator.max_new_tokens, config.data,
@@ -67,8 +72,8 @@ class RolloutsActor(PortServed, Actor):
         await self.rollouts.wait_for_failure()
 
     @concurrent_endpoint
-    async def batch_for_trainer(self, step: int, num_ranks: int) -> PulledBatch | None:
-        return await self.rollouts.batch_for_trainer(step, num_ranks)
+    async def batch_for_trainer(self, step: int, num_ranks: int, policy: str | None = None) -> PulledBatch | None:
+        return await self.rollouts.batch_for_trainer(step, num_ranks, policy)
 
     @concurrent_endpoint
     async def batch_taken(self, step: int) -> float | None:
@@ -79,9 +84,12 @@ class RolloutsActor(PortServed, Actor):
         await self.rollouts.withhold_batch(step)
 
     @concurrent_endpoint
-    async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
+    async def step_done(
+        self, step: int, skipped: bool, policy_version: int, weights_dir: str,
+        policies: dict[str, tuple[bool, int, str | None]] | None = None,
+    ) -> dict:
         trim_native_heap_if_due()  # once a minute at most
-        return await self.rollouts.step_done(step, skipped, policy_version, weights_dir)
+        return await self.rollouts.step_done(step, skipped, policy_version, weights_dir, policies)
 
     @concurrent_endpoint
     async def stop_loops(self, finish_updates: bool) -> dict:

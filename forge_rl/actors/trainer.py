@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, endpoint
 
 from forge_rl.core.columns import BatchColumns, batch_columns
-from forge_rl.observability.metrics import TRAINER_BATCHING_S, TRAINER_PUBLISH_S
+from forge_rl.observability.metrics import TRAINED_TOKENS, TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process
@@ -48,9 +48,11 @@ class TrainerActor(PortServed, Actor):
         pad_id: int,
         publish: PublishConfig = PublishConfig(),
         cpus: tuple[int, ...] | None = None,
+        policy: str | None = None,
     ):
         # `cpus`: the cores of this rank (launch.placement.trainer_cpus), pinned before torch
-        # starts its thread pools, which inherit them.
+        # starts its thread pools, which inherit them. `policy`: the one of the run's `policies`
+        # this trainer trains (its part of each batch: forge_rl/core/policies.py); None: the run's own.
         self.cpus = pin_this_process(cpus)
         self.config = config
         self.store_index = store_index
@@ -63,7 +65,7 @@ class TrainerActor(PortServed, Actor):
         self.trainer: PolicyTrainer | None = None
         self._turns = StepTurns()
         """The order steps of `train_next_step` train in."""
-        self._prefetch = BatchPrefetch()
+        self._prefetch = BatchPrefetch(policy)
         """The next step's batch, asked for while this one trains."""
         self._calls = PortCalls()
         """Each step's `batch_for_trainer`, answered on one port (forge_rl/plumbing/port_calls.py)."""
@@ -106,8 +108,12 @@ class TrainerActor(PortServed, Actor):
             self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
-    async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:
-        """A step of `train_next_step`: its version is published after the reply (`_published`)."""
+    async def _train_pulled(self, columns: BatchColumns | None) -> TrainStepResult:
+        """A step of `train_next_step`: its version is published after the reply (`_published`).
+        No columns (its policy has nothing in the batch): nothing trains, nothing is published."""
+        if columns is None:
+            version = self.trainer.policy_version
+            return TrainStepResult(version, True, None, {"step_skipped": 1.0, "policy_version": version, TRAINED_TOKENS: 0})
         return await self._train_step(columns, publish_after_reply=True)
 
     @endpoint

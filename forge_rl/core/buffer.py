@@ -16,6 +16,11 @@ generation so that nothing needs dropping, is `forge_rl/core/admission.py`.
 The buffer never holds more than `capacity_episodes` episodes nor `capacity_tokens` tokens: `put`
 without room raises `BufferFull`; `WaitingBuffer` turns that into backpressure (the producer
 waits until `has_room`) and lets the train loop wait for a batch.
+
+A run with several policies (forge_rl/core/policies.py) holds each completion to its own policy's
+bound (`Completion.policy`), against that policy's own version: versions advance together, one
+per batch, but a policy whose step was skipped stays a version behind the others from then on
+(`policy_offsets`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import collections
 import copy
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -165,14 +171,19 @@ class CompletionTally:
 
 
 class ReplayBuffer:
-    def __init__(self, config: BufferConfig):
+    def __init__(self, config: BufferConfig, max_ages: Mapping[str | None, int] | None = None):
         self.config = config
+        self.max_ages: dict[str | None, int] = {None: config.max_policy_age, **(max_ages or {})}
+        """Each policy's age bound, by `Completion.policy` (None: the run's own, buffer.max_policy_age)."""
+        self.policy_offsets: dict[str, int] = {}
+        """Per other policy, its version minus the run's own policy's (0 unless one's step was
+        skipped and the other's was not); set with `set_policy_offsets`."""
         self._episodes: collections.deque[Episode] = collections.deque()
         self._num_tokens = 0
         """Tokens of the held episodes."""
         self._oldest_versions: collections.Counter[int] = collections.Counter()
-        """`Episode.oldest_policy_version` of each held episode with completions: while the least
-        of them is within the age bound, `evict_stale` needs no pass over the held tokens."""
+        """`_expiry` of each held episode with completions: while the least of them is at least
+        the trainer's version, `evict_stale` needs no pass over the held tokens."""
         self.dropped = CompletionTally()
         """Lost to the age bound."""
         self.trained = CompletionTally(episode_ids=None)
@@ -190,8 +201,28 @@ class ReplayBuffer:
         """Set the held episodes, and the counts kept beside them."""
         self._episodes = collections.deque(episodes)
         self._num_tokens = sum(e.num_tokens for e in episodes)
-        self._oldest_versions = collections.Counter(e.oldest_policy_version for e in episodes if e.completions)
+        self._oldest_versions = collections.Counter(self._expiry(e) for e in episodes if e.completions)
 
+    def set_policy_offsets(self, offsets: Mapping[str, int]) -> None:
+        """Each other policy's version minus the run's own policy's, from now on."""
+        offsets = {policy: offset for policy, offset in offsets.items() if offset}
+        if offsets != self.policy_offsets:
+            self.policy_offsets = offsets
+            self._held(list(self._episodes))  # the held episodes' expiries move with them
+
+    def _oldest_allowed(self, policy: str | None, trainer_version: int) -> int:
+        """The oldest version of `policy` whose tokens train at the run's own `trainer_version`."""
+        offset = 0 if policy is None else self.policy_offsets.get(policy, 0)
+        return trainer_version + offset - self.max_ages[policy]
+
+    def _expiry(self, episode: Episode) -> int:
+        """The newest trainer version (the run's own policy's) at which none of the episode's
+        tokens is over its policy's age bound (counted from each completion's oldest version)."""
+        if len(self.max_ages) == 1:  # one policy: no walk over the completions
+            return episode.oldest_policy_version + self.config.max_policy_age
+        return min(
+            c.oldest_policy_version - self._oldest_allowed(c.policy, 0) for c in episode.completions
+        )
     @property
     def num_free_slots(self) -> int:
         return self.config.capacity_episodes - len(self._episodes)
@@ -229,12 +260,12 @@ class ReplayBuffer:
         self._episodes.append(aged)
         self._num_tokens += aged.num_tokens
         if aged.completions:
-            self._oldest_versions[aged.oldest_policy_version] += 1
+            self._oldest_versions[self._expiry(aged)] += 1
         return True
 
     def evict_stale(self, trainer_version: int) -> list[Episode]:
         """Apply the age bound at `trainer_version` to every held episode; returns the dropped ones."""
-        if min(self._oldest_versions, default=trainer_version) >= trainer_version - self.config.max_policy_age:
+        if min(self._oldest_versions, default=trainer_version) >= trainer_version:
             return []  # nothing held is over age (admission control keeps it so)
         aged = [(e, self._apply_age_bound(e, trainer_version)) for e in self._episodes]
         self._held([kept for _, kept in aged if kept is not None])
@@ -258,7 +289,7 @@ class ReplayBuffer:
             self.trained.count_episode(episode)
             self._num_tokens -= episode.num_tokens
             if episode.completions:
-                self._oldest_versions[episode.oldest_policy_version] -= 1
+                self._oldest_versions[self._expiry(episode)] -= 1
         self._oldest_versions = +self._oldest_versions  # drops the versions none holds
         return batch
 
@@ -291,13 +322,15 @@ class ReplayBuffer:
         self.trained = dataclasses.replace(_tally_from_dict(state["trained"]), episode_ids=None)  # an older checkpoint kept them
 
     def _apply_age_bound(self, episode: Episode, trainer_version: int) -> Episode | None:
-        """`episode` with no trainable token older than max_policy_age, or None if it is dropped;
-        counts what was lost. Returns `episode` itself when nothing was over age."""
-        oldest_allowed = trainer_version - self.config.max_policy_age
-        if not episode.completions or episode.oldest_policy_version >= oldest_allowed:
+        """`episode` with no trainable token older than its policy's age bound, or None if it is
+        dropped; counts what was lost. Returns `episode` itself when nothing was over age."""
+        if not episode.completions or self._expiry(episode) >= trainer_version:
             return episode  # the common case, without copying any token list
         aged = dataclasses.replace(
-            episode, completions=[_without_tokens_before(c, oldest_allowed) for c in episode.completions]
+            episode,
+            completions=[
+                _without_tokens_before(c, self._oldest_allowed(c.policy, trainer_version)) for c in episode.completions
+            ],
         )
         if aged.num_trainable_tokens == episode.num_trainable_tokens:
             return episode
@@ -317,8 +350,8 @@ class WaitingBuffer:
     """The replay buffer with waiting, for one event loop (the rollouts' process,
     forge_rl/pipeline/rollouts.py): `put` waits for room, `sample` waits for a batch."""
 
-    def __init__(self, config: BufferConfig):
-        self.buffer = ReplayBuffer(config)
+    def __init__(self, config: BufferConfig, max_ages: Mapping[str | None, int] | None = None):
+        self.buffer = ReplayBuffer(config, max_ages)
         self.trainer_version = 0
         """Version the next sampled batch trains at; staleness is measured against it, at `put`
         too, so an episode that batch could not train is refused at once instead of held until the

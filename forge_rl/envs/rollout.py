@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
@@ -140,12 +140,16 @@ def resolve_environment(name: str) -> MakeEnvironment:
     return ENVIRONMENTS[name]
 
 
-async def play_group(envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> list[EpisodeGraph]:
-    """Play `envs` concurrently, one episode each; their episode graphs, in order. An exception from
-    `generate` (a lost generator) cancels the others and propagates: the group is handed out again."""
+async def play_group(
+    envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    seat_generate: Mapping[str, GenerateTurn] | None = None,
+) -> list[EpisodeGraph]:
+    """Play `envs` concurrently, one episode each; their episode graphs, in order. `seat_generate`:
+    the seats whose turns another policy's generators sample (`run_graph`). An exception from a
+    generate (a lost generator) cancels the others and propagates: the group is handed out again."""
     for env in envs:
         check_step_timeout(env, limits)
-    return await gather_or_cancel([play_graph(env, generate, renderer, limits) for env in envs])
+    return await gather_or_cancel([play_graph(env, generate, renderer, limits, seat_generate) for env in envs])
 
 
 async def gather_or_cancel(episodes: list[Awaitable[T]]) -> list[T]:
@@ -186,13 +190,19 @@ async def play_episode(
 
 
 async def play_graph(
-    env: Environment | AgentEnvironment | MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+    env: Environment | AgentEnvironment | MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
     """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), an
     agent environment's own graph when it played several agents (verifiers' multi-seat envs), or
-    the one agent of any other (`play_episode`)."""
+    the one agent of any other (`play_episode`). `seat_generate` (seats another policy plays)
+    needs the first kind: the others' turns know no seat."""
     if is_multi_agent(env):
-        return await run_graph(env, generate, renderer, limits)
+        return await run_graph(env, generate, renderer, limits, seat_generate)
+    if seat_generate:
+        raise ConfigError(
+            f"{type(env).__name__} is not a multi-agent environment, so no policy can play its seats {sorted(seat_generate)}"
+        )
     played = await play_episode(env, generate, renderer, limits)
     return played if isinstance(played, EpisodeGraph) else EpisodeGraph.of(played)
 

@@ -189,14 +189,20 @@ class OneSeat:
 
 
 async def run_graph(
-    env: MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+    env: MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
     """Play a multi-agent episode (forge_rl/envs/graph.py) to its end: each agent's turns are
-    sampled with `generate` within `limits` (and its seat's own max_turns and turn_timeout_s),
+    sampled with `generate` (or its seat's own in `seat_generate`: the generators of the policy
+    that plays it) within `limits` (and its seat's own max_turns and turn_timeout_s),
     concurrently with the other agents'; the environment is called one call at a time. Whatever
-    `generate` raises (a lost generator) cancels the episode's other turns and propagates."""
+    a generate raises (a lost generator) cancels the episode's other turns and propagates."""
     limits.require_resolved()
-    return await _GraphPlay(env, declared_seats(env), generate, renderer, limits).play()
+    seats = declared_seats(env)
+    unknown = sorted(set(seat_generate or {}) - set(seats))
+    if unknown:
+        raise ConfigError(f"{type(env).__name__} declares no seat {unknown} (its seats: {sorted(seats)}), which a policy plays")
+    return await _GraphPlay(env, seats, generate, renderer, limits, seat_generate or {}).play()
 
 
 class _Agent:
@@ -232,8 +238,12 @@ class _GraphFailed(Exception):
 
 
 class _GraphPlay:
-    def __init__(self, env: MultiAgentEnvironment, seats: dict[str, Seat], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits):
+    def __init__(
+        self, env: MultiAgentEnvironment, seats: dict[str, Seat], generate: GenerateTurn, renderer: Renderer,
+        limits: EpisodeLimits, seat_generate: Mapping[str, GenerateTurn],
+    ):
         self.env, self.seats, self.generate, self.renderer, self.limits = env, seats, generate, renderer, limits
+        self.seat_generate = seat_generate
         self.agents: dict[str, _Agent] = {}
         self.nodes: list[TurnNode] = []
         self.lock = asyncio.Lock()  # one environment call at a time
@@ -354,9 +364,10 @@ class _GraphPlay:
 
     async def _sample(self, agent: _Agent, prefix: list[int], max_new_tokens: int) -> SampledTurn:
         timeout_s = agent.seat.turn_timeout_s
+        generate = self.seat_generate.get(agent.seat.name, self.generate)
         if timeout_s is None:
-            return await self.generate(prefix, max_new_tokens)
-        task = await _within(self.generate(prefix, max_new_tokens), timeout_s)
+            return await generate(prefix, max_new_tokens)
+        task = await _within(generate(prefix, max_new_tokens), timeout_s)
         if task is None:
             raise _GraphFailed(
                 TrajectoryStatus.ENV_TIMEOUT,

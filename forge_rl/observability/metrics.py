@@ -56,6 +56,11 @@ and those whose KV it attended to (forge_rl/core/columns.py `exact_versions`); w
 buffer.max_policy_age bounds. policy_age/max ages by the sampling version alone."""
 POLICY_AGE_DEPENDENCY_MEAN = "policy_age/dependency_mean"
 """The mean of the same dependency ages over the trained tokens."""
+POLICY_VERSION = "policy_version"
+"""The trainer's version after the step (the versions it published; unchanged by a skipped step).
+With several policies (`policies`), each one's as `policy_version/<policy>` ("main": the run's own),
+and beside it `policy_age/max/<policy>`, `policy_age/dependency_max/<policy>` and
+`reward/mean/<policy>` of its part of the batch, its ages against its own version."""
 ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
 """The step's groups whose advantages are all zero (every completion scored alike): no learning signal."""
 POLICY_ENTROPY = "policy/entropy"

@@ -39,6 +39,7 @@ from forge_rl.core.accounting import PromptAccounting
 from forge_rl.core.admission import AdmissionGate
 from forge_rl.core.buffer import WaitingBuffer
 from forge_rl.core.columns import batch_columns, exact_versions
+from forge_rl.core.policies import episodes_of_policy, metric_name
 from forge_rl.envs.forks import play_forks, refuse_unless_replayable
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
@@ -130,6 +131,8 @@ class RolloutActors:
     renderer: Renderer | None = None
     """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
     when config.environment.name is set."""
+    policy_generators: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The generator pool of each of config.policies, by name: the turns of the seats it plays."""
 
 
 class Rollouts:
@@ -142,12 +145,19 @@ class Rollouts:
         self.gate = AdmissionGate(
             num_generators=config.num_generators,
             episodes_per_step=config.prompts_per_step,
-            max_policy_age=config.buffer.max_policy_age,
+            # With several policies, the tightest of their bounds: an episode holds tokens of each.
+            max_policy_age=min(config.run_policies.max_ages.values()),
             max_episodes_queued=config.max_episodes_queued,
             admission=config.buffer.admission,
             wait_for_stragglers=config.buffer.wait_for_stragglers,
         )
-        self.buffer = WaitingBuffer(config.buffer)
+        self.policies = config.run_policies
+        """Who plays each seat, and each policy's age bound (forge_rl/core/policies.py)."""
+        self.buffer = WaitingBuffer(config.buffer, self.policies.max_ages)
+        self.policy_versions: dict[str, int] = {p.name: 0 for p in config.policies}
+        """The newest version each of config.policies published (the run's own: the gate's)."""
+        self._step_batches: dict[int, list] = {}
+        """With config.policies, per step: [its `next_batch` task, policies yet to take their part]."""
         self.accounting = PromptAccounting()
         self.requeued: collections.deque[Episode] = collections.deque()
         """Prompts whose generator died mid-request; handed out again first."""
@@ -160,8 +170,8 @@ class Rollouts:
         a checkpoint keeps)."""
         self.taken: dict[int, NextBatch] = {}
         """The batch of each step taken and not yet accounted for (`step_done`)."""
-        self._pulled: dict[int, list] = {}
-        """Per step the trainer's ranks ask for: [the `next_batch` task, ranks yet to ask]."""
+        self._pulled: dict[tuple[int, str | None], list] = {}
+        """Per step and policy whose trainer's ranks ask for it: [its columns' task, ranks yet to ask]."""
         self._batch_events = asyncio.Condition()
         """Notified when a batch is taken or withheld (`batch_taken`)."""
         self.num_generated_tokens = 0
@@ -236,34 +246,41 @@ class Rollouts:
             raise RuntimeError("Rollouts.wait_for_failure called before start")
         await asyncio.shield(self._failure)
 
-    async def batch_for_trainer(self, step: int, num_ranks: int) -> PulledBatch | None:
+    async def batch_for_trainer(self, step: int, num_ranks: int, policy: str | None = None) -> PulledBatch | None:
         """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
         themselves (forge_rl/training/trainer_steps.py `train_on_pulled_batch`): the first call waits for the gate
         and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
         batch's episodes reach the trainer in one message from here, as columns (forge_rl/core/columns.py:
-        the trainer only pads them). None if withheld."""
-        if step not in self._pulled:
-            self._pulled[step] = [asyncio.ensure_future(self._columns_of_next_batch(step)), num_ranks]
-        pulled = self._pulled[step]
-        try:
-            return await asyncio.shield(pulled[0])
-        finally:
-            pulled[1] -= 1
-            if not pulled[1]:
-                del self._pulled[step]
+        the trainer only pads them). `policy`: the trainer of that one of config.policies, which
+        gets the completions of the seats it plays (the run's own trainer: None, the rest). None
+        if withheld."""
+        return await _shared(self._pulled, (step, policy), lambda: self._columns_of_next_batch(step, policy), num_ranks)
 
-    async def _columns_of_next_batch(self, step: int) -> PulledBatch | None:
-        batch = await self.next_batch(step)
+    async def _columns_of_next_batch(self, step: int, policy: str | None) -> PulledBatch | None:
+        batch = await self._next_batch_of_every_policy(step)
         if batch is None:
             return None
+        episodes, train_version = batch.episodes, batch.train_version
+        if self.config.policies:
+            episodes = episodes_of_policy(episodes, policy)
+            if policy is not None:  # its own version count, as the age bound took it
+                train_version += self.buffer.buffer.policy_offsets.get(policy, 0)
+            if not episodes:  # no agent of its seats spoke in the batch: its trainer has nothing to train
+                return PulledBatch(train_version, None, batch.ready_s)
         loss = self.config.trainer.loss
         # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which on this
         # event loop would hold up every rollout loop for as long; a thread lets the loop run every
         # 5 ms (the GIL's switch interval). The episodes left the buffer: nothing writes them now.
         columns = await asyncio.to_thread(
-            batch_columns, batch.episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
+            batch_columns, episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
         )
-        return PulledBatch(batch.train_version, columns, batch.ready_s)
+        return PulledBatch(train_version, columns, batch.ready_s)
+
+    async def _next_batch_of_every_policy(self, step: int) -> NextBatch | None:
+        """`next_batch(step)`, taken once for the trainers of every policy of the run."""
+        if not self.config.policies:
+            return await self.next_batch(step)
+        return await _shared(self._step_batches, step, lambda: self.next_batch(step), len(self.policies.names))
 
     async def batch_taken(self, step: int) -> float | None:
         """Waits until step `step`'s batch has left the buffer, and answers when (on the run's
@@ -314,21 +331,30 @@ class Rollouts:
         async with self._batch_events:
             self._batch_events.notify_all()
 
-    async def step_done(self, step: int, skipped: bool, policy_version: int, weights_dir: str) -> dict:
+    async def step_done(
+        self, step: int, skipped: bool, policy_version: int, weights_dir: str,
+        policies: dict[str, tuple[bool, int, str | None]] | None = None,
+    ) -> dict:
         """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
         its batch, tell every generator about `policy_version` (not awaited), and answer with this
         plane's figures: the batch's (`batch_metrics`, and its token versions by generator under
         TOKEN_VERSIONS_BY_GENERATOR, for the mismatch alarm's message), then the generators', the
         buffer's and the scoring stage's (its counters as of the step before: they are read off
-        the train loop's path)."""
+        the train loop's path). `policies`: what each of config.policies' trainers made of its
+        part of the batch (skipped, its version, where that version is); the batch counts as
+        trained if any policy trained on it."""
         batch = self.taken.pop(step)
+        policies = policies or {}
+        policy_metrics = self._policies_stepped(batch, skipped, policy_version, policies)
         if skipped:
-            self.accounting.count_skipped(batch.episodes)
             self.buffer.step_skipped()
             await self.gate.step_skipped()
+        if skipped and all(done[0] for done in policies.values()):
+            self.accounting.count_skipped(batch.episodes)
         else:
             self.accounting.count_trained(batch.episodes)
-            self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
+            if not skipped:
+                self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
             if self.rollouts_log is not None:
                 self.rollouts_log.writelines(
                     json.dumps(rollout_record(step, batch.train_version, episode)) + "\n" for episode in batch.episodes
@@ -339,8 +365,36 @@ class Rollouts:
                 self.config.trainer.loss.step_discount, self.config.trainer.loss.local_advantage_weight,
             ),
             TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
+            **policy_metrics,
             **await self._step_metrics(),
         }
+
+    def _policies_stepped(self, batch: NextBatch, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int, str | None]]) -> dict:
+        """With config.policies: each policy's new version goes to its generators (not awaited),
+        the buffer counts each one's tokens against its own version from now on, and the step's
+        figures per policy: its version, and its part's rewards and token ages at the version it
+        trained at (POLICY_AGE_MAX per policy is what its age bound holds)."""
+        if not self.config.policies:
+            return {}
+        loss = self.config.trainer.loss
+        metrics = {}
+        trained_at: dict[str | None, int] = {None: policy_version - (0 if skipped else 1)}
+        for name, (policy_skipped, version, weights_dir) in policies.items():
+            trained_at[name] = version - (0 if policy_skipped else 1)
+            if not policy_skipped:
+                self.policy_versions[name] = version
+                self._updates.add(self._spawn(self._tell_policy_generators(name, version, weights_dir)))
+        for policy, version in trained_at.items():
+            part = batch_metrics(
+                episodes_of_policy(batch.episodes, policy), version, loss.normalize_advantage_std, loss.step_discount,
+                loss.local_advantage_weight,
+            )
+            label = metric_name(policy)
+            metrics[f"{m.POLICY_VERSION}/{label}"] = policy_version if policy is None else self.policy_versions[policy]
+            for name in (m.POLICY_AGE_MAX, m.POLICY_AGE_DEPENDENCY_MAX, m.REWARD_MEAN):
+                metrics[f"{name}/{label}"] = part[name]
+        self.buffer.buffer.set_policy_offsets({name: version - policy_version for name, version in self.policy_versions.items()})
+        return metrics
 
     async def stop_loops(self, finish_updates: bool) -> dict:
         """Stop the loops, and the weight updates (`finish_updates`: once they have finished, so
@@ -658,7 +712,10 @@ class Rollouts:
         envs = self._envs(index, prompt, config.group_size)
         if self.brancher is not None:  # checked at config time too, where the factory takes no data row
             refuse_unless_replayable(envs[0], config.environment.name)
-        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits)
+        seat_generate = {
+            seat: self._policy_turns_on(policy.name, index) for policy in config.policies for seat in policy.seats
+        }
+        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits, seat_generate)
         for graph in graphs:
             self.episode_stats.observe(graph)
         first = next(iter(graphs[0].agents.values()))
@@ -668,7 +725,7 @@ class Rollouts:
             prompt_text=first_observation,
             answer="",
             prompt_token_ids=[],  # each trajectory holds its prompt as context
-            completions=group_completions(graphs),
+            completions=self._with_policies(group_completions(graphs)),
             generator_index=index,
             temperature=config.generator.temperature,
         )
@@ -681,6 +738,33 @@ class Rollouts:
             return group_completions(played)
 
         return await self.brancher.fork(episode, forks)
+
+    def _with_policies(self, completions: list[Completion]) -> list[Completion]:
+        """Each completion named by the policy that played its agent's seat (config.policies)."""
+        if self.config.policies:
+            for completion in completions:
+                completion.policy = self.policies.of_agent(completion.agent)
+        return completions
+
+    def _policy_turns_on(self, policy: str, index: int) -> GenerateTurn:
+        """`generate` for the turns of a seat `policy` (one of config.policies) plays, in a rollout
+        on the run's generator `index`: on that policy's generator index mod its pool's size. A
+        generator lost mid-turn is waited for until its pool's replacement serves, and only that
+        turn is sampled again (the episodes so far live here)."""
+        pool = self.actors.policy_generators[policy]
+        on = index % next(p.num_generators for p in self.config.policies if p.name == policy)
+
+        async def generate(prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
+            while True:
+                with self.timeline.busy(f"{policy}/generator{on}", num_sequences=1):
+                    self.calls[f"{policy}/generators.generate_turn"] += 1
+                    turn = await _turn_unless_lost(pool, on, prefix_token_ids, max_new_tokens)
+                if turn is not None:
+                    return turn
+                self.accounting.turns_moved_after_generator_failure += 1
+                await pool.wait_until_serving.call_one(on)
+
+        return generate
 
     def _envs(self, index: int, prompt: Episode, count: int) -> list[TimedEnvironment]:
         """`count` fresh environments of `prompt`'s episode, timed as generator `index`'s."""
@@ -705,15 +789,10 @@ class Rollouts:
             while True:
                 on = serving["on"]
                 with self.timeline.busy(f"generator{on}", num_sequences=1), self.env_waits.turn(on):
-                    try:
-                        self.calls["generators.generate_turn"] += 1
-                        return await self.actors.generators.generate_turn.call_one(on, prefix_token_ids, max_new_tokens)
-                    except Exception as e:
-                        raised = raised_by_actor(e)
-                        if isinstance(raised, ContextExhausted):
-                            raise raised from None
-                        if not isinstance(raised, GeneratorLost):
-                            raise
+                    self.calls["generators.generate_turn"] += 1
+                    turn = await _turn_unless_lost(self.actors.generators, on, prefix_token_ids, max_new_tokens)
+                if turn is not None:
+                    return turn
                 tried.append(on)
                 serving["on"] = await self._turn_elsewhere(index, tried)
                 self.accounting.turns_moved_after_generator_failure += 1
@@ -796,6 +875,23 @@ class Rollouts:
             if position and position % UPDATES_PER_TURN == 0:
                 await asyncio.sleep(0)  # the rest of the loop's work runs between
             self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
+
+    async def _tell_policy_generators(self, policy: str, policy_version: int, weights_dir: str) -> None:
+        """Every generator of one of config.policies serves its `policy_version` (updated while
+        decoding, as the run's own); a generator lost meanwhile loads the newest itself."""
+        pool = self.actors.policy_generators[policy]
+        size = next(p.num_generators for p in self.config.policies if p.name == policy)
+
+        async def update(index: int) -> None:
+            with self.timeline.busy(f"{policy}/weights{index}"):
+                try:
+                    self.calls[f"{policy}/generators.update_weights"] += 1
+                    await pool.update_weights.call_one(index, policy_version, weights_dir)
+                except Exception as e:
+                    if generator_lost(e) is None:
+                        raise
+
+        await asyncio.gather(*(update(index) for index in range(size)))
 
     async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
         """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
@@ -884,6 +980,34 @@ class Rollouts:
             self._failure.set_exception(task.exception())
 
 
+async def _turn_unless_lost(pool: Any, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn | None:
+    """`pool`'s generator `index` samples a turn after `prefix_token_ids`; None if it was lost
+    mid-turn (GeneratorLost), ContextExhausted raised as itself."""
+    try:
+        return await pool.generate_turn.call_one(index, prefix_token_ids, max_new_tokens)
+    except Exception as e:
+        raised = raised_by_actor(e)
+        if isinstance(raised, ContextExhausted):
+            raise raised from None
+        if not isinstance(raised, GeneratorLost):
+            raise
+        return None
+
+
+async def _shared(table: dict, key: Any, start: Callable[[], Awaitable], takers: int) -> Any:
+    """What `start()` returns, started by the first of `takers` callers with `key` and shared with
+    the others; its entry in `table` goes once every one of them has it."""
+    if key not in table:
+        table[key] = [asyncio.ensure_future(start()), takers]
+    shared = table[key]
+    try:
+        return await asyncio.shield(shared[0])
+    finally:
+        shared[1] -= 1
+        if not shared[1]:
+            del table[key]
+
+
 def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
     """One trained episode as RUN_DIR/rollouts.jsonl holds it (log.rollouts)."""
     return {
@@ -898,6 +1022,7 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
                 "text": c.text, "reward": c.reward, "status": c.status.value, "token_ids": c.token_ids,
                 "logprobs": c.logprobs, "policy_versions": c.policy_versions, "trained_tokens": sum(c.loss_mask),
                 **({} if c.agent is None else {"agent": c.agent}),
+                **({} if c.policy is None else {"policy": c.policy}),
             }
             for c in episode.completions
         ],

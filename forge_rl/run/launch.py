@@ -140,16 +140,18 @@ class Hosts:
         calls (per prompt, per generator) share an event loop with nothing else."""
         return self.spawn_procs("rollouts", 1, self.launch.placement.services_host)
 
-    async def spawn_ranks(self, role: str, num_procs: int) -> ProcMesh:
+    async def spawn_ranks(self, role: str, num_procs: int, name: str | None = None) -> ProcMesh:
         """Ranks of one torch.distributed world (role "trainer" or "reference") on the role's hosts,
-        split evenly, with RANK/WORLD_SIZE/MASTER_* set, ready for init_process_group."""
+        split evenly, with RANK/WORLD_SIZE/MASTER_* set, ready for init_process_group; `name`: the
+        mesh's (default: the role; another policy's trainer has its own)."""
         placement = self.launch.placement
         hosts = placement.trainer_hosts if role == "trainer" else reference_hosts(placement)
+        name = name or role
         if self.host_mesh is None or len(hosts) == 1:
-            procs = self.spawn_procs(role, num_procs, hosts[0])
+            procs = self.spawn_procs(name, num_procs, hosts[0])
         else:
             host_slice = self.host_mesh.slice(hosts=slice(hosts[0], hosts[-1] + 1))
-            procs = spawn_procs(host_slice, role, num_procs // len(hosts))
+            procs = spawn_procs(host_slice, name, num_procs // len(hosts))
             self.proc_meshes.append(procs)
         await set_torch_distributed_env(procs)
         return procs
@@ -183,6 +185,14 @@ class Hosts:
         devices = generator_devices(self.launch, self.demand)[0]
         host = self.owned_host(self.launch.placement.services_host)
         return [GeneratorPlacement(host, devices) for _ in range(num_generators)]
+
+    def policy_generator_placements(self, num_generators: int) -> list[GeneratorPlacement]:
+        """Where the generators of one of the run's other policies run (`policies`, on this
+        machine only): the services host, on the GPU block and cores of the run's first generator."""
+        from forge_rl.actors.generator_pool import GeneratorPlacement
+
+        first = self.generator_placements()[0]
+        return [GeneratorPlacement(first.host, first.cuda_devices, first.cpus) for _ in range(num_generators)]
 
     async def stop(self) -> None:
         """Every proc mesh spawned here (bounded), then release the workers (they keep running,

@@ -100,8 +100,13 @@ class Lifecycle:
         # A killed controller runs no cleanup, and every other process of the run dies with it, so
         # the store's shared memory (a whole model per version kept) would stay until the next
         # run on this host sweeps it. The reaper, outside the run, removes it when this process exits.
-        root = glob.escape(str(self.store.root))
-        self._store_reaper = Reaper.start(remove=[root, root + "-fetched-*"])
+        self.policy_stores = {
+            policy.name: SharedMemorySnapshots(default_store_root(f"{run_path.name}-{policy.name}"), self.model_dir)
+            for policy in config.policies
+        }
+        """The weight store of each of config.policies, by name: its versions are its own."""
+        roots = [glob.escape(str(store.root)) for store in [self.store, *self.policy_stores.values()]]
+        self._store_reaper = Reaper.start(remove=[pattern for root in roots for pattern in (root, root + "-fetched-*")])
         self.process_failures: list[str] = []
         """Processes of the run that died (from Monarch's fault hook); the run stops at the first."""
         self._engine_owners: tuple = ()
@@ -200,7 +205,8 @@ class Lifecycle:
             "stop every process of the run", max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
             asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
         )
-        self.store.destroy()
+        for store in [self.store, *self.policy_stores.values()]:
+            store.destroy()
         self._store_reaper.dismiss()
 
     def _translated(self, error: BaseException) -> BaseException:

@@ -102,6 +102,10 @@ class RunActors:
     """The run's evaluation at exact policy versions (forge_rl/run/evaluation.py `Evaluation`), or
     None: started with the loops, told of every step's version (`published`, which returns at once),
     waited for once training ends; the loop never waits for an evaluation."""
+    policy_trainers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The trainer mesh of each of config.policies, by name: each step trains every one of them on
+    its part of the batch (`train_next_step`, which takes that part from the rollouts), then
+    `wait_for_publish` at the end, as the run's own."""
     checkpointed: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The recipe's other parts a checkpoint holds, by name: each has async `save_checkpoint(dir)`
     and `load_checkpoint(dir)`, with dir RUN_DIR/checkpoints/step-N/<name> (a self-distillation
@@ -127,10 +131,14 @@ class SentStep:
     as this step's is in hand (forge_rl/training/trainer_steps.py `BatchPrefetch`)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
+    policy_replies: dict[str, asyncio.Future] = dataclasses.field(default_factory=dict)
+    """The answers of the trainers of config.policies, by name (as `reply`)."""
 
     def cancel(self) -> None:
         """The run fails or is cut: stop waiting for the step's answers."""
         self.reply.cancel()
+        for reply in self.policy_replies.values():
+            reply.cancel()
         if self.taken is not None:
             self.taken.cancel()
 
@@ -248,8 +256,12 @@ class Pipeline:
         reply = asyncio.ensure_future(
             actors.trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next)
         )
+        policy_replies = {
+            name: asyncio.ensure_future(trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next))
+            for name, trainer in actors.policy_trainers.items()
+        }
         self.batches_out += 1  # until the step is accounted for
-        sent = SentStep(step, reply, timeline.now(), prefetch_next=prefetch_next)
+        sent = SentStep(step, reply, timeline.now(), prefetch_next=prefetch_next, policy_replies=policy_replies)
         reply.add_done_callback(lambda _: setattr(sent, "replied", timeline.now()))
         return sent
 
@@ -271,9 +283,12 @@ class Pipeline:
             raise
         if pulled is None:
             self.batches_out -= 1
+            for reply in sent.policy_replies.values():  # withheld for them too: they answer None
+                reply.cancel()
             if not (stopped or withheld):
                 raise RuntimeError(f"step {step}'s batch was withheld without a stop")
             return None
+        policies_trained = await self._policies_trained(sent, lifecycle if stopped or withheld else None)
         trained = pulled.trained
         replied_s = sent.replied if sent.replied is not None else timeline.now()
         step_start = max(pulled.ready_s, path_start)
@@ -282,7 +297,8 @@ class Pipeline:
         trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(replied_s - step_start, 1e-9)
         # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
         rollout_metrics = await actors.rollouts.step_done.call_one(
-            step, trained.skipped, trained.policy_version, trained.weights_dir
+            step, trained.skipped, trained.policy_version, trained.weights_dir,
+            *([{name: (t.skipped, t.policy_version, t.weights_dir) for name, t in policies_trained.items()}] if policies_trained else []),
         )
         token_versions = rollout_metrics.pop(TOKEN_VERSIONS_BY_GENERATOR)
         self.step = step
@@ -294,6 +310,7 @@ class Pipeline:
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             m.WALL_TIME_S: now,
             m.TRAINER_IDLE_FRACTION: idle_fraction([timeline.busy_s("trainer")], now),
+            **{f"policies/{name}/{key}": value for name, t in policies_trained.items() for key, value in t.metrics.items()},
             **rollout_metrics,
         }
         if self.actors.after_publish is not None and not trained.skipped:
@@ -312,6 +329,29 @@ class Pipeline:
         self._last_replied_s = replied_s
         trim_native_heap_if_due()  # the controller's, once a minute at most
         return StepResult(step_metrics, stopped)
+
+    async def _policies_trained(self, sent: SentStep, stopping: LoopHooks | None) -> dict:
+        """The steps of the trainers of config.policies on `sent`'s batch (TrainStepResult by
+        name), once the run's own has answered: they took the same batch, so each gets
+        config.train_step_timeout_s from now (TrainStepTimedOut past it), or in a stop
+        (`stopping`) what is left of the stop's budget for a step."""
+        trained = {}
+        for name, reply in sent.policy_replies.items():
+            if stopping is not None:
+                try:
+                    answer = await self._within_stop(stopping, asyncio.shield(reply), f"finish policy {name!r}'s step {sent.step}", stopping.step_at_stop_s)
+                except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
+                    raise asyncio.CancelledError from None
+            else:
+                answer = await within(
+                    self.config.train_step_timeout_s, asyncio.shield(reply),
+                    lambda: TrainStepTimedOut(sent.step, self.config.train_step_timeout_s),
+                )
+            pulled = rank_zero(answer)
+            if pulled is None:
+                raise RuntimeError(f"policy {name!r}'s trainer got no batch for step {sent.step}, which the run's own trained")
+            trained[name] = pulled.trained
+        return trained
 
     @property
     def step_in_flight(self) -> bool:
@@ -426,6 +466,8 @@ class Pipeline:
             self.timeline.close()
             if finished:  # the last version's updates reach every generator before the run ends
                 await self.actors.trainer.wait_for_publish.call()  # its snapshot is taken after the reply
+                for trainer in self.actors.policy_trainers.values():
+                    await trainer.wait_for_publish.call()
                 self.rollouts_at_stop = await rollouts.stop_loops.call_one(True)
                 if evaluation is not None:
                     progress("training done; waiting for the evaluations asked for (eval.at_end: the last version's)")

@@ -34,7 +34,9 @@ class PulledBatch:
 
     train_version: int
     """The policy version it trains at (the gate counts it from then)."""
-    columns: BatchColumns
+    columns: BatchColumns | None
+    """None: nothing for this trainer in the batch (with several policies, no agent of the
+    seats its policy plays spoke in it); its step trains nothing and publishes nothing."""
     ready_s: float
     """When it left the buffer, on the run's timeline (the controller's clock): the end of the
     train loop's data wait."""
@@ -97,7 +99,9 @@ class BatchPrefetch:
     unpickling then overlap step k instead of following its reply; `train_next_step` is a plain
     endpoint, so step k + 1's call itself starts only once step k has answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str | None = None) -> None:
+        self.policy = policy
+        """The one of the run's `policies` whose part of each batch this trainer takes; None: the run's own."""
         self._asked: dict[int, asyncio.Future] = {}
         """Step -> its `batch_for_trainer` call, from the newest step taken on."""
         self._rollouts = None
@@ -107,7 +111,8 @@ class BatchPrefetch:
     def ask(self, step: int, num_ranks: int) -> asyncio.Future:
         """Asks for step `step`'s batch, unless asked already (each rank asks once per step)."""
         if step not in self._asked:
-            asked = self._asked[step] = asyncio.ensure_future(self._rollouts.batch_for_trainer.call_one(step, num_ranks))
+            policy = () if self.policy is None else (self.policy,)
+            asked = self._asked[step] = asyncio.ensure_future(self._rollouts.batch_for_trainer.call_one(step, num_ranks, *policy))
             # A run that stops or fails before step `step`'s call leaves its outcome unread.
             asked.add_done_callback(lambda done: done.cancelled() or done.exception())
         return self._asked[step]
@@ -132,7 +137,7 @@ async def train_on_pulled_batch(
     step: int,
     rollouts,
     num_ranks: int,
-    train: Callable[[BatchColumns], Awaitable[TrainStepResult]],
+    train: Callable[[BatchColumns | None], Awaitable[TrainStepResult]],
     prefetch: BatchPrefetch,
     prefetch_next: bool,
 ) -> PulledStep | None:
@@ -158,7 +163,7 @@ async def train_pulled_batch_in_turn(
     step: int,
     rollouts,
     num_ranks: int,
-    train: Callable[[BatchColumns], Awaitable[TrainStepResult]],
+    train: Callable[[BatchColumns | None], Awaitable[TrainStepResult]],
     prefetch: BatchPrefetch,
     prefetch_next: bool,
 ) -> PulledStep | None:
@@ -166,7 +171,7 @@ async def train_pulled_batch_in_turn(
     endpoint run concurrently with an earlier step's (batch asked for at once, training in order)."""
     ticket = turns.take()
 
-    async def train_in_turn(columns: BatchColumns) -> TrainStepResult:
+    async def train_in_turn(columns: BatchColumns | None) -> TrainStepResult:
         async with turns.turn(ticket):
             return await train(columns)
 

@@ -78,7 +78,7 @@ def test_the_rollout_makes_each_episode_with_its_prompts_row(tmp_path):
         ),
     )
     rollouts.brancher = None
-    for method in ("_turns_on", "_envs"):
+    for method in ("_turns_on", "_envs", "_with_policies"):
         setattr(rollouts, method, functools.partial(getattr(Rollouts, method), rollouts))
     rollouts._row = Rollouts._row
     row = {"prompt": "say 42", "secret": 42}

@@ -53,6 +53,7 @@ def a_lifecycle(tmp_path, monkeypatch, hook_holder: dict) -> lifecycle_module.Li
     lifecycle._loops = None
     lifecycle._stopped_at = None
     lifecycle.store = FakeStore()
+    lifecycle.policy_stores = {}
     lifecycle._store_reaper = FakeReaper()
     lifecycle.stop_at_exit(FakeMeshes(hook_holder, "actor rollouts stopped: undeliverable message"))
     return lifecycle
