@@ -8,7 +8,7 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     runner.py        run_graph, run_episode: one episode within its limits, over any `generate` coroutine
     calculator.py    calculator tool for the tiny models (products of two-digit numbers)
     python_tool.py   Python tool for chat models, running code in the sandbox
-    selfplay.py      proposer/solver self-play for the tiny models (one policy, two seats)
+    selfplay.py      proposer/solver self-play for the tiny models (two seats; solvers as OpenAI-style agent code in selfplay_chat)
     long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
     demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/training/warmup.py)
     chat_client.py   agent code written against openai.AsyncOpenAI, served in process by the generator

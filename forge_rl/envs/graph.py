@@ -42,9 +42,9 @@ same episode (`baseline="episode"`: a solver against the other solvers of the sa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from forge_rl.envs.environment import Observation
 from forge_rl.envs.trajectory import Trajectory
@@ -72,6 +72,13 @@ class Seat:
     turn_timeout_s: float | None = None
     """Seconds one turn of this seat may take to be sampled; past it the episode ends ENV_TIMEOUT
     (counted, never trained). Unset: no bound beyond the generator's own."""
+    player: Callable[[Any, Observation], Awaitable[str]] | None = None
+    """Agent code that plays this seat instead of one sampled turn per observation, written
+    against the OpenAI API: `await player(client, observation)` with an `openai.AsyncOpenAI`
+    served by the seat's policy (forge_rl/envs/chat_client.py) and the observation (text, or chat
+    messages), returns the text of the agent's turn, which goes to `step`. It may call the model any number of times
+    (reason, call tools, revise); its calls are the agent's view, trained as an agent environment's
+    are. None: each observation is answered by one sampled turn."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -42,7 +42,7 @@ from forge_rl.envs.graph import EpisodeGraph, GraphStep, MultiAgentEnvironment, 
 from forge_rl.envs.long_tail import make_long_tail_env
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn, run_episode, run_graph
-from forge_rl.envs.selfplay import make_selfplay_env
+from forge_rl.envs.selfplay import make_chat_selfplay_env, make_selfplay_env
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError
 from forge_rl.routing import RoutingRecord
@@ -58,6 +58,7 @@ a factory with a parameter named `row` is also given the data row the prompt cam
 
 ENVIRONMENTS: dict[str, MakeEnvironment] = {
     "selfplay": make_selfplay_env,
+    "selfplay_chat": make_chat_selfplay_env,
     "calculator": make_calculator_env,
     "calculator_no_tool": make_calculator_env_without_tool,
     "long_tail": make_long_tail_env,

@@ -219,8 +219,14 @@ class _Agent:
         """Set when it reached one of its own limits: its status, and why."""
         self.task: asyncio.Future | None = None
         self.reward = 0.0
+        self.session = None
+        """A player seat's agent (`Seat.player`): its chat session, whose calls are its view."""
 
     def trajectory(self, status: TrajectoryStatus, error: str | None) -> Trajectory:
+        if self.session is not None:
+            return dataclasses.replace(
+                self.session.trajectory(status, error, self.reward), env_latencies_s=self.record.env_latencies_s
+            )
         return Trajectory(
             samples=self.builder.samples, status=status, final_reward=self.reward, error=error,
             conversation=self.builder.conversation, turn_rewards=self.record.turn_rewards,
@@ -316,6 +322,8 @@ class _GraphPlay:
 
     async def _answer(self, agent: _Agent) -> None:
         """`agent` reads what it was sent and takes turns until it has nothing left to answer."""
+        if agent.seat.player is not None:
+            return await self._answer_played(agent)
         limits, record, builder = self.limits, agent.record, agent.builder
         label = self.label(agent)
         no_room = f"does not leave room for a turn within max_total_tokens ({limits.max_total_tokens})"
@@ -346,21 +354,86 @@ class _GraphPlay:
             if turn.finish_reason == "length" and max_new_tokens == room:
                 reason = f"turn {record.num_turns} used the last of max_total_tokens ({limits.max_total_tokens})"
                 return await self._end(agent, TrajectoryStatus.TRUNCATED_TOKENS, reason)
-            async with self.lock:
-                if self.closed:
-                    return
-                try:
-                    result = await self._env_answer(self.env.step(agent.id, turn_text), record)
-                except MalformedTurn as malformed:
-                    record.num_malformed_turns += 1
-                    if record.num_malformed_turns > limits.max_malformed_turns:
-                        reason = f"turn {record.num_turns} malformed: {malformed.observation!r}"
-                        return await self._end(agent, TrajectoryStatus.PARSE_ERROR, reason, locked=True)
-                    result = GraphStep({agent.id: malformed.observation})
-                except _EnvFailed as failure:
-                    raise _GraphFailed(failure.status, f"{label}step {record.num_turns}: {failure}") from None
-                record.turn_rewards.append(result.turn_reward)
-                self._apply(result, (node,), f"{label}step {record.num_turns}")
+            await self._step(agent, turn_text, node)
+
+    async def _answer_played(self, agent: _Agent) -> None:
+        """`_answer` for a seat whose agent code plays it (`Seat.player`): each observation goes to
+        the player with an OpenAI client of the agent's own chat session, and what it returns is
+        the agent's turn. The session holds the agent to the limits (its model calls count as its
+        turns); the player may take env_step_timeout_s between two calls, and its seat's
+        turn_timeout_s for the whole turn (ENV_TIMEOUT either way). A player that raises, or
+        returns no text, fails the episode ENV_ERROR (counted, never trained); one stopped by a
+        limit ends its agent there, as a sampled turn's limit does."""
+        # Imported here: the chat endpoint is built on this module's turns and limits.
+        from forge_rl.envs.chat_client import ChatSession, run_watched
+
+        record = agent.record
+        if agent.session is None:
+            generate = self.seat_generate.get(agent.seat.name, self.generate)
+            limits = dataclasses.replace(self.limits, max_turns=agent.max_turns)
+            agent.session = ChatSession(generate, self.renderer, limits)
+        session = agent.session
+        while agent.inbox and not self.closed:
+            observation, shown = agent.inbox.pop(0)
+            client, calls_before = session.client(), session.recorder.num_calls
+            try:
+                played = asyncio.ensure_future(agent.seat.player(client, observation))
+                timeout_s = agent.seat.turn_timeout_s
+                watched = run_watched(played, session.activity, self.limits.env_step_timeout_s)
+                ended = await (watched if timeout_s is None else _player_within(watched, played, timeout_s))
+            finally:
+                await client.close()
+            if ended is not None:
+                status, reason = ended
+                raise _GraphFailed(status, f"{agent.id}: turn {record.num_turns + 1}: {reason}")
+            if session.truncation is not None:
+                return await self._end(agent, *session.truncation)
+            error = played.exception()
+            if error is not None:
+                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{agent.id}: the seat's player raised {type(error).__name__}: {error}")
+            turn_text = played.result()
+            if session.recorder.num_calls == calls_before:
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{agent.id}: the seat's player answered turn {record.num_turns + 1} without a model call: a seat's "
+                    "turns are the policy's, and a scripted one has nothing to train (make the seat untrainable, or the "
+                    "answer the environment's own)",
+                )
+            if not isinstance(turn_text, str):
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR, f"{agent.id}: the seat's player returned {turn_text!r}: it must return the turn's text"
+                )
+            node = len(self.nodes)
+            self.nodes.append(TurnNode(agent.id, record.num_turns, shown))
+            record.num_turns += 1
+            await self._step(agent, turn_text, node)
+
+    async def _step(self, agent: _Agent, turn_text: str, node: int) -> None:
+        """The environment's step on `agent`'s turn (graph node `node`), applied: a MalformedTurn's
+        observation goes back to the agent (too many end it PARSE_ERROR), a failed step fails the
+        episode. A seat its player plays gets no turn reward (its model calls are its turns)."""
+        record, label = agent.record, self.label(agent)
+        async with self.lock:
+            if self.closed:
+                return
+            try:
+                result = await self._env_answer(self.env.step(agent.id, turn_text), record)
+            except MalformedTurn as malformed:
+                record.num_malformed_turns += 1
+                if record.num_malformed_turns > self.limits.max_malformed_turns:
+                    reason = f"turn {record.num_turns} malformed: {malformed.observation!r}"
+                    return await self._end(agent, TrajectoryStatus.PARSE_ERROR, reason, locked=True)
+                result = GraphStep({agent.id: malformed.observation})
+            except _EnvFailed as failure:
+                raise _GraphFailed(failure.status, f"{label}step {record.num_turns}: {failure}") from None
+            if agent.session is not None and result.turn_reward is not None:
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{label}step {record.num_turns} gave a turn_reward to a seat its player plays: the player's "
+                    "model calls are its turns, and a step's reward names none of them. Fold it into the final reward.",
+                )
+            record.turn_rewards.append(result.turn_reward)
+            self._apply(result, (node,), f"{label}step {record.num_turns}")
 
     async def _sample(self, agent: _Agent, prefix: list[int], max_new_tokens: int) -> SampledTurn:
         timeout_s = agent.seat.turn_timeout_s
@@ -458,6 +531,16 @@ class _GraphPlay:
             if not any(seat_of(agent_id) == name for agent_id in agents):
                 agents[name] = _Agent(name, seat, self.renderer, self.limits).trajectory(failure.status, error)
         return EpisodeGraph(agents, self.nodes, self.seats, error)
+
+
+async def _player_within(watched: Awaitable, played: asyncio.Future, timeout_s: float) -> tuple[TrajectoryStatus, str] | None:
+    """`watched` (a player's `run_watched`), with the player's whole turn bounded by its seat's
+    turn_timeout_s: past it the player is cancelled and its turn ends ENV_TIMEOUT."""
+    finished = await _within(watched, timeout_s)
+    if finished is not None:
+        return finished.result()
+    played.cancel()
+    return TrajectoryStatus.ENV_TIMEOUT, f"the seat's player took more than its turn_timeout_s ({timeout_s:g} s)"
 
 
 def _render(add: Callable[[Observation], bool], observation: Observation) -> bool:

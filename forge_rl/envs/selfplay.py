@@ -23,13 +23,18 @@ Credit: the proposers of a prompt's group are baselined against each other (seat
 "group"); each solver against the other solvers of its own episode (baseline "episode"), the GRPO
 group of the task it answered. With `environment.name: selfplay` the same policy plays both seats;
 `forge-rl grpo --config configs/selfplay_tiny_cpu.yaml` trains it from scratch on a CPU.
+
+`environment.name: selfplay_chat` is the same game with each solver played by agent code written
+against the OpenAI API (`chat_solver`, the seat's `Seat.player`): it asks the model through an
+`openai.AsyncOpenAI` client and asks once more when the reply holds no digit, and both calls are
+the solver's view.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from forge_rl.envs.graph import GraphStep, Seat
 from forge_rl.envs.trajectory import TrajectoryStatus
@@ -89,6 +94,31 @@ class ProposerSolverEnv:
         return GraphStep(done=True, rewards={"proposer": proposer_reward(rate, self.proposer_reward), **self.solved})
 
 
+async def chat_solver(client: Any, observation: str) -> str:
+    """A solver as OpenAI-style agent code: the task as a user message; a reply without a digit
+    is answered with the task again (the plain format's chat is the messages' texts in a row, so
+    the second call continues the first's sample); the last reply is the turn."""
+    messages = [{"role": "user", "content": observation}]
+    reply = ""
+    for _ in range(2):
+        completion = await client.chat.completions.create(model="policy", messages=messages)
+        reply = completion.choices[0].message.content or ""
+        if _DIGIT.search(reply):
+            break
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+    return reply
+
+
+@dataclass
+class ChatSolverSelfPlayEnv(ProposerSolverEnv):
+    """`ProposerSolverEnv` whose solvers are played by `chat_solver` (two model calls at most)."""
+
+    seats: ClassVar[tuple[Seat, ...]] = (
+        Seat("proposer", baseline="group", max_turns=1),
+        Seat("solver", baseline="episode", max_turns=2, player=chat_solver),
+    )
+
+
 def proposer_reward(solve_rate: float, kind: Literal["learnability", "solve_rate"] = "learnability") -> float:
     """The proposer's reward for a task its solvers solved at `solve_rate` (module docstring)."""
     if kind == "solve_rate":
@@ -99,3 +129,8 @@ def proposer_reward(solve_rate: float, kind: Literal["learnability", "solve_rate
 def make_selfplay_env(seed: int, index: int) -> ProposerSolverEnv:
     """Every episode alike: the proposer's turn is the only source of tasks."""
     return ProposerSolverEnv()
+
+
+def make_chat_selfplay_env(seed: int, index: int) -> ChatSolverSelfPlayEnv:
+    """`make_selfplay_env` with the solvers played by OpenAI-style agent code (`chat_solver`)."""
+    return ChatSolverSelfPlayEnv()

@@ -82,3 +82,29 @@ def test_no_token_of_either_policy_older_than_its_own_bound_reaches_its_loss(two
         for policy, bound in bounds.items():
             assert step[f"policy_age/dependency_max/{policy}"] <= bound, (policy, step["step"])
     assert_every_prompt_accounted_for(summary["accounting"], trained=NUM_STEPS * config.prompts_per_step)
+
+
+def test_openai_style_agent_code_plays_the_solver_seat_on_the_solvers_policy(tmp_path):
+    """environment.name selfplay_chat: each solver is agent code calling an `openai.AsyncOpenAI`
+    client (forge_rl/envs/selfplay.py `chat_solver`), served by the solver policy's generator."""
+    import dataclasses
+
+    from forge_rl.config import GRPOConfig, LogConfig
+    from forge_rl.yaml_config import load_yaml_config
+
+    base = load_yaml_config(GRPOConfig, REPO / "configs/selfplay_two_policies_tiny_cpu.yaml")
+    steps = 3
+    summary, metrics, config = run_config_file(
+        REPO / "configs/selfplay_two_policies_tiny_cpu.yaml", tmp_path, "chat_solvers", steps=steps,
+        environment=dataclasses.replace(base.environment, name="selfplay_chat"), log=dataclasses.replace(LogConfig(), rollouts=True),
+    )
+    rollouts = [json.loads(line) for line in (tmp_path / "chat_solvers" / "rollouts.jsonl").read_text().splitlines()]
+    solver_tokens = collections.Counter()
+    for record in rollouts:
+        for completion in record["completions"]:
+            if completion["agent"].startswith("solver"):
+                assert completion["policy"] == "solver"
+                solver_tokens[record["step"]] += completion["trained_tokens"]
+    assert {step["step"]: int(step[f"policies/solver/{TRAINED_TOKENS}"]) for step in metrics} == dict(solver_tokens)
+    assert all(count > 0 for count in solver_tokens.values())
+    assert_every_prompt_accounted_for(summary["accounting"], trained=steps * config.prompts_per_step)
