@@ -639,7 +639,6 @@ class GRPOConfig:
                 "(forge_rl/envs/graph.py). Set --environment.name, or drop policies."
             )
         refused = [
-            (self.checkpoint.enabled, "checkpoint.enabled", "a checkpoint holds the run's own trainer only", "--checkpoint.no-enabled"),
             (self.branch.enabled, f"branch.rule ({self.branch.rule})", "forks replay turns on the run's own generators", "--branch.rule none"),
             (self.simulated or self.trainer.engine == "sim", "a simulated engine or trainer", "it publishes no weights per policy", "vllm and the TorchTitan trainer"),
             (self.eval.enabled, "eval.sets", "an evaluation samples the run's own policy only", "no eval.sets"),

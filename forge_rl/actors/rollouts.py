@@ -100,8 +100,10 @@ class RolloutsActor(PortServed, Actor):
         return self.rollouts.state_dict(include_episodes)
 
     @concurrent_endpoint
-    async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
-        return await self.rollouts.load_state_dict(state, policy_version, weights_dir)
+    async def load_state_dict(
+        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None,
+    ) -> int:
+        return await self.rollouts.load_state_dict(state, policy_version, weights_dir, policies)
 
 
     @concurrent_endpoint

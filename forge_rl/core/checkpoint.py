@@ -44,6 +44,12 @@ from typing import Any, Literal
 
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_DIR = "trainer"
+
+
+def policy_trainer_dir(policy: str) -> str:
+    """The checkpoint directory of one of the run's other policies' trainer (`policies`)."""
+    return f"{TRAINER_DIR}-{policy}"
+
 CONTROLLER_FILE = "controller.json"
 COMPLETE_FILE = "COMPLETE"
 _STEP_DIR = re.compile(r"step-(\d{6,})")
@@ -117,6 +123,9 @@ class ControllerState:
     num_generators: int | None = None
     """The generator pool's size at the checkpoint (it changes while a run goes on: `forge-rl scale`):
     a resume starts that many unless --num-generators chooses another count."""
+    policy_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Each of the run's other policies' version after `step` (`policies`), by name; its trainer's
+    shards are in `policy_trainer_dir(name)`."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

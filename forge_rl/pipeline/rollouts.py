@@ -450,10 +450,17 @@ class Rollouts:
             ],
         }
 
-    async def load_state_dict(self, state: dict, policy_version: int, weights_dir: str) -> int:
+    async def load_state_dict(
+        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None,
+    ) -> int:
         """Continue from a checkpoint (`state_dict`'s figures, the prompts to hand out again first
         as state["reissue"]): every generator serves `policy_version` before this returns, and
-        before any rollout starts. Returns the number of episodes the buffer holds now."""
+        before any rollout starts; with config.policies, each one's generators serve its version
+        in `policies` (name -> its version, where it is). Returns the number of episodes the
+        buffer holds now."""
+        for name, (version, _) in (policies or {}).items():
+            self.policy_versions[name] = version
+        self.buffer.buffer.set_policy_offsets({name: v - policy_version for name, v in self.policy_versions.items()})
         buffered_versions = await self.buffer.load_state_dict(state["buffer"], policy_version)
         self.prompts.load_state(state["dataset_cursor"], state["reissue"], state.get("data_fingerprint"))
         self.gate.restore(policy_version, buffered_versions)
@@ -485,7 +492,8 @@ class Rollouts:
             )
             self.salvaged = {}
         await asyncio.gather(
-            *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators))
+            *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators)),
+            *(self._tell_policy_generators(name, version, policy_dir) for name, (version, policy_dir) in (policies or {}).items()),
         )
         return len(buffered_versions)
 

@@ -35,6 +35,7 @@ from forge_rl.core.checkpoint import (
     capture_rng_state,
     commit_checkpoint,
     complete_checkpoints,
+    policy_trainer_dir,
     prune_checkpoints,
     read_controller_state,
     restore_rng_state,
@@ -341,9 +342,15 @@ class Lifecycle:
         started, actors = time.monotonic(), pipeline.actors
         partial = begin_checkpoint(self.run_path, pipeline.step)
         written_port, written = Channel.open()
-        saved, rollouts = await asyncio.gather(
+        # The other policies' trainers (`policies`) write theirs beside it; the commit waits for all.
+        policy_ports = {name: Channel.open() for name in actors.policy_trainers}
+        saved, rollouts, *policies_saved = await asyncio.gather(
             actors.trainer.save_checkpoint.call(str(partial / TRAINER_DIR), written_port),
             actors.rollouts.state_dict.call_one(self.config.checkpoint.save_buffer),
+            *(
+                trainer.save_checkpoint.call(str(partial / policy_trainer_dir(name)), policy_ports[name][0])
+                for name, trainer in actors.policy_trainers.items()
+            ),
         )
         saved = rank_zero(saved)
         for name, part in actors.checkpointed.items():
@@ -361,18 +368,23 @@ class Lifecycle:
             partial_groups=rollouts["partial_groups"],
             tokenizer_fingerprint=rollouts["tokenizer_fingerprint"],
             num_generators=rollouts["num_generators"],
+            policy_versions={
+                name: rank_zero(policy_saved)["policy_version"] for name, policy_saved in zip(actors.policy_trainers, policies_saved)
+            },
         )
         held_s = time.monotonic() - started
-        self._committing = asyncio.ensure_future(self._commit(partial, controller, written, started, held_s))
+        writes = [written, *(port[1] for port in policy_ports.values())]
+        self._committing = asyncio.ensure_future(self._commit(partial, controller, writes, started, held_s))
         # Its error is raised where it is awaited; a run that fails otherwise first never awaits it.
         self._committing.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def _commit(self, partial: Path, controller: ControllerState, written, started: float, held_s: float) -> None:
-        """Commit the checkpoint in `partial` once the trainer's background write is done (its
-        port `written` says so, or names the error)."""
-        error = await written.recv()
-        if error is not None:
-            raise RuntimeError(f"checkpoint {partial}: the trainer's write failed: {error}")
+    async def _commit(self, partial: Path, controller: ControllerState, writes: list, started: float, held_s: float) -> None:
+        """Commit the checkpoint in `partial` once every trainer's background write is done (each
+        one's port in `writes` says so, or names the error)."""
+        for written in writes:
+            error = await written.recv()
+            if error is not None:
+                raise RuntimeError(f"checkpoint {partial}: a trainer's write failed: {error}")
         # Off the event loop: the fsyncs would delay the train loop's replies.
         path = await asyncio.to_thread(commit_checkpoint, partial, controller)
         await asyncio.to_thread(prune_checkpoints, self.run_path, self.config.checkpoint.keep_last)
@@ -419,12 +431,21 @@ class Lifecycle:
                 f"checkpoint {checkpoint} is inconsistent: its trainer state is at policy version "
                 f"{loaded['policy_version']}, its controller state at {saved.policy_version}"
             )
+        policies = {}
+        for name, trainer in actors.policy_trainers.items():
+            policy_loaded = rank_zero(await trainer.load_checkpoint.call(str(checkpoint / policy_trainer_dir(name))))
+            if policy_loaded["policy_version"] != saved.policy_versions.get(name):
+                raise RuntimeError(
+                    f"checkpoint {checkpoint} is inconsistent: policy {name!r}'s trainer state is at version "
+                    f"{policy_loaded['policy_version']}, its controller state at {saved.policy_versions.get(name)}"
+                )
+            policies[name] = (policy_loaded["policy_version"], policy_loaded["weights/dir"])
         restore_rng_state(saved.rng)
         pipeline.step, pipeline.policy_version = saved.step, saved.policy_version
         for name, part in actors.checkpointed.items():
             await part.load_checkpoint(checkpoint / name)
         num_buffered = await actors.rollouts.load_state_dict.call_one(
-            dataclasses.asdict(saved), saved.policy_version, loaded["weights/dir"]
+            dataclasses.asdict(saved), saved.policy_version, loaded["weights/dir"], *([policies] if policies else [])
         )
         progress(
             f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "

@@ -21,10 +21,11 @@ from forge_rl.run.preflight import check_machine, check_model_inputs
 from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.yaml_config import load_yaml_config
 
-RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel")
+RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel", "policies")
 """What a resumed run may not change: the checkpoint's shards are laid out for the model and the
 parallelism, and the prompt indices it accounts for, and their groups, mean something only for the
-task or data file (its path, columns and seed) and group size they were drawn with."""
+task or data file (its path, columns and seed) and group size they were drawn with; it holds a
+trainer per policy, each for the seats it played."""
 
 
 def config_to_dict(config: object) -> dict:

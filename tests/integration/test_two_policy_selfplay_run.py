@@ -108,3 +108,24 @@ def test_openai_style_agent_code_plays_the_solver_seat_on_the_solvers_policy(tmp
     assert {step["step"]: int(step[f"policies/solver/{TRAINED_TOKENS}"]) for step in metrics} == dict(solver_tokens)
     assert all(count > 0 for count in solver_tokens.values())
     assert_every_prompt_accounted_for(summary["accounting"], trained=steps * config.prompts_per_step)
+
+
+def test_a_checkpoint_holds_every_policys_trainer_and_a_resume_continues_each_ones_versions(tmp_path):
+    import dataclasses
+
+    from forge_rl.config import GRPOConfig
+    from forge_rl.core.checkpoint import newest_complete_checkpoint, policy_trainer_dir, read_controller_state
+    from forge_rl.yaml_config import load_yaml_config
+
+    path = REPO / "configs/selfplay_two_policies_tiny_cpu.yaml"
+    checkpoints = dataclasses.replace(load_yaml_config(GRPOConfig, path).checkpoint, enabled=True, every_n_steps=2)
+    run_config_file(path, tmp_path, "resumed", steps=2, checkpoint=checkpoints)
+    checkpoint = newest_complete_checkpoint(tmp_path / "resumed")
+    assert (checkpoint / policy_trainer_dir("solver")).is_dir()
+    assert read_controller_state(checkpoint).policy_versions == {"solver": 2}
+
+    summary, metrics, config = run_config_file(path, tmp_path, "resumed", steps=4, checkpoint=checkpoints, resume=tmp_path / "resumed")
+    assert [step["step"] for step in metrics] == [1, 2, 3, 4]  # the resumed run's metrics follow the first's
+    assert [step["policy_version/solver"] for step in metrics[2:]] == [3, 4]
+    assert [step["policy_version/main"] for step in metrics[2:]] == [3, 4]
+    assert max(step["policy_age/dependency_max/solver"] for step in metrics[2:]) <= config.policies[0].max_policy_age
