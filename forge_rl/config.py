@@ -31,6 +31,7 @@ from forge_rl.models.parallel import read_hf_config, validate_parallelism
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.observability.health import MismatchAlarmConfig
 from forge_rl.plumbing.placement import LaunchConfig, check_placement, demand_of
+from forge_rl.plumbing.threads import AUTO, with_chosen_threads
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.tasks import TaskConfig
@@ -289,6 +290,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         """Every rule that spans components, in the order a user fixes them: batch shape, buffer,
         loss, model and parallelism, timeouts, placement."""
+        self._resolve_auto_threads()
         self._resolve_environment_limits()
         self._resolve_branch_entropy()
         self._check_batch_shape()
@@ -554,6 +556,33 @@ class GRPOConfig:
                 "row's episode; or unset --environment.name to train on the file's prompts, or unset data to train "
                 "on the environment."
             )
+
+    def _resolve_auto_threads(self) -> None:
+        """trainer.num_threads / generator.cpu_threads "auto" become numbers chosen from this
+        machine's cores (`forge_rl.plumbing.threads`), so config.yaml records what ran."""
+        if self.scorer.judge.generator.cpu_threads == AUTO:
+            raise ConfigError(
+                "scorer.judge.generator.cpu_threads (auto): only the policy's trainer and generators choose "
+                "their threads from the cores. Set --scorer.judge.generator.cpu-threads to a number."
+            )
+        num_policies = 1 + len(self.policies)
+        generators = self.num_generators + sum(p.num_generators for p in self.policies)
+        generators += self.eval.num_generators if self.eval.enabled and self.eval.placement == "own" else 0
+        fixed = sum(self.scorer.model_threads().values())
+        fixed += self.reference.num_procs * self.reference.num_threads if self.uses_reference_model else 0
+        fixed += self.scorer.teacher.num_procs * self.scorer.teacher.num_threads if self.uses_teacher else 0
+        trainer, generator = with_chosen_threads(
+            self.trainer,
+            self.generator,
+            trainer_procs=0 if self.trainer.engine == "sim" else self.trainer.num_procs * num_policies,
+            generators=0 if self.generator.engine == "sim" else generators,
+            fixed_threads=fixed,
+            trainer_cpus=self.launch.placement.trainer_cpus,
+            generator_cpus=self.launch.placement.generator_cpus,
+            hosts=self.launch.hosts,
+        )
+        object.__setattr__(self, "trainer", trainer)
+        object.__setattr__(self, "generator", generator)
 
     def _resolve_environment_limits(self) -> None:
         """environment.limits' unset token limits follow the model and the generator: a trajectory may

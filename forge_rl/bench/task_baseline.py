@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.plumbing.threads import with_chosen_threads
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.rewards import resolve_reward_fn
 
@@ -50,6 +51,7 @@ class TaskBaselineArgs:
     """Where task_baseline.json goes."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "generator", with_chosen_threads(None, self.generator, trainer_procs=0, generators=1)[1])
         for name in ("num_prompts", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1. Set --{name.replace('_', '-')}.")

@@ -133,8 +133,11 @@ class GeneratorConfig:
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
     """vLLM's log level in the engine processes. WARNING repeats a benign warning at every weight
     reload (rotary embeddings have no weights to load), INFO logs every request batch and swap."""
-    cpu_threads: int = 1
-    """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer."""
+    cpu_threads: int | Literal["auto"] = 1
+    """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer.
+    "auto": a share of this machine's cores beside the other roles' (`forge_rl.plumbing.threads`),
+    for the policy's generators of a local run. Above 1 the engine core is spawned, not forked: a
+    slower start."""
     swap_mode: Literal["keep", "wait", "abort"] = "keep"
     """How a weight swap treats requests in flight (vLLM's pause modes, same words): "keep" freezes
     them between two decode steps and continues them on the new weights; "wait" lets them finish on
@@ -208,7 +211,7 @@ class GeneratorConfig:
             ("max_support_ids", self.max_support_ids >= 1, ">= 1"),
             ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
-            ("cpu_threads", self.cpu_threads >= 1, ">= 1"),
+            ("cpu_threads", self.cpu_threads == "auto" or self.cpu_threads >= 1, ">= 1 or auto"),
             ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
             ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
             ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),

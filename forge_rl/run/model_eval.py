@@ -46,6 +46,7 @@ from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.evaluation.humaneval import NUM_PROBLEMS
 from forge_rl.observability.metrics import progress
+from forge_rl.plumbing.threads import with_chosen_threads
 from forge_rl.tasks import TaskConfig
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class EvalArgs:
     """Where the results go (a new or empty directory); unset: runs/eval-<model or run name>-<time>."""
 
     def __post_init__(self) -> None:
+        _, generator = with_chosen_threads(None, self.generator, trainer_procs=0, generators=self.eval.num_generators)
+        object.__setattr__(self, "generator", generator)
         if (self.model_path is None) == (self.run is None):
             raise ConfigError(
                 "forge-rl eval evaluates one model: pass --model-path DIR (an HF model directory) or --run RUN_DIR "

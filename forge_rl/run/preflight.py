@@ -85,6 +85,13 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
         f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads})":
             config.num_generators * generator.cpu_threads,
     }
+    for policy in config.policies:  # each with a trainer like the run's and generators of its own
+        threads[f"policies.{policy.name}'s trainer ({trainer.num_procs} x {trainer.num_threads})"] = (
+            trainer.num_procs * trainer.num_threads
+        )
+        threads[
+            f"policies.{policy.name}.num_generators ({policy.num_generators}) x generator.cpu_threads ({generator.cpu_threads})"
+        ] = policy.num_generators * generator.cpu_threads
     frozen = [(config.reference, "reference")] if config.uses_reference_model else []
     frozen += [(scorer.teacher, "scorer.teacher")] if config.uses_teacher else []
     for model, section in frozen:

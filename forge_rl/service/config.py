@@ -20,6 +20,7 @@ from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoRAConfig
 from forge_rl.plumbing.placement import LaunchConfig
+from forge_rl.plumbing.threads import with_chosen_threads
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.training.trainer_config import TrainerConfig
 
@@ -77,6 +78,17 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.trainer.lora.enabled:
             object.__setattr__(self, "trainer", dataclasses.replace(self.trainer, lora=dataclasses.replace(self.trainer.lora, enabled=True)))
+        trainer, generator = with_chosen_threads(
+            self.trainer,
+            self.generator,
+            trainer_procs=self.trainer.num_procs,
+            generators=self.num_generators,
+            trainer_cpus=self.launch.placement.trainer_cpus,
+            generator_cpus=self.launch.placement.generator_cpus,
+            hosts=self.launch.hosts,
+        )
+        object.__setattr__(self, "trainer", trainer)
+        object.__setattr__(self, "generator", generator)
         checks = [
             ("num_generators", self.num_generators >= 1, ">= 1"),
             ("adapters_resident", self.adapters_resident >= 1, ">= 1"),

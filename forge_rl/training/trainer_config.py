@@ -40,8 +40,9 @@ class TrainerConfig:
     """Gradients are rescaled so that their global L2 norm is at most this."""
     seed: int = 0
     """Torch seed of every trainer process."""
-    num_threads: int = 1
-    """Torch CPU threads per trainer process (torch.set_num_threads)."""
+    num_threads: int | Literal["auto"] = 1
+    """Torch CPU threads per trainer process (torch.set_num_threads); "auto": a share of this
+    machine's cores beside the other roles' (`forge_rl.plumbing.threads`), local runs only."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss (grpo, dr_grpo, dapo, gspo, cispo), its off-policy corrections and KL penalty."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -80,7 +81,7 @@ class TrainerConfig:
             "weight_decay": (0.0 <= self.weight_decay < math.inf, ">= 0 and finite"),
             "adam_eps": (0.0 < self.adam_eps < math.inf, "> 0 and finite"),
             "max_grad_norm": (self.max_grad_norm > 0.0, "> 0 (inf disables clipping)"),
-            "num_threads": (self.num_threads >= 1, ">= 1"),
+            "num_threads": (self.num_threads == "auto" or self.num_threads >= 1, ">= 1 or auto"),
             "max_consecutive_nonfinite_steps": (self.max_consecutive_nonfinite_steps >= 1, ">= 1"),
             "batching": (self.batching in BATCHING_MODES, "one of " + ", ".join(BATCHING_MODES)),
             "activation_checkpointing": (self.activation_checkpointing in ("none", "full"), "none or full"),
