@@ -398,6 +398,16 @@ class SampleSpec:
     """Stop token ids or stop strings; None: stop at EOS; []: never stop before max_tokens."""
     seed: int | None = None
     prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    """k > 0: the k likeliest next tokens at each prompt position, by the model's distribution
+    (temperature 1, no top-k/top-p)."""
+    topk_sample_logprobs: int = 0
+    """k > 0: the k likeliest tokens at each sampled position, by the distribution the token was
+    drawn from (the request's temperature, top-k and top-p)."""
+
+
+TopK = list[tuple[int, float]]
+"""(token id, logprob) of the likeliest tokens at one position, likeliest first."""
 
 
 @dataclass(frozen=True)
@@ -407,6 +417,8 @@ class SampledSequence:
     stop_reason: Literal["stop", "length"]
     policy_versions: list[int]
     """The weights version each token was sampled by (forge_rl's per-token stamp)."""
+    topk_logprobs: list[TopK] | None = None
+    """With SampleSpec.topk_sample_logprobs: each sampled position's likeliest tokens."""
 
 
 @dataclass(frozen=True)
@@ -414,3 +426,5 @@ class SampleResult:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     """With SampleSpec.prompt_logprobs: each prompt token's logprob (None for the first)."""
+    topk_prompt_logprobs: list[TopK | None] | None = None
+    """With SampleSpec.topk_prompt_logprobs: each prompt position's likeliest tokens (None for the first)."""

@@ -56,7 +56,7 @@ from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.routing import RoutingRecord
-from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats, join_pieces
+from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats, TopK, join_pieces
 
 _logger = logging.getLogger(__name__)
 
@@ -904,8 +904,8 @@ class VLLMEngine:
             top_p=spec.top_p,
             top_k=spec.top_k if spec.top_k > 0 else 0,
             seed=spec.seed,
-            logprobs=0,  # the sampled token's own
-            prompt_logprobs=0 if spec.prompt_logprobs else None,
+            logprobs=spec.topk_sample_logprobs,  # the sampled token's own, and the top k
+            prompt_logprobs=spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None),
             # stop None: EOS ends a sequence; [] never stops early; else these tokens or strings.
             stop_token_ids=stop_ids + ([eos_id] if spec.stop is None and eos_id is not None else []),
             stop=stop_strings or None,
@@ -921,16 +921,21 @@ class VLLMEngine:
         for output in final.outputs:
             tokens = list(output.token_ids)
             logprobs = [position[token].logprob for token, position in zip(tokens, output.logprobs or [])]
+            topk = [_top_k(position, spec.topk_sample_logprobs) for position in output.logprobs or []] if spec.topk_sample_logprobs else None
             sequences.append(SampledSequence(
-                tokens, logprobs, "length" if output.finish_reason == "length" else "stop", [version] * len(tokens),
+                tokens, logprobs, "length" if output.finish_reason == "length" else "stop", [version] * len(tokens), topk,
             ))
-        prompt_logprobs = None
+        prompt_logprobs = topk_prompt = None
         if spec.prompt_logprobs:
             prompt_logprobs = [
                 None if position is None else position[token].logprob
                 for token, position in zip(prompt_token_ids, final.prompt_logprobs or [])
             ]
-        return SampleResult(sequences, prompt_logprobs)
+        if spec.topk_prompt_logprobs:
+            topk_prompt = [
+                None if position is None else _top_k(position, spec.topk_prompt_logprobs) for position in final.prompt_logprobs or []
+            ]
+        return SampleResult(sequences, prompt_logprobs, topk_prompt)
 
     async def serve_adapter(self, adapter_dir: Path, policy_version: int, adapter_of: str | None) -> None:
         """Make `policy_version`'s adapter resident again (an older one a sample asks for), or for
@@ -1266,6 +1271,14 @@ def _is_resource_tracker(process: psutil.Process) -> bool:
     with contextlib.suppress(psutil.Error):
         return "resource_tracker" in " ".join(process.cmdline())
     return False
+
+
+def _top_k(position: dict, k: int) -> TopK:
+    """The k likeliest tokens of one position of vLLM's logprobs ({token id: Logprob}, which
+    also holds the sampled or prompt token at its own rank), likeliest first. Tokens outside a
+    top-k/top-p kept set (logprob -inf under processed logprobs) are left out."""
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items() if lp.rank is not None and lp.rank <= k)
+    return [(token, logprob) for _, token, logprob in ranked if math.isfinite(logprob)]
 
 
 def _to_completion(output: CompletionOutput, support_source: str, max_support_ids: int | None) -> Completion:

@@ -19,11 +19,11 @@ from typing import Literal, Protocol
 import numpy as np
 
 from forge_rl.training.tinker_losses import REQUIRED_INPUTS
-from forge_rl.types import SampledSequence, SampleResult, SampleSpec
+from forge_rl.types import SampledSequence, SampleResult, SampleSpec, TopK
 
 __all__ = [
     "LOSS_FUNCTIONS", "AdamStep", "ForwardBackwardResult", "LoraSpec", "RequestRefused", "SampleResult", "SampleSpec",
-    "SampledSequence", "SavedWeights", "ServiceBackend", "TrainingDatum",
+    "SampledSequence", "SavedWeights", "ServiceBackend", "TopK", "TrainingDatum",
 ]
 
 LOSS_FUNCTIONS = tuple(REQUIRED_INPUTS)

@@ -34,6 +34,7 @@ from forge_rl.service.backend import (
     RequestRefused,
     SampleResult,
     SampleSpec,
+    TopK,
     TrainingDatum,
 )
 
@@ -469,12 +470,16 @@ def forward_backward_output_json(result: ForwardBackwardResult, num_data: int) -
 # --- sampling -----------------------------------------------------------------------------------
 
 _UNSUPPORTED_SAMPLE_FIELDS = {
-    "topk_prompt_logprobs": 0,
-    "topk_sample_logprobs": 0,
     "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0,
 }
 """SampleRequest fields the generators do not compute, with the value that asks for nothing."""
+
+MAX_TOPK_LOGPROBS = 20
+"""The widest top-k of logprobs a sample may ask for (the generators' vLLM max_logprobs is at least this)."""
+
+_MASK_TOKEN, _MASK_LOGPROB = 0, -99999.0
+"""What fills a TopkLogprobs row past its entries, and the whole of a position with none (the SDK's sentinel)."""
 
 
 @dataclass(frozen=True)
@@ -514,6 +519,10 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
         raise refuse("sampling_params.top_p", params.top_p, "top_p lies in (0, 1]", "pass e.g. top_p=1.0")
     if params.top_k == 0 or params.top_k < -1:
         raise refuse("sampling_params.top_k", params.top_k, "top_k is -1 (no limit) or 1 or more", "pass top_k=-1")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = getattr(request, name)
+        if not 0 <= k <= MAX_TOPK_LOGPROBS:
+            raise refuse(name, k, f"must be between 0 (none) and {MAX_TOPK_LOGPROBS}", f"ask for at most {MAX_TOPK_LOGPROBS} tokens per position")
     stop = _stop(params.stop)
     last_n = request.prompt_logprobs_last_n
     if last_n is not None:
@@ -524,6 +533,7 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
     spec = SampleSpec(
         prompt=prompt, num_samples=request.num_samples, max_tokens=params.max_tokens, temperature=params.temperature,
         top_p=params.top_p, top_k=params.top_k, stop=stop, seed=params.seed, prompt_logprobs=bool(request.prompt_logprobs),
+        topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
     )
     return SampleCall(spec, last_n)
 
@@ -556,6 +566,43 @@ def _prompt_logprobs(result: SampleResult, call: SampleCall) -> np.ndarray | Non
     return logprobs
 
 
+def _topk_prompt_rows(result: SampleResult, call: SampleCall) -> list[TopK | None] | None:
+    """The prompt's top-k rows, one per prompt token, the first and those before the last N
+    (prompt_logprobs_last_n) None."""
+    if not call.spec.topk_prompt_logprobs:
+        return None
+    rows = result.topk_prompt_logprobs
+    if rows is None or len(rows) != len(call.spec.prompt):
+        got = None if rows is None else len(rows)
+        raise ValueError(f"the backend returned {got} top-k prompt rows for a {len(call.spec.prompt)}-token prompt; it must return one per prompt token")
+    rows = [row or None for row in rows]
+    rows[0] = None
+    if call.prompt_logprobs_last_n is not None:
+        rows[: len(rows) - call.prompt_logprobs_last_n] = [None] * (len(rows) - call.prompt_logprobs_last_n)
+    return rows
+
+
+def _checked_topk(rows: list[TopK | None], k: int, what: str) -> None:
+    for i, row in enumerate(rows):
+        if row is not None and len(row) > k:
+            raise ValueError(f"the backend's {what} row {i} has {len(row)} entries for k={k}")
+
+
+def _topk_proto(rows: list[TopK | None], k: int, msg: pb.TopkLogprobs) -> None:
+    """`rows` as the dense (length, k) matrices of the SDK's TopkLogprobs, sentinel-filled."""
+    token_ids = np.full((len(rows), k), _MASK_TOKEN, dtype=np.int32)
+    logprobs = np.full((len(rows), k), _MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or ()):
+            token_ids[i, j], logprobs[i, j] = token, logprob
+    msg.length, msg.k = len(rows), k
+    msg.token_ids, msg.logprobs = token_ids.tobytes(), logprobs.tobytes()
+
+
+def _topk_json(rows: list[TopK | None] | None) -> list[list[list[float]] | None] | None:
+    return None if rows is None else [None if row is None else [[int(t), float(lp)] for t, lp in row] for row in rows]
+
+
 def _checked_sequences(result: SampleResult, call: SampleCall) -> None:
     if len(result.sequences) != call.spec.num_samples:
         raise ValueError(f"the backend returned {len(result.sequences)} sequences for num_samples={call.spec.num_samples}")
@@ -564,6 +611,12 @@ def _checked_sequences(result: SampleResult, call: SampleCall) -> None:
             raise ValueError(f"the backend's sequence {i} has {len(seq.tokens)} tokens and {len(seq.logprobs)} logprobs; it must give one per token")
         if seq.stop_reason not in ("stop", "length"):
             raise ValueError(f"the backend's sequence {i} stopped for {seq.stop_reason!r}; the Tinker API knows 'stop' and 'length'")
+        k = call.spec.topk_sample_logprobs
+        if k:
+            if seq.topk_logprobs is None or len(seq.topk_logprobs) != len(seq.tokens):
+                got = None if seq.topk_logprobs is None else len(seq.topk_logprobs)
+                raise ValueError(f"the backend's sequence {i} has {len(seq.tokens)} tokens and {got} top-k rows; it must give one per token")
+            _checked_topk(seq.topk_logprobs, k, f"sequence {i}'s top-k")
 
 
 def sample_response_proto(result: SampleResult, call: SampleCall) -> bytes:
@@ -575,9 +628,15 @@ def sample_response_proto(result: SampleResult, call: SampleCall) -> bytes:
         out.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         out.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if call.spec.topk_sample_logprobs:
+            _topk_proto(seq.topk_logprobs, call.spec.topk_sample_logprobs, out.topk_sampled_logprobs)
     prompt_logprobs = _prompt_logprobs(result, call)
     if prompt_logprobs is not None:
         msg.prompt_logprobs = prompt_logprobs.tobytes()
+    topk_prompt = _topk_prompt_rows(result, call)
+    if topk_prompt is not None:
+        _checked_topk(topk_prompt, call.spec.topk_prompt_logprobs, "top-k prompt")
+        _topk_proto(topk_prompt, call.spec.topk_prompt_logprobs, msg.topk_prompt_logprobs)
     return msg.SerializeToString()
 
 
@@ -585,10 +644,18 @@ def sample_response_json(result: SampleResult, call: SampleCall) -> dict[str, An
     """The JSON SampleResponse, for a client that does not ask for protobuf."""
     _checked_sequences(result, call)
     prompt_logprobs = _prompt_logprobs(result, call)
+    topk_prompt = _topk_prompt_rows(result, call)
+    if topk_prompt is not None:
+        _checked_topk(topk_prompt, call.spec.topk_prompt_logprobs, "top-k prompt")
     return {
         "type": "sample",
         "sequences": [
-            {"tokens": list(seq.tokens), "logprobs": [float(lp) for lp in seq.logprobs], "stop_reason": seq.stop_reason} for seq in result.sequences
+            {
+                "tokens": list(seq.tokens), "logprobs": [float(lp) for lp in seq.logprobs], "stop_reason": seq.stop_reason,
+                "topk_logprobs": _topk_json(seq.topk_logprobs) if call.spec.topk_sample_logprobs else None,
+            }
+            for seq in result.sequences
         ],
         "prompt_logprobs": None if prompt_logprobs is None else [None if math.isnan(lp) else float(lp) for lp in prompt_logprobs.tolist()],
+        "topk_prompt_logprobs": _topk_json(topk_prompt),
     }

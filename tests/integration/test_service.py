@@ -129,6 +129,44 @@ def test_a_short_session_trains_and_the_sampler_serves_what_it_learned(client, s
     assert [m["step"] for m in metrics] == list(range(1, 26)) and all(m["grad_norm"] > 0 for m in metrics)
 
 
+def _descending_and_consistent(rows, tokens, logprobs) -> None:
+    """Each row likeliest first; where the position's own token is among its top k, its logprob
+    is that entry's, and no own token is likelier than the row's first."""
+    for row, token, logprob in zip(rows, tokens, logprobs):
+        values = [lp for _, lp in row]
+        assert values == sorted(values, reverse=True) and np.logaddexp.reduce(values) <= 1e-4, row
+        assert logprob <= values[0] + 1e-4, (row, token, logprob)
+        own = dict(row).get(token)
+        if own is not None:
+            assert abs(own - logprob) < 1e-4, (row, token, logprob)
+
+
+def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token_come_from_the_engine(client):
+    sampler = client.create_sampling_client(base_model="forge-rl/tiny")
+    k = 3
+    result = sampler.sample(
+        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=2,
+        sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0, stop=[], seed=3),
+        include_prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=k,
+    ).result()
+    prompt_rows = result.topk_prompt_logprobs
+    assert len(prompt_rows) == len(PROMPT) and prompt_rows[0] is None
+    assert all(len(row) == k for row in prompt_rows[1:])
+    _descending_and_consistent(prompt_rows[1:], PROMPT[1:], result.prompt_logprobs[1:])
+    for sequence in result.sequences:
+        assert len(sequence.topk_logprobs) == len(sequence.tokens) == 4
+        assert all(len(row) == k for row in sequence.topk_logprobs)
+        _descending_and_consistent(sequence.topk_logprobs, sequence.tokens, sequence.logprobs)
+    # Sampled with top_k=2, a position's distribution holds two tokens: its rows list those alone.
+    narrow = sampler.sample(
+        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1,
+        sampling_params=tinker.SamplingParams(max_tokens=3, temperature=1.0, top_k=2, stop=[], seed=3),
+        topk_sample_logprobs=k,
+    ).result().sequences[0]
+    assert all(len(row) == 2 and abs(np.logaddexp.reduce([lp for _, lp in row])) < 1e-3 for row in narrow.topk_logprobs)
+    assert all(token in dict(row) for token, row in zip(narrow.tokens, narrow.topk_logprobs))
+
+
 def test_the_docs_example_runs_as_written(service):
     """docs/service.md's session, with the URL this test's service listens on."""
     doc = (REPO / "docs" / "service.md").read_text()

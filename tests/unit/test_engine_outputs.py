@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _to_completion, engine_process_env, visible_devices
+from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _to_completion, _top_k, engine_process_env, visible_devices
 from forge_rl.types import join_pieces
 
 
@@ -147,3 +147,13 @@ def test_a_sampled_turn_carries_the_count_of_its_possibly_truncated_kept_sets():
     turn = asyncio.run(engine.generate_turn([1, 2], 8, eos_id=11))
 
     assert (turn.token_ids, turn.num_truncated_support) == ([5, 7, 11], 1)
+
+
+def test_a_positions_top_k_is_its_k_likeliest_by_rank_without_the_own_token_past_k_or_masked_ones():
+    from vllm.logprobs import Logprob
+
+    # vLLM's logprobs of one position: the top 2 by rank, and the sampled token at rank 5.
+    position = {7: Logprob(-0.5, rank=1), 3: Logprob(-1.5, rank=2), 9: Logprob(-4.0, rank=5)}
+    assert _top_k(position, 2) == [(7, -0.5), (3, -1.5)]
+    # Under top_k=1 sampling the rest of the vocabulary is masked (-inf): it is no likely token.
+    assert _top_k({7: Logprob(0.0, rank=1), 3: Logprob(float("-inf"), rank=2)}, 2) == [(7, 0.0)]

@@ -160,7 +160,10 @@ def test_a_sample_request_reads_as_the_backend_spec():
 
 @pytest.mark.parametrize(
     "fields, field",
-    [({"num_samples": 0}, "num_samples"), ({"topk_sample_logprobs": 3}, "topk_sample_logprobs"), ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k")],
+    [
+        ({"num_samples": 0}, "num_samples"), ({"topk_sample_logprobs": wire.MAX_TOPK_LOGPROBS + 1}, "topk_sample_logprobs"),
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"), ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+    ],
 )
 def test_a_sample_request_asking_what_the_generators_do_not_do_is_refused_naming_the_field(fields, field):
     with pytest.raises(wire.FieldRefused) as refused:
@@ -196,6 +199,34 @@ def test_prompt_logprobs_last_n_blanks_the_earlier_prompt_positions():
     result = SampleResult(sequences=[SampledSequence([1], [-0.5], "length", [0])], prompt_logprobs=[None, -0.5, -0.75])
     got = deserialize_proto_response(wire.sample_response_proto(result, call), types.SampleResponse)
     assert got.prompt_logprobs[:2] == [None, None] and math.isclose(got.prompt_logprobs[2], -0.75)
+
+
+def test_top_k_logprobs_read_back_in_the_sdk_as_it_lists_them_shorter_rows_and_blank_positions_included():
+    call = wire.sample_call(sdk_sample_request(topk_prompt_logprobs=2, topk_sample_logprobs=2, prompt_logprobs=True, prompt_logprobs_last_n=1), CONTEXT, 8)
+    assert (call.spec.topk_prompt_logprobs, call.spec.topk_sample_logprobs) == (2, 2)
+    sampled_topk = [[(6, -0.5), (7, -1.5)], [(5, -0.25)]]  # the second position's kept set held one token
+    result = SampleResult(
+        sequences=[SampledSequence([6, 5], [-0.5, -0.25], "length", [0, 0], sampled_topk)],
+        prompt_logprobs=[None, -0.5, -0.75],
+        topk_prompt_logprobs=[None, [(5, -0.5), (1, -2.0)], [(6, -0.75), (2, -1.0)]],
+    )
+    got = deserialize_proto_response(wire.sample_response_proto(result, call), types.SampleResponse)
+    assert got.sequences[0].topk_logprobs == sampled_topk
+    # Position 1 comes before the last one, so prompt_logprobs_last_n=1 blanks it as the SDK says.
+    assert got.topk_prompt_logprobs == [None, None, [(6, -0.75), (2, -1.0)]]
+    as_json = wire.sample_response_json(result, call)
+    assert as_json["topk_prompt_logprobs"] == [None, None, [[6, -0.75], [2, -1.0]]]
+    assert as_json["sequences"][0]["topk_logprobs"] == [[[6, -0.5], [7, -1.5]], [[5, -0.25]]]
+
+
+def test_a_backend_top_k_result_of_the_wrong_shape_is_a_server_error_naming_it():
+    call = wire.sample_call(sdk_sample_request(topk_sample_logprobs=1), CONTEXT, 8)
+    missing = SampleResult(sequences=[SampledSequence([6, 5], [-0.5, -0.25], "length", [0, 0], [[(6, -0.5)]])])
+    with pytest.raises(ValueError, match="2 tokens and 1 top-k rows"):
+        wire.sample_response_proto(missing, call)
+    too_wide = SampleResult(sequences=[SampledSequence([6], [-0.5], "length", [0], [[(6, -0.5), (7, -1.0)]])])
+    with pytest.raises(ValueError, match="row 0 has 2 entries for k=1"):
+        wire.sample_response_proto(too_wide, call)
 
 
 def test_bad_json_and_a_field_of_the_wrong_type_are_refused_naming_the_field():
