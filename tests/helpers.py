@@ -209,4 +209,35 @@ def run_config_file(path, run_dir, run_name: str, **changes):
     config = dataclasses.replace(load_yaml_config(GRPOConfig, path), run_dir=run_dir, run_name=run_name, **changes)
     summary = asyncio.run(asyncio.wait_for(run(config), HANG_S * 5))
     metrics = [json.loads(line) for line in (config.run_dir / run_name / "metrics.jsonl").read_text().splitlines()]
+    assert_metric_keys_documented(metrics)
     return summary, metrics, config
+
+
+def assert_metric_keys_documented(records: list[dict]) -> None:
+    """Every key a run wrote to metrics.jsonl has its meaning in the docs."""
+    missing = undocumented_metric_keys(records)
+    assert not missing, (
+        f"metrics.jsonl keys {missing} are in neither docs/reference/metrics.md nor docs/observability.md's table: "
+        "name them in forge_rl/observability/metrics.py (then `make reference`) or in that table"
+    )
+
+
+def undocumented_metric_keys(records: list[dict]) -> list[str]:
+    """The keys of metrics.jsonl records that neither docs/reference/metrics.md nor the table of
+    docs/observability.md names. A documented key may stand for several: `a/*` and `a/<name>`
+    cover every key under `a/`, `weights/*_s` the `weights/` keys ending in `_s`."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    patterns = set()
+    for page in (docs / "reference" / "metrics.md", docs / "observability.md"):
+        for line in page.read_text().splitlines():
+            if line.startswith("| "):
+                first_cell = line.split("|")[1]
+                for key in re.findall(r"`([^`]+)`", first_cell):
+                    patterns.add(re.sub(r"<[^>]+>", "*", key))
+    patterns |= {p + "*" for p in patterns if p.endswith("/")}  # a prefix in the metrics reference
+    keys = sorted({key for record in records for key in record})
+    return [key for key in keys if not any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)]

@@ -35,7 +35,7 @@ from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_t
 from forge_rl.tasks import TaskConfig
 from forge_rl.training.losses.policy import LossConfig
 from forge_rl.training.trainer import TrainerConfig
-from tests.helpers import wait_until
+from tests.helpers import assert_metric_keys_documented, wait_until
 from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
@@ -172,6 +172,7 @@ def test_the_run_trains_every_step_and_writes_its_outputs(finished_run):
     assert json.loads((run_path / "summary.json").read_text()) == summary
     for key in ("final_mean_reward", "wall_time_s", "max_policy_age_seen", "dropped_samples"):
         assert key in summary
+    assert_metric_keys_documented(metrics)
 
 
 def test_generators_serve_the_versions_the_trainer_publishes(finished_run):

@@ -59,3 +59,13 @@ def test_every_config_field_has_a_meaning():
 
     undocumented = [f.name for s in reference.config_sections(GRPOConfig) for f in s.fields if not f.doc]
     assert undocumented == []
+
+
+def test_a_metrics_key_no_page_documents_is_found_and_patterns_cover_their_family():
+    from tests.helpers import undocumented_metric_keys
+
+    record = {
+        "step": 1, "reward/components/format": 0.5, "weights/stall_s": 0.1, "buffer/trained_completion_len_p90": 4,
+        "mismatch_kl/generator/0": 0.0, "made_up/key": 1,
+    }
+    assert undocumented_metric_keys([record]) == ["made_up/key"]
