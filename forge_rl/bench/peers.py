@@ -511,8 +511,9 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
     """One run's figures from its per-step metrics (forge_rl's names); a run with `error` or no
     step is "crashed", one that misses the main threshold "not_reached". Steps logged past
     `budget_s` seconds of training are left out: both runs are stopped at the end of the step that
-    crosses the budget (forge_rl's by `within_budget`, once that step is logged)."""
-    metrics = [m for m in metrics if m[WALL_TIME_S] <= args.budget_s]
+    crosses the budget (forge_rl's by `within_budget`, once that step is logged). A run whose first
+    step already ended past the budget trained, too slowly: "not_reached", with no step counted."""
+    logged, metrics = metrics, [m for m in metrics if m[WALL_TIME_S] <= args.budget_s]
     rewards = [m[REWARD_MEAN] for m in metrics]
     steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
     time_to_reward = {
@@ -523,8 +524,13 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
         "steps_to_reward": steps_to_reward, "time_to_reward_s": time_to_reward,
         "reward_at_s": reward_at(metrics, args.at_times_s),
     }
-    if error is not None or not metrics:
+    if error is not None or not logged:
         return {**result, "status": "crashed", "error": error or "no step logged"}
+    if not metrics:
+        return {
+            **result, "status": "not_reached", "training_s": 0.0, "steps_per_s": 0.0, "trained_tokens_per_s": 0.0,
+            "final_mean_reward": None, "first_step_s": logged[0][WALL_TIME_S],
+        }
     loop_s = max(metrics[-1][WALL_TIME_S], 1e-9)
     result.update({
         "status": "ok" if time_to_reward[str(args.target_rewards[-1])] is not None else "not_reached",

@@ -65,6 +65,9 @@ def test_a_run_that_misses_the_threshold_or_crashes_reports_no_time():
     assert "steps_per_s" not in crashed
     nothing = analyze("trl", 2, [], None, ANALYZED, None)
     assert (nothing["status"], nothing["error"], nothing["time_to_reward_s"]["0.9"]) == ("crashed", "no step logged", None)
+    # A loaded machine's first step can end past the budget: the run trained, not within it.
+    late = analyze("forge_rl", 3, fake_metrics([0.5], step_s=ANALYZED.budget_s + 5.0), 10.0, ANALYZED, None)
+    assert (late["status"], late["steps"], late["steps_per_s"], late["first_step_s"]) == ("not_reached", 0, 0.0, ANALYZED.budget_s + 5.0)
 
 
 def test_the_ratio_is_forge_rls_median_time_over_trls_and_null_unless_every_seed_of_both_reached():
