@@ -22,125 +22,35 @@ generator 1 on host 3 goes on serving; then the run trains every step.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
-import yaml
 
-from forge_rl.config import GRPOConfig
-from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
-from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
-from forge_rl.run.run_dir import config_to_dict
-from forge_rl.tasks import TaskConfig
-from tests.helpers import assert_every_prompt_accounted_for, wait_until
-from tests.integration.held_reward import HOLD_DIR_ENV
-from tests.integration.netns_hosts import NetnsHosts
-from tests.integration.workers import REPO, stop_worker
+from tests.helpers import assert_every_prompt_accounted_for
+from tests.integration.netns_hosts import TwoGeneratorHosts
 
 pytestmark = pytest.mark.integration
-
-WORKER_HOSTS = (1, 2, 3)
-"""The hosts that run a `forge-rl worker` (host 0 runs the controller)."""
-WORKER_PORT = 26400
-"""Each host has a network stack of its own: the same port is free on every one."""
-RUN_HANG_S = 600
-"""Bounds a hang of the run; the pass condition is its summary."""
 
 
 @pytest.fixture(scope="module")
 def run_over_namespaces(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("netns")
-    hold_dir = tmp / "hold"
-    hold_dir.mkdir()
-    (hold_dir / "hold").touch()  # scoring waits from the first call
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        HOLD_DIR_ENV: str(hold_dir),  # the reward runs under host 1's worker
-    }
-    with NetnsHosts(4) as hosts:
-        workers = [
-            subprocess.Popen(
-                hosts.command(i, [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(WORKER_PORT), "--host", hosts.address(i)]),
-                cwd=REPO, env=env, stdout=open(tmp / f"worker{i}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
-            )
-            for i in WORKER_HOSTS
-        ]
-        try:
-            for i, worker in zip(WORKER_HOSTS, workers):
-                wait_until(lambda i=i, worker=worker: _listening(hosts.address(i), worker), f"host {i}'s worker to listen")
-            config = GRPOConfig(
-                run_dir=tmp / "runs",
-                run_name="netns",
-                steps=8,
-                train_batch_size=16,
-                group_size=4,
-                num_generators=2,
-                prompts_in_flight_per_generator=2,
-                generator=GeneratorConfig(max_new_tokens=2),
-                buffer=BufferConfig(max_policy_age=1),
-                task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
-                launch=LaunchConfig(
-                    hosts="list",
-                    workers=tuple(f"tcp://{hosts.address(i)}:{WORKER_PORT}" for i in WORKER_HOSTS),
-                    # Indices into `workers`: the services and the trainer on host 1, generator i
-                    # on host 2 + i.
-                    placement=PlacementConfig(services_host=0, trainer_hosts=(0,), generator_hosts=(1, 2)),
-                ),
-            )
-            config_path = tmp / "netns.yaml"
-            config_path.write_text(yaml.safe_dump(config_to_dict(config)))
-            controller = subprocess.Popen(
-                hosts.command(0, [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(config_path), "--log.progress-every-s", "0"]),
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(tmp / "controller.log", "w"), text=True,
-            )
-            try:
-                wait_until(lambda: list(hold_dir.glob("held-*")) or controller.poll() is not None, "a scoring call to be held")
-                assert controller.poll() is None, (tmp / "controller.log").read_text()[-3000:]
-                killed = _kill_everything_below(workers[1])
-                killed_at = time.time()
-                # Held until generator 0's replacement serves: generator 1 alone could finish the
-                # run first.
-                wait_until(
-                    # The generator pool runs with the services, on host 1: its progress lines go
-                    # to that worker's log.
-                    lambda: "generator 0 replaced and serving" in (tmp / "worker1.log").read_text()
-                    or controller.poll() is not None,
-                    "generator 0's replacement to serve",
-                    timeout_s=RUN_HANG_S,  # an engine start on a loaded machine
-                )
-                (hold_dir / "hold").unlink()
-                stdout, _ = controller.communicate(timeout=RUN_HANG_S)
-            finally:
-                (hold_dir / "hold").unlink(missing_ok=True)
-                if controller.poll() is None:
-                    controller.kill()
-            log = (tmp / "controller.log").read_text()
-            assert controller.returncode == 0, log[-3000:]
-            workers_alive = all(w.poll() is None for w in workers)
-            summary = json.loads(stdout.strip().splitlines()[-1])
-            return summary, log, config, hosts.names, killed, killed_at, workers_alive
-        finally:
-            for worker in workers:
-                stop_worker(worker)
-
-
-def _listening(address: str, worker: subprocess.Popen) -> bool:
-    import socket
-
-    assert worker.poll() is None, f"the worker for {address} exited with {worker.returncode}"
-    try:
-        with socket.create_connection((address, WORKER_PORT), timeout=1.0):
-            return True
-    except OSError:
-        return False
+    with TwoGeneratorHosts(tmp_path_factory.mktemp("netns")) as run:
+        config = run.config("netns", steps=8)
+        controller = run.launch(config)
+        run.wait_for_held_scoring(controller)
+        killed = _kill_everything_below(run.worker(2))
+        killed_at = time.time()
+        # Held until generator 0's replacement serves: generator 1 alone could finish the run first.
+        # The generator pool runs with the services, on host 1: its progress lines go to that worker's log.
+        run.wait_for_log(1, "generator 0 replaced and serving", controller, "generator 0's replacement to serve")
+        run.release()
+        summary, log = run.finish(controller)
+        workers_alive = all(w.poll() is None for w in run.workers)
+        return summary, log, config, run.names, killed, killed_at, workers_alive, run.metrics(config)
 
 
 def _kill_everything_below(worker: subprocess.Popen) -> list[str]:
@@ -165,18 +75,17 @@ def test_the_hosts_are_apart_and_weights_cross_between_them(run_over_namespaces)
     assert f"hosts: 0={names[1]} (" in log and f", 1={names[2]} (" in log and f", 2={names[3]} (" in log
     assert f"weights move from {names[1]} to {names[2]}" in log and f"weights move from {names[1]} to {names[3]}" in log
     assert summary["steps"] == config.steps
-    last = json.loads((config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()[-1])
+    last = run_over_namespaces[-1][-1]
     assert last["weights/fetched_bytes_total"] >= last["weights/bytes"] > 0  # at least one version crossed
 
 
 def test_a_killed_remote_generator_is_detected_and_replaced_with_nothing_lost(run_over_namespaces):
-    summary, log, config, _, killed, killed_at, workers_alive = run_over_namespaces
+    summary, log, config, _, killed, killed_at, workers_alive, metrics = run_over_namespaces
     assert len(killed) >= 2, killed  # the generator actor's process and its engine core, at least
     [event] = summary["generator_recoveries"]
     assert event["generator"] == 0 and killed_at - 1.0 <= event["detected_at"] <= event["serving_at"]
     assert_every_prompt_accounted_for(summary["accounting"], trained=config.steps * config.prompts_per_step)
     assert workers_alive, "a worker exited with the run"
-    metrics = [json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()]
     # The replacement on host 2 loaded versions the trainer published after the kill, and
     # generator 1 on host 3 went on loading them (each fetched from host 1; killed before step 1,
     # so every version after 0 was published after the kill). Not the newest: the last step's
