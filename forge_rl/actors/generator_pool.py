@@ -5,7 +5,11 @@ the controller) means a crash reaches `__supervise__`, which handles it, instead
 default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
 the pool also watches the OS processes (actor and vLLM engine processes) of the generators on its
 own host and acts on a death within `POLL_INTERVAL_S`; a generator on another host (launch.py's
-placement) is left to Monarch's report:
+placement) is left to Monarch's report, except for a host lost whole: Monarch reports no death
+when the worker dies with its processes, so the pool also checks that each remote generator's
+worker still accepts connections, and takes a generator whose worker has not for
+`HOST_LOST_AFTER_S` as lost; its replacement is not tried on a host whose worker does not answer
+(FAILED at once, the run goes on with the others):
 
     SERVING ──(a process died, a call failed, or a call hung)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
        calls in flight on the dead generator, and calls made while it recovers, raise
@@ -55,6 +59,7 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, raised_by_actor
 from forge_rl.observability.metrics import progress
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
+from forge_rl.plumbing.placement import parse_worker_address
 from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor
@@ -62,6 +67,11 @@ from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 
 # How often the pool checks that its generators' processes are alive.
 POLL_INTERVAL_S = 0.5
+HOST_CHECK_INTERVAL_S = 2.0
+"""How often the pool checks that the worker of each generator's host (another host) accepts a connection."""
+HOST_LOST_AFTER_S = 10.0
+"""A generator whose host's worker has accepted no connection for this long is lost with its host."""
+_CONNECT_TIMEOUT_S = 3.0
 # Stopping a damaged mesh can hang on the dead process; the replacement does not wait longer.
 _STOP_TIMEOUT_S = 5.0
 # Attempts to start a replacement before its slot is given up (an engine that cannot start at all).
@@ -92,6 +102,8 @@ class GeneratorPlacement:
     """Its block of that host's GPUs (forge_rl/plumbing/placement.py, `generator_devices`); unused on CPU."""
     cpus: tuple[int, ...] | None = None
     """The cores its processes run on (launch.placement.generator_cpus); None: any."""
+    worker: str | None = None
+    """Its host's Monarch worker (tcp://HOST:PORT) when that is another host; None on the pool's own."""
 
 
 @dataclasses.dataclass
@@ -169,6 +181,7 @@ class GeneratorPool(PortServed, Actor):
         """(policy_version, weights_dir) of the newest published version: what a replacement loads."""
         self.recoveries: list[dict] = []
         self._watchdog: asyncio.Task | None = None
+        self._host_watch: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         """Stops of dead meshes and drops of their leases, not waited for; held here because the
         event loop keeps only weak references to tasks."""
@@ -185,6 +198,8 @@ class GeneratorPool(PortServed, Actor):
         """Spawn and start every generator; returns each one's start figures."""
         starts = await asyncio.gather(*(self._start_slot(slot) for slot in self.slots))
         self._watchdog = asyncio.create_task(self._watch_processes())
+        if any(placement.worker is not None for placement in self.placements):
+            self._host_watch = asyncio.create_task(self._watch_hosts())
         return starts
 
     @concurrent_endpoint
@@ -421,8 +436,9 @@ class GeneratorPool(PortServed, Actor):
     @endpoint
     async def shutdown(self) -> None:
         self._stopping = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for watch in (self._watchdog, self._host_watch):
+            if watch is not None:
+                watch.cancel()
         for slot in self.slots:
             if slot.notice_watch is not None:
                 slot.notice_watch.cancel()
@@ -531,6 +547,27 @@ class GeneratorPool(PortServed, Actor):
                 if slot.state == SlotState.SERVING and not all(is_alive(pid) for pid in slot.pids):
                     self._begin_recovery(slot, reason="a generator process exited")
 
+    async def _watch_hosts(self) -> None:
+        """Begin the recovery of each serving generator whose host's worker has accepted no
+        connection for HOST_LOST_AFTER_S (one check per worker, however many generators it holds)."""
+        silent_since: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(HOST_CHECK_INTERVAL_S)
+            serving = [s for s in self.slots if s.state == SlotState.SERVING and self.placements[s.index].worker is not None]
+            workers = sorted({self.placements[s.index].worker for s in serving})
+            answers = await asyncio.gather(*(asyncio.to_thread(worker_answers, w, _CONNECT_TIMEOUT_S) for w in workers))
+            now = time.monotonic()
+            for worker, answered in zip(workers, answers):
+                if answered:
+                    silent_since.pop(worker, None)
+                    continue
+                since = silent_since.setdefault(worker, now)
+                if now - since < HOST_LOST_AFTER_S:
+                    continue
+                for slot in serving:
+                    if self.placements[slot.index].worker == worker and slot.state == SlotState.SERVING:
+                        self._begin_recovery(slot, reason=f"its host's worker {worker} has accepted no connection for {now - since:.0f} s")
+
     def _begin_recovery(self, slot: GeneratorSlot, reason: str) -> None:
         if self._stopping:
             return
@@ -545,8 +582,15 @@ class GeneratorPool(PortServed, Actor):
 
     async def _replace(self, slot: GeneratorSlot, event: dict) -> None:
         event["respawn_started_at"] = time.time()
+        worker = self.placements[slot.index].worker
         for attempt in range(1, _MAX_START_ATTEMPTS + 1):
             self._retire(slot)
+            if worker is not None and not await asyncio.to_thread(worker_answers, worker, _CONNECT_TIMEOUT_S):
+                # Spawning there would wait out generator.start_timeout_s for nothing, each attempt.
+                progress(f"generator {slot.index}: its host's worker {worker} does not answer; it is not replaced there")
+                slot.state, slot.failure = SlotState.FAILED, f"its host's worker {worker} does not answer: the host is lost"
+                slot.serving.set()  # wakes wait_until_serving, which raises
+                return
             try:
                 started = await self._start_slot(slot)
                 break
@@ -575,6 +619,16 @@ class GeneratorPool(PortServed, Actor):
             await within(_STOP_TIMEOUT_S, self.store_index.drop_reader.call_one(reader_id))
         except Exception as e:  # the store's index is gone or stuck: the run fails on it elsewhere
             progress(f"could not drop the weight-store leases of {reader_id}: {type(e).__name__}: {e}")
+
+
+def worker_answers(address: str, timeout_s: float) -> bool:
+    """Whether the Monarch worker at `address` (tcp://HOST:PORT) accepts a TCP connection within `timeout_s`."""
+    host, port = parse_worker_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 async def stop_quietly(procs: ProcMesh) -> None:

@@ -173,7 +173,10 @@ class Hosts:
 
         placement = self.launch.placement
         return [
-            GeneratorPlacement(self.owned_host(placement.generator_host(i)), devices, placement.generator_cpus)
+            GeneratorPlacement(
+                self.owned_host(placement.generator_host(i)), devices, placement.generator_cpus,
+                worker=None if self.host_mesh is None else self.facts[placement.generator_host(i)].address,
+            )
             for i, devices in enumerate(generator_devices(self.launch, self.demand))
         ]
 

@@ -148,6 +148,7 @@ class TwoGeneratorHosts:
         }
         self.hosts = NetnsHosts(4)
         self.workers: list[subprocess.Popen] = []
+        self.controllers: list[subprocess.Popen] = []
 
     def __enter__(self) -> TwoGeneratorHosts:
         import sys
@@ -173,6 +174,10 @@ class TwoGeneratorHosts:
         from tests.integration.workers import stop_worker
 
         (self.hold_dir / "hold").unlink(missing_ok=True)
+        for controller in self.controllers:  # one a failed check left running
+            if controller.poll() is None:
+                controller.kill()
+                controller.wait(timeout=30)
         for worker in self.workers:
             stop_worker(worker)
         self.hosts.__exit__()
@@ -220,10 +225,12 @@ class TwoGeneratorHosts:
 
         path = self.tmp / f"{config.run_name}.yaml"
         path.write_text(yaml.safe_dump(config_to_dict(config)))
-        return subprocess.Popen(
+        controller = subprocess.Popen(
             self.hosts.command(0, [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(path), "--log.progress-every-s", "0"]),
             cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=open(self.tmp / "controller.log", "w"), text=True,
         )
+        self.controllers.append(controller)
+        return controller
 
     def wait_for_held_scoring(self, controller: subprocess.Popen) -> None:
         """Returns once a scoring call is held (a generator has generated)."""

@@ -28,7 +28,7 @@ TIMEOUT_S = 0.5
 class PoolUnderTest:
     """A one-generator pool on `host`, and the reader ids it asked the store index to drop."""
 
-    def __init__(self, host: FakeGeneratorHost):
+    def __init__(self, host: FakeGeneratorHost, worker: str | None = None):
         self.dropped_readers: list[str] = []
 
         async def drop_reader(reader: str) -> list[str]:
@@ -37,7 +37,7 @@ class PoolUnderTest:
 
         self.pool = GeneratorPool(
             GeneratorConfig(start_timeout_s=TIMEOUT_S), "/nowhere", 64, 1, endpoints(drop_reader=drop_reader),
-            [GeneratorPlacement(host, ())], generate_timeout_s=TIMEOUT_S, update_timeout_s=TIMEOUT_S,
+            [GeneratorPlacement(host, (), worker=worker)], generate_timeout_s=TIMEOUT_S, update_timeout_s=TIMEOUT_S,
         )
 
     async def call(self, endpoint: str, *args):
@@ -159,3 +159,35 @@ def test_a_replacement_whose_start_hangs_is_retried_on_a_fresh_mesh():
     run(scenario)
     assert [procs.name for procs in host.meshes] == ["generator0-r1", "generator0-r2", "generator0-r3"]
     assert [procs.stopped for procs in host.meshes] == [True, True, False]
+
+
+def test_a_generator_whose_hosts_worker_stops_answering_is_lost_and_not_replaced_there(monkeypatch):
+    """A host lost whole: its worker's port (a listener here) closes with it. The generator is taken
+    for lost once the port has refused connections for HOST_LOST_AFTER_S, and no replacement is
+    spawned on a host whose worker does not answer: the slot fails at once, naming the worker."""
+    import socket
+
+    import forge_rl.actors.generator_pool as generator_pool
+    from forge_rl.errors import GeneratorFailed
+
+    monkeypatch.setattr(generator_pool, "HOST_CHECK_INTERVAL_S", 0.05)
+    monkeypatch.setattr(generator_pool, "HOST_LOST_AFTER_S", 0.2)
+    listener = socket.create_server(("127.0.0.1", 0))
+    worker = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    host = FakeGeneratorHost()
+    under_test = PoolUnderTest(host, worker=worker)
+
+    async def scenario():
+        await under_test.call("start")
+        assert under_test.pool.slots[0].state.value == "serving"
+        listener.close()  # the host goes: nothing accepts on its worker's port any more
+        slot = under_test.pool.slots[0]
+        await wait_until_async(lambda: slot.state.value != "serving", "the pool to take the generator for lost")
+        with pytest.raises(GeneratorFailed, match=rf"its host's worker {worker} does not answer: the host is lost"):
+            await under_test.call("wait_until_serving", 0)
+        [event] = under_test.pool.recoveries
+        assert "has accepted no connection" in event["reason"] and "serving_at" not in event
+        await under_test.call("shutdown")
+
+    run(scenario)
+    assert [procs.name for procs in host.meshes] == ["generator0-r1"]  # nothing spawned on the lost host
