@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from forge_rl.core.branches import token_entropies
+from forge_rl.core.exclusive import SharedOrExclusive
 from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
@@ -304,6 +305,9 @@ class VLLMEngine:
         self._resident: dict[int, LoRARequest] = {}
         """policy version -> its loaded adapter, oldest first (with `adapters`)."""
         self._in_flight: collections.Counter[int] = collections.Counter()
+        self._requests = SharedOrExclusive()
+        """Requests share the engine, but one that scores its prompt on a LoRA engine on CPU runs
+        alone (`_scores_prompt_alone`)."""
         """policy version -> requests in flight submitted under it."""
         self._submitted: dict[int, set[str]] = collections.defaultdict(set)
         """policy version -> ids of its requests in flight that vLLM holds (so an abort reaches them)."""
@@ -807,6 +811,20 @@ class VLLMEngine:
         if adapter_version is not None and adapter_version != BASE_MODEL and lora is None:
             raise AdapterNotResident(adapter_version)
         request_id = f"gen-{next(self._request_ids)}"
+        alone = params.prompt_logprobs is not None and self._scores_prompt_alone
+        async with self._requests.exclusive() if alone else self._requests.shared():
+            return await self._submitted_request(request_id, prompt_token_ids, params, version, lora)
+
+    @property
+    def _scores_prompt_alone(self) -> bool:
+        """Whether a request with prompt logprobs must be alone in the engine: vLLM's CPU LoRA
+        logits (punica_cpu.add_lora_logits) pick each row's adapter from the step's sampled rows,
+        which a prompt's scored rows outnumber: beside a second sampled row (another request, or
+        n > 1) the shapes differ and the engine core dies; alone, with n = 1, the request's one
+        adapter index applies to every prompt row, as it should."""
+        return self.adapters is not None and not torch_cuda_available()
+
+    async def _submitted_request(self, request_id: str, prompt_token_ids: list[int], params, version: int, lora):
         llm = self._running_llm
         self._in_flight[version] += 1
         try:
@@ -897,6 +915,10 @@ class VLLMEngine:
             )
         stop_ids = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, int)]
         stop_strings = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, str)]
+        prompt_logprobs = spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None)
+        # A prompt scored on its own request (one prefill, alone in the engine) and the samples on
+        # another, beside the engine's other requests (`_scores_prompt_alone`).
+        apart = prompt_logprobs is not None and self._scores_prompt_alone
         params = SamplingParams(
             n=spec.num_samples,
             max_tokens=min(spec.max_tokens or room, room),
@@ -905,18 +927,23 @@ class VLLMEngine:
             top_k=spec.top_k if spec.top_k > 0 else 0,
             seed=spec.seed,
             logprobs=spec.topk_sample_logprobs,  # the sampled token's own, and the top k
-            prompt_logprobs=spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None),
+            prompt_logprobs=None if apart else prompt_logprobs,
             # stop None: EOS ends a sequence; [] never stops early; else these tokens or strings.
             stop_token_ids=stop_ids + ([eos_id] if spec.stop is None and eos_id is not None else []),
             stop=stop_strings or None,
             ignore_eos=spec.stop is not None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        scored = None
+        if apart:
+            scoring = SamplingParams(n=1, max_tokens=1, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
+            scored, _ = await self._request(prompt_token_ids, scoring, adapter_version)
         final, version = await self._request(prompt_token_ids, params, adapter_version)
-        if any(output.finish_reason == "abort" for output in final.outputs):
+        if any(output.finish_reason == "abort" for output in final.outputs + (scored.outputs if scored else [])):
             # Its adapter was unloaded under it (past `adapters.resident`): sampled again from the
             # start on that adapter, never continued on another version's.
             raise AdapterNotResident(adapter_version)
+        scored = scored or final
         sequences = []
         for output in final.outputs:
             tokens = list(output.token_ids)
@@ -929,11 +956,11 @@ class VLLMEngine:
         if spec.prompt_logprobs:
             prompt_logprobs = [
                 None if position is None else position[token].logprob
-                for token, position in zip(prompt_token_ids, final.prompt_logprobs or [])
+                for token, position in zip(prompt_token_ids, scored.prompt_logprobs or [])
             ]
         if spec.topk_prompt_logprobs:
             topk_prompt = [
-                None if position is None else _top_k(position, spec.topk_prompt_logprobs) for position in final.prompt_logprobs or []
+                None if position is None else _top_k(position, spec.topk_prompt_logprobs) for position in scored.prompt_logprobs or []
             ]
         return SampleResult(sequences, prompt_logprobs, topk_prompt)
 

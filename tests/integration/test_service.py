@@ -165,6 +165,17 @@ def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token_come_from_the_en
     ).result().sequences[0]
     assert all(len(row) == 2 and abs(np.logaddexp.reduce([lp for _, lp in row])) < 1e-3 for row in narrow.topk_logprobs)
     assert all(token in dict(row) for token, row in zip(narrow.tokens, narrow.topk_logprobs))
+    # Prompts scored while other samples decode, on the engine's LoRA path: each answer whole.
+    decoding = [
+        sampler.sample(
+            prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=2,
+            sampling_params=tinker.SamplingParams(max_tokens=8, temperature=1.0, stop=[]),
+        )
+        for _ in range(3)
+    ]
+    scored = [sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT + SEQUENCES["a"])) for _ in range(2)]
+    assert all(len(f.result().sequences) == 2 for f in decoding)
+    assert all(len(f.result()) == len(PROMPT + SEQUENCES["a"]) for f in scored)
 
 
 def test_the_docs_example_runs_as_written(service):
