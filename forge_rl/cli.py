@@ -203,7 +203,7 @@ _BENCHMARKS = {
     "trees": "Trainer step trained tokens/s, groups as prefix trees (prompt computed once) vs flat packing.",
     "branches": "Branch rollouts vs plain GRPO at equal samples and on the same roots: reward vs wall time, tokens generated.",
     "task-baseline": "A model's reward on a task before training (vLLM samples, the task's verifier scores).",
-    "elastic": "SIMULATED engines: throughput of a run whose generator pool goes 8 -> 32 -> 4 while it trains.",
+    "elastic": "Throughput of a run whose generator pool goes 8 -> 32 -> 4 while it trains (SIMULATED; real engines at small counts with --config).",
     "faults": "Generators killed mid-generation: tokens wasted with their work migrated (segments) vs re-issued.",
     "scale": "SIMULATED engines and trainer: controller calls, steps/s, loop lag at 1-128 generators; async vs sync; faults.",
     "multi-turn": "Long-tail agentic episodes (heavy-tailed turns and tool latencies) synchronous vs asynchronous.",

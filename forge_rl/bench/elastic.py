@@ -1,9 +1,13 @@
 """`forge-rl bench elastic`: the throughput of a run whose generator pool grows and shrinks while
-it trains (`forge-rl scale`, forge_rl/run/scaling.py), on SIMULATED engines and trainer.
+it trains (`forge-rl scale`, forge_rl/run/scaling.py), on SIMULATED engines and trainer at large
+counts or on real vLLM engines and the real trainer at small ones.
 
-One run of configs/sim_scale.yaml (generators decode on a latency model of Qwen3-8B on one H100
-each; nothing is trained, `forge_rl/engines/simulated.py`) whose trainer step costs nothing, so
-generation sets the pace, at a fixed batch, through `counts` generators in turn: it starts with the first, and after every
+One run of `config` at a fixed batch through `counts` generators. With a simulated config
+(configs/sim_scale.yaml: generators decode on a latency model of Qwen3-8B on one H100 each;
+nothing is trained, `forge_rl/engines/simulated.py`) the trainer step costs nothing, so generation
+sets the pace. With a real one (configs/grpo_tiny_cpu.yaml, `--counts 2 4 1`) the run trains as
+it would, its trainer's step part of the pace, and a new generator starts a real engine. It goes
+through `counts` generators in turn: it starts with the first, and after every
 `steps_per_phase` steps asks for the next, the way the command does (a request the controller
 reads after the step), and after one more step waits for the answer. Reported per phase: the
 generators it had, how long the change took, and the generated and trained tokens per second over
@@ -33,7 +37,8 @@ from forge_rl.observability.plot import read_metrics
 @dataclass(frozen=True)
 class ElasticArgs:
     config: Path = Path("configs/sim_scale.yaml")
-    """A simulated recipe config (generator.engine sim, trainer.engine sim)."""
+    """The recipe config: a simulated one (generator.engine sim, trainer.engine sim), or a real one
+    at small counts (configs/grpo_tiny_cpu.yaml)."""
     counts: tuple[int, ...] = field(default=(8, 32, 4))
     """The pool's size in each phase, in order."""
     steps_per_phase: int = 10
@@ -53,14 +58,18 @@ def main(args: ElasticArgs) -> dict:
     from forge_rl.yaml_config import load_yaml_config
 
     base = load_yaml_config(GRPOConfig, args.config)
-    if not base.simulated:
-        raise ConfigError(f"{args.config} runs the real engine; bench elastic runs simulations only. Pass --config configs/sim_scale.yaml.")
     if not args.counts or min(args.counts) < 1 or args.steps_per_phase < 2:
         raise ConfigError(
             f"--counts ({list(args.counts)}) must be generator counts >= 1 and --steps-per-phase ({args.steps_per_phase}) "
             ">= 2 (a phase's first step is left out of its figures)."
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if base.simulated:
+        generator = dataclasses.replace(base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale))
+        # A trainer step that costs nothing: generation sets the pace, so the pool's size shows.
+        trainer = dataclasses.replace(base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0))
+    else:
+        generator, trainer = base.generator, base.trainer
     config = dataclasses.replace(
         base,
         run_dir=args.out_dir,
@@ -68,9 +77,9 @@ def main(args: ElasticArgs) -> dict:
         steps=args.steps_per_phase * len(args.counts),
         num_generators=args.counts[0],
         train_batch_size=args.prompts_per_step * base.group_size,
-        generator=dataclasses.replace(base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale)),
-        # A trainer step that costs nothing: generation sets the pace, so the pool's size shows.
-        trainer=dataclasses.replace(base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0)),
+        generator=generator,
+        trainer=trainer,
+        checkpoint=dataclasses.replace(base.checkpoint, enabled=False),  # a save would be part of a phase's time
     )
     shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     phases = _Phases(config.run_dir / config.run_name, args)
@@ -92,7 +101,7 @@ def main(args: ElasticArgs) -> dict:
         })
     accounting = figures["accounting"]
     summary = {
-        "simulated": True,
+        "simulated": base.simulated,
         "counts": list(args.counts),
         "generated_tokens_per_s": [phase["generated_tokens_per_s"] for phase in per_phase],
         "trained_tokens_per_s": [phase["trained_tokens_per_s"] for phase in per_phase],

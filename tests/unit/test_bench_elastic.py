@@ -1,4 +1,4 @@
-"""`forge-rl bench elastic`'s refusals (no run)."""
+"""`forge-rl bench elastic`'s refusals (no run); tests/integration/test_bench_elastic.py runs it on real engines."""
 
 from pathlib import Path
 
@@ -8,11 +8,6 @@ from forge_rl.bench.elastic import ElasticArgs, main
 from forge_rl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def test_a_real_engine_config_is_refused_naming_the_simulated_one(tmp_path):
-    with pytest.raises(ConfigError, match="runs simulations only. Pass --config configs/sim_scale.yaml"):
-        main(ElasticArgs(config=REPO / "configs/grpo_tiny_cpu.yaml", out_dir=tmp_path))
 
 
 @pytest.mark.parametrize("counts, steps", [((8, 0), 10), ((), 10), ((8, 4), 1)])
