@@ -73,7 +73,10 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(service):
-    return tinker.ServiceClient(base_url=service["url"], api_key="tml-local")
+    client = tinker.ServiceClient(base_url=service["url"], api_key="tml-local")
+    yield client
+    if service["process"].poll() is None:  # its heartbeats would otherwise go on after the server
+        client.close("success").result(timeout=60)
 
 
 def _datum(sequence: list[int]) -> tinker.Datum:
@@ -287,7 +290,8 @@ def test_a_sample_survives_its_generator_dying_and_the_replacement_serves_the_ad
     assert _greedy(sampler) == SEQUENCES["a"]
 
 
-def test_ctrl_c_stops_the_server_and_every_process_of_the_service(service):
+def test_ctrl_c_stops_the_server_and_every_process_of_the_service(service, client):
+    client.close("success").result(timeout=60)  # the session ends before its server does
     # Every process of the service descends from the command's (Monarch's, vLLM's engines).
     descendants = psutil.Process(service["process"].pid).children(recursive=True)
     assert len(descendants) >= 3
