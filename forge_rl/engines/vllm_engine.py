@@ -811,8 +811,9 @@ class VLLMEngine:
         if adapter_version is not None and adapter_version != BASE_MODEL and lora is None:
             raise AdapterNotResident(adapter_version)
         request_id = f"gen-{next(self._request_ids)}"
-        alone = params.prompt_logprobs is not None and self._scores_prompt_alone
-        async with self._requests.exclusive() if alone else self._requests.shared():
+        if not self._scores_prompt_alone:  # no request ever needs the engine to itself
+            return await self._submitted_request(request_id, prompt_token_ids, params, version, lora)
+        async with self._requests.exclusive() if params.prompt_logprobs is not None else self._requests.shared():
             return await self._submitted_request(request_id, prompt_token_ids, params, version, lora)
 
     @property
