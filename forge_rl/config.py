@@ -568,21 +568,31 @@ class GRPOConfig:
         num_policies = 1 + len(self.policies)
         generators = self.num_generators + sum(p.num_generators for p in self.policies)
         generators += self.eval.num_generators if self.eval.enabled and self.eval.placement == "own" else 0
-        fixed = sum(self.scorer.model_threads().values())
-        fixed += self.reference.num_procs * self.reference.num_threads if self.uses_reference_model else 0
-        fixed += self.scorer.teacher.num_procs * self.scorer.teacher.num_threads if self.uses_teacher else 0
         trainer, generator = with_chosen_threads(
             self.trainer,
             self.generator,
             trainer_procs=0 if self.trainer.engine == "sim" else self.trainer.num_procs * num_policies,
             generators=0 if self.generator.engine == "sim" else generators,
-            fixed_threads=fixed,
+            fixed_threads=sum(self.model_threads().values()),
             trainer_cpus=self.launch.placement.trainer_cpus,
             generator_cpus=self.launch.placement.generator_cpus,
             hosts=self.launch.hosts,
         )
         object.__setattr__(self, "trainer", trainer)
         object.__setattr__(self, "generator", generator)
+
+    def model_threads(self) -> dict[str, int]:
+        """The compute threads of the models beside the policy's trainer and generators, by the
+        settings that make them: the frozen models that run (reference, distillation teacher) and
+        the scorer's models (preflight counts them with the rest; "auto" threads share the cores
+        left by them)."""
+        frozen = [(self.reference, "reference")] if self.uses_reference_model else []
+        frozen += [(self.scorer.teacher, "scorer.teacher")] if self.uses_teacher else []
+        threads = {
+            f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})": model.num_procs * model.num_threads
+            for model, section in frozen
+        }
+        return {**threads, **self.scorer.model_threads()}
 
     def _resolve_environment_limits(self) -> None:
         """environment.limits' unset token limits follow the model and the generator: a trajectory may

@@ -85,20 +85,18 @@ def with_chosen_threads(
     trainer_cpus: tuple[int, ...] | None = None,
     generator_cpus: tuple[int, ...] | None = None,
     hosts: str = "local",
-    prefix: str = "",
 ) -> tuple[T | None, G | None]:
     """`trainer` (a config with `num_threads`) and `generator` (one with `cpu_threads`), either
     None, with "auto" replaced by the rule's numbers for this process's cores. `trainer_procs` /
     `generators`: how many processes each config makes (0 for a simulated role, which runs no
     compute threads); a role set by number counts as `fixed_threads`. Refused unless `hosts` is
-    "local" (`launch.hosts`): this process cannot count a worker host's cores. `prefix`: the
-    configs' place in the user's config, for the messages ("" or "scorer.judge.")."""
+    "local" (`launch.hosts`): this process cannot count a worker host's cores."""
     trainer_auto = trainer is not None and trainer.num_threads == AUTO
     generator_auto = generator is not None and generator.cpu_threads == AUTO
     if not (trainer_auto or generator_auto):
         return trainer, generator
     if hosts != "local":
-        names = [f"{prefix}{name}" for name, auto in (("trainer.num_threads", trainer_auto), ("generator.cpu_threads", generator_auto)) if auto]
+        names = [name for name, auto in (("trainer.num_threads", trainer_auto), ("generator.cpu_threads", generator_auto)) if auto]
         raise ConfigError(
             f"{' and '.join(names)} (auto) count the cores of this machine, but launch.hosts ({hosts}) places "
             "the roles on worker hosts. Set each to a number of threads per process on its host."

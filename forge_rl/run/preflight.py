@@ -78,7 +78,7 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
     """The compute threads a local run starts, by the settings that make them: the trainer's
     ranks, the generators, and the frozen models and scorers that run (each process's torch or
     vLLM threads)."""
-    trainer, generator, scorer = config.trainer, config.generator, config.scorer
+    trainer, generator = config.trainer, config.generator
     threads = {
         f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads})":
             trainer.num_procs * trainer.num_threads,
@@ -92,13 +92,7 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
         threads[
             f"policies.{policy.name}.num_generators ({policy.num_generators}) x generator.cpu_threads ({generator.cpu_threads})"
         ] = policy.num_generators * generator.cpu_threads
-    frozen = [(config.reference, "reference")] if config.uses_reference_model else []
-    frozen += [(scorer.teacher, "scorer.teacher")] if config.uses_teacher else []
-    for model, section in frozen:
-        threads[f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})"] = (
-            model.num_procs * model.num_threads
-        )
-    threads.update(scorer.model_threads())
+    threads.update(config.model_threads())
     return threads
 
 
