@@ -48,3 +48,8 @@ class SharedOrExclusive:
     def holders(self) -> int:
         """Shared holders in now (1 for an exclusive one)."""
         return self._shared + self._exclusive
+
+    @property
+    def exclusive_waiting(self) -> int:
+        """Exclusive holders waiting to come in."""
+        return self._exclusive_waiting
