@@ -63,8 +63,10 @@ def migrated_run(tmp_path_factory):
         train_batch_size=8,
         prompts_in_flight_per_generator=4,
         generator=GeneratorConfig(max_new_tokens=MAX_NEW_TOKENS, segment_tokens=SEGMENT_TOKENS),
-        # Old enough that the held group's first piece is still trainable once continued.
-        buffer=BufferConfig(max_policy_age=8, capacity_episodes=32),
+        # No token of a STEPS-step run can pass this bound, so the held group stays trainable however
+        # many steps its continuation waits behind the live generator's groups (a busy machine
+        # stretches that wait); the buffer, first in first out, then trains it a few steps after.
+        buffer=BufferConfig(max_policy_age=STEPS, capacity_episodes=32),
         log=LogConfig(rollouts=True),
     )
     run_path = config.run_dir / config.run_name
