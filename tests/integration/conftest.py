@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from tests.helpers import rank_env
+from tests.support.helpers import rank_env
 
 LAUNCH_ENV = tuple(rank_env(rank=0, world_size=1, master_port=0))
 """What a launcher sets for torch.distributed; unset, a PolicyTrainer runs as one process."""

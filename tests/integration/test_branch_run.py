@@ -9,8 +9,8 @@ import pytest
 
 from forge_rl.core.branches import BranchConfig
 from forge_rl.observability import metrics as m
-from tests.helpers import assert_every_prompt_accounted_for, run_config_file
-from tests.integration.workers import REPO
+from tests.support.helpers import assert_every_prompt_accounted_for, run_config_file
+from tests.support.workers import REPO
 
 pytestmark = pytest.mark.integration
 

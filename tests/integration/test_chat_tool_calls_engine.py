@@ -28,7 +28,7 @@ from forge_rl.envs.runner import EpisodeLimits  # noqa: E402
 from forge_rl.envs.trajectory import ContextSpan, TrajectoryStatus  # noqa: E402
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model  # noqa: E402
 from forge_rl.tasks.tokenizer import PromptTokenizer  # noqa: E402
-from tests.tool_chat import TOOL_ALPHABET, save_tool_chat_tokenizer  # noqa: E402
+from tests.support.tool_chat import TOOL_ALPHABET, save_tool_chat_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ the version that sampled it), statuses and limits, never a reward. `RecordingEng
 request vLLM answered, prompt and output, as the witness of what was sampled.
 
 The weight-swap tests change the engine's weights and run last (pytest keeps file order). They hold
-a turn mid-decode by construction (tests/integration/held_engine.py), not by timing. The last one
+a turn mid-decode by construction (tests/support/held_engine.py), not by timing. The last one
 plays the rollout loop's path (forge_rl/envs/rollout.py) into the buffer and the trainer's batch.
 """
 
@@ -33,8 +33,8 @@ from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, Tra
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import ALPHABET, PromptTokenizer
 from forge_rl.types import Episode
-from tests.helpers import episode_limits
-from tests.integration.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
+from tests.support.helpers import episode_limits
+from tests.support.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
 
 pytestmark = pytest.mark.integration
 

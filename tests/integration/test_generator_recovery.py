@@ -25,7 +25,7 @@ from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
-from tests.helpers import assert_every_prompt_accounted_for
+from tests.support.helpers import assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 

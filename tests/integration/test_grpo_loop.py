@@ -35,8 +35,8 @@ from forge_rl.scoring.teacher import TEACHER_WEIGHTS_FILE, TeacherConfig, load_t
 from forge_rl.tasks import TaskConfig
 from forge_rl.training.losses.policy import LossConfig
 from forge_rl.training.trainer import TrainerConfig
-from tests.helpers import assert_metric_keys_documented, wait_until
-from tests.integration.workers import REPO, run_processes_left, start_workers, stop_worker
+from tests.support.helpers import assert_metric_keys_documented, wait_until
+from tests.support.workers import REPO, run_processes_left, start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ VARIANTS = {
         buffer=BufferConfig(max_policy_age=1, capacity_episodes=32),
         trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(tp=2), loss=LossConfig(kl_beta=0.05)),
         generator=GeneratorConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
-        task=TaskConfig(reward="tests.unit.faulty_rewards:flaky_leading_number"),
+        task=TaskConfig(reward="tests.support.faulty_rewards:flaky_leading_number"),
         scorer=ScorerConfig(reward_timeout_s=0.5),
         log=LogConfig(tensorboard=True, wandb=True),
     ),
@@ -215,7 +215,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal(fsdp_run):
     """A group has a signal when any token it trains has a nonzero advantage. Here the pinned
     teacher's token rewards give nearly every group one (its reverse KL is nonzero wherever the
     engine's and the trainer's numerics differ), so few or none are filtered; groups whose signal is
-    in final rewards alone are filtered in tests/unit/test_advantages.py."""
+    in final rewards alone are filtered in tests/unit/core/test_advantages.py."""
     summary, metrics, _, config = fsdp_run
     assert all(m["groups/zero_advantage_fraction"] == 0 for m in metrics)
     accounting = summary["accounting"]

@@ -1,7 +1,7 @@
 """A generator whose vLLM engine hangs mid-request is replaced like a dead one (forge_rl/actors/generator_pool.py).
 
 A real pool with one real generator, whose engine is held by construction
-(tests/integration/held_generator.py): the generate call never returns, so only the pool's
+(tests/support/held_generator.py): the generate call never returns, so only the pool's
 generate timeout ends it. Checks: the caller gets GeneratorLost (the loop re-queues on it), the
 replacement serves on a fresh mesh, and the hung incarnation leaves no process behind and no lease
 in the weight store (one is planted under its reader id before the hang: a lease it held mid-update).
@@ -26,8 +26,8 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
-from tests.helpers import HANG_S, POLL_S
-from tests.integration.held_generator import HeldGeneratorActor, held_episode
+from tests.support.helpers import HANG_S, POLL_S
+from tests.support.held_generator import HeldGeneratorActor, held_episode
 
 pytestmark = pytest.mark.integration
 

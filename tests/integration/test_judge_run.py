@@ -16,15 +16,15 @@ One run, three checks (tests below):
    judged again by the replacement; none is lost, trained twice or ERRORED for the death (the
    engine's death is seen by the supervisor's poll of its pids, or reaches the scorer first as
    vLLM's EngineDeadError, which must count as the judge's death, not as a failure of the
-   completions: tests/unit/test_judge.py drives that path). Driven, not timed: the judge's engine processes are
+   completions: tests/unit/scoring/test_judge.py drives that path). Driven, not timed: the judge's engine processes are
    SIGSTOPped while no scoring call is in flight (the test holds new ones back until those in
-   flight return), and the reward function is held (tests/integration/held_reward.py); a scoring
+   flight return), and the reward function is held (tests/support/held_reward.py); a scoring
    call that then reaches the held reward began after the stop, so its verdicts are surely
    pending; then the judge is killed.
 3. The pinned teacher's version changes (after steps 2 and 4) while the generators decode: the
    run's timeline (timeline.jsonl) holds, for each teacher swap, a generate call that began before
    the swap and ended after it. Before each swap the test holds a generate call open (the probed
-   rollouts keep its reply from its rollout, tests/integration/scoring_probe.py) and releases it
+   rollouts keep its reply from its rollout, tests/support/scoring_probe.py) and releases it
    once the swap has ended: a swap that drained the generators, or waited for their calls, would
    never end, and the test fails by its bound. (A call merely seen in flight before the swap could
    end during a slow swap on a loaded machine: it did once, in a full run beside a soak.) (STEPS
@@ -54,9 +54,9 @@ from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.scoring.teacher import TeacherConfig, pinned_teacher_refresh
 from forge_rl.tasks import TaskConfig
 from forge_rl.types import CompletionStatus
-from tests.helpers import assert_every_prompt_accounted_for
-from tests.integration.held_reward import HOLD_DIR_ENV
-from tests.integration.scoring_probe import ProbedRolloutsActor
+from tests.support.helpers import assert_every_prompt_accounted_for
+from tests.support.held_reward import HOLD_DIR_ENV
+from tests.support.scoring_probe import ProbedRolloutsActor
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def judged_run(tmp_path_factory, model_dir):
         prompts_in_flight_per_generator=4,
         generator=GeneratorConfig(max_new_tokens=8),
         buffer=BufferConfig(max_policy_age=1),
-        task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
+        task=TaskConfig(reward="tests.support.held_reward:held_leading_number"),
         scorer=ScorerConfig(judge=dataclasses.replace(JUDGE, path=model_dir), teacher=TEACHER),
     )
     spawned, kill = {}, {}

@@ -20,7 +20,7 @@ import torch
 from forge_rl.store.actors import open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.publisher import WeightPublisher
-from tests.integration.held_engine import HoldableEngine, hold_mid_request
+from tests.support.held_engine import HoldableEngine, hold_mid_request
 
 pytestmark = pytest.mark.integration
 

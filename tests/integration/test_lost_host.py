@@ -1,4 +1,4 @@
-"""A generator host lost whole, over a real network stack (tests/integration/netns_hosts.py): every
+"""A generator host lost whole, over a real network stack (tests/support/netns_hosts.py): every
 process of host 3, its `forge-rl worker` with the generator and the vLLM engine it spawned, is
 SIGKILLed at once, as when a machine goes. Nothing can be started there again.
 
@@ -7,7 +7,7 @@ SIGKILLed at once, as when a machine goes. Nothing can be started there again.
     host 2: `forge-rl worker`: vLLM generator 0
     host 3: `forge-rl worker`: vLLM generator 1, then lost
 
-Driven, not timed: the reward is held from the start (tests/integration/held_reward.py); once a
+Driven, not timed: the reward is held from the start (tests/support/held_reward.py); once a
 scoring call is held (a generator has generated), host 3 goes, and the hold is released once the
 run has taken generator 1 out. Monarch reports no death when a worker dies with its processes: the
 pool finds its port closed (`HOST_LOST_AFTER_S`) and does not try a replacement on a host whose
@@ -23,8 +23,8 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import assert_every_prompt_accounted_for
-from tests.integration.netns_hosts import TwoGeneratorHosts
+from tests.support.helpers import assert_every_prompt_accounted_for
+from tests.support.netns_hosts import TwoGeneratorHosts
 
 pytestmark = pytest.mark.integration
 

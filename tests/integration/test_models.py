@@ -26,7 +26,7 @@ from forge_rl.models.titan import ParallelConfig, build_titan_model, read_hf_con
 from forge_rl.tasks import tokenizer as char_tokenizer
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.helpers import run_on_ranks
+from tests.support.helpers import run_on_ranks
 
 pytestmark = pytest.mark.integration
 

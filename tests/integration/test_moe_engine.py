@@ -18,7 +18,7 @@ from forge_rl.models.tiny import create_tiny_model
 from forge_rl.routing import routing_differs_NL
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
-from tests.unit.test_keep_routing import NUM_LAYERS, PROMPT, TINY_MOE, TOP_K
+from tests.unit.models.test_keep_routing import NUM_LAYERS, PROMPT, TINY_MOE, TOP_K
 
 pytestmark = pytest.mark.integration
 

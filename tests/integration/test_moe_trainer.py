@@ -14,8 +14,8 @@ from forge_rl.core.batching import TrainBatch, make_train_batch
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import run_on_ranks
-from tests.unit.test_keep_routing import TINY_MOE, _episode, _random_record
+from tests.support.helpers import run_on_ranks
+from tests.unit.models.test_keep_routing import TINY_MOE, _episode, _random_record
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ import pytest
 from monarch.actor import Actor, endpoint
 
 from forge_rl.plumbing.proc_main import spawn_procs
-from tests.integration.workers import start_workers, stop_worker
+from tests.support.workers import start_workers, stop_worker
 
 pytestmark = pytest.mark.integration
 

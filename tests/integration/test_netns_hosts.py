@@ -1,5 +1,5 @@
 """The multi-host path over a real network stack: four "hosts" made of network namespaces on this
-machine (tests/integration/netns_hosts.py), each with its own address and hostname.
+machine (tests/support/netns_hosts.py), each with its own address and hostname.
 
     host 0: the controller (`forge-rl grpo` over a host list)
     host 1: `forge-rl worker`: the services (dataset, scorer, buffer, store index) and the trainer
@@ -11,7 +11,7 @@ differs, so forge_rl takes its remote paths: Monarch's TCP transport between add
 weights fetched from host 1 to hosts 2 and 3 over Monarch's RDMA TCP fallback, and generators on
 other hosts than their pool, whose deaths only Monarch's supervision (or a failed call) reports.
 
-Driven, not timed: the reward function is held (tests/integration/held_reward.py) from the start,
+Driven, not timed: the reward function is held (tests/support/held_reward.py) from the start,
 so the run cannot train past what its buffer holds; once a scoring call is inside it (the
 generator has generated), every process of host 2 below its worker is SIGKILLed (generator 0's
 actor and its vLLM engine), and the hold is released once the pool has replaced generator 0 on
@@ -30,8 +30,8 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import assert_every_prompt_accounted_for
-from tests.integration.netns_hosts import TwoGeneratorHosts
+from tests.support.helpers import assert_every_prompt_accounted_for
+from tests.support.netns_hosts import TwoGeneratorHosts
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from forge_rl.errors import raised_by_actor
 from forge_rl.plumbing.port_calls import BlockingPortCalls, PortCalled, PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.types import Episode
-from tests.fakes import completions_for
+from tests.support.fakes import completions_for
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ tests/integration/test_netns_hosts.py (network namespaces, each with its own add
     host 2: `forge-rl worker`: vLLM generator 0
     host 3: `forge-rl worker --preemption-grace-s GRACE_S`: vLLM generator 1, then SIGTERMed
 
-Driven, not timed: the reward is held from the start (tests/integration/held_reward.py); once a
+Driven, not timed: the reward is held from the start (tests/support/held_reward.py); once a
 scoring call is held, host 3's worker gets SIGTERM, as a scheduler gives a preemptible machine.
 Once the pool has the notice, the hold is released. Checks: the run took generator 1 out before
 its host went and finished every step on generator 0 with nothing lost; host 3's worker ended of
@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from tests.helpers import assert_every_prompt_accounted_for
-from tests.integration.netns_hosts import TwoGeneratorHosts
+from tests.support.helpers import assert_every_prompt_accounted_for
+from tests.support.netns_hosts import TwoGeneratorHosts
 
 pytestmark = pytest.mark.integration
 

@@ -47,7 +47,7 @@ from forge_rl.models.titan import ParallelConfig, read_hf_config
 from forge_rl.pipeline.prompts import TaskRows
 from forge_rl.tasks import TaskConfig
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
-from tests.helpers import alive, described, run_on_ranks, wait_until
+from tests.support.helpers import alive, described, run_on_ranks, wait_until
 
 from .test_trainer import _episodes
 

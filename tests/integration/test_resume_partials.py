@@ -18,7 +18,7 @@ import signal
 import pytest
 
 from forge_rl.core.checkpoint import newest_complete_checkpoint, read_controller_state
-from tests.helpers import assert_every_prompt_accounted_for
+from tests.support.helpers import assert_every_prompt_accounted_for
 
 from .test_resume import _grpo, _kill_leftovers, _resume_to, _run_processes, _started, _wait_for_checkpoint
 

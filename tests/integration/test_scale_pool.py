@@ -25,7 +25,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.observability.metrics import NUM_GENERATORS
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.run.scaling import ANSWER_FILE, CONTROL_DIR, request_scale
-from tests.helpers import assert_every_prompt_accounted_for
+from tests.support.helpers import assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ in flight at the kill was scored again (episodes_rescored); no prompt is lost, t
 scored into the buffer twice.
 
 Driven, not timed: from step KILL_AFTER_STEP's between-steps hook, a background task holds the
-reward function (tests/integration/held_reward.py), waits until a scoring call is inside it, so
+reward function (tests/support/held_reward.py), waits until a scoring call is inside it, so
 surely in flight, SIGKILLs the scorer's process and releases the hold; the hook after step
 REPLACED_BY_STEP waits for that task and for the scorer to serve again, so the run cannot end
 before the recovery. The task runs beside the train loop, not in the hook: the batch the train
@@ -28,8 +28,8 @@ from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.tasks import TaskConfig
-from tests.helpers import assert_every_prompt_accounted_for
-from tests.integration.held_reward import HOLD_DIR_ENV
+from tests.support.helpers import assert_every_prompt_accounted_for
+from tests.support.held_reward import HOLD_DIR_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +53,7 @@ def recovered_run(tmp_path_factory):
         prompts_in_flight_per_generator=4,
         generator=GeneratorConfig(max_new_tokens=2),
         buffer=BufferConfig(max_policy_age=1),
-        task=TaskConfig(reward="tests.integration.held_reward:held_leading_number"),
+        task=TaskConfig(reward="tests.support.held_reward:held_leading_number"),
     )
     run_path = config.run_dir / config.run_name
     kill: dict = {}

@@ -2,7 +2,7 @@
 generator and trained, not generated again (generator.segment_tokens, forge_rl/pipeline/rollouts.py).
 
 A real run with two real generators, decoding in segments of SEGMENT_TOKENS. Generator 0 holds
-the first continuation it is asked for (tests/integration/held_segments.py), so it dies with a
+the first continuation it is asked for (tests/support/held_segments.py), so it dies with a
 group whose first segment it returned and whose second it was decoding; the test kills its actor
 and engine processes as soon as it holds (it writes held.json then: an event, not a sleep). The
 train loop then waits after the next step until generator 0 is replaced, so the run cannot end
@@ -30,8 +30,8 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
-from tests.helpers import HANG_S, assert_every_prompt_accounted_for
-from tests.integration.held_segments import HELD_FILE, HOLD_DIR_ENV, SegmentHoldingPool
+from tests.support.helpers import HANG_S, assert_every_prompt_accounted_for
+from tests.support.held_segments import HELD_FILE, HOLD_DIR_ENV, SegmentHoldingPool
 
 pytestmark = pytest.mark.integration
 

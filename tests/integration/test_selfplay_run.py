@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import assert_every_prompt_accounted_for, run_config_file
-from tests.integration.workers import REPO
+from tests.support.helpers import assert_every_prompt_accounted_for, run_config_file
+from tests.support.workers import REPO
 
 pytestmark = pytest.mark.integration
 

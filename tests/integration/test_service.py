@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import sigint_handled
+from tests.support.helpers import sigint_handled
 
 tinker = pytest.importorskip("tinker")
 

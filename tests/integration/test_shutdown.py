@@ -33,7 +33,7 @@ from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.core.checkpoint import newest_complete_checkpoint
 from forge_rl.models.tiny import create_tiny_model
-from tests.helpers import described, sigint_handled, wait_until
+from tests.support.helpers import described, sigint_handled, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """PolicyTrainer on the tiny Llama: HF parity in one process, FSDP2 and TP parity over 2 gloo processes.
 
-The 2-process runs use tests.helpers.run_on_ranks, processes with RANK/WORLD_SIZE/MASTER_* set, which
+The 2-process runs use tests.support.helpers.run_on_ranks, processes with RANK/WORLD_SIZE/MASTER_* set, which
 is what the Monarch launcher provides in production.
 """
 
@@ -22,7 +22,7 @@ from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode
-from tests.helpers import run_on_ranks
+from tests.support.helpers import run_on_ranks
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
 from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
-from tests.helpers import run_on_ranks
+from tests.support.helpers import run_on_ranks
 from tests.integration.test_trainer import PARITY_CONFIG
 
 pytestmark = pytest.mark.integration

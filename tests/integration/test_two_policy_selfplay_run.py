@@ -12,8 +12,8 @@ import json
 import pytest
 
 from forge_rl.observability.metrics import TRAINED_TOKENS
-from tests.helpers import assert_every_prompt_accounted_for, run_config_file
-from tests.integration.workers import REPO
+from tests.support.helpers import assert_every_prompt_accounted_for, run_config_file
+from tests.support.workers import REPO
 
 pytestmark = pytest.mark.integration
 

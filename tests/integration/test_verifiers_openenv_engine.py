@@ -1,6 +1,6 @@
 """verifiers' own OpenEnv environment (`OpenEnvTaskset` + `OpenEnvEnv`, verifiers 0.4), unmodified,
 on the real vLLM engine through forge_rl's verifiers adapter, against OpenEnv's echo environment
-served on 127.0.0.1 (tests/openenv_server.py): offline, no container.
+served on 127.0.0.1 (tests/support/openenv_server.py): offline, no container.
 
 Each turn the environment shows the model a JSON payload (the observation and the action schema),
 so the tiny model here spells printable ASCII (a character tokenizer over it) and its context is
@@ -26,7 +26,7 @@ from forge_rl.envs.trajectory import ContextSpan, TrajectoryStatus
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from tests.integration.test_envs_engine import RecordingEngine, as_recorded, turn_prefixes, vllm_turn
-from tests.openenv_server import PRINTABLE, echo_url  # noqa: F401 (a fixture)
+from tests.support.openenv_server import PRINTABLE, echo_url  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11; make env-adapters)")

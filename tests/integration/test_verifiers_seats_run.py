@@ -20,8 +20,8 @@ from forge_rl.engines.vllm_engine import GeneratorConfig  # noqa: E402
 from forge_rl.envs.rollout import EnvironmentConfig  # noqa: E402
 from forge_rl.envs.runner import EpisodeLimits  # noqa: E402
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model  # noqa: E402
-from tests.helpers import assert_every_prompt_accounted_for  # noqa: E402
-from tests.openenv_server import PRINTABLE  # noqa: E402
+from tests.support.helpers import assert_every_prompt_accounted_for  # noqa: E402
+from tests.support.openenv_server import PRINTABLE  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +39,7 @@ def seats_run(tmp_path_factory):
         run_dir=tmp_path_factory.mktemp("runs"), run_name="seats", steps=NUM_STEPS, train_batch_size=8, group_size=4,
         prompts_in_flight_per_generator=4, model=ModelConfig(path=model_dir),
         environment=EnvironmentConfig(
-            name="tests.integration.verifiers_seats:user_sim_sums",
+            name="tests.support.verifiers_seats:user_sim_sums",
             limits=EpisodeLimits(max_turns=4, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=6),
         ),
         generator=GeneratorConfig(kv_block_size=32), buffer=BufferConfig(max_policy_age=1, capacity_episodes=16),

@@ -3,7 +3,7 @@
 One engine serves the whole module: starting one takes 10-30 s on CPU. An AsyncLLM is bound to the
 event loop that created it, so every test drives its coroutines on the module's loop.
 The weight-swap tests change the engine's weights and run last (pytest keeps file order). They
-swap while the engine is held mid-request (tests/integration/held_engine.py): every request of the
+swap while the engine is held mid-request (tests/support/held_engine.py): every request of the
 batch has decoded HOLD_AFTER_TOKENS tokens and has the rest to go, by construction, not by timing.
 """
 
@@ -23,7 +23,7 @@ from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, CompletionStatus, join_pieces
-from tests.integration.held_engine import HoldableEngine, start_held_batch
+from tests.support.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
 

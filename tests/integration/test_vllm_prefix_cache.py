@@ -24,7 +24,7 @@ import torch
 from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.types import Completion
-from tests.helpers import wait_until_async
+from tests.support.helpers import wait_until_async
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.layout import tensor_checksum
-from tests.helpers import HANG_S
-from tests.integration.held_engine import HoldableEngine, start_held_batch
+from tests.support.helpers import HANG_S
+from tests.support.held_engine import HoldableEngine, start_held_batch
 
 pytestmark = pytest.mark.integration
 
@@ -281,7 +281,7 @@ def engines(tmp_path_factory):
     async def build():
         index, _ = await open_store(root, model_dirs[0], keep_latest=1)
         store = WeightStore(index, root, extra_files_dir=model_dirs[0])
-        # Held mid-request for each swap test (tests/integration/held_engine.py).
+        # Held mid-request for each swap test (tests/support/held_engine.py).
         swapping = HoldableEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, swap_kv="reuse"))
         fresh = VLLMEngine(GeneratorConfig(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE))
         await swapping.start(model_dirs[0], MAX_MODEL_LEN)

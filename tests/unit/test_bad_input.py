@@ -149,7 +149,7 @@ CASES: list = [
     ),
     (
         "reward_wrong_signature",
-        lambda s: s.load_yaml("task:\n  reward: tests.unit.faulty_rewards:one_argument\n"),
+        lambda s: s.load_yaml("task:\n  reward: tests.support.faulty_rewards:one_argument\n"),
         ("must accept (completion_text, answer)", "def f(completion, answer, **columns)"),
     ),
     (

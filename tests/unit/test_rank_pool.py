@@ -1,4 +1,4 @@
-"""tests.helpers.run_on_ranks: the session's rank processes run each function on every rank, and a
+"""tests.support.helpers.run_on_ranks: the session's rank processes run each function on every rank, and a
 rank that fails is named and its pool replaced (the other ranks may be stuck in a collective)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import helpers
-from tests.helpers import run_on_ranks
+from tests.support import helpers
+from tests.support.helpers import run_on_ranks
 
 
 def _write_pid_and_env(rank: int, out: Path) -> None:

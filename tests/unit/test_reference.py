@@ -62,7 +62,7 @@ def test_every_config_field_has_a_meaning():
 
 
 def test_a_metrics_key_no_page_documents_is_found_and_patterns_cover_their_family():
-    from tests.helpers import undocumented_metric_keys
+    from tests.support.helpers import undocumented_metric_keys
 
     record = {
         "step": 1, "reward/components/format": 0.5, "weights/stall_s": 0.1, "buffer/trained_completion_len_p90": 4,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from forge_rl.training.reference import attach_reference_logprobs, completion_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode, join_pieces
 
-from .builders import make_completion, make_episode
+from tests.support.builders import make_completion, make_episode
 
 
 def test_every_token_is_trainable_unless_marked_otherwise():
