@@ -33,8 +33,8 @@ from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, Tra
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import ALPHABET, PromptTokenizer
 from forge_rl.types import Episode
-from tests.support.helpers import episode_limits
 from tests.support.held_engine import HOLD_PROMPT, HoldableEngine, hold_mid_request
+from tests.support.helpers import episode_limits
 
 pytestmark = pytest.mark.integration
 

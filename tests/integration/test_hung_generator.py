@@ -26,8 +26,8 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
-from tests.support.helpers import HANG_S, POLL_S
 from tests.support.held_generator import HeldGeneratorActor, held_episode
+from tests.support.helpers import HANG_S, POLL_S
 
 pytestmark = pytest.mark.integration
 

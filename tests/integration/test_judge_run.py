@@ -54,8 +54,8 @@ from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.scoring.teacher import TeacherConfig, pinned_teacher_refresh
 from forge_rl.tasks import TaskConfig
 from forge_rl.types import CompletionStatus
-from tests.support.helpers import assert_every_prompt_accounted_for
 from tests.support.held_reward import HOLD_DIR_ENV
+from tests.support.helpers import assert_every_prompt_accounted_for
 from tests.support.scoring_probe import ProbedRolloutsActor
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ from forge_rl.actors.scorer import ScorerActor
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.types import Completion, CompletionStatus, Episode
-from tests.support.helpers import alive, wait_until
 from tests.support.faulty_rewards import HANG_TIMEOUT_S
+from tests.support.helpers import alive, wait_until
 
 pytestmark = pytest.mark.integration
 

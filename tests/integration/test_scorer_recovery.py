@@ -28,8 +28,8 @@ from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.tasks import TaskConfig
-from tests.support.helpers import assert_every_prompt_accounted_for
 from tests.support.held_reward import HOLD_DIR_ENV
+from tests.support.helpers import assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 

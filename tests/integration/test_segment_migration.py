@@ -30,8 +30,8 @@ from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
-from tests.support.helpers import HANG_S, assert_every_prompt_accounted_for
 from tests.support.held_segments import HELD_FILE, HOLD_DIR_ENV, SegmentHoldingPool
+from tests.support.helpers import HANG_S, assert_every_prompt_accounted_for
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
 from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
-from tests.support.helpers import run_on_ranks
 from tests.integration.test_trainer import PARITY_CONFIG
+from tests.support.helpers import run_on_ranks
 
 pytestmark = pytest.mark.integration
 

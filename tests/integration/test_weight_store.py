@@ -21,8 +21,8 @@ from forge_rl.store.actors import find_index, open_store
 from forge_rl.store.client import WeightStore
 from forge_rl.store.index import version_key
 from forge_rl.store.layout import tensor_checksum
-from tests.support.helpers import HANG_S
 from tests.support.held_engine import HoldableEngine, start_held_batch
+from tests.support.helpers import HANG_S
 
 pytestmark = pytest.mark.integration
 

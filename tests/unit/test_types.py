@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from forge_rl.training.reference import attach_reference_logprobs, completion_logprobs
 from forge_rl.types import Completion, CompletionStatus, Episode, join_pieces
-
 from tests.support.builders import make_completion, make_episode
 
 

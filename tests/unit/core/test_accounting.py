@@ -1,5 +1,4 @@
 from forge_rl.core.accounting import PromptAccounting
-
 from tests.support.builders import make_episode
 
 

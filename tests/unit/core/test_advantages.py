@@ -4,7 +4,6 @@ import torch
 from forge_rl.core.advantages import DynamicSampling, episode_advantages, group_advantages, has_signal, overlong_penalty
 from forge_rl.errors import NoLearningSignal
 from forge_rl.types import CompletionStatus
-
 from tests.support.builders import make_episode
 
 

@@ -5,7 +5,6 @@ import torch
 
 from forge_rl.core.batching import kept_sets, make_train_batch, token_logprobs
 from forge_rl.types import Completion, CompletionStatus
-
 from tests.support.builders import completion_advantages, make_completion, make_episode
 
 

@@ -22,7 +22,6 @@ from forge_rl.observability import metrics as m
 from forge_rl.observability.metrics import batch_metrics
 from forge_rl.pipeline.branching import Brancher
 from forge_rl.types import Completion, CompletionStatus, Episode, completion_from_dict, completion_to_dict
-
 from tests.support.builders import make_episode
 
 PROMPT = [1, 5, 6]

@@ -9,9 +9,8 @@ from hypothesis import strategies as st
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, BufferFull, ReplayBuffer, WaitingBuffer
 from forge_rl.types import Episode
-from tests.support.helpers import wait_until_async
-
 from tests.support.builders import make_completion, make_episode
+from tests.support.helpers import wait_until_async
 
 
 def test_sample_returns_none_until_a_full_batch_is_fresh():

@@ -44,7 +44,6 @@ from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.training.trainer import TrainerConfig
 from forge_rl.types import Completion, completion_to_dict
 from forge_rl.yaml_config import load_yaml_config
-
 from tests.support.builders import make_episode
 
 

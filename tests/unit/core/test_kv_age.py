@@ -7,7 +7,6 @@ import pytest
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.types import Completion, Episode
-
 from tests.support.builders import make_completion
 
 

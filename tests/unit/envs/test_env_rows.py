@@ -22,8 +22,8 @@ from forge_rl.observability.timeline import Timeline
 from forge_rl.pipeline.rollouts import Rollouts
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.types import Episode
-from tests.support.fakes import FakeEndpoint
 from tests.support import row_envs
+from tests.support.fakes import FakeEndpoint
 
 SECRET_ENV = "tests.support.row_envs:fake_secret_env"
 

@@ -25,7 +25,16 @@ from forge_rl.run.loop import Pipeline, RunActors
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.training.trainer_steps import BatchPrefetch, TrainStepResult
 from forge_rl.types import Completion, CompletionStatus, Episode, completion_to_dict
-from tests.support.fakes import FakeActorError, FakeEndpoint, FakeLifecycle, FakePrompts, completions_for, endpoints, local_actor, pulling_trainer
+from tests.support.fakes import (
+    FakeActorError,
+    FakeEndpoint,
+    FakeLifecycle,
+    FakePrompts,
+    completions_for,
+    endpoints,
+    local_actor,
+    pulling_trainer,
+)
 from tests.support.helpers import wait_until_async
 
 CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,

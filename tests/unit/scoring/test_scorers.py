@@ -15,7 +15,6 @@ from forge_rl.errors import ScorerLost
 from forge_rl.observability.metrics import batch_metrics
 from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScoringStage, WeightedSum, boundary_token_ids, step_ends
 from forge_rl.types import Completion, CompletionStatus, Episode
-
 from tests.support.builders import make_episode
 
 NEWLINE = 3

@@ -12,8 +12,8 @@ from forge_rl.errors import ConfigError
 from forge_rl.scoring.reward_workers import RewardWorkerPool
 from forge_rl.scoring.scorers import ScorerConfig
 from forge_rl.tasks.rewards import resolve_reward_fn
-from tests.support.helpers import wait_until
 from tests.support.faulty_rewards import HANG_TIMEOUT_S
+from tests.support.helpers import wait_until
 
 SCRIPTED = "tests.support.faulty_rewards:scripted"
 
