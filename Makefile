@@ -93,12 +93,13 @@ test: venv lint
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu
 
-# The import contract: the package's layers and where Monarch, vLLM and TorchTitan may be imported
-# (pyproject.toml [tool.importlinter]; the suite checks it too).
-# The import contract (pyproject.toml [tool.importlinter]) and ruff's rules (ruff.toml); `make test` runs it first.
+# `make test` runs these first: the import contract (the package's layers and where Monarch, vLLM and
+# TorchTitan may be imported: pyproject.toml [tool.importlinter]; the suite checks it too), ruff's
+# rules (ruff.toml) and mypy over forge_rl/ (pyproject.toml [tool.mypy]).
 lint: venv
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check forge_rl apps tests examples
+	$(VENV)/bin/mypy
 	# docs/reference/ is generated from the docstrings: stale pages fail here (`make reference` writes them).
 	$(PY) -m forge_rl.reference --check
 

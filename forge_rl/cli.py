@@ -275,7 +275,9 @@ def _run_bench(args: list[str]) -> None:
         "peers": (peers, peers.PeersArgs),
         "serve": (serve, serve.ServeBenchArgs),
     }[name]
-    bench_args = tyro.cli(args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name])
+    bench_args: object = tyro.cli(
+        args_type, args=args[1:], prog=f"forge-rl bench {name}", description=_BENCHMARKS[name]
+    )
     try:
         summary = module.main(bench_args)
     except ConfigError as e:

@@ -228,7 +228,9 @@ class GRPOConfig:
         with an environment, group_size trajectories (and their forks) of
         environment.limits.max_total_tokens (each holds its own prompt)."""
         if self.environment.name is not None:
-            return self.branch.max_completions_per_group(self.group_size) * self.environment.limits.max_total_tokens
+            max_total_tokens = self.environment.limits.max_total_tokens
+            assert max_total_tokens is not None  # __post_init__ resolves an environment's limits
+            return self.branch.max_completions_per_group(self.group_size) * max_total_tokens
         max_new_tokens = self.generator.max_new_tokens
         return self.max_model_len - max_new_tokens + self.branch.max_completions_per_group(self.group_size) * max_new_tokens
 
@@ -246,7 +248,9 @@ class GRPOConfig:
         """Most tokens one generator request samples: generator.max_new_tokens, or with an
         environment one turn's environment.limits.max_tokens_per_turn."""
         if self.environment.name is not None:
-            return self.environment.limits.max_tokens_per_turn
+            max_tokens_per_turn = self.environment.limits.max_tokens_per_turn
+            assert max_tokens_per_turn is not None  # __post_init__ resolves an environment's limits
+            return max_tokens_per_turn
         return self.generator.max_new_tokens
 
     @property
@@ -468,7 +472,9 @@ class GRPOConfig:
         """The teacher reads every sequence the student makes, whole: a prompt with its completion
         (up to the student's context), or with an environment a whole trajectory."""
         if self.environment.name is not None:
-            longest, source = self.environment.limits.max_total_tokens, "environment.limits.max_total_tokens"
+            max_total_tokens = self.environment.limits.max_total_tokens
+            assert max_total_tokens is not None  # __post_init__ resolves an environment's limits
+            longest, source = max_total_tokens, "environment.limits.max_total_tokens"
             fix = f"Set --environment.limits.max-total-tokens {teacher_context} or less"
         else:
             longest, source = self.max_model_len, "max_model_len, the student's max_position_embeddings"
@@ -509,6 +515,7 @@ class GRPOConfig:
         if self.environment.name is None:
             return
         max_total_tokens = self.environment.limits.max_total_tokens
+        assert max_total_tokens is not None  # __post_init__ resolves an environment's limits
         if max_total_tokens > self.max_model_len:
             raise ConfigError(
                 f"environment.limits.max_total_tokens ({max_total_tokens}) exceeds the model's context "
@@ -641,6 +648,7 @@ class GRPOConfig:
         from forge_rl.envs.forks import refuse_unless_replayable
 
         branch, name = self.branch, self.environment.name
+        assert name is not None  # _check_branch asks this only of a run with an environment
         if branch.rule not in ("token_prob", "function"):
             raise ConfigError(
                 f"branch.rule ({branch.rule}) with environment.name ({name!r}): an environment episode forks at the "

@@ -141,9 +141,12 @@ def _nested_dataclass(hint) -> tuple[type | None, bool, bool]:
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return hint, optional, False
     if typing.get_origin(hint) is tuple:
-        args = typing.get_args(hint)
-        if len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
-            return args[0], optional, True
+        items = typing.get_args(hint)
+        if (
+            len(items) == 2 and items[1] is Ellipsis
+            and dataclasses.is_dataclass(items[0]) and isinstance(items[0], type)
+        ):
+            return items[0], optional, True
     return None, False, False
 
 

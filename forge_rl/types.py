@@ -203,6 +203,7 @@ class Completion:
         ERRORED completion."""
         if self.status == CompletionStatus.ERRORED:
             return [False] * self.num_tokens
+        assert self.trainable is not None  # __post_init__ fills it
         if self.generated is None:  # every token sampled: no walk in Python
             return list(self.trainable)
         return [t and g for t, g in zip(self.trainable, self.generated)]
@@ -213,6 +214,7 @@ class Completion:
         every completion at every step)."""
         if self.status == CompletionStatus.ERRORED:
             return 0
+        assert self.trainable is not None  # __post_init__ fills it
         if self.generated is None:
             return self.trainable.count(True)
         return sum(map(operator.and_, self.trainable, self.generated))
@@ -258,7 +260,7 @@ def check_steps(step_ends: list[int] | None, step_rewards: list[float] | None, n
     """ValueError unless the steps cover the tokens in order, one reward each (or there are none)."""
     if (step_ends is None) != (step_rewards is None):
         raise ValueError(f"step_ends ({step_ends}) and step_rewards ({step_rewards}) come together or not at all")
-    if step_ends is None:
+    if step_ends is None or step_rewards is None:  # both None: the check above pairs them
         return
     if len(step_ends) != len(step_rewards):
         raise ValueError(f"{len(step_ends)} step_ends but {len(step_rewards)} step_rewards: one reward per step")

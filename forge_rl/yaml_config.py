@@ -17,13 +17,16 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, cast
 
 import yaml
 
 from forge_rl.errors import ConfigError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 _CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("forge_rl_yaml_checked", default=True)
 
@@ -133,7 +136,8 @@ def _convert(annotation: Any, value: Any, field: str) -> Any:
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ConfigError(f"{field} must be a mapping of its fields, got {value!r}")
-        return build_dataclass(annotation, value, prefix=field + ".")
+        # An annotation is a class: is_dataclass narrows it to an instance or a class.
+        return build_dataclass(cast("type[DataclassInstance]", annotation), value, prefix=field + ".")
     if annotation is Path:
         if not isinstance(value, str):
             raise ConfigError(f"{field} must be a path string, got {value!r}")

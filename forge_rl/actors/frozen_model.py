@@ -31,6 +31,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -42,6 +43,9 @@ from forge_rl.scoring.teacher import load_teacher_weights, save_teacher_weights,
 from forge_rl.training.reference import ReferenceConfig, completion_logprobs
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode
+
+if TYPE_CHECKING:
+    from forge_rl.store.client import WeightStore
 
 
 class FrozenModelActor(Actor):
@@ -57,7 +61,7 @@ class FrozenModelActor(Actor):
         self.pad_id = pad_id
         self.model: PolicyTrainer | None = None
         self.store_index, self.store_root, self.store_reader = store_index, store_root, store_reader
-        self.store = None
+        self.store: WeightStore | None = None
         self.staged: dict[str, torch.Tensor] | None = None
         self.staged_version: int | None = None
         self.serving_version = 0
@@ -81,6 +85,7 @@ class FrozenModelActor(Actor):
     async def token_logprobs(self, episodes: list[Episode]) -> list[list[list[float]]]:
         """The frozen model's logprob of every completion token, [episode][completion][token],
         under the distribution each was sampled from."""
+        assert self.model is not None  # built by setup, which its supervisor awaits first
         logprobs_NL = self.model.compute_logprobs(make_train_batch(episodes, self.pad_id))
         return completion_logprobs(episodes, logprobs_NL)
 
@@ -93,8 +98,13 @@ class FrozenModelActor(Actor):
         from forge_rl.store.client import WeightStore
         from forge_rl.store.index import version_key
 
+        assert self.model is not None  # built by setup, which its supervisor awaits first
         started = time.perf_counter()
         if self.store is None:
+            if self.store_root is None:
+                raise RuntimeError(
+                    f"this {self.config.section} model reads no weight store: only a self-distillation teacher stages versions"
+                )
             reader = teacher_store_reader(self.store_reader, self.model.rank)
             self.store = WeightStore(self.store_index, Path(self.store_root), reader, extra_files_dir=self.model_dir)
         await self.store.wait_for_version(policy_version)  # its publish may still be writing it
@@ -110,6 +120,9 @@ class FrozenModelActor(Actor):
     @endpoint
     async def swap(self) -> dict:
         """Serve the staged weights from now on."""
+        assert self.model is not None  # built by setup, which its supervisor awaits first
+        if self.staged is None or self.staged_version is None:
+            raise RuntimeError("swap with no staged weights: stage a version first")
         self.model.model.load_state_dict(self.staged, strict=True)
         self.serving_version, self.staged = self.staged_version, None
         return {"teacher/policy_version": self.serving_version}
@@ -118,6 +131,7 @@ class FrozenModelActor(Actor):
     async def save_weights(self, path: str) -> dict:
         """Write the served weights and the staged ones (a pinned teacher's checkpoint,
         forge_rl/scoring/teacher.py `save_teacher_weights`); returns their versions."""
+        assert self.model is not None  # built by setup, which its supervisor awaits first
         served = _full(self.model.model.state_dict())  # collectives: every rank, in this order
         staged = None if self.staged is None else _full(self.staged)
         if self.model.rank == 0:
@@ -130,6 +144,7 @@ class FrozenModelActor(Actor):
     async def load_weights(self, path: str, served: bool = True, staged: bool = True) -> dict:
         """Serve the weights `save_weights` wrote to `path` (`served`) and stage its staged ones
         (`staged`); returns their versions."""
+        assert self.model is not None  # built by setup, which its supervisor awaits first
         saved = load_teacher_weights(Path(path))
         if served:
             self.model.model.load_state_dict(self._shards(saved["served"]), strict=True)
@@ -142,6 +157,7 @@ class FrozenModelActor(Actor):
         """Copies of this rank's shards of whole tensors (the served model's placements; on one
         process, whole copies), cut with no collective: every rank holds the whole tensor. Copies,
         not views: a shard must not keep the whole tensor alive, nor a mapping of the store."""
+        assert self.model is not None  # built by setup, which its supervisor awaits first
         served = self.model.model.state_dict()
         shards = {}
         for name, tensor in full.items():

@@ -50,7 +50,7 @@ from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
 from forge_rl.plumbing.replies import rank_zero
 from forge_rl.scoring.restarts import RestartingScorer
-from forge_rl.scoring.teacher import TeacherVersions, teacher_store_reader
+from forge_rl.scoring.teacher import TeacherConfig, TeacherVersions, teacher_store_reader
 from forge_rl.training.reference import ReferenceConfig
 from forge_rl.types import Episode
 
@@ -110,6 +110,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
     async def stage(self, policy_version: int, blend: float | None = None) -> dict:
         """A pinned teacher's `stage` (forge_rl/actors/frozen_model.py), with the version leased in
         the store until the teacher no longer needs it; sent again to a replacement."""
+        assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
         await self._lease(policy_version)
         try:
             figures = await self.restarts.call(lambda mesh: _rank0(mesh.model.stage.call(policy_version, blend)), 0)
@@ -122,6 +123,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
     @concurrent_endpoint
     async def swap(self) -> dict:
         """A pinned teacher's `swap`; sent again to a replacement (which staged the same version)."""
+        assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
         figures = await self.restarts.call(lambda mesh: _rank0(mesh.model.swap.call()), 0)
         await self._release(self.versions.swapped())
         if self.ema_file is not None:
@@ -138,6 +140,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
     async def load_checkpoint(self, path: str) -> dict:
         """A resume: serve and stage the weights a checkpoint wrote to `path`; a replacement loads
         them from there too (the resumed run's store does not hold their versions)."""
+        assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
         loaded = await self.restarts.call(lambda mesh: _rank0(mesh.model.load_weights.call(path)), 0)
         self.versions.restored(path, loaded["served"], loaded["staged"])
         return loaded
@@ -190,6 +193,8 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
     async def _load_served_versions(self, model: FrozenModelActor) -> None:
         """A replacement teacher serves the dead one's version, and stages its staged one (both
         leased in the store); an ema teacher's average restarts from the newest version in it."""
+        assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
+        assert isinstance(self.config, TeacherConfig)  # only a pinned teacher has versions to load
         calls, note = self.versions.reload_plan(self.config.pin)
         if note is not None:
             progress(note)
@@ -205,6 +210,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         """Lease `policy_version` for the teacher's replacements before it is staged."""
         from forge_rl.store.index import version_key
 
+        assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
         await self.store_index.wait_for_version.call_one(policy_version)
         key = version_key(policy_version)
         await self.store_index.acquire.call_one(self._reader, key)

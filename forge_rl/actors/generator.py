@@ -104,7 +104,7 @@ class GeneratorActor(PortServed, Actor):
     async def tokens_in_flight(self) -> int:
         """Tokens its requests in flight have sampled so far (`VLLMEngine.tokens_in_flight`): what
         its death would lose (`forge-rl bench faults`)."""
-        return self.engine.tokens_in_flight()
+        return self._vllm_engine("tokens_in_flight").tokens_in_flight()
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
@@ -129,7 +129,7 @@ class GeneratorActor(PortServed, Actor):
         self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None, group_size: int,
         segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
-        pieces = await self.engine.generate_segment(
+        pieces = await self._vllm_engine("generate_segment (generator.segment_tokens)").generate_segment(
             prompt_token_ids, heads, group_size, self.tokenizer.eos_id, forced_length, segment_tokens
         )
         for i, (piece, finished) in enumerate(pieces):
@@ -162,6 +162,7 @@ class GeneratorActor(PortServed, Actor):
         version). At most `max_in_flight` of the episodes decode at once, beside the run's own
         requests. None if the generator serves a newer version already: the call cannot be made.
         An evaluation beside training on the run's generators (forge_rl/run/evaluation.py)."""
+        engine = self._vllm_engine("an evaluation beside training (generate_pinned)")
         async with self.version_served:
             await self.version_served.wait_for(lambda: self.engine.policy_version >= policy_version)
         async with self.swap_lock:
@@ -171,7 +172,7 @@ class GeneratorActor(PortServed, Actor):
 
             async def sampled(episode: Episode) -> list:
                 async with in_flight:
-                    return await self.engine.generate(
+                    return await engine.generate(
                         episode.prompt_token_ids, group_size, self.tokenizer.eos_id,
                         temperature=temperature, max_new_tokens=max_new_tokens,
                     )
@@ -188,6 +189,12 @@ class GeneratorActor(PortServed, Actor):
             episode.temperature = temperature
         return episodes
 
+    def _vllm_engine(self, needs: str) -> VLLMEngine:
+        """The engine, for what only vLLM does (`needs`: what asked for it)."""
+        if not isinstance(self.engine, VLLMEngine):
+            raise TypeError(f"{needs} needs the vLLM engine (generator.engine vllm), not the simulated one")
+        return self.engine
+
     @property
     def version_served(self) -> asyncio.Condition:
         if self._version_served is None:  # bound to the actor's running loop on first use
@@ -202,18 +209,22 @@ class GeneratorActor(PortServed, Actor):
         adapter of `policy_version` (None: the base), which this generator loads from the weight
         store first if it does not hold it (`weights_dir`: where that version is), beside the
         adapters it serves."""
+        engine = self._vllm_engine("sampling (the service)")
         version = BASE_MODEL if policy_version is None else policy_version
         while True:
             try:
-                return await self.engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
+                return await engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
             except AdapterNotResident:
+                if weights_dir is None:
+                    raise  # the base model is always resident: only an adapter version has a directory to load
                 await self._serve_adapter(version, weights_dir)
 
     async def _serve_adapter(self, policy_version: int, weights_dir: str) -> None:
+        engine = self._vllm_engine("serving an adapter")
         async with self.swap_lock:
             store = await self._weight_store(Path(weights_dir).parent)
             async with store.lease(version_key(policy_version)) as snapshot:  # vLLM reads it in add_lora
-                await self.engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
+                await engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
 
     @concurrent_endpoint
     async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import os
 import re
 import socket
@@ -369,6 +370,7 @@ class GeneratorPool(PortServed, Actor):
         slot = self.slots[index]
         await slot.serving.wait()
         if slot.state == SlotState.FAILED:
+            assert slot.failure is not None  # set with every FAILED state
             raise GeneratorFailed(index, slot.failure)
         if slot.state == SlotState.REMOVED:
             raise GeneratorLost(index, "it was removed from the pool")
@@ -383,6 +385,7 @@ class GeneratorPool(PortServed, Actor):
     async def _watch_notice(self, slot: GeneratorSlot) -> None:
         """Queue the preemption notice of the host `slot`'s incarnation runs on, once it comes."""
         incarnation = slot.incarnation
+        assert slot.actor is not None  # watched from _start_slot, once it spawned the actor
         try:
             notice = await slot.actor.preemption_notice.call_one()
         except Exception:  # it died, or was stopped: its recovery or removal is under way
@@ -424,7 +427,7 @@ class GeneratorPool(PortServed, Actor):
         it replaced the dead one); {} for a generator not serving now, or a simulated one."""
 
         async def forward_time(slot: GeneratorSlot) -> dict:
-            if slot.state != SlotState.SERVING:
+            if slot.state != SlotState.SERVING or slot.actor is None:  # a serving slot has its actor
                 return {}
             try:
                 return await within(_STOP_TIMEOUT_S, slot.actor.forward_time.call_one())
@@ -443,7 +446,7 @@ class GeneratorPool(PortServed, Actor):
             if slot.notice_watch is not None:
                 slot.notice_watch.cancel()
         await asyncio.gather(
-            *(slot.actor.shutdown.call_one() for slot in self.slots if slot.state == SlotState.SERVING),
+            *(slot.actor.shutdown.call_one() for slot in self.slots if slot.state == SlotState.SERVING and slot.actor is not None),
             return_exceptions=True,
         )
 
@@ -527,9 +530,9 @@ class GeneratorPool(PortServed, Actor):
                 self.update_timeout_s,
                 slot.actor.update_weights.call_one(*self.latest_weights),
                 # A hung load: this start attempt failed, the next one is on a fresh mesh.
-                lambda policy_version=policy_version: TimeoutError(
-                    f"loading policy version {policy_version} ran past generator.update_timeout_s "
-                    f"({self.update_timeout_s:g} s)"
+                functools.partial(
+                    TimeoutError,
+                    f"loading policy version {policy_version} ran past generator.update_timeout_s ({self.update_timeout_s:g} s)",
                 ),
             )
             slot.policy_version = loaded["policy_version"]
@@ -554,7 +557,7 @@ class GeneratorPool(PortServed, Actor):
         while True:
             await asyncio.sleep(HOST_CHECK_INTERVAL_S)
             serving = [s for s in self.slots if s.state == SlotState.SERVING and self.placements[s.index].worker is not None]
-            workers = sorted({self.placements[s.index].worker for s in serving})
+            workers = sorted({w for w in (self.placements[s.index].worker for s in serving) if w is not None})
             answers = await asyncio.gather(*(asyncio.to_thread(worker_answers, w, _CONNECT_TIMEOUT_S) for w in workers))
             now = time.monotonic()
             for worker, answered in zip(workers, answers):

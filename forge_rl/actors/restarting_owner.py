@@ -26,7 +26,7 @@ class RestartingOwner(Actor):
     restarts: RestartingScorer
     what_exited: str
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._watchdog: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         """Stops of dead meshes, not waited for; held because the event loop keeps only weak references."""
@@ -71,5 +71,9 @@ class RestartingOwner(Actor):
         while True:
             await asyncio.sleep(POLL_INTERVAL_S)
             incarnation = self.restarts.current
-            if self.restarts.state == ScorerState.SERVING and not all(is_alive(p) for p in incarnation.handle.pids):
+            if (
+                self.restarts.state == ScorerState.SERVING
+                and incarnation is not None
+                and not all(is_alive(p) for p in incarnation.handle.pids)
+            ):
                 self.restarts.lost(incarnation, self.what_exited)

@@ -26,6 +26,8 @@ class RewardModelActor(Actor):
     @endpoint
     async def setup(self) -> dict:
         started = time.perf_counter()
+        if self.config.path is None:
+            raise ValueError("scorer.reward_model.path is unset: there is no reward model to serve. Set --scorer.reward-model.path.")
         model = SequenceClassifier(Path(self.config.path), self.config.output, self.config.num_threads)
         self.batcher = RewardBatcher(model.forward, self.config.max_batch_size, self.config.max_wait_ms / 1000)
         return {"reward_model_setup_s": time.perf_counter() - started, "pid": os.getpid(), "hostname": socket.gethostname()}
@@ -33,10 +35,12 @@ class RewardModelActor(Actor):
     @concurrent_endpoint
     async def score(self, texts: list[str]) -> list[float]:
         """The model's score of each text, in order (NaN stays NaN: the scorer marks it ERRORED)."""
+        assert self.batcher is not None  # built by setup, which the scorer's supervisor awaits first
         return await self.batcher.score(texts)
 
     @endpoint
     async def stats(self) -> dict:
+        assert self.batcher is not None  # built by setup, which the scorer's supervisor awaits first
         return {"batches": self.batcher.num_batches, "texts": self.batcher.num_texts}
 
 

@@ -70,6 +70,7 @@ class ScorerActor(PortServed, Actor):
 
         verdicts = None
         if judge is not None:
+            assert config.judge.path is not None  # the supervisor spawns a judge only with scorer.judge.path set
             tokenizer = PromptTokenizer(config.judge.path)
             engines = LeastBusyReplica(judge, config.judge.replicas, "generate")
             self._replica_stats.append(functools.partial(engines.stats, "scorer/judge"))

@@ -89,8 +89,9 @@ class ScorerSupervisor(PortServed, RestartingOwner):
         """Stops the reward workers and the judge's engine (their processes are children of the
         actors' processes, not of Monarch)."""
         self._stop_watching()
-        if self.restarts.state == ScorerState.SERVING:
-            meshes = self.restarts.current.handle
+        incarnation = self.restarts.current
+        if self.restarts.state == ScorerState.SERVING and incarnation is not None:
+            meshes = incarnation.handle
             await asyncio.gather(
                 meshes.scorer.shutdown.call_one(),
                 *([meshes.judge.shutdown.call()] if meshes.judge is not None else []),

@@ -67,6 +67,7 @@ class ScoringStage:
         teacher = None
         if config.uses_teacher:
             teacher_config = config.scorer.teacher
+            store: tuple[Any, str | None]  # (the store's index, its root): a pinned teacher's only
             if teacher_config.path is not None:
                 teacher_model, store = str(teacher_config.path), (None, None)
             else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/scoring/teacher.py)

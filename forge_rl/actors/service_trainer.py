@@ -60,10 +60,12 @@ class ServiceTrainerActor(Actor):
 
     @endpoint
     async def add_tenant(self, tenant: str, seed: int, frozen_targets: tuple[str, ...] = ()) -> None:
+        assert self.tenants is not None  # built by setup, which every rank runs first
         self.tenants.add_tenant(tenant, seed, frozen_targets)
 
     @endpoint
     async def remove_tenant(self, tenant: str) -> None:
+        assert self.tenants is not None  # built by setup, which every rank runs first
         self.tenants.remove_tenant(tenant)
 
     @endpoint
@@ -71,11 +73,13 @@ class ServiceTrainerActor(Actor):
         self, tenant: str, data: list, loss_fn: str, loss_fn_config: dict | None, backward: bool,
     ) -> tuple[list[dict], dict[str, float]]:
         """`TenantTrainer.forward_backward`: each datum's outputs and the call's metrics."""
+        assert self.tenants is not None  # built by setup, which every rank runs first
         return self.tenants.forward_backward(tenant, data, loss_fn, loss_fn_config, backward)
 
     @endpoint
     async def optim_step(self, tenant: str, adam: dict) -> dict[str, float]:
         """`TenantTrainer.optim_step` with Tinker's AdamParams (`adam`: its fields by name)."""
+        assert self.tenants is not None  # built by setup, which every rank runs first
         return self.tenants.optim_step(tenant, **adam)
 
     @endpoint
@@ -83,6 +87,7 @@ class ServiceTrainerActor(Actor):
         """Publish the tenant's adapters as `policy_version` of the weight store (a PEFT adapter
         directory); returns, on rank 0, where it will be (`weights/dir`, complete once the store
         says so) and the publish's figures."""
+        assert self.tenants is not None  # built by setup, which every rank runs first
         started = time.perf_counter()
         dtype = self.publish_config.torch_dtype()
         adapters = self.tenants.adapter_state_dict(tenant, dtype, keep=self.rank == 0)
@@ -91,6 +96,7 @@ class ServiceTrainerActor(Actor):
         from forge_rl.models.peft_format import peft_adapter
 
         snapshot, adapter_config = peft_adapter(adapters, self.config.lora, self.model_dir, dtype)
+        assert self.publisher is not None  # rank 0's, built by setup
         metrics = await self.publisher.publish(
             policy_version, snapshot, time.perf_counter() - started, (adapter_config, str(self.model_dir))
         )
@@ -100,6 +106,7 @@ class ServiceTrainerActor(Actor):
     async def save_state(self, tenant: str, path: str) -> dict:
         """The tenant's adapters and AdamW moments as a DCP checkpoint at `path` (every rank
         writes its shards; PolicyTrainer.save_checkpoint)."""
+        assert self.tenants is not None  # built by setup, which every rank runs first
         self.tenants.activate(tenant)
         started = time.perf_counter()
         self.tenants.trainer.save_checkpoint(path)
@@ -109,6 +116,7 @@ class ServiceTrainerActor(Actor):
     async def load_state(self, tenant: str, path: str, with_optimizer: bool) -> None:
         """Load a `save_state` checkpoint into the tenant; without `with_optimizer`, its moments
         start afresh. A checkpoint of other adapters (rank, layers, base) is refused naming them."""
+        assert self.tenants is not None  # built by setup, which every rank runs first
         self.tenants.activate(tenant)
         self.tenants.trainer.load_checkpoint(path)
         if not with_optimizer:

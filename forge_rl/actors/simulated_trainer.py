@@ -43,7 +43,8 @@ class SimulatedTrainerActor(PortServed, Actor):
             self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
         )
 
-    async def _train_pulled(self, columns: BatchColumns) -> TrainStepResult:
+    async def _train_pulled(self, columns: BatchColumns | None) -> TrainStepResult:
+        assert columns is not None  # a batch has nothing for a trainer only with several policies, which a simulation refuses
         return await self._train_step(columns)
 
     @endpoint

@@ -112,6 +112,7 @@ class TrainerActor(PortServed, Actor):
         """A step of `train_next_step`: its version is published after the reply (`_published`).
         No columns (its policy has nothing in the batch): nothing trains, nothing is published."""
         if columns is None:
+            assert self.trainer is not None  # built by setup, which every rank runs first
             version = self.trainer.policy_version
             return TrainStepResult(version, True, None, {"step_skipped": 1.0, "policy_version": version, TRAINED_TOKENS: 0})
         return await self._train_step(columns, publish_after_reply=True)
@@ -145,6 +146,7 @@ class TrainerActor(PortServed, Actor):
         """
         from forge_rl.core.batching import pad_columns
 
+        assert self.trainer is not None  # built by setup, which every rank runs first
         publish_start = time.perf_counter()
         published_before = await self._published()
         waited_s = time.perf_counter() - publish_start
@@ -180,6 +182,7 @@ class TrainerActor(PortServed, Actor):
         from forge_rl.core.batching import pad_columns
 
         await self._published()
+        assert self.trainer is not None  # built by setup, which every rank runs first
         return self.trainer.compute_logprobs(pad_columns(self._columns(episodes), self.pad_id))
 
     @endpoint
@@ -191,6 +194,7 @@ class TrainerActor(PortServed, Actor):
         (monarch.actor.Channel) once every rank's shards are written, or the error's text. Returns
         the policy version saved and how long the trainer was held (`checkpoint/save_s`)."""
         await self._published()  # its snapshot is a collective too: every rank takes it first
+        assert self.trainer is not None  # built by setup, which every rank runs first
         started = time.perf_counter()
         write = self.trainer.start_checkpoint(path)
         if self.rank == 0:
@@ -203,11 +207,13 @@ class TrainerActor(PortServed, Actor):
         version to the weight store, so generators can serve it. Returns the version and, on rank 0,
         where its weights will be (`weights/dir`)."""
         await self._published()
+        assert self.trainer is not None  # built by setup, which every rank runs first
         self.trainer.load_checkpoint(path)
         return {"policy_version": self.trainer.policy_version, **await self._publish()}
 
     async def _publish(self) -> dict:
         """Snapshot the weights (a collective), then write them in the background (rank 0)."""
+        assert self.trainer is not None  # built by setup, which every rank runs first
         started = time.perf_counter()
         # Gathered once per version in the dtype the generator serves; private CPU copies, so the
         # next optimizer step cannot change them while they are written. Every rank joins the
@@ -229,6 +235,7 @@ class TrainerActor(PortServed, Actor):
         snapshot_s = time.perf_counter() - started
         published = {}
         if writes:
+            assert self.publisher is not None  # rank 0's, built by setup
             version = self.trainer.policy_version
             metrics = await self.publisher.publish(version, snapshot, snapshot_s, adapter)
             # Where the version will be once complete; generators wait for it through the store.

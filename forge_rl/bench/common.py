@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, cast
 
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
@@ -20,7 +22,8 @@ def run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) -> Path:
     """Run `base` with `changes` (dataclasses.replace fields) as OUT_DIR/NAME; returns that path."""
     from forge_rl.run.recipes import recipe
 
-    asyncio.run(recipe("grpo")(dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes)))
+    run = recipe("grpo")(dataclasses.replace(base, run_dir=out_dir, run_name=name, **changes))
+    asyncio.run(cast("Coroutine[Any, Any, dict]", run))  # a recipe's `run` is an async def
     return out_dir / name
 
 

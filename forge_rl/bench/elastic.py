@@ -81,6 +81,7 @@ def main(args: ElasticArgs) -> dict:
         trainer=trainer,
         checkpoint=dataclasses.replace(base.checkpoint, enabled=False),  # a save would be part of a phase's time
     )
+    assert config.run_name is not None  # set above
     shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     phases = _Phases(config.run_dir / config.run_name, args)
     figures, run_path = run_probed(config, after_step=phases.after_step)

@@ -22,6 +22,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, cast
 
 from forge_rl.bench.common import run_variant
 from forge_rl.config import GRPOConfig
@@ -83,7 +84,8 @@ def main(args: EvalOverheadArgs) -> dict:
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for i, mode in enumerate(order):
         progress(f"bench eval-overhead: run {i + 1}/{len(order)}, evaluation {mode}")
-        changes = {"eval": dataclasses.replace(evaluation, placement=mode)} if mode != "off" else {}
+        placed = cast(Literal["own", "shared"], mode)  # args.placements are checked above
+        changes = {"eval": dataclasses.replace(evaluation, placement=placed)} if mode != "off" else {}
         runs[mode].append(analyze(run_variant(base, args.out_dir, f"{mode}-{i}", **changes)))
     tokens_per_s = {mode: statistics.median(r["trained_tokens_per_s"] for r in runs[mode]) for mode in modes}
     summary = {

@@ -125,6 +125,7 @@ def run_config(base: GRPOConfig, args: FaultsBenchArgs, mode: str) -> GRPOConfig
 def run_mode(config: GRPOConfig, args: FaultsBenchArgs) -> dict:
     from forge_rl.bench.scale import run_probed
 
+    assert config.run_name is not None  # run_config names each mode's run
     shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     killer = _KillInTurn(
         config.num_generators, args.kill_every_steps, config.steps, args.kill_delay_max_s, args.seed, args.recovery_timeout_s

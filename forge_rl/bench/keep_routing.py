@@ -46,7 +46,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from forge_rl.models.tiny import TinyModelConfig
 from forge_rl.observability.metrics import progress
@@ -129,7 +129,8 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
     from forge_rl.types import Episode
 
     task, tokenizer = TaskConfig(), PromptTokenizer(model_dir)
-    episodes, heads = [], [] if args.resubmit_after else None
+    episodes = []
+    heads: list[list] | None = [] if args.resubmit_after else None
     with _recording_engine(args, model_dir, args.seed) as (engine, run):
         for index in range(args.num_prompts):
             prompt = make_task_prompt(task, index)
@@ -194,6 +195,7 @@ def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, head
     export_hf_model_dir(trainer.hf_state_dict(), model_dir, next_dir)
     tokenizer = PromptTokenizer(model_dir)
     out = []
+    assert args.resubmit_after is not None  # __post_init__ sets it
     with _recording_engine(args, next_dir, args.seed + 1) as (engine, run):
         for episode, group in zip(episodes, heads):
             tails = run(engine.generate_segment(
@@ -409,7 +411,7 @@ def main(args: KeepRoutingArgs) -> dict:
     trainer = PolicyTrainer(TrainerConfig(keep_routing=True, batching="pad", lr=args.lr, seed=args.seed), model_dir)
     per_staleness = []
     for staleness in range(args.max_staleness + 1):
-        measured = {"staleness": staleness, **_measure(trainer, batch)}
+        measured: dict[str, Any] = {"staleness": staleness, **_measure(trainer, batch)}
         progress("bench keep-routing: " + ", ".join(
             f"{k} {measured[k]:.4g}" for k in _PROGRESS_KEYS if measured.get(k) is not None
         ))

@@ -25,7 +25,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -100,15 +100,16 @@ class TrainerSide:
             for name, p in self.adapters.named_parameters():
                 p.copy_(torch.randn(p.shape, generator=generator) * (0.02 if name.endswith("lora_B") else 0.05))
 
-    async def publish_full(self, version: int) -> float:
+    async def publish_full(self, version: int) -> tuple[float, dict]:
         """Snapshot the merged weights in HF names (what PolicyTrainer.hf_state_dict does with
-        LoRA) and start writing them; returns when the snapshot started (perf_counter)."""
+        LoRA) and start writing them; returns when the snapshot started (perf_counter) and the
+        publisher's figures."""
         self.set_version(version)
         started = time.perf_counter()
         snapshot = merged_hf_state_dict(self.model, self.adapters)
         return started, await self.publisher.publish(version, snapshot, time.perf_counter() - started)
 
-    async def publish_adapters(self, version: int) -> float:
+    async def publish_adapters(self, version: int) -> tuple[float, dict]:
         """What TrainerActor does with trainer.lora.enabled: adapters, PEFT names, adapter version."""
         from forge_rl.models.peft_format import peft_adapter
 
@@ -225,7 +226,7 @@ async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict],
     reader = WeightStore(index, root, client_id=f"bench-generator-{'lora' if adapters else 'full'}")
     started = time.perf_counter()
     await engine.start(args.model_path, 1024)
-    extra = {"engine_start_s": time.perf_counter() - started}
+    extra: dict[str, Any] = {"engine_start_s": time.perf_counter() - started}
     try:
         first = 100 if adapters else 1
         publish = trainer.publish_adapters if adapters else trainer.publish_full

@@ -30,6 +30,8 @@ import time
 
 def load_reward(path: str, name: str):
     spec = importlib.util.spec_from_file_location("_peer_task", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load a Python module from {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

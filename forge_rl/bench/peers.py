@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
 from forge_rl.config import GRPOConfig
@@ -272,6 +272,7 @@ def run_workload(name: str, base: GRPOConfig, args: PeersArgs, peer: dict | None
             runs["trl"].append(run_trl(base, args, seed, name))
         progress(f"bench peers: {name}: forge_rl, seed {seed}")
         runs["forge_rl"].append(run_forge_rl(base, args, seed, name))
+    assert args.target_rewards is not None  # main sets each workload's
     result = summarize(runs, args.target_rewards)
     result.update({
         "config": str(args.config or WORKLOADS[name].config), "steps_budget": base.steps,
@@ -295,15 +296,18 @@ def build_model(base: GRPOConfig, workload: Workload, model_dir: Path) -> Path:
 
     if (model_dir / "config.json").is_file():
         return model_dir
+    if workload.alphabet is None:
+        raise ValueError(f"bench peers: the {workload.name} workload trains a pretrained model: there is none to build")
     building = model_dir.with_name(f".{model_dir.name}.building")  # a build cut short is never taken for the model
     shutil.rmtree(building, ignore_errors=True)
     create_tiny_model(base.model.tiny, building, alphabet=workload.alphabet)
-    if workload.form is not None:
+    form = workload.form
+    if form is not None:
         progress(f"bench peers: {workload.name}: training the model {FORM_STEPS} supervised steps on the answers' form")
         tokenizer, draw = PromptTokenizer(building), random.Random(TEXT_TASK_SEED)
         samples = task_text_samples(
             tokenizer, dataclasses.replace(base.task, seed=TEXT_TASK_SEED), FORM_STEPS * FORM_BATCH_SIZE,
-            FORM_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: workload.form(prompt, draw),
+            FORM_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: form(prompt, draw),
         )
         threads = torch.get_num_threads()
         # One thread: a tiny model's ops are too small to split, and on a machine that is running
@@ -405,6 +409,8 @@ def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, run_dir: Path) -> dic
 def export_data_rows(base: GRPOConfig, path: Path) -> None:
     """The data file's rows as TRL's side reads them: its prompt column as "prompt", its answer
     column as "answer", in the file's order (TRL's sampler shuffles them by its seed)."""
+    if base.data is None:
+        raise ValueError("bench peers: export_data_rows needs a config with a data file (data.path)")
     prompt_column = base.data.prompt_column or "prompt"
     with open(base.data.path) as rows, open(path, "w") as out:
         for line in rows:
@@ -513,6 +519,7 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
     `budget_s` seconds of training are left out: both runs are stopped at the end of the step that
     crosses the budget (forge_rl's by `within_budget`, once that step is logged). A run whose first
     step already ended past the budget trained, too slowly: "not_reached", with no step counted."""
+    assert args.target_rewards is not None and args.at_times_s is not None  # main sets each workload's
     logged, metrics = metrics, [m for m in metrics if m[WALL_TIME_S] <= args.budget_s]
     rewards = [m[REWARD_MEAN] for m in metrics]
     steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
@@ -586,7 +593,7 @@ def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...]) ->
     threshold over TRL's: a median only when every seed of that library reached it (else null),
     the ratio only when both."""
     target = str(target_rewards[-1])
-    per_library = {}
+    per_library: dict[str, dict[str, Any]] = {}
     for library, results in runs.items():
         if not results:
             continue
@@ -605,7 +612,9 @@ def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...]) ->
         }
         bounds = [r.get("bound_time_to_reward_s") for r in results]
         if library == "forge_rl" and reached and all(b is not None for b in bounds):
-            per_library[library]["median_bound_time_to_reward_s"] = statistics.median(bounds)
+            per_library[library]["median_bound_time_to_reward_s"] = statistics.median(
+                b for b in bounds if b is not None
+            )
     trl, ours = per_library.get("trl", {}), per_library.get("forge_rl", {})
     ratio = bound_ratio = None
     if trl.get("median_time_to_reward_s") and ours.get("median_time_to_reward_s") is not None:

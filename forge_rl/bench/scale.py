@@ -77,6 +77,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -87,6 +88,9 @@ from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, progress
 from forge_rl.observability.plot import read_metrics
 from forge_rl.observability.timeline import Timeline, watch_event_loop_lag
 from forge_rl.plumbing.reaper import kill_trees
+
+if TYPE_CHECKING:
+    from forge_rl.run.loop import Pipeline, RunActors
 
 
 @dataclass(frozen=True)
@@ -217,9 +221,9 @@ class _Probe:
         self.floor_lags_s: list[tuple[float, float]] = []
         """(wall time, lag) of a process that runs the probe only (`probe_until_stdin_closes`)."""
         self.generator_rss: list[float] = []
-        self.pipeline = None
+        self.pipeline: Pipeline | None = None
         """The run's Pipeline, read once it ended (what the rollouts reported at the stop)."""
-        self.actors = None
+        self.actors: RunActors | None = None
         """The run's actor handles as the recipe made them (not counted)."""
 
     def install(self, after_step=None):
@@ -255,12 +259,17 @@ class _Probe:
 
         return restore
 
+    def _pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise RuntimeError("bench scale: the run built no Pipeline (install the probe before the run)")
+        return self.pipeline
+
     def held_at_stop(self) -> dict:
         """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
         counted where they were (forge_rl/pipeline/rollouts.py `stop`): in the buffer (admitted, reached it,
         not taken), in the queue of prompts to generate again after a generator died, or cut short
         in a rollout."""
-        return self.pipeline.rollouts_at_stop["held_at_stop"]
+        return self._pipeline().rollouts_at_stop["held_at_stop"]
 
     def steady(self) -> dict:
         """Figures over the steps after the first `warmup_steps` (the first: its fill and start-up
@@ -269,7 +278,7 @@ class _Probe:
         (first_step, first_t, first_calls, first_rollout_calls) = warm[0]
         (last_step, last_t, last_calls, last_rollout_calls) = self.step_marks[-1]
         steps = max(last_step - first_step, 1)
-        rollouts = self.pipeline.rollouts_at_stop
+        rollouts = self._pipeline().rollouts_at_stop
         controller_lag = _p99_ms([lag for t, lag in self.lags_s if first_t <= t <= last_t])
         rollouts_lag = _p99_ms([lag for t, lag in rollouts["event_loop_lags_s"] if first_t <= t <= last_t])
         floor_lag = _p99_ms([lag for t, lag in self.floor_lags_s if first_t <= t <= last_t])
@@ -342,7 +351,7 @@ def probe_lag_until_stdin_closes() -> list[tuple[float, float]]:
     nothing waits for a core on this machine at the moment: the floor under every other process's
     lag."""
 
-    async def probing():
+    async def probing() -> list[tuple[float, float]]:
         samples: list[tuple[float, float]] = []
         watcher = asyncio.create_task(watch_event_loop_lag(samples))
         await asyncio.to_thread(sys.stdin.read)
@@ -356,7 +365,11 @@ def sample_generator_rss_until_stdin_closes(run_root: str) -> list[float]:
     """Until stdin closes: once the run wrote processes.json, the mean resident memory of its
     generators' actor processes every 0.5 s."""
     stdin_closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    def wait_for_stdin() -> None:
+        sys.stdin.read()
+        stdin_closed.set()
+
+    threading.Thread(target=wait_for_stdin, daemon=True).start()
     samples = []
     while not stdin_closed.wait(0.5):
         for path in Path(run_root).glob("*/processes.json"):
@@ -708,6 +721,7 @@ def whole_group_masking_ceiling(
         if best is None or ceiling > best[0]:
             own = np.minimum(lengths, np.maximum(lengths - window, 0.0)).sum() / total
             best = (ceiling, batch, masked, own)
+    assert best is not None  # generator.max_num_seqs >= 1: at least one batch size
     ceiling, batch, masked, own = best
     return {"ceiling": float(ceiling), "batch": batch, "masked_fraction": float(masked), "masked_by_own_length_fraction": float(own)}
 
@@ -760,6 +774,8 @@ class _Faults:
         self._kills: list[asyncio.Task] = []
 
     async def after_step(self, probe: _Probe, step: int) -> None:
+        if probe.actors is None:
+            raise RuntimeError("bench scale: a train step ended before the probe saw the run's actors")
         pool = probe.actors.generators
         if step == self.kill_after_step:
             pids = await pool.processes.call_one()
@@ -802,7 +818,7 @@ class _Faults:
 
 def fault_figures(record: dict, victims: list[int], killed_at: dict[int, float]) -> dict:
     """What the faults run showed, from its summary (`record`, as run_probed returns it)."""
-    events = {}
+    events: dict[int, dict] = {}
     for event in record["generator_recoveries"]:  # the first recovery of each generator
         events.setdefault(event["generator"], event)
     detected = [events[i] for i in victims if i in events]

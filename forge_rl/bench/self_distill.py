@@ -27,6 +27,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to
 from forge_rl.bench.distill import final, task_rewards
@@ -35,7 +36,7 @@ from forge_rl.observability.metrics import WALL_TIME_S, progress
 from forge_rl.observability.plot import plot_per_step_panels, read_metrics
 from forge_rl.tasks import TaskName
 
-PINS = ("lagged", "ema", "best")
+PINS: tuple[Literal["lagged", "ema", "best"], ...] = ("lagged", "ema", "best")
 
 
 @dataclass(frozen=True)

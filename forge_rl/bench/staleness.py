@@ -13,12 +13,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from forge_rl.bench.common import run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.observability.metrics import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S, final_reward
 from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
+
+if TYPE_CHECKING:
+    from forge_rl.training.losses.config import Correction
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,13 @@ class StalenessArgs:
     """Final reward = mean reward of this many last steps."""
 
 
-def variants(args: StalenessArgs) -> list[tuple[int, str]]:
-    pairs = [(0, "none")]
+def variants(args: StalenessArgs) -> list[tuple[int, Correction]]:
+    pairs: list[tuple[int, Correction]] = [(0, "none")]
     pairs += [(age, c) for age in args.max_policy_ages if age > 0 for c in args.corrections]
     return pairs
 
 
-def run_one(base: GRPOConfig, args: StalenessArgs, max_policy_age: int, correction: str) -> Path:
+def run_one(base: GRPOConfig, args: StalenessArgs, max_policy_age: int, correction: Correction) -> Path:
     # Room for max_policy_age + 1 steps of episodes, so the bound, not the buffer, limits run-ahead.
     capacity = max(base.buffer.capacity_episodes, (max_policy_age + 1) * base.prompts_per_step)
     return run_variant(

@@ -182,6 +182,7 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
         if variant == "bare_pad":
             bare.step(shard.input_ids_NL, shard.loss_mask_NL, batch.num_generated_tokens)
         elif variant == "hf_pad":
+            assert hf is not None  # "hf_pad" is among the variants only when hf is built
             hf.step(shard.input_ids_NL, attention_mask_NL, shard.loss_mask_NL, batch.num_generated_tokens)
         else:
             trainer.config = configs[variant]  # one model and optimizer for the three layouts
@@ -189,7 +190,7 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
 
     lengths = torch.tensor(shard.row_lengths)
     attention_mask_NL = (torch.arange(shard.input_ids_NL.shape[1])[None, :] < lengths[:, None]).long()
-    step_s = {v: [] for v in variants}
+    step_s: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(args.repeats + 1):
         shift = round_ % len(variants)
         for variant in variants[shift:] + variants[:shift]:

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def main(args: TreesBenchArgs) -> dict:
                             step_s[layout].append(time.perf_counter() - began)
                 cells.append(_cell(group_size, prompt_tokens, batch, step_s, metrics))
                 print(_row(cells[-1]), flush=True)
-    figures = {
+    figures: dict[str, Any] = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": cells,

@@ -30,11 +30,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from monarch.actor import Actor, endpoint
 
 from forge_rl.plumbing.proc_main import spawn_procs
+
+if TYPE_CHECKING:
+    from forge_rl.store.client import WeightStore
 
 _MB = 10**6
 # Versions published before timing: keep_latest=1 leaves the first files in the pool by the third.
@@ -128,8 +132,8 @@ async def _one_size(args: WeightSyncArgs, index, root: Path, size_mb: int, reade
     num_bytes = sum(rows * cols * 4 for rows, cols in shapes.values())
     memcpy = memcpy_gbps(num_bytes)
     transports = ["shm"] + (["rdma"] if size_mb <= args.rdma_max_mb else [])
-    per_transport = {t: [] for t in transports}
-    checks = {t: [] for t in transports}  # content of every version, checksums of one
+    per_transport: dict[str, list[dict]] = {t: [] for t in transports}
+    checks: dict[str, list[bool]] = {t: [] for t in transports}  # content of every version, checksums of one
     version = 0
     for t in transports:  # one transport at a time: two readers would share the two cores
         await readers[t].prepare.call_one(str(root), shapes)
@@ -147,7 +151,7 @@ async def _one_size(args: WeightSyncArgs, index, root: Path, size_mb: int, reade
                                          "write_s": stats.write_s, "recycled": stats.recycled})
             del state_dict
             version += 1
-    row = {"size_mb": round(num_bytes / _MB), "num_bytes": num_bytes, "memcpy_gbps": memcpy,
+    row: dict[str, Any] = {"size_mb": round(num_bytes / _MB), "num_bytes": num_bytes, "memcpy_gbps": memcpy,
            "memcpy_s": num_bytes / memcpy / 1e9}
     for t, samples in per_transport.items():
         worst = max(samples, key=lambda s: s["publish_to_servable_s"])
@@ -169,10 +173,10 @@ class BenchReader(Actor):
     """A generator stand-in in its own proc mesh: waits for a version, leases it, copies it into
     preallocated tensors (what a model load does; "servable" once copied)."""
 
-    def __init__(self, transport: str):
+    def __init__(self, transport: Literal["shm", "rdma"]):
         torch.set_num_threads(1)
         self.transport = transport
-        self.store = None
+        self.store: WeightStore | None = None
         self.destination: dict[str, torch.Tensor] = {}
 
     @endpoint
@@ -186,6 +190,8 @@ class BenchReader(Actor):
 
     @endpoint
     async def read(self, version: int, verify: bool = False) -> dict:
+        if self.store is None:
+            raise RuntimeError("BenchReader.read before prepare: no store to lease from")
         async with self.store.lease(min_version=version) as snapshot:
             if verify:
                 snapshot.verify()  # raises ChecksumError on a mismatch
@@ -238,7 +244,7 @@ async def trainer_publish(args: WeightSyncArgs, model_dir: Path, workdir: Path) 
     batch = make_train_batch(episodes, pad_id=0)
     root = workdir / "trainer-store"
     index, _ = await open_store(root, model_dir, keep_latest=1)
-    results = {}
+    results: dict[str, Any] = {}
     for mode, background in (("sync", False), ("background", True)):
         config = PublishConfig(background=background)
         publisher = WeightPublisher(WeightStore(index, root, extra_files_dir=model_dir), config)
@@ -343,7 +349,7 @@ def perturbed(base: dict[str, torch.Tensor], version: int) -> dict[str, torch.Te
     return {name: tensor + 1e-3 * version for name, tensor in base.items()}
 
 
-POLICIES = {
+POLICIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # name: (swap_mode, overrides for swap_weights, probe)
     "in_flight": ("keep", {"loader": "staged", "swap_kv": "reuse"}, True),
     "in_flight_recompute": ("keep", {"loader": "staged", "swap_kv": "recompute"}, True),
@@ -375,8 +381,8 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
                                         kv_cache_space_gib=2.0))
     started = time.perf_counter()
     await engine.start(model_dir, 2048)
-    results = {"engine_start_s": time.perf_counter() - started, "memcpy_gbps": memcpy, "memcpy_s": memcpy_s,
-               "served_bytes": served_bytes}
+    results: dict[str, Any] = {"engine_start_s": time.perf_counter() - started, "memcpy_gbps": memcpy,
+                               "memcpy_s": memcpy_s, "served_bytes": served_bytes}
     version = 0
     try:
         for policy in args.policies:

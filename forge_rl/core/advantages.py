@@ -131,6 +131,7 @@ def token_advantages(
         steps = normalized_steps[i]
         per_token = [advantage] * completion.num_tokens if tree is None else tree[i]
         if steps:
+            assert completion.step_ends is not None  # set with step_rewards (Completion.__post_init__ checks)
             credits = place_on_steps(completion.step_ends, returns_to_go(steps, step_discount))
             per_token = [a + c for a, c in zip(per_token, credits)]
         if completion.token_rewards is not None:

@@ -133,6 +133,7 @@ def pad_columns(columns: BatchColumns, pad_id: int) -> TrainBatch:
         support_NLK = kept_sets([[[]] * n if s is None else s for s, n in zip(columns.supports, row_lengths)], length)
     routing = None
     if columns.routings is not None:
+        assert columns.generated is not None  # set with routings (BatchColumns.generated)
         routing = batch_routing(columns.routings, [[False] * n if g is None else g for g, n in zip(columns.generated, row_lengths)], length)
 
     return TrainBatch(

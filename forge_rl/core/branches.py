@@ -153,7 +153,7 @@ def branch_completion(parent: Completion, parent_index: int, pivot: int, piece: 
     if not parent.fork_at <= pivot < parent.num_tokens:
         raise ValueError(f"pivot {pivot} is outside the parent's own tokens [{parent.fork_at}, {parent.num_tokens})")
     first_version = piece.policy_versions[0] if piece.policy_versions else parent.policy_versions[pivot]
-    support = None
+    support: list[list[int]] | None = None
     if piece.sampling_support is not None:
         support = [[] for _ in range(pivot)] + piece.sampling_support
     kv = None if piece.kv_versions is None else [first_version] * pivot + piece.kv_versions
@@ -240,7 +240,7 @@ def fork_completion(parent: Completion, parent_index: int, pivot: int, played: C
         raise ReplayDiverged(f"the forked episode ended before its pivot ({played.num_tokens} tokens, pivot {pivot})")
     generated = played.generated or [True] * played.num_tokens
     first_version = next((v for v, g in zip(played.policy_versions[pivot:], generated[pivot:]) if g), played.policy_versions[pivot])
-    support = None
+    support: list[list[int]] | None = None
     if played.sampling_support is not None:
         support = [[] for _ in range(pivot)] + played.sampling_support[pivot:]
     return dataclasses.replace(
@@ -325,6 +325,7 @@ def tree_token_advantages(episode: Episode, normalize_std: bool, local_weight: f
             previous = value(completion.parent, completion.fork_at)
         for start, end in zip(starts, ends):
             v = value(i, end)
+            assert v is not None  # i is usable and one of the leaves sharing its tokens
             advantage = (v - mu) / sigma
             if previous is not None:
                 advantage += local_weight * (v - previous) / sigma

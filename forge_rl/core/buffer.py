@@ -29,6 +29,7 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -365,7 +366,7 @@ class WaitingBuffer:
         num_stale = 0
         async with self.changed:
             for episode in episodes:
-                await self.changed.wait_for(lambda episode=episode: self.buffer.has_room(episode))
+                await self.changed.wait_for(functools.partial(self.buffer.has_room, episode))
                 num_stale += not self.buffer.put(episode, self.trainer_version)
             self.changed.notify_all()
         return num_stale
@@ -436,6 +437,7 @@ def _without_tokens_before(completion: Completion, oldest_allowed_version: int) 
     started at, however new the weights that sample its later tokens (context tokens, -1 there,
     never reach a loss and keep their mark)."""
     depends_on = exact_versions(completion)
+    assert completion.trainable is not None  # __post_init__ fills it
     trainable = [t and (v < 0 or v >= oldest_allowed_version) for t, v in zip(completion.trainable, depends_on)]
     return dataclasses.replace(completion, trainable=trainable)
 

@@ -110,7 +110,9 @@ def _check_messages(dataset: datasets.Dataset, column: str, where: str) -> None:
         # type: check those rows one by one, decoded.
         row, value = _first_row(dataset, column, lambda value: _message_problem(value) is not None)
         if row is not None:
-            _refuse_row(dataset, column, where, row, _message_problem(value))
+            problem = _message_problem(value)
+            assert problem is not None  # _first_row picked this row because it has a problem
+            _refuse_row(dataset, column, where, row, problem)
         return
     messages = dataset.data.column(column)
     lengths = pc.fill_null(pc.list_value_length(messages), 0)

@@ -169,10 +169,12 @@ class FileSource:
             if self._fits(row):
                 return row
             if len(self._too_long) == self.num_rows:
+                limit = self.length_limit
+                assert limit is not None  # a row counts as too long only against a limit
                 raise ConfigError(
                     f"no row of {self.where} fits: every prompt plus generator.max_new_tokens "
-                    f"({self.length_limit.max_new_tokens}) exceeds max_model_len ({self.length_limit.max_model_len}), "
-                    f"the shortest by {min(self._too_long.values()) - self.length_limit.max_prompt_tokens} tokens. "
+                    f"({limit.max_new_tokens}) exceeds max_model_len ({limit.max_model_len}), "
+                    f"the shortest by {min(self._too_long.values()) - limit.max_prompt_tokens} tokens. "
                     "Lower --generator.max-new-tokens, shorten the prompts, or use a model with a longer context."
                 )
             index += 1
@@ -260,8 +262,10 @@ class FileSource:
         return text
 
     def _format(self, columns: dict[str, Any], row_number: int) -> str:
+        template = self.config.template
+        assert template is not None  # _prompt formats only with a template
         try:
-            return self.config.template.format_map(columns)
+            return template.format_map(columns)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
             raise ConfigError(
                 f"data.template ({self.config.template!r}) cannot format row {row_number} of {self.where}: "
@@ -291,6 +295,7 @@ class FileSource:
 
     def _too_long_message(self, rows: list[int]) -> str:
         limit = self.length_limit
+        assert limit is not None  # a row counts as too long only against a limit
         shown = ", ".join(f"{row} ({self._too_long[row]} tokens)" for row in rows[:_SHOWN_ROWS])
         more = f" and {len(rows) - _SHOWN_ROWS} more" if len(rows) > _SHOWN_ROWS else ""
         return (

@@ -24,12 +24,17 @@ import collections
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 class ForwardClockExtension:
+    add_lora: Callable[..., Any]
+    """vLLM's worker's, which this class is mixed into."""
+
     def forge_start_forward_clock(self) -> None:
         if getattr(self, "_forge_forward_clock", None) is not None:
             return
+        clock: dict[str, Any]
         # The newest adapter loads only: a run loads one per policy version.
         self._forge_forward_clock = clock = {"forward_s": 0.0, "forward_steps": 0, "add_lora_s": collections.deque(maxlen=64)}
         for name in ("execute_model", "sample_tokens"):

@@ -27,6 +27,7 @@ only feeds it.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class RoutingCapture:
         if any(rows is None for rows in layer_rows):
             missing = [layer for layer, rows in enumerate(layer_rows) if rows is None]
             raise RuntimeError(f"routing capture: MoE layers {missing} reported no routing in this step")
-        ids_TXK = torch.stack([rows[: sum(num_rows)] for rows in layer_rows], dim=1).to(self.dtype)
+        ids_TXK = torch.stack([rows[: sum(num_rows)] for rows in layer_rows if rows is not None], dim=1).to(self.dtype)
         positions = positions[: sum(num_rows)].tolist()
         start = 0
         for request_id, count, prompt_length in zip(request_ids, num_rows, prompt_lengths):
@@ -78,7 +79,9 @@ class RoutingCapture:
         records = {}
         for internal_id in [i for i in self._tokens if (m := _INTERNAL_ID.match(i)) and m["external"] == external_id]:
             tokens = self._tokens.pop(internal_id)
-            child = int(_INTERNAL_ID.match(internal_id)["child"] or 0)
+            matched = _INTERNAL_ID.match(internal_id)
+            assert matched is not None  # picked above by this pattern
+            child = int(matched["child"] or 0)
             wanted = num_tokens.get(child, 0)
             if all(t in tokens for t in range(wanted)):
                 ids = [tokens[t] for t in range(wanted)]
@@ -95,6 +98,9 @@ class RoutingCapture:
 class RoutingCaptureExtension:
     """The worker side (see the module docstring); vLLM is imported only where it runs."""
 
+    model_runner: Any
+    """vLLM's worker's, which this class is mixed into."""
+
     def forge_start_routing_capture(self) -> tuple[int, int]:
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
@@ -105,7 +111,7 @@ class RoutingCaptureExtension:
             model_config.get_total_num_hidden_layers(), model_config.get_num_experts_per_tok(),
             model_config.get_num_experts(),
         )
-        step = {"positions": None, "rows": [None] * capture.num_layers}
+        step: dict[str, Any] = {"positions": None, "rows": [None] * capture.num_layers}
 
         class _Sink:  # what bind_routed_experts_capturer calls: capture(layer_id, topk_ids)
             @staticmethod

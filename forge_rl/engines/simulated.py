@@ -51,6 +51,7 @@ import asyncio
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.types import Completion, CompletionStatus
@@ -312,6 +313,8 @@ class SimulatedEngine:
         placeholder tokens ending on `eos_id` unless cut at that budget ("length"), each token
         stamped with the version it was decoded under. The whole prefix is prefilled: the
         simulation keeps no prefix cache, so a later turn costs what a cache miss would."""
+        if self.max_model_len is None:
+            raise RuntimeError("the simulated engine samples a turn only once started (start sets max_model_len)")
         room = self.max_model_len - len(prefix_token_ids)
         if room < 1:
             raise ContextExhausted(
@@ -325,13 +328,13 @@ class SimulatedEngine:
         self._wake.set()
         await sequence.done
         turn = self._completion(sequence, budget, eos_id)
-        finish = "length" if turn.status == CompletionStatus.TRUNCATED else "stop"
+        finish: Literal["stop", "length"] = "length" if turn.status == CompletionStatus.TRUNCATED else "stop"
         return SampledTurn(turn.token_ids, turn.logprobs, turn.policy_versions, finish)
 
     def _completion(self, sequence: _Sequence, max_tokens: int, eos_id: int | None) -> Completion:
         truncated = eos_id is None or sequence.generated >= max_tokens
         token_ids = [PLACEHOLDER_TOKEN_ID] * sequence.generated
-        if not truncated:
+        if not truncated and eos_id is not None:  # eos_id is None only when truncated
             token_ids[-1] = eos_id
         versions = [version for version, count in sequence.version_spans for _ in range(count)]
         return Completion(

@@ -726,6 +726,7 @@ class VLLMEngine:
                     "did (those are resubmitted): the engine is shutting down or was told to abort it."
                 )
             # An abort-mode swap: resubmit prefix + tokens so far; the rest carries the new version.
+        finish_reason: Literal["stop", "length"]
         finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
         return SampledTurn(
             turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts,
@@ -916,10 +917,10 @@ class VLLMEngine:
             )
         stop_ids = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, int)]
         stop_strings = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, str)]
-        prompt_logprobs = spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None)
+        num_prompt_logprobs = spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None)
         # A prompt scored on its own request (one prefill, alone in the engine) and the samples on
         # another, beside the engine's other requests (`_scores_prompt_alone`).
-        apart = prompt_logprobs is not None and self._scores_prompt_alone
+        apart = num_prompt_logprobs is not None and self._scores_prompt_alone
         params = SamplingParams(
             n=spec.num_samples,
             max_tokens=min(spec.max_tokens or room, room),
@@ -928,7 +929,7 @@ class VLLMEngine:
             top_k=spec.top_k if spec.top_k > 0 else 0,
             seed=spec.seed,
             logprobs=spec.topk_sample_logprobs,  # the sampled token's own, and the top k
-            prompt_logprobs=None if apart else prompt_logprobs,
+            prompt_logprobs=None if apart else num_prompt_logprobs,
             # stop None: EOS ends a sequence; [] never stops early; else these tokens or strings.
             stop_token_ids=stop_ids + ([eos_id] if spec.stop is None and eos_id is not None else []),
             stop=stop_strings or None,
@@ -937,7 +938,7 @@ class VLLMEngine:
         )
         scored = None
         if apart:
-            scoring = SamplingParams(n=1, max_tokens=1, prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
+            scoring = SamplingParams(n=1, max_tokens=1, prompt_logprobs=num_prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
             scored, _ = await self._request(prompt_token_ids, scoring, adapter_version)
         final, version = await self._request(prompt_token_ids, params, adapter_version)
         if any(output.finish_reason == "abort" for output in final.outputs + (scored.outputs if scored else [])):
@@ -1174,6 +1175,7 @@ class VLLMEngine:
 
     async def _unload_beyond_resident(self) -> list[int]:
         """Unload the oldest adapters down to `adapters.resident`, each once its requests left it."""
+        assert self.adapters is not None  # adapters are loaded only into an engine that serves them (load_adapter)
         unloaded = []
         while len(self._resident) > self.adapters.resident:
             oldest = min(self._resident)

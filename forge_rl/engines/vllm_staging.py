@@ -50,6 +50,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from types import MethodType
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,6 +80,11 @@ class _Staging:
 
 class StagedWeightsExtension:
     """Worker mixin; every name starts with `forge_` to stay clear of vLLM's own."""
+
+    vllm_config: Any
+    model_runner: Any
+    """vLLM's worker's, which this class is mixed into."""
+    _forge_staging: _Staging | None
 
     def forge_stage_weights(self, weights_path: str, version: int) -> bool:
         """Start preparing `weights_path` (a snapshot directory or file) as `version`."""
@@ -195,10 +201,10 @@ def _open_weights(path: str) -> dict[str, torch.Tensor]:
     from forge_rl.store.layout import header_length, parse_header
     from forge_rl.store.shm import map_file
 
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    snapshot = Path(path)
+    files = sorted(snapshot.glob("*.safetensors")) if snapshot.is_dir() else [snapshot]
     if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path}")
+        raise FileNotFoundError(f"no *.safetensors file in {snapshot}")
     tensors = {}
     for file in files:
         with open(file, "rb") as f:
@@ -377,7 +383,7 @@ class _Spares:
     (a kernel that captured it, a tied parameter), and is handed out only once.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._given: set[int] = set()  # storage pointers in the pool
@@ -414,7 +420,7 @@ def _exclusive(tensor: torch.Tensor) -> bool:
 class _CopyCounter(TorchDispatchMode):
     """Elements copied into each destination storage (weight loaders end in `copy_`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.copied: dict[int, int] = {}
 

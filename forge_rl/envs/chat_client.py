@@ -333,6 +333,7 @@ class ChatSession:
 
     async def _complete(self, request: ChatRequest) -> dict:
         limits, recorder = self.limits, self.recorder
+        assert limits.max_total_tokens is not None and limits.max_tokens_per_turn is not None  # resolved in __init__
         if self.activity.lost is not None:
             raise ChatRequestError(f"the generator was lost: {self.activity.lost!r}", status=503)
         tool_request = self._tool_request(request)
@@ -364,7 +365,9 @@ class ChatSession:
         if tool_request is None:
             reply = ParsedTurn(self.renderer.decode(turn.token_ids))
         else:
-            reply = self.renderer.tool_call_parser.parse(turn.token_ids, tool_request)
+            parser = self.renderer.tool_call_parser
+            assert parser is not None  # _tool_request returns a request only when the renderer has a parser
+            reply = parser.parse(turn.token_ids, tool_request)
         recorder.record(prompt, turn_span(turn), request.messages, Message("assistant", reply.content or "", reply.tool_calls))
         if turn.finish_reason == "length" and max_new_tokens == room:
             reason = f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})"

@@ -44,11 +44,14 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from forge_rl.envs.environment import Observation
 from forge_rl.envs.trajectory import Trajectory
 from forge_rl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 SINGLE_AGENT = "agent"
 """The one seat (and agent) of a single-agent episode."""
@@ -120,7 +123,10 @@ class GraphStep:
 class MultiAgentEnvironment(Protocol):
     """One episode's world, with several agents (module docstring). Coroutines, as `Environment`'s."""
 
-    seats: tuple[Seat, ...]
+    @property
+    def seats(self) -> tuple[Seat, ...]:
+        """Its roles; read only, so a class attribute (a dataclass's ClassVar) declares them as well."""
+        ...
 
     async def reset(self) -> Mapping[str, Observation]:
         """Who speaks first, and what each of them reads: their prompts."""
@@ -132,7 +138,7 @@ class MultiAgentEnvironment(Protocol):
         ...
 
 
-def is_multi_agent(env: object) -> bool:
+def is_multi_agent(env: object) -> TypeIs[MultiAgentEnvironment]:
     return getattr(env, "seats", None) is not None
 
 

@@ -54,7 +54,7 @@ class PlainTextRenderer:
     renders back to exactly its ids unless the model sampled a special token inside it.
     """
 
-    tool_call_parser = None
+    tool_call_parser: ToolCallParser | None = None
 
     def __init__(self, tokenizer: PromptTokenizer):
         self.tokenizer = tokenizer

@@ -31,9 +31,9 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from forge_rl.envs.calculator import make_calculator_env, make_calculator_env_without_tool
 from forge_rl.envs.demonstrations import WarmupConfig
@@ -49,9 +49,12 @@ from forge_rl.routing import RoutingRecord
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, CompletionStatus
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 T = TypeVar("T")
 
-MakeEnvironment = Callable[..., Environment]
+MakeEnvironment = Callable[..., "Environment | AgentEnvironment | MultiAgentEnvironment"]
 """make_env(seed, index) -> a fresh environment for the index-th prompt (one instance per episode);
 a factory with a parameter named `row` is also given the data row the prompt came from
 (`make_env(seed, index, row=columns)`, the row's columns by name), so a data file drives its episodes."""
@@ -106,7 +109,7 @@ class EnvironmentConfig:
         if reads_row(factory) is None:
             return factory
 
-        def make_env(seed: int, index: int, row: dict | None = None) -> Environment:
+        def make_env(seed: int, index: int, row: dict | None = None) -> Environment | AgentEnvironment | MultiAgentEnvironment:
             return factory(seed, index) if row is None else factory(seed, index, row=row)
 
         return make_env
@@ -142,7 +145,7 @@ def resolve_environment(name: str) -> MakeEnvironment:
 
 
 async def play_group(
-    envs: list[Environment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    envs: Sequence[Environment | AgentEnvironment | MultiAgentEnvironment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> list[EpisodeGraph]:
     """Play `envs` concurrently, one episode each; their episode graphs, in order. `seat_generate`:
@@ -176,7 +179,7 @@ class AgentEnvironment(Protocol):
     async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph: ...
 
 
-def is_agent_environment(env: object) -> bool:
+def is_agent_environment(env: object) -> TypeIs[AgentEnvironment]:
     return callable(getattr(env, "play", None))
 
 
@@ -208,7 +211,7 @@ async def play_graph(
     return played if isinstance(played, EpisodeGraph) else EpisodeGraph.of(played)
 
 
-def check_step_timeout(env: Environment, limits: EpisodeLimits) -> None:
+def check_step_timeout(env: Environment | AgentEnvironment | MultiAgentEnvironment, limits: EpisodeLimits) -> None:
     """ConfigError when env_step_timeout_s is below the environment's own `max_step_s` (a sandbox's
     start-up plus its whole run): every such step could be killed mid-run."""
     needed_s = getattr(env, "max_step_s", None)
@@ -269,7 +272,10 @@ def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None =
     sample = trajectory.samples[0] if trajectory.samples else TrajectorySample()
     first_versions = [span.policy_versions[0] for span in sample.generated_spans if span.token_ids]
     version = first_versions[0] if first_versions else 0
-    token_ids, generated, logprobs, versions, supports = [], [], [], [], []
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    generated, supports = [], []
     routings = [span.routed_experts for span in sample.generated_spans]
     for span in sample.spans:
         num_tokens = len(span.token_ids)
@@ -296,7 +302,11 @@ def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None =
         num_truncated_support=sum(span.num_truncated_support for span in sample.generated_spans),
         # One record over every generated token, or none: a turn without one leaves the whole
         # trajectory to the trainer's own routing (counted as a completion without a record).
-        routed_experts=RoutingRecord.concat(routings) if routings and all(r is not None for r in routings) else None,
+        routed_experts=(
+            RoutingRecord.concat(cast("list[RoutingRecord]", routings))  # the all() below: none is None
+            if routings and all(r is not None for r in routings)
+            else None
+        ),
         text=last_turn,
         reward=trajectory.final_reward,
         status=_COMPLETION_STATUS.get(trajectory.status, CompletionStatus.OK),
@@ -402,18 +412,21 @@ class TimedEnvironment:
                 self.agent_ended = self._agent_ended
 
     async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph:
+        # Set only for an agent environment (__init__).
         with self.clock.env_call(self.index):
-            return await self.env.play(generate, renderer, limits)
+            return await cast(AgentEnvironment, self.env).play(generate, renderer, limits)
 
     async def _agent_ended(self, agent: str, status: TrajectoryStatus) -> GraphStep:
+        # Set only where the environment has agent_ended, which no protocol declares.
         with self.clock.env_call(self.index):
-            return await self.env.agent_ended(agent, status)
+            return await cast(Any, self.env).agent_ended(agent, status)
 
-    async def reset(self) -> Observation:
+    async def reset(self) -> Observation | Mapping[str, Observation]:
+        # An agent environment plays itself (`play`): reset and step serve the other kinds.
         with self.clock.env_call(self.index):
-            return await self.env.reset()
+            return await cast("Environment | MultiAgentEnvironment", self.env).reset()
 
     async def step(self, *turn: str) -> StepResult | GraphStep:
         """(turn_text), or (agent, turn_text) for a multi-agent environment."""
         with self.clock.env_call(self.index):
-            return await self.env.step(*turn)
+            return await cast("Environment | MultiAgentEnvironment", self.env).step(*turn)

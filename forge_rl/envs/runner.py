@@ -41,7 +41,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from forge_rl.envs.environment import Environment, MalformedTurn, Observation, StepResult
 from forge_rl.envs.graph import SINGLE_AGENT, EpisodeGraph, GraphStep, MultiAgentEnvironment, Seat, TurnNode, declared_seats, seat_of
@@ -49,6 +49,9 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectoryBuilder, TrajectoryStatus
 from forge_rl.errors import ConfigError
 from forge_rl.routing import RoutingRecord
+
+if TYPE_CHECKING:
+    from forge_rl.envs.chat_client import ChatSession
 
 T = TypeVar("T")
 
@@ -93,6 +96,7 @@ class EpisodeLimits:
         """Most tokens a trajectory can generate: max_turns turns of max_tokens_per_turn, within
         its max_total_tokens budget (which its context shares)."""
         self.require_resolved()
+        assert self.max_tokens_per_turn is not None and self.max_total_tokens is not None  # checked just above
         return min(self.max_turns * self.max_tokens_per_turn, self.max_total_tokens)
 
     def require_resolved(self) -> None:
@@ -181,6 +185,7 @@ class OneSeat:
         if not isinstance(result, StepResult):
             raise _EnvFailed(TrajectoryStatus.ENV_ERROR, f"returned {type(result).__name__}, not a StepResult")
         if result.done:
+            assert result.final_reward is not None  # StepResult refuses done without a final_reward
             return GraphStep(turn_reward=result.turn_reward, done=True, rewards={SINGLE_AGENT: result.final_reward})
         return GraphStep({SINGLE_AGENT: result.observation}, result.turn_reward)
 
@@ -210,6 +215,7 @@ class _Agent:
 
     def __init__(self, agent_id: str, seat: Seat, renderer: Renderer, limits: EpisodeLimits):
         self.id, self.seat = agent_id, seat
+        assert limits.max_total_tokens is not None  # run_graph requires resolved limits
         self.builder = TrajectoryBuilder(renderer, limits.max_total_tokens)
         self.record = _Record()
         self.max_turns = seat.max_turns or limits.max_turns
@@ -219,7 +225,7 @@ class _Agent:
         """Set when it reached one of its own limits: its status, and why."""
         self.task: asyncio.Future | None = None
         self.reward = 0.0
-        self.session = None
+        self.session: ChatSession | None = None
         """A player seat's agent (`Seat.player`): its chat session, whose calls are its view."""
 
     def trajectory(self, status: TrajectoryStatus, error: str | None) -> Trajectory:
@@ -261,14 +267,14 @@ class _GraphPlay:
 
     async def play(self) -> EpisodeGraph:
         reset_record = _Record()
-        failure = None
+        failure: _GraphFailed | None = None
         try:
             try:
                 first = await _call_env(self.env.reset(), self.limits.env_step_timeout_s, reset_record)
             except MalformedTurn:
                 raise _GraphFailed(TrajectoryStatus.ENV_ERROR, "reset raised MalformedTurn, which only step may raise") from None
-            except _EnvFailed as failure:
-                raise _GraphFailed(failure.status, f"reset: {failure}") from None
+            except _EnvFailed as reset_failure:
+                raise _GraphFailed(reset_failure.status, f"reset: {reset_failure}") from None
             if not isinstance(first, Mapping) or not first:
                 raise _GraphFailed(
                     TrajectoryStatus.ENV_ERROR, f"reset returned {first!r}: it must map the agents that speak first to their observations"
@@ -306,7 +312,7 @@ class _GraphPlay:
                 f"each other (waiting: {', '.join(waiting)}). A step must give an observation to some agent, or say "
                 "done with every agent's reward."
             )
-        ended = ", ".join(f"{a.id}: {a.ended[0].value}" for a in self.agents.values())
+        ended = ", ".join(f"{a.id}: {a.ended[0].value}" for a in self.agents.values() if a.ended is not None)
         return (
             f"every agent has ended ({ended}) and the environment has not closed the episode: close it (done, with "
             "every agent's reward) from agent_ended when the last one ends."
@@ -325,6 +331,7 @@ class _GraphPlay:
         if agent.seat.player is not None:
             return await self._answer_played(agent)
         limits, record, builder = self.limits, agent.record, agent.builder
+        assert limits.max_total_tokens is not None and limits.max_tokens_per_turn is not None  # run_graph resolved them
         label = self.label(agent)
         no_room = f"does not leave room for a turn within max_total_tokens ({limits.max_total_tokens})"
         while agent.inbox and not self.closed:
@@ -368,6 +375,8 @@ class _GraphPlay:
         from forge_rl.envs.chat_client import ChatSession, run_watched
 
         record = agent.record
+        player = agent.seat.player
+        assert player is not None  # _answer hands over only a seat with a player
         if agent.session is None:
             generate = self.seat_generate.get(agent.seat.name, self.generate)
             limits = dataclasses.replace(self.limits, max_turns=agent.max_turns)
@@ -377,7 +386,7 @@ class _GraphPlay:
             observation, shown = agent.inbox.pop(0)
             client, calls_before = session.client(), session.recorder.num_calls
             try:
-                played = asyncio.ensure_future(agent.seat.player(client, observation))
+                played = asyncio.ensure_future(player(client, observation))
                 timeout_s = agent.seat.turn_timeout_s
                 watched = run_watched(played, session.activity, self.limits.env_step_timeout_s)
                 ended = await (watched if timeout_s is None else _player_within(watched, played, timeout_s))
@@ -477,6 +486,7 @@ class _GraphPlay:
     def _apply(self, result: GraphStep, shown: tuple[int, ...], where: str) -> None:
         """A step's answer: its observations to their agents, or the episode closed with its rewards."""
         if result.done:
+            assert result.rewards is not None  # GraphStep refuses done without rewards
             self._close(result.rewards, where)
         else:
             self._deliver(result.observations, shown, where)

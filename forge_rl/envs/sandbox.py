@@ -275,7 +275,7 @@ async def _exits_within(pid: int, timeout_s: float) -> bool:
     loop = asyncio.get_running_loop()
     pidfd = os.pidfd_open(pid)
     exited = loop.create_future()
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
     try:
         await asyncio.wait_for(exited, timeout_s)
         return True
@@ -562,7 +562,7 @@ F_SETLEASE."""
 _IOCTL_COMMANDS = (0x5401, 0x5413, 0x541B, 0x5421, 0x5450, 0x5451)
 """TCGETS (isatty), TIOCGWINSZ, FIONREAD, FIONBIO, FIONCLEX and FIOCLEX (os.set_inheritable). Not
 FIOSETOWN or SIOCSPGRP (a signal to a chosen process when a file is ready), nor anything of devices."""
-_ALLOWED_IF = {
+_ALLOWED_IF: dict[str, list[tuple[int, int | str]]] = {
     # Its own resource limits only: the kernel lets a process change those of any process of the same
     # real uid, which the user namespace keeps (lowering the rollouts' process's RLIMIT_CPU kills it).
     "prlimit64": [(0, 0), (0, _SELF)],

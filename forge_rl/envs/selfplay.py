@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from forge_rl.envs.environment import Observation
 from forge_rl.envs.graph import GraphStep, Seat
 from forge_rl.envs.trajectory import TrajectoryStatus
 from forge_rl.tasks.synthetic import leading_number_reward
@@ -77,6 +78,7 @@ class ProposerSolverEnv:
             self.task = tuple(int(d) for d in digits)
             prompt = f"M{''.join(digits)}="
             return GraphStep({f"solver/{k}": prompt for k in range(self.num_solvers)})
+        assert self.task is not None  # solvers are addressed only once the proposer has set the task
         self.solved[agent] = leading_number_reward(turn_text, str(max(self.task)))
         return self._close_when_answered()
 
@@ -94,7 +96,7 @@ class ProposerSolverEnv:
         return GraphStep(done=True, rewards={"proposer": proposer_reward(rate, self.proposer_reward), **self.solved})
 
 
-async def chat_solver(client: Any, observation: str) -> str:
+async def chat_solver(client: Any, observation: Observation) -> str:
     """A solver as OpenAI-style agent code: the task as a user message; a reply without a digit
     is answered with the task again (the plain format's chat is the messages' texts in a row, so
     the second call continues the first's sample); the last reply is the turn."""

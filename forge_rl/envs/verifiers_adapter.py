@@ -47,7 +47,7 @@ import contextlib
 import functools
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from forge_rl.envs.chat_client import MODEL_NAME, ChatActivity, ChatAgentEnvironment, ChatSession, run_watched
@@ -153,8 +153,11 @@ class VerifiersEnvEpisode:
             ended = (TrajectoryStatus.ENV_ERROR, f"{type(self.env).__name__} raised {type(error).__name__}: {error}")
         views = {}
         for name, seat in seats.items():
-            runs = seat.runs or [(None, ChatSession(generate, renderer, limits))]  # a seat nobody played: its failure row
+            runs: Sequence[tuple[ChatInteraction | None, ChatSession | None]] = (
+                seat.runs or [(None, ChatSession(generate, renderer, limits))]  # a seat nobody played: its failure row
+            )
             for k, (interaction, session) in enumerate(runs):
+                assert session is not None  # open_run gives each run of this episode its session
                 agent = name if len(runs) == 1 else f"{name}/{k}"
                 views[agent] = _run_trajectory(interaction, session, ended)
         if len(views) == 1:

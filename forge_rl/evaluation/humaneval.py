@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import cast
 
 from forge_rl.envs.sandbox import SandboxConfig, run_python
 from forge_rl.errors import ConfigError
@@ -116,9 +117,9 @@ class HumanEvalProblem:
             raise ValueError(f"a HumanEval row's {', '.join(wrong)} must be text (str).")
         return cls(
             task_id=str(row.get("task_id", "")),
-            prompt=row["prompt"],
-            entry_point=row["entry_point"],
-            test=row["test"],
+            prompt=cast(str, row["prompt"]),  # each required column is checked to be a str above
+            entry_point=cast(str, row["entry_point"]),
+            test=cast(str, row["test"]),
             canonical_solution=str(row.get("canonical_solution", "")),
         )
 
@@ -327,7 +328,7 @@ async def evaluate(
     progress = progress or _logger.info
     started = time.monotonic()
     num_total = sum(len(samples) for samples in samples_by_task.values())
-    outcomes = {task_id: [None] * len(samples) for task_id, samples in samples_by_task.items()}
+    outcomes: dict[str, list[tuple[bool, str] | None]] = {task_id: [None] * len(samples) for task_id, samples in samples_by_task.items()}
     done = {"checked": 0, "passed": 0}
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -358,7 +359,9 @@ async def evaluate(
                     group.create_task(check_one(task_id, index, completion))
     finally:
         reporter.cancel()
-    results = tuple(_problem_result(task_id, task_outcomes, k_values) for task_id, task_outcomes in outcomes.items())
+    # The TaskGroup exits without an error only once every sample's slot holds its outcome.
+    filled = cast("dict[str, list[tuple[bool, str]]]", outcomes)
+    results = tuple(_problem_result(task_id, task_outcomes, k_values) for task_id, task_outcomes in filled.items())
     return EvaluationResult(
         problems=results,
         pass_at_k={

@@ -167,7 +167,9 @@ def _gguf_extent(data) -> tuple[int, int]:
         key = read_string()
         value = skip_value(read("I"))
         if key == b"general.alignment":
-            alignment = int(value)
+            if not isinstance(value, int) or value <= 0:
+                raise _Damaged(f"general.alignment is {value!r}, not a positive integer")
+            alignment = value
     extent = 0
     for _ in range(num_tensors):
         name = read_string()

@@ -119,6 +119,8 @@ def token_versions_by_generator(episodes: Sequence[Episode]) -> dict[int, str]:
     """Generator -> the policy versions its tokens in `episodes` are labelled with ("3", "2..4")."""
     versions: dict[int, list[int]] = collections.defaultdict(list)
     for episode in episodes:
+        if episode.generator_index is None:  # made outside the generator pool: no generator to label
+            continue
         for completion in episode.completions:
             versions[episode.generator_index] += completion.policy_versions
     return {

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from forge_rl.core.advantages import has_signal
 from forge_rl.core.columns import exact_versions
@@ -280,12 +280,16 @@ def _duration(seconds: float) -> str:
 
 
 class SinkSettings(Protocol):
-    """What the sinks read of the run's `forge_rl.config.LogConfig`."""
+    """What the sinks read of the run's `forge_rl.config.LogConfig` (read-only: the config is frozen)."""
 
-    tensorboard: bool
-    wandb: bool
-    wandb_project: str
-    wandb_mode: str
+    @property
+    def tensorboard(self) -> bool: ...
+    @property
+    def wandb(self) -> bool: ...
+    @property
+    def wandb_project(self) -> str: ...
+    @property
+    def wandb_mode(self) -> Literal["offline", "online"]: ...
 
 
 def open_sinks(log: SinkSettings, run_path: Path, hparams: dict) -> list[MetricsSink]:
@@ -349,7 +353,7 @@ class TensorBoardSink:
 class WandbSink:
     """A W&B run in `run_path`/wandb; offline mode needs neither network nor account."""
 
-    def __init__(self, run_path: Path, project: str, mode: str, hparams: dict):
+    def __init__(self, run_path: Path, project: str, mode: Literal["offline", "online"], hparams: dict):
         import wandb
 
         self.wandb = wandb
@@ -368,7 +372,9 @@ class WandbSink:
         ages, counts = policy_age_counts(metrics)
         if ages:
             edges = [age - 0.5 for age in ages] + [ages[-1] + 0.5]
-            values["policy_age"] = self.wandb.Histogram(np_histogram=(counts, edges))
+            values["policy_age"] = self.wandb.Histogram(
+                np_histogram=(counts, edges)  # type: ignore[arg-type]  # wandb's stub asks for arrays; lists work too
+            )
         self.run.log(values, step=step)
 
     def close(self) -> None:
@@ -462,8 +468,9 @@ def batch_metrics(
     are taken with. `POLICY_AGE_DEPENDENCY_MAX` / `_MEAN` age each trained token by the oldest
     weights it depends on (`exact_versions`: those that sampled it and those whose KV it read),
     which is what the age bound holds."""
-    rewards, ages, components = [], collections.Counter(), collections.defaultdict(list)
-    dependency_ages = collections.Counter()
+    rewards, components = [], collections.defaultdict(list)
+    ages: collections.Counter[int] = collections.Counter()
+    dependency_ages: collections.Counter[int] = collections.Counter()
     by_seat = collections.defaultdict(list)
     num_errored = num_tokens = num_truncated = 0
     for episode in episodes:

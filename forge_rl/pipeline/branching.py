@@ -133,7 +133,7 @@ class Brancher:
                 continue
             self.counts.pivots += 1
             self.counts.branches += len(branches)
-            self.counts.branch_tokens += sum(sum(b.generated[pivot:]) for b in branches)
+            self.counts.branch_tokens += sum(sum(b.generated_mask[pivot:]) for b in branches)
             completions += branches
         return dataclasses.replace(episode, completions=completions)
 

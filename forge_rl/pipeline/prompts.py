@@ -143,6 +143,7 @@ class PromptSource:
         return episodes
 
     def _row_episode(self) -> Episode:
+        assert self.file is not None  # next_episodes asks for a row episode of a data file only
         if self.reissue:
             row = self.file.row(self.reissue.popleft())
         else:

@@ -67,8 +67,10 @@ ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 class Prompts(Protocol):
     """Where prompts come from (forge_rl/pipeline/prompts.py `PromptSource`)."""
 
-    tokenizer_fingerprint: str | None
-    """The tokenizer its prompts are encoded with (forge_rl/tasks/tokenizer.py), None if unknown."""
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """The tokenizer its prompts are encoded with (`forge_rl.tasks.tokenizer.tokenizer_fingerprint`),
+        None if unknown."""
 
     def next_episodes(self, num_prompts: int) -> list[Episode]: ...
     def state(self) -> dict: ...
@@ -382,6 +384,7 @@ class Rollouts:
         for name, (policy_skipped, version, weights_dir) in policies.items():
             trained_at[name] = version - (0 if policy_skipped else 1)
             if not policy_skipped:
+                assert weights_dir is not None  # a trainer that stepped says where its version is (TrainStepResult)
                 self.policy_versions[name] = version
                 self._updates.add(self._spawn(self._tell_policy_generators(name, version, weights_dir)))
         for policy, version in trained_at.items():
@@ -716,6 +719,8 @@ class Rollouts:
         for a single-agent environment), its reward the environment's (forge_rl/envs/rollout.py);
         with branch rollouts, the episodes' forks too (`Brancher.fork`)."""
         config = self.config
+        renderer = self.actors.renderer
+        assert renderer is not None and config.environment.name is not None  # both come with make_env (__init__)
         generate = self._turns_on(index)
         envs = self._envs(index, prompt, config.group_size)
         if self.brancher is not None:  # checked at config time too, where the factory takes no data row
@@ -723,7 +728,7 @@ class Rollouts:
         seat_generate = {
             seat: self._policy_turns_on(policy.name, index) for policy in config.policies for seat in policy.seats
         }
-        graphs = await play_group(envs, generate, self.actors.renderer, config.environment.limits, seat_generate)
+        graphs = await play_group(envs, generate, renderer, config.environment.limits, seat_generate)
         for graph in graphs:
             self.episode_stats.observe(graph)
         first = next(iter(graphs[0].agents.values()))
@@ -742,7 +747,7 @@ class Rollouts:
 
         async def forks(parent: Completion, pivot: int, n: int) -> list[Completion]:
             envs = self._envs(index, prompt, n)
-            played = await play_forks(envs, generate, parent, pivot, self.actors.renderer, config.environment.limits)
+            played = await play_forks(envs, generate, parent, pivot, renderer, config.environment.limits)
             return group_completions(played)
 
         return await self.brancher.fork(episode, forks)
@@ -776,6 +781,7 @@ class Rollouts:
 
     def _envs(self, index: int, prompt: Episode, count: int) -> list[TimedEnvironment]:
         """`count` fresh environments of `prompt`'s episode, timed as generator `index`'s."""
+        assert self.make_env is not None  # environment episodes are played only with environment.name set (_rollout)
         return [
             TimedEnvironment(self.make_env(self.config.task.seed, prompt.episode_id, **self._row(prompt)), self.env_waits, index)
             for _ in range(count)
@@ -982,10 +988,11 @@ class Rollouts:
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         self._updates.discard(task)
-        if task.cancelled() or task.exception() is None:
+        error = None if task.cancelled() else task.exception()
+        if error is None:
             return
         if self._failure is not None and not self._failure.done():
-            self._failure.set_exception(task.exception())
+            self._failure.set_exception(error)
 
 
 async def _turn_unless_lost(pool: Any, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn | None:
@@ -1063,7 +1070,7 @@ def restored_partial_groups(
                 if len(lengths) != 1:
                     raise ValueError("a completion's token_ids, logprobs and policy_versions differ in length")
                 outside = [t for t in completion.token_ids if vocab_size is not None and not 0 <= t < vocab_size]
-                if outside:
+                if outside and vocab_size is not None:  # ids lie outside a known vocabulary only
                     raise ValueError(f"token id {outside[0]} is outside the model's vocabulary (0 to {vocab_size - 1})")
             groups[episode_id] = group
         except (KeyError, TypeError, ValueError) as e:

@@ -33,5 +33,5 @@ def make_torch_pickling_thread_safe() -> None:
                 monarch_pickle._torch_pickle_initialized = False  # marked by a racer, never built
                 build()
 
-    ensure_torch_pickle.forge_rl_locked = True
+    ensure_torch_pickle.forge_rl_locked = True  # type: ignore[attr-defined]  # a mark read back by getattr above
     monarch_pickle._ensure_torch_pickle = ensure_torch_pickle

@@ -21,10 +21,10 @@ import ipaddress
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from forge_rl.errors import ConfigError
 
@@ -302,7 +302,8 @@ def generator_devices(launch: LaunchConfig, demand: RoleDemand) -> list[tuple[in
         generator_hosts (1, 2), 4 generators, generator_gpus 1 (no ranks there):
             [(0,), (0,), (1,), (1,)]        # generator 2 is host 1's second generator
     """
-    placement, blocks, num_placed = launch.placement, [], {}
+    placement, blocks = launch.placement, []
+    num_placed: dict[int, int] = {}
     for index in range(demand.num_generators):
         host = placement.generator_host(index)
         slot = num_placed.get(host, 0)
@@ -416,11 +417,18 @@ def _for_every_thread(apply: Callable[[int], None]) -> None:
             pass
 
 
+class _HostLoad(TypedDict):
+    threads: int
+    """Compute threads placed on the host."""
+    roles: dict[str, int]
+    """Processes placed on the host, by role."""
+
+
 def check_host_facts(launch: LaunchConfig, demand: RoleDemand, facts: list[HostFacts], model_dir: str) -> list[str]:
     """Per-host resources and transports against the placement. Raises ConfigError on what cannot
     run; returns notes worth printing (slow but working choices)."""
     placement, notes = launch.placement, []
-    per_host = [dict(threads=0, roles={}) for _ in facts]
+    per_host: list[_HostLoad] = [dict(threads=0, roles={}) for _ in facts]
 
     def add(host: int, role: str, num: int, threads: int) -> None:
         per_host[host]["threads"] += num * threads
@@ -557,7 +565,7 @@ def worker_addresses(launch: LaunchConfig) -> tuple[list[str], str]:
     return slurm_worker_addresses(launch.worker_port), "the SLURM allocation (SLURM_JOB_NODELIST)"
 
 
-def slurm_worker_addresses(port: int, environ: dict[str, str] | None = None) -> list[str]:
+def slurm_worker_addresses(port: int, environ: Mapping[str, str] | None = None) -> list[str]:
     """tcp://NODE:PORT for each node of this SLURM allocation, in SLURM's node order."""
     environ = os.environ if environ is None else environ
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")

@@ -122,7 +122,8 @@ class PortCalls:
     mesh (an in-process stand-in, as unit tests pass) is called as it is, with `call_one` / `call`."""
 
     def __init__(self) -> None:
-        self._reply_to = self._receiver = None
+        self._reply_to: Any = None
+        self._receiver: Any = None
         self._reply_to_pickled = b""
         """The port as the callees get it: pickled once, when it opens."""
         self._pending: dict[int, _Answers] = {}
@@ -159,7 +160,7 @@ class PortCalls:
             self._reader.add_done_callback(self._reader_ended)
             # The reader waits for as long as its event loop runs: pending when a process exits is
             # its normal end (BlockingPortCalls' loop never stops), not a task someone forgot.
-            self._reader._log_destroy_pending = False
+            self._reader._log_destroy_pending = False  # type: ignore[attr-defined]  # asyncio's private flag
         request = next(self._requests)
         answers = self._pending[request] = _Answers(mesh.size())
         served_by = mesh.call_on_port if is_concurrent_endpoint(actor_class, name) else mesh.call_on_port_in_turn

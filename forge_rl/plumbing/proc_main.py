@@ -66,7 +66,7 @@ def main() -> None:
         multiprocessing.set_start_method("forkserver", force=True)
     else:
         multiprocessing.set_start_method("spawn", force=True)
-    code = 0
+    code: str | int | None = 0
     try:
         invoke_main()  # returns by sys.exit(the proc's exit code) once Monarch stopped the proc
     except SystemExit as stop:

@@ -40,7 +40,8 @@ def exit_now(code: object = 0) -> None:
     """Leave the process with `code` (as `sys.exit` takes it) as finalization would, without its
     garbage collection (module docstring). Call it from the main thread, after the process's work."""
     status = exit_code_of(code)
-    threading._shutdown()  # what finalization does first: join the non-daemon threads
+    # What finalization does first: join the non-daemon threads (private, so not in typeshed).
+    threading._shutdown()  # type: ignore[attr-defined]  # private, so not in typeshed
     atexit._run_exitfuncs()  # then the atexit handlers, last registered first
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -23,12 +23,31 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, cast
 
 from forge_rl.errors import ConfigError
 
-T = TypeVar("T")
-G = TypeVar("G")
+
+class _TrainerThreads(Protocol):
+    """A dataclass config with `num_threads` (the trainer's)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def num_threads(self) -> int | Literal["auto"]: ...
+
+
+class _GeneratorThreads(Protocol):
+    """A dataclass config with `cpu_threads` (a generator's)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def cpu_threads(self) -> int | Literal["auto"]: ...
+
+
+T = TypeVar("T", bound=_TrainerThreads)
+G = TypeVar("G", bound=_GeneratorThreads)
 
 AUTO = "auto"
 """The value of `trainer.num_threads` / `generator.cpu_threads` that asks for this rule."""
@@ -102,17 +121,17 @@ def with_chosen_threads(
             "the roles on worker hosts. Set each to a number of threads per process on its host."
         )
     if trainer is not None and not trainer_auto:
-        fixed_threads += trainer_procs * trainer.num_threads
+        fixed_threads += trainer_procs * cast(int, trainer.num_threads)  # not "auto": a number
     if generator is not None and not generator_auto:
-        fixed_threads += generators * generator.cpu_threads
+        fixed_threads += generators * cast(int, generator.cpu_threads)  # not "auto": a number
     roles = ThreadRoles(
         trainer_procs=trainer_procs if trainer_auto else 0,
         generators=generators if generator_auto else 0,
         fixed_threads=fixed_threads,
     )
     trainer_threads, generator_threads = choose_threads(os.sched_getaffinity(0), roles, trainer_cpus, generator_cpus)
-    if trainer_auto:
+    if trainer_auto and trainer is not None:
         trainer = dataclasses.replace(trainer, num_threads=max(1, trainer_threads))
-    if generator_auto:
+    if generator_auto and generator is not None:
         generator = dataclasses.replace(generator, cpu_threads=max(1, generator_threads))
     return trainer, generator

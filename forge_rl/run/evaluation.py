@@ -122,7 +122,7 @@ class Evaluation:
         self.due_steps: set[int] = set()
         self.reserved: set[int] = set()
         """Versions reserved ahead of their step, not yet handed to an evaluation."""
-        self.waiting: list[EvalJob] = []
+        self.waiting: list[EvalJob | None] = []
         self.results: dict[str, dict] = {}
         """The newest figures of each set (the run's summary holds them)."""
         self.num_evaluated = 0
@@ -231,6 +231,7 @@ class Evaluation:
             self._last_queued = job.version
             while len(self.waiting) >= self.eval.max_waiting:
                 dropped = self.waiting.pop(0)
+                assert dropped is not None  # the end is queued last (finish)
                 self.num_dropped += 1
                 progress(
                     f"evaluation of policy version {dropped.version} dropped: evaluations fall behind training "
@@ -267,6 +268,7 @@ class Evaluation:
             return
         if job.reserved:  # reserved ahead, so held from its commit: wait for that commit
             await self.store_index.wait_for_version.call_one(job.version)
+        assert self.store_root is not None  # only `forge-rl eval`, which queues no job, has no store
         weights_dir = str(self.store_root / version_key(job.version))
         await asyncio.gather(*(
             self.generators.update_weights.call_one(i, job.version, weights_dir, True)
@@ -329,7 +331,7 @@ class Evaluation:
         await asyncio.gather(*(
             feed(generator) for generator in range(self.eval.num_generators) for _ in range(CALLS_PER_GENERATOR)
         ))
-        return [episode for chunk in sampled for episode in chunk]
+        return [episode for chunk in sampled if chunk is not None for episode in chunk]  # the calls filled every chunk
 
     async def _sample_pinned(self, prompts: list[EvalPrompt], version: int) -> list[Episode]:
         """eval.placement shared: every prompt's samples from the run's generators, each taking its
@@ -357,10 +359,10 @@ class Evaluation:
             return sampled
 
         by_generator = await asyncio.gather(*(pinned(i, share) for i, share in enumerate(shares)))
-        episodes: list[Episode] = [None] * len(prompts)
+        episodes: list[Episode | None] = [None] * len(prompts)
         for i, sampled in enumerate(by_generator):  # generator i sampled prompts i, i + n, ...
             episodes[i::num_generators] = sampled
-        return episodes
+        return [episode for episode in episodes if episode is not None]  # the shares filled every slot
 
     def _write_prompts(self, name: str, version: int, prompts: list[dict]) -> None:
         directory = self.run_path / "eval" / name

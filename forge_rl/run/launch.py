@@ -23,7 +23,7 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import monarch.actor
@@ -97,7 +97,7 @@ class Hosts:
     """The run's hosts: spawns each role's processes where the placement puts them."""
 
     def __init__(
-        self, launch: LaunchConfig, demand: RoleDemand, host_mesh: HostMesh | None = None, facts: list[HostFacts] = ()
+        self, launch: LaunchConfig, demand: RoleDemand, host_mesh: HostMesh | None = None, facts: Sequence[HostFacts] = ()
     ):
         self.launch = launch
         self.demand = demand

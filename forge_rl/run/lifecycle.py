@@ -190,6 +190,7 @@ class Lifecycle:
         """`bound_s`, cut to what is left of _STOP_BUDGET_S since the stop began (which this starts,
         if nothing did)."""
         self.stop_began()
+        assert self._stopped_at is not None  # stop_began set it
         return max(0.0, min(bound_s, self._stopped_at + _STOP_BUDGET_S - time.monotonic()))
 
     async def _shutdown(self) -> None:

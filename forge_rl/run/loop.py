@@ -235,7 +235,8 @@ class Pipeline:
             await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sys.maxsize), "withhold every batch")
         except asyncio.TimeoutError:  # the stop goes on without the rollouts
             raise asyncio.CancelledError from None
-        finished, sent = [], ahead
+        finished: list[StepResult] = []
+        sent = ahead
         while True:
             result = await self._finish_step(sent, lifecycle, withheld=True)
             if result is None:

@@ -145,7 +145,8 @@ class EvalArgs:
     @property
     def sets(self) -> tuple[EvalSetConfig, ...]:
         """eval.sets and the --data.path set."""
-        return self.eval.sets + ((self.data_set,) if self.data is not None else ())
+        data_set = self.data_set
+        return self.eval.sets + ((data_set,) if data_set is not None else ())
 
     @property
     def set_names(self) -> list[str]:
@@ -206,6 +207,8 @@ class Target:
         if self.model_dir is not None:
             yield self.model_dir
             return
+        if run is None:
+            raise ValueError(f"checkpoint step {self.step} is exported from its run directory, and none was given")
         from forge_rl.run.export import export_run
 
         progress(f"writing checkpoint step {self.step} (policy version {self.policy_version}) of {run} as an HF model directory")
@@ -234,6 +237,7 @@ def targets_of(args: EvalArgs) -> list[Target]:
                 "(config.json, safetensors weights, tokenizer.json)."
             )
         return [Target(step=0, policy_version=0, model_dir=path)]
+    assert args.run is not None  # EvalArgs takes --model-path or --run
     checkpoints = complete_checkpoints(Path(args.run))
     if not checkpoints:
         raise ConfigError(
@@ -257,7 +261,9 @@ def out_dir_of(args: EvalArgs) -> Path:
                 "Pass a new directory to --out, or omit it (runs/eval-<name>-<time>)."
             )
     else:
-        name = Path(args.model_path if args.model_path is not None else args.run).resolve().name
+        evaluated = args.model_path if args.model_path is not None else args.run
+        assert evaluated is not None  # EvalArgs takes --model-path or --run
+        name = Path(evaluated).resolve().name
         out = Path("runs") / f"eval-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     return out

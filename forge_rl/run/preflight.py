@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import cast
 
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
@@ -79,19 +80,21 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
     ranks, the generators, and the frozen models and scorers that run (each process's torch or
     vLLM threads)."""
     trainer, generator = config.trainer, config.generator
+    # Numbers: GRPOConfig resolves "auto" (_resolve_auto_threads).
+    trainer_threads, generator_threads = cast(int, trainer.num_threads), cast(int, generator.cpu_threads)
     threads = {
         f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads})":
-            trainer.num_procs * trainer.num_threads,
+            trainer.num_procs * trainer_threads,
         f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads})":
-            config.num_generators * generator.cpu_threads,
+            config.num_generators * generator_threads,
     }
     for policy in config.policies:  # each with a trainer like the run's and generators of its own
         threads[f"policies.{policy.name}'s trainer ({trainer.num_procs} x {trainer.num_threads})"] = (
-            trainer.num_procs * trainer.num_threads
+            trainer.num_procs * trainer_threads
         )
         threads[
             f"policies.{policy.name}.num_generators ({policy.num_generators}) x generator.cpu_threads ({generator.cpu_threads})"
-        ] = policy.num_generators * generator.cpu_threads
+        ] = policy.num_generators * generator_threads
     threads.update(config.model_threads())
     return threads
 
@@ -193,6 +196,8 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
     """The data file opens (its columns and values checked, forge_rl/data/checks.py), its rows carry
     the answers the reward compares against, a chat prompt finds a chat template, and with
     data.too_long refuse no row's prompt is too long (every row counted here, not when it comes up)."""
+    if config.data is None:
+        raise ValueError("check_data checks a run's data file, and config.data is unset")
     source = open_file_source(
         config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
         config.generator.max_new_tokens,

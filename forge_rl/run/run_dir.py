@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -21,6 +22,9 @@ from forge_rl.run.preflight import check_machine, check_model_inputs
 from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.yaml_config import load_yaml_config
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 RESUME_FIXED_FIELDS = ("model", "task", "data", "group_size", "trainer.num_procs", "trainer.parallel", "policies")
 """What a resumed run may not change: the checkpoint's shards are laid out for the model and the
 parallelism, and the prompt indices it accounts for, and their groups, mean something only for the
@@ -28,7 +32,7 @@ task or data file (its path, columns and seed) and group size they were drawn wi
 trainer per policy, each for the seats it played."""
 
 
-def config_to_dict(config: object) -> dict:
+def config_to_dict(config: DataclassInstance) -> dict:
     def plain(value):
         if isinstance(value, Path):
             return str(value)
@@ -124,6 +128,7 @@ def _check_same_data(config: GRPOConfig, fingerprint: str, run_path: Path, check
     cursor means nothing over another file, where a resume would skip or repeat rows."""
     from forge_rl.data.files import FileSource  # opens datasets: only for a run on a data file
 
+    assert config.data is not None  # the caller checks it
     source = FileSource(config.data)
     if source.fingerprint != fingerprint:
         raise ConfigError(
@@ -162,6 +167,8 @@ def open_run_dir_for_resume(config: GRPOConfig) -> tuple[GRPOConfig, Path, Path]
     complete checkpoint. Raises ConfigError when the directory has no complete checkpoint, when
     `config` changes what the checkpoint fixes (RESUME_FIXED_FIELDS), or when nothing is left to
     train. Rewrites config.yaml with `config`, so a later resume continues with these settings."""
+    if config.resume is None:
+        raise ValueError("open_run_dir_for_resume opens the run config.resume names, and config.resume is unset")
     run_path = Path(config.resume)
     saved_path = saved_config_path(run_path)
     if not saved_path.is_file():

@@ -141,6 +141,7 @@ class RestartingScorer(Generic[Handle]):
         await self._serving.wait()
         if self.state == ScorerState.FAILED:
             raise ScorerFailed(self.failure)
+        assert self.current is not None  # _serving is set only once an incarnation is current
         return self.current
 
     def lost(self, incarnation: Incarnation[Handle], reason: str) -> None:
@@ -160,7 +161,9 @@ class RestartingScorer(Generic[Handle]):
         self._restart = asyncio.create_task(self._replace(incarnation))
 
     async def _replace(self, dead: Incarnation[Handle]) -> None:
-        event, number, last_error = dead.loss, dead.number, dead.loss["reason"]
+        event = dead.loss
+        assert event is not None  # lost() records the death before it starts the replacement
+        number, last_error = dead.number, event["reason"]
         while self.num_restarts < self.max_restarts:
             self.num_restarts += 1
             number += 1

@@ -120,12 +120,14 @@ class RewardBatcher:
                     raise RuntimeError(f"the reward model returned {len(values)} scores for {len(batch)} texts")
             except Exception as e:
                 for _, future in batch:
-                    future.done() or future.set_exception(e)
+                    if not future.done():
+                        future.set_exception(e)
                 continue
             self.num_batches += 1
             self.num_texts += len(batch)
             for (_, future), value in zip(batch, values):
-                future.done() or future.set_result(float(value))
+                if not future.done():
+                    future.set_result(float(value))
 
 
 class SequenceClassifier:

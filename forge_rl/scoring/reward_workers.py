@@ -34,8 +34,11 @@ class PoolSettings(Protocol):
     """What the pool reads of its config (`forge_rl.scoring.scorers.ScorerConfig` is the run's): a
     worker process runs this module, so it imports nothing it does not need."""
 
-    num_workers: int
-    reward_timeout_s: float
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def reward_timeout_s(self) -> float: ...
 
 
 _WORKER_START_TIMEOUT_S = 120.0
@@ -82,7 +85,7 @@ class RewardWorker:
         if not self.results.poll():
             loop = asyncio.get_running_loop()
             readable = loop.create_future()
-            loop.add_reader(self.results.fileno(), lambda: readable.done() or readable.set_result(None))
+            loop.add_reader(self.results.fileno(), lambda: None if readable.done() else readable.set_result(None))
             try:
                 await within(timeout_s, readable)
             finally:

@@ -31,6 +31,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from forge_rl.core.advantages import overlong_penalty
 from forge_rl.errors import ScorerFailed, ScorerLost
@@ -112,7 +113,7 @@ class ScorerConfig:
         """The compute threads of the scorer's own models, by the settings that make them: the
         reward model's replicas and the judge's engines. They run beside the scorer, on the
         services host (preflight counts them on this machine, placement on that host)."""
-        threads = {}
+        threads: dict[str, int] = {}
         if self.reward_model.path is not None:
             reward_model = self.reward_model
             threads[
@@ -120,6 +121,7 @@ class ScorerConfig:
             ] = reward_model.replicas * reward_model.num_threads
         if self.judge.path is not None:
             judge = self.judge
+            assert isinstance(judge.generator.cpu_threads, int)  # GRPOConfig refuses "auto" for the judge
             threads[
                 f"scorer.judge.replicas ({judge.replicas}) x scorer.judge.generator.cpu_threads ({judge.generator.cpu_threads})"
             ] = judge.replicas * judge.generator.cpu_threads
@@ -171,7 +173,7 @@ class Scorer:
         for result in results:
             if isinstance(result, (ScorerLost, ScorerFailed)):
                 raise result
-        return [_failure_of(r) if isinstance(r, Exception) else r for r in results]
+        return [_failure_of(r) if isinstance(r, BaseException) else r for r in results]
 
     def stats(self) -> dict[str, float]:
         """Counters of this scorer's own (worker restarts, batches...), reported as `scorer/<key>`."""
@@ -201,7 +203,7 @@ async def guarded_group(scorer: Scorer, episode: Episode) -> list[ScoreResult]:
     return [_checked(result, c) for result, c in zip(results, episode.completions)]
 
 
-def _failure_of(error: Exception) -> ScoreFailure:
+def _failure_of(error: BaseException) -> ScoreFailure:
     return ScoreFailure("".join(traceback.format_exception_only(error)).strip(), type(error).__name__)
 
 
@@ -253,7 +255,8 @@ class WeightedSum(Scorer):
         if failures:
             name, first = failures[0]
             return ScoreFailure(f"{name}: {first.error}", first.kind)
-        weighted = [(scorer.name, weight, r) for (scorer, weight), r in zip(self.parts, results)]
+        scores = cast("list[Score]", results)  # none is a ScoreFailure: those returned above
+        weighted = [(scorer.name, weight, r) for (scorer, weight), r in zip(self.parts, scores)]
         components: dict[str, float] = {}
         for name, _, score in weighted:
             components[name] = score.reward
@@ -270,12 +273,13 @@ class WeightedSum(Scorer):
             reward=sum(w * s.reward for _, w, s in weighted),
             components=components,
             step_ends=stepped[0][1].step_ends if stepped else None,
-            step_rewards=tuple(map(sum, zip(*([w * r for r in s.step_rewards] for w, s in stepped)))) if stepped else None,
+            # _checked lets step_ends through only with their step_rewards.
+            step_rewards=tuple(map(sum, zip(*([w * r for r in s.step_rewards or ()] for w, s in stepped)))) if stepped else None,
             token_rewards=tuple(map(sum, zip(*([w * r for r in t] for w, t in dense)))) if dense else None,
         )
 
     def stats(self) -> dict[str, float]:
-        counters = {}
+        counters: dict[str, float] = {}
         for scorer, _ in self.parts:
             counters[f"{scorer.name}/errored"] = self.num_errored[scorer.name]
             counters.update({f"{scorer.name}/{key}": value for key, value in scorer.stats().items()})
@@ -301,7 +305,8 @@ class RewardFunctionScorer(Scorer):
     async def score_group(self, episode: Episode) -> list[ScoreResult]:
         columns = self.columns.select(episode.columns)
         results = await self.pool.score([(c.text, episode.answer, columns) for c in episode.completions])
-        return [Score(r.reward) if r.error is None else ScoreFailure(r.error, r.error_kind) for r in results]
+        # The pool gives each result its reward, or its error with the error's kind.
+        return [Score(cast(float, r.reward)) if r.error is None else ScoreFailure(r.error, cast(str, r.error_kind)) for r in results]
 
     def stats(self) -> dict[str, float]:
         return {"worker_restarts": self.pool.num_worker_restarts}
@@ -485,7 +490,10 @@ def _center_token_rewards(episode: Episode) -> None:
     usable = [
         c for c in episode.completions if c.status != CompletionStatus.ERRORED and c.token_rewards is not None
     ]
-    centered = center_on_group([c.token_rewards for c in usable], [c.generated_mask for c in usable])
+    centered = center_on_group(
+        [c.token_rewards for c in usable if c.token_rewards is not None],
+        [c.generated_mask for c in usable],
+    )
     for completion, rewards in zip(usable, centered):
         completion.token_rewards = rewards
 

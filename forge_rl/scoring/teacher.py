@@ -201,7 +201,7 @@ class TeacherVersions:
 
     `served` 0 is the initial policy, loaded from the model directory, never leased."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.served = 0
         self.staged: int | None = None
         self._leases: collections.Counter[str] = collections.Counter()

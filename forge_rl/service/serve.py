@@ -62,7 +62,9 @@ async def serve(
             # Ctrl-C or SIGTERM: a service's normal end. Stopping here, not by the cancellation
             # unwinding the lifecycle, keeps the service directory (the tenants' metrics and saved
             # states), which a run stopped before its first step would lose.
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None  # in a coroutine, run by its task
+            task.uncancel()
             progress("stopping: the server, then every process of the service")
         finally:
             (lifecycle.run_path / SERVER_FILE).unlink(missing_ok=True)

@@ -353,7 +353,7 @@ def _dense(
 ) -> np.ndarray:
     """A loss input as a dense array of its wire dtype: CSR layouts filled in (absent cells 0, the
     SDK's default pad), a flat list shaped by `shape`."""
-    np_dtype = np.dtype(np.int64) if dtype == "int64" else np.dtype(np.float32)
+    np_dtype: np.dtype[Any] = np.dtype(np.int64) if dtype == "int64" else np.dtype(np.float32)
     if values.dtype.kind == "f" and np_dtype.kind == "i":
         if not np.all(np.equal(np.mod(values, 1), 0)):
             raise refuse(f"{field}.data", values[:8].tolist(), "token ids must be whole numbers", "send int64 token ids")
@@ -367,7 +367,7 @@ def _dense(
         if col and (min(col) < 0 or max(col) >= cols):
             raise refuse(f"{field}.sparse_col_indices", list(col)[:8], f"a column index lies outside 0..{cols - 1}", "send column indices inside the shape")
         dense = np.zeros((rows, cols), dtype=np_dtype)
-        row_of = np.repeat(np.arange(rows), np.diff(np.asarray(crow, dtype=np.int64)))
+        row_of: np.ndarray = np.repeat(np.arange(rows), np.diff(np.asarray(crow, dtype=np.int64)))
         dense[row_of, np.asarray(col, dtype=np.int64)] = values
         return dense
     if shape is not None:
@@ -395,7 +395,7 @@ def _datum(tokens: list[int], inputs: dict[str, np.ndarray], field: str) -> Trai
                 raise refuse(where, int(array.min()), "token ids are never negative", "send the tokenizer's ids (0 or more)")
             checked[name] = array.astype(np.int64, copy=False)
         else:
-            as_float = array.astype(np.float32, copy=False)
+            as_float: np.ndarray = array.astype(np.float32, copy=False)
             if not np.all(np.isfinite(as_float)):
                 raise refuse(where, "a NaN or infinite value", "loss inputs are finite numbers", "send finite values")
             checked[name] = as_float
@@ -543,7 +543,7 @@ def _stop(stop: str | Sequence[str] | Sequence[int] | None) -> list[int] | list[
         return None
     if isinstance(stop, str):
         return [stop]
-    items = list(stop)
+    items: list[str | int] = list(stop)
     if all(isinstance(s, str) for s in items):
         return [str(s) for s in items]
     if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
@@ -582,16 +582,16 @@ def _topk_prompt_rows(result: SampleResult, call: SampleCall) -> list[TopK | Non
     return rows
 
 
-def _checked_topk(rows: list[TopK | None], k: int, what: str) -> None:
+def _checked_topk(rows: Sequence[TopK | None], k: int, what: str) -> None:
     for i, row in enumerate(rows):
         if row is not None and len(row) > k:
             raise ValueError(f"the backend's {what} row {i} has {len(row)} entries for k={k}")
 
 
-def _topk_proto(rows: list[TopK | None], k: int, msg: pb.TopkLogprobs) -> None:
+def _topk_proto(rows: Sequence[TopK | None], k: int, msg: pb.TopkLogprobs) -> None:
     """`rows` as the dense (length, k) matrices of the SDK's TopkLogprobs, sentinel-filled."""
-    token_ids = np.full((len(rows), k), _MASK_TOKEN, dtype=np.int32)
-    logprobs = np.full((len(rows), k), _MASK_LOGPROB, dtype=np.float32)
+    token_ids: np.ndarray = np.full((len(rows), k), _MASK_TOKEN, dtype=np.int32)
+    logprobs: np.ndarray = np.full((len(rows), k), _MASK_LOGPROB, dtype=np.float32)
     for i, row in enumerate(rows):
         for j, (token, logprob) in enumerate(row or ()):
             token_ids[i, j], logprobs[i, j] = token, logprob
@@ -599,7 +599,7 @@ def _topk_proto(rows: list[TopK | None], k: int, msg: pb.TopkLogprobs) -> None:
     msg.token_ids, msg.logprobs = token_ids.tobytes(), logprobs.tobytes()
 
 
-def _topk_json(rows: list[TopK | None] | None) -> list[list[list[float]] | None] | None:
+def _topk_json(rows: Sequence[TopK | None] | None) -> list[list[list[float]] | None] | None:
     return None if rows is None else [None if row is None else [[int(t), float(lp)] for t, lp in row] for row in rows]
 
 
@@ -629,6 +629,7 @@ def sample_response_proto(result: SampleResult, call: SampleCall) -> bytes:
         out.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
         if call.spec.topk_sample_logprobs:
+            assert seq.topk_logprobs is not None  # _checked_sequences refuses a sequence without its rows
             _topk_proto(seq.topk_logprobs, call.spec.topk_sample_logprobs, out.topk_sampled_logprobs)
     prompt_logprobs = _prompt_logprobs(result, call)
     if prompt_logprobs is not None:

@@ -147,7 +147,9 @@ class StoreIndexActor(PortServed, Actor):
     async def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int:
         """The newest complete policy version once it is >= `min_version`."""
         await self._wait_for(min_version, timeout_s)
-        return self.index.latest_version()
+        latest = self.index.latest_version()
+        assert latest is not None  # _wait_for returns once a version >= min_version is complete
+        return latest
 
     @concurrent_endpoint
     async def acquire_newest(self, reader: str, min_version: int, timeout_s: float | None = None) -> dict:
@@ -164,7 +166,8 @@ class StoreIndexActor(PortServed, Actor):
         self.num_waiting += 1
         try:
             async with self.changed:
-                await within(timeout_s, self.changed.wait_for(ready))
+                waiting = self.changed.wait_for(ready)
+                await (waiting if timeout_s is None else within(timeout_s, waiting))
         finally:
             self.num_waiting -= 1
 

@@ -69,7 +69,7 @@ class LocalSnapshot:
     fetched_bytes: int = 0
     """Bytes this lease moved between hosts: the snapshot's when it fetched this host's copy, 0 when
     it mapped a copy another reader here had fetched (store/host_copies.py), or with shm."""
-    snapshots: SharedMemorySnapshots = field(repr=False, default=None)
+    snapshots: SharedMemorySnapshots = field(repr=False, kw_only=True)
     holder: str | None = field(repr=False, default=None)
     """Its hold on this host's copy (rdma)."""
 

@@ -128,13 +128,15 @@ def is_alive(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname():
         return True  # another host's process: nothing here can tell
     pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return True  # not a pid we wrote: leave the root alone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # alive, another user's
-    except (TypeError, OverflowError):
+    except OverflowError:
         return True  # not a pid we wrote: leave the root alone
     recorded = owner.get("start_ticks")
     return recorded is None or _start_ticks(pid) in (None, recorded)
@@ -337,7 +339,7 @@ class SharedMemorySnapshots:
 class _Mappings:
     """This process's shared mappings of snapshot files, one per inode (module docstring)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (dev, inode) -> (fd, bytes)
 

@@ -116,7 +116,9 @@ def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, w
 def _equal_token_groups(order: list[int], lengths: list[int], num_groups: int) -> list[list[int]]:
     """`order` (longest first) cut into at most `num_groups` runs of about equal total length."""
     total = sum(lengths[i] for i in order)
-    groups, current, seen = [], [], 0
+    groups: list[list[int]] = []
+    current: list[int] = []
+    seen = 0
     for i in order:
         current.append(i)
         seen += lengths[i]
@@ -204,9 +206,9 @@ def layout_token_logprobs(
         for i, row, offset in mb.placements:
             n = min(lengths[i], mb.width - offset)
             ids_RW[row, offset : offset + n] = input_ids_NL[i, :n]
-            if temperature_RW is not None:
+            if temperature_RW is not None and temperature_N is not None:  # set together
                 temperature_RW[row, offset : offset + n] = temperature_N[i]
-            if support_RWK is not None:
+            if support_RWK is not None and support_NLK is not None:  # set together
                 support_RWK[row, offset : offset + n] = support_NLK[i, :n]
         positions_RW, mask = document_mask(mb, lengths) if mb.packed else (None, None)
         if routing is None:
@@ -289,9 +291,9 @@ def plan_prefix_tree(
     temperatures = [1.0] * num_rows_N if temperature_N is None else [float(t) for t in temperature_N.cpu()]
     order = sorted((i for i in range(num_rows_N) if lengths[i]), key=lambda i: (temperatures[i], ids[i, : lengths[i]].tolist()))
     common_N = [0] * num_rows_N  # shared with the sequence before in `order`, rows aside
-    for previous, i in zip(order, order[1:]):
-        if temperatures[previous] == temperatures[i]:
-            common_N[i] = _common_prefix(ids[i, : lengths[i]], ids[previous, : lengths[previous]])
+    for before, i in zip(order, order[1:]):
+        if temperatures[before] == temperatures[i]:
+            common_N[i] = _common_prefix(ids[i, : lengths[i]], ids[before, : lengths[before]])
     tree_sizes, size = [], 0
     for i in order:
         if not common_N[i] and size:
@@ -312,10 +314,12 @@ def plan_prefix_tree(
     slot_NL = torch.full((num_rows_N, length), -1, dtype=torch.int64)
     row_of = [-1] * num_rows_N
     shared_N = [0] * num_rows_N
-    previous = None
+    previous: int | None = None
+    row: int | None
     for i in order:
         n, common = lengths[i], common_N[i]
-        row = row_of[previous] if common else -1
+        # Only a sequence after the first shares a prefix with the one before it.
+        row = row_of[previous] if common and previous is not None else -1
         if not common or free[row] < n - common:
             common = 0
             row = next((r for r, space in enumerate(free) if space >= n), None)

@@ -57,7 +57,8 @@ class ReferenceConfig:
 def completion_logprobs(episodes: list[Episode], logprobs_NL: torch.Tensor) -> list[list[list[float]]]:
     """Row n of `logprobs_NL` (rows in `make_train_batch` order: episode by episode, each completion
     a row of prompt + completion) without the prompt positions, as [episode][completion][token]."""
-    result, row = [], 0
+    result: list[list[list[float]]] = []
+    row = 0
     for episode in episodes:
         start = len(episode.prompt_token_ids)
         result.append([])

@@ -138,7 +138,7 @@ class PolicyTrainer:
             assert positions_NL is None and mask_N1LL is None
             input_ids_NL = torch.nn.functional.pad(input_ids_NL, (0, padding))
         positions_NL = None if positions_NL is None else positions_NL.to(self.device)
-        replaying = contextlib.nullcontext()
+        replaying: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if replay is not None:
             from forge_rl.models.moe import routing_replay
 
@@ -230,6 +230,7 @@ class PolicyTrainer:
         if not generators:
             return {}
         kl_NL = k3_kl_NL(torch.where(loss_mask_NL, logprobs_NL.detach() - behaviour_NL, 0.0).clamp(-20, 20))
+        assert shard.generator_N is not None  # a shard of `batch`, which has it
         owner_N = shard.generator_N.to(self.device)
         exact_NL = torch.ones_like(loss_mask_NL)
         if shard.exact_version_NL is not None:

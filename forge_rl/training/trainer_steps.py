@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from forge_rl.core.columns import BatchColumns
 
@@ -104,7 +105,7 @@ class BatchPrefetch:
         """The one of the run's `policies` whose part of each batch this trainer takes; None: the run's own."""
         self._asked: dict[int, asyncio.Future] = {}
         """Step -> its `batch_for_trainer` call, from the newest step taken on."""
-        self._rollouts = None
+        self._rollouts: Any = None
         """The rollouts the train loop sent with its first step (a mesh handle pickles by value,
         about 3.4 KB and 0.5-1.7 ms here, so it is not sent with every step)."""
 

@@ -57,7 +57,7 @@ def task_text_samples(
     and EOS comes the next problem."""
     samples = []
     for index in range(num_samples):
-        ids = [tokenizer.bos_id]
+        ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
         for problem in range(problems_per_sample):
             prompt = make_task_prompt(task, index * problems_per_sample + problem)
             ids += tokenizer.encode_text(prompt.text + answer(prompt)) + [tokenizer.eos_id]
