@@ -95,9 +95,10 @@ test-gpu: venv
 
 # `make test` runs these first: the import contract (the package's layers and where Monarch, vLLM and
 # TorchTitan may be imported: pyproject.toml [tool.importlinter]; the suite checks it too), ruff's
-# rules (ruff.toml) and mypy over forge_rl/ (pyproject.toml [tool.mypy]).
+# formatter and rules (ruff.toml) and mypy over forge_rl/ (pyproject.toml [tool.mypy]).
 lint: venv
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff format --check forge_rl apps tests examples
 	$(VENV)/bin/ruff check forge_rl apps tests examples
 	$(VENV)/bin/mypy
 	# docs/reference/ is generated from the docstrings: stale pages fail here (`make reference` writes them).

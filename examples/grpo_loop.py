@@ -71,24 +71,43 @@ def main() -> None:
             for sequence, reward in zip(sequences, group):
                 advantage = (reward - mean) / (std + 1e-6)  # GRPO's, within the group
                 tokens, n = prompt_tokens + list(sequence.tokens), len(prompt_tokens) - 1
-                datums.append(tinker.Datum(
-                    model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": np.array(tokens[1:], dtype=np.int64),
-                        "logprobs": np.array([0.0] * n + list(sequence.logprobs), dtype=np.float32),
-                        "advantages": np.array([0.0] * n + [advantage] * len(sequence.tokens), dtype=np.float32),
-                    },
-                ))
+                datums.append(
+                    tinker.Datum(
+                        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+                            "logprobs": np.array([0.0] * n + list(sequence.logprobs), dtype=np.float32),
+                            "advantages": np.array([0.0] * n + [advantage] * len(sequence.tokens), dtype=np.float32),
+                        },
+                    )
+                )
         if datums:
             training.forward_backward(datums, "importance_sampling")
             training.optim_step(tinker.AdamParams(learning_rate=args.learning_rate)).result()
         training.save_weights_and_get_sampling_client(kind="inflight").result()  # the sampler follows
         rewards_by_step.append(statistics.fmean(rewards))
-        print(json.dumps({"step": step, "reward": rewards_by_step[-1], "datums": len(datums),
-                          "elapsed_s": round(time.perf_counter() - started, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "reward": rewards_by_step[-1],
+                    "datums": len(datums),
+                    "elapsed_s": round(time.perf_counter() - started, 1),
+                }
+            ),
+            flush=True,
+        )
     final = statistics.fmean(rewards_by_step[-5:])
-    print(json.dumps({"steps": args.steps, "first_reward": rewards_by_step[0], "final_reward": final,
-                      "elapsed_s": round(time.perf_counter() - started, 1)}))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "first_reward": rewards_by_step[0],
+                "final_reward": final,
+                "elapsed_s": round(time.perf_counter() - started, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,13 @@ _CLIENT_SHUTDOWN_S = 5.0
 """How long the controller's exit lets Monarch's client shut down (its own atexit handler allows 1 s,
 which a loaded machine overran after a Ctrl-C: forge_rl/plumbing/process_exit.py)."""
 
-_USAGE = "usage: forge-rl {" + ",".join(_SUBCOMMANDS) + "} [--config FILE] [FLAGS]\n\n" + "\n".join(
-    f"  {name:<18} {text}" for name, text in _SUBCOMMANDS.items()
-) + "\n\n`forge-rl SUBCOMMAND --help` lists every flag with its meaning."
+_USAGE = (
+    "usage: forge-rl {"
+    + ",".join(_SUBCOMMANDS)
+    + "} [--config FILE] [FLAGS]\n\n"
+    + "\n".join(f"  {name:<18} {text}" for name, text in _SUBCOMMANDS.items())
+    + "\n\n`forge-rl SUBCOMMAND --help` lists every flag with its meaning."
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +171,10 @@ def _run_eval(args: list[str]) -> None:
     try:
         default = default_args(_flag_value(args, "--config"), _flag_value(args, "--run"))
         eval_args = tyro.cli(
-            EvalArgs, args=_data_flags_last(EvalArgs, args), default=default, prog="forge-rl eval",
+            EvalArgs,
+            args=_data_flags_last(EvalArgs, args),
+            default=default,
+            prog="forge-rl eval",
             description=_SUBCOMMANDS["eval"],
         )
     except (ValueError, TypeError) as e:  # ConfigError, or a section's own check raised while tyro builds it
@@ -329,8 +336,10 @@ def _run_scale(args: list[str]) -> None:
 
 def _run_data(args: list[str]) -> None:
     if not args or args[0] != "export":
-        print("usage: forge-rl data export --task.name NAME --out FILE --rows N [FLAGS]\n\n"
-              "  export  Write a task's first N prompts (and answers) to a JSONL file a run reads with --data.path.")
+        print(
+            "usage: forge-rl data export --task.name NAME --out FILE --rows N [FLAGS]\n\n"
+            "  export  Write a task's first N prompts (and answers) to a JSONL file a run reads with --data.path."
+        )
         if args and args[0] not in ("-h", "--help"):
             _fail(f"unknown data command {args[0]!r}; the one command is export.")
         return
@@ -341,7 +350,9 @@ def _run_data(args: list[str]) -> None:
     from forge_rl.pipeline.prompts import DataExportArgs, TaskRows
 
     try:
-        export_args = tyro.cli(DataExportArgs, args=args[1:], prog="forge-rl data export", description=DataExportArgs.__doc__)
+        export_args = tyro.cli(
+            DataExportArgs, args=args[1:], prog="forge-rl data export", description=DataExportArgs.__doc__
+        )
         written = export_rows(
             TaskRows(export_args.task), export_args.out, export_args.rows, export_args.unique, export_args.exclude
         )
@@ -349,10 +360,16 @@ def _run_data(args: list[str]) -> None:
         _fail(f"cannot export: {e}")
     except ValueError as e:  # a TaskConfig's own checks, raised while tyro builds it
         _fail(f"invalid config: {e}")
-    print(json.dumps({
-        "path": str(export_args.out), "rows": written,
-        "train_with": f"--data.path {export_args.out} --data.answer-column answer",
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "path": str(export_args.out),
+                "rows": written,
+                "train_with": f"--data.path {export_args.out} --data.answer-column answer",
+            }
+        ),
+        flush=True,
+    )
 
 
 def _run_convert(args: list[str]) -> None:

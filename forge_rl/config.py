@@ -232,7 +232,11 @@ class GRPOConfig:
             assert max_total_tokens is not None  # __post_init__ resolves an environment's limits
             return self.branch.max_completions_per_group(self.group_size) * max_total_tokens
         max_new_tokens = self.generator.max_new_tokens
-        return self.max_model_len - max_new_tokens + self.branch.max_completions_per_group(self.group_size) * max_new_tokens
+        return (
+            self.max_model_len
+            - max_new_tokens
+            + self.branch.max_completions_per_group(self.group_size) * max_new_tokens
+        )
 
     @property
     def max_completion_tokens(self) -> int:
@@ -313,7 +317,12 @@ class GRPOConfig:
 
     def _check_batch_shape(self) -> None:
         _check_positive(
-            self, "steps", "train_batch_size", "group_size", "num_generators", "prompts_in_flight_per_generator",
+            self,
+            "steps",
+            "train_batch_size",
+            "group_size",
+            "num_generators",
+            "prompts_in_flight_per_generator",
             "dynamic_sampling_max_filtered_steps",
         )
         if self.generator.temperature <= 0:
@@ -365,8 +374,9 @@ class GRPOConfig:
         loss = self.trainer.loss
         if loss.name == "dr_grpo" and loss.length_normalizer != self.max_completion_tokens:
             longest = (
-                "generator.max_new_tokens" if self.environment.name is None else
-                "the most tokens a trajectory can generate: min(environment.limits.max_turns x "
+                "generator.max_new_tokens"
+                if self.environment.name is None
+                else "the most tokens a trajectory can generate: min(environment.limits.max_turns x "
                 "max_tokens_per_turn, max_total_tokens)"
             )
             raise ConfigError(
@@ -428,7 +438,9 @@ class GRPOConfig:
         try:
             judge_context = ModelConfig(path=judge.path).hf_config()["max_position_embeddings"]
         except ConfigError as e:
-            raise ConfigError(f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory.") from None
+            raise ConfigError(
+                f"scorer.judge.path: {e} Point --scorer.judge.path at the judge's HF model directory."
+            ) from None
         if judge.max_model_len > judge_context:
             raise ConfigError(
                 f"scorer.judge.max_model_len ({judge.max_model_len}) exceeds the judge's context "
@@ -504,7 +516,9 @@ class GRPOConfig:
 
     def _check_environment(self) -> None:
         warmup = self.environment.warmup.episodes > 0
-        if warmup and (self.environment.name is None or self.model.path is not None or self.environment.renderer != "plain"):
+        if warmup and (
+            self.environment.name is None or self.model.path is not None or self.environment.renderer != "plain"
+        ):
             raise ConfigError(
                 f"environment.warmup.episodes ({self.environment.warmup.episodes}) needs an environment "
                 f"(environment.name: {self.environment.name!r}), a from-scratch model (model.path unset: "
@@ -596,7 +610,8 @@ class GRPOConfig:
         frozen = [(self.reference, "reference")] if self.uses_reference_model else []
         frozen += [(self.scorer.teacher, "scorer.teacher")] if self.uses_teacher else []
         threads = {
-            f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})": model.num_procs * model.num_threads
+            f"{section}.num_procs ({model.num_procs}) x {section}.num_threads ({model.num_threads})": model.num_procs
+            * model.num_threads
             for model, section in frozen
         }
         return {**threads, **self.scorer.model_threads()}
@@ -613,8 +628,13 @@ class GRPOConfig:
 
     def _resolve_branch_entropy(self) -> None:
         """branch.rule entropy reads each token's entropy, which the generator then records."""
-        if self.branch.rule == "entropy" and self.generator.record_entropy_top_logprobs != self.branch.entropy_top_logprobs:
-            generator = dataclasses.replace(self.generator, record_entropy_top_logprobs=self.branch.entropy_top_logprobs)
+        if (
+            self.branch.rule == "entropy"
+            and self.generator.record_entropy_top_logprobs != self.branch.entropy_top_logprobs
+        ):
+            generator = dataclasses.replace(
+                self.generator, record_entropy_top_logprobs=self.branch.entropy_top_logprobs
+            )
             object.__setattr__(self, "generator", generator)
 
     def _check_branch(self) -> None:
@@ -624,14 +644,27 @@ class GRPOConfig:
         if self.environment.name is not None:
             self._check_episode_forks()
         refused = [
-            (self.generator.segment_tokens is not None, f"generator.segment_tokens ({self.generator.segment_tokens})",
-             "a group sampled a segment at a time is branched nowhere"),
-            (self.simulated, "generator.engine sim", "a simulated engine's placeholder tokens have no distribution to pivot on"),
-            (self.trainer.keep_routing, "trainer.keep_routing", "a branch's context holds no routing record of its parent's prefix"),
+            (
+                self.generator.segment_tokens is not None,
+                f"generator.segment_tokens ({self.generator.segment_tokens})",
+                "a group sampled a segment at a time is branched nowhere",
+            ),
+            (
+                self.simulated,
+                "generator.engine sim",
+                "a simulated engine's placeholder tokens have no distribution to pivot on",
+            ),
+            (
+                self.trainer.keep_routing,
+                "trainer.keep_routing",
+                "a branch's context holds no routing record of its parent's prefix",
+            ),
         ]
         for refuse, setting, why in refused:
             if refuse:
-                raise ConfigError(f"branch.rule ({branch.rule}) with {setting}: {why}. Set --branch.rule none, or change {setting}.")
+                raise ConfigError(
+                    f"branch.rule ({branch.rule}) with {setting}: {why}. Set --branch.rule none, or change {setting}."
+                )
         max_new_tokens = self.generator.max_new_tokens
         if branch.min_prefix_tokens + branch.min_suffix_tokens > max_new_tokens:
             raise ConfigError(
@@ -686,10 +719,25 @@ class GRPOConfig:
                 "(forge_rl/envs/graph.py). Set --environment.name, or drop policies."
             )
         refused = [
-            (self.branch.enabled, f"branch.rule ({self.branch.rule})", "forks replay turns on the run's own generators", "--branch.rule none"),
-            (self.simulated or self.trainer.engine == "sim", "a simulated engine or trainer", "it publishes no weights per policy", "vllm and the TorchTitan trainer"),
+            (
+                self.branch.enabled,
+                f"branch.rule ({self.branch.rule})",
+                "forks replay turns on the run's own generators",
+                "--branch.rule none",
+            ),
+            (
+                self.simulated or self.trainer.engine == "sim",
+                "a simulated engine or trainer",
+                "it publishes no weights per policy",
+                "vllm and the TorchTitan trainer",
+            ),
             (self.eval.enabled, "eval.sets", "an evaluation samples the run's own policy only", "no eval.sets"),
-            (self.launch.hosts != "local", f"launch.hosts ({self.launch.hosts})", "the other policies' roles are placed on this machine only", "launch.hosts local"),
+            (
+                self.launch.hosts != "local",
+                f"launch.hosts ({self.launch.hosts})",
+                "the other policies' roles are placed on this machine only",
+                "launch.hosts local",
+            ),
         ]
         for refuse, setting, why, fix in refused:
             if refuse:

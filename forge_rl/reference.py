@@ -143,8 +143,10 @@ def _nested_dataclass(hint) -> tuple[type | None, bool, bool]:
     if typing.get_origin(hint) is tuple:
         items = typing.get_args(hint)
         if (
-            len(items) == 2 and items[1] is Ellipsis
-            and dataclasses.is_dataclass(items[0]) and isinstance(items[0], type)
+            len(items) == 2
+            and items[1] is Ellipsis
+            and dataclasses.is_dataclass(items[0])
+            and isinstance(items[0], type)
         ):
             return items[0], optional, True
     return None, False, False
@@ -244,7 +246,8 @@ PAGES = {"configuration.md": configuration_page, "metrics.md": metrics_page}
 def stale_pages(directory: Path = REFERENCE_DIR) -> list[Path]:
     """The pages under `directory` that differ from what the code generates now (or are missing)."""
     return [
-        directory / name for name, page in PAGES.items()
+        directory / name
+        for name, page in PAGES.items()
         if not (directory / name).is_file() or (directory / name).read_text() != page()
     ]
 
@@ -278,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["--check"]:
         stale = stale_pages()
         for path in stale:
-            print(f"{path.relative_to(REPO)} is stale: run `python -m forge_rl.reference` and commit it", file=sys.stderr)
+            print(
+                f"{path.relative_to(REPO)} is stale: run `python -m forge_rl.reference` and commit it", file=sys.stderr
+            )
         return 1 if stale else 0
     if argv:
         print("usage: python -m forge_rl.reference [--check]", file=sys.stderr)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 def expert_id_dtype(num_experts: int) -> torch.dtype:
     """The smallest integer type holding expert ids 0..num_experts-1."""
     import torch
+
     if 1 <= num_experts <= 256:
         return torch.uint8
     if num_experts <= 2**15:
@@ -68,6 +69,7 @@ class RoutingRecord:
 
     def __post_init__(self) -> None:
         import torch
+
         ids = self.expert_ids_GXK
         if ids.dim() != 3 or ids.dtype not in (torch.uint8, torch.int16):
             raise ValueError(
@@ -103,6 +105,7 @@ class RoutingRecord:
     @classmethod
     def from_dict(cls, data: dict) -> RoutingRecord:
         import torch
+
         raw = bytearray(base64.b64decode(data["data"]))
         dtype = getattr(torch, data["dtype"])
         ids = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
@@ -112,6 +115,7 @@ class RoutingRecord:
     def concat(cls, records: list[RoutingRecord]) -> RoutingRecord:
         """The records of consecutive pieces (turns, or a request resumed after an abort) as one."""
         import torch
+
         return cls(torch.cat([r.expert_ids_GXK for r in records]))
 
 
@@ -142,7 +146,9 @@ class RoutingShape:
                 f"{self.num_experts} experts per layer (ids 0..{self.num_experts - 1})."
             )
         if expert_ids_XK_last.numel() and int(expert_ids_XK_last.min()) < 0:
-            raise ValueError(f"{where}: the routing record holds a negative expert id ({int(expert_ids_XK_last.min())}).")
+            raise ValueError(
+                f"{where}: the routing record holds a negative expert id ({int(expert_ids_XK_last.min())})."
+            )
 
 
 def batch_routing(
@@ -152,6 +158,7 @@ def batch_routing(
     a record. Row n's record fills its generated positions in order (`generated[n]`, [L_n] over
     the row's tokens, prompt included); a row without a record routes normally everywhere."""
     import torch
+
     present = [r for r in records if r is not None]
     if not present:
         return None
@@ -166,7 +173,9 @@ def batch_routing(
             continue
         positions = torch.tensor(mask, dtype=torch.bool).nonzero().flatten()
         if len(positions) != record.num_tokens:
-            raise ValueError(f"row {n}: routing record of {record.num_tokens} tokens for {len(positions)} generated tokens")
+            raise ValueError(
+                f"row {n}: routing record of {record.num_tokens} tokens for {len(positions)} generated tokens"
+            )
         ids_NLXK[n, positions] = record.expert_ids_GXK
         routed_NL[n, positions] = True
     return ids_NLXK, routed_NL
@@ -191,6 +200,7 @@ def replay_topk(
     experts are the router's own gets exactly the router's weights.
     """
     import torch
+
     mask_BL1 = replay_mask_BL.unsqueeze(-1)
     ids_BLK = torch.where(mask_BL1, replay_ids_BLK.long(), expert_ids_BLK)
     picked_BLK = scores_BLE.gather(-1, ids_BLK)
@@ -210,7 +220,10 @@ def keep_routing_metrics(batch) -> dict[str, float]:
     record (they fell back to the trainer's own routing) and the fraction of generated tokens with one."""
     generated_N = batch.loss_mask_NL.any(-1)
     if batch.routed_NL is None:
-        return {"keep_routing/completions_without_record": float(generated_N.sum()), "keep_routing/routed_token_fraction": 0.0}
+        return {
+            "keep_routing/completions_without_record": float(generated_N.sum()),
+            "keep_routing/routed_token_fraction": 0.0,
+        }
     recorded_N = batch.routed_NL.any(-1)
     routed = (batch.routed_NL & batch.loss_mask_NL).sum()
     return {

@@ -162,7 +162,14 @@ class Completion:
             "policy_versions": len(self.policy_versions),
             "trainable": len(self.trainable),
         }
-        for name in ("sampling_support", "reference_logprobs", "generated", "token_rewards", "kv_versions", "entropies"):
+        for name in (
+            "sampling_support",
+            "reference_logprobs",
+            "generated",
+            "token_rewards",
+            "kv_versions",
+            "entropies",
+        ):
             if getattr(self, name) is not None:
                 lengths[name] = len(getattr(self, name))
         if len(set(lengths.values())) > 1:
@@ -251,7 +258,9 @@ def join_pieces(head: Completion, tail: Completion) -> Completion:
         routed_experts=routing,
         # The continuation's prefix was encoded anew when it was submitted: its tokens depend on
         # its own versions, whatever the head's did.
-        kv_versions=None if head.kv_versions is None or tail.kv_versions is None else head.kv_versions + tail.kv_versions,
+        kv_versions=None
+        if head.kv_versions is None or tail.kv_versions is None
+        else head.kv_versions + tail.kv_versions,
         entropies=None if head.entropies is None or tail.entropies is None else head.entropies + tail.entropies,
     )
 
@@ -351,10 +360,15 @@ def completion_to_dict(completion: Completion) -> dict[str, Any]:
 
 def completion_from_dict(data: dict[str, Any]) -> Completion:
     """Inverse of `completion_to_dict`."""
-    return Completion(**data | {
-        "status": CompletionStatus(data["status"]),
-        "routed_experts": None if data.get("routed_experts") is None else RoutingRecord.from_dict(data["routed_experts"]),
-    })
+    return Completion(
+        **data
+        | {
+            "status": CompletionStatus(data["status"]),
+            "routed_experts": None
+            if data.get("routed_experts") is None
+            else RoutingRecord.from_dict(data["routed_experts"]),
+        }
+    )
 
 
 @dataclass(frozen=True)

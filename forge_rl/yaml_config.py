@@ -100,7 +100,9 @@ def _unchecked(cls: type[T], kwargs: dict[str, Any], prefix: str) -> T:
         elif field.default_factory is not dataclasses.MISSING:
             value = field.default_factory()
         else:
-            raise ConfigError(f"{prefix}{field.name} is required. Set it in the file or with {flag(prefix + field.name)}.")
+            raise ConfigError(
+                f"{prefix}{field.name} is required. Set it in the file or with {flag(prefix + field.name)}."
+            )
         object.__setattr__(instance, field.name, value)
     return instance
 

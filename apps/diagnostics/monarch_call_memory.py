@@ -99,6 +99,8 @@ if __name__ == "__main__":
     parser.add_argument("--mode", choices=("call_one", "port_calls", "blocking_get", "mesh_call"), default="call_one")
     parser.add_argument("--calls-per-round", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--reply-kb", type=int, default=0, help="answer each call with this many KB (0: echo the episode-sized request)")
+    parser.add_argument(
+        "--reply-kb", type=int, default=0, help="answer each call with this many KB (0: echo the episode-sized request)"
+    )
     args = parser.parse_args()
     asyncio.run(measure(args.mode, args.calls_per_round, args.rounds, args.reply_kb))

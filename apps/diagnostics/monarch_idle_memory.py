@@ -66,7 +66,8 @@ async def measure(args: argparse.Namespace) -> None:
     growth_kb_s = (me.memory_full_info().uss - first) / 1e3 / (time.monotonic() - started)
     print(
         f"poll {poll}, {args.procs} processes with one actor each, {args.extra_meshes} more actor meshes"
-        f"{' (stopped)' if args.stop_extra else ''}: USS growth {growth_kb_s:.2f} KB/s", flush=True,
+        f"{' (stopped)' if args.stop_extra else ''}: USS growth {growth_kb_s:.2f} KB/s",
+        flush=True,
     )
     for p in procs:
         await p.stop()

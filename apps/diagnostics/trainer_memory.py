@@ -41,9 +41,13 @@ def main() -> None:
     config = TrainerConfig(num_procs=world_size, parallel=ParallelConfig(dp_shard=world_size))
     trainer = PolicyTrainer(config, args.model_dir)
     episodes = [
-        Episode(index, "M56=", "6", [1, 5, 6], completions=[
-            Completion([5] * 24, [-0.5] * 24, [0] * 24, reward=float(k % 2)) for k in range(8)
-        ])
+        Episode(
+            index,
+            "M56=",
+            "6",
+            [1, 5, 6],
+            completions=[Completion([5] * 24, [-0.5] * 24, [0] * 24, reward=float(k % 2)) for k in range(8)],
+        )
         for index in range(16)
     ]
     batch = make_train_batch(episodes, pad_id=0)
@@ -58,7 +62,9 @@ def main() -> None:
                 shutil.rmtree(scratch / f"step-{step}")
             if step % 100 == 0:
                 gc.collect()
-                print(f"rank {trainer.rank} step {step}: USS {process.memory_full_info().uss / 2**20:.1f} MB", flush=True)
+                print(
+                    f"rank {trainer.rank} step {step}: USS {process.memory_full_info().uss / 2**20:.1f} MB", flush=True
+                )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -75,22 +75,32 @@ async def run(config: GRPOConfig) -> dict:
         generator_starts = await start_engines_and_trainer(actors, lifecycle)
 
         every_step_calls = PortCalls()
-        pipeline = Pipeline(config, RunActors(
-            # The calls made every step (and a slow step's `batch_taken`) are answered on one port
-            # (forge_rl/plumbing/port_calls.py).
-            rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
-            trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
-            policy_trainers={
-                name: PortCalled(policy.trainer, every_step_calls, only=("train_next_step",))
-                for name, policy in actors.policies.items()
-            },
-            after_publish=actors.scoring.after_publish,
-            generators=actors.generators, checkpointed=actors.scoring.checkpointed,
-            evaluation=None if not config.eval.enabled else Evaluation(
-                config, actors.eval_generators or actors.generators, actors.store_index, lifecycle.store.root,
-                lifecycle.run_path, lifecycle.model_dir,
+        pipeline = Pipeline(
+            config,
+            RunActors(
+                # The calls made every step (and a slow step's `batch_taken`) are answered on one port
+                # (forge_rl/plumbing/port_calls.py).
+                rollouts=PortCalled(actors.rollouts, every_step_calls, only=("batch_taken", "step_done")),
+                trainer=PortCalled(actors.trainer, every_step_calls, only=("train_next_step",)),
+                policy_trainers={
+                    name: PortCalled(policy.trainer, every_step_calls, only=("train_next_step",))
+                    for name, policy in actors.policies.items()
+                },
+                after_publish=actors.scoring.after_publish,
+                generators=actors.generators,
+                checkpointed=actors.scoring.checkpointed,
+                evaluation=None
+                if not config.eval.enabled
+                else Evaluation(
+                    config,
+                    actors.eval_generators or actors.generators,
+                    actors.store_index,
+                    lifecycle.store.root,
+                    lifecycle.run_path,
+                    lifecycle.model_dir,
+                ),
             ),
-        ))
+        )
         await lifecycle.resume(pipeline)
         with frozen_startup_objects():  # no full GC scans this process's startup objects mid-run
             history, accounting = await lifecycle.run_loops(pipeline)
@@ -137,7 +147,9 @@ class PolicyActors:
     store_index: StoreIndexActor
 
 
-async def spawn_policies(config: GRPOConfig, lifecycle: Lifecycle, hosts: launch.Hosts, pad_id: int) -> dict[str, PolicyActors]:
+async def spawn_policies(
+    config: GRPOConfig, lifecycle: Lifecycle, hosts: launch.Hosts, pad_id: int
+) -> dict[str, PolicyActors]:
     """Each of config.policies' roles: a services process (its store's index and volume, its
     generator pool) and its trainer ranks, on this machine, from the run's starting model."""
     model_dir = str(lifecycle.model_dir)
@@ -147,14 +159,30 @@ async def spawn_policies(config: GRPOConfig, lifecycle: Lifecycle, hosts: launch
         root = lifecycle.policy_stores[policy.name].root
         store_index, _ = await spawn_store(services, root, extra_files_dir=model_dir)
         generators = services.spawn(
-            "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, policy.num_generators,
-            store_index, hosts.policy_generator_placements(policy.num_generators), config.generate_timeout_s,
-            config.update_timeout_s, adapters=config.adapter_serving(model_dir),
+            "generators",
+            GeneratorPool,
+            config.generator,
+            model_dir,
+            config.max_model_len,
+            policy.num_generators,
+            store_index,
+            hosts.policy_generator_placements(policy.num_generators),
+            config.generate_timeout_s,
+            config.update_timeout_s,
+            adapters=config.adapter_serving(model_dir),
         )
         trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs, name=f"trainer-{policy.name}")
         trainer = trainer_procs.spawn(
-            "trainer", TrainerActor, config.policy_trainer_config(policy), model_dir, store_index, str(root), pad_id,
-            config.publish, config.launch.placement.trainer_cpus, policy.name,
+            "trainer",
+            TrainerActor,
+            config.policy_trainer_config(policy),
+            model_dir,
+            store_index,
+            str(root),
+            pad_id,
+            config.publish,
+            config.launch.placement.trainer_cpus,
+            policy.name,
         )
         spawned[policy.name] = PolicyActors(trainer, generators, store_index)
     return spawned
@@ -175,17 +203,35 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         services, lifecycle.store.root, extra_files_dir=model_dir, volume_procs=hosts.store_volume_procs(services)
     )
     generators = services.spawn(
-        "generators", GeneratorPool, config.generator, model_dir, config.max_model_len, config.num_generators,
-        store_index, hosts.generator_placements(), config.generate_timeout_s, config.update_timeout_s,
+        "generators",
+        GeneratorPool,
+        config.generator,
+        model_dir,
+        config.max_model_len,
+        config.num_generators,
+        store_index,
+        hosts.generator_placements(),
+        config.generate_timeout_s,
+        config.update_timeout_s,
         adapters=config.adapter_serving(model_dir),
     )
-    scoring = ScoringStage.spawn(config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path)
+    scoring = ScoringStage.spawn(
+        config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path
+    )
     eval_generators = None
     if config.eval.enabled and config.eval.placement == "own":
         eval_generators = services.spawn(
-            "eval_generators", GeneratorPool, Evaluation.generator_config(config), model_dir, config.max_model_len,
-            config.eval.num_generators, store_index, hosts.eval_generator_placements(config.eval.num_generators),
-            config.generate_timeout_s, config.update_timeout_s, adapters=config.adapter_serving(model_dir),
+            "eval_generators",
+            GeneratorPool,
+            Evaluation.generator_config(config),
+            model_dir,
+            config.max_model_len,
+            config.eval.num_generators,
+            store_index,
+            hosts.eval_generator_placements(config.eval.num_generators),
+            config.generate_timeout_s,
+            config.update_timeout_s,
+            adapters=config.adapter_serving(model_dir),
         )
     policies = await spawn_policies(config, lifecycle, hosts, pad_id)
     actors = Actors(
@@ -193,12 +239,24 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         scoring=scoring,
         # Its after_publish runs here, in the controller; a closure does not cross processes.
         rollouts=hosts.spawn_rollouts().spawn(
-            "rollouts", RolloutsActor, config, model_dir, generators, dataclasses.replace(scoring, after_publish=None),
+            "rollouts",
+            RolloutsActor,
+            config,
+            model_dir,
+            generators,
+            dataclasses.replace(scoring, after_publish=None),
             {name: policy.generators for name, policy in policies.items()},
         ),
         trainer=trainer_procs.spawn(
-            "trainer", SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor, config.trainer, model_dir,
-            store_index, store_root, pad_id, config.publish, config.launch.placement.trainer_cpus,
+            "trainer",
+            SimulatedTrainerActor if config.trainer.engine == "sim" else TrainerActor,
+            config.trainer,
+            model_dir,
+            store_index,
+            store_root,
+            pad_id,
+            config.publish,
+            config.launch.placement.trainer_cpus,
         ),
         store_index=store_index,
         eval_generators=eval_generators,
@@ -206,7 +264,10 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
     )
     # Their shutdown stops the processes they own (engines, reward workers, frozen-model ranks).
     lifecycle.stop_engines_first(
-        actors.generators, *actors.scoring.owners, *filter(None, [eval_generators]), *(p.generators for p in policies.values())
+        actors.generators,
+        *actors.scoring.owners,
+        *filter(None, [eval_generators]),
+        *(p.generators for p in policies.values()),
     )
     return actors
 
@@ -218,15 +279,22 @@ async def start_engines_and_trainer(actors: Actors, lifecycle: Lifecycle) -> lis
     eval_start = actors.eval_generators.start.call_one() if actors.eval_generators is not None else asyncio.sleep(0)
     policies = list(actors.policies.values())
     generator_starts, trainer_starts, scoring_processes, _, *policy_starts = await asyncio.gather(
-        actors.generators.start.call_one(), actors.trainer.setup.call(), actors.scoring.start(), eval_start,
-        *(policy.generators.start.call_one() for policy in policies), *(policy.trainer.setup.call() for policy in policies),
+        actors.generators.start.call_one(),
+        actors.trainer.setup.call(),
+        actors.scoring.start(),
+        eval_start,
+        *(policy.generators.start.call_one() for policy in policies),
+        *(policy.trainer.setup.call() for policy in policies),
     )
-    policy_trainer_starts = policy_starts[len(policies):]
+    policy_trainer_starts = policy_starts[len(policies) :]
     processes = {
         "controller": os.getpid(),
         "generators": await actors.generators.processes.call_one(),
         **({"eval_generators": await actors.eval_generators.processes.call_one()} if actors.eval_generators else {}),
-        **{f"generators-{name}": await policy.generators.processes.call_one() for name, policy in actors.policies.items()},
+        **{
+            f"generators-{name}": await policy.generators.processes.call_one()
+            for name, policy in actors.policies.items()
+        },
         **{
             f"trainer-{name}": [start["pid"] for start in starts.values()]
             for name, starts in zip(actors.policies, policy_trainer_starts)

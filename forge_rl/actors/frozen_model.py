@@ -50,7 +50,12 @@ if TYPE_CHECKING:
 
 class FrozenModelActor(Actor):
     def __init__(
-        self, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None, store_root: str | None = None,
+        self,
+        config: ReferenceConfig,
+        model_dir: str,
+        pad_id: int,
+        store_index=None,
+        store_root: str | None = None,
         store_reader: str = "teacher",
     ):
         """`config`: a ReferenceConfig or a TeacherConfig (its processes, parallelism, threads).
@@ -113,7 +118,9 @@ class FrozenModelActor(Actor):
                 staged = self._shards(titan_state_dict_from_hf(self.model_dir, hf_tensors))
         if blend is not None:
             served = self.model.model.state_dict()
-            staged = {name: blend * served[name].float() + (1 - blend) * tensor.float() for name, tensor in staged.items()}
+            staged = {
+                name: blend * served[name].float() + (1 - blend) * tensor.float() for name, tensor in staged.items()
+            }
         self.staged, self.staged_version = staged, policy_version
         return {"teacher/stage_s": time.perf_counter() - started}
 
@@ -166,8 +173,12 @@ class FrozenModelActor(Actor):
             if isinstance(target, DTensor):
                 shard = distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None)
                 shards[name] = DTensor.from_local(
-                    shard.to_local().clone(), target.device_mesh, target.placements, run_check=False,
-                    shape=shard.shape, stride=shard.stride(),
+                    shard.to_local().clone(),
+                    target.device_mesh,
+                    target.placements,
+                    run_check=False,
+                    shape=shard.shape,
+                    stride=shard.stride(),
                 )
             else:
                 shards[name] = tensor.clone()
@@ -180,4 +191,6 @@ class FrozenModelActor(Actor):
 
 def _full(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors (a DTensor's shards gathered), so the file loads into any layout."""
-    return {name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor for name, tensor in state_dict.items()}
+    return {
+        name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor for name, tensor in state_dict.items()
+    }

@@ -76,8 +76,15 @@ class FrozenModelMesh:
 
 class FrozenModelSupervisor(PortServed, RestartingOwner):
     def __init__(
-        self, role: str, config: ReferenceConfig, model_dir: str, pad_id: int, store_index=None,
-        store_root: str | None = None, host: HostMesh | None = None, procs_per_host: int | None = None,
+        self,
+        role: str,
+        config: ReferenceConfig,
+        model_dir: str,
+        pad_id: int,
+        store_index=None,
+        store_root: str | None = None,
+        host: HostMesh | None = None,
+        procs_per_host: int | None = None,
         ema_file: str | None = None,
     ):
         """`role`: "reference" or "teacher" (mesh names, metrics). `config`, `model_dir`, `pad_id`,
@@ -93,9 +100,12 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         self.versions = TeacherVersions() if store_index is not None else None
         """A pinned teacher's served and staged versions, which a replacement loads again."""
         self.restarts = RestartingScorer(
-            self._start_incarnation, self._retire, config.max_restarts,
+            self._start_incarnation,
+            self._retire,
+            config.max_restarts,
             role="reference model" if role == "reference" else role,
-            budget_flag=f"{config.section}.max_restarts", restarts_metric=f"{role}/restarts",
+            budget_flag=f"{config.section}.max_restarts",
+            restarts_metric=f"{role}/restarts",
         )
         self.what_exited = f"a {role} process exited"
 
@@ -179,7 +189,14 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
 
             await set_torch_distributed_env(procs)
             model = procs.spawn(
-                name, FrozenModelActor, self.config, self.model_dir, self.pad_id, self.store_index, self.store_root, name
+                name,
+                FrozenModelActor,
+                self.config,
+                self.model_dir,
+                self.pad_id,
+                self.store_index,
+                self.store_root,
+                name,
             )
             setups = list((await model.setup.call()).values())
             if number > 1 and self.versions is not None:

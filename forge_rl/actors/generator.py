@@ -118,7 +118,11 @@ class GeneratorActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def generate_segment(
-        self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None, group_size: int,
+        self,
+        prompt_token_ids: list[int],
+        forced_length: int | None,
+        heads: list[list[int]] | None,
+        group_size: int,
         segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
         """One segment of a group (`VLLMEngine.generate_segment`): each piece with whether its
@@ -126,7 +130,11 @@ class GeneratorActor(PortServed, Actor):
         return await self._segment(prompt_token_ids, forced_length, heads, group_size, segment_tokens)
 
     async def _segment(
-        self, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None, group_size: int,
+        self,
+        prompt_token_ids: list[int],
+        forced_length: int | None,
+        heads: list[list[int]] | None,
+        group_size: int,
         segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
         pieces = await self._vllm_engine("generate_segment (generator.segment_tokens)").generate_segment(
@@ -153,8 +161,13 @@ class GeneratorActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def generate_pinned(
-        self, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
-        max_new_tokens: int, max_in_flight: int,
+        self,
+        policy_version: int,
+        episodes: list[Episode],
+        group_size: int,
+        temperature: float,
+        max_new_tokens: int,
+        max_in_flight: int,
     ) -> list[Episode] | None:
         """`generate` with `temperature` and `max_new_tokens`, while this generator serves exactly
         `policy_version`: it waits until the generator serves it, and no weight update starts
@@ -173,8 +186,11 @@ class GeneratorActor(PortServed, Actor):
             async def sampled(episode: Episode) -> list:
                 async with in_flight:
                     return await engine.generate(
-                        episode.prompt_token_ids, group_size, self.tokenizer.eos_id,
-                        temperature=temperature, max_new_tokens=max_new_tokens,
+                        episode.prompt_token_ids,
+                        group_size,
+                        self.tokenizer.eos_id,
+                        temperature=temperature,
+                        max_new_tokens=max_new_tokens,
                     )
 
             groups = await asyncio.gather(*(sampled(e) for e in episodes))
@@ -203,7 +219,7 @@ class GeneratorActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def sample(
-        self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None, weights_dir: str | None,
+        self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None, weights_dir: str | None
     ) -> SampleResult:
         """The service's sampling (forge_rl/service/meshes.py): `VLLMEngine.sample` with the
         adapter of `policy_version` (None: the base), which this generator loads from the weight
@@ -275,4 +291,3 @@ class GeneratorActor(PortServed, Actor):
         if self.store is not None:  # leases of an update cut short, fetched copies
             await self.store.close()
             self.store = None
-

@@ -263,8 +263,13 @@ class GeneratorPool(PortServed, Actor):
 
     @concurrent_endpoint
     async def generate_segment(
-        self, index: int, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]] | None,
-        group_size: int, segment_tokens: int,
+        self,
+        index: int,
+        prompt_token_ids: list[int],
+        forced_length: int | None,
+        heads: list[list[int]] | None,
+        group_size: int,
+        segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
         """One segment of a group from generator `index` (forge_rl/actors/generator.py
         `generate_segment`); raises GeneratorLost if it died meanwhile (the pieces sampled before
@@ -295,8 +300,14 @@ class GeneratorPool(PortServed, Actor):
 
     @concurrent_endpoint
     async def generate_pinned(
-        self, index: int, policy_version: int, episodes: list[Episode], group_size: int, temperature: float,
-        max_new_tokens: int, max_in_flight: int,
+        self,
+        index: int,
+        policy_version: int,
+        episodes: list[Episode],
+        group_size: int,
+        temperature: float,
+        max_new_tokens: int,
+        max_in_flight: int,
     ) -> list[Episode] | None:
         """Generator `index`'s `generate_pinned` (forge_rl/actors/generator.py): sampled with exactly
         `policy_version`, or None if it serves a newer one; raises GeneratorLost if it died meanwhile."""
@@ -304,7 +315,13 @@ class GeneratorPool(PortServed, Actor):
             return await self._forward(
                 self.slots[index],
                 lambda actor: self._calls.call(
-                    actor, "generate_pinned", policy_version, episodes, group_size, temperature, max_new_tokens,
+                    actor,
+                    "generate_pinned",
+                    policy_version,
+                    episodes,
+                    group_size,
+                    temperature,
+                    max_new_tokens,
                     max_in_flight,
                 ),
                 self.generate_timeout_s + self.update_timeout_s,  # it may wait for its version first
@@ -313,7 +330,11 @@ class GeneratorPool(PortServed, Actor):
 
     @concurrent_endpoint
     async def sample(
-        self, index: int, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None,
+        self,
+        index: int,
+        prompt_token_ids: list[int],
+        spec: SampleSpec,
+        policy_version: int | None,
         weights_dir: str | None,
     ) -> SampleResult:
         """Generator `index`'s `sample` (the service's): raises GeneratorLost if it died meanwhile."""
@@ -413,7 +434,9 @@ class GeneratorPool(PortServed, Actor):
     async def tokens_in_flight(self, index: int) -> int:
         """Generator `index`'s tokens sampled by requests in flight; raises GeneratorLost if it is not serving."""
         return await self._forward(
-            self.slots[index], lambda actor: actor.tokens_in_flight.call_one(), self.update_timeout_s,
+            self.slots[index],
+            lambda actor: actor.tokens_in_flight.call_one(),
+            self.update_timeout_s,
             "tokens_in_flight call ran past generator.update_timeout_s",
         )
 
@@ -446,7 +469,11 @@ class GeneratorPool(PortServed, Actor):
             if slot.notice_watch is not None:
                 slot.notice_watch.cancel()
         await asyncio.gather(
-            *(slot.actor.shutdown.call_one() for slot in self.slots if slot.state == SlotState.SERVING and slot.actor is not None),
+            *(
+                slot.actor.shutdown.call_one()
+                for slot in self.slots
+                if slot.state == SlotState.SERVING and slot.actor is not None
+            ),
             return_exceptions=True,
         )
 
@@ -508,8 +535,16 @@ class GeneratorPool(PortServed, Actor):
         # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
         store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
-            slot.mesh_name, self.generator_class, self.config, self.model_dir, self.max_model_len, store_index,
-            slot.store_reader_id, placement.cuda_devices, self.adapters, placement.cpus,
+            slot.mesh_name,
+            self.generator_class,
+            self.config,
+            self.model_dir,
+            self.max_model_len,
+            store_index,
+            slot.store_reader_id,
+            placement.cuda_devices,
+            self.adapters,
+            placement.cpus,
         )
         started = await within(
             self.config.start_timeout_s,
@@ -556,7 +591,9 @@ class GeneratorPool(PortServed, Actor):
         silent_since: dict[str, float] = {}
         while True:
             await asyncio.sleep(HOST_CHECK_INTERVAL_S)
-            serving = [s for s in self.slots if s.state == SlotState.SERVING and self.placements[s.index].worker is not None]
+            serving = [
+                s for s in self.slots if s.state == SlotState.SERVING and self.placements[s.index].worker is not None
+            ]
             workers = sorted({w for w in (self.placements[s.index].worker for s in serving) if w is not None})
             answers = await asyncio.gather(*(asyncio.to_thread(worker_answers, w, _CONNECT_TIMEOUT_S) for w in workers))
             now = time.monotonic()
@@ -569,7 +606,10 @@ class GeneratorPool(PortServed, Actor):
                     continue
                 for slot in serving:
                     if self.placements[slot.index].worker == worker and slot.state == SlotState.SERVING:
-                        self._begin_recovery(slot, reason=f"its host's worker {worker} has accepted no connection for {now - since:.0f} s")
+                        self._begin_recovery(
+                            slot,
+                            reason=f"its host's worker {worker} has accepted no connection for {now - since:.0f} s",
+                        )
 
     def _begin_recovery(self, slot: GeneratorSlot, reason: str) -> None:
         if self._stopping:
@@ -590,8 +630,13 @@ class GeneratorPool(PortServed, Actor):
             self._retire(slot)
             if worker is not None and not await asyncio.to_thread(worker_answers, worker, _CONNECT_TIMEOUT_S):
                 # Spawning there would wait out generator.start_timeout_s for nothing, each attempt.
-                progress(f"generator {slot.index}: its host's worker {worker} does not answer; it is not replaced there")
-                slot.state, slot.failure = SlotState.FAILED, f"its host's worker {worker} does not answer: the host is lost"
+                progress(
+                    f"generator {slot.index}: its host's worker {worker} does not answer; it is not replaced there"
+                )
+                slot.state, slot.failure = (
+                    SlotState.FAILED,
+                    f"its host's worker {worker} does not answer: the host is lost",
+                )
                 slot.serving.set()  # wakes wait_until_serving, which raises
                 return
             try:
@@ -603,7 +648,9 @@ class GeneratorPool(PortServed, Actor):
                     slot.state, slot.failure = SlotState.FAILED, f"{_MAX_START_ATTEMPTS} attempts failed, last: {e}"
                     slot.serving.set()  # wakes wait_until_serving, which raises
                     return
-        event.update(serving_at=time.time(), engine_start_s=started["engine_start_s"], policy_version=slot.policy_version)
+        event.update(
+            serving_at=time.time(), engine_start_s=started["engine_start_s"], policy_version=slot.policy_version
+        )
         progress(f"generator {slot.index} replaced and serving at policy version {slot.policy_version}")
 
     def _retire(self, slot: GeneratorSlot) -> None:

@@ -27,10 +27,16 @@ class RewardModelActor(Actor):
     async def setup(self) -> dict:
         started = time.perf_counter()
         if self.config.path is None:
-            raise ValueError("scorer.reward_model.path is unset: there is no reward model to serve. Set --scorer.reward-model.path.")
+            raise ValueError(
+                "scorer.reward_model.path is unset: there is no reward model to serve. Set --scorer.reward-model.path."
+            )
         model = SequenceClassifier(Path(self.config.path), self.config.output, self.config.num_threads)
         self.batcher = RewardBatcher(model.forward, self.config.max_batch_size, self.config.max_wait_ms / 1000)
-        return {"reward_model_setup_s": time.perf_counter() - started, "pid": os.getpid(), "hostname": socket.gethostname()}
+        return {
+            "reward_model_setup_s": time.perf_counter() - started,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+        }
 
     @concurrent_endpoint
     async def score(self, texts: list[str]) -> list[float]:

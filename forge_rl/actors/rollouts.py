@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 class RolloutsActor(PortServed, Actor):
     def __init__(
-        self, config: GRPOConfig, model_dir: str, generators: GeneratorPool, scoring: ScoringStage,
+        self,
+        config: GRPOConfig,
+        model_dir: str,
+        generators: GeneratorPool,
+        scoring: ScoringStage,
         policy_generators: dict[str, GeneratorPool] | None = None,
     ):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
@@ -45,11 +49,19 @@ class RolloutsActor(PortServed, Actor):
         self.rollouts = Rollouts(
             config,
             RolloutActors(
-                generators=PortCalled(generators, PortCalls()), score=scoring.score, stats=scoring.stats, renderer=renderer,
-                policy_generators={name: PortCalled(pool, PortCalls()) for name, pool in (policy_generators or {}).items()},
+                generators=PortCalled(generators, PortCalls()),
+                score=scoring.score,
+                stats=scoring.stats,
+                renderer=renderer,
+                policy_generators={
+                    name: PortCalled(pool, PortCalls()) for name, pool in (policy_generators or {}).items()
+                },
             ),
             PromptSource(
-                config.task, model_dir, config.generator.max_new_tokens, config.data,
+                config.task,
+                model_dir,
+                config.generator.max_new_tokens,
+                config.data,
                 config.max_model_len if config.data is not None else None,
             ),
         )
@@ -85,7 +97,11 @@ class RolloutsActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def step_done(
-        self, step: int, skipped: bool, policy_version: int, weights_dir: str,
+        self,
+        step: int,
+        skipped: bool,
+        policy_version: int,
+        weights_dir: str,
         policies: dict[str, tuple[bool, int, str | None]] | None = None,
     ) -> dict:
         trim_native_heap_if_due()  # once a minute at most
@@ -101,10 +117,9 @@ class RolloutsActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def load_state_dict(
-        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None,
+        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None
     ) -> int:
         return await self.rollouts.load_state_dict(state, policy_version, weights_dir, policies)
-
 
     @concurrent_endpoint
     async def add_generator(self) -> dict:

@@ -38,9 +38,13 @@ from forge_rl.types import Episode
 
 class ScorerActor(PortServed, Actor):
     def __init__(
-        self, config: ScorerConfig = ScorerConfig(), reward: str | dict[str, float] | None = "leading_number",
+        self,
+        config: ScorerConfig = ScorerConfig(),
+        reward: str | dict[str, float] | None = "leading_number",
         max_new_tokens: int = 0,
-        reward_model=None, teacher=None, judge=None,
+        reward_model=None,
+        teacher=None,
+        judge=None,
     ):
         """`reward`: the task's reward function, or each of its functions with its weight
         (`TaskConfig.reward_weights`); None: the episodes are an environment's, rewarded by it

@@ -76,7 +76,9 @@ class ScorerSupervisor(PortServed, RestartingOwner):
     async def score(self, episodes: list[Episode]) -> list[Episode]:
         """The scorer's `score`; if the scorer dies meanwhile, the same episodes are scored again
         by its replacement. Raises ScorerFailed once it died more than scorer.max_restarts times."""
-        return await self.restarts.call(lambda meshes: _lost_if_dead(self._calls.call(meshes.scorer, "score", episodes)), len(episodes))
+        return await self.restarts.call(
+            lambda meshes: _lost_if_dead(self._calls.call(meshes.scorer, "score", episodes)), len(episodes)
+        )
 
     @concurrent_endpoint
     async def stats(self) -> dict:
@@ -132,8 +134,14 @@ class ScorerSupervisor(PortServed, RestartingOwner):
             if config.judge.path is not None:
                 # A generator like the policy's, serving the judge's weights, which never change (no store).
                 judge = spawn(
-                    "judge", GeneratorActor, config.judge.generator, str(config.judge.path), config.judge.max_model_len,
-                    None, f"judge-r{number}", num_procs=config.judge.replicas,
+                    "judge",
+                    GeneratorActor,
+                    config.judge.generator,
+                    str(config.judge.path),
+                    config.judge.max_model_len,
+                    None,
+                    f"judge-r{number}",
+                    num_procs=config.judge.replicas,
                 )
                 starts.append(every_reply(judge.start.call()))
             scorer = spawn(

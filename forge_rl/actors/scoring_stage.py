@@ -58,7 +58,14 @@ class ScoringStage:
 
     @classmethod
     def spawn(
-        cls, config: GRPOConfig, services, hosts: Hosts, model_dir: str, pad_id: int, store_index, store_root: str,
+        cls,
+        config: GRPOConfig,
+        services,
+        hosts: Hosts,
+        model_dir: str,
+        pad_id: int,
+        store_index,
+        store_root: str,
         run_path: Path,
     ) -> ScoringStage:
         """The supervisors, beside the services (`services`: their process mesh); each spawns
@@ -74,19 +81,38 @@ class ScoringStage:
                 teacher_model, store = model_dir, (store_index, store_root)
             keeps_average = teacher_config.pin == "ema" and teacher_config.keep_ema_average
             teacher = services.spawn(
-                "teacher", FrozenModelSupervisor, "teacher", teacher_config, teacher_model, pad_id, *store,
-                *hosts.owned_ranks(teacher_config.num_procs), str(run_path / TEACHER_EMA_FILE) if keeps_average else None,
+                "teacher",
+                FrozenModelSupervisor,
+                "teacher",
+                teacher_config,
+                teacher_model,
+                pad_id,
+                *store,
+                *hosts.owned_ranks(teacher_config.num_procs),
+                str(run_path / TEACHER_EMA_FILE) if keeps_average else None,
             )
         # None: the episodes carry their environment's rewards, which take the reward function's place.
         reward = None if config.environment.name is not None else config.task.reward_weights
         scorer = services.spawn(
-            "scorer", ScorerSupervisor, config.scorer, reward, config.generator.max_new_tokens, teacher,
+            "scorer",
+            ScorerSupervisor,
+            config.scorer,
+            reward,
+            config.generator.max_new_tokens,
+            teacher,
             hosts.owned_host(config.launch.placement.scorer_host_index),
         )
         reference = None
         if config.uses_reference_model:
             reference = services.spawn(
-                "reference", FrozenModelSupervisor, "reference", config.reference, model_dir, pad_id, None, None,
+                "reference",
+                FrozenModelSupervisor,
+                "reference",
+                config.reference,
+                model_dir,
+                pad_id,
+                None,
+                None,
                 *hosts.owned_ranks(config.reference.num_procs),
             )
         pinned = teacher is not None and config.scorer.teacher.pin != "fixed"
@@ -96,10 +122,14 @@ class ScoringStage:
             teacher=teacher,
             calls_scorer=calls_scorer(config),
             dynamic_sampling=DynamicSampling(
-                config.dynamic_sampling_max_filtered_steps, config.prompts_per_step,
-                config.trainer.loss.normalize_advantage_std, config.trainer.loss.step_discount,
+                config.dynamic_sampling_max_filtered_steps,
+                config.prompts_per_step,
+                config.trainer.loss.normalize_advantage_std,
+                config.trainer.loss.step_discount,
                 config.trainer.loss.local_advantage_weight,
-            ) if config.dynamic_sampling else None,
+            )
+            if config.dynamic_sampling
+            else None,
             after_publish=pinned_teacher_refresh(teacher, config.scorer.teacher) if pinned else None,
         )
 

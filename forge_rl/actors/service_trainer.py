@@ -32,8 +32,13 @@ if TYPE_CHECKING:
 
 class ServiceTrainerActor(Actor):
     def __init__(
-        self, config: TrainerConfig, model_dir: str, store_index: StoreIndexActor, store_root: str,
-        publish: PublishConfig = PublishConfig(), cpus: tuple[int, ...] | None = None,
+        self,
+        config: TrainerConfig,
+        model_dir: str,
+        store_index: StoreIndexActor,
+        store_root: str,
+        publish: PublishConfig = PublishConfig(),
+        cpus: tuple[int, ...] | None = None,
     ):
         self.cpus = pin_this_process(cpus)
         self.config = config
@@ -54,7 +59,9 @@ class ServiceTrainerActor(Actor):
         started = time.perf_counter()
         self.tenants = TenantTrainer(PolicyTrainer(self.config, self.model_dir))
         if self.rank == 0:
-            store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
+            store = WeightStore(
+                self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum
+            )
             self.publisher = WeightPublisher(store, self.publish_config)
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "lora_rank": self.tenants.rank}
 
@@ -70,7 +77,7 @@ class ServiceTrainerActor(Actor):
 
     @endpoint
     async def forward_backward(
-        self, tenant: str, data: list, loss_fn: str, loss_fn_config: dict | None, backward: bool,
+        self, tenant: str, data: list, loss_fn: str, loss_fn_config: dict | None, backward: bool
     ) -> tuple[list[dict], dict[str, float]]:
         """`TenantTrainer.forward_backward`: each datum's outputs and the call's metrics."""
         assert self.tenants is not None  # built by setup, which every rank runs first

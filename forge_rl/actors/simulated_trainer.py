@@ -20,7 +20,13 @@ from forge_rl.errors import ConfigError
 from forge_rl.observability import metrics as m
 from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.training.trainer_config import TrainerConfig
-from forge_rl.training.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.training.trainer_steps import (
+    BatchPrefetch,
+    PulledStep,
+    StepTurns,
+    TrainStepResult,
+    train_pulled_batch_in_turn,
+)
 from forge_rl.types import Episode
 
 
@@ -40,19 +46,27 @@ class SimulatedTrainerActor(PortServed, Actor):
     @endpoint  # as the TrainerActor's
     async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         return await train_pulled_batch_in_turn(
-            self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
+            self._turns,
+            step,
+            None if rollouts is None else PortCalled(rollouts, self._calls),
+            num_ranks,
+            self._train_pulled,
+            self._prefetch,
+            prefetch_next,
         )
 
     async def _train_pulled(self, columns: BatchColumns | None) -> TrainStepResult:
-        assert columns is not None  # a batch has nothing for a trainer only with several policies, which a simulation refuses
+        assert (
+            columns is not None
+        )  # a batch has nothing for a trainer only with several policies, which a simulation refuses
         return await self._train_step(columns)
 
     @endpoint
     async def train_step(self, episodes: list[Episode]) -> TrainStepResult:
         loss = self.config.loss
-        return await self._train_step(batch_columns(
-            episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
-        ))
+        return await self._train_step(
+            batch_columns(episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight)
+        )
 
     async def _train_step(self, columns: BatchColumns) -> TrainStepResult:
         started = time.perf_counter()

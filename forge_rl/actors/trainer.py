@@ -29,7 +29,13 @@ from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher
 from forge_rl.training.trainer_config import TrainerConfig
-from forge_rl.training.trainer_steps import BatchPrefetch, PulledStep, StepTurns, TrainStepResult, train_pulled_batch_in_turn
+from forge_rl.training.trainer_steps import (
+    BatchPrefetch,
+    PulledStep,
+    StepTurns,
+    TrainStepResult,
+    train_pulled_batch_in_turn,
+)
 from forge_rl.types import Episode
 
 if TYPE_CHECKING:
@@ -84,7 +90,9 @@ class TrainerActor(PortServed, Actor):
         # picking its device.
         self.trainer = PolicyTrainer(self.config, self.model_dir)
         if self.rank == 0:
-            store = WeightStore(self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum)
+            store = WeightStore(
+                self.store_index, self.store_root, extra_files_dir=self.model_dir, checksum=self.publish_config.checksum
+            )
             self.publisher = WeightPublisher(store, self.publish_config)
         freeze_startup_objects()  # the model, torch and TorchTitan: no full GC scans them mid-step
         return {"trainer_setup_s": time.perf_counter() - started, "pid": os.getpid(), "cpus": self.cpus}
@@ -105,7 +113,13 @@ class TrainerActor(PortServed, Actor):
         this one's is in hand. `rollouts` comes with the loop's first step only, None after
         (BatchPrefetch keeps it). None if a stop withheld the batch."""
         return await train_pulled_batch_in_turn(
-            self._turns, step, None if rollouts is None else PortCalled(rollouts, self._calls), num_ranks, self._train_pulled, self._prefetch, prefetch_next
+            self._turns,
+            step,
+            None if rollouts is None else PortCalled(rollouts, self._calls),
+            num_ranks,
+            self._train_pulled,
+            self._prefetch,
+            prefetch_next,
         )
 
     async def _train_pulled(self, columns: BatchColumns | None) -> TrainStepResult:
@@ -114,7 +128,9 @@ class TrainerActor(PortServed, Actor):
         if columns is None:
             assert self.trainer is not None  # built by setup, which every rank runs first
             version = self.trainer.policy_version
-            return TrainStepResult(version, True, None, {"step_skipped": 1.0, "policy_version": version, TRAINED_TOKENS: 0})
+            return TrainStepResult(
+                version, True, None, {"step_skipped": 1.0, "policy_version": version, TRAINED_TOKENS: 0}
+            )
         return await self._train_step(columns, publish_after_reply=True)
 
     @endpoint
@@ -161,7 +177,9 @@ class TrainerActor(PortServed, Actor):
             weights_dir = None
             if not skipped:
                 self._publishing = asyncio.ensure_future(self._publish())
-                weights_dir = str(self.store_root / version_key(self.trainer.policy_version)) if self.rank == 0 else None
+                weights_dir = (
+                    str(self.store_root / version_key(self.trainer.policy_version)) if self.rank == 0 else None
+                )
             metrics[TRAINER_PUBLISH_S] = waited_s
             published_before.pop("weights/dir", None)
             return TrainStepResult(self.trainer.policy_version, skipped, weights_dir, metrics | published_before)

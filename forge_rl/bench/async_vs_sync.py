@@ -201,8 +201,10 @@ def pinned_apart(base: GRPOConfig) -> GRPOConfig:
     use and its trainer ranks on the second."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        raise ConfigError(f"--pin-cores needs two cores to pin the generator and the trainer apart; this process "
-                          f"may use {len(cores)} ({cores}). Drop --pin-cores.")
+        raise ConfigError(
+            f"--pin-cores needs two cores to pin the generator and the trainer apart; this process "
+            f"may use {len(cores)} ({cores}). Drop --pin-cores."
+        )
     placement = dataclasses.replace(base.launch.placement, generator_cpus=(cores[0],), trainer_cpus=(cores[1],))
     return dataclasses.replace(base, launch=dataclasses.replace(base.launch, placement=placement))
 
@@ -222,7 +224,10 @@ def compare_modes(base: GRPOConfig, args: AsyncVsSyncArgs, bench_name: str) -> d
     return {
         **compare(per_mode["sync"], per_mode["async"]),
         "config": str(args.config),
-        "placement": {"generator_cpus": base.launch.placement.generator_cpus, "trainer_cpus": base.launch.placement.trainer_cpus},
+        "placement": {
+            "generator_cpus": base.launch.placement.generator_cpus,
+            "trainer_cpus": base.launch.placement.trainer_cpus,
+        },
         "max_policy_age_async": args.max_policy_age,
         "sync": per_mode["sync"],
         "async": per_mode["async"],

@@ -30,7 +30,15 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to, time_to_reward
+from forge_rl.bench.common import (
+    SMOOTHING_STEPS,
+    final_reward_spread,
+    reuse_or_run_variant,
+    seeded,
+    smoothed,
+    steps_to,
+    time_to_reward,
+)
 from forge_rl.config import GRPOConfig
 from forge_rl.core.branches import BranchConfig
 from forge_rl.errors import ConfigError
@@ -70,9 +78,7 @@ def variant_changes(base: GRPOConfig) -> dict[str, dict]:
     plain = BranchConfig()
     return {
         "branch": {},
-        "plain-equal": {
-            "branch": plain, "group_size": samples, "train_batch_size": base.prompts_per_step * samples,
-        },
+        "plain-equal": {"branch": plain, "group_size": samples, "train_batch_size": base.prompts_per_step * samples},
         "plain-roots": {"branch": plain},
     }
 
@@ -117,8 +123,12 @@ def plot(paths: dict[str, dict[int, Path]], target: float, out: Path) -> None:
         for seed, path in by_seed.items():
             metrics = read_metrics(path)
             axis.plot(
-                [m[WALL_TIME_S] for m in metrics][SMOOTHING_STEPS - 1 :], smoothed([m[REWARD_MEAN] for m in metrics]),
-                color=colors[name], lw=1, alpha=0.8, label=name if seed == min(by_seed) else None,
+                [m[WALL_TIME_S] for m in metrics][SMOOTHING_STEPS - 1 :],
+                smoothed([m[REWARD_MEAN] for m in metrics]),
+                color=colors[name],
+                lw=1,
+                alpha=0.8,
+                label=name if seed == min(by_seed) else None,
             )
     axis.axhline(target, color="gray", ls="--", lw=0.8)
     axis.set_xlabel("seconds since the loops started")
@@ -146,16 +156,23 @@ def main(args: BranchesBenchArgs) -> dict:
             paths[name][seed] = path
             runs[name][seed] = run_figures(read_metrics(path), args.target_reward)
     summary: dict = {
-        "steps": base.steps, "seeds": list(args.seeds), "target_reward": args.target_reward,
-        "samples_per_prompt_branch": changes["plain-equal"]["group_size"], "group_size": base.group_size,
+        "steps": base.steps,
+        "seeds": list(args.seeds),
+        "target_reward": args.target_reward,
+        "samples_per_prompt_branch": changes["plain-equal"]["group_size"],
+        "group_size": base.group_size,
     }
     for name in VARIANTS:
         summary[name] = over_seeds(list(runs[name].values()))
         for key in ("final_reward_mean", "final_reward_stdev", "time_to_target_s_mean", "generated_tokens_mean"):
             summary[f"{key}_{name}"] = summary[name][key]
     branch, plain = summary["branch"], summary["plain-equal"]
-    summary["branch_over_plain_equal_generated_tokens"] = _ratio(branch["generated_tokens_mean"], plain["generated_tokens_mean"])
-    summary["branch_over_plain_equal_time_to_target"] = _ratio(branch["time_to_target_s_mean"], plain["time_to_target_s_mean"])
+    summary["branch_over_plain_equal_generated_tokens"] = _ratio(
+        branch["generated_tokens_mean"], plain["generated_tokens_mean"]
+    )
+    summary["branch_over_plain_equal_time_to_target"] = _ratio(
+        branch["time_to_target_s_mean"], plain["time_to_target_s_mean"]
+    )
     summary["runs"] = runs
     plot(paths, args.target_reward, args.out_dir / "branches.png")
     (args.out_dir / "branches.json").write_text(json.dumps(summary, indent=2) + "\n")

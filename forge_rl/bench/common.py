@@ -67,7 +67,10 @@ def reuse_or_run_variant(base: GRPOConfig, out_dir: Path, name: str, **changes) 
 
 def smoothed(rewards: list[float]) -> list[float]:
     """Means of SMOOTHING_STEPS consecutive steps; the first is the mean of steps 1..SMOOTHING_STEPS."""
-    return [sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS for i in range(SMOOTHING_STEPS - 1, len(rewards))]
+    return [
+        sum(rewards[i - SMOOTHING_STEPS + 1 : i + 1]) / SMOOTHING_STEPS
+        for i in range(SMOOTHING_STEPS - 1, len(rewards))
+    ]
 
 
 def steps_to(rewards: list[float], target: float) -> int | None:

@@ -58,7 +58,9 @@ class DistillArgs:
     def __post_init__(self) -> None:
         for name in ("teacher_steps", "steps"):
             if getattr(self, name) < FINAL_REWARD_WINDOW:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be >= {FINAL_REWARD_WINDOW}. Set --{name.replace('_', '-')}.")
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be >= {FINAL_REWARD_WINDOW}. Set --{name.replace('_', '-')}."
+                )
         if not 0 < self.threshold <= 1:
             raise ValueError(f"threshold ({self.threshold}) must be in (0, 1]. Set --threshold.")
 
@@ -118,7 +120,11 @@ def run_students(base: GRPOConfig, args: DistillArgs, teacher_model: Path) -> di
     teacher = TeacherConfig(path=teacher_model, weight=args.teacher_weight)
     progress(f"bench distill: distilling into a fresh student ({args.steps} steps)")
     distill = run_variant(
-        base, args.out_dir, "distill", steps=args.steps, checkpoint=no_checkpoints,
+        base,
+        args.out_dir,
+        "distill",
+        steps=args.steps,
+        checkpoint=no_checkpoints,
         scorer=dataclasses.replace(base.scorer, reward_fn_weight=0.0, teacher=teacher),
     )
     progress(f"bench distill: GRPO from scratch on the same student ({args.steps} steps)")
@@ -148,7 +154,9 @@ def main(args: DistillArgs) -> dict:
     )
     labels = {"teacher": "teacher (its training)", "distill": "student, distilled", "grpo": "student, GRPO"}
     plot_per_step(
-        {labels[name]: c for name, c in curves.items()}, "task reward (verifier)", summary["target_reward"],
+        {labels[name]: c for name, c in curves.items()},
+        "task reward (verifier)",
+        summary["target_reward"],
         args.out_dir / "distill_reward.png",
     )
     (args.out_dir / "distill.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -65,9 +65,13 @@ def main(args: ElasticArgs) -> dict:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if base.simulated:
-        generator = dataclasses.replace(base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale))
+        generator = dataclasses.replace(
+            base.generator, sim=dataclasses.replace(base.generator.sim, time_scale=args.time_scale)
+        )
         # A trainer step that costs nothing: generation sets the pace, so the pool's size shows.
-        trainer = dataclasses.replace(base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0))
+        trainer = dataclasses.replace(
+            base.trainer, sim=dataclasses.replace(base.trainer.sim, step_fixed_s=0.0, step_per_token_s=0.0)
+        )
     else:
         generator, trainer = base.generator, base.trainer
     config = dataclasses.replace(
@@ -92,14 +96,18 @@ def main(args: ElasticArgs) -> dict:
         phase_steps = metrics[number * args.steps_per_phase : (number + 1) * args.steps_per_phase]
         steps = [m for m in phase_steps if m[NUM_GENERATORS] == count][1:]
         if not steps:
-            raise RuntimeError(f"phase {number} ({count} generators) had fewer than 2 steps with its whole pool: raise --steps-per-phase")
-        per_phase.append({
-            "generators": count,
-            "steps_measured": len(steps),
-            "change_s": phases.change_s[number - 1] if number else 0.0,
-            "generated_tokens_per_s": statistics.mean(m[GENERATED_TOKENS_PER_S] for m in steps),
-            "trained_tokens_per_s": statistics.mean(m[TRAINED_TOKENS_PER_S] for m in steps),
-        })
+            raise RuntimeError(
+                f"phase {number} ({count} generators) had fewer than 2 steps with its whole pool: raise --steps-per-phase"
+            )
+        per_phase.append(
+            {
+                "generators": count,
+                "steps_measured": len(steps),
+                "change_s": phases.change_s[number - 1] if number else 0.0,
+                "generated_tokens_per_s": statistics.mean(m[GENERATED_TOKENS_PER_S] for m in steps),
+                "trained_tokens_per_s": statistics.mean(m[TRAINED_TOKENS_PER_S] for m in steps),
+            }
+        )
     accounting = figures["accounting"]
     summary = {
         "simulated": base.simulated,

@@ -71,14 +71,14 @@ def main(args: EvalOverheadArgs) -> dict:
         )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     held_out = args.out_dir / "held_out.jsonl"
-    written = export_rows(TaskRows(dataclasses.replace(base.task, seed=base.task.seed + 1)), held_out, args.eval_prompts, unique=True)
+    written = export_rows(
+        TaskRows(dataclasses.replace(base.task, seed=base.task.seed + 1)), held_out, args.eval_prompts, unique=True
+    )
     evaluation = EvalConfig(
         sets=(EvalSetConfig("held_out", DataConfig(str(held_out), answer_column="answer"), max_prompts=written),),
         every_n_steps=args.every_n_steps,
     )
-    base = dataclasses.replace(
-        base, steps=args.steps, checkpoint=dataclasses.replace(base.checkpoint, enabled=False)
-    )
+    base = dataclasses.replace(base, steps=args.steps, checkpoint=dataclasses.replace(base.checkpoint, enabled=False))
     modes = ("off", *args.placements)
     order = interleaved(modes, args.repeats)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}

@@ -80,7 +80,9 @@ def main(args: FaultsBenchArgs) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     figures = {}
     for mode in MODES:
-        progress(f"bench faults: {mode} run, {args.num_generators} generators, a kill every {args.kill_every_steps} steps")
+        progress(
+            f"bench faults: {mode} run, {args.num_generators} generators, a kill every {args.kill_every_steps} steps"
+        )
         figures[mode] = run_mode(run_config(base, args, mode), args)
     summary = {
         "benchmark": "faults",
@@ -93,10 +95,12 @@ def main(args: FaultsBenchArgs) -> dict:
         # None when the migrated run wasted nothing (every kill fell between two segments).
         "wasted_reissue_over_migrate": (
             figures["reissue"]["wasted_fraction"] / figures["migrate"]["wasted_fraction"]
-            if figures["migrate"]["wasted_fraction"] else None
+            if figures["migrate"]["wasted_fraction"]
+            else None
         ),
         "salvaged_tokens_migrate": figures["migrate"]["salvaged_tokens"],
-        "steps_per_s_migrate_over_reissue": figures["migrate"]["steps_per_s"] / max(figures["reissue"]["steps_per_s"], 1e-12),
+        "steps_per_s_migrate_over_reissue": figures["migrate"]["steps_per_s"]
+        / max(figures["reissue"]["steps_per_s"], 1e-12),
         "accounting_ok": all(figures[mode]["accounting_ok"] for mode in MODES),
         "modes": figures,
     }
@@ -114,9 +118,12 @@ def run_config(base: GRPOConfig, args: FaultsBenchArgs, mode: str) -> GRPOConfig
         train_batch_size=args.train_batch_size,
         group_size=args.group_size,
         prompts_in_flight_per_generator=args.prompts_in_flight_per_generator,
-        task=dataclasses.replace(base.task, completion_lengths="long_tail", long_tail_min_tokens=args.long_tail_min_tokens),
+        task=dataclasses.replace(
+            base.task, completion_lengths="long_tail", long_tail_min_tokens=args.long_tail_min_tokens
+        ),
         generator=dataclasses.replace(
-            base.generator, max_new_tokens=args.max_new_tokens,
+            base.generator,
+            max_new_tokens=args.max_new_tokens,
             segment_tokens=args.segment_tokens if mode == "migrate" else None,
         ),
     )
@@ -128,7 +135,12 @@ def run_mode(config: GRPOConfig, args: FaultsBenchArgs) -> dict:
     assert config.run_name is not None  # run_config names each mode's run
     shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run
     killer = _KillInTurn(
-        config.num_generators, args.kill_every_steps, config.steps, args.kill_delay_max_s, args.seed, args.recovery_timeout_s
+        config.num_generators,
+        args.kill_every_steps,
+        config.steps,
+        args.kill_delay_max_s,
+        args.seed,
+        args.recovery_timeout_s,
     )
     started = time.monotonic()
     figures, run_path = run_probed(config, after_step=killer.after_step)
@@ -162,7 +174,9 @@ class _KillInTurn:
     for a convenient moment), its tokens in flight read first; the train loop goes on meanwhile.
     After the second-to-last step every kill is done and every victim serves again."""
 
-    def __init__(self, num_generators: int, every: int, steps: int, max_delay_s: float, seed: int, recovery_timeout_s: float):
+    def __init__(
+        self, num_generators: int, every: int, steps: int, max_delay_s: float, seed: int, recovery_timeout_s: float
+    ):
         self.num_generators, self.every, self.steps = num_generators, every, steps
         self.max_delay_s, self.rng = max_delay_s, random.Random(seed)
         self.recovery_timeout_s = recovery_timeout_s

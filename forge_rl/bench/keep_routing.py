@@ -115,7 +115,12 @@ class KeepRoutingArgs:
                 "resubmit_after needs the next version (max_staleness >= 1): the continuation runs on "
                 "the weights after one optimizer step. Set --max-staleness 1 or more, or --resubmit-after 0."
             )
-        for name, least in (("pretrain_steps", 0), ("pretrain_batch_size", 1), ("max_staleness", 0), ("reward_steps", 0)):
+        for name, least in (
+            ("pretrain_steps", 0),
+            ("pretrain_batch_size", 1),
+            ("max_staleness", 0),
+            ("reward_steps", 0),
+        ):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= {least}. Set --{name.replace('_', '-')}.")
 
@@ -151,9 +156,9 @@ def _recording_engine(args: KeepRoutingArgs, model_dir: Path, seed: int):
     result on the engine's own event loop); shut down on exit."""
     from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
 
-    engine = VLLMEngine(GeneratorConfig(
-        max_new_tokens=args.max_new_tokens, record_routing=True, seed=seed, dtype=args.generator_dtype
-    ))
+    engine = VLLMEngine(
+        GeneratorConfig(max_new_tokens=args.max_new_tokens, record_routing=True, seed=seed, dtype=args.generator_dtype)
+    )
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(engine.start(model_dir, max_model_len=64))
@@ -198,10 +203,16 @@ def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, head
     assert args.resubmit_after is not None  # __post_init__ sets it
     with _recording_engine(args, next_dir, args.seed + 1) as (engine, run):
         for episode, group in zip(episodes, heads):
-            tails = run(engine.generate_segment(
-                episode.prompt_token_ids, [head.token_ids for head in group], 1, None, None,
-                args.max_new_tokens - args.resubmit_after,
-            ))
+            tails = run(
+                engine.generate_segment(
+                    episode.prompt_token_ids,
+                    [head.token_ids for head in group],
+                    1,
+                    None,
+                    None,
+                    args.max_new_tokens - args.resubmit_after,
+                )
+            )
             completions = []
             for head, (tail, _) in zip(group, tails):
                 # This engine loaded `version` from a directory, so it labels its tokens 0: they
@@ -211,7 +222,9 @@ def _resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episodes, head
                 completion = join_pieces(head, tail)
                 _score(completion, tokenizer, episode.answer)
                 completions.append(completion)
-            out.append(Episode(episode.episode_id, episode.prompt_text, episode.answer, episode.prompt_token_ids, completions))
+            out.append(
+                Episode(episode.episode_id, episode.prompt_text, episode.answer, episode.prompt_token_ids, completions)
+            )
     return out
 
 
@@ -248,14 +261,20 @@ def _pretrain(args: KeepRoutingArgs, model_dir: Path) -> dict:
     start = time.perf_counter()
     tokenizer = PromptTokenizer(model_dir)
     samples = task_text_samples(
-        tokenizer, TaskConfig(seed=TEXT_TASK_SEED), args.pretrain_steps * args.pretrain_batch_size,
+        tokenizer,
+        TaskConfig(seed=TEXT_TASK_SEED),
+        args.pretrain_steps * args.pretrain_batch_size,
         _PROBLEMS_PER_SEQUENCE,
     )
     losses = train_in_place(
         model_dir, samples, args.pretrain_steps, args.pretrain_batch_size, args.pretrain_lr, args.seed, tokenizer.pad_id
     )
-    return {"steps": args.pretrain_steps, "first_loss": losses[0], "final_loss": losses[-1],
-            "seconds": time.perf_counter() - start}
+    return {
+        "steps": args.pretrain_steps,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def _router_decisiveness(scores_BLE: list, top_k: int, rows_NL) -> dict[str, float]:
@@ -265,7 +284,9 @@ def _router_decisiveness(scores_BLE: list, top_k: int, rows_NL) -> dict[str, flo
     import torch
 
     sorted_RXE = torch.stack([scores[rows_NL] for scores in scores_BLE], dim=1).sort(-1, descending=True).values
-    margin = sorted_RXE[..., top_k - 1] - sorted_RXE[..., top_k] if sorted_RXE.shape[-1] > top_k else sorted_RXE[..., -1]
+    margin = (
+        sorted_RXE[..., top_k - 1] - sorted_RXE[..., top_k] if sorted_RXE.shape[-1] > top_k else sorted_RXE[..., -1]
+    )
     return {"router_topk_mass": sorted_RXE[..., :top_k].sum(-1).mean().item(), "router_margin": margin.mean().item()}
 
 
@@ -317,10 +338,14 @@ def _measure(trainer, batch, reencoded_T=None) -> dict[str, float]:
     differs_NL = torch.zeros_like(mask_NL)
     differs_NL[:, 1:] = routing_differs_NL(own_NLXK, batch.routed_experts_NLXK[:, 1:]) & recorded_NL[:, 1:]
     affected_NL = differs_NL.int().cummax(dim=1).values.bool()
-    out = {"routing_differs_fraction": differs_NL[recorded_NL].float().mean().item(),
-           "routing_affected_fraction": affected_NL[mask_NL].float().mean().item()}
+    out = {
+        "routing_differs_fraction": differs_NL[recorded_NL].float().mean().item(),
+        "routing_affected_fraction": affected_NL[mask_NL].float().mean().item(),
+    }
     sampling_rows_NL = recorded_NL[:, 1:]
-    out.update(_router_decisiveness([s[:, :-1] for s in scores_BLE], batch.routed_experts_NLXK.shape[-1], sampling_rows_NL))
+    out.update(
+        _router_decisiveness([s[:, :-1] for s in scores_BLE], batch.routed_experts_NLXK.shape[-1], sampling_rows_NL)
+    )
     for name, trainer_NL in (("without", trainer_without_NL), ("with", trainer_with_NL)):
         log_ratio_T = (trainer_NL - batch.behaviour_logprobs_NL)[mask_NL]
         kl_T = k3_kl_NL(log_ratio_T.clamp(-20, 20))
@@ -362,10 +387,14 @@ def _measure_resubmitted(args: KeepRoutingArgs, trainer, model_dir: Path, episod
         raise AssertionError(f"{len(reencoded_T)} flags for {int(batch.loss_mask_NL.sum())} generated tokens")
     measured = _measure(trainer, batch, torch.tensor(reencoded_T))
     measured["reencoded_tokens"] = sum(reencoded_T)
-    progress("bench keep-routing: resubmitted, on the continued tokens: " + ", ".join(
-        f"{k} {measured[k]:.4g}" for k in ("without/reencoded_kl_mean", "with/reencoded_kl_mean",
-                                           "reencoded_mismatch_kl_ratio") if measured.get(k) is not None
-    ))
+    progress(
+        "bench keep-routing: resubmitted, on the continued tokens: "
+        + ", ".join(
+            f"{k} {measured[k]:.4g}"
+            for k in ("without/reencoded_kl_mean", "with/reencoded_kl_mean", "reencoded_mismatch_kl_ratio")
+            if measured.get(k) is not None
+        )
+    )
     return measured
 
 
@@ -412,9 +441,10 @@ def main(args: KeepRoutingArgs) -> dict:
     per_staleness = []
     for staleness in range(args.max_staleness + 1):
         measured: dict[str, Any] = {"staleness": staleness, **_measure(trainer, batch)}
-        progress("bench keep-routing: " + ", ".join(
-            f"{k} {measured[k]:.4g}" for k in _PROGRESS_KEYS if measured.get(k) is not None
-        ))
+        progress(
+            "bench keep-routing: "
+            + ", ".join(f"{k} {measured[k]:.4g}" for k in _PROGRESS_KEYS if measured.get(k) is not None)
+        )
         if staleness == 1 and heads is not None:
             measured["resubmitted"] = _measure_resubmitted(args, trainer, model_dir, episodes, heads)
         per_staleness.append(measured)
@@ -442,20 +472,24 @@ def main(args: KeepRoutingArgs) -> dict:
         "mean_reward": statistics.mean(c.reward for e in episodes for c in e.completions),
         "model": {
             "path": None if args.model_path is None else str(args.model_path),
-            "num_layers": shape.num_layers, "num_experts": shape.num_experts, "top_k": shape.top_k,
+            "num_layers": shape.num_layers,
+            "num_experts": shape.num_experts,
+            "top_k": shape.top_k,
         },
         "pretrain": json.loads(pretrain_json.read_text()) if pretrain_json.is_file() else None,
         "per_staleness": per_staleness,
     }
     if heads is not None:
         resubmitted = per_staleness[1]["resubmitted"]
-        summary.update({
-            "resubmit_after": args.resubmit_after,
-            "reencoded_mismatch_kl_ratio": resubmitted["reencoded_mismatch_kl_ratio"],
-            "reencoded_mismatch_kl_without": resubmitted["without/reencoded_kl_mean"],
-            "reencoded_mismatch_kl_with": resubmitted["with/reencoded_kl_mean"],
-            "reencoded_tokens": resubmitted["reencoded_tokens"],
-        })
+        summary.update(
+            {
+                "resubmit_after": args.resubmit_after,
+                "reencoded_mismatch_kl_ratio": resubmitted["reencoded_mismatch_kl_ratio"],
+                "reencoded_mismatch_kl_without": resubmitted["without/reencoded_kl_mean"],
+                "reencoded_mismatch_kl_with": resubmitted["with/reencoded_kl_mean"],
+                "reencoded_tokens": resubmitted["reencoded_tokens"],
+            }
+        )
     if args.reward_steps:
         summary.update(reward_curves(args))
     (args.out_dir / "keep_routing.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -494,7 +528,9 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
             progress(f"bench keep-routing: GRPO on the MoE, {variant}, seed {seed}, {args.reward_steps} steps")
             config = seeded(base, seed)
             run = run_variant(
-                config, args.out_dir / "reward-runs", f"{variant}-seed{seed}",
+                config,
+                args.out_dir / "reward-runs",
+                f"{variant}-seed{seed}",
                 trainer=dataclasses.replace(config.trainer, keep_routing=variant == "keep_routing"),
             )
             metrics = read_metrics(run)
@@ -508,16 +544,31 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
         "final_reward_without": finals["without"],
         "mismatch_kl_run_mean_keep_routing": mismatch["keep_routing"],
         "mismatch_kl_run_mean_without": mismatch["without"],
-        "reward_runs": {"config": str(args.reward_config), "steps": args.reward_steps, "seeds": list(args.reward_seeds),
-                        "num_experts": tiny.num_experts, "num_experts_per_tok": tiny.num_experts_per_tok,
-                        "wall_s": time.perf_counter() - started},
+        "reward_runs": {
+            "config": str(args.reward_config),
+            "steps": args.reward_steps,
+            "seeds": list(args.reward_seeds),
+            "num_experts": tiny.num_experts,
+            "num_experts_per_tok": tiny.num_experts_per_tok,
+            "wall_s": time.perf_counter() - started,
+        },
     }
 
 
 _PROGRESS_KEYS = (
-    "staleness", "mismatch_kl_without", "mismatch_kl_with", "mismatch_kl_ratio", "ratio_floor",
-    "max_token_kl_without", "max_token_kl_with",
-    "routing_differs_fraction", "routing_affected_fraction", "without/affected_kl_share",
-    "with/affected_kl_mean", "with/affected_rest_kl_mean", "router_topk_mass", "router_margin",
+    "staleness",
+    "mismatch_kl_without",
+    "mismatch_kl_with",
+    "mismatch_kl_ratio",
+    "ratio_floor",
+    "max_token_kl_without",
+    "max_token_kl_with",
+    "routing_differs_fraction",
+    "routing_affected_fraction",
+    "without/affected_kl_share",
+    "with/affected_kl_mean",
+    "with/affected_rest_kl_mean",
+    "router_topk_mass",
+    "router_margin",
 )
 """What each staleness prints on stderr (keep_routing.json has every field)."""

@@ -115,9 +115,12 @@ class TrainerSide:
 
         self.set_version(version)
         started = time.perf_counter()
-        tensors, config = peft_adapter(self.adapters.adapter_state_dict(), self.lora, self.args.model_path, torch.float32)
-        return started, await self.publisher.publish(version, tensors, time.perf_counter() - started,
-                                                     adapter=(config, str(self.args.model_path)))
+        tensors, config = peft_adapter(
+            self.adapters.adapter_state_dict(), self.lora, self.args.model_path, torch.float32
+        )
+        return started, await self.publisher.publish(
+            version, tensors, time.perf_counter() - started, adapter=(config, str(self.args.model_path))
+        )
 
     def logprobs(self, prompt: list[int], tokens: list[int]) -> list[float]:
         with torch.no_grad():
@@ -137,7 +140,9 @@ def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
     torch.set_num_threads(1)
     config = TrainerConfig(lora=LoRAConfig(enabled=lora, rank=rank))
     trainer = PolicyTrainer(config, Path(model_path))
-    batch = make_train_batch(long_tail_episodes(TrainerBenchArgs(num_prompts=2, group_size=4, max_completion=64)), pad_id=0)
+    batch = make_train_batch(
+        long_tail_episodes(TrainerBenchArgs(num_prompts=2, group_size=4, max_completion=64)), pad_id=0
+    )
     times = []
     for i in range(steps + 1):
         started = time.perf_counter()
@@ -146,10 +151,14 @@ def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
             times.append(time.perf_counter() - started)
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec, so a spawned worker
     # would report its parent's peak (measured: both variants showed the bench process's 3576 MB).
-    hwm_kb = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-                  if line.startswith("VmHWM:"))
-    return {"step_s": statistics.median(times), "peak_rss_mb": hwm_kb / 1024,
-            "num_tokens": int(batch.num_generated_tokens)}
+    hwm_kb = next(
+        int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")
+    )
+    return {
+        "step_s": statistics.median(times),
+        "peak_rss_mb": hwm_kb / 1024,
+        "num_tokens": int(batch.num_generated_tokens),
+    }
 
 
 def trainer_comparison(args: LoRASyncArgs) -> dict:
@@ -164,7 +173,9 @@ def trainer_comparison(args: LoRASyncArgs) -> dict:
     results = {}
     for name, lora in (("full", False), ("lora", True)):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results[name] = pool.submit(trainer_variant, str(args.model_path), lora, args.rank, args.trainer_steps).result()
+            results[name] = pool.submit(
+                trainer_variant, str(args.model_path), lora, args.rank, args.trainer_steps
+            ).result()
         _progress(f"trainer {name}: {json.dumps(results[name])}")
     results["lora_over_full_step_time"] = results["lora"]["step_s"] / results["full"]["step_s"]
     results["lora_over_full_peak_rss"] = results["lora"]["peak_rss_mb"] / results["full"]["peak_rss_mb"]
@@ -198,19 +209,28 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
             stall = load.stall_across(servable - metrics[STALL_S], servable)
             if i == 0:
                 continue  # warm-up: first files of the store, first adapter slot
-            rows.append({
-                "version": version, "loader": metrics["loader"],
-                "publish_to_servable_s": servable - started,
-                "store_publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S],
-                "stall_s": metrics[STALL_S], "paused_s": metrics[PAUSED_S], "bytes": metrics[BYTES],
-                "probe_stall_s": stall[0] if stall else None, "probe_median_gap_s": stall[1] if stall else None,
-                # where publish-to-servable goes: the trainer's snapshot (full: merge + HF names;
-                # adapters: PEFT names), the write, commit to lease, waiting for the oldest
-                # adapter's last request (adapters), staging (full), the swap or add_lora (stall_s)
-                "snapshot_s": write_info.get("weights/snapshot_s"), "write_s": trainer.publisher.last_write.get("weights/write_s"),
-                "notice_s": metrics[loader.NOTICE_S], "wait_s": metrics[loader.WAIT_S],
-                "adapter_wait_s": metrics.get(loader.ADAPTER_WAIT_S, 0.0), "stage_s": metrics[loader.STAGE_S],
-            })
+            rows.append(
+                {
+                    "version": version,
+                    "loader": metrics["loader"],
+                    "publish_to_servable_s": servable - started,
+                    "store_publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S],
+                    "stall_s": metrics[STALL_S],
+                    "paused_s": metrics[PAUSED_S],
+                    "bytes": metrics[BYTES],
+                    "probe_stall_s": stall[0] if stall else None,
+                    "probe_median_gap_s": stall[1] if stall else None,
+                    # where publish-to-servable goes: the trainer's snapshot (full: merge + HF names;
+                    # adapters: PEFT names), the write, commit to lease, waiting for the oldest
+                    # adapter's last request (adapters), staging (full), the swap or add_lora (stall_s)
+                    "snapshot_s": write_info.get("weights/snapshot_s"),
+                    "write_s": trainer.publisher.last_write.get("weights/write_s"),
+                    "notice_s": metrics[loader.NOTICE_S],
+                    "wait_s": metrics[loader.WAIT_S],
+                    "adapter_wait_s": metrics.get(loader.ADAPTER_WAIT_S, 0.0),
+                    "stage_s": metrics[loader.STAGE_S],
+                }
+            )
     finally:
         await load.stop()
     return rows
@@ -221,8 +241,9 @@ async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict],
     from forge_rl.store.client import WeightStore
 
     serving = AdapterServing(args.rank, args.max_policy_age + 1, str(args.model_path)) if adapters else None
-    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, max_num_seqs=32),
-                        adapters=serving)
+    engine = VLLMEngine(
+        GeneratorConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, max_num_seqs=32), adapters=serving
+    )
     reader = WeightStore(index, root, client_id=f"bench-generator-{'lora' if adapters else 'full'}")
     started = time.perf_counter()
     await engine.start(args.model_path, 1024)
@@ -233,7 +254,7 @@ async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict],
         rows = await _updates(args, engine, trainer, reader, publish, first)
         # Each timed update's add_lora inside the engine core (the decode stall it causes), apart
         # from its round trip, which also waits for the decode step in progress.
-        in_engine = (await engine.forward_time())["add_lora_s"][-len(rows):] if adapters else []
+        in_engine = (await engine.forward_time())["add_lora_s"][-len(rows) :] if adapters else []
         for row, seconds in zip(rows, in_engine):
             row["add_lora_in_engine_s"] = seconds
         if adapters:  # the silent-failure check on the real model, after the last update
@@ -286,7 +307,9 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
     base = dataclasses.replace(base, checkpoint=dataclasses.replace(base.checkpoint, enabled=False))
     pretrained = None
     if args.reward_pretrain_steps:
-        _progress(f"lora-sync: the base of the demo runs, {args.reward_pretrain_steps} supervised steps on the task's format")
+        _progress(
+            f"lora-sync: the base of the demo runs, {args.reward_pretrain_steps} supervised steps on the task's format"
+        )
         pretrained = pretrain_format_base(base, args.out_dir / "reward-base", args.reward_pretrain_steps)
         base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=args.out_dir / "reward-base"))
     lora = LoRAConfig(enabled=True, rank=args.reward_lora_rank, alpha=2.0 * args.reward_lora_rank)
@@ -302,11 +325,16 @@ def reward_comparison(args: LoRASyncArgs) -> dict:
             run = run_variant(config, args.out_dir / "reward-runs", f"{variant}-seed{seed}")
             finals[variant].append(final_reward(read_metrics(run)))
     return {
-        "config": str(args.reward_config), "steps": base.steps, "seeds": list(args.reward_seeds),
+        "config": str(args.reward_config),
+        "steps": base.steps,
+        "seeds": list(args.reward_seeds),
         "lora": {"rank": args.reward_lora_rank, "alpha": 2.0 * args.reward_lora_rank, "lr": args.reward_lora_lr},
         "base": pretrained or "from scratch (--reward-pretrain-steps 0)",
-        "full_lr": base.trainer.lr, "final_reward_full": finals["full"], "final_reward_lora": finals["lora"],
-        **rewards_agree(finals["full"], finals["lora"]), "wall_s": time.perf_counter() - started,
+        "full_lr": base.trainer.lr,
+        "final_reward_full": finals["full"],
+        "final_reward_lora": finals["lora"],
+        **rewards_agree(finals["full"], finals["lora"]),
+        "wall_s": time.perf_counter() - started,
     }
 
 
@@ -338,10 +366,15 @@ def pretrain_format_base(base: GRPOConfig, model_dir: Path, steps: int) -> dict:
     create_tiny_model(base.model.tiny, model_dir)
     tokenizer, draw = PromptTokenizer(model_dir), random.Random(TEXT_TASK_SEED)
     samples = task_text_samples(
-        tokenizer, dataclasses.replace(base.task, seed=TEXT_TASK_SEED), steps * FORMAT_BATCH_SIZE,
-        FORMAT_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: draw.choice([c for c in prompt.text if c.isdigit()]),
+        tokenizer,
+        dataclasses.replace(base.task, seed=TEXT_TASK_SEED),
+        steps * FORMAT_BATCH_SIZE,
+        FORMAT_PROBLEMS_PER_SEQUENCE,
+        answer=lambda prompt: draw.choice([c for c in prompt.text if c.isdigit()]),
     )
-    losses = train_in_place(model_dir, samples, steps, FORMAT_BATCH_SIZE, FORMAT_LR, base.trainer.seed, tokenizer.pad_id)
+    losses = train_in_place(
+        model_dir, samples, steps, FORMAT_BATCH_SIZE, FORMAT_LR, base.trainer.seed, tokenizer.pad_id
+    )
     return {"steps": steps, "first_loss": losses[0], "final_loss": losses[-1], "seconds": time.perf_counter() - started}
 
 
@@ -355,14 +388,17 @@ def rewards_agree(full: list[float], lora: list[float]) -> dict:
     """Agreement within noise: |mean(lora) - mean(full)| <= 2 x the standard error of that
     difference, sqrt(se_full^2 + se_lora^2), each se the spread over seeds / sqrt(seeds), and
     never below MIN_REWARD_NOISE (one seed has no spread)."""
+
     def se(values: list[float]) -> float:
         return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
     gap = statistics.mean(lora) - statistics.mean(full)
     noise = max((se(full) ** 2 + se(lora) ** 2) ** 0.5, MIN_REWARD_NOISE)
     return {
-        "final_reward_full_mean": statistics.mean(full), "final_reward_lora_mean": statistics.mean(lora),
-        "final_reward_gap_lora_minus_full": gap, "final_reward_noise_se": noise,
+        "final_reward_full_mean": statistics.mean(full),
+        "final_reward_lora_mean": statistics.mean(lora),
+        "final_reward_gap_lora_minus_full": gap,
+        "final_reward_noise_se": noise,
         "rewards_agree": abs(gap) <= 2.0 * noise,
     }
 
@@ -376,8 +412,10 @@ async def _main(args: LoRASyncArgs) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     root = Path("/dev/shm") / f"forge_rl-bench-lora-{time.monotonic_ns()}"
     started = time.perf_counter()
-    figures: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
-                     "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    figures: dict = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     try:
         index, _ = await open_store(root, args.model_path, keep_latest=1)
         writer = WeightStore(index, root, client_id="bench-trainer", extra_files_dir=args.model_path)
@@ -411,8 +449,9 @@ def summarize(figures: dict) -> dict:
 
     return {
         "adapter_sync_speedup": median(full, "publish_to_servable_s") / median(adapter, "publish_to_servable_s"),
-        "adapter_sync_speedup_store_only": (median(full, "store_publish_to_servable_s")
-                                            / median(adapter, "store_publish_to_servable_s")),
+        "adapter_sync_speedup_store_only": (
+            median(full, "store_publish_to_servable_s") / median(adapter, "store_publish_to_servable_s")
+        ),
         "full_publish_to_servable_s": median(full, "publish_to_servable_s"),
         "adapter_publish_to_servable_s": median(adapter, "publish_to_servable_s"),
         "full_mb": full[0]["bytes"] / 1e6,
@@ -420,7 +459,9 @@ def summarize(figures: dict) -> dict:
         "decode_stall_ms_adapter_max": stall_ms_max(adapter),
         "decode_stall_ms_full_max": stall_ms_max(full),
         "adapter_add_lora_ms_max": 1e3 * max(r["stall_s"] for r in adapter),
-        "adapter_add_lora_in_engine_ms_max": max((1e3 * r["add_lora_in_engine_s"] for r in adapter if "add_lora_in_engine_s" in r), default=None),
+        "adapter_add_lora_in_engine_ms_max": max(
+            (1e3 * r["add_lora_in_engine_s"] for r in adapter if "add_lora_in_engine_s" in r), default=None
+        ),
         "adapter_logprob_max_abs_diff": figures["adapter_engine"]["adapter_logprob_max_abs_diff"],
         "adapter_vs_base_logprob_max_abs_diff": figures["adapter_engine"]["adapter_vs_base_logprob_max_abs_diff"],
         **_trainer_summary(figures.get("trainer")),
@@ -433,8 +474,10 @@ def _trainer_summary(trainer: dict | None) -> dict:
     if not trainer or "skipped" in trainer:
         return {"trainer_lora_vs_full": (trainer or {}).get("skipped", "not run (--trainer-steps 0)")}
     return {
-        "trainer_step_s_full": trainer["full"]["step_s"], "trainer_step_s_lora": trainer["lora"]["step_s"],
-        "trainer_peak_rss_mb_full": trainer["full"]["peak_rss_mb"], "trainer_peak_rss_mb_lora": trainer["lora"]["peak_rss_mb"],
+        "trainer_step_s_full": trainer["full"]["step_s"],
+        "trainer_step_s_lora": trainer["lora"]["step_s"],
+        "trainer_peak_rss_mb_full": trainer["full"]["peak_rss_mb"],
+        "trainer_peak_rss_mb_lora": trainer["lora"]["peak_rss_mb"],
         "trainer_lora_over_full_step_time": trainer["lora_over_full_step_time"],
         "trainer_lora_over_full_peak_rss": trainer["lora_over_full_peak_rss"],
     }
@@ -443,6 +486,13 @@ def _trainer_summary(trainer: dict | None) -> dict:
 def _reward_summary(reward: dict | None) -> dict:
     if reward is None:
         return {"final_reward_lora_vs_full": "not run (--reward-seeds empty)"}
-    keys = ("final_reward_full", "final_reward_lora", "final_reward_full_mean", "final_reward_lora_mean",
-            "final_reward_gap_lora_minus_full", "final_reward_noise_se", "rewards_agree")
+    keys = (
+        "final_reward_full",
+        "final_reward_lora",
+        "final_reward_full_mean",
+        "final_reward_lora_mean",
+        "final_reward_gap_lora_minus_full",
+        "final_reward_noise_se",
+        "rewards_agree",
+    )
     return {key: reward[key] for key in keys}

@@ -33,7 +33,9 @@ def _measure(model_dir: str, lora: LoRAConfig, repeats: int, num_threads: int, q
         started = time.perf_counter()
         trainer.train_step(batch)
         step_s.append(time.perf_counter() - started)
-    queue.put({"step_s": statistics.median(step_s), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    queue.put(
+        {"step_s": statistics.median(step_s), "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    )
 
 
 def lora_vs_full_step(

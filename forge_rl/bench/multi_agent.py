@@ -55,9 +55,15 @@ def main(args: MultiAgentArgs) -> dict:
     per_depth = {}
     for depth in args.depths:
         progress(f"bench multi-agent: chains of {depth} role(s)")
-        per_depth[depth] = compare_modes(chain_config(base, depth), dataclasses.replace(args, out_dir=args.out_dir / f"depth{depth}"), "multi-agent")
+        per_depth[depth] = compare_modes(
+            chain_config(base, depth), dataclasses.replace(args, out_dir=args.out_dir / f"depth{depth}"), "multi-agent"
+        )
     summary = summarize(per_depth)
-    summary.update(config=str(args.config), max_policy_age_async=args.max_policy_age, by_depth={str(d): c for d, c in per_depth.items()})
+    summary.update(
+        config=str(args.config),
+        max_policy_age_async=args.max_policy_age,
+        by_depth={str(d): c for d, c in per_depth.items()},
+    )
     write_summary(summary, args.out_dir / "multi_agent.json", "multi-agent")
     return summary
 

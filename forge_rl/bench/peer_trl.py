@@ -52,7 +52,9 @@ def main(spec_path: str) -> None:
     reward_fn = load_reward(spec["reward_module"], spec["reward_function"])
     with open(spec["prompts_path"]) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    if spec["chat"]:  # one user message, rendered by the model's chat template with the assistant header, as forge_rl does
+    if spec[
+        "chat"
+    ]:  # one user message, rendered by the model's chat template with the assistant header, as forge_rl does
         prompts = [[{"role": "user", "content": r["prompt"]}] for r in rows]
     else:  # the prompt as forge_rl encodes it: the tokenizer's bos, then the text
         prompts = [spec["prompt_prefix"] + r["prompt"] for r in rows]
@@ -75,13 +77,18 @@ def main(spec_path: str) -> None:
         def on_log(self, args, trainer_state, control, logs=None, **kwargs):
             if not logs or "reward" not in logs:
                 return
-            out.write(json.dumps({
-                "step": trainer_state.global_step,
-                "wall_time_s": time.monotonic() - state["start"],
-                "reward": logs["reward"],
-                "completion_tokens": logs["completions/mean_length"] * spec["completions_per_step"],
-                "step_time_s": logs.get("step_time"),
-            }) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "step": trainer_state.global_step,
+                        "wall_time_s": time.monotonic() - state["start"],
+                        "reward": logs["reward"],
+                        "completion_tokens": logs["completions/mean_length"] * spec["completions_per_step"],
+                        "step_time_s": logs.get("step_time"),
+                    }
+                )
+                + "\n"
+            )
             out.flush()
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
@@ -128,12 +135,21 @@ def main(spec_path: str) -> None:
 
         lora = spec["lora"]
         peft_config = LoraConfig(
-            r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["target_modules"], lora_dropout=0.0, bias="none",
+            r=lora["r"],
+            lora_alpha=lora["alpha"],
+            target_modules=lora["target_modules"],
+            lora_dropout=0.0,
+            bias="none",
             task_type="CAUSAL_LM",
         )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[StepLog()], peft_config=peft_config,
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepLog()],
+        peft_config=peft_config,
     )
     trainer.train()
     out.close()

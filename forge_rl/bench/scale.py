@@ -237,7 +237,8 @@ class _Probe:
         def init(pipeline, config, actors):
             probe.pipeline, probe.actors = pipeline, actors
             counted = dataclasses.replace(
-                actors, **{name: _CountingActor(getattr(actors, name), probe.counts, name) for name in ("rollouts", "trainer")}
+                actors,
+                **{name: _CountingActor(getattr(actors, name), probe.counts, name) for name in ("rollouts", "trainer")},
             )
             original_init(pipeline, config, counted)
 
@@ -290,7 +291,9 @@ class _Probe:
             "rollouts_event_loop_lag_p99_ms": rollouts_lag,
             "idle_process_event_loop_lag_p99_ms": floor_lag,
             # The worse of the two event loops the data path runs on.
-            "event_loop_lag_p99_ms": max((lag for lag in (controller_lag, rollouts_lag) if lag is not None), default=None),
+            "event_loop_lag_p99_ms": max(
+                (lag for lag in (controller_lag, rollouts_lag) if lag is not None), default=None
+            ),
             "generator_rss_mib": max(self.generator_rss) / 2**20 if self.generator_rss else None,
             "calls_by_endpoint_total": dict(self.counts),
             "rollouts_calls_by_endpoint_total": rollouts["calls"],
@@ -342,7 +345,9 @@ def _until_stdin_closes(call: str) -> subprocess.Popen:
     prints its result as JSON (`.communicate("")` ends it and reads it)."""
     return subprocess.Popen(
         [sys.executable, "-c", f"import json; from forge_rl.bench import scale; print(json.dumps(scale.{call}))"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -365,6 +370,7 @@ def sample_generator_rss_until_stdin_closes(run_root: str) -> list[float]:
     """Until stdin closes: once the run wrote processes.json, the mean resident memory of its
     generators' actor processes every 0.5 s."""
     stdin_closed = threading.Event()
+
     def wait_for_stdin() -> None:
         sys.stdin.read()
         stdin_closed.set()
@@ -513,7 +519,12 @@ def _async_part_config(
 
 
 def _async_figures(
-    config: GRPOConfig, max_policy_age: int, sync: dict, runs: dict[str, Path], steady: dict[str, dict], num_generators: int
+    config: GRPOConfig,
+    max_policy_age: int,
+    sync: dict,
+    runs: dict[str, Path],
+    steady: dict[str, dict],
+    num_generators: int,
 ) -> dict:
     """The asynchronous runs at one staleness bound (`runs`: "async", and "async_partial" unless
     skipped; `config`: theirs) against the synchronous run's analysis `sync` and its bounds."""
@@ -550,7 +561,8 @@ def _async_figures(
     # synchronous step's tokens): a run that masks or drops tokens trains fewer per step, and its
     # steps per second alone would count the masked ones as trained.
     trained_per_step = {
-        mode: steady_trained_tokens_per_step(run_metrics, warmup_steps=max_policy_age + 1) for mode, run_metrics in metrics.items()
+        mode: steady_trained_tokens_per_step(run_metrics, warmup_steps=max_policy_age + 1)
+        for mode, run_metrics in metrics.items()
     }
     bound_tokens_per_s = sync["steady_trained_tokens_per_step"] / async_floor
 
@@ -723,7 +735,12 @@ def whole_group_masking_ceiling(
             best = (ceiling, batch, masked, own)
     assert best is not None  # generator.max_num_seqs >= 1: at least one batch size
     ceiling, batch, masked, own = best
-    return {"ceiling": float(ceiling), "batch": batch, "masked_fraction": float(masked), "masked_by_own_length_fraction": float(own)}
+    return {
+        "ceiling": float(ceiling),
+        "batch": batch,
+        "masked_fraction": float(masked),
+        "masked_by_own_length_fraction": float(own),
+    }
 
 
 def lost_prompts(accounting: dict, held_at_stop: dict) -> int:
@@ -781,9 +798,7 @@ class _Faults:
             pids = await pool.processes.call_one()
             if not all(pids[index] for index in self.victims):
                 raise RuntimeError(f"the pool knows no process of some of generators {self.victims}: {pids}")
-            self._kills = [
-                asyncio.create_task(self._kill(index, pids[index], pool)) for index in self.victims
-            ]
+            self._kills = [asyncio.create_task(self._kill(index, pids[index], pool)) for index in self.victims]
         if step == self.replaced_by_step:
             await within(
                 self.recovery_timeout_s,
@@ -893,7 +908,9 @@ def main(args: ScaleArgs) -> dict:
             "is the synchronous run, made anyway). Fix --async-max-policy-age or --async-more-max-policy-ages "
             "(pass it with no value for none)."
         )
-    if not args.skip_async_vs_sync and (min(args.async_steps, args.async_sync_steps) < 2 or args.async_prompts_per_step < 1):
+    if not args.skip_async_vs_sync and (
+        min(args.async_steps, args.async_sync_steps) < 2 or args.async_prompts_per_step < 1
+    ):
         from forge_rl.errors import ConfigError
 
         raise ConfigError(

@@ -130,8 +130,11 @@ def variants(base: GRPOConfig, args: SelfDistillArgs) -> dict:
     scorers = {"grpo": base.scorer}
     for pin in PINS:
         teacher = TeacherConfig(
-            pin=pin, weight=args.teacher_weight, refresh_every_n_steps=args.refresh_every_n_steps,
-            versions_back=args.versions_back, ema_decay=args.ema_decay,
+            pin=pin,
+            weight=args.teacher_weight,
+            refresh_every_n_steps=args.refresh_every_n_steps,
+            versions_back=args.versions_back,
+            ema_decay=args.ema_decay,
         )
         scorers[f"grpo+{pin}"] = dataclasses.replace(base.scorer, teacher=teacher)
     return scorers
@@ -142,7 +145,9 @@ def main(args: SelfDistillArgs) -> dict:
 
     base = load_yaml_config(GRPOConfig, args.config)
     base = dataclasses.replace(
-        base, steps=args.steps, trainer=dataclasses.replace(base.trainer, lr=args.lr),
+        base,
+        steps=args.steps,
+        trainer=dataclasses.replace(base.trainer, lr=args.lr),
         checkpoint=dataclasses.replace(base.checkpoint, enabled=False),
         task=base.task if args.task is None else dataclasses.replace(base.task, name=args.task),
     )
@@ -161,7 +166,10 @@ def main(args: SelfDistillArgs) -> dict:
                 "loop_time_s": metrics[-1][WALL_TIME_S],
             }
     summary: dict = {
-        "lr": args.lr, "steps": args.steps, "seeds": list(args.seeds), "target_reward": args.target_reward,
+        "lr": args.lr,
+        "steps": args.steps,
+        "seeds": list(args.seeds),
+        "target_reward": args.target_reward,
         "collapse_below": args.collapse_below,
     }
     for name in scorers:
@@ -172,7 +180,9 @@ def main(args: SelfDistillArgs) -> dict:
     summary["runs"] = runs
     plot_per_step_panels(
         {name: {f"seed {seed}": smoothed(c) for seed, c in by_seed.items()} for name, by_seed in curves.items()},
-        f"task reward, mean of {SMOOTHING_STEPS} steps", args.target_reward, args.out_dir / "self_distill_reward.png",
+        f"task reward, mean of {SMOOTHING_STEPS} steps",
+        args.target_reward,
+        args.out_dir / "self_distill_reward.png",
         first_step=SMOOTHING_STEPS,
     )
     (args.out_dir / "self_distill.json").write_text(json.dumps({**summary, "curves": curves}, indent=2) + "\n")

@@ -65,14 +65,18 @@ def main(args: ServeBenchArgs) -> dict:
     import tinker
 
     if min(args.steps, args.datums, args.sequence_tokens, args.sample_requests, args.num_samples, args.saves) < 1:
-        raise ConfigError("bench serve: --steps, --datums, --sequence-tokens, --sample-requests, --num-samples and --saves must be >= 1.")
+        raise ConfigError(
+            "bench serve: --steps, --datums, --sequence-tokens, --sample-requests, --num-samples and --saves must be >= 1."
+        )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
     service = _start_service(args, name)
     try:
         client = tinker.ServiceClient(base_url=service["url"], api_key="tml-bench")
         base_model = service["base_model"]
-        tenants = [client.create_lora_training_client(base_model=base_model, rank=args.rank, seed=i).result() for i in range(2)]
+        tenants = [
+            client.create_lora_training_client(base_model=base_model, rank=args.rank, seed=i).result() for i in range(2)
+        ]
         rng = np.random.default_rng(0)
         datums = [_datum(tinker, rng, args.sequence_tokens) for _ in range(args.datums)]
         adam = tinker.AdamParams(learning_rate=1e-4)
@@ -109,8 +113,12 @@ def main(args: ServeBenchArgs) -> dict:
             progress(f"bench serve: {n} tenant(s) sampling, {args.sample_requests} requests each")
             timings = _at_once(sample, samplers[:n])
             figures[f"sample_tokens_per_s_{n}_tenants"] = sum(t for _, t in timings) / max(s for s, _ in timings)
-        figures["two_tenant_train_speedup"] = figures["train_steps_per_s_2_tenants"] / figures["train_steps_per_s_1_tenants"]
-        figures["two_tenant_sample_speedup"] = figures["sample_tokens_per_s_2_tenants"] / figures["sample_tokens_per_s_1_tenants"]
+        figures["two_tenant_train_speedup"] = (
+            figures["train_steps_per_s_2_tenants"] / figures["train_steps_per_s_1_tenants"]
+        )
+        figures["two_tenant_sample_speedup"] = (
+            figures["sample_tokens_per_s_2_tenants"] / figures["sample_tokens_per_s_1_tenants"]
+        )
         short = tinker.SamplingParams(max_tokens=1, temperature=1.0, stop=[])
         saves = []
         for _ in range(args.saves):
@@ -123,9 +131,15 @@ def main(args: ServeBenchArgs) -> dict:
     finally:
         summary_line = _stop_service(service)
     summary = {
-        "benchmark": "serve", "base_model": service["base_model"], "rank": args.rank, "datums": args.datums,
-        "sequence_tokens": args.sequence_tokens, "steps": args.steps, "two_tenant_training": "serialized",
-        **{k: round(v, 4) for k, v in figures.items()}, "service": summary_line,
+        "benchmark": "serve",
+        "base_model": service["base_model"],
+        "rank": args.rank,
+        "datums": args.datums,
+        "sequence_tokens": args.sequence_tokens,
+        "steps": args.steps,
+        "two_tenant_training": "serialized",
+        **{k: round(v, 4) for k, v in figures.items()},
+        "service": summary_line,
     }
     (args.out_dir / "serve.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -135,7 +149,10 @@ def _datum(tinker, rng, length: int):
     tokens = [int(x) for x in rng.integers(1, 40, size=length + 1)]
     return tinker.Datum(
         model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64), "weights": np.ones(length, dtype=np.float32)},
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.ones(length, dtype=np.float32),
+        },
     )
 
 
@@ -147,8 +164,18 @@ def _at_once(work, items: list) -> list:
 
 def _start_service(args: ServeBenchArgs, name: str) -> dict:
     command = [
-        sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(args.out_dir), "--run-name", name,
-        "--trainer.lora.rank", str(args.rank),
+        sys.executable,
+        "-m",
+        "forge_rl.cli",
+        "serve",
+        "--port",
+        "0",
+        "--run-dir",
+        str(args.out_dir),
+        "--run-name",
+        name,
+        "--trainer.lora.rank",
+        str(args.rank),
     ]
     if args.model_path is not None:
         command += ["--model.path", str(args.model_path)]

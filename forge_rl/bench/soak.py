@@ -114,8 +114,20 @@ def main(args: SoakArgs) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     run_path = args.out_dir / "soak"
     command = [
-        sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(args.config), "--steps", "100000000",
-        "--run-dir", str(args.out_dir), "--run-name", "soak", "--log.progress-every-s", "60",
+        sys.executable,
+        "-m",
+        "forge_rl.cli",
+        "grpo",
+        "--config",
+        str(args.config),
+        "--steps",
+        "100000000",
+        "--run-dir",
+        str(args.out_dir),
+        "--run-name",
+        "soak",
+        "--log.progress-every-s",
+        "60",
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
     samples, first_step_at = [], None
@@ -129,18 +141,27 @@ def main(args: SoakArgs) -> dict:
                 deadline = first_step_at + args.duration_s
                 progress(f"bench soak: training; sampling memory for {args.duration_s:.0f} s")
             if first_step_at is not None:
-                rss, uss, uss_by_role, rss_by_role = process_tree_memory(psutil.Process(process.pid), known_roles(run_path))
-                samples.append({
-                    "t_s": time.monotonic() - first_step_at, "rss_bytes": rss, "uss_bytes": uss,
-                    "uss_by_role": uss_by_role, "rss_by_role": rss_by_role,
-                })
+                rss, uss, uss_by_role, rss_by_role = process_tree_memory(
+                    psutil.Process(process.pid), known_roles(run_path)
+                )
+                samples.append(
+                    {
+                        "t_s": time.monotonic() - first_step_at,
+                        "rss_bytes": rss,
+                        "uss_bytes": uss,
+                        "uss_by_role": uss_by_role,
+                        "rss_by_role": rss_by_role,
+                    }
+                )
                 samples_file.write(json.dumps(samples[-1]) + "\n")
     finally:
         samples_file.close()
         stop(process)
     summary = summarize(samples, read_metrics(run_path), base, args)
-    print(f"USS after warm-up {summary['uss_after_warmup_mb']:.0f} MB, at the end {summary['uss_at_end_mb']:.0f} MB "
-          f"({summary['memory_growth_fraction']:+.1%}); growth by process role:")
+    print(
+        f"USS after warm-up {summary['uss_after_warmup_mb']:.0f} MB, at the end {summary['uss_at_end_mb']:.0f} MB "
+        f"({summary['memory_growth_fraction']:+.1%}); growth by process role:"
+    )
     for name, growth_mb in summary["uss_growth_mb_by_role"].items():
         print(f"  {name:<18}{growth_mb:+9.1f} MB")
     (args.out_dir / "soak.json").write_text(json.dumps({**summary, "samples": samples}, indent=2))
@@ -177,7 +198,11 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
     role_end = mean_by_role(after_warmup[-_SAMPLES_PER_END:])
     rss_start = mean_by_role(after_warmup[:_SAMPLES_PER_END], "rss_by_role")
     rss_end = mean_by_role(after_warmup[-_SAMPLES_PER_END:], "rss_by_role")
-    rss_growth = {name: (rss_end[name] - start_bytes) / start_bytes for name, start_bytes in rss_start.items() if name in rss_end and start_bytes}
+    rss_growth = {
+        name: (rss_end[name] - start_bytes) / start_bytes
+        for name, start_bytes in rss_start.items()
+        if name in rss_end and start_bytes
+    }
     return {
         "duration_s": samples[-1]["t_s"],
         "steps": len(metrics),

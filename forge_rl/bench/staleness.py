@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Literal
 
 from forge_rl.bench.common import run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S, final_reward
+from forge_rl.observability.metrics import (
+    DROPPED_COMPLETIONS,
+    POLICY_AGE_MAX,
+    POLICY_AGE_MEAN,
+    WALL_TIME_S,
+    final_reward,
+)
 from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 
 if TYPE_CHECKING:
@@ -57,9 +63,7 @@ def run_one(base: GRPOConfig, args: StalenessArgs, max_policy_age: int, correcti
         f"age{max_policy_age}-{correction}",
         steps=args.steps or base.steps,
         buffer=dataclasses.replace(base.buffer, max_policy_age=max_policy_age, capacity_episodes=capacity),
-        trainer=dataclasses.replace(
-            base.trainer, loss=dataclasses.replace(base.trainer.loss, correction=correction)
-        ),
+        trainer=dataclasses.replace(base.trainer, loss=dataclasses.replace(base.trainer.loss, correction=correction)),
     )
 
 

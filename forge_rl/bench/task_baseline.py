@@ -51,7 +51,9 @@ class TaskBaselineArgs:
     """Where task_baseline.json goes."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "generator", with_chosen_threads(None, self.generator, trainer_procs=0, generators=1)[1])
+        object.__setattr__(
+            self, "generator", with_chosen_threads(None, self.generator, trainer_procs=0, generators=1)[1]
+        )
         for name in ("num_prompts", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1. Set --{name.replace('_', '-')}.")

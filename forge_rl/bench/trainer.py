@@ -93,8 +93,9 @@ def long_tail_episodes(args: TrainerBenchArgs) -> list:
     return episodes
 
 
-def next_token_loss(logits_NLV: torch.Tensor, input_ids_NL: torch.Tensor, loss_mask_NL: torch.Tensor,
-                    global_tokens: int) -> torch.Tensor:
+def next_token_loss(
+    logits_NLV: torch.Tensor, input_ids_NL: torch.Tensor, loss_mask_NL: torch.Tensor, global_tokens: int
+) -> torch.Tensor:
     """Cross-entropy of each row's next token on its generated tokens, summed over this rank's and
     divided by the batch's (FSDP2 sums gradients over ranks): the loss of the reference loops."""
     token_loss = torch.nn.functional.cross_entropy(
@@ -144,8 +145,13 @@ class TransformersLoop:
             self.model.parameters(), lr=trainer_config.lr, eps=trainer_config.adam_eps, foreach=True
         )
 
-    def step(self, input_ids_NL: torch.Tensor, attention_mask_NL: torch.Tensor, loss_mask_NL: torch.Tensor,
-             global_tokens: int) -> float:
+    def step(
+        self,
+        input_ids_NL: torch.Tensor,
+        attention_mask_NL: torch.Tensor,
+        loss_mask_NL: torch.Tensor,
+        global_tokens: int,
+    ) -> float:
         logits_NLV = self.model(input_ids=input_ids_NL, attention_mask=attention_mask_NL).logits
         loss = next_token_loss(logits_NLV, input_ids_NL, loss_mask_NL, global_tokens)
         loss.backward()
@@ -165,8 +171,10 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.num_procs))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     config = TrainerConfig(
-        num_procs=args.num_procs, parallel=ParallelConfig(dp_shard=args.num_procs),
-        num_threads=args.num_threads, seed=args.seed,
+        num_procs=args.num_procs,
+        parallel=ParallelConfig(dp_shard=args.num_procs),
+        num_threads=args.num_threads,
+        seed=args.seed,
     )
     trainer = PolicyTrainer(config, model_dir)  # joins the process group
     bare = BareTitanLoop(model_dir, config, trainer.device)
@@ -202,10 +210,18 @@ def _run_rank(rank: int, port: int, args: TrainerBenchArgs, model_dir: Path, out
                 step_s[variant].append(time.perf_counter() - started)
     if rank == 0:
         lengths = batch.row_lengths
-        torch.save({"step_s": step_s, "metrics": metrics, "lengths": lengths,
-                    "num_real_tokens": sum(lengths), "num_generated_tokens": batch.num_generated_tokens,
-                    "padded_slots": len(lengths) * max(lengths),
-                    "num_params": sum(p.numel() for p in trainer.model.parameters())}, out)  # DTensor: global
+        torch.save(
+            {
+                "step_s": step_s,
+                "metrics": metrics,
+                "lengths": lengths,
+                "num_real_tokens": sum(lengths),
+                "num_generated_tokens": batch.num_generated_tokens,
+                "padded_slots": len(lengths) * max(lengths),
+                "num_params": sum(p.numel() for p in trainer.model.parameters()),
+            },
+            out,
+        )  # DTensor: global
     if args.num_procs > 1:
         dist.destroy_process_group()
 
@@ -233,9 +249,13 @@ def main(args: TrainerBenchArgs) -> dict:
     with tempfile.TemporaryDirectory(prefix="forge_rl-bench-trainer-") as tmp:
         model_dir = create_tiny_model(
             TinyModelConfig(
-                hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                num_kv_heads=args.num_heads, intermediate_size=args.intermediate_size,
-                max_position_embeddings=args.prompt_tokens + args.max_completion, seed=args.seed,
+                hidden_size=args.hidden_size,
+                num_layers=args.num_layers,
+                num_heads=args.num_heads,
+                num_kv_heads=args.num_heads,
+                intermediate_size=args.intermediate_size,
+                max_position_embeddings=args.prompt_tokens + args.max_completion,
+                seed=args.seed,
             ),
             Path(tmp) / "model",
         )
@@ -262,7 +282,10 @@ def _figures(args: TrainerBenchArgs, raw: dict) -> dict:
     for variant, samples in raw["step_s"].items():
         median = statistics.median(samples)
         variants[variant] = {
-            "step_s_median": median, "step_s_min": min(samples), "step_s_max": max(samples), "step_s": samples,
+            "step_s_median": median,
+            "step_s_min": min(samples),
+            "step_s_max": max(samples),
+            "step_s": samples,
             "real_tokens_per_s": real / median,
             "generated_tokens_per_s": raw["num_generated_tokens"] / median,
             "padding_fraction": raw["metrics"].get(variant, {}).get("padding_fraction", 1 - real / raw["padded_slots"]),
@@ -290,19 +313,27 @@ def _figures(args: TrainerBenchArgs, raw: dict) -> dict:
         "num_procs": args.num_procs,
     }
     if "hf_pad" in variants:
-        summary.update({
-            "vs_transformers": ratio("forge_pad", "hf_pad"),
-            "vs_transformers_paired": paired("forge_pad", "hf_pad"),
-            "forge_pack_vs_transformers_padded": ratio("forge_pack", "hf_pad"),
-            "real_tokens_per_s_hf_pad": variants["hf_pad"]["real_tokens_per_s"],
-            "transformers_version": _transformers_version(),
-        })
+        summary.update(
+            {
+                "vs_transformers": ratio("forge_pad", "hf_pad"),
+                "vs_transformers_paired": paired("forge_pad", "hf_pad"),
+                "forge_pack_vs_transformers_padded": ratio("forge_pack", "hf_pad"),
+                "real_tokens_per_s_hf_pad": variants["hf_pad"]["real_tokens_per_s"],
+                "transformers_version": _transformers_version(),
+            }
+        )
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "batch": {"rows": len(lengths), "real_tokens": raw["num_real_tokens"],
-                  "generated_tokens": raw["num_generated_tokens"], "padded_slots": raw["padded_slots"],
-                  "longest": max(lengths), "median_length": statistics.median(lengths), "lengths": lengths},
+        "batch": {
+            "rows": len(lengths),
+            "real_tokens": raw["num_real_tokens"],
+            "generated_tokens": raw["num_generated_tokens"],
+            "padded_slots": raw["padded_slots"],
+            "longest": max(lengths),
+            "median_length": statistics.median(lengths),
+            "lengths": lengths,
+        },
         "num_params": raw["num_params"],
         "variants": variants,
         "summary": summary,
@@ -352,8 +383,13 @@ def _plot(figures: dict, out: Path) -> None:
     real = figures["batch"]["real_tokens"]
     low = [m - real / figures["variants"][n]["step_s_max"] for n, m in zip(names, medians)]
     high = [real / figures["variants"][n]["step_s_min"] - m for n, m in zip(names, medians)]
-    left.bar(names, medians, yerr=[low, high], capsize=4,
-             color=["grey", "tab:blue", "tab:orange", "tab:green", "tab:purple"][: len(names)])
+    left.bar(
+        names,
+        medians,
+        yerr=[low, high],
+        capsize=4,
+        color=["grey", "tab:blue", "tab:orange", "tab:green", "tab:purple"][: len(names)],
+    )
     left.set_ylabel("real tokens/s (median; bars: min-max)")
     left.set_title(f"trainer step, {figures['args']['num_procs']} gloo process(es)")
     left.tick_params(axis="x", rotation=20)

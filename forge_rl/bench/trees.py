@@ -64,11 +64,14 @@ def group_episodes(num_prompts: int, group_size: int, prompt_tokens: int, args: 
         completions = []
         for _ in range(group_size):
             n = rng.randint(args.min_completion, args.max_completion)
-            completions.append(Completion(
-                token_ids=[rng.randrange(4, VOCAB_SIZE) for _ in range(n)],
-                logprobs=[rng.uniform(-3.0, -0.1) for _ in range(n)],
-                policy_versions=[0] * n, reward=float(rng.random() < 0.5),
-            ))
+            completions.append(
+                Completion(
+                    token_ids=[rng.randrange(4, VOCAB_SIZE) for _ in range(n)],
+                    logprobs=[rng.uniform(-3.0, -0.1) for _ in range(n)],
+                    policy_versions=[0] * n,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
         prompt = [1] + [rng.randrange(4, VOCAB_SIZE) for _ in range(prompt_tokens - 1)]
         episodes.append(Episode(e, f"P{e}", "", prompt, completions))
     return episodes
@@ -88,9 +91,13 @@ def main(args: TreesBenchArgs) -> dict:
     with tempfile.TemporaryDirectory(prefix="forge_rl-bench-trees-") as tmp:
         model_dir = create_tiny_model(
             TinyModelConfig(
-                hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
-                num_kv_heads=args.num_heads, intermediate_size=args.intermediate_size,
-                max_position_embeddings=max(args.prompt_tokens) + args.max_completion, seed=args.seed,
+                hidden_size=args.hidden_size,
+                num_layers=args.num_layers,
+                num_heads=args.num_heads,
+                num_kv_heads=args.num_heads,
+                intermediate_size=args.intermediate_size,
+                max_position_embeddings=max(args.prompt_tokens) + args.max_completion,
+                seed=args.seed,
             ),
             Path(tmp) / "model",
         )
@@ -137,8 +144,11 @@ def _cell(group_size: int, prompt_tokens: int, batch, step_s: dict[str, list[flo
     tokens = sum(batch.row_lengths)
     per_s = {layout: tokens / statistics.median(samples) for layout, samples in step_s.items()}
     return {
-        "group_size": group_size, "prompt_tokens": prompt_tokens, "trained_tokens": tokens,
-        "step_s": step_s, "trained_tokens_per_s": per_s,
+        "group_size": group_size,
+        "prompt_tokens": prompt_tokens,
+        "trained_tokens": tokens,
+        "step_s": step_s,
+        "trained_tokens_per_s": per_s,
         "tree_over_pack": per_s["tree"] / per_s["pack"],
         # each round's two steps ran back to back: the median of their ratios
         "tree_over_pack_paired": statistics.median(p / t for p, t in zip(step_s["pack"], step_s["tree"])),
@@ -163,7 +173,12 @@ def _plot(figures: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for group_size in sorted({c["group_size"] for c in figures["cells"]}):
         cells = [c for c in figures["cells"] if c["group_size"] == group_size]
-        ax.plot([c["prompt_tokens"] for c in cells], [c["tree_over_pack"] for c in cells], marker="o", label=f"group {group_size}")
+        ax.plot(
+            [c["prompt_tokens"] for c in cells],
+            [c["tree_over_pack"] for c in cells],
+            marker="o",
+            label=f"group {group_size}",
+        )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")

@@ -72,7 +72,13 @@ class WeightSyncArgs:
     """Requests kept in flight by the load generator (besides the probe)."""
     max_new_tokens: int = 48
     """Tokens per load request (drain waits for the longest in flight)."""
-    policies: tuple[str, ...] = ("in_flight", "in_flight_recompute", "in_flight_stock_reload", "drain", "abort_resubmit")
+    policies: tuple[str, ...] = (
+        "in_flight",
+        "in_flight_recompute",
+        "in_flight_stock_reload",
+        "drain",
+        "abort_resubmit",
+    )
     """Swap policies of part 3 (POLICIES); the summary needs in_flight and drain."""
 
 
@@ -95,7 +101,10 @@ def synthetic_shapes(num_bytes: int, num_tensors: int = 16) -> dict[str, tuple[i
 
 def synthetic_state_dict(num_bytes: int, version: int) -> dict[str, torch.Tensor]:
     """Tensor i of version v is filled with v + i, so a reader can tell versions apart."""
-    return {name: torch.full(shape, float(version + i)) for i, (name, shape) in enumerate(synthetic_shapes(num_bytes).items())}
+    return {
+        name: torch.full(shape, float(version + i))
+        for i, (name, shape) in enumerate(synthetic_shapes(num_bytes).items())
+    }
 
 
 async def store_throughput(args: WeightSyncArgs, workdir: Path) -> list[dict]:
@@ -103,10 +112,7 @@ async def store_throughput(args: WeightSyncArgs, workdir: Path) -> list[dict]:
 
     from forge_rl.store.actors import open_store
 
-    procs = {
-        name: spawn_procs(this_host(), f"bench_{name}")
-        for name in ("volume", "shm", "rdma")
-    }
+    procs = {name: spawn_procs(this_host(), f"bench_{name}") for name in ("volume", "shm", "rdma")}
     readers = {t: procs[t].spawn("reader", BenchReader, t) for t in ("shm", "rdma")}
     results = []
     try:
@@ -147,12 +153,22 @@ async def _one_size(args: WeightSyncArgs, index, root: Path, size_mb: int, reade
             result = await read
             checks[t].append(result["checksums_ok"])
             if round_ >= _WARMUP_VERSIONS:
-                per_transport[t].append({**result, "publish_to_servable_s": result["servable_at"] - published_at,
-                                         "write_s": stats.write_s, "recycled": stats.recycled})
+                per_transport[t].append(
+                    {
+                        **result,
+                        "publish_to_servable_s": result["servable_at"] - published_at,
+                        "write_s": stats.write_s,
+                        "recycled": stats.recycled,
+                    }
+                )
             del state_dict
             version += 1
-    row: dict[str, Any] = {"size_mb": round(num_bytes / _MB), "num_bytes": num_bytes, "memcpy_gbps": memcpy,
-           "memcpy_s": num_bytes / memcpy / 1e9}
+    row: dict[str, Any] = {
+        "size_mb": round(num_bytes / _MB),
+        "num_bytes": num_bytes,
+        "memcpy_gbps": memcpy,
+        "memcpy_s": num_bytes / memcpy / 1e9,
+    }
     for t, samples in per_transport.items():
         worst = max(samples, key=lambda s: s["publish_to_servable_s"])
         gbps = num_bytes / worst["publish_to_servable_s"] / 1e9
@@ -184,8 +200,9 @@ class BenchReader(Actor):
         from forge_rl.store.actors import find_index
         from forge_rl.store.client import WeightStore
 
-        self.store = WeightStore(await find_index(root), root, client_id=f"bench-{self.transport}",
-                                 transport=self.transport)
+        self.store = WeightStore(
+            await find_index(root), root, client_id=f"bench-{self.transport}", transport=self.transport
+        )
         self.destination = {name: torch.zeros(shape) for name, shape in shapes.items()}
 
     @endpoint
@@ -204,8 +221,14 @@ class BenchReader(Actor):
         content_ok = all(
             float(t[0, 0]) == float(t[-1, -1]) == version + i for i, t in enumerate(self.destination.values())
         )
-        return {"servable_at": servable_at, "fetch_s": snapshot.fetch_s, "copy_s": copy_s, "verified": verify,
-                "checksums_ok": content_ok, "transport": snapshot.transport}
+        return {
+            "servable_at": servable_at,
+            "fetch_s": snapshot.fetch_s,
+            "copy_s": copy_s,
+            "verified": verify,
+            "checksums_ok": content_ok,
+            "transport": snapshot.transport,
+        }
 
     @endpoint
     async def reset(self) -> None:
@@ -234,11 +257,21 @@ async def trainer_publish(args: WeightSyncArgs, model_dir: Path, workdir: Path) 
     trainer = PolicyTrainer(TrainerConfig(), model_dir)
     generator = torch.Generator().manual_seed(0)
     episodes = [
-        Episode(i, "", "", torch.randint(3, args.vocab_size, (16,), generator=generator).tolist(), [
-            Completion(torch.randint(3, args.vocab_size, (48,), generator=generator).tolist(), [-1.0] * 48, [0] * 48,
-                       reward=float(j % 2))
-            for j in range(2)
-        ])
+        Episode(
+            i,
+            "",
+            "",
+            torch.randint(3, args.vocab_size, (16,), generator=generator).tolist(),
+            [
+                Completion(
+                    torch.randint(3, args.vocab_size, (48,), generator=generator).tolist(),
+                    [-1.0] * 48,
+                    [0] * 48,
+                    reward=float(j % 2),
+                )
+                for j in range(2)
+            ],
+        )
         for i in range(2)
     ]
     batch = make_train_batch(episodes, pad_id=0)
@@ -261,8 +294,11 @@ async def trainer_publish(args: WeightSyncArgs, model_dir: Path, workdir: Path) 
                 step_s.append(time.perf_counter() - started)
                 blocking_s.append(time.perf_counter() - trained)
         await publisher.flush()
-        results[mode] = {"step_s": statistics.median(step_s), "publish_blocking_s": statistics.median(blocking_s),
-                         "write_s": publisher._last_write.get("weights/write_s")}
+        results[mode] = {
+            "step_s": statistics.median(step_s),
+            "publish_blocking_s": statistics.median(blocking_s),
+            "write_s": publisher._last_write.get("weights/write_s"),
+        }
     _remove(root)
     results["step_time_saved_s"] = results["sync"]["step_s"] - results["background"]["step_s"]
     results["dtype"] = str(PublishConfig().torch_dtype())
@@ -277,10 +313,19 @@ def create_model(args: WeightSyncArgs, model_dir: Path) -> tuple[Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        head_dim=args.hidden_size // args.num_heads, max_position_embeddings=2048, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        head_dim=args.hidden_size // args.num_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -310,15 +355,18 @@ class Load:
         while not self.stopping:
             prompt = torch.randint(3, self.args.vocab_size, (16,), generator=generator).tolist()
             longest = self.engine.config.max_new_tokens
-            length = int(torch.randint(longest // 2, longest + 1, (1,), generator=generator)) if self.varied_lengths else None
+            length = (
+                int(torch.randint(longest // 2, longest + 1, (1,), generator=generator))
+                if self.varied_lengths
+                else None
+            )
             await self.engine.generate(prompt, 1, None, forced_length=length)
 
     async def _probe(self) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(max_tokens=1900, ignore_eos=True, temperature=1.0,
-                                output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(max_tokens=1900, ignore_eos=True, temperature=1.0, output_kind=RequestOutputKind.DELTA)
         while not self.stopping:  # restarted if an abort-mode swap aborts it
             async for _ in self.engine._running_llm.generate(
                 self.engine.prompt([1, 5, 6, 7]), params, f"probe-{time.monotonic_ns()}"
@@ -377,12 +425,17 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     index, _ = await open_store(root, model_dir, keep_latest=1, procs=volume_procs)
     writer = WeightStore(index, root, client_id="bench-trainer", extra_files_dir=model_dir)
     reader = WeightStore(index, root, client_id="bench-generator", extra_files_dir=model_dir)
-    engine = VLLMEngine(GeneratorConfig(max_new_tokens=args.max_new_tokens, swap_kv="reuse", max_num_seqs=64,
-                                        kv_cache_space_gib=2.0))
+    engine = VLLMEngine(
+        GeneratorConfig(max_new_tokens=args.max_new_tokens, swap_kv="reuse", max_num_seqs=64, kv_cache_space_gib=2.0)
+    )
     started = time.perf_counter()
     await engine.start(model_dir, 2048)
-    results: dict[str, Any] = {"engine_start_s": time.perf_counter() - started, "memcpy_gbps": memcpy,
-                               "memcpy_s": memcpy_s, "served_bytes": served_bytes}
+    results: dict[str, Any] = {
+        "engine_start_s": time.perf_counter() - started,
+        "memcpy_gbps": memcpy,
+        "memcpy_s": memcpy_s,
+        "served_bytes": served_bytes,
+    }
     version = 0
     try:
         for policy in args.policies:
@@ -398,21 +451,30 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
                 write = await publish
                 await asyncio.sleep(1.5)  # tokens after the swap, for the probe's gap
                 stall = load.stall_across(resumed - metrics[PAUSED_S], resumed) if probe else None
-                updates.append({
-                    "stall_s": metrics[STALL_S], "paused_s": metrics[PAUSED_S], "stage_s": metrics[STAGE_S],
-                    "probe_stall_s": stall[0] if stall else None, "probe_median_gap_s": stall[1] if stall else None,
-                    "publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S], "gbps": metrics[GBPS],
-                    "loader": metrics["loader"],
-                    # where publish-to-servable goes: write, commit to lease, staging (copy, repack), swap
-                    "write_s": write.write_s, "notice_s": metrics[loader.NOTICE_S],
-                    "stage_load_s": metrics[loader.STAGE_LOAD_S], "stage_process_s": metrics[loader.STAGE_PROCESS_S],
-                    "stage_minor_faults": metrics[loader.STAGE_FAULTS],
-                })
+                updates.append(
+                    {
+                        "stall_s": metrics[STALL_S],
+                        "paused_s": metrics[PAUSED_S],
+                        "stage_s": metrics[STAGE_S],
+                        "probe_stall_s": stall[0] if stall else None,
+                        "probe_median_gap_s": stall[1] if stall else None,
+                        "publish_to_servable_s": metrics[PUBLISH_TO_SERVABLE_S],
+                        "gbps": metrics[GBPS],
+                        "loader": metrics["loader"],
+                        # where publish-to-servable goes: write, commit to lease, staging (copy, repack), swap
+                        "write_s": write.write_s,
+                        "notice_s": metrics[loader.NOTICE_S],
+                        "stage_load_s": metrics[loader.STAGE_LOAD_S],
+                        "stage_process_s": metrics[loader.STAGE_PROCESS_S],
+                        "stage_minor_faults": metrics[loader.STAGE_FAULTS],
+                    }
+                )
             await load.stop()
             results[policy] = _summarize_updates(updates, memcpy_s, served_bytes, memcpy)
             _progress(f"engine {policy}: {json.dumps(results[policy])}")
-        results["rdma"] = await _rdma_update(engine, index, root, model_dir, writer, base, version + 1, args,
-                                             memcpy, served_bytes)
+        results["rdma"] = await _rdma_update(
+            engine, index, root, model_dir, writer, base, version + 1, args, memcpy, served_bytes
+        )
         _progress(f"engine rdma: {json.dumps(results['rdma'])}")
     finally:
         await engine.shutdown()
@@ -436,9 +498,15 @@ async def _rdma_update(engine, index, root, model_dir, writer, base, version, ar
     await load.stop()
     await remote.close()
     seconds = metrics[PUBLISH_TO_SERVABLE_S]
-    return {"transport": metrics["transport"], "verified": metrics["verified"], "fetch_and_verify_s": metrics[PREFETCH_S],
-            "fetch_gbps": served_bytes / metrics[PREFETCH_S] / 1e9, "stage_s": metrics[STAGE_S],
-            "publish_to_servable_s": seconds, "vs_memcpy": served_bytes / seconds / 1e9 / memcpy}
+    return {
+        "transport": metrics["transport"],
+        "verified": metrics["verified"],
+        "fetch_and_verify_s": metrics[PREFETCH_S],
+        "fetch_gbps": served_bytes / metrics[PREFETCH_S] / 1e9,
+        "stage_s": metrics[STAGE_S],
+        "publish_to_servable_s": seconds,
+        "vs_memcpy": served_bytes / seconds / 1e9 / memcpy,
+    }
 
 
 def _summarize_updates(updates: list[dict], memcpy_s: float, served_bytes: int, memcpy: float) -> dict:
@@ -454,8 +522,9 @@ def _summarize_updates(updates: list[dict], memcpy_s: float, served_bytes: int, 
     }
     if probe:
         summary["probe_stall_ms_max"] = 1e3 * max(probe)
-        summary["probe_median_gap_ms"] = 1e3 * statistics.median(u["probe_median_gap_s"] for u in updates
-                                                                   if u["probe_median_gap_s"] is not None)
+        summary["probe_median_gap_ms"] = 1e3 * statistics.median(
+            u["probe_median_gap_s"] for u in updates if u["probe_median_gap_s"] is not None
+        )
         summary["decode_stall_vs_memcpy_max"] = max(probe) / memcpy_s
     return summary
 
@@ -470,13 +539,17 @@ def main(args: WeightSyncArgs) -> dict:
 async def _main(args: WeightSyncArgs) -> dict:
     torch.set_num_threads(1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")) / f"forge_rl-bench-{time.monotonic_ns()}"
+    workdir = (
+        Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    ) / f"forge_rl-bench-{time.monotonic_ns()}"
     workdir.mkdir(parents=True)
     model_root = Path(tempfile.mkdtemp(prefix="forge_rl-bench-model-"))  # 400 MB: not kept
     started = time.perf_counter()
     try:
-        figures: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
-                         "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        figures: dict = {
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(args).items()},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         _progress("part 1: store throughput, 10 MB to 2 GB")
         figures["store"] = await store_throughput(args, workdir)
         model_dir, num_params = create_model(args, model_root)
@@ -503,30 +576,42 @@ def summarize(figures: dict) -> dict:
     big = [row for row in figures["store"] if row["size_mb"] >= 100]
     summary = {
         "publish_to_servable_vs_memcpy": min((row["shm"]["vs_memcpy"] for row in big), default=None),
-        "publish_to_servable_vs_memcpy_rdma": min((row["rdma"]["vs_memcpy"] for row in big if "rdma" in row), default=None),
+        "publish_to_servable_vs_memcpy_rdma": min(
+            (row["rdma"]["vs_memcpy"] for row in big if "rdma" in row), default=None
+        ),
         "memcpy_gbps": statistics.median(row["memcpy_gbps"] for row in figures["store"]),
-        "store_checksums_ok": all(row[t]["checksums_ok"] for row in figures["store"] for t in ("shm", "rdma") if t in row),
+        "store_checksums_ok": all(
+            row[t]["checksums_ok"] for row in figures["store"] for t in ("shm", "rdma") if t in row
+        ),
     }
     if "trainer" in figures:
         summary["trainer_step_s_sync"] = figures["trainer"]["sync"]["step_s"]
         summary["trainer_step_s_background"] = figures["trainer"]["background"]["step_s"]
     engine = figures.get("engine")
     if engine:
-        summary.update({
-            "decode_stall_ms_inflight_max": engine["in_flight"]["probe_stall_ms_max"],
-            "decode_stall_vs_memcpy_inflight_max": engine["in_flight"]["decode_stall_vs_memcpy_max"],
-            "paused_ms_inflight_max": engine["in_flight"]["paused_ms_max"],
-            "decode_stall_ms_drain_max": engine["drain"]["stall_ms_max"],
-            **{f"decode_stall_ms_{name}_max": engine[policy]["probe_stall_ms_max"]
-               for name, policy in (("inflight_recompute", "in_flight_recompute"),
-                                    ("stock_reload", "in_flight_stock_reload"), ("abort_resubmit", "abort_resubmit"))
-               if policy in engine},
-            "drain_over_inflight": engine["drain"]["stall_ms_max"] / max(engine["in_flight"]["probe_stall_ms_max"], 1e-3),
-            "engine_publish_to_servable_vs_memcpy": engine["in_flight"]["publish_to_servable_vs_memcpy"],
-            "engine_rdma_publish_to_servable_s": engine["rdma"]["publish_to_servable_s"],
-            "served_mb": engine["served_bytes"] / _MB,
-            "memcpy_ms_served": engine["memcpy_s"] * 1e3,
-        })
+        summary.update(
+            {
+                "decode_stall_ms_inflight_max": engine["in_flight"]["probe_stall_ms_max"],
+                "decode_stall_vs_memcpy_inflight_max": engine["in_flight"]["decode_stall_vs_memcpy_max"],
+                "paused_ms_inflight_max": engine["in_flight"]["paused_ms_max"],
+                "decode_stall_ms_drain_max": engine["drain"]["stall_ms_max"],
+                **{
+                    f"decode_stall_ms_{name}_max": engine[policy]["probe_stall_ms_max"]
+                    for name, policy in (
+                        ("inflight_recompute", "in_flight_recompute"),
+                        ("stock_reload", "in_flight_stock_reload"),
+                        ("abort_resubmit", "abort_resubmit"),
+                    )
+                    if policy in engine
+                },
+                "drain_over_inflight": engine["drain"]["stall_ms_max"]
+                / max(engine["in_flight"]["probe_stall_ms_max"], 1e-3),
+                "engine_publish_to_servable_vs_memcpy": engine["in_flight"]["publish_to_servable_vs_memcpy"],
+                "engine_rdma_publish_to_servable_s": engine["rdma"]["publish_to_servable_s"],
+                "served_mb": engine["served_bytes"] / _MB,
+                "memcpy_ms_served": engine["memcpy_s"] * 1e3,
+            }
+        )
     summary["wall_s"] = figures["wall_s"]
     return summary
 
@@ -547,4 +632,3 @@ def _progress(message: str) -> None:
     from forge_rl.observability.metrics import progress
 
     progress(message)
-

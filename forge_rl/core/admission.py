@@ -59,7 +59,9 @@ def schedule_is_feasible(
     return True
 
 
-def overdue_as_due_now(queued_versions: Mapping[int, int], next_train_version: int, max_policy_age: int) -> collections.Counter[int]:
+def overdue_as_due_now(
+    queued_versions: Mapping[int, int], next_train_version: int, max_policy_age: int
+) -> collections.Counter[int]:
     """`queued_versions` with the episodes whose deadline has passed by the gate's count moved to
     the oldest version still trainable. They exist only after a step that the train loop could not
     hold (nothing left in flight to wait for): the buffer keeps such an episode if its tokens are
@@ -72,7 +74,9 @@ def overdue_as_due_now(queued_versions: Mapping[int, int], next_train_version: i
     return due_now
 
 
-def buffered_versions(queued_versions: Mapping[int, int], in_flight_versions: Mapping[int, int]) -> collections.Counter[int]:
+def buffered_versions(
+    queued_versions: Mapping[int, int], in_flight_versions: Mapping[int, int]
+) -> collections.Counter[int]:
     """Start version of each episode admitted, not yet taken and no longer in flight: in the buffer."""
     return collections.Counter(queued_versions) - collections.Counter(in_flight_versions)
 

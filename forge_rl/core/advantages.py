@@ -159,7 +159,9 @@ def place_on_steps(step_ends: list[int], step_values: list[float]) -> list[float
     return per_token
 
 
-def has_signal(episode: Episode, normalize_std: bool = True, step_discount: float = 1.0, local_weight: float = 1.0) -> bool:
+def has_signal(
+    episode: Episode, normalize_std: bool = True, step_discount: float = 1.0, local_weight: float = 1.0
+) -> bool:
     """True when some token that trains (`Completion.loss_mask`: generated, trainable, not ERRORED)
     has a nonzero advantage (`token_advantages`, with the loss's `normalize_std` and
     `step_discount`, and a tree's `local_weight`): the group moves the policy. The signal may be
@@ -188,7 +190,11 @@ class DynamicSampling:
     starts the count again. Raises NoLearningSignal naming the cause and the fixes."""
 
     def __init__(
-        self, max_filtered_steps: int, prompts_per_step: int, normalize_std: bool = True, step_discount: float = 1.0,
+        self,
+        max_filtered_steps: int,
+        prompts_per_step: int,
+        normalize_std: bool = True,
+        step_discount: float = 1.0,
         local_weight: float = 1.0,
     ):
         self.max_filtered_steps = max_filtered_steps
@@ -229,13 +235,19 @@ def describe_signal(episode: Episode) -> str:
     rewards = sorted({completion_reward(c) for c in usable})
     parts = [
         f"{len(usable)} usable of {len(episode.completions)} completions",
-        f"final rewards all {rewards[0]:g}" if len(rewards) == 1 else f"final rewards {[f'{r:g}' for r in rewards[:4]]}",
+        f"final rewards all {rewards[0]:g}"
+        if len(rewards) == 1
+        else f"final rewards {[f'{r:g}' for r in rewards[:4]]}",
     ]
     steps = {r for c in usable for r in c.step_rewards or ()}
-    parts.append("no step rewards" if not steps else f"step rewards {'all equal' if len(steps) == 1 else 'that differ'}")
+    parts.append(
+        "no step rewards" if not steps else f"step rewards {'all equal' if len(steps) == 1 else 'that differ'}"
+    )
     dense = [abs(r) for c in usable for r, trains in zip(c.token_rewards or (), c.loss_mask) if trains]
     has_dense = any(c.token_rewards is not None for c in usable)
-    parts.append("no token rewards" if not has_dense else f"token rewards of at most {max(dense, default=0.0):g} in size")
+    parts.append(
+        "no token rewards" if not has_dense else f"token rewards of at most {max(dense, default=0.0):g} in size"
+    )
     return ", ".join(parts)
 
 

@@ -104,7 +104,10 @@ class TrainBatch:
 
 
 def make_train_batch(
-    episodes: list[Episode], pad_id: int, normalize_advantage_std: bool = True, step_discount: float = 1.0,
+    episodes: list[Episode],
+    pad_id: int,
+    normalize_advantage_std: bool = True,
+    step_discount: float = 1.0,
     local_weight: float = 1.0,
 ) -> TrainBatch:
     """One row per completion (`forge_rl.core.columns.batch_columns`, which says what reaches the loss),
@@ -134,7 +137,9 @@ def pad_columns(columns: BatchColumns, pad_id: int) -> TrainBatch:
     routing = None
     if columns.routings is not None:
         assert columns.generated is not None  # set with routings (BatchColumns.generated)
-        routing = batch_routing(columns.routings, [[False] * n if g is None else g for g, n in zip(columns.generated, row_lengths)], length)
+        routing = batch_routing(
+            columns.routings, [[False] * n if g is None else g for g, n in zip(columns.generated, row_lengths)], length
+        )
 
     return TrainBatch(
         input_ids_NL=pad(columns.token_ids, pad_id, torch.int64),
@@ -145,7 +150,9 @@ def pad_columns(columns: BatchColumns, pad_id: int) -> TrainBatch:
         exact_version_NL=pad(columns.exact_versions, -1, torch.int64),
         temperature_N=torch.frombuffer(columns.temperatures, dtype=torch.float32).clone(),
         support_NLK=support_NLK,
-        reference_logprobs_NL=None if columns.reference_logprobs is None else pad(columns.reference_logprobs, 0.0, torch.float32),
+        reference_logprobs_NL=None
+        if columns.reference_logprobs is None
+        else pad(columns.reference_logprobs, 0.0, torch.float32),
         lengths_N=lengths_N,
         routed_experts_NLXK=None if routing is None else routing[0],
         routed_NL=None if routing is None else routing[1],
@@ -213,7 +220,8 @@ def token_logprobs(
     `temperature_NL` is per token (its sequence's temperature; rows may pack several sequences).
     """
     logprobs_NL = predicted_logprobs(
-        logits_NLV[:, :-1], input_ids_NL[:, 1:],
+        logits_NLV[:, :-1],
+        input_ids_NL[:, 1:],
         None if temperature_NL is None else temperature_NL[:, 1:],
         None if support_NLK is None else support_NLK[:, 1:],
     )
@@ -273,4 +281,3 @@ def predicted_entropy(logits_XV: torch.Tensor, temperature_X: torch.Tensor | Non
         scaled_XV = scaled_XV / temperature_X[..., None].to(scaled_XV.device)
     log_p_XV = torch.log_softmax(scaled_XV, dim=-1)
     return -(log_p_XV.exp() * log_p_XV).sum(-1)
-

@@ -70,8 +70,17 @@ class BranchConfig:
 
     def __post_init__(self) -> None:
         if self.rule not in ("none", "entropy", "token_prob", "function"):
-            raise ValueError(f"branch.rule ({self.rule!r}) must be none, entropy, token_prob or function. Set --branch.rule.")
-        for name in ("pivots_per_sample", "branches_per_pivot", "depth", "min_prefix_tokens", "min_suffix_tokens", "entropy_top_logprobs"):
+            raise ValueError(
+                f"branch.rule ({self.rule!r}) must be none, entropy, token_prob or function. Set --branch.rule."
+            )
+        for name in (
+            "pivots_per_sample",
+            "branches_per_pivot",
+            "depth",
+            "min_prefix_tokens",
+            "min_suffix_tokens",
+            "entropy_top_logprobs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"branch.{name} ({getattr(self, name)}) must be >= 1. Set --branch.{name.replace('_', '-')}."
@@ -106,8 +115,9 @@ def pivot_candidates(completion: Completion, config: BranchConfig) -> range:
     return range(completion.fork_at + config.min_prefix_tokens, completion.num_tokens - config.min_suffix_tokens + 1)
 
 
-def pick_pivots(completion: Completion, config: BranchConfig, prompt_token_ids: list[int],
-                function: PivotFunction | None = None) -> list[int]:
+def pick_pivots(
+    completion: Completion, config: BranchConfig, prompt_token_ids: list[int], function: PivotFunction | None = None
+) -> list[int]:
     """Where to branch `completion`, in increasing order: the `pivots_per_sample` candidates that
     score highest under the rule and pass its threshold (ties: the earliest). None found: [].
     A `function` rule's positions are taken as given (deduplicated, at most pivots_per_sample);
@@ -207,12 +217,15 @@ def pick_turn_pivots(completion: Completion, config: BranchConfig, function: Piv
             )
         return chosen[: config.pivots_per_sample]
     if config.rule != "token_prob":
-        raise ValueError(f"branch.rule {config.rule} picks no turn of an environment episode (token_prob or function do)")
+        raise ValueError(
+            f"branch.rule {config.rule} picks no turn of an environment episode (token_prob or function do)"
+        )
     ends = starts[1:] + [completion.num_tokens]
     generated = completion.generated or [True] * completion.num_tokens
     scores = {
         start: max(-completion.logprobs[t] for t in range(start, end) if generated[t])
-        for start, end in zip(starts, ends) if start in candidates
+        for start, end in zip(starts, ends)
+        if start in candidates
     }
     bar = None if config.threshold is None else -math.log(config.threshold)
     ranked = sorted((t for t in candidates if bar is None or scores[t] >= bar), key=lambda t: (-scores[t], t))
@@ -231,7 +244,9 @@ def fork_completion(parent: Completion, parent_index: int, pivot: int, played: C
     state; ReplayDiverged naming the first difference otherwise) and become context, as a branch's
     prefix is (`branch_completion`); what follows is its own, with its reward, turns and status."""
     if played.token_ids[:pivot] != parent.token_ids[:pivot]:
-        differs = next((t for t, (a, b) in enumerate(zip(played.token_ids, parent.token_ids)) if a != b), len(played.token_ids))
+        differs = next(
+            (t for t, (a, b) in enumerate(zip(played.token_ids, parent.token_ids)) if a != b), len(played.token_ids)
+        )
         raise ReplayDiverged(
             f"the replayed episode differs from the one it forks at token {differs} (of the {pivot} before the "
             "pivot): the environment did not come back to the same state"
@@ -239,7 +254,9 @@ def fork_completion(parent: Completion, parent_index: int, pivot: int, played: C
     if played.num_tokens <= pivot:
         raise ReplayDiverged(f"the forked episode ended before its pivot ({played.num_tokens} tokens, pivot {pivot})")
     generated = played.generated or [True] * played.num_tokens
-    first_version = next((v for v, g in zip(played.policy_versions[pivot:], generated[pivot:]) if g), played.policy_versions[pivot])
+    first_version = next(
+        (v for v, g in zip(played.policy_versions[pivot:], generated[pivot:]) if g), played.policy_versions[pivot]
+    )
     support: list[list[int]] | None = None
     if played.sampling_support is not None:
         support = [[] for _ in range(pivot)] + played.sampling_support[pivot:]
@@ -288,7 +305,9 @@ def tree_token_advantages(episode: Episode, normalize_std: bool, local_weight: f
     for i, completion in enumerate(completions):
         if completion.parent is not None:
             if not 0 <= completion.parent < len(completions) or completions[completion.parent].parent == i:
-                raise ValueError(f"completion {i}'s parent ({completion.parent}) is not another completion of its group")
+                raise ValueError(
+                    f"completion {i}'s parent ({completion.parent}) is not another completion of its group"
+                )
             children.setdefault(completion.parent, []).append(i)
 
     subtree_cache: dict[int, list[int]] = {}
@@ -314,7 +333,11 @@ def tree_token_advantages(episode: Episode, normalize_std: bool, local_weight: f
     mu = math.fsum(root_values) / len(root_values)
     leaf_rewards = list(rewards.values())
     mean = math.fsum(leaf_rewards) / len(leaf_rewards)
-    sigma = math.sqrt(math.fsum((r - mean) ** 2 for r in leaf_rewards) / len(leaf_rewards)) + _STD_EPS if normalize_std else 1.0
+    sigma = (
+        math.sqrt(math.fsum((r - mean) ** 2 for r in leaf_rewards) / len(leaf_rewards)) + _STD_EPS
+        if normalize_std
+        else 1.0
+    )
 
     for i in usable:
         completion = completions[i]

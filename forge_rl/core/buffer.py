@@ -221,9 +221,8 @@ class ReplayBuffer:
         tokens is over its policy's age bound (counted from each completion's oldest version)."""
         if len(self.max_ages) == 1:  # one policy: no walk over the completions
             return episode.oldest_policy_version + self.config.max_policy_age
-        return min(
-            c.oldest_policy_version - self._oldest_allowed(c.policy, 0) for c in episode.completions
-        )
+        return min(c.oldest_policy_version - self._oldest_allowed(c.policy, 0) for c in episode.completions)
+
     @property
     def num_free_slots(self) -> int:
         return self.config.capacity_episodes - len(self._episodes)
@@ -279,11 +278,7 @@ class ReplayBuffer:
             return None
         # sorted() is stable: episodes of one version keep their arrival order.
         self._episodes = collections.deque(
-            sorted(
-                self._episodes,
-                key=lambda e: e.schedule_version,
-                reverse=self.config.sampling == "freshest",
-            )
+            sorted(self._episodes, key=lambda e: e.schedule_version, reverse=self.config.sampling == "freshest")
         )
         batch = [self._episodes.popleft() for _ in range(num_episodes)]
         for episode in batch:
@@ -320,7 +315,9 @@ class ReplayBuffer:
             )
         self._held(episodes)
         self.dropped = _tally_from_dict(state["dropped"])
-        self.trained = dataclasses.replace(_tally_from_dict(state["trained"]), episode_ids=None)  # an older checkpoint kept them
+        self.trained = dataclasses.replace(
+            _tally_from_dict(state["trained"]), episode_ids=None
+        )  # an older checkpoint kept them
 
     def _apply_age_bound(self, episode: Episode, trainer_version: int) -> Episode | None:
         """`episode` with no trainable token older than its policy's age bound, or None if it is
@@ -440,4 +437,3 @@ def _without_tokens_before(completion: Completion, oldest_allowed_version: int) 
     assert completion.trainable is not None  # __post_init__ fills it
     trainable = [t and (v < 0 or v >= oldest_allowed_version) for t, v in zip(completion.trainable, depends_on)]
     return dataclasses.replace(completion, trainable=trainable)
-

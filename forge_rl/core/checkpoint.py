@@ -50,6 +50,7 @@ def policy_trainer_dir(policy: str) -> str:
     """The checkpoint directory of one of the run's other policies' trainer (`policies`)."""
     return f"{TRAINER_DIR}-{policy}"
 
+
 CONTROLLER_FILE = "controller.json"
 COMPLETE_FILE = "COMPLETE"
 _STEP_DIR = re.compile(r"step-(\d{6,})")
@@ -177,7 +178,9 @@ def commit_checkpoint(partial: Path, controller: ControllerState) -> Path:
     checkpoint of a step that already has one (a resumed run reaching it again) replaces it.
     """
     _write_synced(partial / CONTROLLER_FILE, controller.to_json())
-    _write_synced(partial / COMPLETE_FILE, json.dumps({"step": controller.step, "policy_version": controller.policy_version}))
+    _write_synced(
+        partial / COMPLETE_FILE, json.dumps({"step": controller.step, "policy_version": controller.policy_version})
+    )
     final = partial.parent / step_dir_name(controller.step)
     if final.exists():
         shutil.rmtree(final)

@@ -81,7 +81,13 @@ def batch_columns(
     `local_weight` is `LossConfig.local_advantage_weight` (a branched group's local term).
     """
     lengths, token_ids, exact, generators = array("q"), array("q"), array("q"), array("q")
-    loss_mask, behaviour, advantages, temperatures, references = array("B"), array("f"), array("f"), array("f"), array("f")
+    loss_mask, behaviour, advantages, temperatures, references = (
+        array("B"),
+        array("f"),
+        array("f"),
+        array("f"),
+        array("f"),
+    )
     supports: list[list[list[int]] | None] = []
     routings, generated = [], []
     num_references = 0
@@ -91,7 +97,11 @@ def batch_columns(
     # batch has tokens.
     for episode in episodes:
         prompt = array("q", episode.prompt_token_ids)
-        prompt_zeros, prompt_false, prompt_context = array("f", bytes(4 * len(prompt))), bytes(len(prompt)), array("q", [-1]) * len(prompt)
+        prompt_zeros, prompt_false, prompt_context = (
+            array("f", bytes(4 * len(prompt))),
+            bytes(len(prompt)),
+            array("q", [-1]) * len(prompt),
+        )
         generator = -1 if episode.generator_index is None else episode.generator_index
         advantage_columns = _advantage_columns(episode, normalize_advantage_std, step_discount, local_weight)
         for completion, completion_advantages in zip(episode.completions, advantage_columns):
@@ -115,9 +125,13 @@ def batch_columns(
                 references.fromlist(completion.reference_logprobs)
             # Kept sets and routing records are rare (top-k/top-p sampling, MoE): their per-token
             # lists are built only for a row that has some.
-            supports.append(None if completion.sampling_support is None else [[]] * len(prompt) + completion.sampling_support)
+            supports.append(
+                None if completion.sampling_support is None else [[]] * len(prompt) + completion.sampling_support
+            )
             routings.append(completion.routed_experts)
-            generated.append(None if completion.routed_experts is None else [False] * len(prompt) + completion.generated_mask)
+            generated.append(
+                None if completion.routed_experts is None else [False] * len(prompt) + completion.generated_mask
+            )
     if not lengths:
         raise ValueError("batch_columns got no completions")
     if num_references and num_references != len(lengths):

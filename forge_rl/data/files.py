@@ -89,7 +89,10 @@ class FileSource:
     HF_DATASETS_CACHE); the rows are memory-mapped from there, never read into memory whole."""
 
     def __init__(
-        self, config: DataConfig, length_limit: LengthLimit | None = None, cache_dir: str | None = None,
+        self,
+        config: DataConfig,
+        length_limit: LengthLimit | None = None,
+        cache_dir: str | None = None,
         field: str = "data",
     ):
         # Imported here, not at the top, so importing DataConfig costs nothing (see the module docstring).

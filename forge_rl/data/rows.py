@@ -69,7 +69,10 @@ endless source whose distinct prompts are all written (or excluded) would otherw
 
 
 def export_rows(
-    source: RowSource, path: str | os.PathLike, num_rows: int, unique: bool = False,
+    source: RowSource,
+    path: str | os.PathLike,
+    num_rows: int,
+    unique: bool = False,
     exclude: str | os.PathLike | None = None,
 ) -> int:
     """Write the source's first `num_rows` rows (in its order, skipped rows left out) to the JSONL
@@ -120,7 +123,9 @@ def excluded_prompts(path: str | os.PathLike) -> set[str]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
-        raise ConfigError(f"--exclude ({str(path)!r}) cannot be read: {error}. Point it at a JSONL file an export wrote.") from None
+        raise ConfigError(
+            f"--exclude ({str(path)!r}) cannot be read: {error}. Point it at a JSONL file an export wrote."
+        ) from None
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)

@@ -36,7 +36,11 @@ class ForwardClockExtension:
             return
         clock: dict[str, Any]
         # The newest adapter loads only: a run loads one per policy version.
-        self._forge_forward_clock = clock = {"forward_s": 0.0, "forward_steps": 0, "add_lora_s": collections.deque(maxlen=64)}
+        self._forge_forward_clock = clock = {
+            "forward_s": 0.0,
+            "forward_steps": 0,
+            "add_lora_s": collections.deque(maxlen=64),
+        }
         for name in ("execute_model", "sample_tokens"):
             method = getattr(self, name, None)
             if method is not None:

@@ -108,7 +108,8 @@ class RoutingCaptureExtension:
         model = runner.get_model()
         model_config = runner.vllm_config.model_config
         capture = RoutingCapture(
-            model_config.get_total_num_hidden_layers(), model_config.get_num_experts_per_tok(),
+            model_config.get_total_num_hidden_layers(),
+            model_config.get_num_experts_per_tok(),
             model_config.get_num_experts(),
         )
         step: dict[str, Any] = {"positions": None, "rows": [None] * capture.num_layers}

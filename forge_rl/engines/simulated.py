@@ -83,8 +83,12 @@ class LatencyModel:
     """Per prompt token prefilled: 16.4 GFLOP at about 55% of peak (about 33k tokens/s)."""
 
     def __post_init__(self) -> None:
-        for name in ("decode_step_fixed_s", "decode_step_per_sequence_s", "decode_step_per_context_token_s",
-                     "prefill_per_token_s"):
+        for name in (
+            "decode_step_fixed_s",
+            "decode_step_per_sequence_s",
+            "decode_step_per_context_token_s",
+            "prefill_per_token_s",
+        ):
             value = getattr(self, name)
             if not 0.0 <= value < math.inf:
                 raise ValueError(
@@ -307,7 +311,9 @@ class SimulatedEngine:
         ends_on_eos = eos_id is not None and not forced_length
         return [self._completion(s, max_tokens, eos_id if ends_on_eos else None) for s in sequences]
 
-    async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None) -> SampledTurn:
+    async def generate_turn(
+        self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None
+    ) -> SampledTurn:
         """One simulated turn after `prefix_token_ids` (VLLMEngine.generate_turn's contract): its
         length drawn from the configured distribution within `max_new_tokens` and the context,
         placeholder tokens ending on `eos_id` unless cut at that budget ("length"), each token
@@ -323,7 +329,9 @@ class SimulatedEngine:
             )
         budget = min(max_new_tokens, room)
         loop = asyncio.get_running_loop()
-        sequence = _Sequence(len(prefix_token_ids), self.sim.draw_length(self._rng, budget), loop.create_future(), arrived_at=loop.time())
+        sequence = _Sequence(
+            len(prefix_token_ids), self.sim.draw_length(self._rng, budget), loop.create_future(), arrived_at=loop.time()
+        )
         self._waiting.append((sequence, len(prefix_token_ids)))
         self._wake.set()
         await sequence.done
@@ -393,9 +401,16 @@ class SimulatedEngine:
         self._wake.set()
         resumed = loop.time()
         return SwapStats(
-            policy_version=policy_version, mode=mode, loader="simulated", stage_s=0.0,
-            pause_s=paused - started, load_s=resumed - paused, stall_s=resumed - started,
-            paused_s=resumed - paused, num_bytes=0, num_requests_over_older_kv=over_older_kv,
+            policy_version=policy_version,
+            mode=mode,
+            loader="simulated",
+            stage_s=0.0,
+            pause_s=paused - started,
+            load_s=resumed - paused,
+            stall_s=resumed - started,
+            paused_s=resumed - paused,
+            num_bytes=0,
+            num_requests_over_older_kv=over_older_kv,
         )
 
     # The engine loop --------------------------------------------------------------------------

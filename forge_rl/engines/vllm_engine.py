@@ -57,7 +57,16 @@ from forge_rl.engines.simulated import SimEngineConfig
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.routing import RoutingRecord
-from forge_rl.types import Completion, CompletionStatus, SampledSequence, SampleResult, SampleSpec, SwapStats, TopK, join_pieces
+from forge_rl.types import (
+    Completion,
+    CompletionStatus,
+    SampledSequence,
+    SampleResult,
+    SampleSpec,
+    SwapStats,
+    TopK,
+    join_pieces,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -80,6 +89,7 @@ if TYPE_CHECKING:
 
 _IN_ENGINE_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 """vLLM's single-process executor by qualified name (see `_engine_kwargs`)."""
+
 
 @dataclass(frozen=True)
 class GeneratorConfig:
@@ -222,9 +232,7 @@ class GeneratorConfig:
         for name, ok, rule in checks:
             if not ok:
                 flag = "--generator." + name.replace("_", "-")
-                raise ValueError(
-                    f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}."
-                )
+                raise ValueError(f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}.")
         if self.segment_tokens is not None and self.engine == "sim":
             raise ValueError(
                 f"generator.segment_tokens ({self.segment_tokens}) needs generator.engine vllm: the simulated "
@@ -296,7 +304,9 @@ class VLLMEngine:
     """One vLLM AsyncLLM; must be started, used and shut down on one asyncio event loop."""
 
     def __init__(
-        self, config: GeneratorConfig, cuda_devices: tuple[int, ...] | None = None,
+        self,
+        config: GeneratorConfig,
+        cuda_devices: tuple[int, ...] | None = None,
         adapters: AdapterServing | None = None,
     ):
         self.config = config
@@ -390,7 +400,8 @@ class VLLMEngine:
             self._ipc_dir = None
             raise
         self._engine_processes = [
-            child for child in psutil.Process().children()
+            child
+            for child in psutil.Process().children()
             if child.pid not in children_before and not _is_resource_tracker(child)
         ]
         # vLLM's engine core has no way to notice that this process died: a SIGKILL here (ours,
@@ -562,8 +573,13 @@ class VLLMEngine:
         return env
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, eos_id: int | None, forced_length: int | None = None,
-        temperature: float | None = None, max_new_tokens: int | None = None,
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        eos_id: int | None,
+        forced_length: int | None = None,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
     ) -> list[Completion]:
         """Sample `n` completions of one prompt; each token carries its logprob and policy version.
 
@@ -579,8 +595,13 @@ class VLLMEngine:
         return await self._sample(prompt_token_ids, n, None if forced_length else eos_id, max_tokens, temperature)
 
     async def generate_segment(
-        self, prompt_token_ids: list[int], heads: list[list[int]] | None, n: int, eos_id: int | None,
-        forced_length: int | None, segment_tokens: int,
+        self,
+        prompt_token_ids: list[int],
+        heads: list[list[int]] | None,
+        n: int,
+        eos_id: int | None,
+        forced_length: int | None,
+        segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
         """One segment of a group's completions (`GeneratorConfig.segment_tokens`): at most
         `segment_tokens` more tokens of each, so that what was sampled before it is held by the
@@ -612,8 +633,7 @@ class VLLMEngine:
         return list(await asyncio.gather(*(continued(head) for head in heads)))
 
     async def generate_branches(
-        self, prompt_token_ids: list[int], heads: list[list[int]], n: int, eos_id: int | None,
-        forced_length: int | None,
+        self, prompt_token_ids: list[int], heads: list[list[int]], n: int, eos_id: int | None, forced_length: int | None
     ) -> list[tuple[list[Completion], int]]:
         """Branch rollouts (forge_rl/core/branches.py): `n` continuations of prompt + each head (a
         completion's tokens before its pivot), each head one request of `n` children, with what is
@@ -729,7 +749,12 @@ class VLLMEngine:
         finish_reason: Literal["stop", "length"]
         finish_reason = "stop" if output.finish_reason == "stop" else "length"  # or cut by abort at the budget
         return SampledTurn(
-            turn.token_ids, turn.logprobs, turn.policy_versions, finish_reason, turn.sampling_support, turn.routed_experts,
+            turn.token_ids,
+            turn.logprobs,
+            turn.policy_versions,
+            finish_reason,
+            turn.sampling_support,
+            turn.routed_experts,
             turn.num_truncated_support,
         )
 
@@ -766,7 +791,8 @@ class VLLMEngine:
                 "more tokens than were recorded: the trainer renormalizes such tokens over too few, and "
                 "their importance ratios are biased above 1. Counted per completion "
                 "(Completion.num_truncated_support). Raise --generator.max-support-ids, or lower "
-                "--generator.top-k to at most it.", self.config.max_support_ids,
+                "--generator.top-k to at most it.",
+                self.config.max_support_ids,
             )
         self.num_truncated_support += completion.num_truncated_support
         return completion
@@ -899,7 +925,9 @@ class VLLMEngine:
             completion.status = CompletionStatus.TRUNCATED
         return completion
 
-    async def sample(self, prompt_token_ids: list[int], spec: SampleSpec, adapter_version: int, eos_id: int | None) -> SampleResult:
+    async def sample(
+        self, prompt_token_ids: list[int], spec: SampleSpec, adapter_version: int, eos_id: int | None
+    ) -> SampleResult:
         """`spec.num_samples` continuations of the prompt by the resident adapter of
         `adapter_version` (BASE_MODEL: the base), with the request's own sampling parameters: the
         service's sampling (forge_rl/service/meshes.py). Every token is that version's sample:
@@ -917,7 +945,9 @@ class VLLMEngine:
             )
         stop_ids = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, int)]
         stop_strings = [] if spec.stop is None else [s for s in spec.stop if isinstance(s, str)]
-        num_prompt_logprobs = spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None)
+        num_prompt_logprobs = (
+            spec.topk_prompt_logprobs if spec.topk_prompt_logprobs else (0 if spec.prompt_logprobs else None)
+        )
         # A prompt scored on its own request (one prefill, alone in the engine) and the samples on
         # another, beside the engine's other requests (`_scores_prompt_alone`).
         apart = num_prompt_logprobs is not None and self._scores_prompt_alone
@@ -938,7 +968,9 @@ class VLLMEngine:
         )
         scored = None
         if apart:
-            scoring = SamplingParams(n=1, max_tokens=1, prompt_logprobs=num_prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY)
+            scoring = SamplingParams(
+                n=1, max_tokens=1, prompt_logprobs=num_prompt_logprobs, output_kind=RequestOutputKind.FINAL_ONLY
+            )
             scored, _ = await self._request(prompt_token_ids, scoring, adapter_version)
         final, version = await self._request(prompt_token_ids, params, adapter_version)
         if any(output.finish_reason == "abort" for output in final.outputs + (scored.outputs if scored else [])):
@@ -950,10 +982,20 @@ class VLLMEngine:
         for output in final.outputs:
             tokens = list(output.token_ids)
             logprobs = [position[token].logprob for token, position in zip(tokens, output.logprobs or [])]
-            topk = [_top_k(position, spec.topk_sample_logprobs) for position in output.logprobs or []] if spec.topk_sample_logprobs else None
-            sequences.append(SampledSequence(
-                tokens, logprobs, "length" if output.finish_reason == "length" else "stop", [version] * len(tokens), topk,
-            ))
+            topk = (
+                [_top_k(position, spec.topk_sample_logprobs) for position in output.logprobs or []]
+                if spec.topk_sample_logprobs
+                else None
+            )
+            sequences.append(
+                SampledSequence(
+                    tokens,
+                    logprobs,
+                    "length" if output.finish_reason == "length" else "stop",
+                    [version] * len(tokens),
+                    topk,
+                )
+            )
         prompt_logprobs = topk_prompt = None
         if spec.prompt_logprobs:
             prompt_logprobs = [
@@ -962,7 +1004,8 @@ class VLLMEngine:
             ]
         if spec.topk_prompt_logprobs:
             topk_prompt = [
-                None if position is None else _top_k(position, spec.topk_prompt_logprobs) for position in scored.prompt_logprobs or []
+                None if position is None else _top_k(position, spec.topk_prompt_logprobs)
+                for position in scored.prompt_logprobs or []
             ]
         return SampleResult(sequences, prompt_logprobs, topk_prompt)
 
@@ -1155,7 +1198,10 @@ class VLLMEngine:
         self.policy_version = policy_version
         self._unloading = asyncio.ensure_future(self._unload_beyond_resident())
         return AdapterLoadStats(
-            policy_version, wait_s=room - started, load_s=loaded - room, unloaded=unloaded,
+            policy_version,
+            wait_s=room - started,
+            load_s=loaded - room,
+            unloaded=unloaded,
             resident=sorted(self._resident),
         )
 
@@ -1202,7 +1248,9 @@ class VLLMEngine:
 
     def _can_stage(self) -> bool:
         """The staged loader needs eager mode and one worker (see forge_rl/engines/vllm_staging.py)."""
-        return self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
+        return (
+            self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
+        )
 
     async def forward_time(self) -> dict:
         """The model's time in the engine since it started (forge_rl/engines/forward_clock.py):
@@ -1269,7 +1317,7 @@ def remove_dead_engines_socket_dirs(min_age_s: float = 600.0) -> list[str]:
     (a container's) may hold a starting engine whose pid means nothing here."""
     removed = []
     for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_SOCKET_DIR_PREFIX}*_*")):
-        pid = os.path.basename(path)[len(_SOCKET_DIR_PREFIX):].split("_", 1)[0]
+        pid = os.path.basename(path)[len(_SOCKET_DIR_PREFIX) :].split("_", 1)[0]
         try:
             if not pid.isdigit() or psutil.pid_exists(int(pid)) or time.time() - os.stat(path).st_mtime < min_age_s:
                 continue
@@ -1307,7 +1355,9 @@ def _top_k(position: dict, k: int) -> TopK:
     """The k likeliest tokens of one position of vLLM's logprobs ({token id: Logprob}, which
     also holds the sampled or prompt token at its own rank), likeliest first. Tokens outside a
     top-k/top-p kept set (logprob -inf under processed logprobs) are left out."""
-    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items() if lp.rank is not None and lp.rank <= k)
+    ranked = sorted(
+        (lp.rank, token, lp.logprob) for token, lp in position.items() if lp.rank is not None and lp.rank <= k
+    )
     return [(token, logprob) for _, token, logprob in ranked if math.isfinite(logprob)]
 
 
@@ -1318,11 +1368,7 @@ def _to_completion(output: CompletionOutput, support_source: str, max_support_id
     that fills them may be larger; None when every kept set fits."""
     token_ids = list(output.token_ids)
     logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs)]
-    policy_versions = [
-        int(span.version)
-        for span in output.weight_versions or []
-        for _ in range(span.start, span.end)
-    ]
+    policy_versions = [int(span.version) for span in output.weight_versions or [] for _ in range(span.start, span.end)]
     status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
     support, num_truncated = None, 0
     if support_source == "sampling_mask":
@@ -1333,8 +1379,14 @@ def _to_completion(output: CompletionOutput, support_source: str, max_support_id
         # the set may go on past what vLLM returned.
         if max_support_ids is not None:
             num_truncated = sum(len(kept) >= max_support_ids for kept in support)
-    return Completion(token_ids, logprobs, policy_versions, status=status, sampling_support=support,
-                      num_truncated_support=num_truncated)
+    return Completion(
+        token_ids,
+        logprobs,
+        policy_versions,
+        status=status,
+        sampling_support=support,
+        num_truncated_support=num_truncated,
+    )
 
 
 async def _done(completion: Completion) -> Completion:

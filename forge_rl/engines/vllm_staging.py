@@ -254,7 +254,10 @@ def _build_shadows(model: torch.nn.Module, spares: _Spares):
 
 
 def _fresh_parameter(
-    meta: torch.Tensor | None, live: torch.Tensor, live_module: torch.nn.Module, shadow: torch.nn.Module,
+    meta: torch.Tensor | None,
+    live: torch.Tensor,
+    live_module: torch.nn.Module,
+    shadow: torch.nn.Module,
     spares: _Spares,
 ) -> torch.Tensor:
     """An uninitialized parameter in checkpoint format, its weight loader bound to `shadow`

@@ -80,8 +80,22 @@ MODEL_NAME = "policy"
 """What `GET /models` lists. Any model name is accepted: there is one policy."""
 
 _ACCEPTED_FIELDS = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "logprobs",
-    "top_logprobs", "user", "metadata", "store", "seed", "tools", "tool_choice", "parallel_tool_calls",
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "metadata",
+    "store",
+    "seed",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 """Request fields the endpoint honours, or that change nothing the trajectory records (user,
 metadata, store; seed: the generator's own randomness decides, and the logprobs describe it);
@@ -131,18 +145,21 @@ def parse_request(body: Any) -> ChatRequest:
             raise ChatRequestError(
                 f"{name} is not supported: the policy samples with the generator's own settings "
                 "(generator.temperature, generator.top_p), which the recorded behaviour logprobs describe. "
-                f"Leave {name} unset.", param=name,
+                f"Leave {name} unset.",
+                param=name,
             )
         raise ChatRequestError(f"{name} is not supported by forge_rl's chat endpoint; leave it unset.", param=name)
     if body.get("n") not in (None, 1):
         raise ChatRequestError(
             f"n ({body['n']}) is not supported: one call samples one turn. Make n calls (a GRPO group is "
-            "group_size episodes, each its own agent run).", param="n",
+            "group_size episodes, each its own agent run).",
+            param="n",
         )
     if body.get("top_logprobs"):
         raise ChatRequestError(
             f"top_logprobs ({body['top_logprobs']}) is not supported: the reply carries the sampled tokens' "
-            "logprobs only (logprobs=true).", param="top_logprobs",
+            "logprobs only (logprobs=true).",
+            param="top_logprobs",
         )
     limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
     if any(not isinstance(v, int) or v < 1 for v in limits):
@@ -167,25 +184,32 @@ def _tools(tools: Any) -> list[dict] | None:
         raise ChatRequestError(f"tools ({tools!r}) must be a list of function definitions", param="tools")
     for index, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type") != "function" or not isinstance(function.get("name"), str):
+        if (
+            not isinstance(function, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
             raise ChatRequestError(
                 f"tools[{index}] ({tool!r}) is not a function definition: expected "
-                '{"type": "function", "function": {"name": ..., "parameters": {...}}}', param=f"tools[{index}]",
+                '{"type": "function", "function": {"name": ..., "parameters": {...}}}',
+                param=f"tools[{index}]",
             )
     return tools
 
 
 def _check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> None:
-    """"auto" and "none" are served; forcing calls is not (module docstring)."""
+    """ "auto" and "none" are served; forcing calls is not (module docstring)."""
     if tool_choice is None:
         return
     if not tools:
-        raise ChatRequestError(f"tool_choice ({tool_choice!r}) is set without tools; pass tools or leave it unset", param="tool_choice")
+        raise ChatRequestError(
+            f"tool_choice ({tool_choice!r}) is set without tools; pass tools or leave it unset", param="tool_choice"
+        )
     if tool_choice not in ("auto", "none"):
         raise ChatRequestError(
-            f"tool_choice ({tool_choice!r}) is not supported: forcing a call (\"required\", or a named function) needs "
+            f'tool_choice ({tool_choice!r}) is not supported: forcing a call ("required", or a named function) needs '
             "decoding constrained to the call's schema, and the recorded logprobs would then describe a distribution "
-            "the trainer cannot recompute. Use tool_choice \"auto\" (the model decides) and check the reply's tool_calls.",
+            'the trainer cannot recompute. Use tool_choice "auto" (the model decides) and check the reply\'s tool_calls.',
             param="tool_choice",
         )
 
@@ -198,7 +222,9 @@ def _message(message: Any, index: int) -> Message:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ChatRequestError(f"{where} must be an object with a role", param=where)
-    tool_calls = tuple(_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(message.get("tool_calls") or []))
+    tool_calls = tuple(
+        _tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(message.get("tool_calls") or [])
+    )
     tool_call_id = message.get("tool_call_id")
     if tool_call_id is not None and not isinstance(tool_call_id, str):
         raise ChatRequestError(f"{where}.tool_call_id ({tool_call_id!r}) must be text", param=f"{where}.tool_call_id")
@@ -216,15 +242,22 @@ def _message(message: Any, index: int) -> Message:
 
 def _tool_call(call: Any, where: str) -> ToolCall:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or call.get("type", "function") != "function" or not isinstance(function.get("name"), str):
+    if (
+        not isinstance(function, dict)
+        or call.get("type", "function") != "function"
+        or not isinstance(function.get("name"), str)
+    ):
         raise ChatRequestError(
             f'{where} ({call!r}) is not a function call: expected {{"id": ..., "type": "function", '
-            '"function": {"name": ..., "arguments": "<JSON text>"}}', param=where,
+            '"function": {"name": ..., "arguments": "<JSON text>"}}',
+            param=where,
         )
     arguments = function.get("arguments")
     arguments = json.dumps(arguments) if isinstance(arguments, dict) else arguments or ""
     if not isinstance(arguments, str):
-        raise ChatRequestError(f"{where}.function.arguments ({arguments!r}) must be JSON text", param=f"{where}.function.arguments")
+        raise ChatRequestError(
+            f"{where}.function.arguments ({arguments!r}) must be JSON text", param=f"{where}.function.arguments"
+        )
     return ToolCall(str(call.get("id") or ""), function["name"], arguments)
 
 
@@ -240,7 +273,9 @@ class ChatRecorder:
     """The longest conversation so far, as text: its messages and the reply."""
     num_calls: int = 0
 
-    def record(self, prompt_token_ids: Sequence[int], turn: GeneratedSpan, messages: list[Message], reply: Message) -> int:
+    def record(
+        self, prompt_token_ids: Sequence[int], turn: GeneratedSpan, messages: list[Message], reply: Message
+    ) -> int:
         """Add a turn sampled after `prompt_token_ids`; the index of the sample it went into."""
         prompt = list(prompt_token_ids)
         index = self._continued(prompt)
@@ -305,7 +340,9 @@ class ChatSession:
     """One agent's chat endpoint in an episode: serves calls within `limits` and records them
     (module docstring). Sessions of one episode's agents share its `activity`."""
 
-    def __init__(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits, activity: ChatActivity | None = None):
+    def __init__(
+        self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits, activity: ChatActivity | None = None
+    ):
         limits.require_resolved()
         self.generate, self.renderer, self.limits = generate, renderer, limits
         self.recorder = ChatRecorder()
@@ -319,8 +356,11 @@ class ChatSession:
 
         transport = ChatTransport(self)
         return openai.AsyncOpenAI(
-            base_url=BASE_URL, api_key="forge-rl", max_retries=0,
-            http_client=httpx.AsyncClient(transport=transport, base_url=BASE_URL), **kwargs,
+            base_url=BASE_URL,
+            api_key="forge-rl",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=transport, base_url=BASE_URL),
+            **kwargs,
         )
 
     async def complete(self, body: Any) -> dict:
@@ -368,7 +408,9 @@ class ChatSession:
             parser = self.renderer.tool_call_parser
             assert parser is not None  # _tool_request returns a request only when the renderer has a parser
             reply = parser.parse(turn.token_ids, tool_request)
-        recorder.record(prompt, turn_span(turn), request.messages, Message("assistant", reply.content or "", reply.tool_calls))
+        recorder.record(
+            prompt, turn_span(turn), request.messages, Message("assistant", reply.content or "", reply.tool_calls)
+        )
         if turn.finish_reason == "length" and max_new_tokens == room:
             reason = f"call {recorder.num_calls} used the last of max_total_tokens ({limits.max_total_tokens})"
             self._truncated(TrajectoryStatus.TRUNCATED_TOKENS, reason, None)
@@ -396,7 +438,8 @@ class ChatSession:
             raise ChatRequestError(
                 "tools cannot be served: no tool-call parser reads the model's calls out of its turns. Set "
                 "--environment.tool-call-parser to the model's format (vLLM's --tool-call-parser names: hermes for "
-                "Qwen2.5, Qwen3, Hermes), or pass tool_choice \"none\".", param="tools",
+                'Qwen2.5, Qwen3, Hermes), or pass tool_choice "none".',
+                param="tools",
             )
         try:
             return parser.request(request.tool_fields | {"model": request.model})
@@ -432,21 +475,33 @@ class ChatSession:
         if self.truncation is not None:
             return self.trajectory(*self.truncation)
         if not self.recorder.samples:
-            return self.trajectory(TrajectoryStatus.ENV_ERROR, "the agent made no chat completion call: nothing to train")
+            return self.trajectory(
+                TrajectoryStatus.ENV_ERROR, "the agent made no chat completion call: nothing to train"
+            )
         if not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return self.trajectory(TrajectoryStatus.ENV_ERROR, f"the agent's reward ({reward!r}) is not a finite number")
+            return self.trajectory(
+                TrajectoryStatus.ENV_ERROR, f"the agent's reward ({reward!r}) is not a finite number"
+            )
         return self.trajectory(TrajectoryStatus.DONE, final_reward=float(reward))
 
     def trajectory(self, status: TrajectoryStatus, error: str | None = None, final_reward: float = 0.0) -> Trajectory:
         recorder = self.recorder
         return Trajectory(
-            samples=recorder.samples, status=status, final_reward=final_reward, turn_rewards=[],
-            conversation=recorder.conversation, num_turns=recorder.num_calls, num_malformed_turns=0,
-            env_latencies_s=[], error=error,
+            samples=recorder.samples,
+            status=status,
+            final_reward=final_reward,
+            turn_rewards=[],
+            conversation=recorder.conversation,
+            num_turns=recorder.num_calls,
+            num_malformed_turns=0,
+            env_latencies_s=[],
+            error=error,
         )
 
 
-async def run_watched(task: asyncio.Future, activity: ChatActivity, timeout_s: float) -> tuple[TrajectoryStatus, str] | None:
+async def run_watched(
+    task: asyncio.Future, activity: ChatActivity, timeout_s: float
+) -> tuple[TrajectoryStatus, str] | None:
     """Wait for an agent's `task` (its calls counted in `activity`): None once it ended by itself
     (its result or exception is the caller's to read), (ENV_TIMEOUT, why) when it went `timeout_s`
     without a model call in flight (it is cancelled). What `generate` raised is raised here."""
@@ -462,7 +517,10 @@ async def run_watched(task: asyncio.Future, activity: ChatActivity, timeout_s: f
     if timed_out:
         task.cancel()  # not awaited: an agent that ignores cancellation must not hold the episode
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return TrajectoryStatus.ENV_TIMEOUT, f"the agent took more than env_step_timeout_s ({timeout_s} s) between model calls"
+        return (
+            TrajectoryStatus.ENV_TIMEOUT,
+            f"the agent took more than env_step_timeout_s ({timeout_s} s) between model calls",
+        )
     return None
 
 
@@ -481,10 +539,12 @@ def _completion_body(request: ChatRequest, prompt: list[int], turn: SampledTurn,
         "policy_versions": list(turn.policy_versions),
     }
     if request.logprobs:
-        choice["logprobs"] = {"content": [
-            {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()), "top_logprobs": []}
-            for t, lp in zip(turn.token_ids, turn.logprobs)
-        ]}
+        choice["logprobs"] = {
+            "content": [
+                {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()), "top_logprobs": []}
+                for t, lp in zip(turn.token_ids, turn.logprobs)
+            ]
+        }
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -527,7 +587,9 @@ class ChatTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path.rstrip("/")
         if request.method == "GET" and path.endswith("/models"):
-            return _json(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "forge_rl"}]})
+            return _json(
+                200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "forge_rl"}]}
+            )
         if request.method != "POST" or not path.endswith("/chat/completions"):
             served = "only POST /chat/completions and GET /models"
             return _json(404, ChatRequestError(f"{request.method} {path} is not served: {served}", status=404).body())

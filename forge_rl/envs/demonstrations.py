@@ -58,7 +58,9 @@ class WarmupConfig:
             raise ValueError(f"environment.warmup.lr ({self.lr}) must be > 0. Set --environment.warmup.lr.")
 
 
-async def demonstration_sample(env: Environment, renderer: PlainTextRenderer, limits: EpisodeLimits) -> TrajectorySample:
+async def demonstration_sample(
+    env: Environment, renderer: PlainTextRenderer, limits: EpisodeLimits
+) -> TrajectorySample:
     """The one sample of `env`'s demonstration, played within `limits`. ValueError when the
     environment cannot demonstrate, or its demonstration does not end DONE with reward 1: the
     warm-up would teach a format that fails."""
@@ -74,8 +76,10 @@ async def demonstration_sample(env: Environment, renderer: PlainTextRenderer, li
         # The plain renderer writes an assistant turn as its text then eos, whatever came before.
         token_ids = renderer.render([Message("assistant", next(turns))])[bos_length:]
         if len(token_ids) > max_new_tokens:
-            raise ValueError(f"a demonstration turn of {type(env).__name__} has {len(token_ids)} tokens, over the "
-                             f"{max_new_tokens} the limits leave; raise --environment.limits.max-tokens-per-turn.")
+            raise ValueError(
+                f"a demonstration turn of {type(env).__name__} has {len(token_ids)} tokens, over the "
+                f"{max_new_tokens} the limits leave; raise --environment.limits.max-tokens-per-turn."
+            )
         return SampledTurn(token_ids, [0.0] * len(token_ids), [0] * len(token_ids), "stop")
 
     trajectory = await run_episode(env, scripted_generate, renderer, limits)
@@ -88,6 +92,8 @@ async def demonstration_sample(env: Environment, renderer: PlainTextRenderer, li
     return trajectory.samples[0]
 
 
-async def demonstration_samples(make_env, seed: int, count: int, renderer: PlainTextRenderer, limits: EpisodeLimits) -> list[TrajectorySample]:
+async def demonstration_samples(
+    make_env, seed: int, count: int, renderer: PlainTextRenderer, limits: EpisodeLimits
+) -> list[TrajectorySample]:
     """Samples of the demonstrations of `make_env(seed, i)` for i < count."""
     return [await demonstration_sample(make_env(seed, index), renderer, limits) for index in range(count)]

@@ -53,10 +53,18 @@ def replayed_turns(parent: Completion, pivot: int) -> list[tuple[int, SampledTur
             break
         stop = next((t for t in range(start, end) if not generated[t]), end)
         support = None if parent.sampling_support is None else parent.sampling_support[start:stop]
-        turns.append((start, SampledTurn(
-            parent.token_ids[start:stop], parent.logprobs[start:stop], parent.policy_versions[start:stop],
-            "stop", sampling_support=support if support and any(support) else None,
-        )))
+        turns.append(
+            (
+                start,
+                SampledTurn(
+                    parent.token_ids[start:stop],
+                    parent.logprobs[start:stop],
+                    parent.policy_versions[start:stop],
+                    "stop",
+                    sampling_support=support if support and any(support) else None,
+                ),
+            )
+        )
     return turns
 
 
@@ -73,7 +81,8 @@ def replaying(generate: GenerateTurn, parent: Completion, pivot: int) -> Generat
         expected = parent.token_ids[: turns[played][0] if played < len(turns) else pivot]
         if prefix_token_ids != expected:
             differs = next(
-                (t for t, (a, b) in enumerate(zip(prefix_token_ids, expected)) if a != b), min(len(prefix_token_ids), len(expected))
+                (t for t, (a, b) in enumerate(zip(prefix_token_ids, expected)) if a != b),
+                min(len(prefix_token_ids), len(expected)),
             )
             raise ReplayDiverged(
                 f"turn {played + 1} of the replay follows {len(prefix_token_ids)} tokens that are not the episode's "
@@ -83,7 +92,9 @@ def replaying(generate: GenerateTurn, parent: Completion, pivot: int) -> Generat
             turn = turns[played][1]
             played += 1
             if len(turn.token_ids) > max_new_tokens:
-                raise ReplayDiverged(f"turn {played} of the replay has {len(turn.token_ids)} tokens, over its budget ({max_new_tokens})")
+                raise ReplayDiverged(
+                    f"turn {played} of the replay has {len(turn.token_ids)} tokens, over its budget ({max_new_tokens})"
+                )
             return turn
         past_pivot = True
         return await generate(prefix_token_ids, max_new_tokens)
@@ -99,4 +110,6 @@ async def play_forks(
     `generate` raises (a lost generator) propagates, as from `play_group`."""
     for env in envs:
         check_step_timeout(env, limits)
-    return await gather_or_cancel([play_graph(env, replaying(generate, parent, pivot), renderer, limits) for env in envs])
+    return await gather_or_cancel(
+        [play_graph(env, replaying(generate, parent, pivot), renderer, limits) for env in envs]
+    )

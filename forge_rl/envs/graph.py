@@ -85,7 +85,9 @@ class Seat:
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
-            raise ConfigError(f"Seat name {self.name!r} must be non-empty and hold no '/': agents are addressed as 'seat' or 'seat/k'.")
+            raise ConfigError(
+                f"Seat name {self.name!r} must be non-empty and hold no '/': agents are addressed as 'seat' or 'seat/k'."
+            )
         if self.baseline not in ("group", "episode"):
             raise ConfigError(f"Seat {self.name!r}: baseline {self.baseline!r} must be 'group' or 'episode'.")
         if self.max_turns is not None and self.max_turns < 1:
@@ -208,4 +210,3 @@ class EpisodeGraph:
 
     def trajectories(self) -> list[tuple[str, Trajectory]]:
         return list(self.agents.items())
-

@@ -103,11 +103,18 @@ class ChainEnv:
 
     async def agent_ended(self, agent: str, status) -> GraphStep:
         """A role that could not answer (out of tokens) breaks the chain: nobody earns anything."""
-        return GraphStep(done=True, rewards={seat.name: 0.0 for seat in self.seats[: int(agent.removeprefix("role")) + 1]})
+        return GraphStep(
+            done=True, rewards={seat.name: 0.0 for seat in self.seats[: int(agent.removeprefix("role")) + 1]}
+        )
 
 
 def make_chain_env(
-    seed: int, index: int, depth: int, min_latency_s: float = 0.02, max_latency_s: float = 2.0, latency_alpha: float = 1.0,
+    seed: int,
+    index: int,
+    depth: int,
+    min_latency_s: float = 0.02,
+    max_latency_s: float = 2.0,
+    latency_alpha: float = 1.0,
 ) -> ChainEnv:
     """The index-th chain of `depth` roles under `seed` (independent of every other index)."""
     rng = random.Random(f"long_tail_chain:{seed}:{index}")

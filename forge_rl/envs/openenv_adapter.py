@@ -85,7 +85,9 @@ class OpenEnvEnvironment:
             action = self.action(turn_text)
         except ValidationError as invalid:
             raise MalformedTurn(f"not a valid action: {invalid.errors()[0]['msg']}") from invalid
-        observation = await (self.env.step_async(action) if self._async_step else asyncio.to_thread(self.env.step, action))
+        observation = await (
+            self.env.step_async(action) if self._async_step else asyncio.to_thread(self.env.step, action)
+        )
         self.num_steps += 1
         self.episode_return += float(observation.reward or 0.0)
         if observation.done or (self.max_steps is not None and self.num_steps >= self.max_steps):
@@ -120,7 +122,9 @@ def _echo_env_classes() -> tuple[type, type]:
     command = [sys.executable, "-c", init, "echo_env", str(directory)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if not (directory / "echo_env" / "server" / "echo_env_environment.py").is_file():
-        raise RuntimeError(f"`{' '.join(command)}` did not write the echo environment:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise RuntimeError(
+            f"`{' '.join(command)}` did not write the echo environment:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+        )
     sys.path.insert(0, str(directory))
     from echo_env.models import EchoAction
     from echo_env.server.echo_env_environment import EchoEnvironment

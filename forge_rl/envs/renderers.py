@@ -130,7 +130,11 @@ def template_message(message: Message) -> dict:
     rendered: dict = {"role": message.role, "content": message.content}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": _arguments_object(call.arguments)}}
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments_object(call.arguments)},
+            }
             for call in message.tool_calls
         ]
     if message.tool_call_id is not None:

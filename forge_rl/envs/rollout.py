@@ -109,7 +109,9 @@ class EnvironmentConfig:
         if reads_row(factory) is None:
             return factory
 
-        def make_env(seed: int, index: int, row: dict | None = None) -> Environment | AgentEnvironment | MultiAgentEnvironment:
+        def make_env(
+            seed: int, index: int, row: dict | None = None
+        ) -> Environment | AgentEnvironment | MultiAgentEnvironment:
             return factory(seed, index) if row is None else factory(seed, index, row=row)
 
         return make_env
@@ -121,7 +123,7 @@ class EnvironmentConfig:
 
 
 def reads_row(factory: MakeEnvironment) -> Literal["required", "optional"] | None:
-    """"required" when `factory` has a parameter `row` without a default, "optional" with one,
+    """ "required" when `factory` has a parameter `row` without a default, "optional" with one,
     None when it takes no row (the (seed, index) form)."""
     try:
         parameter = inspect.signature(factory).parameters.get("row")
@@ -145,7 +147,10 @@ def resolve_environment(name: str) -> MakeEnvironment:
 
 
 async def play_group(
-    envs: Sequence[Environment | AgentEnvironment | MultiAgentEnvironment], generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    envs: Sequence[Environment | AgentEnvironment | MultiAgentEnvironment],
+    generate: GenerateTurn,
+    renderer: Renderer,
+    limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> list[EpisodeGraph]:
     """Play `envs` concurrently, one episode each; their episode graphs, in order. `seat_generate`:
@@ -176,7 +181,9 @@ class AgentEnvironment(Protocol):
     trajectory, within the same limits; or, when it played several agents, their episode graph
     (forge_rl/envs/graph.py)."""
 
-    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph: ...
+    async def play(
+        self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+    ) -> Trajectory | EpisodeGraph: ...
 
 
 def is_agent_environment(env: object) -> TypeIs[AgentEnvironment]:
@@ -194,7 +201,10 @@ async def play_episode(
 
 
 async def play_graph(
-    env: Environment | AgentEnvironment | MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    env: Environment | AgentEnvironment | MultiAgentEnvironment,
+    generate: GenerateTurn,
+    renderer: Renderer,
+    limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
     """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), an
@@ -321,7 +331,9 @@ def trajectory_completion(trajectory: Trajectory, turns_are_steps: bool | None =
     )
 
 
-def turn_steps(sample: TrajectorySample, turn_rewards: list[float | None]) -> tuple[list[int] | None, list[float] | None]:
+def turn_steps(
+    sample: TrajectorySample, turn_rewards: list[float | None]
+) -> tuple[list[int] | None, list[float] | None]:
     """Per-turn rewards as process rewards (`Completion.step_ends`/`step_rewards`, which
     forge_rl/core/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
     generated tokens and the context after them, up to the next turn (step 0 also holds the
@@ -411,7 +423,9 @@ class TimedEnvironment:
             if callable(getattr(env, "agent_ended", None)):
                 self.agent_ended = self._agent_ended
 
-    async def _play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph:
+    async def _play(
+        self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+    ) -> Trajectory | EpisodeGraph:
         # Set only for an agent environment (__init__).
         with self.clock.env_call(self.index):
             return await cast(AgentEnvironment, self.env).play(generate, renderer, limits)

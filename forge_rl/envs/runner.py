@@ -44,7 +44,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from forge_rl.envs.environment import Environment, MalformedTurn, Observation, StepResult
-from forge_rl.envs.graph import SINGLE_AGENT, EpisodeGraph, GraphStep, MultiAgentEnvironment, Seat, TurnNode, declared_seats, seat_of
+from forge_rl.envs.graph import (
+    SINGLE_AGENT,
+    EpisodeGraph,
+    GraphStep,
+    MultiAgentEnvironment,
+    Seat,
+    TurnNode,
+    declared_seats,
+    seat_of,
+)
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.trajectory import GeneratedSpan, Trajectory, TrajectoryBuilder, TrajectoryStatus
 from forge_rl.errors import ConfigError
@@ -87,7 +96,8 @@ class EpisodeLimits:
             max_total_tokens=max_model_len if self.max_total_tokens is None else self.max_total_tokens,
             max_tokens_per_turn=(
                 min(max_new_tokens, self.max_total_tokens or max_model_len)
-                if self.max_tokens_per_turn is None else self.max_tokens_per_turn
+                if self.max_tokens_per_turn is None
+                else self.max_tokens_per_turn
             ),
         )
 
@@ -194,7 +204,10 @@ class OneSeat:
 
 
 async def run_graph(
-    env: MultiAgentEnvironment, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits,
+    env: MultiAgentEnvironment,
+    generate: GenerateTurn,
+    renderer: Renderer,
+    limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
     """Play a multi-agent episode (forge_rl/envs/graph.py) to its end: each agent's turns are
@@ -206,7 +219,9 @@ async def run_graph(
     seats = declared_seats(env)
     unknown = sorted(set(seat_generate or {}) - set(seats))
     if unknown:
-        raise ConfigError(f"{type(env).__name__} declares no seat {unknown} (its seats: {sorted(seats)}), which a policy plays")
+        raise ConfigError(
+            f"{type(env).__name__} declares no seat {unknown} (its seats: {sorted(seats)}), which a policy plays"
+        )
     return await _GraphPlay(env, seats, generate, renderer, limits, seat_generate or {}).play()
 
 
@@ -234,9 +249,14 @@ class _Agent:
                 self.session.trajectory(status, error, self.reward), env_latencies_s=self.record.env_latencies_s
             )
         return Trajectory(
-            samples=self.builder.samples, status=status, final_reward=self.reward, error=error,
-            conversation=self.builder.conversation, turn_rewards=self.record.turn_rewards,
-            num_turns=self.record.num_turns, num_malformed_turns=self.record.num_malformed_turns,
+            samples=self.builder.samples,
+            status=status,
+            final_reward=self.reward,
+            error=error,
+            conversation=self.builder.conversation,
+            turn_rewards=self.record.turn_rewards,
+            num_turns=self.record.num_turns,
+            num_malformed_turns=self.record.num_malformed_turns,
             env_latencies_s=self.record.env_latencies_s,
         )
 
@@ -251,8 +271,13 @@ class _GraphFailed(Exception):
 
 class _GraphPlay:
     def __init__(
-        self, env: MultiAgentEnvironment, seats: dict[str, Seat], generate: GenerateTurn, renderer: Renderer,
-        limits: EpisodeLimits, seat_generate: Mapping[str, GenerateTurn],
+        self,
+        env: MultiAgentEnvironment,
+        seats: dict[str, Seat],
+        generate: GenerateTurn,
+        renderer: Renderer,
+        limits: EpisodeLimits,
+        seat_generate: Mapping[str, GenerateTurn],
     ):
         self.env, self.seats, self.generate, self.renderer, self.limits = env, seats, generate, renderer, limits
         self.seat_generate = seat_generate
@@ -272,12 +297,15 @@ class _GraphPlay:
             try:
                 first = await _call_env(self.env.reset(), self.limits.env_step_timeout_s, reset_record)
             except MalformedTurn:
-                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, "reset raised MalformedTurn, which only step may raise") from None
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR, "reset raised MalformedTurn, which only step may raise"
+                ) from None
             except _EnvFailed as reset_failure:
                 raise _GraphFailed(reset_failure.status, f"reset: {reset_failure}") from None
             if not isinstance(first, Mapping) or not first:
                 raise _GraphFailed(
-                    TrajectoryStatus.ENV_ERROR, f"reset returned {first!r}: it must map the agents that speak first to their observations"
+                    TrajectoryStatus.ENV_ERROR,
+                    f"reset returned {first!r}: it must map the agents that speak first to their observations",
                 )
             self._deliver(first, (), "reset")
             for agent in self.agents.values():
@@ -346,7 +374,9 @@ class _GraphPlay:
                 where = f"observation {record.num_turns}" if started else "the prompt"
                 return await self._end(agent, TrajectoryStatus.TRUNCATED_TOKENS, f"{where} {no_room}")
             if record.num_turns == agent.max_turns:
-                return await self._end(agent, TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({agent.max_turns}) reached")
+                return await self._end(
+                    agent, TrajectoryStatus.TRUNCATED_TURNS, f"max_turns ({agent.max_turns}) reached"
+                )
             room = limits.max_total_tokens - builder.num_tokens
             max_new_tokens = min(limits.max_tokens_per_turn, room)
             try:
@@ -399,7 +429,9 @@ class _GraphPlay:
                 return await self._end(agent, *session.truncation)
             error = played.exception()
             if error is not None:
-                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{agent.id}: the seat's player raised {type(error).__name__}: {error}")
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR, f"{agent.id}: the seat's player raised {type(error).__name__}: {error}"
+                )
             turn_text = played.result()
             if session.recorder.num_calls == calls_before:
                 raise _GraphFailed(
@@ -410,7 +442,8 @@ class _GraphPlay:
                 )
             if not isinstance(turn_text, str):
                 raise _GraphFailed(
-                    TrajectoryStatus.ENV_ERROR, f"{agent.id}: the seat's player returned {turn_text!r}: it must return the turn's text"
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{agent.id}: the seat's player returned {turn_text!r}: it must return the turn's text",
                 )
             node = len(self.nodes)
             self.nodes.append(TurnNode(agent.id, record.num_turns, shown))
@@ -471,7 +504,10 @@ class _GraphPlay:
             try:
                 result = await self._env_answer(ended(agent.id, status), None)
             except MalformedTurn:
-                raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{agent.id}: agent_ended raised MalformedTurn, which only step may raise") from None
+                raise _GraphFailed(
+                    TrajectoryStatus.ENV_ERROR,
+                    f"{agent.id}: agent_ended raised MalformedTurn, which only step may raise",
+                ) from None
             except _EnvFailed as failure:
                 raise _GraphFailed(failure.status, f"{agent.id}: agent_ended: {failure}") from None
             self._apply(result, (), f"{self.label(agent)}agent_ended")
@@ -513,8 +549,13 @@ class _GraphPlay:
     def _close(self, rewards: Mapping[str, float], where: str) -> None:
         unknown = [a for a in rewards if a not in self.agents]
         if unknown:
-            raise _GraphFailed(TrajectoryStatus.ENV_ERROR, f"{where} closed the episode with rewards for agents that never spoke: {unknown}")
-        missing = [a.id for a in self.agents.values() if a.record.num_turns and a.seat.trainable and a.id not in rewards]
+            raise _GraphFailed(
+                TrajectoryStatus.ENV_ERROR,
+                f"{where} closed the episode with rewards for agents that never spoke: {unknown}",
+            )
+        missing = [
+            a.id for a in self.agents.values() if a.record.num_turns and a.seat.trainable and a.id not in rewards
+        ]
         if missing:
             raise _GraphFailed(
                 TrajectoryStatus.ENV_ERROR,
@@ -530,7 +571,8 @@ class _GraphPlay:
         # train and no reward: it is left out, so it does not enter its seat's baseline as a 0.
         kept = {
             agent_id: agent.trajectory(*(agent.ended or (TrajectoryStatus.DONE, None)))
-            for agent_id, agent in self.agents.items() if agent.record.num_turns or agent.ended or self.single
+            for agent_id, agent in self.agents.items()
+            if agent.record.num_turns or agent.ended or self.single
         }
         return EpisodeGraph(kept, self.nodes, self.seats)
 
@@ -543,7 +585,9 @@ class _GraphPlay:
         return EpisodeGraph(agents, self.nodes, self.seats, error)
 
 
-async def _player_within(watched: Awaitable, played: asyncio.Future, timeout_s: float) -> tuple[TrajectoryStatus, str] | None:
+async def _player_within(
+    watched: Awaitable, played: asyncio.Future, timeout_s: float
+) -> tuple[TrajectoryStatus, str] | None:
     """`watched` (a player's `run_watched`), with the player's whole turn bounded by its seat's
     turn_timeout_s: past it the player is cancelled and its turn ends ENV_TIMEOUT."""
     finished = await _within(watched, timeout_s)
@@ -617,7 +661,11 @@ def turn_span(turn: SampledTurn) -> GeneratedSpan:
     """The sampled turn as a trajectory span, its ids, logprobs and versions as `generate` returned them."""
     support = None if turn.sampling_support is None else tuple(tuple(kept) for kept in turn.sampling_support)
     return GeneratedSpan(
-        tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions), support, turn.routed_experts,
+        tuple(turn.token_ids),
+        tuple(turn.logprobs),
+        tuple(turn.policy_versions),
+        support,
+        turn.routed_experts,
         turn.num_truncated_support,
     )
 

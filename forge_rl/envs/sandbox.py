@@ -177,8 +177,15 @@ async def _run_confined(sandbox_dir: str, config: SandboxConfig) -> SandboxResul
     interpreter = os.path.realpath(sys.executable)  # not a venv's link: the child reads no venv files
     report_read, report_write = os.pipe()
     process = subprocess.Popen(
-        [interpreter, "-I", "-S", os.path.abspath(__file__),
-         str(os.getpid()), str(report_write), json.dumps(asdict(config))],
+        [
+            interpreter,
+            "-I",
+            "-S",
+            os.path.abspath(__file__),
+            str(os.getpid()),
+            str(report_write),
+            json.dumps(asdict(config)),
+        ],
         cwd=sandbox_dir,
         env={"PATH": "/usr/bin:/bin", "HOME": sandbox_dir, "TMPDIR": sandbox_dir, "LANG": "C.UTF-8"},
         stdin=subprocess.DEVNULL,
@@ -221,7 +228,8 @@ def _login_homes() -> frozenset[str]:
     import pwd
 
     return frozenset(
-        os.path.realpath(user.pw_dir) for user in pwd.getpwall()
+        os.path.realpath(user.pw_dir)
+        for user in pwd.getpwall()
         if (user.pw_uid == 0 or _FIRST_LOGIN_UID <= user.pw_uid < _NOBODY) and user.pw_dir not in ("", "/")
     )
 
@@ -453,7 +461,9 @@ def _set_rlimits(config: SandboxConfig) -> None:
 _FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 _FS_FILE_RIGHTS_V1 = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE
 _FS_ALL_V1 = (1 << 13) - 1  # execute ... make_sym
-_FS_MAKE_ANY = ((1 << 13) - 1) & ~((1 << 6) - 1)  # make_char, make_dir, make_reg, make_sock, make_fifo, make_block, make_sym
+_FS_MAKE_ANY = ((1 << 13) - 1) & ~(
+    (1 << 6) - 1
+)  # make_char, make_dir, make_reg, make_sock, make_fifo, make_block, make_sym
 _FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
@@ -522,35 +532,163 @@ def _add_landlock_rule(ruleset: int, path: str, access: int) -> None:
 # convention (i386 and x32 on x86_64) kills the process, so its table cannot go around this one.
 _ALLOWED_SYSCALLS = (
     # Files, always within what Landlock grants: the sandbox directory, read-only system paths.
-    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
-    "open", "openat", "openat2", "creat", "close", "close_range", "dup", "dup2", "dup3", "lseek",
-    "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
-    "readlink", "readlinkat", "getdents", "getdents64", "getcwd", "chdir", "fchdir",
-    "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2",
-    "link", "linkat", "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "umask",
-    "truncate", "ftruncate", "fsync", "fdatasync", "flock", "fadvise64", "fallocate",
-    "utime", "utimes", "utimensat", "futimesat", "sendfile", "copy_file_range", "splice", "tee",
-    "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
-    "pipe", "pipe2", "select", "pselect6", "poll", "ppoll",
-    "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2",
+    "read",
+    "write",
+    "readv",
+    "writev",
+    "pread64",
+    "pwrite64",
+    "preadv",
+    "pwritev",
+    "preadv2",
+    "pwritev2",
+    "open",
+    "openat",
+    "openat2",
+    "creat",
+    "close",
+    "close_range",
+    "dup",
+    "dup2",
+    "dup3",
+    "lseek",
+    "stat",
+    "fstat",
+    "lstat",
+    "newfstatat",
+    "statx",
+    "statfs",
+    "fstatfs",
+    "access",
+    "faccessat",
+    "faccessat2",
+    "readlink",
+    "readlinkat",
+    "getdents",
+    "getdents64",
+    "getcwd",
+    "chdir",
+    "fchdir",
+    "mkdir",
+    "mkdirat",
+    "rmdir",
+    "unlink",
+    "unlinkat",
+    "rename",
+    "renameat",
+    "renameat2",
+    "link",
+    "linkat",
+    "symlink",
+    "symlinkat",
+    "chmod",
+    "fchmod",
+    "fchmodat",
+    "umask",
+    "truncate",
+    "ftruncate",
+    "fsync",
+    "fdatasync",
+    "flock",
+    "fadvise64",
+    "fallocate",
+    "utime",
+    "utimes",
+    "utimensat",
+    "futimesat",
+    "sendfile",
+    "copy_file_range",
+    "splice",
+    "tee",
+    "getxattr",
+    "lgetxattr",
+    "fgetxattr",
+    "listxattr",
+    "llistxattr",
+    "flistxattr",
+    "pipe",
+    "pipe2",
+    "select",
+    "pselect6",
+    "poll",
+    "ppoll",
+    "epoll_create",
+    "epoll_create1",
+    "epoll_ctl",
+    "epoll_wait",
+    "epoll_pwait",
+    "epoll_pwait2",
+    "eventfd",
+    "eventfd2",
     # Memory of its own address space (RLIMIT_AS bounds it).
-    "brk", "mmap", "munmap", "mprotect", "mremap", "madvise", "mincore", "msync",
+    "brk",
+    "mmap",
+    "munmap",
+    "mprotect",
+    "mremap",
+    "madvise",
+    "mincore",
+    "msync",
     # What a process reads of itself; scheduling it may read, not change.
-    "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid",
-    "getgroups", "getpgrp", "getpgid", "getsid", "uname", "sysinfo", "times", "getrusage", "getrlimit",
-    "getcpu", "getpriority", "sched_getaffinity", "sched_getparam", "sched_getscheduler",
-    "sched_get_priority_max", "sched_get_priority_min", "sched_yield",
+    "getpid",
+    "getppid",
+    "gettid",
+    "getuid",
+    "geteuid",
+    "getgid",
+    "getegid",
+    "getresuid",
+    "getresgid",
+    "getgroups",
+    "getpgrp",
+    "getpgid",
+    "getsid",
+    "uname",
+    "sysinfo",
+    "times",
+    "getrusage",
+    "getrlimit",
+    "getcpu",
+    "getpriority",
+    "sched_getaffinity",
+    "sched_getparam",
+    "sched_getscheduler",
+    "sched_get_priority_max",
+    "sched_get_priority_min",
+    "sched_yield",
     # Time.
-    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time",
-    "getitimer", "setitimer", "alarm",
+    "clock_gettime",
+    "clock_getres",
+    "clock_nanosleep",
+    "nanosleep",
+    "gettimeofday",
+    "time",
+    "getitimer",
+    "setitimer",
+    "alarm",
     # Its own signal handling (sending signals: _ALLOWED_IF below).
-    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigpending", "rt_sigtimedwait", "rt_sigsuspend",
-    "sigaltstack", "pause", "restart_syscall",
+    "rt_sigaction",
+    "rt_sigprocmask",
+    "rt_sigreturn",
+    "rt_sigpending",
+    "rt_sigtimedwait",
+    "rt_sigsuspend",
+    "sigaltstack",
+    "pause",
+    "restart_syscall",
     # The C runtime of one thread: locks, thread-local storage, restartable sequences, randomness.
-    "futex", "set_tid_address", "set_robust_list", "get_robust_list", "rseq", "arch_prctl", "getrandom",
+    "futex",
+    "set_tid_address",
+    "set_robust_list",
+    "get_robust_list",
+    "rseq",
+    "arch_prctl",
+    "getrandom",
     # Replacing itself (the sandbox's own last step, then any program Landlock lets it execute: it keeps
     # every confinement) and exiting.
-    "execve", "exit", "exit_group",
+    "execve",
+    "exit",
+    "exit_group",
 )
 _SELF = "self"
 """Stands for the sandboxed process's pid in _ALLOWED_IF (the same pid before and after its exec)."""
@@ -567,8 +705,11 @@ _ALLOWED_IF: dict[str, list[tuple[int, int | str]]] = {
     # real uid, which the user namespace keeps (lowering the rollouts' process's RLIMIT_CPU kills it).
     "prlimit64": [(0, 0), (0, _SELF)],
     # Signals to itself only: its process group holds the caller.
-    "kill": [(0, _SELF)], "tkill": [(0, _SELF)], "tgkill": [(0, _SELF)],
-    "rt_sigqueueinfo": [(0, _SELF)], "rt_tgsigqueueinfo": [(0, _SELF)],
+    "kill": [(0, _SELF)],
+    "tkill": [(0, _SELF)],
+    "tgkill": [(0, _SELF)],
+    "rt_sigqueueinfo": [(0, _SELF)],
+    "rt_tgsigqueueinfo": [(0, _SELF)],
     "fcntl": [(1, command) for command in _FCNTL_COMMANDS],
     "ioctl": [(1, command) for command in _IOCTL_COMMANDS],
 }
@@ -578,7 +719,12 @@ _ALLOWED_IF: dict[str, list[tuple[int, int | str]]] = {
 class _ArgCompare(ctypes.Structure):
     """libseccomp's struct scmp_arg_cmp."""
 
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+    _fields_ = [
+        ("arg", ctypes.c_uint),
+        ("op", ctypes.c_int),
+        ("datum_a", ctypes.c_uint64),
+        ("datum_b", ctypes.c_uint64),
+    ]
 
 
 _SCMP_ACT_ALLOW, _SCMP_ACT_KILL_PROCESS, _SCMP_ACT_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
@@ -604,7 +750,11 @@ def _apply_seccomp() -> None:
     seccomp.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
     seccomp.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     seccomp.seccomp_rule_add_array.argtypes = [
-        ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(_ArgCompare)
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCompare),
     ]
     seccomp.seccomp_load.argtypes = [ctypes.c_void_p]
     seccomp.seccomp_release.argtypes = [ctypes.c_void_p]
@@ -624,7 +774,11 @@ def _apply_seccomp() -> None:
                     value = os.getpid() if value == _SELF else value
                     compare = _ArgCompare(arg_index, _SCMP_CMP_MASKED_EQ, _LOW_32_BITS, value)
                 rule = seccomp.seccomp_rule_add_array(
-                    context, _SCMP_ACT_ALLOW, number, int(compare is not None), ctypes.byref(compare) if compare else None
+                    context,
+                    _SCMP_ACT_ALLOW,
+                    number,
+                    int(compare is not None),
+                    ctypes.byref(compare) if compare else None,
                 )
                 _check_seccomp(rule, f"rule_add({name})")
         _check_seccomp(seccomp.seccomp_load(context), "load")

@@ -65,7 +65,9 @@ class ProposerSolverEnv:
         if self.num_solvers < 1:
             raise ValueError(f"ProposerSolverEnv.num_solvers ({self.num_solvers}) must be >= 1")
         if self.proposer_reward not in ("learnability", "solve_rate"):
-            raise ValueError(f"ProposerSolverEnv.proposer_reward ({self.proposer_reward!r}) must be 'learnability' or 'solve_rate'")
+            raise ValueError(
+                f"ProposerSolverEnv.proposer_reward ({self.proposer_reward!r}) must be 'learnability' or 'solve_rate'"
+            )
 
     async def reset(self) -> dict[str, str]:
         return {"proposer": PROPOSE}

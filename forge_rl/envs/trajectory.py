@@ -81,8 +81,11 @@ class GeneratedSpan:
     (`Completion.num_truncated_support`)."""
 
     def __post_init__(self) -> None:
-        lengths = {"token_ids": len(self.token_ids), "logprobs": len(self.logprobs),
-                   "policy_versions": len(self.policy_versions)}
+        lengths = {
+            "token_ids": len(self.token_ids),
+            "logprobs": len(self.logprobs),
+            "policy_versions": len(self.policy_versions),
+        }
         if self.sampling_support is not None:
             lengths["sampling_support"] = len(self.sampling_support)
         if self.routed_experts is not None:

@@ -72,7 +72,9 @@ def check_offline(task: Any) -> None:
     """ConfigError when a reward or metric of `task` needs a runtime (verifiers would skip it
     without one, and the reward would be silently partial)."""
     needy = [
-        fn.__name__ for kind in ("reward", "metric") for fn in task.hooks(kind)
+        fn.__name__
+        for kind in ("reward", "metric")
+        for fn in task.hooks(kind)
         if (p := inspect.signature(fn).parameters.get("runtime")) is not None and p.default is inspect.Parameter.empty
     ]
     if needy:
@@ -127,7 +129,9 @@ class VerifiersEnvEpisode:
     def __init__(self, env: Any, task: Any, model: str = MODEL_NAME):
         self.env, self.task, self.model = env, task, model
 
-    async def play(self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits) -> Trajectory | EpisodeGraph:
+    async def play(
+        self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
+    ) -> Trajectory | EpisodeGraph:
         from verifiers.v1 import Agents
 
         activity, clients, seats = ChatActivity(), [], {}
@@ -213,7 +217,13 @@ class ChatSeat:
     """verifiers' seat flag (an env's setup may read or set it): False keeps the seat's runs out
     of every loss (a modeled user)."""
 
-    def __init__(self, open_run: Callable[[], tuple[Any, ChatSession | None]], model: str = MODEL_NAME, max_turns: int | None = None, name: str = "agent"):
+    def __init__(
+        self,
+        open_run: Callable[[], tuple[Any, ChatSession | None]],
+        model: str = MODEL_NAME,
+        max_turns: int | None = None,
+        name: str = "agent",
+    ):
         self.open_run, self.model, self.name = open_run, model, name
         self.max_turns = max_turns
         """verifiers' `AgentConfig.max_turns`: model turns per run, None for no cap. Reaching it
@@ -251,7 +261,15 @@ class ChatInteraction:
     conversation as verifiers' message nodes, the model's replies marked sampled (their tokens
     live in forge_rl's trajectory)."""
 
-    def __init__(self, task: Any, client: Any, model: str, max_turns: int | None = None, agent: str = "agent", trainable: bool = True):
+    def __init__(
+        self,
+        task: Any,
+        client: Any,
+        model: str,
+        max_turns: int | None = None,
+        agent: str = "agent",
+        trainable: bool = True,
+    ):
         from verifiers.v1.configs.agent import AgentConfig
         from verifiers.v1.dialects.chat import message_to_wire
         from verifiers.v1.trace import AgentInfo, Trace, TraceTask
@@ -309,7 +327,9 @@ class ChatInteraction:
         for index in range(len(nodes), len(self.messages)):
             message = self.messages[index]
             sampled = index >= self.num_prompt_messages and message.get("role") == "assistant"
-            nodes.append(MessageNode(parent=index - 1 if index else None, message=parse_message(message), sampled=sampled))
+            nodes.append(
+                MessageNode(parent=index - 1 if index else None, message=parse_message(message), sampled=sampled)
+            )
 
 
 @functools.cache
@@ -321,5 +341,3 @@ def _chat_program() -> dict[str, Any]:
     namespace: dict[str, Any] = {"__name__": "verifiers_chat_program"}
     exec(compile(CHAT_PROGRAM_SOURCE, "<verifiers chat program>", "exec"), namespace)
     return namespace
-
-

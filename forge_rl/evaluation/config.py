@@ -101,7 +101,9 @@ class EvalConfig:
         ]
         for name, ok, rule in checks:
             if not ok:
-                raise ConfigError(f"eval.{name} ({getattr(self, name)}) must be {rule}. Set --eval.{name.replace('_', '-')}.")
+                raise ConfigError(
+                    f"eval.{name} ({getattr(self, name)}) must be {rule}. Set --eval.{name.replace('_', '-')}."
+                )
         if not self.k_values or any(k < 1 or k > self.num_samples for k in self.k_values):
             raise ConfigError(
                 f"eval.k_values ({list(self.k_values)}) must be one or more k with 1 <= k <= eval.num_samples "

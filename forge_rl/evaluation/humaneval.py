@@ -328,7 +328,9 @@ async def evaluate(
     progress = progress or _logger.info
     started = time.monotonic()
     num_total = sum(len(samples) for samples in samples_by_task.values())
-    outcomes: dict[str, list[tuple[bool, str] | None]] = {task_id: [None] * len(samples) for task_id, samples in samples_by_task.items()}
+    outcomes: dict[str, list[tuple[bool, str] | None]] = {
+        task_id: [None] * len(samples) for task_id, samples in samples_by_task.items()
+    }
     done = {"checked": 0, "passed": 0}
     semaphore = asyncio.Semaphore(concurrency)
 

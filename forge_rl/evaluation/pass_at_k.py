@@ -53,9 +53,7 @@ def _check(num_samples: int, num_passed: int, k: int) -> None:
     if k < 1:
         raise ValueError(f"pass@k: k ({k}) must be >= 1.")
     if not 0 <= num_passed <= num_samples:
-        raise ValueError(
-            f"pass@k: num_passed ({num_passed}) must be between 0 and num_samples ({num_samples})."
-        )
+        raise ValueError(f"pass@k: num_passed ({num_passed}) must be between 0 and num_samples ({num_samples}).")
     if k > num_samples:
         raise ValueError(
             f"pass@{k} needs at least {k} samples per problem, and this problem has {num_samples}: "

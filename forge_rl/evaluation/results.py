@@ -73,14 +73,16 @@ def summarize(
             samples.append(_sample_record(completion, errored))
         num_samples.append(len(episode.completions))
         num_passed.append(passed)
-        prompts.append({
-            "row": row_number,
-            "prompt": episode.prompt_text,
-            "answer": episode.answer,
-            "num_passed": passed,
-            **{f"pass@{k}": pass_at_k(len(episode.completions), passed, k) for k in k_values},
-            "samples": samples,
-        })
+        prompts.append(
+            {
+                "row": row_number,
+                "prompt": episode.prompt_text,
+                "answer": episode.answer,
+                "num_passed": passed,
+                **{f"pass@{k}": pass_at_k(len(episode.completions), passed, k) for k in k_values},
+                "samples": samples,
+            }
+        )
     prefix = f"eval/{set_name}/"
     metrics = {
         **{f"{prefix}pass@{k}": mean_pass_at_k(num_samples, num_passed, k) for k in k_values},

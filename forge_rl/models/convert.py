@@ -249,7 +249,9 @@ def _check_written(model_dir: Path) -> None:
         if not (model_dir / name).is_file():
             raise RuntimeError(f"conversion wrote no {name} in {model_dir}; transformers' save layout changed.")
     if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
-        raise RuntimeError(f"{model_dir / 'config.json'} still holds quantization_config; vLLM would look for the GGUF.")
+        raise RuntimeError(
+            f"{model_dir / 'config.json'} still holds quantization_config; vLLM would look for the GGUF."
+        )
 
 
 def main(args: ConvertArgs) -> dict:

@@ -262,7 +262,9 @@ def build_model_config(family: ModelFamily, hf_config: dict, inner_attention):
             ),
             # make_ffn_config takes the final width (compute_ffn_hidden_dim would re-derive it from
             # dim, multiple_of and ffn_dim_multiplier), so intermediate_size is used as is.
-            feed_forward=None if family.moe else make_ffn_config(
+            feed_forward=None
+            if family.moe
+            else make_ffn_config(
                 dim=dim, hidden_dim=hf_config["intermediate_size"], w1_param_init={}, w2w3_param_init={}
             ),
             moe=moe_config(hf_config) if family.moe else None,

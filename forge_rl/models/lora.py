@@ -240,7 +240,7 @@ class LoRAAdapters(nn.Module):
                 self.attach()
 
     def named_adapter_parameters(self) -> dict[str, nn.Parameter]:
-        """"<module name>.lora_A" / ".lora_B" -> the live (possibly sharded) parameter."""
+        """ "<module name>.lora_A" / ".lora_B" -> the live (possibly sharded) parameter."""
         return {
             f"{name}.{part}": getattr(self.layers[_key(name)], part)
             for name in self.module_names

@@ -76,7 +76,9 @@ class ReplayRouter(TokenChoiceTopKRouter):
         if isinstance(expert_ids_BLK, DTensor):
             layout = expert_ids_BLK.device_mesh, expert_ids_BLK.placements
             replay_ids_BLK, replay_mask_BL = (_local_part(t, *layout) for t in (replay_ids_BLK, replay_mask_BL))
-            topk_scores_BLK, expert_ids_BLK, scores_BLE = (t.to_local() for t in (topk_scores_BLK, expert_ids_BLK, scores_BLE))
+            topk_scores_BLK, expert_ids_BLK, scores_BLE = (
+                t.to_local() for t in (topk_scores_BLK, expert_ids_BLK, scores_BLE)
+            )
         if replay_ids_BLK.shape != expert_ids_BLK.shape:
             raise ValueError(
                 f"routing replay of shape {tuple(replay_ids_BLK.shape)} for a forward of {tuple(expert_ids_BLK.shape)} "
@@ -85,8 +87,13 @@ class ReplayRouter(TokenChoiceTopKRouter):
         own_ids_BLK = expert_ids_BLK
         replay_mask_BL = replay_mask_BL.to(expert_ids_BLK.device)
         topk_scores_BLK, expert_ids_BLK = replay_topk(
-            scores_BLE, own_ids_BLK, topk_scores_BLK, replay_ids_BLK.to(own_ids_BLK.device), replay_mask_BL,
-            self.route_norm, self.route_scale,
+            scores_BLE,
+            own_ids_BLK,
+            topk_scores_BLK,
+            replay_ids_BLK.to(own_ids_BLK.device),
+            replay_mask_BL,
+            self.route_norm,
+            self.route_scale,
         )
         if not self.recomputing:
             with torch.no_grad():
@@ -151,12 +158,16 @@ def moe_config(hf_config: dict) -> MoE.Config:
     and no load-balancing bias (HF has none: the bias would be a weight the checkpoint lacks)."""
     dim, num_experts, top_k = hf_config["hidden_size"], _num_experts(hf_config), hf_config["num_experts_per_tok"]
     routed = make_routed_experts_config(
-        dim=dim, hidden_dim=hf_config["moe_intermediate_size"], num_experts=num_experts, top_k=top_k,
-        param_init={}, comm_backend="standard",
+        dim=dim,
+        hidden_dim=hf_config["moe_intermediate_size"],
+        num_experts=num_experts,
+        top_k=top_k,
+        param_init={},
+        comm_backend="standard",
     )
-    routed.inner_experts = ExactGroupedExperts.Config(**{
-        name: getattr(routed.inner_experts, name) for name in ("dim", "hidden_dim", "num_experts", "param_init")
-    })
+    routed.inner_experts = ExactGroupedExperts.Config(
+        **{name: getattr(routed.inner_experts, name) for name in ("dim", "hidden_dim", "num_experts", "param_init")}
+    )
     router = ReplayRouter.Config(
         num_experts=num_experts,
         gate=Linear.Config(in_features=dim, out_features=num_experts, bias=False, param_init={}),
@@ -209,7 +220,9 @@ class ReplayingFullAC(FullAC):
         )
 
 
-def _replay_contexts(routers: Sequence[ReplayRouter]) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def _replay_contexts(
+    routers: Sequence[ReplayRouter],
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """torch.utils.checkpoint's context_fn, called as the block's forward starts: (nothing around
     the forward, the recomputation with the replay the routers hold now)."""
     return contextlib.nullcontext(), _recomputing(routers, [router.replay for router in routers])

@@ -41,9 +41,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if value < 1:
                 flag = name.replace("_", "-")
-                raise ValueError(
-                    f"trainer.parallel.{name} ({value}) must be >= 1. Set --trainer.parallel.{flag}."
-                )
+                raise ValueError(f"trainer.parallel.{name} ({value}) must be >= 1. Set --trainer.parallel.{flag}.")
 
 
 def read_hf_config(model_dir: Path | str) -> dict:

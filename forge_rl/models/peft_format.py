@@ -115,8 +115,12 @@ def peft_target_modules(lora: LoRAConfig, hf_config: dict) -> list[str]:
     """HF module names (last component) the adapters of `lora.targets` land on."""
     maps = row_maps(hf_config)
     return sorted(
-        {hf_module.rsplit(".", 1)[-1] for suffix, modules in maps.items()
-         if suffix.rsplit(".", 1)[-1] in lora.targets for hf_module, _ in modules}
+        {
+            hf_module.rsplit(".", 1)[-1]
+            for suffix, modules in maps.items()
+            if suffix.rsplit(".", 1)[-1] in lora.targets
+            for hf_module, _ in modules
+        }
         | ({_UNEMBED} if _UNEMBED in lora.targets else set())
     )
 
@@ -143,7 +147,10 @@ def peft_adapter_config(lora: LoRAConfig, hf_config: dict, base_model_name_or_pa
 
 
 def peft_adapter(
-    adapter_state_dict: dict[str, torch.Tensor], lora: LoRAConfig, model_dir: Path | str, dtype: torch.dtype | None = None
+    adapter_state_dict: dict[str, torch.Tensor],
+    lora: LoRAConfig,
+    model_dir: Path | str,
+    dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors in PEFT names, adapter_config.json) of the adapters of the HF checkpoint in
     `model_dir`: what `write_peft_adapter` writes and the trainer publishes (CPU copies in `dtype`)."""
@@ -156,7 +163,10 @@ def peft_adapter(
 
 
 def write_peft_adapter(
-    out_dir: Path | str, adapter_state_dict: dict[str, torch.Tensor], lora: LoRAConfig, model_dir: Path | str,
+    out_dir: Path | str,
+    adapter_state_dict: dict[str, torch.Tensor],
+    lora: LoRAConfig,
+    model_dir: Path | str,
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for the

@@ -90,7 +90,9 @@ def tiny_model_cache_dir() -> Path:
 def _cache_key(config: TinyModelConfig, alphabet: str) -> str:
     """What the built files depend on: the config, the alphabet, the transformers that wrote them."""
     identity = {
-        "format": _CACHE_FORMAT, "config": dataclasses.asdict(config), "alphabet": alphabet,
+        "format": _CACHE_FORMAT,
+        "config": dataclasses.asdict(config),
+        "alphabet": alphabet,
         "transformers": version("transformers"),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
@@ -136,7 +138,9 @@ def _build_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str) -
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
-    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if config.num_experts else (LlamaConfig, LlamaForCausalLM)
+    config_cls, model_cls = (
+        (Qwen3MoeConfig, Qwen3MoeForCausalLM) if config.num_experts else (LlamaConfig, LlamaForCausalLM)
+    )
     hf_config = config_cls(
         **(moe if config.num_experts else {}),
         vocab_size=len(char_tokenizer.SPECIAL_TOKENS) + len(alphabet),
@@ -161,9 +165,7 @@ def _build_tiny_model(config: TinyModelConfig, model_dir: Path, alphabet: str) -
         model = model_cls(hf_config)
     model.save_pretrained(model_dir, safe_serialization=True)
     GenerationConfig(
-        bos_token_id=hf_config.bos_token_id,
-        eos_token_id=hf_config.eos_token_id,
-        pad_token_id=hf_config.pad_token_id,
+        bos_token_id=hf_config.bos_token_id, eos_token_id=hf_config.eos_token_id, pad_token_id=hf_config.pad_token_id
     ).save_pretrained(model_dir)
     char_tokenizer.save_char_tokenizer(model_dir, alphabet)
     return model_dir

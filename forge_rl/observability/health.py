@@ -55,7 +55,9 @@ class MismatchAlarmConfig:
                 "Set --log.mismatch-alarm.factor."
             )
         if self.min_kl < 0:
-            raise ValueError(f"log.mismatch_alarm.min_kl ({self.min_kl}) must be >= 0. Set --log.mismatch-alarm.min-kl.")
+            raise ValueError(
+                f"log.mismatch_alarm.min_kl ({self.min_kl}) must be >= 0. Set --log.mismatch-alarm.min-kl."
+            )
 
 
 class MismatchAlarm:
@@ -79,11 +81,19 @@ class MismatchAlarm:
         warnings = []
         for generator in sorted(exact.keys() | all_tokens.keys()):
             if generator in exact:
-                kl, reference, which = exact[generator], self._reference_level(generator, exact), "tokens of the trainer's own version"
+                kl, reference, which = (
+                    exact[generator],
+                    self._reference_level(generator, exact),
+                    "tokens of the trainer's own version",
+                )
                 self._history.setdefault(generator, collections.deque(maxlen=self._HISTORY_STEPS)).append(kl)
             else:  # no exact token: only the other generators, lagged by the same updates, compare
                 others = [value for g, value in all_tokens.items() if g != generator]
-                kl, reference, which = all_tokens[generator], statistics.median(others) if others else None, "all its tokens"
+                kl, reference, which = (
+                    all_tokens[generator],
+                    statistics.median(others) if others else None,
+                    "all its tokens",
+                )
             if reference is not None and kl >= self.config.min_kl and kl > self.config.factor * reference:
                 warnings.append(
                     f"step {step}: generator {generator}'s sampler mismatch KL {kl:.3g} on {which} is "
@@ -125,5 +135,6 @@ def token_versions_by_generator(episodes: Sequence[Episode]) -> dict[int, str]:
             versions[episode.generator_index] += completion.policy_versions
     return {
         generator: str(min(v)) if min(v) == max(v) else f"{min(v)}..{max(v)}"
-        for generator, v in sorted(versions.items()) if v
+        for generator, v in sorted(versions.items())
+        if v
     }

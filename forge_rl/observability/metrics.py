@@ -244,10 +244,11 @@ class MetricsLogger:
         """step 40/300 | reward 0.812 | loss -0.0123 | gen 950 tok/s | train 3100 tok/s | age<=1 | ..."""
         step, wall_time_s = metrics[STEP], metrics.get(WALL_TIME_S, 0.0)
         # A simulated trainer (trainer.engine sim) computes no loss, and its rewards mean nothing.
-        learning = [] if metrics.get(SIMULATED) else [
-            f"reward {metrics.get('reward/mean', math.nan):.3f}",
-            f"loss {metrics.get('loss', math.nan):+.4f}",
-        ]
+        learning = (
+            []
+            if metrics.get(SIMULATED)
+            else [f"reward {metrics.get('reward/mean', math.nan):.3f}", f"loss {metrics.get('loss', math.nan):+.4f}"]
+        )
         parts = [
             f"step {step}/{self.total_steps}",
             *(learning or ["SIMULATED"]),
@@ -276,7 +277,9 @@ class MetricsLogger:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 class SinkSettings(Protocol):
@@ -434,7 +437,11 @@ def generator_time_summary(history: Sequence[dict], forward_times: Sequence[dict
     busy_s = (1.0 - last[GENERATORS_IDLE_FRACTION]) * total_s
     forward_s = min(sum(t["forward_s"] for t in forward_times), busy_s)
     return {
-        "generator_time_s": {"forward": round(forward_s, 3), "busy_other": round(busy_s - forward_s, 3), "idle": round(total_s - busy_s, 3)},
+        "generator_time_s": {
+            "forward": round(forward_s, 3),
+            "busy_other": round(busy_s - forward_s, 3),
+            "idle": round(total_s - busy_s, 3),
+        },
         "generator_forward_fraction": forward_s / max(total_s, 1e-9),
     }
 
@@ -458,7 +465,10 @@ def progress(message: str) -> None:
 
 
 def batch_metrics(
-    episodes: list[Episode], train_version: int, normalize_std: bool = True, step_discount: float = 1.0,
+    episodes: list[Episode],
+    train_version: int,
+    normalize_std: bool = True,
+    step_discount: float = 1.0,
     local_weight: float = 1.0,
 ) -> dict:
     """Reward and staleness of the episodes one step trained at `train_version`. Policy ages count
@@ -498,12 +508,12 @@ def batch_metrics(
         POLICY_AGE_MEAN: sum(age * n for age, n in ages.items()) / max(sum(ages.values()), 1),
         POLICY_AGE_HISTOGRAM: {str(age): count for age, count in sorted(ages.items())},
         POLICY_AGE_DEPENDENCY_MAX: max(dependency_ages, default=0),
-        POLICY_AGE_DEPENDENCY_MEAN: sum(age * n for age, n in dependency_ages.items()) / max(sum(dependency_ages.values()), 1),
+        POLICY_AGE_DEPENDENCY_MEAN: sum(age * n for age, n in dependency_ages.items())
+        / max(sum(dependency_ages.values()), 1),
         # Groups with no nonzero advantage on a trained token carry no signal; dynamic sampling
         # keeps this at 0, and without it a value near 1 means the task is solved or hopeless.
-        ZERO_ADVANTAGE_FRACTION: sum(
-            not has_signal(e, normalize_std, step_discount, local_weight) for e in episodes
-        ) / max(len(episodes), 1),
+        ZERO_ADVANTAGE_FRACTION: sum(not has_signal(e, normalize_std, step_discount, local_weight) for e in episodes)
+        / max(len(episodes), 1),
         **{name: sum(values) / len(values) for name, values in sorted(components.items())},
         **{name: sum(values) / len(values) for name, values in sorted(by_seat.items())},
     }

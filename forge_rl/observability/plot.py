@@ -121,7 +121,11 @@ def plot_dashboard(args: PlotArgs) -> Path:
     # Every weights/*_s timing the trainer's publish and the generators' loads report.
     weight_timings = sorted({k for m in metrics for k in m if k.startswith("weights/") and k.endswith("_s")})
     lines(axes[1, 1], "weight publish and load (s)", [(k, k.removeprefix("weights/")) for k in weight_timings])
-    lines(axes[1, 2], "replay buffer (episodes)", [("buffer/size", "held"), ("buffer/dropped_episodes", "dropped (total)")])
+    lines(
+        axes[1, 2],
+        "replay buffer (episodes)",
+        [("buffer/size", "held"), ("buffer/dropped_episodes", "dropped (total)")],
+    )
     capacity = _config(run_dir).get("buffer", {}).get("capacity_episodes")
     if capacity:
         axes[1, 2].axhline(capacity, color="grey", linestyle="--", label=f"capacity ({capacity})")

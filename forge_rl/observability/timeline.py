@@ -75,7 +75,9 @@ class Timeline:
             end = self.now()
             self._active[component] -= 1
             if not self._active[component]:
-                self._busy_total_s[component] = self._busy_total_s.get(component, 0.0) + end - self._busy_since[component]
+                self._busy_total_s[component] = (
+                    self._busy_total_s.get(component, 0.0) + end - self._busy_since[component]
+                )
             self._write(Interval(component, start, end, num_sequences))
 
     def record(self, component: str, start_s: float, end_s: float) -> None:
@@ -110,7 +112,7 @@ class Timeline:
             data = "".join(self._pending).encode()
             self._pending = []
             while data:  # a regular file takes it whole; the loop only guards a short write
-                data = data[os.write(self._fd, data):]
+                data = data[os.write(self._fd, data) :]
         self._flushed_at = time.monotonic()
 
     def close(self) -> None:

@@ -156,5 +156,9 @@ class Brancher:
             self._warned.add(what)
             _logger.warning(
                 "%s failed (%s: %s): %s, and so on for every later one (counted as %s; this warning is shown once).",
-                what, type(e).__name__, e, outcome, m.BRANCH_PIVOT_ERRORS_TOTAL,
+                what,
+                type(e).__name__,
+                e,
+                outcome,
+                m.BRANCH_PIVOT_ERRORS_TOTAL,
             )

@@ -42,7 +42,10 @@ def encode_row_prompt(task: TaskConfig, tokenizer: PromptTokenizer, prompt: str 
 
 
 def open_file_source(
-    data: DataConfig, encode: Callable[[str | list[Message]], list[int]], max_model_len: int, max_new_tokens: int,
+    data: DataConfig,
+    encode: Callable[[str | list[Message]], list[int]],
+    max_model_len: int,
+    max_new_tokens: int,
     field: str = "data",
 ) -> FileSource:
     """A data file as a source whose rows must fit max_model_len with max_new_tokens, counted by the

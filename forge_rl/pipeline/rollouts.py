@@ -91,7 +91,8 @@ class PartialGroup:
     def to_dict(self, episode_id: int) -> dict:
         """Plain lists and numbers (forge_rl/core/checkpoint.py `ControllerState.partial_groups`)."""
         return {
-            "episode_id": episode_id, "completions": [completion_to_dict(c) for c in self.completions],
+            "episode_id": episode_id,
+            "completions": [completion_to_dict(c) for c in self.completions],
             "finished": list(self.finished),
         }
 
@@ -334,7 +335,11 @@ class Rollouts:
             self._batch_events.notify_all()
 
     async def step_done(
-        self, step: int, skipped: bool, policy_version: int, weights_dir: str,
+        self,
+        step: int,
+        skipped: bool,
+        policy_version: int,
+        weights_dir: str,
         policies: dict[str, tuple[bool, int, str | None]] | None = None,
     ) -> dict:
         """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
@@ -363,15 +368,20 @@ class Rollouts:
                 )
         return {
             **batch_metrics(
-                batch.episodes, batch.train_version, self.config.trainer.loss.normalize_advantage_std,
-                self.config.trainer.loss.step_discount, self.config.trainer.loss.local_advantage_weight,
+                batch.episodes,
+                batch.train_version,
+                self.config.trainer.loss.normalize_advantage_std,
+                self.config.trainer.loss.step_discount,
+                self.config.trainer.loss.local_advantage_weight,
             ),
             TOKEN_VERSIONS_BY_GENERATOR: token_versions_by_generator(batch.episodes),
             **policy_metrics,
             **await self._step_metrics(),
         }
 
-    def _policies_stepped(self, batch: NextBatch, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int, str | None]]) -> dict:
+    def _policies_stepped(
+        self, batch: NextBatch, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int, str | None]]
+    ) -> dict:
         """With config.policies: each policy's new version goes to its generators (not awaited),
         the buffer counts each one's tokens against its own version from now on, and the step's
         figures per policy: its version, and its part's rewards and token ages at the version it
@@ -389,14 +399,19 @@ class Rollouts:
                 self._updates.add(self._spawn(self._tell_policy_generators(name, version, weights_dir)))
         for policy, version in trained_at.items():
             part = batch_metrics(
-                episodes_of_policy(batch.episodes, policy), version, loss.normalize_advantage_std, loss.step_discount,
+                episodes_of_policy(batch.episodes, policy),
+                version,
+                loss.normalize_advantage_std,
+                loss.step_discount,
                 loss.local_advantage_weight,
             )
             label = metric_name(policy)
             metrics[f"{m.POLICY_VERSION}/{label}"] = policy_version if policy is None else self.policy_versions[policy]
             for name in (m.POLICY_AGE_MAX, m.POLICY_AGE_DEPENDENCY_MAX, m.REWARD_MEAN):
                 metrics[f"{name}/{label}"] = part[name]
-        self.buffer.buffer.set_policy_offsets({name: version - policy_version for name, version in self.policy_versions.items()})
+        self.buffer.buffer.set_policy_offsets(
+            {name: version - policy_version for name, version in self.policy_versions.items()}
+        )
         return metrics
 
     async def stop_loops(self, finish_updates: bool) -> dict:
@@ -449,12 +464,13 @@ class Rollouts:
             "tokenizer_fingerprint": self.prompts.tokenizer_fingerprint,
             "partial_groups": [
                 group.to_dict(episode_id)
-                for episode_id, group in {**self.salvaged, **self.in_progress}.items() if episode_id in reissued
+                for episode_id, group in {**self.salvaged, **self.in_progress}.items()
+                if episode_id in reissued
             ],
         }
 
     async def load_state_dict(
-        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None,
+        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None
     ) -> int:
         """Continue from a checkpoint (`state_dict`'s figures, the prompts to hand out again first
         as state["reissue"]): every generator serves `policy_version` before this returns, and
@@ -475,8 +491,11 @@ class Rollouts:
         saved_groups = state.get("partial_groups", [])
         try:
             self.salvaged = restored_partial_groups(
-                saved_groups, state["reissue"], self.config.model.hf_config()["vocab_size"],
-                state.get("tokenizer_fingerprint"), self.prompts.tokenizer_fingerprint,
+                saved_groups,
+                state["reissue"],
+                self.config.model.hf_config()["vocab_size"],
+                state.get("tokenizer_fingerprint"),
+                self.prompts.tokenizer_fingerprint,
             )
         except ValueError as e:
             if self.config.checkpoint.partial_groups_on_error == "refuse":
@@ -496,7 +515,10 @@ class Rollouts:
             self.salvaged = {}
         await asyncio.gather(
             *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators)),
-            *(self._tell_policy_generators(name, version, policy_dir) for name, (version, policy_dir) in (policies or {}).items()),
+            *(
+                self._tell_policy_generators(name, version, policy_dir)
+                for name, (version, policy_dir) in (policies or {}).items()
+            ),
         )
         return len(buffered_versions)
 
@@ -664,7 +686,11 @@ class Rollouts:
             try:
                 self.calls["generators.generate_segment"] += 1
                 pieces = await self.actors.generators.generate_segment.call_one(
-                    index, prompt.prompt_token_ids, prompt.forced_length, heads, config.group_size,
+                    index,
+                    prompt.prompt_token_ids,
+                    prompt.forced_length,
+                    heads,
+                    config.group_size,
                     config.generator.segment_tokens,
                 )
             except Exception as e:
@@ -783,7 +809,9 @@ class Rollouts:
         """`count` fresh environments of `prompt`'s episode, timed as generator `index`'s."""
         assert self.make_env is not None  # environment episodes are played only with environment.name set (_rollout)
         return [
-            TimedEnvironment(self.make_env(self.config.task.seed, prompt.episode_id, **self._row(prompt)), self.env_waits, index)
+            TimedEnvironment(
+                self.make_env(self.config.task.seed, prompt.episode_id, **self._row(prompt)), self.env_waits, index
+            )
             for _ in range(count)
         ]
 
@@ -995,7 +1023,9 @@ class Rollouts:
             self._failure.set_exception(error)
 
 
-async def _turn_unless_lost(pool: Any, index: int, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn | None:
+async def _turn_unless_lost(
+    pool: Any, index: int, prefix_token_ids: list[int], max_new_tokens: int
+) -> SampledTurn | None:
     """`pool`'s generator `index` samples a turn after `prefix_token_ids`; None if it was lost
     mid-turn (GeneratorLost), ContextExhausted raised as itself."""
     try:
@@ -1034,8 +1064,13 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
         "prompt_token_ids": episode.prompt_token_ids,
         "completions": [
             {
-                "text": c.text, "reward": c.reward, "status": c.status.value, "token_ids": c.token_ids,
-                "logprobs": c.logprobs, "policy_versions": c.policy_versions, "trained_tokens": sum(c.loss_mask),
+                "text": c.text,
+                "reward": c.reward,
+                "status": c.status.value,
+                "token_ids": c.token_ids,
+                "logprobs": c.logprobs,
+                "policy_versions": c.policy_versions,
+                "trained_tokens": sum(c.loss_mask),
                 **({} if c.agent is None else {"agent": c.agent}),
                 **({} if c.policy is None else {"policy": c.policy}),
             }
@@ -1045,8 +1080,11 @@ def rollout_record(step: int, train_version: int, episode: Episode) -> dict:
 
 
 def restored_partial_groups(
-    saved: list[dict], reissue: list[int], vocab_size: int | None = None,
-    saved_tokenizer: str | None = None, tokenizer: str | None = None,
+    saved: list[dict],
+    reissue: list[int],
+    vocab_size: int | None = None,
+    saved_tokenizer: str | None = None,
+    tokenizer: str | None = None,
 ) -> dict[int, PartialGroup]:
     """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt, to be continued
     by a run whose model has `vocab_size` token ids and whose tokenizer's fingerprint is
@@ -1079,7 +1117,7 @@ def restored_partial_groups(
 
 
 def partial_groups_problem(
-    saved: list[dict], reissue: list[int], vocab_size: int, saved_tokenizer: str | None, tokenizer: str | None,
+    saved: list[dict], reissue: list[int], vocab_size: int, saved_tokenizer: str | None, tokenizer: str | None
 ) -> str | None:
     """Why `restored_partial_groups` refuses these groups, or None when it takes them: what a
     resume checks before anything starts (forge_rl/run/run_dir.py)."""
@@ -1092,11 +1130,14 @@ def partial_groups_problem(
 
 def saved_partial_tokens(saved: list[dict]) -> int:
     """The token ids a checkpoint's partial groups hold, counting what can be read of malformed ones."""
+
     def count(completion) -> int:
         token_ids = completion.get("token_ids") if isinstance(completion, dict) else None
         return len(token_ids) if isinstance(token_ids, list) else 0
 
     return sum(
-        count(c) for group in saved if isinstance(group, dict) and isinstance(group.get("completions"), list)
+        count(c)
+        for group in saved
+        if isinstance(group, dict) and isinstance(group.get("completions"), list)
         for c in group["completions"]
     )

@@ -49,8 +49,12 @@ class HeapTrimmer:
     """`trim_if_due()` trims the native heap if `every_s` passed since its last trim (the first
     call only starts the clock). Call it where a process does its steady work, between steps."""
 
-    def __init__(self, every_s: float = TRIM_EVERY_S, clock: Callable[[], float] = time.monotonic,
-                 trim: Callable[[], bool] = trim_native_heap):
+    def __init__(
+        self,
+        every_s: float = TRIM_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        trim: Callable[[], bool] = trim_native_heap,
+    ):
         self.every_s = every_s
         self._clock = clock
         self._trim = trim

@@ -68,18 +68,24 @@ class PlacementConfig:
                 object.__setattr__(self, name, tuple(value))
         for name in ("trainer_hosts", "generator_hosts"):
             if not getattr(self, name):
-                raise ConfigError(f"launch.placement.{name} is empty. List at least one host index "
-                                  f"(--launch.placement.{name.replace('_', '-')} 0).")
+                raise ConfigError(
+                    f"launch.placement.{name} is empty. List at least one host index "
+                    f"(--launch.placement.{name.replace('_', '-')} 0)."
+                )
         for name in ("generator_cpus", "trainer_cpus"):
             cores = getattr(self, name)
             flag = f"--launch.placement.{name.replace('_', '-')}"
             if cores is not None and (not cores or any(core < 0 for core in cores) or len(set(cores)) < len(cores)):
-                raise ConfigError(f"launch.placement.{name} ({_show(cores)}) must list distinct core ids >= 0, "
-                                  f"e.g. {flag} 0; leave it unset to run on any core.")
+                raise ConfigError(
+                    f"launch.placement.{name} ({_show(cores)}) must list distinct core ids >= 0, "
+                    f"e.g. {flag} 0; leave it unset to run on any core."
+                )
         for name, hosts in self._indices().items():
             if any(index < 0 for index in hosts):
-                raise ConfigError(f"launch.placement.{name} ({_show(hosts)}) has a negative host index. "
-                                  f"Host indices count from 0 in launch.workers order.")
+                raise ConfigError(
+                    f"launch.placement.{name} ({_show(hosts)}) has a negative host index. "
+                    f"Host indices count from 0 in launch.workers order."
+                )
         for name in ("trainer_hosts", "reference_hosts"):
             hosts = getattr(self, name)
             if hosts is not None and list(hosts) != list(range(hosts[0], hosts[0] + len(hosts))):
@@ -146,19 +152,23 @@ class LaunchConfig:
                 parse_worker_address(address)
             duplicates = sorted({a for a in self.workers if self.workers.count(a) > 1})
             if duplicates:
-                raise ConfigError(f"launch.workers lists {', '.join(duplicates)} more than once; each worker is "
-                                  "one host. Remove the duplicate.")
+                raise ConfigError(
+                    f"launch.workers lists {', '.join(duplicates)} more than once; each worker is "
+                    "one host. Remove the duplicate."
+                )
         elif self.workers:
             raise ConfigError(
                 f"launch.workers is set but launch.hosts is {self.hosts!r}; workers are only read with "
                 "hosts=list. Set --launch.hosts list, or drop launch.workers."
             )
         if not 1 <= self.worker_port <= 65535:
-            raise ConfigError(f"launch.worker_port ({self.worker_port}) must be a TCP port in 1..65535. "
-                              "Set --launch.worker-port.")
+            raise ConfigError(
+                f"launch.worker_port ({self.worker_port}) must be a TCP port in 1..65535. Set --launch.worker-port."
+            )
         if not self.connect_timeout_s > 0:
-            raise ConfigError(f"launch.connect_timeout_s ({self.connect_timeout_s}) must be > 0. "
-                              "Set --launch.connect-timeout-s.")
+            raise ConfigError(
+                f"launch.connect_timeout_s ({self.connect_timeout_s}) must be > 0. Set --launch.connect-timeout-s."
+            )
         if self.hosts == "local":
             remote = {name: hosts for name, hosts in self.placement._indices().items() if any(hosts)}
             if remote:
@@ -340,11 +350,17 @@ def check_gpus(launch: LaunchConfig, demand: RoleDemand, host: int, num_gpus: in
         if num_procs and host in hosts:
             roles.append(f"{num_procs // len(hosts)} {role}{num_procs // len(hosts) - 1}")
     if generators:
-        roles.append(f"{len(generators)} generator(s) x {demand.generator_gpus} GPU(s) "
-                     f"(generator.tensor_parallel_size) from device {blocks[generators[0]][0]}")
-    share = "" if launch.share_gpus or not (ranked and generators) else (
-        ", or let generators use the ranks' GPUs (--launch.share-gpus true, with --generator.gpu-memory-utilization "
-        "leaving the trainer room)"
+        roles.append(
+            f"{len(generators)} generator(s) x {demand.generator_gpus} GPU(s) "
+            f"(generator.tensor_parallel_size) from device {blocks[generators[0]][0]}"
+        )
+    share = (
+        ""
+        if launch.share_gpus or not (ranked and generators)
+        else (
+            ", or let generators use the ranks' GPUs (--launch.share-gpus true, with --generator.gpu-memory-utilization "
+            "leaving the trainer room)"
+        )
     )
     raise ConfigError(
         f"{where} has {num_gpus} GPU(s) but the placement needs {needed} there: {' + '.join(roles)}. Each rank "
@@ -639,7 +655,9 @@ def demand_of(config) -> RoleDemand:
         num_generators=config.num_generators,
         # A simulated engine or trainer step is a timed wait: no compute threads to place.
         trainer_threads=0 if config.trainer.engine == "sim" else config.trainer.num_threads,
-        reference_threads=max(config.reference.num_threads, config.scorer.teacher.num_threads if config.uses_teacher else 0),
+        reference_threads=max(
+            config.reference.num_threads, config.scorer.teacher.num_threads if config.uses_teacher else 0
+        ),
         generator_threads=0 if config.generator.engine == "sim" else config.generator.cpu_threads,
         generator_gpus=config.generator.tensor_parallel_size,
         scorer_model_threads=sum(config.scorer.model_threads().values()),

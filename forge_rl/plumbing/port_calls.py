@@ -63,7 +63,9 @@ class PortServed:
         await self._answer_on_port(caller_port, request, name, args, kwargs)
 
     @endpoint
-    async def call_on_port_in_turn(self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict) -> None:
+    async def call_on_port_in_turn(
+        self, caller_port: bytes, request: int, name: str, args: tuple, kwargs: dict
+    ) -> None:
         """A plain endpoint's call, answered on the caller's port: until it ends, the actor handles
         no other message (as with the endpoint's own calls)."""
         await self._answer_on_port(caller_port, request, name, args, kwargs)
@@ -81,7 +83,9 @@ class PortServed:
             try:
                 reply_to.send((request, False, ActorError(e, failed), rank))
             except Exception as unsendable:  # the error does not pickle: its text does
-                reply_to.send((request, False, ActorError(RuntimeError(f"{e!r} (as sent: {unsendable})"), failed), rank))
+                reply_to.send(
+                    (request, False, ActorError(RuntimeError(f"{e!r} (as sent: {unsendable})"), failed), rank)
+                )
             if not isinstance(e, Exception):
                 raise
             return
@@ -137,7 +141,9 @@ class PortCalls:
         if getattr(actor, "_class", None) is None:  # not a Monarch actor mesh
             return await getattr(actor, name).call_one(*args, **kwargs)
         if actor.size() != 1:
-            raise ValueError(f"PortCalls.call calls one actor; {actor._class.__name__}'s mesh has {actor.size()}: slice it, or use call_each")
+            raise ValueError(
+                f"PortCalls.call calls one actor; {actor._class.__name__}'s mesh has {actor.size()}: slice it, or use call_each"
+            )
         return (await self._answered(actor, name, args, kwargs))[0]
 
     async def call_each(self, mesh, name: str, *args, **kwargs) -> list:
@@ -148,7 +154,9 @@ class PortCalls:
 
     async def _answered(self, mesh, name: str, args: tuple, kwargs: dict) -> list:
         actor_class = mesh._class
-        if not (issubclass(actor_class, PortServed) and callable(getattr(getattr(actor_class, name, None), "_method", None))):
+        if not (
+            issubclass(actor_class, PortServed) and callable(getattr(getattr(actor_class, name, None), "_method", None))
+        ):
             raise TypeError(
                 f"{actor_class.__name__}.{name} is not an endpoint of a PortServed actor, so PortCalls cannot call it: "
                 "mix PortServed into the actor, or call the endpoint with call_one / call"
@@ -167,7 +175,9 @@ class PortCalls:
         try:
             # Arguments and answers cross as the C pickler's bytes (forge_rl/plumbing/wire.py): a prompt or a
             # scored group is one object to Monarch's Python-level pickler instead of hundreds.
-            served_by.broadcast(self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs)
+            served_by.broadcast(
+                self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs
+            )
             return await answers.future
         finally:
             self._pending.pop(request, None)

@@ -62,7 +62,8 @@ def arm_preemption_notice(grace_s: float, port: int) -> Path:
         print(
             f"[forge-rl worker] SIGTERM: preemption notice written to {path}; the run takes this host's generators "
             f"out within {grace_s:g} s, then this worker ends (a second SIGTERM ends it now)",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         timer = threading.Timer(grace_s, grace_over)
         timer.daemon = True
@@ -83,7 +84,4 @@ async def wait_for_preemption_notice() -> dict | None:
     while not path.exists():
         await asyncio.sleep(POLL_INTERVAL_S)
     notice = json.loads(path.read_text())
-    return {
-        "host": notice["host"],
-        "grace_left_s": max(0.0, notice["grace_s"] - (time.time() - notice["unix_time"])),
-    }
+    return {"host": notice["host"], "grace_left_s": max(0.0, notice["grace_s"] - (time.time() - notice["unix_time"]))}

@@ -115,7 +115,11 @@ def with_chosen_threads(
     if not (trainer_auto or generator_auto):
         return trainer, generator
     if hosts != "local":
-        names = [name for name, auto in (("trainer.num_threads", trainer_auto), ("generator.cpu_threads", generator_auto)) if auto]
+        names = [
+            name
+            for name, auto in (("trainer.num_threads", trainer_auto), ("generator.cpu_threads", generator_auto))
+            if auto
+        ]
         raise ConfigError(
             f"{' and '.join(names)} (auto) count the cores of this machine, but launch.hosts ({hosts}) places "
             "the roles on worker hosts. Set each to a number of threads per process on its host."

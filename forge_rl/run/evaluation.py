@@ -77,13 +77,19 @@ def load_eval_set(
     of its data.seed (epoch 0), tokenized as the generators will see them; `field` names the set's
     DataConfig in messages (eval.sets[0].data)."""
     source = open_file_source(
-        eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), config.max_model_len,
-        max_new_tokens, field=field,
+        eval_set.data,
+        lambda prompt: encode_row_prompt(config.task, tokenizer, prompt),
+        config.max_model_len,
+        max_new_tokens,
+        field=field,
     )
     prompts = [
         EvalPrompt(
-            row.row_number, row.prompt_text, "" if row.answer is None else row.answer,
-            encode_row_prompt(config.task, tokenizer, row.prompt), row.columns,
+            row.row_number,
+            row.prompt_text,
+            "" if row.answer is None else row.answer,
+            encode_row_prompt(config.task, tokenizer, row.prompt),
+            row.columns,
         )
         for row in source.first_rows(eval_set.max_prompts)
     ]
@@ -104,7 +110,13 @@ class Evaluation:
     generators that already serve the version, then `finish`."""
 
     def __init__(
-        self, config: GRPOConfig, generators, store_index, store_root: Path | None, run_path: Path, model_dir: Path,
+        self,
+        config: GRPOConfig,
+        generators,
+        store_index,
+        store_root: Path | None,
+        run_path: Path,
+        model_dir: Path,
         on_sampled: Callable[[int], None] | None = None,
     ):
         self.config = config
@@ -132,13 +144,16 @@ class Evaluation:
         self.metrics_logger: MetricsLogger | None = None
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self._scoring = ScoringStage(build_scorer(dataclasses.replace(config.scorer, reward_fn_weight=1.0), config.task.reward_weights))
+        self._scoring = ScoringStage(
+            build_scorer(dataclasses.replace(config.scorer, reward_fn_weight=1.0), config.task.reward_weights)
+        )
 
     @staticmethod
     def generator_config(config: GRPOConfig):
         """The evaluation's engines: the run's generator config, with the evaluation's sampling."""
         return dataclasses.replace(
-            config.generator, temperature=config.eval.temperature,
+            config.generator,
+            temperature=config.eval.temperature,
             max_new_tokens=config.eval.max_new_tokens or config.generator.max_new_tokens,
         )
 
@@ -256,7 +271,9 @@ class Evaluation:
                 await self._evaluate(job)
             except Exception as e:
                 self.num_failed += 1
-                progress(f"evaluation of policy version {job.version} failed, counted in eval/failed: {type(e).__name__}: {e}")
+                progress(
+                    f"evaluation of policy version {job.version} failed, counted in eval/failed: {type(e).__name__}: {e}"
+                )
             finally:
                 if job.reserved:
                     await self.store_index.cancel_reservation.call_one(READER_ID, job.version)
@@ -270,14 +287,16 @@ class Evaluation:
             await self.store_index.wait_for_version.call_one(job.version)
         assert self.store_root is not None  # only `forge-rl eval`, which queues no job, has no store
         weights_dir = str(self.store_root / version_key(job.version))
-        await asyncio.gather(*(
-            self.generators.update_weights.call_one(i, job.version, weights_dir, True)
-            for i in range(self.eval.num_generators)
-        ))
+        await asyncio.gather(
+            *(
+                self.generators.update_weights.call_one(i, job.version, weights_dir, True)
+                for i in range(self.eval.num_generators)
+            )
+        )
         await self.evaluate_served(job.step, job.version, started)
 
     async def evaluate_served(
-        self, step: int, version: int, started: float | None = None, stamped: int | None = None,
+        self, step: int, version: int, started: float | None = None, stamped: int | None = None
     ) -> dict[str, Any]:
         """Evaluate every set on the generators, which serve exactly `version` now: sampled, proved
         `version`'s, scored, written (eval.jsonl, eval/<set>/version-<v>.jsonl) and logged. Returns
@@ -297,9 +316,13 @@ class Evaluation:
             self.results[name] = result.metrics
             record.update(result.metrics)
         self.num_evaluated += 1
-        record.update({
-            "eval/seconds": time.monotonic() - started, "eval/dropped": self.num_dropped, "eval/failed": self.num_failed,
-        })
+        record.update(
+            {
+                "eval/seconds": time.monotonic() - started,
+                "eval/dropped": self.num_dropped,
+                "eval/failed": self.num_failed,
+            }
+        )
         with open(self.run_path / "eval.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
         if self.metrics_logger is not None:
@@ -328,9 +351,9 @@ class Evaluation:
                 if self.on_sampled is not None:
                     self.on_sampled(len(chunk))
 
-        await asyncio.gather(*(
-            feed(generator) for generator in range(self.eval.num_generators) for _ in range(CALLS_PER_GENERATOR)
-        ))
+        await asyncio.gather(
+            *(feed(generator) for generator in range(self.eval.num_generators) for _ in range(CALLS_PER_GENERATOR))
+        )
         return [episode for chunk in sampled if chunk is not None for episode in chunk]  # the calls filled every chunk
 
     async def _sample_pinned(self, prompts: list[EvalPrompt], version: int) -> list[Episode]:
@@ -345,8 +368,13 @@ class Evaluation:
             if not share:
                 return []
             sampled = await self.generators.generate_pinned.call_one(
-                generator, version, [_episode(p) for p in share], self.eval.num_samples, self.eval.temperature,
-                self.max_new_tokens, self.eval.shared_prompts_in_flight,
+                generator,
+                version,
+                [_episode(p) for p in share],
+                self.eval.num_samples,
+                self.eval.temperature,
+                self.max_new_tokens,
+                self.eval.shared_prompts_in_flight,
             )
             if sampled is None:
                 raise VersionGone(
@@ -378,6 +406,9 @@ class VersionGone(RuntimeError):
 
 def _episode(prompt: EvalPrompt) -> Episode:
     return Episode(
-        episode_id=prompt.row_number, prompt_text=prompt.prompt_text, answer=prompt.answer,
-        prompt_token_ids=prompt.prompt_token_ids, columns=prompt.columns,
+        episode_id=prompt.row_number,
+        prompt_text=prompt.prompt_text,
+        answer=prompt.answer,
+        prompt_token_ids=prompt.prompt_token_ids,
+        columns=prompt.columns,
     )

@@ -66,7 +66,7 @@ MONARCH_DEFAULTS = {
     # Monarch gives up on a process spawn that shows no progress for 30 s. 128 generator processes
     # starting at once on 2 busy cores took longer (`forge-rl bench scale`, control plane and
     # faults at G = 128); a spawn that truly hangs still fails, after 3 minutes.
-    SPAWN_MAX_IDLE: "180s",
+    SPAWN_MAX_IDLE: "180s"
 }
 """Monarch settings of forge_rl's, set as environment defaults (`set_monarch_defaults`)."""
 
@@ -97,7 +97,11 @@ class Hosts:
     """The run's hosts: spawns each role's processes where the placement puts them."""
 
     def __init__(
-        self, launch: LaunchConfig, demand: RoleDemand, host_mesh: HostMesh | None = None, facts: Sequence[HostFacts] = ()
+        self,
+        launch: LaunchConfig,
+        demand: RoleDemand,
+        host_mesh: HostMesh | None = None,
+        facts: Sequence[HostFacts] = (),
     ):
         self.launch = launch
         self.demand = demand
@@ -174,7 +178,9 @@ class Hosts:
         placement = self.launch.placement
         return [
             GeneratorPlacement(
-                self.owned_host(placement.generator_host(i)), devices, placement.generator_cpus,
+                self.owned_host(placement.generator_host(i)),
+                devices,
+                placement.generator_cpus,
                 worker=None if self.host_mesh is None else self.facts[placement.generator_host(i)].address,
             )
             for i, devices in enumerate(generator_devices(self.launch, self.demand))
@@ -242,9 +248,12 @@ async def start_hosts(config, model_dir) -> Hosts:
     except BaseException:
         await hosts.stop()
         raise
-    progress("hosts: " + ", ".join(
-        f"{i}={fact.hostname} ({fact.num_gpus} GPU, {fact.num_cpus} CPU)" for i, fact in enumerate(hosts.facts)
-    ))
+    progress(
+        "hosts: "
+        + ", ".join(
+            f"{i}={fact.hostname} ({fact.num_gpus} GPU, {fact.num_cpus} CPU)" for i, fact in enumerate(hosts.facts)
+        )
+    )
     return hosts
 
 

@@ -198,13 +198,15 @@ class Lifecycle:
         exit. A stage cut at its bound says so: a slow stop's log then shows where its time went."""
         if self._engine_owners:
             await _bounded_stage(
-                "stop the engines", self.stop_timeout(_ENGINE_STOP_TIMEOUT_S),
+                "stop the engines",
+                self.stop_timeout(_ENGINE_STOP_TIMEOUT_S),
                 asyncio.gather(*(owner.shutdown.call_one() for owner in self._engine_owners), return_exceptions=True),
             )
         # A mesh stop gets at least a second, so processes are asked to exit even when the earlier
         # stages used the budget up.
         await _bounded_stage(
-            "stop every process of the run", max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
+            "stop every process of the run",
+            max(1.0, self.stop_timeout(_MESH_STOP_TIMEOUT_S)),
             asyncio.gather(*(procs.stop() for procs in self._proc_meshes), return_exceptions=True),
         )
         for store in [self.store, *self.policy_stores.values()]:
@@ -370,7 +372,8 @@ class Lifecycle:
             tokenizer_fingerprint=rollouts["tokenizer_fingerprint"],
             num_generators=rollouts["num_generators"],
             policy_versions={
-                name: rank_zero(policy_saved)["policy_version"] for name, policy_saved in zip(actors.policy_trainers, policies_saved)
+                name: rank_zero(policy_saved)["policy_version"]
+                for name, policy_saved in zip(actors.policy_trainers, policies_saved)
             },
         )
         held_s = time.monotonic() - started
@@ -379,7 +382,9 @@ class Lifecycle:
         # Its error is raised where it is awaited; a run that fails otherwise first never awaits it.
         self._committing.add_done_callback(lambda task: task.cancelled() or task.exception())
 
-    async def _commit(self, partial: Path, controller: ControllerState, writes: list, started: float, held_s: float) -> None:
+    async def _commit(
+        self, partial: Path, controller: ControllerState, writes: list, started: float, held_s: float
+    ) -> None:
         """Commit the checkpoint in `partial` once every trainer's background write is done (each
         one's port in `writes` says so, or names the error)."""
         for written in writes:

@@ -207,7 +207,9 @@ class Pipeline:
                     # A stop. The batches that left the buffer before it (the one sent ahead, and
                     # the one its trainer asked for while it trained) are trained and accounted
                     # too (the shutdown checkpoint then holds them as trained); none leaves after.
-                    results += [dataclasses.replace(r, stopped=True) for r in await self._finish_taken(ahead, lifecycle)]
+                    results += [
+                        dataclasses.replace(r, stopped=True) for r in await self._finish_taken(ahead, lifecycle)
+                    ]
                     ahead = None
                 if result is None:  # the stop withheld this step's batch: nothing was taken
                     raise asyncio.CancelledError
@@ -232,7 +234,9 @@ class Pipeline:
         if ahead is None:
             return []
         try:
-            await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sys.maxsize), "withhold every batch")
+            await self._within_stop(
+                lifecycle, self.actors.rollouts.withhold_batch.call_one(sys.maxsize), "withhold every batch"
+            )
         except asyncio.TimeoutError:  # the stop goes on without the rollouts
             raise asyncio.CancelledError from None
         finished: list[StepResult] = []
@@ -258,7 +262,9 @@ class Pipeline:
             actors.trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next)
         )
         policy_replies = {
-            name: asyncio.ensure_future(trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next))
+            name: asyncio.ensure_future(
+                trainer.train_next_step.call(step, rollouts, self.config.trainer.num_procs, prefetch_next)
+            )
             for name, trainer in actors.policy_trainers.items()
         }
         self.batches_out += 1  # until the step is accounted for
@@ -298,8 +304,15 @@ class Pipeline:
         trained_tokens_per_s = trained.metrics[m.TRAINED_TOKENS] / max(replied_s - step_start, 1e-9)
         # NaN/inf: no optimizer step, nothing published; the next batch trains at this version.
         rollout_metrics = await actors.rollouts.step_done.call_one(
-            step, trained.skipped, trained.policy_version, trained.weights_dir,
-            *([{name: (t.skipped, t.policy_version, t.weights_dir) for name, t in policies_trained.items()}] if policies_trained else []),
+            step,
+            trained.skipped,
+            trained.policy_version,
+            trained.weights_dir,
+            *(
+                [{name: (t.skipped, t.policy_version, t.weights_dir) for name, t in policies_trained.items()}]
+                if policies_trained
+                else []
+            ),
         )
         token_versions = rollout_metrics.pop(TOKEN_VERSIONS_BY_GENERATOR)
         self.step = step
@@ -311,7 +324,11 @@ class Pipeline:
             m.TRAINED_TOKENS_PER_S: trained_tokens_per_s,
             m.WALL_TIME_S: now,
             m.TRAINER_IDLE_FRACTION: idle_fraction([timeline.busy_s("trainer")], now),
-            **{f"policies/{name}/{key}": value for name, t in policies_trained.items() for key, value in t.metrics.items()},
+            **{
+                f"policies/{name}/{key}": value
+                for name, t in policies_trained.items()
+                for key, value in t.metrics.items()
+            },
             **rollout_metrics,
         }
         if self.actors.after_publish is not None and not trained.skipped:
@@ -340,17 +357,25 @@ class Pipeline:
         for name, reply in sent.policy_replies.items():
             if stopping is not None:
                 try:
-                    answer = await self._within_stop(stopping, asyncio.shield(reply), f"finish policy {name!r}'s step {sent.step}", stopping.step_at_stop_s)
+                    answer = await self._within_stop(
+                        stopping,
+                        asyncio.shield(reply),
+                        f"finish policy {name!r}'s step {sent.step}",
+                        stopping.step_at_stop_s,
+                    )
                 except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
                     raise asyncio.CancelledError from None
             else:
                 answer = await within(
-                    self.config.train_step_timeout_s, asyncio.shield(reply),
+                    self.config.train_step_timeout_s,
+                    asyncio.shield(reply),
                     lambda: TrainStepTimedOut(sent.step, self.config.train_step_timeout_s),
                 )
             pulled = rank_zero(answer)
             if pulled is None:
-                raise RuntimeError(f"policy {name!r}'s trainer got no batch for step {sent.step}, which the run's own trained")
+                raise RuntimeError(
+                    f"policy {name!r}'s trainer got no batch for step {sent.step}, which the run's own trained"
+                )
             trained[name] = pulled.trained
         return trained
 
@@ -359,7 +384,9 @@ class Pipeline:
         """A batch left the buffer and its step is not yet accounted for: no checkpoint now."""
         return self.batches_out > 0
 
-    async def _trained(self, sent: SentStep, lifecycle: LoopHooks, after_stop: bool = False) -> tuple[PulledStep | None, bool]:
+    async def _trained(
+        self, sent: SentStep, lifecycle: LoopHooks, after_stop: bool = False
+    ) -> tuple[PulledStep | None, bool]:
         """(The trainer's answer to step `sent.step`, whether a stop came meanwhile.) The step raises
         TrainStepTimedOut past config.train_step_timeout_s from when its batch left the buffer (the
         previous step has ended by then), so a hung rank or collective stops the run instead of
@@ -375,15 +402,23 @@ class Pipeline:
                     raise
                 if sent.taken is None or not sent.taken.done():
                     try:
-                        await self._within_stop(lifecycle, self.actors.rollouts.withhold_batch.call_one(sent.step), f"withhold step {sent.step}'s batch")
+                        await self._within_stop(
+                            lifecycle,
+                            self.actors.rollouts.withhold_batch.call_one(sent.step),
+                            f"withhold step {sent.step}'s batch",
+                        )
                     except asyncio.TimeoutError:  # the stop goes on without the rollouts
                         raise asyncio.CancelledError from None
         try:
             # Withheld by now unless it had left, so the rollouts answer at once.
-            taken_s = await self._within_stop(lifecycle, asyncio.shield(self._taken(sent)), f"learn whether step {sent.step}'s batch left")
+            taken_s = await self._within_stop(
+                lifecycle, asyncio.shield(self._taken(sent)), f"learn whether step {sent.step}'s batch left"
+            )
             if taken_s is None:  # withheld: nothing was taken, and the trainer's ranks answer None
                 return rank_zero(await sent.reply), True
-            values = await self._within_stop(lifecycle, asyncio.shield(sent.reply), f"finish step {sent.step}", lifecycle.step_at_stop_s)
+            values = await self._within_stop(
+                lifecycle, asyncio.shield(sent.reply), f"finish step {sent.step}", lifecycle.step_at_stop_s
+            )
         except asyncio.TimeoutError:  # left in flight: no shutdown checkpoint
             raise asyncio.CancelledError from None
         return rank_zero(values), True
@@ -417,7 +452,9 @@ class Pipeline:
         return sent.taken
 
     @staticmethod
-    async def _within_stop(lifecycle: LoopHooks, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S) -> Any:
+    async def _within_stop(
+        lifecycle: LoopHooks, awaitable, what: str, bound_s: float = _STOP_ROLLOUTS_TIMEOUT_S
+    ) -> Any:
         """Await `awaitable` within `bound_s`, cut to what is left of the stop's budget; past it the
         stop goes on without it, saying so: raises asyncio.TimeoutError."""
         timeout_s = lifecycle.stop_timeout(bound_s)
@@ -479,7 +516,9 @@ class Pipeline:
                     await self._within_stop(lifecycle, evaluation.stop(), "stop the evaluations")
             else:
                 with contextlib.suppress(Exception, asyncio.TimeoutError):
-                    self.rollouts_at_stop = await self._within_stop(lifecycle, rollouts.stop_loops.call_one(False), "stop the rollout loops")
+                    self.rollouts_at_stop = await self._within_stop(
+                        lifecycle, rollouts.stop_loops.call_one(False), "stop the rollout loops"
+                    )
         return history, self.rollouts_at_stop["accounting"]
 
 
@@ -491,7 +530,9 @@ def critical_path_breakdown(trainer_metrics: dict, data_wait_s: float, busy_s: f
     trainer reports no compute: nothing then."""
     if m.TRAINER_FORWARD_S not in trainer_metrics:
         return {}
-    compute_s = sum(trainer_metrics.get(name, 0.0) for name in (m.TRAINER_FORWARD_S, m.TRAINER_BACKWARD_S, m.TRAINER_OPTIMIZER_S))
+    compute_s = sum(
+        trainer_metrics.get(name, 0.0) for name in (m.TRAINER_FORWARD_S, m.TRAINER_BACKWARD_S, m.TRAINER_OPTIMIZER_S)
+    )
     return {m.TRAINER_DATA_WAIT_S: data_wait_s, m.TRAINER_OVERHEAD_S: max(busy_s - compute_s, 0.0)}
 
 

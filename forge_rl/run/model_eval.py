@@ -175,10 +175,14 @@ def _base_config(config: Path | None, run: Path | None) -> GRPOConfig | None:
 
     if config is None and run is not None:
         if not Path(run).is_dir():
-            raise ConfigError(f"--run {run} does not exist. Pass a run directory (RUN_DIR, as `forge-rl grpo` printed it).")
+            raise ConfigError(
+                f"--run {run} does not exist. Pass a run directory (RUN_DIR, as `forge-rl grpo` printed it)."
+            )
         config = saved_config_path(run)
         if not config.is_file():
-            raise ConfigError(f"--run {run}: {config} does not exist; not a run directory. Pass the directory a run printed.")
+            raise ConfigError(
+                f"--run {run}: {config} does not exist; not a run directory. Pass the directory a run printed."
+            )
     if config is None:
         return None
     try:
@@ -211,7 +215,9 @@ class Target:
             raise ValueError(f"checkpoint step {self.step} is exported from its run directory, and none was given")
         from forge_rl.run.export import export_run
 
-        progress(f"writing checkpoint step {self.step} (policy version {self.policy_version}) of {run} as an HF model directory")
+        progress(
+            f"writing checkpoint step {self.step} (policy version {self.policy_version}) of {run} as an HF model directory"
+        )
         directory = Path(tempfile.mkdtemp(prefix=f"forge-rl-eval-step-{self.step}-"))
         try:
             yield export_run(run, directory / "model", checkpoint=self.checkpoint)
@@ -288,7 +294,9 @@ def eval_config_of(args: EvalArgs, model_dir: Path) -> GRPOConfig:
         )
     try:
         return GRPOConfig(
-            model=ModelConfig(path=Path(model_dir)), task=args.task, generator=generator,
+            model=ModelConfig(path=Path(model_dir)),
+            task=args.task,
+            generator=generator,
             # On generators of its own: there is no run whose generators it could share.
             eval=dataclasses.replace(args.eval, sets=args.sets, placement="own"),
         )
@@ -349,7 +357,8 @@ async def _evaluate_target(args: EvalArgs, target: Target, model_dir: Path, out:
                 humaneval_started = time.monotonic()
                 summary["humaneval"] = figures = await _evaluate_humaneval(evaluation, humaneval, version, out)
                 record = {
-                    "step": step, "policy_version": version,
+                    "step": step,
+                    "policy_version": version,
                     **{f"eval/humaneval/{k}": v for k, v in figures.items() if k != "results"},
                     "eval/seconds": time.monotonic() - humaneval_started,
                 }
@@ -363,7 +372,7 @@ async def _evaluate_target(args: EvalArgs, target: Target, model_dir: Path, out:
 
 def _set_figures(record: dict, name: str, results: Path) -> dict:
     prefix = f"eval/{name}/"
-    return {**{k[len(prefix):]: v for k, v in record.items() if k.startswith(prefix)}, "results": str(results)}
+    return {**{k[len(prefix) :]: v for k, v in record.items() if k.startswith(prefix)}, "results": str(results)}
 
 
 @contextlib.asynccontextmanager
@@ -383,8 +392,16 @@ async def _generators(config: GRPOConfig, model_dir: Path):
             GeneratorPlacement(host, tuple(range(i * tp, (i + 1) * tp))) for i in range(config.eval.num_generators)
         ]
         pool = services.spawn(
-            "eval_generators", GeneratorPool, Evaluation.generator_config(config), str(model_dir), config.max_model_len,
-            config.eval.num_generators, None, placements, config.generate_timeout_s, config.update_timeout_s,
+            "eval_generators",
+            GeneratorPool,
+            Evaluation.generator_config(config),
+            str(model_dir),
+            config.max_model_len,
+            config.eval.num_generators,
+            None,
+            placements,
+            config.generate_timeout_s,
+            config.update_timeout_s,
         )
         progress(f"starting {config.eval.num_generators} vLLM engine(s) on {model_dir} (about 20 s on a CPU)")
         try:
@@ -466,14 +483,24 @@ async def _evaluate_humaneval(evaluation: Evaluation, prompts: list[EvalPrompt],
         the check fail), with its `ProblemResult.record()` once checked."""
         with open(path, "w") as file:
             for episode, problem in zip(episodes, results or [None] * len(episodes), strict=True):
-                file.write(json.dumps({
-                    **(problem.record() if problem is not None else {"task_id": episode.answer}),
-                    "prompt": episode.prompt_text,
-                    "samples": [
-                        {"text": c.text, "completion": checked, "num_tokens": c.num_tokens, "status": c.status.value}
-                        for c, checked in zip(episode.completions, completions[episode.answer])
-                    ],
-                }) + "\n")
+                file.write(
+                    json.dumps(
+                        {
+                            **(problem.record() if problem is not None else {"task_id": episode.answer}),
+                            "prompt": episode.prompt_text,
+                            "samples": [
+                                {
+                                    "text": c.text,
+                                    "completion": checked,
+                                    "num_tokens": c.num_tokens,
+                                    "status": c.status.value,
+                                }
+                                for c, checked in zip(episode.completions, completions[episode.answer])
+                            ],
+                        }
+                    )
+                    + "\n"
+                )
 
     write(None)
     progress(f"humaneval: checking {sum(map(len, completions.values()))} samples in the sandbox (samples in {path})")

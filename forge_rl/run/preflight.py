@@ -36,6 +36,7 @@ from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns
 NUM_PROMPTS_CHECKED = 256
 """Task prompts rendered by the check (the synthetic tasks draw from a few hundred shapes)."""
 
+
 def check_machine(config: GRPOConfig) -> None:
     """Run-directory location, cores, memory and GPUs: what the machine must offer the config.
     For a multi-host run: the worker hosts instead (listed, placed, reachable); their GPUs, cores
@@ -83,10 +84,10 @@ def compute_threads(config: GRPOConfig) -> dict[str, int]:
     # Numbers: GRPOConfig resolves "auto" (_resolve_auto_threads).
     trainer_threads, generator_threads = cast(int, trainer.num_threads), cast(int, generator.cpu_threads)
     threads = {
-        f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads})":
-            trainer.num_procs * trainer_threads,
-        f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads})":
-            config.num_generators * generator_threads,
+        f"trainer.num_procs ({trainer.num_procs}) x trainer.num_threads ({trainer.num_threads})": trainer.num_procs
+        * trainer_threads,
+        f"num_generators ({config.num_generators}) x generator.cpu_threads ({generator.cpu_threads})": config.num_generators
+        * generator_threads,
     }
     for policy in config.policies:  # each with a trainer like the run's and generators of its own
         threads[f"policies.{policy.name}'s trainer ({trainer.num_procs} x {trainer.num_threads})"] = (
@@ -171,10 +172,16 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
         try:
             token_ids = encode_task_prompt(config.task, tokenizer, prompt.text)
         except ValueError as e:  # prompt_format "chat" on a directory without a chat template
-            raise ConfigError(f"task.prompt_format ({config.task.prompt_format!r}): {e} Or set --task.prompt-format plain.") from None
+            raise ConfigError(
+                f"task.prompt_format ({config.task.prompt_format!r}): {e} Or set --task.prompt-format plain."
+            ) from None
         decoded = tokenizer.decode(token_ids)
         # A chat rendering wraps the text in the template's role headers.
-        survives = prompt.text.strip() in decoded if config.task.prompt_format == "chat" else decoded.strip() == prompt.text.strip()
+        survives = (
+            prompt.text.strip() in decoded
+            if config.task.prompt_format == "chat"
+            else decoded.strip() == prompt.text.strip()
+        )
         if not survives:
             raise ConfigError(
                 f"task {config.task.name!r} prompt {index} ({prompt.text!r}) does not survive "
@@ -199,7 +206,9 @@ def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
     if config.data is None:
         raise ValueError("check_data checks a run's data file, and config.data is unset")
     source = open_file_source(
-        config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
+        config.data,
+        lambda prompt: encode_row_prompt(config.task, tokenizer, prompt),
+        max_model_len,
         config.generator.max_new_tokens,
     )
     check_reward_columns(config, source)
@@ -226,8 +235,11 @@ def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
     for i, eval_set in enumerate(config.eval.sets):
         field = f"eval.sets[{i}].data"
         source = open_file_source(
-            eval_set.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
-            max_new_tokens, field=field,
+            eval_set.data,
+            lambda prompt: encode_row_prompt(config.task, tokenizer, prompt),
+            max_model_len,
+            max_new_tokens,
+            field=field,
         )
         check_reward_columns(config, source)
         source.next_row(0)  # a set where no row fits is refused here
@@ -235,7 +247,9 @@ def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
             continue
         if train is None:
             train = open_file_source(
-                config.data, lambda prompt: encode_row_prompt(config.task, tokenizer, prompt), max_model_len,
+                config.data,
+                lambda prompt: encode_row_prompt(config.task, tokenizer, prompt),
+                max_model_len,
                 config.generator.max_new_tokens,
             )
         prompts = [row.prompt for row in source.first_rows(eval_set.max_prompts)]  # the ones evaluated
@@ -257,7 +271,9 @@ def check_reward_columns(config: GRPOConfig, source) -> None:
         return
     field = "task.reward" if config.task.rewards is None else "task.rewards"
     for spec in config.task.reward_weights:
-        reward_columns(resolve_reward_fn(spec, field), spec, field).check(spec, field, source.column_names, source.where)
+        reward_columns(resolve_reward_fn(spec, field), spec, field).check(
+            spec, field, source.column_names, source.where
+        )
     source.require_answer(f"{field} ({', '.join(config.task.reward_weights)})")
 
 
@@ -294,8 +310,7 @@ def _load_tokenizer(model_dir: Path):
                 json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(
-                f"{path} is not valid JSON ({e}). Fix the file or re-export the model directory "
-                "(save_pretrained)."
+                f"{path} is not valid JSON ({e}). Fix the file or re-export the model directory (save_pretrained)."
             ) from None
     try:
         return PromptTokenizer(model_dir)

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 import yaml
 
 from forge_rl.config import GRPOConfig
-from forge_rl.core.checkpoint import CONTROLLER_FILE, ControllerState, checkpoints_root, newest_complete_checkpoint, read_controller_state
+from forge_rl.core.checkpoint import (
+    CONTROLLER_FILE,
+    ControllerState,
+    checkpoints_root,
+    newest_complete_checkpoint,
+    read_controller_state,
+)
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.observability.metrics import progress
@@ -56,8 +62,7 @@ def create_run_dir(config: GRPOConfig) -> Path:
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         resume = f", continue it with `forge-rl grpo --resume {path}`," if newest_complete_checkpoint(path) else ""
         raise ConfigError(
-            f"run directory {path} already exists and is not empty. Choose another --run-name{resume} "
-            "or remove it."
+            f"run directory {path} already exists and is not empty. Choose another --run-name{resume} or remove it."
         )
     check_machine(config)
     if config.model.path is not None:
@@ -68,8 +73,7 @@ def create_run_dir(config: GRPOConfig) -> Path:
         partial.mkdir(parents=True)
     except OSError as e:
         raise ConfigError(
-            f"cannot create run directory {path}: {e.strerror} ({e.filename}). Set --run-dir to a "
-            "writable directory."
+            f"cannot create run directory {path}: {e.strerror} ({e.filename}). Set --run-dir to a writable directory."
         ) from None
     try:
         (partial / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
@@ -80,9 +84,11 @@ def create_run_dir(config: GRPOConfig) -> Path:
 
                 figures = warm_up_model(model_dir, config.environment)
                 (partial / "warmup.json").write_text(json.dumps(figures, indent=2) + "\n")
-                progress(f"warm-up: {figures['warmup/episodes']} demonstrations, {figures['warmup/steps']} steps, "
-                         f"loss {figures['warmup/first_loss']:.3f} -> {figures['warmup/final_loss']:.3f}, "
-                         f"{figures['warmup/seconds']:.1f} s")
+                progress(
+                    f"warm-up: {figures['warmup/episodes']} demonstrations, {figures['warmup/steps']} steps, "
+                    f"loss {figures['warmup/first_loss']:.3f} -> {figures['warmup/final_loss']:.3f}, "
+                    f"{figures['warmup/seconds']:.1f} s"
+                )
             check_model_inputs(config, model_dir)
         if path.exists():
             path.rmdir()  # empty, checked above
@@ -144,8 +150,11 @@ def _check_partial_groups(config: GRPOConfig, controller: ControllerState, run_p
     `partial_groups_problem`); otherwise ConfigError naming the file, or, with
     checkpoint.partial_groups_on_error regenerate, a warning (the rollouts then generate them afresh)."""
     problem = partial_groups_problem(
-        controller.partial_groups, controller.reissue, config.model.hf_config()["vocab_size"],
-        controller.tokenizer_fingerprint, tokenizer_fingerprint(prepare_model_dir(config, run_path)),
+        controller.partial_groups,
+        controller.reissue,
+        config.model.hf_config()["vocab_size"],
+        controller.tokenizer_fingerprint,
+        tokenizer_fingerprint(prepare_model_dir(config, run_path)),
     )
     if problem is None:
         return

@@ -61,9 +61,13 @@ def request_scale(run_path: Path, generators: int, grace_s: float) -> str:
     one generator, a negative grace."""
     run_path = Path(run_path)
     if not (run_path / "config.yaml").is_file():
-        raise ValueError(f"{run_path} is not a run directory (it has no config.yaml). Name the run's directory: RUN_DIR/RUN_NAME.")
+        raise ValueError(
+            f"{run_path} is not a run directory (it has no config.yaml). Name the run's directory: RUN_DIR/RUN_NAME."
+        )
     if isinstance(generators, bool) or not isinstance(generators, int) or generators < 1:
-        raise ValueError(f"--generators ({generators}) must be an integer >= 1: a run needs a generator. Use 1 to keep one.")
+        raise ValueError(
+            f"--generators ({generators}) must be an integer >= 1: a run needs a generator. Use 1 to keep one."
+        )
     if not grace_s >= 0:
         raise ValueError(f"--grace-s ({grace_s}) must be >= 0 (seconds a removed generator's groups get to finish).")
     controller = _controller_pid(run_path)
@@ -170,9 +174,11 @@ class Scaling:
                 generators = await actors.rollouts.generators.call_one()
             leaving = sorted(generators, reverse=True)[: max(len(generators) - request["generators"], 0)]
             # At once: each gets the whole grace, not a share of it.
-            answer["removed"] = list(await asyncio.gather(
-                *(actors.rollouts.remove_generator.call_one(index, request["grace_s"]) for index in leaving)
-            ))
+            answer["removed"] = list(
+                await asyncio.gather(
+                    *(actors.rollouts.remove_generator.call_one(index, request["grace_s"]) for index in leaving)
+                )
+            )
             answer["generators"] = await actors.rollouts.generators.call_one()
             await self._record_processes(actors)
         except Exception as e:  # the run goes on as it is; the requester gets the reason

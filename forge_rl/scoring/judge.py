@@ -115,7 +115,9 @@ class JudgeConfig:
         if self.replicas < 1:
             raise ValueError(f"scorer.judge.replicas ({self.replicas}) must be >= 1. Set --scorer.judge.replicas.")
         if not 0 < self.timeout_s < math.inf:
-            raise ValueError(f"scorer.judge.timeout_s ({self.timeout_s}) must be > 0 and finite. Set --scorer.judge.timeout-s.")
+            raise ValueError(
+                f"scorer.judge.timeout_s ({self.timeout_s}) must be > 0 and finite. Set --scorer.judge.timeout-s."
+            )
         if not self.score_min < self.score_max:
             raise ValueError(
                 f"scorer.judge.score_min ({self.score_min}) must be below score_max ({self.score_max}). "
@@ -129,7 +131,11 @@ class JudgeConfig:
             if compiled.groups < 1:
                 raise ValueError(
                     f"scorer.judge.{flag} ({pattern!r}) has no group: its first group must capture the "
-                    + (r"score, e.g. 'Score: (\d+)'." if flag == "verdict_pattern" else r"ranking, e.g. 'Ranking: ([\d >]+)'.")
+                    + (
+                        r"score, e.g. 'Score: (\d+)'."
+                        if flag == "verdict_pattern"
+                        else r"ranking, e.g. 'Ranking: ([\d >]+)'."
+                    )
                 )
         _check_template("template", self.template, ("prompt", "completion", "answer"))
         _check_template("rank_template", self.rank_template, ("prompt", "completions", "answer"))
@@ -195,7 +201,7 @@ def parse_ranking(text: str, pattern: str, num_completions: int) -> list[float] 
 def judge_client(
     tokenizer, prompt_format: str, generate: Callable[[list[Episode], int], Awaitable[list[Episode]]]
 ) -> Callable[[str], Awaitable[str]]:
-    """"Prompt text in, verdict text out" over a generator's `generate(episodes, group_size)`
+    """ "Prompt text in, verdict text out" over a generator's `generate(episodes, group_size)`
     (GeneratorActor.generate: episodes whose first completion's text is the verdict). `tokenizer`:
     the judge's PromptTokenizer (forge_rl/tasks/tokenizer.py)."""
 

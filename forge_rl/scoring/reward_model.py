@@ -49,7 +49,9 @@ class RewardModelConfig:
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
-            raise ValueError(f"scorer.reward_model.replicas ({self.replicas}) must be >= 1. Set --scorer.reward-model.replicas.")
+            raise ValueError(
+                f"scorer.reward_model.replicas ({self.replicas}) must be >= 1. Set --scorer.reward-model.replicas."
+            )
         if self.max_batch_size < 1:
             raise ValueError(
                 f"scorer.reward_model.max_batch_size ({self.max_batch_size}) must be >= 1. "
@@ -61,7 +63,9 @@ class RewardModelConfig:
                 "Set --scorer.reward-model.max-wait-ms."
             )
         if not math.isfinite(self.weight):
-            raise ValueError(f"scorer.reward_model.weight ({self.weight}) must be finite. Set --scorer.reward-model.weight.")
+            raise ValueError(
+                f"scorer.reward_model.weight ({self.weight}) must be finite. Set --scorer.reward-model.weight."
+            )
         if self.path is not None and not (Path(self.path) / "config.json").is_file():
             raise ValueError(
                 f"scorer.reward_model.path ({self.path}) holds no config.json: it must be a Hugging Face "
@@ -226,11 +230,17 @@ def train_reward_model(training: RewardModelTraining = RewardModelTraining()) ->
     torch.manual_seed(training.seed)
     model = LlamaForSequenceClassification(
         LlamaConfig(
-            vocab_size=char_tokenizer.VOCAB_SIZE, hidden_size=training.hidden_size,
-            intermediate_size=2 * training.hidden_size, num_hidden_layers=training.num_layers,
-            num_attention_heads=training.hidden_size // 32, num_key_value_heads=training.hidden_size // 32,
-            head_dim=32, max_position_embeddings=128,
-            num_labels=1, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+            vocab_size=char_tokenizer.VOCAB_SIZE,
+            hidden_size=training.hidden_size,
+            intermediate_size=2 * training.hidden_size,
+            num_hidden_layers=training.num_layers,
+            num_attention_heads=training.hidden_size // 32,
+            num_key_value_heads=training.hidden_size // 32,
+            head_dim=32,
+            max_position_embeddings=128,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+            torch_dtype="float32",
         )
     )
     examples = synthetic_reward_examples(training.task, training.seed, training.num_examples + 512)
@@ -255,5 +265,9 @@ def train_reward_model(training: RewardModelTraining = RewardModelTraining()) ->
         predicted = (logits(heldout) > 0).float()
     accuracy = (predicted == torch.tensor([label for _, label in heldout])).float().mean().item()
     model.save_pretrained(out_dir, safe_serialization=True)
-    return {"train_s": time.perf_counter() - started, "heldout_accuracy": accuracy, "final_loss": loss.item(),
-            "path": str(out_dir)}
+    return {
+        "train_s": time.perf_counter() - started,
+        "heldout_accuracy": accuracy,
+        "final_loss": loss.item(),
+        "path": str(out_dir),
+    }

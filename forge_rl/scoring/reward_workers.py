@@ -67,7 +67,15 @@ class RewardWorker:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "forge_rl.scoring.reward_workers", str(to_child_r), str(from_child_w), reward, str(os.getpid())],
+            [
+                sys.executable,
+                "-m",
+                "forge_rl.scoring.reward_workers",
+                str(to_child_r),
+                str(from_child_w),
+                reward,
+                str(os.getpid()),
+            ],
             pass_fds=(to_child_r, from_child_w),
             stdin=subprocess.DEVNULL,
             # What multiprocessing's spawn passes too: the parent's import path, so a reward

@@ -138,8 +138,15 @@ class ScorerConfig:
         if self.max_restarts < 0:
             raise ValueError(f"scorer.max_restarts ({self.max_restarts}) must be >= 0. Set --scorer.max-restarts.")
         if not math.isfinite(self.reward_fn_weight):
-            raise ValueError(f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight.")
-        if self.reward_fn_weight == 0 and self.reward_model.path is None and self.judge.path is None and not self.teacher.enabled:
+            raise ValueError(
+                f"scorer.reward_fn_weight ({self.reward_fn_weight}) must be finite. Set --scorer.reward-fn-weight."
+            )
+        if (
+            self.reward_fn_weight == 0
+            and self.reward_model.path is None
+            and self.judge.path is None
+            and not self.teacher.enabled
+        ):
             raise ValueError(
                 "scorer.reward_fn_weight (0) with no scorer.reward_model.path, scorer.teacher.path nor "
                 "scorer.judge.path leaves every reward 0: nothing would train. Set one of --scorer.reward-model.path, "
@@ -212,7 +219,9 @@ def _checked(result: ScoreResult, completion: Completion) -> ScoreResult:
         return result
     values = [result.reward, *result.components.values(), *(result.step_rewards or ()), *(result.token_rewards or ())]
     if not all(math.isfinite(v) for v in values):
-        return ScoreFailure(f"non-finite reward ({result.reward}, or in its parts): a reward must be finite", "non-finite")
+        return ScoreFailure(
+            f"non-finite reward ({result.reward}, or in its parts): a reward must be finite", "non-finite"
+        )
     try:
         check_steps(
             None if result.step_ends is None else list(result.step_ends),
@@ -274,7 +283,9 @@ class WeightedSum(Scorer):
             components=components,
             step_ends=stepped[0][1].step_ends if stepped else None,
             # _checked lets step_ends through only with their step_rewards.
-            step_rewards=tuple(map(sum, zip(*([w * r for r in s.step_rewards or ()] for w, s in stepped)))) if stepped else None,
+            step_rewards=tuple(map(sum, zip(*([w * r for r in s.step_rewards or ()] for w, s in stepped))))
+            if stepped
+            else None,
             token_rewards=tuple(map(sum, zip(*([w * r for r in t] for w, t in dense)))) if dense else None,
         )
 
@@ -306,7 +317,10 @@ class RewardFunctionScorer(Scorer):
         columns = self.columns.select(episode.columns)
         results = await self.pool.score([(c.text, episode.answer, columns) for c in episode.completions])
         # The pool gives each result its reward, or its error with the error's kind.
-        return [Score(cast(float, r.reward)) if r.error is None else ScoreFailure(r.error, cast(str, r.error_kind)) for r in results]
+        return [
+            Score(cast(float, r.reward)) if r.error is None else ScoreFailure(r.error, cast(str, r.error_kind))
+            for r in results
+        ]
 
     def stats(self) -> dict[str, float]:
         return {"worker_restarts": self.pool.num_worker_restarts}
@@ -369,7 +383,8 @@ class TeacherScorer(Scorer):
     async def score_group(self, episode: Episode) -> list[ScoreResult]:
         (per_completion,) = await self.client([episode])
         negative_kl = [
-            reverse_kl_token_rewards(c, logprobs) for c, logprobs in zip(episode.completions, per_completion, strict=True)
+            reverse_kl_token_rewards(c, logprobs)
+            for c, logprobs in zip(episode.completions, per_completion, strict=True)
         ]
         generated = [c.generated_mask for c in episode.completions]
         self.num_completions += len(episode.completions)
@@ -436,7 +451,9 @@ class JudgeScorer(Scorer):
             verdict = await asyncio.wait_for(self.client(prompt), self.config.timeout_s)
         except asyncio.TimeoutError:
             self.num_timed_out += 1
-            return ScoreFailure(f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout")
+            return ScoreFailure(
+                f"the judge gave no verdict within scorer.judge.timeout_s ({self.config.timeout_s} s)", "timeout"
+            )
         self.num_judged += 1
         return verdict
 
@@ -487,12 +504,9 @@ def build_scorer(
 def _center_token_rewards(episode: Episode) -> None:
     """The group baseline of dense rewards (`center_on_group`), taken over the usable completions
     only: an ERRORED completion is never trained, so its rewards are no baseline for the others."""
-    usable = [
-        c for c in episode.completions if c.status != CompletionStatus.ERRORED and c.token_rewards is not None
-    ]
+    usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED and c.token_rewards is not None]
     centered = center_on_group(
-        [c.token_rewards for c in usable if c.token_rewards is not None],
-        [c.generated_mask for c in usable],
+        [c.token_rewards for c in usable if c.token_rewards is not None], [c.generated_mask for c in usable]
     )
     for completion, rewards in zip(usable, centered):
         completion.token_rewards = rewards

@@ -87,7 +87,9 @@ class TeacherConfig(ReferenceConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not (math.isfinite(self.weight) and self.weight > 0):
-            raise ValueError(f"scorer.teacher.weight ({self.weight}) must be finite and > 0. Set --scorer.teacher.weight.")
+            raise ValueError(
+                f"scorer.teacher.weight ({self.weight}) must be finite and > 0. Set --scorer.teacher.weight."
+            )
         if self.pin == "fixed":
             return
         if self.path is not None:
@@ -108,7 +110,9 @@ class TeacherConfig(ReferenceConfig):
                 "--scorer.teacher.refresh-every-n-steps."
             )
         if self.pin == "ema" and not 0 <= self.ema_decay < 1:
-            raise ValueError(f"scorer.teacher.ema_decay ({self.ema_decay}) must be in [0, 1). Set --scorer.teacher.ema-decay.")
+            raise ValueError(
+                f"scorer.teacher.ema_decay ({self.ema_decay}) must be in [0, 1). Set --scorer.teacher.ema-decay."
+            )
 
     @property
     def enabled(self) -> bool:
@@ -183,6 +187,7 @@ class TeacherPin:
             actions.append("stage")
         return TeacherRefresh(tuple(actions), stage)
 
+
 def teacher_store_reader(incarnation: str, rank: int) -> str:
     """The weight-store reader id of a pinned teacher's rank: one per rank (each reads the version,
     and a host's shared copies count their readers by id), new with each incarnation (the store
@@ -222,7 +227,9 @@ class TeacherVersions:
         `weights_file`; returns the leases no longer needed (the served version's: a replacement
         loads the file instead)."""
         if self.staged is not None:
-            raise RuntimeError(f"teacher weights saved with version {self.staged} staged: only an ema teacher's, after a swap")
+            raise RuntimeError(
+                f"teacher weights saved with version {self.staged} staged: only an ema teacher's, after a swap"
+            )
         self.weights_file, self._served_in_file = weights_file, True
         return self._surplus()
 
@@ -268,7 +275,11 @@ class TeacherVersions:
         return calls, note
 
     def _surplus(self) -> list[str]:
-        needed = {version_key(v) for v, in_file in ((self.served, self._served_in_file), (self.staged, self._staged_in_file)) if v and not in_file}
+        needed = {
+            version_key(v)
+            for v, in_file in ((self.served, self._served_in_file), (self.staged, self._staged_in_file))
+            if v and not in_file
+        }
         surplus = []
         for key, count in list(self._leases.items()):
             extra = count - (key in needed)
@@ -337,8 +348,11 @@ def pinned_teacher_refresh(teacher, config: TeacherConfig) -> PinnedTeacherRefre
 
 
 def save_teacher_weights(
-    path: Path, served: dict[str, torch.Tensor], served_version: int,
-    staged: dict[str, torch.Tensor] | None, staged_version: int | None,
+    path: Path,
+    served: dict[str, torch.Tensor],
+    served_version: int,
+    staged: dict[str, torch.Tensor] | None,
+    staged_version: int | None,
 ) -> None:
     """Write a pinned teacher's weights, written whole and then renamed into place."""
     import torch

@@ -22,8 +22,18 @@ from forge_rl.training.tinker_losses import REQUIRED_INPUTS
 from forge_rl.types import SampledSequence, SampleResult, SampleSpec, TopK
 
 __all__ = [
-    "LOSS_FUNCTIONS", "AdamStep", "ForwardBackwardResult", "LoraSpec", "RequestRefused", "SampleResult", "SampleSpec",
-    "SampledSequence", "SavedWeights", "ServiceBackend", "TopK", "TrainingDatum",
+    "LOSS_FUNCTIONS",
+    "AdamStep",
+    "ForwardBackwardResult",
+    "LoraSpec",
+    "RequestRefused",
+    "SampleResult",
+    "SampleSpec",
+    "SampledSequence",
+    "SavedWeights",
+    "ServiceBackend",
+    "TopK",
+    "TrainingDatum",
 ]
 
 LOSS_FUNCTIONS = tuple(REQUIRED_INPUTS)
@@ -108,7 +118,11 @@ class ServiceBackend(Protocol):
         ...
 
     async def forward_backward(
-        self, model_id: str, data: list[TrainingDatum], loss_fn: str, loss_fn_config: dict[str, float] | None,
+        self,
+        model_id: str,
+        data: list[TrainingDatum],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
         backward: bool,
     ) -> ForwardBackwardResult:
         """The loss `loss_fn` on `data`; `backward`: its gradients are added to the model's (until
@@ -120,7 +134,7 @@ class ServiceBackend(Protocol):
         ...
 
     async def save_for_sampler(
-        self, model_id: str, name: str | None, kind: Literal["snapshot", "inflight"],
+        self, model_id: str, name: str | None, kind: Literal["snapshot", "inflight"]
     ) -> SavedWeights:
         """The model's current weights as a version in the weight store that generators can serve."""
         ...
@@ -134,12 +148,10 @@ class ServiceBackend(Protocol):
         """Weights and optimizer state, to resume from (`load_state`)."""
         ...
 
-    async def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None:
-        ...
+    async def load_state(self, model_id: str, path: str, with_optimizer: bool) -> None: ...
 
     def model_info(self, model_id: str) -> LoraSpec:
         """The training model's LoRA spec; RequestRefused (404) for an unknown id."""
         ...
 
-    async def unload_model(self, model_id: str) -> None:
-        ...
+    async def unload_model(self, model_id: str) -> None: ...

@@ -77,7 +77,11 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not self.trainer.lora.enabled:
-            object.__setattr__(self, "trainer", dataclasses.replace(self.trainer, lora=dataclasses.replace(self.trainer.lora, enabled=True)))
+            object.__setattr__(
+                self,
+                "trainer",
+                dataclasses.replace(self.trainer, lora=dataclasses.replace(self.trainer.lora, enabled=True)),
+            )
         trainer, generator = with_chosen_threads(
             self.trainer,
             self.generator,
@@ -115,11 +119,18 @@ class ServeConfig:
     def run_config(self) -> GRPOConfig:
         """The run these meshes are: what the lifecycle and the launch read."""
         return GRPOConfig(
-            model=self.model, trainer=self.trainer, generator=self.generator, num_generators=self.num_generators,
-            run_dir=self.run_dir, run_name=self.run_name or time.strftime("serve-%Y%m%d-%H%M%S"),
-            launch=self.launch, publish=self.publish, log=self.log,
+            model=self.model,
+            trainer=self.trainer,
+            generator=self.generator,
+            num_generators=self.num_generators,
+            run_dir=self.run_dir,
+            run_name=self.run_name or time.strftime("serve-%Y%m%d-%H%M%S"),
+            launch=self.launch,
+            publish=self.publish,
+            log=self.log,
             # One group of two completions: the recipe's batch rules hold; the service has no batches.
-            train_batch_size=2, group_size=2,
+            train_batch_size=2,
+            group_size=2,
         )
 
     def adapter_serving(self, model_dir: str) -> AdapterServing:

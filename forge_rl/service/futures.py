@@ -86,7 +86,12 @@ class _ModelQueue:
 
 class FutureTable:
     def __init__(
-        self, *, poll_wait_s: float = 5.0, retention_s: float = 60.0, unclaimed_s: float = 3600.0, gap_wait_s: float = 10.0,
+        self,
+        *,
+        poll_wait_s: float = 5.0,
+        retention_s: float = 60.0,
+        unclaimed_s: float = 3600.0,
+        gap_wait_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.poll_wait_s = poll_wait_s
@@ -104,7 +109,13 @@ class FutureTable:
     # --- submitting ----------------------------------------------------------------------------
 
     def submit(
-        self, kind: str, run: Callable[[], Awaitable[Any]], *, model_id: str | None = None, seq_id: int | None = None, body: bytes = b"",
+        self,
+        kind: str,
+        run: Callable[[], Awaitable[Any]],
+        *,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        body: bytes = b"",
     ) -> str:
         """Start `run` (on `model_id`'s queue when given, in `seq_id` order) and return its request
         id. The same `body` again under the same (model_id, seq_id) is the client's retry of one
@@ -139,7 +150,9 @@ class FutureTable:
         for key in [k for k in self._by_seq if k[0] == model_id]:
             del self._by_seq[key]
 
-    def _enqueue(self, model_id: str, seq_id: int | None, future: _Future | None, run: Callable[[], Awaitable[Any]] | None) -> None:
+    def _enqueue(
+        self, model_id: str, seq_id: int | None, future: _Future | None, run: Callable[[], Awaitable[Any]] | None
+    ) -> None:
         queue = self._queues.get(model_id)
         if queue is None:
             queue = self._queues[model_id] = _ModelQueue(self.gap_wait_s)
@@ -167,7 +180,10 @@ class FutureTable:
                     continue
                 logger.warning(
                     "model %s: no request with seq_id %d arrived in %g s; running seq_id %d next",
-                    model_id, queue.next_seq, queue.gap_wait_s, head.seq_id,
+                    model_id,
+                    queue.next_seq,
+                    queue.gap_wait_s,
+                    head.seq_id,
                 )
             queue.gap_since = None
             heapq.heappop(queue.heap)

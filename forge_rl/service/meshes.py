@@ -70,8 +70,14 @@ class MeshBackend:
     """`ServiceBackend` on spawned meshes; built by `spawn`, started by `start`."""
 
     def __init__(
-        self, config: ServeConfig, trainer, generators, store_index: StoreIndexActor, store_root: Path,
-        service_dir: Path, model_dir: Path,
+        self,
+        config: ServeConfig,
+        trainer,
+        generators,
+        store_index: StoreIndexActor,
+        store_root: Path,
+        service_dir: Path,
+        model_dir: Path,
     ) -> None:
         self.config = config
         self.trainer = trainer
@@ -102,24 +108,45 @@ class MeshBackend:
         services = hosts.spawn_services()
         trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs)
         store_index, _ = await spawn_store(
-            services, lifecycle.store.root, extra_files_dir=model_dir, keep_latest=config.versions_kept,
+            services,
+            lifecycle.store.root,
+            extra_files_dir=model_dir,
+            keep_latest=config.versions_kept,
             volume_procs=hosts.store_volume_procs(services),
         )
         generators = services.spawn(
-            "generators", GeneratorPool, config.generator, model_dir, run.max_model_len, config.num_generators,
-            store_index, hosts.generator_placements(), run.generate_timeout_s, run.update_timeout_s,
+            "generators",
+            GeneratorPool,
+            config.generator,
+            model_dir,
+            run.max_model_len,
+            config.num_generators,
+            store_index,
+            hosts.generator_placements(),
+            run.generate_timeout_s,
+            run.update_timeout_s,
             adapters=config.adapter_serving(model_dir),
         )
         trainer = trainer_procs.spawn(
-            "service_trainer", ServiceTrainerActor, config.trainer, model_dir, store_index, store_root, config.publish,
+            "service_trainer",
+            ServiceTrainerActor,
+            config.trainer,
+            model_dir,
+            store_index,
+            store_root,
+            config.publish,
             config.launch.placement.trainer_cpus,
         )
         lifecycle.stop_engines_first(generators)
-        return cls(config, trainer, generators, store_index, lifecycle.store.root, lifecycle.run_path, lifecycle.model_dir)
+        return cls(
+            config, trainer, generators, store_index, lifecycle.store.root, lifecycle.run_path, lifecycle.model_dir
+        )
 
     async def start(self) -> dict:
         """Start every engine and trainer rank at once; returns their start figures."""
-        generator_starts, trainer_starts = await asyncio.gather(self.generators.start.call_one(), self.trainer.setup.call())
+        generator_starts, trainer_starts = await asyncio.gather(
+            self.generators.start.call_one(), self.trainer.setup.call()
+        )
         processes = {
             "generators": await self.generators.processes.call_one(),
             "trainer": [start["pid"] for start in trainer_starts.values()],
@@ -181,7 +208,11 @@ class MeshBackend:
             sink.close()
 
     async def forward_backward(
-        self, model_id: str, data: list[TrainingDatum], loss_fn: str, loss_fn_config: dict[str, float] | None,
+        self,
+        model_id: str,
+        data: list[TrainingDatum],
+        loss_fn: str,
+        loss_fn_config: dict[str, float] | None,
         backward: bool,
     ) -> ForwardBackwardResult:
         tenant = self._tenant(model_id)
@@ -189,7 +220,9 @@ class MeshBackend:
             self._check_vocabulary(datum.tokens, f"data[{index}].model_input")
         wire = [(datum.tokens, datum.inputs) for datum in data]
         async with tenant.lock:
-            outputs, metrics = await self._on_trainer("forward_backward", model_id, wire, loss_fn, loss_fn_config, backward)
+            outputs, metrics = await self._on_trainer(
+                "forward_backward", model_id, wire, loss_fn, loss_fn_config, backward
+            )
             if backward:
                 tenant.tokens_since_step += sum(len(datum.tokens) for datum in data)
                 tenant.loss_since_step += metrics["loss:sum"]
@@ -204,8 +237,14 @@ class MeshBackend:
         async with tenant.lock:
             metrics = await self._on_trainer("optim_step", model_id, step.__dict__)
             tenant.num_steps += 1
-            record = {"step": tenant.num_steps, "time": time.time(), "tokens": tenant.tokens_since_step,
-                      "loss_sum": tenant.loss_since_step, "learning_rate": step.learning_rate, **metrics}
+            record = {
+                "step": tenant.num_steps,
+                "time": time.time(),
+                "tokens": tenant.tokens_since_step,
+                "loss_sum": tenant.loss_since_step,
+                "learning_rate": step.learning_rate,
+                **metrics,
+            }
             tenant.tokens_since_step, tenant.loss_since_step = 0, 0.0
         self._log(tenant, record)
         return metrics
@@ -236,7 +275,7 @@ class MeshBackend:
                 sink.close()
 
     async def save_for_sampler(
-        self, model_id: str, name: str | None, kind: Literal["snapshot", "inflight"],
+        self, model_id: str, name: str | None, kind: Literal["snapshot", "inflight"]
     ) -> SavedWeights:
         tenant = self._tenant(model_id)
         async with tenant.lock:
@@ -268,7 +307,8 @@ class MeshBackend:
         if directory is None:
             raise RequestRefused(
                 f"path {path!r} names no state saved on this server (its states: {sorted(self._states) or 'none'}). "
-                "Pass a path save_state returned.", status=404,
+                "Pass a path save_state returned.",
+                status=404,
             )
         async with tenant.lock:
             await self._on_trainer("load_state", model_id, str(directory), with_optimizer)
@@ -299,7 +339,8 @@ class MeshBackend:
         known = sorted(path for tenant in self._tenants.values() for path in tenant.sampler_paths)
         raise RequestRefused(
             f"model_path {model_path!r} names no sampler weights of this server (saved: {known or 'none'}). "
-            "Pass a path save_weights_for_sampler returned, or sample the base model.", status=404,
+            "Pass a path save_weights_for_sampler returned, or sample the base model.",
+            status=404,
         )
 
     # Helpers ---------------------------------------------------------------------------------
@@ -309,7 +350,8 @@ class MeshBackend:
         if tenant is None:
             raise RequestRefused(
                 f"model_id {model_id!r} is no training model of this server (its models: {sorted(self._tenants) or 'none'}). "
-                "Create one with create_lora_training_client.", status=404,
+                "Create one with create_lora_training_client.",
+                status=404,
             )
         return tenant
 

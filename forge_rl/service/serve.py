@@ -31,7 +31,7 @@ SERVER_FILE = "server.json"
 
 
 async def serve(
-    config: ServeConfig, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None,
+    config: ServeConfig, stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None
 ) -> dict:
     """Serve until `stop` is set (or the task is cancelled: Ctrl-C); returns the summary.
     `on_ready` is called with the server's URL once it listens (a notebook serving from its own

@@ -123,8 +123,11 @@ class _Service:
         backend_id = self.models.get(model_id)
         if backend_id is None:
             raise wire.refuse(
-                field_name, model_id, "no training model of that id on this server (never created, unloaded, or created on another server)",
-                "use the model_id create_lora_training_client returned", status=404,
+                field_name,
+                model_id,
+                "no training model of that id on this server (never created, unloaded, or created on another server)",
+                "use the model_id create_lora_training_client returned",
+                status=404,
             )
         return backend_id
 
@@ -142,7 +145,7 @@ class _Service:
         saved = self.checkpoints[backend_id]
         saved.pop(path, None)
         saved[path] = types.Checkpoint(
-            checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type, time=_now(), tinker_path=path,
+            checkpoint_id=parsed.checkpoint_id, checkpoint_type=parsed.checkpoint_type, time=_now(), tinker_path=path
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -163,8 +166,12 @@ def _now() -> datetime.datetime:
 
 def _page(items: list, limit: int, offset: int) -> tuple[list, types.Cursor]:
     if limit < 1 or offset < 0:
-        raise wire.refuse("limit" if limit < 1 else "offset", limit if limit < 1 else offset, "must be >= 1 (limit) and >= 0 (offset)",
-                          "pass limit >= 1 and offset >= 0")
+        raise wire.refuse(
+            "limit" if limit < 1 else "offset",
+            limit if limit < 1 else offset,
+            "must be >= 1 (limit) and >= 0 (offset)",
+            "pass limit >= 1 and offset >= 0",
+        )
     return items[offset : offset + limit], types.Cursor(offset=offset, limit=limit, total_count=len(items))
 
 
@@ -182,18 +189,32 @@ def _error(status: int, message: str, field_name: str | None = None, category: s
     if field_name is not None:
         body["field"] = field_name
     # The SDK's HTTP layer retries 408, 409, 429 and 5xx; this tells it not to retry the rest.
-    return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"} if status not in (408, 409, 429) else None)
+    return JSONResponse(
+        body, status_code=status, headers={"x-should-retry": "false"} if status not in (408, 409, 429) else None
+    )
 
 
 async def _body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise wire.refuse("body", f"{declared} bytes", f"larger than the {limit} bytes this server takes", "send fewer data per request", status=413)
+        raise wire.refuse(
+            "body",
+            f"{declared} bytes",
+            f"larger than the {limit} bytes this server takes",
+            "send fewer data per request",
+            status=413,
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise wire.refuse("body", f"over {limit} bytes", f"larger than the {limit} bytes this server takes", "send fewer data per request", status=413)
+            raise wire.refuse(
+                "body",
+                f"over {limit} bytes",
+                f"larger than the {limit} bytes this server takes",
+                "send fewer data per request",
+                status=413,
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -201,7 +222,12 @@ async def _body(request: Request, limit: int) -> bytes:
 def _source_model(path: str, field_name: str) -> str:
     """The backend model id a tinker://<model_id>/... path was minted for."""
     if not path.startswith("tinker://") or not path[len("tinker://") :].split("/", 1)[0]:
-        raise wire.refuse(field_name, path, "not a tinker://<model_id>/... path this server minted", "pass the path save_state or save_weights_for_sampler returned")
+        raise wire.refuse(
+            field_name,
+            path,
+            "not a tinker://<model_id>/... path this server minted",
+            "pass the path save_state or save_weights_for_sampler returned",
+        )
     return path[len("tinker://") :].split("/", 1)[0]
 
 
@@ -209,9 +235,13 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     """The Tinker API over `backend`. With `api_key`, every request but /api/v1/healthz must carry
     it in the X-API-Key header; without, any key (the SDK always sends one) is accepted."""
     service = _Service(
-        backend=backend, api_key=api_key, limits=limits,
+        backend=backend,
+        api_key=api_key,
+        limits=limits,
         futures=FutureTable(
-            poll_wait_s=limits.poll_wait_s, retention_s=limits.result_retention_s, unclaimed_s=limits.unclaimed_result_s,
+            poll_wait_s=limits.poll_wait_s,
+            retention_s=limits.result_retention_s,
+            unclaimed_s=limits.unclaimed_result_s,
             gap_wait_s=limits.seq_gap_wait_s,
         ),
     )
@@ -227,7 +257,11 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 405:
-            return _error(405, f"{request.method} {request.url.path}: this endpoint takes another method; call it as the tinker SDK does", "method")
+            return _error(
+                405,
+                f"{request.method} {request.url.path}: this endpoint takes another method; call it as the tinker SDK does",
+                "method",
+            )
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "path")
 
     def authorized(request: Request) -> None:
@@ -237,20 +271,25 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         if sent is None or not hmac.compare_digest(sent.encode(), api_key.encode()):
             problem = "missing" if sent is None else "not this server's key"
             raise RequestRefused(
-                f"{API_KEY_HEADER}: the API key is {problem}; pass the server's key as tinker.ServiceClient(api_key=...) or TINKER_API_KEY", status=401,
+                f"{API_KEY_HEADER}: the API key is {problem}; pass the server's key as tinker.ServiceClient(api_key=...) or TINKER_API_KEY",
+                status=401,
             )
 
     api = Depends(authorized)
 
     def future_response(request_id: str, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
-        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra).model_dump(mode="json", exclude_none=True)
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id, **extra).model_dump(
+            mode="json", exclude_none=True
+        )
 
     def count(kind: str, model_id: str | None = None) -> None:
         service.requests[kind] += 1
         if model_id is not None:
             service.per_model[model_id][kind] += 1
 
-    async def on_model(kind: str, model_id: str, seq_id: int | None, body: bytes, run: Callable[[str], Awaitable[_Reply]]) -> dict[str, Any]:
+    async def on_model(
+        kind: str, model_id: str, seq_id: int | None, body: bytes, run: Callable[[str], Awaitable[_Reply]]
+    ) -> dict[str, Any]:
         """Queue `run(backend_model_id)` on the client's training model, in seq_id order."""
         try:
             backend_id = service.backend_model(model_id)
@@ -299,10 +338,16 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         wire.parse_json(types.ClientConfigRequest, await _body(request, limits.max_body_bytes))
         count("client_config")
         return types.ClientConfigResponse(
-            pjwt_auth_enabled=False, use_pyqwest_transport=False, proto_compress_fwdbwd=False, sample_use_retrieve_futures=False,
-            custom_loss_server_side=False, sample_join_sampling_session=False,
+            pjwt_auth_enabled=False,
+            use_pyqwest_transport=False,
+            proto_compress_fwdbwd=False,
+            sample_use_retrieve_futures=False,
+            custom_loss_server_side=False,
+            sample_join_sampling_session=False,
             # The SDK splits a forward_backward into chunks of about this many bytes: well under the body limit.
-            fwdbwd_max_chunk_bytes_count=min(types.ClientConfigResponse().fwdbwd_max_chunk_bytes_count, limits.max_body_bytes // 2),
+            fwdbwd_max_chunk_bytes_count=min(
+                types.ClientConfigResponse().fwdbwd_max_chunk_bytes_count, limits.max_body_bytes // 2
+            ),
         ).model_dump(mode="json")
 
     @app.post("/api/v1/client/dynamic_config", dependencies=[api])
@@ -320,14 +365,26 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
     def known_session(session_id: str, field_name: str = "session_id") -> None:
         if session_id not in service.sessions:
-            raise wire.refuse(field_name, session_id, "no session of that id on this server", "create the client anew (tinker.ServiceClient)", status=404)
+            raise wire.refuse(
+                field_name,
+                session_id,
+                "no session of that id on this server",
+                "create the client anew (tinker.ServiceClient)",
+                status=404,
+            )
 
     @app.post("/api/v1/session_heartbeat", dependencies=[api])
     async def session_heartbeat(request: Request) -> dict[str, Any]:
         body = wire.parse_json(types.SessionHeartbeatRequest, await _body(request, limits.max_body_bytes))
         known_session(body.session_id)
         if service.sessions[body.session_id]:
-            raise wire.refuse("session_id", body.session_id, "the session has finished", "create a new tinker.ServiceClient", status=410)
+            raise wire.refuse(
+                "session_id",
+                body.session_id,
+                "the session has finished",
+                "create a new tinker.ServiceClient",
+                status=410,
+            )
         return types.SessionHeartbeatResponse().model_dump(mode="json")
 
     @app.post("/api/v1/sessions/{session_id}/finish", dependencies=[api])
@@ -341,7 +398,11 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     @app.get("/api/v1/get_server_capabilities", dependencies=[api])
     async def get_server_capabilities() -> dict[str, Any]:
         return types.GetServerCapabilitiesResponse(
-            supported_models=[types.SupportedModel(model_name=base_model, max_context_length=max_context, trainable=True, sampleable=True)],
+            supported_models=[
+                types.SupportedModel(
+                    model_name=base_model, max_context_length=max_context, trainable=True, sampleable=True
+                )
+            ]
         ).model_dump(mode="json", exclude_none=True)
 
     @app.post("/api/v1/telemetry", dependencies=[api])
@@ -367,8 +428,12 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
 
     def info(model_id: str, spec: LoraSpec) -> types.GetInfoResponse:
         return types.GetInfoResponse(
-            type="get_info", model_id=model_id, model_data=types.ModelData(model_name=base_model, tokenizer_id=backend.tokenizer_id),
-            is_lora=True, lora_rank=spec.rank, model_name=base_model,
+            type="get_info",
+            model_id=model_id,
+            model_data=types.ModelData(model_name=base_model, tokenizer_id=backend.tokenizer_id),
+            is_lora=True,
+            lora_rank=spec.rank,
+            model_name=base_model,
         )
 
     @app.post("/api/v1/get_info", dependencies=[api])
@@ -384,27 +449,43 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         count("weights_info")
         spec = backend.model_info(_source_model(body.tinker_path, "tinker_path"))
         return types.WeightsInfoResponse(
-            base_model=base_model, is_lora=True, lora_rank=spec.rank, train_unembed=spec.train_unembed, train_mlp=spec.train_mlp,
+            base_model=base_model,
+            is_lora=True,
+            lora_rank=spec.rank,
+            train_unembed=spec.train_unembed,
+            train_mlp=spec.train_mlp,
             train_attn=spec.train_attn,
         ).model_dump(mode="json", exclude_none=True)
 
     async def forward_backward_request(request: Request, forward_only: bool | None) -> dict[str, Any]:
-        raw = wire.decompress(await _body(request, limits.max_body_bytes), request.headers.get("content-encoding"), limits.max_body_bytes)
+        raw = wire.decompress(
+            await _body(request, limits.max_body_bytes), request.headers.get("content-encoding"), limits.max_body_bytes
+        )
         if wire.PROTO_CONTENT_TYPE in request.headers.get("content-type", ""):
             msg = wire.read_forward_backward_proto(raw)
             model_id, seq_id = msg.model_id, msg.seq_id or None
-            call = parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_proto(msg, max_context, forward_only=forward_only))
+            call = parsed_for_model(
+                model_id, seq_id, lambda: wire.forward_backward_from_proto(msg, max_context, forward_only=forward_only)
+            )
         else:
             body = passing_over(raw, lambda: wire.read_forward_backward_json(raw))
             model_id, seq_id = body.model_id, body.seq_id
-            call = parsed_for_model(model_id, seq_id, lambda: wire.forward_backward_from_json(body, max_context, forward_only=bool(forward_only)))
+            call = parsed_for_model(
+                model_id,
+                seq_id,
+                lambda: wire.forward_backward_from_json(body, max_context, forward_only=bool(forward_only)),
+            )
 
         async def run(backend_id: str) -> _Reply:
-            result = await backend.forward_backward(backend_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
+            result = await backend.forward_backward(
+                backend_id, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only
+            )
             proto = wire.forward_backward_output_proto(result, len(call.data))
             return _Reply(lambda: wire.forward_backward_output_json(result, len(call.data)), proto)
 
-        return await on_model("forward" if call.forward_only else "forward_backward", call.model_id, call.seq_id, raw, run)
+        return await on_model(
+            "forward" if call.forward_only else "forward_backward", call.model_id, call.seq_id, raw, run
+        )
 
     @app.post("/api/v1/forward_backward", dependencies=[api])
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -436,9 +517,11 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
             if with_session:
                 sampling_session_id = f"sampler-{uuid.uuid4().hex[:16]}"
                 service.samplers[sampling_session_id] = _Sampler(base_model, saved.path)
-            return _json(types.SaveWeightsForSamplerResponseInternal(
-                path=saved.path, sampling_session_id=sampling_session_id, type="save_weights_for_sampler",
-            ))
+            return _json(
+                types.SaveWeightsForSamplerResponseInternal(
+                    path=saved.path, sampling_session_id=sampling_session_id, type="save_weights_for_sampler"
+                )
+            )
 
         return await on_model("save_weights_for_sampler", body.model_id, body.seq_id, raw, run)
 
@@ -477,7 +560,12 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
         """A new training model holding a saved state: the SDK's create_training_client_from_state,
         which names the model itself (`<session_id>:train:<model_seq_id>`)."""
         if body.session_id is None or body.model_seq_id is None:
-            raise wire.refuse("model_id", None, "a load names the model to load into", "pass model_id, or session_id and model_seq_id for a new model")
+            raise wire.refuse(
+                "model_id",
+                None,
+                "a load names the model to load into",
+                "pass model_id, or session_id and model_seq_id for a new model",
+            )
         known_session(body.session_id)
         check = wire.check_base_model
         check("base_model", body.base_model, base_model)
@@ -528,13 +616,21 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     def sampler(sampler_id: str, field_name: str = "sampling_session_id") -> _Sampler:
         found = service.samplers.get(sampler_id)
         if found is None:
-            raise wire.refuse(field_name, sampler_id, "no sampling session of that id on this server", "create the sampling client anew", status=404)
+            raise wire.refuse(
+                field_name,
+                sampler_id,
+                "no sampling session of that id on this server",
+                "create the sampling client anew",
+                status=404,
+            )
         return found
 
     @app.get("/api/v1/samplers/{sampler_id}", dependencies=[api])
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
         found = sampler(sampler_id, "sampler_id")
-        return types.GetSamplerResponse(sampler_id=sampler_id, base_model=found.base_model, model_path=found.model_path).model_dump(mode="json")
+        return types.GetSamplerResponse(
+            sampler_id=sampler_id, base_model=found.base_model, model_path=found.model_path
+        ).model_dump(mode="json")
 
     @app.post("/api/v1/asample", dependencies=[api])
     async def asample(request: Request) -> dict[str, Any]:
@@ -560,7 +656,9 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
             return _Reply(lambda: wire.sample_response_json(result, call), proto)
 
         request_id = service.futures.submit("asample", run)
-        return future_response(request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(call.spec.num_samples)])
+        return future_response(
+            request_id, sample_sequence_ids=[f"{request_id}:{i}" for i in range(call.spec.num_samples)]
+        )
 
     # --- futures --------------------------------------------------------------------------------
 
@@ -568,12 +666,19 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     async def retrieve_future(request: Request) -> Response:
         body = wire.parse_json(types.FutureRetrieveRequest, await _body(request, limits.max_body_bytes))
         if not service.futures.known(body.request_id):
-            raise wire.refuse("request_id", body.request_id, "no such request on this server (never issued, or its result was fetched and dropped)", "send the request again", status=404)
+            raise wire.refuse(
+                "request_id",
+                body.request_id,
+                "no such request on this server (never issued, or its result was fetched and dropped)",
+                "send the request again",
+                status=404,
+            )
         outcome = await service.futures.retrieve(body.request_id)
         if outcome is None:
             # 408 with a try_again body: the SDK polls again at once (the wait was here).
             return JSONResponse(
-                TryAgainResponse(request_id=body.request_id, queue_state="active").model_dump(mode="json"), status_code=408,
+                TryAgainResponse(request_id=body.request_id, queue_state="active").model_dump(mode="json"),
+                status_code=408,
             )
         return _render(outcome, wire.PROTO_CONTENT_TYPE in request.headers.get("accept", ""))
 
@@ -588,18 +693,28 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     def training_run(run_id: str) -> types.TrainingRun:
         backend_id = service.training_run(run_id)
         saved = list(service.checkpoints[backend_id].values())
-        last = {kind: next((c for c in reversed(saved) if c.checkpoint_type == kind), None) for kind in ("training", "sampler")}
+        last = {
+            kind: next((c for c in reversed(saved) if c.checkpoint_type == kind), None)
+            for kind in ("training", "sampler")
+        }
         return types.TrainingRun(
-            training_run_id=backend_id, base_model=base_model, model_owner="forge-rl serve", is_lora=True,
-            lora_rank=backend.model_info(backend_id).rank, last_request_time=service.last_request.get(backend_id, _now()),
-            last_checkpoint=last["training"], last_sampler_checkpoint=last["sampler"],
+            training_run_id=backend_id,
+            base_model=base_model,
+            model_owner="forge-rl serve",
+            is_lora=True,
+            lora_rank=backend.model_info(backend_id).rank,
+            last_request_time=service.last_request.get(backend_id, _now()),
+            last_checkpoint=last["training"],
+            last_sampler_checkpoint=last["sampler"],
         )
 
     @app.get("/api/v1/training_runs", dependencies=[api])
     async def list_training_runs(limit: int = 20, offset: int = 0) -> dict[str, Any]:
         count("list_training_runs")
         runs, cursor = _page(sorted(set(service.models.values())), limit, offset)
-        return types.TrainingRunsResponse(training_runs=[training_run(r) for r in runs], cursor=cursor).model_dump(mode="json")
+        return types.TrainingRunsResponse(training_runs=[training_run(r) for r in runs], cursor=cursor).model_dump(
+            mode="json"
+        )
 
     @app.get("/api/v1/training_runs/{run_id}", dependencies=[api])
     async def get_training_run(run_id: str) -> dict[str, Any]:
@@ -615,7 +730,9 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     @app.get("/api/v1/checkpoints", dependencies=[api])
     async def list_user_checkpoints(limit: int = 100, offset: int = 0) -> dict[str, Any]:
         count("list_user_checkpoints")
-        every = sorted((c for saved in service.checkpoints.values() for c in saved.values()), key=lambda c: c.time, reverse=True)
+        every = sorted(
+            (c for saved in service.checkpoints.values() for c in saved.values()), key=lambda c: c.time, reverse=True
+        )
         page, cursor = _page(every, limit, offset)
         return types.CheckpointsListResponse(checkpoints=page, cursor=cursor).model_dump(mode="json")
 
@@ -625,10 +742,16 @@ def build_app(backend: ServiceBackend, api_key: str | None = None, limits: Servi
     async def unserved(path: str, request: Request) -> JSONResponse:
         full = "/" + path
         count("unserved")
-        what = next((reason for prefix, reason in _UNSERVED.items() if full == prefix or full.startswith(prefix + "/")), None)
+        what = next(
+            (reason for prefix, reason in _UNSERVED.items() if full == prefix or full.startswith(prefix + "/")), None
+        )
         if what is not None:
             return _error(404, f"{request.method} {full}: forge-rl serve does not serve {what}", "path")
-        return _error(404, f"{request.method} {full}: no such endpoint; forge-rl serve serves the Tinker API's /api/v1 training and sampling calls", "path")
+        return _error(
+            404,
+            f"{request.method} {full}: no such endpoint; forge-rl serve serves the Tinker API's /api/v1 training and sampling calls",
+            "path",
+        )
 
     return app
 
@@ -701,7 +824,14 @@ class ServiceServer:
         self._socket = sock
         self._bound_port = sock.getsockname()[1]
         # log_config=None: the process's logging stays as its owner set it up.
-        config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self._server = _Uvicorn(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -69,16 +69,24 @@ def parse_json(model: type[M], body: bytes) -> M:
     try:
         raw = json.loads(body) if body else None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FieldRefused("body", f"body: not valid JSON ({e}); send the JSON of tinker.types.{model.__name__}") from None
+        raise FieldRefused(
+            "body", f"body: not valid JSON ({e}); send the JSON of tinker.types.{model.__name__}"
+        ) from None
     if not isinstance(raw, dict):
-        raise refuse("body", raw, "the body must be a JSON object", f"send the JSON object of tinker.types.{model.__name__}")
+        raise refuse(
+            "body", raw, "the body must be a JSON object", f"send the JSON object of tinker.types.{model.__name__}"
+        )
     try:
         return model.model_validate(raw)
     except pydantic.ValidationError as e:
         errors = e.errors()
-        problems = "; ".join(f"{_field(err['loc'])}: {err['msg']} (got {_short(err.get('input'))})" for err in errors[:5])
+        problems = "; ".join(
+            f"{_field(err['loc'])}: {err['msg']} (got {_short(err.get('input'))})" for err in errors[:5]
+        )
         field = _field(errors[0]["loc"])
-        raise FieldRefused(field, f"{model.__name__}: {problems}; fix these fields as tinker.types.{model.__name__} defines them") from None
+        raise FieldRefused(
+            field, f"{model.__name__}: {problems}; fix these fields as tinker.types.{model.__name__} defines them"
+        ) from None
 
 
 def model_and_seq(body: bytes) -> tuple[str, int | None] | None:
@@ -118,7 +126,9 @@ def model_input_tokens(model_input: types.ModelInput, field: str, max_context_le
 
 def _non_text_chunk(field: str, kind: str) -> FieldRefused:
     return refuse(
-        field, kind, "forge-rl serve serves a text model and takes token chunks only (EncodedTextChunk)",
+        field,
+        kind,
+        "forge-rl serve serves a text model and takes token chunks only (EncodedTextChunk)",
         "send the input as token ids, e.g. tinker.ModelInput.from_ints(tokens)",
     )
 
@@ -128,10 +138,17 @@ def _checked_tokens(tokens: list[int], field: str, max_context_length: int) -> l
         raise refuse(field, [], "the input holds no tokens", "send at least one token id")
     bad = next((i for i, t in enumerate(tokens) if t < 0), None)
     if bad is not None:
-        raise refuse(f"{field}.tokens[{bad}]", tokens[bad], "token ids are never negative", "send the tokenizer's ids (0 or more)")
+        raise refuse(
+            f"{field}.tokens[{bad}]",
+            tokens[bad],
+            "token ids are never negative",
+            "send the tokenizer's ids (0 or more)",
+        )
     if len(tokens) > max_context_length:
         raise refuse(
-            field, f"{len(tokens)} tokens", f"longer than the served model's context of {max_context_length} tokens",
+            field,
+            f"{len(tokens)} tokens",
+            f"longer than the served model's context of {max_context_length} tokens",
             f"send at most {max_context_length} tokens",
         )
     return tokens
@@ -142,13 +159,26 @@ def lora_spec(request: types.CreateModelRequest, base_model: str) -> LoraSpec:
     check_base_model("base_model", request.base_model, base_model)
     lora = request.lora_config
     if lora is None:
-        raise refuse("lora_config", None, "forge-rl serve trains LoRA adapters only", "set lora_config (create_lora_training_client does)")
+        raise refuse(
+            "lora_config",
+            None,
+            "forge-rl serve trains LoRA adapters only",
+            "set lora_config (create_lora_training_client does)",
+        )
     if lora.rank < 1:
         raise refuse("lora_config.rank", lora.rank, "a LoRA rank is 1 or more", "pass rank=8, 16, 32, ...")
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
-        raise refuse("lora_config", lora.model_dump(), "no layer is trained", "set one of train_attn, train_mlp, train_unembed")
+        raise refuse(
+            "lora_config", lora.model_dump(), "no layer is trained", "set one of train_attn, train_mlp, train_unembed"
+        )
     check_adam("optimizer_config.type", request.optimizer_config.type)
-    return LoraSpec(rank=lora.rank, seed=lora.seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
+    return LoraSpec(
+        rank=lora.rank,
+        seed=lora.seed,
+        train_attn=lora.train_attn,
+        train_mlp=lora.train_mlp,
+        train_unembed=lora.train_unembed,
+    )
 
 
 def check_base_model(field: str, asked: str | None, served: str) -> None:
@@ -158,7 +188,12 @@ def check_base_model(field: str, asked: str | None, served: str) -> None:
 
 def check_adam(field: str, kind: str) -> None:
     if kind != "adamw":
-        raise refuse(field, kind, "forge-rl serve steps with AdamW only", "leave the optimizer at its default (AdamW) and pass tinker.AdamParams")
+        raise refuse(
+            field,
+            kind,
+            "forge-rl serve steps with AdamW only",
+            "leave the optimizer at its default (AdamW) and pass tinker.AdamParams",
+        )
 
 
 def adam_step(request: types.OptimStepRequest) -> AdamStep:
@@ -171,10 +206,19 @@ def adam_step(request: types.OptimStepRequest) -> AdamStep:
         if not math.isfinite(value) or value < 0:
             raise refuse(f"optim_params.{name}", value, "must be a finite number, 0 or more", f"pass a valid {name}")
     if not (params.beta1 < 1 and params.beta2 < 1):
-        raise refuse("optim_params.beta1/beta2", (params.beta1, params.beta2), "Adam's betas are below 1", "pass e.g. beta1=0.9, beta2=0.95")
+        raise refuse(
+            "optim_params.beta1/beta2",
+            (params.beta1, params.beta2),
+            "Adam's betas are below 1",
+            "pass e.g. beta1=0.9, beta2=0.95",
+        )
     return AdamStep(
-        learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
-        weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm,
+        learning_rate=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
     )
 
 
@@ -210,16 +254,32 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     if encoding == "identity":
         return body
     if encoding != "zstd":
-        raise refuse("Content-Encoding", content_encoding, "only zstd-compressed or plain bodies are read", "send the body plain or zstd-compressed")
+        raise refuse(
+            "Content-Encoding",
+            content_encoding,
+            "only zstd-compressed or plain bodies are read",
+            "send the body plain or zstd-compressed",
+        )
     import zstandard
 
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
             inflated = reader.read(max_bytes + 1)
     except zstandard.ZstdError as e:
-        raise refuse("body", f"{len(body)} bytes", f"not a valid zstd frame ({e})", "compress the body with zstd, or send it plain") from None
+        raise refuse(
+            "body",
+            f"{len(body)} bytes",
+            f"not a valid zstd frame ({e})",
+            "compress the body with zstd, or send it plain",
+        ) from None
     if len(inflated) > max_bytes:
-        raise refuse("body", f"over {max_bytes} bytes inflated", "the request is larger than this server takes", "send fewer data per request", status=413)
+        raise refuse(
+            "body",
+            f"over {max_bytes} bytes inflated",
+            "the request is larger than this server takes",
+            "send fewer data per request",
+            status=413,
+        )
     return inflated
 
 
@@ -231,23 +291,34 @@ def read_forward_backward_proto(body: bytes) -> pb.ForwardBackwardRequest:
         msg.ParseFromString(body)
     except Exception as e:  # the protobuf runtimes (upb, python) raise different DecodeError types
         raise refuse(
-            "body", f"{len(body)} bytes", f"not a tinker ForwardBackwardRequest protobuf ({type(e).__name__})",
+            "body",
+            f"{len(body)} bytes",
+            f"not a tinker ForwardBackwardRequest protobuf ({type(e).__name__})",
             "send the body the tinker SDK writes (Content-Type application/x-protobuf)",
         ) from None
     return msg
 
 
-def forward_backward_from_proto(msg: pb.ForwardBackwardRequest, max_context_length: int, *, forward_only: bool | None = None) -> ForwardBackwardCall:
+def forward_backward_from_proto(
+    msg: pb.ForwardBackwardRequest, max_context_length: int, *, forward_only: bool | None = None
+) -> ForwardBackwardCall:
     """The request in the backend's terms; `forward_only` overrides the message's flag (the
     /forward path)."""
     if msg.loss_fn_config_v2:
-        config_items: dict[str, Any] = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+        config_items: dict[str, Any] = {
+            k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()
+        }
     else:
         config_items = dict(msg.loss_fn_config)
     check_loss_fn(msg.loss_fn)
     data = [_datum_from_proto(d, f"data[{i}]", max_context_length) for i, d in enumerate(msg.data)]
     return _forward_backward_call(
-        msg.model_id, msg.seq_id or None, data, msg.loss_fn, config_items, msg.forward_only if forward_only is None else forward_only,
+        msg.model_id,
+        msg.seq_id or None,
+        data,
+        msg.loss_fn,
+        config_items,
+        msg.forward_only if forward_only is None else forward_only,
     )
 
 
@@ -257,22 +328,40 @@ def read_forward_backward_json(body: bytes) -> ForwardBackwardJson:
     return parse_json(ForwardBackwardJson, body)
 
 
-def forward_backward_from_json(request: ForwardBackwardJson, max_context_length: int, *, forward_only: bool) -> ForwardBackwardCall:
+def forward_backward_from_json(
+    request: ForwardBackwardJson, max_context_length: int, *, forward_only: bool
+) -> ForwardBackwardCall:
     fb_input = request.forward_backward_input or request.forward_input
     if fb_input is None:
-        raise refuse("forward_backward_input", None, "the request holds no input", "send forward_backward_input (or forward_input)")
+        raise refuse(
+            "forward_backward_input",
+            None,
+            "the request holds no input",
+            "send forward_backward_input (or forward_input)",
+        )
     check_loss_fn(fb_input.loss_fn)
     data = []
     for i, datum in enumerate(fb_input.data):
         field = f"data[{i}]"
         tokens = model_input_tokens(datum.model_input, f"{field}.model_input", max_context_length)
         inputs = {
-            name: _dense(np.asarray(td.data), td.dtype, td.shape, td.sparse_crow_indices, td.sparse_col_indices, f"{field}.loss_fn_inputs.{name}")
+            name: _dense(
+                np.asarray(td.data),
+                td.dtype,
+                td.shape,
+                td.sparse_crow_indices,
+                td.sparse_col_indices,
+                f"{field}.loss_fn_inputs.{name}",
+            )
             for name, td in datum.loss_fn_inputs.items()
         }
         data.append(_datum(tokens, inputs, field))
     return _forward_backward_call(
-        request.model_id, request.seq_id, data, fb_input.loss_fn, dict(fb_input.loss_fn_config or {}),
+        request.model_id,
+        request.seq_id,
+        data,
+        fb_input.loss_fn,
+        dict(fb_input.loss_fn_config or {}),
         forward_only or request.forward_only,
     )
 
@@ -289,7 +378,12 @@ class ForwardBackwardJson(pydantic.BaseModel):
 
 
 def _forward_backward_call(
-    model_id: str, seq_id: int | None, data: list[TrainingDatum], loss_fn: str, config: Mapping[str, Any], forward_only: bool,
+    model_id: str,
+    seq_id: int | None,
+    data: list[TrainingDatum],
+    loss_fn: str,
+    config: Mapping[str, Any],
+    forward_only: bool,
 ) -> ForwardBackwardCall:
     if not model_id:
         raise refuse("model_id", model_id, "no training model named", "send the model_id create_model returned")
@@ -299,7 +393,9 @@ def _forward_backward_call(
     loss_fn_config: dict[str, float] = {}
     for key, value in config.items():
         if isinstance(value, str) or not math.isfinite(float(value)):
-            raise refuse(f"loss_fn_config.{key}", value, f"the {loss_fn} loss takes finite numbers only", "pass a number")
+            raise refuse(
+                f"loss_fn_config.{key}", value, f"the {loss_fn} loss takes finite numbers only", "pass a number"
+            )
         loss_fn_config[key] = float(value)
     return ForwardBackwardCall(model_id, seq_id, data, loss_fn, loss_fn_config or None, forward_only)
 
@@ -307,7 +403,9 @@ def _forward_backward_call(
 def check_loss_fn(loss_fn: str) -> None:
     if loss_fn not in LOSS_FUNCTIONS:
         raise refuse(
-            "loss_fn", loss_fn, f"forge-rl serve computes {', '.join(LOSS_FUNCTIONS)} only",
+            "loss_fn",
+            loss_fn,
+            f"forge-rl serve computes {', '.join(LOSS_FUNCTIONS)} only",
             "pass one of them (a custom loss runs client-side through forward_backward_custom)",
         )
 
@@ -320,7 +418,12 @@ def _datum_from_proto(msg: pb.Datum, field: str, max_context_length: int) -> Tra
             raise _non_text_chunk(f"{field}.model_input.chunks[{i}]", kind)
         raw = chunk.encoded_text.tokens
         if len(raw) % 4:
-            raise refuse(f"{field}.model_input.chunks[{i}].tokens", f"{len(raw)} bytes", "not whole int32 ids", "send the tokens as the SDK packs them")
+            raise refuse(
+                f"{field}.model_input.chunks[{i}].tokens",
+                f"{len(raw)} bytes",
+                "not whole int32 ids",
+                "send the tokens as the SDK packs them",
+            )
         tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
     tokens = _checked_tokens(tokens, f"{field}.model_input", max_context_length)
     inputs = {name: _tensor_from_proto(t, f"{field}.loss_fn_inputs.{name}") for name, t in msg.loss_fn_inputs.items()}
@@ -330,7 +433,12 @@ def _datum_from_proto(msg: pb.Datum, field: str, max_context_length: int) -> Tra
 def _tensor_from_proto(msg: pb.Tensor, field: str) -> np.ndarray:
     np_dtype = _PROTO_DTYPES.get(msg.dtype)
     if np_dtype is None:
-        raise refuse(f"{field}.dtype", pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype, "loss inputs are float32 or int64", "send float32 or int64")
+        raise refuse(
+            f"{field}.dtype",
+            pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype,
+            "loss inputs are float32 or int64",
+            "send float32 or int64",
+        )
     dtype = "int64" if np_dtype.kind == "i" else "float32"
     shape = list(msg.shape) or None
     if msg.WhichOneof("encoding") == "sparse_csr":
@@ -349,50 +457,86 @@ def _frombuffer(raw: bytes, dtype: np.dtype, field: str) -> np.ndarray:
 
 
 def _dense(
-    values: np.ndarray, dtype: str, shape: Sequence[int] | None, crow: Sequence[int] | None, col: Sequence[int] | None, field: str,
+    values: np.ndarray,
+    dtype: str,
+    shape: Sequence[int] | None,
+    crow: Sequence[int] | None,
+    col: Sequence[int] | None,
+    field: str,
 ) -> np.ndarray:
     """A loss input as a dense array of its wire dtype: CSR layouts filled in (absent cells 0, the
     SDK's default pad), a flat list shaped by `shape`."""
     np_dtype: np.dtype[Any] = np.dtype(np.int64) if dtype == "int64" else np.dtype(np.float32)
     if values.dtype.kind == "f" and np_dtype.kind == "i":
         if not np.all(np.equal(np.mod(values, 1), 0)):
-            raise refuse(f"{field}.data", values[:8].tolist(), "token ids must be whole numbers", "send int64 token ids")
+            raise refuse(
+                f"{field}.data", values[:8].tolist(), "token ids must be whole numbers", "send int64 token ids"
+            )
     values = values.astype(np_dtype, copy=False)
     if crow is not None or col is not None:
         if crow is None or col is None or shape is None or len(shape) != 2:
-            raise refuse(field, {"shape": shape}, "a sparse CSR tensor needs crow and col indices and a 2-D shape", "send both index lists and the dense shape")
+            raise refuse(
+                field,
+                {"shape": shape},
+                "a sparse CSR tensor needs crow and col indices and a 2-D shape",
+                "send both index lists and the dense shape",
+            )
         rows, cols = int(shape[0]), int(shape[1])
         if len(crow) != rows + 1 or len(col) != len(values) or (crow and (crow[0] != 0 or crow[-1] != len(values))):
-            raise refuse(f"{field}.sparse_crow_indices", list(crow)[:8], "the CSR indices do not match the values and shape", "send the indices TensorData.from_torch_sparse writes")
+            raise refuse(
+                f"{field}.sparse_crow_indices",
+                list(crow)[:8],
+                "the CSR indices do not match the values and shape",
+                "send the indices TensorData.from_torch_sparse writes",
+            )
         if col and (min(col) < 0 or max(col) >= cols):
-            raise refuse(f"{field}.sparse_col_indices", list(col)[:8], f"a column index lies outside 0..{cols - 1}", "send column indices inside the shape")
+            raise refuse(
+                f"{field}.sparse_col_indices",
+                list(col)[:8],
+                f"a column index lies outside 0..{cols - 1}",
+                "send column indices inside the shape",
+            )
         dense = np.zeros((rows, cols), dtype=np_dtype)
         row_of: np.ndarray = np.repeat(np.arange(rows), np.diff(np.asarray(crow, dtype=np.int64)))
         dense[row_of, np.asarray(col, dtype=np.int64)] = values
         return dense
     if shape is not None:
         if any(s < 0 for s in shape) or math.prod(shape) != values.size:
-            raise refuse(f"{field}.shape", list(shape), f"does not hold the {values.size} values sent", "send the shape of the data")
+            raise refuse(
+                f"{field}.shape",
+                list(shape),
+                f"does not hold the {values.size} values sent",
+                "send the shape of the data",
+            )
         return values.reshape(tuple(shape))
     return values
 
 
 def _datum(tokens: list[int], inputs: dict[str, np.ndarray], field: str) -> TrainingDatum:
     if "target_tokens" not in inputs:
-        raise refuse(f"{field}.loss_fn_inputs", sorted(inputs), "every loss reads target_tokens", "add loss_fn_inputs['target_tokens'], one id per input token")
+        raise refuse(
+            f"{field}.loss_fn_inputs",
+            sorted(inputs),
+            "every loss reads target_tokens",
+            "add loss_fn_inputs['target_tokens'], one id per input token",
+        )
     checked: dict[str, np.ndarray] = {}
     for name, array in inputs.items():
         where = f"{field}.loss_fn_inputs.{name}"
         if array.ndim == 0 or array.shape[0] != len(tokens):
             raise refuse(
-                where, f"shape {list(array.shape)}", f"the model input has {len(tokens)} tokens and loss inputs give one row per token",
+                where,
+                f"shape {list(array.shape)}",
+                f"the model input has {len(tokens)} tokens and loss inputs give one row per token",
                 f"send {len(tokens)} rows",
             )
         if name in _INT_INPUTS:
             if array.dtype.kind != "i":
                 raise refuse(f"{where}.dtype", str(array.dtype), "target_tokens holds token ids", "send it as int64")
             if array.size and array.min() < 0:
-                raise refuse(where, int(array.min()), "token ids are never negative", "send the tokenizer's ids (0 or more)")
+                raise refuse(
+                    where, int(array.min()), "token ids are never negative", "send the tokenizer's ids (0 or more)"
+                )
             checked[name] = array.astype(np.int64, copy=False)
         else:
             as_float: np.ndarray = array.astype(np.float32, copy=False)
@@ -412,18 +556,24 @@ def _checked_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     ":<reduction>" (the SDK splits on it), so a name without one is a backend bug named here."""
     for name in metrics:
         if name.count(":") != 1:
-            raise ValueError(f"the backend's metric {name!r} is not 'name:reduction' (e.g. 'loss:sum'), which the tinker SDK requires to combine chunks")
+            raise ValueError(
+                f"the backend's metric {name!r} is not 'name:reduction' (e.g. 'loss:sum'), which the tinker SDK requires to combine chunks"
+            )
     return {name: float(value) for name, value in metrics.items()}
 
 
 def _checked_outputs(result: ForwardBackwardResult, num_data: int) -> tuple[list[str], list[dict[str, np.ndarray]]]:
     if len(result.outputs) != num_data:
-        raise ValueError(f"the backend returned {len(result.outputs)} outputs for {num_data} data; it must return one per datum")
+        raise ValueError(
+            f"the backend returned {len(result.outputs)} outputs for {num_data} data; it must return one per datum"
+        )
     names = sorted(result.outputs[0]) if result.outputs else []
     outputs = []
     for i, out in enumerate(result.outputs):
         if sorted(out) != names:
-            raise ValueError(f"the backend's output {i} holds {sorted(out)}, output 0 holds {names}; every datum's output must hold the same fields")
+            raise ValueError(
+                f"the backend's output {i} holds {sorted(out)}, output 0 holds {names}; every datum's output must hold the same fields"
+            )
         outputs.append({name: _output_array(np.asarray(out[name])) for name in names})
     return names, outputs
 
@@ -445,7 +595,9 @@ def forward_backward_output_proto(result: ForwardBackwardResult, num_data: int) 
         arrays = [out[name] for out in outputs]
         trailing = arrays[0].shape[1:]
         if any(a.shape[1:] != trailing for a in arrays):
-            raise ValueError(f"the backend's {name!r} outputs differ in trailing shape; each datum's must be [T, *{list(trailing)}]")
+            raise ValueError(
+                f"the backend's {name!r} outputs differ in trailing shape; each datum's must be [T, *{list(trailing)}]"
+            )
         batched = record.fields[name]
         batched.dtype = pb.DTYPE_INT64 if arrays[0].dtype.kind == "i" else pb.DTYPE_FLOAT32
         batched.trailing_shape.extend(trailing)
@@ -460,7 +612,14 @@ def forward_backward_output_json(result: ForwardBackwardResult, num_data: int) -
     return {
         "loss_fn_output_type": LOSS_FN_OUTPUT_TYPE,
         "loss_fn_outputs": [
-            {name: {"data": out[name].ravel().tolist(), "dtype": "int64" if out[name].dtype.kind == "i" else "float32", "shape": list(out[name].shape)} for name in names}
+            {
+                name: {
+                    "data": out[name].ravel().tolist(),
+                    "dtype": "int64" if out[name].dtype.kind == "i" else "float32",
+                    "shape": list(out[name].shape),
+                }
+                for name in names
+            }
             for out in outputs
         ],
         "metrics": _checked_metrics(result.metrics),
@@ -469,10 +628,7 @@ def forward_backward_output_json(result: ForwardBackwardResult, num_data: int) -
 
 # --- sampling -----------------------------------------------------------------------------------
 
-_UNSUPPORTED_SAMPLE_FIELDS = {
-    "target_prompt_logprobs": None,
-    "prompt_alt_tokens_k": 0,
-}
+_UNSUPPORTED_SAMPLE_FIELDS = {"target_prompt_logprobs": None, "prompt_alt_tokens_k": 0}
 """SampleRequest fields the generators do not compute, with the value that asks for nothing."""
 
 MAX_TOPK_LOGPROBS = 20
@@ -496,25 +652,43 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
         if value != nothing:
             raise refuse(name, value, "forge-rl serve's generators do not compute it", f"leave {name} at {nothing!r}")
     if request.record_stability_info:
-        raise refuse("record_stability_info", True, "forge-rl serve records no stability information (stable_reinforce is not served)", "leave it unset")
+        raise refuse(
+            "record_stability_info",
+            True,
+            "forge-rl serve records no stability information (stable_reinforce is not served)",
+            "leave it unset",
+        )
     prompt = model_input_tokens(request.prompt, "prompt", max_context_length)
     if len(prompt) >= max_context_length:
         raise refuse(
-            "prompt", f"{len(prompt)} tokens", f"fills the served model's {max_context_length}-token context: no room to sample",
+            "prompt",
+            f"{len(prompt)} tokens",
+            f"fills the served model's {max_context_length}-token context: no room to sample",
             "shorten the prompt",
         )
     if not 1 <= request.num_samples <= max_num_samples:
-        raise refuse("num_samples", request.num_samples, f"must be between 1 and {max_num_samples}", "ask for 1 or more samples per request")
+        raise refuse(
+            "num_samples",
+            request.num_samples,
+            f"must be between 1 and {max_num_samples}",
+            "ask for 1 or more samples per request",
+        )
     params = request.sampling_params
     room = max_context_length - len(prompt)
     if params.max_tokens is not None and not 1 <= params.max_tokens <= room:
         raise refuse(
-            "sampling_params.max_tokens", params.max_tokens,
+            "sampling_params.max_tokens",
+            params.max_tokens,
             f"must be between 1 and {room}: the {max_context_length}-token context holds the {len(prompt)}-token prompt and its continuation",
             "lower max_tokens or shorten the prompt",
         )
     if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise refuse("sampling_params.temperature", params.temperature, "a temperature is 0 (greedy) or more", "pass e.g. temperature=1.0")
+        raise refuse(
+            "sampling_params.temperature",
+            params.temperature,
+            "a temperature is 0 (greedy) or more",
+            "pass e.g. temperature=1.0",
+        )
     if not (0 < params.top_p <= 1):
         raise refuse("sampling_params.top_p", params.top_p, "top_p lies in (0, 1]", "pass e.g. top_p=1.0")
     if params.top_k == 0 or params.top_k < -1:
@@ -522,18 +696,41 @@ def sample_call(request: types.SampleRequest, max_context_length: int, max_num_s
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
         k = getattr(request, name)
         if not 0 <= k <= MAX_TOPK_LOGPROBS:
-            raise refuse(name, k, f"must be between 0 (none) and {MAX_TOPK_LOGPROBS}", f"ask for at most {MAX_TOPK_LOGPROBS} tokens per position")
+            raise refuse(
+                name,
+                k,
+                f"must be between 0 (none) and {MAX_TOPK_LOGPROBS}",
+                f"ask for at most {MAX_TOPK_LOGPROBS} tokens per position",
+            )
     stop = _stop(params.stop)
     last_n = request.prompt_logprobs_last_n
     if last_n is not None:
         if not request.prompt_logprobs:
-            raise refuse("prompt_logprobs_last_n", last_n, "applies to prompt logprobs", "set prompt_logprobs (include_prompt_logprobs=True)")
+            raise refuse(
+                "prompt_logprobs_last_n",
+                last_n,
+                "applies to prompt logprobs",
+                "set prompt_logprobs (include_prompt_logprobs=True)",
+            )
         if not 1 <= last_n <= len(prompt) - 1:
-            raise refuse("prompt_logprobs_last_n", last_n, f"must be between 1 and {len(prompt) - 1} for a {len(prompt)}-token prompt", "pass a smaller N")
+            raise refuse(
+                "prompt_logprobs_last_n",
+                last_n,
+                f"must be between 1 and {len(prompt) - 1} for a {len(prompt)}-token prompt",
+                "pass a smaller N",
+            )
     spec = SampleSpec(
-        prompt=prompt, num_samples=request.num_samples, max_tokens=params.max_tokens, temperature=params.temperature,
-        top_p=params.top_p, top_k=params.top_k, stop=stop, seed=params.seed, prompt_logprobs=bool(request.prompt_logprobs),
-        topk_prompt_logprobs=request.topk_prompt_logprobs, topk_sample_logprobs=request.topk_sample_logprobs,
+        prompt=prompt,
+        num_samples=request.num_samples,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=stop,
+        seed=params.seed,
+        prompt_logprobs=bool(request.prompt_logprobs),
+        topk_prompt_logprobs=request.topk_prompt_logprobs,
+        topk_sample_logprobs=request.topk_sample_logprobs,
     )
     return SampleCall(spec, last_n)
 
@@ -551,7 +748,9 @@ def _stop(stop: str | Sequence[str] | Sequence[int] | None) -> list[int] | list[
         if bad is not None:
             raise refuse("sampling_params.stop", bad, "stop token ids are never negative", "send the tokenizer's ids")
         return [int(s) for s in items]
-    raise refuse("sampling_params.stop", items, "mixes token ids and strings", "send stop strings or stop token ids, not both")
+    raise refuse(
+        "sampling_params.stop", items, "mixes token ids and strings", "send stop strings or stop token ids, not both"
+    )
 
 
 def _prompt_logprobs(result: SampleResult, call: SampleCall) -> np.ndarray | None:
@@ -559,7 +758,9 @@ def _prompt_logprobs(result: SampleResult, call: SampleCall) -> np.ndarray | Non
         return None
     if result.prompt_logprobs is None or len(result.prompt_logprobs) != len(call.spec.prompt):
         got = None if result.prompt_logprobs is None else len(result.prompt_logprobs)
-        raise ValueError(f"the backend returned {got} prompt logprobs for a {len(call.spec.prompt)}-token prompt; it must return one per prompt token")
+        raise ValueError(
+            f"the backend returned {got} prompt logprobs for a {len(call.spec.prompt)}-token prompt; it must return one per prompt token"
+        )
     logprobs = np.array([math.nan if lp is None else lp for lp in result.prompt_logprobs], dtype=np.float32)
     if call.prompt_logprobs_last_n is not None:
         logprobs[: len(logprobs) - call.prompt_logprobs_last_n] = math.nan
@@ -574,7 +775,9 @@ def _topk_prompt_rows(result: SampleResult, call: SampleCall) -> list[TopK | Non
     rows = result.topk_prompt_logprobs
     if rows is None or len(rows) != len(call.spec.prompt):
         got = None if rows is None else len(rows)
-        raise ValueError(f"the backend returned {got} top-k prompt rows for a {len(call.spec.prompt)}-token prompt; it must return one per prompt token")
+        raise ValueError(
+            f"the backend returned {got} top-k prompt rows for a {len(call.spec.prompt)}-token prompt; it must return one per prompt token"
+        )
     rows = [row or None for row in rows]
     rows[0] = None
     if call.prompt_logprobs_last_n is not None:
@@ -605,17 +808,25 @@ def _topk_json(rows: Sequence[TopK | None] | None) -> list[list[list[float]] | N
 
 def _checked_sequences(result: SampleResult, call: SampleCall) -> None:
     if len(result.sequences) != call.spec.num_samples:
-        raise ValueError(f"the backend returned {len(result.sequences)} sequences for num_samples={call.spec.num_samples}")
+        raise ValueError(
+            f"the backend returned {len(result.sequences)} sequences for num_samples={call.spec.num_samples}"
+        )
     for i, seq in enumerate(result.sequences):
         if len(seq.logprobs) != len(seq.tokens):
-            raise ValueError(f"the backend's sequence {i} has {len(seq.tokens)} tokens and {len(seq.logprobs)} logprobs; it must give one per token")
+            raise ValueError(
+                f"the backend's sequence {i} has {len(seq.tokens)} tokens and {len(seq.logprobs)} logprobs; it must give one per token"
+            )
         if seq.stop_reason not in ("stop", "length"):
-            raise ValueError(f"the backend's sequence {i} stopped for {seq.stop_reason!r}; the Tinker API knows 'stop' and 'length'")
+            raise ValueError(
+                f"the backend's sequence {i} stopped for {seq.stop_reason!r}; the Tinker API knows 'stop' and 'length'"
+            )
         k = call.spec.topk_sample_logprobs
         if k:
             if seq.topk_logprobs is None or len(seq.topk_logprobs) != len(seq.tokens):
                 got = None if seq.topk_logprobs is None else len(seq.topk_logprobs)
-                raise ValueError(f"the backend's sequence {i} has {len(seq.tokens)} tokens and {got} top-k rows; it must give one per token")
+                raise ValueError(
+                    f"the backend's sequence {i} has {len(seq.tokens)} tokens and {got} top-k rows; it must give one per token"
+                )
             _checked_topk(seq.topk_logprobs, k, f"sequence {i}'s top-k")
 
 
@@ -652,11 +863,15 @@ def sample_response_json(result: SampleResult, call: SampleCall) -> dict[str, An
         "type": "sample",
         "sequences": [
             {
-                "tokens": list(seq.tokens), "logprobs": [float(lp) for lp in seq.logprobs], "stop_reason": seq.stop_reason,
+                "tokens": list(seq.tokens),
+                "logprobs": [float(lp) for lp in seq.logprobs],
+                "stop_reason": seq.stop_reason,
                 "topk_logprobs": _topk_json(seq.topk_logprobs) if call.spec.topk_sample_logprobs else None,
             }
             for seq in result.sequences
         ],
-        "prompt_logprobs": None if prompt_logprobs is None else [None if math.isnan(lp) else float(lp) for lp in prompt_logprobs.tolist()],
+        "prompt_logprobs": None
+        if prompt_logprobs is None
+        else [None if math.isnan(lp) else float(lp) for lp in prompt_logprobs.tolist()],
         "topk_prompt_logprobs": _topk_json(topk_prompt),
     }

@@ -199,8 +199,7 @@ class StoreIndexActor(PortServed, Actor):
         """Every snapshot: state, locations, holders, bytes; and counts of deleted snapshots and of
         calls waiting for a version (for logs and tests)."""
         return {
-            key: {**_describe(record), "state": record.state.value}
-            for key, record in self.index._records.items()
+            key: {**_describe(record), "state": record.state.value} for key, record in self.index._records.items()
         } | {"_deleted": self.num_deleted, "_waiting": self.num_waiting}
 
     async def _collect(self, keys: list[str]) -> list[str]:

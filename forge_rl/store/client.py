@@ -139,16 +139,28 @@ class WeightStore:
         beside the weights (`SharedMemorySnapshots.write`), and travel in the record to readers
         that fetch the snapshot to another host."""
         info = {"publish_started_at": time.time(), **(info or {})}
-        begun = self._blocking_calls.submit(self.index, "begin", key, self.location)  # its round trip overlaps the write
+        begun = self._blocking_calls.submit(
+            self.index, "begin", key, self.location
+        )  # its round trip overlaps the write
         try:
-            stats = self.local.write(key, state_dict, dtype, self.checksum, files=info.get(FILES),
-                                     weights_links=tuple(info.get(WEIGHTS_LINKS, ())))
+            stats = self.local.write(
+                key,
+                state_dict,
+                dtype,
+                self.checksum,
+                files=info.get(FILES),
+                weights_links=tuple(info.get(WEIGHTS_LINKS, ())),
+            )
             begun.result()
         except BaseException:
             self._blocking_calls.call(self.index, "abort", key)
             raise
-        info.update(write_s=stats.write_s, recycled=stats.recycled, checksums=bool(stats.layout.checksums),
-                    committed_at=time.time())
+        info.update(
+            write_s=stats.write_s,
+            recycled=stats.recycled,
+            checksums=bool(stats.layout.checksums),
+            committed_at=time.time(),
+        )
         self._blocking_calls.call(self.index, "commit", key, stats.num_bytes, info)
         return stats
 
@@ -162,8 +174,10 @@ class WeightStore:
                     return {name: tensor.clone() for name, tensor in tensors.items()}
                 if strict and set(user_state_dict) != set(tensors):
                     missing, extra = set(user_state_dict) - set(tensors), set(tensors) - set(user_state_dict)
-                    raise KeyError(f"snapshot {key!r} and user_state_dict differ: missing {sorted(missing)[:3]}, "
-                                   f"unexpected {sorted(extra)[:3]} (pass strict=False to copy the overlap)")
+                    raise KeyError(
+                        f"snapshot {key!r} and user_state_dict differ: missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(extra)[:3]} (pass strict=False to copy the overlap)"
+                    )
                 await asyncio.to_thread(_copy_into, user_state_dict, tensors)
                 return user_state_dict
 
@@ -186,7 +200,11 @@ class WeightStore:
         return self.put_state_dict_blocking(state_dict, version_key(policy_version), **kwargs)
 
     def publish_adapter_blocking(
-        self, policy_version: int, peft_tensors: dict[str, torch.Tensor], adapter_config: dict, base: str,
+        self,
+        policy_version: int,
+        peft_tensors: dict[str, torch.Tensor],
+        adapter_config: dict,
+        base: str,
         info: dict | None = None,
     ) -> WriteStats:
         """Publish policy version `policy_version` as LoRA adapters only: its directory is a PEFT
@@ -195,8 +213,12 @@ class WeightStore:
         (index rule 5). `peft_tensors` in PEFT names (forge_rl/models/peft_format.py)."""
         from forge_rl.models.peft_format import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
-        info = {**(info or {}), ADAPTER_OF: base, FILES: {ADAPTER_CONFIG_FILE: json.dumps(adapter_config, indent=2)},
-                WEIGHTS_LINKS: [ADAPTER_WEIGHTS_FILE]}
+        info = {
+            **(info or {}),
+            ADAPTER_OF: base,
+            FILES: {ADAPTER_CONFIG_FILE: json.dumps(adapter_config, indent=2)},
+            WEIGHTS_LINKS: [ADAPTER_WEIGHTS_FILE],
+        }
         return self.put_state_dict_blocking(peft_tensors, version_key(policy_version), info=info)
 
     async def latest_version(self) -> int | None:
@@ -216,7 +238,10 @@ class WeightStore:
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, key: str | None = None, transport: Transport | None = None, min_version: int | None = None,
+        self,
+        key: str | None = None,
+        transport: Transport | None = None,
+        min_version: int | None = None,
         timeout_s: float | None = None,
     ) -> AsyncIterator[LocalSnapshot]:
         """Hold snapshot `key` readable on this host. Without a key: the newest policy version,
@@ -248,11 +273,19 @@ class WeightStore:
         local = [loc for loc in record["locations"] if split_location(loc)[0] == host]
         if transport != "rdma" and local:
             snapshots = SharedMemorySnapshots(split_location(local[0])[1], create=False)
-            return LocalSnapshot(key, key_version(key), snapshots.path(key), record["num_bytes"], record["info"],
-                                 "shm", snapshots=snapshots)
+            return LocalSnapshot(
+                key,
+                key_version(key),
+                snapshots.path(key),
+                record["num_bytes"],
+                record["info"],
+                "shm",
+                snapshots=snapshots,
+            )
         if transport == "shm":
-            raise FileNotFoundError(f"snapshot {key!r} has no copy on host {host} ({record['locations']}); "
-                                    "use transport='rdma' or 'auto'")
+            raise FileNotFoundError(
+                f"snapshot {key!r} has no copy on host {host} ({record['locations']}); use transport='rdma' or 'auto'"
+            )
         return await self._fetch_rdma(record)
 
     async def _fetch_rdma(self, record: dict) -> LocalSnapshot:
@@ -276,9 +309,16 @@ class WeightStore:
         copies = self._copies()
         holder, fetched = await copies.acquire(key, fetch)
         return LocalSnapshot(
-            key, key_version(key), copies.snapshots.path(key), record["num_bytes"], info, "rdma",
-            fetch_s=time.perf_counter() - started, fetched_bytes=record["num_bytes"] if fetched else 0,
-            snapshots=copies.snapshots, holder=holder,
+            key,
+            key_version(key),
+            copies.snapshots.path(key),
+            record["num_bytes"],
+            info,
+            "rdma",
+            fetch_s=time.perf_counter() - started,
+            fetched_bytes=record["num_bytes"] if fetched else 0,
+            snapshots=copies.snapshots,
+            holder=holder,
         )
 
     def _copies(self) -> HostCopies:

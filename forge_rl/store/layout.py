@@ -63,6 +63,7 @@ def _safetensors_names() -> dict[torch.dtype, str]:
 def _torch_dtypes() -> dict[str, torch.dtype]:
     return {name: dtype for dtype, name in _safetensors_names().items()}
 
+
 # Header keys of forge_rl's own metadata (safetensors metadata values must be strings).
 _CHECKSUM_KEY = "forge_rl.xxh3_64"
 _CHECKSUM_WIDTH = 16  # hex digits of a 64-bit checksum: fixed, so filling them in never resizes the header
@@ -142,9 +143,7 @@ def plan_layout(
         TensorSlot(name, shapes[name][1], tuple(shapes[name][0]), offsets[name][0], offsets[name][1]) for name in order
     )
     header_size = len(_encode_header(relative, metadata, placeholder, None))
-    slots = tuple(
-        TensorSlot(s.name, s.dtype, s.shape, s.offset + header_size, s.num_bytes) for s in relative
-    )
+    slots = tuple(TensorSlot(s.name, s.dtype, s.shape, s.offset + header_size, s.num_bytes) for s in relative)
     return SnapshotLayout(slots, header_size, tuple(sorted(metadata.items())))
 
 
@@ -208,7 +207,9 @@ def _encode_header(
     }
     meta = dict(metadata)
     if checksums:
-        meta[_CHECKSUM_KEY] = json.dumps({name: f"{value:0{_CHECKSUM_WIDTH}x}" for name, value in sorted(checksums.items())})
+        meta[_CHECKSUM_KEY] = json.dumps(
+            {name: f"{value:0{_CHECKSUM_WIDTH}x}" for name, value in sorted(checksums.items())}
+        )
     header["__metadata__"] = meta
     text = json.dumps(header, separators=(",", ":")).encode()
     if size is None:

@@ -42,12 +42,18 @@ REQUESTS_OVER_OLDER_KV = "weights/requests_over_older_kv"  # swap_kv=reuse: requ
 # Adapter versions (LoRA): add_lora's time is STALL_S and PAUSED_S (its upper bound: the engine
 # core loads the adapter between two decode steps); these two say what else happened.
 ADAPTER_WAIT_S = "weights/adapter_wait_s"  # waiting for the previous update's unload of the oldest adapter
-ADAPTERS_RESIDENT = "weights/adapters_resident"  # adapters loaded right after this update (resident + 1 until the oldest goes)
-
+ADAPTERS_RESIDENT = (
+    "weights/adapters_resident"  # adapters loaded right after this update (resident + 1 until the oldest goes)
+)
 
 
 async def load_version(
-    engine, store, min_version: int, swap_mode: str = "keep", verify: bool = False, exact: bool = False,
+    engine,
+    store,
+    min_version: int,
+    swap_mode: str = "keep",
+    verify: bool = False,
+    exact: bool = False,
     **swap_overrides,
 ) -> dict:
     """Serve the newest complete version >= `min_version` on `engine`; returns the update's metrics.

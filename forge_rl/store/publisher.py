@@ -59,7 +59,10 @@ class WeightPublisher:
         self._last_write: dict = {}
 
     async def publish(
-        self, policy_version: int, snapshot: dict[str, torch.Tensor], snapshot_s: float,
+        self,
+        policy_version: int,
+        snapshot: dict[str, torch.Tensor],
+        snapshot_s: float,
         adapter: tuple[dict, str] | None = None,
     ) -> dict:
         """Start writing `snapshot` (private CPU tensors) as `policy_version`; returns metrics.

@@ -42,7 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forge_rl.store.layout import SAFETENSORS_FILE, SnapshotLayout, header_length, layout_of, parse_header, tensor_checksum
+from forge_rl.store.layout import (
+    SAFETENSORS_FILE,
+    SnapshotLayout,
+    header_length,
+    layout_of,
+    parse_header,
+    tensor_checksum,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -156,9 +163,7 @@ class WriteStats:
 class SharedMemorySnapshots:
     """Complete, immutable snapshots under one directory of host shared memory."""
 
-    def __init__(
-        self, root: Path, extra_files_dir: Path | None = None, max_free_files: int = 2, create: bool = True
-    ):
+    def __init__(self, root: Path, extra_files_dir: Path | None = None, max_free_files: int = 2, create: bool = True):
         self.root = Path(root)
         self.extra_files_dir = Path(extra_files_dir) if extra_files_dir else None
         self.max_free_files = max_free_files
@@ -175,7 +180,9 @@ class SharedMemorySnapshots:
 
     def keys(self) -> list[str]:
         return sorted(
-            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(_PARTIAL)
+            p.name
+            for p in self.root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and not p.name.endswith(_PARTIAL)
         )
 
     def exists(self, key: str) -> bool:
@@ -283,8 +290,11 @@ class SharedMemorySnapshots:
             actual = {name: tensor_checksum(tensor) for name, tensor in tensors.items()}
         bad = [name for name, value in expected.items() if actual.get(name) != value]
         if bad or not expected:
-            raise ChecksumError(f"snapshot {key!r}: {len(bad)} tensors differ from their checksum ({bad[:3]})"
-                                if bad else f"snapshot {key!r} carries no checksums")
+            raise ChecksumError(
+                f"snapshot {key!r}: {len(bad)} tensors differ from their checksum ({bad[:3]})"
+                if bad
+                else f"snapshot {key!r} carries no checksums"
+            )
         return actual
 
     def delete(self, key: str) -> None:
@@ -302,10 +312,7 @@ class SharedMemorySnapshots:
 
     def _allocate(self, path: Path, num_bytes: int) -> bool:
         """Create `path` with `num_bytes`, reusing a free file (closest in size) when there is one."""
-        free = sorted(
-            (p for p in (self.root / FREE_DIR).glob("*.bin")),
-            key=lambda p: abs(_size(p) - num_bytes),
-        )
+        free = sorted((p for p in (self.root / FREE_DIR).glob("*.bin")), key=lambda p: abs(_size(p) - num_bytes))
         for candidate in free:
             try:
                 os.rename(candidate, path)  # another writer may have taken it first

@@ -77,10 +77,7 @@ class TaskConfig:
                 "Set --task.long-tail-min-tokens."
             )
         if self.long_tail_alpha <= 0:
-            raise ValueError(
-                f"task.long_tail_alpha ({self.long_tail_alpha}) must be > 0. Set --task.long-tail-alpha."
-            )
-
+            raise ValueError(f"task.long_tail_alpha ({self.long_tail_alpha}) must be > 0. Set --task.long-tail-alpha.")
 
     @property
     def reward_weights(self) -> dict[str, float]:

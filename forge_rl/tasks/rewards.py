@@ -36,7 +36,12 @@ from typing import Any
 
 from forge_rl.errors import ConfigError
 from forge_rl.tasks.reasoning_gym import reasoning_gym_reward
-from forge_rl.tasks.synthetic import final_integer_reward, leading_number_reward, prefix_match_reward, trailing_number_reward
+from forge_rl.tasks.synthetic import (
+    final_integer_reward,
+    leading_number_reward,
+    prefix_match_reward,
+    trailing_number_reward,
+)
 
 RewardFn = Callable[..., float]
 """reward_fn(completion_text, answer, **the columns it names) -> float."""

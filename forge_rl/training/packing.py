@@ -75,7 +75,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, width: int | None = None) -> list[MicroBatch]:
+def plan_microbatches(
+    lengths: list[int], mode: str, length_multiple: int = 1, width: int | None = None
+) -> list[MicroBatch]:
     """The forward passes that cover sequences of `lengths` in layout `mode` (see the module docstring).
 
     Widths are rounded up to `length_multiple` (sequence parallelism splits positions over TP ranks);
@@ -89,15 +91,23 @@ def plan_microbatches(lengths: list[int], mode: str, length_multiple: int = 1, w
         return []
     longest = max(lengths)
     if mode == "pad":
-        return [MicroBatch(len(lengths), _round_up(width or longest, length_multiple),
-                           tuple((i, i, 0) for i in range(len(lengths))))]
+        return [
+            MicroBatch(
+                len(lengths),
+                _round_up(width or longest, length_multiple),
+                tuple((i, i, 0) for i in range(len(lengths))),
+            )
+        ]
     # An empty sequence (an environment episode whose reset failed: no token at all) has nothing
     # to compute and would make a bucket of width 0; it is left out, its logprobs stay 0.
     order = sorted((i for i in range(len(lengths)) if lengths[i]), key=lambda i: (-lengths[i], i))
     if mode == "bucket":
         return [
-            MicroBatch(len(group), _round_up(lengths[group[0]], length_multiple),
-                       tuple((i, row, 0) for row, i in enumerate(group)))
+            MicroBatch(
+                len(group),
+                _round_up(lengths[group[0]], length_multiple),
+                tuple((i, row, 0) for row, i in enumerate(group)),
+            )
             for group in _equal_token_groups(order, lengths, NUM_BUCKETS)
         ]
     capacity = _round_up(longest, length_multiple)
@@ -200,8 +210,10 @@ def layout_token_logprobs(
     for mb in microbatches:
         ids_RW = torch.zeros((mb.num_rows, mb.width), dtype=input_ids_NL.dtype)
         temperature_RW = None if temperature_N is None else torch.ones((mb.num_rows, mb.width))
-        support_RWK = None if support_NLK is None else support_NLK.new_full(
-            (mb.num_rows, mb.width, support_NLK.shape[-1]), empty_kept_set(support_NLK)
+        support_RWK = (
+            None
+            if support_NLK is None
+            else support_NLK.new_full((mb.num_rows, mb.width, support_NLK.shape[-1]), empty_kept_set(support_NLK))
         )
         for i, row, offset in mb.placements:
             n = min(lengths[i], mb.width - offset)
@@ -234,7 +246,6 @@ def layout_token_logprobs(
         entropy_NL.view(-1).index_copy_(0, destination_index.to(entropy_NL.device), torch.cat(entropies).to(entropy_NL))
     out = torch.zeros(num_rows * length, dtype=flat.dtype, device=flat.device)
     return out.index_copy(0, destination_index, flat).view(num_rows, length)
-
 
 
 @dataclass(frozen=True)
@@ -289,7 +300,9 @@ def plan_prefix_tree(
     num_rows_N, length = input_ids_NL.shape
     ids = input_ids_NL.cpu()
     temperatures = [1.0] * num_rows_N if temperature_N is None else [float(t) for t in temperature_N.cpu()]
-    order = sorted((i for i in range(num_rows_N) if lengths[i]), key=lambda i: (temperatures[i], ids[i, : lengths[i]].tolist()))
+    order = sorted(
+        (i for i in range(num_rows_N) if lengths[i]), key=lambda i: (temperatures[i], ids[i, : lengths[i]].tolist())
+    )
     common_N = [0] * num_rows_N  # shared with the sequence before in `order`, rows aside
     for before, i in zip(order, order[1:]):
         if temperatures[before] == temperatures[i]:
@@ -352,14 +365,25 @@ def plan_prefix_tree(
     mask_RWW[unused // width, unused % width, unused % width] = True
     unique_NL, unique_slot, unique_index = _distinct_predictions(ids, lengths, order, shared_N, slot_NL, support_NLK)
     return PrefixTree(
-        num_rows=rows, width=width, ids_RW=ids_RW.view(rows, width), positions_RW=positions_RW.view(rows, width),
-        mask_R1WW=mask_RWW.unsqueeze(1), slot_NL=slot_NL, unique_NL=unique_NL, unique_slot_U=unique_slot,
-        unique_index_U=unique_index, num_computed=int(used.sum()),
+        num_rows=rows,
+        width=width,
+        ids_RW=ids_RW.view(rows, width),
+        positions_RW=positions_RW.view(rows, width),
+        mask_R1WW=mask_RWW.unsqueeze(1),
+        slot_NL=slot_NL,
+        unique_NL=unique_NL,
+        unique_slot_U=unique_slot,
+        unique_index_U=unique_index,
+        num_computed=int(used.sum()),
     )
 
 
 def _distinct_predictions(
-    ids: torch.Tensor, lengths: list[int], order: list[int], shared_N: list[int], slot_NL: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: list[int],
+    order: list[int],
+    shared_N: list[int],
+    slot_NL: torch.Tensor,
     support_NLK: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """unique_NL, and per distinct prediction its predicting slot and its target's flat index.
@@ -410,13 +434,19 @@ def tree_token_logprobs(
     index_U = tree.unique_index_U
     temperature_U = None if temperature_N is None else temperature_N.cpu().float()[index_U // length]
     support_UK = None if support_NLK is None else support_NLK.flatten(0, 1)[index_U.to(support_NLK.device)]
-    logprobs_U = predicted_logprobs(logits_UV, input_ids_NL.flatten()[index_U.to(input_ids_NL.device)], temperature_U, support_UK)
+    logprobs_U = predicted_logprobs(
+        logits_UV, input_ids_NL.flatten()[index_U.to(input_ids_NL.device)], temperature_U, support_UK
+    )
     real_NL = tree.slot_NL >= 0
     real_NL[:, 0] = False
     destination = real_NL.flatten().nonzero().squeeze(-1)
     source = tree.unique_NL.flatten()[destination]
     if entropy_NL is not None:
         entropy_U = predicted_entropy(logits_UV, temperature_U)
-        entropy_NL.view(-1).index_copy_(0, destination.to(entropy_NL.device), entropy_U[source.to(device)].to(entropy_NL))
+        entropy_NL.view(-1).index_copy_(
+            0, destination.to(entropy_NL.device), entropy_U[source.to(device)].to(entropy_NL)
+        )
     out = torch.zeros(num_rows_N * length, dtype=logprobs_U.dtype, device=device)
-    return out.index_copy(0, destination.to(device), logprobs_U.index_select(0, source.to(device))).view(num_rows_N, length)
+    return out.index_copy(0, destination.to(device), logprobs_U.index_select(0, source.to(device))).view(
+        num_rows_N, length
+    )

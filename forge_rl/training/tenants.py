@@ -73,7 +73,9 @@ class TenantTrainer:
             raise ValueError(f"tenant {tenant!r} exists already")
         unknown = sorted(set(frozen_targets) - set(self.lora.config.targets))
         if unknown:
-            raise ValueError(f"frozen targets {unknown} are not adapted here (trainer.lora.targets {list(self.lora.config.targets)})")
+            raise ValueError(
+                f"frozen targets {unknown} are not adapted here (trainer.lora.targets {list(self.lora.config.targets)})"
+            )
         frozen = frozenset(name for name in self._params if name.rsplit(".", 2)[-2] in frozen_targets)
         self._tenants[tenant] = _TenantState(adapters=self.lora.initial_state(seed), frozen=frozen)
 
@@ -85,8 +87,12 @@ class TenantTrainer:
         del self._tenants[tenant]
 
     def forward_backward(
-        self, tenant: str, data: Sequence[tuple[Sequence[int], Mapping[str, np.ndarray]]], loss_fn: str,
-        loss_fn_config: Mapping[str, float] | None, backward: bool,
+        self,
+        tenant: str,
+        data: Sequence[tuple[Sequence[int], Mapping[str, np.ndarray]]],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None,
+        backward: bool,
     ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """The loss `loss_fn` on `data` (each datum: its input tokens and its loss_fn_inputs); with
         `backward` its gradients are added to the tenant's. Returns each datum's "logprobs" and
@@ -120,7 +126,7 @@ class TenantTrainer:
         return [outputs[i] for i in range(len(data))], metrics
 
     def _forward_chunk(
-        self, data: list[tuple[Sequence[int], Mapping[str, np.ndarray]]], loss_fn: str, config: dict, backward: bool,
+        self, data: list[tuple[Sequence[int], Mapping[str, np.ndarray]]], loss_fn: str, config: dict, backward: bool
     ) -> tuple[float, list[dict[str, np.ndarray]]]:
         trainer = self.trainer
         lengths = [len(tokens) for tokens, _ in data]
@@ -142,13 +148,22 @@ class TenantTrainer:
                 loss.backward()
         logprobs, losses = logprobs_NL.detach().cpu().numpy(), loss_NL.detach().cpu().numpy()
         outputs = [
-            {"logprobs": logprobs[row, :length].astype(np.float32), "elementwise_loss": losses[row, :length].astype(np.float32)}
+            {
+                "logprobs": logprobs[row, :length].astype(np.float32),
+                "elementwise_loss": losses[row, :length].astype(np.float32),
+            }
             for row, length in enumerate(lengths)
         ]
         return float(loss.item()), outputs
 
     def optim_step(
-        self, tenant: str, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+        self,
+        tenant: str,
+        learning_rate: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
         grad_clip_norm: float,
     ) -> dict[str, float]:
         """One AdamW step of the tenant's adapters on the gradients added since its last, with

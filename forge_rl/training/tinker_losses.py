@@ -46,7 +46,10 @@ def config_of(loss_fn: str, loss_fn_config: Mapping[str, float] | None) -> dict[
 
 
 def elementwise_loss(
-    loss_fn: str, logprobs_NL: torch.Tensor, inputs: Mapping[str, torch.Tensor], mask_NL: torch.Tensor,
+    loss_fn: str,
+    logprobs_NL: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    mask_NL: torch.Tensor,
     config: Mapping[str, float],
 ) -> torch.Tensor:
     """[N, L] each position's loss (0 on padding); the batch's loss is its sum. `inputs` are

@@ -164,18 +164,30 @@ class PolicyTrainer:
             logprobs_NL = tree_token_logprobs(
                 self._logits, shard.input_ids_NL, lengths, tree, shard.temperature_N, shard.support_NLK, entropy_NL
             )
-            counts = {"input_tokens": float(sum(lengths)), "computed": float(tree.num_computed),
-                      "slots": float(tree.num_slots)}
+            counts = {
+                "input_tokens": float(sum(lengths)),
+                "computed": float(tree.num_computed),
+                "slots": float(tree.num_slots),
+            }
             return logprobs_NL, entropy_NL, counts
         microbatches = plan_microbatches(
             lengths, self.config.batching, self._length_multiple, width=shard.input_ids_NL.shape[1]
         )
         logprobs_NL = layout_token_logprobs(
-            self._logits, shard.input_ids_NL, lengths, microbatches, shard.temperature_N, shard.support_NLK, entropy_NL,
+            self._logits,
+            shard.input_ids_NL,
+            lengths,
+            microbatches,
+            shard.temperature_N,
+            shard.support_NLK,
+            entropy_NL,
             routing=self._replayed_routing(shard),
         )
-        counts = {"input_tokens": float(sum(lengths)), "computed": float(sum(lengths)),
-                  "slots": float(sum(m.num_slots for m in microbatches))}
+        counts = {
+            "input_tokens": float(sum(lengths)),
+            "computed": float(sum(lengths)),
+            "slots": float(sum(m.num_slots for m in microbatches)),
+        }
         return logprobs_NL, entropy_NL, counts
 
     def _replayed_routing(self, shard: TrainBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -326,8 +338,11 @@ class PolicyTrainer:
         input_tokens, computed, slots = self._dp_reduce(
             [counts["input_tokens"], counts["computed"], counts["slots"]], dist.ReduceOp.SUM
         )
-        return {"num_input_tokens": input_tokens, "padding_fraction": 1.0 - computed / max(slots, 1.0),
-                "shared_token_fraction": 1.0 - computed / max(input_tokens, 1.0)}
+        return {
+            "num_input_tokens": input_tokens,
+            "padding_fraction": 1.0 - computed / max(slots, 1.0),
+            "shared_token_fraction": 1.0 - computed / max(input_tokens, 1.0),
+        }
 
     def _clip_grad_norm(self) -> float:
         """Clip to max_grad_norm; returns the global norm before clipping (DTensor shards reduced)."""
@@ -393,7 +408,10 @@ class PolicyTrainer:
         if distributed and self._checkpoint_group is None:
             self._checkpoint_group = dist.new_group(backend="gloo")
         self._checkpoint_write = dcp.async_save(
-            self._checkpoint_state(), checkpoint_id=str(path), process_group=self._checkpoint_group, no_dist=not distributed
+            self._checkpoint_state(),
+            checkpoint_id=str(path),
+            process_group=self._checkpoint_group,
+            no_dist=not distributed,
         )
         return self._checkpoint_write
 
@@ -509,5 +527,7 @@ class PolicyTrainer:
         [out_features, rank]); the served delta is trainer.lora.scaling * B @ A. A collective
         under TP (call it on every rank); `keep=False` joins the gathers and returns {}."""
         if self.lora is None:
-            raise ValueError("adapter_state_dict needs LoRA: trainer.lora.enabled is false. Set --trainer.lora.enabled.")
+            raise ValueError(
+                "adapter_state_dict needs LoRA: trainer.lora.enabled is false. Set --trainer.lora.enabled."
+            )
         return self.lora.adapter_state_dict(dtype, keep)

@@ -113,7 +113,9 @@ class BatchPrefetch:
         """Asks for step `step`'s batch, unless asked already (each rank asks once per step)."""
         if step not in self._asked:
             policy = () if self.policy is None else (self.policy,)
-            asked = self._asked[step] = asyncio.ensure_future(self._rollouts.batch_for_trainer.call_one(step, num_ranks, *policy))
+            asked = self._asked[step] = asyncio.ensure_future(
+                self._rollouts.batch_for_trainer.call_one(step, num_ranks, *policy)
+            )
             # A run that stops or fails before step `step`'s call leaves its outcome unread.
             asked.add_done_callback(lambda done: done.cancelled() or done.exception())
         return self._asked[step]

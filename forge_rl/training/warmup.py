@@ -48,7 +48,10 @@ class TextSample:
 
 
 def task_text_samples(
-    tokenizer: PromptTokenizer, task, num_samples: int, problems_per_sample: int,
+    tokenizer: PromptTokenizer,
+    task,
+    num_samples: int,
+    problems_per_sample: int,
     answer: Callable[[Prompt], str] = lambda prompt: prompt.answer,
 ) -> list[TextSample]:
     """Sequences "<bos>M37=7<eos>M52=5<eos>..." of `task`'s problems (a TaskConfig), each followed by
@@ -78,7 +81,9 @@ def warm_up_model(model_dir: Path, environment) -> dict:
     # get a loop of their own, on a thread.
     with ThreadPoolExecutor(1) as thread:
         samples = thread.submit(asyncio.run, play).result()
-    losses = train_in_place(model_dir, samples, config.steps, config.batch_size, config.lr, config.seed, tokenizer.pad_id)
+    losses = train_in_place(
+        model_dir, samples, config.steps, config.batch_size, config.lr, config.seed, tokenizer.pad_id
+    )
     return {
         "warmup/episodes": config.episodes,
         "warmup/steps": config.steps,
@@ -130,7 +135,9 @@ def next_token_batch(samples: list[TrajectorySample], pad_id: int) -> tuple[torc
     return token_ids_NL[:, :-1], token_ids_NL[:, 1:], generated_NL[:, 1:]
 
 
-def demonstration_loss(logits_NLV: torch.Tensor, target_ids_NL: torch.Tensor, loss_mask_NL: torch.Tensor) -> torch.Tensor:
+def demonstration_loss(
+    logits_NLV: torch.Tensor, target_ids_NL: torch.Tensor, loss_mask_NL: torch.Tensor
+) -> torch.Tensor:
     """Mean cross-entropy over the masked (generated) target tokens."""
     token_loss_NL = torch.nn.functional.cross_entropy(logits_NLV.transpose(1, 2), target_ids_NL, reduction="none")
     return (token_loss_NL * loss_mask_NL).sum() / loss_mask_NL.sum().clamp(min=1)

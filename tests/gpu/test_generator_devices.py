@@ -60,9 +60,7 @@ def test_two_engines_on_one_host_run_on_their_assigned_devices(model_dir):
 
 
 @needs_two_gpus
-def test_a_tensor_parallel_engine_spans_its_block_and_matches_the_trainer_before_and_after_a_swap(
-    model_dir, tmp_path
-):
+def test_a_tensor_parallel_engine_spans_its_block_and_matches_the_trainer_before_and_after_a_swap(model_dir, tmp_path):
     """TP 2 over devices (0, 1): one worker per device, logprobs that agree with the trainer, and a
     weight swap (vLLM's reload: the staged loader is TP 1 only) that reaches both shards."""
     tokenizer = PromptTokenizer(model_dir)

@@ -13,9 +13,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_real_run_grows_its_pool_mid_run_and_each_phase_is_measured(tmp_path):
-    summary = main(ElasticArgs(
-        config=REPO / "configs/grpo_tiny_cpu.yaml", counts=(1, 2), steps_per_phase=3, prompts_per_step=4, out_dir=tmp_path,
-    ))
+    summary = main(
+        ElasticArgs(
+            config=REPO / "configs/grpo_tiny_cpu.yaml",
+            counts=(1, 2),
+            steps_per_phase=3,
+            prompts_per_step=4,
+            out_dir=tmp_path,
+        )
+    )
     assert summary["simulated"] is False and summary["counts"] == [1, 2]
     assert [phase["generators"] for phase in summary["phases"]] == [1, 2]
     assert all(phase["steps_measured"] >= 1 and phase["trained_tokens_per_s"] > 0 for phase in summary["phases"])

@@ -15,9 +15,14 @@ of the suite and a busy loop, the first step alone can take longer than 30 s).""
 
 
 def test_the_forge_rl_side_stops_at_its_training_budget_and_reports_its_figures_and_role_bound(tmp_path):
-    summary = peers.main(PeersArgs(workloads=("matched_tiny",), steps=1000, budget_s=BUDGET_S, skip_peer=True, out_dir=tmp_path))
+    summary = peers.main(
+        PeersArgs(workloads=("matched_tiny",), steps=1000, budget_s=BUDGET_S, skip_peer=True, out_dir=tmp_path)
+    )
     # Within the budget a quiet machine may reach the threshold, a loaded one not.
-    assert summary["peer_status"] == "skipped" and summary["matched_tiny/forge_rl_statuses"] in (["ok"], ["not_reached"])
+    assert summary["peer_status"] == "skipped" and summary["matched_tiny/forge_rl_statuses"] in (
+        ["ok"],
+        ["not_reached"],
+    )
     (run,) = summary["by_workload"]["matched_tiny"]["runs"]["forge_rl"]
     assert 1 <= run["steps"] < 1000 and run["training_s"] <= BUDGET_S  # stopped at the first step past the budget
     assert run["startup_s"] > 0 and run["max_policy_age_seen"] <= 1

@@ -20,8 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_a_killed_simulated_generator_is_replaced_with_every_prompt_accounted_for(tmp_path):
     args = ScaleArgs(
-        fault_generators=4, fault_kill_fraction=0.25, fault_steps=8, fault_kill_after_step=2,
-        fault_replaced_by_step=4, out_dir=tmp_path,
+        fault_generators=4,
+        fault_kill_fraction=0.25,
+        fault_steps=8,
+        fault_kill_after_step=2,
+        fault_replaced_by_step=4,
+        out_dir=tmp_path,
     )
     figures = faults(load_yaml_config(GRPOConfig, REPO / "configs/sim_scale.yaml"), args)
     assert figures["faults_killed"] == figures["faults_detected"] == figures["faults_replaced"] == 1

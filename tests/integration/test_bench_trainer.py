@@ -11,16 +11,46 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--repeats", "1", "--num-prompts", "2", "--group-size", "4", "--max-completion", "32",
-        "--hidden-size", "64", "--num-heads", "2", "--num-layers", "1", "--intermediate-size", "128"]
+TINY = [
+    "--repeats",
+    "1",
+    "--num-prompts",
+    "2",
+    "--group-size",
+    "4",
+    "--max-completion",
+    "32",
+    "--hidden-size",
+    "64",
+    "--num-heads",
+    "2",
+    "--num-layers",
+    "1",
+    "--intermediate-size",
+    "128",
+]
 
 
 @pytest.mark.parametrize("num_procs", [1, 2])
 def test_bench_trainer_smoke(tmp_path, num_procs):
     """Two gloo processes time the four TorchTitan variants; one process adds transformers' step."""
     result = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "bench", "trainer", "--out-dir", str(tmp_path), "--num-procs", str(num_procs), *TINY],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "forge_rl.cli",
+            "bench",
+            "trainer",
+            "--out-dir",
+            str(tmp_path),
+            "--num-procs",
+            str(num_procs),
+            *TINY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
@@ -39,11 +69,43 @@ def test_bench_trainer_smoke(tmp_path, num_procs):
 
 def test_bench_trees_smoke(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "bench", "trees", "--out-dir", str(tmp_path), "--group-sizes", "4",
-         "--prompt-tokens", "8", "32", "--min-completion", "4", "--max-completion", "8", "--repeats", "1",
-         "--headline", "4", "32", "--hidden-size", "64", "--num-heads", "2", "--num-layers", "1",
-         "--intermediate-size", "128", "--num-threads", "1"],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "forge_rl.cli",
+            "bench",
+            "trees",
+            "--out-dir",
+            str(tmp_path),
+            "--group-sizes",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "32",
+            "--min-completion",
+            "4",
+            "--max-completion",
+            "8",
+            "--repeats",
+            "1",
+            "--headline",
+            "4",
+            "32",
+            "--hidden-size",
+            "64",
+            "--num-heads",
+            "2",
+            "--num-layers",
+            "1",
+            "--intermediate-size",
+            "128",
+            "--num-threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -59,8 +121,23 @@ def test_bench_branches_smoke(tmp_path):
     """Three short runs of configs/bench_branches_cpu.yaml: the tree, plain groups of as many
     samples, plain groups of the same roots."""
     result = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "bench", "branches", "--out-dir", str(tmp_path), "--steps", "2", "--seeds", "0"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "forge_rl.cli",
+            "bench",
+            "branches",
+            "--out-dir",
+            str(tmp_path),
+            "--steps",
+            "2",
+            "--seeds",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])

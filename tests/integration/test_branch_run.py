@@ -19,7 +19,9 @@ NUM_STEPS = 6
 
 @pytest.fixture(scope="module")
 def branch_run(tmp_path_factory):
-    return run_config_file(REPO / "configs/grpo_branch_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "branch", steps=NUM_STEPS)
+    return run_config_file(
+        REPO / "configs/grpo_branch_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "branch", steps=NUM_STEPS
+    )
 
 
 def test_every_step_trains_trees_whose_tokens_are_within_the_age_bound_by_both_versions(branch_run):
@@ -44,7 +46,10 @@ def test_each_pivot_grows_k_continuations_and_the_shared_prefixes_are_computed_o
 def fork_run(tmp_path_factory):
     """The calculator recipe (configs/grpo_tool_tiny_cpu.yaml) with its episodes forked at turns."""
     return run_config_file(
-        REPO / "configs/grpo_tool_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "forks", steps=NUM_STEPS,
+        REPO / "configs/grpo_tool_tiny_cpu.yaml",
+        tmp_path_factory.mktemp("runs"),
+        "forks",
+        steps=NUM_STEPS,
         branch=BranchConfig(rule="token_prob", branches_per_pivot=2),
     )
 

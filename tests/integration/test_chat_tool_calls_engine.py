@@ -35,9 +35,14 @@ pytestmark = pytest.mark.integration
 MAX_MODEL_LEN = 1024
 """The tools' system prompt alone is about 600 characters, one token each."""
 LIMITS = EpisodeLimits(max_turns=4, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=8)
-MULTIPLY = {"type": "function", "function": {
-    "name": "multiply", "description": "a*b",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+MULTIPLY = {
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "a*b",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
 CALL_JSON = '\n{"name": "multiply", "arguments": {"a": 37, "b": 52}}\n'
 """The call's body exactly as the template renders it between <tool_call> and </tool_call>."""
 WHOLE_TOKENS = ("<tool_call>", CALL_JSON, "</tool_call>")
@@ -103,7 +108,11 @@ def test_a_call_vllm_sampled_is_read_by_vllms_parser_and_the_tool_loop_is_one_sa
         call = reply.choices[0].message.tool_calls[0]
         messages += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "1924"}]
         # tool_choice "none": the model writes its call again, and it comes back as text.
-        replies.append(await client.chat.completions.create(model="policy", messages=messages, tools=[MULTIPLY], tool_choice="none"))
+        replies.append(
+            await client.chat.completions.create(
+                model="policy", messages=messages, tools=[MULTIPLY], tool_choice="none"
+            )
+        )
         return 1.0
 
     renderer = ChatTemplateRenderer(tokenizer, tool_call_parser="hermes")

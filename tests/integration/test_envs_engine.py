@@ -114,7 +114,12 @@ def vllm_turn(output) -> tuple[list[int], list[float], list[int], list[set[int]]
 
 
 def as_recorded(span: GeneratedSpan) -> tuple[list[int], list[float], list[int], list[set[int]]]:
-    return list(span.token_ids), list(span.logprobs), list(span.policy_versions), [set(k) for k in span.sampling_support]
+    return (
+        list(span.token_ids),
+        list(span.logprobs),
+        list(span.policy_versions),
+        [set(k) for k in span.sampling_support],
+    )
 
 
 def turn_prefixes(trajectory: Trajectory) -> list[list[int]]:
@@ -158,7 +163,11 @@ def test_calculator_episodes_carry_exactly_the_tokens_vllm_sampled_turn_after_tu
     assert sum(t.num_turns for t in trajectories) > len(trajectories)  # multi-turn, not one turn each
     for trajectory in trajectories:
         # Noise never closes with the product; the model's own failures are trainable, none errored.
-        assert trajectory.status in {TrajectoryStatus.DONE, TrajectoryStatus.TRUNCATED_TURNS, TrajectoryStatus.TRUNCATED_TOKENS}
+        assert trajectory.status in {
+            TrajectoryStatus.DONE,
+            TrajectoryStatus.TRUNCATED_TURNS,
+            TrajectoryStatus.TRUNCATED_TOKENS,
+        }
         assert 1 <= trajectory.num_turns <= LIMITS.max_turns
         assert all(sample.num_tokens <= LIMITS.max_total_tokens for sample in trajectory.samples)
         spans = trajectory.generated_spans
@@ -246,7 +255,10 @@ def test_openenv_verifiers_and_chat_client_agents_record_exactly_what_vllm_sampl
         messages = [{"role": "user", "content": "37*52="}]
         for answer in ("R1=", "R2="):
             reply = await client.chat.completions.create(model="policy", messages=messages)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": answer}]
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": answer},
+            ]
         await client.chat.completions.create(model="policy", messages=messages)
         return 0.5
 
@@ -328,7 +340,9 @@ def test_an_episode_spanning_a_weight_swap_keeps_the_version_of_every_token(serv
     served.run(engine.stage_weights(new_dir, 1))  # the swap itself is then a reference swap
     generate = swapping_during_turn_2(engine, new_dir, 1, hold_after_tokens)
 
-    limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
+    limits = EpisodeLimits(
+        max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3
+    )
     trajectory = served.play(make_calculator_env(seed=3, index=0), limits, generate)
 
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TURNS and trajectory.num_turns == 3
@@ -371,7 +385,9 @@ def test_a_turn_aborted_by_an_abort_mode_swap_is_resubmitted_and_joined(served, 
     trajectory = served.play(make_calculator_env(seed=4, index=0), limits, generate)
 
     [span] = trajectory.generated_spans
-    assert list(span.policy_versions) == [old_version] * hold_after_tokens + [new_version] * (turn_tokens - hold_after_tokens)
+    assert list(span.policy_versions) == [old_version] * hold_after_tokens + [new_version] * (
+        turn_tokens - hold_after_tokens
+    )
     (first_prompt, aborted), (second_prompt, rest) = engine.requests[num_requests_before:]
     assert aborted.outputs[0].finish_reason == "abort"
     assert second_prompt == first_prompt + list(span.token_ids[:hold_after_tokens])  # resubmitted as sampled
@@ -391,7 +407,9 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     served.run(engine.stage_weights(new_dir, new_version))
     generate = swapping_during_turn_2(engine, new_dir, new_version, hold_after_tokens)
 
-    limits = EpisodeLimits(max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3)
+    limits = EpisodeLimits(
+        max_turns=3, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=turn_tokens, max_malformed_turns=3
+    )
     # The held turn ignores eos, so every turn here is cut at its budget, and the plain format
     # (which closes a turn with eos) would fork the trajectory at each one, as would a special token
     # sampled inside a turn (it decodes to nothing). So: turns of the alphabet only, rendered
@@ -399,7 +417,9 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     engine.allowed_token_ids = served.tokenizer.encode_text(ALPHABET)
     try:
         [graph] = served.run(
-            play_group([make_calculator_env(seed=5, index=0)], generate, UnclosedTurnsRenderer(served.tokenizer), limits)
+            play_group(
+                [make_calculator_env(seed=5, index=0)], generate, UnclosedTurnsRenderer(served.tokenizer), limits
+            )
         )
     finally:
         engine.allowed_token_ids = None
@@ -412,7 +432,9 @@ def test_the_library_rollout_across_a_weight_update_trains_exactly_the_sampled_i
     batch = make_train_batch([Episode(0, "", "", [], [completion])], pad_id=served.tokenizer.pad_id)
     row = batch.input_ids_NL[0].tolist()
     assert row == completion.token_ids and batch.loss_mask_NL[0].tolist() == completion.generated
-    runs = [(start, start + len(span.token_ids)) for start, span in zip(turn_starts(completion), trajectory.generated_spans)]
+    runs = [
+        (start, start + len(span.token_ids)) for start, span in zip(turn_starts(completion), trajectory.generated_spans)
+    ]
     assert len(runs) == trajectory.num_turns == 3
     sampled_versions = []
     for start, end in runs:
@@ -448,7 +470,9 @@ class UnclosedTurnsRenderer(PlainTextRenderer):
     """The plain format without the eos that closes each assistant turn: for turns cut at their budget."""
 
     def render(self, conversation):
-        return [self.tokenizer.bos_id] + [t for message in conversation for t in self.tokenizer.encode_text(message.content)]
+        return [self.tokenizer.bos_id] + [
+            t for message in conversation for t in self.tokenizer.encode_text(message.content)
+        ]
 
 
 def turn_starts(completion) -> list[int]:

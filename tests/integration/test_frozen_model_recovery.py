@@ -54,10 +54,16 @@ replacement (a restart recorded) still fails the test."""
 def episodes() -> list[Episode]:
     """2 prompts x 2 completions of uneven lengths."""
     return [
-        Episode(e, f"P{e}=", "", [1, 10 + e, 14], [
-            Completion(token_ids=[5 + e + c + t for t in range(n)], logprobs=[-1.0] * n, policy_versions=[0] * n)
-            for c, n in enumerate(lengths)
-        ])
+        Episode(
+            e,
+            f"P{e}=",
+            "",
+            [1, 10 + e, 14],
+            [
+                Completion(token_ids=[5 + e + c + t for t in range(n)], logprobs=[-1.0] * n, policy_versions=[0] * n)
+                for c, n in enumerate(lengths)
+            ],
+        )
         for e, lengths in enumerate([(3, 1), (2, 4)])
     ]
 
@@ -154,15 +160,33 @@ def refresh_then_kill(model_dir: Path, tmp_path: Path, config: TeacherConfig, em
         index, _ = await spawn_store(procs, root, extra_files_dir=model_dir)  # keeps the newest version only
         writer = WeightStore(index, root, extra_files_dir=model_dir)
         teacher = procs.spawn(
-            "teacher", FrozenModelSupervisor, "teacher", config, str(model_dir), pad_id, index, str(root), None, None,
+            "teacher",
+            FrozenModelSupervisor,
+            "teacher",
+            config,
+            str(model_dir),
+            pad_id,
+            index,
+            str(root),
+            None,
+            None,
             None if ema_file is None else str(ema_file),
         )
         twin = None
         if config.num_procs > 1:
             one_process = dataclasses.replace(config, num_procs=1, parallel=ParallelConfig())
             twin = procs.spawn(  # an ema twin writes its average too: no lease of its holds version 1
-                "twin", FrozenModelSupervisor, "twin", one_process, str(model_dir), pad_id, index, str(root), None,
-                None, None if ema_file is None else str(ema_file.with_name("twin_ema.pt")),
+                "twin",
+                FrozenModelSupervisor,
+                "twin",
+                one_process,
+                str(model_dir),
+                pad_id,
+                index,
+                str(root),
+                None,
+                None,
+                None if ema_file is None else str(ema_file.with_name("twin_ema.pt")),
             )
         teachers = [teacher] + ([twin] if twin is not None else [])
         try:

@@ -117,7 +117,9 @@ def test_the_other_generator_keeps_serving_meanwhile(recovered_run):
     2-token completions takes about 0.3 s: steps 6-14 are all trained before it serves."""
     summary, kill, *_ = recovered_run
     down = kill["steps_trained_while_down"]
-    assert len(down) >= 5, f"only steps {down} were trained while generator 0 was down; recovery: {summary['generator_recoveries']}"
+    assert len(down) >= 5, (
+        f"only steps {down} were trained while generator 0 was down; recovery: {summary['generator_recoveries']}"
+    )
 
 
 def test_no_prompt_is_lost_or_trained_twice(recovered_run):

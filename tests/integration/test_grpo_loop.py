@@ -109,7 +109,9 @@ def held_out_eval(tmp_path_factory, placement: str = "own") -> EvalConfig:
     export_rows(TaskRows(TaskConfig(seed=1)), rows, 16)
     data = DataConfig(str(rows), answer_column="answer")
     return EvalConfig(
-        sets=(EvalSetConfig("held_out", data, max_prompts=16),), every_n_steps=1, max_waiting=NUM_STEPS + 2,
+        sets=(EvalSetConfig("held_out", data, max_prompts=16),),
+        every_n_steps=1,
+        max_waiting=NUM_STEPS + 2,
         placement=placement,
     )
 
@@ -135,7 +137,8 @@ def tp_run(tmp_path_factory, tp_workers_after_the_run):
     after = tp_workers_after_the_run
     workers = after["workers"]
     config = variant_config(
-        "tp", tmp_path_factory,
+        "tp",
+        tmp_path_factory,
         launch=LaunchConfig(
             hosts="list",
             workers=tuple(f"tcp://127.0.0.1:{port}" for port in after["ports"]),
@@ -147,7 +150,10 @@ def tp_run(tmp_path_factory, tp_workers_after_the_run):
     config_path.write_text(yaml.safe_dump(config_to_dict(config)))
     cli = subprocess.run(
         [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(config_path), "--log.progress-every-s", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=RUN_HANG_S,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_HANG_S,
         env={**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9"},  # offline must not touch the network
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
@@ -279,9 +285,13 @@ def test_every_steps_version_is_evaluated_exactly_beside_training_and_never_trai
     records = eval_records(run_path)
     assert [(r["step"], r["policy_version"]) for r in records] == [(s, s) for s in range(NUM_STEPS + 1)]
     assert all(r["eval/failed"] == 0 and r["eval/dropped"] == 0 for r in records)
-    assert all(r["eval/held_out/num_prompts"] == 16 and r["eval/held_out/version"] == r["policy_version"] for r in records)
+    assert all(
+        r["eval/held_out/num_prompts"] == 16 and r["eval/held_out/version"] == r["policy_version"] for r in records
+    )
     for record in records:
-        samples = (run_path / "eval" / "held_out" / f"version-{record['policy_version']}.jsonl").read_text().splitlines()
+        samples = (
+            (run_path / "eval" / "held_out" / f"version-{record['policy_version']}.jsonl").read_text().splitlines()
+        )
         assert len(samples) == 16
     assert summary["eval"]["held_out"] == {k: v for k, v in records[-1].items() if k.startswith("eval/held_out/")}
     assert summary["evaluations"] == {"evaluated": NUM_STEPS + 1, "failed": 0, "dropped": 0}
@@ -298,9 +308,11 @@ def test_forge_rl_eval_of_every_checkpoint_draws_the_runs_curve_from_its_checkpo
     _, _, run_path, _ = fsdp_run
     out = tmp_path / "curve"
     cli = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "eval", "--run", str(run_path), "--every-checkpoint",
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=RUN_HANG_S,
+        [sys.executable, "-m", "forge_rl.cli", "eval", "--run", str(run_path), "--every-checkpoint", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_HANG_S,
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     summary = json.loads(cli.stdout.strip().splitlines()[-1])
@@ -327,7 +339,9 @@ def test_an_evaluation_on_the_runs_generator_is_pinned_to_its_version_while_trai
     summary, _, run_path, config = tp_run
     records = eval_records(run_path)
     assert (records[0]["step"], records[0]["policy_version"]) == (0, 0)
-    assert all(r["eval/held_out/version"] == r["policy_version"] and r["eval/held_out/num_prompts"] == 16 for r in records)
+    assert all(
+        r["eval/held_out/version"] == r["policy_version"] and r["eval/held_out/num_prompts"] == 16 for r in records
+    )
     counts = summary["evaluations"]
     assert counts["evaluated"] == len(records) and counts["dropped"] == 0
     assert counts["evaluated"] + counts["failed"] == NUM_STEPS + 1  # every one asked for: made, or counted

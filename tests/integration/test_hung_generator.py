@@ -83,8 +83,17 @@ def hung_and_replaced(model_dir) -> HungAndReplaced:
         try:
             index = services.spawn("store_index", StoreIndexActor)
             pool = services.spawn(
-                "generators", GeneratorPool, CONFIG, str(model_dir), 128, 1, index, [GeneratorPlacement(None, (0,))],
-                generate_timeout_s=GENERATE_TIMEOUT_S, update_timeout_s=600.0, generator_class=HeldGeneratorActor,
+                "generators",
+                GeneratorPool,
+                CONFIG,
+                str(model_dir),
+                128,
+                1,
+                index,
+                [GeneratorPlacement(None, (0,))],
+                generate_timeout_s=GENERATE_TIMEOUT_S,
+                update_timeout_s=600.0,
+                generator_class=HeldGeneratorActor,
             )
             await pool.start.call_one()
             [processes_before] = await pool.processes.call_one()
@@ -105,8 +114,13 @@ def hung_and_replaced(model_dir) -> HungAndReplaced:
             served = await pool.generate.call_one(0, [episode(2)], 2)
             [processes_after] = await pool.processes.call_one()
             result = HungAndReplaced(
-                lost, await pool.recovery_events.call_one(), served, processes_before, processes_after,
-                await asyncio.to_thread(still_running, processes_before), holders_before,
+                lost,
+                await pool.recovery_events.call_one(),
+                served,
+                processes_before,
+                processes_after,
+                await asyncio.to_thread(still_running, processes_before),
+                holders_before,
                 await holders_once_empty(index, PLANTED),
             )
             await pool.shutdown.call_one()
@@ -119,7 +133,9 @@ def hung_and_replaced(model_dir) -> HungAndReplaced:
 
 def test_a_generate_call_past_its_timeout_loses_the_generator(hung_and_replaced):
     assert isinstance(hung_and_replaced.lost, GeneratorLost)
-    assert f"hung: a generate call ran past generator.generate_timeout_s ({GENERATE_TIMEOUT_S:g} s)" in str(hung_and_replaced.lost)
+    assert f"hung: a generate call ran past generator.generate_timeout_s ({GENERATE_TIMEOUT_S:g} s)" in str(
+        hung_and_replaced.lost
+    )
     [event] = hung_and_replaced.recoveries
     assert event["generator"] == 0 and event["reason"].startswith("hung: a generate call")
 

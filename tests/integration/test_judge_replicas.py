@@ -45,7 +45,9 @@ def test_replicas_of_the_judge_share_a_scorers_verdicts(model_dir):
     async def main():
         judge_procs = spawn_procs(this_host(), "judge", JUDGE.replicas)
         scorer_procs = spawn_procs(this_host(), "scorer")
-        judge = judge_procs.spawn("judge", GeneratorActor, config.judge.generator, str(model_dir), JUDGE.max_model_len, None, "judge")
+        judge = judge_procs.spawn(
+            "judge", GeneratorActor, config.judge.generator, str(model_dir), JUDGE.max_model_len, None, "judge"
+        )
         try:
             starts = await judge.start.call()
             scorer = scorer_procs.spawn("scorer", ScorerActor, config, "leading_number", 0, None, None, judge)
@@ -53,7 +55,12 @@ def test_replicas_of_the_judge_share_a_scorers_verdicts(model_dir):
                 scorer.score.call_one([episode(0, "7", "3", "9")]), scorer.score.call_one([episode(1, "1", "7", "5")])
             )
             forward = await judge.forward_time.call()
-            return [starts.get(i) for i in range(2)], scored, [forward.get(i) for i in range(2)], await scorer.stats.call_one()
+            return (
+                [starts.get(i) for i in range(2)],
+                scored,
+                [forward.get(i) for i in range(2)],
+                await scorer.stats.call_one(),
+            )
         finally:
             await judge.shutdown.call()
             for procs in (judge_procs, scorer_procs):

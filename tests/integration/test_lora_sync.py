@@ -196,8 +196,12 @@ def test_a_request_that_outlives_its_adapter_continues_on_the_newest_and_no_load
     (tail_version,) = set(tail)
     assert tail_version >= held_version + 2  # the newest adapter when its own was retired
     assert exact_versions(completion) == head + tail  # its prefix encoded anew by the newest adapter
-    assert _close(completion.logprobs[:3], s.trainer.logprobs(completion.token_ids, held_version)[:3]) < LOGPROB_TOLERANCE
-    assert _close(completion.logprobs[3:], s.trainer.logprobs(completion.token_ids, tail_version)[3:]) < LOGPROB_TOLERANCE
+    assert (
+        _close(completion.logprobs[:3], s.trainer.logprobs(completion.token_ids, held_version)[:3]) < LOGPROB_TOLERANCE
+    )
+    assert (
+        _close(completion.logprobs[3:], s.trainer.logprobs(completion.token_ids, tail_version)[3:]) < LOGPROB_TOLERANCE
+    )
     assert s.run(s.engine.adapters_settled()) == [held_version + 1]
     assert sorted(s.run(s.engine._running_llm.list_loras())) == [held_version + 2 + 1, held_version + 3 + 1]
 
@@ -250,7 +254,9 @@ def test_an_unembedding_adapter_on_tied_embeddings_is_served_with_the_trainers_l
     trainer = Trainer(model_dir, None, ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS)
     assert trainer.model.tok_embeddings.weight is trainer.model.lm_head.weight
     trainer.set_version(1)
-    adapter_dir = write_peft_adapter(tmp_path / "adapter", trainer.adapters.adapter_state_dict(), trainer.lora, model_dir)
+    adapter_dir = write_peft_adapter(
+        tmp_path / "adapter", trainer.adapters.adapter_state_dict(), trainer.lora, model_dir
+    )
 
     async def serve():
         engine = VLLMEngine(
@@ -268,4 +274,6 @@ def test_an_unembedding_adapter_on_tied_embeddings_is_served_with_the_trainers_l
     assert _close(completion.logprobs, trainer.logprobs(completion.token_ids, 1)) < LOGPROB_TOLERANCE
     with torch.no_grad():
         trainer.adapters.layers["lm_head"].lora_B.zero_()
-    assert _close(completion.logprobs, trainer.current_logprobs(completion.token_ids)) > 0.05, "lm_head's adapter not applied"
+    assert _close(completion.logprobs, trainer.current_logprobs(completion.token_ids)) > 0.05, (
+        "lm_head's adapter not applied"
+    )

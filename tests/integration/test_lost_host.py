@@ -47,8 +47,13 @@ def lost_host_run(tmp_path_factory):
         run.release()
         summary, log = run.finish(controller)
         return {
-            "summary": summary, "log": log, "config": config, "metrics": run.metrics(config), "lost_at": lost_at,
-            "lost": [p.pid for p in family], "others_alive": all(run.worker(i).poll() is None for i in (1, 2)),
+            "summary": summary,
+            "log": log,
+            "config": config,
+            "metrics": run.metrics(config),
+            "lost_at": lost_at,
+            "lost": [p.pid for p in family],
+            "others_alive": all(run.worker(i).poll() is None for i in (1, 2)),
             "services_log": run.worker_log(1).read_text(),
         }
 

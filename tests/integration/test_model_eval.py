@@ -29,20 +29,56 @@ def test_forge_rl_eval_writes_each_prompts_and_problems_samples_and_ends_with_th
     held_out.write_text("".join(json.dumps({"prompt": f"M{i}{i + 1}=", "answer": str(i + 1)}) + "\n" for i in range(5)))
     out = tmp_path / "out"
     cli = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "eval", "--model-path", str(model_dir), "--benchmark", "humaneval",
-         "--num-problems", "3", "--data.path", str(held_out), "--data.answer-column", "answer",
-         "--task.reward", "exact_match", "--eval.num-samples", "2", "--eval.temperature", "1.0",
-         "--eval.k-values", "1", "2", "--eval.max-new-tokens", "16", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=EVAL_HANG_S,
+        [
+            sys.executable,
+            "-m",
+            "forge_rl.cli",
+            "eval",
+            "--model-path",
+            str(model_dir),
+            "--benchmark",
+            "humaneval",
+            "--num-problems",
+            "3",
+            "--data.path",
+            str(held_out),
+            "--data.answer-column",
+            "answer",
+            "--task.reward",
+            "exact_match",
+            "--eval.num-samples",
+            "2",
+            "--eval.temperature",
+            "1.0",
+            "--eval.k-values",
+            "1",
+            "2",
+            "--eval.max-new-tokens",
+            "16",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=EVAL_HANG_S,
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     summary = json.loads(cli.stdout.strip().splitlines()[-1])
     assert "sampled 8/8 prompts (16 samples)" in cli.stderr  # 5 of the set, 3 problems
-    assert (summary["model"], summary["step"], summary["policy_version"], summary["out"]) == (str(model_dir), 0, 0, str(out))
+    assert (summary["model"], summary["step"], summary["policy_version"], summary["out"]) == (
+        str(model_dir),
+        0,
+        0,
+        str(out),
+    )
 
     humaneval = summary["humaneval"]
     assert {k: humaneval[k] for k in ("num_problems", "num_samples", "pass@1", "pass@2")} == {
-        "num_problems": 3, "num_samples": 6, "pass@1": 0.0, "pass@2": 0.0,
+        "num_problems": 3,
+        "num_samples": 6,
+        "pass@1": 0.0,
+        "pass@2": 0.0,
     }
     problems = [json.loads(line) for line in Path(humaneval["results"]).read_text().splitlines()]
     assert [p["task_id"] for p in problems] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]

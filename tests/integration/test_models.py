@@ -246,7 +246,9 @@ def test_vllm_serves_the_export_with_the_trainers_logprobs(trained):
     log_ratio = trainer_logprobs - vllm_logprobs
     mismatch_kl = (log_ratio.exp() - 1 - log_ratio).mean().item()
     max_diff = log_ratio.abs().max().item()
-    print(f"{trained.family}: vLLM vs trainer over {mask.sum()} tokens: k3 KL {mismatch_kl:.2e}, max |dlogp| {max_diff:.2e}")
+    print(
+        f"{trained.family}: vLLM vs trainer over {mask.sum()} tokens: k3 KL {mismatch_kl:.2e}, max |dlogp| {max_diff:.2e}"
+    )
     assert mask.sum() == 2 * 4 * 24
     assert mismatch_kl < MAX_MISMATCH_KL
 
@@ -281,7 +283,9 @@ NUM_PARALLEL_STEPS = 5
 def _parallel_batch(trainer: PolicyTrainer):
     batch = make_train_batch(_episodes(), pad_id=0)
     noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
-    return dataclasses.replace(batch, behaviour_logprobs_NL=(trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL)
+    return dataclasses.replace(
+        batch, behaviour_logprobs_NL=(trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL
+    )
 
 
 def _run_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch, out: Path):

@@ -67,13 +67,23 @@ def test_a_host_list_places_each_role_on_its_worker(tmp_path):
     try:
         client = subprocess.run(
             [sys.executable, "-m", "tests.integration.test_multi_host", str(tmp_path), *map(str, ports)],
-            cwd=REPO, capture_output=True, text=True, timeout=ATTACH_HANG_S,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=ATTACH_HANG_S,
         )
         assert client.returncode == 0, client.stderr[-3000:]
         report = json.loads(client.stdout.strip().splitlines()[-1])
         worker_pids = [w.pid for w in workers]
         hosts = {role: _worker_of(ancestors, worker_pids) for role, ancestors in report["ancestors"].items()}
-        assert hosts == {"services": 0, "trainer0": 1, "trainer1": 1, "store_volume": 1, "spawned_by_actor": 1, "scorer": 1}
+        assert hosts == {
+            "services": 0,
+            "trainer0": 1,
+            "trainer1": 1,
+            "store_volume": 1,
+            "spawned_by_actor": 1,
+            "scorer": 1,
+        }
         assert report["ranks"] == [["0", "2"], ["1", "2"]]
         assert [f["cpus"] for f in report["facts"]] == [sorted(os.sched_getaffinity(0))] * 2
         assert report["volume_location"].startswith(socket.gethostname() + ":")

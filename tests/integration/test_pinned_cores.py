@@ -33,7 +33,9 @@ def threads_cores(pid: int) -> dict[int, set[int]]:
             status = (task / "status").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        allowed = next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+        allowed = next(
+            line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+        )
         cores[int(task.name)] = parse_core_list(allowed)
     return cores
 
@@ -50,7 +52,11 @@ def parse_core_list(text: str) -> set[int]:
 def test_each_role_runs_on_its_own_cores_with_every_thread_and_engine_process(tmp_path):
     generator_core, trainer_core = sorted(os.sched_getaffinity(0))[:2]
     config = GRPOConfig(
-        run_dir=tmp_path, run_name="pinned", steps=2, train_batch_size=8, group_size=4,
+        run_dir=tmp_path,
+        run_name="pinned",
+        steps=2,
+        train_batch_size=8,
+        group_size=4,
         generator=GeneratorConfig(max_new_tokens=2),
         launch=LaunchConfig(placement=PlacementConfig(generator_cpus=(generator_core,), trainer_cpus=(trainer_core,))),
     )

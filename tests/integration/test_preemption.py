@@ -47,8 +47,14 @@ def preempted_run(tmp_path_factory):
         summary, log = run.finish(controller)
         others_alive = all(run.worker(i).poll() is None for i in (1, 2))
         return {
-            "summary": summary, "log": log, "config": config, "names": run.names, "metrics": run.metrics(config),
-            "preempted_exit": preempted_exit, "preempted_after_s": preempted_after_s, "others_alive": others_alive,
+            "summary": summary,
+            "log": log,
+            "config": config,
+            "names": run.names,
+            "metrics": run.metrics(config),
+            "preempted_exit": preempted_exit,
+            "preempted_after_s": preempted_after_s,
+            "others_alive": others_alive,
             "preempted_log": run.worker_log(3).read_text(),
         }
 

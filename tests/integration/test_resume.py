@@ -65,7 +65,9 @@ def _train_rank(rank: int, model_dir: Path, checkpoint: Path, out: Path, resume:
     trainer = PolicyTrainer(TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2)), model_dir)
     batch = make_train_batch(_episodes(), pad_id=read_hf_config(model_dir)["pad_token_id"])
     noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
-    batch = dataclasses.replace(batch, behaviour_logprobs_NL=(trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL)
+    batch = dataclasses.replace(
+        batch, behaviour_logprobs_NL=(trainer.compute_logprobs(batch) + noise) * batch.loss_mask_NL
+    )
     losses = []
     if resume:
         trainer.load_checkpoint(checkpoint)
@@ -155,7 +157,9 @@ def _shm_of(processes: list[psutil.Process]) -> set[str]:
                     paths.append(os.readlink(f"/proc/{process.pid}/fd/{fd}"))
     prefix = f"{SHM}/"
     return {
-        path[len(prefix):].split("/")[0] for path in paths if path.startswith(prefix) and not path.endswith(" (deleted)")
+        path[len(prefix) :].split("/")[0]
+        for path in paths
+        if path.startswith(prefix) and not path.endswith(" (deleted)")
     }
 
 
@@ -191,11 +195,31 @@ def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
     export_rows(TaskRows(TaskConfig()), rows, NUM_ROWS)
     process = _started(
         _grpo(
-            "--config", "configs/grpo_tiny_cpu.yaml", "--data.path", str(rows), "--data.answer-column", "answer",
-            "--steps", "1000", "--train-batch-size", "32", "--group-size", "4",
-            "--prompts-in-flight-per-generator", "8", "--buffer.max-policy-age", "0",
-            "--checkpoint.enabled", "--checkpoint.every-n-steps", str(CHECKPOINT_EVERY),
-            "--checkpoint.keep-last", "2", "--run-dir", str(tmp_path), "--run-name", "run",
+            "--config",
+            "configs/grpo_tiny_cpu.yaml",
+            "--data.path",
+            str(rows),
+            "--data.answer-column",
+            "answer",
+            "--steps",
+            "1000",
+            "--train-batch-size",
+            "32",
+            "--group-size",
+            "4",
+            "--prompts-in-flight-per-generator",
+            "8",
+            "--buffer.max-policy-age",
+            "0",
+            "--checkpoint.enabled",
+            "--checkpoint.every-n-steps",
+            str(CHECKPOINT_EVERY),
+            "--checkpoint.keep-last",
+            "2",
+            "--run-dir",
+            str(tmp_path),
+            "--run-name",
+            "run",
         ),
         stderr_path,
     )
@@ -214,8 +238,12 @@ def _first_segment_killed_trainer(tmp_path: Path, run_path: Path) -> dict:
         _kill_leftovers(process, descendants)
     resumed_from = newest_complete_checkpoint(run_path)
     return {
-        "returncode": process.returncode, "stderr": stderr_path.read_text(), "stopped_s": stopped_s,
-        "alive": still_alive, "resumed_from": resumed_from, "state": read_controller_state(resumed_from),
+        "returncode": process.returncode,
+        "stderr": stderr_path.read_text(),
+        "stopped_s": stopped_s,
+        "alive": still_alive,
+        "resumed_from": resumed_from,
+        "state": read_controller_state(resumed_from),
     }
 
 
@@ -245,8 +273,11 @@ def _second_segment_killed_controller(tmp_path: Path, run_path: Path) -> dict:
 def _resume_to(run_path: Path, steps: int) -> tuple[dict, str, int]:
     """`forge-rl grpo --resume RUN_PATH --steps STEPS` to its end: its summary, its stderr, its pid."""
     resumed = subprocess.Popen(
-        _grpo("--resume", str(run_path), "--steps", str(steps)), cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        _grpo("--resume", str(run_path), "--steps", str(steps)),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         stdout, stderr = resumed.communicate(timeout=HANG_S)
@@ -267,8 +298,13 @@ def three_segments(tmp_path_factory):
     steps = at_last_resume.step + STEPS_AFTER_LAST_RESUME
     summary, _, third_pid = _resume_to(run_path, steps)
     return {
-        "first": first, "second": second, "last_resumed_from": last_resumed_from, "at_last_resume": at_last_resume,
-        "steps": steps, "run_path": run_path, "third_store_roots": _store_roots(third_pid),
+        "first": first,
+        "second": second,
+        "last_resumed_from": last_resumed_from,
+        "at_last_resume": at_last_resume,
+        "steps": steps,
+        "run_path": run_path,
+        "third_store_roots": _store_roots(third_pid),
         "summary": summary,
         "metrics": [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()],
     }
@@ -305,7 +341,7 @@ def test_the_resumed_run_continues_steps_versions_and_metrics(three_segments):
     assert summary["steps"] == steps
     assert summary["resumed_from"] == str(three_segments["last_resumed_from"])
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # steps after each checkpoint were redone
-    resumed = metrics[state.step:]
+    resumed = metrics[state.step :]
     assert resumed[0]["policy_version"] == state.policy_version + 1 - resumed[0]["step_skipped"]
     # Synchronous RL: the first resumed batch was generated by the checkpoint's policy version, so
     # the generators served the restored weights, not the model directory's.
@@ -314,13 +350,18 @@ def test_the_resumed_run_continues_steps_versions_and_metrics(three_segments):
 
 
 def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments):
-    at_resume, summary, run_path, steps = (three_segments[k] for k in ("at_last_resume", "summary", "run_path", "steps"))
+    at_resume, summary, run_path, steps = (
+        three_segments[k] for k in ("at_last_resume", "summary", "run_path", "steps")
+    )
     accounting = summary["accounting"]
     assert accounting["trained_more_than_once"] == 0
     # The count goes on over both resumes: the checkpoint's count, plus what this resume reissued.
     assert accounting["reissued_after_resume"] == at_resume.accounting["reissued_after_resume"] + len(at_resume.reissue)
     assert accounting["prompts_handed_out"] == (
-        accounting["trained"] + accounting["dropped"] + accounting["skipped_nonfinite"] + accounting["unfinished_at_stop"]
+        accounting["trained"]
+        + accounting["dropped"]
+        + accounting["skipped_nonfinite"]
+        + accounting["unfinished_at_stop"]
     )
     # The run ended with a checkpoint (checkpoint.on_shutdown): every prompt unsettled at the
     # resume is now trained, dropped, or still pending (none skipped); the cursor only moved on.
@@ -328,8 +369,11 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments
     assert at_end.step == steps and at_end.dataset_cursor >= at_resume.dataset_cursor
     trained = bytearray.fromhex(at_end.accounting["times_trained"])
     settled_or_pending = {
-        *(i for i, count in enumerate(trained) if count), *at_end.buffer["dropped"]["episode_ids"],
-        *at_end.accounting["skipped_ids"], *at_end.accounting["filtered_ids"], *at_end.reissue,
+        *(i for i, count in enumerate(trained) if count),
+        *at_end.buffer["dropped"]["episode_ids"],
+        *at_end.accounting["skipped_ids"],
+        *at_end.accounting["filtered_ids"],
+        *at_end.reissue,
     }
     assert set(at_resume.reissue) <= settled_or_pending
     assert set(range(at_end.dataset_cursor)) == settled_or_pending
@@ -340,7 +384,9 @@ def test_no_prompt_is_skipped_or_trained_twice_across_the_resumes(three_segments
         position = locate(index, NUM_ROWS, DataConfig(path="rows.jsonl").seed)
         rows_by_epoch.setdefault(position.epoch, []).append(position.row_number)
     assert len(rows_by_epoch) >= 2  # the run went past the end of the file
-    assert all(sorted(rows) == list(range(NUM_ROWS)) for epoch, rows in rows_by_epoch.items() if epoch < max(rows_by_epoch))
+    assert all(
+        sorted(rows) == list(range(NUM_ROWS)) for epoch, rows in rows_by_epoch.items() if epoch < max(rows_by_epoch)
+    )
     assert all(len(set(rows)) == len(rows) for rows in rows_by_epoch.values())
     if three_segments["second"] is not None:
         assert not three_segments["third_store_roots"], "the resumed run left its weight store behind"
@@ -353,16 +399,44 @@ def test_forge_rl_eval_draws_the_runs_curve_over_its_checkpoints(three_segments,
     checkpoints = complete_checkpoints(run_path)
     out = tmp_path / "eval"
     cli = subprocess.run(
-        [sys.executable, "-m", "forge_rl.cli", "eval", "--run", str(run_path), "--every-checkpoint",
-         "--data.path", str(run_path.parent / "rows.jsonl"), "--data.answer-column", "answer", "--max-prompts", "8",
-         "--eval.num-samples", "2", "--eval.temperature", "1.0", "--eval.k-values", "1", "2", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=HANG_S,
+        [
+            sys.executable,
+            "-m",
+            "forge_rl.cli",
+            "eval",
+            "--run",
+            str(run_path),
+            "--every-checkpoint",
+            "--data.path",
+            str(run_path.parent / "rows.jsonl"),
+            "--data.answer-column",
+            "answer",
+            "--max-prompts",
+            "8",
+            "--eval.num-samples",
+            "2",
+            "--eval.temperature",
+            "1.0",
+            "--eval.k-values",
+            "1",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     curve = json.loads(cli.stdout.strip().splitlines()[-1])["curve"]
     versions = [read_controller_state(path).policy_version for _, path in checkpoints]
-    assert [(c["step"], c["policy_version"]) for c in curve] == [(step, v) for (step, _), v in zip(checkpoints, versions)]
+    assert [(c["step"], c["policy_version"]) for c in curve] == [
+        (step, v) for (step, _), v in zip(checkpoints, versions)
+    ]
     records = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [step for step, _ in checkpoints]
-    assert all(r["eval/rows/num_prompts"] == 8 and 0.0 <= r["eval/rows/pass@1"] <= r["eval/rows/pass@2"] <= 1.0 for r in records)
-
+    assert all(
+        r["eval/rows/num_prompts"] == 8 and 0.0 <= r["eval/rows/pass@1"] <= r["eval/rows/pass@2"] <= 1.0
+        for r in records
+    )

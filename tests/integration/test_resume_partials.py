@@ -38,11 +38,29 @@ def resumed(tmp_path_factory):
     stderr_path = tmp_path / "first.stderr"
     controller = _started(
         _grpo(
-            "--config", "configs/grpo_tiny_cpu.yaml", "--steps", "1000", "--train-batch-size", "16",
-            "--group-size", "4", "--prompts-in-flight-per-generator", "8",
-            "--generator.max-new-tokens", str(MAX_NEW_TOKENS), "--generator.segment-tokens", str(SEGMENT_TOKENS),
-            "--buffer.max-policy-age", "2", "--checkpoint.every-n-steps", str(CHECKPOINT_EVERY),
-            "--log.rollouts", "--run-dir", str(tmp_path), "--run-name", "run",
+            "--config",
+            "configs/grpo_tiny_cpu.yaml",
+            "--steps",
+            "1000",
+            "--train-batch-size",
+            "16",
+            "--group-size",
+            "4",
+            "--prompts-in-flight-per-generator",
+            "8",
+            "--generator.max-new-tokens",
+            str(MAX_NEW_TOKENS),
+            "--generator.segment-tokens",
+            str(SEGMENT_TOKENS),
+            "--buffer.max-policy-age",
+            "2",
+            "--checkpoint.every-n-steps",
+            str(CHECKPOINT_EVERY),
+            "--log.rollouts",
+            "--run-dir",
+            str(tmp_path),
+            "--run-name",
+            "run",
         ),
         stderr_path,
     )
@@ -60,7 +78,10 @@ def resumed(tmp_path_factory):
     summary, stderr, _ = _resume_to(run_path, steps)
     records = [json.loads(line) for line in (run_path / "rollouts.jsonl").read_text().splitlines()]
     return {
-        "saved": saved, "steps": steps, "summary": summary, "stderr": stderr,
+        "saved": saved,
+        "steps": steps,
+        "summary": summary,
+        "stderr": stderr,
         # The resumed run's, which come after the killed one's in the file: the last of each episode.
         "trained": {r["episode_id"]: r for r in records if r["step"] > saved.step},
     }
@@ -72,7 +93,8 @@ def test_the_checkpoint_held_groups_mid_generation_among_its_prompts_to_reissue(
     assert {group["episode_id"] for group in saved.partial_groups} <= set(saved.reissue)
     assert all(
         len(c["token_ids"]) % SEGMENT_TOKENS == 0 or c["status"] == "ok"
-        for group in saved.partial_groups for c in group["completions"]
+        for group in saved.partial_groups
+        for c in group["completions"]
     )
     assert f"({len(saved.partial_groups)} continuing their partial groups)" in resumed["stderr"]
 

@@ -126,7 +126,15 @@ def test_a_killed_reward_model_is_restarted_with_its_scorer_until_max_restarts_t
             await kill_reward_model(supervisor)
             with pytest.raises(Exception) as failed:
                 await supervisor.score.call_one([episode(2, "7", "3")])
-            return before, after, restarts, killed, pids_after, await supervisor.recovery_events.call_one(), failed.value
+            return (
+                before,
+                after,
+                restarts,
+                killed,
+                pids_after,
+                await supervisor.recovery_events.call_one(),
+                failed.value,
+            )
         finally:
             await supervisor.shutdown.call_one()
             await procs.stop()

@@ -42,7 +42,9 @@ def reward_workers() -> list[psutil.Process]:
 def test_reward_faults_error_single_completions_and_workers_die_with_the_mesh():
     async def main():
         procs = spawn_procs(this_host(), "scorer")
-        scorer = procs.spawn("scorer", ScorerActor, ScorerConfig(reward_timeout_s=HANG_TIMEOUT_S, num_workers=2), SCRIPTED)
+        scorer = procs.spawn(
+            "scorer", ScorerActor, ScorerConfig(reward_timeout_s=HANG_TIMEOUT_S, num_workers=2), SCRIPTED
+        )
         try:
             scored = await asyncio.gather(
                 scorer.score.call_one([episode(0, "ok", "raise", "ok")]),

@@ -17,7 +17,9 @@ NUM_STEPS = 6
 
 @pytest.fixture(scope="module")
 def selfplay_run(tmp_path_factory):
-    return run_config_file(REPO / "configs/selfplay_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "selfplay", steps=NUM_STEPS)
+    return run_config_file(
+        REPO / "configs/selfplay_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "selfplay", steps=NUM_STEPS
+    )
 
 
 def test_each_step_trains_both_seats_with_a_reward_of_their_own(selfplay_run):

@@ -59,10 +59,29 @@ def service(tmp_path_factory):
     log = run_dir / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "forge_rl.cli", "serve", "--port", "0", "--run-dir", str(run_dir), "--run-name", "svc",
-             "--trainer.lora.rank", str(RANK), "--base-model", "forge-rl/tiny", "--generator.max-num-seqs", "8",
-             "--log.tensorboard"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, preexec_fn=sigint_handled,
+            [
+                sys.executable,
+                "-m",
+                "forge_rl.cli",
+                "serve",
+                "--port",
+                "0",
+                "--run-dir",
+                str(run_dir),
+                "--run-name",
+                "svc",
+                "--trainer.lora.rank",
+                str(RANK),
+                "--base-model",
+                "forge-rl/tiny",
+                "--generator.max-num-seqs",
+                "8",
+                "--log.tensorboard",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=sigint_handled,
         )
     info = _wait_for_server(process, run_dir / "svc" / "server.json", log)
     yield {"url": info["url"], "process": process, "dir": run_dir / "svc", "log": log}
@@ -85,7 +104,10 @@ def _datum(sequence: list[int]) -> tinker.Datum:
     weights = [0.0] * (len(PROMPT) - 1) + [1.0] * len(sequence)
     return tinker.Datum(
         model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64), "weights": np.array(weights, dtype=np.float32)},
+        loss_fn_inputs={
+            "target_tokens": np.array(tokens[1:], dtype=np.int64),
+            "weights": np.array(weights, dtype=np.float32),
+        },
     )
 
 
@@ -119,16 +141,22 @@ def test_a_short_session_trains_and_the_sampler_serves_what_it_learned(client, s
     assert _greedy(sampler) == SEQUENCES["a"]
     # The sampler's logprobs are the trainer's, on the same weights.
     sampled = sampler.sample(
-        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=3,
+        prompt=tinker.ModelInput.from_ints(PROMPT),
+        num_samples=3,
         sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0, stop=[]),
     ).result()
     assert len(sampled.sequences) == 3 and all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in sampled.sequences)
     prompt_logprobs = sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT + SEQUENCES["a"])).result()
-    trained = training.forward([_datum(SEQUENCES["a"])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    trained = (
+        training.forward([_datum(SEQUENCES["a"])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    )
     assert prompt_logprobs[0] is None
-    np.testing.assert_allclose(prompt_logprobs[len(PROMPT):], trained[len(PROMPT) - 1:], atol=0.05)
+    np.testing.assert_allclose(prompt_logprobs[len(PROMPT) :], trained[len(PROMPT) - 1 :], atol=0.05)
 
-    metrics = [json.loads(line) for line in (service["dir"] / "tenants" / training.model_id / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line)
+        for line in (service["dir"] / "tenants" / training.model_id / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["step"] for m in metrics] == list(range(1, 26)) and all(m["grad_norm"] > 0 for m in metrics)
 
 
@@ -148,9 +176,12 @@ def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token_come_from_the_en
     sampler = client.create_sampling_client(base_model="forge-rl/tiny")
     k = 3
     result = sampler.sample(
-        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=2,
+        prompt=tinker.ModelInput.from_ints(PROMPT),
+        num_samples=2,
         sampling_params=tinker.SamplingParams(max_tokens=4, temperature=1.0, stop=[], seed=3),
-        include_prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=k,
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=k,
+        topk_sample_logprobs=k,
     ).result()
     prompt_rows = result.topk_prompt_logprobs
     assert len(prompt_rows) == len(PROMPT) and prompt_rows[0] is None
@@ -161,17 +192,23 @@ def test_top_k_logprobs_of_the_prompt_and_of_each_sampled_token_come_from_the_en
         assert all(len(row) == k for row in sequence.topk_logprobs)
         _descending_and_consistent(sequence.topk_logprobs, sequence.tokens, sequence.logprobs)
     # Sampled with top_k=2, a position's distribution holds two tokens: its rows list those alone.
-    narrow = sampler.sample(
-        prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=1,
-        sampling_params=tinker.SamplingParams(max_tokens=3, temperature=1.0, top_k=2, stop=[], seed=3),
-        topk_sample_logprobs=k,
-    ).result().sequences[0]
+    narrow = (
+        sampler.sample(
+            prompt=tinker.ModelInput.from_ints(PROMPT),
+            num_samples=1,
+            sampling_params=tinker.SamplingParams(max_tokens=3, temperature=1.0, top_k=2, stop=[], seed=3),
+            topk_sample_logprobs=k,
+        )
+        .result()
+        .sequences[0]
+    )
     assert all(len(row) == 2 and abs(np.logaddexp.reduce([lp for _, lp in row])) < 1e-3 for row in narrow.topk_logprobs)
     assert all(token in dict(row) for token, row in zip(narrow.tokens, narrow.topk_logprobs))
     # Prompts scored while other samples decode, on the engine's LoRA path: each answer whole.
     decoding = [
         sampler.sample(
-            prompt=tinker.ModelInput.from_ints(PROMPT), num_samples=2,
+            prompt=tinker.ModelInput.from_ints(PROMPT),
+            num_samples=2,
             sampling_params=tinker.SamplingParams(max_tokens=8, temperature=1.0, stop=[]),
         )
         for _ in range(3)
@@ -192,7 +229,9 @@ def test_the_docs_example_runs_as_written(service):
 
 
 def test_two_tenants_on_one_base_each_sample_with_their_own_adapter(client):
-    tenants = {name: client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result() for name in SEQUENCES}
+    tenants = {
+        name: client.create_lora_training_client(base_model="forge-rl/tiny", rank=RANK).result() for name in SEQUENCES
+    }
     for _ in range(25):  # interleaved: each step of one tenant between two of the other
         for name, training in tenants.items():
             training.forward_backward([_datum(SEQUENCES[name])], "cross_entropy").result()
@@ -229,9 +268,21 @@ def test_a_tenant_that_trains_attention_alone_learns_less_than_one_that_trains_e
 def test_the_grpo_loop_example_runs_against_the_service(service):
     """examples/grpo_loop.py, a few steps (its learning is measured in docs/service.md, not here)."""
     loop = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "grpo_loop.py"), "--base-url", service["url"], "--steps", "3",
-         "--prompts-per-step", "4", "--rank", str(RANK)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "examples" / "grpo_loop.py"),
+            "--base-url",
+            service["url"],
+            "--steps",
+            "3",
+            "--prompts-per-step",
+            "4",
+            "--rank",
+            str(RANK),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert loop.returncode == 0, loop.stderr[-3000:]
     summary = json.loads(loop.stdout.strip().splitlines()[-1])
@@ -258,7 +309,9 @@ def test_a_saved_state_loads_back_into_its_tenant_and_into_a_new_one(client, ser
     for model in (training, copy):
         _teach(model, SEQUENCES["a"], steps=1)
     np.testing.assert_allclose(logprobs(copy), logprobs(training), atol=1e-5)
-    listed = tinker.RestClient(base_url=service["url"], api_key="tml-local").list_checkpoints(training.model_id).result()
+    listed = (
+        tinker.RestClient(base_url=service["url"], api_key="tml-local").list_checkpoints(training.model_id).result()
+    )
     assert [(c.checkpoint_type, c.tinker_path) for c in listed.checkpoints] == [("training", saved.path)]
 
 

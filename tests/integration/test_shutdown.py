@@ -66,7 +66,9 @@ def processes_of_session(session_id: int) -> list[psutil.Process]:
     return found
 
 
-def processes_gone(controller: subprocess.Popen, descendants: list[psutil.Process], signalled: float) -> tuple[dict[str, float], list[psutil.Process]]:
+def processes_gone(
+    controller: subprocess.Popen, descendants: list[psutil.Process], signalled: float
+) -> tuple[dict[str, float], list[psutil.Process]]:
     """Waits (up to EXIT_TIMEOUT_S) until the controller, `descendants` and every process of its
     session are gone; returns when each went, in seconds after `signalled`, by "pid command" (so
     a slow stop names what was slow), and those still alive."""
@@ -121,12 +123,28 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
     demo = parse_config(GRPOConfig, ["--config", str(REPO / "configs/grpo_tiny_cpu.yaml")], prog="forge-rl grpo")
     create_tiny_model(demo.model.tiny, tmp_path / "cached-model")
     command = [
-        sys.executable, "-m", "forge_rl.cli", "grpo", "--config", "configs/grpo_tiny_cpu.yaml",
-        "--steps", "100000", "--run-dir", str(tmp_path), "--run-name", "interrupted", "--log.progress-every-s", "0",
+        sys.executable,
+        "-m",
+        "forge_rl.cli",
+        "grpo",
+        "--config",
+        "configs/grpo_tiny_cpu.yaml",
+        "--steps",
+        "100000",
+        "--run-dir",
+        str(tmp_path),
+        "--run-name",
+        "interrupted",
+        "--log.progress-every-s",
+        "0",
     ]
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+            command,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
             preexec_fn=sigint_handled,
         )
     try:
@@ -154,8 +172,12 @@ def test_a_signal_stops_every_descendant_within_ten_seconds(tmp_path, sig, exit_
         log = stderr_path.read_text()
         log_after_signal = log[log_before:]
         checkpoint_s = checkpoint_seconds(log_after_signal)
-        last_gone = ", ".join(f"{name} at {at:.2f} s" for name, at in sorted(gone_at.items(), key=lambda item: -item[1])[:4])
-        print(f"stopped in {stopped_s:.2f} s, of which {checkpoint_s:.2f} s writing the checkpoint; the last to go: {last_gone}")
+        last_gone = ", ".join(
+            f"{name} at {at:.2f} s" for name, at in sorted(gone_at.items(), key=lambda item: -item[1])[:4]
+        )
+        print(
+            f"stopped in {stopped_s:.2f} s, of which {checkpoint_s:.2f} s writing the checkpoint; the last to go: {last_gone}"
+        )
         slow = f"stopped in {stopped_s:.1f} s; the last processes to go: {last_gone}; the run's log after the signal:\n{log_after_signal[-3000:]}"
         assert stopped_s - checkpoint_s < SHUTDOWN_BUDGET_S, slow
         assert stopped_s < SHUTDOWN_BUDGET_S, slow

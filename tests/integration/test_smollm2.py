@@ -85,7 +85,9 @@ def _hf_token_logprobs(model, input_ids_NL: torch.Tensor) -> torch.Tensor:
 def _trainer_and_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    return PolicyTrainer(TrainerConfig(), model_dir), AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return PolicyTrainer(TrainerConfig(), model_dir), AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
 
 
 def test_transformers_vllm_and_the_trainer_agree_on_logprobs(smollm2_dir, single_process):

@@ -35,7 +35,8 @@ PARITY_CONFIG = TrainerConfig(adam_eps=1e-5)
 # Rank 4 on every projection and the unembedding (lm_head, column-parallel under TP as wqkv); lr
 # 1e-3 so that 3 steps move B (zero at start) well past the tolerance.
 LORA_PARITY_CONFIG = dataclasses.replace(
-    PARITY_CONFIG, lr=1e-3,
+    PARITY_CONFIG,
+    lr=1e-3,
     lora=LoRAConfig(enabled=True, rank=4, alpha=8.0, targets=ATTENTION_TARGETS + MLP_TARGETS + UNEMBED_TARGETS),
 )
 
@@ -164,7 +165,10 @@ def test_a_batch_without_signal_leaves_weights_and_optimizer_as_they_were(model_
     trainer = PolicyTrainer(TrainerConfig(), model_dir)
     assert trainer.train_step(batch)["step_without_gradient"] == 0  # AdamW moments now exist
     before = _snapshot(trainer)
-    flat = [dataclasses.replace(e, completions=[dataclasses.replace(c, reward=1.0) for c in e.completions]) for e in _episodes()]
+    flat = [
+        dataclasses.replace(e, completions=[dataclasses.replace(c, reward=1.0) for c in e.completions])
+        for e in _episodes()
+    ]
     metrics = trainer.train_step(make_train_batch(flat, pad_id=read_hf_config(model_dir)["pad_token_id"]))
     assert metrics["grad_norm"] == 0.0 and metrics["step_without_gradient"] == 1 and metrics["step_skipped"] == 0
     assert trainer.policy_version == 2
@@ -194,7 +198,9 @@ def _world_size(parallel: ParallelConfig) -> int:
     return parallel.dp_degree * parallel.tp
 
 
-def _run_rank(rank: int, config: TrainerConfig, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path):
+def _run_rank(
+    rank: int, config: TrainerConfig, parallel: ParallelConfig, model_dir: Path, batch: TrainBatch, out: Path
+):
     trainer = PolicyTrainer(dataclasses.replace(config, num_procs=_world_size(parallel), parallel=parallel), model_dir)
     metrics = [trainer.train_step(batch) for _ in range(NUM_STEPS)]
     # As the trainer actor publishes: every rank joins the gathers, only rank 0 keeps a copy.
@@ -222,7 +228,8 @@ def test_two_processes_match_one(parallel, model_dir, reference, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2), ParallelConfig(dp_shard=2, tp=2)],
+    "parallel",
+    [ParallelConfig(dp_shard=2), ParallelConfig(tp=2), ParallelConfig(dp_shard=2, tp=2)],
     ids=["fsdp2", "tp2", "fsdp2_tp2"],
 )
 def test_lora_over_several_processes_matches_one(parallel, model_dir, reference, lora_reference, tmp_path):
@@ -242,7 +249,10 @@ def test_lora_over_several_processes_matches_one(parallel, model_dir, reference,
     checkpoint = load_file(model_dir / "model.safetensors")
     for name, expected in reference_merged.items():
         assert (result["state_dict"][name] - expected).abs().max() < 1e-5, name
-    assert (reference_merged["model.layers.0.self_attn.q_proj.weight"] - checkpoint["model.layers.0.self_attn.q_proj.weight"]).abs().max() > 1e-5
+    assert (
+        reference_merged["model.layers.0.self_attn.q_proj.weight"]
+        - checkpoint["model.layers.0.self_attn.q_proj.weight"]
+    ).abs().max() > 1e-5
 
 
 def test_the_merged_hf_export_computes_what_the_adapted_trainer_does(model_dir, lora_reference, tmp_path):
@@ -272,7 +282,10 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(model_di
     saved = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
     tensors = {key for key in saved if key.startswith(("adapters.", "model."))}
     assert tensors == {f"adapters.{key}" for key in trainer.adapter_state_dict()}  # no base weight
-    assert sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir()) < 0.5 * (model_dir / "model.safetensors").stat().st_size
+    assert (
+        sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
+        < 0.5 * (model_dir / "model.safetensors").stat().st_size
+    )
 
     resumed = PolicyTrainer(LORA_PARITY_CONFIG, model_dir)
     resumed.load_checkpoint(tmp_path / "ckpt")
@@ -297,8 +310,16 @@ def _resume_rank(rank: int, parallel: ParallelConfig, model_dir: Path, batch: Tr
     resumed_steps = [_without_timing(resumed.train_step(batch)) for _ in range(2)]
     resumed_adapters = resumed.adapter_state_dict(keep=rank == 0)
     if rank == 0:
-        torch.save({"continued": continued, "resumed": resumed_steps, "adapters": adapters,
-                    "resumed_adapters": resumed_adapters, "policy_version": resumed.policy_version}, out)
+        torch.save(
+            {
+                "continued": continued,
+                "resumed": resumed_steps,
+                "adapters": adapters,
+                "resumed_adapters": resumed_adapters,
+                "policy_version": resumed.policy_version,
+            },
+            out,
+        )
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(dp_shard=2), ParallelConfig(tp=2)], ids=["fsdp2", "tp2"])

@@ -33,7 +33,9 @@ LAYOUT_METRICS = ("padding_fraction", "shared_token_fraction", *TRAINER_STEP_CLO
 def long_tail_episodes() -> list[Episode]:
     """4 groups of 4 completions of Pareto(1)-like lengths 2..80 after a 4-token prompt: most
     short, a few long (the trainer benchmark's workload, smaller)."""
-    return bench_episodes(TrainerBenchArgs(num_prompts=4, group_size=4, min_completion=2, max_completion=80, prompt_tokens=4))
+    return bench_episodes(
+        TrainerBenchArgs(num_prompts=4, group_size=4, min_completion=2, max_completion=80, prompt_tokens=4)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,12 @@ def test_the_long_tail_batch_really_packs(batch):
 
 @pytest.mark.parametrize(
     "options",
-    [{"batching": "bucket"}, {"batching": "pack"}, {"batching": "pack", "activation_checkpointing": "full"},
-     {"batching": "tree"}],
+    [
+        {"batching": "bucket"},
+        {"batching": "pack"},
+        {"batching": "pack", "activation_checkpointing": "full"},
+        {"batching": "tree"},
+    ],
     ids=["bucket", "pack", "pack+full_ac", "tree"],
 )
 def test_layouts_give_the_padded_logprobs_loss_and_weights(options, model_dir, batch, padded, single_process):

@@ -54,13 +54,13 @@ def test_a_generator_sampling_with_stale_weights_stands_out_and_raises_the_alarm
     # Every completion is at the trainer's version (0): the fresh KL is the same.
     assert metrics["mismatch_kl_fresh/generator/1"] == metrics["mismatch_kl/generator/1"]
     assert 0 < metrics[POLICY_ENTROPY] <= math.log(VOCAB_SIZE)
-    (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(1, metrics, token_versions_by_generator(episodes_from_two_generators()), 0)
+    (warning,) = MismatchAlarm(MismatchAlarmConfig()).observe(
+        1, metrics, token_versions_by_generator(episodes_from_two_generators()), 0
+    )
     assert "generator 1's sampler mismatch" in warning
 
 
-def test_the_fresh_mismatch_counts_only_tokens_whose_weights_and_kv_are_the_trainers_version(
-    model_dir, single_process
-):
+def test_the_fresh_mismatch_counts_only_tokens_whose_weights_and_kv_are_the_trainers_version(model_dir, single_process):
     """After one update (the trainer at version 1): generator 0's turns had a swap in their middle,
     so their later tokens attended to KV of version 0 and are left out; generator 1's episodes
     had it between two turns, so their second turns were encoded and sampled by version 1 alone

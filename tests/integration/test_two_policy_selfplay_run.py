@@ -27,8 +27,11 @@ def two_policy_run(tmp_path_factory):
     from forge_rl.config import LogConfig
 
     summary, metrics, config = run_config_file(
-        REPO / "configs/selfplay_two_policies_tiny_cpu.yaml", tmp_path_factory.mktemp("runs"), "two_policies",
-        steps=NUM_STEPS, log=dataclasses.replace(LogConfig(), rollouts=True),
+        REPO / "configs/selfplay_two_policies_tiny_cpu.yaml",
+        tmp_path_factory.mktemp("runs"),
+        "two_policies",
+        steps=NUM_STEPS,
+        log=dataclasses.replace(LogConfig(), rollouts=True),
     )
     run_path = config.run_dir / config.run_name
     rollouts = [json.loads(line) for line in (run_path / "rollouts.jsonl").read_text().splitlines()]
@@ -54,7 +57,9 @@ def test_each_trainer_trains_exactly_the_tokens_of_the_seats_its_policy_plays(tw
             seat = completion["agent"].split("/", 1)[0]
             assert completion.get("policy") == ("solver" if seat == "solver" else None), completion
             trained[record["step"]][seat] += completion["trained_tokens"]
-    assert {step["step"]: int(step[TRAINED_TOKENS]) for step in metrics} == {s: c["proposer"] for s, c in trained.items()}
+    assert {step["step"]: int(step[TRAINED_TOKENS]) for step in metrics} == {
+        s: c["proposer"] for s, c in trained.items()
+    }
     assert {step["step"]: int(step[f"policies/solver/{TRAINED_TOKENS}"]) for step in metrics} == {
         s: c["solver"] for s, c in trained.items()
     }
@@ -95,8 +100,12 @@ def test_openai_style_agent_code_plays_the_solver_seat_on_the_solvers_policy(tmp
     base = load_yaml_config(GRPOConfig, REPO / "configs/selfplay_two_policies_tiny_cpu.yaml")
     steps = 3
     summary, metrics, config = run_config_file(
-        REPO / "configs/selfplay_two_policies_tiny_cpu.yaml", tmp_path, "chat_solvers", steps=steps,
-        environment=dataclasses.replace(base.environment, name="selfplay_chat"), log=dataclasses.replace(LogConfig(), rollouts=True),
+        REPO / "configs/selfplay_two_policies_tiny_cpu.yaml",
+        tmp_path,
+        "chat_solvers",
+        steps=steps,
+        environment=dataclasses.replace(base.environment, name="selfplay_chat"),
+        log=dataclasses.replace(LogConfig(), rollouts=True),
     )
     rollouts = [json.loads(line) for line in (tmp_path / "chat_solvers" / "rollouts.jsonl").read_text().splitlines()]
     solver_tokens = collections.Counter()
@@ -124,7 +133,9 @@ def test_a_checkpoint_holds_every_policys_trainer_and_a_resume_continues_each_on
     assert (checkpoint / policy_trainer_dir("solver")).is_dir()
     assert read_controller_state(checkpoint).policy_versions == {"solver": 2}
 
-    summary, metrics, config = run_config_file(path, tmp_path, "resumed", steps=4, checkpoint=checkpoints, resume=tmp_path / "resumed")
+    summary, metrics, config = run_config_file(
+        path, tmp_path, "resumed", steps=4, checkpoint=checkpoints, resume=tmp_path / "resumed"
+    )
     assert [step["step"] for step in metrics] == [1, 2, 3, 4]  # the resumed run's metrics follow the first's
     assert [step["policy_version/solver"] for step in metrics[2:]] == [3, 4]
     assert [step["policy_version/main"] for step in metrics[2:]] == [3, 4]

@@ -37,11 +37,12 @@ LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=MAX_MODEL_LEN, max_tokens_p
 CONFIG = GeneratorConfig(max_new_tokens=8, temperature=0.8, top_p=0.9)
 
 
-
 @pytest.fixture(scope="module")
 def served(echo_url, tmp_path_factory):
     model_dir = create_tiny_model(
-        TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN), tmp_path_factory.mktemp("ascii") / "model", alphabet=PRINTABLE
+        TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN),
+        tmp_path_factory.mktemp("ascii") / "model",
+        alphabet=PRINTABLE,
     )
     tokenizer = PromptTokenizer(model_dir)
     loop = asyncio.new_event_loop()

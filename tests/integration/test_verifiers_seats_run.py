@@ -33,16 +33,24 @@ MAX_MODEL_LEN = 256
 def seats_run(tmp_path_factory):
     # The user's greeting and the model's replies are printable ASCII: a tokenizer that spells it.
     model_dir = create_tiny_model(
-        TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN), tmp_path_factory.mktemp("ascii") / "model", alphabet=PRINTABLE
+        TinyModelConfig(max_position_embeddings=MAX_MODEL_LEN),
+        tmp_path_factory.mktemp("ascii") / "model",
+        alphabet=PRINTABLE,
     )
     config = GRPOConfig(
-        run_dir=tmp_path_factory.mktemp("runs"), run_name="seats", steps=NUM_STEPS, train_batch_size=8, group_size=4,
-        prompts_in_flight_per_generator=4, model=ModelConfig(path=model_dir),
+        run_dir=tmp_path_factory.mktemp("runs"),
+        run_name="seats",
+        steps=NUM_STEPS,
+        train_batch_size=8,
+        group_size=4,
+        prompts_in_flight_per_generator=4,
+        model=ModelConfig(path=model_dir),
         environment=EnvironmentConfig(
             name="tests.support.verifiers_seats:user_sim_sums",
             limits=EpisodeLimits(max_turns=4, max_total_tokens=MAX_MODEL_LEN, max_tokens_per_turn=6),
         ),
-        generator=GeneratorConfig(kv_block_size=32), buffer=BufferConfig(max_policy_age=1, capacity_episodes=16),
+        generator=GeneratorConfig(kv_block_size=32),
+        buffer=BufferConfig(max_policy_age=1, capacity_episodes=16),
         log=LogConfig(rollouts=True),
     )
     summary = asyncio.run(asyncio.wait_for(run(config), 600))

@@ -121,9 +121,7 @@ def test_config_errors_name_the_field_the_value_and_the_flag():
 
 
 def test_generate_returns_n_completions_with_per_token_fields(served):
-    completions = served.run(
-        served.engine.generate(served.prompts(1)[0], n=6, eos_id=served.tokenizer.eos_id)
-    )
+    completions = served.run(served.engine.generate(served.prompts(1)[0], n=6, eos_id=served.tokenizer.eos_id))
 
     assert len(completions) == 6
     for completion in completions:
@@ -179,9 +177,11 @@ def test_a_group_decoded_in_segments_joins_into_completions_the_model_would_have
     assert [(piece.num_tokens, done) for piece, done in first] == [(5, False)] * 3
     completions = [piece for piece, _ in first]
     for expected_tokens, expected_done in ((5, False), (2, True)):
-        pieces = served.run(served.engine.generate_segment(
-            prompt, [c.token_ids for c in completions], 1, eos_id, forced_length=12, segment_tokens=5
-        ))
+        pieces = served.run(
+            served.engine.generate_segment(
+                prompt, [c.token_ids for c in completions], 1, eos_id, forced_length=12, segment_tokens=5
+            )
+        )
         assert [(piece.num_tokens, done) for piece, done in pieces] == [(expected_tokens, expected_done)] * 3
         completions = [join_pieces(c, piece) for c, (piece, _) in zip(completions, pieces)]
     for completion in completions:
@@ -213,9 +213,7 @@ async def generate_and_swap(engine, prompts, weights_dir, policy_version, mode, 
     return [(p, c) for p, group in zip(prompts, groups) for c in group], stats.stall_s
 
 
-def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(
-    served, tmp_path_factory
-):
+def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(served, tmp_path_factory):
     new_dir = create_tiny_model(TinyModelConfig(seed=1), tmp_path_factory.mktemp("model_v1"))
     sampled, stall_s = served.run(
         generate_and_swap(served.engine, served.prompts(SWAP_BATCH_PROMPTS), new_dir, policy_version=1, mode="keep")
@@ -240,14 +238,10 @@ def test_keep_mode_swap_stamps_tokens_decoded_after_it_with_the_new_version(
     prompt = served.prompts(1)[0]
     for completion in served.run(served.engine.generate(prompt, n=2, eos_id=None)):
         assert completion.policy_versions == [1] * completion.num_tokens
-        assert completion.logprobs == pytest.approx(
-            hf_logprobs(new_dir, prompt, completion), abs=LOGPROB_ATOL
-        )
+        assert completion.logprobs == pytest.approx(hf_logprobs(new_dir, prompt, completion), abs=LOGPROB_ATOL)
 
 
-def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(
-    served, tmp_path_factory
-):
+def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(served, tmp_path_factory):
     new_dir = create_tiny_model(TinyModelConfig(seed=2), tmp_path_factory.mktemp("model_v2"))
     sampled, stall_s = served.run(
         generate_and_swap(served.engine, served.prompts(16), new_dir, policy_version=2, mode="wait")
@@ -259,9 +253,7 @@ def test_wait_mode_swap_lets_in_flight_requests_finish_on_the_old_weights(
     assert served.engine.policy_version == 2
 
 
-def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_exactly(
-    served, tmp_path_factory
-):
+def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_exactly(served, tmp_path_factory):
     """swap_kv="reuse" (the default): tokens before the swap are the old model's, later ones are
     sampled by the new weights over the old KV (no recompute), and a request submitted after the
     swap never reuses a prefix-cache block of the old weights (requests are salted by version)."""
@@ -270,7 +262,12 @@ def test_a_swap_keeping_the_kv_continues_in_flight_requests_and_serves_new_ones_
     before = served.engine.policy_version
     sampled, stall_s = served.run(
         generate_and_swap(
-            served.engine, served.prompts(SWAP_BATCH_PROMPTS), new_dir, policy_version=version, mode="keep", swap_kv="reuse"
+            served.engine,
+            served.prompts(SWAP_BATCH_PROMPTS),
+            new_dir,
+            policy_version=version,
+            mode="keep",
+            swap_kv="reuse",
         )
     )
     assert stall_s < 2.0  # a pause and a reference swap; measured in milliseconds
@@ -294,7 +291,9 @@ def test_a_real_judge_answering_garbage_errors_and_counts_every_completion(serve
 
     async def generate(episodes, group_size):  # GeneratorActor.generate, on this module's engine
         for episode in episodes:
-            episode.completions = await served.engine.generate(episode.prompt_token_ids, group_size, served.tokenizer.eos_id)
+            episode.completions = await served.engine.generate(
+                episode.prompt_token_ids, group_size, served.tokenizer.eos_id
+            )
             for completion in episode.completions:
                 completion.text = served.tokenizer.decode(completion.token_ids)
         return episodes

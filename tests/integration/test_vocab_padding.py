@@ -33,9 +33,17 @@ def save_hf_llama(model_dir: Path, seed: int) -> Path:
     char_tokenizer.save_char_tokenizer(model_dir, MAX_OF_TWO_ALPHABET)
     tokenizer = PromptTokenizer(model_dir)
     config = LlamaConfig(
-        vocab_size=NUM_TOKENS, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=MAX_MODEL_LEN,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+        vocab_size=NUM_TOKENS,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
     torch.manual_seed(seed)

@@ -59,9 +59,15 @@ class Reader(Actor):
             checksums = snapshot.verify()
             with snapshot.open() as tensors:
                 recomputed = {name: tensor_checksum(t) for name, t in tensors.items()}
-        return {"version": version, "transport": snapshot.transport, "checksums": checksums,
-                "recomputed": recomputed, "fetch_s": snapshot.fetch_s, "num_bytes": snapshot.num_bytes,
-                "fetched_bytes": snapshot.fetched_bytes}
+        return {
+            "version": version,
+            "transport": snapshot.transport,
+            "checksums": checksums,
+            "recomputed": recomputed,
+            "fetch_s": snapshot.fetch_s,
+            "num_bytes": snapshot.num_bytes,
+            "fetched_bytes": snapshot.fetched_bytes,
+        }
 
     @endpoint
     async def read_adapter(self, min_version: int) -> dict:
@@ -73,7 +79,8 @@ class Reader(Actor):
         async with store.lease(min_version=min_version, timeout_s=60) as snapshot:
             directory = Path(snapshot.path)
             return {
-                "version": snapshot.version, "transport": snapshot.transport,
+                "version": snapshot.version,
+                "transport": snapshot.transport,
                 "files": sorted(p.name for p in directory.iterdir()),
                 "adapter_config": json.loads((directory / "adapter_config.json").read_text()),
                 "tensors": load_file(str(directory / "adapter_model.safetensors")),
@@ -161,7 +168,9 @@ def test_an_adapter_version_crosses_hosts_as_a_peft_directory(cluster):
     }
     config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
     # Blocking, as the trainer's writer thread calls it (its index calls wait on their replies).
-    loop.run_until_complete(asyncio.to_thread(writer.publish_adapter_blocking, version, adapters, config, "/models/base"))
+    loop.run_until_complete(
+        asyncio.to_thread(writer.publish_adapter_blocking, version, adapters, config, "/models/base")
+    )
     for reader, transport in ((rdma_reader, "rdma"), (shm_reader, "shm")):
         read = loop.run_until_complete(reader.read_adapter.call_one(version))
         assert (read["version"], read["transport"]) == (version, transport)
@@ -303,11 +312,18 @@ async def seeded_samples(engine, prompts: list[list[int]]) -> list[tuple[list[in
     from vllm.sampling_params import RequestOutputKind
 
     async def one(i: int, prompt: list[int]):
-        params = SamplingParams(max_tokens=16, temperature=TEMPERATURE, seed=1000 + i, logprobs=0,
-                                ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            max_tokens=16,
+            temperature=TEMPERATURE,
+            seed=1000 + i,
+            logprobs=0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         final = None
         async for final in engine._running_llm.generate(  # noqa: B007 (the last output is read below)
-            engine.prompt(prompt), params, f"seeded-{i}-{time.monotonic_ns()}"):
+            engine.prompt(prompt), params, f"seeded-{i}-{time.monotonic_ns()}"
+        ):
             pass
         out = final.outputs[0]
         return list(out.token_ids), [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)]
@@ -332,7 +348,9 @@ def test_a_staged_in_flight_swap_serves_what_a_fresh_engine_serves(engines):
     assert metrics[STAGE_S] > 0 and metrics[PAUSED_S] < 1.0
     completions = [c for group in groups for c in group]
     # Held after HOLD_AFTER_TOKENS tokens, every request continued on version 1 from there.
-    assert all(c.policy_versions == [0] * HOLD_AFTER_TOKENS + [1] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions)
+    assert all(
+        c.policy_versions == [0] * HOLD_AFTER_TOKENS + [1] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions
+    )
     assert metrics[REQUESTS_OVER_OLDER_KV] > 0  # they continued on KV of version 0 (swap_kv=reuse)
 
     swapped = engines.run(seeded_samples(engines.swapping, PROMPTS))
@@ -374,7 +392,9 @@ def test_abort_and_resubmit_keeps_every_completion_whole(engines):
     completions = [c for group in groups for c in group]
     assert metrics["policy_version"] == 3
     # Every request was aborted after HOLD_AFTER_TOKENS tokens and resubmitted: whole, old then new.
-    assert all(c.policy_versions == [2] * HOLD_AFTER_TOKENS + [3] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions)
+    assert all(
+        c.policy_versions == [2] * HOLD_AFTER_TOKENS + [3] * (NEW_TOKENS - HOLD_AFTER_TOKENS) for c in completions
+    )
     # Served weights are version 1's again (version 3 = model 1): a fresh engine agrees.
     swapped = engines.run(seeded_samples(engines.swapping, PROMPTS))
     fresh = engines.run(seeded_samples(engines.fresh, PROMPTS))

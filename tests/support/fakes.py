@@ -74,7 +74,9 @@ def pulling_trainer(train_step: Callable[[list[Episode]], Awaitable[Any]], rollo
             return await train_step(episodes)
 
         async with one_at_a_time:
-            return await train_on_pulled_batch(step, rollouts_actor, num_ranks, train_the_taken_episodes, prefetch, prefetch_next)
+            return await train_on_pulled_batch(
+                step, rollouts_actor, num_ranks, train_the_taken_episodes, prefetch, prefetch_next
+            )
 
     async def wait_for_publish():
         pass
@@ -127,9 +129,7 @@ class FakePrompts:
 
 def completions_for(episode: Episode, group_size: int, policy_version: int) -> list[Completion]:
     """`group_size` two-token completions sampled at `policy_version`, half of them rewarded."""
-    return [
-        Completion([5, 2], [-0.5, -0.5], [policy_version] * 2, reward=float(i % 2)) for i in range(group_size)
-    ]
+    return [Completion([5, 2], [-0.5, -0.5], [policy_version] * 2, reward=float(i % 2)) for i in range(group_size)]
 
 
 class FakeLifecycle:
@@ -172,7 +172,10 @@ class FakeGenerate:
         if len(turn.token_ids) <= max_new_tokens:
             return turn
         return SampledTurn(
-            turn.token_ids[:max_new_tokens], turn.logprobs[:max_new_tokens], turn.policy_versions[:max_new_tokens], "length"
+            turn.token_ids[:max_new_tokens],
+            turn.logprobs[:max_new_tokens],
+            turn.policy_versions[:max_new_tokens],
+            "length",
         )
 
 
@@ -233,7 +236,9 @@ class FakeGenerator:
 
     async def _generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
         await self._hang_if("generate")
-        return [dataclasses.replace(e, completions=completions_for(e, group_size, self.policy_version)) for e in episodes]
+        return [
+            dataclasses.replace(e, completions=completions_for(e, group_size, self.policy_version)) for e in episodes
+        ]
 
     async def _generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
         await self._hang_if("generate_turn")

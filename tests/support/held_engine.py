@@ -88,9 +88,7 @@ async def hold_mid_request(
     await engine.pause()
     expected = engine.num_submitted() + num_requests + 1
     requests = asyncio.ensure_future(submit())
-    holder = asyncio.ensure_future(
-        engine.generate(HOLD_PROMPT, n=1, eos_id=None, forced_length=hold_after_tokens)
-    )
+    holder = asyncio.ensure_future(engine.generate(HOLD_PROMPT, n=1, eos_id=None, forced_length=hold_after_tokens))
     # Every request is sent before the resume, so all start in the first step after it.
     await wait_until_async(lambda: engine.num_submitted() == expected, "the requests reaching the engine")
     await engine.resume()

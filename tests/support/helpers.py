@@ -120,7 +120,9 @@ class RankPool:
             sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes) if rank in waiting}
             for ready in wait_for_any([*waiting.values(), *sentinels]):
                 if ready in sentinels:
-                    raise RuntimeError(f"rank {sentinels[ready]} exited (code {self.processes[sentinels[ready]].exitcode}) while running {fn.__name__}")
+                    raise RuntimeError(
+                        f"rank {sentinels[ready]} exited (code {self.processes[sentinels[ready]].exitcode}) while running {fn.__name__}"
+                    )
                 rank = next(r for r, c in waiting.items() if c is ready)
                 failure = waiting.pop(rank).recv()
                 if failure is not None:

@@ -158,13 +158,30 @@ class TwoGeneratorHosts:
         self.hosts.__enter__()
         try:
             for i in WORKER_HOSTS:
-                argv = [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(WORKER_PORT), "--host", self.hosts.address(i)]
-                self.workers.append(subprocess.Popen(
-                    self.hosts.command(i, argv + self.worker_args.get(i, [])), cwd=self.repo, env=self.env,
-                    stdout=open(self.worker_log(i), "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                ))
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "forge_rl.cli",
+                    "worker",
+                    "--port",
+                    str(WORKER_PORT),
+                    "--host",
+                    self.hosts.address(i),
+                ]
+                self.workers.append(
+                    subprocess.Popen(
+                        self.hosts.command(i, argv + self.worker_args.get(i, [])),
+                        cwd=self.repo,
+                        env=self.env,
+                        stdout=open(self.worker_log(i), "w"),
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
             for i, worker in zip(WORKER_HOSTS, self.workers):
-                wait_until(lambda i=i, worker=worker: _listening(self.hosts.address(i), worker), f"host {i}'s worker to listen")
+                wait_until(
+                    lambda i=i, worker=worker: _listening(self.hosts.address(i), worker), f"host {i}'s worker to listen"
+                )
         except BaseException:
             self.__exit__()
             raise
@@ -202,9 +219,15 @@ class TwoGeneratorHosts:
         from forge_rl.tasks import TaskConfig
 
         fields = {
-            "run_dir": self.tmp / "runs", "run_name": run_name, "steps": steps, "train_batch_size": 16, "group_size": 4,
-            "num_generators": 2, "prompts_in_flight_per_generator": 2,
-            "generator": GeneratorConfig(max_new_tokens=2), "buffer": BufferConfig(max_policy_age=1),
+            "run_dir": self.tmp / "runs",
+            "run_name": run_name,
+            "steps": steps,
+            "train_batch_size": 16,
+            "group_size": 4,
+            "num_generators": 2,
+            "prompts_in_flight_per_generator": 2,
+            "generator": GeneratorConfig(max_new_tokens=2),
+            "buffer": BufferConfig(max_policy_age=1),
             "task": TaskConfig(reward="tests.support.held_reward:held_leading_number"),
             "launch": LaunchConfig(
                 hosts="list",
@@ -226,8 +249,14 @@ class TwoGeneratorHosts:
         path = self.tmp / f"{config.run_name}.yaml"
         path.write_text(yaml.safe_dump(config_to_dict(config)))
         controller = subprocess.Popen(
-            self.hosts.command(0, [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(path), "--log.progress-every-s", "0"]),
-            cwd=self.repo, env=self.env, stdout=subprocess.PIPE, stderr=open(self.tmp / "controller.log", "w"), text=True,
+            self.hosts.command(
+                0, [sys.executable, "-m", "forge_rl.cli", "grpo", "--config", str(path), "--log.progress-every-s", "0"]
+            ),
+            cwd=self.repo,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=open(self.tmp / "controller.log", "w"),
+            text=True,
         )
         self.controllers.append(controller)
         return controller
@@ -236,14 +265,20 @@ class TwoGeneratorHosts:
         """Returns once a scoring call is held (a generator has generated)."""
         from tests.support.helpers import wait_until
 
-        wait_until(lambda: list(self.hold_dir.glob("held-*")) or controller.poll() is not None, "a scoring call to be held")
+        wait_until(
+            lambda: list(self.hold_dir.glob("held-*")) or controller.poll() is not None, "a scoring call to be held"
+        )
         assert controller.poll() is None, self.controller_log()[-3000:]
 
     def wait_for_log(self, host: int, line: str, controller: subprocess.Popen, what: str) -> None:
         """Returns once host `host`'s worker log holds `line` (or the controller has ended)."""
         from tests.support.helpers import wait_until
 
-        wait_until(lambda: line in self.worker_log(host).read_text() or controller.poll() is not None, what, timeout_s=RUN_HANG_S)
+        wait_until(
+            lambda: line in self.worker_log(host).read_text() or controller.poll() is not None,
+            what,
+            timeout_s=RUN_HANG_S,
+        )
 
     def release(self) -> None:
         (self.hold_dir / "hold").unlink(missing_ok=True)
@@ -268,7 +303,9 @@ class TwoGeneratorHosts:
     def metrics(self, config) -> list[dict]:
         import json
 
-        return [json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line) for line in (config.run_dir / config.run_name / "metrics.jsonl").read_text().splitlines()
+        ]
 
 
 def _listening(address: str, worker: subprocess.Popen) -> bool:

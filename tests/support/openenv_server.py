@@ -60,7 +60,9 @@ def serve_echo_env(max_sessions: int = 8) -> Iterator[str]:
     environment_class, action_class = _echo_env_classes()
     from echo_env.models import EchoObservation
 
-    app = create_app(environment_class, action_class, EchoObservation, env_name="echo_env", max_concurrent_envs=max_sessions)
+    app = create_app(
+        environment_class, action_class, EchoObservation, env_name="echo_env", max_concurrent_envs=max_sessions
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -28,7 +28,7 @@ HERMES_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><eos>\\n' }}"
     "{%- else %}"
     "{%- if messages[0]['role'] == 'system' %}{{- '<bos>system\\n' + messages[0]['content'] + '<eos>\\n' }}"
@@ -43,7 +43,7 @@ HERMES_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<eos>\\n' }}"
@@ -69,5 +69,7 @@ def save_tool_chat_tokenizer(model_dir: Path, whole_tokens: tuple[str, ...] = ()
         (tokenizer.add_special_tokens if special else tokenizer.add_tokens)(list(whole_tokens))
         tokenizer.save(str(model_dir / "tokenizer.json"))
     config_path = model_dir / "tokenizer_config.json"
-    config_path.write_text(json.dumps(json.loads(config_path.read_text()) | {"chat_template": HERMES_TEMPLATE}, indent=2))
+    config_path.write_text(
+        json.dumps(json.loads(config_path.read_text()) | {"chat_template": HERMES_TEMPLATE}, indent=2)
+    )
     return model_dir

@@ -23,7 +23,9 @@ def _make_env():
 
     sys.modules.setdefault(TASKSET_ID, verifiers_sums)
     config = UserSimEnvConfig(
-        taskset=verifiers_sums.SumsTasksetConfig(id=TASKSET_ID, seed=0), persona="{scenario}", done_marker="DONE",
+        taskset=verifiers_sums.SumsTasksetConfig(id=TASKSET_ID, seed=0),
+        persona="{scenario}",
+        done_marker="DONE",
         user=vf.AgentConfig(harness={"id": "null"}, max_turns=2),
     )
     return verifiers_env_environment(UserSimEnv(config))

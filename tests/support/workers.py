@@ -26,7 +26,11 @@ def start_workers(count: int) -> tuple[list[int], list[subprocess.Popen]]:
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "forge_rl.cli", "worker", "--port", str(port), "--host", "127.0.0.1"],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         for port in ports
     ]

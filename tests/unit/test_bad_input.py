@@ -127,9 +127,21 @@ def _run_dir_taken(scene: Scene) -> Path:
 CASES: list = [
     # config files and values
     ("yaml_tab", lambda s: s.load_yaml("steps: 3\n\tgroup_size: 4\n"), ("line 2, column 1", "replace the tab")),
-    ("yaml_syntax", lambda s: s.load_yaml("steps: [3\ngroup_size: 4\n"), ("not valid YAML", "line 2", "Fix the syntax")),
-    ("yaml_unknown_key", lambda s: s.load_yaml("trainer:\n  learning_rate: 0.1\n"), ("trainer.learning_rate", "valid keys")),
-    ("negative_lr", lambda s: s.load_yaml("trainer:\n  lr: -0.001\n"), ("trainer.lr (-0.001) must be > 0", "--trainer.lr")),
+    (
+        "yaml_syntax",
+        lambda s: s.load_yaml("steps: [3\ngroup_size: 4\n"),
+        ("not valid YAML", "line 2", "Fix the syntax"),
+    ),
+    (
+        "yaml_unknown_key",
+        lambda s: s.load_yaml("trainer:\n  learning_rate: 0.1\n"),
+        ("trainer.learning_rate", "valid keys"),
+    ),
+    (
+        "negative_lr",
+        lambda s: s.load_yaml("trainer:\n  lr: -0.001\n"),
+        ("trainer.lr (-0.001) must be > 0", "--trainer.lr"),
+    ),
     (
         "overlong_buffer_past_the_budget",
         lambda s: s.load_yaml("generator:\n  max_new_tokens: 4\nscorer:\n  overlong_buffer: 8\n"),
@@ -140,8 +152,16 @@ CASES: list = [
         lambda s: s.load_yaml("trainer:\n  loss:\n    kl_beta: 0.1\nreference:\n  num_procs: 2\n"),
         ("must equal reference.num_procs (2)", "--reference.num-procs 1"),
     ),
-    ("unknown_task", lambda s: s.load_yaml("task:\n  name: sort\n"), ("task.name ('sort') must be one of", "--task.name")),
-    ("unknown_reward", lambda s: s.load_yaml("task:\n  reward: exact\n"), ("task.reward ('exact') is not a registered", "--task.reward")),
+    (
+        "unknown_task",
+        lambda s: s.load_yaml("task:\n  name: sort\n"),
+        ("task.name ('sort') must be one of", "--task.name"),
+    ),
+    (
+        "unknown_reward",
+        lambda s: s.load_yaml("task:\n  reward: exact\n"),
+        ("task.reward ('exact') is not a registered", "--task.reward"),
+    ),
     (
         "reward_module_missing",
         lambda s: s.load_yaml("task:\n  reward: no_such_pkg.verifiers:score\n"),
@@ -179,7 +199,10 @@ CASES: list = [
             "launch:\n  hosts: list\n  workers: [tcp://a:26600, tcp://b:26600]\n"
             "  placement:\n    generator_hosts: [2]\n"
         ),
-        ("launch.placement.generator_hosts ([2]) names host 2, but launch.workers has 2 host(s)", "--launch.placement.generator-hosts"),
+        (
+            "launch.placement.generator_hosts ([2]) names host 2, but launch.workers has 2 host(s)",
+            "--launch.placement.generator-hosts",
+        ),
     ),
     (
         "remote_placement_on_one_machine",
@@ -205,12 +228,18 @@ CASES: list = [
     ),
     (
         "trainer_hosts_not_consecutive",
-        lambda s: s.load_yaml("launch:\n  hosts: list\n  workers: [tcp://a:1, tcp://b:1, tcp://c:1]\n"
-                              "  placement:\n    trainer_hosts: [0, 2]\n    generator_hosts: [1]\n"),
+        lambda s: s.load_yaml(
+            "launch:\n  hosts: list\n  workers: [tcp://a:1, tcp://b:1, tcp://c:1]\n"
+            "  placement:\n    trainer_hosts: [0, 2]\n    generator_hosts: [1]\n"
+        ),
         ("must be consecutive, increasing host indices", "Reorder launch.workers"),
     ),
     # model directory
-    ("model_dir_missing", lambda s: ModelConfig(path=s.tmp_path / "nope").hf_config(), ("lacks config.json", "--model.path")),
+    (
+        "model_dir_missing",
+        lambda s: ModelConfig(path=s.tmp_path / "nope").hf_config(),
+        ("lacks config.json", "--model.path"),
+    ),
     (
         "config_json_not_json",
         lambda s: s.start_with_model(_write("config.json", '{"architectures": ["LlamaForCausalLM",')),
@@ -245,8 +274,14 @@ CASES: list = [
     # dataset rows
     (
         "prompt_longer_than_context",
-        lambda s: s.start(model=ModelConfig(tiny=TinyModelConfig(max_position_embeddings=8)), generator=GeneratorConfig(max_new_tokens=4)),
-        ("needs 9 positions, more than the model's context (max_position_embeddings = 8)", "--generator.max-new-tokens"),
+        lambda s: s.start(
+            model=ModelConfig(tiny=TinyModelConfig(max_position_embeddings=8)),
+            generator=GeneratorConfig(max_new_tokens=4),
+        ),
+        (
+            "needs 9 positions, more than the model's context (max_position_embeddings = 8)",
+            "--generator.max-new-tokens",
+        ),
     ),
     (
         "prompt_outside_vocabulary",
@@ -259,7 +294,11 @@ CASES: list = [
         ("task.prompt_format ('chat')", "has no chat template", "--task.prompt-format plain"),
     ),
     # resources and the run directory
-    ("too_many_compute_threads", _many_compute_threads, ("compute threads on", "--trainer.num-procs or --num-generators")),
+    (
+        "too_many_compute_threads",
+        _many_compute_threads,
+        ("compute threads on", "--trainer.num-procs or --num-generators"),
+    ),
     (
         "kv_cache_beyond_memory",
         lambda s: s.start(generator=GeneratorConfig(kv_cache_space_gib=1e6)),
@@ -270,14 +309,27 @@ CASES: list = [
         lambda s: s.start(generator=GeneratorConfig(kv_block_size=16)),
         ("generator.kv_block_size (16) is not a multiple of 32", "--generator.kv-block-size 32"),
     ),
-    ("more_trainer_ranks_than_gpus", _more_trainer_ranks_than_gpus,
-     ("this machine has 1 GPU(s) but the placement needs 3 there: 2 trainer rank(s)", "--trainer.num-procs")),
-    ("generator_without_a_gpu_of_its_own", _generator_without_a_gpu_of_its_own,
-     ("this machine has 1 GPU(s) but the placement needs 2 there", "--launch.share-gpus true")),
-    ("tensor_parallel_generator_on_cpu", _tensor_parallel_generator_on_cpu,
-     ("generator.tensor_parallel_size (2) > 1", "--generator.tensor-parallel-size 1")),
+    (
+        "more_trainer_ranks_than_gpus",
+        _more_trainer_ranks_than_gpus,
+        ("this machine has 1 GPU(s) but the placement needs 3 there: 2 trainer rank(s)", "--trainer.num-procs"),
+    ),
+    (
+        "generator_without_a_gpu_of_its_own",
+        _generator_without_a_gpu_of_its_own,
+        ("this machine has 1 GPU(s) but the placement needs 2 there", "--launch.share-gpus true"),
+    ),
+    (
+        "tensor_parallel_generator_on_cpu",
+        _tensor_parallel_generator_on_cpu,
+        ("generator.tensor_parallel_size (2) > 1", "--generator.tensor-parallel-size 1"),
+    ),
     ("run_dir_under_a_file", _run_dir_under_a_file, ("is a file, not a directory", "--run-dir")),
-    ("run_dir_not_creatable", lambda s: s.start(run_dir=Path("/proc/forge_rl_runs")), ("cannot create run directory", "--run-dir")),
+    (
+        "run_dir_not_creatable",
+        lambda s: s.start(run_dir=Path("/proc/forge_rl_runs")),
+        ("cannot create run directory", "--run-dir"),
+    ),
     pytest.param(
         "run_dir_read_only",
         _run_dir_read_only,
@@ -363,8 +415,19 @@ CLI_CASES = [
     ("plot_without_metrics", ["plot", "{tmp}"], ("metrics.jsonl not found", "forge-rl grpo")),
     (
         "worker_not_listening",
-        ["grpo", "--run-dir", "{tmp}/runs", "--steps", "1", "--launch.hosts", "list",
-         "--launch.workers", "tcp://127.0.0.1:9", "--launch.connect-timeout-s", "1"],
+        [
+            "grpo",
+            "--run-dir",
+            "{tmp}/runs",
+            "--steps",
+            "1",
+            "--launch.hosts",
+            "list",
+            "--launch.workers",
+            "tcp://127.0.0.1:9",
+            "--launch.connect-timeout-s",
+            "1",
+        ],
         ("cannot reach the Monarch worker(s) at tcp://127.0.0.1:9", "forge-rl worker --port PORT"),
     ),
     (

@@ -27,10 +27,20 @@ def write_yaml(tmp_path, text: str) -> Path:
 
 # SmolLM2-135M-Instruct's config.json as `forge-rl convert` writes it (the fields validation reads).
 SMOLLM2_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "head_dim": 64,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "dtype": "float32",
 }
 
 
@@ -78,10 +88,7 @@ def test_every_shipped_config_parses(config_file, tmp_path, monkeypatch):
         ("- a\n- b\n", "must hold a mapping"),
         ("publish:\n  dtype: int8\n", "publish.dtype"),
         ("scorer:\n  overlong_buffer: 0\n", "scorer.overlong_buffer (0) must be >= 1"),
-        (
-            "buffer:\n  sampling: freshest\n",
-            "buffer.sampling (freshest) cannot go with buffer.admission (pause)",
-        ),
+        ("buffer:\n  sampling: freshest\n", "buffer.sampling (freshest) cannot go with buffer.admission (pause)"),
         (
             "buffer:\n  wait_for_stragglers: false\n",
             "buffer.wait_for_stragglers (false) with buffer.drop_policy (drop_episode) would drop a straggler",
@@ -260,7 +267,9 @@ def test_a_token_capacity_below_one_step_is_refused_before_anything_starts():
 def test_the_gate_admits_no_more_than_the_buffer_holds():
     config = GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(max_policy_age=3, capacity_episodes=6))
     assert config.max_episodes_queued == 6  # the age bound alone would admit (3 + 1) * 4 = 16
-    tokens = GRPOConfig(train_batch_size=32, group_size=8, buffer=BufferConfig(capacity_tokens=10 * config.max_episode_tokens))
+    tokens = GRPOConfig(
+        train_batch_size=32, group_size=8, buffer=BufferConfig(capacity_tokens=10 * config.max_episode_tokens)
+    )
     assert tokens.max_episodes_queued == min(8, 10)  # (1 + 1) * 4 by age, 10 by tokens
 
 
@@ -270,8 +279,12 @@ def test_generator_timeouts_are_derived_from_what_a_call_can_legitimately_take()
     assert demo.generate_timeout_s == 300 + 1 * 2 * 1.0
     assert demo.update_timeout_s == 600
     # 64 x 16 = 1024 sequences in flight: a call may wait out 4 rounds of 512 decode steps.
-    queued = GRPOConfig(prompts_in_flight_per_generator=64, group_size=16, train_batch_size=128,
-                        generator=GeneratorConfig(max_new_tokens=512))
+    queued = GRPOConfig(
+        prompts_in_flight_per_generator=64,
+        group_size=16,
+        train_batch_size=128,
+        generator=GeneratorConfig(max_new_tokens=512),
+    )
     assert queued.generate_timeout_s == 300 + 4 * 512 * 1.0
     # A "wait" swap first drains every request in flight: an update may take a whole generate call.
     draining = GRPOConfig(generator=GeneratorConfig(swap_mode="wait"))

@@ -19,7 +19,10 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     """import-linter over the forge_rl package found under `root`, with `root`'s contract."""
     return subprocess.run(
         [str(LINT_IMPORTS), "--config", str(root / "pyproject.toml"), "--no-cache"],
-        cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
     )
 
 

@@ -92,24 +92,37 @@ TORCH_FREE_PROCESSES = {
     # handles they hold): they pass configs, episodes and calls on, and train or serve nothing; the
     # rollouts turn each batch into columns for the trainer (forge_rl/core/columns.py) without torch.
     "the rollouts' process": [
-        "forge_rl.actors.rollouts", "forge_rl.config", "forge_rl.actors.generator_pool",
-        "forge_rl.actors.scoring_stage", "forge_rl.store.actors", "forge_rl.core.columns",
+        "forge_rl.actors.rollouts",
+        "forge_rl.config",
+        "forge_rl.actors.generator_pool",
+        "forge_rl.actors.scoring_stage",
+        "forge_rl.store.actors",
+        "forge_rl.core.columns",
     ],
     "a scorer's process": ["forge_rl.actors.scorer", "forge_rl.actors.scorer_supervisor", "forge_rl.scoring.scorers"],
     # The services' process hosts the weight store's index and volume (the volume serves files)
     # and the supervisors that spawn generators, scorers and frozen models.
     "the services' process": [
-        "forge_rl.store.actors", "forge_rl.store.shm", "forge_rl.actors.generator_pool",
-        "forge_rl.actors.scorer_supervisor", "forge_rl.actors.frozen_model_supervisor", "forge_rl.config",
+        "forge_rl.store.actors",
+        "forge_rl.store.shm",
+        "forge_rl.actors.generator_pool",
+        "forge_rl.actors.scorer_supervisor",
+        "forge_rl.actors.frozen_model_supervisor",
+        "forge_rl.config",
     ],
     # A multi-host run probes every host before it spawns anything (forge_rl/run/launch.py).
     "a host's probe": ["forge_rl.actors.host_probe", "monarch.rdma"],
     # The run's controller spawns every actor (so imports their classes), runs the loop and the
     # lifecycle, and unpickles the trainer's replies (forge_rl/training/trainer_steps.py).
     "a run's controller": [
-        "apps.grpo.main", "forge_rl.run.lifecycle", "forge_rl.run.loop", "forge_rl.actors.trainer",
-        "forge_rl.actors.simulated_trainer", "forge_rl.training.trainer_steps",
-        "forge_rl.core.checkpoint", "forge_rl.run.preflight",
+        "apps.grpo.main",
+        "forge_rl.run.lifecycle",
+        "forge_rl.run.loop",
+        "forge_rl.actors.trainer",
+        "forge_rl.actors.simulated_trainer",
+        "forge_rl.training.trainer_steps",
+        "forge_rl.core.checkpoint",
+        "forge_rl.run.preflight",
     ],
 }
 """Processes that must start without torch: importing it costs each ~3-4 s of CPU on this machine,

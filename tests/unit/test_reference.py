@@ -32,7 +32,10 @@ def test_the_committed_reference_pages_are_what_the_docstrings_give():
 def test_every_dataclass_under_a_config_is_a_section_with_its_fields_docstrings():
     sections = reference.config_sections(_Outer)
     assert [(s.prefix, s.optional, s.repeated) for s in sections] == [
-        ("", False, False), ("inner", False, False), ("items[i]", False, True), ("maybe", True, False),
+        ("", False, False),
+        ("inner", False, False),
+        ("items[i]", False, True),
+        ("maybe", True, False),
     ]
     assert sections[0].fields == (reference.Field("name", "str", "'x'", "The name."),)
     assert sections[1].doc == "An inner section."
@@ -65,7 +68,11 @@ def test_a_metrics_key_no_page_documents_is_found_and_patterns_cover_their_famil
     from tests.support.helpers import undocumented_metric_keys
 
     record = {
-        "step": 1, "reward/components/format": 0.5, "weights/stall_s": 0.1, "buffer/trained_completion_len_p90": 4,
-        "mismatch_kl/generator/0": 0.0, "made_up/key": 1,
+        "step": 1,
+        "reward/components/format": 0.5,
+        "weights/stall_s": 0.1,
+        "buffer/trained_completion_len_p90": 4,
+        "mismatch_kl/generator/0": 0.0,
+        "made_up/key": 1,
     }
     assert undocumented_metric_keys([record]) == ["made_up/key"]

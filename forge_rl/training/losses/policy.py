@@ -73,7 +73,13 @@ from __future__ import annotations
 import torch
 
 from forge_rl.training.losses.config import VARIANTS, LossConfig
-from forge_rl.training.losses.corrections import k3_kl_NL, sequence_keep_mask_N, sequence_mean_N, tis_factor_NL, token_keep_mask_NL
+from forge_rl.training.losses.corrections import (
+    k3_kl_NL,
+    sequence_keep_mask_N,
+    sequence_mean_N,
+    tis_factor_NL,
+    token_keep_mask_NL,
+)
 
 # |log ratio| is clamped here before exp: fp32 exp overflows near 88, and inf * 0 is NaN. A token
 # e^20 (~5e8) times more likely under one policy than the other carries no usable gradient anyway.

@@ -36,8 +36,14 @@ class PoolUnderTest:
             return []
 
         self.pool = GeneratorPool(
-            GeneratorConfig(start_timeout_s=TIMEOUT_S), "/nowhere", 64, 1, endpoints(drop_reader=drop_reader),
-            [GeneratorPlacement(host, (), worker=worker)], generate_timeout_s=TIMEOUT_S, update_timeout_s=TIMEOUT_S,
+            GeneratorConfig(start_timeout_s=TIMEOUT_S),
+            "/nowhere",
+            64,
+            1,
+            endpoints(drop_reader=drop_reader),
+            [GeneratorPlacement(host, (), worker=worker)],
+            generate_timeout_s=TIMEOUT_S,
+            update_timeout_s=TIMEOUT_S,
         )
 
     async def call(self, endpoint: str, *args):
@@ -133,7 +139,9 @@ def test_a_first_start_past_its_timeout_fails_naming_the_flag():
     under_test = PoolUnderTest(FakeGeneratorHost(hang={"generator0-r1": {"start"}}))
 
     async def scenario():
-        with pytest.raises(TimeoutError, match=r"did not start within generator.start_timeout_s \(0.5 s\).*--generator.start-timeout-s"):
+        with pytest.raises(
+            TimeoutError, match=r"did not start within generator.start_timeout_s \(0.5 s\).*--generator.start-timeout-s"
+        ):
             await under_test.call("start")
 
     run(scenario)

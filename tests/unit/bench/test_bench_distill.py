@@ -28,7 +28,10 @@ def test_distillation_is_compared_with_grpo_at_the_same_fraction_of_the_teacher(
 
 
 def test_the_distilled_students_task_reward_is_its_verifier_component():
-    assert task_rewards([{"reward/mean": 0.0, "reward/components/reward_fn": 0.75}, {"reward/mean": 0.5}]) == [0.75, 0.5]
+    assert task_rewards([{"reward/mean": 0.0, "reward/components/reward_fn": 0.75}, {"reward/mean": 0.5}]) == [
+        0.75,
+        0.5,
+    ]
 
 
 def test_exporting_a_run_without_a_checkpoint_names_the_fix(tmp_path):

@@ -15,9 +15,14 @@ def comparison(speedup: float) -> dict:
     """A fake of `compare_modes`'s result: only the figures the summary reads."""
     mode = {"wall_per_step_s": 1.0}
     return {
-        "speedup": speedup, "warnings": [], "sync": mode, "async": mode,
-        "trainer_idle_fraction_sync": 0.8, "trainer_idle_fraction_async": 0.3,
-        "generator_idle_fraction_sync": 0.5, "generator_idle_fraction_async": 0.1,
+        "speedup": speedup,
+        "warnings": [],
+        "sync": mode,
+        "async": mode,
+        "trainer_idle_fraction_sync": 0.8,
+        "trainer_idle_fraction_async": 0.3,
+        "generator_idle_fraction_sync": 0.5,
+        "generator_idle_fraction_async": 0.1,
     }
 
 

@@ -29,14 +29,27 @@ ANALYZED = PeersArgs(target_rewards=TARGETS, at_times_s=(15.0, 30.0, 60.0))
 def fake_metrics(rewards: list[float], step_s: float, tokens: int = 100) -> list[dict]:
     """Per-step metrics as a run logs them (forge_rl's names), one step every `step_s` seconds."""
     return [
-        {"reward/mean": r, "wall_time_s": (i + 1) * step_s, "num_tokens": tokens, "policy_age/max": i % 2,
-         "idle_fraction/trainer": 0.25, "idle_fraction/generators": 0.5}
+        {
+            "reward/mean": r,
+            "wall_time_s": (i + 1) * step_s,
+            "num_tokens": tokens,
+            "policy_age/max": i % 2,
+            "idle_fraction/trainer": 0.25,
+            "idle_fraction/generators": 0.5,
+        }
         for i, r in enumerate(rewards)
     ]
 
 
 def fake_run(library: str, seed: int, rewards: list[float], step_s: float, error: str | None = None) -> dict:
-    return analyze(library, seed, fake_metrics(rewards, step_s), 10.0, PeersArgs(target_rewards=TARGETS, at_times_s=(3.0, 4.0)), error)
+    return analyze(
+        library,
+        seed,
+        fake_metrics(rewards, step_s),
+        10.0,
+        PeersArgs(target_rewards=TARGETS, at_times_s=(3.0, 4.0)),
+        error,
+    )
 
 
 def test_time_and_steps_to_each_threshold_are_read_off_the_smoothed_reward():
@@ -53,7 +66,12 @@ def test_time_and_steps_to_each_threshold_are_read_off_the_smoothed_reward():
 
 def test_reward_at_a_time_is_null_before_the_first_smoothed_value_and_past_the_runs_end():
     metrics = fake_metrics([0.2] * 6, step_s=1.0)
-    assert reward_at(metrics, (3.0, 5.0, 6.0, 7.0)) == {"3.0": None, "5.0": pytest.approx(0.2), "6.0": pytest.approx(0.2), "7.0": None}
+    assert reward_at(metrics, (3.0, 5.0, 6.0, 7.0)) == {
+        "3.0": None,
+        "5.0": pytest.approx(0.2),
+        "6.0": pytest.approx(0.2),
+        "7.0": None,
+    }
 
 
 def test_a_run_that_misses_the_threshold_or_crashes_reports_no_time():
@@ -64,10 +82,19 @@ def test_a_run_that_misses_the_threshold_or_crashes_reports_no_time():
     assert (crashed["status"], crashed["error"]) == ("crashed", "exit status 1")
     assert "steps_per_s" not in crashed
     nothing = analyze("trl", 2, [], None, ANALYZED, None)
-    assert (nothing["status"], nothing["error"], nothing["time_to_reward_s"]["0.9"]) == ("crashed", "no step logged", None)
+    assert (nothing["status"], nothing["error"], nothing["time_to_reward_s"]["0.9"]) == (
+        "crashed",
+        "no step logged",
+        None,
+    )
     # A loaded machine's first step can end past the budget: the run trained, not within it.
     late = analyze("forge_rl", 3, fake_metrics([0.5], step_s=ANALYZED.budget_s + 5.0), 10.0, ANALYZED, None)
-    assert (late["status"], late["steps"], late["steps_per_s"], late["first_step_s"]) == ("not_reached", 0, 0.0, ANALYZED.budget_s + 5.0)
+    assert (late["status"], late["steps"], late["steps_per_s"], late["first_step_s"]) == (
+        "not_reached",
+        0,
+        0.0,
+        ANALYZED.budget_s + 5.0,
+    )
 
 
 def test_the_ratio_is_forge_rls_median_time_over_trls_and_null_unless_every_seed_of_both_reached():
@@ -90,8 +117,10 @@ def test_the_ratio_is_forge_rls_median_time_over_trls_and_null_unless_every_seed
 def test_trls_log_reads_back_as_forge_rls_metric_names(tmp_path):
     log = tmp_path / "trl_metrics.jsonl"
     log.write_text(
-        json.dumps({"train_begin_unix_time": 100.0}) + "\n"
-        + json.dumps({"step": 1, "wall_time_s": 0.3, "reward": 0.25, "completion_tokens": 800.0, "step_time_s": 0.2}) + "\n"
+        json.dumps({"train_begin_unix_time": 100.0})
+        + "\n"
+        + json.dumps({"step": 1, "wall_time_s": 0.3, "reward": 0.25, "completion_tokens": 800.0, "step_time_s": 0.2})
+        + "\n"
     )
     assert read_trl_metrics(log) == (100.0, [{"reward/mean": 0.25, "wall_time_s": 0.3, "num_tokens": 800.0}])
     assert read_trl_metrics(tmp_path / "absent.jsonl") == (None, [])
@@ -106,7 +135,9 @@ def test_trls_settings_are_forge_rls_configs(tmp_path):
     assert (spec["lr"], spec["temperature"], spec["seed"], spec["prompt_prefix"]) == (3e-4, 1.0, 7, "<bos>")
     rows = [json.loads(line) for line in Path(spec["prompts_path"]).read_text().splitlines()]
     assert len(rows) == 3 * 32 and rows[0]["prompt"].startswith("M") and rows[0]["prompt"].endswith("=")
-    grpo = dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, loss=dataclasses.replace(base.trainer.loss, name="grpo")))
+    grpo = dataclasses.replace(
+        base, trainer=dataclasses.replace(base.trainer, loss=dataclasses.replace(base.trainer.loss, name="grpo"))
+    )
     with pytest.raises(ConfigError, match="matched for dapo only"):
         peers.trl_spec(grpo, PeersArgs(out_dir=tmp_path), 0, tmp_path)
 
@@ -115,13 +146,20 @@ def fake_forge_rl_side(calls):
     def run_forge_rl(base, args, seed, workload):
         calls.append(("forge_rl", workload, seed))
         return fake_run("forge_rl", seed, [0.0] * 5 + [1.0] * 10, 0.5)
+
     return run_forge_rl
 
 
 def test_without_trls_environment_forge_rls_side_runs_alone_and_the_summary_says_how_to_build_it(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(peers, "run_forge_rl", fake_forge_rl_side(calls))
-    args = PeersArgs(workloads=("matched_tiny",), config=CONFIG, peer_venv=tmp_path / "no-venv", seeds=(0, 1), out_dir=tmp_path / "out")
+    args = PeersArgs(
+        workloads=("matched_tiny",),
+        config=CONFIG,
+        peer_venv=tmp_path / "no-venv",
+        seeds=(0, 1),
+        out_dir=tmp_path / "out",
+    )
     summary = peers.main(args)
     assert calls == [("forge_rl", "matched_tiny", 0), ("forge_rl", "matched_tiny", 1)]
     assert (summary["peer_status"], summary["build_peer"], summary["peer"]) == ("missing", "make peers-venv", None)
@@ -158,7 +196,10 @@ def test_a_workload_trls_side_cannot_express_runs_forge_rls_side_alone_and_says_
     summary = peers.main(PeersArgs(workloads=("matched_tiny",), config=config, out_dir=tmp_path / "out"))
     assert calls == [("forge_rl", "matched_tiny", 0)]
     assert summary["peer_status"] == "ran" and "matched for dapo only" in summary["matched_tiny/peer_skipped"]
-    assert summary["matched_tiny/trl_time_to_reward_s"] is None and summary["matched_tiny/forge_rl_time_to_reward_s"] == 5.0
+    assert (
+        summary["matched_tiny/trl_time_to_reward_s"] is None
+        and summary["matched_tiny/forge_rl_time_to_reward_s"] == 5.0
+    )
 
 
 def fake_venv(path: Path, script: str) -> Path:
@@ -178,7 +219,9 @@ def test_an_environment_that_cannot_import_trl_counts_as_missing(tmp_path):
 def test_a_peer_run_that_crashes_is_reported_as_crashed_with_its_log(tmp_path):
     venv = fake_venv(tmp_path / "venv", "echo boom; exit 3\n")
     base = dataclasses.replace(load_yaml_config(GRPOConfig, CONFIG), steps=2)
-    result = peers.run_trl(base, dataclasses.replace(ANALYZED, peer_venv=venv, out_dir=tmp_path / "out"), 0, "matched_tiny")
+    result = peers.run_trl(
+        base, dataclasses.replace(ANALYZED, peer_venv=venv, out_dir=tmp_path / "out"), 0, "matched_tiny"
+    )
     assert result["status"] == "crashed" and result["error"].startswith("exit status 3")
     assert result["time_to_reward_s"]["0.9"] is None and result["startup_s"] is None
     assert (tmp_path / "out" / "matched_tiny" / "trl-seed0" / "trl.log").read_text().strip() == "boom"
@@ -192,7 +235,9 @@ def test_bad_bench_arguments_are_refused_before_any_run(tmp_path):
     with pytest.raises(ConfigError, match="--config .* takes the place of one workload's config"):
         peers.main(PeersArgs(config=CONFIG, out_dir=tmp_path))
     other_task = tmp_path / "reasoning_gym.yaml"
-    other_task.write_text(CONFIG.read_text().replace("name: max_of_two", "name: reasoning_gym\n  reward: reasoning_gym"))
+    other_task.write_text(
+        CONFIG.read_text().replace("name: max_of_two", "name: reasoning_gym\n  reward: reasoning_gym")
+    )
     with pytest.raises(ConfigError, match="must train a synthetic task"):
         peers.main(PeersArgs(workloads=("matched_tiny",), config=other_task, out_dir=tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -221,20 +266,37 @@ def test_a_workload_with_a_form_trains_its_model_on_it_before_both_sides_read_it
     fresh = peers.build_model(base, peers.WORKLOADS["matched_tiny"], tmp_path / "fresh")
     assert (model / "model.safetensors").read_bytes() != (fresh / "model.safetensors").read_bytes()
     forms = {peers.repeat_digit_form(make_prompt("repeat_digit", 0, 0), random.Random(seed)) for seed in range(20)}
-    assert len({form[0] for form in forms}) == 1 and len({len(form) for form in forms}) > 2  # its digit, at several lengths
+    assert (
+        len({form[0] for form in forms}) == 1 and len({len(form) for form in forms}) > 2
+    )  # its digit, at several lengths
 
 
 def test_steps_past_the_training_budget_are_left_out():
-    late = analyze("forge_rl", 0, fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0), 5.0, dataclasses.replace(ANALYZED, budget_s=9.5), None)
+    late = analyze(
+        "forge_rl",
+        0,
+        fake_metrics([0.0] * 5 + [1.0] * 10, step_s=1.0),
+        5.0,
+        dataclasses.replace(ANALYZED, budget_s=9.5),
+        None,
+    )
     assert (late["steps"], late["status"], late["time_to_reward_s"]["0.9"]) == (9, "not_reached", None)
 
 
 def test_the_role_bound_is_the_steps_taken_times_the_busier_roles_seconds_per_step():
     metrics = fake_metrics([0.0] * 5 + [1.0] * 10, step_s=0.5)  # generators idle half of 7.5 s: busy 0.25 s a step
     for m in metrics:
-        m.update({"trainer/data_wait_s": 0.2, "trainer/forward_s": 0.1, "trainer/backward_s": 0.15,
-                  "trainer/optimizer_s": 0.02, "trainer/batching_s": 0.01, "trainer/publish_s": 0.01,
-                  "trainer/overhead_s": 0.01})
+        m.update(
+            {
+                "trainer/data_wait_s": 0.2,
+                "trainer/forward_s": 0.1,
+                "trainer/backward_s": 0.15,
+                "trainer/optimizer_s": 0.02,
+                "trainer/batching_s": 0.01,
+                "trainer/publish_s": 0.01,
+                "trainer/overhead_s": 0.01,
+            }
+        )
     run = analyze("forge_rl", 0, metrics, 10.0, ANALYZED, None)
     assert run["trainer_busy_s_per_step"] == pytest.approx(0.30)  # its step but the wait for data
     assert run["generator_busy_s_per_step"] == pytest.approx(0.25)
@@ -298,13 +360,20 @@ def test_the_lora_workloads_trl_settings_carry_chat_prompts_the_data_rows_and_pe
     assert peers.peer_cannot_express(base) is None
     spec = peers.trl_spec(base, ANALYZED, 0, tmp_path)
     assert spec["chat"] and spec["reward_function"] == "final_integer_reward"
-    assert spec["lora"] == {"r": 16, "alpha": 32.0, "target_modules": [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"]}
+    assert spec["lora"] == {
+        "r": 16,
+        "alpha": 32.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj"],
+    }
     rows = [json.loads(line) for line in Path(spec["prompts_path"]).read_text().splitlines()]
     source = [json.loads(line) for line in (REPO / "data" / "chain_sum_train.jsonl").read_text().splitlines()]
     assert rows == [{"prompt": r["prompt"], "answer": r["answer"]} for r in source]
-    lm_head = dataclasses.replace(base, trainer=dataclasses.replace(
-        base.trainer, lora=dataclasses.replace(base.trainer.lora, targets=("wqkv", "lm_head"))))
+    lm_head = dataclasses.replace(
+        base,
+        trainer=dataclasses.replace(
+            base.trainer, lora=dataclasses.replace(base.trainer.lora, targets=("wqkv", "lm_head"))
+        ),
+    )
     assert "['wqkv', 'lm_head']" in peers.peer_cannot_express(lm_head)
     (tmp_path / "rows.json").write_text(json.dumps([{"prompt": "1 + 1 =", "answer": "2"}]))
     json_list = dataclasses.replace(base, data=dataclasses.replace(base.data, path=str(tmp_path / "rows.json")))

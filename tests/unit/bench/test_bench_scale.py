@@ -68,8 +68,14 @@ def _record(**accounting) -> dict:
     """A faults run's record: 4 steps of 2 prompts; 12 handed out, 8 trained, 1 dropped,
     1 filtered, 2 unfinished (1 in the buffer, 1 cut in flight at the end)."""
     counts = dict(
-        prompts_handed_out=12, trained=8, dropped=1, skipped_nonfinite=0, filtered_zero_advantage=1,
-        unfinished_at_stop=2, trained_more_than_once=0, requeued_after_generator_failure=3,
+        prompts_handed_out=12,
+        trained=8,
+        dropped=1,
+        skipped_nonfinite=0,
+        filtered_zero_advantage=1,
+        unfinished_at_stop=2,
+        trained_more_than_once=0,
+        requeued_after_generator_failure=3,
     )
     counts.update(accounting)
     return {
@@ -171,7 +177,9 @@ def test_the_uniform_batch_floor_trades_generation_against_the_longest_completio
     floor, batch = uniform_batch_floor(config, tokens_per_step=110_000, train_s=0.01, max_policy_age=8, longest=longest)
     assert 1 < batch < config.generator.max_num_seqs
     assert floor >= 0.01
-    slow_train, _ = uniform_batch_floor(config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8, longest=longest)
+    slow_train, _ = uniform_batch_floor(
+        config, tokens_per_step=110_000, train_s=100.0, max_policy_age=8, longest=longest
+    )
     assert slow_train == 100.0
 
 
@@ -211,7 +219,12 @@ def test_whole_groups_mask_their_short_members_tokens_while_they_wait_for_the_la
     assert at_8["ceiling"] == pytest.approx(1 - at_8["masked_fraction"], rel=0.01)  # a step at the train step's pace
     assert 1 < at_8["batch"] < config.generator.max_num_seqs
     assert whole_group_masking_ceiling(config, max_policy_age=16, **workload)["masked_fraction"] == 0
-    assert whole_group_masking_ceiling(_sim_config(time_scale=1.0, length_sigma=0.0), max_policy_age=8, **workload)["ceiling"] == 1
+    assert (
+        whole_group_masking_ceiling(_sim_config(time_scale=1.0, length_sigma=0.0), max_policy_age=8, **workload)[
+            "ceiling"
+        ]
+        == 1
+    )
 
 
 @pytest.mark.parametrize("more", [(8,), (0,)])
@@ -263,15 +276,26 @@ def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_ag
 
     def floors(prompts_per_step: int) -> tuple[float, float, float]:
         config = _async_part_config(
-            base, dataclasses.replace(args, async_prompts_per_step=prompts_per_step), "async", args.async_max_policy_age,
-            True, steps=args.async_steps,
+            base,
+            dataclasses.replace(args, async_prompts_per_step=prompts_per_step),
+            "async",
+            args.async_max_policy_age,
+            True,
+            steps=args.async_steps,
         )
         assert config.prompts_per_step == prompts_per_step
-        assert config.prompts_in_flight_per_generator * args.async_generators >= (args.async_max_policy_age + 1) * prompts_per_step
+        assert (
+            config.prompts_in_flight_per_generator * args.async_generators
+            >= (args.async_max_policy_age + 1) * prompts_per_step
+        )
         completions = prompts_per_step * config.group_size
         train_s = config.trainer.sim.step_s(int(completions * (mean_completion + prompt_tokens)))
         uniform, _ = uniform_batch_floor(
-            config, completions * mean_completion, train_s, args.async_max_policy_age, expected_longest_completion(config)
+            config,
+            completions * mean_completion,
+            train_s,
+            args.async_max_policy_age,
+            expected_longest_completion(config),
         )
         waiting, _ = waiting_straggler_floor(config, args.async_max_policy_age)
         return train_s, uniform, waiting

@@ -77,11 +77,7 @@ def test_runs_shorter_than_the_smoothing_window_have_figures_too():
 
 @pytest.mark.parametrize(
     "changes,message",
-    [
-        ({"seeds": ()}, "--seeds"),
-        ({"seeds": (1, 1)}, "--seeds"),
-        ({"collapse_below": 0.9}, "--collapse-below"),
-    ],
+    [({"seeds": ()}, "--seeds"), ({"seeds": (1, 1)}, "--seeds"), ({"collapse_below": 0.9}, "--collapse-below")],
 )
 def test_bad_arguments_are_refused_naming_the_flag(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -104,7 +100,9 @@ def _finished_run(config: GRPOConfig, steps_logged: int) -> None:
 
 def test_a_finished_run_of_the_same_config_is_read_and_anything_else_is_refused(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(common, "run_variant", lambda base, out_dir, name, **changes: ran.append(name) or out_dir / name)
+    monkeypatch.setattr(
+        common, "run_variant", lambda base, out_dir, name, **changes: ran.append(name) or out_dir / name
+    )
     base = GRPOConfig(steps=6)
     _finished_run(dataclasses.replace(seeded(base, 0), run_dir=tmp_path, run_name="grpo-seed0"), 6)
 

@@ -5,7 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forge_rl.core.admission import ADMISSIONS_PER_TURN, AdmissionGate, batch_may_be_sampled, overdue_as_due_now, schedule_is_feasible
+from forge_rl.core.admission import (
+    ADMISSIONS_PER_TURN,
+    AdmissionGate,
+    batch_may_be_sampled,
+    overdue_as_due_now,
+    schedule_is_feasible,
+)
 from tests.support.helpers import wait_until_async
 
 
@@ -151,9 +157,13 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
     max_queued = episodes_per_step * (max_policy_age + 2)
 
     async def scenario():
-        gate = make_gate(max_policy_age=max_policy_age, episodes_per_step=episodes_per_step,
-                         max_episodes_queued=max_queued, num_generators=num_generators,
-                         wait_for_stragglers=wait_for_stragglers)
+        gate = make_gate(
+            max_policy_age=max_policy_age,
+            episodes_per_step=episodes_per_step,
+            max_episodes_queued=max_queued,
+            num_generators=num_generators,
+            wait_for_stragglers=wait_for_stragglers,
+        )
         in_flight: list[int] = []  # start versions
         buffered: list[int] = []  # start versions, in arrival order
         waiting_step = False  # the gate let a step go; the buffer is waiting for a full batch
@@ -169,7 +179,9 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
             starts = [g for g in range(num_generators) if gate.may_start_rollout(g)]
             lagging = [g for g in range(num_generators) if gate.generator_versions[g] < gate.next_train_version]
             events = (["start"] if starts else []) + (["arrive"] if in_flight else [])
-            events += (["step"] if not waiting_step and gate.may_sample_batch() else []) + (["update"] if lagging else [])
+            events += (["step"] if not waiting_step and gate.may_sample_batch() else []) + (
+                ["update"] if lagging else []
+            )
             assert events, f"stalled: {gate.queued_versions=} {gate.in_flight_versions=} {buffered=}"
             event = data.draw(st.sampled_from(events))
             if event == "start":
@@ -182,7 +194,9 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
                 waiting_step = True
             else:
                 generator = data.draw(st.sampled_from(lagging))
-                await gate.generator_serves(generator, data.draw(st.integers(gate.generator_versions[generator] + 1, gate.next_train_version)))
+                await gate.generator_serves(
+                    generator, data.draw(st.integers(gate.generator_versions[generator] + 1, gate.next_train_version))
+                )
             if waiting_step and len(buffered) >= episodes_per_step:
                 waiting_step = False
                 await take_batch()
@@ -201,9 +215,16 @@ def num_waiting(gate: AdmissionGate) -> int:
 
 
 def make_gate(
-    admission="pause", max_policy_age=0, episodes_per_step=2, max_episodes_queued=64, num_generators=1, wait_for_stragglers=True
+    admission="pause",
+    max_policy_age=0,
+    episodes_per_step=2,
+    max_episodes_queued=64,
+    num_generators=1,
+    wait_for_stragglers=True,
 ):
-    return AdmissionGate(num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission, wait_for_stragglers)
+    return AdmissionGate(
+        num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission, wait_for_stragglers
+    )
 
 
 @pytest.mark.parametrize("admission,gated", [("pause", True), ("drop", False)])
@@ -419,4 +440,3 @@ def test_a_generator_still_swapping_holds_back_the_more_loaded_ones_until_it_ser
         await asyncio.gather(*tasks, return_exceptions=True)
 
     run(scenario())
-

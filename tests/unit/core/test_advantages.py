@@ -102,10 +102,7 @@ def test_dynamic_sampling_stops_the_run_after_n_steps_of_groups_all_filtered_nam
     assert "--no-dynamic-sampling" in message and "--dynamic-sampling-max-filtered-steps" in message
 
 
-@pytest.mark.parametrize(
-    "num_tokens,expected",
-    [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (15, -0.75), (16, -1.0)],
-)
+@pytest.mark.parametrize("num_tokens,expected", [(0, 0.0), (12, 0.0), (13, -0.25), (14, -0.5), (15, -0.75), (16, -1.0)])
 def test_overlong_penalty_ramps_from_zero_to_minus_one_over_the_buffer(num_tokens, expected):
     assert overlong_penalty(num_tokens, max_new_tokens=16, overlong_buffer=4) == pytest.approx(expected)
 

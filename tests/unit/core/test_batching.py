@@ -33,8 +33,11 @@ def test_each_generated_token_carries_the_oldest_version_of_its_turn_so_far():
     episode = make_episode(prompt_token_ids=(1,), rewards=(1.0, 0.0), num_tokens=4)
     episode.completions[0].policy_versions = [3, 3, 4, 4]  # one turn, a keep-mode swap after 2 tokens
     episode.completions[1] = Completion(  # two turns, the swap between them
-        token_ids=[7, 8, 9, 10], logprobs=[-0.1, 0.0, -0.3, -0.2], policy_versions=[3, 3, 4, 4],
-        generated=[True, False, True, True], reward=0.0,
+        token_ids=[7, 8, 9, 10],
+        logprobs=[-0.1, 0.0, -0.3, -0.2],
+        policy_versions=[3, 3, 4, 4],
+        generated=[True, False, True, True],
+        reward=0.0,
     )
     assert make_train_batch([episode], pad_id=0).exact_version_NL.tolist() == [[-1, 3, 3, 3, 3], [-1, 3, -1, 4, 4]]
 
@@ -185,7 +188,9 @@ def test_both_encodings_renormalize_exactly_as_the_written_out_formula():
     for support_NLK, kept_per_position in ((bitmask, shifted), (id_lists, [s[:3] for s in shifted])):
         logprobs = token_logprobs(logits, ids, None, support_NLK)
         for j in range(1, 6):
-            expected = _reference_logprob(logits[0, j - 1].detach(), ids[0, j].item(), 1.0, kept_per_position[j] or None)
+            expected = _reference_logprob(
+                logits[0, j - 1].detach(), ids[0, j].item(), 1.0, kept_per_position[j] or None
+            )
             assert logprobs[0, j].item() == pytest.approx(expected, abs=1e-4)
     token_logprobs(logits, ids, None, bitmask).sum().backward()
     assert torch.isfinite(logits.grad).all()

@@ -30,8 +30,7 @@ PROMPT = [1, 5, 6]
 def sampled(logprobs: list[float], version: int = 0, reward: float = 0.0, kv: int | None = None) -> Completion:
     n = len(logprobs)
     return Completion(
-        [20 + i for i in range(n)], logprobs, [version] * n, reward=reward,
-        kv_versions=None if kv is None else [kv] * n,
+        [20 + i for i in range(n)], logprobs, [version] * n, reward=reward, kv_versions=None if kv is None else [kv] * n
     )
 
 
@@ -92,7 +91,9 @@ def test_token_entropies_of_returned_logprobs_leave_filtered_tokens_out():
 def test_config_errors_name_the_field_the_value_and_the_flag():
     with pytest.raises(ValueError, match=r"branch.rule \('deep'\) must be none, entropy, token_prob or function"):
         BranchConfig(rule="deep")
-    with pytest.raises(ValueError, match=r"branch.branches_per_pivot \(0\) must be >= 1. Set --branch.branches-per-pivot"):
+    with pytest.raises(
+        ValueError, match=r"branch.branches_per_pivot \(0\) must be >= 1. Set --branch.branches-per-pivot"
+    ):
         BranchConfig(rule="entropy", branches_per_pivot=0)
     with pytest.raises(ValueError, match="branch.function .* is set exactly when branch.rule is function"):
         BranchConfig(rule="entropy", function="m:f")
@@ -170,7 +171,11 @@ def test_a_tree_whose_leaves_all_agree_carries_no_signal_and_one_that_differs_at
     roots = [sampled([-0.5] * 4, reward=1.0), sampled([-0.5] * 4, reward=1.0)]
     same = [branch_completion(roots[0], 0, 2, sampled([-0.5] * 2, reward=1.0))]
     same[0].reward = 1.0
-    assert tree_token_advantages(Episode(0, "p", "a", PROMPT, roots + same), True, 1.0) == [[0.0] * 4, [0.0] * 4, [0.0] * 4]
+    assert tree_token_advantages(Episode(0, "p", "a", PROMPT, roots + same), True, 1.0) == [
+        [0.0] * 4,
+        [0.0] * 4,
+        [0.0] * 4,
+    ]
     assert not has_signal(Episode(0, "p", "a", PROMPT, roots + same))
     differs = [branch_completion(roots[0], 0, 2, sampled([-0.5] * 2, reward=0.0))]
     assert has_signal(Episode(0, "p", "a", PROMPT, roots + differs))  # the roots alone would carry none
@@ -241,7 +246,9 @@ def test_a_rule_that_finds_no_pivot_trains_the_group_as_a_plain_one():
 
 
 def small(**overrides) -> GRPOConfig:
-    return GRPOConfig(**{"train_batch_size": 8, "group_size": 4, "generator": GeneratorConfig(max_new_tokens=8), **overrides})
+    return GRPOConfig(
+        **{"train_batch_size": 8, "group_size": 4, "generator": GeneratorConfig(max_new_tokens=8), **overrides}
+    )
 
 
 def test_entropy_branching_makes_the_generator_record_entropies():
@@ -255,14 +262,20 @@ def test_the_buffer_bound_counts_every_completion_a_tree_can_hold():
     assert branch.max_completions_per_group(4) == 4 * (1 + 6 + 36)
     config = small(branch=branch)
     assert config.max_episode_tokens == config.max_model_len - 8 + 4 * 43 * 8
-    with pytest.raises(ConfigError, match=rf"buffer.capacity_tokens \(2000\) is below one step's prompts \(2\).*{2 * config.max_episode_tokens}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"buffer.capacity_tokens \(2000\) is below one step's prompts \(2\).*{2 * config.max_episode_tokens}",
+    ):
         small(branch=branch, buffer=BufferConfig(capacity_tokens=2000))
 
 
 def test_branching_is_refused_where_it_cannot_work_naming_the_setting():
     with pytest.raises(ConfigError, match=r"branch.rule \(entropy\) with environment.name \('calculator'\)"):
         small(branch=BranchConfig(rule="entropy"), environment=EnvironmentConfig(name="calculator"))
-    with pytest.raises(ConfigError, match=r"branch.min_prefix_tokens \(5\) \+ branch.min_suffix_tokens \(4\) exceed generator.max_new_tokens \(8\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"branch.min_prefix_tokens \(5\) \+ branch.min_suffix_tokens \(4\) exceed generator.max_new_tokens \(8\)",
+    ):
         small(branch=BranchConfig(rule="entropy", min_prefix_tokens=5, min_suffix_tokens=4))
     with pytest.raises(ConfigError, match="branch.function .*cannot be imported"):
         small(branch=BranchConfig(rule="function", function="no_such_module:pick"))

@@ -204,10 +204,7 @@ puts = st.tuples(st.just("put"), st.tuples(st.integers(0, 4), completion_specs))
 interleavings = st.lists(
     # puts twice as often as the rest, so that batches fill and the buffer reaches its capacities
     st.one_of(
-        puts,
-        puts,
-        st.tuples(st.just("sample"), st.integers(1, 2)),
-        st.tuples(st.just("advance"), st.integers(1, 2)),
+        puts, puts, st.tuples(st.just("sample"), st.integers(1, 2)), st.tuples(st.just("advance"), st.integers(1, 2))
     ),
     min_size=5,
     max_size=50,

@@ -84,7 +84,10 @@ def test_checkpoint_config_is_read_from_yaml(tmp_path):
     path.write_text("checkpoint:\n  enabled: true\n  every_n_steps: 5\n  keep_last: 3\n  save_buffer: true\n")
     checkpoint = load_yaml_config(GRPOConfig, path).checkpoint
     assert (checkpoint.enabled, checkpoint.every_n_steps, checkpoint.keep_last, checkpoint.save_buffer) == (
-        True, 5, 3, True,
+        True,
+        5,
+        3,
+        True,
     )
     path.write_text("checkpoint:\n  keep_last: 0\n")
     with pytest.raises(ConfigError, match="checkpoint.keep_last"):
@@ -157,8 +160,10 @@ def test_prompts_not_settled_at_the_checkpoint_are_reissued_in_order():
 
 
 @given(
-    trained=st.sets(st.integers(0, 300)), skipped=st.sets(st.integers(0, 300)),
-    elsewhere=st.sets(st.integers(0, 300)), cursor=st.integers(0, 320),
+    trained=st.sets(st.integers(0, 300)),
+    skipped=st.sets(st.integers(0, 300)),
+    elsewhere=st.sets(st.integers(0, 300)),
+    cursor=st.integers(0, 320),
 )
 def test_unsettled_ids_are_the_definition(trained, skipped, elsewhere, cursor):
     """The C scans of the tally against the definition: every index below the cursor that is in
@@ -236,7 +241,9 @@ def stopped_run(tmp_path):
 
 def test_resume_continues_with_the_saved_config_and_may_change_steps(stopped_run):
     config = parse_config(
-        GRPOConfig, ["--resume", str(stopped_run), "--steps", "6"], prog="forge-rl grpo",
+        GRPOConfig,
+        ["--resume", str(stopped_run), "--steps", "6"],
+        prog="forge-rl grpo",
         defaults_file=saved_config_path(stopped_run),
     )
     assert (config.group_size, config.train_batch_size, config.steps) == (4, 8, 6)
@@ -250,7 +257,10 @@ def test_resume_continues_with_the_saved_config_and_may_change_steps(stopped_run
     "changes,message",
     [
         (dict(group_size=2), "group_size (2; the run has 4)"),
-        (dict(trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2))), "trainer.num_procs (2; the run has 1)"),
+        (
+            dict(trainer=TrainerConfig(num_procs=2, parallel=ParallelConfig(dp_shard=2))),
+            "trainer.num_procs (2; the run has 1)",
+        ),
         (dict(steps=2), "is at step 2 and steps is 2, so nothing is left to train. Raise --steps"),
     ],
 )
@@ -311,14 +321,21 @@ def test_a_resume_drops_the_metrics_of_steps_after_its_checkpoint(tmp_path):
 
 def partial_group(episode_id: int, token_ids: list[int]) -> dict:
     n = len(token_ids)
-    return {"episode_id": episode_id, "completions": [completion_to_dict(Completion(token_ids, [-0.1] * n, [1] * n))], "finished": [False]}
+    return {
+        "episode_id": episode_id,
+        "completions": [completion_to_dict(Completion(token_ids, [-0.1] * n, [1] * n))],
+        "finished": [False],
+    }
 
 
 @pytest.mark.parametrize(
     "changes,problem",
     [
         (dict(partial_groups=[partial_group(5, [3, 10**6])]), "token id 1000000 is outside the model's vocabulary"),
-        (dict(partial_groups=[partial_group(5, [3])], tokenizer_fingerprint="0" * 32), "sampled under another tokenizer"),
+        (
+            dict(partial_groups=[partial_group(5, [3])], tokenizer_fingerprint="0" * 32),
+            "sampled under another tokenizer",
+        ),
         (dict(partial_groups=[{"episode_id": 5, "completions": "?", "finished": []}]), "partial group 0 is malformed"),
     ],
 )
@@ -344,7 +361,9 @@ def test_resume_refuses_partial_groups_it_cannot_continue_naming_the_file_or_reg
 
 def test_resume_continues_partial_groups_sampled_under_the_same_tokenizer(stopped_run):
     fingerprint = tokenizer_fingerprint(stopped_run / "model")
-    save_checkpoint(stopped_run, 3, reissue=[5], partial_groups=[partial_group(5, [3, 4])], tokenizer_fingerprint=fingerprint)
+    save_checkpoint(
+        stopped_run, 3, reissue=[5], partial_groups=[partial_group(5, [3, 4])], tokenizer_fingerprint=fingerprint
+    )
     saved = load_yaml_config(GRPOConfig, saved_config_path(stopped_run))
     assert open_run_dir_for_resume(GRPOConfig(**{**saved.__dict__, "resume": stopped_run}))[2].name == "step-000003"
 

@@ -40,7 +40,8 @@ def test_rows_of_different_lengths_are_flat_in_the_columns_and_right_padded_in_t
 
 def test_columns_cross_a_pickle_as_buffers_and_pad_to_the_same_batch():
     completions = [
-        Completion([5, 6], [-0.5, -0.5], [1, 1], reward=float(i % 2), reference_logprobs=[-0.1 * i, -0.2]) for i in range(4)
+        Completion([5, 6], [-0.5, -0.5], [1, 1], reward=float(i % 2), reference_logprobs=[-0.1 * i, -0.2])
+        for i in range(4)
     ]
     completions[1].status = CompletionStatus.ERRORED
     completions[2].sampling_support = [[5, 9], [6]]
@@ -89,13 +90,18 @@ def test_a_completions_advantage_column_is_its_token_advantages_with_and_without
         group = episode(0, [1], completions)
         for normalize_std in (True, False):
             # Each row: the one-token prompt's 0, then the completion's per-token advantages.
-            expected = [value for per_token in token_advantages(group, normalize_std, 0.5) for value in [0.0, *per_token]]
+            expected = [
+                value for per_token in token_advantages(group, normalize_std, 0.5) for value in [0.0, *per_token]
+            ]
             got = list(batch_columns([group], normalize_std, 0.5).advantages)
             assert got == pytest.approx(expected, abs=1e-6)
 
 
 def test_make_train_batch_is_the_columns_padded():
-    episodes = [episode(i, [1, 2][: i + 1], [Completion([5, 6, 7][: i + 1], [-0.5] * (i + 1), [i] * (i + 1), reward=1.0)]) for i in range(2)]
+    episodes = [
+        episode(i, [1, 2][: i + 1], [Completion([5, 6, 7][: i + 1], [-0.5] * (i + 1), [i] * (i + 1), reward=1.0)])
+        for i in range(2)
+    ]
     direct, via_columns = make_train_batch(episodes, pad_id=3), pad_columns(batch_columns(episodes), pad_id=3)
     assert torch.equal(direct.input_ids_NL, via_columns.input_ids_NL)
     assert direct.input_ids_NL.tolist() == [[1, 5, 3, 3], [1, 2, 5, 6]]

@@ -33,7 +33,9 @@ def test_an_exclusive_holder_waits_for_the_shared_ones_and_new_shared_ones_wait_
         # The late one has run to where it blocks (a task runs up to its first suspension in one
         # turn of the loop): nothing of it may show yet.
         await asyncio.sleep(0)
-        assert order == ["first in"] and gate.holders == 1  # the exclusive one waits for the first; the late one behind it
+        assert (
+            order == ["first in"] and gate.holders == 1
+        )  # the exclusive one waits for the first; the late one behind it
         release_first.set()
         await asyncio.gather(first, waiting, late)
         assert order == ["first in", "first out", "exclusive", "late in", "late out"]

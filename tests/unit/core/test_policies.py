@@ -78,7 +78,8 @@ def test_what_knows_one_policy_only_is_refused_with_several(two_policies):
     with pytest.raises(ConfigError, match="no environment.name"):
         dataclasses.replace(two_policies, environment=dataclasses.replace(two_policies.environment, name=None))
     simulated = dict(
-        generator=dataclasses.replace(two_policies.generator, engine="sim"), trainer=dataclasses.replace(two_policies.trainer, engine="sim"),
+        generator=dataclasses.replace(two_policies.generator, engine="sim"),
+        trainer=dataclasses.replace(two_policies.trainer, engine="sim"),
     )
     with pytest.raises(ConfigError, match=r"policies \(\['solver'\]\) with a simulated engine or trainer"):
         dataclasses.replace(two_policies, **simulated)
@@ -91,13 +92,19 @@ def test_an_environment_of_one_agent_is_refused_with_policies(two_policies):
 
 
 def completion(policy: str | None, versions: list[int], agent: str) -> Completion:
-    return Completion([1] * len(versions), [-0.5] * len(versions), versions, agent=agent, policy=policy, baseline_group=agent)
+    return Completion(
+        [1] * len(versions), [-0.5] * len(versions), versions, agent=agent, policy=policy, baseline_group=agent
+    )
 
 
 def episode(episode_id: int, main_versions: list[int], solver_versions: list[int]) -> Episode:
-    return Episode(episode_id, "P=", "", [1], completions=[
-        completion(None, main_versions, "proposer"), completion("solver", solver_versions, "solver/0"),
-    ])
+    return Episode(
+        episode_id,
+        "P=",
+        "",
+        [1],
+        completions=[completion(None, main_versions, "proposer"), completion("solver", solver_versions, "solver/0")],
+    )
 
 
 def test_each_policy_trains_its_own_completions_of_the_batch():
@@ -138,11 +145,27 @@ def test_a_seat_played_by_another_policy_is_sampled_by_that_policys_generate(tmp
     tokenizer = PromptTokenizer(tmp_path)
     main = FakeAgentsGenerate(tokenizer, {"P=": ["37"]})
     solver = FakeAgentsGenerate(tokenizer, {"M37=": ["7", "7", "3", "7"]})
-    graph = asyncio.run(asyncio.wait_for(
-        run_graph(ProposerSolverEnv(num_solvers=4), main, PlainTextRenderer(tokenizer), episode_limits(), {"solver": solver}), 30
-    ))
+    graph = asyncio.run(
+        asyncio.wait_for(
+            run_graph(
+                ProposerSolverEnv(num_solvers=4),
+                main,
+                PlainTextRenderer(tokenizer),
+                episode_limits(),
+                {"solver": solver},
+            ),
+            30,
+        )
+    )
     assert graph.error is None
     assert main.answers == {"P=": []} and solver.answers == {"M37=": []}  # each sampled its own seat's turns only
     with pytest.raises(ConfigError, match=r"declares no seat \['judge'\]"):
-        asyncio.run(run_graph(ProposerSolverEnv(num_solvers=1), main, PlainTextRenderer(tokenizer), episode_limits(), {"judge": solver}))
-
+        asyncio.run(
+            run_graph(
+                ProposerSolverEnv(num_solvers=1),
+                main,
+                PlainTextRenderer(tokenizer),
+                episode_limits(),
+                {"judge": solver},
+            )
+        )

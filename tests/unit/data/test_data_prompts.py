@@ -85,13 +85,20 @@ def test_a_reissued_prompt_is_the_same_row_under_its_own_index(tmp_path, tiny_mo
     resumed.load_state(cursor=4, reissue=[1])
     again, new = resumed.next_episodes(2)
     assert (again.episode_id, again.columns) == (1, handed_out[1].columns)
-    assert new.episode_id == 4 and resumed.state() == {"cursor": 5, "reissue": [], "data_fingerprint": resumed.file.fingerprint}
+    assert new.episode_id == 4 and resumed.state() == {
+        "cursor": 5,
+        "reissue": [],
+        "data_fingerprint": resumed.file.fingerprint,
+    }
 
 
-@pytest.mark.parametrize("task, named", [
-    (TaskConfig(name="copy_digit"), ("task.name ('copy_digit')", "Unset --task.name")),
-    (TaskConfig(seed=5), ("task.seed (5)", "--data.seed")),
-])
+@pytest.mark.parametrize(
+    "task, named",
+    [
+        (TaskConfig(name="copy_digit"), ("task.name ('copy_digit')", "Unset --task.name")),
+        (TaskConfig(seed=5), ("task.seed (5)", "--data.seed")),
+    ],
+)
 def test_a_data_path_with_a_task_of_its_own_is_refused_naming_both_fields(tmp_path, task, named):
     with pytest.raises(ConfigError) as error:
         GRPOConfig(task=task, data=DataConfig(path=str(tmp_path / "rows.jsonl")))
@@ -114,11 +121,15 @@ def test_data_export_writes_a_task_that_reads_back_as_its_prompts(tmp_path, caps
     assert summary["rows"] == 12 and summary["path"] == str(out)
     task = TaskConfig(name="max_of_two")
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert lines == [{"prompt": p.text, "answer": p.answer} for p in map(lambda i: make_task_prompt(task, i), range(12))]
+    assert lines == [
+        {"prompt": p.text, "answer": p.answer} for p in map(lambda i: make_task_prompt(task, i), range(12))
+    ]
     source = FileSource(DataConfig(path=str(out), answer_column="answer"))
     rows = [source.row(i) for i in range(12)]
     assert sorted(row.row_number for row in rows) == list(range(12))
-    assert all((row.prompt, row.answer) == (lines[row.row_number]["prompt"], lines[row.row_number]["answer"]) for row in rows)
+    assert all(
+        (row.prompt, row.answer) == (lines[row.row_number]["prompt"], lines[row.row_number]["answer"]) for row in rows
+    )
 
 
 def test_a_row_passed_over_as_too_long_is_not_handed_out_again_after_a_resume(tmp_path, tiny_model):
@@ -141,7 +152,21 @@ def test_export_with_unique_and_exclude_writes_disjoint_files_of_distinct_prompt
     """max_of_two has 100 distinct prompts: a held-out file of 30, then a training file of every
     other one (asked for more than exist, it stops when none is left), sharing none."""
     held_out, train = tmp_path / "held_out.jsonl", tmp_path / "train.jsonl"
-    cli.run(["data", "export", "--task.name", "max_of_two", "--task.seed", "1", "--out", str(held_out), "--rows", "30", "--unique"])
+    cli.run(
+        [
+            "data",
+            "export",
+            "--task.name",
+            "max_of_two",
+            "--task.seed",
+            "1",
+            "--out",
+            str(held_out),
+            "--rows",
+            "30",
+            "--unique",
+        ]
+    )
     cli.run(["data", "export", "--out", str(train), "--rows", "1000", "--unique", "--exclude", str(held_out)])
     held_prompts = [json.loads(line)["prompt"] for line in held_out.read_text().splitlines()]
     train_prompts = [json.loads(line)["prompt"] for line in train.read_text().splitlines()]
@@ -154,11 +179,29 @@ def test_a_reasoning_gym_task_exports_its_questions_with_answers_a_text_reward_s
     from forge_rl.tasks.rewards import resolve_reward_fn
 
     out = tmp_path / "sums.jsonl"
-    cli.run([
-        "data", "export", "--task.name", "reasoning_gym", "--task.reward", "reasoning_gym", "--task.reasoning-gym-dataset",
-        "chain_sum", "--task.reasoning-gym-options", "min_terms", "2", "max_terms", "2", "max_digits", "1",
-        "--out", str(out), "--rows", "5",
-    ])
+    cli.run(
+        [
+            "data",
+            "export",
+            "--task.name",
+            "reasoning_gym",
+            "--task.reward",
+            "reasoning_gym",
+            "--task.reasoning-gym-dataset",
+            "chain_sum",
+            "--task.reasoning-gym-options",
+            "min_terms",
+            "2",
+            "max_terms",
+            "2",
+            "max_digits",
+            "1",
+            "--out",
+            str(out),
+            "--rows",
+            "5",
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and all("arithmetic problem" in row["prompt"] for row in rows)
     math_verify = resolve_reward_fn("math_verify")

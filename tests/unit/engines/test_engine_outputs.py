@@ -8,7 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine, _to_completion, _top_k, engine_process_env, visible_devices
+from forge_rl.engines.vllm_engine import (
+    GeneratorConfig,
+    VLLMEngine,
+    _to_completion,
+    _top_k,
+    engine_process_env,
+    visible_devices,
+)
 from forge_rl.types import join_pieces
 
 
@@ -49,21 +56,28 @@ def test_an_engine_sees_its_assigned_devices_through_the_devices_its_process_see
     assert visible_devices((2, 3), "") == "2,3"
     assert visible_devices((1,), "4,5,6,7") == "5"  # a SLURM job step's GPUs
     assert visible_devices((0, 1), "GPU-aa, GPU-bb") == "GPU-aa,GPU-bb"
-    with pytest.raises(ValueError, match=r"assigned CUDA device 2, but this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5\)"):
+    with pytest.raises(
+        ValueError, match=r"assigned CUDA device 2, but this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5\)"
+    ):
         visible_devices((2,), "4,5")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_tensor_parallelism_is_refused_on_cpu_before_vllm_starts(tmp_path):
     engine = VLLMEngine(GeneratorConfig(tensor_parallel_size=2), cuda_devices=(0, 1))
-    with pytest.raises(ValueError, match=r"generator.tensor_parallel_size \(2\) > 1 needs GPUs.*vLLM's CPU backend "
-                       r"with one worker.*--generator.tensor-parallel-size 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"generator.tensor_parallel_size \(2\) > 1 needs GPUs.*vLLM's CPU backend "
+        r"with one worker.*--generator.tensor-parallel-size 1",
+    ):
         asyncio.run(engine.start(tmp_path, 64))
 
 
 def test_an_engine_needs_one_assigned_device_per_tensor_parallel_rank(tmp_path):
     engine = VLLMEngine(GeneratorConfig(), cuda_devices=(0, 1))
-    with pytest.raises(ValueError, match=r"assigned 2 CUDA device\(s\) \[0, 1\] but generator.tensor_parallel_size is 1"):
+    with pytest.raises(
+        ValueError, match=r"assigned 2 CUDA device\(s\) \[0, 1\] but generator.tensor_parallel_size is 1"
+    ):
         asyncio.run(engine.start(tmp_path, 64))
 
 
@@ -115,7 +129,9 @@ def test_an_engine_start_removes_the_socket_directories_of_engines_whose_process
     from forge_rl.engines.vllm_engine import remove_dead_engines_socket_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(gone.stdout)
     an_hour = 3600.0  # past the sweep's 10 minutes
     dead_old = tmp_path / f"forge_rl_vllm_{dead_pid}_abc"

@@ -16,7 +16,13 @@ import statistics
 
 import pytest
 
-from forge_rl.engines.simulated import PLACEHOLDER_TOKEN_ID, LatencyModel, SimEngineConfig, SimTrainerConfig, SimulatedEngine
+from forge_rl.engines.simulated import (
+    PLACEHOLDER_TOKEN_ID,
+    LatencyModel,
+    SimEngineConfig,
+    SimTrainerConfig,
+    SimulatedEngine,
+)
 from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.types import CompletionStatus
 
@@ -192,8 +198,9 @@ def test_completion_lengths_are_heavy_tailed_and_cut_at_max_new_tokens():
 
 def test_an_eos_completion_ends_on_eos_and_a_cut_one_is_truncated():
     async def scenario():
-        engine = await started_engine(dataclasses.replace(sim_config(length_median_tokens=50, length_sigma=2.0),
-                                                          max_new_tokens=100))
+        engine = await started_engine(
+            dataclasses.replace(sim_config(length_median_tokens=50, length_sigma=2.0), max_new_tokens=100)
+        )
         return await engine.generate([1] * 5, 64, eos_id=7)
 
     completions = run_virtual(scenario())
@@ -296,6 +303,7 @@ def test_load_version_prefetches_while_decoding_then_swaps():
 
 def test_the_engine_never_wakes_per_token():
     """Almost no CPU: with a constant batch the loop sleeps until the first sequence finishes."""
+
     async def scenario():
         engine = await started_engine(sim_config())
         wakeups = 0

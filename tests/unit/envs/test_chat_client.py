@@ -118,7 +118,9 @@ def test_a_call_that_does_not_extend_an_earlier_one_starts_a_new_sample(tokenize
         # A fresh conversation (a sub-agent, an edited history): not a continuation.
         await client.chat.completions.create(model="p", messages=[user("Y=")])
         # Continues the first: its prompt starts with the first call's prompt and completion.
-        await client.chat.completions.create(model="p", messages=[user("X="), {"role": "assistant", "content": "A"}, user("Z")])
+        await client.chat.completions.create(
+            model="p", messages=[user("X="), {"role": "assistant", "content": "A"}, user("Z")]
+        )
         return 0.5
 
     trajectory = play(agent, generate, renderer)
@@ -129,14 +131,18 @@ def test_a_call_that_does_not_extend_an_earlier_one_starts_a_new_sample(tokenize
     assert trajectory.num_turns == 3 and trajectory.num_forks == 1
 
 
-def test_history_that_renders_differently_from_what_was_sampled_forks_instead_of_training_on_unsampled_tokens(tokenizer, renderer):
+def test_history_that_renders_differently_from_what_was_sampled_forks_instead_of_training_on_unsampled_tokens(
+    tokenizer, renderer
+):
     # The model stopped at its budget ("length": no eos), and the agent sends its text back with
     # a different ending: the rendering no longer starts with the sampled ids.
     turns = [sampled(tokenizer, "AB"), sampled(tokenizer, "C")]
 
     async def agent(client):
         await client.chat.completions.create(model="p", messages=[user("Q=")])
-        await client.chat.completions.create(model="p", messages=[user("Q="), {"role": "assistant", "content": "AX"}, user("R")])
+        await client.chat.completions.create(
+            model="p", messages=[user("Q="), {"role": "assistant", "content": "AX"}, user("R")]
+        )
         return 0.0
 
     trajectory = play(agent, FakeGenerate(turns), renderer)
@@ -162,7 +168,9 @@ def test_a_call_past_max_turns_is_a_400_naming_the_limit_and_the_episode_ends_tr
             errors.append(e)
             raise
 
-    trajectory = play(recording_agent, FakeGenerate([sampled(tokenizer, "A")] * 2), renderer, episode_limits(max_turns=2))
+    trajectory = play(
+        recording_agent, FakeGenerate([sampled(tokenizer, "A")] * 2), renderer, episode_limits(max_turns=2)
+    )
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TURNS and trajectory.final_reward == 0.0
     assert errors[0].status_code == 400 and "max_turns (2)" in str(errors[0])
     assert trajectory.num_turns == 2
@@ -207,8 +215,13 @@ def test_the_generators_full_context_is_a_400_and_the_episode_truncated(tokenize
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("temperature", 0.7), ("stop", ["\n"]),
-     ("top_logprobs", 5)],
+    [
+        ("n", 2),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("temperature", 0.7),
+        ("stop", ["\n"]),
+        ("top_logprobs", 5),
+    ],
 )
 def test_a_field_the_generator_cannot_honour_is_refused_with_a_400_naming_it(tokenizer, renderer, field, value):
     async def agent(client):
@@ -297,7 +310,9 @@ def test_the_rollout_plays_agent_environments_in_a_group_and_times_them_as_envir
     clock = EnvWaitClock(1)
     envs = [TimedEnvironment(ChatAgentEnvironment(agent), clock, 0) for _ in range(2)]
     generate = FakeGenerate([sampled(tokenizer, "A"), sampled(tokenizer, "B")])
-    trajectories = [graph.agents['agent'] for graph in asyncio.run(play_group(envs, generate, renderer, episode_limits()))]
+    trajectories = [
+        graph.agents["agent"] for graph in asyncio.run(play_group(envs, generate, renderer, episode_limits()))
+    ]
     assert sorted(t.final_reward for t in trajectories) == [0.0, 1.0]
     assert all(t.status == TrajectoryStatus.DONE for t in trajectories)
 

@@ -34,7 +34,11 @@ MULTIPLY = {
     "function": {
         "name": "multiply",
         "description": "The product of two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
     },
 }
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 37, "b": 52}}\n</tool_call>'
@@ -77,7 +81,9 @@ def multiply_agent(results: list):
             messages.append(message)  # the reply itself, as the guide does
             for call in message.tool_calls:
                 arguments = json.loads(call.function.arguments)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] * arguments["b"])})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": str(arguments["a"] * arguments["b"])}
+                )
 
     return agent
 
@@ -99,14 +105,22 @@ def test_an_openai_agent_runs_a_tool_loop_and_the_trajectory_holds_exactly_the_s
     # The template re-renders the call exactly as sampled: one sample, the tool result its context.
     [sample] = trajectory.samples
     first_prompt = tokenizer.encode_chat([QUESTION], tools=[MULTIPLY])
-    history = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "multiply", "arguments": {"a": 37, "b": 52}}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "1924"}]
+    history = [
+        QUESTION,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "multiply", "arguments": {"a": 37, "b": 52}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "1924"},
+    ]
     second_prompt = tokenizer.encode_chat(history, tools=[MULTIPLY])
     assert sample.spans == [
         ContextSpan(tuple(first_prompt)),
         GeneratedSpan(tuple(turns[0].token_ids), tuple(turns[0].logprobs), tuple(turns[0].policy_versions)),
-        ContextSpan(tuple(second_prompt[len(first_prompt) + len(turns[0].token_ids):])),
+        ContextSpan(tuple(second_prompt[len(first_prompt) + len(turns[0].token_ids) :])),
         GeneratedSpan(tuple(turns[1].token_ids), tuple(turns[1].logprobs), tuple(turns[1].policy_versions)),
     ]
     assert [prefix for prefix, _ in generate.calls] == [first_prompt, second_prompt]
@@ -115,8 +129,13 @@ def test_an_openai_agent_runs_a_tool_loop_and_the_trajectory_holds_exactly_the_s
     # Trained: the two sampled turns only; the tools, the question and the tool's answer are context.
     completion = trajectory_completion(trajectory)
     assert completion.token_ids == sample.token_ids and completion.generated == sample.loss_mask
-    assert [t for t, g in zip(completion.token_ids, completion.generated) if g] == turns[0].token_ids + turns[1].token_ids
-    assert trajectory.conversation[1].tool_calls[0].name == "multiply" and trajectory.conversation[2].tool_call_id == call.id
+    assert [t for t, g in zip(completion.token_ids, completion.generated) if g] == turns[0].token_ids + turns[
+        1
+    ].token_ids
+    assert (
+        trajectory.conversation[1].tool_calls[0].name == "multiply"
+        and trajectory.conversation[2].tool_call_id == call.id
+    )
 
 
 def test_a_streamed_tool_call_reply_is_the_same_parse_cut_into_chunks(tokenizer, renderer):
@@ -140,7 +159,9 @@ def test_a_streamed_tool_call_reply_is_the_same_parse_cut_into_chunks(tokenizer,
     assert trajectory.generated_spans[0].token_ids == tuple(turn.token_ids)
 
 
-def test_parallel_calls_come_back_in_order_and_parallel_tool_calls_false_keeps_the_first_as_vllm_does(tokenizer, renderer):
+def test_parallel_calls_come_back_in_order_and_parallel_tool_calls_false_keeps_the_first_as_vllm_does(
+    tokenizer, renderer
+):
     two = CALL + "\n" + CALL.replace("37", "6").replace("52", "7")
     seen = {}
 
@@ -218,7 +239,9 @@ def test_tool_choice_none_shows_the_tools_and_reads_no_call(tokenizer, renderer)
     generate = FakeGenerate([sampled(tokenizer, CALL)])
 
     async def agent(client):
-        reply = await client.chat.completions.create(model="p", messages=[QUESTION], tools=[MULTIPLY], tool_choice="none")
+        reply = await client.chat.completions.create(
+            model="p", messages=[QUESTION], tools=[MULTIPLY], tool_choice="none"
+        )
         assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content == CALL
         return 1.0
 
@@ -278,8 +301,14 @@ def test_tools_without_a_parser_or_with_a_template_that_ignores_them_are_refused
 def test_an_assistant_tool_call_sent_to_the_plain_renderer_is_refused(tmp_path):
     save_char_tokenizer(tmp_path)
     tokenizer = PromptTokenizer(tmp_path)
-    history = [{"role": "user", "content": "37*52="}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": "{}"}}]}]
+    history = [
+        {"role": "user", "content": "37*52="},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": "{}"}}],
+        },
+    ]
 
     async def agent(client):
         with pytest.raises(openai.BadRequestError, match="cannot render tools or tool calls") as refused:
@@ -304,7 +333,9 @@ def test_the_tool_agent_example_of_the_docs_runs(tokenizer, renderer):
     [code] = [block for block in blocks if "tool_calls" in block]
     namespace = {"__name__": "docs_example"}
     exec(compile(code, "docs/environments.md", "exec"), namespace)
-    trajectory = play(namespace["agent"], FakeGenerate([sampled(tokenizer, CALL), sampled(tokenizer, "1924")]), renderer)
+    trajectory = play(
+        namespace["agent"], FakeGenerate([sampled(tokenizer, CALL), sampled(tokenizer, "1924")]), renderer
+    )
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0 and trajectory.num_forks == 0
 
 
@@ -341,12 +372,17 @@ def test_preflight_refuses_an_unknown_parser_and_a_model_without_a_chat_template
     from forge_rl.run.preflight import check_model_inputs
     from tests.support.tool_chat import TOOL_ALPHABET
 
-    plain = create_tiny_model(TinyModelConfig(), tmp_path / "plain", TOOL_ALPHABET)  # a character tokenizer, no template
+    plain = create_tiny_model(
+        TinyModelConfig(), tmp_path / "plain", TOOL_ALPHABET
+    )  # a character tokenizer, no template
     chat = save_tool_chat_tokenizer(create_tiny_model(TinyModelConfig(), tmp_path / "chat", TOOL_ALPHABET))
 
     def config(model_dir, parser):
         environment = EnvironmentConfig(
-            name="calculator", renderer="chat_template", tool_call_parser=parser, limits=EpisodeLimits(max_total_tokens=128)
+            name="calculator",
+            renderer="chat_template",
+            tool_call_parser=parser,
+            limits=EpisodeLimits(max_total_tokens=128),
         )
         return GRPOConfig(model=ModelConfig(path=model_dir), environment=environment)
 

@@ -71,10 +71,15 @@ def test_the_rollout_makes_each_episode_with_its_prompts_row(tmp_path):
         return SampledTurn(ids, [-0.5] * len(ids), [0] * len(ids), "stop")
 
     rollouts = types.SimpleNamespace(
-        config=config, make_env=config.environment.make_env(), env_waits=EnvWaitClock(1), timeline=Timeline(),
-        calls=collections.Counter(), episode_stats=EpisodeStats(),
+        config=config,
+        make_env=config.environment.make_env(),
+        env_waits=EnvWaitClock(1),
+        timeline=Timeline(),
+        calls=collections.Counter(),
+        episode_stats=EpisodeStats(),
         actors=types.SimpleNamespace(
-            generators=types.SimpleNamespace(generate_turn=FakeEndpoint(generate_turn)), renderer=PlainTextRenderer(tokenizer),
+            generators=types.SimpleNamespace(generate_turn=FakeEndpoint(generate_turn)),
+            renderer=PlainTextRenderer(tokenizer),
         ),
     )
     rollouts.brancher = None

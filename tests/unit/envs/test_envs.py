@@ -154,8 +154,10 @@ def test_a_single_turn_task_is_the_one_turn_trajectory(tokenizer, renderer):
     turn = sampled(tokenizer, prompt.answer)
     trajectory, _ = play(SingleTurnTask(), [turn], renderer)
     [sample] = trajectory.samples
-    assert sample.spans == [ContextSpan(tuple(tokenizer.encode_prompt(prompt.text))), GeneratedSpan(
-        tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions))]
+    assert sample.spans == [
+        ContextSpan(tuple(tokenizer.encode_prompt(prompt.text))),
+        GeneratedSpan(tuple(turn.token_ids), tuple(turn.logprobs), tuple(turn.policy_versions)),
+    ]
     assert (trajectory.status, trajectory.final_reward, trajectory.num_turns) == (TrajectoryStatus.DONE, 1.0, 1)
 
 
@@ -173,8 +175,10 @@ def test_a_turn_that_does_not_render_back_to_its_ids_forks_the_trajectory(tokeni
     first, second = trajectory.samples
     assert first.token_ids == tokenizer.encode_prompt("37*52=") + call_with_pad.token_ids
     rerendered = tokenizer.encode_prompt("37*52=C37*52") + [tokenizer.eos_id] + tokenizer.encode_text("R1924=")
-    assert second.spans == [ContextSpan(tuple(rerendered)), GeneratedSpan(
-        tuple(answer.token_ids), tuple(answer.logprobs), tuple(answer.policy_versions))]
+    assert second.spans == [
+        ContextSpan(tuple(rerendered)),
+        GeneratedSpan(tuple(answer.token_ids), tuple(answer.logprobs), tuple(answer.policy_versions)),
+    ]
     assert generate.calls[1][0] == rerendered
     assert [list(s.token_ids) for s in trajectory.generated_spans] == [call_with_pad.token_ids, answer.token_ids]
 
@@ -184,9 +188,9 @@ class ReasoningDroppingRenderer(PlainTextRenderer):
     (here: their text up to "/")."""
 
     def render(self, conversation):
-        return super().render([
-            Message(m.role, m.content.split("/")[-1]) if m.role == "assistant" else m for m in conversation
-        ])
+        return super().render(
+            [Message(m.role, m.content.split("/")[-1]) if m.role == "assistant" else m for m in conversation]
+        )
 
 
 def test_a_template_that_rewrites_history_forks_instead_of_training_on_tokens_never_sampled(tokenizer):
@@ -198,10 +202,19 @@ def test_a_template_that_rewrites_history_forks_instead_of_training_on_tokens_ne
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.num_forks == 1
     first, second = trajectory.samples
     # The turn with reasoning is kept in full where it was sampled...
-    assert first.token_ids == renderer.render([Message("user", "Q="), Message("assistant", "A"), Message("user", "R1=")]) + turns[1].token_ids
+    assert (
+        first.token_ids
+        == renderer.render([Message("user", "Q="), Message("assistant", "A"), Message("user", "R1=")])
+        + turns[1].token_ids
+    )
     # ...and the next turn continues after the template's rendering, which no longer holds it.
-    rerendered = tokenizer.encode_prompt("Q=A") + [tokenizer.eos_id] + tokenizer.encode_text("R1=B") + [
-        tokenizer.eos_id] + tokenizer.encode_text("R2=")
+    rerendered = (
+        tokenizer.encode_prompt("Q=A")
+        + [tokenizer.eos_id]
+        + tokenizer.encode_text("R1=B")
+        + [tokenizer.eos_id]
+        + tokenizer.encode_text("R2=")
+    )
     assert generate.calls[2][0] == list(second.spans[0].token_ids) == rerendered
     assert [list(s.token_ids) for s in trajectory.generated_spans] == [t.token_ids for t in turns]
 
@@ -272,7 +285,7 @@ def test_a_malformed_tool_call_gets_an_error_observation_and_the_episode_goes_on
     trajectory, generate = play(CalculatorEnv(37, 52), turns, renderer)
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     assert trajectory.num_malformed_turns == 1
-    assert generate.calls[1][0][-len(MALFORMED_CALL):] == tokenizer.encode_text(MALFORMED_CALL)
+    assert generate.calls[1][0][-len(MALFORMED_CALL) :] == tokenizer.encode_text(MALFORMED_CALL)
 
 
 def test_more_malformed_turns_than_allowed_end_the_episode_as_a_parse_error(tokenizer, renderer):
@@ -287,7 +300,11 @@ def test_more_malformed_turns_than_allowed_end_the_episode_as_a_parse_error(toke
 def test_an_environment_that_raises_errors_its_episode_and_the_caller_goes_on(tokenizer, renderer, where):
     trajectory, _ = play(FailingEnv(where, "raise"), [sampled(tokenizer, "A")], renderer)
     assert trajectory.status == TrajectoryStatus.ENV_ERROR and not trajectory.status.trainable
-    assert trajectory.error.startswith(f"{where}") and "KeyError" in trajectory.error and "server is gone" in trajectory.error
+    assert (
+        trajectory.error.startswith(f"{where}")
+        and "KeyError" in trajectory.error
+        and "server is gone" in trajectory.error
+    )
 
 
 @pytest.mark.parametrize("where", ["reset", "step"])
@@ -298,7 +315,9 @@ def test_an_environment_that_hangs_times_out_its_episode(tokenizer, renderer, wh
     assert "env_step_timeout_s (0.05 s)" in trajectory.error
 
 
-@pytest.mark.parametrize("how,message", [("bad_result", "needs final_reward|done=True"), ("not_a_result", "not a StepResult")])
+@pytest.mark.parametrize(
+    "how,message", [("bad_result", "needs final_reward|done=True"), ("not_a_result", "not a StepResult")]
+)
 def test_an_environment_returning_a_bad_result_errors_its_episode(tokenizer, renderer, how, message):
     trajectory, _ = play(FailingEnv("step", how), [sampled(tokenizer, "A")], renderer)
     assert trajectory.status == TrajectoryStatus.ENV_ERROR
@@ -359,7 +378,9 @@ def test_the_calculator_parses_calls_and_refuses_malformed_ones():
 def test_calculator_problems_are_two_digit_and_depend_only_on_seed_and_index():
     env = make_calculator_env(seed=0, index=7)
     assert (env.left, env.right) == (make_calculator_env(0, 7).left, make_calculator_env(0, 7).right)
-    assert all(10 <= n <= 99 for i in range(50) for n in (make_calculator_env(0, i).left, make_calculator_env(0, i).right))
+    assert all(
+        10 <= n <= 99 for i in range(50) for n in (make_calculator_env(0, i).left, make_calculator_env(0, i).right)
+    )
 
 
 def test_a_wrong_answer_closes_the_calculator_episode_with_no_reward(tokenizer, renderer):
@@ -377,4 +398,3 @@ def test_the_custom_environment_of_the_docs_runs(capsys):
     code = page.split("```python\n")[1].split("```")[0]
     exec(compile(code, "docs/environments.md", "exec"), {"__name__": "docs_example"})
     assert capsys.readouterr().out == "done 3 1.0\n"
-

@@ -34,7 +34,9 @@ def tokenizer(tmp_path_factory) -> PromptTokenizer:
     model_dir = tmp_path_factory.mktemp("chat_model")
     save_char_tokenizer(model_dir)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": REASONING_DROPPING_TEMPLATE}))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(config | {"chat_template": REASONING_DROPPING_TEMPLATE})
+    )
     return PromptTokenizer(model_dir)
 
 
@@ -66,11 +68,27 @@ def test_the_chat_template_prefix_holds_until_it_rewrites_history_and_then_the_t
     first, second = trajectory.samples
     encode = tokenizer.encode_chat
     # Turn 1 left the template's rendering intact: its observation was appended after it as context.
-    assert first.token_ids == encode([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
-                                      {"role": "assistant", "content": "A"}, {"role": "user", "content": "R1="}]) + turns[1].token_ids
+    assert (
+        first.token_ids
+        == encode(
+            [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A"},
+                {"role": "user", "content": "R1="},
+            ]
+        )
+        + turns[1].token_ids
+    )
     # Turn 2's reasoning is dropped by the template: the next turn is sampled after that rendering.
-    history = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
-               {"role": "user", "content": "R1="}, {"role": "assistant", "content": "B"}, {"role": "user", "content": "R2="}]
+    history = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "R1="},
+        {"role": "assistant", "content": "B"},
+        {"role": "user", "content": "R2="},
+    ]
     assert second.spans[0] == ContextSpan(tuple(encode(history)))
     assert generate.calls[2][0] == encode(history)
     assert [list(span.token_ids) for span in trajectory.generated_spans] == [t.token_ids for t in turns]

@@ -15,7 +15,14 @@ from forge_rl.envs.environment import StepResult
 from forge_rl.envs.graph import EpisodeGraph
 from forge_rl.envs.python_tool import PythonToolEnv
 from forge_rl.envs.renderers import PlainTextRenderer
-from forge_rl.envs.rollout import EnvironmentConfig, EnvWaitClock, TimedEnvironment, group_completions, play_group, trajectory_completion
+from forge_rl.envs.rollout import (
+    EnvironmentConfig,
+    EnvWaitClock,
+    TimedEnvironment,
+    group_completions,
+    play_group,
+    trajectory_completion,
+)
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn, turn_span
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
@@ -30,10 +37,14 @@ from tests.support.helpers import episode_limits
 
 
 def trajectory(*spans, status=TrajectoryStatus.DONE, final_reward=1.0, samples=None, **fields) -> Trajectory:
-    defaults = dict(turn_rewards=[None, 0.5], conversation=[], num_turns=2, num_malformed_turns=0, env_latencies_s=[0.1, 0.2])
+    defaults = dict(
+        turn_rewards=[None, 0.5], conversation=[], num_turns=2, num_malformed_turns=0, env_latencies_s=[0.1, 0.2]
+    )
     return Trajectory(
         samples=samples if samples is not None else [TrajectorySample(list(spans))],
-        status=status, final_reward=final_reward, **(defaults | fields),
+        status=status,
+        final_reward=final_reward,
+        **(defaults | fields),
     )
 
 
@@ -111,7 +122,9 @@ def test_a_trajectory_whose_turns_all_lack_a_reward_gets_all_zero_steps_when_its
 
 
 def test_a_group_without_any_turn_reward_trains_on_its_final_rewards_alone():
-    completions = group_completions([EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None]))] * 2)
+    completions = group_completions(
+        [EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, turn_rewards=[None, None]))] * 2
+    )
     assert [(c.step_ends, c.step_rewards) for c in completions] == [(None, None)] * 2
 
 
@@ -129,11 +142,21 @@ def test_the_age_bound_masks_a_trajectorys_turns_older_than_it_and_keeps_the_res
 
 
 def test_an_environment_failure_is_an_errored_completion_never_trained_and_a_failed_reset_an_empty_one():
-    errored = trajectory_completion(trajectory(PROMPT, CALL, status=TrajectoryStatus.ENV_TIMEOUT, final_reward=0.0, error="step 1: no answer"))
-    no_reset = trajectory_completion(trajectory(samples=[], status=TrajectoryStatus.ENV_ERROR, final_reward=0.0, num_turns=0))
-    truncated = trajectory_completion(trajectory(PROMPT, CALL, status=TrajectoryStatus.TRUNCATED_TURNS, final_reward=0.0))
+    errored = trajectory_completion(
+        trajectory(PROMPT, CALL, status=TrajectoryStatus.ENV_TIMEOUT, final_reward=0.0, error="step 1: no answer")
+    )
+    no_reset = trajectory_completion(
+        trajectory(samples=[], status=TrajectoryStatus.ENV_ERROR, final_reward=0.0, num_turns=0)
+    )
+    truncated = trajectory_completion(
+        trajectory(PROMPT, CALL, status=TrajectoryStatus.TRUNCATED_TURNS, final_reward=0.0)
+    )
 
-    assert errored.status == CompletionStatus.ERRORED and not any(errored.loss_mask) and errored.error == "step 1: no answer"
+    assert (
+        errored.status == CompletionStatus.ERRORED
+        and not any(errored.loss_mask)
+        and errored.error == "step 1: no answer"
+    )
     assert no_reset.status == CompletionStatus.ERRORED and no_reset.token_ids == []
     assert truncated.status == CompletionStatus.TRUNCATED and truncated.end_reason == "truncated_turns"
     batch = make_train_batch([Episode(0, "", "", [], [errored, no_reset, truncated])], pad_id=0)
@@ -143,7 +166,9 @@ def test_an_environment_failure_is_an_errored_completion_never_trained_and_a_fai
 def test_a_trajectory_counts_the_possibly_truncated_kept_sets_of_every_turn():
     """A turn's kept sets that filled generator.max_support_ids are counted as the generator
     returned them, and the trajectory's completion sums its turns', so the step's metric sees them."""
-    call = turn_span(SampledTurn([16, 7, 2], [-0.9, -0.1, -0.05], [3, 3, 3], "stop", [[16, 5], [7], [2]], num_truncated_support=1))
+    call = turn_span(
+        SampledTurn([16, 7, 2], [-0.9, -0.1, -0.05], [3, 3, 3], "stop", [[16, 5], [7], [2]], num_truncated_support=1)
+    )
     answer = turn_span(SampledTurn([5, 2], [-0.4, -0.02], [3, 4], "stop", [[5, 6], [2, 3]], num_truncated_support=2))
     completion = trajectory_completion(trajectory(PROMPT, call, RESULT, answer))
 
@@ -162,9 +187,21 @@ def test_a_forked_trajectory_trains_its_first_sample_and_counts_the_rest():
 
 def test_episode_figures_count_turns_tokens_tool_errors_latencies_updates_and_statuses():
     stats = EpisodeStats()
-    stats.observe(EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, num_malformed_turns=1, env_latencies_s=[0.1, 0.3])))
-    stats.observe(EpisodeGraph.of(trajectory(PROMPT, CALL, status=TrajectoryStatus.TRUNCATED_TURNS, final_reward=0.0,
-                                             num_turns=1, env_latencies_s=[0.2])))
+    stats.observe(
+        EpisodeGraph.of(trajectory(PROMPT, CALL, RESULT, ANSWER, num_malformed_turns=1, env_latencies_s=[0.1, 0.3]))
+    )
+    stats.observe(
+        EpisodeGraph.of(
+            trajectory(
+                PROMPT,
+                CALL,
+                status=TrajectoryStatus.TRUNCATED_TURNS,
+                final_reward=0.0,
+                num_turns=1,
+                env_latencies_s=[0.2],
+            )
+        )
+    )
     figures = stats.figures()
 
     assert figures[m.EPISODES_PLAYED] == 2
@@ -180,12 +217,12 @@ def test_episode_figures_count_turns_tokens_tool_errors_latencies_updates_and_st
 def test_generator_idle_on_environments_counts_only_time_with_no_turn_in_flight_and_a_call_waiting():
     now = [0.0]
     clock = EnvWaitClock(num_generators=2, clock=lambda: now[0])
-    with clock.env_call(0):          # 0-2: waiting on the environment, no turn: idle
+    with clock.env_call(0):  # 0-2: waiting on the environment, no turn: idle
         now[0] = 2.0
-        with clock.turn(0):          # 2-5: a turn decodes meanwhile: busy
+        with clock.turn(0):  # 2-5: a turn decodes meanwhile: busy
             now[0] = 5.0
-        now[0] = 6.0                 # 5-6: idle again
-    now[0] = 10.0                    # 6-10: nothing at all: not an environment's doing
+        now[0] = 6.0  # 5-6: idle again
+    now[0] = 10.0  # 6-10: nothing at all: not an environment's doing
     assert clock.idle_waiting_s(0) == 3.0 and clock.idle_waiting_s(1) == 0.0
 
 
@@ -221,16 +258,23 @@ def test_a_lost_generator_cancels_the_whole_group_and_reaches_the_rollout(render
         return SampledTurn([5, 2], [-0.1, -0.1], [0, 0], "stop")
 
     with pytest.raises(GeneratorLost):
-        asyncio.run(play_group([WaitsForever(), WaitsForever()], generate, renderer, episode_limits(max_total_tokens=64)))
+        asyncio.run(
+            play_group([WaitsForever(), WaitsForever()], generate, renderer, episode_limits(max_total_tokens=64))
+        )
     assert len(cancelled) == 1
 
 
 def test_an_environment_must_fit_the_models_context_and_be_one_that_exists():
-    with pytest.raises(ConfigError, match=r"max_total_tokens \(4096\) exceeds the model's context .*128.*--environment.limits.max-total-tokens"):
+    with pytest.raises(
+        ConfigError,
+        match=r"max_total_tokens \(4096\) exceeds the model's context .*128.*--environment.limits.max-total-tokens",
+    ):
         GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=4096)))
     with pytest.raises(ConfigError, match=r"environment.name \('chess'\) is not a registered environment.*calculator"):
         EnvironmentConfig(name="chess")
-    with pytest.raises(ConfigError, match=r"environment.name \('no_such_pkg:make'\): module 'no_such_pkg' cannot be imported"):
+    with pytest.raises(
+        ConfigError, match=r"environment.name \('no_such_pkg:make'\): module 'no_such_pkg' cannot be imported"
+    ):
         EnvironmentConfig(name="no_such_pkg:make")
     config = GRPOConfig(environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=128)))
     assert config.max_episode_tokens == config.group_size * 128
@@ -252,15 +296,23 @@ def test_unset_token_limits_follow_the_models_context_and_max_new_tokens():
 def test_dr_grpo_with_an_environment_divides_by_the_most_tokens_a_trajectory_can_generate():
     """Dr. GRPO's constant is the longest possible completion: with an environment, a trajectory's
     turns (max_turns x max_tokens_per_turn) within its token budget, not generator.max_new_tokens."""
-    env = EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=3, max_tokens_per_turn=24, max_total_tokens=128))
+    env = EnvironmentConfig(
+        name="calculator", limits=EpisodeLimits(max_turns=3, max_tokens_per_turn=24, max_total_tokens=128)
+    )
 
     def dr_grpo(length_normalizer: int) -> GRPOConfig:
-        return GRPOConfig(environment=env, trainer=TrainerConfig(loss=LossConfig(name="dr_grpo", length_normalizer=length_normalizer)))
+        return GRPOConfig(
+            environment=env, trainer=TrainerConfig(loss=LossConfig(name="dr_grpo", length_normalizer=length_normalizer))
+        )
 
     assert dr_grpo(72).max_completion_tokens == 72
-    with pytest.raises(ConfigError, match=r"length_normalizer \(4\) must equal 72 .*--trainer.loss.length-normalizer 72"):
+    with pytest.raises(
+        ConfigError, match=r"length_normalizer \(4\) must equal 72 .*--trainer.loss.length-normalizer 72"
+    ):
         dr_grpo(GeneratorConfig().max_new_tokens)
-    budget = EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=8, max_tokens_per_turn=32, max_total_tokens=128))
+    budget = EnvironmentConfig(
+        name="calculator", limits=EpisodeLimits(max_turns=8, max_tokens_per_turn=32, max_total_tokens=128)
+    )
     assert GRPOConfig(environment=budget).max_completion_tokens == 128  # the token budget binds before the turns
 
 
@@ -272,7 +324,9 @@ def test_a_step_timeout_shorter_than_a_sandboxs_start_up_and_run_is_refused_befo
     async def generate(prefix, max_new_tokens):
         raise AssertionError("no turn may be sampled")
 
-    with pytest.raises(ConfigError, match=r"env_step_timeout_s \(30\) is below what one step of PythonToolEnv may take \(45 s"):
+    with pytest.raises(
+        ConfigError, match=r"env_step_timeout_s \(30\) is below what one step of PythonToolEnv may take \(45 s"
+    ):
         asyncio.run(play_group([env], generate, renderer, episode_limits(env_step_timeout_s=30)))
     timed = TimedEnvironment(env, EnvWaitClock(1), 0)
     with pytest.raises(ConfigError, match="--environment.limits.env-step-timeout-s to at least 45"):

@@ -58,9 +58,16 @@ def test_a_fork_replays_the_turns_before_its_pivot_and_samples_the_rest(tokenize
     assert len(starts) == parent.num_turns == 2 and parent.reward == 0.0
     pivot = starts[1]  # the answer: the call is replayed, the answer sampled afresh
     generate = FakeGenerate([turn(tokenizer, product, version=1), turn(tokenizer, "2", version=1)])
-    graphs = asyncio.run(play_forks(
-        [make_calculator_env(0, 0), make_calculator_env(0, 0)], generate, parent, pivot, PlainTextRenderer(tokenizer), LIMITS
-    ))
+    graphs = asyncio.run(
+        play_forks(
+            [make_calculator_env(0, 0), make_calculator_env(0, 0)],
+            generate,
+            parent,
+            pivot,
+            PlainTextRenderer(tokenizer),
+            LIMITS,
+        )
+    )
     played = group_completions(graphs)
     # The generator was asked for the turn after the pivot only, after exactly the episode's prefix.
     assert [prefix for prefix, _ in generate.calls] == [parent.token_ids[:pivot]] * 2
@@ -82,9 +89,11 @@ def test_a_fork_takes_as_many_turns_of_its_own_as_the_episode_lets_it(tokenizer)
     parent = group_completions([graph])[0]
     pivot = turn_starts(parent)[1]  # the malformed turn: the fork writes one again, then the answer
     generate = FakeGenerate([turn(tokenizer, "?"), turn(tokenizer, product)])
-    (played,) = group_completions(asyncio.run(play_forks(
-        [make_calculator_env(0, 0)], generate, parent, pivot, PlainTextRenderer(tokenizer), LIMITS
-    )))
+    (played,) = group_completions(
+        asyncio.run(
+            play_forks([make_calculator_env(0, 0)], generate, parent, pivot, PlainTextRenderer(tokenizer), LIMITS)
+        )
+    )
     fork = fork_completion(parent, 0, pivot, played)
     assert (fork.num_turns, fork.reward) == (3, 1.0)
     assert [len(prefix) for prefix, _ in generate.calls][0] == pivot
@@ -113,7 +122,9 @@ def test_a_group_grows_by_forks_credited_on_the_tree(tokenizer):
 
     async def forks(parent, pivot, n):
         generate = FakeGenerate([turn(tokenizer, product), turn(tokenizer, "2")])
-        graphs = await play_forks([make_calculator_env(0, 0) for _ in range(n)], generate, parent, pivot, PlainTextRenderer(tokenizer), LIMITS)
+        graphs = await play_forks(
+            [make_calculator_env(0, 0) for _ in range(n)], generate, parent, pivot, PlainTextRenderer(tokenizer), LIMITS
+        )
         return group_completions(graphs)
 
     tree = asyncio.run(brancher.fork(episode, forks))
@@ -143,14 +154,26 @@ class UnsteadyCalculator:
 
 
 def test_a_replay_that_reaches_another_state_drops_its_forks_counted_and_warned_once(tokenizer, caplog):
-    (graph,) = asyncio.run(play_group(
-        [UnsteadyCalculator()], FakeGenerate([turn(tokenizer, "C12*34"), turn(tokenizer, "408")]), PlainTextRenderer(tokenizer), LIMITS
-    ))
+    (graph,) = asyncio.run(
+        play_group(
+            [UnsteadyCalculator()],
+            FakeGenerate([turn(tokenizer, "C12*34"), turn(tokenizer, "408")]),
+            PlainTextRenderer(tokenizer),
+            LIMITS,
+        )
+    )
     parent = group_completions([graph])[0]
     brancher = Brancher(TOKEN_PROB)
 
     async def forks(parent, pivot, n):
-        graphs = await play_forks([UnsteadyCalculator() for _ in range(n)], FakeGenerate([]), parent, pivot, PlainTextRenderer(tokenizer), LIMITS)
+        graphs = await play_forks(
+            [UnsteadyCalculator() for _ in range(n)],
+            FakeGenerate([]),
+            parent,
+            pivot,
+            PlainTextRenderer(tokenizer),
+            LIMITS,
+        )
         return group_completions(graphs)
 
     episode = Episode(0, "p", "", [], [parent, parent])
@@ -160,7 +183,16 @@ def test_a_replay_that_reaches_another_state_drops_its_forks_counted_and_warned_
     assert (brancher.counts.pivots, brancher.counts.pivot_errors) == (0, 2)
     assert sum("did not" in r.getMessage() or "not the episode's" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(ReplayDiverged, match="not the episode's"):
-        asyncio.run(play_forks([UnsteadyCalculator()], FakeGenerate([]), parent, turn_starts(parent)[1], PlainTextRenderer(tokenizer), LIMITS))
+        asyncio.run(
+            play_forks(
+                [UnsteadyCalculator()],
+                FakeGenerate([]),
+                parent,
+                turn_starts(parent)[1],
+                PlainTextRenderer(tokenizer),
+                LIMITS,
+            )
+        )
 
 
 class StatefulCalculator:
@@ -178,17 +210,24 @@ def make_stateful(seed: int, index: int) -> StatefulCalculator:
 
 
 def small(**overrides) -> GRPOConfig:
-    return GRPOConfig(**{
-        "train_batch_size": 8, "group_size": 4, "generator": GeneratorConfig(max_new_tokens=8),
-        "environment": EnvironmentConfig(name="calculator"), **overrides,
-    })
+    return GRPOConfig(
+        **{
+            "train_batch_size": 8,
+            "group_size": 4,
+            "generator": GeneratorConfig(max_new_tokens=8),
+            "environment": EnvironmentConfig(name="calculator"),
+            **overrides,
+        }
+    )
 
 
 def test_episode_forks_are_refused_for_environments_that_cannot_restore_their_state():
     assert small(branch=TOKEN_PROB).branch.enabled  # the calculator declares replayable
     with pytest.raises(ConfigError, match=r"StatefulCalculator cannot restore its state.*replayable = True"):
         small(branch=TOKEN_PROB, environment=EnvironmentConfig(name="tests.unit.envs.test_episode_forks:make_stateful"))
-    with pytest.raises(ConfigError, match=r"branch.rule \(entropy\) with environment.name \('calculator'\).*token_prob or function"):
+    with pytest.raises(
+        ConfigError, match=r"branch.rule \(entropy\) with environment.name \('calculator'\).*token_prob or function"
+    ):
         small(branch=BranchConfig(rule="entropy"))
     with pytest.raises(ConfigError, match=r"branch.depth \(2\) with environment.name"):
         small(branch=BranchConfig(rule="token_prob", depth=2))

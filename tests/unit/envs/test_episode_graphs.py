@@ -40,7 +40,13 @@ class FakeAgentsGenerate:
     flight at once (proof that those turns are sampled concurrently); `hang_on`: a prompt whose
     turns never come."""
 
-    def __init__(self, tokenizer: PromptTokenizer, answers: dict[str, list[str]], hold: dict[str, int] | None = None, hang_on: str | None = None):
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        answers: dict[str, list[str]],
+        hold: dict[str, int] | None = None,
+        hang_on: str | None = None,
+    ):
         self.tokenizer, self.answers = tokenizer, {k: list(v) for k, v in answers.items()}
         self.hold, self.hang_on = hold or {}, hang_on
         self.arrived: dict[str, int] = {}
@@ -112,8 +118,12 @@ def test_advantages_are_per_seat_over_the_group_or_within_the_episode(tokenizer,
     graphs = asyncio.run(play_group(envs, generate, renderer, episode_limits()))
     completions = group_completions(graphs)
     assert [(c.agent, c.baseline_group) for c in completions] == [
-        ("proposer", "proposer"), ("solver/0", "solver@0"), ("solver/1", "solver@0"),
-        ("proposer", "proposer"), ("solver/0", "solver@1"), ("solver/1", "solver@1"),
+        ("proposer", "proposer"),
+        ("solver/0", "solver@0"),
+        ("solver/1", "solver@0"),
+        ("proposer", "proposer"),
+        ("solver/0", "solver@1"),
+        ("solver/1", "solver@1"),
     ]
     # Rewards: task 37 solved once in two (learnability 0.5), task 12 always (0.0).
     assert [c.reward for c in completions] == [0.5, 1.0, 0.0, 0.0, 1.0, 1.0]
@@ -220,11 +230,10 @@ def test_a_seat_whose_turn_is_never_sampled_times_out_and_the_episode_is_counted
     assert {t.status for t in graph.agents.values()} == {TrajectoryStatus.ENV_TIMEOUT}
 
 
-@pytest.mark.parametrize("seats,message", [
-    ((), "non-empty tuple"),
-    (("proposer",), "not a forge_rl.envs.graph.Seat"),
-    ((Seat("a"), Seat("a")), "twice"),
-])
+@pytest.mark.parametrize(
+    "seats,message",
+    [((), "non-empty tuple"), (("proposer",), "not a forge_rl.envs.graph.Seat"), ((Seat("a"), Seat("a")), "twice")],
+)
 def test_a_malformed_seat_declaration_is_refused_before_any_episode(seats, message):
     class Declares:
         pass
@@ -271,5 +280,7 @@ def test_a_multi_agent_group_round_trips_through_a_checkpoint_with_its_agents_an
     graphs = asyncio.run(play_group([ProposerSolverEnv(num_solvers=2)], generate, renderer, episode_limits()))
     episode = Episode(4, "P=", "", [], group_completions(graphs))
     restored = Episode.from_dict(episode.to_dict())
-    assert [(c.agent, c.baseline_group) for c in restored.completions] == [(c.agent, c.baseline_group) for c in episode.completions]
+    assert [(c.agent, c.baseline_group) for c in restored.completions] == [
+        (c.agent, c.baseline_group) for c in episode.completions
+    ]
     assert episode_advantages(restored, normalize_std=True) == episode_advantages(episode, normalize_std=True)

@@ -78,10 +78,19 @@ def guess_env(cls=GuessEnvironment) -> OpenEnvEnvironment:
 
 def test_openenvs_echo_environment_runs_unmodified_and_its_rewards_sum_into_the_episodes_return(tokenizer):
     turns = [sampled(tokenizer, "AB"), sampled(tokenizer, "HELLO"), sampled(tokenizer, "X")]
-    trajectory = asyncio.run(run_episode(openenv_echo_env(0, 0), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits()))
+    trajectory = asyncio.run(
+        run_episode(openenv_echo_env(0, 0), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits())
+    )
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.num_turns == 3
     assert trajectory.final_reward == pytest.approx(0.1 * (2 + 5 + 1))  # the echo environment's own reward
-    assert [m.content for m in trajectory.conversation] == ["ECHO ENV ENVIRONMENT READY=", "AB", "AB=", "HELLO", "HELLO=", "X"]
+    assert [m.content for m in trajectory.conversation] == [
+        "ECHO ENV ENVIRONMENT READY=",
+        "AB",
+        "AB=",
+        "HELLO",
+        "HELLO=",
+        "X",
+    ]
     [sample] = trajectory.samples
     assert [span.token_ids for span in sample.generated_spans] == [tuple(t.token_ids) for t in turns]
     assert sample.spans[2] == ContextSpan(tuple(tokenizer.encode_text("AB=")))
@@ -89,7 +98,9 @@ def test_openenvs_echo_environment_runs_unmodified_and_its_rewards_sum_into_the_
 
 def test_an_environment_that_says_done_closes_the_episode_with_its_reward(tokenizer):
     turns = [sampled(tokenizer, "3"), sampled(tokenizer, "9"), sampled(tokenizer, "7")]
-    trajectory = asyncio.run(run_episode(guess_env(), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits()))
+    trajectory = asyncio.run(
+        run_episode(guess_env(), FakeGenerate(turns), PlainTextRenderer(tokenizer), episode_limits())
+    )
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     assert [m.content for m in trajectory.conversation] == ["GUESS=", "3", "HIGHER=", "9", "LOWER=", "7"]
 

@@ -159,8 +159,6 @@ def test_the_python_tool_runs_code_in_the_sandbox_and_scores_the_answer(sandbox)
         asyncio.run(env.step("I think it is 42."))
 
 
-
-
 # ---------------------------------------------------------------------------------------------------
 # Other processes of the same user: limits, scheduling, namespaces, kernel objects
 # ---------------------------------------------------------------------------------------------------
@@ -265,7 +263,8 @@ def test_calls_outside_the_allow_list_fail_with_eperm(sandbox, bystander):
     numbers = syscall_numbers(list(RESTRICTED_CALLS))
     calls = "\n".join(
         f"    ({name!r}, {number}, {arguments.replace('BYSTANDER', str(bystander.pid))}),"
-        for name, arguments in RESTRICTED_CALLS.items() if (number := numbers.get(name)) is not None
+        for name, arguments in RESTRICTED_CALLS.items()
+        if (number := numbers.get(name)) is not None
     )
     result = run(
         "import ctypes, os\n"
@@ -277,7 +276,9 @@ def test_calls_outside_the_allow_list_fail_with_eperm(sandbox, bystander):
         "    print(name, answer, ctypes.get_errno(), flush=True)\n"
     )
     assert result.exit_code == 0, result.stderr
-    outcomes = dict((name, (int(answer), int(code))) for name, answer, code in map(str.split, result.stdout.splitlines()))
+    outcomes = dict(
+        (name, (int(answer), int(code))) for name, answer, code in map(str.split, result.stdout.splitlines())
+    )
     assert outcomes == {name: (-1, errno.EPERM) for name in numbers}
 
 
@@ -315,7 +316,9 @@ def test_a_python_installation_that_would_expose_homes_or_the_run_directory_is_r
         monkeypatch.chdir(tmp_path / "runs" if prefix == str(tmp_path) else tmp_path)
         (tmp_path / "runs").mkdir(exist_ok=True)
         monkeypatch.setattr(sys, "prefix", prefix)
-        with pytest.raises(SandboxUnavailable, match=r"Python installation .* holds .*virtual environment created elsewhere"):
+        with pytest.raises(
+            SandboxUnavailable, match=r"Python installation .* holds .*virtual environment created elsewhere"
+        ):
             run("print('ran')")
     monkeypatch.undo()
     assert run("print('ran')").stdout == "ran\n"
@@ -343,5 +346,9 @@ def test_the_standard_library_runs_in_the_sandbox(sandbox):
     )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines() == [
-        '{"a": [1]} ax 3628800 0.25', "2 1 2d71", "[(7,)] ['a.txt', 'b.txt', 'main.py']", "True 4096 True", "own signal"
+        '{"a": [1]} ax 3628800 0.25',
+        "2 1 2d71",
+        "[(7,)] ['a.txt', 'b.txt', 'main.py']",
+        "True 4096 True",
+        "own signal",
     ]

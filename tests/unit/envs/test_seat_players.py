@@ -29,7 +29,9 @@ def tokenizer(tmp_path_factory) -> PromptTokenizer:
 
 
 def play(env, generate, tokenizer, **limits):
-    return asyncio.run(asyncio.wait_for(run_graph(env, generate, PlainTextRenderer(tokenizer), episode_limits(**limits)), 30))
+    return asyncio.run(
+        asyncio.wait_for(run_graph(env, generate, PlainTextRenderer(tokenizer), episode_limits(**limits)), 30)
+    )
 
 
 def test_an_openai_style_solver_plays_its_seat_and_its_calls_are_its_view(tokenizer):
@@ -78,7 +80,10 @@ class OnePlayedSolver(ProposerSolverEnv):
 
     @property
     def seats(self):
-        return (Seat("proposer", max_turns=1), Seat("solver", baseline="episode", player=self.player, turn_timeout_s=0.5))
+        return (
+            Seat("proposer", max_turns=1),
+            Seat("solver", baseline="episode", player=self.player, turn_timeout_s=0.5),
+        )
 
 
 @pytest.mark.parametrize(
@@ -102,7 +107,10 @@ def test_a_player_past_its_seats_model_calls_ends_its_agent_truncated(tokenizer)
     # agent); its agent ends TRUNCATED_TURNS and the environment scores it as failed.
     @dataclass
     class OneCall(ChatSolverSelfPlayEnv):
-        seats: ClassVar = (Seat("proposer", max_turns=1), Seat("solver", baseline="episode", max_turns=1, player=ChatSolverSelfPlayEnv.seats[1].player))
+        seats: ClassVar = (
+            Seat("proposer", max_turns=1),
+            Seat("solver", baseline="episode", max_turns=1, player=ChatSolverSelfPlayEnv.seats[1].player),
+        )
 
     graph = play(OneCall(num_solvers=1), FakeAgentsGenerate(tokenizer, {"P=": ["37"], "M37=": ["M"]}), tokenizer)
     assert graph.error is None
@@ -115,7 +123,11 @@ def test_a_step_reward_for_a_played_seat_is_refused_naming_why(tokenizer):
     class RewardsTurns(ChatSolverSelfPlayEnv):
         async def step(self, agent, turn_text):
             result = await super().step(agent, turn_text)
-            return GraphStep(result.observations, turn_reward=1.0) if agent != "proposer" and not result.done else result
+            return (
+                GraphStep(result.observations, turn_reward=1.0) if agent != "proposer" and not result.done else result
+            )
 
-    graph = play(RewardsTurns(num_solvers=2), FakeAgentsGenerate(tokenizer, {"P=": ["37"], "M37=": ["7", "7"]}), tokenizer)
+    graph = play(
+        RewardsTurns(num_solvers=2), FakeAgentsGenerate(tokenizer, {"P=": ["37"], "M37=": ["7", "7"]}), tokenizer
+    )
     assert "gave a turn_reward to a seat its player plays" in graph.error

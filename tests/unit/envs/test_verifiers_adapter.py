@@ -47,18 +47,27 @@ def test_a_verifiers_task_is_played_by_its_chat_program_on_the_generator_and_sco
     assert trajectory.status == TrajectoryStatus.DONE and trajectory.final_reward == 1.0
     [sample] = trajectory.samples
     prompt_ids = renderer.render([]) + tokenizer.encode_text(prompt)
-    assert sample.spans == [ContextSpan(tuple(prompt_ids)), GeneratedSpan(tuple(right.token_ids), tuple(right.logprobs), (5,) * len(right.token_ids))]
+    assert sample.spans == [
+        ContextSpan(tuple(prompt_ids)),
+        GeneratedSpan(tuple(right.token_ids), tuple(right.logprobs), (5,) * len(right.token_ids)),
+    ]
     assert generate.calls[0][0] == prompt_ids
     completion = trajectory_completion(trajectory)
     assert completion.reward == 1.0 and sum(completion.generated) == len(right.token_ids)
-    again = asyncio.run(play_episode(sums_environment(seed=0, index=3), FakeGenerate([wrong]), renderer, episode_limits()))
+    again = asyncio.run(
+        play_episode(sums_environment(seed=0, index=3), FakeGenerate([wrong]), renderer, episode_limits())
+    )
     assert again.status == TrajectoryStatus.DONE and again.final_reward == 0.0
 
 
 def test_the_chat_programs_context_overflow_ends_the_episode_truncated(tokenizer):
     # verifiers' loop ends its run on a context overflow (a 400 context_length_exceeded) and scores it;
     # forge_rl keeps the truncation and does not train on that score.
-    trajectory = asyncio.run(play_episode(sums_environment(0, 0), FakeGenerate([]), PlainTextRenderer(tokenizer), episode_limits(max_total_tokens=3)))
+    trajectory = asyncio.run(
+        play_episode(
+            sums_environment(0, 0), FakeGenerate([]), PlainTextRenderer(tokenizer), episode_limits(max_total_tokens=3)
+        )
+    )
     assert trajectory.status == TrajectoryStatus.TRUNCATED_TOKENS and trajectory.final_reward == 0.0
 
 

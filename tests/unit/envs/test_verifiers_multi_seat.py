@@ -61,7 +61,9 @@ def test_a_modeled_user_and_the_assistant_each_get_a_view_and_only_the_assistant
     task = env.taskset.load().__next__()  # the first task: its answer is the assistant's right reply
     make_env = verifiers_env_environment(env)
     # The user asks, the assistant answers, the user closes the conversation with the marker.
-    generate = FakeGenerate([sampled(renderer, "WHAT IS IT"), sampled(renderer, task.data.answer), sampled(renderer, "DONE")])
+    generate = FakeGenerate(
+        [sampled(renderer, "WHAT IS IT"), sampled(renderer, task.data.answer), sampled(renderer, "DONE")]
+    )
     graph = asyncio.run(play_graph(make_env(0, 0), generate, renderer, LIMITS))
 
     assert isinstance(graph, EpisodeGraph) and graph.error is None
@@ -71,7 +73,9 @@ def test_a_modeled_user_and_the_assistant_each_get_a_view_and_only_the_assistant
     assert (assistant.num_turns, user.num_turns) == (1, 2)
     assert assistant.final_reward == 1.0  # the sums task scored the assistant's trace
     # Each view holds exactly the turns sampled for it: the assistant's one reply, the user's two.
-    assert [span.token_ids for span in assistant.generated_spans] == [tuple(sampled(renderer, task.data.answer).token_ids)]
+    assert [span.token_ids for span in assistant.generated_spans] == [
+        tuple(sampled(renderer, task.data.answer).token_ids)
+    ]
     assert len(user.generated_spans) == 2
     assistant_row, user_row = group_completions([graph])
     assert (assistant_row.agent, user_row.agent) == ("assistant", "user")

@@ -34,7 +34,6 @@ from tests.support.openenv_server import PRINTABLE, echo_url, require_openenv_fo
 LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=8192, max_tokens_per_turn=16)
 
 
-
 @pytest.fixture(scope="module")
 def renderer(tmp_path_factory) -> PlainTextRenderer:
     model_dir = tmp_path_factory.mktemp("ascii_tokenizer")
@@ -47,7 +46,9 @@ def openenv_env(url: str, max_turns: int | None = 3):
     server by base_url, the player's turn cap."""
     from verifiers.v1.tasksets.openenv import OpenEnvConfig, OpenEnvEnv, OpenEnvEnvConfig
 
-    config = OpenEnvEnvConfig(taskset=OpenEnvConfig(id="openenv", base_url=url), player=vf.AgentConfig(max_turns=max_turns))
+    config = OpenEnvEnvConfig(
+        taskset=OpenEnvConfig(id="openenv", base_url=url), player=vf.AgentConfig(max_turns=max_turns)
+    )
     return OpenEnvEnv(config)
 
 
@@ -60,7 +61,9 @@ def sampled(renderer, text: str, version: int) -> SampledTurn:
 def test_verifiers_openenv_environment_runs_unmodified_and_records_every_turn(echo_url, renderer):
     turns = [sampled(renderer, text, version) for text, version in (("hello", 3), ("abc", 3), ("xy", 4))]
     generate = FakeGenerate(turns)
-    trajectory = asyncio.run(play_episode(verifiers_env_environment(openenv_env(echo_url))(0, 0), generate, renderer, LIMITS))
+    trajectory = asyncio.run(
+        play_episode(verifiers_env_environment(openenv_env(echo_url))(0, 0), generate, renderer, LIMITS)
+    )
     assert trajectory.status == TrajectoryStatus.DONE, trajectory.error
     # OpenEnv's rewards, summed by verifiers' OpenEnvEnv: 0.1 per character echoed.
     assert trajectory.final_reward == pytest.approx(0.5 + 0.3 + 0.2)

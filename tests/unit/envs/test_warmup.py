@@ -45,7 +45,9 @@ def test_a_demonstration_is_laid_out_as_the_rl_episode_that_plays_the_same_turns
     assert tokenizer.decode(sample.token_ids) == "37*52=C37*52R1924=1924"
     trained = [t for t, generated in zip(sample.token_ids, sample.loss_mask) if generated]
     # The model's turns and the eos closing each; never the prompt or the tool's result.
-    assert trained == tokenizer.encode_text("C37*52") + [tokenizer.eos_id] + tokenizer.encode_text("1924") + [tokenizer.eos_id]
+    assert trained == tokenizer.encode_text("C37*52") + [tokenizer.eos_id] + tokenizer.encode_text("1924") + [
+        tokenizer.eos_id
+    ]
 
 
 @dataclass
@@ -60,10 +62,13 @@ class _NoDemonstration:
         return "1*1="
 
 
-@pytest.mark.parametrize("env, message", [
-    (_WrongDemonstration(3, 4), "must end DONE with reward 1.0"),
-    (_NoDemonstration(), r"has no demonstration\(\) method"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (_WrongDemonstration(3, 4), "must end DONE with reward 1.0"),
+        (_NoDemonstration(), r"has no demonstration\(\) method"),
+    ],
+)
 def test_an_environment_that_cannot_demonstrate_is_refused_by_name(tokenizer, env, message):
     with pytest.raises(ValueError, match=message):
         asyncio.run(demonstration_sample(env, PlainTextRenderer(tokenizer), LIMITS))
@@ -92,7 +97,9 @@ def test_the_loss_reads_only_generated_targets_and_never_padding(tokenizer):
 def test_warm_up_trains_the_model_directory_in_place(tmp_path):
     model_dir = create_tiny_model(TinyModelConfig(), tmp_path / "model")
     before = load_hf_state_dict(model_dir)
-    environment = EnvironmentConfig(name="calculator", limits=LIMITS, warmup=WarmupConfig(episodes=4, steps=3, batch_size=2))
+    environment = EnvironmentConfig(
+        name="calculator", limits=LIMITS, warmup=WarmupConfig(episodes=4, steps=3, batch_size=2)
+    )
     figures = warm_up_model(model_dir, environment)
     after = load_hf_state_dict(model_dir)
     assert sorted(after) == sorted(before)
@@ -101,10 +108,17 @@ def test_warm_up_trains_the_model_directory_in_place(tmp_path):
     assert PromptTokenizer(model_dir).eos_id is not None  # still a whole model directory
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # no environment
-    {"environment": EnvironmentConfig(name="calculator", renderer="chat_template", warmup=WarmupConfig(episodes=4))},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # no environment
+        {
+            "environment": EnvironmentConfig(
+                name="calculator", renderer="chat_template", warmup=WarmupConfig(episodes=4)
+            )
+        },
+    ],
+)
 def test_a_warm_up_without_an_environment_or_the_plain_format_is_refused(overrides):
     fields = {"environment": EnvironmentConfig(warmup=WarmupConfig(episodes=4))} | overrides
     with pytest.raises(ConfigError, match="environment.warmup.episodes"):

@@ -39,8 +39,12 @@ def eval_set(path: Path, **fields) -> EvalSetConfig:
 
 def completion(text: str, versions: list[int], reward: float = 0.0, kv_versions=None) -> Completion:
     return Completion(
-        token_ids=[5] * len(versions), logprobs=[-1.0] * len(versions), policy_versions=versions, text=text,
-        reward=reward, kv_versions=kv_versions,
+        token_ids=[5] * len(versions),
+        logprobs=[-1.0] * len(versions),
+        policy_versions=versions,
+        text=text,
+        reward=reward,
+        kv_versions=kv_versions,
     )
 
 
@@ -50,7 +54,10 @@ def completion(text: str, versions: list[int], reward: float = 0.0, kv_versions=
 @pytest.mark.parametrize(
     "fields, message",
     [
-        (dict(k_values=(1, 4), num_samples=2), r"eval.k_values \(\[1, 4\]\) must be one or more k with 1 <= k <= eval.num_samples \(2\)"),
+        (
+            dict(k_values=(1, 4), num_samples=2),
+            r"eval.k_values \(\[1, 4\]\) must be one or more k with 1 <= k <= eval.num_samples \(2\)",
+        ),
         (dict(num_samples=4, k_values=(1,)), r"eval.temperature 0 \(greedy\) with eval.num_samples 4"),
         (dict(every_n_steps=-1), r"eval.every_n_steps \(-1\) must be >= 0"),
         (dict(max_waiting=0), r"eval.max_waiting \(0\) must be >= 1"),
@@ -100,7 +107,11 @@ def test_a_sets_figures_are_the_unbiased_pass_at_k_and_errored_samples_fail_and_
     assert (result.metrics["eval/s/num_errored"], result.metrics["eval/s/version"]) == (1, 3)
     assert [p["row"] for p in result.prompts] == [10, 11]
     assert result.prompts[1]["samples"][1] == {
-        "text": "2", "reward": None, "num_tokens": 1, "status": "errored", "error": "ValueError: bad row",
+        "text": "2",
+        "reward": None,
+        "num_tokens": 1,
+        "status": "errored",
+        "error": "ValueError: bad row",
     }
 
 
@@ -182,7 +193,9 @@ def run_config(tmp_path: Path, tiny_model: Path, **eval_fields) -> GRPOConfig:
     rows = tmp_path / "held_out.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"M{i}{i}=", "answer": str(i)}) + "\n" for i in range(10)))
     return GRPOConfig(
-        steps=6, run_dir=tmp_path, task=TaskConfig(reward="exact_match"),
+        steps=6,
+        run_dir=tmp_path,
+        task=TaskConfig(reward="exact_match"),
         model=dataclasses.replace(GRPOConfig().model, path=tiny_model),
         eval=EvalConfig(sets=(eval_set(rows, max_prompts=6),), **eval_fields),
     )
@@ -214,7 +227,9 @@ async def train_one_step_ahead(evaluation: Evaluation, store: FakeIndexActor, st
         await evaluation.published(step, versions[step])
 
 
-def test_every_due_version_is_evaluated_exactly_though_the_next_one_commits_before_the_controller_hears_of_it(tmp_path, tiny_model):
+def test_every_due_version_is_evaluated_exactly_though_the_next_one_commits_before_the_controller_hears_of_it(
+    tmp_path, tiny_model
+):
     """With keep_latest 1 and no reservation, version s is collected when version s+1 commits,
     which happens before `published(s)` (one step ahead): only the reservation made at step s-1
     lets the evaluation load exactly s (the fake generators lease it and fail if it is gone)."""
@@ -235,7 +250,9 @@ def test_every_due_version_is_evaluated_exactly_though_the_next_one_commits_befo
     assert logger.logged == records
     assert results["held_out"]["eval/held_out/version"] == 6
     assert all(store.index.holders(key) == {} for key in store.index.keys())  # every reservation released
-    per_prompt = [json.loads(line) for line in (tmp_path / "eval" / "held_out" / "version-4.jsonl").read_text().splitlines()]
+    per_prompt = [
+        json.loads(line) for line in (tmp_path / "eval" / "held_out" / "version-4.jsonl").read_text().splitlines()
+    ]
     assert len(per_prompt) == 6 and all(p["samples"][0]["reward"] == 1.0 for p in per_prompt)
 
 
@@ -259,7 +276,9 @@ def test_a_skipped_step_before_a_due_one_releases_its_reservation_and_the_due_st
     assert all(store.index.holders(key) == {} for key in store.index.keys())
 
 
-def test_an_evaluation_slower_than_training_falls_behind_in_versions_and_holds_no_more_than_it_may(tmp_path, tiny_model):
+def test_an_evaluation_slower_than_training_falls_behind_in_versions_and_holds_no_more_than_it_may(
+    tmp_path, tiny_model
+):
     """The first evaluation is held in its generate call; meanwhile every step is due:
     with eval.max_waiting 1 each newer version's evaluation drops the one waiting (counted), so the
     store holds at most the running one's version and one waiting."""
@@ -312,18 +331,22 @@ def test_a_missing_eval_file_is_refused_before_the_run_starts_naming_the_set(tmp
 def test_an_eval_set_without_the_answers_its_reward_compares_with_is_refused_naming_the_flag(tmp_path, tiny_model):
     rows = write_rows(tmp_path / "no_answers.jsonl", [{"prompt": "M12=", "solution": "2"}])
     config = dataclasses.replace(
-        run_config(tmp_path, tiny_model),
-        eval=EvalConfig(sets=(EvalSetConfig("held_out", DataConfig(str(rows))),)),
+        run_config(tmp_path, tiny_model), eval=EvalConfig(sets=(EvalSetConfig("held_out", DataConfig(str(rows))),))
     )
-    with pytest.raises(ConfigError, match=r"eval.sets\[0\].data.answer_column is unset. Set --eval.sets.0.data.answer-column"):
+    with pytest.raises(
+        ConfigError, match=r"eval.sets\[0\].data.answer_column is unset. Set --eval.sets.0.data.answer-column"
+    ):
         preflight.check_model_inputs(config, tiny_model)
 
 
-def test_an_eval_set_sharing_prompts_with_the_training_data_is_warned_about_with_the_count(tmp_path, tiny_model, capsys):
+def test_an_eval_set_sharing_prompts_with_the_training_data_is_warned_about_with_the_count(
+    tmp_path, tiny_model, capsys
+):
     train = write_rows(tmp_path / "train.jsonl", [{"prompt": f"M{i}0=", "answer": str(i)} for i in range(8)])
     held = write_rows(tmp_path / "held.jsonl", [{"prompt": f"M{i}0=", "answer": str(i)} for i in range(6, 12)])
     config = dataclasses.replace(
-        run_config(tmp_path, tiny_model), data=DataConfig(str(train), answer_column="answer"),
+        run_config(tmp_path, tiny_model),
+        data=DataConfig(str(train), answer_column="answer"),
         eval=EvalConfig(sets=(eval_set(held, max_prompts=6),)),
     )
     preflight.check_model_inputs(config, tiny_model)
@@ -335,7 +358,9 @@ def test_an_eval_set_larger_than_max_prompts_is_cut_to_a_fixed_sample_with_a_war
     evaluation = Evaluation(config, None, None, tmp_path / "store", tmp_path, tiny_model)
 
     def load():
-        return load_eval_set(config.eval.sets[0], config, evaluation.tokenizer, evaluation.max_new_tokens, "eval.sets[0].data")
+        return load_eval_set(
+            config.eval.sets[0], config, evaluation.tokenizer, evaluation.max_new_tokens, "eval.sets[0].data"
+        )
 
     first, again = load(), load()
     assert len(first) == 6 and [p.row_number for p in first] == [p.row_number for p in again]
@@ -352,13 +377,16 @@ def test_the_docs_complete_example_builds_its_files_and_a_config_preflight_accep
     from forge_rl.models.tiny import TinyModelConfig
 
     doc = (Path(__file__).parents[3] / "docs" / "evaluation.md").read_text()
-    commands = [line for line in re.findall(r"```bash\n(.*?)```", doc, re.S)[0].splitlines() if line.startswith("forge-rl data")]
+    commands = [
+        line for line in re.findall(r"```bash\n(.*?)```", doc, re.S)[0].splitlines() if line.startswith("forge-rl data")
+    ]
     monkeypatch.chdir(tmp_path)
     for command in commands:
         cli.run(shlex.split(command)[1:])
     (tmp_path / "held_out_demo.yaml").write_text(re.findall(r"```yaml\n(.*?)```", doc, re.S)[0])
     config = cli.parse_config(
-        GRPOConfig, ["--config", "held_out_demo.yaml", "--eval.every-n-steps", "25", "--eval.sets.0.max-prompts", "10"],
+        GRPOConfig,
+        ["--config", "held_out_demo.yaml", "--eval.every-n-steps", "25", "--eval.sets.0.max-prompts", "10"],
         prog="forge-rl grpo",
     )
     assert (config.eval.every_n_steps, config.eval.sets[0].max_prompts) == (25, 10)
@@ -388,7 +416,9 @@ class FakeRunGenerators:
 
 def test_a_shared_evaluation_splits_its_prompts_over_the_runs_generators_pinned_to_the_version(tmp_path, tiny_model):
     config = dataclasses.replace(
-        run_config(tmp_path, tiny_model, every_n_steps=3, at_start=False, placement="shared", shared_prompts_in_flight=2),
+        run_config(
+            tmp_path, tiny_model, every_n_steps=3, at_start=False, placement="shared", shared_prompts_in_flight=2
+        ),
         num_generators=2,
     )
     generators = FakeRunGenerators(2)

@@ -76,7 +76,11 @@ def test_pass_at_k_is_the_share_of_draws_of_k_that_hold_a_pass_for_every_small_c
         for num_passed in range(num_samples + 1):
             for k in range(1, num_samples + 1):
                 expected = float(brute_force_pass_at_k(num_samples, num_passed, k))
-                assert pass_at_k(num_samples, num_passed, k) == pytest.approx(expected, abs=1e-12), (num_samples, num_passed, k)
+                assert pass_at_k(num_samples, num_passed, k) == pytest.approx(expected, abs=1e-12), (
+                    num_samples,
+                    num_passed,
+                    k,
+                )
 
 
 def test_pass_at_k_stays_exact_where_the_binomials_overflow_floats():
@@ -93,7 +97,9 @@ def test_pass_at_1_is_the_pass_rate_and_the_mean_is_over_problems():
 
 
 def test_pass_at_k_with_fewer_samples_than_k_names_the_values_and_the_fix():
-    with pytest.raises(ValueError, match=r"pass@10 needs at least 10 samples per problem, and this problem has 3: draw"):
+    with pytest.raises(
+        ValueError, match=r"pass@10 needs at least 10 samples per problem, and this problem has 3: draw"
+    ):
         pass_at_k(3, 1, 10)
     with pytest.raises(ValueError, match=r"num_passed \(4\) must be between 0 and num_samples \(3\)"):
         pass_at_k(3, 4, 1)
@@ -132,10 +138,14 @@ def test_importing_the_evaluation_imports_no_torch_monarch_or_vllm():
 def test_the_canonical_solutions_of_a_spread_of_problems_pass(sandbox, problems):
     # Every 8th problem, and those whose solutions or tests import modules (re, hashlib, random, ...).
     in_order = list(problems)
-    task_ids = sorted({*in_order[::8], "HumanEval/32", "HumanEval/38", "HumanEval/53", "HumanEval/162"}, key=in_order.index)
+    task_ids = sorted(
+        {*in_order[::8], "HumanEval/32", "HumanEval/38", "HumanEval/53", "HumanEval/162"}, key=in_order.index
+    )
     for task_id in task_ids[:2]:
         assert check(problems[task_id], problems[task_id].canonical_solution) == (True, "passed"), task_id
-    result = asyncio.run(evaluate({task_id: [problems[task_id].canonical_solution] for task_id in task_ids}, k_values=(1,)))
+    result = asyncio.run(
+        evaluate({task_id: [problems[task_id].canonical_solution] for task_id in task_ids}, k_values=(1,))
+    )
     assert {r.task_id: r.ended_by for r in result.problems if r.num_passed != 1} == {}
     assert result.totals()["num_problems"] == len(task_ids) == 24
 
@@ -224,7 +234,9 @@ def test_evaluate_counts_hostile_samples_as_failed_and_goes_on(sandbox, problems
         "HumanEval/0": [problems["HumanEval/0"].canonical_solution] * 5,
     }
     lines: list[str] = []
-    result = asyncio.run(evaluate(samples, k_values=(1, 5), sandbox_config=SMALL, progress=lines.append, progress_every_s=0.2))
+    result = asyncio.run(
+        evaluate(samples, k_values=(1, 5), sandbox_config=SMALL, progress=lines.append, progress_every_s=0.2)
+    )
     truncate, close_elements = result.problems
     assert truncate.task_id == TRUNCATE and (truncate.num_samples, truncate.num_passed) == (5, 1)
     assert truncate.ended_by[0] == "passed" and truncate.ended_by[1] == "killed: CPU time limit"
@@ -232,14 +244,21 @@ def test_evaluate_counts_hostile_samples_as_failed_and_goes_on(sandbox, problems
     assert truncate.pass_at_k == {1: pytest.approx(0.2), 5: 1.0} and close_elements.pass_at_k == {1: 1.0, 5: 1.0}
     assert result.pass_at_k == {1: pytest.approx(0.6), 5: 1.0}
     assert result.totals() | {"elapsed_s": 0} == {
-        "num_problems": 2, "num_samples": 10, "num_passed": 6, "pass@1": pytest.approx(0.6), "pass@5": 1.0, "elapsed_s": 0
+        "num_problems": 2,
+        "num_samples": 10,
+        "num_passed": 6,
+        "pass@1": pytest.approx(0.6),
+        "pass@5": 1.0,
+        "elapsed_s": 0,
     }
     assert truncate.record()["pass@5"] == 1.0 and truncate.record()["ended_by"][0] == "passed"
     assert lines and all(line.startswith("humaneval: ") and "samples checked" in line for line in lines)
 
 
 def test_evaluate_refuses_too_few_samples_or_unknown_tasks_before_running_any(problems):
-    with pytest.raises(ValueError, match=r"pass@10 needs at least 10 samples per problem, and 'HumanEval/2' has 3\. Draw at least 10"):
+    with pytest.raises(
+        ValueError, match=r"pass@10 needs at least 10 samples per problem, and 'HumanEval/2' has 3\. Draw at least 10"
+    ):
         asyncio.run(evaluate({TRUNCATE: [CORRECT] * 3}, k_values=(1, 10)))
     with pytest.raises(ValueError, match=r"'MBPP/1'\); HumanEval's run from 'HumanEval/0' to 'HumanEval/163'"):
         asyncio.run(evaluate({"MBPP/1": [CORRECT]}, k_values=(1,)))

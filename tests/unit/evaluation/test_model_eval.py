@@ -14,7 +14,14 @@ from forge_rl.cli import run as cli_run
 from forge_rl.data.config import DataConfig
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
-from forge_rl.evaluation.humaneval import STOP_SEQUENCES, check_completion, completion_of, extract_code, load_problems, truncate_at_stop
+from forge_rl.evaluation.humaneval import (
+    STOP_SEQUENCES,
+    check_completion,
+    completion_of,
+    extract_code,
+    load_problems,
+    truncate_at_stop,
+)
 from forge_rl.run.model_eval import EvalArgs, default_args, out_dir_of, targets_of
 
 TRUNCATE = "HumanEval/2"  # truncate_number(number: float) -> float: number % 1.0
@@ -66,7 +73,9 @@ def test_an_extracted_function_passes_the_problems_tests_in_the_sandbox(problem)
 
     text = "Sure!\n```python\ndef truncate_number(number: float) -> float:\n    return number % 1.0\n```\nDone."
     try:
-        passed, ended_by = asyncio.run(check_completion(problem, completion_of(problem, text), SandboxConfig(max_wall_time_s=30.0)))
+        passed, ended_by = asyncio.run(
+            check_completion(problem, completion_of(problem, text), SandboxConfig(max_wall_time_s=30.0))
+        )
     except SandboxUnavailable as e:
         pytest.skip(f"the sandbox needs Linux with seccomp and Landlock: {e}")
     assert (passed, ended_by) == (True, "passed")
@@ -80,11 +89,17 @@ def test_an_extracted_function_passes_the_problems_tests_in_the_sandbox(problem)
         (dict(model_path=Path("m"), every_checkpoint=True, benchmark="humaneval"), r"--every-checkpoint .* pass --run"),
         (dict(model_path=Path("m"), benchmark="mbpp"), r"--benchmark 'mbpp' is not a built-in benchmark.*humaneval"),
         (dict(model_path=Path("m"), benchmark="humaneval", num_problems=165), r"--num-problems \(165\) .* 164"),
-        (dict(model_path=Path("m"), num_problems=3, eval=EvalConfig(sets=(EvalSetConfig("s", DataConfig("f.jsonl")),))),
-         r"--num-problems limits HumanEval's problems: pass --benchmark humaneval"),
+        (
+            dict(
+                model_path=Path("m"), num_problems=3, eval=EvalConfig(sets=(EvalSetConfig("s", DataConfig("f.jsonl")),))
+            ),
+            r"--num-problems limits HumanEval's problems: pass --benchmark humaneval",
+        ),
         (dict(model_path=Path("m")), r"nothing to evaluate.*--benchmark humaneval.*--data.path"),
-        (dict(model_path=Path("m"), benchmark="humaneval", data=DataConfig("x/humaneval.jsonl")),
-         r"an eval set is named 'humaneval'.*--set-name"),
+        (
+            dict(model_path=Path("m"), benchmark="humaneval", data=DataConfig("x/humaneval.jsonl")),
+            r"an eval set is named 'humaneval'.*--set-name",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_value_and_the_fix(fields, match):
@@ -98,7 +113,9 @@ def test_k_above_the_samples_per_prompt_is_refused_naming_the_flag():
 
 
 def test_the_data_flags_add_a_set_named_after_the_file():
-    args = EvalArgs(model_path=Path("m"), data=DataConfig("sets/held-out.v2.jsonl", answer_column="answer"), max_prompts=7)
+    args = EvalArgs(
+        model_path=Path("m"), data=DataConfig("sets/held-out.v2.jsonl", answer_column="answer"), max_prompts=7
+    )
     assert [(s.name, s.max_prompts, s.data.answer_column) for s in args.sets] == [("held-out_v2", 7, "answer")]
     named = EvalArgs(model_path=Path("m"), data=DataConfig("a.jsonl"), set_name="mine")
     assert named.set_names == ["mine"]
@@ -110,7 +127,12 @@ def test_a_runs_config_gives_the_defaults_and_a_missing_one_names_the_directory(
         "eval: {num_samples: 4, temperature: 0.7, k_values: [1, 4], sets: [{name: held, data: {path: held.jsonl}}]}\n"
     )
     args = default_args(None, tmp_path)
-    assert (args.task.reward, args.generator.top_p, args.eval.num_samples, args.eval.k_values) == ("exact_match", 0.9, 4, (1, 4))
+    assert (args.task.reward, args.generator.top_p, args.eval.num_samples, args.eval.k_values) == (
+        "exact_match",
+        0.9,
+        4,
+        (1, 4),
+    )
     assert [s.name for s in args.eval.sets] == ["held"]
     (tmp_path / "sub").mkdir()
     with pytest.raises(ConfigError, match=r"--run .*sub/config.yaml does not exist; not a run directory"):
@@ -158,6 +180,20 @@ def test_the_command_line_refuses_bad_input_before_starting_anything(tmp_path, c
     assert stop.value.code == 2
     assert "cannot evaluate: --model-path" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli_run(["eval", "--model-path", str(tmp_path), "--benchmark", "humaneval", "--eval.num-samples", "2",
-                 "--eval.temperature", "0.8", "--eval.k-values", "1", "10"])
+        cli_run(
+            [
+                "eval",
+                "--model-path",
+                str(tmp_path),
+                "--benchmark",
+                "humaneval",
+                "--eval.num-samples",
+                "2",
+                "--eval.temperature",
+                "0.8",
+                "--eval.k-values",
+                "1",
+                "10",
+            ]
+        )
     assert "eval.k_values ([1, 10])" in capsys.readouterr().err

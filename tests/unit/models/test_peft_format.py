@@ -33,8 +33,16 @@ def tied_model_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True, dtype="float32",
+        vocab_size=48,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -102,7 +110,14 @@ def test_peft_loads_the_directory_and_computes_the_adapted_model(model_dir, trai
     out = write_peft_adapter(tmp_path / "adapter", adapters.adapter_state_dict(), LORA, model_dir)
     config = json.loads((out / ADAPTER_CONFIG_FILE).read_text())
     assert config["target_modules"] == [
-        "down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
     ]
     assert (config["r"], config["lora_alpha"]) == (4, 8)
 
@@ -126,7 +141,9 @@ def test_an_unembedding_adapter_on_tied_embeddings_changes_the_logits_alone(tied
         titan_logits = model(TOKENS)
     torch.testing.assert_close(peft_logits, titan_logits, rtol=0, atol=1e-4)
     assert (peft_logits - base_logits).abs().max() > 1e-2
-    with pytest.raises(ValueError, match=r"lm_head cannot be merged.*tie_word_embeddings.*leave lm_head out of --trainer.lora.targets"):
+    with pytest.raises(
+        ValueError, match=r"lm_head cannot be merged.*tie_word_embeddings.*leave lm_head out of --trainer.lora.targets"
+    ):
         merged_hf_state_dict(model, adapters)
     assert torch.equal(model.tok_embeddings.weight, embedding)
 

@@ -38,8 +38,11 @@ def test_a_cached_model_is_the_built_one_and_copying_it_imports_no_transformers(
         "print(sorted({'transformers', 'torch'} & set(sys.modules)))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], env={**os.environ, CACHE_ENV: str(tmp_path / "cache")},
-        capture_output=True, text=True, check=True,
+        [sys.executable, "-c", probe],
+        env={**os.environ, CACHE_ENV: str(tmp_path / "cache")},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert out.strip() == "[]"
     assert _files(copy) == _files(first)
@@ -70,4 +73,3 @@ def test_an_unwritable_cache_still_gives_the_model(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(blocker))  # its tiny-models directory cannot be created
     model_dir = create_tiny_model(CONFIG, tmp_path / "model")
     assert (model_dir / "model.safetensors").is_file()
-

@@ -4,7 +4,13 @@ import pytest
 
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
 from forge_rl.observability import metrics as m
-from forge_rl.observability.metrics import POLICY_AGE_HISTOGRAM, POLICY_AGE_MAX, batch_metrics, final_reward, run_summary
+from forge_rl.observability.metrics import (
+    POLICY_AGE_HISTOGRAM,
+    POLICY_AGE_MAX,
+    batch_metrics,
+    final_reward,
+    run_summary,
+)
 from tests.support.builders import make_completion, make_episode
 
 
@@ -27,8 +33,15 @@ def test_policy_age_counts_only_tokens_that_reach_the_loss():
 
 def test_the_final_reward_is_the_mean_of_the_last_five_steps_in_the_run_and_the_benchmarks():
     history = [
-        {"reward/mean": r, "policy_age/max": 0, "buffer/dropped_completions": 0, "completions/errored": 0,
-         "wall_time_s": float(i), "idle_fraction/trainer": 0.5, "idle_fraction/generators": 0.25}
+        {
+            "reward/mean": r,
+            "policy_age/max": 0,
+            "buffer/dropped_completions": 0,
+            "completions/errored": 0,
+            "wall_time_s": float(i),
+            "idle_fraction/trainer": 0.5,
+            "idle_fraction/generators": 0.25,
+        }
         for i, r in enumerate([0.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ]
     assert final_reward(history) == sum([0.2, 0.4, 0.6, 0.8, 1.0]) / 5
@@ -40,11 +53,20 @@ def test_the_final_reward_is_the_mean_of_the_last_five_steps_in_the_run_and_the_
 
 
 def test_a_run_on_an_environment_reports_turns_per_episode_over_the_final_window_weighted_by_episodes():
-    step = {"reward/mean": 1.0, "policy_age/max": 0, "buffer/dropped_completions": 0, "completions/errored": 0,
-            "wall_time_s": 1.0, "idle_fraction/trainer": 0.5, "idle_fraction/generators": 0.25,
-            m.GENERATORS_IDLE_ON_ENV_FRACTION: 0.1}
-    history = [step | {m.TURNS_PER_EPISODE: turns, m.EPISODES_PLAYED: played}
-               for turns, played in [(9.0, 100), (1.0, 8), (2.0, 24), (0.0, 0), (3.0, 8), (1.0, 0)]]
+    step = {
+        "reward/mean": 1.0,
+        "policy_age/max": 0,
+        "buffer/dropped_completions": 0,
+        "completions/errored": 0,
+        "wall_time_s": 1.0,
+        "idle_fraction/trainer": 0.5,
+        "idle_fraction/generators": 0.25,
+        m.GENERATORS_IDLE_ON_ENV_FRACTION: 0.1,
+    }
+    history = [
+        step | {m.TURNS_PER_EPISODE: turns, m.EPISODES_PLAYED: played}
+        for turns, played in [(9.0, 100), (1.0, 8), (2.0, 24), (0.0, 0), (3.0, 8), (1.0, 0)]
+    ]
     summary = run_summary(history)
     assert summary["mean_turns_per_episode"] == (8 * 1 + 24 * 2 + 8 * 3) / 40  # the first step is outside the window
     assert summary["generator_idle_waiting_on_env_fraction"] == 0.1

@@ -158,7 +158,6 @@ def test_a_simulated_steps_progress_line_says_so_instead_of_a_loss_it_never_had(
     assert line.startswith("step 1/3 | SIMULATED | gen") and "loss" not in line and "reward" not in line
 
 
-
 def fabricated_run(run_path: Path, num_steps: int = 6, with_timeline: bool = True) -> Path:
     from forge_rl.observability.timeline import Interval
 
@@ -214,7 +213,9 @@ def test_the_dashboard_plots_each_eval_sets_pass_at_k_beside_the_reward(tmp_path
     (run_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     plotted = []
     original = plot._evaluations
-    monkeypatch.setattr(plot, "_evaluations", lambda axis, *args: plotted.append(original(axis, *args) or axis.get_lines()))
+    monkeypatch.setattr(
+        plot, "_evaluations", lambda axis, *args: plotted.append(original(axis, *args) or axis.get_lines())
+    )
     plot.plot_dashboard(plot.PlotArgs(run_path))
     (lines,) = plotted
     assert [line.get_label() for line in lines][-1] == "held_out/pass@1"

@@ -37,12 +37,25 @@ from tests.support.fakes import (
 )
 from tests.support.helpers import wait_until_async
 
-CONFIG = GRPOConfig(steps=3, train_batch_size=4, group_size=2, prompts_in_flight_per_generator=2,
-                    buffer=BufferConfig(max_policy_age=1, capacity_episodes=8))
+CONFIG = GRPOConfig(
+    steps=3,
+    train_batch_size=4,
+    group_size=2,
+    prompts_in_flight_per_generator=2,
+    buffer=BufferConfig(max_policy_age=1, capacity_episodes=8),
+)
 
 
 ROLLOUTS_ENDPOINTS = (
-    "start", "wait_for_failure", "batch_for_trainer", "batch_taken", "withhold_batch", "step_done", "stop_loops", "state_dict", "load_state_dict",
+    "start",
+    "wait_for_failure",
+    "batch_for_trainer",
+    "batch_taken",
+    "withhold_batch",
+    "step_done",
+    "stop_loops",
+    "state_dict",
+    "load_state_dict",
 )
 
 
@@ -75,11 +88,15 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None, pro
         return {}
 
     generators = endpoints(
-        generate=generate or generate_at_the_generators_version, update_weights=update_weights,
+        generate=generate or generate_at_the_generators_version,
+        update_weights=update_weights,
         wait_until_serving=wait_until_serving,
     )
     rollouts = Rollouts(config, RolloutActors(generators, score, no_stats, renderer), prompts or FakePrompts())
-    pipeline = Pipeline(config, RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step, rollouts)))
+    pipeline = Pipeline(
+        config,
+        RunActors(rollouts=local_actor(rollouts, *ROLLOUTS_ENDPOINTS), trainer=pulling_trainer(train_step, rollouts)),
+    )
     return pipeline, rollouts
 
 
@@ -123,7 +140,9 @@ def test_prompts_of_a_lost_generator_are_handed_out_again_and_nothing_is_trained
     assert accounting["trained"] == CONFIG.steps * CONFIG.prompts_per_step
 
 
-SEGMENT_CONFIG = dataclasses.replace(CONFIG, generator=dataclasses.replace(CONFIG.generator, max_new_tokens=6, segment_tokens=2))
+SEGMENT_CONFIG = dataclasses.replace(
+    CONFIG, generator=dataclasses.replace(CONFIG.generator, max_new_tokens=6, segment_tokens=2)
+)
 
 
 class DistinctPrompts(FakePrompts):
@@ -208,7 +227,7 @@ def test_a_lost_generators_segments_are_continued_on_the_next_and_counted(tmp_pa
     at = next(i for i, c in enumerate(calls) if c["heads"] is not None)
     lost = calls[at]
     # The next call for that prompt continued from exactly the heads the lost call had been given.
-    resumed = next(c for c in calls[at + 1:] if c["prompt"] == lost["prompt"])
+    resumed = next(c for c in calls[at + 1 :] if c["prompt"] == lost["prompt"])
     assert resumed["heads"] == lost["heads"]
     assert accounting["continued_after_generator_failure"] == 1
     assert accounting["salvaged_tokens"] == sum(len(head) for head in lost["heads"])
@@ -246,14 +265,16 @@ def test_salvaged_tokens_already_too_old_restart_the_completion_or_are_masked(dr
     """A head sampled at a version the trainer can no longer take (-5, with max_policy_age 1):
     drop_episode starts its completion afresh (its whole group would be dropped for it), counted
     as discarded; mask_tokens continues it, and the buffer masks those tokens."""
-    config = dataclasses.replace(SEGMENT_CONFIG, buffer=dataclasses.replace(SEGMENT_CONFIG.buffer, drop_policy=drop_policy))
+    config = dataclasses.replace(
+        SEGMENT_CONFIG, buffer=dataclasses.replace(SEGMENT_CONFIG.buffer, drop_policy=drop_policy)
+    )
     pipeline, rollouts = make_pipeline(config=config, prompts=DistinctPrompts())
     generate_segment, calls = fake_segments(rollouts, lose_first_continuation=True, hold_versions_at=-5)
     rollouts.actors.generators.generate_segment = FakeEndpoint(generate_segment)
     _, accounting = run(pipeline, tmp_path)
     at = next(i for i, c in enumerate(calls) if c["heads"] is not None)
     lost = calls[at]
-    resumed = next(c for c in calls[at + 1:] if c["prompt"] == lost["prompt"])
+    resumed = next(c for c in calls[at + 1 :] if c["prompt"] == lost["prompt"])
     if drop_policy == "drop_episode":
         assert resumed["heads"] is None  # every completion restarted: one request for the group
         assert accounting["salvage_discarded_tokens"] == sum(len(head) for head in lost["heads"])
@@ -322,7 +343,8 @@ def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_head
     state = state_with_partial_groups()
     generator = SEGMENT_CONFIG.generator
     generator = (
-        dataclasses.replace(generator, segment_tokens=None) if change == "no segments"
+        dataclasses.replace(generator, segment_tokens=None)
+        if change == "no segments"
         else dataclasses.replace(generator, max_new_tokens=2)
     )
     config = dataclasses.replace(SEGMENT_CONFIG, generator=generator)
@@ -344,11 +366,20 @@ def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_head
 @pytest.mark.parametrize(
     "partial_groups, message",
     [
-        ([{"episode_id": 999, "completions": [], "finished": []}], "its prompt 999 is not among the checkpoint's prompts to re-issue"),
+        (
+            [{"episode_id": 999, "completions": [], "finished": []}],
+            "its prompt 999 is not among the checkpoint's prompts to re-issue",
+        ),
         ([{"episode_id": 0, "completions": [{"token_ids": [1]}], "finished": [False]}], "partial group 0 is malformed"),
         ([{"completions": [], "finished": []}], "KeyError"),
         (
-            [{"episode_id": 1, "completions": [completion_to_dict(Completion([3, 70], [-0.1] * 2, [0] * 2))], "finished": [False]}],
+            [
+                {
+                    "episode_id": 1,
+                    "completions": [completion_to_dict(Completion([3, 70], [-0.1] * 2, [0] * 2))],
+                    "finished": [False],
+                }
+            ],
             "token id 70 is outside the model's vocabulary (0 to 63)",
         ),
     ],
@@ -383,7 +414,9 @@ def test_a_resume_refuses_a_corrupt_partial_group_or_generates_its_prompts_afres
     generate_segment, calls = fake_segments(resumed)
     resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
     if on_error == "refuse":
-        with pytest.raises(ValueError, match="token id 1000000 is outside the model's vocabulary.*partial-groups-on-error regenerate"):
+        with pytest.raises(
+            ValueError, match="token id 1000000 is outside the model's vocabulary.*partial-groups-on-error regenerate"
+        ):
             asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
         return
     asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
@@ -436,7 +469,6 @@ def test_a_train_step_past_its_timeout_fails_the_run_naming_the_step_the_timeout
     assert raised.value.step == 1
     assert "train step 1 did not finish within train_step_timeout_s (0.5 s)" in str(raised.value)
     assert "raise --train-step-timeout-s" in str(raised.value)
-
 
 
 def test_a_steps_timeout_counts_from_when_its_batch_left_the_buffer_not_from_its_wait_for_data(tmp_path):
@@ -571,7 +603,9 @@ def test_a_stop_trains_the_batch_the_trainer_took_ahead_and_withholds_the_rest(t
 
 
 @pytest.mark.parametrize("kv", ["re-encoded", "reused"])
-def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_tokens_that_depend_on_over_age_weights(tmp_path, kv):
+def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_tokens_that_depend_on_over_age_weights(
+    tmp_path, kv
+):
     """buffer.wait_for_stragglers false, age bound 2: the first prompt's rollout is still decoding
     at step 3, its last chance; the run trains on without it. It comes back once its generator
     serves version 4, its first tokens sampled at 0 and its last at 4, and is trained with every
@@ -581,8 +615,11 @@ def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_tokens_tha
     token depends on version 4 alone and is trained; where the swap kept its KV (swap_kv reuse) it
     attends to what version 0 encoded, and the straggler has nothing left to train."""
     config = dataclasses.replace(
-        CONFIG, steps=8,
-        buffer=BufferConfig(max_policy_age=2, capacity_episodes=8, wait_for_stragglers=False, drop_policy="mask_tokens"),
+        CONFIG,
+        steps=8,
+        buffer=BufferConfig(
+            max_policy_age=2, capacity_episodes=8, wait_for_stragglers=False, drop_policy="mask_tokens"
+        ),
     )
     straggler_ids: list[int] = []
 
@@ -592,8 +629,13 @@ def test_partial_rollouts_train_on_past_a_straggler_and_mask_only_its_tokens_tha
             straggler_ids.extend(p.episode_id for p in prompts)
             await wait_until_async(lambda: rollouts.gate.generator_versions[index] >= 4, "version 4 served")
             stale_then_fresh = [
-                Completion([5, 6, 2], [-0.5] * 3, [0, 0, 4], reward=float(i % 2),
-                           **({"kv_versions": [0, 0, 4]} if kv == "re-encoded" else {}))
+                Completion(
+                    [5, 6, 2],
+                    [-0.5] * 3,
+                    [0, 0, 4],
+                    reward=float(i % 2),
+                    **({"kv_versions": [0, 0, 4]} if kv == "re-encoded" else {}),
+                )
                 for i in range(group_size)
             ]
             return [dataclasses.replace(p, completions=stale_then_fresh) for p in prompts]
@@ -783,7 +825,9 @@ def test_no_batch_is_sent_ahead_past_a_checkpoint(tmp_path):
 
 ENV_CONFIG = dataclasses.replace(
     CONFIG,
-    environment=EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_turns=3, max_total_tokens=64, max_tokens_per_turn=16)),
+    environment=EnvironmentConfig(
+        name="calculator", limits=EpisodeLimits(max_turns=3, max_total_tokens=64, max_tokens_per_turn=16)
+    ),
 )
 
 
@@ -929,7 +973,10 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
     assert len(in_flight_while_waiting) == ENV_CONFIG.group_size
     assert all(in_flight.get(0, 0) >= 1 for in_flight in in_flight_while_waiting)
     spanning = [
-        (train_version, c) for train_version, episodes in trained for e in episodes if e.episode_id == 1
+        (train_version, c)
+        for train_version, episodes in trained
+        for e in episodes
+        if e.episode_id == 1
         for c in e.completions
     ]
     assert len(spanning) == ENV_CONFIG.group_size
@@ -1019,7 +1066,9 @@ def test_the_controller_makes_the_same_calls_per_step_whatever_the_generators_an
     slower than its timeout), and the trainer takes its batch from the rollouts itself; the calls
     per prompt and per generator are the rollouts' own."""
     config = dataclasses.replace(
-        CONFIG, num_generators=num_generators, train_batch_size=prompts_per_step * CONFIG.group_size,
+        CONFIG,
+        num_generators=num_generators,
+        train_batch_size=prompts_per_step * CONFIG.group_size,
         buffer=dataclasses.replace(CONFIG.buffer, capacity_episodes=4 * prompts_per_step),
     )
     pipeline, rollouts = make_pipeline(config=config)
@@ -1164,7 +1213,9 @@ def test_a_generator_that_cannot_be_replaced_leaves_the_pool_unless_it_was_the_l
     pipeline, rollouts = make_pipeline(generate, config)
     rollouts.actors.generators.wait_until_serving = FakeEndpoint(wait_until_serving)
     if num_generators == 1:
-        with pytest.raises((FakeActorError, GeneratorFailed), match="generator 0 could not be replaced: 3 attempts failed"):
+        with pytest.raises(
+            (FakeActorError, GeneratorFailed), match="generator 0 could not be replaced: 3 attempts failed"
+        ):
             run(pipeline, tmp_path)
         return
     history, accounting = run(pipeline, tmp_path)

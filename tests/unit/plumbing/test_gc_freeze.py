@@ -17,7 +17,7 @@ def test_objects_alive_at_the_start_are_frozen_for_the_block_and_collectable_aft
     assert gc.get_freeze_count() == 0
 
 
-EXIT_SCRIPT = '''
+EXIT_SCRIPT = """
 import sys
 class Node:
     def __del__(self):
@@ -26,7 +26,7 @@ kept = Node()
 kept.cycle = kept  # alive when frozen; garbage only once the interpreter clears this module
 from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 freeze_startup_objects()
-'''
+"""
 
 
 def test_objects_frozen_at_the_start_are_freed_at_the_interpreters_exit():

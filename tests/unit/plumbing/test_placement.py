@@ -60,16 +60,21 @@ def test_slurm_workers_come_from_the_allocation():
         slurm_worker_addresses(26600, {})
 
 
-@pytest.mark.parametrize("address,expected", [
-    ("tcp://node1:26600", ("node1", 26600)),
-    ("tcp://10.0.0.5:1", ("10.0.0.5", 1)),
-    ("tcp://[::1]:26600", ("::1", 26600)),
-])
+@pytest.mark.parametrize(
+    "address,expected",
+    [
+        ("tcp://node1:26600", ("node1", 26600)),
+        ("tcp://10.0.0.5:1", ("10.0.0.5", 1)),
+        ("tcp://[::1]:26600", ("::1", 26600)),
+    ],
+)
 def test_worker_addresses_parse(address, expected):
     assert parse_worker_address(address) == expected
 
 
-@pytest.mark.parametrize("address", ["node1:26600", "tcp://node1", "tcp://node1:0", "tcp://node1:70000", "ipc://x", "tcp://a b:1"])
+@pytest.mark.parametrize(
+    "address", ["node1:26600", "tcp://node1", "tcp://node1:0", "tcp://node1:70000", "ipc://x", "tcp://a b:1"]
+)
 def test_malformed_worker_addresses_name_the_entry_and_the_form(address):
     with pytest.raises(ConfigError) as error:
         parse_worker_address(address)
@@ -78,7 +83,9 @@ def test_malformed_worker_addresses_name_the_entry_and_the_form(address):
 
 def _list(num_hosts: int, **placement) -> LaunchConfig:
     return LaunchConfig(
-        hosts="list", workers=tuple(f"tcp://h{i}:26600" for i in range(num_hosts)), placement=PlacementConfig(**placement)
+        hosts="list",
+        workers=tuple(f"tcp://h{i}:26600" for i in range(num_hosts)),
+        placement=PlacementConfig(**placement),
     )
 
 
@@ -89,8 +96,12 @@ def test_placement_rules_that_need_no_host():
         check_placement(_list(4, trainer_hosts=(0, 1, 2), generator_hosts=(3,)), demand)
     with pytest.raises(ConfigError, match="host 1 runs trainer/reference ranks and generators.*allow-shared-hosts"):
         check_placement(_list(2, trainer_hosts=(0, 1), generator_hosts=(1,)), demand)
-    allowed = LaunchConfig(hosts="list", workers=("tcp://h0:1", "tcp://h1:1"), allow_shared_hosts=True,
-                           placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1,)))
+    allowed = LaunchConfig(
+        hosts="list",
+        workers=("tcp://h0:1", "tcp://h1:1"),
+        allow_shared_hosts=True,
+        placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1,)),
+    )
     check_placement(allowed, demand)
     check_placement(LaunchConfig(), demand)  # one machine shares by definition (preflight checks it)
 
@@ -114,14 +125,23 @@ def test_host_facts_allow_a_placement_that_fits():
 def test_host_facts_refuse_more_gpu_processes_than_gpus():
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
     demand = RoleDemand(trainer_procs=8, reference_procs=0, num_generators=9)
-    with pytest.raises(ConfigError, match=r"host 1 \(b, tcp://b:26600\) has 8 GPU\(s\) but the placement needs 9 there: "
-                       r"9 generator\(s\) x 1 GPU\(s\).*--launch.placement.*--num-generators"):
+    with pytest.raises(
+        ConfigError,
+        match=r"host 1 \(b, tcp://b:26600\) has 8 GPU\(s\) but the placement needs 9 there: "
+        r"9 generator\(s\) x 1 GPU\(s\).*--launch.placement.*--num-generators",
+    ):
         check_host_facts(launch, demand, [_facts("a", gpus=8), _facts("b", gpus=8)], "/m")
 
 
-def _demand(trainer_procs: int = 0, num_generators: int = 1, generator_gpus: int = 1, reference_procs: int = 0) -> RoleDemand:
-    return RoleDemand(trainer_procs=trainer_procs, reference_procs=reference_procs, num_generators=num_generators,
-                      generator_gpus=generator_gpus)
+def _demand(
+    trainer_procs: int = 0, num_generators: int = 1, generator_gpus: int = 1, reference_procs: int = 0
+) -> RoleDemand:
+    return RoleDemand(
+        trainer_procs=trainer_procs,
+        reference_procs=reference_procs,
+        num_generators=num_generators,
+        generator_gpus=generator_gpus,
+    )
 
 
 def test_generators_on_one_host_take_one_device_each_after_the_trainer_ranks():
@@ -135,8 +155,12 @@ def test_a_generator_device_is_its_index_among_its_hosts_generators():
 
 
 def test_generators_on_a_host_shared_with_trainer_ranks_start_after_the_ranks_devices():
-    launch = LaunchConfig(hosts="list", workers=("tcp://h0:1", "tcp://h1:1"), allow_shared_hosts=True,
-                          placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1, 0, 1)))
+    launch = LaunchConfig(
+        hosts="list",
+        workers=("tcp://h0:1", "tcp://h1:1"),
+        allow_shared_hosts=True,
+        placement=PlacementConfig(trainer_hosts=(0, 1), generator_hosts=(1, 0, 1)),
+    )
     # 4 ranks per host on devices 0..3; host 1 holds generators 0 and 2, host 0 generator 1.
     assert generator_devices(launch, _demand(trainer_procs=8, num_generators=3)) == [(4,), (4,), (5,)]
     # Reference ranks number their local ranks from 0 too: they share the trainer ranks' devices.
@@ -146,11 +170,14 @@ def test_generators_on_a_host_shared_with_trainer_ranks_start_after_the_ranks_de
 
 def test_tensor_parallel_generators_take_contiguous_blocks():
     assert generator_devices(LaunchConfig(), _demand(trainer_procs=2, num_generators=3, generator_gpus=2)) == [
-        (2, 3), (4, 5), (6, 7)
+        (2, 3),
+        (4, 5),
+        (6, 7),
     ]
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
     assert generator_devices(launch, _demand(trainer_procs=4, num_generators=2, generator_gpus=4)) == [
-        (0, 1, 2, 3), (4, 5, 6, 7)
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
     ]
 
 
@@ -163,26 +190,46 @@ def test_share_gpus_puts_generators_on_the_ranks_devices():
 
 def test_gpu_check_names_the_host_the_roles_the_counts_and_the_flags():
     check_gpus(LaunchConfig(), _demand(trainer_procs=2, num_generators=3, generator_gpus=2), 0, 8, "this machine")
-    with pytest.raises(ConfigError, match=r"this machine has 1 GPU\(s\) but the placement needs 2 there: 1 trainer "
-                       r"rank\(s\) on devices 0..0 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 1.*"
-                       r"--launch.share-gpus true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"this machine has 1 GPU\(s\) but the placement needs 2 there: 1 trainer "
+        r"rank\(s\) on devices 0..0 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 1.*"
+        r"--launch.share-gpus true",
+    ):
         check_gpus(LaunchConfig(), _demand(trainer_procs=1, num_generators=1), 0, 1, "this machine")
-    with pytest.raises(ConfigError, match=r"has 8 GPU\(s\) but the placement needs 10 there.*"
-                       r"5 generator\(s\) x 2 GPU\(s\) \(generator.tensor_parallel_size\).*--generator.tensor-parallel-size"):
-        check_gpus(_list(2, trainer_hosts=(0,), generator_hosts=(1,)), _demand(trainer_procs=8, num_generators=5,
-                   generator_gpus=2), 1, 8, "host 1")
-    with pytest.raises(ConfigError, match=r"needs 5 there: 4 trainer rank\(s\) on devices 0..3 \+ 2 reference "
-                       r"rank\(s\) on devices 0..1 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has 8 GPU\(s\) but the placement needs 10 there.*"
+        r"5 generator\(s\) x 2 GPU\(s\) \(generator.tensor_parallel_size\).*--generator.tensor-parallel-size",
+    ):
+        check_gpus(
+            _list(2, trainer_hosts=(0,), generator_hosts=(1,)),
+            _demand(trainer_procs=8, num_generators=5, generator_gpus=2),
+            1,
+            8,
+            "host 1",
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"needs 5 there: 4 trainer rank\(s\) on devices 0..3 \+ 2 reference "
+        r"rank\(s\) on devices 0..1 \+ 1 generator\(s\) x 1 GPU\(s\) .* from device 4",
+    ):
         check_gpus(LaunchConfig(), _demand(trainer_procs=4, reference_procs=2, num_generators=1), 0, 4, "this machine")
 
 
 def test_tensor_parallel_generators_are_refused_on_a_host_without_gpus():
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
-    with pytest.raises(ConfigError, match=r"host 1 \(b.*has no GPU, but generator.tensor_parallel_size \(2\) > 1.*"
-                       r"vLLM's CPU backend with one worker.*--generator.tensor-parallel-size 1"):
-        check_host_facts(launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2),
-                         [_facts("a"), _facts("b")], "/m")
-    check_gpus(launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2), 0, 0, "host 0")  # no generator there
+    with pytest.raises(
+        ConfigError,
+        match=r"host 1 \(b.*has no GPU, but generator.tensor_parallel_size \(2\) > 1.*"
+        r"vLLM's CPU backend with one worker.*--generator.tensor-parallel-size 1",
+    ):
+        check_host_facts(
+            launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2), [_facts("a"), _facts("b")], "/m"
+        )
+    check_gpus(
+        launch, _demand(trainer_procs=1, num_generators=1, generator_gpus=2), 0, 0, "host 0"
+    )  # no generator there
 
 
 def test_host_facts_refuse_oversubscribed_cpu_hosts():
@@ -194,13 +241,18 @@ def test_host_facts_refuse_oversubscribed_cpu_hosts():
 
 @pytest.mark.parametrize("cores", [(), (-1,), (0, 0)])
 def test_pinned_cores_must_be_distinct_ids(cores):
-    with pytest.raises(ConfigError, match=r"launch.placement.trainer_cpus .* distinct core ids >= 0.*--launch.placement.trainer-cpus 0"):
+    with pytest.raises(
+        ConfigError, match=r"launch.placement.trainer_cpus .* distinct core ids >= 0.*--launch.placement.trainer-cpus 0"
+    ):
         PlacementConfig(trainer_cpus=cores)
 
 
 def test_pinned_cores_must_exist_where_the_role_runs():
     check_pinned_cores(PlacementConfig(generator_cpus=(0,), trainer_cpus=(1,)), {0, 1}, "this machine")
-    with pytest.raises(ConfigError, match=r"generator_cpus \(\[0, 4\]\) names core 4, but this machine lets processes run on cores \[0, 1\] only.*--launch.placement.generator-cpus"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generator_cpus \(\[0, 4\]\) names core 4, but this machine lets processes run on cores \[0, 1\] only.*--launch.placement.generator-cpus",
+    ):
         check_pinned_cores(PlacementConfig(generator_cpus=(0, 4)), {0, 1}, "this machine")
     launch = _list(2, trainer_hosts=(0,), generator_hosts=(1,))
     launch = dataclasses.replace(launch, placement=dataclasses.replace(launch.placement, trainer_cpus=(3,)))
@@ -249,14 +301,19 @@ def test_cross_host_weights_need_an_rdma_backend_and_tcp_fallback_is_noted():
 
 
 def test_two_hosts_with_one_hostname_are_refused_unless_they_are_one_machine():
-    hostnames_resolve_apart([
-        HostFacts("tcp://127.0.0.1:1", "vm", 0, (0, 1), "tcp", True),
-        HostFacts("tcp://localhost:2", "vm", 0, (0, 1), "tcp", True),
-    ])
+    hostnames_resolve_apart(
+        [
+            HostFacts("tcp://127.0.0.1:1", "vm", 0, (0, 1), "tcp", True),
+            HostFacts("tcp://localhost:2", "vm", 0, (0, 1), "tcp", True),
+        ]
+    )
     with pytest.raises(ConfigError, match="both report hostname 'n'.*unique hostname"):
-        hostnames_resolve_apart([
-            HostFacts("tcp://10.0.0.1:1", "n", 0, (0, 1), "tcp", True), HostFacts("tcp://10.0.0.2:1", "n", 0, (0, 1), "tcp", True)
-        ])
+        hostnames_resolve_apart(
+            [
+                HostFacts("tcp://10.0.0.1:1", "n", 0, (0, 1), "tcp", True),
+                HostFacts("tcp://10.0.0.2:1", "n", 0, (0, 1), "tcp", True),
+            ]
+        )
 
 
 def test_reachability_is_checked_with_a_short_timeout_and_names_the_host():
@@ -284,7 +341,9 @@ def test_the_scorer_models_threads_count_on_the_services_host():
     demand = RoleDemand(trainer_procs=1, reference_procs=0, num_generators=1, scorer_model_threads=4)
     check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")  # 5 threads on host 0's 2 cores
     heavy = dataclasses.replace(demand, scorer_model_threads=8)
-    with pytest.raises(ConfigError, match=r"host 0 \(a.*1 trainer rank\(s\) \+ 1 scorer model\(s\) = 9 compute threads"):
+    with pytest.raises(
+        ConfigError, match=r"host 0 \(a.*1 trainer rank\(s\) \+ 1 scorer model\(s\) = 9 compute threads"
+    ):
         check_host_facts(launch, heavy, [_facts("a", cpus=2), _facts("b", cpus=2)], "/m")
 
 
@@ -296,7 +355,9 @@ def test_a_scorer_host_takes_the_scorer_models_threads_off_the_services_host():
     check_host_facts(launch, demand, [_facts("a", cpus=2), _facts("b", cpus=2), _facts("c", cpus=8)], "/m")
     with pytest.raises(ConfigError, match=r"host 2 \(c.*1 scorer model\(s\) = 12 compute threads"):
         check_host_facts(launch, demand, [_facts("a", cpus=8), _facts("b", cpus=8), _facts("c", cpus=2)], "/m")
-    with pytest.raises(ConfigError, match=r"launch.placement.scorer_host \(\[3\]\) names host 3, but launch.workers has 3"):
+    with pytest.raises(
+        ConfigError, match=r"launch.placement.scorer_host \(\[3\]\) names host 3, but launch.workers has 3"
+    ):
         _list(3, scorer_host=3)
     with pytest.raises(ConfigError, match=r"launch.placement.scorer_host \(\[1\]\) names a host other than 0"):
         LaunchConfig(placement=PlacementConfig(scorer_host=1))

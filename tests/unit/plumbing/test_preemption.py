@@ -36,7 +36,9 @@ print("notice", json.dumps(asyncio.run(wait_for_preemption_notice())), flush=Tru
 
 def _worker(grace_s: float) -> tuple[subprocess.Popen, str]:
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(grace_s), CHILD], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", WORKER, str(grace_s), CHILD],
+        stdout=subprocess.PIPE,
+        text=True,
         env={k: v for k, v in os.environ.items() if k != PREEMPTION_NOTICE_ENV},
     )
     line = worker.stdout.readline()

@@ -94,8 +94,11 @@ SHUTDOWN_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize(
     "outcome, said",
-    [("done", "None"), ("timeout", "did not finish shutting down within 1 s"),
-     ("sigint", "was interrupted (SIGINT) while shutting down")],
+    [
+        ("done", "None"),
+        ("timeout", "did not finish shutting down within 1 s"),
+        ("sigint", "was interrupted (SIGINT) while shutting down"),
+    ],
 )
 def test_monarchs_client_shutdown_says_why_it_stopped_waiting_and_a_sigint_ends_only_the_wait(outcome, said):
     script = SHUTDOWN_SCRIPT.replace("OUTCOME", repr(outcome))

@@ -29,7 +29,9 @@ def cores(n: int) -> set[int]:
         (4, 0, 1, 0, (0, 4)),  # the trainer set by number (its threads in `fixed`) or simulated
     ],
 )
-def test_unpinned_roles_share_the_cores_left_by_the_roles_set_by_number(num_cores, trainer_procs, generators, fixed, expected):
+def test_unpinned_roles_share_the_cores_left_by_the_roles_set_by_number(
+    num_cores, trainer_procs, generators, fixed, expected
+):
     roles = ThreadRoles(trainer_procs=trainer_procs, generators=generators, fixed_threads=fixed)
     assert choose_threads(cores(num_cores), roles) == expected
 
@@ -45,7 +47,9 @@ def test_a_config_on_auto_records_the_threads_chosen_for_this_machine(monkeypatc
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores(8))
     config = GRPOConfig(trainer=TrainerConfig(num_threads="auto"), generator=GeneratorConfig(cpu_threads="auto"))
     assert (config.trainer.num_threads, config.generator.cpu_threads) == (4, 4)
-    two_generators = GRPOConfig(num_generators=2, trainer=TrainerConfig(num_threads=2), generator=GeneratorConfig(cpu_threads="auto"))
+    two_generators = GRPOConfig(
+        num_generators=2, trainer=TrainerConfig(num_threads=2), generator=GeneratorConfig(cpu_threads="auto")
+    )
     assert (two_generators.trainer.num_threads, two_generators.generator.cpu_threads) == (2, 3)
     assert sum(compute_threads(two_generators).values()) == 8
 
@@ -53,26 +57,37 @@ def test_a_config_on_auto_records_the_threads_chosen_for_this_machine(monkeypatc
 def test_auto_threads_on_two_cores_are_the_fixed_defaults(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores(2))
     auto = GRPOConfig(trainer=TrainerConfig(num_threads="auto"), generator=GeneratorConfig(cpu_threads="auto"))
-    assert (auto.trainer.num_threads, auto.generator.cpu_threads) == (1, 1) == (
-        GRPOConfig().trainer.num_threads, GRPOConfig().generator.cpu_threads
+    assert (
+        (auto.trainer.num_threads, auto.generator.cpu_threads)
+        == (1, 1)
+        == (GRPOConfig().trainer.num_threads, GRPOConfig().generator.cpu_threads)
     )
 
 
 def test_simulated_roles_run_no_compute_threads_and_take_one(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores(4))
     config = GRPOConfig(
-        trainer=TrainerConfig(engine="sim", num_threads="auto"), generator=GeneratorConfig(engine="sim", cpu_threads="auto")
+        trainer=TrainerConfig(engine="sim", num_threads="auto"),
+        generator=GeneratorConfig(engine="sim", cpu_threads="auto"),
     )
     assert (config.trainer.num_threads, config.generator.cpu_threads) == (1, 1)
 
 
 def test_auto_threads_are_refused_over_worker_hosts_and_for_the_judge(tmp_path):
-    launch = LaunchConfig(hosts="list", workers=("tcp://10.0.0.1:26600", "tcp://10.0.0.2:26600"), placement=PlacementConfig(generator_hosts=(1,)))
-    with pytest.raises(ConfigError, match=r"trainer.num_threads \(auto\) count the cores of this machine, but launch.hosts \(list\)"):
+    launch = LaunchConfig(
+        hosts="list",
+        workers=("tcp://10.0.0.1:26600", "tcp://10.0.0.2:26600"),
+        placement=PlacementConfig(generator_hosts=(1,)),
+    )
+    with pytest.raises(
+        ConfigError, match=r"trainer.num_threads \(auto\) count the cores of this machine, but launch.hosts \(list\)"
+    ):
         GRPOConfig(launch=launch, trainer=TrainerConfig(num_threads="auto"))
     (tmp_path / "config.json").write_text("{}")
     judge = JudgeConfig(path=tmp_path, generator=GeneratorConfig(cpu_threads="auto"))
-    with pytest.raises(ConfigError, match=r"scorer.judge.generator.cpu_threads \(auto\).*Set --scorer.judge.generator.cpu-threads"):
+    with pytest.raises(
+        ConfigError, match=r"scorer.judge.generator.cpu_threads \(auto\).*Set --scorer.judge.generator.cpu-threads"
+    ):
         GRPOConfig(scorer=ScorerConfig(judge=judge))
 
 
@@ -90,7 +105,14 @@ def test_the_service_and_the_eval_choose_their_threads_alike(monkeypatch, tmp_pa
     from forge_rl.service.config import ServeConfig
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores(6))
-    serve = ServeConfig(trainer=TrainerConfig(num_threads="auto"), generator=GeneratorConfig(cpu_threads="auto"), num_generators=2)
+    serve = ServeConfig(
+        trainer=TrainerConfig(num_threads="auto"), generator=GeneratorConfig(cpu_threads="auto"), num_generators=2
+    )
     assert (serve.trainer.num_threads, serve.generator.cpu_threads, serve.trainer.lora.enabled) == (2, 2, True)
-    evaluation = EvalArgs(model_path=tmp_path, benchmark="humaneval", generator=GeneratorConfig(cpu_threads="auto"), eval=EvalConfig(num_generators=3))
+    evaluation = EvalArgs(
+        model_path=tmp_path,
+        benchmark="humaneval",
+        generator=GeneratorConfig(cpu_threads="auto"),
+        eval=EvalConfig(num_generators=3),
+    )
     assert evaluation.generator.cpu_threads == 2

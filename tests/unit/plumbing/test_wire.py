@@ -20,7 +20,9 @@ def crossed(value) -> tuple[object, list[type]]:
 
 
 def test_a_scored_group_and_its_batch_cross_as_one_bytes_object_and_arrive_as_themselves():
-    prompt = Episode(episode_id=7, prompt_text="M37=", answer="7", prompt_token_ids=[1, 2, 3], generator_index=1, admitted_version=4)
+    prompt = Episode(
+        episode_id=7, prompt_text="M37=", answer="7", prompt_token_ids=[1, 2, 3], generator_index=1, admitted_version=4
+    )
     episodes = [dataclasses.replace(prompt, completions=completions_for(prompt, 8, 4))]
     episodes[0].completions[1].status = CompletionStatus.ERRORED
     episodes[0].completions[2].sampling_support = [[5, 6], [2]]

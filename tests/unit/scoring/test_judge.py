@@ -196,7 +196,9 @@ def test_an_unparsable_or_late_ranking_fails_its_group_only_counted_never_a_cras
         return "Ranking: 1 > 2" if "[1] ok" in prompt else "They are all fine."
 
     engine = FakeRankingJudgeEngine(answer)
-    scorer = JudgeScorer(JudgeConfig(mode="rank", timeout_s=0.05), judge_client(FakeTokenizer(), "chat", engine.generate))
+    scorer = JudgeScorer(
+        JudgeConfig(mode="rank", timeout_s=0.05), judge_client(FakeTokenizer(), "chat", engine.generate)
+    )
     stage = ScoringStage(scorer)
     ok, garbled, late = asyncio.run(stage.score([group("ok", "b"), group("garbled", "b"), group("late", "b")]))
     assert [c.reward for c in ok.completions] == [1.0, 0.0]

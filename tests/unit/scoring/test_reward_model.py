@@ -153,7 +153,8 @@ def test_each_call_goes_to_the_least_busy_replica():
     assert picked == [0, 1, 2, 0]  # the fewest in flight, the lowest index among equals
     assert fifth_replica == 1
     assert stats == {
-        "scorer/reward_model/calls/replica0": 2.0, "scorer/reward_model/calls/replica1": 2.0,
+        "scorer/reward_model/calls/replica0": 2.0,
+        "scorer/reward_model/calls/replica1": 2.0,
         "scorer/reward_model/calls/replica2": 1.0,
     }
 
@@ -170,8 +171,15 @@ def test_the_machine_check_counts_the_reward_models_threads(tmp_path, monkeypatc
     config = GRPOConfig(scorer=scorer)
     assert sum(preflight.compute_threads(config).values()) == 1 + 1 + 6
     preflight._check_cpu_threads(config)  # 8 threads on 2 cores: at the limit
-    crowded = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4)))
+    crowded = dataclasses.replace(
+        config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4))
+    )
     assert sum(preflight.compute_threads(crowded).values()) == 6
-    too_many = dataclasses.replace(config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4, num_threads=2)))
-    with pytest.raises(ConfigError, match=r"scorer.reward_model.replicas \(4\) x scorer.reward_model.num_threads \(2\) = 10 compute threads on 2"):
+    too_many = dataclasses.replace(
+        config, scorer=ScorerConfig(reward_model=RewardModelConfig(path=tmp_path, replicas=4, num_threads=2))
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"scorer.reward_model.replicas \(4\) x scorer.reward_model.num_threads \(2\) = 10 compute threads on 2",
+    ):
         preflight._check_cpu_threads(too_many)

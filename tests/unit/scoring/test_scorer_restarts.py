@@ -42,7 +42,9 @@ class FakeIncarnation:
                 raise ScorerLost(f"incarnation {self.number}'s process died")
             # A copy, as a call to another process returns: the caller's episodes stay unscored.
             scored = [
-                dataclasses.replace(e, completions=[dataclasses.replace(c, reward=float(self.number)) for c in e.completions])
+                dataclasses.replace(
+                    e, completions=[dataclasses.replace(c, reward=float(self.number)) for c in e.completions]
+                )
                 for e in episodes
             ]
             self.num_scored += sum(len(e.completions) for e in episodes)
@@ -233,8 +235,12 @@ def test_a_frozen_model_restarted_by_the_same_core_is_named_in_its_error_and_cou
     async def main():
         processes = FakeScorerProcesses(failing_starts=(2,))
         restarts = RestartingScorer(
-            processes.start, processes.retire, max_restarts=1,
-            role="reference model", budget_flag="reference.max_restarts", restarts_metric="reference/restarts",
+            processes.start,
+            processes.retire,
+            max_restarts=1,
+            role="reference model",
+            budget_flag="reference.max_restarts",
+            restarts_metric="reference/restarts",
         )
         (await restarts.start()).dead = True
         with pytest.raises(ScorerFailed) as failed:

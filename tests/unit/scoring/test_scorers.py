@@ -13,7 +13,15 @@ from forge_rl.core.advantages import episode_advantages, place_on_steps, returns
 from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ScorerLost
 from forge_rl.observability.metrics import batch_metrics
-from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScoringStage, WeightedSum, boundary_token_ids, step_ends
+from forge_rl.scoring.scorers import (
+    Score,
+    ScoreFailure,
+    Scorer,
+    ScoringStage,
+    WeightedSum,
+    boundary_token_ids,
+    step_ends,
+)
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.support.builders import make_episode
 
@@ -182,7 +190,9 @@ def test_each_steps_reward_reaches_exactly_that_steps_tokens():
     step's normalized reward: the group's steps are [1, 2, 3] and [1, 2] (mean 1.8, std 0.748)."""
     lines = [5, NEWLINE, 5, 5, NEWLINE, 5]
     two_lines = [5, NEWLINE, 5]
-    completions = [Completion(token_ids=t, logprobs=[-1.0] * len(t), policy_versions=[0] * len(t)) for t in (lines, two_lines)]
+    completions = [
+        Completion(token_ids=t, logprobs=[-1.0] * len(t), policy_versions=[0] * len(t)) for t in (lines, two_lines)
+    ]
     (episode,), _ = run_stage(FakeLineGrader(), [Episode(0, "p", "a", [1, 2], completions)])
     assert episode.completions[0].step_ends == [2, 5, 6]
     assert episode.completions[0].step_rewards == [1.0, 2.0, 3.0]
@@ -197,8 +207,12 @@ def test_each_steps_reward_reaches_exactly_that_steps_tokens():
 
 def test_with_discount_one_a_token_is_credited_with_its_step_and_every_later_one():
     """DeepSeekMath's process supervision: A_t = sum of the normalized rewards of steps k >= k(t)."""
-    completion = Completion(token_ids=[5, 5, 5], logprobs=[-1.0] * 3, policy_versions=[0] * 3, step_ends=[1, 3], step_rewards=[0.0, 1.0])
-    other = Completion(token_ids=[5, 5], logprobs=[-1.0] * 2, policy_versions=[0] * 2, step_ends=[2], step_rewards=[0.5])
+    completion = Completion(
+        token_ids=[5, 5, 5], logprobs=[-1.0] * 3, policy_versions=[0] * 3, step_ends=[1, 3], step_rewards=[0.0, 1.0]
+    )
+    other = Completion(
+        token_ids=[5, 5], logprobs=[-1.0] * 2, policy_versions=[0] * 2, step_ends=[2], step_rewards=[0.5]
+    )
     episode = Episode(0, "p", "a", [1], [completion, other])
     (first, second) = token_advantages(episode, normalize_std=False, step_discount=1.0)
     # steps of the group: 0, 1, 0.5 (mean 0.5): centered -0.5, 0.5, 0.0

@@ -63,7 +63,9 @@ def test_workers_score_episodes_in_parallel(tmp_path):
     async def main():
         pool = RewardWorkerPool(SCRIPTED, ScorerConfig(num_workers=2, reward_timeout_s=120))
         try:
-            return await asyncio.gather(pool.score([("meet", str(tmp_path), {})]), pool.score([("meet", str(tmp_path), {})]))
+            return await asyncio.gather(
+                pool.score([("meet", str(tmp_path), {})]), pool.score([("meet", str(tmp_path), {})])
+            )
         finally:
             pool.close()
 

@@ -13,7 +13,16 @@ from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.run.preflight import check_model_inputs
-from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScorerConfig, ScoringStage, TeacherScorer, WeightedSum, build_scorer
+from forge_rl.scoring.scorers import (
+    Score,
+    ScoreFailure,
+    Scorer,
+    ScorerConfig,
+    ScoringStage,
+    TeacherScorer,
+    WeightedSum,
+    build_scorer,
+)
 from forge_rl.scoring.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -59,7 +68,9 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     completions = [
         Completion(token_ids=[5, 6, 7], logprobs=student[0], policy_versions=[0] * 3),
         # A two-turn trajectory: token 1 is the environment's reply (context, logprob 0 by definition).
-        Completion(token_ids=[5, 8, 6, 7], logprobs=student[1], policy_versions=[0] * 4, generated=[True, False, True, True]),
+        Completion(
+            token_ids=[5, 8, 6, 7], logprobs=student[1], policy_versions=[0] * 4, generated=[True, False, True, True]
+        ),
     ]
     episode = Episode(0, "M37=", "7", PROMPT, completions)
     client, asked = fake_teacher(teacher)
@@ -78,7 +89,9 @@ def test_reverse_kl_reaches_exactly_the_sampled_tokens_as_a_negative_advantage()
     # A token the teacher finds likelier than the student did is pushed up, an unlikely one down.
     assert batch.advantages_NL[0, len(PROMPT)] > 0 > batch.advantages_NL[0, len(PROMPT) + 1]
     # The distance to the teacher is logged: mean reverse KL over the generated tokens.
-    assert completions[0].reward_components["teacher/reverse_kl"] == pytest.approx(sum(student[0]) / 3 - sum(teacher[0]) / 3)
+    assert completions[0].reward_components["teacher/reverse_kl"] == pytest.approx(
+        sum(student[0]) / 3 - sum(teacher[0]) / 3
+    )
     assert completions[1].reward_components["teacher/reverse_kl"] == pytest.approx(
         (student[1][0] + student[1][2] + student[1][3] - teacher[1][0] - teacher[1][2] - teacher[1][3]) / 3
     )
@@ -105,7 +118,7 @@ def test_each_token_is_centered_on_the_other_samples_at_its_position_never_on_a_
     # The logged distance is the raw reverse KL, not the centered reward.
     assert completions[0].reward_components["reverse_kl"] == pytest.approx((-0.4 + 2.0 + 1.0) / 3)
     batch = make_train_batch([episode], pad_id=0)
-    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-1.8, 0.0, 1.5])
+    assert batch.advantages_NL[1, len(PROMPT) :].tolist() == pytest.approx([-1.8, 0.0, 1.5])
 
 
 def test_the_tail_of_the_longest_completion_keeps_the_teachers_signal_under_the_group_baseline():
@@ -155,8 +168,8 @@ def test_with_the_task_reward_the_reverse_kl_adds_to_the_group_advantage():
     client, _ = fake_teacher(teacher)
     scored(episode, WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(client), 2.0)]))
     batch = make_train_batch([episode], pad_id=0, normalize_advantage_std=False)
-    assert batch.advantages_NL[0, len(PROMPT):].tolist() == pytest.approx([0.5 + 2 * 0.5, 0.5 + 2 * -2.0])
-    assert batch.advantages_NL[1, len(PROMPT):].tolist() == pytest.approx([-0.5, -0.5])
+    assert batch.advantages_NL[0, len(PROMPT) :].tolist() == pytest.approx([0.5 + 2 * 0.5, 0.5 + 2 * -2.0])
+    assert batch.advantages_NL[1, len(PROMPT) :].tolist() == pytest.approx([-0.5, -0.5])
 
 
 def test_a_teacher_that_fails_or_answers_the_wrong_shape_errors_its_group_only():
@@ -180,7 +193,10 @@ def test_a_teacher_past_its_restart_budget_stops_the_scoring_call_instead_of_err
     async def failed_teacher(episodes):
         raise ScorerFailed("the teacher's processes died and scorer.teacher.max_restarts (0) restarts are used up")
 
-    for scorer in (TeacherScorer(failed_teacher), WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(failed_teacher), 1.0)])):
+    for scorer in (
+        TeacherScorer(failed_teacher),
+        WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (TeacherScorer(failed_teacher), 1.0)]),
+    ):
         completions = [Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], policy_versions=[0, 0]) for _ in range(2)]
         with pytest.raises(ScorerFailed, match="scorer.teacher.max_restarts"):
             scored(Episode(0, "M37=", "7", PROMPT, completions), scorer)
@@ -206,7 +222,9 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error_before_anything_star
     # Two characters swapped: same size, same tokens, different ids.
     swapped = "10" + ALPHABET[2:]
     teacher = teacher_dir(model_dir, tmp_path, swapped)
-    with pytest.raises(ConfigError, match=r"different tokenizer.*2 tokens missing from one or with other ids, e.g. \['0', '1'\]"):
+    with pytest.raises(
+        ConfigError, match=r"different tokenizer.*2 tokens missing from one or with other ids, e.g. \['0', '1'\]"
+    ):
         check_same_tokenizer(teacher, model_dir)
     config = GRPOConfig(
         model=ModelConfig(path=model_dir), scorer=ScorerConfig(teacher=TeacherConfig(path=teacher)), steps=1
@@ -239,10 +257,26 @@ def served_versions(pin: str, rewards=(0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1), 
 def test_a_lagged_teacher_serves_the_version_versions_back_right_after_each_refresh():
     # Every 3 steps, 2 back: stage the newest at steps 1, 4, 7; swap at 3, 6 (serving v1, v4).
     assert served_versions("lagged", versions_back=2, refresh_every_n_steps=3) == [
-        (("stage",), 0), ((), 0), (("swap",), 1), (("stage",), 1), ((), 1), (("swap",), 4), (("stage",), 4), ((), 4)
+        (("stage",), 0),
+        ((), 0),
+        (("swap",), 1),
+        (("stage",), 1),
+        ((), 1),
+        (("swap",), 4),
+        (("stage",), 4),
+        ((), 4),
     ]
     # versions_back == refresh_every_n_steps: the swap of the version staged n steps ago comes first.
-    assert [v for _, v in served_versions("lagged", versions_back=3, refresh_every_n_steps=3)] == [0, 0, 0, 0, 0, 3, 3, 3]
+    assert [v for _, v in served_versions("lagged", versions_back=3, refresh_every_n_steps=3)] == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        3,
+        3,
+        3,
+    ]
 
 
 def test_an_ema_teacher_blends_the_newest_version_at_each_refresh():
@@ -257,8 +291,14 @@ def test_an_ema_teacher_blends_the_newest_version_at_each_refresh():
 def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
     # Rewards 0.1, 0.5, 0.3, 0.6, 0.2, 0.2, 0.9, 0.1: new bests at steps 1, 2, 4, 7.
     assert served_versions("best", refresh_every_n_steps=2) == [
-        (("stage",), 0), (("swap", "stage"), 1), ((), 1), (("swap", "stage"), 2), ((), 2), (("swap",), 4),
-        (("stage",), 4), (("swap",), 7),
+        (("stage",), 0),
+        (("swap", "stage"), 1),
+        ((), 1),
+        (("swap", "stage"), 2),
+        ((), 2),
+        (("swap",), 4),
+        (("stage",), 4),
+        (("swap",), 7),
     ]
 
 
@@ -266,7 +306,10 @@ def test_a_best_teacher_serves_the_version_after_the_best_step_so_far():
     "changes,message",
     [
         ({"pin": "lagged", "path": Path("t")}, "a pinned teacher is a snapshot of the policy itself"),
-        ({"pin": "lagged", "versions_back": 5, "refresh_every_n_steps": 4}, r"versions_back \(5\) must be in \[1, refresh_every_n_steps \(4\)\]"),
+        (
+            {"pin": "lagged", "versions_back": 5, "refresh_every_n_steps": 4},
+            r"versions_back \(5\) must be in \[1, refresh_every_n_steps \(4\)\]",
+        ),
         ({"pin": "ema", "ema_decay": 1.0}, "ema_decay"),
     ],
 )
@@ -295,7 +338,8 @@ def test_the_recipes_refresh_carries_the_schedule_out_on_the_teacher_actor_in_or
     )
     timeline = Timeline()
     served = [
-        asyncio.run(refresh(step, step, {"reward/mean": 0.0}, timeline))["teacher/policy_version"] for step in range(1, 5)
+        asyncio.run(refresh(step, step, {"reward/mean": 0.0}, timeline))["teacher/policy_version"]
+        for step in range(1, 5)
     ]
     assert calls == [("stage", 1, None), ("swap",), ("stage", 3, None), ("swap",)]
     assert served == [0, 1, 1, 3]
@@ -337,7 +381,9 @@ def test_a_replacement_teacher_reloads_the_served_then_the_staged_version_and_an
     assert "averaged weights died" in note and "serves policy version 4" in note
 
 
-@pytest.mark.parametrize("pin,changes", [("lagged", {"versions_back": 2, "refresh_every_n_steps": 3}), ("best", {}), ("ema", {})])
+@pytest.mark.parametrize(
+    "pin,changes", [("lagged", {"versions_back": 2, "refresh_every_n_steps": 3}), ("best", {}), ("ema", {})]
+)
 def test_a_schedule_restored_from_its_state_goes_on_as_the_uninterrupted_one(pin, changes):
     """What a resume does with a pinned teacher's schedule: saved after step 4 (JSON and back),
     loaded into a fresh schedule, steps 5-8 act and serve as without the stop."""
@@ -367,7 +413,10 @@ def test_after_a_resume_a_replacement_teacher_loads_the_checkpoints_weights_unti
     lagged.swapped()  # serves 3, still from the file
     assert lagged.reload_plan("lagged") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, False)], None)
     lagged.leased("v00000005"), lagged.staged_now(5)  # staged from the store: leased there
-    assert lagged.reload_plan("lagged") == ([("load", "/ckpt/teacher/teacher_weights.pt", True, False), ("stage", 5)], None)
+    assert lagged.reload_plan("lagged") == (
+        [("load", "/ckpt/teacher/teacher_weights.pt", True, False), ("stage", 5)],
+        None,
+    )
     lagged.swapped()
     assert lagged.reload_plan("lagged") == ([("stage", 5), ("swap",)], None)
 
@@ -412,8 +461,10 @@ def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_
         calls.append((name, *args))
 
     teacher = endpoints(
-        stage=lambda v, b: record("stage", v), swap=lambda: record("swap"),
-        save_checkpoint=lambda path: record("save", path), load_checkpoint=lambda path: record("load", path),
+        stage=lambda v, b: record("stage", v),
+        swap=lambda: record("swap"),
+        save_checkpoint=lambda path: record("save", path),
+        load_checkpoint=lambda path: record("load", path),
     )
     config = TeacherConfig(pin="lagged", versions_back=1, refresh_every_n_steps=2)
     refresh = pinned_teacher_refresh(teacher, config)
@@ -432,7 +483,10 @@ def test_the_recipes_refresh_checkpoints_the_schedule_and_has_the_teacher_write_
     assert resumed.pin.state_dict() == refresh.pin.state_dict() == {"serving": 1, "staged": 3, "best_reward": None}
 
 
-@pytest.mark.parametrize("config_class,flag", [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")])
+@pytest.mark.parametrize(
+    "config_class,flag",
+    [("ReferenceConfig", "--reference.max-restarts"), ("TeacherConfig", "--scorer.teacher.max-restarts")],
+)
 def test_a_negative_restart_budget_of_a_frozen_model_is_refused_naming_value_and_flag(config_class, flag):
     from forge_rl.scoring import teacher
     from forge_rl.training import reference
@@ -450,17 +504,37 @@ def test_a_teacher_distills_environment_trajectories_on_top_of_the_environments_
     the baseline."""
     mask = [False, False, False, True, True, False, True]  # prompt, turn 1, tool output, turn 2
     completions = [
-        Completion(token_ids=[1, 7, 11, 40, 41, 16, 42], logprobs=[0.0 if not g else -1.0 for g in mask],
-                   policy_versions=[0] * 7, generated=mask, reward=1.0, step_ends=[5, 7], step_rewards=[0.5, 1.0]),
-        Completion(token_ids=[1, 7, 11, 40, 43, 16, 44], logprobs=[0.0 if not g else -1.0 for g in mask],
-                   policy_versions=[0] * 7, generated=mask, reward=0.0, step_ends=[5, 7], step_rewards=[0.0, 0.0]),
-        Completion(token_ids=[1, 7, 11], logprobs=[0.0] * 3, policy_versions=[0] * 3, generated=[False] * 3,
-                   status=CompletionStatus.ERRORED, error="the environment raised"),
+        Completion(
+            token_ids=[1, 7, 11, 40, 41, 16, 42],
+            logprobs=[0.0 if not g else -1.0 for g in mask],
+            policy_versions=[0] * 7,
+            generated=mask,
+            reward=1.0,
+            step_ends=[5, 7],
+            step_rewards=[0.5, 1.0],
+        ),
+        Completion(
+            token_ids=[1, 7, 11, 40, 43, 16, 44],
+            logprobs=[0.0 if not g else -1.0 for g in mask],
+            policy_versions=[0] * 7,
+            generated=mask,
+            reward=0.0,
+            step_ends=[5, 7],
+            step_rewards=[0.0, 0.0],
+        ),
+        Completion(
+            token_ids=[1, 7, 11],
+            logprobs=[0.0] * 3,
+            policy_versions=[0] * 3,
+            generated=[False] * 3,
+            status=CompletionStatus.ERRORED,
+            error="the environment raised",
+        ),
     ]
     episode = Episode(0, "37*52=", "", [], completions)
-    client, asked = fake_teacher([
-        [-9.0, -9.0, -9.0, -0.5, -0.5, -9.0, -0.5], [-9.0, -9.0, -9.0, -2.0, -2.0, -9.0, -2.0], [-9.0] * 3,
-    ])
+    client, asked = fake_teacher(
+        [[-9.0, -9.0, -9.0, -0.5, -0.5, -9.0, -0.5], [-9.0, -9.0, -9.0, -2.0, -2.0, -9.0, -2.0], [-9.0] * 3]
+    )
     config = ScorerConfig(reward_fn_weight=0.5, teacher=TeacherConfig(pin="lagged", versions_back=1))
     stage = ScoringStage(build_scorer(config, None, teacher=client), token_baseline="group")
     asyncio.run(stage.score([episode]))
@@ -473,7 +547,11 @@ def test_a_teacher_distills_environment_trajectories_on_top_of_the_environments_
     assert first.token_rewards == pytest.approx([0.0, 0.0, 0.0, 1.5, 1.5, 0.0, 1.5])
     assert second.token_rewards == pytest.approx([0.0, 0.0, 0.0, -1.5, -1.5, 0.0, -1.5])
     assert first.reward_components["teacher/reverse_kl"] == pytest.approx(-0.5)
-    assert (errored.status, errored.error, errored.token_rewards) == (CompletionStatus.ERRORED, "the environment raised", None)
+    assert (errored.status, errored.error, errored.token_rewards) == (
+        CompletionStatus.ERRORED,
+        "the environment raised",
+        None,
+    )
     stats = stage.stats()
     assert stats["scorer/teacher/tokens"] == 6 and stats["scorer/completions"] == 2 and stats["scorer/errored"] == 0
 
@@ -519,9 +597,15 @@ def test_a_teacher_with_a_shorter_context_than_the_students_sequences_is_refused
     message = str(error.value)
     assert f"scorer.teacher.path ({short}) has a context of 64 tokens" in message
     assert "the student's longest sequence (128 tokens" in message and "max_model_len" in message
-    def environment(max_total_tokens):
-        return EnvironmentConfig(name="calculator", limits=EpisodeLimits(max_total_tokens=max_total_tokens, max_tokens_per_turn=12))
 
-    with pytest.raises(ConfigError, match=r"longest sequence \(96 tokens: environment.limits.max_total_tokens\).*--environment.limits.max-total-tokens 64"):
+    def environment(max_total_tokens):
+        return EnvironmentConfig(
+            name="calculator", limits=EpisodeLimits(max_total_tokens=max_total_tokens, max_tokens_per_turn=12)
+        )
+
+    with pytest.raises(
+        ConfigError,
+        match=r"longest sequence \(96 tokens: environment.limits.max_total_tokens\).*--environment.limits.max-total-tokens 64",
+    ):
         GRPOConfig(scorer=teacher, environment=environment(96))
     GRPOConfig(scorer=teacher, environment=environment(64))  # trajectories that fit the teacher

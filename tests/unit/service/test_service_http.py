@@ -75,13 +75,20 @@ class FakeBackend:
         self.calls.append(Call("create_model", model_id, lora))
         return model_id
 
-    async def forward_backward(self, model_id, data: list[TrainingDatum], loss_fn, loss_fn_config, backward) -> ForwardBackwardResult:
+    async def forward_backward(
+        self, model_id, data: list[TrainingDatum], loss_fn, loss_fn_config, backward
+    ) -> ForwardBackwardResult:
         self.calls.append(Call("forward_backward" if backward else "forward", model_id, [d.tokens for d in data]))
         await self._maybe_hold()
         outputs = []
         for d in data:
             weights = d.inputs.get("weights", np.ones(len(d.tokens), dtype=np.float32))
-            outputs.append({"logprobs": np.full(len(d.tokens), LOGPROB, dtype=np.float32), "elementwise_loss": (-LOGPROB * weights).astype(np.float32)})
+            outputs.append(
+                {
+                    "logprobs": np.full(len(d.tokens), LOGPROB, dtype=np.float32),
+                    "elementwise_loss": (-LOGPROB * weights).astype(np.float32),
+                }
+            )
         return ForwardBackwardResult(outputs, {"loss:sum": float(sum(o["elementwise_loss"].sum() for o in outputs))})
 
     async def optim_step(self, model_id, step) -> dict[str, float]:
@@ -210,14 +217,20 @@ def test_a_user_loop_trains_saves_and_samples_through_the_sdk(served, service):
 
     with pytest.warns(DeprecationWarning):
         sampler = training.save_weights_and_get_sampling_client(name="after-step-1").result(timeout=60)
-    result = sampler.sample(prompt=types.ModelInput.from_ints([4, 5, 6]), num_samples=2, sampling_params=types.SamplingParams(max_tokens=4)).result(timeout=60)
+    result = sampler.sample(
+        prompt=types.ModelInput.from_ints([4, 5, 6]), num_samples=2, sampling_params=types.SamplingParams(max_tokens=4)
+    ).result(timeout=60)
     assert [s.tokens for s in result.sequences] == [[6, 5, 4], [6, 5, 4]]
     assert [s.logprobs for s in result.sequences] == [[LOGPROB] * 3] * 2
     assert len({s.sequence_id for s in result.sequences}) == 2
     saved = f"tinker://{training.model_id}/sampler_weights/1"
     assert served.backend.calls[-1] == Call("sample", None, saved)
 
-    assert sampler.compute_logprobs(types.ModelInput.from_ints([4, 5, 6])).result(timeout=60) == [None, LOGPROB, LOGPROB]
+    assert sampler.compute_logprobs(types.ModelInput.from_ints([4, 5, 6])).result(timeout=60) == [
+        None,
+        LOGPROB,
+        LOGPROB,
+    ]
 
     per_model = served.server.metrics()["per_model"][training.model_id]
     assert per_model["forward_backward"] == 1 and per_model["optim_step"] == 1 and per_model["forward"] == 1
@@ -261,7 +274,9 @@ def test_a_saved_state_loads_into_a_new_training_client_and_a_named_sampler_path
     assert served.backend.calls[-1] == Call("sample", None, named.path)
 
     base = service.create_sampling_client(base_model=BASE).result(timeout=60)
-    assert base.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=8)).result(timeout=60).sequences[0].tokens == [2, 1]
+    assert base.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=8)).result(
+        timeout=60
+    ).sequences[0].tokens == [2, 1]
     assert served.backend.calls[-1] == Call("sample", None, None)
 
 
@@ -273,7 +288,8 @@ def test_a_training_runs_saves_are_listed_as_the_sdks_rest_client_reads_them(ser
 
     listed = rest.list_checkpoints(training.model_id).result(timeout=60)
     assert [(c.checkpoint_type, c.checkpoint_id, c.tinker_path) for c in listed.checkpoints] == [
-        ("training", "weights/listed-1", state.path), ("sampler", "sampler_weights/listed-final", sampler.path),
+        ("training", "weights/listed-1", state.path),
+        ("sampler", "sampler_weights/listed-final", sampler.path),
     ]
     run = rest.get_training_run(training.model_id).result(timeout=60)
     assert (run.training_run_id, run.base_model, run.is_lora, run.lora_rank) == (training.model_id, BASE, True, 8)
@@ -296,7 +312,9 @@ def test_a_training_runs_saves_are_listed_as_the_sdks_rest_client_reads_them(ser
 
 def test_a_refused_loss_reaches_the_user_naming_the_supported_ones_and_the_client_goes_on(served, service):
     training = service.create_lora_training_client(base_model=BASE, rank=8).result(timeout=60)
-    with pytest.raises(tinker.BadRequestError, match="loss_fn='gspo'.*cross_entropy, importance_sampling, ppo, cispo, dro"):
+    with pytest.raises(
+        tinker.BadRequestError, match="loss_fn='gspo'.*cross_entropy, importance_sampling, ppo, cispo, dro"
+    ):
         training.forward_backward([datum([1, 2])], "gspo").result(timeout=60)
     # The refused request's seq_id is passed over: the next one runs.
     training.forward_backward([datum([5, 6])], "cross_entropy").result(timeout=60)
@@ -311,9 +329,17 @@ def test_a_sampler_for_another_base_model_is_refused(service):
 # --- raw HTTP: the protocol seen from outside --------------------------------------------------
 
 
-def post(served, path: str, body=None, *, content: bytes | None = None, headers=None, key: str | None = KEY) -> httpx.Response:
+def post(
+    served, path: str, body=None, *, content: bytes | None = None, headers=None, key: str | None = KEY
+) -> httpx.Response:
     sent = {"X-API-Key": key} if key is not None else {}
-    return httpx.post(served.url + path, json=body if content is None else None, content=content, headers={**sent, **(headers or {})}, timeout=30)
+    return httpx.post(
+        served.url + path,
+        json=body if content is None else None,
+        content=content,
+        headers={**sent, **(headers or {})},
+        timeout=30,
+    )
 
 
 def result_of(served, request_id: str, accept: str = "application/x-protobuf") -> httpx.Response:
@@ -328,14 +354,22 @@ def result_of(served, request_id: str, accept: str = "application/x-protobuf") -
 
 
 def raw_model(served) -> str:
-    session = post(served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()["session_id"]
-    created = post(served, "/api/v1/create_model", {"session_id": session, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2}})
+    session = post(served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "raw"}).json()[
+        "session_id"
+    ]
+    created = post(
+        served,
+        "/api/v1/create_model",
+        {"session_id": session, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2}},
+    )
     return result_of(served, created.json()["request_id"]).json()["model_id"]
 
 
 def fb_body(model_id: str, seq_id: int, tokens: list[int], loss_fn: str = "cross_entropy") -> bytes:
     request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum(tokens)], loss_fn=loss_fn), model_id=model_id, seq_id=seq_id,
+        forward_backward_input=types.ForwardBackwardInput(data=[datum(tokens)], loss_fn=loss_fn),
+        model_id=model_id,
+        seq_id=seq_id,
     )
     return forward_backward_request_to_proto(request).SerializeToString()
 
@@ -349,7 +383,9 @@ def test_a_pending_future_answers_try_again_then_its_result_as_protobuf_or_json(
     submitted = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 1, [1, 2]), headers=PROTO)
     request_id = submitted.json()["request_id"]
     assert served.backend.entered.wait(timeout=30)
-    pending = post(served, "/api/v1/retrieve_future", {"request_id": request_id}, headers={"Accept": "application/x-protobuf"})
+    pending = post(
+        served, "/api/v1/retrieve_future", {"request_id": request_id}, headers={"Accept": "application/x-protobuf"}
+    )
     assert pending.status_code == 408 and pending.json()["type"] == "try_again"
     served.release()
 
@@ -358,25 +394,41 @@ def test_a_pending_future_answers_try_again_then_its_result_as_protobuf_or_json(
     output = deserialize_proto_response(done.content, types.ForwardBackwardOutput)
     assert output.loss_fn_outputs[0]["logprobs"].tolist() == [LOGPROB, LOGPROB]
     as_json = result_of(served, request_id, accept="application/json").json()
-    assert as_json["metrics"] == {"loss:sum": 1.0} and as_json["loss_fn_outputs"][0]["logprobs"]["data"] == [LOGPROB, LOGPROB]
+    assert as_json["metrics"] == {"loss:sum": 1.0} and as_json["loss_fn_outputs"][0]["logprobs"]["data"] == [
+        LOGPROB,
+        LOGPROB,
+    ]
 
 
 def test_one_models_requests_run_in_seq_id_order_whatever_order_they_arrive_in(served):
     model_id = raw_model(served)
-    second = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 2, [20, 21]), headers=PROTO).json()["request_id"]
-    first = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 1, [10, 11]), headers=PROTO).json()["request_id"]
+    second = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 2, [20, 21]), headers=PROTO).json()[
+        "request_id"
+    ]
+    first = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 1, [10, 11]), headers=PROTO).json()[
+        "request_id"
+    ]
     for request_id in (second, first):
         assert result_of(served, request_id).status_code == 200
-    assert [c.detail for c in served.backend.calls if c.model_id == model_id and c.what == "forward_backward"] == [[[10, 11]], [[20, 21]]]
+    assert [c.detail for c in served.backend.calls if c.model_id == model_id and c.what == "forward_backward"] == [
+        [[10, 11]],
+        [[20, 21]],
+    ]
 
 
 def test_a_request_refused_at_once_gives_up_its_seq_id_so_the_next_one_runs(served):
     model_id = raw_model(served)
-    refused = post(served, "/api/v1/optim_step", {"adam_params": {"learning_rate": -1.0}, "model_id": model_id, "seq_id": 1})
+    refused = post(
+        served, "/api/v1/optim_step", {"adam_params": {"learning_rate": -1.0}, "model_id": model_id, "seq_id": 1}
+    )
     assert refused.status_code == 400 and refused.json()["field"] == "optim_params.learning_rate"
-    undecodable = post(served, "/api/v1/optim_step", {"adam_params": {"beta1": "high"}, "model_id": model_id, "seq_id": 2})
+    undecodable = post(
+        served, "/api/v1/optim_step", {"adam_params": {"beta1": "high"}, "model_id": model_id, "seq_id": 2}
+    )
     assert undecodable.status_code == 400
-    request_id = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 3, [1, 2]), headers=PROTO).json()["request_id"]
+    request_id = post(served, "/api/v1/forward_backward", content=fb_body(model_id, 3, [1, 2]), headers=PROTO).json()[
+        "request_id"
+    ]
     assert result_of(served, request_id).status_code == 200
 
 
@@ -401,7 +453,11 @@ def test_samples_past_the_pending_limit_are_429_for_the_sdk_to_back_off():
     server = ServerThread(FakeBackend(), replace(LIMITS, max_pending_samples=1))
     try:
         server.hold()
-        sample = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]}, "sampling_params": {"max_tokens": 1}, "base_model": BASE}
+        sample = {
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+            "sampling_params": {"max_tokens": 1},
+            "base_model": BASE,
+        }
         first = post(server, "/api/v1/asample", sample)
         assert first.status_code == 200
         second = post(server, "/api/v1/asample", sample)
@@ -415,7 +471,12 @@ def test_samples_past_the_pending_limit_are_429_for_the_sdk_to_back_off():
 
 def test_a_cancelled_sample_fails_its_future_as_cancelled(served):
     served.hold()
-    sample = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}, "base_model": BASE, "num_samples": 1}
+    sample = {
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        "sampling_params": {"max_tokens": 2},
+        "base_model": BASE,
+        "num_samples": 1,
+    }
     submitted = post(served, "/api/v1/asample", sample).json()
     assert len(submitted["sample_sequence_ids"]) == 1
     assert served.backend.entered.wait(timeout=30)
@@ -429,12 +490,43 @@ def test_a_cancelled_sample_fails_its_future_as_cancelled(served):
     "path, body, status, field, words",
     [
         ("/api/v1/create_model", b"{not json", 400, "body", "not valid JSON"),
-        ("/api/v1/optim_step", {"adam_params": {"learning_rate": 1e-4}, "model_id": "no-such-model", "seq_id": 1}, 404, "model_id", "'no-such-model'"),
-        ("/api/v1/optim_step", {"adam_params": {"learning_rate": "fast"}, "model_id": "m", "seq_id": 1}, 400, "adam_params.learning_rate", "'fast'"),
-        ("/api/v1/asample", {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]}, "sampling_params": {}, "base_model": BASE, "num_samples": 0},
-         400, "num_samples", "num_samples=0"),
-        ("/api/v1/asample", {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, -7]}]}, "sampling_params": {}, "base_model": BASE},
-         400, "prompt.tokens[1]", "-7"),
+        (
+            "/api/v1/optim_step",
+            {"adam_params": {"learning_rate": 1e-4}, "model_id": "no-such-model", "seq_id": 1},
+            404,
+            "model_id",
+            "'no-such-model'",
+        ),
+        (
+            "/api/v1/optim_step",
+            {"adam_params": {"learning_rate": "fast"}, "model_id": "m", "seq_id": 1},
+            400,
+            "adam_params.learning_rate",
+            "'fast'",
+        ),
+        (
+            "/api/v1/asample",
+            {
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                "sampling_params": {},
+                "base_model": BASE,
+                "num_samples": 0,
+            },
+            400,
+            "num_samples",
+            "num_samples=0",
+        ),
+        (
+            "/api/v1/asample",
+            {
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, -7]}]},
+                "sampling_params": {},
+                "base_model": BASE,
+            },
+            400,
+            "prompt.tokens[1]",
+            "-7",
+        ),
         ("/api/v1/retrieve_future", {"request_id": "req-unknown"}, 404, "request_id", "'req-unknown'"),
         ("/api/v1/save_weights_external", {"model_id": "m", "path": "x"}, 404, "path", "external format"),
         ("/api/v1/no_such_thing", {}, 404, "path", "no such endpoint"),
@@ -448,9 +540,17 @@ def test_a_malformed_request_is_a_4xx_whose_body_names_the_field(served, path, b
 
 
 def test_an_unsupported_loss_in_a_raw_protobuf_body_is_refused_naming_the_supported_ones(served):
-    response = post(served, "/api/v1/forward_backward", content=fb_body(raw_model(served), 1, [1, 2], "stable_reinforce"), headers=PROTO)
+    response = post(
+        served,
+        "/api/v1/forward_backward",
+        content=fb_body(raw_model(served), 1, [1, 2], "stable_reinforce"),
+        headers=PROTO,
+    )
     assert response.status_code == 400
-    assert response.json()["field"] == "loss_fn" and "cross_entropy, importance_sampling, ppo, cispo, dro" in response.json()["error"]
+    assert (
+        response.json()["field"] == "loss_fn"
+        and "cross_entropy, importance_sampling, ppo, cispo, dro" in response.json()["error"]
+    )
 
 
 def test_a_body_over_the_limit_is_413(served):
@@ -459,8 +559,15 @@ def test_a_body_over_the_limit_is_413(served):
 
 
 def test_the_api_key_is_required_when_the_server_has_one(served):
-    assert post(served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}, key=None).status_code == 401
-    wrong = post(served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}, key="tml-wrong")
+    assert (
+        post(
+            served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}, key=None
+        ).status_code
+        == 401
+    )
+    wrong = post(
+        served, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}, key="tml-wrong"
+    )
     assert wrong.status_code == 401 and "X-API-Key" in wrong.json()["error"] and "tml-test" not in wrong.text
     assert httpx.get(served.url + "/api/v1/healthz", timeout=30).json() == {"status": "ok"}
 
@@ -508,7 +615,9 @@ def test_a_models_queue_waits_out_a_missing_seq_id_then_runs_the_next_and_runs_a
         assert other != third and (await table.retrieve(other, wait_s=10)).value == "other body"
         waited = FutureTable(gap_wait_s=1000)
         waited.pass_over("m", 1)
-        assert (await waited.retrieve(waited.submit("x", op("after the refused"), model_id="m", seq_id=2), wait_s=10)).value == "after the refused"
+        assert (
+            await waited.retrieve(waited.submit("x", op("after the refused"), model_id="m", seq_id=2), wait_s=10)
+        ).value == "after the refused"
 
     asyncio.run(scenario())
     assert ran == ["second", "third", "other body", "after the refused"]
@@ -571,14 +680,18 @@ def test_a_save_for_sampler_answers_once_its_adapter_is_written_so_a_sample_of_t
         async def call(self, *args):
             return {0: await self.function(*args)}
 
-    trainer = SimpleNamespace(add_tenant=Endpoint(add_tenant), publish=Endpoint(publish), wait_for_publish=Endpoint(wait_for_publish))
+    trainer = SimpleNamespace(
+        add_tenant=Endpoint(add_tenant), publish=Endpoint(publish), wait_for_publish=Endpoint(wait_for_publish)
+    )
 
     async def scenario() -> None:
         backend = MeshBackend(ServeConfig(), trainer, None, None, tmp_path / "store", tmp_path, model_dir)
         model_id = await backend.create_model(LoraSpec(rank=32, seed=0))
         for kind in ("snapshot", "inflight"):
             saved = await backend.save_for_sampler(model_id, None, kind)
-            assert written[-1:] == [saved.policy_version], f"a {kind} save answered before version {saved.policy_version} was written"
+            assert written[-1:] == [saved.policy_version], (
+                f"a {kind} save answered before version {saved.policy_version} was written"
+            )
 
     asyncio.run(scenario())
     assert written == [1, 2]

@@ -35,14 +35,22 @@ def through_proto(request: types.ForwardBackwardRequest, forward_only: bool = Fa
 
 def fb_request(data: list[types.Datum], loss_fn: str = "cross_entropy", config=None) -> types.ForwardBackwardRequest:
     return types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config), model_id="m-1", seq_id=3,
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="m-1",
+        seq_id=3,
     )
 
 
 def test_a_forward_backward_request_the_sdk_writes_reads_back_as_the_same_tokens_and_inputs():
     data = [
         datum([1, 2, 3], target_tokens=[2, 3, 4], weights=np.array([0.0, 1.0, 1.0], dtype=np.float32)),
-        datum([5, 6], target_tokens=[6, 7], logprobs=[-0.25, -1.5], advantages=np.array([0.5, -0.5], dtype=np.float32), weights=[1.0, 1.0]),
+        datum(
+            [5, 6],
+            target_tokens=[6, 7],
+            logprobs=[-0.25, -1.5],
+            advantages=np.array([0.5, -0.5], dtype=np.float32),
+            weights=[1.0, 1.0],
+        ),
     ]
     call = through_proto(fb_request(data, "importance_sampling", {"clip_low": 0.8}), forward_only=True)
     assert (call.model_id, call.seq_id, call.loss_fn, call.forward_only) == ("m-1", 3, "importance_sampling", True)
@@ -59,15 +67,25 @@ def test_the_json_form_of_the_request_reads_back_the_same_as_the_protobuf():
     data = [datum([1, 2, 3], target_tokens=[2, 3, 4], weights=[1.0, 0.5, 0.0])]
     body = {
         "forward_input": {
-            "data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-                      "loss_fn_inputs": {"target_tokens": {"data": [2, 3, 4], "dtype": "int64"}, "weights": {"data": [1.0, 0.5, 0.0], "dtype": "float32"}}}],
+            "data": [
+                {
+                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                    "loss_fn_inputs": {
+                        "target_tokens": {"data": [2, 3, 4], "dtype": "int64"},
+                        "weights": {"data": [1.0, 0.5, 0.0], "dtype": "float32"},
+                    },
+                }
+            ],
             "loss_fn": "cross_entropy",
         },
-        "model_id": "m-1", "seq_id": 3,
+        "model_id": "m-1",
+        "seq_id": 3,
     }
     import json
 
-    from_json = wire.forward_backward_from_json(wire.read_forward_backward_json(json.dumps(body).encode()), CONTEXT, forward_only=True)
+    from_json = wire.forward_backward_from_json(
+        wire.read_forward_backward_json(json.dumps(body).encode()), CONTEXT, forward_only=True
+    )
     from_proto = through_proto(fb_request(data), forward_only=True)
     assert from_json.forward_only and from_json.data[0].tokens == from_proto.data[0].tokens
     for name in ("target_tokens", "weights"):
@@ -76,7 +94,9 @@ def test_the_json_form_of_the_request_reads_back_the_same_as_the_protobuf():
 
 def test_a_sparse_loss_input_reads_back_dense_with_zeros_where_the_sdk_left_cells_out():
     # A [3, 2] target_tokens with two cells set, as TensorData.from_torch_sparse would send it.
-    sparse = types.TensorData(data=[7, 9], dtype="int64", shape=[3, 2], sparse_crow_indices=[0, 1, 1, 2], sparse_col_indices=[1, 0])
+    sparse = types.TensorData(
+        data=[7, 9], dtype="int64", shape=[3, 2], sparse_crow_indices=[0, 1, 1, 2], sparse_col_indices=[1, 0]
+    )
     call = through_proto(fb_request([datum([1, 2, 3], target_tokens=sparse)]))
     assert call.data[0].inputs["target_tokens"].tolist() == [[0, 7], [0, 0], [9, 0]]
 
@@ -92,11 +112,26 @@ def test_a_zstd_body_as_the_sdk_compresses_it_inflates_back_and_a_bomb_past_the_
 @pytest.mark.parametrize(
     "data, loss_fn, field, words",
     [
-        ([datum([1, -2, 3], target_tokens=[1, 1, 1])], "cross_entropy", "data[0].model_input.tokens[1]", "never negative"),
+        (
+            [datum([1, -2, 3], target_tokens=[1, 1, 1])],
+            "cross_entropy",
+            "data[0].model_input.tokens[1]",
+            "never negative",
+        ),
         ([datum([1, 2, 3], target_tokens=[1, 1])], "cross_entropy", "data[0].loss_fn_inputs.target_tokens", "3 tokens"),
         ([datum([1, 2], weights=[1.0, 1.0])], "cross_entropy", "data[0].loss_fn_inputs", "target_tokens"),
-        ([datum([1, 2], target_tokens=[1, 1])], "gspo", "loss_fn", "cross_entropy, importance_sampling, ppo, cispo, dro"),
-        ([datum(list(range(CONTEXT + 1)), target_tokens=list(range(CONTEXT + 1)))], "cross_entropy", "data[0].model_input", f"context of {CONTEXT}"),
+        (
+            [datum([1, 2], target_tokens=[1, 1])],
+            "gspo",
+            "loss_fn",
+            "cross_entropy, importance_sampling, ppo, cispo, dro",
+        ),
+        (
+            [datum(list(range(CONTEXT + 1)), target_tokens=list(range(CONTEXT + 1)))],
+            "cross_entropy",
+            "data[0].model_input",
+            f"context of {CONTEXT}",
+        ),
         ([], "cross_entropy", "data", "at least one"),
     ],
 )
@@ -108,7 +143,12 @@ def test_a_malformed_forward_backward_is_refused_naming_the_field(data, loss_fn,
 
 def test_an_image_chunk_is_refused_as_text_only():
     image = types.Datum(
-        model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1]), types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4)]),
+        model_input=types.ModelInput(
+            chunks=[
+                types.EncodedTextChunk(tokens=[1]),
+                types.ImageChunk(data=b"\x89PNG", format="png", expected_tokens=4),
+            ]
+        ),
         loss_fn_inputs={"target_tokens": [1, 1, 1, 1, 1]},
     )
     with pytest.raises(wire.FieldRefused) as refused:
@@ -124,7 +164,10 @@ def test_a_body_that_is_not_the_protobuf_is_refused():
 
 def test_the_forward_backward_output_reads_back_in_the_sdk_with_the_same_arrays_and_metrics():
     outputs = [
-        {"logprobs": np.array([-0.5, -0.5, -0.5], dtype=np.float32), "elementwise_loss": np.array([0.0, 0.5, 0.5], dtype=np.float32)},
+        {
+            "logprobs": np.array([-0.5, -0.5, -0.5], dtype=np.float32),
+            "elementwise_loss": np.array([0.0, 0.5, 0.5], dtype=np.float32),
+        },
         {"logprobs": np.array([-0.5], dtype=np.float32), "elementwise_loss": np.array([0.5], dtype=np.float32)},
     ]
     result = ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": 1.5})
@@ -134,19 +177,27 @@ def test_the_forward_backward_output_reads_back_in_the_sdk_with_the_same_arrays_
     assert got.loss_fn_outputs[0]["elementwise_loss"].shape == [3]
     # The SDK folds a request's chunks with the metric names' reductions.
     assert combine_fwd_bwd_output_results([got, got]).metrics == {"loss:sum": 3.0}
-    assert wire.forward_backward_output_json(result, 2)["loss_fn_outputs"][1]["logprobs"] == {"data": [-0.5], "dtype": "float32", "shape": [1]}
+    assert wire.forward_backward_output_json(result, 2)["loss_fn_outputs"][1]["logprobs"] == {
+        "data": [-0.5],
+        "dtype": "float32",
+        "shape": [1],
+    }
 
 
 def test_a_backend_result_the_sdk_could_not_fold_is_a_server_error_naming_it():
     with pytest.raises(ValueError, match="'loss'.*name:reduction"):
-        wire.forward_backward_output_proto(ForwardBackwardResult(outputs=[{"logprobs": np.zeros(1)}], metrics={"loss": 1.0}), 1)
+        wire.forward_backward_output_proto(
+            ForwardBackwardResult(outputs=[{"logprobs": np.zeros(1)}], metrics={"loss": 1.0}), 1
+        )
     with pytest.raises(ValueError, match="1 outputs for 2 data"):
         wire.forward_backward_output_proto(ForwardBackwardResult(outputs=[{"logprobs": np.zeros(1)}]), 2)
 
 
 def sdk_sample_request(**fields) -> types.SampleRequest:
     request = types.SampleRequest(
-        prompt=types.ModelInput.from_ints([4, 5, 6]), sampling_params=types.SamplingParams(max_tokens=4, stop="\n", seed=7), **fields,
+        prompt=types.ModelInput.from_ints([4, 5, 6]),
+        sampling_params=types.SamplingParams(max_tokens=4, stop="\n", seed=7),
+        **fields,
     )
     # What the server reads: the JSON the SDK's resource dumps.
     return types.SampleRequest.model_validate(request.model_dump(mode="json", exclude_none=True))
@@ -155,14 +206,23 @@ def sdk_sample_request(**fields) -> types.SampleRequest:
 def test_a_sample_request_reads_as_the_backend_spec():
     call = wire.sample_call(sdk_sample_request(num_samples=2, prompt_logprobs=True), CONTEXT, 8)
     spec = call.spec
-    assert (spec.prompt, spec.num_samples, spec.max_tokens, spec.stop, spec.seed, spec.prompt_logprobs) == ([4, 5, 6], 2, 4, ["\n"], 7, True)
+    assert (spec.prompt, spec.num_samples, spec.max_tokens, spec.stop, spec.seed, spec.prompt_logprobs) == (
+        [4, 5, 6],
+        2,
+        4,
+        ["\n"],
+        7,
+        True,
+    )
 
 
 @pytest.mark.parametrize(
     "fields, field",
     [
-        ({"num_samples": 0}, "num_samples"), ({"topk_sample_logprobs": wire.MAX_TOPK_LOGPROBS + 1}, "topk_sample_logprobs"),
-        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"), ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"topk_sample_logprobs": wire.MAX_TOPK_LOGPROBS + 1}, "topk_sample_logprobs"),
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs"),
+        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k"),
     ],
 )
 def test_a_sample_request_asking_what_the_generators_do_not_do_is_refused_naming_the_field(fields, field):
@@ -181,7 +241,9 @@ def test_the_sample_response_reads_back_in_the_sdk_with_the_same_tokens_logprobs
     call = wire.sample_call(sdk_sample_request(num_samples=2, prompt_logprobs=True), CONTEXT, 8)
     result = SampleResult(
         sequences=[
-            SampledSequence(tokens=[6, 5, 4], logprobs=[-0.5, -0.25, -1.0], stop_reason="length", policy_versions=[1, 1, 1]),
+            SampledSequence(
+                tokens=[6, 5, 4], logprobs=[-0.5, -0.25, -1.0], stop_reason="length", policy_versions=[1, 1, 1]
+            ),
             SampledSequence(tokens=[9], logprobs=[-2.0], stop_reason="stop", policy_versions=[1]),
         ],
         prompt_logprobs=[None, -0.5, -0.75],
@@ -202,7 +264,13 @@ def test_prompt_logprobs_last_n_blanks_the_earlier_prompt_positions():
 
 
 def test_top_k_logprobs_read_back_in_the_sdk_as_it_lists_them_shorter_rows_and_blank_positions_included():
-    call = wire.sample_call(sdk_sample_request(topk_prompt_logprobs=2, topk_sample_logprobs=2, prompt_logprobs=True, prompt_logprobs_last_n=1), CONTEXT, 8)
+    call = wire.sample_call(
+        sdk_sample_request(
+            topk_prompt_logprobs=2, topk_sample_logprobs=2, prompt_logprobs=True, prompt_logprobs_last_n=1
+        ),
+        CONTEXT,
+        8,
+    )
     assert (call.spec.topk_prompt_logprobs, call.spec.topk_sample_logprobs) == (2, 2)
     sampled_topk = [[(6, -0.5), (7, -1.5)], [(5, -0.25)]]  # the second position's kept set held one token
     result = SampleResult(

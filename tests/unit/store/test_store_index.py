@@ -165,8 +165,10 @@ def test_keep_latest_must_keep_at_least_one_version():
 
 def test_store_core_modules_import_neither_monarch_nor_vllm():
     modules = ["forge_rl.store.index", "forge_rl.store.layout", "forge_rl.store.shm", "forge_rl.store.publisher"]
-    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
-        "print(','.join(m for m in ('monarch', 'vllm', 'torchtitan') if m in sys.modules))"
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + ("print(','.join(m for m in ('monarch', 'vllm', 'torchtitan') if m in sys.modules))")
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""

@@ -187,8 +187,12 @@ def test_a_new_launch_sweeps_the_roots_of_dead_launches_only(tmp_path):
 
 def test_an_adapter_version_directory_is_also_a_peft_adapter_directory(snapshots):
     """Files beside the weights and links to them: what vLLM's LoRA loader reads by path."""
-    snapshots.write("v00000001", state_dict(1), files={"adapter_config.json": '{"r": 4}'},
-                    weights_links=("adapter_model.safetensors",))
+    snapshots.write(
+        "v00000001",
+        state_dict(1),
+        files={"adapter_config.json": '{"r": 4}'},
+        weights_links=("adapter_model.safetensors",),
+    )
     directory = snapshots.path("v00000001")
     assert json.loads((directory / "adapter_config.json").read_text()) == {"r": 4}
     assert os.readlink(directory / "adapter_model.safetensors") == "model.safetensors"  # relative: survives the rename

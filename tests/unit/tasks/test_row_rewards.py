@@ -71,8 +71,10 @@ def test_columns_reach_the_reward_function_in_its_worker_process():
 
 
 def test_every_column_reaches_a_reward_taking_columns_by_keyword():
-    (result,), _ = scored(RewardFunctionScorer(f"{FAKES}:fake_every_column_reward", ScorerConfig()),
-                          [episode(0, {"a": 1, "b": 2, "c": 3}, "7")])
+    (result,), _ = scored(
+        RewardFunctionScorer(f"{FAKES}:fake_every_column_reward", ScorerConfig()),
+        [episode(0, {"a": 1, "b": 2, "c": 3}, "7")],
+    )
     assert result.rewards == [3.0]
 
 
@@ -109,7 +111,9 @@ def test_one_reward_is_one_way_to_say_it():
     with pytest.raises(ConfigError, match=r"task.reward \('exact_match'\) and task.rewards .* are both set"):
         TaskConfig(reward="exact_match", rewards={"math_verify": 1.0})
     with pytest.raises(ConfigError, match="two functions called 'exact_match'"):
-        TaskConfig(rewards={"exact_match": 1.0, "forge_rl.tasks.rewards:exact_match_reward": 1.0, f"{FAKES}:exact_match": 1.0})
+        TaskConfig(
+            rewards={"exact_match": 1.0, "forge_rl.tasks.rewards:exact_match_reward": 1.0, f"{FAKES}:exact_match": 1.0}
+        )
     with pytest.raises(ConfigError, match=r"task.rewards\['exact_match'\] \(nan\) must be a finite number"):
         TaskConfig(rewards={"exact_match": float("nan")})
     with pytest.raises(ConfigError, match="task.rewards .* is not a registered reward function.*--task.rewards"):
@@ -135,8 +139,9 @@ def test_math_verify_compares_answers_as_mathematics(answer, completion, reward)
 
 
 def test_math_verify_runs_in_the_worker_processes():
-    (result,), _ = scored(RewardFunctionScorer("math_verify", ScorerConfig()),
-                          [episode(0, None, "\\frac{1}{2}", "0.4", answer="0.5")])
+    (result,), _ = scored(
+        RewardFunctionScorer("math_verify", ScorerConfig()), [episode(0, None, "\\frac{1}{2}", "0.4", answer="0.5")]
+    )
     assert result.rewards == [1.0, 0.0]
 
 
@@ -155,7 +160,9 @@ def datasets_cache(tmp_path, monkeypatch):
 
 def data_file(tmp_path: Path) -> str:
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"M{i}{9 - i}=", "answer": str(max(i, 9 - i))}) + "\n" for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"M{i}{9 - i}=", "answer": str(max(i, 9 - i))}) + "\n" for i in range(3))
+    )
     return str(path)
 
 
@@ -164,12 +171,18 @@ def preflight(config: GRPOConfig, tokenizer: PromptTokenizer) -> None:
 
 
 def test_a_reward_parameter_the_data_lacks_is_refused_naming_function_parameter_columns_and_fix(tmp_path, tokenizer):
-    config = GRPOConfig(data=DataConfig(path=data_file(tmp_path), answer_column="answer"), task=TaskConfig(reward=DIFFICULTY))
+    config = GRPOConfig(
+        data=DataConfig(path=data_file(tmp_path), answer_column="answer"), task=TaskConfig(reward=DIFFICULTY)
+    )
     with pytest.raises(ConfigError) as error:
         preflight(config, tokenizer)
     message = str(error.value)
-    for fragment in (f"task.reward '{DIFFICULTY}'", "parameter(s) 'difficulty'", "its columns are: 'prompt', 'answer'",
-                     "give them a default (e.g. difficulty=None)"):
+    for fragment in (
+        f"task.reward '{DIFFICULTY}'",
+        "parameter(s) 'difficulty'",
+        "its columns are: 'prompt', 'answer'",
+        "give them a default (e.g. difficulty=None)",
+    ):
         assert fragment in message, message
     # An optional column the data lacks is no refusal: the function runs without it.
     optional = TaskConfig(rewards={"exact_match": 1.0, f"{FAKES}:fake_hint_reward": 0.1})
@@ -177,8 +190,13 @@ def test_a_reward_parameter_the_data_lacks_is_refused_naming_function_parameter_
 
 
 def test_a_reward_with_no_answer_column_or_a_missing_one_is_refused_listing_the_columns(tmp_path, tokenizer):
-    with pytest.raises(ConfigError, match=r"task.reward \(math_verify\) compares each completion.*--data.answer-column.*'prompt', 'answer'"):
-        preflight(GRPOConfig(data=DataConfig(path=data_file(tmp_path)), task=TaskConfig(reward="math_verify")), tokenizer)
+    with pytest.raises(
+        ConfigError,
+        match=r"task.reward \(math_verify\) compares each completion.*--data.answer-column.*'prompt', 'answer'",
+    ):
+        preflight(
+            GRPOConfig(data=DataConfig(path=data_file(tmp_path)), task=TaskConfig(reward="math_verify")), tokenizer
+        )
     with pytest.raises(ConfigError, match=r"data.answer_column.*'solution'.*'prompt', 'answer'"):
         preflight(GRPOConfig(data=DataConfig(path=data_file(tmp_path), answer_column="solution")), tokenizer)
 

@@ -2,7 +2,14 @@ import importlib.util
 
 import pytest
 
-from forge_rl.tasks.synthetic import REPEAT_LENGTHS, TASKS, leading_number_reward, make_prompt, prefix_match_reward, trailing_number_reward
+from forge_rl.tasks.synthetic import (
+    REPEAT_LENGTHS,
+    TASKS,
+    leading_number_reward,
+    make_prompt,
+    prefix_match_reward,
+    trailing_number_reward,
+)
 
 
 def test_prompts_depend_only_on_task_seed_and_index():
@@ -30,7 +37,8 @@ def test_the_reward_reads_the_leading_number(completion, reward):
 
 
 @pytest.mark.parametrize(
-    ("completion", "reward"), [("x=7", 1.0), ("3 then 7", 1.0), ("7x", 1.0), ("37", 0.0), ("7 then 3", 0.0), ("none", 0.0)]
+    ("completion", "reward"),
+    [("x=7", 1.0), ("3 then 7", 1.0), ("7x", 1.0), ("37", 0.0), ("7 then 3", 0.0), ("none", 0.0)],
 )
 def test_the_trailing_reward_reads_the_last_number(completion, reward):
     assert trailing_number_reward(completion, "7") == reward
@@ -47,7 +55,15 @@ def test_repeat_digit_answers_its_digit_as_often_as_the_digits_length_says():
 
 @pytest.mark.parametrize(
     ("completion", "reward"),
-    [("888888", 1.0), (" 888888 ", 1.0), ("8888", 4 / 6), ("88888888", 6 / 8), ("888188", 3 / 6), ("", 0.0), ("1", 0.0)],
+    [
+        ("888888", 1.0),
+        (" 888888 ", 1.0),
+        ("8888", 4 / 6),
+        ("88888888", 6 / 8),
+        ("888188", 3 / 6),
+        ("", 0.0),
+        ("1", 0.0),
+    ],
 )
 def test_the_prefix_match_reward_is_the_share_of_the_longer_text_the_common_prefix_covers(completion, reward):
     assert prefix_match_reward(completion, "888888") == pytest.approx(reward)
@@ -60,7 +76,8 @@ from forge_rl.tasks import TaskConfig, make_task_prompt  # noqa: E402
 from forge_rl.tasks.rewards import resolve_reward_fn  # noqa: E402
 
 needs_reasoning_gym = pytest.mark.skipif(
-    importlib.util.find_spec("reasoning_gym") is None, reason='reasoning-gym is not installed (pip install -e ".[tasks]")'
+    importlib.util.find_spec("reasoning_gym") is None,
+    reason='reasoning-gym is not installed (pip install -e ".[tasks]")',
 )
 CHAIN_SUM = dict(
     name="reasoning_gym",
@@ -129,7 +146,14 @@ def test_last_number_extraction_scores_the_last_number_of_a_wordy_answer():
 
 @pytest.mark.parametrize(
     ("completion", "answer", "reward"),
-    [("0 - 4 = -4", "-4", 1.0), ("it is -4.", "-4", 1.0), ("4", "-4", 0.0), ("-4 then 3", "-4", 0.0), ("7", " 7 ", 1.0), ("none", "7", 0.0)],
+    [
+        ("0 - 4 = -4", "-4", 1.0),
+        ("it is -4.", "-4", 1.0),
+        ("4", "-4", 0.0),
+        ("-4 then 3", "-4", 0.0),
+        ("7", " 7 ", 1.0),
+        ("none", "7", 0.0),
+    ],
 )
 def test_the_final_integer_reward_reads_the_last_integer_with_its_sign(completion, answer, reward):
     from forge_rl.tasks.synthetic import final_integer_reward

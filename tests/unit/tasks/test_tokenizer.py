@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from forge_rl.tasks.synthetic import TASKS, make_prompt
-from forge_rl.tasks.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, PromptTokenizer, build_char_tokenizer, save_char_tokenizer
+from forge_rl.tasks.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    VOCAB_SIZE,
+    PromptTokenizer,
+    build_char_tokenizer,
+    save_char_tokenizer,
+)
 
 TOKEN_ID = build_char_tokenizer().token_to_id
 # A miniature of the ChatML-like templates of Qwen/SmolLM: role header, content, end-of-turn token.

@@ -24,7 +24,11 @@ class PrefixModel(torch.nn.Module):
 
     def forward(self, ids_RW, positions=None, mask=None):
         width = ids_RW.shape[1]
-        visible = torch.ones(width, width).tril().expand(ids_RW.shape[0], width, width) if mask is None else mask[:, 0].float()
+        visible = (
+            torch.ones(width, width).tril().expand(ids_RW.shape[0], width, width)
+            if mask is None
+            else mask[:, 0].float()
+        )
         positions = torch.arange(width).expand_as(ids_RW) if positions is None else positions
         hidden = visible @ self.embed[ids_RW] / visible.sum(-1, keepdim=True) + self.position[positions]
         return torch.tanh(hidden) @ self.out
@@ -127,7 +131,9 @@ def test_each_sequences_temperature_and_kept_sets_are_kept(encoding):
     model = PrefixModel()
     entropy_tree, entropy_pad = torch.zeros(ids.shape), torch.zeros(ids.shape)
     tree = _tree(model, ids, lengths, temperature, support, entropy_tree)
-    padded = layout_token_logprobs(model, ids, lengths, plan_microbatches(lengths, "pad"), temperature, support, entropy_pad)
+    padded = layout_token_logprobs(
+        model, ids, lengths, plan_microbatches(lengths, "pad"), temperature, support, entropy_pad
+    )
     assert torch.allclose(tree, padded, atol=1e-6) and torch.allclose(entropy_tree, entropy_pad, atol=1e-5)
     assert tree[2, 7].item() == pytest.approx(0.0, abs=1e-6)
 

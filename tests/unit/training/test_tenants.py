@@ -21,7 +21,9 @@ ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.
 
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
-    model_dir = create_tiny_model(TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path_factory.mktemp("m") / "model")
+    model_dir = create_tiny_model(
+        TinyModelConfig(hidden_size=64, num_heads=2, num_kv_heads=2), tmp_path_factory.mktemp("m") / "model"
+    )
     with pytest.MonkeyPatch.context() as patch:
         for name in rank_env(rank=0, world_size=1, master_port=0):
             patch.delenv(name, raising=False)
@@ -109,7 +111,9 @@ def test_tenants_never_mix_however_their_calls_interleave(tenants):
         train([("a", up), ("b", down)])  # interleaved: a's gradient waits while b's is computed
         train([("a_alone", up)])
         train([("b_alone", down)])
-    state = {name: tenants.adapter_state_dict(name, torch.float32, keep=True) for name in ("a", "b", "a_alone", "b_alone")}
+    state = {
+        name: tenants.adapter_state_dict(name, torch.float32, keep=True) for name in ("a", "b", "a_alone", "b_alone")
+    }
     for key in state["a"]:
         torch.testing.assert_close(state["a"][key], state["a_alone"][key])
         torch.testing.assert_close(state["b"][key], state["b_alone"][key])
@@ -132,8 +136,12 @@ def test_a_new_tenant_starts_as_the_base_and_bad_data_is_refused(tenants):
     adapters = tenants.adapter_state_dict("fresh", torch.float32, keep=True)
     assert all(not value.any() for key, value in adapters.items() if key.endswith("lora_B"))
     with pytest.raises(ValueError, match="lacks loss_fn_inputs \\['advantages'\\]"):
-        tenants.forward_backward("fresh", [(TOKENS, {"target_tokens": np.zeros(7), "logprobs": np.zeros(7)})], "ppo", None, True)
+        tenants.forward_backward(
+            "fresh", [(TOKENS, {"target_tokens": np.zeros(7), "logprobs": np.zeros(7)})], "ppo", None, True
+        )
     with pytest.raises(ValueError, match="has 3 entries but the model_input has 7"):
-        tenants.forward_backward("fresh", [(TOKENS, {"target_tokens": np.zeros(3), "weights": np.ones(3)})], "cross_entropy", None, True)
+        tenants.forward_backward(
+            "fresh", [(TOKENS, {"target_tokens": np.zeros(3), "weights": np.ones(3)})], "cross_entropy", None, True
+        )
     with pytest.raises(ValueError, match="unknown tenant"):
         tenants.optim_step("nobody", **ADAM)

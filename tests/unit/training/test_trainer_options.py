@@ -17,7 +17,11 @@ HF_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embed
     [
         ("batching", "zip", "trainer.batching (zip) must be one of pad, bucket, pack, tree. Set --trainer.batching."),
         ("activation_checkpointing", "selective", "trainer.activation_checkpointing (selective) must be none or full"),
-        ("mixed_precision", "fp16", "trainer.mixed_precision (fp16) must be fp32 or bf16. Set --trainer.mixed-precision."),
+        (
+            "mixed_precision",
+            "fp16",
+            "trainer.mixed_precision (fp16) must be fp32 or bf16. Set --trainer.mixed-precision.",
+        ),
     ],
 )
 def test_an_unknown_option_value_is_refused_naming_the_flag(field, value, message):
@@ -30,14 +34,20 @@ def test_every_option_value_is_accepted_and_kept():
     for batching in ("pad", "bucket", "pack", "tree"):
         for checkpointing in ("none", "full"):
             for precision in ("fp32", "bf16"):
-                config = TrainerConfig(batching=batching, activation_checkpointing=checkpointing, mixed_precision=precision)
+                config = TrainerConfig(
+                    batching=batching, activation_checkpointing=checkpointing, mixed_precision=precision
+                )
                 assert (config.batching, config.activation_checkpointing, config.mixed_precision) == (
-                    batching, checkpointing, precision
+                    batching,
+                    checkpointing,
+                    precision,
                 )
 
 
 def test_the_tree_layout_is_refused_with_routing_replay_naming_the_fix():
-    with pytest.raises(ValueError, match="trainer.batching tree with trainer.keep_routing.*Set --trainer.batching pack"):
+    with pytest.raises(
+        ValueError, match="trainer.batching tree with trainer.keep_routing.*Set --trainer.batching pack"
+    ):
         TrainerConfig(batching="tree", keep_routing=True)
 
 
