@@ -21,7 +21,8 @@ from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig
 from forge_rl.core.policies import Policies, PolicyConfig
 from forge_rl.data.config import DataConfig
-from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
+from forge_rl.engines.adapters import AdapterServing
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig

@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from forge_rl.engines.adapters import BASE_MODEL, AdapterNotResident, AdapterServing
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.engine import Engine
 from forge_rl.engines.simulated import SimulatedEngine
-from forge_rl.engines.vllm_engine import BASE_MODEL, AdapterNotResident, AdapterServing, GeneratorConfig, VLLMEngine
+from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.plumbing.preemption import wait_for_preemption_notice
 from forge_rl.store.index import ADAPTER_OF, version_key
-from forge_rl.store.loader import LOAD_S, STALL_S, load_version
+from forge_rl.store.loader import LOAD_S, STALL_S
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 
@@ -61,7 +64,9 @@ class GeneratorActor(PortServed, Actor):
         self.cpus = pin_this_process(cpus)
         if config.yields_the_cores:
             yield_this_process()
-        self.engine = SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
+        self.engine: Engine = (
+            SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
+        )
         self.store_index = store_index
         self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)
@@ -104,7 +109,7 @@ class GeneratorActor(PortServed, Actor):
     async def tokens_in_flight(self) -> int:
         """Tokens its requests in flight have sampled so far (`VLLMEngine.tokens_in_flight`): what
         its death would lose (`forge-rl bench faults`)."""
-        return self._vllm_engine("tokens_in_flight").tokens_in_flight()
+        return self.engine.tokens_in_flight()
 
     @concurrent_endpoint
     async def generate(self, episodes: list[Episode], group_size: int) -> list[Episode]:
@@ -137,7 +142,7 @@ class GeneratorActor(PortServed, Actor):
         group_size: int,
         segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
-        pieces = await self._vllm_engine("generate_segment (generator.segment_tokens)").generate_segment(
+        pieces = await self.engine.generate_segment(
             prompt_token_ids, heads, group_size, self.tokenizer.eos_id, forced_length, segment_tokens
         )
         for i, (piece, finished) in enumerate(pieces):
@@ -151,8 +156,6 @@ class GeneratorActor(PortServed, Actor):
     ) -> list[tuple[list[Completion], int]]:
         """`n` continuations of each head (`VLLMEngine.generate_branches`), each with its whole
         sequence's text (head and continuation), and per head its prefix-cache hits."""
-        if not isinstance(self.engine, VLLMEngine):
-            raise TypeError("branch rollouts need the vLLM engine (generator.engine vllm)")
         branched = await self.engine.generate_branches(prompt_token_ids, heads, n, self.tokenizer.eos_id, forced_length)
         for head, (pieces, _) in zip(heads, branched):
             for piece in pieces:
@@ -175,7 +178,6 @@ class GeneratorActor(PortServed, Actor):
         version). At most `max_in_flight` of the episodes decode at once, beside the run's own
         requests. None if the generator serves a newer version already: the call cannot be made.
         An evaluation beside training on the run's generators (forge_rl/run/evaluation.py)."""
-        engine = self._vllm_engine("an evaluation beside training (generate_pinned)")
         async with self.version_served:
             await self.version_served.wait_for(lambda: self.engine.policy_version >= policy_version)
         async with self.swap_lock:
@@ -185,7 +187,7 @@ class GeneratorActor(PortServed, Actor):
 
             async def sampled(episode: Episode) -> list:
                 async with in_flight:
-                    return await engine.generate(
+                    return await self.engine.generate(
                         episode.prompt_token_ids,
                         group_size,
                         self.tokenizer.eos_id,
@@ -205,12 +207,6 @@ class GeneratorActor(PortServed, Actor):
             episode.temperature = temperature
         return episodes
 
-    def _vllm_engine(self, needs: str) -> VLLMEngine:
-        """The engine, for what only vLLM does (`needs`: what asked for it)."""
-        if not isinstance(self.engine, VLLMEngine):
-            raise TypeError(f"{needs} needs the vLLM engine (generator.engine vllm), not the simulated one")
-        return self.engine
-
     @property
     def version_served(self) -> asyncio.Condition:
         if self._version_served is None:  # bound to the actor's running loop on first use
@@ -225,22 +221,20 @@ class GeneratorActor(PortServed, Actor):
         adapter of `policy_version` (None: the base), which this generator loads from the weight
         store first if it does not hold it (`weights_dir`: where that version is), beside the
         adapters it serves."""
-        engine = self._vllm_engine("sampling (the service)")
         version = BASE_MODEL if policy_version is None else policy_version
         while True:
             try:
-                return await engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
+                return await self.engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
             except AdapterNotResident:
                 if weights_dir is None:
                     raise  # the base model is always resident: only an adapter version has a directory to load
                 await self._serve_adapter(version, weights_dir)
 
     async def _serve_adapter(self, policy_version: int, weights_dir: str) -> None:
-        engine = self._vllm_engine("serving an adapter")
         async with self.swap_lock:
             store = await self._weight_store(Path(weights_dir).parent)
             async with store.lease(version_key(policy_version)) as snapshot:  # vLLM reads it in add_lora
-                await engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
+                await self.engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
 
     @concurrent_endpoint
     async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
@@ -262,10 +256,9 @@ class GeneratorActor(PortServed, Actor):
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
                 return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
-            if isinstance(self.engine, SimulatedEngine):  # the simulated trainer publishes no weights
-                return await self.engine.load_version(policy_version)
-            store = await self._weight_store(Path(weights_dir).parent)
-            loaded = await load_version(self.engine, store, policy_version, self.engine.config.swap_mode, exact=exact)
+            loaded = await self.engine.serve_version(
+                policy_version, lambda: self._weight_store(Path(weights_dir).parent), exact
+            )
         async with self.version_served:
             self.version_served.notify_all()
         return loaded

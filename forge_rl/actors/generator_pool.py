@@ -55,7 +55,9 @@ from monarch.actor import Actor, HostMesh, MeshFailure, ProcMesh, concurrent_end
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.core.deadlines import within
-from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, engine_process_env
+from forge_rl.engines.adapters import AdapterServing
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_process import engine_process_env
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, raised_by_actor
 from forge_rl.observability.metrics import progress

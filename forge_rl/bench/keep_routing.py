@@ -154,7 +154,8 @@ def _sample(args: KeepRoutingArgs, model_dir: Path):
 def _recording_engine(args: KeepRoutingArgs, model_dir: Path, seed: int):
     """A started vLLM engine on `model_dir` recording routing, and `run` (a coroutine to its
     result on the engine's own event loop); shut down on exit."""
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(
         GeneratorConfig(max_new_tokens=args.max_new_tokens, record_routing=True, seed=seed, dtype=args.generator_dtype)

@@ -237,7 +237,9 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
 
 
 async def _engine_run(args, trainer, index, root, adapters) -> tuple[list[dict], dict]:
-    from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
+    from forge_rl.engines.adapters import AdapterServing
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
     from forge_rl.store.client import WeightStore
 
     serving = AdapterServing(args.rank, args.max_policy_age + 1, str(args.model_path)) if adapters else None

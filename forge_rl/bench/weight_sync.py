@@ -411,7 +411,8 @@ async def engine_updates(args: WeightSyncArgs, model_dir: Path, workdir: Path, s
     from monarch.actor import this_host
     from safetensors.torch import load_file
 
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
     from forge_rl.store import loader
     from forge_rl.store.actors import open_store
     from forge_rl.store.client import WeightStore

@@ -32,7 +32,7 @@ control-plane benchmarks measure. (Before, each step was timed from the late wak
 host slowed the simulated GPUs themselves.)
 
 Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive it on a virtual clock
-(tests/unit/test_simulated_engine.py) and the results do not depend on how busy the machine is.
+(tests/unit/engines/test_simulated_engine.py) and the results do not depend on how busy the machine is.
 
 Calibration (docs/benchmarks/README.md, "scale"): Qwen3-8B in bf16 served by vLLM on one
 H100 SXM (80 GB HBM3, 3.35 TB/s, 989 dense bf16 TFLOP/s). Decode is bound by memory traffic: every
@@ -50,11 +50,16 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+from forge_rl.engines.engine import EngineCannot
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
-from forge_rl.types import Completion, CompletionStatus
+from forge_rl.types import Completion, CompletionStatus, SampleResult, SampleSpec
+
+_NEEDS_A_MODEL = "{what} needs a model: set --generator.engine vllm (the simulated engine has none)."
 
 PLACEHOLDER_TOKEN_ID = 0
 """Every simulated token's id (an EOS is `eos_id` instead): a placeholder, not a sample of anything."""
@@ -285,11 +290,18 @@ class SimulatedEngine:
     # Requests ---------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], n: int, eos_id: int | None, forced_length: int | None = None
+        self,
+        prompt_token_ids: list[int],
+        n: int,
+        eos_id: int | None,
+        forced_length: int | None = None,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
     ) -> list[Completion]:
         """`n` simulated completions of one prompt (VLLMEngine.generate's contract): lengths drawn
-        from the configured distribution (exactly `forced_length` when given), placeholder tokens,
-        each token stamped with the version it was decoded under."""
+        from the configured distribution (exactly `forced_length` when given) within
+        `max_new_tokens` (generator.max_new_tokens when None), placeholder tokens, each token stamped
+        with the version it was decoded under. `temperature` changes nothing: no model samples."""
         limit = self.max_model_len - self.config.max_new_tokens
         if len(prompt_token_ids) > limit:
             raise ValueError(
@@ -297,7 +309,10 @@ class SimulatedEngine:
                 f"generator.max_new_tokens ({self.config.max_new_tokens}) = {limit}. Shorten the prompt, lower "
                 "--generator.max-new-tokens, or raise max_model_len."
             )
-        max_tokens = min(forced_length or self.config.max_new_tokens, self.config.max_new_tokens)
+        budget = (
+            self.config.max_new_tokens if max_new_tokens is None else min(max_new_tokens, self.config.max_new_tokens)
+        )
+        max_tokens = min(forced_length or budget, budget)
         loop = asyncio.get_running_loop()
         sequences = []
         for child in range(n):
@@ -352,7 +367,41 @@ class SimulatedEngine:
             status=CompletionStatus.TRUNCATED if truncated else CompletionStatus.OK,
         )
 
+    def tokens_in_flight(self) -> int:
+        """Tokens its sequences in flight have decoded so far, as of the engine loop's last step
+        boundary (it advances them when a sequence ends or a request or swap wakes it): what its
+        death would lose."""
+        return sum(sequence.generated for sequence in self._running)
+
+    async def generate_segment(
+        self,
+        prompt_token_ids: list[int],
+        heads: list[list[int]] | None,
+        n: int,
+        eos_id: int | None,
+        forced_length: int | None,
+        segment_tokens: int,
+    ) -> list[tuple[Completion, bool]]:
+        raise EngineCannot(_NEEDS_A_MODEL.format(what="generator.segment_tokens (continuing sampled tokens)"))
+
+    async def generate_branches(
+        self, prompt_token_ids: list[int], heads: list[list[int]], n: int, eos_id: int | None, forced_length: int | None
+    ) -> list[tuple[list[Completion], int]]:
+        raise EngineCannot(_NEEDS_A_MODEL.format(what="branch rollouts (continuing sampled tokens)"))
+
+    async def sample(
+        self, prompt_token_ids: list[int], spec: SampleSpec, adapter_version: int, eos_id: int | None
+    ) -> SampleResult:
+        raise EngineCannot(_NEEDS_A_MODEL.format(what="the service's sampling (logprobs of a model)"))
+
+    async def serve_adapter(self, adapter_dir: Path, policy_version: int, adapter_of: str | None) -> None:
+        raise EngineCannot(_NEEDS_A_MODEL.format(what="LoRA adapters (trainer.lora)"))
+
     # Weights ----------------------------------------------------------------------------------
+
+    async def serve_version(self, policy_version: int, open_store: Callable[[], Awaitable[Any]], exact: bool) -> dict:
+        """`load_version`: the simulated trainer publishes no weights, so no store is opened."""
+        return await self.load_version(policy_version)
 
     async def load_version(self, policy_version: int) -> dict:
         """A weight update as forge_rl/store/loader.py's `load_version` reports it: the simulated

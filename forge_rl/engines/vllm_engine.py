@@ -39,13 +39,11 @@ import contextlib
 import glob
 import itertools
 import logging
-import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -53,7 +51,19 @@ import psutil
 
 from forge_rl.core.branches import token_entropies
 from forge_rl.core.exclusive import SharedOrExclusive
-from forge_rl.engines.simulated import SimEngineConfig
+from forge_rl.engines.adapters import BASE_MODEL, AdapterLoadStats, AdapterMismatch, AdapterNotResident, AdapterServing
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_outputs import already_done, routing_tensor, to_completion, top_k_of
+from forge_rl.engines.vllm_process import (
+    ENGINE_PROCESS_ENV,
+    SOCKET_DIR_PREFIX,
+    engine_process_env,
+    environ_set,
+    is_resource_tracker,
+    remove_dead_engines_socket_dirs,
+    torch_cuda_available,
+    visible_devices,
+)
 from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.routing import RoutingRecord
@@ -64,7 +74,6 @@ from forge_rl.types import (
     SampleResult,
     SampleSpec,
     SwapStats,
-    TopK,
     join_pieces,
 )
 
@@ -72,232 +81,22 @@ _logger = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 1.0
 """How long `shutdown` lets vLLM's engine core exit on SIGTERM before vLLM kills it. vLLM's default
-is 5 s, and the core takes about 4 of them, lingering on its output socket to the front end
-(vllm/v1/engine/core.py): most of a stop's 10 s budget. Killed, the core and its worker are gone at
-once, and multiprocessing's resource tracker unlinks the shared memory they held (it prints a
-warning that it did), as after a crash (forge_rl/plumbing/reaper.py). Measured here, Ctrl-C or SIGTERM on
-the demo to every process gone (tests/integration/test_shutdown.py): 6.5-9.5 s with vLLM's 5 s,
-4.2-5.9 s with 1 s; an engine alone is gone 2.2 s after `shutdown` against 5.1 s."""
+(5 s) is most of a stop's budget (tests/integration/test_shutdown.py), and the core spends nearly all
+of it lingering on its output socket to the front end (vllm/v1/engine/core.py). Killed, the core and
+its worker are gone at once, and multiprocessing's resource tracker unlinks the shared memory they
+held (it prints a warning that it did), as after a crash (`forge_rl.plumbing.reaper`)."""
 
 if TYPE_CHECKING:
-    import torch
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from forge_rl.store.client import WeightStore
+
 
 _IN_ENGINE_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 """vLLM's single-process executor by qualified name (see `_engine_kwargs`)."""
-
-
-@dataclass(frozen=True)
-class GeneratorConfig:
-    engine: Literal["vllm", "sim"] = "vllm"
-    """"vllm": the real engine. "sim": a SIMULATED engine with no model (placeholder tokens,
-    decode timed by a GPU-calibrated latency model: forge_rl/engines/simulated.py), for testing the
-    control plane at scale; needs trainer.engine sim too, and never trains anything."""
-    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
-    """The simulated engine's latency model and completion lengths (read only with engine sim)."""
-    max_new_tokens: int = 4
-    """Most tokens sampled per completion; a completion that reaches it without EOS is TRUNCATED."""
-    temperature: float = 1.0
-    """Sampling temperature. A run's generators need > 0 (greedy decoding is not RL sampling:
-    GRPOConfig refuses 0); 0, greedy, is for an evaluation's own engines (eval.temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 keeps the whole vocabulary."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 turns the filter off (vLLM 0.32 convention)."""
-    record_sampling_support: bool = True
-    """With top_p < 1 or top_k > 0: record each token's kept set (`Completion.sampling_support`)
-    so the trainer renormalizes its logprobs over it. Off saves the memory of those sets (up to
-    top-k ids per token), at the price of importance ratios biased below 1 by the filtered mass."""
-    max_support_ids: int = 64
-    """Engines without vLLM's sampling masks (its model runner V2 needs Triton, which has no CPU
-    backend) read each token's kept set from its `max_support_ids` most likely processed logprobs
-    instead (a filtered token's is -inf). Exact while kept sets are no larger (always, for a vocabulary
-    of at most this many tokens, or top_k <= it); a larger set is recorded as its most likely ids,
-    counted (`Completion.num_truncated_support`) and warned about once per engine."""
-    record_entropy_top_logprobs: int = 0
-    """Record each sampled token's entropy (`Completion.entropies`), estimated from this many most
-    likely processed logprobs (renormalized); 0: none. Branch rollouts with branch.rule entropy set
-    it (branch.entropy_top_logprobs)."""
-    max_num_seqs: int = 256
-    """Most sequences vLLM decodes in one batch."""
-    tensor_parallel_size: int = 1
-    """GPUs per generator: vLLM shards the model over this many (one worker process each), a
-    contiguous block of its host's devices (forge_rl/plumbing/placement.py, `generator_devices`). GPU
-    only; with more than 1 the swap uses vLLM's stock reload (the staged loader is TP 1 only)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
-    kv_cache_space_gib: float = 1.0
-    """KV cache size in GiB on CPU (what VLLM_CPU_KVCACHE_SPACE sets, but fractional)."""
-    kv_block_size: int | None = None
-    """Tokens per KV-cache block; None: vLLM's default (16 on GPU, 128 on CPU). The prefix cache
-    reuses whole blocks only, so a multi-turn episode's earlier turns are served from it only in
-    whole blocks: on CPU's 128, a tiny model (context 128) never hits it. 32 suits the tiny models
-    on CPU (the CPU attention backend wants multiples of 32)."""
-    enforce_eager: bool = True
-    """Skip CUDA graphs and torch.compile: faster start, slower decode on GPU."""
-    seed: int = 0
-    """Seed of the engine's sampler: one engine replays the same samples for the same requests."""
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "ERROR"
-    """vLLM's log level in the engine processes. WARNING repeats a benign warning at every weight
-    reload (rotary embeddings have no weights to load), INFO logs every request batch and swap."""
-    cpu_threads: int | Literal["auto"] = 1
-    """OpenMP threads of vLLM's CPU worker, unpinned; 1 leaves the other cores to the trainer.
-    "auto": a share of this machine's cores beside the other roles' (`forge_rl.plumbing.threads`),
-    for the policy's generators of a local run. Above 1 the engine core is spawned, not forked: a
-    slower start."""
-    swap_mode: Literal["keep", "wait", "abort"] = "keep"
-    """How a weight swap treats requests in flight (vLLM's pause modes, same words): "keep" freezes
-    them between two decode steps and continues them on the new weights; "wait" lets them finish on
-    the old weights first (new requests wait); "abort" aborts them and resubmits prompt + tokens so far."""
-    swap_loader: Literal["staged", "reload"] = "staged"
-    """"staged": load and repack the new weights in a worker thread while decoding continues, then
-    swap references while paused (forge_rl/engines/vllm_staging.py); "reload": vLLM's stock
-    reload_weights from the snapshot directory while paused. Staged needs enforce_eager (else reload)."""
-    swap_kv: Literal["reuse", "recompute"] = "reuse"
-    """KV of in-flight requests at a swap: "reuse" continues on it (as PipelineRL does): tokens
-    after the swap are sampled by v attending to a prefix encoded by v-1, and their recorded
-    logprobs are those of that distribution, so the off-policy correction stays exact; the pause
-    is a reference swap. "recompute" drops it and re-prefills every in-flight prefix with v
-    (every token labelled v is an exact sample of v), a prefill of all tokens in flight while
-    nothing decodes. Either way no new request reuses a
-    prefix-cache block of an older version (requests are salted by version). docs/weight_store.md."""
-    generate_timeout_s: float | None = None
-    """Most seconds one generate call (one prompt's group of completions) may take. A call past it
-    is treated like a dead generator (forge_rl/actors/generator_pool.py): the generator is killed
-    and replaced on a fresh proc mesh, and the call's prompt is handed out again. Unset: derived
-    from what a call can legitimately take (`GRPOConfig.generate_timeout_s` has the formula)."""
-    update_timeout_s: float | None = None
-    """Most seconds one weight update (wait for the version, lease, prefetch, stage, swap) may take;
-    past it the generator is replaced the same way, and its replacement loads the newest version
-    itself. Unset: `GRPOConfig.update_timeout_s` (600 s, more with swap_mode "wait")."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Weights and compute dtype of the engine. "auto": bfloat16 on GPU, float32 on CPU (where it
-    matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
-    against an fp32 trainer (`forge-rl bench keep-routing`)."""
-    record_routing: bool = False
-    """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
-    generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
-    On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
-    captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
-    turn (`GeneratedSpan.routed_experts`)."""
-    segment_tokens: int | None = None
-    """Decode each completion in requests of at most this many tokens (single-turn groups). Between
-    two, the tokens sampled so far (with their logprobs, versions and kept sets) are held by the
-    rollouts, not the engine, so a generator that dies mid-completion loses at most the segment
-    it was decoding: its prompt's completions continue on a live generator from them
-    (forge_rl/pipeline/rollouts.py, `_generate_in_segments`). Each segment after the first
-    prefills its completion's prefix again (from the prefix cache when its blocks are cached
-    under the weights served then). None: one request per group, and a dead generator's prompt is
-    generated again from scratch. vLLM engines only."""
-    start_timeout_s: float = 900.0
-    """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
-    before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
-    large model on a GPU. A replacement that runs past it is retried on a fresh proc mesh; the
-    run's first start that does fails the run, naming this flag."""
-
-    @property
-    def yields_the_cores(self) -> bool:
-        """Whether a generator's process runs at idle priority (`placement.yield_this_process`):
-        a simulated one with generator.sim.idle_priority; never the real engine."""
-        return self.engine == "sim" and self.sim.idle_priority
-
-    @property
-    def records_sampling_support(self) -> bool:
-        """Whether each token's kept set is recorded: top-k/top-p can leave tokens out, and
-        `record_sampling_support` is on."""
-        return self.record_sampling_support and (self.top_p < 1.0 or self.top_k > 0)
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
-            ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite (0: greedy, for evaluation only)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
-            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
-            ("max_support_ids", self.max_support_ids >= 1, ">= 1"),
-            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            ("kv_cache_space_gib", self.kv_cache_space_gib > 0, "> 0"),
-            ("cpu_threads", self.cpu_threads == "auto" or self.cpu_threads >= 1, ">= 1 or auto"),
-            ("kv_block_size", self.kv_block_size is None or self.kv_block_size >= 1, ">= 1 (or unset: vLLM's default)"),
-            ("generate_timeout_s", _unset_or_finite_positive(self.generate_timeout_s), "> 0 and finite, or unset"),
-            ("update_timeout_s", _unset_or_finite_positive(self.update_timeout_s), "> 0 and finite, or unset"),
-            ("start_timeout_s", 0 < self.start_timeout_s < math.inf, "> 0 and finite"),
-            ("segment_tokens", self.segment_tokens is None or self.segment_tokens >= 1, ">= 1 (or unset: no segments)"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                flag = "--generator." + name.replace("_", "-")
-                raise ValueError(f"generator.{name} ({getattr(self, name)}) must be {rule}. Set {flag}.")
-        if self.segment_tokens is not None and self.engine == "sim":
-            raise ValueError(
-                f"generator.segment_tokens ({self.segment_tokens}) needs generator.engine vllm: the simulated "
-                "engine decodes each group in one piece. Unset --generator.segment-tokens."
-            )
-
-
-def _unset_or_finite_positive(seconds: float | None) -> bool:
-    return seconds is None or 0 < seconds < math.inf
-
-
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM 0.32 accepts for max_lora_rank (vllm/config/lora.py, MaxLoRARanks)."""
-
-
-@dataclass(frozen=True)
-class AdapterServing:
-    """How an engine serves a policy trained with LoRA: the base model stays, each policy version
-    is an adapter (docs/weight_store.md, "Adapter versions"). Derived by the run from
-    trainer.lora and buffer.max_policy_age (`GRPOConfig.adapter_serving`), not a flag.
-
-    Each version is a new vLLM adapter (name "forge-policy-<v>", id v + 1), never reloaded in
-    place; a request keeps the adapter it was submitted with, so its tokens are exact samples of
-    that version and are stamped with it. `resident` adapters stay loaded (vLLM gets one slot
-    more, so the next loads at once): past them the oldest is unloaded, and a request still on it
-    (one that outlived the age bound: partial rollouts, admission drop) is aborted and continues
-    on the newest adapter, as an abort-mode swap continues a request on new weights.
-    """
-
-    rank: int
-    """LoRA rank of the adapters (vLLM's max_lora_rank is the smallest value it accepts >= it)."""
-    resident: int
-    """Adapters kept loaded: max_policy_age + 1, so every version a request in flight may still
-    use (the staleness bound) keeps its adapter."""
-    base_model: str
-    """The base model directory the engine serves; an adapter version of another base is refused."""
-
-    def __post_init__(self) -> None:
-        if self.resident < 1:
-            raise ValueError(f"AdapterServing.resident ({self.resident}) must be >= 1 (buffer.max_policy_age + 1).")
-        if self.rank > _VLLM_LORA_RANKS[-1]:
-            raise ValueError(
-                f"trainer.lora.rank ({self.rank}) exceeds vLLM's largest max_lora_rank ({_VLLM_LORA_RANKS[-1]}). "
-                f"Set --trainer.lora.rank to at most {_VLLM_LORA_RANKS[-1]}."
-            )
-
-    @property
-    def max_lora_rank(self) -> int:
-        return next(r for r in _VLLM_LORA_RANKS if r >= self.rank)
-
-
-class AdapterMismatch(ValueError):
-    """An adapter version that does not fit the base model an engine serves."""
-
-
-class AdapterNotResident(LookupError):
-    """`VLLMEngine.sample` was asked for an adapter version the engine does not hold now."""
-
-    def __init__(self, policy_version: int) -> None:
-        super().__init__(f"adapter version {policy_version} is not loaded in this engine")
-        self.policy_version = policy_version
-
-
-BASE_MODEL = -1
-"""`VLLMEngine.sample`'s adapter version for the base model alone."""
 
 
 class VLLMEngine:
@@ -376,9 +175,9 @@ class VLLMEngine:
         # instead, removed at `shutdown`, or by the reaper if this process is killed (or, if the
         # reaper was killed too, by the next engine start on this machine).
         remove_dead_engines_socket_dirs()
-        self._ipc_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{os.getpid()}_")
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}_")
         try:
-            with _environ({**self._engine_env(), "VLLM_RPC_BASE_PATH": self._ipc_dir}):
+            with environ_set({**self._engine_env(), "VLLM_RPC_BASE_PATH": self._ipc_dir}):
                 from vllm.engine.arg_utils import AsyncEngineArgs
                 from vllm.v1.engine.async_llm import AsyncLLM
                 from vllm.v1.executor import Executor
@@ -402,7 +201,7 @@ class VLLMEngine:
         self._engine_processes = [
             child
             for child in psutil.Process().children()
-            if child.pid not in children_before and not _is_resource_tracker(child)
+            if child.pid not in children_before and not is_resource_tracker(child)
         ]
         # vLLM's engine core has no way to notice that this process died: a SIGKILL here (ours,
         # or Monarch's parent-death signal when the controller is killed) would leave it, its
@@ -521,19 +320,19 @@ class VLLMEngine:
         import torch
 
         started_with_engine_env = all(
-            value in os.environ.get(key, "").split(":") for key, value in _ENGINE_PROCESS_ENV.items()
+            value in os.environ.get(key, "").split(":") for key, value in ENGINE_PROCESS_ENV.items()
         )
         if torch_cuda_available():
             yield
             return
         if self.config.cpu_threads != 1 or not started_with_engine_env:
-            with _environ(engine_process_env()):
+            with environ_set(engine_process_env()):
                 yield
             return
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with _environ({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}):
+            with environ_set({"VLLM_WORKER_MULTIPROC_METHOD": "fork"}):
                 yield
         finally:
             torch.set_num_threads(threads)
@@ -691,7 +490,7 @@ class VLLMEngine:
             *(
                 self._continue_aborted(prompt_token_ids, completion, eos_id, max_tokens)
                 if output.finish_reason == "abort"
-                else _done(completion)
+                else already_done(completion)
                 for output, completion in zip(final.outputs, completions)
             )
         )
@@ -774,7 +573,7 @@ class VLLMEngine:
         top_k, cap = self.config.top_k, max(self._num_support_logprobs, self._num_logprobs_requested)
         # top_k <= what vLLM returns, or the whole vocabulary returned: every kept set fits, even a full one.
         fits = 0 < top_k <= cap or cap >= self._vocab_size
-        completion = _to_completion(output, self._support_source, None if fits else cap)
+        completion = to_completion(output, self._support_source, None if fits else cap)
         if self.config.record_entropy_top_logprobs:
             completion.entropies = token_entropies(
                 [lp.logprob for lp in position.values()] for position in output.logprobs
@@ -893,7 +692,7 @@ class VLLMEngine:
                 rows = output.routed_experts
                 enough = rows is not None and len(rows) >= len(output.token_ids)
                 output.forge_routed_experts = (
-                    RoutingRecord(_as_tensor(rows[: len(output.token_ids)])) if enough else None
+                    RoutingRecord(routing_tensor(rows[: len(output.token_ids)])) if enough else None
                 )
             return
         num_tokens = {output.index: len(output.token_ids) for output in final.outputs}
@@ -983,7 +782,7 @@ class VLLMEngine:
             tokens = list(output.token_ids)
             logprobs = [position[token].logprob for token, position in zip(tokens, output.logprobs or [])]
             topk = (
-                [_top_k(position, spec.topk_sample_logprobs) for position in output.logprobs or []]
+                [top_k_of(position, spec.topk_sample_logprobs) for position in output.logprobs or []]
                 if spec.topk_sample_logprobs
                 else None
             )
@@ -1004,7 +803,7 @@ class VLLMEngine:
             ]
         if spec.topk_prompt_logprobs:
             topk_prompt = [
-                None if position is None else _top_k(position, spec.topk_prompt_logprobs)
+                None if position is None else top_k_of(position, spec.topk_prompt_logprobs)
                 for position in scored.prompt_logprobs or []
             ]
         return SampleResult(sequences, prompt_logprobs, topk_prompt)
@@ -1057,6 +856,16 @@ class VLLMEngine:
             # (forge_rl/routing.py), so the rows start at the prompt's last token.
             **({"routed_experts_prompt_start": max(num_prompt_tokens - 1, 0)} if self.config.record_routing else {}),
         )
+
+    async def serve_version(
+        self, policy_version: int, open_store: Callable[[], Awaitable[WeightStore]], exact: bool
+    ) -> dict:
+        """Serve `policy_version` (`exact`), or the newest complete version after it, from the weight
+        store `open_store` opens, swapped in per `GeneratorConfig.swap_mode`; returns the update's
+        metrics (`forge_rl.store.loader.load_version`)."""
+        from forge_rl.store.loader import load_version
+
+        return await load_version(self, await open_store(), policy_version, self.config.swap_mode, exact=exact)
 
     async def stage_weights(self, weights_dir: Path, policy_version: int, poll_s: float = 0.005) -> dict:
         """Load and repack `weights_dir` in the worker while the engine keeps decoding.
@@ -1285,131 +1094,6 @@ class VLLMEngine:
             self._reaper = None
 
 
-_ENGINE_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-"""Settings read when a process starts (`engine_process_env`): variable -> one ':'-separated item."""
-
-
-def engine_process_env() -> dict[str, str]:
-    """Environment a process that will host a VLLMEngine must start with (read at its exec, so
-    it is set where the process is spawned: forge_rl/actors/generator_pool.py).
-
-    Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored before): every
-    staged version repacks its linear weights into fresh oneDNN buffers, and with 4 KiB pages
-    their first touch cost up to 120k minor faults per 400 MB version here (where THP is
-    "madvise", the common default, nothing else asks for huge pages). The engine core is forked
-    from this process on CPU (`VLLMEngine._engine_core_start`), so it has this process's
-    malloc settings."""
-    env = {}
-    for key, item in _ENGINE_PROCESS_ENV.items():
-        items = [i for i in os.environ.get(key, "").split(":") if i]
-        env[key] = ":".join(items if item in items else [*items, item])
-    return env
-
-
-_SOCKET_DIR_PREFIX = "forge_rl_vllm_"
-"""An engine's socket directory in the temp directory: this, its process's pid, "_", a random tail."""
-
-
-def remove_dead_engines_socket_dirs(min_age_s: float = 600.0) -> list[str]:
-    """Removes the socket directories (`VLLMEngine.start`) of engines whose process is gone, as a
-    SIGKILL of the engine's whole process tree (its reaper included) leaves them; returns them.
-    Only directories older than `min_age_s`: a temp directory shared with another pid namespace
-    (a container's) may hold a starting engine whose pid means nothing here."""
-    removed = []
-    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{_SOCKET_DIR_PREFIX}*_*")):
-        pid = os.path.basename(path)[len(_SOCKET_DIR_PREFIX) :].split("_", 1)[0]
-        try:
-            if not pid.isdigit() or psutil.pid_exists(int(pid)) or time.time() - os.stat(path).st_mtime < min_age_s:
-                continue
-        except FileNotFoundError:  # another engine's start removed it first
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _as_tensor(rows) -> torch.Tensor:
-    """vLLM's routed-experts rows (numpy uint8/uint16) as a RoutingRecord's uint8/int16 tensor."""
-    import numpy as np
-    import torch
-
-    rows = np.asarray(rows)
-    return torch.from_numpy(rows.astype(np.uint8 if rows.dtype == np.uint8 else np.int16))
-
-
-def _is_resource_tracker(process: psutil.Process) -> bool:
-    """multiprocessing's resource tracker (started by vLLM's shared memory), which is not part of
-    the engine: it exits on its own once no process holds it."""
-    with contextlib.suppress(psutil.Error):
-        return "resource_tracker" in " ".join(process.cmdline())
-    return False
-
-
-def _top_k(position: dict, k: int) -> TopK:
-    """The k likeliest tokens of one position of vLLM's logprobs ({token id: Logprob}, which
-    also holds the sampled or prompt token at its own rank), likeliest first. Tokens outside a
-    top-k/top-p kept set (logprob -inf under processed logprobs) are left out."""
-    ranked = sorted(
-        (lp.rank, token, lp.logprob) for token, lp in position.items() if lp.rank is not None and lp.rank <= k
-    )
-    return [(token, logprob) for _, token, logprob in ranked if math.isfinite(logprob)]
-
-
-def _to_completion(output: CompletionOutput, support_source: str, max_support_ids: int | None) -> Completion:
-    """Token ids as vLLM sampled them (EOS included), their logprobs, version spans and kept sets.
-
-    `max_support_ids`: how many most likely logprobs vLLM returned per token, when a kept set
-    that fills them may be larger; None when every kept set fits."""
-    token_ids = list(output.token_ids)
-    logprobs = [position[token].logprob for token, position in zip(token_ids, output.logprobs)]
-    policy_versions = [int(span.version) for span in output.weight_versions or [] for _ in range(span.start, span.end)]
-    status = CompletionStatus.TRUNCATED if output.finish_reason == "length" else CompletionStatus.OK
-    support, num_truncated = None, 0
-    if support_source == "sampling_mask":
-        support = [list(ids) for ids in output.sampling_mask.token_ids]
-    elif support_source == "top_logprobs":  # processed logprobs: -inf where top-k/top-p filtered
-        support = [[t for t, lp in position.items() if lp.logprob > -math.inf] for position in output.logprobs]
-        # Every one of the max_support_ids most likely tokens kept (the sampled token may add one):
-        # the set may go on past what vLLM returned.
-        if max_support_ids is not None:
-            num_truncated = sum(len(kept) >= max_support_ids for kept in support)
-    return Completion(
-        token_ids,
-        logprobs,
-        policy_versions,
-        status=status,
-        sampling_support=support,
-        num_truncated_support=num_truncated,
-    )
-
-
-async def _done(completion: Completion) -> Completion:
-    return completion
-
-
-@dataclass(frozen=True)
-class AdapterLoadStats:
-    """One adapter version made servable (`VLLMEngine.load_adapter`). Seconds."""
-
-    policy_version: int
-    wait_s: float
-    """Waiting for the previous load's unload of the oldest adapter, if still pending (its
-    engine-core call, and moving the requests still on it to the newest adapter)."""
-    load_s: float
-    """vLLM's add_lora, a call into the engine core answered between two decode steps: an upper
-    bound of the decode stall (it includes the round trip to the engine-core process)."""
-    unloaded: list[int]
-    """Versions whose adapters the previous load's unload removed (waited for here)."""
-    resident: list[int]
-    """Versions whose adapters are loaded now."""
-
-
 async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:
     """`AsyncLLM.pause_generation` without its trailing 20 ms sleep.
 
@@ -1423,39 +1107,3 @@ async def _pause(llm: AsyncLLM, mode: str, clear_cache: bool) -> None:
         await llm.pause_generation(mode=mode, clear_cache=clear_cache)
         return
     await engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
-
-
-def visible_devices(cuda_devices: tuple[int, ...], inherited: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for an engine assigned `cuda_devices`, indices among the devices this
-    process sees. When this process already has a CUDA_VISIBLE_DEVICES (a SLURM job step sets one
-    for its GPUs), the indices pick entries of it, so the engine stays on the job's GPUs:
-
-        visible_devices((1,), None)       -> "1"
-        visible_devices((1,), "4,5,6,7")  -> "5"
-    """
-    if not inherited or not inherited.strip():
-        return ",".join(str(index) for index in cuda_devices)
-    entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
-    outside = [index for index in cuda_devices if index >= len(entries)]
-    if outside:
-        raise ValueError(
-            f"the engine was assigned CUDA device {outside[0]}, but this process sees {len(entries)} "
-            f"(CUDA_VISIBLE_DEVICES={inherited}). Place fewer generators or ranks on this host "
-            "(--launch.placement.*, --num-generators, --generator.tensor-parallel-size)."
-        )
-    return ",".join(entries[index] for index in cuda_devices)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the processes started inside the block, then restore them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -6,7 +6,7 @@ as the graph of its one agent, so both go through the same loop: what follows ho
 The runner knows no engine: `generate` is any coroutine that, given the token prefix and a token
 budget, samples the next turn. On the real engine it is `VLLMEngine.generate_turn`
 (forge_rl/engines/vllm_engine.py) with the tokenizer's eos bound; tests of the core pass a named
-fake (tests/fakes.py). Each turn continues the same token sequence (vLLM's prefix cache serves
+fake (tests/support/fakes.py). Each turn continues the same token sequence (vLLM's prefix cache serves
 the earlier turns' whole KV blocks), and every token keeps the policy version that decoded it, so
 an episode may span weight updates.
 

@@ -13,7 +13,7 @@ llama3 converter also permutes q and k rows (RoPE layout); both are maps of outp
 row map T gives T(W + s B A) = T(W) + s T(B) A: every HF projection keeps A (shared by q, k, v)
 and takes its own rows of B. The row maps are not re-derived here: `row_maps` pushes row indices
 through TorchTitan's own split of `wqkv` and its own HF converter, so they are the exact maps
-forge_rl's full-weight export uses (tested against it in tests/unit/test_peft_format.py). The
+forge_rl's full-weight export uses (tested against it in tests/unit/models/test_peft_format.py). The
 unembedding, `lm_head` in both namings, is copied as is by both families' converters; with tied
 embeddings PEFT and vLLM add its adapter to the logits alone, as the trainer does.
 

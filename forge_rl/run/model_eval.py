@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge_rl.core.checkpoint import COMPLETE_FILE, complete_checkpoints
 from forge_rl.data.config import DataConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.evaluation.humaneval import NUM_PROBLEMS

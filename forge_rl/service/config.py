@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig, LogConfig, ModelConfig
-from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
+from forge_rl.engines.adapters import AdapterServing
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS, LoRAConfig
 from forge_rl.plumbing.placement import LaunchConfig

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from forge_rl.core.batching import make_train_batch
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig

@@ -21,7 +21,8 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the chat client needs the openai package (vLLM installs it)")
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine  # noqa: E402
+from forge_rl.engines.config import GeneratorConfig  # noqa: E402
+from forge_rl.engines.vllm_engine import VLLMEngine  # noqa: E402
 from forge_rl.envs.chat_client import ChatAgentEnvironment  # noqa: E402
 from forge_rl.envs.renderers import ChatTemplateRenderer  # noqa: E402
 from forge_rl.envs.runner import EpisodeLimits  # noqa: E402

@@ -24,7 +24,7 @@ import torch
 
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import play_group, trajectory_completion

@@ -23,7 +23,7 @@ import pytest
 from apps.grpo.main import run
 from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 from tests.support.helpers import assert_every_prompt_accounted_for
 

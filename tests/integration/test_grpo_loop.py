@@ -24,7 +24,7 @@ from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.checkpoint import CheckpointConfig, newest_complete_checkpoint
 from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import export_rows
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.models.titan import ParallelConfig
 from forge_rl.pipeline.prompts import TaskRows

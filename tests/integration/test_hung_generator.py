@@ -19,7 +19,7 @@ import pytest
 from monarch.actor import this_host
 
 from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import GeneratorLost, raised_by_actor
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.store.actors import StoreIndexActor

@@ -14,7 +14,7 @@ from monarch.actor import this_host
 
 from forge_rl.actors.generator import GeneratorActor
 from forge_rl.actors.scorer import ScorerActor
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.plumbing.proc_main import spawn_procs
 from forge_rl.scoring.judge import JudgeConfig
 from forge_rl.scoring.scorers import ScorerConfig

@@ -46,7 +46,7 @@ from apps.grpo.main import run, spawn_actors
 from forge_rl.actors import scoring_stage
 from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.observability.timeline import Timeline
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.scoring.judge import JudgeConfig

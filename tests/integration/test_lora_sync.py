@@ -88,7 +88,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
-    from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig
+    from forge_rl.engines.adapters import AdapterServing
+    from forge_rl.engines.config import GeneratorConfig
     from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 
     torch.manual_seed(0)
@@ -245,7 +246,9 @@ def _tied(model_dir: Path) -> Path:
 def test_an_unembedding_adapter_on_tied_embeddings_is_served_with_the_trainers_logprobs(tmp_path):
     """Tied embeddings: the trainer adds lm_head's adapter to the logits alone (the shared matrix
     stays the base's), and so does vLLM (LogitsProcessorWithLoRA over the tied head)."""
-    from forge_rl.engines.vllm_engine import AdapterServing, GeneratorConfig, VLLMEngine
+    from forge_rl.engines.adapters import AdapterServing
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
     from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
     from forge_rl.models.peft_format import write_peft_adapter
     from forge_rl.models.tiny import TinyModelConfig, create_tiny_model

@@ -218,7 +218,8 @@ def test_export_loads_back_into_the_trainer(trained):
 
 
 def _sample_with_vllm(model_dir: Path, prompts: list[list[int]]) -> list[list[Completion]]:
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
 
     # Temperature 1: the trainer's logprobs are log_softmax(logits), unscaled.
     engine = VLLMEngine(GeneratorConfig(max_new_tokens=24, temperature=1.0))

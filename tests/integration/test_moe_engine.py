@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from forge_rl.core.batching import make_train_batch
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.envs.runner import SampledTurn
 from forge_rl.models.moe import last_routing
 from forge_rl.models.tiny import create_tiny_model

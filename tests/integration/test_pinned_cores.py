@@ -13,7 +13,7 @@ import pytest
 
 from apps.grpo.main import run
 from forge_rl.config import GRPOConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
 from forge_rl.run.lifecycle import Lifecycle
 

@@ -25,7 +25,7 @@ from apps.grpo import main as grpo_main
 from apps.grpo.main import run, spawn_actors
 from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.tasks import TaskConfig
 from tests.support.held_reward import HOLD_DIR_ENV

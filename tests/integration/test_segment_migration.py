@@ -28,7 +28,7 @@ import apps.grpo.main as grpo_main
 from apps.grpo.main import run
 from forge_rl.config import GRPOConfig, LogConfig
 from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.run.lifecycle import Lifecycle
 from tests.support.held_segments import HELD_FILE, HOLD_DIR_ENV, SegmentHoldingPool
 from tests.support.helpers import HANG_S, assert_every_prompt_accounted_for

@@ -60,7 +60,8 @@ def test_conversion_writes_a_chat_model_directory(smollm2_dir):
 
 
 def _sample_with_vllm(model_dir: Path, prompt: list[int], eos_id: int):
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
 
     # Temperature 1: vLLM's logprobs are then log_softmax(logits), the quantity compared.
     engine = VLLMEngine(GeneratorConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=0))

@@ -18,7 +18,7 @@ import string
 
 import pytest
 
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import play_episode, trajectory_completion
 from forge_rl.envs.runner import EpisodeLimits

@@ -16,7 +16,7 @@ pytest.importorskip("verifiers.v1", reason="needs verifiers 0.4 (Python >= 3.11;
 from apps.grpo.main import run  # noqa: E402
 from forge_rl.config import GRPOConfig, LogConfig, ModelConfig  # noqa: E402
 from forge_rl.core.buffer import BufferConfig  # noqa: E402
-from forge_rl.engines.vllm_engine import GeneratorConfig  # noqa: E402
+from forge_rl.engines.config import GeneratorConfig  # noqa: E402
 from forge_rl.envs.rollout import EnvironmentConfig  # noqa: E402
 from forge_rl.envs.runner import EpisodeLimits  # noqa: E402
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model  # noqa: E402

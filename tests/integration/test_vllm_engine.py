@@ -19,7 +19,8 @@ import psutil
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, CompletionStatus, join_pieces

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.types import Completion
 from tests.support.helpers import wait_until_async

@@ -67,7 +67,8 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> li
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(loop, engine started on model 0, [model 0, model 1] directories)."""
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
 
     model_dirs = [save_hf_llama(tmp_path_factory.mktemp(f"hf{seed}"), seed) for seed in (0, 1)]
     loop = asyncio.new_event_loop()

@@ -280,7 +280,8 @@ class Engines:
 def engines(tmp_path_factory):
     from safetensors.torch import load_file
 
-    from forge_rl.engines.vllm_engine import GeneratorConfig, VLLMEngine
+    from forge_rl.engines.config import GeneratorConfig
+    from forge_rl.engines.vllm_engine import VLLMEngine
     from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 
     model_dirs = [create_tiny_model(TinyModelConfig(seed=s), tmp_path_factory.mktemp(f"model{s}")) for s in (0, 1, 2)]

@@ -214,7 +214,7 @@ class TwoGeneratorHosts:
         and the trainer on host 1, generator i on host 2 + i, the held reward."""
         from forge_rl.config import GRPOConfig
         from forge_rl.core.buffer import BufferConfig
-        from forge_rl.engines.vllm_engine import GeneratorConfig
+        from forge_rl.engines.config import GeneratorConfig
         from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
         from forge_rl.tasks import TaskConfig
 

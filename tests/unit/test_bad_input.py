@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from forge_rl.config import GRPOConfig, ModelConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import ParallelConfig

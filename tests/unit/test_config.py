@@ -11,7 +11,7 @@ import yaml
 from forge_rl.cli import parse_config
 from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.store.publisher import PublishConfig
 from forge_rl.yaml_config import load_yaml_config

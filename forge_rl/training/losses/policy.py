@@ -13,7 +13,7 @@ r_t = pi(y_t) / b(y_t) = exp(logprobs - behaviour_logprobs), with gradient throu
 identically 1 because b is not pi: the token was decoded by weights up to `max_policy_age` versions
 old, and even at the same version vLLM's kernels, precision and sampling differ from the trainer's
 forward pass. A ratio taken against a detached copy of pi is identically 1 and corrects nothing
-(tests/unit/test_losses.py fails on that bug for every loss).
+(tests/unit/training/test_losses.py fails on that bug for every loss).
 
 Decoupled PPO (Hilton et al. 2022) anchors the trust region at a "proximal" policy and corrects
 with a separate IS weight prox/b. forge_rl takes one optimizer step per batch and computes

@@ -15,7 +15,7 @@ import inspect
 import pytest
 
 from forge_rl.actors.generator_pool import GeneratorPlacement, GeneratorPool
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.runner import ContextExhausted
 from forge_rl.errors import GeneratorLost
 from tests.support.fakes import FakeGeneratorHost, FakePrompts, endpoints

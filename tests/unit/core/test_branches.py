@@ -15,7 +15,7 @@ from forge_rl.core.advantages import episode_advantages, has_signal, token_advan
 from forge_rl.core.branches import BranchConfig, branch_completion, pick_pivots, token_entropies, tree_token_advantages
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.core.columns import batch_columns, exact_versions
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.errors import ConfigError
 from forge_rl.observability import metrics as m

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.engines.vllm_engine import AdapterMismatch, AdapterServing, GeneratorConfig, VLLMEngine
+from forge_rl.engines.adapters import AdapterMismatch, AdapterServing
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
 
 
 def test_vllm_gets_the_smallest_max_lora_rank_it_accepts_that_holds_the_adapters():

@@ -8,14 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from forge_rl.engines.vllm_engine import (
-    GeneratorConfig,
-    VLLMEngine,
-    _to_completion,
-    _top_k,
-    engine_process_env,
-    visible_devices,
-)
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.vllm_engine import VLLMEngine
+from forge_rl.engines.vllm_outputs import to_completion, top_k_of
+from forge_rl.engines.vllm_process import engine_process_env, visible_devices
 from forge_rl.types import join_pieces
 
 
@@ -32,7 +28,7 @@ def output(kept_per_token: list[list[int]], returned: int, finish_reason: str = 
 
 
 def test_kept_sets_that_fill_every_returned_logprob_are_counted_as_possibly_truncated():
-    completion = _to_completion(output([[5, 6], [7, 8, 9, 10], [11]], returned=4), "top_logprobs", 4)
+    completion = to_completion(output([[5, 6], [7, 8, 9, 10], [11]], returned=4), "top_logprobs", 4)
 
     assert completion.sampling_support == [[5, 6], [7, 8, 9, 10], [11]]
     assert completion.num_truncated_support == 1
@@ -41,13 +37,13 @@ def test_kept_sets_that_fill_every_returned_logprob_are_counted_as_possibly_trun
 
 def test_nothing_is_counted_when_every_kept_set_fits():
     """top_k <= max_support_ids: the engine passes None, a full set is the whole set."""
-    completion = _to_completion(output([[7, 8, 9, 10]], returned=4), "top_logprobs", None)
+    completion = to_completion(output([[7, 8, 9, 10]], returned=4), "top_logprobs", None)
     assert completion.num_truncated_support == 0
 
 
 def test_a_resubmitted_completion_keeps_the_count_of_both_pieces():
-    head = _to_completion(output([[7, 8, 9, 10]], returned=4, finish_reason="abort"), "top_logprobs", 4)
-    tail = _to_completion(output([[1, 2, 3, 4], [5]], returned=4), "top_logprobs", 4)
+    head = to_completion(output([[7, 8, 9, 10]], returned=4, finish_reason="abort"), "top_logprobs", 4)
+    tail = to_completion(output([[1, 2, 3, 4], [5]], returned=4), "top_logprobs", 4)
     assert join_pieces(head, tail).num_truncated_support == 2
 
 
@@ -126,7 +122,7 @@ def test_an_engine_start_removes_the_socket_directories_of_engines_whose_process
     import sys
     import tempfile
 
-    from forge_rl.engines.vllm_engine import remove_dead_engines_socket_dirs
+    from forge_rl.engines.vllm_process import remove_dead_engines_socket_dirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.run(
@@ -152,7 +148,7 @@ def test_a_sampled_turn_carries_the_count_of_its_possibly_truncated_kept_sets():
     the request's output is a fabricated CPU-path one)."""
     engine = object.__new__(VLLMEngine)
     engine.max_model_len, engine._abort_epoch = 64, 0
-    piece = _to_completion(output([[5, 6], [7, 8, 9, 10], [11]], returned=4), "top_logprobs", 4)
+    piece = to_completion(output([[5, 6], [7, 8, 9, 10], [11]], returned=4), "top_logprobs", 4)
 
     async def request(prompt_token_ids, params):
         return SimpleNamespace(outputs=[SimpleNamespace(finish_reason="stop")]), 3
@@ -170,6 +166,6 @@ def test_a_positions_top_k_is_its_k_likeliest_by_rank_without_the_own_token_past
 
     # vLLM's logprobs of one position: the top 2 by rank, and the sampled token at rank 5.
     position = {7: Logprob(-0.5, rank=1), 3: Logprob(-1.5, rank=2), 9: Logprob(-4.0, rank=5)}
-    assert _top_k(position, 2) == [(7, -0.5), (3, -1.5)]
+    assert top_k_of(position, 2) == [(7, -0.5), (3, -1.5)]
     # Under top_k=1 sampling the rest of the vocabulary is masked (-inf): it is no likely token.
-    assert _top_k({7: Logprob(0.0, rank=1), 3: Logprob(float("-inf"), rank=2)}, 2) == [(7, 0.0)]
+    assert top_k_of({7: Logprob(0.0, rank=1), 3: Logprob(float("-inf"), rank=2)}, 2) == [(7, 0.0)]

@@ -16,6 +16,8 @@ import statistics
 
 import pytest
 
+from forge_rl.engines.config import GeneratorConfig
+from forge_rl.engines.engine import EngineCannot
 from forge_rl.engines.simulated import (
     PLACEHOLDER_TOKEN_ID,
     LatencyModel,
@@ -23,7 +25,6 @@ from forge_rl.engines.simulated import (
     SimTrainerConfig,
     SimulatedEngine,
 )
-from forge_rl.engines.vllm_engine import GeneratorConfig
 from forge_rl.types import CompletionStatus
 
 
@@ -341,3 +342,60 @@ def test_a_simulated_generators_process_yields_the_cores_and_a_real_ones_does_no
     assert not dataclasses.replace(sim, sim=dataclasses.replace(sim.sim, idle_priority=False)).yields_the_cores
     assert not GeneratorConfig().yields_the_cores
     assert not GeneratorConfig(sim=SimEngineConfig(idle_priority=True)).yields_the_cores  # the real engine
+
+
+def test_serve_version_loads_the_version_without_opening_a_store():
+    async def never_opened():
+        raise AssertionError("the simulated trainer publishes no weights: no store to open")
+
+    async def scenario():
+        engine = await started_engine(sim_config())
+        return await engine.serve_version(2, never_opened, exact=False), engine
+
+    update, engine = run_virtual(scenario())
+    assert update["policy_version"] == 2 == engine.policy_version
+
+
+def test_tokens_in_flight_are_what_the_running_sequences_decoded():
+    """Counted at the engine loop's step boundaries: once the short request ends, the long one has
+    decoded as many tokens as it did."""
+
+    async def scenario():
+        engine = await started_engine(sim_config())
+        short = asyncio.create_task(engine.generate([1], 1, None, forced_length=10))
+        long = asyncio.create_task(engine.generate([1], 1, None, forced_length=100))
+        await short
+        in_flight = engine.tokens_in_flight()
+        await long
+        return in_flight, engine.tokens_in_flight()
+
+    assert run_virtual(scenario()) == (10, 0)
+
+
+def test_max_new_tokens_bounds_a_request_below_the_generators_budget():
+    async def scenario():
+        engine = await started_engine(sim_config(length_median_tokens=50.0))
+        return await engine.generate([1], 8, None, max_new_tokens=5, temperature=0.3)
+
+    completions = run_virtual(scenario())
+    assert all(1 <= len(c.token_ids) <= 5 for c in completions)
+
+
+@pytest.mark.parametrize(
+    "call, setting",
+    [
+        (lambda e: e.generate_segment([1], None, 2, None, None, 4), "generator.segment_tokens"),
+        (lambda e: e.generate_branches([1], [[2]], 2, None, None), "branch rollouts"),
+        (lambda e: e.sample([1], None, -1, None), "the service's sampling"),
+        (lambda e: e.serve_adapter(None, 1, None), "trainer.lora"),
+    ],
+)
+def test_what_needs_a_model_is_refused_naming_the_setting_and_the_fix(call, setting):
+    async def scenario():
+        engine = await started_engine(sim_config())
+        with pytest.raises(EngineCannot) as refused:
+            await call(engine)
+        return str(refused.value)
+
+    message = run_virtual(scenario())
+    assert setting in message and "--generator.engine vllm" in message

@@ -10,7 +10,7 @@ import pytest
 from forge_rl.config import GRPOConfig
 from forge_rl.core.batching import make_train_batch
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.environment import StepResult
 from forge_rl.envs.graph import EpisodeGraph
 from forge_rl.envs.python_tool import PythonToolEnv

@@ -13,7 +13,7 @@ import pytest
 
 from forge_rl.config import GRPOConfig
 from forge_rl.core.branches import BranchConfig, fork_completion, pick_turn_pivots, tree_token_advantages, turn_starts
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.calculator import make_calculator_env
 from forge_rl.envs.environment import StepResult
 from forge_rl.envs.forks import ReplayDiverged, play_forks, refuse_unless_replayable

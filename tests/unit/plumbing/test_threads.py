@@ -3,7 +3,7 @@
 import pytest
 
 from forge_rl.config import GRPOConfig
-from forge_rl.engines.vllm_engine import GeneratorConfig
+from forge_rl.engines.config import GeneratorConfig
 from forge_rl.errors import ConfigError
 from forge_rl.plumbing.placement import LaunchConfig, PlacementConfig
 from forge_rl.plumbing.threads import ThreadRoles, choose_threads

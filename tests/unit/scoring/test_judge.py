@@ -252,7 +252,7 @@ def test_a_judge_directory_that_is_not_a_model_or_lacks_a_chat_template_is_a_con
 
 
 def test_judge_replicas_are_checked_and_each_counts_its_engines_threads():
-    from forge_rl.engines.vllm_engine import GeneratorConfig
+    from forge_rl.engines.config import GeneratorConfig
     from forge_rl.scoring.scorers import ScorerConfig
 
     with pytest.raises(ValueError, match=r"scorer.judge.replicas \(0\) must be >= 1. Set --scorer.judge.replicas"):
