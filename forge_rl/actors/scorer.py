@@ -1,4 +1,4 @@
-"""Scores completions: the actor shell around forge_rl/scoring/scorers.py's `ScoringStage`.
+"""Scores completions: the actor shell around `forge_rl.scoring.score_writer.ScoreWriter`.
 
 The scorer is the task's reward function, run in sandboxed worker processes
 (`RewardFunctionScorer`), weighted with a reward model's score when scorer.reward_model.path is set
@@ -31,7 +31,8 @@ from forge_rl.actors.reward_model import LeastBusyReplica
 from forge_rl.errors import ScorerFailed, ScorerLost, raised_by_actor
 from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.scoring.judge import judge_client
-from forge_rl.scoring.scorers import ScorerConfig, ScoringStage, build_scorer
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import ScorerConfig, build_scorer
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
@@ -81,7 +82,7 @@ class ScorerActor(PortServed, Actor):
             verdicts = judge_client(tokenizer, config.judge.prompt_format, _lost_if_dead(engines, "judge"))
         scorer = build_scorer(config, reward, client, None if teacher is None else teacher_logprobs, verdicts)
         token_baseline = config.teacher.baseline if teacher is not None else "none"
-        self.stage = ScoringStage(scorer, config.overlong_buffer, max_new_tokens, token_baseline)
+        self.stage = ScoreWriter(scorer, config.overlong_buffer, max_new_tokens, token_baseline)
 
     @concurrent_endpoint
     async def score(self, episodes: list[Episode]) -> list[Episode]:

@@ -36,7 +36,8 @@ from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
 from forge_rl.evaluation.results import summarize, version_of
 from forge_rl.observability.metrics import progress
 from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
-from forge_rl.scoring.scorers import ScoringStage, build_scorer
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import build_scorer
 from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
@@ -144,7 +145,7 @@ class Evaluation:
         self.metrics_logger: MetricsLogger | None = None
         self._wake = asyncio.Event()
         self._worker: asyncio.Task | None = None
-        self._scoring = ScoringStage(
+        self._scoring = ScoreWriter(
             build_scorer(dataclasses.replace(config.scorer, reward_fn_weight=1.0), config.task.reward_weights)
         )
 

@@ -9,7 +9,7 @@ A `Scorer` has two async hooks; implement either:
                                           runs score_completion on every completion concurrently
 Each returns, per completion, a `Score` (a reward, its named components, optionally per-step or
 per-token rewards) or a `ScoreFailure` (why there is none). `WeightedSum` composes scorers.
-`ScoringStage` is what runs them on a run's episodes: it writes the scores onto the completions,
+`forge_rl.scoring.score_writer.ScoreWriter` runs them on a run's episodes: it writes the scores onto the completions,
 turns every failure (a failure returned, an exception raised, a non-finite reward, a malformed
 score) into an ERRORED completion with its reason, counts it, and never raises for one.
 
@@ -27,20 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
-from forge_rl.core.advantages import overlong_penalty
 from forge_rl.errors import ScorerFailed, ScorerLost
 from forge_rl.scoring.judge import JudgeConfig, parse_ranking, parse_verdict, render_judge_prompt, render_rank_prompt
 from forge_rl.scoring.reward_model import RewardModelConfig, reward_model_input
 from forge_rl.scoring.reward_workers import RewardWorkerPool
-from forge_rl.scoring.teacher import TeacherConfig, center_on_group, reverse_kl_token_rewards
+from forge_rl.scoring.teacher import TeacherConfig, reverse_kl_token_rewards
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns, reward_name
-from forge_rl.types import Completion, CompletionStatus, Episode, check_steps
+from forge_rl.types import Completion, Episode, check_steps
 
 
 @dataclass(frozen=True)
@@ -368,7 +366,7 @@ class TeacherScorer(Scorer):
     of every completion token ([episode][completion][token], the frozen-model actor's
     `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
     sampled token, teacher logprob - student (behaviour) logprob, raw: the group baseline
-    (scorer.teacher.baseline group) is taken by `ScoringStage` once every scorer's dense rewards are
+    (scorer.teacher.baseline group) is taken by `ScoreWriter` once every scorer's dense rewards are
     added up and the usable completions are known. The completion's reward is 0 (the teacher has no
     opinion on the outcome). Component `reverse_kl`: its mean over the completion's tokens, the
     distance to the teacher that distillation drives down."""
@@ -501,17 +499,6 @@ def build_scorer(
     return WeightedSum(parts)
 
 
-def _center_token_rewards(episode: Episode) -> None:
-    """The group baseline of dense rewards (`center_on_group`), taken over the usable completions
-    only: an ERRORED completion is never trained, so its rewards are no baseline for the others."""
-    usable = [c for c in episode.completions if c.status != CompletionStatus.ERRORED and c.token_rewards is not None]
-    centered = center_on_group(
-        [c.token_rewards for c in usable if c.token_rewards is not None], [c.generated_mask for c in usable]
-    )
-    for completion, rewards in zip(usable, centered):
-        completion.token_rewards = rewards
-
-
 def step_ends(token_ids: list[int], boundary_ids: set[int]) -> list[int]:
     """Where each step of a completion ends: after every token in `boundary_ids` (the ids whose text
     holds the delimiter: `boundary_token_ids`), and at the end. Steps are found on the sampled ids,
@@ -530,84 +517,3 @@ def boundary_token_ids(token_texts: Mapping[int, str], delimiter: str = "\n") ->
     if not delimiter:
         raise ValueError("the step delimiter must be a non-empty string (for one step per line: '\\n')")
     return {token_id for token_id, text in token_texts.items() if delimiter in text}
-
-
-class ScoringStage:
-    """Runs a scorer on a run's episodes and writes the outcome onto their completions: reward
-    (plus DAPO's overlong penalty when `overlong_buffer` is set), components, step and token
-    rewards, or ERRORED with the reason; a completion that arrives ERRORED (an environment's
-    error) is left as it is, never scored. With `token_baseline` "group" (scorer.teacher.baseline),
-    each group's token rewards, every scorer's added up, are then centered on the group's other
-    usable completions (`center_on_group`). Counts what it did (`stats`)."""
-
-    def __init__(
-        self, scorer: Scorer, overlong_buffer: int | None = None, max_new_tokens: int = 0, token_baseline: str = "none"
-    ):
-        if token_baseline not in ("group", "none"):
-            raise ValueError(f"token_baseline ({token_baseline!r}) must be 'group' or 'none'")
-        self.scorer = scorer
-        self.overlong_buffer = overlong_buffer
-        self.max_new_tokens = max_new_tokens
-        self.token_baseline = token_baseline
-        self.num_scored = 0
-        self.num_overlong_penalized = 0
-        self.num_errored = 0
-        self.num_timed_out = 0
-        self._logged_error_kinds: set[str] = set()
-        """Failure kinds already printed: the first of each in full, the rest only counted, since a
-        broken verifier fails on every completion."""
-
-    async def score(self, episodes: list[Episode]) -> list[Episode]:
-        groups = await asyncio.gather(*(guarded_group(self.scorer, e) for e in episodes))
-        for episode, results in zip(episodes, groups):
-            for completion, result in zip(episode.completions, results):
-                if completion.status == CompletionStatus.ERRORED:  # never trained: its error stays
-                    continue
-                self.num_scored += 1
-                if isinstance(result, ScoreFailure):
-                    self._fail(completion, result)
-                else:
-                    self._apply(completion, result)
-            if self.token_baseline == "group":
-                _center_token_rewards(episode)
-        return episodes
-
-    def _apply(self, completion: Completion, score: Score) -> None:
-        completion.reward = score.reward + self._overlong_penalty(completion.num_tokens)
-        completion.reward_components = dict(score.components)
-        completion.step_ends = None if score.step_ends is None else list(score.step_ends)
-        completion.step_rewards = None if score.step_rewards is None else list(score.step_rewards)
-        completion.token_rewards = None if score.token_rewards is None else list(score.token_rewards)
-
-    def _fail(self, completion: Completion, failure: ScoreFailure) -> None:
-        completion.status = CompletionStatus.ERRORED
-        completion.error = failure.error
-        self.num_errored += 1
-        self.num_timed_out += failure.timed_out
-        if failure.kind not in self._logged_error_kinds:
-            self._logged_error_kinds.add(failure.kind)
-            print(
-                f"[forge-rl] scorer: completion ERRORED: {failure.error} (later {failure.kind} errors are "
-                "counted in completions/errored and scorer/*, not printed)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _overlong_penalty(self, num_tokens: int) -> float:
-        if self.overlong_buffer is None:
-            return 0.0
-        penalty = overlong_penalty(num_tokens, self.max_new_tokens, self.overlong_buffer)
-        self.num_overlong_penalized += penalty < 0
-        return penalty
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "scorer/completions": self.num_scored,
-            "scorer/errored": self.num_errored,
-            "scorer/timed_out": self.num_timed_out,
-            "scorer/overlong_penalized": self.num_overlong_penalized,
-            **{f"scorer/{key}": value for key, value in self.scorer.stats().items()},
-        }
-
-    def close(self) -> None:
-        self.scorer.close()

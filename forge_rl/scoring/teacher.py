@@ -20,7 +20,7 @@ kept set), so both describe the distribution the token was drawn from.
 
 The reward is `scorer.teacher.weight * (-k_t)` per token, centered on the group's other samples at
 that position once every scorer's dense rewards are added up (`center_on_group`, run by
-`ScoringStage`; `scorer.teacher.baseline none`: raw), alone (`scorer.reward_fn_weight 0`:
+`ScoreWriter`; `scorer.teacher.baseline none`: raw), alone (`scorer.reward_fn_weight 0`:
 every completion's outcome reward is 0, so its group advantage is 0 and the teacher alone trains)
 or on top of the task reward's group advantage. Plain Python: no Monarch here.
 """
@@ -396,7 +396,7 @@ def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]
     0 and out of every mean). Where no other completion sampled a token at that position (the tail
     of the longest completion), there is nothing to compare with, and the token keeps its raw
     reward, as with baseline none. The caller passes the group's usable completions only
-    (`ScoringStage`: ERRORED ones are never trained, so their rewards are no baseline).
+    (`ScoreWriter`: ERRORED ones are never trained, so their rewards are no baseline).
 
     Why: -k_t on a sampled token is an unbiased but noisy signal. Its mean under the student's
     sampling is -KL(student || teacher) <= 0, so without a baseline nearly every sampled token is

@@ -287,7 +287,8 @@ def test_a_real_judge_answering_garbage_errors_and_counts_every_completion(serve
     """The tiny random model as an LLM judge (forge_rl/scoring/judge.py) on the module's engine: its verdicts
     hold no score, so every completion is ERRORED, counted as unparsable, and scoring goes on."""
     from forge_rl.scoring.judge import JudgeConfig, judge_client
-    from forge_rl.scoring.scorers import JudgeScorer, ScoringStage
+    from forge_rl.scoring.score_writer import ScoreWriter
+    from forge_rl.scoring.scorers import JudgeScorer
     from forge_rl.types import Episode
 
     async def generate(episodes, group_size):  # GeneratorActor.generate, on this module's engine
@@ -300,7 +301,7 @@ def test_a_real_judge_answering_garbage_errors_and_counts_every_completion(serve
         return episodes
 
     config = JudgeConfig(template="{prompt}{completion}=", prompt_format="plain", timeout_s=120)
-    stage = ScoringStage(JudgeScorer(config, judge_client(served.tokenizer, "plain", generate)))
+    stage = ScoreWriter(JudgeScorer(config, judge_client(served.tokenizer, "plain", generate)))
     completions = [Completion(token_ids=[5], logprobs=[-1.0], policy_versions=[0], text=t) for t in "7305"]
     (episode,) = served.run(stage.score([Episode(0, "M37=", "7", served.prompts(1)[0], completions)]))
     assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 4

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from forge_rl.scoring.judge import JudgeConfig, judge_client, parse_ranking, parse_verdict
-from forge_rl.scoring.scorers import JudgeScorer, ScoringStage, WeightedSum
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import JudgeScorer, WeightedSum
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.unit.scoring.test_teacher import FakeOutcome
 
@@ -73,7 +74,7 @@ def test_unparsable_verdicts_and_timeouts_are_counted_and_excluded_never_a_crash
     engine = FakeJudgeEngine({"7": "Correct. Score: 10", "3": "Wrong. Score: 0", "X": "hmm, no idea", "K": "HANG"})
     config = JudgeConfig(timeout_s=0.05)
     scorer = JudgeScorer(config, judge_client(FakeTokenizer(), "chat", engine.generate))
-    stage = ScoringStage(scorer)
+    stage = ScoreWriter(scorer)
     (episode,) = asyncio.run(stage.score([group("7", "3", "X", "K")]))
 
     assert [c.status for c in episode.completions] == [CompletionStatus.OK] * 2 + [CompletionStatus.ERRORED] * 2
@@ -90,7 +91,7 @@ def test_unparsable_verdicts_and_timeouts_are_counted_and_excluded_never_a_crash
 def test_a_judge_composes_with_the_task_reward_and_its_counters_are_its_own():
     engine = FakeJudgeEngine({"7": "Score: 5", "3": "garbage"})
     judge = JudgeScorer(JudgeConfig(prompt_format="plain"), judge_client(FakeTokenizer(), "plain", engine.generate))
-    stage = ScoringStage(WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (judge, 0.5)]))
+    stage = ScoreWriter(WeightedSum([(FakeOutcome([1.0, 0.0]), 1.0), (judge, 0.5)]))
     (episode,) = asyncio.run(stage.score([group("7", "3")]))
     assert episode.completions[0].reward == pytest.approx(1.0 + 0.5 * 0.5)
     assert episode.completions[0].reward_components["judge"] == pytest.approx(0.5)
@@ -102,7 +103,7 @@ def test_a_judge_that_raises_fails_its_completions_only():
     async def dead(episodes, group_size):
         raise ConnectionError("judge process died")
 
-    stage = ScoringStage(JudgeScorer(JudgeConfig(), judge_client(FakeTokenizer(), "chat", dead)))
+    stage = ScoreWriter(JudgeScorer(JudgeConfig(), judge_client(FakeTokenizer(), "chat", dead)))
     (episode,) = asyncio.run(stage.score([group("7", "3")]))
     assert [c.status for c in episode.completions] == [CompletionStatus.ERRORED] * 2
     assert "judge process died" in episode.completions[0].error
@@ -128,7 +129,7 @@ def test_a_judge_whose_vllm_engine_died_loses_the_scoring_call_instead_of_errori
 
     def stage(generate):
         client = judge_client(FakeTokenizer(), "plain", _lost_if_dead(generate, "judge"))
-        return ScoringStage(JudgeScorer(JudgeConfig(prompt_format="plain"), client))
+        return ScoreWriter(JudgeScorer(JudgeConfig(prompt_format="plain"), client))
 
     lost = stage(engine_dead)
     with pytest.raises(ScorerLost, match="the judge's vLLM engine died"):
@@ -179,7 +180,7 @@ def test_a_ranking_judge_reads_the_whole_group_once_and_its_order_becomes_the_re
         return "Ranking: 2 > 3 > 1"
 
     engine = FakeRankingJudgeEngine(answer)
-    stage = ScoringStage(JudgeScorer(JudgeConfig(mode="rank"), judge_client(FakeTokenizer(), "chat", engine.generate)))
+    stage = ScoreWriter(JudgeScorer(JudgeConfig(mode="rank"), judge_client(FakeTokenizer(), "chat", engine.generate)))
     (episode,) = asyncio.run(stage.score([group("3", "7", "7.0")]))
     assert [c.reward for c in episode.completions] == [0.0, 1.0, 0.5]
     assert len(engine.prompts) == 1  # one verdict for the group, not one per completion
@@ -199,7 +200,7 @@ def test_an_unparsable_or_late_ranking_fails_its_group_only_counted_never_a_cras
     scorer = JudgeScorer(
         JudgeConfig(mode="rank", timeout_s=0.05), judge_client(FakeTokenizer(), "chat", engine.generate)
     )
-    stage = ScoringStage(scorer)
+    stage = ScoreWriter(scorer)
     ok, garbled, late = asyncio.run(stage.score([group("ok", "b"), group("garbled", "b"), group("late", "b")]))
     assert [c.reward for c in ok.completions] == [1.0, 0.0]
     assert all(c.status == CompletionStatus.ERRORED for c in garbled.completions + late.completions)

@@ -11,7 +11,8 @@ import pytest
 
 from forge_rl.errors import ConfigError
 from forge_rl.scoring.reward_model import RewardBatcher, RewardModelConfig, synthetic_reward_examples
-from forge_rl.scoring.scorers import RewardModelScorer, ScorerConfig, ScoringStage, build_scorer
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import RewardModelScorer, ScorerConfig, build_scorer
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.support.helpers import wait_until_async
 
@@ -62,7 +63,7 @@ def test_the_reward_model_reads_prompt_plus_completion_and_a_nan_score_errors_th
         seen.extend(texts)
         return [math.nan if t.endswith("?") else 0.25 for t in texts]
 
-    stage = ScoringStage(RewardModelScorer(client))
+    stage = ScoreWriter(RewardModelScorer(client))
     (episode,) = asyncio.run(stage.score([group("M37=", "7", "?")]))
     assert seen == ["M37=7", "M37=?"]
     assert episode.completions[0].reward == 0.25
@@ -78,7 +79,7 @@ def test_with_a_reward_model_the_reward_is_the_weighted_sum_and_the_verifier_is_
     (tmp_path / "config.json").write_text("{}")  # the config checks for a model directory; the client fakes the model
     config = ScorerConfig(reward_fn_weight=0.0, reward_model=RewardModelConfig(path=tmp_path, weight=2.0))
     scorer = build_scorer(config, "leading_number", client)
-    stage = ScoringStage(scorer)
+    stage = ScoreWriter(scorer)
     try:
         (episode,) = asyncio.run(stage.score([group("M37=", "7", "3")]))
     finally:

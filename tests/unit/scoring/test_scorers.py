@@ -13,15 +13,8 @@ from forge_rl.core.advantages import episode_advantages, place_on_steps, returns
 from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ScorerLost
 from forge_rl.observability.metrics import batch_metrics
-from forge_rl.scoring.scorers import (
-    Score,
-    ScoreFailure,
-    Scorer,
-    ScoringStage,
-    WeightedSum,
-    boundary_token_ids,
-    step_ends,
-)
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, WeightedSum, boundary_token_ids, step_ends
 from forge_rl.types import Completion, CompletionStatus, Episode
 from tests.support.builders import make_episode
 
@@ -74,7 +67,7 @@ def group(*lengths: int, answer: str = "7") -> Episode:
 
 
 def run_stage(scorer: Scorer, episodes: list[Episode], **kwargs) -> tuple[list[Episode], dict]:
-    stage = ScoringStage(scorer, **kwargs)
+    stage = ScoreWriter(scorer, **kwargs)
     scored = asyncio.run(stage.score(episodes))
     return scored, stage.stats()
 
@@ -140,7 +133,7 @@ class FakeDeadGroupModel(FakeDeadModel):
 def test_a_model_whose_process_died_loses_the_call_instead_of_erroring_its_completions(dead):
     """ScorerLost goes up through a weighted sum and the stage: the scorer's supervisor scores the
     episodes again after a restart (forge_rl/scoring/restarts.py), so none is ERRORED or counted."""
-    stage = ScoringStage(WeightedSum([(FakeLengthScorer(), 1.0), (dead(), 1.0)]))
+    stage = ScoreWriter(WeightedSum([(FakeLengthScorer(), 1.0), (dead(), 1.0)]))
     episodes = [group(1, 2)]
     with pytest.raises(ScorerLost, match="reward model's process died"):
         asyncio.run(stage.score(episodes))

@@ -13,16 +13,8 @@ from forge_rl.core.batching import make_train_batch
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.run.preflight import check_model_inputs
-from forge_rl.scoring.scorers import (
-    Score,
-    ScoreFailure,
-    Scorer,
-    ScorerConfig,
-    ScoringStage,
-    TeacherScorer,
-    WeightedSum,
-    build_scorer,
-)
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import Score, ScoreFailure, Scorer, ScorerConfig, TeacherScorer, WeightedSum, build_scorer
 from forge_rl.scoring.teacher import TeacherConfig, check_same_tokenizer
 from forge_rl.tasks.tokenizer import ALPHABET, save_char_tokenizer
 from forge_rl.types import Completion, CompletionStatus, Episode
@@ -55,7 +47,7 @@ def fake_teacher(logprobs_by_completion):
 
 
 def scored(episode, scorer, **stage_options):
-    asyncio.run(ScoringStage(scorer, **stage_options).score([episode]))
+    asyncio.run(ScoreWriter(scorer, **stage_options).score([episode]))
     return episode
 
 
@@ -536,7 +528,7 @@ def test_a_teacher_distills_environment_trajectories_on_top_of_the_environments_
         [[-9.0, -9.0, -9.0, -0.5, -0.5, -9.0, -0.5], [-9.0, -9.0, -9.0, -2.0, -2.0, -9.0, -2.0], [-9.0] * 3]
     )
     config = ScorerConfig(reward_fn_weight=0.5, teacher=TeacherConfig(pin="lagged", versions_back=1))
-    stage = ScoringStage(build_scorer(config, None, teacher=client), token_baseline="group")
+    stage = ScoreWriter(build_scorer(config, None, teacher=client), token_baseline="group")
     asyncio.run(stage.score([episode]))
 
     assert asked == [[episode]]

@@ -18,7 +18,8 @@ from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.observability.metrics import REWARD_COMPONENTS, REWARD_MEAN, batch_metrics
 from forge_rl.run.preflight import check_data
-from forge_rl.scoring.scorers import RewardFunctionScorer, ScorerConfig, ScoringStage, WeightedSum, build_scorer
+from forge_rl.scoring.score_writer import ScoreWriter
+from forge_rl.scoring.scorers import RewardFunctionScorer, ScorerConfig, WeightedSum, build_scorer
 from forge_rl.tasks import TaskConfig
 from forge_rl.tasks.rewards import RewardColumns, math_verify_reward, resolve_reward_fn, reward_columns
 from forge_rl.tasks.tokenizer import PromptTokenizer
@@ -36,7 +37,7 @@ def episode(episode_id: int, columns: dict | None, *texts: str, answer: str = "7
 
 
 def scored(scorer, episodes: list[Episode]) -> tuple[list[Episode], dict]:
-    stage = ScoringStage(scorer)
+    stage = ScoreWriter(scorer)
     try:
         return asyncio.run(stage.score(episodes)), stage.stats()
     finally:
