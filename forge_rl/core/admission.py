@@ -2,9 +2,9 @@
 and only if the buffer will have room for them.
 
 Every episode admitted under generator version v must be trained by version v + max_policy_age
-(its deadline), and the trainer trains `episodes_per_step` a step. The gate counts the episodes
-admitted and not yet taken by start version (in flight or buffered) and keeps that schedule
-feasible, earliest deadline first: for every version v, the episodes admitted at v or earlier fit
+(its deadline), and the trainer trains `prompts_per_step` episodes (prompts, each with its group) a
+step. The gate counts the episodes admitted and not yet taken by start version (in flight or
+buffered) and keeps that schedule feasible, earliest deadline first: for every version v, the episodes admitted at v or earlier fit
 in the steps from `next_train_version` to v + max_policy_age (`schedule_is_feasible`). A rollout
 starts only if it keeps the schedule feasible. Pausing generation here, instead of generating and
 dropping, keeps long completions from being starved (they are the ones a drop would hit). The
@@ -46,7 +46,7 @@ from typing import Literal
 
 
 def schedule_is_feasible(
-    queued_versions: Mapping[int, int], next_train_version: int, episodes_per_step: int, max_policy_age: int
+    queued_versions: Mapping[int, int], next_train_version: int, prompts_per_step: int, max_policy_age: int
 ) -> bool:
     """Whether episodes queued by start version (`queued_versions`: version -> episodes) can all be
     trained within the age bound, earliest deadline first, from version `next_train_version` on."""
@@ -54,7 +54,7 @@ def schedule_is_feasible(
     for version in sorted(queued_versions):
         num_due += queued_versions[version]
         steps_left = version + max_policy_age - next_train_version + 1
-        if num_due > steps_left * episodes_per_step:
+        if num_due > steps_left * prompts_per_step:
             return False
     return True
 
@@ -85,28 +85,28 @@ def batch_may_be_sampled(
     queued_versions: Mapping[int, int],
     in_flight_versions: Mapping[int, int],
     next_train_version: int,
-    episodes_per_step: int,
+    prompts_per_step: int,
     max_policy_age: int,
 ) -> bool:
     """Whether the batch the buffer serves now (its earliest-admitted episodes) leaves a feasible
     schedule for the rest. False while an episode that needs this step, or whose place later
     would be taken by this batch, is still being generated."""
     buffered = buffered_versions(queued_versions, in_flight_versions)
-    if buffered.total() < episodes_per_step:
+    if buffered.total() < prompts_per_step:
         # The buffer would complete the batch with whatever arrives first (a short episode admitted
         # late, say): only once a full batch is here is it the one judged below.
         return False
     if not any(in_flight_versions.values()):
         return True  # waiting cannot change which episodes the batch takes
     remaining = collections.Counter(queued_versions)
-    num_to_take = episodes_per_step
+    num_to_take = prompts_per_step
     for version in sorted(buffered):
         taken = min(buffered[version], num_to_take)
         remaining[version] -= taken
         num_to_take -= taken
         if not num_to_take:
             break
-    return schedule_is_feasible(+remaining, next_train_version + 1, episodes_per_step, max_policy_age)
+    return schedule_is_feasible(+remaining, next_train_version + 1, prompts_per_step, max_policy_age)
 
 
 ADMISSIONS_PER_TURN = 16
@@ -131,18 +131,18 @@ class AdmissionGate:
     def __init__(
         self,
         num_generators: int,
-        episodes_per_step: int,
+        prompts_per_step: int,
         max_policy_age: int,
         max_episodes_queued: int,
         admission: Literal["pause", "drop"] = "pause",
         wait_for_stragglers: bool = True,
     ):
-        if max_episodes_queued < episodes_per_step:
+        if max_episodes_queued < prompts_per_step:
             raise ValueError(
-                f"max_episodes_queued ({max_episodes_queued}) is below one step's episodes ({episodes_per_step}); "
+                f"max_episodes_queued ({max_episodes_queued}) is below one step's episodes ({prompts_per_step}); "
                 "the trainer could never take a batch"
             )
-        self.episodes_per_step = episodes_per_step
+        self.prompts_per_step = prompts_per_step
         self.max_policy_age = max_policy_age
         self.max_episodes_queued = max_episodes_queued
         self.admission = admission
@@ -186,18 +186,18 @@ class AdmissionGate:
             return False  # too old for any step still to come: wait for the swap
         queued = overdue_as_due_now(self.queued_versions, self.next_train_version, self.max_policy_age)
         queued[generator_version] += num_new_episodes
-        return schedule_is_feasible(queued, self.next_train_version, self.episodes_per_step, self.max_policy_age)
+        return schedule_is_feasible(queued, self.next_train_version, self.prompts_per_step, self.max_policy_age)
 
     def may_sample_batch(self) -> bool:
         if self.admission == "drop":
             return True  # stragglers that miss their last step are dropped, not waited for
         if not self.wait_for_stragglers:
-            return buffered_versions(self.queued_versions, self.in_flight_versions).total() >= self.episodes_per_step
+            return buffered_versions(self.queued_versions, self.in_flight_versions).total() >= self.prompts_per_step
         return batch_may_be_sampled(
             self.queued_versions,
             self.in_flight_versions,
             self.next_train_version,
-            self.episodes_per_step,
+            self.prompts_per_step,
             self.max_policy_age,
         )
 

@@ -147,7 +147,7 @@ class Rollouts:
         self.prompts = prompts
         self.gate = AdmissionGate(
             num_generators=config.num_generators,
-            episodes_per_step=config.prompts_per_step,
+            prompts_per_step=config.prompts_per_step,
             # With several policies, the tightest of their bounds: an episode holds tokens of each.
             max_policy_age=min(config.run_policies.max_ages.values()),
             max_episodes_queued=config.max_episodes_queued,

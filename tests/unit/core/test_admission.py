@@ -40,7 +40,7 @@ def test_async_mode_runs_ahead_by_max_policy_age_steps():
 
 def test_a_generator_with_old_weights_waits_for_the_swap():
     async def scenario():
-        gate = make_gate(max_policy_age=1, episodes_per_step=1)
+        gate = make_gate(max_policy_age=1, prompts_per_step=1)
         for _ in range(2):
             await gate.settle(await gate.admit(0), 1, num_not_queued=0)
             await gate.took_batch([0], [])
@@ -54,11 +54,11 @@ def test_a_generator_with_old_weights_waits_for_the_swap():
 def test_episodes_past_their_deadline_by_the_count_are_due_now_for_admission_not_a_deadlock():
     """The buffer keeps an episode whose tokens are younger than its start; admission schedules it
     next instead of refusing everything while the trainer waits for a batch."""
-    assert not schedule_is_feasible({0: 1}, next_train_version=5, episodes_per_step=2, max_policy_age=1)
+    assert not schedule_is_feasible({0: 1}, next_train_version=5, prompts_per_step=2, max_policy_age=1)
     assert overdue_as_due_now({0: 1, 2: 1, 5: 1}, next_train_version=5, max_policy_age=1) == {4: 2, 5: 1}
 
     async def scenario():
-        gate = make_gate(max_policy_age=1, episodes_per_step=2)
+        gate = make_gate(max_policy_age=1, prompts_per_step=2)
         gate.restore(policy_version=5, buffered_versions=[0])  # saved by a run that knew no start versions
         await gate.generator_serves(0, 5)
         assert gate.may_start_rollout(0)
@@ -88,7 +88,7 @@ def test_short_episodes_that_finished_first_do_not_take_the_steps_long_ones_need
     dropped; the gate instead holds step 1 until 0 has arrived."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=2, episodes_per_step=1)
+        gate = make_gate(max_policy_age=2, prompts_per_step=1)
         assert [await gate.admit(0) for _ in range(3)] == [0, 0, 0]
         assert not gate.may_start_rollout(0)  # a 4th at version 0 would be trained at 3
         await gate.settle(0, 1, num_not_queued=0)  # episode 2 arrives
@@ -116,7 +116,7 @@ def test_partial_rollouts_let_a_full_batch_go_while_a_straggler_misses_its_last_
     (the buffer masks its over-age tokens) and is counted as due now: admission goes on."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=1, episodes_per_step=1, wait_for_stragglers=wait_for_stragglers)
+        gate = make_gate(max_policy_age=1, prompts_per_step=1, wait_for_stragglers=wait_for_stragglers)
         assert [await gate.admit(0) for _ in range(2)] == [0, 0]
         await gate.settle(0, 1, num_not_queued=0)  # episode 1 arrives
         await gate.took_batch([0], [])
@@ -141,12 +141,12 @@ def test_partial_rollouts_let_a_full_batch_go_while_a_straggler_misses_its_last_
 @given(
     data=st.data(),
     num_generators=st.integers(1, 3),
-    episodes_per_step=st.integers(1, 3),
+    prompts_per_step=st.integers(1, 3),
     max_policy_age=st.integers(0, 3),
     wait_for_stragglers=st.booleans(),
 )
 def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_never_stalls(
-    data, num_generators, episodes_per_step, max_policy_age, wait_for_stragglers
+    data, num_generators, prompts_per_step, max_policy_age, wait_for_stragglers
 ):
     """Any order of admissions, arrivals (out of order), weight updates (generators lagging) and
     steps: every batch, served earliest-admitted first as the buffer does, trains only episodes
@@ -154,12 +154,12 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
     straggler holds past it instead), and some event can always happen. As in the train loop, a
     step the gate lets go takes its batch from the buffer afterwards: if the buffer holds less than
     a batch, the next arrivals complete it, whatever their versions."""
-    max_queued = episodes_per_step * (max_policy_age + 2)
+    max_queued = prompts_per_step * (max_policy_age + 2)
 
     async def scenario():
         gate = make_gate(
             max_policy_age=max_policy_age,
-            episodes_per_step=episodes_per_step,
+            prompts_per_step=prompts_per_step,
             max_episodes_queued=max_queued,
             num_generators=num_generators,
             wait_for_stragglers=wait_for_stragglers,
@@ -169,7 +169,7 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
         waiting_step = False  # the gate let a step go; the buffer is waiting for a full batch
 
         async def take_batch() -> None:
-            batch = sorted(buffered)[:episodes_per_step]  # stable: earliest admitted first
+            batch = sorted(buffered)[:prompts_per_step]  # stable: earliest admitted first
             for version in batch:
                 buffered.remove(version)
                 assert gate.next_train_version - version <= max_policy_age or not wait_for_stragglers
@@ -197,7 +197,7 @@ def test_no_admitted_episode_is_ever_trained_past_the_age_bound_and_the_run_neve
                 await gate.generator_serves(
                     generator, data.draw(st.integers(gate.generator_versions[generator] + 1, gate.next_train_version))
                 )
-            if waiting_step and len(buffered) >= episodes_per_step:
+            if waiting_step and len(buffered) >= prompts_per_step:
                 waiting_step = False
                 await take_batch()
 
@@ -217,13 +217,13 @@ def num_waiting(gate: AdmissionGate) -> int:
 def make_gate(
     admission="pause",
     max_policy_age=0,
-    episodes_per_step=2,
+    prompts_per_step=2,
     max_episodes_queued=64,
     num_generators=1,
     wait_for_stragglers=True,
 ):
     return AdmissionGate(
-        num_generators, episodes_per_step, max_policy_age, max_episodes_queued, admission, wait_for_stragglers
+        num_generators, prompts_per_step, max_policy_age, max_episodes_queued, admission, wait_for_stragglers
     )
 
 
@@ -251,7 +251,7 @@ def test_the_gate_never_admits_more_episodes_than_the_buffer_holds():
     trainer waits for it (it is still in flight) deadlocks the run."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=3, episodes_per_step=2, max_episodes_queued=3)
+        gate = make_gate(max_policy_age=3, prompts_per_step=2, max_episodes_queued=3)
         for _ in range(3):
             await gate.admit(0)
         assert not gate.may_start_rollout(0)  # the age bound would allow 8; the buffer holds 3
@@ -274,12 +274,12 @@ def test_the_capacity_bound_holds_in_both_admission_modes(admission):
 
 def test_a_gate_whose_bound_is_below_one_step_is_refused():
     with pytest.raises(ValueError, match="below one step"):
-        make_gate(episodes_per_step=4, max_episodes_queued=3)
+        make_gate(prompts_per_step=4, max_episodes_queued=3)
 
 
 def test_a_generator_serving_a_newer_version_is_admitted_again():
     async def scenario():
-        gate = make_gate(max_policy_age=0, episodes_per_step=1)
+        gate = make_gate(max_policy_age=0, prompts_per_step=1)
         start = await gate.admit(0)
         await gate.settle(start, 1, num_not_queued=0)
         await gate.took_batch([0], [])  # trained version 0; the next batch trains at 1
@@ -299,7 +299,7 @@ def test_a_change_spreads_its_admissions_over_the_generators_and_wakes_no_other_
     start, not every waiting rollout."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=3, episodes_per_step=2, max_episodes_queued=3, num_generators=3)
+        gate = make_gate(max_policy_age=3, prompts_per_step=2, max_episodes_queued=3, num_generators=3)
         for _ in range(3):
             await gate.admit(0)
         waiters = {}
@@ -328,7 +328,7 @@ def test_admissions_go_first_to_the_generator_with_the_most_rollouts_waiting():
     decoding): the room for three episodes goes to 1, 1, then 0, the least loaded each time."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=3, episodes_per_step=2, max_episodes_queued=3, num_generators=2)
+        gate = make_gate(max_policy_age=3, prompts_per_step=2, max_episodes_queued=3, num_generators=2)
         for _ in range(3):
             await gate.admit(0)
         order = []
@@ -358,7 +358,7 @@ def test_rollouts_stopped_while_others_settle_leave_nothing_counted():
     changes the others' returns make; the gate then counts nothing queued or in flight."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=0, episodes_per_step=2, max_episodes_queued=2, num_generators=2)
+        gate = make_gate(max_policy_age=0, prompts_per_step=2, max_episodes_queued=2, num_generators=2)
 
         async def rollout(index):
             start = await gate.admit(index)
@@ -384,7 +384,7 @@ def test_an_admission_pass_admits_at_most_a_bounded_number_of_rollouts_per_event
     loop's take_batch, replies) runs between, instead of behind all 40 generate calls."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=0, episodes_per_step=64, max_episodes_queued=64)
+        gate = make_gate(max_policy_age=0, prompts_per_step=64, max_episodes_queued=64)
         await gate.settle(await gate.admit(0), 1, num_not_queued=0)
         await gate.took_batch([0], [])  # the next batch trains at 1: version 0 is too old now
         waiters = [asyncio.ensure_future(gate.admit(0)) for _ in range(40)]
@@ -411,7 +411,7 @@ def test_a_generator_still_swapping_holds_back_the_more_loaded_ones_until_it_ser
     hold ends."""
 
     async def scenario():
-        gate = make_gate(max_policy_age=0, episodes_per_step=4, max_episodes_queued=8, num_generators=2)
+        gate = make_gate(max_policy_age=0, prompts_per_step=4, max_episodes_queued=8, num_generators=2)
         await gate.took_batch([], [])  # the next batch trains at version 1: version 0 is too old
         await gate.generator_serves(0, 1)
         gate.generator_updating(1, 1)
