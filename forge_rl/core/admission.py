@@ -1,14 +1,15 @@
 """Admission control: start a rollout only if its episodes can be trained within the age bound,
 and only if the buffer will have room for them.
 
-Every episode admitted under generator version v must be trained by version v + max_policy_age
-(its deadline), and the trainer trains `prompts_per_step` episodes (prompts, each with its group) a
-step. The gate counts the episodes admitted and not yet taken by start version (in flight or
-buffered) and keeps that schedule feasible, earliest deadline first: for every version v, the episodes admitted at v or earlier fit
-in the steps from `next_train_version` to v + max_policy_age (`schedule_is_feasible`). A rollout
-starts only if it keeps the schedule feasible. Pausing generation here, instead of generating and
-dropping, keeps long completions from being starved (they are the ones a drop would hit). The
-buffer still enforces the bound on its own, per token; this gate only avoids wasted work.
+Every episode admitted under generator version v must be trained by version v + max_policy_age (its
+deadline), and the trainer trains `prompts_per_step` episodes (prompts, each with its group) a step.
+The gate counts the episodes admitted and not yet taken by start version (in flight or buffered) and
+keeps that schedule feasible, earliest deadline first: for every version v, the episodes admitted at
+v or earlier fit in the steps from `next_train_version` to v + max_policy_age
+(`schedule_is_feasible`). A rollout starts only if it keeps the schedule feasible. Pausing
+generation here, instead of generating and dropping, keeps long completions from being starved (they
+are the ones a drop would hit). The buffer still enforces the bound on its own, per token; this gate
+only avoids wasted work.
 
 Completions finish out of order, so the buffer may hold later-admitted short episodes while
 earlier-admitted long ones are still decoding. The buffer serves the earliest-admitted first
