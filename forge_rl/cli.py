@@ -402,7 +402,7 @@ def _run_train_reward_model(args: list[str]) -> None:
 def _run_worker(args: list[str]) -> None:
     import tyro
 
-    from forge_rl.plumbing.placement import WorkerArgs
+    from forge_rl.plumbing.workers import WorkerArgs
     from forge_rl.run.launch import run_worker
 
     worker_args = tyro.cli(WorkerArgs, args=args, prog="forge-rl worker", description=_SUBCOMMANDS["worker"])

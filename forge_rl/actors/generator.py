@@ -23,8 +23,8 @@ from forge_rl.engines.engine import Engine
 from forge_rl.engines.simulated import SimulatedEngine
 from forge_rl.engines.vllm_engine import VLLMEngine
 from forge_rl.envs.runner import SampledTurn
+from forge_rl.plumbing.cpu_affinity import pin_this_process, yield_this_process
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
-from forge_rl.plumbing.placement import pin_this_process, yield_this_process
 from forge_rl.plumbing.port_calls import PortServed
 from forge_rl.plumbing.preemption import wait_for_preemption_notice
 from forge_rl.store.index import ADAPTER_OF, version_key

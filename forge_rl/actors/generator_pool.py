@@ -62,9 +62,9 @@ from forge_rl.envs.runner import ContextExhausted, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, raised_by_actor
 from forge_rl.observability.metrics import progress
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
-from forge_rl.plumbing.placement import parse_worker_address
 from forge_rl.plumbing.port_calls import PortCalls, PortServed
 from forge_rl.plumbing.proc_main import spawn_procs
+from forge_rl.plumbing.workers import parse_worker_address
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from monarch.actor import Actor, endpoint
 
-from forge_rl.plumbing.placement import pin_this_process
+from forge_rl.plumbing.cpu_affinity import pin_this_process
 from forge_rl.store.actors import StoreIndexActor
 from forge_rl.store.index import version_key
 from forge_rl.store.publisher import PublishConfig, WeightPublisher

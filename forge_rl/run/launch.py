@@ -40,18 +40,20 @@ from forge_rl.plumbing.placement import (
     RoleDemand,
     check_host_facts,
     check_host_indices,
-    check_hostname_routable,
-    check_reachable,
     demand_of,
     generator_devices,
-    hostnames_resolve_apart,
-    is_loopback,
-    parse_worker_address,
     reference_hosts,
-    worker_addresses,
 )
 from forge_rl.plumbing.preemption import arm_preemption_notice
 from forge_rl.plumbing.proc_main import set_torch_distributed_env, spawn_procs
+from forge_rl.plumbing.workers import (
+    check_hostname_routable,
+    check_reachable,
+    hostnames_resolve_apart,
+    is_loopback,
+    parse_worker_address,
+    worker_addresses,
+)
 
 if TYPE_CHECKING:
     from forge_rl.actors.generator_pool import GeneratorPlacement

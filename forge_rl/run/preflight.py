@@ -24,11 +24,10 @@ from forge_rl.plumbing.placement import (
     check_gpus,
     check_host_indices,
     check_pinned_cores,
-    check_reachable,
     demand_of,
     local_gpu_count,
-    worker_addresses,
 )
+from forge_rl.plumbing.workers import check_reachable, worker_addresses
 from forge_rl.scoring.teacher import check_same_tokenizer
 from forge_rl.tasks import encode_task_prompt, make_task_prompt
 from forge_rl.tasks.rewards import resolve_reward_fn, reward_columns

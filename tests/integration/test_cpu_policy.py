@@ -13,7 +13,7 @@ import threading
 import pytest
 from monarch.actor import Actor, endpoint, this_host
 
-from forge_rl.plumbing.placement import yield_this_process
+from forge_rl.plumbing.cpu_affinity import yield_this_process
 from forge_rl.plumbing.proc_main import spawn_procs
 
 pytestmark = [

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from forge_rl.errors import ConfigError
+from forge_rl.plumbing.cpu_affinity import pin_this_process
 from forge_rl.plumbing.placement import (
     HostFacts,
     LaunchConfig,
@@ -21,12 +22,13 @@ from forge_rl.plumbing.placement import (
     check_host_facts,
     check_pinned_cores,
     check_placement,
+    generator_devices,
+)
+from forge_rl.plumbing.workers import (
     check_reachable,
     expand_nodelist,
-    generator_devices,
     hostnames_resolve_apart,
     parse_worker_address,
-    pin_this_process,
     slurm_worker_addresses,
 )
 
@@ -263,7 +265,7 @@ def test_pinned_cores_must_exist_where_the_role_runs():
 
 PIN_A_THREAD_STARTED_BEFORE = """
 import os, threading
-from forge_rl.plumbing.placement import pin_this_process
+from forge_rl.plumbing.cpu_affinity import pin_this_process
 ready, done = threading.Event(), threading.Event()
 def runtime_thread():  # like a runtime's thread, running before the pin
     ready.set(); done.wait()

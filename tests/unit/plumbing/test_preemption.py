@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from forge_rl.plumbing.placement import WorkerArgs
 from forge_rl.plumbing.preemption import PREEMPTION_NOTICE_ENV, wait_for_preemption_notice
+from forge_rl.plumbing.workers import WorkerArgs
 
 WORKER = """
 import subprocess, sys, time
