@@ -23,7 +23,7 @@ from forge_rl.core.checkpoint import (
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import create_tiny_model
 from forge_rl.observability.metrics import progress
-from forge_rl.pipeline.rollouts import partial_groups_problem, saved_partial_tokens
+from forge_rl.pipeline.partial_groups import partial_groups_problem, saved_partial_tokens
 from forge_rl.run.preflight import check_machine, check_model_inputs
 from forge_rl.tasks.tokenizer import tokenizer_fingerprint
 from forge_rl.yaml_config import load_yaml_config

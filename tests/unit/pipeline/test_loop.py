@@ -385,13 +385,13 @@ def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_head
     ],
 )
 def test_a_checkpoints_malformed_partial_group_is_named_with_its_problem(partial_groups, message):
-    from forge_rl.pipeline.rollouts import partial_groups_problem
+    from forge_rl.pipeline.partial_groups import partial_groups_problem
 
     assert message in partial_groups_problem(partial_groups, [0, 1], 64, saved_tokenizer=None, tokenizer=None)
 
 
 def test_partial_groups_sampled_under_another_tokenizer_are_named_as_such():
-    from forge_rl.pipeline.rollouts import partial_groups_problem
+    from forge_rl.pipeline.partial_groups import partial_groups_problem
 
     group = {"episode_id": 0, "completions": [completion_to_dict(Completion([3], [-0.1], [0]))], "finished": [False]}
     assert partial_groups_problem([group], [0], 64, "aaaa", "aaaa") is None
