@@ -46,17 +46,16 @@ REQUIRED_MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json"
 
 # What the derived generator timeouts are made of (GRPOConfig.generate_timeout_s, update_timeout_s).
 # A timeout turns a hung generator into a replaced one; one that fires on a healthy generator
-# throws its work away and restarts its engine, so these are far above anything measured.
+# throws its work away and restarts its engine, so these are far above a healthy generator's times.
 _GENERATE_TIMEOUT_BASE_S = 300.0
 """The part of a generate call that does not scale with its length: its prefill, waiting out a
 weight swap's pause (a whole reload with swap_loader "reload"), a loaded host's scheduling."""
 _DECODE_STEP_ALLOWANCE_S = 1.0
-"""Seconds allowed per decode step a call may wait for. Measured decode steps of 256 sequences on 2
-CPU cores: about 16 ms for the demo's tiny model (forge_rl/engines/vllm_engine.py, `_engine_env`),
-26-28 ms for a 100M-parameter model (`forge-rl bench weight-sync`); on a GPU, tens of ms. A second per step
-is reached only by an engine that has all but stopped."""
+"""Seconds allowed per decode step a call may wait for: far above a decode step of 256 sequences, of the
+demo's tiny model or a 100M-parameter one on a CPU (`forge-rl bench weight-sync`) or of a model on a GPU.
+A second per step is reached only by an engine that has all but stopped."""
 _UPDATE_TIMEOUT_S = 600.0
-"""A weight update end to end (forge_rl/store/loader.py): about a second for a small model, cross-host
+"""A weight update end to end (forge_rl/store/loader.py): a small fraction of this for a small model, cross-host
 included (`forge-rl bench weight-sync`, docs/benchmarks/README.md); the slowest legitimate case in
 view, a 100+ GB model fetched over Monarch's TCP fallback, takes minutes.
 Updates of one generator run one at a time, so an update may first wait out the one before it."""

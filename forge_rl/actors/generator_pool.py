@@ -2,7 +2,7 @@
 
 Monarch reports a failure to the owner of the failed mesh. Owning the generator meshes here (not in
 the controller) means a crash reaches `__supervise__`, which handles it, instead of the client's
-default fault hook, which exits the controller. Monarch's report took about 9 s on one host, so
+default fault hook, which exits the controller. Monarch's report comes slowly, even on one host, so
 the pool also watches the OS processes (actor and vLLM engine processes) of the generators on its
 own host and acts on a death within `POLL_INTERVAL_S`; a generator on another host (launch.py's
 placement) is left to Monarch's report, except for a host lost whole: Monarch reports no death

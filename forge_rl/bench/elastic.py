@@ -53,7 +53,7 @@ class ElasticArgs:
 
 
 def main(args: ElasticArgs) -> dict:
-    from forge_rl.bench.scale import run_probed
+    from forge_rl.bench.scale_runs import run_probed
     from forge_rl.errors import ConfigError
     from forge_rl.yaml_config import load_yaml_config
 

@@ -130,7 +130,7 @@ def run_config(base: GRPOConfig, args: FaultsBenchArgs, mode: str) -> GRPOConfig
 
 
 def run_mode(config: GRPOConfig, args: FaultsBenchArgs) -> dict:
-    from forge_rl.bench.scale import run_probed
+    from forge_rl.bench.scale_runs import run_probed
 
     assert config.run_name is not None  # run_config names each mode's run
     shutil.rmtree(config.run_dir / config.run_name, ignore_errors=True)  # this benchmark's previous run

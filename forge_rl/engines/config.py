@@ -114,7 +114,7 @@ class GeneratorConfig:
     generated again from scratch. vLLM engines only."""
     start_timeout_s: float = 900.0
     """Most seconds a generator's start (spawn, engine start, loading the newest weights) may take
-    before that attempt counts as failed: about 30 s for the tiny model on a CPU, minutes for a
+    before that attempt counts as failed: tens of seconds for the tiny model on a CPU, minutes for a
     large model on a GPU. A replacement that runs past it is retried on a fresh proc mesh; the
     run's first start that does fails the run, naming this flag."""
 

@@ -28,8 +28,8 @@ hand (`_gpu_free_at`) and starts the next work there, not when its process next 
 machine whose cores are all busy, a timer that fires late then costs no decode steps; the engine
 catches up at once (the steps in between have a closed form) and hands its completions over as
 soon as its process runs, so the delivery stays late by what the host costs, which is what the
-control-plane benchmarks measure. (Before, each step was timed from the late wake-up, so a busy
-host slowed the simulated GPUs themselves.)
+control-plane benchmarks measure. (A step timed from the late wake-up would let a busy host slow
+the simulated GPUs themselves.)
 
 Time is the event loop's (`loop.time()`, `asyncio.sleep`), so tests drive it on a virtual clock
 (tests/unit/engines/test_simulated_engine.py) and the results do not depend on how busy the machine is.
@@ -39,7 +39,7 @@ H100 SXM (80 GB HBM3, 3.35 TB/s, 989 dense bf16 TFLOP/s). Decode is bound by mem
 step reads the 16.4 GB of weights (4.9 ms at peak bandwidth) plus the KV cache of every sequence in
 the batch (36 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes = 144 KiB per context token,
 44 ns per token at peak); compute adds 2 x 8.2 GFLOP per sequence per step. Prefill is bound by
-compute: 16.4 GFLOP per prompt token. Against published figures: GPUStack's performance lab measured
+compute: 16.4 GFLOP per prompt token. Against published figures: GPUStack's performance lab reports
 vLLM (no tuning) serving Qwen3-8B on an H100 at 1.66 s per ShareGPT request at batch 1
 (docs.gpustack.ai, performance-lab/qwen3-8b/h100-latency), about 6.5-7 ms per output token for
 ShareGPT's ~250-token answers: the fixed 6.5 ms per step below.
@@ -78,7 +78,7 @@ class LatencyModel:
 
     decode_step_fixed_s: float = 6.5e-3
     """Per step whatever the batch: reading the weights (16.4 GB at 3.35 TB/s = 4.9 ms) plus
-    scheduling and kernel launches; matches the 6.5-7 ms per token measured at batch 1."""
+    scheduling and kernel launches; matches GPUStack's published 6.5-7 ms per token at batch 1 (module docstring)."""
     decode_step_per_sequence_s: float = 3.0e-5
     """Per sequence in the batch: 2 x 8.2 GFLOP at about 55% of the H100's dense bf16 peak."""
     decode_step_per_context_token_s: float = 6.0e-8

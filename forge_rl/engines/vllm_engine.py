@@ -158,7 +158,7 @@ class VLLMEngine:
         """Where vLLM's front end and engine core put their ZMQ sockets (`start`)."""
 
     async def start(self, model_dir: Path, max_model_len: int) -> None:
-        """Start vLLM on `model_dir` (config.json + safetensors): 5-20 s on CPU."""
+        """Start vLLM on `model_dir` (config.json + safetensors): seconds to tens of seconds on a CPU."""
         if max_model_len <= self.config.max_new_tokens:
             raise ValueError(
                 f"max_model_len ({max_model_len}) must exceed generator.max_new_tokens "
@@ -285,7 +285,7 @@ class VLLMEngine:
             enable_return_routed_experts=self.config.record_routing and on_gpu,
             disable_log_stats=True,
             # On CPU the worker runs inside the engine-core process: vLLM's CPU platform turns "uni"
-            # into "mp" (a third process, one more ~13 s vLLM import on every engine start) because
+            # into "mp" (a third process, one more slow vLLM import on every engine start) because
             # it cannot pin OpenMP threads in-process; forge_rl pins none ("nobind" below), so naming
             # the executor class keeps it. One vLLM import fewer per engine start.
             **({} if on_gpu else {"distributed_executor_backend": _IN_ENGINE_CORE_EXECUTOR}),
@@ -306,7 +306,7 @@ class VLLMEngine:
         (same model, same sampled tokens). A forked child has only the
         forking thread, which is all the engine core needs (Monarch's threads stay behind). What
         does not survive a fork is libgomp's thread pool: a child whose parent ever ran an OpenMP
-        region on several threads hangs in its own first one (reproduced with torch here), while
+        region on several threads hangs in its own first one (torch alone reproduces it), while
         one thread never uses the pool. So only `generator.cpu_threads` 1 (the default) forks,
         at one torch thread, which the core (and the worker inside it, _IN_ENGINE_CORE_EXECUTOR)
         keeps: OMP_NUM_THREADS is read only when a process loads libgomp. Nor does a lock another
@@ -351,7 +351,7 @@ class VLLMEngine:
 
     def _engine_env(self) -> dict[str, str]:
         """Environment of the engine-core and worker processes."""
-        # The engine core in its own process: in-process (inside the actor) was 30x slower. On CPU
+        # The engine core in its own process: in-process (inside the actor) is many times slower. On CPU
         # the worker shares the engine core's process (_IN_ENGINE_CORE_EXECUTOR), which inherits the
         # OpenMP settings below at its start.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_LOGGING_LEVEL": self.config.log_level}
@@ -362,11 +362,10 @@ class VLLMEngine:
         if not torch_cuda_available():
             # vLLM's default ("auto") pins the worker to every core of the NUMA node but one, which
             # starves a co-located trainer, and two engines on one host would pin the same cores.
-            # Measured on 2 cores, tokens/s for 32 prompts x 8 samples, 1 vs 2 unpinned threads:
-            # tiny model (hidden 128, 2 layers) 4 tokens 15-16k vs 4-13k, 64 tokens 16-26k vs
-            # 11-20k; hidden 512, 4 layers, 64 tokens 4.0-4.2k vs 3.6-4.1k. The worker shares the
-            # machine with the engine-core and front-end processes, so a second thread mostly
-            # waits (only pinning both cores, which leaves the trainer nothing, reached 5.3k).
+            # One unpinned thread per worker by default: the worker shares the machine with the
+            # engine-core and front-end processes, so on a small CPU host a second thread mostly
+            # waits and decodes slower, not faster (only pinning every core, which leaves the
+            # trainer nothing, gains a little).
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = str(self.config.cpu_threads)
         return env
@@ -475,7 +474,7 @@ class VLLMEngine:
     ) -> tuple[list[Completion], int]:
         """`_sample`, and how many of the prefix's tokens vLLM read from its prefix cache."""
         # One request with n children (vLLM fans them out, sharing the prompt's KV through the
-        # prefix cache), not n requests: 10.4k vs 7.3k tokens/s for 32 prompts x 8 x 4 tokens.
+        # prefix cache), not n requests, which decode fewer tokens per second.
         prompt_token_ids = prefix_token_ids
         epoch = self._abort_epoch
         final, version = await self._request(

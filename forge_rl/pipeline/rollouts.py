@@ -245,9 +245,9 @@ class Rollouts:
             if not episodes:  # no agent of its seats spoke in the batch: its trainer has nothing to train
                 return PulledBatch(train_version, None, batch.ready_s)
         loss = self.config.trainer.loss
-        # In a thread: 16 ms of Python for `bench scale`'s batch at 128 generators, which on this
-        # event loop would hold up every rollout loop for as long; a thread lets the loop run every
-        # 5 ms (the GIL's switch interval). The episodes left the buffer: nothing writes them now.
+        # In a thread: building `bench scale`'s batch at 128 generators is long enough in Python to
+        # hold up every rollout loop on this event loop; a thread lets the loop run at every switch
+        # interval of the GIL. The episodes left the buffer: nothing writes them now.
         columns = await asyncio.to_thread(
             batch_columns, episodes, loss.normalize_advantage_std, loss.step_discount, loss.local_advantage_weight
         )

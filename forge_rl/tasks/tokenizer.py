@@ -190,7 +190,7 @@ class PromptTokenizer:
                 "--model.path at a chat model's directory."
             )
         if self._hf_tokenizer is None:
-            # transformers is imported only here: plain prompts never pay for it (about 1 s).
+            # transformers is imported only here: plain prompts never pay for its slow import.
             from transformers import AutoTokenizer
 
             self._hf_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

@@ -106,8 +106,8 @@ class BatchPrefetch:
         self._asked: dict[int, asyncio.Future] = {}
         """Step -> its `batch_for_trainer` call, from the newest step taken on."""
         self._rollouts: Any = None
-        """The rollouts the train loop sent with its first step (a mesh handle pickles by value,
-        about 3.4 KB and 0.5-1.7 ms here, so it is not sent with every step)."""
+        """The rollouts the train loop sent with its first step (a mesh handle pickles by value, kilobytes
+        and a noticeable share of a small step's time, so it is not sent with every step)."""
 
     def ask(self, step: int, num_ranks: int) -> asyncio.Future:
         """Asks for step `step`'s batch, unless asked already (each rank asks once per step)."""

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from forge_rl.bench.scale import ScaleArgs, faults
+from forge_rl.bench.scale import ScaleArgs
+from forge_rl.bench.scale_faults import faults
 from forge_rl.config import GRPOConfig
 from forge_rl.yaml_config import load_yaml_config
 

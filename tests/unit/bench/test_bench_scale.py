@@ -7,15 +7,9 @@ import json
 
 import pytest
 
-from forge_rl.bench.scale import (
-    _CountingActor,
-    choose_victims,
-    fault_figures,
-    judge_accounting,
-    lost_prompts,
-    max_concurrent_sequences,
-    steady_trained_tokens_per_step,
-)
+from forge_rl.bench.scale_bounds import steady_trained_tokens_per_step
+from forge_rl.bench.scale_faults import choose_victims, fault_figures, judge_accounting, lost_prompts
+from forge_rl.bench.scale_runs import _CountingActor, max_concurrent_sequences
 from forge_rl.observability.timeline import Interval
 
 
@@ -133,7 +127,8 @@ def test_the_control_plane_admits_a_prompt_for_every_rollout_loop_at_128_generat
     sequences at G = 128 with the defaults, and the buffer never the tighter bound."""
     from pathlib import Path
 
-    from forge_rl.bench.scale import ScaleArgs, control_plane_config
+    from forge_rl.bench.scale import ScaleArgs
+    from forge_rl.bench.scale_runs import control_plane_config
     from forge_rl.config import GRPOConfig
     from forge_rl.yaml_config import load_yaml_config
 
@@ -159,7 +154,7 @@ def _sim_config(**sim):
 
 
 def test_the_expected_longest_completion_is_the_median_without_spread_and_grows_with_it():
-    from forge_rl.bench.scale import expected_longest_completion
+    from forge_rl.bench.scale_bounds import expected_longest_completion
 
     assert expected_longest_completion(_sim_config(length_sigma=0.0)) == pytest.approx(256, abs=1)
     spread = [expected_longest_completion(_sim_config(length_sigma=sigma)) for sigma in (0.5, 1.0, 2.0)]
@@ -170,7 +165,7 @@ def test_the_uniform_batch_floor_trades_generation_against_the_longest_completio
     """A short train step and a long tail: the best batch is neither the smallest (generation
     would take longest) nor the largest (the longest completion would decode slowest), and the
     floor is no shorter than the train step."""
-    from forge_rl.bench.scale import expected_longest_completion, uniform_batch_floor
+    from forge_rl.bench.scale_bounds import expected_longest_completion, uniform_batch_floor
 
     config = _sim_config(time_scale=1.0)
     longest = expected_longest_completion(config)
@@ -195,7 +190,7 @@ def test_the_waiting_floor_is_the_longest_completion_of_an_age_window_decoded_al
     """At the bench's workload (A = 8, completions cut at 4,096 tokens), nearly every window of
     A + 1 steps holds a completion at the cut: decoded alone, about 27 simulated seconds spread
     over 9 steps. A larger A spreads it thinner."""
-    from forge_rl.bench.scale import waiting_straggler_floor
+    from forge_rl.bench.scale_bounds import waiting_straggler_floor
 
     config = _sim_config(time_scale=1.0)
     floor, longest = waiting_straggler_floor(config, max_policy_age=8)
@@ -210,7 +205,7 @@ def test_whole_groups_mask_their_short_members_tokens_while_they_wait_for_the_la
     a group waiting for its last completion masks about three times what each completion's own
     length would, and the ceiling in trained tokens lies near 0.9; at A = 16 nothing need be
     masked; without spread in the lengths, nothing either."""
-    from forge_rl.bench.scale import whole_group_masking_ceiling
+    from forge_rl.bench.scale_bounds import whole_group_masking_ceiling
 
     config = _sim_config(time_scale=1.0)
     workload = dict(tokens_per_step=110_000, train_s=2.26, groups=4_000)
@@ -243,16 +238,16 @@ def test_the_steady_state_starts_after_the_warmup_steps():
     deadlines fall there."""
     import types
 
-    from forge_rl.bench.scale import _Probe
+    from forge_rl.bench.scale_runs import RunProbe
 
-    probe = _Probe(warmup_steps=3)
+    probe = RunProbe(warmup_steps=3)
     # (step, wall time, controller calls so far, rollouts' calls so far): slow start-up steps, then 1 s each.
     probe.step_marks = [(1, 10.0, 5, 50), (2, 30.0, 8, 80), (3, 40.0, 11, 110), (4, 41.0, 14, 140), (5, 42.0, 17, 170)]
     probe.pipeline = types.SimpleNamespace(rollouts_at_stop={"event_loop_lags_s": [], "calls": {}})
     steady = probe.steady()
     assert steady["steps_per_s"] == pytest.approx(1.0)
     assert steady["controller_calls_per_step"] == pytest.approx(3.0)
-    assert _Probe(warmup_steps=1).warmup_steps == 1
+    assert RunProbe(warmup_steps=1).warmup_steps == 1
 
 
 def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_age_window(tmp_path):
@@ -262,13 +257,8 @@ def test_at_the_async_parts_batch_the_longest_completions_fit_in_the_headline_ag
     bound; at 32 prompts a step (2.26 s) they did not (both floors above the train step)."""
     import dataclasses
 
-    from forge_rl.bench.scale import (
-        ScaleArgs,
-        _async_part_config,
-        expected_longest_completion,
-        uniform_batch_floor,
-        waiting_straggler_floor,
-    )
+    from forge_rl.bench.scale import ScaleArgs, _async_part_config
+    from forge_rl.bench.scale_bounds import expected_longest_completion, uniform_batch_floor, waiting_straggler_floor
 
     base = _sim_config(time_scale=1.0)
     args = ScaleArgs(out_dir=tmp_path)
