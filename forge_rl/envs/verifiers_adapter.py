@@ -50,7 +50,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from forge_rl.envs.chat_client import MODEL_NAME, ChatActivity, ChatAgentEnvironment, ChatSession, run_watched
+from forge_rl.envs.chat_client import ChatActivity, ChatAgentEnvironment, ChatSession, run_watched
+from forge_rl.envs.chat_requests import MODEL_NAME
 from forge_rl.envs.graph import EpisodeGraph, Seat, TurnNode
 from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.runner import EpisodeLimits, GenerateTurn
