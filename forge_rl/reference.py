@@ -1,6 +1,6 @@
 """The generated references: docs/reference/configuration.md from the config dataclasses' field
 docstrings (what `forge-rl grpo --help` prints, as one page per run config), and
-docs/reference/metrics.md from the metric-name module, forge_rl/observability/metrics.py.
+docs/reference/metrics.md from the metric-name module, forge_rl/observability/metric_names.py.
 
     python -m forge_rl.reference            # write both under docs/reference/
     python -m forge_rl.reference --check    # exit 1 naming the stale files (the suite runs this)
@@ -195,11 +195,12 @@ class Metric:
 
 
 def metric_names() -> list[Metric]:
-    """Every string constant of forge_rl/observability/metrics.py that names a metric, in file
-    order, with the docstring under it (an attribute docstring, as for a dataclass field)."""
-    from forge_rl.observability import metrics
+    """Every string constant of the metric-name module (`forge_rl.observability.metric_names`) that
+    names a metric, in file order, with the docstring under it (an attribute docstring, as for a
+    dataclass field)."""
+    from forge_rl.observability import metric_names
 
-    source = Path(metrics.__file__).read_text()
+    source = Path(metric_names.__file__).read_text()
     body = ast.parse(source).body
     found = []
     for node, after in zip(body, body[1:] + [None]):
@@ -223,7 +224,7 @@ def metrics_page() -> str:
         _GENERATED,
         "",
         "The metric names that more than one module reads, as",
-        "[forge_rl/observability/metrics.py](../../forge_rl/observability/metrics.py) defines them: the keys",
+        "[forge_rl/observability/metric_names.py](../../forge_rl/observability/metric_names.py) defines them: the keys",
         "of metrics.jsonl (one object per trainer step), TensorBoard and W&B, and of the run summary's",
         "figures. A key ending in `/` is a prefix: `reward/components/<name>`. What each group means, and",
         "the keys a single component writes, is in [observability.md](../observability.md#metricsjsonl).",

@@ -17,7 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from forge_rl.core.columns import BatchColumns, batch_columns
 from forge_rl.errors import ConfigError
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.plumbing.port_calls import PortCalled, PortCalls, PortServed
 from forge_rl.training.trainer_config import TrainerConfig
 from forge_rl.training.trainer_steps import (

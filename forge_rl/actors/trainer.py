@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from monarch.actor import Actor, endpoint
 
 from forge_rl.core.columns import BatchColumns, batch_columns
-from forge_rl.observability.metrics import TRAINED_TOKENS, TRAINER_BATCHING_S, TRAINER_PUBLISH_S
+from forge_rl.observability.metric_names import TRAINED_TOKENS, TRAINER_BATCHING_S, TRAINER_PUBLISH_S
 from forge_rl.plumbing.cpu_affinity import pin_this_process
 from forge_rl.plumbing.gc_freeze import freeze_startup_objects
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due

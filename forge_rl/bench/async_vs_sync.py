@@ -33,7 +33,8 @@ from pathlib import Path
 from forge_rl.bench.common import run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S, run_summary
+from forge_rl.observability.metric_names import GENERATED_TOKENS_TOTAL, TRAINED_TOKENS, WALL_TIME_S
+from forge_rl.observability.metrics import run_summary
 from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 from forge_rl.observability.timeline import Timeline, busy_s, mean_sequences_in_flight, merged
 

@@ -42,7 +42,8 @@ from forge_rl.bench.common import (
 from forge_rl.config import GRPOConfig
 from forge_rl.core.branches import BranchConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S, final_reward, progress
+from forge_rl.observability.metric_names import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import final_reward, progress
 from forge_rl.observability.plot import headless_pyplot, read_metrics, save_figure
 
 VARIANTS = ("branch", "plain-equal", "plain-roots")

@@ -11,7 +11,8 @@ from typing import Any, cast
 
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metric_names import REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import FINAL_REWARD_WINDOW
 
 # Reward curves are smoothed over this many steps before reading off a time (final values use the
 # same window: metrics.final_reward).

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from forge_rl.bench.common import run_variant, steps_to
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S, progress
+from forge_rl.observability.metric_names import REWARD_COMPONENTS, REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, progress
 from forge_rl.observability.plot import plot_per_step, read_metrics
 
 TASK_REWARD_OF_DISTILLATION = f"{REWARD_COMPONENTS}/reward_fn"

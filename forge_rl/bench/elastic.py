@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import GENERATED_TOKENS_PER_S, NUM_GENERATORS, TRAINED_TOKENS_PER_S, progress
+from forge_rl.observability.metric_names import GENERATED_TOKENS_PER_S, NUM_GENERATORS, TRAINED_TOKENS_PER_S
+from forge_rl.observability.metrics import progress
 from forge_rl.observability.plot import read_metrics
 
 

@@ -30,7 +30,8 @@ from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import export_rows
 from forge_rl.errors import ConfigError
 from forge_rl.evaluation.config import EvalConfig, EvalSetConfig
-from forge_rl.observability.metrics import TRAINED_TOKENS, WALL_TIME_S, final_reward, progress
+from forge_rl.observability.metric_names import TRAINED_TOKENS, WALL_TIME_S
+from forge_rl.observability.metrics import final_reward, progress
 from forge_rl.observability.plot import read_metrics
 from forge_rl.pipeline.prompts import TaskRows
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import psutil
 
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S, progress
+from forge_rl.observability.metric_names import GENERATED_TOKENS_TOTAL, REWARD_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import progress
 from forge_rl.observability.plot import read_metrics
 from forge_rl.plumbing.reaper import kill_trees
 

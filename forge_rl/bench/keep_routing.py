@@ -505,7 +505,8 @@ def reward_curves(args: KeepRoutingArgs) -> dict:
 
     from forge_rl.bench.common import run_variant, seeded
     from forge_rl.config import GRPOConfig
-    from forge_rl.observability.metrics import MISMATCH_KL, REWARD_MEAN, final_reward
+    from forge_rl.observability.metric_names import MISMATCH_KL, REWARD_MEAN
+    from forge_rl.observability.metrics import final_reward
     from forge_rl.observability.plot import plot_per_step, read_metrics
     from forge_rl.yaml_config import load_yaml_config
 

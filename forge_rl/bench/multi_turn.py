@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge_rl.bench.async_vs_sync import AsyncVsSyncArgs, run_sync_and_async, write_summary
-from forge_rl.observability.metrics import (
+from forge_rl.observability.metric_names import (
     ENV_STEP_LATENCY_P50_S,
     ENV_STEP_LATENCY_P99_S,
     GENERATORS_IDLE_ON_ENV_FRACTION,

@@ -75,7 +75,7 @@ from typing import Any, Literal
 from forge_rl.bench.common import SMOOTHING_STEPS, seeded, smoothed, steps_to
 from forge_rl.config import GRPOConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability.metrics import (
+from forge_rl.observability.metric_names import (
     GENERATORS_IDLE_FRACTION,
     POLICY_AGE_MAX,
     REWARD_MEAN,
@@ -84,8 +84,8 @@ from forge_rl.observability.metrics import (
     TRAINER_DATA_WAIT_S,
     TRAINER_IDLE_FRACTION,
     WALL_TIME_S,
-    progress,
 )
+from forge_rl.observability.metrics import progress
 
 PEER_VENV = Path(".venv-trl")
 PEER_PACKAGES = ("trl", "transformers", "torch", "accelerate", "datasets")

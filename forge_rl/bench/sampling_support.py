@@ -23,7 +23,8 @@ from pathlib import Path
 
 from forge_rl.bench.common import run_variant
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import MISMATCH_KL, final_reward
+from forge_rl.observability.metric_names import MISMATCH_KL
+from forge_rl.observability.metrics import final_reward
 from forge_rl.observability.plot import plot_per_step, read_metrics
 
 _VARIANTS = {"full_vocabulary": False, "kept_set": True}

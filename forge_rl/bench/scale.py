@@ -84,7 +84,8 @@ from forge_rl.bench.scale_bounds import (
 from forge_rl.bench.scale_faults import faults, judge_accounting
 from forge_rl.bench.scale_runs import control_plane_config, max_concurrent_sequences, run_probed
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import GENERATED_TOKENS_TOTAL, progress
+from forge_rl.observability.metric_names import GENERATED_TOKENS_TOTAL
+from forge_rl.observability.metrics import progress
 from forge_rl.observability.plot import read_metrics
 
 if TYPE_CHECKING:

@@ -32,7 +32,8 @@ from typing import Literal
 from forge_rl.bench.common import SMOOTHING_STEPS, final_reward_spread, reuse_or_run_variant, seeded, smoothed, steps_to
 from forge_rl.bench.distill import final, task_rewards
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import WALL_TIME_S, progress
+from forge_rl.observability.metric_names import WALL_TIME_S
+from forge_rl.observability.metrics import progress
 from forge_rl.observability.plot import plot_per_step_panels, read_metrics
 from forge_rl.tasks import TaskName
 

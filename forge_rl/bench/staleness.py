@@ -17,13 +17,8 @@ from typing import TYPE_CHECKING, Literal
 
 from forge_rl.bench.common import run_variant, time_to_reward
 from forge_rl.config import GRPOConfig
-from forge_rl.observability.metrics import (
-    DROPPED_COMPLETIONS,
-    POLICY_AGE_MAX,
-    POLICY_AGE_MEAN,
-    WALL_TIME_S,
-    final_reward,
-)
+from forge_rl.observability.metric_names import DROPPED_COMPLETIONS, POLICY_AGE_MAX, POLICY_AGE_MEAN, WALL_TIME_S
+from forge_rl.observability.metrics import final_reward
 from forge_rl.observability.plot import headless_pyplot, plot_reward_curves, read_metrics, save_figure
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 
-from forge_rl.observability.metrics import MISMATCH_KL_BY_GENERATOR, MISMATCH_KL_FRESH_BY_GENERATOR
+from forge_rl.observability.metric_names import MISMATCH_KL_BY_GENERATOR, MISMATCH_KL_FRESH_BY_GENERATOR
 from forge_rl.types import Episode
 
 

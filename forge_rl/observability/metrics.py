@@ -1,387 +1,61 @@
-"""Run metrics: one JSON object per trainer step in metrics.jsonl, optional TensorBoard and W&B
-sinks (`log.tensorboard`, `log.wandb`), and a progress line on stderr.
-
-metrics.jsonl is the record of a run (`forge-rl plot` reads it); the other sinks get the same
-numbers: every numeric value as a scalar (a list of numbers, such as the generators' policy
-versions, as one scalar per index: `generator/policy_versions/0`), and the policy-age histogram as
-a histogram. A sink that fails is reported once and dropped; it never stops a run.
-"""
+"""What a run's metrics are made of: the figures of a trained batch (`batch_metrics`), of the
+episodes played (`EpisodeStats`), the run summary (`run_summary`), and the progress line on
+stderr. Their names are in `forge_rl.observability.metric_names`, where they go in
+`forge_rl.observability.sinks`."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING
 
 from forge_rl.core.advantages import has_signal
 from forge_rl.core.columns import exact_versions
+from forge_rl.observability.metric_names import (
+    AGENTS_PER_EPISODE,
+    COMPLETIONS_ERRORED,
+    DROPPED_COMPLETIONS,
+    ENV_STEP_LATENCY_P50_S,
+    ENV_STEP_LATENCY_P99_S,
+    EPISODE_STATUS_PREFIX,
+    EPISODES_PLAYED,
+    FORKED_SAMPLES_DROPPED,
+    GENERATED_TOKENS_PER_EPISODE,
+    GENERATORS_IDLE_FRACTION,
+    GENERATORS_IDLE_ON_ENV_FRACTION,
+    POLICY_AGE_DEPENDENCY_MAX,
+    POLICY_AGE_DEPENDENCY_MEAN,
+    POLICY_AGE_HISTOGRAM,
+    POLICY_AGE_MAX,
+    POLICY_AGE_MEAN,
+    REWARD_BY_SEAT,
+    REWARD_COMPONENTS,
+    REWARD_MEAN,
+    SPANNED_WEIGHT_UPDATE_FRACTION,
+    TOKENS_PER_EPISODE,
+    TOOL_ERROR_RATE,
+    TRAINER_BACKWARD_S,
+    TRAINER_BREAKDOWN,
+    TRAINER_FORWARD_S,
+    TRAINER_IDLE_FRACTION,
+    TRAINER_OPTIMIZER_S,
+    TRAINER_OVERHEAD_S,
+    TRUNCATED_KEPT_SETS,
+    TURNS_PER_EPISODE,
+    WALL_TIME_S,
+    ZERO_ADVANTAGE_FRACTION,
+)
 from forge_rl.types import Completion, CompletionStatus, Episode
 
 if TYPE_CHECKING:
     from forge_rl.envs.graph import EpisodeGraph
 
-# Names of the metrics that more than one module reads (the loop writes them; the summary, the
-# progress line, the plots and the benchmarks read them). Each one's docstring is its entry in
-# docs/reference/metrics.md (`make reference`).
-STEP = "step"
-"""Batches the trainer consumed: the step a record is of (1 for the first trained batch)."""
-WALL_TIME_S = "wall_time_s"
-"""Seconds since the loops started (the timeline's origin)."""
-REWARD_MEAN = "reward/mean"
-"""Mean reward of the step's completions, ERRORED ones aside."""
-TEACHER_POLICY_VERSION = "teacher/policy_version"
-"""Self-distillation: the policy version the pinned teacher serves (forge_rl/scoring/teacher.py `TeacherPin`)."""
-REWARD_COMPONENTS = "reward/components"
-"""Prefix of each reward component's mean over the step's scored completions:
-`reward/components/<name>` (forge_rl/scoring/scorers.py `Score.components`)."""
-LOSS = "loss"
-"""The batch-wide loss of the step (the policy loss and any KL or entropy terms)."""
-COMPLETIONS_ERRORED = "completions/errored"
-"""Completions of the step's batch that ERRORED (a reward function or environment failed): advantage 0, left out of the group's statistics."""
-POLICY_AGE_MAX = "policy_age/max"
-"""The largest age (trainer version minus sampling version) of a token that reached the loss; tokens masked for their age are not counted."""
-POLICY_AGE_MEAN = "policy_age/mean"
-"""The mean age of the tokens that reached the loss, by the version that sampled each."""
-POLICY_AGE_HISTOGRAM = "policy_age/histogram"
-"""{age: number of trained tokens} of one step, ages as strings (JSON object keys)."""
-POLICY_AGE_DEPENDENCY_MAX = "policy_age/dependency_max"
-"""The largest age of a trained token by the oldest weights it depends on: those that sampled it
-and those whose KV it attended to (forge_rl/core/columns.py `exact_versions`); what
-buffer.max_policy_age bounds. policy_age/max ages by the sampling version alone."""
-POLICY_AGE_DEPENDENCY_MEAN = "policy_age/dependency_mean"
-"""The mean of the same dependency ages over the trained tokens."""
-POLICY_VERSION = "policy_version"
-"""The trainer's version after the step (the versions it published; unchanged by a skipped step).
-With several policies (`policies`), each one's as `policy_version/<policy>` ("main": the run's own),
-and beside it `policy_age/max/<policy>`, `policy_age/dependency_max/<policy>` and
-`reward/mean/<policy>` of its part of the batch, its ages against its own version."""
-ZERO_ADVANTAGE_FRACTION = "groups/zero_advantage_fraction"
-"""The step's groups whose advantages are all zero (every completion scored alike): no learning signal."""
-POLICY_ENTROPY = "policy/entropy"
-"""Mean entropy (nats) of the policy's next-token distribution over the trained tokens."""
-MISMATCH_KL = "loss/mismatch_kl"
-"""Trainer-vs-sampler KL (k3) over the trained tokens, at the trainer's weights: numerics on tokens of
-the trainer's own version, plus the policy lag of older tokens (sampled by weights since updated)."""
-MISMATCH_KL_BY_GENERATOR = "mismatch_kl/generator"
-"""Prefix of the same KL per generator: `mismatch_kl/generator/<i>`. Tokens older than the trainer's
-version add their policy lag (the last updates' size), so it moves with the updates."""
-MISMATCH_KL_FRESH_BY_GENERATOR = "mismatch_kl_fresh/generator"
-"""Prefix of the KL per generator over its exact tokens, those whose turn so far was sampled at the
-trainer's version (absent for a generator with none that step; forge_rl/core/batching.py
-`exact_versions`): numerics alone while the generator serves the weights its versions name, whatever
-the updates (forge_rl/observability/health.py watches it)."""
-MISMATCH_ALARMS = "health/mismatch_alarms"
-"""Generators whose mismatch KL jumped this step (forge_rl/observability/health.py); each also printed as a warning."""
-TRUNCATED_KEPT_SETS = "completions/truncated_kept_sets"
-"""Trained tokens whose top-k/top-p kept set may have been cut to generator.max_support_ids (CPU
-engines): their importance ratios are biased above 1. 0 unless that limit is too low."""
-TRAINED_TOKENS = "num_tokens"
-"""Tokens the step trained (reported by the trainer)."""
-SIMULATED = "simulated"
-"""1 on the steps of a simulated trainer (trainer.engine sim): no loss, nothing learned."""
-STEP_SKIPPED = "step_skipped"
-"""1 when the step's loss or gradient norm was NaN or infinite: no optimizer step, the weights and the policy version stay as they were."""
-DATA_SKIPPED_ROWS = "data/skipped_rows"
-"""Rows of the data file passed over so far as too long for the context (data.too_long skip); each
-counted once, however many epochs met it."""
-DATA_EPOCH = "data/epoch"
-"""The epoch of the data file the next new prompt comes from (0 during the first pass)."""
-BRANCH_PIVOTS_TOTAL = "branch/pivots_total"
-"""Branch rollouts (docs/branches.md): pivots branched from, since the start."""
-BRANCH_COMPLETIONS_TOTAL = "branch/completions_total"
-"""Branch completions sampled (pivots x branch.branches_per_pivot)."""
-BRANCH_UNBRANCHED_TOTAL = "branch/unbranched_total"
-"""Completions the pivot rule found no pivot in: they train as plain samples."""
-BRANCH_PIVOT_ERRORS_TOTAL = "branch/pivot_errors_total"
-"""Completions left unbranched because branch.function raised or named a position outside them."""
-BRANCH_PREFIX_CACHE_HIT_FRACTION = "branch/prefix_cache_hit_fraction"
-"""Of the prefix tokens of branch requests (prompt and head), the fraction read from the
-generator's prefix cache: 0 where the weights changed between the pivot's sampling and its
-branches (the prefix is encoded afresh), near 1 where they did not."""
-BRANCH_TOKENS_TOTAL = "branch/tokens_total"
-"""Tokens the branches sampled."""
-GENERATED_TOKENS_TOTAL = "tokens/generated_total"
-"""Tokens every generator sampled since the run started, trained or not."""
-GENERATED_TOKENS_PER_S = "throughput/generated_tokens_per_s"
-"""Tokens sampled per second since the previous step, over every generator."""
-TRAINED_TOKENS_PER_S = "throughput/trained_tokens_per_s"
-"""Tokens the step trained over the step's wall time."""
-TRAINER_IDLE_FRACTION = "idle_fraction/trainer"
-"""Since the loops started, 1 - the trainer's busy time over elapsed time (`timeline.idle_fraction`)."""
-GENERATORS_IDLE_FRACTION = "idle_fraction/generators"
-"""Since the loops started, generator-seconds idle over generator-seconds (`timeline.idle_fraction`)."""
-DROPPED_COMPLETIONS = "buffer/dropped_completions"
-"""Completions the buffer dropped for their age since the start (older than buffer.max_policy_age)."""
-DROPPED_EPISODES = "buffer/dropped_episodes"
-"""Episodes (groups) the buffer dropped for their age since the start."""
-GENERATOR_POLICY_VERSIONS = "generator/policy_versions"
-"""The version each generator serves at the step, a list by generator index (one scalar per index in TensorBoard and W&B: `generator/policy_versions/<i>`)."""
-NUM_GENERATORS = "generator/count"
-"""Generators in the pool at the step (the run's num_generators, then as `forge-rl scale` changes it)."""
-WEIGHTS_FETCHED_BYTES_TOTAL = "weights/fetched_bytes_total"
-"""Bytes every generator's weight updates moved between hosts since the run started: one copy per
-version per remote host (store/host_copies.py), 0 when every generator shares the trainer's host."""
-
-# The train loop's critical path, per step, from the previous step's return to this one's
-# (forge_rl/run/loop.py `critical_path_breakdown`): waiting for data, the trainer's compute (rank 0's
-# forward, backward, optimizer), and everything else (batching, publishing the weights, messages,
-# the loop's bookkeeping; sampling the buffer only when the batch could not be taken ahead).
-TRAINER_DATA_WAIT_S = "trainer/data_wait_s"
-"""Waiting for the admission gate to have a batch (generation is behind): not overhead."""
-TRAINER_FORWARD_S = "trainer/forward_s"
-"""The forward pass of the step on rank 0 (the policy, and the reference where one is trained against)."""
-TRAINER_BACKWARD_S = "trainer/backward_s"
-"""Backward, and the LoRA adapters' gradient reduction."""
-TRAINER_OPTIMIZER_S = "trainer/optimizer_s"
-"""Gradient clipping and the AdamW step."""
-TRAINER_BATCHING_S = "trainer/batching_s"
-"""Building the padded/packed batch from the episodes, in the trainer's process."""
-TRAINER_PUBLISH_S = "trainer/publish_s"
-"""Snapshotting the new weights and handing them to the store's writer (the write itself is
-in the background)."""
-TRAINER_OVERHEAD_S = "trainer/overhead_s"
-"""The critical path minus data wait and compute: batching, publishing, sampling, messages and the
-loop's bookkeeping. The bookkeeping after a step (logging, checkpoints) counts in the next step."""
-
-# Environment episodes (forge_rl/envs/rollout.py), over those played since the previous step.
-EPISODES_PLAYED = "episodes/played"
-"""Environment episodes played since the previous step."""
-TURNS_PER_EPISODE = "episodes/turns_mean"
-"""Mean model turns per episode played since the previous step."""
-TOKENS_PER_EPISODE = "episodes/tokens_mean"
-"""Tokens of the trajectory's sequences, context included (what the context budget counts)."""
-GENERATED_TOKENS_PER_EPISODE = "episodes/generated_tokens_mean"
-"""Mean tokens the model sampled per episode (the trainable ones; environment text aside)."""
-TOOL_ERROR_RATE = "episodes/tool_error_rate"
-"""Malformed turns (a tool call that does not parse, an unknown tool) per model turn."""
-SPANNED_WEIGHT_UPDATE_FRACTION = "episodes/spanned_weight_update_fraction"
-"""Episodes whose generated tokens carry more than one policy version (a partial rollout)."""
-ENV_STEP_LATENCY_P50_S = "env/step_latency_p50_s"
-"""Median wall time of the environment resets and steps that answered since the previous step (timeouts are counted as statuses)."""
-ENV_STEP_LATENCY_P99_S = "env/step_latency_p99_s"
-"""The 99th percentile of the same wall times."""
-FORKED_SAMPLES_DROPPED = "episodes/forked_samples_dropped"
-"""Samples after a prefix break, not trained (forge_rl/envs/rollout.py says why)."""
-EPISODE_STATUS_PREFIX = "episodes/status/"
-"""`episodes/status/<status>`: agents' views that ended so (forge_rl/envs/trajectory.py,
-TrajectoryStatus); one per episode of a single-agent environment."""
-AGENTS_PER_EPISODE = "episodes/agents_mean"
-"""Agents whose views an episode trains (forge_rl/envs/graph.py); 1 for a single-agent environment."""
-REWARD_BY_SEAT = "reward/by_seat"
-"""`reward/by_seat/<seat>`: the mean reward of a multi-agent episode's agents of that seat, over
-the completions of the step (ERRORED ones aside)."""
-GENERATORS_IDLE_ON_ENV_FRACTION = "idle_fraction/generators_waiting_on_env"
-"""Since the loops started, generator-seconds with no turn in flight while episodes waited on
-environment calls (forge_rl/envs/rollout.py, EnvWaitClock), over all generator-seconds."""
-
-TRAINER_BREAKDOWN = (
-    TRAINER_DATA_WAIT_S, TRAINER_FORWARD_S, TRAINER_BACKWARD_S, TRAINER_OPTIMIZER_S,
-    TRAINER_BATCHING_S, TRAINER_PUBLISH_S, TRAINER_OVERHEAD_S,
-)  # fmt: skip
-TRAINER_STEP_CLOCK = frozenset({"step_time_s", TRAINER_FORWARD_S, TRAINER_BACKWARD_S, TRAINER_OPTIMIZER_S})
-"""The wall-clock readings among a `PolicyTrainer.train_step`'s metrics: everything else it
-returns is a pure function of the weights and the batch (what parity tests compare)."""
 
 FINAL_REWARD_WINDOW = 5
 """Final mean reward = mean of the last steps' batch rewards (one step is noisy at small batches)."""
-
-
-class MetricsSink(Protocol):
-    def log(self, step: int, metrics: dict) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class MetricsLogger:
-    def __init__(self, path: Path, total_steps: int, progress_every_s: float, sinks: Sequence[MetricsSink] = ()):
-        self.path = path
-        self.total_steps = total_steps
-        self.progress_every_s = progress_every_s
-        self.sinks = list(sinks)
-        self._last_progress = float("-inf")
-        self._num_skipped_steps = 0
-        self._num_errored = 0
-        self._file = open(path, "a", buffering=1)
-        self._first_line_at = self._file.tell()
-        """Where this logger's lines start in the file (a resumed run's earlier steps are before)."""
-
-    def logged(self) -> list[dict]:
-        """Every step's metrics this logger wrote, read back from its file: the run's history is
-        kept there, not in memory (a dict of every step's ~80 figures is about 7 KB; at the demo's
-        6 steps/s that grew the controller by 80 MB over a 30-minute soak)."""
-        self._file.flush()
-        with open(self.path) as written:
-            written.seek(self._first_line_at)
-            return [json.loads(line) for line in written]
-
-    def log(self, metrics: dict) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
-        self.log_to_sinks(metrics)
-        self._num_skipped_steps += bool(metrics.get(STEP_SKIPPED))
-        self._num_errored += metrics.get(COMPLETIONS_ERRORED, 0)
-        now = time.monotonic()
-        if now - self._last_progress >= self.progress_every_s or metrics[STEP] >= self.total_steps:
-            self._last_progress = now
-            progress(self.progress_line(metrics))
-
-    def log_to_sinks(self, metrics: dict) -> None:
-        """`metrics` (with its step) to the dashboards only: what has a file of its own, such as an
-        evaluation's record (RUN_DIR/eval.jsonl)."""
-        for sink in list(self.sinks):
-            try:
-                sink.log(metrics[STEP], metrics)
-            except Exception as e:  # a dashboard outage must not cost the run
-                progress(f"metrics sink {type(sink).__name__} failed and is turned off: {type(e).__name__}: {e}")
-                self.sinks.remove(sink)
-
-    def progress_line(self, metrics: dict) -> str:
-        """step 40/300 | reward 0.812 | loss -0.0123 | gen 950 tok/s | train 3100 tok/s | age<=1 | ..."""
-        step, wall_time_s = metrics[STEP], metrics.get(WALL_TIME_S, 0.0)
-        # A simulated trainer (trainer.engine sim) computes no loss, and its rewards mean nothing.
-        learning = (
-            []
-            if metrics.get(SIMULATED)
-            else [f"reward {metrics.get('reward/mean', math.nan):.3f}", f"loss {metrics.get('loss', math.nan):+.4f}"]
-        )
-        parts = [
-            f"step {step}/{self.total_steps}",
-            *(learning or ["SIMULATED"]),
-            f"gen {metrics.get('throughput/generated_tokens_per_s', 0):.0f} tok/s",
-            f"train {metrics.get('throughput/trained_tokens_per_s', 0):.0f} tok/s",
-            f"age<={metrics.get('policy_age/max', 0)}",
-            f"dropped {metrics.get('buffer/dropped_completions', 0)}",
-        ]
-        if self._num_errored:
-            parts.append(f"errored {self._num_errored}")
-        if self._num_skipped_steps:
-            parts.append(f"skipped steps {self._num_skipped_steps}")
-        eta_s = wall_time_s / max(step, 1) * (self.total_steps - step)
-        parts.append(f"{wall_time_s:.0f}s" + (f", eta {_duration(eta_s)}" if step < self.total_steps else ""))
-        return " | ".join(parts)
-
-    def close(self) -> None:
-        self._file.close()
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as e:
-                progress(f"metrics sink {type(sink).__name__} failed to close: {type(e).__name__}: {e}")
-        self.sinks = []
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-    )
-
-
-class SinkSettings(Protocol):
-    """What the sinks read of the run's `forge_rl.config.LogConfig` (read-only: the config is frozen)."""
-
-    @property
-    def tensorboard(self) -> bool: ...
-    @property
-    def wandb(self) -> bool: ...
-    @property
-    def wandb_project(self) -> str: ...
-    @property
-    def wandb_mode(self) -> Literal["offline", "online"]: ...
-
-
-def open_sinks(log: SinkSettings, run_path: Path, hparams: dict) -> list[MetricsSink]:
-    """The sinks `log` asks for, writing under `run_path`; `hparams` is the run's config as a dict."""
-    sinks: list[MetricsSink] = []
-    if log.tensorboard:
-        sinks.append(TensorBoardSink(run_path / "tensorboard"))
-    if log.wandb:
-        sinks.append(WandbSink(run_path, log.wandb_project, log.wandb_mode, hparams))
-    return sinks
-
-
-def scalars(metrics: dict) -> dict[str, float]:
-    """Every number in `metrics`, lists of numbers flattened to name/index; nested dicts left out."""
-    flat: dict[str, float] = {}
-    for name, value in metrics.items():
-        if isinstance(value, (bool, int, float)):
-            flat[name] = float(value)
-        elif isinstance(value, list):
-            flat.update({f"{name}/{i}": float(v) for i, v in enumerate(value) if isinstance(v, (int, float))})
-    return flat
-
-
-def policy_age_counts(metrics: dict) -> tuple[list[int], list[int]]:
-    """(ages, token counts) of the step's policy-age histogram, ages ascending."""
-    histogram = metrics.get(POLICY_AGE_HISTOGRAM) or {}
-    ages = sorted(int(age) for age in histogram)
-    return ages, [histogram[str(age)] for age in ages]
-
-
-class TensorBoardSink:
-    """Event files under `log_dir`: scalars by metric name, and the policy-age histogram."""
-
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
-
-    def log(self, step: int, metrics: dict) -> None:
-        for name, value in scalars(metrics).items():
-            self.writer.add_scalar(name, value, step)
-        ages, counts = policy_age_counts(metrics)
-        if ages:
-            # One bucket per age: bucket i spans (age - 0.5, age + 0.5].
-            self.writer.add_histogram_raw(
-                "policy_age",
-                min=ages[0],
-                max=ages[-1],
-                num=sum(counts),
-                sum=sum(a * c for a, c in zip(ages, counts)),
-                sum_squares=sum(a * a * c for a, c in zip(ages, counts)),
-                bucket_limits=[age + 0.5 for age in ages],
-                bucket_counts=counts,
-                global_step=step,
-            )
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbSink:
-    """A W&B run in `run_path`/wandb; offline mode needs neither network nor account."""
-
-    def __init__(self, run_path: Path, project: str, mode: Literal["offline", "online"], hparams: dict):
-        import wandb
-
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=project,
-            name=run_path.name,
-            dir=str(run_path),
-            mode=mode,
-            config=hparams,
-            # console="off": stdout stays the CLI's (its last line is the summary JSON).
-            settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True, disable_git=True),
-        )
-
-    def log(self, step: int, metrics: dict) -> None:
-        values: dict = scalars(metrics)
-        ages, counts = policy_age_counts(metrics)
-        if ages:
-            edges = [age - 0.5 for age in ages] + [ages[-1] + 0.5]
-            values["policy_age"] = self.wandb.Histogram(
-                np_histogram=(counts, edges)  # type: ignore[arg-type]  # wandb's stub asks for arrays; lists work too
-            )
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 def final_reward(history: Sequence[dict], num_steps: int = FINAL_REWARD_WINDOW) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 import tyro
 import yaml
 
-from forge_rl.observability.metrics import policy_age_counts
+from forge_rl.observability.sinks import policy_age_counts
 from forge_rl.observability.timeline import Timeline, busy_s
 
 

@@ -25,7 +25,7 @@ from forge_rl.core.branches import (
     pick_pivots,
     pick_turn_pivots,
 )
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.tasks.rewards import import_function
 from forge_rl.types import Completion, Episode
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from forge_rl.data.config import DataConfig
 from forge_rl.data.rows import Row
 from forge_rl.errors import ConfigError
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.tasks import TaskConfig, encode_task_prompt, make_task_prompt
 from forge_rl.tasks.reasoning_gym import reasoning_gym_row
 from forge_rl.tasks.synthetic import long_tail_length

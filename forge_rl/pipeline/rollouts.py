@@ -45,7 +45,7 @@ from forge_rl.envs.renderers import Renderer
 from forge_rl.envs.rollout import EnvWaitClock, TimedEnvironment, group_completions, play_group
 from forge_rl.envs.runner import ContextExhausted, GenerateTurn, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, generator_lost, raised_by_actor
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, token_versions_by_generator
 from forge_rl.observability.metrics import EpisodeStats, batch_metrics, progress
 from forge_rl.observability.timeline import Timeline, idle_fraction, watch_event_loop_lag

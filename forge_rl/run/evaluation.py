@@ -44,7 +44,7 @@ from forge_rl.types import Episode
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
-    from forge_rl.observability.metrics import MetricsLogger
+    from forge_rl.observability.sinks import MetricsLogger
 
 READER_ID = "evaluation"
 """The evaluation's name as a weight-store reader: its reservations are held under it."""

@@ -43,7 +43,8 @@ from forge_rl.core.checkpoint import (
 )
 from forge_rl.core.deadlines import within
 from forge_rl.errors import ProcessDied, ProcessNotStarted, TrainStepTimedOut
-from forge_rl.observability.metrics import MetricsLogger, open_sinks, progress, run_summary
+from forge_rl.observability.metrics import progress, run_summary
+from forge_rl.observability.sinks import MetricsLogger, open_sinks
 from forge_rl.plumbing.reaper import Reaper
 from forge_rl.plumbing.replies import rank_zero
 from forge_rl.run import launch

@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from forge_rl.core.deadlines import within
 from forge_rl.errors import TrainStepTimedOut, raised_by_actor
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.observability.health import TOKEN_VERSIONS_BY_GENERATOR, MismatchAlarm
-from forge_rl.observability.metrics import MetricsLogger, progress
+from forge_rl.observability.metrics import progress
+from forge_rl.observability.sinks import MetricsLogger
 from forge_rl.observability.timeline import Timeline, idle_fraction
 from forge_rl.plumbing.native_heap import trim_native_heap_if_due
 from forge_rl.plumbing.replies import rank_zero

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from forge_rl.errors import ConfigError
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.observability.timeline import Timeline
 from forge_rl.store.index import version_key
 from forge_rl.training.reference import ReferenceConfig

@@ -31,7 +31,8 @@ from forge_rl.actors.service_trainer import ServiceTrainerActor
 from forge_rl.errors import generator_lost, raised_by_actor
 from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from forge_rl.models.parallel import read_hf_config
-from forge_rl.observability.metrics import open_sinks, progress
+from forge_rl.observability.metrics import progress
+from forge_rl.observability.sinks import open_sinks
 from forge_rl.service.backend import (
     AdamStep,
     ForwardBackwardResult,

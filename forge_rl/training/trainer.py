@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from forge_rl.core.batching import TrainBatch
 from forge_rl.models.lora import LoRAAdapters
 from forge_rl.models.titan import build_titan_model, export_hf_state_dict, init_process_group_from_env, reshard
-from forge_rl.observability.metrics import (
+from forge_rl.observability.metric_names import (
     MISMATCH_KL_BY_GENERATOR,
     MISMATCH_KL_FRESH_BY_GENERATOR,
     POLICY_ENTROPY,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from forge_rl.core.branches import BranchConfig
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from tests.support.helpers import assert_every_prompt_accounted_for, run_config_file
 from tests.support.workers import REPO
 

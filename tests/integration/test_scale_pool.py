@@ -22,7 +22,7 @@ from apps.grpo.main import run
 from forge_rl.config import GRPOConfig
 from forge_rl.core.buffer import BufferConfig
 from forge_rl.engines.config import GeneratorConfig
-from forge_rl.observability.metrics import NUM_GENERATORS
+from forge_rl.observability.metric_names import NUM_GENERATORS
 from forge_rl.run.lifecycle import Lifecycle
 from forge_rl.run.scaling import ANSWER_FILE, CONTROL_DIR, request_scale
 from tests.support.helpers import assert_every_prompt_accounted_for

@@ -18,7 +18,7 @@ from forge_rl.core.batching import TrainBatch, make_train_batch
 from forge_rl.models.lora import LoRAConfig
 from forge_rl.models.lora_config import ATTENTION_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from forge_rl.models.titan import ParallelConfig, read_hf_config, validate_parallelism
-from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
+from forge_rl.observability.metric_names import TRAINER_STEP_CLOCK
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode

@@ -15,7 +15,7 @@ from forge_rl.bench.trainer import TrainerBenchArgs
 from forge_rl.bench.trainer import long_tail_episodes as bench_episodes
 from forge_rl.core.batching import make_train_batch
 from forge_rl.models.titan import ParallelConfig
-from forge_rl.observability.metrics import TRAINER_STEP_CLOCK
+from forge_rl.observability.metric_names import TRAINER_STEP_CLOCK
 from forge_rl.training.packing import layout_token_logprobs, plan_microbatches
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Episode

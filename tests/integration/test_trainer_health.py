@@ -13,7 +13,7 @@ from forge_rl.core.batching import make_train_batch
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
 from forge_rl.models.titan import read_hf_config
 from forge_rl.observability.health import MismatchAlarm, MismatchAlarmConfig, token_versions_by_generator
-from forge_rl.observability.metrics import POLICY_ENTROPY
+from forge_rl.observability.metric_names import POLICY_ENTROPY
 from forge_rl.tasks.tokenizer import VOCAB_SIZE
 from forge_rl.training.trainer import PolicyTrainer, TrainerConfig
 from forge_rl.types import Completion, Episode

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from forge_rl.observability.metrics import TRAINED_TOKENS
+from forge_rl.observability.metric_names import TRAINED_TOKENS
 from tests.support.helpers import assert_every_prompt_accounted_for, run_config_file
 from tests.support.workers import REPO
 

@@ -220,7 +220,7 @@ def assert_metric_keys_documented(records: list[dict]) -> None:
     missing = undocumented_metric_keys(records)
     assert not missing, (
         f"metrics.jsonl keys {missing} are in neither docs/reference/metrics.md nor docs/observability.md's table: "
-        "name them in forge_rl/observability/metrics.py (then `make reference`) or in that table"
+        "name them in forge_rl/observability/metric_names.py (then `make reference`) or in that table"
     )
 
 

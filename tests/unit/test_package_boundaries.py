@@ -33,6 +33,8 @@ CORE_MODULES = [
     "forge_rl.tasks.synthetic",
     "forge_rl.store.shm",
     "forge_rl.observability.metrics",
+    "forge_rl.observability.metric_names",
+    "forge_rl.observability.sinks",
     "forge_rl.core.accounting",
     "forge_rl.observability.timeline",
     "forge_rl.scoring.reward_workers",

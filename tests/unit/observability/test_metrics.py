@@ -3,14 +3,10 @@
 import pytest
 
 from forge_rl.core.buffer import BufferConfig, ReplayBuffer
-from forge_rl.observability import metrics as m
-from forge_rl.observability.metrics import (
-    POLICY_AGE_HISTOGRAM,
-    POLICY_AGE_MAX,
-    batch_metrics,
-    final_reward,
-    run_summary,
-)
+from forge_rl.observability import metric_names as m
+from forge_rl.observability import metrics
+from forge_rl.observability.metric_names import POLICY_AGE_HISTOGRAM, POLICY_AGE_MAX
+from forge_rl.observability.metrics import batch_metrics, final_reward, run_summary
 from tests.support.builders import make_completion, make_episode
 
 
@@ -78,21 +74,21 @@ def test_the_trainer_overhead_fraction_is_overhead_over_compute_plus_overhead_da
         m.TRAINER_FORWARD_S: 1.0, m.TRAINER_BACKWARD_S: 2.0, m.TRAINER_OPTIMIZER_S: 0.5,
         m.TRAINER_BATCHING_S: 0.1, m.TRAINER_PUBLISH_S: 0.2, m.TRAINER_OVERHEAD_S: 0.5,
     }  # fmt: skip
-    summary = m.trainer_overhead_summary([step, step])
+    summary = metrics.trainer_overhead_summary([step, step])
     assert summary["trainer_overhead_fraction"] == pytest.approx(1.0 / (7.0 + 1.0))
     assert summary["trainer_time_s"] == {
         "data_wait": 10.0, "forward": 2.0, "backward": 4.0, "optimizer": 1.0, "batching": 0.2, "publish": 0.4, "overhead": 1.0,
     }  # fmt: skip
-    assert m.trainer_overhead_summary([{m.STEP: 1}]) == {}  # a simulated trainer reports no breakdown
+    assert metrics.trainer_overhead_summary([{m.STEP: 1}]) == {}  # a simulated trainer reports no breakdown
 
 
 def test_the_generators_time_splits_into_forward_other_busy_and_idle_summed_over_generators():
     last = {m.WALL_TIME_S: 10.0, m.GENERATORS_IDLE_FRACTION: 0.25}  # 2 generators: 20 s, 15 s busy
-    summary = m.generator_time_summary([last], [{"forward_s": 4.0}, {"forward_s": 5.0}])
+    summary = metrics.generator_time_summary([last], [{"forward_s": 4.0}, {"forward_s": 5.0}])
     assert summary["generator_time_s"] == {"forward": 9.0, "busy_other": 6.0, "idle": 5.0}
     assert summary["generator_forward_fraction"] == pytest.approx(9.0 / 20.0)
     # A generator not serving at the end (or a simulated one) reports none: no split then.
-    assert m.generator_time_summary([last], [{"forward_s": 4.0}, {}]) == {}
+    assert metrics.generator_time_summary([last], [{"forward_s": 4.0}, {}]) == {}
 
 
 def test_zero_advantage_fraction_counts_groups_without_a_nonzero_advantage_on_a_trained_token():

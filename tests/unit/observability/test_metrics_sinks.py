@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from forge_rl.config import LogConfig
-from forge_rl.observability.metrics import MetricsLogger, TensorBoardSink, WandbSink, open_sinks
+from forge_rl.observability.sinks import MetricsLogger, TensorBoardSink, WandbSink, open_sinks
 
 STEPS = [
     {

@@ -18,8 +18,9 @@ from forge_rl.envs.renderers import PlainTextRenderer
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.envs.runner import EpisodeLimits, SampledTurn
 from forge_rl.errors import GeneratorFailed, GeneratorLost, TrainStepTimedOut
-from forge_rl.observability import metrics as m
-from forge_rl.observability.metrics import MetricsLogger
+from forge_rl.observability import metric_names as m
+from forge_rl.observability import metrics
+from forge_rl.observability.sinks import MetricsLogger
 from forge_rl.pipeline.rollouts import RolloutActors, Rollouts
 from forge_rl.run.loop import Pipeline, RunActors
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
@@ -1053,7 +1054,7 @@ def test_each_step_reports_its_data_wait_and_overhead_beside_the_trainers_comput
     assert all(h[m.TRAINER_DATA_WAIT_S] >= 0 and h[m.TRAINER_OVERHEAD_S] >= 0 for h in history)
     # The steps' critical paths follow one another: together they never exceed the loops' time.
     assert sum(h[m.TRAINER_DATA_WAIT_S] + h[m.TRAINER_OVERHEAD_S] for h in history) <= pipeline.timeline.now()
-    summary = m.trainer_overhead_summary(history)
+    summary = metrics.trainer_overhead_summary(history)
     assert summary["trainer_overhead_fraction"] == pytest.approx(1.0)  # no compute at all: all overhead
 
 

@@ -16,7 +16,8 @@ from forge_rl.config import GRPOConfig
 from forge_rl.data.config import DataConfig
 from forge_rl.errors import ConfigError
 from forge_rl.models.tiny import TinyModelConfig, create_tiny_model
-from forge_rl.observability.metrics import REWARD_COMPONENTS, REWARD_MEAN, batch_metrics
+from forge_rl.observability.metric_names import REWARD_COMPONENTS, REWARD_MEAN
+from forge_rl.observability.metrics import batch_metrics
 from forge_rl.run.preflight import check_data
 from forge_rl.scoring.score_writer import ScoreWriter
 from forge_rl.scoring.scorers import RewardFunctionScorer, ScorerConfig, WeightedSum, build_scorer
