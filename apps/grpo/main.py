@@ -170,6 +170,7 @@ async def spawn_policies(
             config.generate_timeout_s,
             config.update_timeout_s,
             adapters=config.adapter_serving(model_dir),
+            store_root=str(root),
         )
         trainer_procs = await hosts.spawn_ranks("trainer", config.trainer.num_procs, name=f"trainer-{policy.name}")
         trainer = trainer_procs.spawn(
@@ -214,6 +215,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
         config.generate_timeout_s,
         config.update_timeout_s,
         adapters=config.adapter_serving(model_dir),
+        store_root=store_root,
     )
     scoring = ScoringStage.spawn(
         config, services, hosts, model_dir, pad_id, store_index, store_root, lifecycle.run_path
@@ -232,6 +234,7 @@ async def spawn_actors(config: GRPOConfig, lifecycle: Lifecycle) -> Actors:
             config.generate_timeout_s,
             config.update_timeout_s,
             adapters=config.adapter_serving(model_dir),
+            store_root=store_root,
         )
     policies = await spawn_policies(config, lifecycle, hosts, pad_id)
     actors = Actors(

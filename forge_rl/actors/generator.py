@@ -51,6 +51,7 @@ class GeneratorActor(PortServed, Actor):
         cuda_devices: tuple[int, ...] | None = None,
         adapters: AdapterServing | None = None,
         cpus: tuple[int, ...] | None = None,
+        store_root: str | None = None,
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
@@ -59,6 +60,7 @@ class GeneratorActor(PortServed, Actor):
         # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
         # `cpus`: the cores of this process and of the engine processes it starts
         # (launch.placement.generator_cpus), pinned before the engine exists so they inherit them.
+        # `store_root`: the weight store its versions are loaded from (None: a simulated engine).
         # A simulated generator stands in for an engine on a host of its own: it yields this
         # machine's cores to the control plane it is measured against (SimEngineConfig.idle_priority).
         self.cpus = pin_this_process(cpus)
@@ -68,6 +70,7 @@ class GeneratorActor(PortServed, Actor):
             SimulatedEngine(config) if config.engine == "sim" else VLLMEngine(config, cuda_devices, adapters)
         )
         self.store_index = store_index
+        self.store_root = None if store_root is None else Path(store_root)
         self.store_client_id = store_client_id
         self.model_dir = Path(model_dir)
         self.max_model_len = max_model_len
@@ -214,25 +217,22 @@ class GeneratorActor(PortServed, Actor):
         return self._version_served
 
     @concurrent_endpoint
-    async def sample(
-        self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None, weights_dir: str | None
-    ) -> SampleResult:
+    async def sample(self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None) -> SampleResult:
         """The service's sampling (forge_rl/service/meshes.py): `VLLMEngine.sample` with the
-        adapter of `policy_version` (None: the base), which this generator loads from the weight
-        store first if it does not hold it (`weights_dir`: where that version is), beside the
-        adapters it serves."""
+        adapter of `policy_version` (None: the base), which this generator loads from its weight
+        store first if it does not hold it, beside the adapters it serves."""
         version = BASE_MODEL if policy_version is None else policy_version
         while True:
             try:
                 return await self.engine.sample(prompt_token_ids, spec, version, self.tokenizer.eos_id)
             except AdapterNotResident:
-                if weights_dir is None:
-                    raise  # the base model is always resident: only an adapter version has a directory to load
-                await self._serve_adapter(version, weights_dir)
+                if policy_version is None:
+                    raise  # the base model is always resident: only an adapter version is loaded
+                await self._serve_adapter(version)
 
-    async def _serve_adapter(self, policy_version: int, weights_dir: str) -> None:
+    async def _serve_adapter(self, policy_version: int) -> None:
         async with self.swap_lock:
-            store = await self._weight_store(Path(weights_dir).parent)
+            store = await self._weight_store()
             async with store.lease(version_key(policy_version)) as snapshot:  # vLLM reads it in add_lora
                 await self.engine.serve_adapter(Path(snapshot.path), policy_version, snapshot.info.get(ADAPTER_OF))
 
@@ -243,12 +243,11 @@ class GeneratorActor(PortServed, Actor):
         return await self.engine.generate_turn(prefix_token_ids, max_new_tokens, eos_id=self.tokenizer.eos_id)
 
     @concurrent_endpoint
-    async def update_weights(self, policy_version: int, weights_dir: str, exact: bool = False) -> dict:
-        """Serve `policy_version`, or the newest complete version after it, from the weight store;
-        `exact`: that version itself (an evaluation's generator, `load_version`).
+    async def update_weights(self, policy_version: int, exact: bool = False) -> dict:
+        """Serve `policy_version`, or the newest complete version after it, from this generator's
+        weight store; `exact`: that version itself (an evaluation's generator, `load_version`).
 
-        `weights_dir` is where the trainer writes that version; its parent names the store. The
-        version may still be being written: the store says when it is complete, and keeps it
+        The version may still be being written: the store says when it is complete, and keeps it
         until loaded. Prefetch and staging run while the engine decodes; the swap itself happens
         per `GeneratorConfig.swap_mode`. Returns the update's metrics (forge_rl/store/loader.py).
         """
@@ -256,18 +255,20 @@ class GeneratorActor(PortServed, Actor):
         async with self.swap_lock:
             if policy_version <= self.engine.policy_version:
                 return {"policy_version": self.engine.policy_version, STALL_S: 0.0, LOAD_S: 0.0}
-            loaded = await self.engine.serve_version(
-                policy_version, lambda: self._weight_store(Path(weights_dir).parent), exact
-            )
+            loaded = await self.engine.serve_version(policy_version, self._weight_store, exact)
         async with self.version_served:
             self.version_served.notify_all()
         return loaded
 
-    async def _weight_store(self, root: Path) -> WeightStore:
+    async def _weight_store(self) -> WeightStore:
         from forge_rl.store.client import WeightStore
 
-        if self.store is None or self.store.local.root != root:
-            self.store = WeightStore(self.store_index, root, self.store_client_id, extra_files_dir=self.model_dir)
+        if self.store_root is None:
+            raise RuntimeError("this generator was started without a weight store (a simulated engine loads none)")
+        if self.store is None:
+            self.store = WeightStore(
+                self.store_index, self.store_root, self.store_client_id, extra_files_dir=self.model_dir
+            )
         return self.store
 
     @endpoint

@@ -164,8 +164,11 @@ class GeneratorPool(PortServed, Actor):
         update_timeout_s: float,
         generator_class: type[GeneratorActor] = GeneratorActor,
         adapters: AdapterServing | None = None,
+        store_root: str | None = None,
     ):
         self.config = config
+        self.store_root = store_root
+        """The weight store each generator loads versions from (None: a simulated pool, which loads none)."""
         self.adapters = adapters
         """LoRA: each generator serves policy versions as adapters on the base (GRPOConfig.adapter_serving)."""
         self.placements = placements
@@ -180,8 +183,8 @@ class GeneratorPool(PortServed, Actor):
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.slots = [GeneratorSlot(i) for i in range(num_generators)]
-        self.latest_weights: tuple[int, str] | None = None
-        """(policy_version, weights_dir) of the newest published version: what a replacement loads."""
+        self.latest_version: int | None = None
+        """The newest published version: what a replacement loads."""
         self.recoveries: list[dict] = []
         self._watchdog: asyncio.Task | None = None
         self._host_watch: asyncio.Task | None = None
@@ -332,18 +335,13 @@ class GeneratorPool(PortServed, Actor):
 
     @concurrent_endpoint
     async def sample(
-        self,
-        index: int,
-        prompt_token_ids: list[int],
-        spec: SampleSpec,
-        policy_version: int | None,
-        weights_dir: str | None,
+        self, index: int, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None
     ) -> SampleResult:
         """Generator `index`'s `sample` (the service's): raises GeneratorLost if it died meanwhile."""
         with self.slots[index].generating_call():
             return await self._forward(
                 self.slots[index],
-                lambda actor: self._calls.call(actor, "sample", prompt_token_ids, spec, policy_version, weights_dir),
+                lambda actor: self._calls.call(actor, "sample", prompt_token_ids, spec, policy_version),
                 self.generate_timeout_s + self.update_timeout_s,  # it may load the adapter first
                 "sample call ran past generator.generate_timeout_s + generator.update_timeout_s",
             )
@@ -367,17 +365,17 @@ class GeneratorPool(PortServed, Actor):
             raise
 
     @concurrent_endpoint
-    async def update_weights(self, index: int, policy_version: int, weights_dir: str, exact: bool = False) -> dict:
+    async def update_weights(self, index: int, policy_version: int, exact: bool = False) -> dict:
         """Swap generator `index` to `policy_version` (`exact`: that version, never a newer one);
         raises GeneratorLost if it died or the update hung (its replacement loads the newest
         version itself)."""
-        if self.latest_weights is None or policy_version > self.latest_weights[0]:
-            self.latest_weights = (policy_version, weights_dir)
+        if self.latest_version is None or policy_version > self.latest_version:
+            self.latest_version = policy_version
         trim_native_heap_if_due()  # once a minute at most
         slot = self.slots[index]
         result = await self._forward(
             slot,
-            lambda actor: self._calls.call(actor, "update_weights", policy_version, weights_dir, exact),
+            lambda actor: self._calls.call(actor, "update_weights", policy_version, exact),
             self.update_timeout_s,
             "weight update ran past generator.update_timeout_s",
         )
@@ -547,6 +545,7 @@ class GeneratorPool(PortServed, Actor):
             placement.cuda_devices,
             self.adapters,
             placement.cpus,
+            None if self.config.engine == "sim" else self.store_root,
         )
         started = await within(
             self.config.start_timeout_s,
@@ -561,11 +560,11 @@ class GeneratorPool(PortServed, Actor):
         slot.policy_version = 0
         # Updates published while this engine started or loaded were not forwarded to it (the
         # slot was not serving): catch up until it holds the newest.
-        while self.latest_weights is not None and self.latest_weights[0] > slot.policy_version:
-            policy_version = self.latest_weights[0]
+        while self.latest_version is not None and self.latest_version > slot.policy_version:
+            policy_version = self.latest_version
             loaded = await within(
                 self.update_timeout_s,
-                slot.actor.update_weights.call_one(*self.latest_weights),
+                slot.actor.update_weights.call_one(policy_version),
                 # A hung load: this start attempt failed, the next one is on a fresh mesh.
                 functools.partial(
                     TimeoutError,

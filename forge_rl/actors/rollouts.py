@@ -97,15 +97,10 @@ class RolloutsActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def step_done(
-        self,
-        step: int,
-        skipped: bool,
-        policy_version: int,
-        weights_dir: str,
-        policies: dict[str, tuple[bool, int, str | None]] | None = None,
+        self, step: int, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int]] | None = None
     ) -> dict:
         trim_native_heap_if_due()  # once a minute at most
-        return await self.rollouts.step_done(step, skipped, policy_version, weights_dir, policies)
+        return await self.rollouts.step_done(step, skipped, policy_version, policies)
 
     @concurrent_endpoint
     async def stop_loops(self, finish_updates: bool) -> dict:
@@ -116,10 +111,8 @@ class RolloutsActor(PortServed, Actor):
         return self.rollouts.state_dict(include_episodes)
 
     @concurrent_endpoint
-    async def load_state_dict(
-        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None
-    ) -> int:
-        return await self.rollouts.load_state_dict(state, policy_version, weights_dir, policies)
+    async def load_state_dict(self, state: dict, policy_version: int, policies: dict[str, int] | None = None) -> int:
+        return await self.rollouts.load_state_dict(state, policy_version, policies)
 
     @concurrent_endpoint
     async def add_generator(self) -> dict:

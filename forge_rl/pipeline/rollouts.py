@@ -309,12 +309,7 @@ class Rollouts:
             self._batch_events.notify_all()
 
     async def step_done(
-        self,
-        step: int,
-        skipped: bool,
-        policy_version: int,
-        weights_dir: str,
-        policies: dict[str, tuple[bool, int, str | None]] | None = None,
+        self, step: int, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int]] | None = None
     ) -> dict:
         """Step `step` trained (or was `skipped`: a non-finite loss, nothing published): account for
         its batch, tell every generator about `policy_version` (not awaited), and answer with this
@@ -322,7 +317,7 @@ class Rollouts:
         TOKEN_VERSIONS_BY_GENERATOR, for the mismatch alarm's message), then the generators', the
         buffer's and the scoring stage's (its counters as of the step before: they are read off
         the train loop's path). `policies`: what each of config.policies' trainers made of its
-        part of the batch (skipped, its version, where that version is); the batch counts as
+        part of the batch (skipped, its version); the batch counts as
         trained if any policy trained on it."""
         batch = self.taken.pop(step)
         policies = policies or {}
@@ -335,7 +330,7 @@ class Rollouts:
         else:
             self.accounting.count_trained(batch.episodes)
             if not skipped:
-                self._updates.add(self._spawn(self._tell_generators(policy_version, weights_dir)))
+                self._updates.add(self._spawn(self._tell_generators(policy_version)))
             if self.rollouts_log is not None:
                 self.rollouts_log.writelines(
                     json.dumps(rollout_record(step, batch.train_version, episode)) + "\n" for episode in batch.episodes
@@ -354,7 +349,7 @@ class Rollouts:
         }
 
     def _policies_stepped(
-        self, batch: NextBatch, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int, str | None]]
+        self, batch: NextBatch, skipped: bool, policy_version: int, policies: dict[str, tuple[bool, int]]
     ) -> dict:
         """With config.policies: each policy's new version goes to its generators (not awaited),
         the buffer counts each one's tokens against its own version from now on, and the step's
@@ -365,12 +360,11 @@ class Rollouts:
         loss = self.config.trainer.loss
         metrics = {}
         trained_at: dict[str | None, int] = {None: policy_version - (0 if skipped else 1)}
-        for name, (policy_skipped, version, weights_dir) in policies.items():
+        for name, (policy_skipped, version) in policies.items():
             trained_at[name] = version - (0 if policy_skipped else 1)
             if not policy_skipped:
-                assert weights_dir is not None  # a trainer that stepped says where its version is (TrainStepResult)
                 self.policy_versions[name] = version
-                self._updates.add(self._spawn(self._tell_policy_generators(name, version, weights_dir)))
+                self._updates.add(self._spawn(self._tell_policy_generators(name, version)))
         for policy, version in trained_at.items():
             part = batch_metrics(
                 episodes_of_policy(batch.episodes, policy),
@@ -443,15 +437,13 @@ class Rollouts:
             ],
         }
 
-    async def load_state_dict(
-        self, state: dict, policy_version: int, weights_dir: str, policies: dict[str, tuple[int, str]] | None = None
-    ) -> int:
+    async def load_state_dict(self, state: dict, policy_version: int, policies: dict[str, int] | None = None) -> int:
         """Continue from a checkpoint (`state_dict`'s figures, the prompts to hand out again first
         as state["reissue"]): every generator serves `policy_version` before this returns, and
         before any rollout starts; with config.policies, each one's generators serve its version
-        in `policies` (name -> its version, where it is). Returns the number of episodes the
+        in `policies` (name -> its version). Returns the number of episodes the
         buffer holds now."""
-        for name, (version, _) in (policies or {}).items():
+        for name, version in (policies or {}).items():
             self.policy_versions[name] = version
         self.buffer.buffer.set_policy_offsets({name: v - policy_version for name, v in self.policy_versions.items()})
         buffered_versions = await self.buffer.load_state_dict(state["buffer"], policy_version)
@@ -488,11 +480,8 @@ class Rollouts:
             )
             self.salvaged = {}
         await asyncio.gather(
-            *(self._update_generator(i, policy_version, weights_dir) for i in range(self.config.num_generators)),
-            *(
-                self._tell_policy_generators(name, version, policy_dir)
-                for name, (version, policy_dir) in (policies or {}).items()
-            ),
+            *(self._update_generator(i, policy_version) for i in range(self.config.num_generators)),
+            *(self._tell_policy_generators(name, version) for name, version in (policies or {}).items()),
         )
         return len(buffered_versions)
 
@@ -883,16 +872,16 @@ class Rollouts:
 
     # Weights ----------------------------------------------------------------------------------
 
-    async def _tell_generators(self, policy_version: int, weights_dir: str) -> None:
+    async def _tell_generators(self, policy_version: int) -> None:
         """Start every generator's update to `policy_version`, UPDATES_PER_TURN per event-loop turn:
         128 update calls sent in one turn held the loop (the rollouts' replies, the train loop's
         next `next_batch`) for tens of milliseconds."""
         for position, index in enumerate(list(self.generators)):
             if position and position % UPDATES_PER_TURN == 0:
                 await asyncio.sleep(0)  # the rest of the loop's work runs between
-            self._updates.add(self._spawn(self._update_generator(index, policy_version, weights_dir)))
+            self._updates.add(self._spawn(self._update_generator(index, policy_version)))
 
-    async def _tell_policy_generators(self, policy: str, policy_version: int, weights_dir: str) -> None:
+    async def _tell_policy_generators(self, policy: str, policy_version: int) -> None:
         """Every generator of one of config.policies serves its `policy_version` (updated while
         decoding, as the run's own); a generator lost meanwhile loads the newest itself."""
         pool = self.actors.policy_generators[policy]
@@ -902,20 +891,21 @@ class Rollouts:
             with self.timeline.busy(f"{policy}/weights{index}"):
                 try:
                     self.calls[f"{policy}/generators.update_weights"] += 1
-                    await pool.update_weights.call_one(index, policy_version, weights_dir)
+                    await pool.update_weights.call_one(index, policy_version)
                 except Exception as e:
                     if generator_lost(e) is None:
                         raise
 
         await asyncio.gather(*(update(index) for index in range(size)))
 
-    async def _update_generator(self, index: int, policy_version: int, weights_dir: str) -> None:
-        """Tell generator `index` that `policy_version` is servable; it swaps while decoding."""
+    async def _update_generator(self, index: int, policy_version: int) -> None:
+        """Tell generator `index` that `policy_version` is servable (it knows its weight store); it
+        swaps while decoding."""
         self.gate.generator_updating(index, policy_version)
         with self.timeline.busy(f"weights{index}"):
             try:
                 self.calls["generators.update_weights"] += 1
-                result = await self.actors.generators.update_weights.call_one(index, policy_version, weights_dir)
+                result = await self.actors.generators.update_weights.call_one(index, policy_version)
             except Exception as e:
                 if generator_lost(e) is None:
                     raise

@@ -38,7 +38,6 @@ from forge_rl.observability.metrics import progress
 from forge_rl.pipeline.prompts import encode_row_prompt, open_file_source
 from forge_rl.scoring.score_writer import ScoreWriter
 from forge_rl.scoring.scorers import build_scorer
-from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Episode
 
@@ -286,13 +285,8 @@ class Evaluation:
             return
         if job.reserved:  # reserved ahead, so held from its commit: wait for that commit
             await self.store_index.wait_for_version.call_one(job.version)
-        assert self.store_root is not None  # only `forge-rl eval`, which queues no job, has no store
-        weights_dir = str(self.store_root / version_key(job.version))
         await asyncio.gather(
-            *(
-                self.generators.update_weights.call_one(i, job.version, weights_dir, True)
-                for i in range(self.eval.num_generators)
-            )
+            *(self.generators.update_weights.call_one(i, job.version, True) for i in range(self.eval.num_generators))
         )
         await self.evaluate_served(job.step, job.version, started)
 

@@ -446,13 +446,13 @@ class Lifecycle:
                     f"checkpoint {checkpoint} is inconsistent: policy {name!r}'s trainer state is at version "
                     f"{policy_loaded['policy_version']}, its controller state at {saved.policy_versions.get(name)}"
                 )
-            policies[name] = (policy_loaded["policy_version"], policy_loaded["weights/dir"])
+            policies[name] = policy_loaded["policy_version"]
         restore_rng_state(saved.rng)
         pipeline.step, pipeline.policy_version = saved.step, saved.policy_version
         for name, part in actors.checkpointed.items():
             await part.load_checkpoint(checkpoint / name)
         num_buffered = await actors.rollouts.load_state_dict.call_one(
-            dataclasses.asdict(saved), saved.policy_version, loaded["weights/dir"], *([policies] if policies else [])
+            dataclasses.asdict(saved), saved.policy_version, *([policies] if policies else [])
         )
         progress(
             f"resumed from {checkpoint}: step {saved.step}, policy version {saved.policy_version}, "

@@ -308,9 +308,8 @@ class Pipeline:
             step,
             trained.skipped,
             trained.policy_version,
-            trained.weights_dir,
             *(
-                [{name: (t.skipped, t.policy_version, t.weights_dir) for name, t in policies_trained.items()}]
+                [{name: (t.skipped, t.policy_version) for name, t in policies_trained.items()}]
                 if policies_trained
                 else []
             ),

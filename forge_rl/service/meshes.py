@@ -45,7 +45,6 @@ from forge_rl.service.backend import (
 )
 from forge_rl.service.config import ServeConfig
 from forge_rl.store.actors import StoreIndexActor, spawn_store
-from forge_rl.store.index import version_key
 from forge_rl.tasks.tokenizer import PromptTokenizer
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -127,6 +126,7 @@ class MeshBackend:
             run.generate_timeout_s,
             run.update_timeout_s,
             adapters=config.adapter_serving(model_dir),
+            store_root=store_root,
         )
         trainer = trainer_procs.spawn(
             "service_trainer",
@@ -319,11 +319,10 @@ class MeshBackend:
     async def sample(self, model_path: str | None, spec: SampleSpec) -> SampleResult:
         version = None if model_path is None else self._sampler_version(model_path)
         self._check_vocabulary(spec.prompt, "prompt")
-        weights_dir = None if version is None else str(self.store_root / version_key(version))
         for attempt in range(self.config.num_generators + 1):
             index = next(self._next_generator)
             try:
-                return await self.generators.sample.call_one(index, spec.prompt, spec, version, weights_dir)
+                return await self.generators.sample.call_one(index, spec.prompt, spec, version)
             except Exception as e:
                 if generator_lost(e) is None or attempt == self.config.num_generators:
                     raise _refused_or_raised(e) from e

@@ -246,7 +246,7 @@ class FakeGenerator:
             raise FakeActorError(ContextExhausted(f"the prefix has {len(prefix_token_ids)} tokens"))
         return SampledTurn([2], [-0.1], [self.policy_version], "stop")
 
-    async def _update_weights(self, policy_version: int, weights_dir: str, exact: bool = False) -> dict:
+    async def _update_weights(self, policy_version: int, exact: bool = False) -> dict:
         await self._hang_if("update_weights")
         self.policy_version = max(self.policy_version, policy_version)
         return {"policy_version": self.policy_version}

@@ -123,7 +123,7 @@ def test_a_weight_update_past_its_timeout_is_retried_on_fresh_meshes_until_one_l
     async def scenario():
         await under_test.call("start")
         with pytest.raises(GeneratorLost, match=r"hung: a weight update ran past generator.update_timeout_s"):
-            await under_test.call("update_weights", 0, 3, "/store/v00000003")
+            await under_test.call("update_weights", 0, 3)
         assert await under_test.call("wait_until_serving", 0) == 3
         await wait_until_async(lambda: host.meshes[1].stopped, "the second hung incarnation's mesh stopped")
         await wait_until_async(lambda: len(under_test.dropped_readers) == 2, "both hung incarnations' leases dropped")

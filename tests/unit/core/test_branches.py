@@ -18,7 +18,7 @@ from forge_rl.core.columns import batch_columns, exact_versions
 from forge_rl.engines.config import GeneratorConfig
 from forge_rl.envs.rollout import EnvironmentConfig
 from forge_rl.errors import ConfigError
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.observability.metrics import batch_metrics
 from forge_rl.pipeline.branching import Brancher
 from forge_rl.types import Completion, CompletionStatus, Episode, completion_from_dict, completion_to_dict

@@ -27,7 +27,7 @@ from forge_rl.envs.runner import EpisodeLimits, SampledTurn, turn_span
 from forge_rl.envs.sandbox import SandboxConfig
 from forge_rl.envs.trajectory import ContextSpan, GeneratedSpan, Trajectory, TrajectorySample, TrajectoryStatus
 from forge_rl.errors import ConfigError, GeneratorLost
-from forge_rl.observability import metrics as m
+from forge_rl.observability import metric_names as m
 from forge_rl.observability.metrics import EpisodeStats, batch_metrics
 from forge_rl.tasks.tokenizer import PromptTokenizer, save_char_tokenizer
 from forge_rl.training.losses.config import LossConfig

@@ -76,7 +76,7 @@ def make_pipeline(generate=None, config: GRPOConfig = CONFIG, renderer=None, pro
         metrics = {"num_tokens": 8, "step_skipped": 0, "policy_version": state["version"]}
         return TrainStepResult(state["version"], skipped=False, weights_dir="/nowhere", metrics=metrics)
 
-    async def update_weights(index, policy_version, weights_dir):
+    async def update_weights(index, policy_version):
         return {"policy_version": policy_version}
 
     async def wait_until_serving(index):
@@ -204,9 +204,9 @@ def test_a_group_decoded_in_segments_is_joined_in_order(tmp_path):
     taken = []
     step_done = rollouts.step_done
 
-    async def recording_step_done(step, skipped, policy_version, weights_dir):
+    async def recording_step_done(step, skipped, policy_version):
         taken.extend(rollouts.taken[step].episodes)
-        return await step_done(step, skipped, policy_version, weights_dir)
+        return await step_done(step, skipped, policy_version)
 
     rollouts.step_done = recording_step_done
     pipeline.actors.rollouts = local_actor(rollouts, *ROLLOUTS_ENDPOINTS)
@@ -322,7 +322,7 @@ def test_a_checkpoint_keeps_groups_mid_generation_and_a_resume_continues_them(tm
     pipeline, resumed = make_pipeline(config=SEGMENT_CONFIG, prompts=DistinctPrompts())
     generate_segment, calls = fake_segments(resumed)
     resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
-    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+    asyncio.run(resumed.load_state_dict(state, 0))
     history, accounting = run(pipeline, tmp_path)
     first_calls = {}
     for call in calls:
@@ -352,7 +352,7 @@ def test_a_resume_with_other_generation_settings_starts_afresh_or_takes_the_head
     pipeline, resumed = make_pipeline(config=config, prompts=DistinctPrompts())
     generate_segment, calls = fake_segments(resumed)
     resumed.actors.generators.generate_segment = FakeEndpoint(generate_segment)
-    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+    asyncio.run(resumed.load_state_dict(state, 0))
     _, accounting = run(pipeline, tmp_path)
     saved_tokens = 2 * SEGMENT_CONFIG.group_size * len(state["partial_groups"])
     if change == "no segments":
@@ -418,9 +418,9 @@ def test_a_resume_refuses_a_corrupt_partial_group_or_generates_its_prompts_afres
         with pytest.raises(
             ValueError, match="token id 1000000 is outside the model's vocabulary.*partial-groups-on-error regenerate"
         ):
-            asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+            asyncio.run(resumed.load_state_dict(state, 0))
         return
-    asyncio.run(resumed.load_state_dict(state, 0, "/nowhere"))
+    asyncio.run(resumed.load_state_dict(state, 0))
     _, accounting = run(pipeline, tmp_path)
     assert accounting["salvage_discarded_tokens"] == 2 * SEGMENT_CONFIG.group_size * len(state["partial_groups"])
     assert accounting["continued_after_resume"] == 0 and accounting["salvaged_tokens"] == 0
@@ -507,7 +507,7 @@ def test_a_stop_cancels_the_weight_updates_in_flight_instead_of_leaving_them_to_
         await asyncio.sleep(0)
         return [dataclasses.replace(p, completions=completions_for(p, group_size, 0)) for p in prompts]
 
-    async def update_weights_that_hang(index, policy_version, weights_dir):
+    async def update_weights_that_hang(index, policy_version):
         updates_in_flight.append(policy_version)
         try:
             await asyncio.Event().wait()  # never set
@@ -960,8 +960,8 @@ def test_an_episode_spanning_a_weight_update_keeps_each_tokens_version_stays_in_
     rollouts.make_env = make_env
     update_weights = rollouts.actors.generators.update_weights.function
 
-    async def update_then_release(index, policy_version, weights_dir):
-        result = await update_weights(index, policy_version, weights_dir)
+    async def update_then_release(index, policy_version):
+        result = await update_weights(index, policy_version)
         await rollouts.gate.generator_serves(index, policy_version)
         updated.set()
         return result
@@ -1142,8 +1142,8 @@ def test_a_generator_added_and_one_removed_mid_run_leave_the_accounting_exact(tm
     step_done = rollouts.step_done
     changes = []
 
-    async def changing_step_done(step, skipped, policy_version, weights_dir):
-        figures = await step_done(step, skipped, policy_version, weights_dir)
+    async def changing_step_done(step, skipped, policy_version):
+        figures = await step_done(step, skipped, policy_version)
         if step == 1:
             changes.append(await rollouts.add_generator())
         if step == 2:
