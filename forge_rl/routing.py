@@ -15,7 +15,7 @@ position) is the token's record. So for a completion token at sequence position 
 describes position p-1: the last prompt token's routing (computed in the prefill) for the first
 generated token, and the previous generated token's (a decode step) for the others. The other
 positions (the prompt but its last token, a trajectory's context) have no record and route
-normally, as the issue asks: they are the same tokens on both sides, so only numerics (not
+normally: they are the same tokens on both sides, so only numerics (not
 sampling) can split their routing, and a record of every prompt token would cost as much again.
 
 Layout: `RoutingRecord.expert_ids_GXK` is [G, X, K] for the G generated tokens of a completion (in

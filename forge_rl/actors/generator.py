@@ -33,9 +33,9 @@ from forge_rl.tasks.tokenizer import PromptTokenizer
 from forge_rl.types import Completion, Episode, SampleResult, SampleSpec
 
 if TYPE_CHECKING:
-    # Imported where used: the store's client imports torch (300 MiB resident per process where
-    # Monarch alone takes 95), which a simulated generator never needs; that difference is what
-    # lets 128 simulated generators fit in one machine's memory (`forge-rl bench scale`).
+    # Imported where used: the store's client imports torch (a process with it is resident several
+    # times larger than with Monarch alone), which a simulated generator never needs; that
+    # difference is what lets 128 simulated generators fit in one machine's memory (`forge-rl bench scale`).
     from forge_rl.store.actors import StoreIndexActor
     from forge_rl.store.client import WeightStore
 

@@ -532,7 +532,7 @@ class GeneratorPool(PortServed, Actor):
         host = this_host() if placement.host is None else placement.host
         slot.procs = spawn_procs(host, slot.mesh_name, env=engine_process_env())
         # A simulated generator loads no weights: without the store's handle its process never
-        # imports the store (nor torch), 95 instead of 300 MiB (forge_rl/actors/generator.py).
+        # imports the store (nor torch), a fraction of the memory (forge_rl/actors/generator.py).
         store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
             slot.mesh_name,

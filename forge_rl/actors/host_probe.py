@@ -15,8 +15,8 @@ class HostProbe(Actor):
     @endpoint
     async def facts(self, model_dir: str) -> dict:
         """Hostname, GPUs, usable cores, Monarch's RDMA backend, and whether `model_dir` is there.
-        Without torch where the host has no GPU driver (`local_gpu_count`): its import is ~3 s of
-        CPU on the way to every multi-host run's first spawn."""
+        Without torch where the host has no GPU driver (`local_gpu_count`): its import costs seconds
+        of CPU on the way to every multi-host run's first spawn."""
         from monarch.rdma import get_rdma_backend
 
         return {

@@ -5,7 +5,7 @@ does to the calls in flight and to the restart budget) and notice deaths two way
 Monarch reports a failed mesh to its owner (`__supervise__`, in each subclass: which report names
 the serving incarnation depends on its meshes), and this actor polls the OS pids of the serving
 incarnation's processes on its host every POLL_INTERVAL_S, acting on a death within that instead of
-Monarch's ~9 s. A dead incarnation's meshes are stopped in the background, never awaited (stopping
+waiting for Monarch's slower report. A dead incarnation's meshes are stopped in the background, never awaited (stopping
 a damaged mesh can hang).
 """
 

@@ -6,7 +6,7 @@ judge (a GeneratorActor serving the judge), each on a proc mesh of its own that 
 Monarch reports a failure to the owner of the failed mesh: owning them here, not in the controller,
 means a crash reaches `__supervise__` instead of the controller's fault hook (which stops the run).
 Like the generator pool (forge_rl/actors/generator_pool.py), it also polls the OS pids of the
-processes on its own host, and acts on a death within POLL_INTERVAL_S instead of Monarch's ~9 s.
+processes on its own host, and acts on a death within POLL_INTERVAL_S, before Monarch's slower report.
 
 Any death retires the whole incarnation (its meshes stopped without waiting on them) and starts a
 fresh one on fresh proc meshes (spawning onto a damaged mesh hangs): the scorer holds its models'

@@ -113,7 +113,7 @@ def compare(sync: dict, asynchronous: dict) -> dict:
 
 MIN_STEADY_STEPS = 30
 """Fewer steps than this and the first fill (in wall per step) and a few stragglers weigh enough to
-move the speedup by tens of percent: a 12-step run measured 2.18 against an overlap bound of 1.25."""
+move the speedup by tens of percent: a short run can report a speedup far above the overlap bound."""
 
 
 def caveats(speedup: float, overlap_bound: float, steps: int) -> list[str]:

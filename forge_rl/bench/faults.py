@@ -62,7 +62,7 @@ class FaultsBenchArgs:
     group_size: int = 4
     prompts_in_flight_per_generator: int = 8
     kill_delay_max_s: float = 2.0
-    """Each kill comes a random delay after its step, uniform in [0, this] (about a step here)."""
+    """Each kill comes a random delay after its step, uniform in [0, this] (about a step of this benchmark's run)."""
     seed: int = 0
     """Draws the kills' delays (the same in both modes)."""
     recovery_timeout_s: float = 300.0

@@ -66,14 +66,14 @@ class LoRASyncArgs:
     reward_lora_lr: float = 1e-3
     """Learning rate of the demo's LoRA runs (full fine-tuning keeps the recipe's 3e-4): the adapters
     start at B = 0 and carry all of the learning on a frozen base, so they take a larger step. From
-    the format base, 1e-3 ended at 0.973 and 3e-3 (LoRA's usual 10x) at 0.934, plateauing lower
-    (seeds 0 and 1, `forge-rl bench lora-sync`)."""
+    the format base, 1e-3 ends higher than 3e-3 (LoRA's usual 10x), which plateaus lower
+    (`forge-rl bench lora-sync`)."""
     reward_pretrain_steps: int = 200
     """Supervised steps that make the base both variants start from: the demo's model trained on its
     task's format, each problem followed by one of its two digits at random, so the base answers
     with a digit of the prompt but not the larger one (reward about 0.5) and GRPO must teach the
     comparison. LoRA adapts a base that knows the format, as it adapts a pretrained model; 0: both
-    from scratch, where the frozen random base leaves LoRA little to adapt (0.157 vs 0.933 measured)."""
+    from scratch, where the frozen random base leaves LoRA little to adapt (it ends far below full fine-tuning)."""
 
     @property
     def vocab_size(self) -> int:  # what `Load` draws prompt tokens from
@@ -150,7 +150,7 @@ def trainer_variant(model_path: str, lora: bool, rank: int, steps: int) -> dict:
         if i:
             times.append(time.perf_counter() - started)
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over exec, so a spawned worker
-    # would report its parent's peak (measured: both variants showed the bench process's 3576 MB).
+    # would report its parent's peak (both variants would show the bench process's).
     hwm_kb = next(
         int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")
     )
@@ -197,7 +197,7 @@ async def _updates(args, engine, trainer, store, publish, first_version: int) ->
             # v - max_policy_age is still decoding (the admission gate holds the step that would
             # leave it too stale), so an adapter's load never waits for requests older than that
             # to end before the oldest adapter can be unloaded. The load's requests outlive
-            # several of the benchmark's updates (32 tokens at 0.1-0.2 s a step); untimed. (Not
+            # several of the benchmark's updates (32 tokens, one decode step each); untimed. (Not
             # past the version served now, which new requests are submitted under: the first
             # adapter version follows the base.)
             await engine.wait_until_in_flight_since(min(version - args.max_policy_age, engine.policy_version))

@@ -7,8 +7,8 @@ and `trainer.engine sim` (forge_rl/engines/simulated.py): no model runs, tokens 
 decode and train steps are timed waits. What is measured is forge_rl's own work. Each simulated
 generator stands in for an engine on a GPU host of its own, so in parts 1 and 3 its process yields
 the cores to the run's others (Linux's SCHED_IDLE, `generator.sim.idle_priority`;
-`sim_generators_idle_priority` in the figures): 128 of them otherwise took 0.7 of the 2 cores here
-from the control plane. Part 2's eight run as the rest: there their answers set the pace.
+`sim_generators_idle_priority` in the figures): 128 of them at normal priority would take most of a
+small host's cores from the control plane. Part 2's eight run as the rest: there their answers set the pace.
 
 1. Control-plane overhead at each generator count G (`--generator-counts`), with a zero-cost
    trainer step and prompts per step P = prompts_per_generator_step x G, so every generator has work:
@@ -118,7 +118,7 @@ class ScaleArgs:
     faster than the GPUs would; the control plane's own costs then weigh ten times more)."""
     async_time_scale: float = 1.0
     """Wall seconds per simulated second in the async-vs-sync part. 1.0: the GPU-calibrated timings
-    as they are (its five runs take about 20 minutes). Faster, the 2 shared cores that run the
+    as they are (its five runs take tens of minutes). Faster, the shared cores that run the
     control plane, eight simulated engines and the trainer's process become what limits the
     asynchronous runs, not the schedule (docs/benchmarks/README.md, "scale")."""
     async_generators: int = 8
@@ -142,19 +142,19 @@ class ScaleArgs:
     async_max_policy_age: int = 8
     """Staleness bound A of the asynchronous runs whose figures are the headline ones."""
     async_more_max_policy_ages: tuple[int, ...] = (4,)
-    """More staleness bounds, each with its own asynchronous runs (about 3 minutes each at time
+    """More staleness bounds, each with its own asynchronous runs (minutes each at time
     scale 1) against the same synchronous run: `sim_by_max_policy_age` in the figures. At A = 4 the
     workload's longest completions (cut at 4,096 tokens), decoded at the engines' batch, about fill
     the A + 1 = 5 train steps they may span: where the tail starts to set the pace. (At 32 prompts a
-    step they kept a waiting run below 0.75 of the bound at A = 8, docs/benchmarks/README.md.)"""
+    step they keep a waiting run well below the bound at A = 8, docs/benchmarks/README.md.)"""
     skip_async_vs_sync: bool = False
     skip_partial_rollouts: bool = False
     """Skip the async-vs-sync part's third run: asynchronous with partial rollouts
     (buffer.wait_for_stragglers false, over-age tokens masked)."""
     fault_generators: int = 128
     """Generators of the faults part: the control plane's largest scale, where a tenth (13) are
-    replaced at once while the others serve; about 2 minutes on 2 shared cores (20 takes about
-    20 s, docs/benchmarks/README.md)."""
+    replaced at once while the others serve; minutes on a small shared CPU host (20 take far less,
+    docs/benchmarks/README.md)."""
     fault_kill_fraction: float = 0.1
     """Share of the faults part's generators whose processes are SIGKILLed (at least one)."""
     fault_prompts_in_flight_per_generator: int = 2
@@ -240,7 +240,7 @@ def _async_part_config(
         ),
         # At the same priority as the rest: eight stand-ins take little of the cores, and their
         # answers are the simulated GPUs' pace, which an idle-priority process behind a busy
-        # core delays (partial rollouts 0.807 of the bound against 0.838, docs/benchmarks/README.md).
+        # core delays (partial rollouts then fall further below the bound, docs/benchmarks/README.md).
         generator=dataclasses.replace(
             base.generator,
             sim=dataclasses.replace(base.generator.sim, time_scale=args.async_time_scale, idle_priority=False),

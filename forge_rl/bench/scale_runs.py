@@ -172,8 +172,8 @@ def run_probed(config: GRPOConfig, after_step=None, warmup_steps: int = 1) -> tu
 
     # Each in a process of its own: the machine's floor (the lag probe in a process that does
     # nothing else), and the generators' memory. Sampling 128 processes' memory from a thread of
-    # this one held the GIL for tens of milliseconds every half second: that was most of the
-    # controller's measured lag at G = 128.
+    # this one would hold the GIL for tens of milliseconds every half second: most of the
+    # controller's lag at G = 128.
     floor = _until_stdin_closes("probe_lag_until_stdin_closes()")
     memory = _until_stdin_closes(f"sample_generator_rss_until_stdin_closes({str(config.run_dir)!r})")
     try:

@@ -50,7 +50,7 @@ class SelfDistillArgs:
     """Trainer steps per run."""
     lr: float = 1e-3
     """trainer.lr of every variant: the regime. On the demo plain GRPO is steady at 3e-4 and 1e-3,
-    reaches 0.8 and falls back at 2e-3 (where the teachers helped), stalls at 3e-3 (docs/benchmarks/README.md)."""
+    reaches 0.8 and falls back at 2e-3 (where the teachers help), stalls at 3e-3 (docs/benchmarks/README.md)."""
     seeds: tuple[int, ...] = (0,)
     """Each variant runs once per seed, as trainer.seed, task.seed and generator.seed."""
     teacher_weight: float = 1.0

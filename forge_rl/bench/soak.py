@@ -214,7 +214,7 @@ def summarize(samples: list[dict], metrics: list[dict], config: GRPOConfig, args
             name: (role_end.get(name, 0.0) - role_start.get(name, 0.0)) / 2**20
             for name in sorted(set(role_start) | set(role_end))
         },
-        # Resident memory per role, the figure: the largest growth over the roles.
+        # Resident memory per role, the soak's headline figure: the largest growth over the roles.
         "rss_growth_fraction_by_role": dict(sorted(rss_growth.items())),
         "rss_growth_fraction_max": max(rss_growth.values(), default=None),
         **growth_slopes(after_warmup),

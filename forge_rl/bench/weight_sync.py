@@ -7,7 +7,7 @@ memcpy bandwidth measured in the same run (one thread, preallocated buffers, bes
    writes, as the trainer does) to a reader in its own proc mesh that waits for the version,
    leases it and copies it into preallocated tensors (what a model load does). publish-to-servable
    = time from the publish call to the reader holding a verified copy. Same-host readers map the
-   writer's file (transport shm); a second reader is forced onto RDMABuffer (TCP fallback here),
+   writer's file (transport shm); a second reader is forced onto RDMABuffer (TCP fallback without RDMA),
    the cross-host path: one read into its own /dev/shm, then the copy.
 2. Trainer step time with synchronous vs background publishing (a real PolicyTrainer on the
    served model, the dtype the generator serves).
@@ -55,7 +55,7 @@ class WeightSyncArgs:
     """Timed publishes per size, after two warm-ups (they allocate the shared-memory files that
     later versions recycle, and every process's mappings of them)."""
     rdma_max_mb: int = 1000
-    """Largest size also read by the RDMA reader (the TCP fallback moves about 1 GB/s here)."""
+    """Largest size also read by the RDMA reader (the TCP fallback is far slower than shared memory)."""
     trainer_steps: int = 3
     """Training steps per publishing mode in the trainer part; 0 skips it."""
     engine: bool = True
@@ -342,8 +342,8 @@ class Load:
         """Each request's length drawn from [max_new_tokens / 2, max_new_tokens] instead of all
         max_new_tokens. Requests of one length that start in the same step end in the same step,
         and their successors' prefills then share one step: with LoRA on CPU (vLLM gathers every
-        token's adapter matrices) such a step of 7 prefills took 0.8 s, against 0.15 s for a
-        decode step, and it landed next to whatever the benchmark timed."""
+        token's adapter matrices) such a step of several prefills takes several decode steps' time,
+        and it lands next to whatever the benchmark times."""
         self.stopping = False
         self.token_times: list[float] = []
         self.tasks = [asyncio.ensure_future(self._worker(i)) for i in range(args.concurrency)]

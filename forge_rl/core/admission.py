@@ -245,10 +245,10 @@ class AdmissionGate:
 
         A generator refused only because it is still swapping to the version the others serve
         holds back those with fewer rollouts waiting (more decoding): they are not admitted past
-        it. Otherwise the first engine to finish its swap took every slot the step freed, and kept
-        winning: over 30 simulated steps, eight engines ran from 67 to 246 groups each, and the
-        loaded engines' longest completions, decoded slowest, set the pace of the whole run under
-        the age bound (`forge-rl bench scale`). The slots wait for the swap
+        it. Otherwise the first engine to finish its swap would take every slot the step freed, and
+        keep winning: the engines' loads would drift several times apart, and the loaded engines'
+        longest completions, decoded slowest, would set the pace of the whole run under the age
+        bound (`forge-rl bench scale`). The slots wait for the swap
         instead, a fraction of a step.
 
         At most ADMISSIONS_PER_TURN per event-loop turn, then the pass goes on in the next turn:

@@ -214,8 +214,8 @@ def read_controller_state(checkpoint: Path) -> ControllerState:
 def capture_rng_state() -> dict[str, Any]:
     """This process's python, numpy and torch (CPU) RNG states as JSON-friendly values; numpy's and
     torch's only if this process imported them. The run's controller imports neither (torch's
-    import is ~3 s of CPU, docs/architecture.md; numpy's a fifth of a second, which the first
-    checkpoint held training for), and a library it never imported has drawn nothing to restore."""
+    import costs seconds of CPU, docs/architecture.md; numpy's less, but the first checkpoint would
+    hold training for it), and a library it never imported has drawn nothing to restore."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"python": [version, list(internal), gauss]}
     if "numpy" in sys.modules:

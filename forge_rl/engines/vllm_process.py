@@ -23,7 +23,7 @@ def engine_process_env() -> dict[str, str]:
 
     Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored before): every
     staged version repacks its linear weights into fresh oneDNN buffers, and with 4 KiB pages
-    their first touch cost up to 120k minor faults per 400 MB version here (where THP is
+    their first touch costs a minor fault per page of every version (where THP is
     "madvise", the common default, nothing else asks for huge pages). The engine core is forked
     from this process on CPU (`VLLMEngine._engine_core_start`), so it has this process's
     malloc settings."""

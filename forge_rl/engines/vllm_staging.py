@@ -12,7 +12,7 @@ imported only there, in the engine's worker process). `VLLMEngine` drives it by 
 Why not vLLM's `reload_weights` in the pause. On CPU, vLLM "repacks" linear weights after loading:
 `UnquantizedLinearMethod.process_weights_after_loading` calls `dispatch_cpu_unquantized_gemm`
 (vllm/model_executor/layers/utils.py), which builds a oneDNN matmul handle holding its own
-reordered copy of the weight (measured: mutating the source afterwards does not change the
+reordered copy of the weight (mutating the source afterwards does not change the
 results), sets `layer.cpu_linear` to call it, and replaces `layer.weight` by an empty tensor. So
 a parameter-by-parameter copy cannot update a linear layer (the bytes live in the handle), and the
 stock reload (vllm/model_executor/model_loader/reload/) must put every layer back on the meta

@@ -198,7 +198,7 @@ class ChatSession:
             reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
             raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, reason, "max_turns_exceeded")
         try:
-            # Renderers written before tools took no `tools` (forge_rl/envs/renderers.py Renderer).
+            # `tools` only when the request has some: a renderer may take none (forge_rl/envs/renderers.py Renderer).
             tools = {"tools": request.tools} if request.tools else {}
             prompt = self.renderer.render(request.messages, **tools)
         except Exception as e:

@@ -60,7 +60,7 @@ only, as forge_rl is not importable there) dies with its parent, enters new user
 network namespaces where permitted, mounts its size-capped tmpfs, sets no_new_privs and the
 rlimits, installs the Landlock ruleset and the seccomp filter (libseccomp through ctypes), reports on the pipe which mechanisms hold, and replaces itself with `python -I -S
 main.py`: all of it survives the exec. Why not RLIMIT_NPROC for the process limit: the kernel
-exempts uid 0 from it even inside a user namespace (tested here), so it cannot bind a root caller.
+exempts uid 0 from it even inside a user namespace, so it cannot bind a root caller.
 """
 
 from __future__ import annotations

@@ -59,9 +59,9 @@ DATA_FILE = ("data", "HumanEval.jsonl.gz")
 """The data file's path inside the package."""
 NUM_PROBLEMS = 164
 DEFAULT_SANDBOX = SandboxConfig(max_wall_time_s=20.0, max_cpu_time_s=5)
-"""Limits of one sample's run. All 164 canonical solutions together take about 10 CPU seconds,
-sandbox start-up included; the wide margins are for a busy machine, where a run's wall time
-stretches (4 s for one of them on two cores at load 10) while its CPU time does not. A sample
+"""Limits of one sample's run. A canonical solution takes a small fraction of them, sandbox
+start-up included; the wide margins are for a busy machine, where a run's wall time stretches
+many times over while its CPU time does not. A sample
 that loops is stopped by the CPU limit; the wall-clock limit stops one that sleeps."""
 DEFAULT_CONCURRENCY = 2
 """Sandboxes run at once. Each sample is one CPU-bound process: more than the machine's free cores

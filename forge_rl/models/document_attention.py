@@ -8,7 +8,7 @@ exactly TorchTitan's SDPA) or a boolean [B, 1, L, L] mask from `forge_rl.trainin
 `F.scaled_dot_product_attention`, which has a CPU kernel and backward for boolean masks.
 
 Imported only when a model is built (it subclasses TorchTitan's Module, and importing TorchTitan
-takes about 2.5 s).
+is slow).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ renames HF weights, the parallelize function, and the config.json values it can 
 Adding a dense family that TorchTitan already ships is one more row, not another branch.
 
 `family_for` checks a config.json against the table and only reads JSON, so the controller can
-call it before any trainer starts; `build_model_config` imports TorchTitan (about 2.5 s), so it
+call it before any trainer starts; `build_model_config` imports TorchTitan (a slow import), so it
 runs in the trainer processes only.
 
 Example: Qwen3-0.6B's config.json (architectures ["Qwen3ForCausalLM"], head_dim 128,

@@ -12,7 +12,7 @@ No Monarch here: the launcher only sets RANK/WORLD_SIZE/MASTER_*.
 Every workaround the pinned stack needs on CPU and gloo (shared/STACK.md) lives in this file:
 `_inner_attention_config`, `_point_torchtitan_at_cpu`, `_parallelism_config`, `_parallelize`.
 
-TorchTitan is imported inside the functions that use it (about 2.5 s to import), so importing this
+TorchTitan is imported inside the functions that use it (its import is slow), so importing this
 module costs torch alone.
 """
 

@@ -4,10 +4,10 @@
 whose turn so far was sampled at the trainer's own version, so that its weights computed the token
 and every KV it attended to (`mismatch_kl_fresh/generator/<i>`, reported by the trainer;
 forge_rl/core/columns.py `exact_versions`). There the two logprobs differ only by numerics and the KL
-sits at a steady small level (about 1e-9 in fp32 on CPU). A generator that serves other weights than
+sits at a steady small level (rounding error). A generator that serves other weights than
 its version labels say (an update that silently failed to apply, a stale adapter, another request's
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere
-this is how silently stale weights were caught. The alarm compares each generator's KL with its own
+this is how silently stale weights are caught. The alarm compares each generator's KL with its own
 running level and with the other generators' at the same step, and warns with the step, the
 generator and the versions its tokens were labelled with.
 
@@ -15,11 +15,11 @@ Other tokens are left out: the trainer no longer holds the weights that sampled 
 tokens), or they attended to KV of older weights (tokens after a mid-turn swap, swap_kv reuse), so
 their KL adds the policy lag, the size of the updates since, which no running level predicts. One
 step without a gradient (weights unchanged) leaves it at numerics, the next real update raises it a
-thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spanned 1e-9 to 0.09, and
-an alarm on it warned at 24-34 steps of healthy runs (docs/recipes.md, the calculator recipe).
+thousandfold: on the calculator recipe (max_policy_age 1) the all-token KL spans orders of magnitude,
+and an alarm on it warns at many steps of healthy runs (docs/recipes.md, the calculator recipe).
 
 A step may hold no exact token of a generator: single-turn async batches hold almost none (the
-demo at max_policy_age 1: at 1 step of 60; presumably because each batch is taken while the step
+demo at max_policy_age 1 holds one at hardly any step; presumably because each batch is taken while the step
 before it trains, before the trainer's version is published). Then only the other generators' KL
 over all their tokens at the same step compares (the same updates lag them all); a lone generator
 goes unchecked that step.

@@ -46,8 +46,8 @@ class MetricsLogger:
 
     def logged(self) -> list[dict]:
         """Every step's metrics this logger wrote, read back from its file: the run's history is
-        kept there, not in memory (a dict of every step's ~80 figures is about 7 KB; at the demo's
-        6 steps/s that grew the controller by 80 MB over a 30-minute soak)."""
+        kept there, not in memory (a dict of every step's figures is kilobytes; at the demo's step
+        rate that grows the controller without bound over a long soak)."""
         self._file.flush()
         with open(self.path) as written:
             written.seek(self._first_line_at)

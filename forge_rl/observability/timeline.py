@@ -5,8 +5,8 @@ teacher's refreshes), the rollouts' process (forge_rl/pipeline/rollouts.py) arou
 generator, the scoring stage or a weight update; both append to RUN_DIR/timeline.jsonl, in whole
 lines: each process gathers its ended intervals and appends them in one write to a file opened
 for appending (so the two never cut into each other's lines) at most every FLUSH_EVERY_S, and when
-it closes the timeline. (A write per interval, line-buffered, cost the rollouts' process 6% of its
-time at 128 generators.) Times are seconds since the
+it closes the timeline. (A write per interval, line-buffered, would cost the rollouts' process a
+noticeable share of its time at 128 generators.) Times are seconds since the
 origin (the start of the run's loops), which the rollouts take from the controller's wall clock.
 Concurrent calls on one component overlap; busy time is the length of their union.
 """

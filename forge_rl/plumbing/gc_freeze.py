@@ -2,13 +2,13 @@
 
 A process of a run holds a few million objects from its start (torch, TorchTitan, Monarch, the
 model, the configs) that live until it exits. CPython's full (generation 2) collection scans all of
-them, so every one stalled the process for 0.1-0.3 s on the CPU demo: measured with gc.callbacks
-over one `configs/grpo_tiny_cpu.yaml` run, 4 in the controller (0.82 s together, the longest 0.22 s,
-every rollout and the train loop waiting meanwhile) and 2 in the trainer (0.58 s, the longest
-0.32 s, inside a step). `gc.freeze()` moves every object alive now to a permanent generation that
-collections skip; objects made later are collected as before, so a full collection then scans only
-the run's own short-lived state. Cycles among the frozen objects are never freed, which costs
-nothing for objects that live as long as the process anyway.
+them, so every one stalls the process for a noticeable part of a step on the CPU demo
+(`configs/grpo_tiny_cpu.yaml`; gc.callbacks shows them): in the controller every rollout and the
+train loop wait meanwhile, in the trainer it falls inside a step. `gc.freeze()` moves every object
+alive now to a permanent generation that collections skip; objects made later are collected as
+before, so a full collection then scans only the run's own short-lived state. Cycles among the
+frozen objects are never freed, which costs nothing for objects that live as long as the process
+anyway.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ def make_torch_pickling_thread_safe() -> None:
     """torchmonarch 0.7 builds its torch-aware pickler lazily (`monarch._src.actor.pickle.
     _ensure_torch_pickle`) and marks it built before building it: a second thread pickling a
     message meanwhile finds it marked and calls a pickler that is still None ("TypeError:
-    'NoneType' object is not callable"). Two supervisors in one process starting at once did this on
-    a loaded machine (CI, test_frozen_model_recovery). Here the building is done under a lock, once,
+    'NoneType' object is not callable"). Two supervisors in one process starting at once meet it on
+    a loaded machine (test_frozen_model_recovery). Here the building is done under a lock, once,
     and a caller waits for it instead of racing past it."""
     from monarch._src.actor import pickle as monarch_pickle
 

@@ -4,11 +4,10 @@ A long run's processes allocate and free large native buffers over and over: the
 gathers and snapshots the whole model every step, its publish thread frees the snapshot, torch's
 temporaries come and go. glibc's `free` returns memory to the system only from the top of an
 arena; free chunks in the middle stay resident. In the soak (docs/benchmarks/README.md,
-"soak") the trainer's rank grew about 5 MB a minute while its live native allocations
-(`mallinfo2`'s in-use bytes) grew 3 KB a step: the rest was free memory its arenas kept.
-`malloc_trim(0)` returns the free pages of every arena; with it every 200 steps the rank's
-anonymous memory stayed at 437-446 MB over 2,200 steps (it grew 422 -> 470 MB in 8 minutes
-without).
+"soak") the trainer's rank keeps growing without a trim while its live native allocations
+(`mallinfo2`'s in-use bytes) barely do: the rest is free memory its arenas keep.
+`malloc_trim(0)` returns the free pages of every arena; with it now and then the rank's anonymous
+memory stays flat over the soak.
 
 A trim takes milliseconds, more on a fragmented heap, so `trim_native_heap_if_due` does it at most once a minute
 per process (the heap is the process's, whichever of its actors calls), from the call sites that

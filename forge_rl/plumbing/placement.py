@@ -449,7 +449,7 @@ def demand_of(config) -> RoleDemand:
 
 def local_gpu_count() -> int:
     """The CUDA devices this process sees. Asks torch only where a GPU driver is loaded: torch's
-    import is ~3 s of CPU that every run's controller would otherwise pay before spawning anything,
+    import costs seconds of CPU that every run's controller would otherwise pay before spawning anything,
     and without the driver's /proc entry (NVIDIA) or /dev/kfd (ROCm) torch finds no device."""
     if not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists()):
         return 0

@@ -1,11 +1,11 @@
 """Endpoint calls whose replies come back on one long-lived port per caller, for the calls made
 once per prompt (a generate, a scoring) that a long run makes millions of.
 
-Why not `call_one`: torchmonarch 0.7 keeps about 1.3 KB in the caller and 0.5 KB in the callee for
-every `call_one`, for the life of the process (apps/diagnostics/monarch_call_memory.py; the soak's
+Why not `call_one`: torchmonarch 0.7 keeps memory in the caller and in the callee for every
+`call_one`, for the life of the process (apps/diagnostics/monarch_call_memory.py; the soak's
 memory growth in docs/benchmarks/README.md). A `call_one` opens a reply port of its own; a message sent
-with `.broadcast` whose answer comes back on a port the caller opened once keeps about 26 B in the
-caller and 8 B in the callee (`--mode port_calls`). So the caller opens one port
+with `.broadcast` whose answer comes back on a port the caller opened once keeps a small fraction of
+that on either side (`--mode port_calls`). So the caller opens one port
 (`PortCalls`), sends each request with the port and a request number to the callee's
 `call_on_port` endpoint (`PortServed`), and one reader task hands each answer to its request's
 future.

@@ -1,12 +1,12 @@
 """End a process without the interpreter's final garbage collection.
 
 A process that imported torch, TorchTitan or vLLM holds millions of objects, and CPython's
-finalization collects them all before it exits: 2.2-3.0 s of CPU on the demo's machine for the
-trainer's, the services' and the controller's processes (py-spy: `gc_collect_main`), paid at the
-end of every run, after everything of the run was already saved and stopped. The trainer's even
-outlasted the controller's stop timeout (forge_rl/run/launch.py), so its stop was cut rather than
-finished. Freezing the objects at exit (`gc.freeze`) skips the collection too, but leaves native
-objects alive through module teardown, where nanobind reports triton's as leaked
+finalization collects them all before it exits: seconds of CPU for the trainer's, the services'
+and the controller's processes (py-spy: `gc_collect_main`), paid at the end of every run, after
+everything of the run is already saved and stopped. The trainer's can even outlast the
+controller's stop timeout (forge_rl/run/launch.py), which cuts its stop rather than finishing it.
+Freezing the objects at exit (`gc.freeze`) skips the collection too, but leaves native objects
+alive through module teardown, where nanobind reports triton's as leaked
 (forge_rl/plumbing/gc_freeze.py).
 
 `exit_now` does what finalization does that anyone relies on, in the order the interpreter does
@@ -53,18 +53,18 @@ def exit_now(code: object = 0) -> None:
 
 def shut_monarch_client_down(host_timeout_s: float, timeout_s: float) -> str | None:
     """Shut down the Monarch client this process may have started (one that spawns procs), now and
-    within `timeout_s`, as Monarch's atexit handler would, which allows 1 s and on a loaded machine
-    ran out during a run's stop, printing a TimeoutError traceback though the run had stopped
+    within `timeout_s`, as Monarch's atexit handler would, which allows 1 s: on a loaded machine
+    that runs out during a run's stop and prints a TimeoutError traceback though the run stopped
     cleanly. Returns None once it finished, else why it stopped waiting: the shutdown goes on
     natively until the process exits, as it would have. Monarch's later calls, the handler's
     included, return at once once a shutdown has begun; a process without a client returns at
     once here too.
 
-    A SIGINT during the wait ends the wait, not the exit: after a clean stop on a SIGTERM sent to
-    the controller alone, one arrived there (test_shutdown, a loaded machine; the sender untraced:
-    Monarch's teardown signals process groups with killpg, and a run started in a session of its
-    own is its processes' group) and its KeyboardInterrupt printed a traceback. Ignoring SIGINT
-    instead kept the wait going to its bound, and the run past its 10 s to stop."""
+    A SIGINT during the wait ends the wait, not the exit: one can arrive after a clean stop on a
+    SIGTERM sent to the controller alone (test_shutdown on a loaded machine; Monarch's teardown
+    signals process groups with killpg, and a run started in a session of its own is its
+    processes' group), and its KeyboardInterrupt would print a traceback. Ignoring SIGINT instead
+    would keep the wait going to its bound, and the run past its 10 s to stop."""
     from monarch.actor import shutdown_context
 
     try:

@@ -92,11 +92,10 @@ def _guard(parent: int, kill: list[psutil.Process], remove: list[str]) -> None:
 
 def kill_trees(processes: list[psutil.Process]) -> None:
     """SIGKILL to `processes` and every descendant they have. No SIGTERM first: a graceful stop
-    mostly talks to the process that just died. Measured here, vLLM's engine core given SIGTERM
-    after its front end was killed stopped its worker but had not exited 3 s later (its output
-    socket to the front end lingers up to 4 s on close, vllm/v1/engine/core.py); SIGKILL takes it,
-    its worker and their shared memory (unlinked by the resource tracker, see
-    VLLMEngine.start) in 0.2 s."""
+    mostly talks to the process that just died. vLLM's engine core given SIGTERM after its front end
+    was killed stops its worker but does not exit for seconds (its output socket to the front end
+    lingers up to 4 s on close, vllm/v1/engine/core.py); SIGKILL takes it, its worker and their
+    shared memory (unlinked by the resource tracker, see VLLMEngine.start) at once."""
     for process in processes:
         try:
             tree = [process, *process.children(recursive=True)]

@@ -8,7 +8,7 @@ from typing import Any
 def rank_zero(replies: Any) -> Any:
     """The reply of the mesh's first rank (rank 0 of the trainer or a frozen model): what
     `replies.item(procs=0)` returns, except that `item` imports Monarch's tensor engine, and with
-    it torch, ~3 s of CPU the run's controller paid at its first step for nothing else. `replies`
+    it torch, seconds of CPU the run's controller would pay at its first step for nothing else. `replies`
     may also be the list a port call on the mesh answers (forge_rl/plumbing/port_calls.py
     `PortCalls.call_each`, in rank order)."""
     for value in replies if isinstance(replies, list) else (value for _, value in replies.items()):

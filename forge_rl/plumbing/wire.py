@@ -2,7 +2,7 @@
 
 Monarch pickles every message with cloudpickle's Python-level pickler, whose Python hooks
 (`reducer_override`, Monarch's `persistent_id`) run for every object of the message: for a prompt
-or a scored group, hundreds of Python calls a message. At 128 generators that was about a sixth of
+or a scored group, hundreds of Python calls a message. At 128 generators that is a large share of
 the rollouts' process (py-spy, `forge-rl bench scale`), the process whose
 event-loop lag `bench scale` bounds. `packed(value)` pickles the value with the C pickler instead;
 the message then holds one bytes object, and unpickling it calls `pickle.loads` on those bytes, so
@@ -26,10 +26,10 @@ class _Packed:
 
 
 PACK_FROM_BYTES = 1024
-"""Smaller values go as they are: the reference to `pickle.loads` costs Monarch's pickler about
-10 us a message, more than it spends on a few numbers (a weight update's arguments: 5 us plain,
-15 us packed; a prompt: 20 us either way; a scored group of 8 completions: 298 us plain, 56 us
-packed; one core of this machine, `flatten` of the message's arguments)."""
+"""Smaller values go as they are: the reference to `pickle.loads` costs Monarch's pickler more per
+message than it spends on a few numbers (packed, a weight update's arguments take longer to flatten,
+a prompt as long, a scored group of 8 completions several times less; `flatten` of the message's
+arguments on one core)."""
 
 
 def packed(value: Any) -> Any:

@@ -66,8 +66,8 @@ SPAWN_MAX_IDLE = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
 
 MONARCH_DEFAULTS = {
     # Monarch gives up on a process spawn that shows no progress for 30 s. 128 generator processes
-    # starting at once on 2 busy cores took longer (`forge-rl bench scale`, control plane and
-    # faults at G = 128); a spawn that truly hangs still fails, after 3 minutes.
+    # starting at once on a small, busy CPU host can take longer (`forge-rl bench scale`, control
+    # plane and faults at G = 128); a spawn that truly hangs still fails, after 3 minutes.
     SPAWN_MAX_IDLE: "180s"
 }
 """Monarch settings of forge_rl's, set as environment defaults (`set_monarch_defaults`)."""

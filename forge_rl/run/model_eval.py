@@ -403,7 +403,7 @@ async def _generators(config: GRPOConfig, model_dir: Path):
             config.generate_timeout_s,
             config.update_timeout_s,
         )
-        progress(f"starting {config.eval.num_generators} vLLM engine(s) on {model_dir} (about 20 s on a CPU)")
+        progress(f"starting {config.eval.num_generators} vLLM engine(s) on {model_dir} (tens of seconds on a CPU)")
         try:
             await pool.start.call_one()
             yield pool

@@ -216,7 +216,7 @@ class RewardModelTraining:
 def train_reward_model(training: RewardModelTraining = RewardModelTraining()) -> dict:
     """Create a tiny Llama sequence classifier with the character tokenizer from scratch, fit it
     to the task's correctness labels (binary cross-entropy on its logit), save it to `training.out`;
-    returns {train_s, heldout_accuracy, ...}. About 30 s on two CPU cores with the defaults."""
+    returns {train_s, heldout_accuracy, ...}. Tens of seconds on a CPU with the defaults."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 

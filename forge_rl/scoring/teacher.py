@@ -403,9 +403,9 @@ def center_on_group(token_rewards: list[list[float]], generated: list[list[bool]
     pushed down, by amounts that swing with how unlikely the teacher finds it, and the one the
     teacher prefers is found only through the renormalization. Subtracting what the group's other
     samples got at that position (a baseline, as GRPO subtracts its group mean from the outcome)
-    leaves each token's advantage relative to its alternatives: measured on the demo
-    (`forge-rl bench distill`, docs/benchmarks/README.md), from scratch the raw signal learned slower than
-    GRPO and the centered one faster. The baseline leaves the sample itself out, so it does not
+    leaves each token's advantage relative to its alternatives: on the demo from scratch
+    (`forge-rl bench distill`, docs/benchmarks/README.md), the raw signal learns slower than GRPO
+    and the centered one faster. The baseline leaves the sample itself out, so it does not
     depend on the token it judges (RLOO's baseline) and a position one sample alone reaches keeps
     its signal instead of being centered to exactly 0. Positions are compared as they are (token t
     of each sample), the same prefix length under the same prompt."""

@@ -44,7 +44,7 @@ async def serve(
         hosts = await launch.start_hosts(run, lifecycle.model_dir)
         lifecycle.stop_at_exit(hosts)
         backend = await MeshBackend.spawn(config, hosts, lifecycle)
-        progress("starting the vLLM engine(s) and the trainer (engine start takes about 20 s on a CPU)")
+        progress("starting the vLLM engine(s) and the trainer (engine start takes tens of seconds on a CPU)")
         started = await backend.start()
         app = build_app(backend, config.api_key, ServiceLimits(max_body_bytes=int(config.max_request_mb * 2**20)))
         server = ServiceServer(app, config.host, config.port)

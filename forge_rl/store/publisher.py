@@ -38,7 +38,7 @@ class PublishConfig:
     """Write to shared memory in a worker thread while the next step trains; False writes before
     train_step returns (what `forge-rl bench weight-sync` compares)."""
     checksum: bool = True
-    """Record a checksum per tensor (XXH3-64, about 38 GB/s, in the writer thread) for readers to verify."""
+    """Record a checksum per tensor (XXH3-64, faster than the copy, in the writer thread) for readers to verify."""
 
     def torch_dtype(self) -> torch.dtype:
         import torch

@@ -13,10 +13,10 @@ sees a complete snapshot (rename is atomic within one filesystem). The writer ma
 copies each tensor straight into its slot: one memcpy per tensor, dtype conversion fused in.
 
 Why recycle files and keep mappings: the first write to a fresh tmpfs page faults and zeroes it,
-and every page of a fresh mapping faults once more to enter the page table. Measured on this
-machine (1 thread, 500 MB): memcpy 19 GB/s; into a fresh /dev/shm file 2.7-3.4 GB/s; into an
-existing file through a fresh mapping 4.6 GB/s (reading 10 GB/s); through a mapping kept from
-before 18.8 GB/s (reading 19.5 GB/s). So a deleted snapshot's file moves to `.free/`, the next
+and every page of a fresh mapping faults once more to enter the page table. Writing into a fresh
+/dev/shm file runs several times slower than memcpy, and into an existing file through a fresh
+mapping (reading too) still well below it; only through a mapping kept from before do writes and
+reads run at about memcpy's speed. So a deleted snapshot's file moves to `.free/`, the next
 write of about the same size takes it (`max_free_files` bounds the pool), and every process keeps
 its mappings per inode (`map_file`), so a recycled file is written and read through page tables
 that already exist. A mapping is dropped once its file is unlinked (its pages are then freed).
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     import torch
 # torch is imported by the methods that touch tensors: the run's controller (which makes and
 # removes the root) and the services' process (the volume serves files) import this module and
-# hold no tensor, and torch's import is ~3 s of CPU at every run's start.
+# hold no tensor, and torch's import costs seconds of CPU at every run's start.
 
 _PARTIAL = ".partial"
 FREE_DIR = ".free"

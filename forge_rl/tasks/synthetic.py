@@ -4,7 +4,7 @@ Each task maps a random draw to (prompt, answer); the reward checks the number t
 Prompts are derived from (seed, index) alone, so the dataset cursor fully determines what comes
 next: resuming at cursor k replays exactly the prompts an uninterrupted run would have seen.
 
-    max_of_two   "M37=" -> "7"      (learns from scratch: about 0.01 -> 0.9 in 35 s of plain GRPO)
+    max_of_two   "M37=" -> "7"      (learns from scratch: from chance to most answers right in plain GRPO)
     copy_digit   "C5="  -> "5"
     add_mod10    "A37=" -> "0"      (needs a short supervised warm-up to leave chance level)
     repeat_digit "R8=" -> "888888888888" (the digit, REPEAT_LENGTHS[digit] times: answers of 1 to
