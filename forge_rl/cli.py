@@ -32,7 +32,7 @@ _SUBCOMMANDS = {
 
 _CLIENT_SHUTDOWN_S = 5.0
 """How long the controller's exit lets Monarch's client shut down (its own atexit handler allows 1 s,
-which a loaded machine overran after a Ctrl-C: forge_rl/plumbing/process_exit.py)."""
+which a loaded machine overran after a Ctrl-C: `forge_rl.plumbing.process_exit`)."""
 
 _USAGE = (
     "usage: forge-rl {"
@@ -46,7 +46,8 @@ _USAGE = (
 def main(argv: list[str] | None = None) -> None:
     """The `forge-rl` program (pyproject's script, `python -m forge_rl.cli`): runs the subcommand,
     then ends the process without the interpreter's final garbage collection, which after a run
-    spends seconds freeing what the exit frees anyway (forge_rl/plumbing/process_exit.py). `run` is the same without ending the process."""
+    spends seconds freeing what the exit frees anyway (`forge_rl.plumbing.process_exit`). `run` is the same without
+    ending the process."""
     from forge_rl.plumbing.process_exit import exit_now
 
     try:
@@ -120,7 +121,7 @@ def _run_grpo(args: list[str]) -> None:
     run = recipe("grpo")
     try:
         summary = asyncio.run(_cancelled_by_sigterm(run(config)))
-    except ConfigError as e:  # preflight (forge_rl/run/preflight.py): this machine or these files cannot run it
+    except ConfigError as e:  # preflight (`forge_rl.run.preflight`): this machine or these files cannot run it
         _fail(f"cannot start the run: {e}")
     # A process died, hung or never started, a scorer, reference model or teacher kept dying, or
     # no group had a signal for too long; every process was stopped.

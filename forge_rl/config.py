@@ -55,7 +55,7 @@ _DECODE_STEP_ALLOWANCE_S = 1.0
 demo's tiny model or a 100M-parameter one on a CPU (`forge-rl bench weight-sync`) or of a model on a GPU.
 A second per step is reached only by an engine that has all but stopped."""
 _UPDATE_TIMEOUT_S = 600.0
-"""A weight update end to end (forge_rl/store/loader.py): a small fraction of this for a small model, cross-host
+"""A weight update end to end (`forge_rl.store.loader`): a small fraction of this for a small model, cross-host
 included (`forge-rl bench weight-sync`, docs/benchmarks/README.md); the slowest legitimate case in
 view, a 100+ GB model fetched over Monarch's TCP fallback, takes minutes.
 Updates of one generator run one at a time, so an update may first wait out the one before it."""
@@ -114,15 +114,15 @@ class LogConfig:
     wandb_project: str = "forge_rl"
     """W&B project name; the W&B run is named after the run directory."""
     mismatch_alarm: MismatchAlarmConfig = field(default_factory=MismatchAlarmConfig)
-    """Warn when a generator's sampler mismatch jumps (forge_rl/observability/health.py): on by default."""
+    """Warn when a generator's sampler mismatch jumps (`forge_rl.observability.health`): on by default."""
     event_loop_lag: bool = False
-    """Time the rollouts' event loop (forge_rl/pipeline/rollouts.py): how late a 10 ms timer fires, every 10 ms,
+    """Time the rollouts' event loop (`forge_rl.pipeline.rollouts`): how late a 10 ms timer fires, every 10 ms,
     reported at the end of the run (`forge-rl bench scale` turns it on)."""
     rollouts: bool = False
     """Write every trained episode to RUN_DIR/rollouts.jsonl as its step is accounted for: step,
     episode id, generator, prompt (text and ids) and each completion's text, reward, status, token
     ids, logprobs, policy versions and tokens trained, and its agent in a multi-agent environment
-    (forge_rl/pipeline/rollouts.py, `rollout_record`)."""
+    (`forge_rl.pipeline.rollouts.rollout_record`)."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline needs no network or account: upload later with `wandb sync RUN_DIR/wandb/offline-run-*`.
     online streams to the W&B server (needs `wandb login`)."""
@@ -197,17 +197,17 @@ class GRPOConfig:
     """The frozen reference model of the KL penalty; spawned only when trainer.loss.kl_beta > 0."""
     publish: PublishConfig = field(default_factory=PublishConfig)
     """How the trainer publishes each version to the weight store (dtype, background write,
-    checksums): forge_rl/store/publisher.py, docs/weight_store.md."""
+    checksums): `forge_rl.store.publisher`, docs/weight_store.md."""
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """The hosts of the run and where each role runs (docs/multi_host.md); this machine by default."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation at exact policy versions beside training, on eval sets from files
-    (forge_rl/evaluation/config.py, docs/evaluation.md); none by default."""
+    (`forge_rl.evaluation.config`, docs/evaluation.md); none by default."""
     policies: tuple[PolicyConfig, ...] = ()
     """More policies beside the run's own, each playing the seats of a multi-agent environment it
-    names with weights, a trainer, generators and versions of its own (forge_rl/core/policies.py,
+    names with weights, a trainer, generators and versions of its own (`forge_rl.core.policies`,
     docs/environments.md "Several policies"); none by default: the run's policy plays every seat."""
 
     @property
@@ -259,7 +259,7 @@ class GRPOConfig:
 
     @property
     def max_episodes_queued(self) -> int:
-        """Most episodes admitted and not yet trained (forge_rl/core/admission.py) = min(
+        """Most episodes admitted and not yet trained (`forge_rl.core.admission`) = min(
         (buffer.max_policy_age + 1) * prompts_per_step with admission "pause", buffer.capacity_episodes,
         buffer.capacity_tokens // max_episode_tokens). Never more than the buffer can hold, so no
         admitted episode ever waits for room while the trainer waits for it."""
@@ -505,7 +505,7 @@ class GRPOConfig:
     def _teacher_hf_config(self) -> dict:
         """The teacher directory's config.json; a ConfigError naming scorer.teacher.path when the
         directory is not a model (the tokenizer is compared with the student's by
-        forge_rl/run/preflight.py, once the student's directory exists)."""
+        `forge_rl.run.preflight`, once the student's directory exists)."""
         try:
             return ModelConfig(path=self.scorer.teacher.path).hf_config()
         except ConfigError as e:
@@ -548,7 +548,7 @@ class GRPOConfig:
     def _check_data(self) -> None:
         """A data file and a task's own prompt sequence are two sources of prompts: a task name or seed
         other than the default with data.path set would be silently ignored, so it is refused. Without
-        data, a reward function that reads a row's column (forge_rl/tasks/rewards.py) would find none:
+        data, a reward function that reads a row's column (`forge_rl.tasks.rewards`) would find none:
         refused too."""
         if self.data is None:
             if self.environment.name is None:
@@ -677,7 +677,7 @@ class GRPOConfig:
 
     def _check_episode_forks(self) -> None:
         """Branch rollouts of environment episodes fork them at the starts of turns, replaying the
-        turns before on a fresh environment (forge_rl/envs/forks.py)."""
+        turns before on a fresh environment (`forge_rl.envs.forks`)."""
         from forge_rl.envs.forks import refuse_unless_replayable
 
         branch, name = self.branch, self.environment.name
@@ -698,7 +698,7 @@ class GRPOConfig:
 
     @property
     def run_policies(self) -> Policies:
-        """The run's policies resolved (forge_rl/core/policies.py): who plays each seat, each one's age bound."""
+        """The run's policies resolved (`forge_rl.core.policies`): who plays each seat, each one's age bound."""
         return Policies(self.policies, self.buffer.max_policy_age)
 
     def policy_trainer_config(self, policy: PolicyConfig) -> TrainerConfig:
@@ -785,7 +785,7 @@ class GRPOConfig:
     @property
     def simulated(self) -> bool:
         """Whether this run is a SIMULATION (generator.engine and trainer.engine sim): no model runs,
-        tokens are placeholders, nothing is trained (forge_rl/engines/simulated.py)."""
+        tokens are placeholders, nothing is trained (`forge_rl.engines.simulated`)."""
         return self.generator.engine == "sim"
 
     def _check_eval(self) -> None:
@@ -872,7 +872,7 @@ class GRPOConfig:
 
     @property
     def uses_teacher(self) -> bool:
-        """Whether a distillation teacher runs (forge_rl/scoring/teacher.py)."""
+        """Whether a distillation teacher runs (`forge_rl.scoring.teacher`)."""
         return self.scorer.teacher.enabled
 
 

@@ -3,33 +3,33 @@
 Recoverable: the run goes on.
     GeneratorLost    a generator's process died during a call, or the call outlived its timeout
                      (a hung generator is replaced like a dead one); the rollout loop hands its
-                     prompts out again and waits for the replacement (forge_rl/actors/generator_pool.py).
+                     prompts out again and waits for the replacement (`forge_rl.actors.generator_pool`).
     ScorerLost       a scorer-side process (the scorer, its reward model or its judge) died during a
                      scoring call; the scorer's supervisor restarts them and scores the call's
-                     episodes again (forge_rl/scoring/restarts.py). Never reaches the rollout loop.
+                     episodes again (`forge_rl.scoring.restarts`). Never reaches the rollout loop.
                      Likewise a rank of the reference model or a distillation teacher under a
-                     `token_logprobs` call (forge_rl/actors/frozen_model_supervisor.py).
+                     `token_logprobs` call (`forge_rl.actors.frozen_model_supervisor`).
 Fatal: the run stops, every process of it is shut down, and the message says what to do.
     ConfigError      a config, file or machine that cannot run it; raised before anything
-                     expensive starts (forge_rl/config.py, forge_rl/run/preflight.py).
+                     expensive starts (`forge_rl.config`, `forge_rl.run.preflight`).
     ProcessDied      a trainer rank or a service process died; the message names the command
-                     that resumes the run (forge_rl/run/lifecycle.py).
+                     that resumes the run (`forge_rl.run.lifecycle`).
     ProcessNotStarted  a process of the run showed no progress in starting for Monarch's spawn
                      bound (HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE); the message names the setting
-                     (forge_rl/run/launch.py `spawn_timed_out`, forge_rl/run/lifecycle.py).
+                     (`forge_rl.run.launch.spawn_timed_out`, `forge_rl.run.lifecycle`).
     TrainStepTimedOut  a train step outlived train_step_timeout_s (a hung rank or collective); the
                      message names the flag that raises it and the command that resumes the run.
     ScorerFailed     the scorer died more than scorer.max_restarts times (a crash on every start, or
-                     too little memory): restarting it again would not help (forge_rl/scoring/restarts.py);
+                     too little memory): restarting it again would not help (`forge_rl.scoring.restarts`);
                      or the reference model (teacher) more than reference.max_restarts
                      (scorer.teacher.max_restarts) times.
     NoLearningSignal  dynamic sampling filtered every group for dynamic_sampling_max_filtered_steps
-                     steps' worth of groups in a row: no batch can be filled (forge_rl/core/advantages.py
-                     `DynamicSampling`); the message names what the groups held and the fixes.
-    StoreError       the weight store refused an operation (forge_rl/store/index.py): a version
+                     steps' worth of groups in a row: no batch can be filled
+                     (`forge_rl.core.advantages.DynamicSampling`); the message names what the groups held and the fixes.
+    StoreError       the weight store refused an operation (`forge_rl.store.index`): a version
                      published twice, a lease on a version that is gone.
     SandboxUnavailable  (a ConfigError) this machine cannot confine untrusted code as
-                     forge_rl/envs/sandbox.py promises; raised at its first use, never worked around.
+                     `forge_rl.envs.sandbox` promises; raised at its first use, never worked around.
 
 Plain Python: importing this module imports nothing else of forge_rl, Monarch or vLLM.
 """
@@ -70,7 +70,7 @@ class GeneratorFailed(RuntimeError):
 class ScorerLost(RuntimeError):
     """A scorer-side process died while scoring; the call's episodes were not scored (a completion
     is not to blame for it, so none is ERRORED). Recoverable: score them again once a restarted
-    scorer serves. Raised through `guarded_group` (forge_rl/scoring/scorers.py), never turned into a
+    scorer serves. Raised through `guarded_group` (`forge_rl.scoring.scorers`), never turned into a
     completion's failure."""
 
     def __reduce__(self):  # crosses process boundaries (raised in the scorer, caught by its supervisor)
@@ -97,8 +97,8 @@ class ProcessNotStarted(RuntimeError):
 class TrainStepTimedOut(RuntimeError):
     """Train step `step` did not finish within `timeout_s` (GRPOConfig.train_step_timeout_s).
 
-    Raised by the train loop (forge_rl/run/loop.py) without `resume_hint`; the lifecycle, which knows
-    the run directory and its checkpoints, raises it again with the hint (forge_rl/run/lifecycle.py)."""
+    Raised by the train loop (`forge_rl.run.loop`) without `resume_hint`; the lifecycle, which knows
+    the run directory and its checkpoints, raises it again with the hint (`forge_rl.run.lifecycle`)."""
 
     def __init__(self, step: int, timeout_s: float, resume_hint: str = ""):
         super().__init__(
@@ -136,6 +136,6 @@ def generator_lost(error: BaseException) -> GeneratorLost | None:
 
 
 class SandboxUnavailable(ConfigError):
-    """This machine cannot confine untrusted code as forge_rl/envs/sandbox.py states (no Landlock,
+    """This machine cannot confine untrusted code as `forge_rl.envs.sandbox` states (no Landlock,
     no seccomp, not Linux, ...): the message names the missing mechanism and how to get it. Fatal:
     every episode that runs code would fail the same way, and running it unconfined is not an option."""

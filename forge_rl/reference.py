@@ -1,6 +1,6 @@
 """The generated references: docs/reference/configuration.md from the config dataclasses' field
 docstrings (what `forge-rl grpo --help` prints, as one page per run config), and
-docs/reference/metrics.md from the metric-name module, forge_rl/observability/metric_names.py.
+docs/reference/metrics.md from the metric-name module, `forge_rl.observability.metric_names`.
 
     python -m forge_rl.reference            # write both under docs/reference/
     python -m forge_rl.reference --check    # exit 1 naming the stale files (the suite runs this)

@@ -33,9 +33,9 @@ Worked example (2 MoE layers, top-2 of 8 experts, prompt of 3 tokens, completion
          [[3, 5], [7, 2]]],     # token 2 (EOS): the routing at position 3 (token 9's)
         dtype=torch.uint8)))
 
-No TorchTitan and no vLLM here, and torch only inside functions (forge_rl/types.py imports this
-module, and environments import types without torch): the trainer's router (forge_rl/models/moe.py) and the generator's
-capture hook (forge_rl/engines/routing_capture.py) call into it.
+No TorchTitan and no vLLM here, and torch only inside functions (`forge_rl.types` imports this
+module, and environments import types without torch): the trainer's router (`forge_rl.models.moe`) and the generator's
+capture hook (`forge_rl.engines.routing_capture`) call into it.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ Trajectories, not prompts (a multi-turn episode against an environment, forge_rl
 `Completion` holds one trajectory's token sequence, where each token is generated (sampled by the
 policy) or context (the prompt, the environment's observations, tool output), per `generated`. A
 single-turn completion is the one-turn trajectory: every token generated, `generated` None. Worked
-example (calculator, as forge_rl/envs/trajectory.py; the episode's prompt_token_ids is empty, since the
+example (calculator, as `forge_rl.envs.trajectory`; the episode's prompt_token_ids is empty, since the
 trajectory holds its own prompt as context):
 
     Completion(token_ids=[1, 7, 11, 43, 9, 6, 40,  16, 7, 11, 43, 9, 6, 2,  31, 5, 13, 6, 8, 40,  5, 13, 6, 8, 2],
@@ -102,52 +102,52 @@ class Completion:
     """Turns the environment rejected as malformed (bad tool calls): the tool error count."""
     turn_rewards: list[float | None] = field(default_factory=list)
     """Per environment step, the turn's own reward (a process reward) or None; trained as
-    `step_rewards` over the turns' tokens (forge_rl/envs/rollout.py, `turn_steps`)."""
+    `step_rewards` over the turns' tokens (`forge_rl.envs.rollout.turn_steps`)."""
     env_latencies_s: list[float] = field(default_factory=list)
     """Wall time of each environment reset and step that answered."""
     end_reason: str | None = None
-    """Why an environment's episode ended (forge_rl/envs/trajectory.py, TrajectoryStatus value:
+    """Why an environment's episode ended (`forge_rl.envs.trajectory.TrajectoryStatus` value:
     done, truncated_turns, truncated_tokens, parse_error, env_error, env_timeout); None for a
     single-turn completion, whose `status` says it."""
     reward_components: dict[str, float] = field(default_factory=dict)
-    """The named parts of `reward` as the scorer reported them (forge_rl/scoring/scorers.py): a scorer's own
+    """The named parts of `reward` as the scorer reported them (`forge_rl.scoring.scorers`): a scorer's own
     components, and with several scorers each one's reward under its name. Logged as
     `reward/components/<name>` means; the reward is what trains."""
     step_ends: list[int] | None = None
     """Process rewards: the exclusive end of each step in `token_ids`, [S], increasing, the last
     = T (a step is tokens [previous end, end)); set with `step_rewards` by a per-step scorer."""
     step_rewards: list[float] | None = None
-    """Reward of each step, [S]; forge_rl/core/advantages.py `token_advantages` places it on its tokens."""
+    """Reward of each step, [S]; `forge_rl.core.advantages.token_advantages` places it on its tokens."""
     token_rewards: list[float] | None = None
     """Dense reward of each token, [T]; added to that token's advantage (`token_advantages`)."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies with Keep Routing: the experts each generated token was sampled
     through, [G, layers, top_k] over the G generated tokens in order (context tokens have none);
     None when not recorded (dense model, recording off, or an engine that cannot), and the trainer
-    then routes those tokens itself. forge_rl/routing.py."""
+    then routes those tokens itself. `forge_rl.routing`."""
     kv_versions: list[int] | None = None
     """Per token, [T]: the oldest weights a generated token depends on, those that sampled it and
     those that encoded the KV it attended to, as the engine recorded it; the entry of a context
-    token means nothing. None: not recorded, and forge_rl/core/columns.py `exact_versions` takes each
+    token means nothing. None: not recorded, and `forge_rl.core.columns.exact_versions` takes each
     turn's oldest version up to the token, which is never younger. Every age bound is applied to
-    these versions (forge_rl/core/buffer.py), so a token that continued on KV of older weights is as old
+    these versions (`forge_rl.core.buffer`), so a token that continued on KV of older weights is as old
     as they are."""
     agent: str | None = None
     """The agent of a multi-agent episode whose view this is ("proposer", "solver/2":
-    forge_rl/envs/graph.py); None in a single-agent episode."""
+    `forge_rl.envs.graph`); None in a single-agent episode."""
     baseline_group: str | None = None
     """Which completions of its group this one's advantage is baselined against: those with the same
-    value (an agent's seat, or its seat within one episode: forge_rl/envs/rollout.py
-    `group_completions`); None: the whole group, GRPO's baseline."""
+    value (an agent's seat, or its seat within one episode: `forge_rl.envs.rollout.group_completions`); None:
+    the whole group, GRPO's baseline."""
     policy: str | None = None
     """The policy that sampled it and that trains it (a `policies` entry of the run's config, by
     name: its own trainer, versions and age bound); None: the run's own policy."""
     entropies: list[float] | None = None
     """Per token, [T]: the entropy in nats of the distribution it was sampled from, as the engine
-    estimated it (forge_rl/core/branches.py `token_entropies`); recorded only for branch.rule
+    estimated it (`forge_rl.core.branches.token_entropies`); recorded only for branch.rule
     entropy, 0.0 for a context token."""
     parent: int | None = None
-    """A branch (forge_rl/core/branches.py): the index, in its group, of the completion it
+    """A branch (`forge_rl.core.branches`): the index, in its group, of the completion it
     continues; None for a completion sampled from the prompt."""
     fork_at: int = 0
     """A branch's pivot: its first `fork_at` tokens are its parent's, held as context; 0 for a
@@ -318,7 +318,7 @@ class Episode:
     @property
     def schedule_version(self) -> int:
         """The version the buffer serves stalest-first by and the admission gate schedules by
-        (forge_rl/core/admission.py): the admitted version, else the oldest token's (never older)."""
+        (`forge_rl.core.admission`): the admitted version, else the oldest token's (never older)."""
         return self.oldest_policy_version if self.admitted_version is None else self.admitted_version
 
     @property
@@ -398,7 +398,7 @@ class SwapStats:
     weights they depend on."""
 
 
-# A sampling request of the service and what it returns (forge_rl/service/backend.py): here, below
+# A sampling request of the service and what it returns (`forge_rl.service.backend`): here, below
 # the engines that answer it (VLLMEngine.sample).
 @dataclass(frozen=True)
 class SampleSpec:

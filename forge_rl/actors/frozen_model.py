@@ -1,14 +1,14 @@
 """Frozen-model shell: one actor per rank of a model that scores tokens and never trains.
 
 It serves both "frozen models that score tokens": the reference model of the KL penalty
-(forge_rl/training/reference.py, spawned when trainer.loss.kl_beta > 0, its logprobs stored on the
-completions) and the teacher of on-policy distillation (forge_rl/scoring/teacher.py, spawned when
+(`forge_rl.training.reference`, spawned when trainer.loss.kl_beta > 0, its logprobs stored on the
+completions) and the teacher of on-policy distillation (`forge_rl.scoring.teacher`, spawned when
 scorer.teacher.path is set, its logprobs turned into per-token rewards by the teacher scorer).
 The model is a `PolicyTrainer` that never takes a step: the same TorchTitan build, parallelism and
 logprob code as the policy (the generator's temperature and kept sets), so a frozen model and the
 policy can only differ by their weights. `token_logprobs` is a collective over the model's ranks,
 called on all of them at once (`.call()`); rank 0's answer is the result. The ranks are spawned
-and owned by a FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py), which restarts
+and owned by a FrozenModelSupervisor (`forge_rl.actors.frozen_model_supervisor`), which restarts
 them on fresh processes if one dies; callers call the supervisor.
 
 A self-distillation teacher (scorer.teacher.pin lagged, ema or best) starts as the run's initial
@@ -137,7 +137,7 @@ class FrozenModelActor(Actor):
     @endpoint
     async def save_weights(self, path: str) -> dict:
         """Write the served weights and the staged ones (a pinned teacher's checkpoint,
-        forge_rl/scoring/teacher.py `save_teacher_weights`); returns their versions."""
+        `forge_rl.scoring.teacher.save_teacher_weights`); returns their versions."""
         assert self.model is not None  # built by setup, which its supervisor awaits first
         served = _full(self.model.model.state_dict())  # collectives: every rank, in this order
         staged = None if self.staged is None else _full(self.staged)

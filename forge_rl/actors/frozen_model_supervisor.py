@@ -1,15 +1,15 @@
 """A frozen model's supervisor: owns the reference model's (or a teacher's) ranks, so a dead one is
 restarted, not fatal.
 
-The frozen models that score tokens (forge_rl/actors/frozen_model.py: the KL penalty's reference
+The frozen models that score tokens (`forge_rl.actors.frozen_model`: the KL penalty's reference
 model, a distillation teacher) run on a proc mesh of their own, one torch.distributed world. This
 actor spawns that mesh, so Monarch reports its failure here (`__supervise__`) instead of to the
 controller's fault hook (which stops the run), and, like the scorer's supervisor
-(forge_rl/actors/scorer_supervisor.py), polls the OS pids of its ranks on this host to act on a
+(`forge_rl.actors.scorer_supervisor`), polls the OS pids of its ranks on this host to act on a
 death within POLL_INTERVAL_S. Any death retires the whole mesh (a collective over the ranks cannot
 go on without one; spawning onto a damaged mesh hangs) and starts the model again on fresh
-processes, from its directory. The restart core is the scorer's (forge_rl/scoring/restarts.py
-`RestartingScorer`): a `token_logprobs` call in flight on the dead mesh, or made while it restarts,
+processes, from its directory. The restart core is the scorer's (`forge_rl.scoring.restarts.RestartingScorer`): a
+`token_logprobs` call in flight on the dead mesh, or made while it restarts,
 waits for the replacement and is sent again with the same episodes (the caller still holds them),
 so none is lost and each comes back once; past `max_restarts` (reference.max_restarts,
 scorer.teacher.max_restarts) the call raises ScorerFailed naming the cause and the flag.
@@ -18,7 +18,7 @@ A frozen model's answer depends only on its weights, so a replacement of a refer
 fixed teacher (loaded from the same directory) answers exactly as the dead one would have. A
 pinned (self-distillation) teacher serves a version it loaded from the weight store, which keeps
 only the newest versions: this supervisor holds a store lease on the version the teacher serves
-and on the one it has staged (`TeacherVersions`, forge_rl/scoring/teacher.py), so a replacement loads them
+and on the one it has staged (`TeacherVersions`, `forge_rl.scoring.teacher`), so a replacement loads them
 again and serves what the dead one served. For pin ema the served weights are an average of
 versions that no longer exist anywhere: the replacement serves the newest version averaged in, and
 the average starts again from there (a progress line says so), unless it writes its average to a
@@ -90,7 +90,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
         """`role`: "reference" or "teacher" (mesh names, metrics). `config`, `model_dir`, `pad_id`,
         `store_index`, `store_root`: what each incarnation's FrozenModelActor is built with (the
         store only for a pinned teacher). `host`: the host(s) its ranks run on, `procs_per_host`
-        ranks on each (forge_rl/run/launch.py `Hosts.owned_ranks`); None: this actor's own host, all
+        ranks on each (`forge_rl.run.launch.Hosts.owned_ranks`); None: this actor's own host, all
         config.num_procs ranks there. `ema_file`: where an ema teacher writes its average after
         each swap (scorer.teacher.keep_ema_average), so a replacement serves it; None: nowhere."""
         super().__init__()
@@ -118,7 +118,7 @@ class FrozenModelSupervisor(PortServed, RestartingOwner):
 
     @concurrent_endpoint
     async def stage(self, policy_version: int, blend: float | None = None) -> dict:
-        """A pinned teacher's `stage` (forge_rl/actors/frozen_model.py), with the version leased in
+        """A pinned teacher's `stage` (`forge_rl.actors.frozen_model`), with the version leased in
         the store until the teacher no longer needs it; sent again to a replacement."""
         assert self.versions is not None  # a pinned teacher's (it has a store): the only one staged and swapped
         await self._lease(policy_version)

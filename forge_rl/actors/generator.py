@@ -3,7 +3,7 @@
 `generate` and `update_weights` are concurrent endpoints: an update waits for the version in the
 weight store, stages it in the engine while decoding continues, then swaps at a decode-step
 boundary (vLLM's pause in "keep" mode), so requests in flight continue and their later tokens
-carry the new policy version (forge_rl/store/loader.py).
+carry the new policy version (`forge_rl.store.loader`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GeneratorActor(PortServed, Actor):
     ):
         # `store_client_id`: this actor's name as a weight-store reader, given by its owner (the
         # pool), which drops its leases if it dies holding some. `cuda_devices`: this generator's
-        # block of its host's GPUs (forge_rl/plumbing/placement.py); the engine's processes see only those.
+        # block of its host's GPUs (`forge_rl.plumbing.placement`); the engine's processes see only those.
         # Ignored on CPU. generator.engine sim: a simulated engine in this process (no model, no
         # weights: `store_index` is None). `adapters`: serve versions as LoRA adapters (trainer.lora).
         # `cpus`: the cores of this process and of the engine processes it starts
@@ -105,7 +105,7 @@ class GeneratorActor(PortServed, Actor):
     @concurrent_endpoint
     async def preemption_notice(self) -> dict | None:
         """Returns once this process's host got a preemption notice (its worker's SIGTERM:
-        forge_rl/plumbing/preemption.py), with the grace left; None at once off a worker."""
+        `forge_rl.plumbing.preemption`), with the grace left; None at once off a worker."""
         return await wait_for_preemption_notice()
 
     @concurrent_endpoint
@@ -180,7 +180,7 @@ class GeneratorActor(PortServed, Actor):
         until the call ends (they wait behind it; the run's requests keep decoding, on this
         version). At most `max_in_flight` of the episodes decode at once, beside the run's own
         requests. None if the generator serves a newer version already: the call cannot be made.
-        An evaluation beside training on the run's generators (forge_rl/run/evaluation.py)."""
+        An evaluation beside training on the run's generators (`forge_rl.run.evaluation`)."""
         async with self.version_served:
             await self.version_served.wait_for(lambda: self.engine.policy_version >= policy_version)
         async with self.swap_lock:
@@ -218,7 +218,7 @@ class GeneratorActor(PortServed, Actor):
 
     @concurrent_endpoint
     async def sample(self, prompt_token_ids: list[int], spec: SampleSpec, policy_version: int | None) -> SampleResult:
-        """The service's sampling (forge_rl/service/meshes.py): `VLLMEngine.sample` with the
+        """The service's sampling (`forge_rl.service.meshes`): `VLLMEngine.sample` with the
         adapter of `policy_version` (None: the base), which this generator loads from its weight
         store first if it does not hold it, beside the adapters it serves."""
         version = BASE_MODEL if policy_version is None else policy_version
@@ -239,7 +239,7 @@ class GeneratorActor(PortServed, Actor):
     @concurrent_endpoint
     async def generate_turn(self, prefix_token_ids: list[int], max_new_tokens: int) -> SampledTurn:
         """One turn of an environment episode after exactly `prefix_token_ids` (the rollout loop's
-        `generate` for forge_rl/envs/runner.py); raises ContextExhausted when the context is full."""
+        `generate` for `forge_rl.envs.runner`); raises ContextExhausted when the context is full."""
         return await self.engine.generate_turn(prefix_token_ids, max_new_tokens, eos_id=self.tokenizer.eos_id)
 
     @concurrent_endpoint
@@ -249,7 +249,7 @@ class GeneratorActor(PortServed, Actor):
 
         The version may still be being written: the store says when it is complete, and keeps it
         until loaded. Prefetch and staging run while the engine decodes; the swap itself happens
-        per `GeneratorConfig.swap_mode`. Returns the update's metrics (forge_rl/store/loader.py).
+        per `GeneratorConfig.swap_mode`. Returns the update's metrics (`forge_rl.store.loader`).
         """
         trim_native_heap_if_due()  # once a minute at most, at a weight update
         async with self.swap_lock:

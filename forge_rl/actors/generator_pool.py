@@ -13,7 +13,7 @@ worker still accepts connections, and takes a generator whose worker has not for
 
     SERVING ──(a process died, a call failed, or a call hung)──▶ RECOVERING ──(fresh mesh started)──▶ SERVING
        calls in flight on the dead generator, and calls made while it recovers, raise
-       GeneratorLost (forge_rl/errors.py) at once; the controller re-queues their prompts and
+       GeneratorLost (`forge_rl.errors`) at once; the controller re-queues their prompts and
        waits in `wait_until_serving`. The dead incarnation's mesh is stopped without waiting on
        it, and its weight-store leases are dropped (its reader id is its mesh name), so the
        versions it held can be collected. A replacement starts on a fresh proc mesh (spawning onto
@@ -29,8 +29,8 @@ vLLM engine, or a hung generator: a generate call past `generate_timeout_s` or a
 Any other exception raised by a generator's endpoint (a prompt longer than the context, say)
 reaches the caller unchanged.
 
-Each generator runs where `placements[i]` says (forge_rl/run/launch.py): a host, and a block of that
-host's GPUs that its vLLM processes alone see (forge_rl/plumbing/placement.py, `generator_devices`); a
+Each generator runs where `placements[i]` says (`forge_rl.run.launch`): a host, and a block of that
+host's GPUs that its vLLM processes alone see (`forge_rl.plumbing.placement.generator_devices`); a
 replacement starts on the same host and devices.
 
 The controller talks to generator i through `generate(i, ...)` and `update_weights(i, ...)`.
@@ -96,13 +96,13 @@ class SlotState(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class GeneratorPlacement:
-    """Where one generator runs (forge_rl/run/launch.py, `Hosts.generator_placements`): a replacement
+    """Where one generator runs (`forge_rl.run.launch.Hosts.generator_placements`): a replacement
     starts at the same place."""
 
     host: HostMesh | None
     """None: the pool's own host (launch.hosts local)."""
     cuda_devices: tuple[int, ...]
-    """Its block of that host's GPUs (forge_rl/plumbing/placement.py, `generator_devices`); unused on CPU."""
+    """Its block of that host's GPUs (`forge_rl.plumbing.placement.generator_devices`); unused on CPU."""
     cpus: tuple[int, ...] | None = None
     """The cores its processes run on (launch.placement.generator_cpus); None: any."""
     worker: str | None = None
@@ -172,7 +172,7 @@ class GeneratorPool(PortServed, Actor):
         self.adapters = adapters
         """LoRA: each generator serves policy versions as adapters on the base (GRPOConfig.adapter_serving)."""
         self.placements = placements
-        """Host and GPU block of each generator (forge_rl/run/launch.py, `Hosts.generator_placements`)."""
+        """Host and GPU block of each generator (`forge_rl.run.launch.Hosts.generator_placements`)."""
         self.generate_timeout_s = generate_timeout_s
         """A generate call past it is a hung generator (GRPOConfig.generate_timeout_s)."""
         self.update_timeout_s = update_timeout_s
@@ -192,7 +192,7 @@ class GeneratorPool(PortServed, Actor):
         """Stops of dead meshes and drops of their leases, not waited for; held here because the
         event loop keeps only weak references to tasks."""
         self._calls = PortCalls()
-        """The generators' generate, generate_turn and update_weights calls (forge_rl/port_calls.py):
+        """The generators' generate, generate_turn and update_weights calls (`forge_rl.plumbing.port_calls`):
         a dead generator's calls are cancelled by its recovery (the watchdog, `__supervise__`)."""
         self._stopping = False
         """Set by shutdown: failures from then on are the shutdown itself, not faults to repair."""
@@ -276,8 +276,8 @@ class GeneratorPool(PortServed, Actor):
         group_size: int,
         segment_tokens: int,
     ) -> list[tuple[Completion, bool]]:
-        """One segment of a group from generator `index` (forge_rl/actors/generator.py
-        `generate_segment`); raises GeneratorLost if it died meanwhile (the pieces sampled before
+        """One segment of a group from generator `index` (`forge_rl.actors.generator.GeneratorActor.generate_segment`);
+        raises GeneratorLost if it died meanwhile (the pieces sampled before
         are the caller's)."""
         with self.slots[index].generating_call():
             return await self._forward(
@@ -293,8 +293,8 @@ class GeneratorPool(PortServed, Actor):
     async def generate_branches(
         self, index: int, prompt_token_ids: list[int], forced_length: int | None, heads: list[list[int]], n: int
     ) -> list[tuple[list[Completion], int]]:
-        """Branches of a group's completions from generator `index` (forge_rl/actors/generator.py
-        `generate_branches`); raises GeneratorLost if it died meanwhile."""
+        """Branches of a group's completions from generator `index`
+        (`forge_rl.actors.generator.GeneratorActor.generate_branches`); raises GeneratorLost if it died meanwhile."""
         with self.slots[index].generating_call():
             return await self._forward(
                 self.slots[index],
@@ -314,7 +314,7 @@ class GeneratorPool(PortServed, Actor):
         max_new_tokens: int,
         max_in_flight: int,
     ) -> list[Episode] | None:
-        """Generator `index`'s `generate_pinned` (forge_rl/actors/generator.py): sampled with exactly
+        """Generator `index`'s `generate_pinned` (`forge_rl.actors.generator`): sampled with exactly
         `policy_version`, or None if it serves a newer one; raises GeneratorLost if it died meanwhile."""
         with self.slots[index].generating_call():
             return await self._forward(
@@ -400,7 +400,7 @@ class GeneratorPool(PortServed, Actor):
     @concurrent_endpoint
     async def next_preemption_notice(self) -> dict:
         """Returns the next preemption notice of a serving generator's host (its worker's SIGTERM:
-        forge_rl/plumbing/preemption.py): the generator's index, its host, the grace left."""
+        `forge_rl.plumbing.preemption`): the generator's index, its host, the grace left."""
         return await self.notices.get()
 
     async def _watch_notice(self, slot: GeneratorSlot) -> None:
@@ -532,7 +532,7 @@ class GeneratorPool(PortServed, Actor):
         host = this_host() if placement.host is None else placement.host
         slot.procs = spawn_procs(host, slot.mesh_name, env=engine_process_env())
         # A simulated generator loads no weights: without the store's handle its process never
-        # imports the store (nor torch), a fraction of the memory (forge_rl/actors/generator.py).
+        # imports the store (nor torch), a fraction of the memory (`forge_rl.actors.generator`).
         store_index = None if self.config.engine == "sim" else self.store_index
         slot.actor = slot.procs.spawn(
             slot.mesh_name,

@@ -1,5 +1,5 @@
 """What the scorer's and the frozen models' supervisors share: they own the proc meshes of a
-restartable part of the run (forge_rl/scoring/restarts.py `RestartingScorer` decides what a death
+restartable part of the run (`forge_rl.scoring.restarts.RestartingScorer` decides what a death
 does to the calls in flight and to the restart budget) and notice deaths two ways.
 
 Monarch reports a failed mesh to its owner (`__supervise__`, in each subclass: which report names

@@ -1,4 +1,4 @@
-"""Reward-model shell: serves a sequence-classification model (forge_rl/scoring/reward_model.py) on its own
+"""Reward-model shell: serves a sequence-classification model (`forge_rl.scoring.reward_model`) on its own
 processes, gathering concurrent requests into batches.
 
 `score(texts)` is a concurrent endpoint: every scorer call in flight joins the batcher, and one

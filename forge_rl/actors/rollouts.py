@@ -1,4 +1,4 @@
-"""The rollouts' actor: the run's data plane (forge_rl/pipeline/rollouts.py) in a process of its own.
+"""The rollouts' actor: the run's data plane (`forge_rl.pipeline.rollouts`) in a process of its own.
 
 The rollout loops, the admission gate, the replay buffer and the prompts live here, one event loop
 for all of them; the controller's train loop calls `step_done` once per step (and `batch_taken` for a
@@ -41,7 +41,7 @@ class RolloutsActor(PortServed, Actor):
     ):
         # `scoring`: the recipe's stage, its actors' handles (its after_publish, which the
         # controller runs, is left out: a closure does not cross processes). The pool's calls, a
-        # generate per prompt, are answered on one port (forge_rl/plumbing/port_calls.py).
+        # generate per prompt, are answered on one port (`forge_rl.plumbing.port_calls`).
         # `policy_generators`: the pool of each of config.policies, by name.
         renderer = None
         if config.environment.name is not None:
@@ -73,7 +73,7 @@ class RolloutsActor(PortServed, Actor):
     @concurrent_endpoint
     async def start(self, timeline_path: str | None, origin_unix_time: float) -> None:
         # The process's startup objects (Monarch, the tokenizer, the configs) out of the collector's
-        # full scans before the loops start, as in the trainer (forge_rl/plumbing/gc_freeze.py): with
+        # full scans before the loops start, as in the trainer (`forge_rl.plumbing.gc_freeze`): with
         # many generators this loop is the control plane's busiest, and a full collection scanning
         # them stalls every generator's next request.
         freeze_startup_objects()

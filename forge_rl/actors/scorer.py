@@ -11,7 +11,7 @@ GeneratorActor). A reward function that raises, returns a non-finite value, exce
 counted in `stats`), logs the reason on stderr, and the run goes on. With `scorer.overlong_buffer`
 set, DAPO's soft overlong penalty is added to each reward.
 
-It runs on a process of its own, owned by the ScorerSupervisor (forge_rl/actors/scorer_supervisor.py),
+It runs on a process of its own, owned by the ScorerSupervisor (`forge_rl.actors.scorer_supervisor`),
 which restarts it, with its reward model and judge, when one of their processes dies. A reward
 model or judge call that fails because that model's process died raises ScorerLost out of `score`
 (no completion is to blame), and the supervisor scores the episodes again on the replacement.
@@ -49,12 +49,13 @@ class ScorerActor(PortServed, Actor):
     ):
         """`reward`: the task's reward function, or each of its functions with its weight
         (`TaskConfig.reward_weights`); None: the episodes are an environment's, rewarded by it
-        (`build_scorer`). `reward_model`: the RewardModelActor mesh (forge_rl/actors/reward_model.py, one actor per
+        (`build_scorer`). `reward_model`: the RewardModelActor mesh (`forge_rl.actors.reward_model`, one actor per
         replica) when scorer.reward_model.path is set; its replicas' `score` is the reward model
         scorer's client.
-        `teacher`: the teacher's FrozenModelSupervisor (forge_rl/actors/frozen_model_supervisor.py)
+        `teacher`: the teacher's FrozenModelSupervisor (`forge_rl.actors.frozen_model_supervisor`)
         when scorer.teacher is enabled; its `token_logprobs` (rank 0's answer of a collective over
-        the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor mesh (forge_rl/actors/generator.py,
+        the teacher's ranks, sent again if they die) is the teacher scorer's client. `judge`: the judge's GeneratorActor
+        mesh (`forge_rl.actors.generator`,
         one actor per replica) when scorer.judge.path is set; its replicas' `generate` serves the
         judge scorer's verdicts."""
         client = None

@@ -1,19 +1,19 @@
 """The scorer's supervisor: owns the scorer-side proc meshes, so a dead scorer is restarted, not fatal.
 
-The scorer-side processes of one incarnation: the ScorerActor (forge_rl/actors/scorer.py, with its
+The scorer-side processes of one incarnation: the ScorerActor (`forge_rl.actors.scorer`, with its
 reward worker processes), and, when configured, the reward model (RewardModelActor) and the LLM
 judge (a GeneratorActor serving the judge), each on a proc mesh of its own that this actor spawns.
 Monarch reports a failure to the owner of the failed mesh: owning them here, not in the controller,
 means a crash reaches `__supervise__` instead of the controller's fault hook (which stops the run).
-Like the generator pool (forge_rl/actors/generator_pool.py), it also polls the OS pids of the
+Like the generator pool (`forge_rl.actors.generator_pool`), it also polls the OS pids of the
 processes on its own host, and acts on a death within POLL_INTERVAL_S, before Monarch's slower report.
 
 Any death retires the whole incarnation (its meshes stopped without waiting on them) and starts a
 fresh one on fresh proc meshes (spawning onto a damaged mesh hangs): the scorer holds its models'
 handles, so a new reward model or judge needs a new scorer anyway, and a scorer alone restarts in
 seconds. What happens to the calls in flight, the restart budget (scorer.max_restarts) and the
-counters is the core's: forge_rl/scoring/restarts.py. The distillation teacher and the reference
-model are not owned here: each has a supervisor of its own (forge_rl/actors/frozen_model_supervisor.py,
+counters is the core's: `forge_rl.scoring.restarts`. The distillation teacher and the reference
+model are not owned here: each has a supervisor of its own (`forge_rl.actors.frozen_model_supervisor`,
 the same restart core), which the scorer (teacher) and the controller (reference) call, so a dead
 teacher is restarted without restarting the scorer, and the scorer never sees the death. A teacher
 that died past scorer.teacher.max_restarts raises ScorerFailed through the scorer, which passes it
@@ -61,15 +61,15 @@ class ScorerSupervisor(PortServed, RestartingOwner):
         self, config: ScorerConfig, reward: str | None, max_new_tokens: int, teacher=None, host: HostMesh | None = None
     ):
         """`reward`, `max_new_tokens`, `teacher`: what each incarnation's ScorerActor is built with
-        (forge_rl/actors/scorer.py). `host`: where the scorer-side processes run (the services'
-        host, forge_rl/run/launch.py `Hosts.owned_host`); None: this actor's own host."""
+        (`forge_rl.actors.scorer`). `host`: where the scorer-side processes run (the services'
+        host, `forge_rl.run.launch.Hosts.owned_host`); None: this actor's own host."""
         super().__init__()
         self.config, self.reward, self.max_new_tokens, self.teacher = config, reward, max_new_tokens, teacher
         self.host = host
         self.restarts = RestartingScorer(self._start_incarnation, self._retire, config.max_restarts)
         self.what_exited = "a scorer-side process exited"
         self._calls = PortCalls()
-        """The scorer's `score` calls (forge_rl/port_calls.py): a dead scorer's calls are cancelled by
+        """The scorer's `score` calls (`forge_rl.plumbing.port_calls`): a dead scorer's calls are cancelled by
         `restarts.lost` (the watchdog, `__supervise__`) and sent again."""
 
     @concurrent_endpoint

@@ -7,9 +7,9 @@
 An environment's episodes carry the environment's reward: they skip the scorer, unless a teacher
 runs, which the scorer adds to the environment's rewards (`calls_scorer`). Each model runs
 under a supervisor that restarts it if one of its processes dies and answers the call in flight
-again (forge_rl/scoring/restarts.py); one that keeps dying stops the run with its cause
+again (`forge_rl.scoring.restarts`); one that keeps dying stops the run with its cause
 (ScorerFailed). The loops take `score`, `stats` and `after_publish` from here
-(`forge_rl/run/loop.py` `RunActors`).
+(`forge_rl.run.loop.RunActors`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ class ScoringStage:
     """Drops groups without signal, and stops a run that finds none (`DynamicSampling`); only with
     dynamic_sampling."""
     after_publish: Callable[[int, int, dict, Timeline], Awaitable[dict]] | None = None
-    """A self-distillation teacher's refresh after each published version (forge_rl/scoring/teacher.py)."""
+    """A self-distillation teacher's refresh after each published version (`forge_rl.scoring.teacher`)."""
     calls: PortCalls = dataclasses.field(default_factory=PortCalls)
-    """The per-prompt calls, `score` and the reference's `token_logprobs` (forge_rl/port_calls.py):
+    """The per-prompt calls, `score` and the reference's `token_logprobs` (`forge_rl.plumbing.port_calls`):
     their supervisors live as long as the run."""
 
     @classmethod
@@ -77,7 +77,7 @@ class ScoringStage:
             store: tuple[Any, str | None]  # (the store's index, its root): a pinned teacher's only
             if teacher_config.path is not None:
                 teacher_model, store = str(teacher_config.path), (None, None)
-            else:  # self-distillation: the initial policy, refreshed from the weight store (forge_rl/scoring/teacher.py)
+            else:  # self-distillation: the initial policy, refreshed from the weight store (`forge_rl.scoring.teacher`)
                 teacher_model, store = model_dir, (store_index, store_root)
             keeps_average = teacher_config.pin == "ema" and teacher_config.keep_ema_average
             teacher = services.spawn(

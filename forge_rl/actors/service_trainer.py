@@ -1,5 +1,5 @@
 """Service trainer shell: one actor per trainer rank, holding every tenant's LoRA adapters over one
-frozen base (forge_rl/training/tenants.py) for `forge-rl serve`.
+frozen base (`forge_rl.training.tenants`) for `forge-rl serve`.
 
 Every endpoint is called on all ranks at once (`.call()`): forward, backward and the adapters'
 export are collectives. They are plain endpoints, so one rank carries out one call at a time in

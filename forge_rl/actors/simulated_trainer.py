@@ -1,6 +1,6 @@
 """A SIMULATED trainer shell (`trainer.engine: sim`): the TrainerActor's endpoints with no model.
 
-Each step waits `SimTrainerConfig.step_s(tokens in the batch)` (forge_rl/engines/simulated.py has
+Each step waits `SimTrainerConfig.step_s(tokens in the batch)` (`forge_rl.engines.simulated` has
 the calibration) and advances the policy version; nothing is published to the weight store, since
 the simulated generators (`generator.engine: sim`) load no weights, only version numbers. For
 testing the control plane at scale only: it trains nothing, and never replaces the real trainer
@@ -37,7 +37,7 @@ class SimulatedTrainerActor(PortServed, Actor):
         self.policy_version = 0
         self._turns = StepTurns()
         self._prefetch = BatchPrefetch()
-        self._calls = PortCalls()  # each step's batch_for_trainer (forge_rl/plumbing/port_calls.py)
+        self._calls = PortCalls()  # each step's batch_for_trainer (`forge_rl.plumbing.port_calls`)
 
     @endpoint
     async def setup(self) -> dict:

@@ -1,7 +1,7 @@
 """Trainer shell: one actor per trainer rank (FSDP2/TP on a DeviceMesh), publishing each version.
 
 Every endpoint is called on all ranks at once (`.call()`): the step and the weight export are
-collectives. Rank 0 publishes the snapshot (in the background, forge_rl/store/publisher.py) and
+collectives. Rank 0 publishes the snapshot (in the background, `forge_rl.store.publisher`) and
 reports global metrics.
 
 This module imports torch, TorchTitan and the trainer where they run (in the trainer's processes),
@@ -58,7 +58,7 @@ class TrainerActor(PortServed, Actor):
     ):
         # `cpus`: the cores of this rank (launch.placement.trainer_cpus), pinned before torch
         # starts its thread pools, which inherit them. `policy`: the one of the run's `policies`
-        # this trainer trains (its part of each batch: forge_rl/core/policies.py); None: the run's own.
+        # this trainer trains (its part of each batch: `forge_rl.core.policies`); None: the run's own.
         self.cpus = pin_this_process(cpus)
         self.config = config
         self.store_index = store_index
@@ -74,7 +74,7 @@ class TrainerActor(PortServed, Actor):
         self._prefetch = BatchPrefetch(policy)
         """The next step's batch, asked for while this one trains."""
         self._calls = PortCalls()
-        """Each step's `batch_for_trainer`, answered on one port (forge_rl/plumbing/port_calls.py)."""
+        """Each step's `batch_for_trainer`, answered on one port (`forge_rl.plumbing.port_calls`)."""
         self._publishing: asyncio.Future | None = None
         """The publish of the newest version, started after its step answered (`_train_step`)."""
         self._telling_written: asyncio.Future | None = None
@@ -107,8 +107,9 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def train_next_step(self, step: int, rollouts, num_ranks: int, prefetch_next: bool) -> PulledStep | None:
         """`train_step` on step `step`'s batch, which this rank takes from `rollouts` (the
-        RolloutsActor) itself once the admission gate lets it go (forge_rl/training/trainer.py
-        `train_on_pulled_batch`): the train loop sends this ahead, while the step before trains.
+        RolloutsActor) itself once the admission gate lets it go
+        (`forge_rl.training.trainer_steps.train_on_pulled_batch`): the train loop sends this ahead, while the step
+        before trains.
         `prefetch_next`: the train loop sends step + 1 next, so its batch is asked for as soon as
         this one's is in hand. `rollouts` comes with the loop's first step only, None after
         (BatchPrefetch keeps it). None if a stop withheld the batch."""
@@ -206,7 +207,7 @@ class TrainerActor(PortServed, Actor):
     @endpoint
     async def save_checkpoint(self, path: str, written) -> dict:
         """Every rank writes its shards of the training state to the DCP checkpoint `path`
-        (forge_rl/core/checkpoint.py) in the background: the endpoint returns once the state is copied
+        (`forge_rl.core.checkpoint`) in the background: the endpoint returns once the state is copied
         to host memory, and the copy is written while the next steps train
         (PolicyTrainer.start_checkpoint). Rank 0 sends None on the port `written`
         (monarch.actor.Channel) once every rank's shards are written, or the error's text. Returns

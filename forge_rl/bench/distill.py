@@ -2,11 +2,11 @@
 side by side with GRPO from scratch on the same student, for the same number of trainer steps.
 
 1. teacher   the demo recipe (configs/grpo_tiny_cpu.yaml) trains the tiny model from scratch, and
-             its newest checkpoint is exported as an HF directory (forge_rl/run/export.py); or
+             its newest checkpoint is exported as an HF directory (`forge_rl.run.export`); or
              `--teacher-run RUN_DIR` reuses a trained run
 2. distill   the same recipe from a fresh student (the config's from-scratch model), the task
              reward's weight 0 and the teacher's per-token reverse KL as the only signal
-             (forge_rl/scoring/teacher.py): every token's advantage is teacher - student logprob
+             (`forge_rl.scoring.teacher`): every token's advantage is teacher - student logprob
 3. grpo      the same recipe from the same fresh student, the task reward alone
 
 Both student curves are the task's reward (the verifier, which the distillation run still runs and
@@ -33,7 +33,7 @@ from forge_rl.observability.metrics import FINAL_REWARD_WINDOW, progress
 from forge_rl.observability.plot import plot_per_step, read_metrics
 
 TASK_REWARD_OF_DISTILLATION = f"{REWARD_COMPONENTS}/reward_fn"
-"""The verifier's reward in a run whose reward is a weighted sum (forge_rl/scoring/scorers.py `WeightedSum`)."""
+"""The verifier's reward in a run whose reward is a weighted sum (`forge_rl.scoring.scorers.WeightedSum`)."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """`forge-rl bench elastic`: the throughput of a run whose generator pool grows and shrinks while
-it trains (`forge-rl scale`, forge_rl/run/scaling.py), on SIMULATED engines and trainer at large
+it trains (`forge-rl scale`, `forge_rl.run.scaling`), on SIMULATED engines and trainer at large
 counts or on real vLLM engines and the real trainer at small ones.
 
 One run of `config` at a fixed batch through `counts` generators. With a simulated config
 (configs/sim_scale.yaml: generators decode on a latency model of Qwen3-8B on one H100 each;
-nothing is trained, `forge_rl/engines/simulated.py`) the trainer step costs nothing, so generation
+nothing is trained, `forge_rl.engines.simulated`) the trainer step costs nothing, so generation
 sets the pace. With a real one (configs/grpo_tiny_cpu.yaml, `--counts 2 4 1`) the run trains as
 it would, its trainer's step part of the pace, and a new generator starts a real engine. It goes
 through `counts` generators in turn: it starts with the first, and after every

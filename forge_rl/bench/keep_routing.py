@@ -1,5 +1,5 @@
 """`forge-rl bench keep-routing`: how far the trainer's logprobs drift from the sampler's on a
-mixture-of-experts policy, with and without Keep Routing (forge_rl/routing.py), and what the
+mixture-of-experts policy, with and without Keep Routing (`forge_rl.routing`), and what the
 routing record costs.
 
 One tiny Qwen3-MoE: from scratch (`TinyModelConfig` with experts), or `--model-path`, pre-trained

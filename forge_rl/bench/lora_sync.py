@@ -10,7 +10,7 @@ vLLM adapter per version). Per update:
   adapters and their PEFT conversion) to the engine serving the version, wall clock in this
   process; the store's own `weights/publish_to_servable_s` (from the write) is kept beside it.
 - decode stall: a streaming probe request's longest gap between two tokens across the update
-  minus its median gap (forge_rl/bench/weight_sync.py, `Load`).
+  minus its median gap (`forge_rl.bench.weight_sync.Load`).
 
 After the last adapter update the engine's logprobs on a fixed prompt are checked against the
 trainer's (the silent-failure check of tests/integration/test_lora_sync.py, on the real model).

@@ -1,7 +1,7 @@
 """`forge-rl bench multi-agent`: chains of 1, 2, 3 roles run synchronously and asynchronously.
 
-Each episode is a chain of `depth` roles (forge_rl/envs/long_tail.py `ChainEnv`, an episode graph
-of forge_rl/envs/graph.py): each role takes one turn after the one before it, and each role's
+Each episode is a chain of `depth` roles (`forge_rl.envs.long_tail.ChainEnv`, an episode graph
+of `forge_rl.envs.graph`): each role takes one turn after the one before it, and each role's
 environment step awaits a Pareto latency (20 ms to 2 s, median about 40 ms), so one role's
 completion time is long-tailed and the episode's reward is known only when its last role has
 answered. Synchronously (max_policy_age 0) a step waits for its slowest chain; the deeper the

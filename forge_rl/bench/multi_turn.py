@@ -1,7 +1,7 @@
 """`forge-rl bench multi-turn`: a long-tail agentic workload run synchronously and asynchronously.
 
 The same recipe and real engine as `forge-rl bench async-vs-sync` (whose runs, timeline analysis
-and charts this reuses), on multi-turn episodes of forge_rl/envs/long_tail.py: Pareto-distributed
+and charts this reuses), on multi-turn episodes of `forge_rl.envs.long_tail`: Pareto-distributed
 turns per episode (most one, some six) and environment latencies (most tens of ms, some two
 seconds). Synchronously (max_policy_age 0) every step waits for its slowest episode's whole chain
 of turns and tool waits; asynchronously the engine decodes other episodes, of this step and the

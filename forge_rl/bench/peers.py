@@ -24,12 +24,12 @@ All: temperature 1, DAPO (clip 0.2 / 0.28, token mean), no KL, AdamW at a consta
 reads the task's prompts from the run's prompts.jsonl (`forge-rl data export` rows), the task's
 own reward function, and every other setting from the same config, so a change to the config
 changes both sides. A config TRL's side cannot run (a data file other than JSONL prompt rows, a
-reward outside forge_rl/tasks/synthetic.py, LoRA on layers PEFT_TARGETS does not map, a loss other
+reward outside `forge_rl.tasks.synthetic`, LoRA on layers PEFT_TARGETS does not map, a loss other
 than dapo) runs forge_rl's side alone, the reason named (`peer_cannot_express`).
 
 TRL runs in a virtual environment of its own (`make peers-venv` builds `.venv-trl` from pinned
 versions: TRL pins a transformers that vLLM's pins exclude), as a subprocess running
-`forge_rl/bench/peer_trl.py`, the TRL script beside this module. Without that environment the
+`forge_rl.bench.peer_trl`, the TRL script beside this module. Without that environment the
 bench says how to build it and runs forge_rl's side alone, marked `peer_status: "missing"`.
 
 Per library and seed, from each run's per-step log:
@@ -373,7 +373,7 @@ def build_model(base: GRPOConfig, workload: Workload, model_dir: Path) -> Path:
 
 def peer_cannot_express(base: GRPOConfig) -> str | None:
     """Why TRL's side cannot run `base` as forge_rl does, or None when it can: TRL's script
-    scores with the task's reward function from forge_rl/tasks/synthetic.py (it imports nothing
+    scores with the task's reward function from `forge_rl.tasks.synthetic` (it imports nothing
     else of forge_rl), reads a data file's prompt column, adapts the LoRA targets PEFT_TARGETS maps,
     and matches the loss for dapo only."""
     from forge_rl.tasks import synthetic

@@ -5,7 +5,7 @@ its behaviour logprob is higher than the full-vocabulary softmax the trainer com
 every ratio pi/b comes out below 1 by the mass top-p cut off, and the off-policy corrections then
 act on a bias, not on staleness. forge_rl records each token's kept set (vLLM's sampling mask,
 `generator.record_sampling_support`) and the trainer renormalizes over it
-(forge_rl/core/batching.py, `token_logprobs`).
+(`forge_rl.core.batching.token_logprobs`).
 
 Runs the recipe twice with the same seeds at `generator.top_p`, synchronously (max_policy_age 0,
 so staleness adds nothing to the ratio): kept sets off, then on. Reports the token-mean

@@ -3,7 +3,7 @@
 Every run is the GRPO recipe with real Monarch actors on this machine (the rollouts' process with the
 buffer and the prompts, the scorer, the generator pool and one process per generator, the trainer
 mesh), but with `generator.engine sim`
-and `trainer.engine sim` (forge_rl/engines/simulated.py): no model runs, tokens are placeholders,
+and `trainer.engine sim` (`forge_rl.engines.simulated`): no model runs, tokens are placeholders,
 decode and train steps are timed waits. What is measured is forge_rl's own work. Each simulated
 generator stands in for an engine on a GPU host of its own, so in parts 1 and 3 its process yields
 the cores to the run's others (Linux's SCHED_IDLE, `generator.sim.idle_priority`;
@@ -15,7 +15,7 @@ small host's cores from the control plane. Part 2's eight run as the rest: there
        controller_calls_per_step   endpoint calls the controller process makes per train step,
                                    counted at the train loop's actor handles (loop.RunActors) in
                                    the steady state (first step excluded)
-       rollouts_calls_per_step     the same for the rollouts' process (forge_rl/pipeline/rollouts.py,
+       rollouts_calls_per_step     the same for the rollouts' process (`forge_rl.pipeline.rollouts`,
                                    counted there): per prompt and per generator; the pool's relay
                                    to each generator and the store's messages are in neither
        steps_per_s                 train steps per second in the steady state
@@ -107,7 +107,7 @@ class ScaleArgs:
     control_max_policy_age: int = 3
     """buffer.max_policy_age of the control-plane part. The gate keeps at most (A + 1) x P prompts
     admitted and not yet trained, the most that can all be trained within the bound at P a step
-    (forge_rl/core/admission.py). A + 1 = prompts_in_flight_per_generator (with P = G prompts a step)
+    (`forge_rl.core.admission`). A + 1 = prompts_in_flight_per_generator (with P = G prompts a step)
     lets every rollout loop hold a prompt: 4,096 sequences at G = 128. The config's A = 2 left a
     quarter of the loops idle (3,072)."""
     control_median_tokens: float = 32.0

@@ -117,7 +117,7 @@ class RunProbe:
 
     def held_at_stop(self) -> dict:
         """Prompts handed out and neither trained nor filtered nor dropped when the run ended,
-        counted where they were (forge_rl/pipeline/rollouts.py `stop`): in the buffer (admitted, reached it,
+        counted where they were (`forge_rl.pipeline.rollouts.Rollouts.stop_loops`): in the buffer (admitted, reached it,
         not taken), in the queue of prompts to generate again after a generator died, or cut short
         in a rollout."""
         return self._pipeline().rollouts_at_stop["held_at_stop"]

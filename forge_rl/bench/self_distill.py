@@ -1,7 +1,7 @@
 """`forge-rl bench self-distill`: GRPO with and without a teacher pinned to the policy's own past.
 
 The same recipe config runs once per variant and seed, same steps: GRPO alone, then GRPO plus
-self-distillation (forge_rl/scoring/teacher.py `TeacherPin`) with the teacher lagged `versions_back`
+self-distillation (`forge_rl.scoring.teacher.TeacherPin`) with the teacher lagged `versions_back`
 versions, an exponential moving average of the versions, and the version after the best step. The
 distillation term pulls each token toward what the policy's recent past preferred, a moving trust
 region; whether that helps depends on how unstable plain GRPO is, so `--lr` sets the regime (the

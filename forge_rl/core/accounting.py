@@ -3,7 +3,7 @@ dynamic sampling, skipped for a non-finite step, or unfinished.
 
 Episode ids are dataset prompt indices (0, 1, 2, ...), so one byte per id counts how often each
 was trained: a run of a million prompts costs a megabyte. The counts survive a resume
-(`state_dict`): a checkpoint re-issues the prompts it left unsettled (forge_rl/core/checkpoint.py), and
+(`state_dict`): a checkpoint re-issues the prompts it left unsettled (`forge_rl.core.checkpoint`), and
 `trained_more_than_once` then covers the whole run, across resumes.
 """
 
@@ -34,7 +34,7 @@ class PromptAccounting:
     continuation kept."""
     salvage_discarded_tokens: int = 0
     """Such tokens thrown away instead, already too old to be trained
-    (forge_rl/pipeline/rollouts.py, `_salvage`)."""
+    (`forge_rl.pipeline.rollouts.Rollouts._salvage`)."""
     turns_moved_after_generator_failure: int = 0
     """Turns of environment episodes sampled again on another generator because theirs was lost
     mid-turn: the episodes so far, and their environments, were kept."""
@@ -71,7 +71,7 @@ class PromptAccounting:
     def unsettled_ids(self, below: int, settled_elsewhere: Iterable[int]) -> list[int]:
         """Prompt indices below `below` neither trained, skipped, filtered nor in
         `settled_elsewhere` (dropped by the buffer, or held in a checkpoint's buffer): what a
-        resume hands out again (forge_rl/core/checkpoint.py). Made where the accounting is, so a
+        resume hands out again (`forge_rl.core.checkpoint`). Made where the accounting is, so a
         checkpoint sends no list of every settled prompt across processes."""
         settled = {*self.skipped_ids, *self.filtered_ids, *settled_elsewhere}
         return [index for index in self.untrained_ids(below) if index not in settled]

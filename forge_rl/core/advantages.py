@@ -6,7 +6,7 @@
 - `completion_reward`: what a completion's group advantage is computed from.
 - `token_advantages`: per-token advantages of one `Episode`: its group advantage plus process
   rewards (per step, per turn) and dense per-token rewards; the formula is in docs/scoring.md. A
-  branched group (forge_rl/core/branches.py) gets its tree's credit instead (docs/branches.md).
+  branched group (`forge_rl.core.branches`) gets its tree's credit instead (docs/branches.md).
 - `is_plain`: whether one advantage per completion says it all (no steps, dense rewards or branches).
 - `has_signal`, `DynamicSampling`: DAPO's dynamic sampling, which
   keeps only groups with a nonzero advantage on a token that trains, and stops a run that finds none.
@@ -53,7 +53,7 @@ def group_advantages(rewards_G: Sequence[float], normalize_std: bool) -> list[fl
 def completion_reward(completion: Completion) -> float:
     """The reward a completion's group advantage is computed from: its final reward (a single-turn
     completion's score, an environment episode's closing reward). Per-turn rewards of a multi-turn
-    episode are process rewards on top of it (forge_rl/envs/rollout.py `turn_steps`, then
+    episode are process rewards on top of it (`forge_rl.envs.rollout.turn_steps`, then
     `token_advantages`)."""
     return completion.reward
 
@@ -61,7 +61,7 @@ def completion_reward(completion: Completion) -> float:
 def baseline_groups(episode: Episode) -> list[list[int]]:
     """The completions of `episode` by `Completion.baseline_group`, as index lists in order of first
     appearance: one list of all of them for a single-agent group (GRPO's), one per seat (or per
-    seat and episode) for a multi-agent one (forge_rl/envs/graph.py)."""
+    seat and episode) for a multi-agent one (`forge_rl.envs.graph`)."""
     groups: dict[str | None, list[int]] = {}
     for index, completion in enumerate(episode.completions):
         groups.setdefault(completion.baseline_group, []).append(index)

@@ -36,7 +36,7 @@ class TrainBatch:
     """[N, L] int64: at each generated token, the oldest policy version whose weights computed it
     or any KV it attended to (-1 elsewhere), as `forge_rl.core.columns.exact_versions`. Where it equals the trainer's
     version, the trainer holds every weight that sampled the token: the two logprobs differ by
-    numerics alone (the fresh mismatch, forge_rl/observability/health.py)."""
+    numerics alone (the fresh mismatch, `forge_rl.observability.health`)."""
     temperature_N: torch.Tensor | None = None
     """[N] float32 temperature each completion was sampled at; None means 1. The trainer divides
     its logits by it so that its logprobs describe the distribution the generator sampled from."""
@@ -53,7 +53,7 @@ class TrainBatch:
     """[N] int64 real tokens (prompt + completion) of each row, the rest is padding; None means
     every row is L long. The trainer's forward layout (`forge_rl.training.packing`) reads it."""
     routed_experts_NLXK: torch.Tensor | None = None
-    """[N, L, X, K] uint8/int16 Keep Routing records (forge_rl/routing.py): at each generated token,
+    """[N, L, X, K] uint8/int16 Keep Routing records (`forge_rl.routing`): at each generated token,
     the experts of each of the X MoE layers its sampling pass used (0 where `routed_NL` is False);
     None when no completion of the batch has a record."""
     routed_NL: torch.Tensor | None = None

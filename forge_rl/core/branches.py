@@ -13,7 +13,7 @@ buffer, the admission gate, the age bound, the accounting and checkpoints see it
 - `branch_completion`: a branch's completion from its parent, its pivot and the continuation.
 - `turn_starts`, `pick_turn_pivots`, `fork_completion`: the same for environment episodes, whose
   pivots are the starts of turns and whose forks replay the turns before them
-  (forge_rl/envs/forks.py).
+  (`forge_rl.envs.forks`).
 - `tree_token_advantages`: the credit of every token of a tree (formulas in docs/branches.md).
 """
 
@@ -234,7 +234,7 @@ def pick_turn_pivots(completion: Completion, config: BranchConfig, function: Piv
 
 class ReplayDiverged(Exception):
     """An episode fork's replay did not come back to the episode's state: the environment answered
-    a replayed turn otherwise, or ended the episode before the pivot (forge_rl/envs/forks.py)."""
+    a replayed turn otherwise, or ended the episode before the pivot (`forge_rl.envs.forks`)."""
 
 
 def fork_completion(parent: Completion, parent_index: int, pivot: int, played: Completion) -> Completion:

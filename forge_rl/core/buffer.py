@@ -2,7 +2,7 @@
 
 Invariant: no trainable token that depends on weights more than `max_policy_age` versions behind
 the trainer ever leaves `sample()`; a token depends on the weights that sampled it and on those that
-encoded the KV it attended to (forge_rl/core/columns.py `exact_versions`). The bound is applied where
+encoded the KV it attended to (`forge_rl.core.columns.exact_versions`). The bound is applied where
 episodes enter (`put`, at the version the next batch trains
 at: `WaitingBuffer.trainer_version`) and again where they leave (`sample`), because the trainer's
 version advances while episodes wait. `drop_policy` decides what an over-age
@@ -11,13 +11,13 @@ untrainable in `Completion.trainable`; the completion's reward still counts for 
 baseline). Whatever is lost is counted with its completion lengths (`dropped`), beside the lengths
 of what was handed to the trainer (`trained`): dropping stale work biases training toward short
 completions, and the two length distributions show by how much. Admission control, which pauses
-generation so that nothing needs dropping, is `forge_rl/core/admission.py`.
+generation so that nothing needs dropping, is `forge_rl.core.admission`.
 
 The buffer never holds more than `capacity_episodes` episodes nor `capacity_tokens` tokens: `put`
 without room raises `BufferFull`; `WaitingBuffer` turns that into backpressure (the producer
 waits until `has_room`) and lets the train loop wait for a batch.
 
-A run with several policies (forge_rl/core/policies.py) holds each completion to its own policy's
+A run with several policies (`forge_rl.core.policies`) holds each completion to its own policy's
 bound (`Completion.policy`), against that policy's own version: versions advance together, one
 per batch, but a policy whose step was skipped stays a version behind the others from then on
 (`policy_offsets`).
@@ -56,7 +56,7 @@ class BufferConfig:
     """What a token older than max_policy_age costs: its whole episode (drop_episode), or only itself
     (mask_tokens: it gets no loss; a completion left with no trainable token counts as dropped)."""
     admission: Literal["pause", "drop"] = "pause"
-    """How the age bound is kept. pause: admission control (forge_rl/core/admission.py) starts a
+    """How the age bound is kept. pause: admission control (`forge_rl.core.admission`) starts a
     rollout only if its episodes can still be trained in time, and the trainer waits for
     stragglers that the next step is the last chance for, so nothing needs dropping. drop:
     generation never waits for the bound; episodes that grow too old are dropped (and counted,
@@ -346,7 +346,7 @@ class ReplayBuffer:
 
 class WaitingBuffer:
     """The replay buffer with waiting, for one event loop (the rollouts' process,
-    forge_rl/pipeline/rollouts.py): `put` waits for room, `sample` waits for a batch."""
+    `forge_rl.pipeline.rollouts`): `put` waits for room, `sample` waits for a batch."""
 
     def __init__(self, config: BufferConfig, max_ages: Mapping[str | None, int] | None = None):
         self.buffer = ReplayBuffer(config, max_ages)

@@ -4,13 +4,14 @@
       step-000120/          complete: renamed into place after COMPLETE was written
         trainer/            torch.distributed.checkpoint (DCP): every trainer rank writes its own
                             FSDP2/TP shards of the weights and AdamW moments, plus its torch RNG state
-                            and the policy version (forge_rl/training/trainer.py `save_checkpoint`)
+                            and the policy version (`forge_rl.training.trainer.PolicyTrainer.save_checkpoint`)
         controller.json     `ControllerState`: step, dataset position, prompt accounting, buffer, RNG
         teacher/            a self-distillation teacher's schedule and served and staged weights
-                            (forge_rl/scoring/teacher.py `PinnedTeacherRefresh`; only with one)
+                            (`forge_rl.scoring.teacher.PinnedTeacherRefresh`; only with one)
         COMPLETE            written last, once every trainer rank's shards are written (in the
-                            background, while the next steps train: forge_rl/run/lifecycle.py
-                            `save_checkpoint`), then the directory is renamed from .step-000120.partial
+                            background, while the next steps train:
+                            `forge_rl.run.lifecycle.Lifecycle.save_checkpoint`), then the directory is
+                            renamed from .step-000120.partial
       step-000160/
       .step-000200.partial  a save cut short (killed mid-write): never picked, removed by the next save
 
@@ -19,8 +20,8 @@ handed out but not yet trained at that moment (being generated, scored, or waiti
 are re-issued after a resume, so none is skipped, and the prompts already trained are not trained
 again: the rollouts' process lists every prompt index below the dataset cursor that is not settled
 (trained, dropped as stale, skipped for a non-finite step, or restored with the buffer;
-forge_rl/core/accounting.py `unsettled_ids`), and the dataset hands those out again before any new
-one. Prompt i depends only on (task, seed, i) (forge_rl/tasks/synthetic.py), so a re-issued prompt
+`forge_rl.core.accounting.PromptAccounting.unsettled_ids`), and the dataset hands those out again before any new
+one. Prompt i depends only on (task, seed, i) (`forge_rl.tasks.synthetic`), so a re-issued prompt
 is the same prompt.
 
 What is not restored: vLLM's sampler state (a fresh engine starts from `generator.seed` again) and
@@ -112,14 +113,14 @@ class ControllerState:
     rng: dict[str, Any]
     """The controller's python, numpy and torch RNG states (`capture_rng_state`)."""
     data_fingerprint: str | None = None
-    """With data.path: the file's fingerprint (forge_rl/data/files.py `FileSource.fingerprint`),
+    """With data.path: the file's fingerprint (`forge_rl.data.files.FileSource.fingerprint`),
     which a resume must find unchanged, since the cursor counts rows of that file."""
     partial_groups: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The groups that were being generated a segment at a time (generator.segment_tokens), each
-    as far as its last finished segment (forge_rl/pipeline/rollouts.py `PartialGroup.to_dict`):
+    as far as its last finished segment (`forge_rl.pipeline.partial_groups.PartialGroup.to_dict`):
     their prompts are among `reissue`, and a resume continues them from there."""
     tokenizer_fingerprint: str | None = None
-    """The model directory's tokenizer (forge_rl/tasks/tokenizer.py `tokenizer_fingerprint`) the
+    """The model directory's tokenizer (`forge_rl.tasks.tokenizer.tokenizer_fingerprint`) the
     partial groups' token ids were sampled under: a resume continues them only under the same one."""
     num_generators: int | None = None
     """The generator pool's size at the checkpoint (it changes while a run goes on: `forge-rl scale`):

@@ -1,5 +1,5 @@
 """A step's batch in columns: its episodes flattened, row by row, into the flat arrays that the
-trainer's padded tensors are made of (forge_rl/core/batching.py `make_train_batch`). Plain Python, no
+trainer's padded tensors are made of (`forge_rl.core.batching.make_train_batch`). Plain Python, no
 torch: the rollouts' process builds them as the batch leaves the buffer.
 
 Why columns, and why there. A batch sent as episodes (about a hundred dataclass objects for the
@@ -177,7 +177,7 @@ def _exact_version_column(completion: Completion) -> array:
 def exact_versions(completion: Completion) -> list[int]:
     """Per token, [T]: for a generated token, the oldest weights it depends on (those that sampled
     it, and those that encoded the KV it attended to); -1 for context. What every age bound is
-    applied to (forge_rl/core/buffer.py).
+    applied to (`forge_rl.core.buffer`).
 
     Where the engine recorded them (`Completion.kv_versions`: a single-turn completion of the vLLM
     engine), they are its record: the version a request was submitted under, lowered by each swap
@@ -188,7 +188,7 @@ def exact_versions(completion: Completion) -> list[int]:
     Otherwise, the oldest version among its turn's generated tokens up to it. A turn is one vLLM
     request, whose prefix is encoded by the version that samples its first token (a request is
     salted with the version it is submitted under, and one arriving during a swap is held until
-    the swap ends: forge_rl/engines/vllm_engine.py). A swap in the middle of a turn leaves the rest
+    the swap ends: `forge_rl.engines.vllm_engine`). A swap in the middle of a turn leaves the rest
     of the turn attending to KV of the older weights, so those tokens count as that older version;
     after a swap that re-encoded the prefix they would be exact, but without a record nothing says
     which swap it was, so they count as older all the same. A turn is a run of generated tokens;

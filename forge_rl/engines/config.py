@@ -14,7 +14,7 @@ from forge_rl.engines.simulated import SimEngineConfig
 class GeneratorConfig:
     engine: Literal["vllm", "sim"] = "vllm"
     """"vllm": the real engine. "sim": a SIMULATED engine with no model (placeholder tokens,
-    decode timed by a GPU-calibrated latency model: forge_rl/engines/simulated.py), for testing the
+    decode timed by a GPU-calibrated latency model: `forge_rl.engines.simulated`), for testing the
     control plane at scale; needs trainer.engine sim too, and never trains anything."""
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
     """The simulated engine's latency model and completion lengths (read only with engine sim)."""
@@ -45,7 +45,7 @@ class GeneratorConfig:
     """Most sequences vLLM decodes in one batch."""
     tensor_parallel_size: int = 1
     """GPUs per generator: vLLM shards the model over this many (one worker process each), a
-    contiguous block of its host's devices (forge_rl/plumbing/placement.py, `generator_devices`). GPU
+    contiguous block of its host's devices (`forge_rl.plumbing.placement.generator_devices`). GPU
     only; with more than 1 the swap uses vLLM's stock reload (the staged loader is TP 1 only)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
@@ -74,7 +74,7 @@ class GeneratorConfig:
     the old weights first (new requests wait); "abort" aborts them and resubmits prompt + tokens so far."""
     swap_loader: Literal["staged", "reload"] = "staged"
     """"staged": load and repack the new weights in a worker thread while decoding continues, then
-    swap references while paused (forge_rl/engines/vllm_staging.py); "reload": vLLM's stock
+    swap references while paused (`forge_rl.engines.vllm_staging`); "reload": vLLM's stock
     reload_weights from the snapshot directory while paused. Staged needs enforce_eager (else reload)."""
     swap_kv: Literal["reuse", "recompute"] = "reuse"
     """KV of in-flight requests at a swap: "reuse" continues on it (as PipelineRL does): tokens
@@ -86,7 +86,7 @@ class GeneratorConfig:
     prefix-cache block of an older version (requests are salted by version). docs/weight_store.md."""
     generate_timeout_s: float | None = None
     """Most seconds one generate call (one prompt's group of completions) may take. A call past it
-    is treated like a dead generator (forge_rl/actors/generator_pool.py): the generator is killed
+    is treated like a dead generator (`forge_rl.actors.generator_pool`): the generator is killed
     and replaced on a fresh proc mesh, and the call's prompt is handed out again. Unset: derived
     from what a call can legitimately take (`GRPOConfig.generate_timeout_s` has the formula)."""
     update_timeout_s: float | None = None
@@ -98,17 +98,17 @@ class GeneratorConfig:
     matches the fp32 trainer exactly). bfloat16 on CPU reproduces a GPU generator's numerics
     against an fp32 trainer (`forge-rl bench keep-routing`)."""
     record_routing: bool = False
-    """Mixture-of-experts policies (Keep Routing, forge_rl/routing.py): record the experts every
+    """Mixture-of-experts policies (Keep Routing, `forge_rl.routing`): record the experts every
     generated token was sampled through (`Completion.routed_experts`), for trainer.keep_routing.
     On GPU vLLM returns them (`enable_return_routed_experts`); on CPU forge_rl's hook in the worker
-    captures them (forge_rl/engines/routing_capture.py). Multi-turn trajectories carry them per
+    captures them (`forge_rl.engines.routing_capture`). Multi-turn trajectories carry them per
     turn (`GeneratedSpan.routed_experts`)."""
     segment_tokens: int | None = None
     """Decode each completion in requests of at most this many tokens (single-turn groups). Between
     two, the tokens sampled so far (with their logprobs, versions and kept sets) are held by the
     rollouts, not the engine, so a generator that dies mid-completion loses at most the segment
     it was decoding: its prompt's completions continue on a live generator from them
-    (forge_rl/pipeline/rollouts.py, `_generate_in_segments`). Each segment after the first
+    (`forge_rl.pipeline.rollouts.Rollouts._generate_in_segments`). Each segment after the first
     prefills its completion's prefix again (from the prefix cache when its blocks are cached
     under the weights served then). None: one request per group, and a dead generator's prompt is
     generated again from scratch. vLLM engines only."""

@@ -3,7 +3,7 @@
 A generator's time splits into decode work (the engine's forward passes and sampling), waiting
 (no request in flight: the timeline's idle time) and the rest (scheduling, detokenization,
 messages, weight swaps). The forward time is only visible inside the worker, so this mixin of
-forge_rl's `worker_extension_cls` (forge_rl/engines/routing_capture.py `ForgeWorkerExtension`)
+forge_rl's `worker_extension_cls` (`forge_rl.engines.routing_capture.ForgeWorkerExtension`)
 wraps the worker's `execute_model` and `sample_tokens` and adds up their wall time:
 
     forge_start_forward_clock()   wrap them (once, after the engine started): warm-up and

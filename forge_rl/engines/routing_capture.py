@@ -16,7 +16,7 @@ the rows that sampled a token. forge_rl's CPU worker runs inside the engine-core
 Which rows. A forward step computes rows of several requests, in the order of the model runner's
 `input_batch.req_ids`, `num_scheduled_tokens[req]` consecutive rows each, at the positions the
 model is called with. Row at position p of a request with a prompt of P tokens sampled generated
-token p - (P - 1) when p >= P - 1 (forge_rl/routing.py: a token's routing is that of the pass that
+token p - (P - 1) when p >= P - 1 (`forge_rl.routing`: a token's routing is that of the pass that
 sampled it). The first row recorded for a token is kept: a later recomputation of the same
 position (preemption, a KV recompute after a weight swap) did not sample it.
 

@@ -8,7 +8,7 @@ completion's length from a heavy-tailed distribution, stamps every token with th
 it was "decoded" under, and swaps weights between two decode steps (the keep-mode stall included).
 Its tokens are placeholders (`PLACEHOLDER_TOKEN_ID`, logprob `PLACEHOLDER_LOGPROB`): nothing
 downstream can learn from them. `SimTrainerConfig` is the matching trainer step: a wait computed
-from the tokens in the batch (forge_rl/actors/simulated_trainer.py).
+from the tokens in the batch (`forge_rl.actors.simulated_trainer`).
 
 It is selected only by `generator.engine: sim` with `trainer.engine: sim` (configs/sim_*.yaml),
 never by default, and never stands in for vLLM in the demo, the recipes or the integration tests
@@ -404,7 +404,7 @@ class SimulatedEngine:
         return await self.load_version(policy_version)
 
     async def load_version(self, policy_version: int) -> dict:
-        """A weight update as forge_rl/store/loader.py's `load_version` reports it: the simulated
+        """A weight update as `forge_rl.store.loader`'s `load_version` reports it: the simulated
         prefetch and staging (decoding goes on), then the swap. There is no store: the simulated
         trainer publishes no weights, only version numbers."""
         from forge_rl.store.loader import LOAD_S, PAUSED_S, PREFETCH_S, STALL_S

@@ -5,7 +5,7 @@ inside it on CPU, in processes of its own on GPUs) and speaks token ids only: ca
 and decode completions (`skip_tokenizer_init=True`). It knows nothing of Monarch; the generator
 actor owns one and forwards its endpoints here. Two ways to sample: `generate` (n completions of one
 prompt: the single-turn path) and `generate_turn` (one turn continuing a multi-turn trajectory's
-token prefix: the `generate` of forge_rl/envs/runner.py).
+token prefix: the `generate` of `forge_rl.envs.runner`).
 
 Why every token's policy version is right, even for a token decoded before a swap but delivered
 after it. The version is not stamped when a token reaches this process; vLLM labels it where it is
@@ -131,7 +131,7 @@ class VLLMEngine:
         """The background unload of adapters past `adapters.resident` (see `load_adapter`)."""
         self.cuda_devices = cuda_devices
         """Indices, among this host's visible CUDA devices, of the devices the engine's workers
-        use (forge_rl/plumbing/placement.py, `generator_devices`); None: the first tensor_parallel_size."""
+        use (`forge_rl.plumbing.placement.generator_devices`); None: the first tensor_parallel_size."""
         self.policy_version = 0
         """Version of the weights the engine decodes with now (0 = the model directory's)."""
         self.max_model_len = 0
@@ -433,7 +433,7 @@ class VLLMEngine:
     async def generate_branches(
         self, prompt_token_ids: list[int], heads: list[list[int]], n: int, eos_id: int | None, forced_length: int | None
     ) -> list[tuple[list[Completion], int]]:
-        """Branch rollouts (forge_rl/core/branches.py): `n` continuations of prompt + each head (a
+        """Branch rollouts (`forge_rl.core.branches`): `n` continuations of prompt + each head (a
         completion's tokens before its pivot), each head one request of `n` children, with what is
         left of the completion's budget (`max_new_tokens`, or `forced_length`). Returns per head the
         continuations (new tokens only, labelled as `generate` labels them) and how many of the
@@ -499,7 +499,7 @@ class VLLMEngine:
         self, prefix_token_ids: list[int], max_new_tokens: int, *, eos_id: int | None
     ) -> SampledTurn:
         """Sample one turn of a multi-turn episode after exactly `prefix_token_ids`: the `generate`
-        of forge_rl/envs/runner.py, as `functools.partial(engine.generate_turn, eos_id=...)`.
+        of `forge_rl.envs.runner`, as `functools.partial(engine.generate_turn, eos_id=...)`.
 
         The prefix is the trajectory's tokens as it holds them (prompt, earlier turns as sampled,
         rendered observations), sent as ids and never re-tokenized. The turn comes back exactly as
@@ -728,7 +728,7 @@ class VLLMEngine:
     ) -> SampleResult:
         """`spec.num_samples` continuations of the prompt by the resident adapter of
         `adapter_version` (BASE_MODEL: the base), with the request's own sampling parameters: the
-        service's sampling (forge_rl/service/meshes.py). Every token is that version's sample:
+        service's sampling (`forge_rl.service.meshes`). Every token is that version's sample:
         should its adapter be unloaded meanwhile (AdapterNotResident is raised then, before
         anything is submitted), the caller loads it again and asks again.
         ValueError for a prompt that leaves no room in the context."""
@@ -852,7 +852,7 @@ class VLLMEngine:
             ignore_eos=eos_id is None,
             output_kind=RequestOutputKind.FINAL_ONLY,
             # Keep Routing on GPU: a generated token's routing is its predecessor's row
-            # (forge_rl/routing.py), so the rows start at the prompt's last token.
+            # (`forge_rl.routing`), so the rows start at the prompt's last token.
             **({"routed_experts_prompt_start": max(num_prompt_tokens - 1, 0)} if self.config.record_routing else {}),
         )
 
@@ -1016,7 +1016,7 @@ class VLLMEngine:
     async def wait_until_in_flight_since(self, policy_version: int) -> None:
         """Wait until every request in flight was submitted under `policy_version` or newer: the
         state a run's admission gate guarantees when the trainer publishes `policy_version` +
-        max_policy_age (forge_rl/core/admission.py: an episode started under version v is trained by
+        max_policy_age (`forge_rl.core.admission`: an episode started under version v is trained by
         v + max_policy_age, so the trainer does not pass that version while it still decodes).
         `forge-rl bench lora-sync` drives its load to that state before each publish."""
         async with self._drained:
@@ -1055,13 +1055,13 @@ class VLLMEngine:
             self._retiring.discard(version)
 
     def _can_stage(self) -> bool:
-        """The staged loader needs eager mode and one worker (see forge_rl/engines/vllm_staging.py)."""
+        """The staged loader needs eager mode and one worker (see `forge_rl.engines.vllm_staging`)."""
         return (
             self.config.swap_loader == "staged" and self.config.enforce_eager and self.config.tensor_parallel_size == 1
         )
 
     async def forward_time(self) -> dict:
-        """The model's time in the engine since it started (forge_rl/engines/forward_clock.py):
+        """The model's time in the engine since it started (`forge_rl.engines.forward_clock`):
         {"forward_s", "forward_steps"} of the first worker (tensor-parallel ranks step together)."""
         return (await self._running_llm.collective_rpc("forge_forward_time"))[0]
 

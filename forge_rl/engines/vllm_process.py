@@ -19,7 +19,7 @@ ENGINE_PROCESS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 def engine_process_env() -> dict[str, str]:
     """Environment a process that will host a VLLMEngine must start with (read at its exec, so
-    it is set where the process is spawned: forge_rl/actors/generator_pool.py).
+    it is set where the process is spawned: `forge_rl.actors.generator_pool`).
 
     Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored before): every
     staged version repacks its linear weights into fresh oneDNN buffers, and with 4 KiB pages

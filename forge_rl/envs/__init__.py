@@ -10,7 +10,7 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     python_tool.py   Python tool for chat models, running code in the sandbox
     selfplay.py      proposer/solver self-play for the tiny models (two seats; solvers as OpenAI-style agent code in selfplay_chat)
     long_tail.py     heavy-tailed turns and latencies: the workload of `forge-rl bench multi-turn`
-    demonstrations.py  well-formed episodes for the supervised warm-up (forge_rl/training/warmup.py)
+    demonstrations.py  well-formed episodes for the supervised warm-up (`forge_rl.training.warmup`)
     chat_client.py   agent code written against openai.AsyncOpenAI, served in process by the generator
     openenv_adapter.py    OpenEnv environments (openenv), in process
     verifiers_adapter.py  verifiers environments, played by verifiers' own chat program
@@ -18,7 +18,7 @@ vLLM, no torch) that the rollout shell runs beside the generators.
     sandbox.py       untrusted code in a confined process: what it guarantees and what it does not
 
 On the real engine, the runner's `generate` is `VLLMEngine.generate_turn`
-(forge_rl/engines/vllm_engine.py), which this package does not import.
+(`forge_rl.engines.vllm_engine`), which this package does not import.
 docs/environments.md shows a custom environment, how episodes run on the engine, and what the
 sandbox guarantees.
 """

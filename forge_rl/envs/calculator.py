@@ -45,14 +45,14 @@ class CalculatorEnv:
     """False: the no-tool baseline, the same problem with every call refused (a malformed turn)."""
     replayable: ClassVar[bool] = True
     """Its answers depend on the problem and the turns alone: an episode can be forked by replaying
-    its turns (forge_rl/envs/forks.py)."""
+    its turns (`forge_rl.envs.forks`)."""
 
     async def reset(self) -> str:
         return f"{self.left}*{self.right}="
 
     def demonstration(self) -> list[str]:
         """A well-formed episode's turns: the call, then its result copied (the supervised warm-up's
-        material, forge_rl/envs/demonstrations.py)."""
+        material, `forge_rl.envs.demonstrations`)."""
         answer = str(self.left * self.right)
         return [f"C{self.left}*{self.right}", answer] if self.tool else [answer]
 

@@ -9,7 +9,7 @@ drives the model itself (verifiers environments, any agent written against `open
 `client()` is a real `openai.AsyncOpenAI` whose httpx transport (`ChatTransport`) answers
 `POST /chat/completions` (streamed or not) and `GET /models` by calling the session: the
 messages are rendered with the episode's renderer (the model's chat template, or the tiny
-models' plain format), the turn is sampled by `generate` (forge_rl/envs/runner.py `GenerateTurn`,
+models' plain format), the turn is sampled by `generate` (`forge_rl.envs.runner.GenerateTurn`,
 the same coroutine `run_episode` uses: on the real engine, the generator's `generate_turn`), and
 `ChatRecorder` keeps each call's prompt ids, sampled ids, behaviour logprobs and per-token policy
 versions. The reply carries the text (and, when asked, per-token logprobs), plus the ids and
@@ -19,12 +19,12 @@ Calls are grouped into samples by their prompt prefix, as the interception desig
 verifiers do: a call whose rendered prompt starts with an earlier sample's tokens (its prompts
 and completions so far) continues that sample, the new part of the prompt as context; any other
 call starts a new sample, all context, just as the trajectory builder forks when a chat template
-re-renders history differently (forge_rl/envs/trajectory.py). The sampled ids are recorded as
+re-renders history differently (`forge_rl.envs.trajectory`). The sampled ids are recorded as
 `generate` returned them and never re-derived from the text the agent sends back. A plain
 multi-turn agent (append the reply, append the next user message, call again) therefore gives one
 sample; a template that rewrites earlier turns, or an agent that edits its history, forks.
 
-The episode's limits (forge_rl/envs/runner.py `EpisodeLimits`) answer as HTTP 400 errors whose
+The episode's limits (`forge_rl.envs.runner.EpisodeLimits`) answer as HTTP 400 errors whose
 message names the limit, which `openai` raises as `BadRequestError` in the agent: a call past
 `max_turns`, a prompt with no room left in `max_total_tokens` (code `context_length_exceeded`),
 and the generator's own context being full. The episode then ends TRUNCATED_TURNS or
@@ -37,7 +37,7 @@ to the rollout shell, as in `run_episode`.
 
 Tools, as vLLM's OpenAI server serves them (`--tool-call-parser`): `tools` are written into the
 prompt by the renderer (the chat template's `tools`), each reply is read by the renderer's
-`tool_call_parser` (vLLM's own parser: forge_rl/envs/tool_calls.py), and a reply that made calls
+`tool_call_parser` (vLLM's own parser: `forge_rl.envs.tool_calls`), and a reply that made calls
 carries `message.tool_calls` (id, type, function.name, function.arguments as JSON text), content
 None when there is no other text, finish_reason "tool_calls". A call the model wrote badly is
 returned as content, as vLLM returns it. The agent sends the calls back in an assistant message
@@ -198,7 +198,7 @@ class ChatSession:
             reason = f"max_turns ({limits.max_turns}) reached: the episode had its {limits.max_turns} model calls"
             raise self._truncated(TrajectoryStatus.TRUNCATED_TURNS, reason, "max_turns_exceeded")
         try:
-            # `tools` only when the request has some: a renderer may take none (forge_rl/envs/renderers.py Renderer).
+            # `tools` only when the request has some: a renderer may take none (`forge_rl.envs.renderers.Renderer`).
             tools = {"tools": request.tools} if request.tools else {}
             prompt = self.renderer.render(request.messages, **tools)
         except Exception as e:
@@ -432,7 +432,7 @@ def _json(status: int, body: dict) -> httpx.Response:
 class ChatAgentEnvironment:
     """Agent code written against `openai.AsyncOpenAI`, as a forge_rl environment: `agent(client)`
     is a coroutine that talks to the model through `client` and returns the episode's reward.
-    The rollout plays it with `play` (forge_rl/envs/rollout.py `play_episode`) instead of
+    The rollout plays it with `play` (`forge_rl.envs.rollout.play_episode`) instead of
     reset/step: the agent drives, each of its calls is a turn.
 
         async def agent(client):

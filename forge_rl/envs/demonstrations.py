@@ -1,9 +1,9 @@
 """Demonstrations: well-formed episodes of an environment, for the supervised warm-up on its turn
-format (forge_rl/training/warmup.py). Functional core: no Monarch, no vLLM, no torch.
+format (`forge_rl.training.warmup`). Functional core: no Monarch, no vLLM, no torch.
 
 An environment that can show a well-formed episode implements `demonstration()`: the model turns
 of one (for the calculator, ["C37*52", "1924"]). `demonstration_samples` plays those turns through
-the same runner, trajectory builder and renderer as RL episodes (forge_rl/envs/runner.py), with a
+the same runner, trajectory builder and renderer as RL episodes (`forge_rl.envs.runner`), with a
 scripted `generate` in place of the engine, so the warm-up trains exactly the token layout RL later
 samples and trains: prompt and observations are context (never in the loss), turns and their eos
 are generated.

@@ -11,13 +11,13 @@ episode; the rollout shell runs many of them concurrently beside the generators.
             break
         observation = result.observation       # tool output, the other player's move, ...
 
-`forge_rl/envs/runner.py` plays this loop with the episode's limits and timeouts and records the
+`forge_rl.envs.runner` plays this loop with the episode's limits and timeouts and records the
 tokens; an environment never sees a token id, only text. A turn that does not follow the
 environment's format is reported by raising `MalformedTurn` with the observation that tells the
 model what was wrong (the runner shows it and counts it); any other exception, or a call that runs
 past its timeout, ends the episode as an environment failure, never trained.
 
-Example (forge_rl/envs/calculator.py, plain text for the tiny models):
+Example (`forge_rl.envs.calculator`, plain text for the tiny models):
 
     await env.reset()        -> "37*52="
     await env.step("C37*52") -> StepResult(observation="R1924=")
@@ -34,7 +34,7 @@ from typing import Protocol
 @dataclass(frozen=True)
 class ToolCall:
     """A function call the model wrote in an assistant turn, as the OpenAI schema carries it:
-    `arguments` is the JSON text of the arguments object (forge_rl/envs/tool_calls.py reads it out
+    `arguments` is the JSON text of the arguments object (`forge_rl.envs.tool_calls` reads it out
     of the sampled text)."""
 
     id: str
@@ -111,14 +111,14 @@ class Environment(Protocol):
     """One episode's world. Both methods are coroutines: an environment that waits (a tool, a
     sandbox, a remote service) awaits, so that other episodes decode meanwhile. Blocking code in
     them stalls every episode of the process and cannot be timed out: run it with
-    asyncio.to_thread, or in the sandbox (forge_rl/envs/sandbox.py) if it is untrusted.
+    asyncio.to_thread, or in the sandbox (`forge_rl.envs.sandbox`) if it is untrusted.
 
     Optional: an environment whose step may legitimately take long (it starts a sandbox, runs a
     test suite) says how long with a `max_step_s` attribute; the rollout refuses limits whose
-    env_step_timeout_s would cut such a step short (forge_rl/envs/rollout.py), since the timeout
+    env_step_timeout_s would cut such a step short (`forge_rl.envs.rollout`), since the timeout
     would kill the sandbox mid-run and blame the environment. One whose reset and step depend on
     nothing but (seed, index) and the turns it is given says so with `replayable = True`: branch
-    rollouts may then fork its episodes by replaying their turns (forge_rl/envs/forks.py)."""
+    rollouts may then fork its episodes by replaying their turns (`forge_rl.envs.forks`)."""
 
     async def reset(self) -> Observation:
         """The first observation: the prompt."""

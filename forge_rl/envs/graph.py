@@ -3,9 +3,9 @@
 An episode is a directed graph of turns. Each node is one model turn of one agent; an edge from
 turn m to turn n says that what turn n was shown (its observation) came from the environment's
 answer to turn m. Every agent has a view of its own: one token sequence built turn by turn as in
-forge_rl/envs/trajectory.py (token-in/token-out, never re-tokenized), so each agent's view is a
+`forge_rl.envs.trajectory` (token-in/token-out, never re-tokenized), so each agent's view is a
 `Trajectory` and trains as one row. A single-agent episode is the graph of one agent (the seat
-`agent`): forge_rl/envs/runner.py plays a plain `Environment` as exactly that, so single-turn
+`agent`): `forge_rl.envs.runner` plays a plain `Environment` as exactly that, so single-turn
 prompts, multi-turn episodes and multi-agent episodes share one runner and one path to the loss.
 
 A multi-agent environment declares its seats (the roles: proposer, solver) and speaks to agents by
@@ -33,7 +33,7 @@ the episode is not closed: the graph's waits form a cycle). Each is an ENV_ERROR
 happened. An agent whose turn is not sampled within its seat's turn_timeout_s ends the episode as
 ENV_TIMEOUT: no agent of it is trained, and the episode is counted.
 
-Credit (forge_rl/core/advantages.py): each agent's view is a completion of its episode's group
+Credit (`forge_rl.core.advantages`): each agent's view is a completion of its episode's group
 (the group_size episodes of one prompt), and advantages are taken per baseline group: the agents
 of the same seat over the whole group (`baseline="group"`), or the agents of the same seat in the
 same episode (`baseline="episode"`: a solver against the other solvers of the same proposed task).
@@ -78,7 +78,7 @@ class Seat:
     player: Callable[[Any, Observation], Awaitable[str]] | None = None
     """Agent code that plays this seat instead of one sampled turn per observation, written
     against the OpenAI API: `await player(client, observation)` with an `openai.AsyncOpenAI`
-    served by the seat's policy (forge_rl/envs/chat_client.py) and the observation (text, or chat
+    served by the seat's policy (`forge_rl.envs.chat_client`) and the observation (text, or chat
     messages), returns the text of the agent's turn, which goes to `step`. It may call the model any number of times
     (reason, call tools, revise); its calls are the agent's view, trained as an agent environment's
     are. None: each observation is answered by one sampled turn."""

@@ -18,7 +18,7 @@ takes two seconds. Any other shape is a `LongTailEnv` built by a factory of your
 `environment.name: package.module:function`.
 
 `ChainEnv` is the multi-agent form, the workload of `forge-rl bench multi-agent`: `depth` roles in
-a chain (forge_rl/envs/graph.py), each taking one turn after the one before it, each turn's
+a chain (`forge_rl.envs.graph`), each taking one turn after the one before it, each turn's
 environment step awaiting a Pareto latency, so one role's completion time is long-tailed and a
 chain's is the sum of `depth` of them. Every role is rewarded when the last one's answer starts
 with the larger digit (a team reward, known only when the chain has finished):

@@ -1,5 +1,5 @@
 """Python tool: the model runs code to answer a question; the code runs as untrusted code in
-forge_rl/envs/sandbox.py, never in this process.
+`forge_rl.envs.sandbox`, never in this process.
 
 Chat messages, for models with a chat template:
 

@@ -1,14 +1,14 @@
 """Renderers: how a conversation becomes the token ids a model reads.
 
 A renderer renders the whole conversation so far, ending with the cue for the model's next turn.
-The trajectory builder (forge_rl/envs/trajectory.py) keeps only what lies past the tokens it
+The trajectory builder (`forge_rl.envs.trajectory`) keeps only what lies past the tokens it
 already holds, so earlier tokens, the sampled ones above all, are never replaced; and where the
 rendering disagrees with them, it knows the prefix broke.
 
 - `ChatTemplateRenderer`: the model directory's chat template (real models). It also renders
   tools (OpenAI function definitions, passed to the template as `transformers` passes them),
   assistant turns that made tool calls, and tool results; with a tool-call parser named (vLLM's
-  --tool-call-parser names: forge_rl/envs/tool_calls.py) it reads calls back out of sampled turns.
+  --tool-call-parser names: `forge_rl.envs.tool_calls`) it reads calls back out of sampled turns.
 - `PlainTextRenderer`: the tiny models' plain format: no roles, bos then each message's text, each
   assistant turn closed by eos, as the single-turn tasks write prompts ("M37=" then "7<eos>"). It
   has no syntax for tools.
@@ -30,7 +30,7 @@ class Renderer(Protocol):
     `tools`, `renders_tools` and `tool_call_parser`: the chat endpoint then refuses tools with a 400."""
 
     tool_call_parser: ToolCallParser | None
-    """Reads tool calls out of sampled turns (forge_rl/envs/tool_calls.py); None: no calls are read."""
+    """Reads tool calls out of sampled turns (`forge_rl.envs.tool_calls`); None: no calls are read."""
 
     def render(self, conversation: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of the whole conversation, ending where the model writes its next turn; `tools`

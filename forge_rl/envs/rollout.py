@@ -1,24 +1,24 @@
-"""Environment episodes as GRPO groups: what the rollout loop (forge_rl/run/loop.py) runs when
+"""Environment episodes as GRPO groups: what the rollout loop (`forge_rl.run.loop`) runs when
 `environment.name` is set. Functional core: no Monarch, no vLLM.
 
 One prompt hand-out (an episode id) becomes `group_size` episodes of the environment, each a fresh
-instance made by `make_env(seed, episode_id)`, played concurrently by forge_rl/envs/runner.py. Each
+instance made by `make_env(seed, episode_id)`, played concurrently by `forge_rl.envs.runner`. Each
 turn is sampled on the rollout's generator (`generate`, the pool's `generate_turn` endpoint), so
 while one episode waits on its environment (a tool, a sandbox) the engine decodes the others, and
 those of every other rollout on that generator. The group is admitted once and counted in flight
-until its last episode ends (forge_rl/core/admission.py), however many weight updates it spans; every
+until its last episode ends (`forge_rl.core.admission`), however many weight updates it spans; every
 token keeps the version that decoded it, and the buffer's age bound reads the oldest generated one.
 
-Each trajectory becomes one `Completion` (forge_rl/types.py): its token sequence with a
+Each trajectory becomes one `Completion` (`forge_rl.types`): its token sequence with a
 `generated` mask (prompt and observations are context, never in a loss), behaviour logprobs and
 versions on generated tokens, the environment's final reward as its reward (the advantage's input,
-forge_rl/core/advantages.py `completion_rewards`), its per-turn rewards recorded beside it, and
+`forge_rl.core.advantages.completion_reward`), its per-turn rewards recorded beside it, and
 `end_reason` saying why it ended. A single-turn prompt is the same thing with one turn and no
 context in the completion (its prompt is the episode's), which is why both reach the buffer, the
 trainer and the loss through one path.
 
 A trajectory that forked (its renderer re-rendered an earlier turn differently: see
-forge_rl/envs/trajectory.py) trains its first sample only; the later samples are counted
+`forge_rl.envs.trajectory`) trains its first sample only; the later samples are counted
 (`episodes/forked_samples_dropped`), not trained. One row per trajectory keeps a group's rows at
 group_size, which GRPO's per-group baseline and the trainer's even split of rows over
 data-parallel ranks both rely on. The tiny models' plain renderer forks only when the model
@@ -74,7 +74,7 @@ class EnvironmentConfig:
     name: str | None = None
     """The environment every episode plays: a registered name (calculator) or
     "package.module:function" taking (seed, index) and returning a fresh Environment
-    (forge_rl/envs/environment.py); seed is task.seed, index the prompt's episode id. A function
+    (`forge_rl.envs.environment`); seed is task.seed, index the prompt's episode id. A function
     that also takes `row` plays the rows of `data.path`: it gets each prompt's row, its columns by
     name (data.path is then required, unless `row` has a default). Unset: the single-turn prompts
     of `task`, scored by task.reward."""
@@ -83,13 +83,13 @@ class EnvironmentConfig:
     tool_call_parser: str | None = None
     """vLLM's tool parser (its --tool-call-parser name: hermes for Qwen2.5, Qwen3, Hermes models)
     that reads tool calls out of sampled turns, for agents that pass `tools` to the chat endpoint
-    (forge_rl/envs/chat_client.py). Needs renderer=chat_template. Unset: tools are refused."""
+    (`forge_rl.envs.chat_client`). Needs renderer=chat_template. Unset: tools are refused."""
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Per-episode limits: turns, total tokens (at most the model's context), tokens per turn,
     malformed turns, seconds per environment call."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm-up of the from-scratch model on the environment's demonstrations before RL
-    (forge_rl/training/warmup.py); off unless warmup.episodes > 0."""
+    (`forge_rl.training.warmup`); off unless warmup.episodes > 0."""
 
     def __post_init__(self) -> None:
         if self.name is not None:
@@ -176,10 +176,10 @@ async def gather_or_cancel(episodes: list[Awaitable[T]]) -> list[T]:
 
 class AgentEnvironment(Protocol):
     """An environment whose own code drives the model (an agent written against an OpenAI-style
-    chat client: forge_rl/envs/chat_client.py, forge_rl/envs/verifiers_adapter.py). Instead of
+    chat client: `forge_rl.envs.chat_client`, `forge_rl.envs.verifiers_adapter`). Instead of
     reset/step it plays the whole episode, sampling its turns with `generate`, and returns the
     trajectory, within the same limits; or, when it played several agents, their episode graph
-    (forge_rl/envs/graph.py)."""
+    (`forge_rl.envs.graph`)."""
 
     async def play(
         self, generate: GenerateTurn, renderer: Renderer, limits: EpisodeLimits
@@ -207,7 +207,7 @@ async def play_graph(
     limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
-    """One episode as its graph: a multi-agent environment's agents (forge_rl/envs/graph.py), an
+    """One episode as its graph: a multi-agent environment's agents (`forge_rl.envs.graph`), an
     agent environment's own graph when it played several agents (verifiers' multi-seat envs), or
     the one agent of any other (`play_episode`). `seat_generate` (seats another policy plays)
     needs the first kind: the others' turns know no seat."""
@@ -335,7 +335,7 @@ def turn_steps(
     sample: TrajectorySample, turn_rewards: list[float | None]
 ) -> tuple[list[int] | None, list[float] | None]:
     """Per-turn rewards as process rewards (`Completion.step_ends`/`step_rewards`, which
-    forge_rl/core/advantages.py `token_advantages` credits to each step's tokens): step k is turn k's
+    `forge_rl.core.advantages.token_advantages` credits to each step's tokens): step k is turn k's
     generated tokens and the context after them, up to the next turn (step 0 also holds the
     prompt: context tokens are never in a loss, so only where generated tokens fall matters).
     A turn whose environment step gave no reward (None) counts as 0, all of them included: whether

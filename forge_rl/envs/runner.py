@@ -1,11 +1,11 @@
 """Plays one episode: reset, then generate a turn, step the environment, and so on, within the
 episode's limits; returns the Trajectory (`run_episode`), or for a multi-agent environment the
-episode graph of its agents (`run_graph`, forge_rl/envs/graph.py). A plain environment is played
+episode graph of its agents (`run_graph`, `forge_rl.envs.graph`). A plain environment is played
 as the graph of its one agent, so both go through the same loop: what follows holds per agent.
 
 The runner knows no engine: `generate` is any coroutine that, given the token prefix and a token
 budget, samples the next turn. On the real engine it is `VLLMEngine.generate_turn`
-(forge_rl/engines/vllm_engine.py) with the tokenizer's eos bound; tests of the core pass a named
+(`forge_rl.engines.vllm_engine`) with the tokenizer's eos bound; tests of the core pass a named
 fake (tests/support/fakes.py). Each turn continues the same token sequence (vLLM's prefix cache serves
 the earlier turns' whole KV blocks), and every token keeps the policy version that decoded it, so
 an episode may span weight updates.
@@ -26,7 +26,7 @@ What ends an episode (TrajectoryStatus):
 
 Nothing an environment does crashes the caller: an exception or a hang in reset or step (or an
 observation that cannot be rendered) ends that episode ERRORED with the reason. Two kinds of
-exception do propagate: the fatal ones of forge_rl/errors.py (ConfigError, SandboxUnavailable: the
+exception do propagate: the fatal ones of `forge_rl.errors` (ConfigError, SandboxUnavailable: the
 machine or config cannot run any episode, so the run must stop and say why), and whatever
 `generate` raises (a lost generator is the rollout shell's to handle: it hands the episode out
 again).
@@ -150,7 +150,7 @@ class SampledTurn:
     logprobs over them); None when nothing was filtered out or the generator does not record them."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
-    (forge_rl/routing.py); None when not recorded."""
+    (`forge_rl.routing`); None when not recorded."""
     num_truncated_support: int = 0
     """Tokens whose kept set may be incomplete (`Completion.num_truncated_support`)."""
 
@@ -210,7 +210,7 @@ async def run_graph(
     limits: EpisodeLimits,
     seat_generate: Mapping[str, GenerateTurn] | None = None,
 ) -> EpisodeGraph:
-    """Play a multi-agent episode (forge_rl/envs/graph.py) to its end: each agent's turns are
+    """Play a multi-agent episode (`forge_rl.envs.graph`) to its end: each agent's turns are
     sampled with `generate` (or its seat's own in `seat_generate`: the generators of the policy
     that plays it) within `limits` (and its seat's own max_turns and turn_timeout_s),
     concurrently with the other agents'; the environment is called one call at a time. Whatever

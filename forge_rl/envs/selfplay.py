@@ -1,12 +1,12 @@
 """Proposer/solver self-play on the tiny models' vocabulary: one policy writes tasks for itself.
 
-One episode is a graph of 1 + num_solvers agents (forge_rl/envs/graph.py):
+One episode is a graph of 1 + num_solvers agents (`forge_rl.envs.graph`):
 
     proposer   reads "P=", writes a task: the first 2 to 4 digits of its turn ("37", "3791")
     solver/k   reads "M37=" ("M3791="), answers the largest digit: "7" ("9")
 
 The longer the task, the harder for the solvers (the max-of-two task of
-forge_rl/tasks/synthetic.py is the shortest), so a proposer rewarded for tasks solved only
+`forge_rl.tasks.synthetic` is the shortest), so a proposer rewarded for tasks solved only
 sometimes has a direction to go once the short ones are solved every time.
 
 Rewards, known once every solver has answered:

@@ -2,7 +2,7 @@
 
 vLLM's OpenAI server reads a model's tool calls out of its output with the parser its
 `--tool-call-parser` names (hermes for Qwen2.5, Qwen3 and Hermes models; llama3_json, mistral,
-pythonic, ...). forge_rl's in-process chat endpoint (forge_rl/envs/chat_client.py) uses the same
+pythonic, ...). forge_rl's in-process chat endpoint (`forge_rl.envs.chat_client`) uses the same
 parsers under the same names, so an agent gets back the calls vLLM's server would return for the
 same tokens. A parser is a class built from the model's `transformers` tokenizer and the request's
 tools; `extract_tool_calls(text, request)` reads one whole turn. The request is vLLM's own

@@ -33,8 +33,8 @@ Lengths: in each GeneratedSpan, token_ids, logprobs, policy_versions (and sampli
 routed_experts, when recorded) have one entry per token.
 A sample's token_ids is its spans' ids concatenated; its loss_mask is True on generated tokens.
 
-How the trainer sees a trajectory: forge_rl/envs/rollout.py `trajectory_completion` makes its first
-sample one `Completion` (forge_rl/types.py) holding the whole token sequence with a `generated`
+How the trainer sees a trajectory: `forge_rl.envs.rollout.trajectory_completion` makes its first
+sample one `Completion` (`forge_rl.types`) holding the whole token sequence with a `generated`
 mask (context tokens: logprob 0.0, never in a loss), the final reward as its reward, the per-turn
 rewards as process-reward steps, and the status as `end_reason` (DONE and PARSE_ERROR -> OK,
 TRUNCATED_* -> TRUNCATED, ENV_ERROR and ENV_TIMEOUT -> ERRORED). A single-turn completion is the
@@ -74,7 +74,7 @@ class GeneratedSpan:
     `Completion.sampling_support`); None when nothing was filtered or none were recorded."""
     routed_experts: RoutingRecord | None = None
     """Mixture-of-experts policies: the experts each token was sampled through, [T, layers, top_k]
-    (forge_rl/routing.py: the routing of the pass that sampled it, the context's last token's
+    (`forge_rl.routing`: the routing of the pass that sampled it, the context's last token's
     for the turn's first token); None when not recorded."""
     num_truncated_support: int = 0
     """Tokens whose kept set may be incomplete, as the generator counted them

@@ -8,7 +8,7 @@ going through verifiers' interception server to an inference endpoint. forge_rl 
 and the program and removes the machinery between them: verifiers' own chat program (the text
 its null harness ships, `verifiers.v1.harnesses.utils.launch.CHAT_PROGRAM_SOURCE`, unmodified)
 runs in the rollout's process against forge_rl's in-process chat client
-(forge_rl/envs/chat_client.py), which samples each call on the generator and records its ids,
+(`forge_rl.envs.chat_client`), which samples each call on the generator and records its ids,
 logprobs and versions; then the task's own `score` computes the reward from the trace. No uv, no
 sandbox, no socket, no network.
 
@@ -26,17 +26,17 @@ rewards score the trace when the interaction closes.
 
 An env with several seats (verifiers' user-sim, a judge seat) or a seat run several times
 (best-of-n) is played with the policy in every seat: each run is an agent of an episode graph
-(forge_rl/envs/graph.py), trained with credit per seat, except seats the env marks untrainable.
+(`forge_rl.envs.graph`), trained with credit per seat, except seats the env marks untrainable.
 Seats played by other models (a fixed judge of its own weights) are not served yet.
 
 What is not supported: tasks whose rewards or metrics need a runtime (a sandbox to run tests in:
-use forge_rl's own sandbox, forge_rl/envs/python_tool.py), refused at construction rather than
+use forge_rl's own sandbox, `forge_rl.envs.python_tool`), refused at construction rather than
 silently skipped; and tool-calling harnesses (MCP toolsets, bash, edit): the chat program always
 runs with no tools. The chat endpoint now serves tools (a chat template that renders them and
 vLLM's tool parser: docs/environments.md), so the calls themselves would work; what is missing
 is running the tools: MCP toolsets are HTTP servers verifiers starts beside each rollout, and
 bash or edit run the model's commands on the host, which forge_rl runs only in its sandbox
-(forge_rl/envs/sandbox.py).
+(`forge_rl.envs.sandbox`).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class VerifiersEnvEpisode:
     a seat (an `agents.<seat>.run` or `.interaction`) is an agent of the episode with a chat session
     of its own (its own view, its own trajectory), its reward the task's score of its trace: a
     single run of a single seat is a single-agent episode (its trajectory), anything else an
-    episode graph (forge_rl/envs/graph.py) whose agents are the seats, or `seat/k` for the k-th run
+    episode graph (`forge_rl.envs.graph`) whose agents are the seats, or `seat/k` for the k-th run
     of a seat that ran more than once. A seat the environment's setup marks untrainable
     (`agents.user.trainable = False`, a modeled user) is played by the policy and never trained.
     Runs are played as the environment's code orders them; their turns are chained per agent (the
@@ -202,7 +202,7 @@ def _run_trajectory(interaction: Any, session: ChatSession, ended: tuple[Traject
 
 
 LIMIT_CODES = frozenset({"max_turns_exceeded", "context_length_exceeded"})
-"""The codes of forge_rl's chat endpoint's limit errors (forge_rl/envs/chat_client.py): the run
+"""The codes of forge_rl's chat endpoint's limit errors (`forge_rl.envs.chat_client`): the run
 is over, as verifiers ends a run at a framework limit (a terminated segment)."""
 
 

@@ -1,7 +1,7 @@
 """What a run evaluates, when, and how (`EvalConfig`), read by the evaluation beside training
-(forge_rl/run/evaluation.py) and by `forge-rl eval`.
+(`forge_rl.run.evaluation`) and by `forge-rl eval`.
 
-An eval set is a data file (forge_rl/data/config.py `DataConfig`; a built-in task becomes one with
+An eval set is a data file (`forge_rl.data.config.DataConfig`; a built-in task becomes one with
 `forge-rl data export`). Its first `max_prompts` rows in the seed's order are the set, the same rows
 at every version, scored by the run's reward functions; a sample passes when its reward reaches
 `pass_threshold`, and pass@k is the unbiased estimator over `num_samples` samples of each prompt.

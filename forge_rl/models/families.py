@@ -1,7 +1,7 @@
 """Which Hugging Face checkpoints the TorchTitan trainer can train, and how each family is built.
 
 `FAMILIES` has one row per TorchTitan model family (Qwen3-MoE is the qwen3 row with MoE blocks,
-forge_rl/models/moe.py): the config.json `architectures` it serves,
+`forge_rl.models.moe`): the config.json `architectures` it serves,
 the TorchTitan classes that rebuild it (model, block, RoPE flavour), the state-dict adapter that
 renames HF weights, the parallelize function, and the config.json values it can represent.
 Adding a dense family that TorchTitan already ships is one more row, not another branch.
@@ -86,7 +86,7 @@ class ModelFamily:
     field_rules: tuple[FieldRule, ...]
     """config.json fields the TorchTitan model cannot represent unless they hold these values."""
     moe: bool = False
-    """Every layer's MLP is a mixture of experts (forge_rl/models/moe.py builds it) instead of
+    """Every layer's MLP is a mixture of experts (`forge_rl.models.moe` builds it) instead of
     one SwiGLU feed-forward."""
 
     def describe(self) -> str:

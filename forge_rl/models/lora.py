@@ -159,7 +159,7 @@ class LoRAAdapters(nn.Module):
     def initial_state(self, seed: int) -> dict[str, torch.Tensor]:
         """Adapters as a fresh `LoRAAdapters` with `seed` would start (A drawn from it, B zero),
         split as these are, keyed as `named_adapter_parameters`: another tenant's start
-        (forge_rl/training/tenants.py)."""
+        (`forge_rl.training.tenants`)."""
         generator = torch.Generator().manual_seed(seed)
         state = {}
         for name in self.module_names:

@@ -1,6 +1,6 @@
 """What LoRA adapts and how (`LoRAConfig`), and the checks of a config against a model's layers: no
 torch here, so the controller and the CLI validate a config without importing it (the adapters
-themselves: forge_rl/models/lora.py)."""
+themselves: `forge_rl.models.lora`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 TorchTitan's own MoE (torchtitan/models/common/moe.py) is used as is, with two parts swapped:
 
-- `ReplayRouter`: TorchTitan's top-k router plus Keep Routing (forge_rl/routing.py). While a
+- `ReplayRouter`: TorchTitan's top-k router plus Keep Routing (`forge_rl.routing`). While a
   replay is set (`routing_replay`), tokens with a record use the recorded experts, their gate
   weights recomputed from the router's scores; the others route normally. It also keeps the
   experts it used last (`last_expert_ids_BLK`), which the trainer compares with the records.

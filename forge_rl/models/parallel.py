@@ -1,6 +1,6 @@
 """How the trainer's (and a frozen model's) processes split a model, and the checks that a split can
 run a given model: no torch here, so the controller and the CLI validate a config without importing
-it (forge_rl/config.py; tests/unit/test_package_boundaries.py)."""
+it (`forge_rl.config`; tests/unit/test_package_boundaries.py)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class TinyModelConfig:
     """Initialization seed: the same seed gives the same weights."""
     num_experts: int = 0
     """0: a dense Llama. More: a Qwen3-MoE (Qwen3MoeForCausalLM) whose every layer routes each token
-    to `num_experts_per_tok` of this many experts (forge_rl/models/moe.py, Keep Routing)."""
+    to `num_experts_per_tok` of this many experts (`forge_rl.models.moe`, Keep Routing)."""
     num_experts_per_tok: int = 2
     """Experts per token (top-k) of the MoE model."""
     moe_intermediate_size: int = 64

@@ -5,7 +5,7 @@ builds the matching TorchTitan model, loads the safetensors (one file or shards)
 family's TorchTitan state-dict adapter and, over several processes, applies the family's own
 TorchTitan parallelize function (TP, then FSDP2). `export_hf_state_dict` goes the other way;
 `hf_checkpoint.export_hf_model_dir` writes the result as a loadable HF directory.
-`ParallelConfig`, `read_hf_config` and `validate_parallelism` (forge_rl/models/parallel.py) only
+`ParallelConfig`, `read_hf_config` and `validate_parallelism` (`forge_rl.models.parallel`) only
 read config.json, so the controller can run them before any trainer process starts, without torch.
 No Monarch here: the launcher only sets RANK/WORLD_SIZE/MASTER_*.
 
@@ -77,7 +77,7 @@ def init_process_group_from_env(device: torch.device) -> tuple[int, int]:
 
 def _activation_checkpointing_config(activation_checkpointing: str):
     """TorchTitan's full AC (each transformer block recomputed in backward), or None; Keep
-    Routing's replay carried into the recomputation (forge_rl/models/moe.py `ReplayingFullAC`,
+    Routing's replay carried into the recomputation (`forge_rl.models.moe.ReplayingFullAC`,
     FullAC itself for a model without routers)."""
     from forge_rl.models.moe import ReplayingFullAC
 

@@ -3,7 +3,7 @@
 `MismatchAlarm` watches each generator's trainer-vs-sampler mismatch KL over its exact tokens: those
 whose turn so far was sampled at the trainer's own version, so that its weights computed the token
 and every KV it attended to (`mismatch_kl_fresh/generator/<i>`, reported by the trainer;
-forge_rl/core/columns.py `exact_versions`). There the two logprobs differ only by numerics and the KL
+`forge_rl.core.columns.exact_versions`). There the two logprobs differ only by numerics and the KL
 sits at a steady small level (rounding error). A generator that serves other weights than
 its version labels say (an update that silently failed to apply, a stale adapter, another request's
 weights) samples from another distribution: its KL jumps by orders of magnitude at once. Elsewhere

@@ -18,12 +18,12 @@ REWARD_MEAN = "reward/mean"
 
 
 TEACHER_POLICY_VERSION = "teacher/policy_version"
-"""Self-distillation: the policy version the pinned teacher serves (forge_rl/scoring/teacher.py `TeacherPin`)."""
+"""Self-distillation: the policy version the pinned teacher serves (`forge_rl.scoring.teacher.TeacherPin`)."""
 
 
 REWARD_COMPONENTS = "reward/components"
 """Prefix of each reward component's mean over the step's scored completions:
-`reward/components/<name>` (forge_rl/scoring/scorers.py `Score.components`)."""
+`reward/components/<name>` (`forge_rl.scoring.scorers.Score.components`)."""
 
 
 LOSS = "loss"
@@ -48,7 +48,7 @@ POLICY_AGE_HISTOGRAM = "policy_age/histogram"
 
 POLICY_AGE_DEPENDENCY_MAX = "policy_age/dependency_max"
 """The largest age of a trained token by the oldest weights it depends on: those that sampled it
-and those whose KV it attended to (forge_rl/core/columns.py `exact_versions`); what
+and those whose KV it attended to (`forge_rl.core.columns.exact_versions`); what
 buffer.max_policy_age bounds. policy_age/max ages by the sampling version alone."""
 
 
@@ -83,13 +83,13 @@ version add their policy lag (the last updates' size), so it moves with the upda
 
 MISMATCH_KL_FRESH_BY_GENERATOR = "mismatch_kl_fresh/generator"
 """Prefix of the KL per generator over its exact tokens, those whose turn so far was sampled at the
-trainer's version (absent for a generator with none that step; forge_rl/core/batching.py
-`exact_versions`): numerics alone while the generator serves the weights its versions name, whatever
-the updates (forge_rl/observability/health.py watches it)."""
+trainer's version (absent for a generator with none that step; `forge_rl.core.columns.exact_versions`):
+numerics alone while the generator serves the weights its versions name, whatever
+the updates (`forge_rl.observability.health` watches it)."""
 
 
 MISMATCH_ALARMS = "health/mismatch_alarms"
-"""Generators whose mismatch KL jumped this step (forge_rl/observability/health.py); each also printed as a warning."""
+"""Generators whose mismatch KL jumped this step (`forge_rl.observability.health`); each also printed as a warning."""
 
 
 TRUNCATED_KEPT_SETS = "completions/truncated_kept_sets"
@@ -186,7 +186,7 @@ version per remote host (store/host_copies.py), 0 when every generator shares th
 
 
 # The train loop's critical path, per step, from the previous step's return to this one's
-# (forge_rl/run/loop.py `critical_path_breakdown`): waiting for data, the trainer's compute (rank 0's
+# (`forge_rl.run.loop.critical_path_breakdown`): waiting for data, the trainer's compute (rank 0's
 # forward, backward, optimizer), and everything else (batching, publishing the weights, messages,
 # the loop's bookkeeping; sampling the buffer only when the batch could not be taken ahead).
 TRAINER_DATA_WAIT_S = "trainer/data_wait_s"
@@ -219,7 +219,7 @@ TRAINER_OVERHEAD_S = "trainer/overhead_s"
 loop's bookkeeping. The bookkeeping after a step (logging, checkpoints) counts in the next step."""
 
 
-# Environment episodes (forge_rl/envs/rollout.py), over those played since the previous step.
+# Environment episodes (`forge_rl.envs.rollout`), over those played since the previous step.
 EPISODES_PLAYED = "episodes/played"
 """Environment episodes played since the previous step."""
 
@@ -253,16 +253,16 @@ ENV_STEP_LATENCY_P99_S = "env/step_latency_p99_s"
 
 
 FORKED_SAMPLES_DROPPED = "episodes/forked_samples_dropped"
-"""Samples after a prefix break, not trained (forge_rl/envs/rollout.py says why)."""
+"""Samples after a prefix break, not trained (`forge_rl.envs.rollout` says why)."""
 
 
 EPISODE_STATUS_PREFIX = "episodes/status/"
-"""`episodes/status/<status>`: agents' views that ended so (forge_rl/envs/trajectory.py,
+"""`episodes/status/<status>`: agents' views that ended so (`forge_rl.envs.trajectory`,
 TrajectoryStatus); one per episode of a single-agent environment."""
 
 
 AGENTS_PER_EPISODE = "episodes/agents_mean"
-"""Agents whose views an episode trains (forge_rl/envs/graph.py); 1 for a single-agent environment."""
+"""Agents whose views an episode trains (`forge_rl.envs.graph`); 1 for a single-agent environment."""
 
 
 REWARD_BY_SEAT = "reward/by_seat"
@@ -272,7 +272,7 @@ the completions of the step (ERRORED ones aside)."""
 
 GENERATORS_IDLE_ON_ENV_FRACTION = "idle_fraction/generators_waiting_on_env"
 """Since the loops started, generator-seconds with no turn in flight while episodes waited on
-environment calls (forge_rl/envs/rollout.py, EnvWaitClock), over all generator-seconds."""
+environment calls (`forge_rl.envs.rollout.EnvWaitClock`), over all generator-seconds."""
 
 
 TRAINER_BREAKDOWN = (

@@ -100,7 +100,7 @@ def trainer_overhead_summary(history: Sequence[dict]) -> dict:
 
 def generator_time_summary(history: Sequence[dict], forward_times: Sequence[dict]) -> dict:
     """Where the generators' time went over the loops, summed over generators: the engines' model
-    time (`forward_times`, one per generator, forge_rl/engines/forward_clock.py), the rest of their
+    time (`forward_times`, one per generator, `forge_rl.engines.forward_clock`), the rest of their
     busy time (a request in flight: scheduling, detokenization, messages, swaps), and idle. A
     replaced generator's engine counts from its replacement on, so its share is a lower bound. A
     simulation runs no model: nothing then."""

@@ -1,7 +1,7 @@
 """Busy intervals of each component, for idle fractions, pipeline bounds and Gantt charts.
 
 The controller records an interval around every call it makes to the trainer (and the
-teacher's refreshes), the rollouts' process (forge_rl/pipeline/rollouts.py) around every call to a
+teacher's refreshes), the rollouts' process (`forge_rl.pipeline.rollouts`) around every call to a
 generator, the scoring stage or a weight update; both append to RUN_DIR/timeline.jsonl, in whole
 lines: each process gathers its ended intervals and appends them in one write to a file opened
 for appending (so the two never cut into each other's lines) at most every FLUSH_EVERY_S, and when

@@ -1,7 +1,7 @@
 """Branch rollouts in the data plane: a sampled group grown into a tree before it is scored
-(forge_rl/core/branches.py holds the rules, the branch completions and the tree's credit).
+(`forge_rl.core.branches` holds the rules, the branch completions and the tree's credit).
 A group of environment episodes grows by forks instead: each forked at the starts of turns,
-replayed up to there on a fresh environment (forge_rl/envs/forks.py) and played on.
+replayed up to there on a fresh environment (`forge_rl.envs.forks`) and played on.
 
 The rollouts' process calls `Brancher.grow` on each plain group its generator returned; the
 branches are sampled on the same generator, so a pivot's prefix is still in its prefix cache

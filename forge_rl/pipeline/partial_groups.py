@@ -20,7 +20,7 @@ class PartialGroup:
     """Restored from a checkpoint (`Rollouts.load_state_dict`), not left by a dead generator."""
 
     def to_dict(self, episode_id: int) -> dict:
-        """Plain lists and numbers (forge_rl/core/checkpoint.py `ControllerState.partial_groups`)."""
+        """Plain lists and numbers (`forge_rl.core.checkpoint.ControllerState.partial_groups`)."""
         return {
             "episode_id": episode_id,
             "completions": [completion_to_dict(c) for c in self.completions],
@@ -45,7 +45,7 @@ def restored_partial_groups(
 ) -> dict[int, PartialGroup]:
     """A checkpoint's partial groups (`ControllerState.partial_groups`) by prompt, to be continued
     by a run whose model has `vocab_size` token ids and whose tokenizer's fingerprint is
-    `tokenizer` (forge_rl/tasks/tokenizer.py). ValueError saying why not: they were sampled under
+    `tokenizer` (`forge_rl.tasks.tokenizer`). ValueError saying why not: they were sampled under
     another tokenizer, or a group is malformed, holds a token id outside the vocabulary, or has a
     prompt the checkpoint does not re-issue (naming the group)."""
     if saved and None not in (saved_tokenizer, tokenizer) and saved_tokenizer != tokenizer:
@@ -77,7 +77,7 @@ def partial_groups_problem(
     saved: list[dict], reissue: list[int], vocab_size: int, saved_tokenizer: str | None, tokenizer: str | None
 ) -> str | None:
     """Why `restored_partial_groups` refuses these groups, or None when it takes them: what a
-    resume checks before anything starts (forge_rl/run/run_dir.py)."""
+    resume checks before anything starts (`forge_rl.run.run_dir`)."""
     try:
         restored_partial_groups(saved, reissue, vocab_size, saved_tokenizer, tokenizer)
     except ValueError as e:

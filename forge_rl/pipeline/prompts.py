@@ -1,10 +1,11 @@
 """Hands out prompts as Episode shells (no completions yet), tokenized, with a resumable cursor.
 
 Prompt i is a function of (task, seed, i) (forge_rl/tasks), so prompts are built where they are
-used: in the rollouts' process (forge_rl/pipeline/rollouts.py), with no message per prompt. After a resume, the prompts a checkpoint left unsettled (forge_rl/core/checkpoint.py) are handed out
+used: in the rollouts' process (`forge_rl.pipeline.rollouts`), with no message per prompt. After a resume, the prompts a
+checkpoint left unsettled (`forge_rl.core.checkpoint`) are handed out
 again first, under their own index, then the cursor continues where it stopped.
 
-With `data` set, prompt i is row i of a file instead (forge_rl/data/files.py `FileSource`: the
+With `data` set, prompt i is row i of a file instead (`forge_rl.data.files.FileSource`: the
 seed's permutation of epoch i // N, at i % N). A new prompt is the next row that fits the context
 (`next_row(cursor)`; the cursor moves past skipped rows), a reissued one `row(index)`, so the state
 stays {cursor, reissue} and a resume continues mid-epoch with nothing skipped or repeated.
@@ -57,7 +58,7 @@ def open_file_source(
 
 
 class TaskRows:
-    """A built-in task as a row source (forge_rl/data/rows.py `RowSource`): endless, prompt i its
+    """A built-in task as a row source (`forge_rl.data.rows.RowSource`): endless, prompt i its
     row i, with the prompt text and the answer as text (what `forge-rl data export` writes). A
     reasoning-gym question's answer is the dataset's oracle answer, for rewards that compare text
     (math_verify, exact_match); a run on the task itself scores with the dataset's own verifier."""
@@ -109,7 +110,7 @@ class PromptSource:
         self.max_new_tokens = max_new_tokens
         self.tokenizer = PromptTokenizer(Path(model_dir))
         self.tokenizer_fingerprint = tokenizer_fingerprint(Path(model_dir))
-        """What a checkpoint's partial groups were sampled under (forge_rl/tasks/tokenizer.py)."""
+        """What a checkpoint's partial groups were sampled under (`forge_rl.tasks.tokenizer`)."""
         self._encoded: tuple[str | list[Message], list[int]] | None = None
         """The last row prompt encoded, with its ids (`_encode_row_prompt`)."""
         self.file: FileSource | None = None

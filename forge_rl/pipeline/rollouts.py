@@ -1,19 +1,19 @@
 """The run's data plane: rollouts on every generator, the admission gate, the replay buffer, the
 prompts and their accounting, on one event loop in a process of their own (the RolloutsActor,
-forge_rl/actors/rollouts.py), so the controller's work per step does not grow with the number of
+`forge_rl.actors.rollouts`), so the controller's work per step does not grow with the number of
 generators or prompts.
 
     rollout loop (prompts_in_flight_per_generator per generator, one prompt each at a time)
-        consumes   a prompt (a re-queued one first; built here from its index, forge_rl/pipeline/prompts.py)
+        consumes   a prompt (a re-queued one first; built here from its index, `forge_rl.pipeline.prompts`)
                    and an admission from the gate
         produces   scored episodes into the buffer (the recipe's scoring stage runs between); with
                    `environment.name` set, a prompt is group_size episodes of the environment,
-                   played turn by turn on the generator (forge_rl/envs/rollout.py), rewarded by it
-        waits for  the admission gate (forge_rl/core/admission.py): its episodes must be trainable
+                   played turn by turn on the generator (`forge_rl.envs.rollout`), rewarded by it
+        waits for  the admission gate (`forge_rl.core.admission`): its episodes must be trainable
                    within max_policy_age of the version it generates with, and fit in the buffer
         unblocked  when the train loop takes a batch or its generator loads newer weights
 
-The train loop (forge_rl/run/loop.py, in the controller) makes one call per step here, whatever the
+The train loop (`forge_rl.run.loop`, in the controller) makes one call per step here, whatever the
 number of generators and prompts: `step_done` (accounts for the step, tells every generator about
 the new version, and answers with this plane's figures for the step); and `batch_taken` (when the
 step's batch left the buffer) only for a step slower than its timeout, or at a stop. Each trainer rank takes the step's batch itself
@@ -66,7 +66,7 @@ ROLLOUT_CALLS_TOTAL = "rollouts/calls_total"
 
 
 class Prompts(Protocol):
-    """Where prompts come from (forge_rl/pipeline/prompts.py `PromptSource`)."""
+    """Where prompts come from (`forge_rl.pipeline.prompts.PromptSource`)."""
 
     @property
     def tokenizer_fingerprint(self) -> str | None:
@@ -97,16 +97,16 @@ class RolloutActors:
     """What the rollouts call: the generator pool and the recipe's stage from generated to buffered."""
 
     generators: Any
-    """The generator pool (forge_rl/actors/generator_pool.py): `generate(i, ...)` (single-turn
+    """The generator pool (`forge_rl.actors.generator_pool`): `generate(i, ...)` (single-turn
     prompts), `generate_turn(i, ...)` (environment episodes), `update_weights(i, ...)`,
     `wait_until_serving(i)`; a dead generator raises GeneratorLost."""
     score: Callable[[list[Episode], Timeline], Awaitable[list[Episode]]]
-    """The recipe's stage from generated to buffered (forge_rl/actors/scoring_stage.py): returns the
+    """The recipe's stage from generated to buffered (`forge_rl.actors.scoring_stage`): returns the
     episodes to keep; those it leaves out are counted as filtered (never trained)."""
     stats: Callable[[], Awaitable[dict]]
     """The stage's per-step metrics (the scorer's failures, say)."""
     renderer: Renderer | None = None
-    """How an environment's observations become tokens (forge_rl/envs/renderers.py); required
+    """How an environment's observations become tokens (`forge_rl.envs.renderers`); required
     when config.environment.name is set."""
     policy_generators: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The generator pool of each of config.policies, by name: the turns of the seats it plays."""
@@ -129,7 +129,7 @@ class Rollouts:
             wait_for_stragglers=config.buffer.wait_for_stragglers,
         )
         self.policies = config.run_policies
-        """Who plays each seat, and each policy's age bound (forge_rl/core/policies.py)."""
+        """Who plays each seat, and each policy's age bound (`forge_rl.core.policies`)."""
         self.buffer = WaitingBuffer(config.buffer, self.policies.max_ages)
         self.policy_versions: dict[str, int] = {p.name: 0 for p in config.policies}
         """The newest version each of config.policies published (the run's own: the gate's)."""
@@ -156,14 +156,14 @@ class Rollouts:
         self._last_step_end_s = 0.0
         self.last_weight_update: dict = {}
         self.weights_fetched_bytes = 0
-        """Per-update figures of the newest weight update (forge_rl/store/loader.py)."""
+        """Per-update figures of the newest weight update (`forge_rl.store.loader`)."""
         self.timeline = Timeline()
         """Busy intervals of the generators and the scoring stage; `start` gives it the run's file."""
         self.make_env = None if config.environment.name is None else config.environment.make_env()
         if self.make_env is not None and actors.renderer is None:
             raise ValueError("environment.name is set but RolloutActors.renderer is None: episodes need a renderer")
         self.brancher = Brancher(config.branch) if config.branch.enabled else None
-        """Grows each sampled group into a tree (branch.rule; forge_rl/pipeline/branching.py)."""
+        """Grows each sampled group into a tree (branch.rule; `forge_rl.pipeline.branching`)."""
         self.episode_stats = EpisodeStats()
         """Environment episodes played since the last step's figures."""
         self.env_waits = EnvWaitClock(config.num_generators)
@@ -225,9 +225,9 @@ class Rollouts:
 
     async def batch_for_trainer(self, step: int, num_ranks: int, policy: str | None = None) -> PulledBatch | None:
         """Step `step`'s batch, for each of the trainer's `num_ranks` ranks, which ask for it
-        themselves (forge_rl/training/trainer_steps.py `train_on_pulled_batch`): the first call waits for the gate
+        themselves (`forge_rl.training.trainer_steps.train_on_pulled_batch`): the first call waits for the gate
         and takes it out of the buffer (`next_batch`), every rank gets the same batch, and the last
-        batch's episodes reach the trainer in one message from here, as columns (forge_rl/core/columns.py:
+        batch's episodes reach the trainer in one message from here, as columns (`forge_rl.core.columns`:
         the trainer only pads them). `policy`: the trainer of that one of config.policies, which
         gets the completions of the seats it plays (the run's own trainer: None, the rest). None
         if withheld."""
@@ -263,7 +263,7 @@ class Rollouts:
         """Waits until step `step`'s batch has left the buffer, and answers when (on the run's
         timeline: the train loop times the step from then, train_step_timeout_s), or None once it
         was withheld. Asked before the step is accounted for (`step_done`), and only for a step
-        slower than its timeout, or at a stop (forge_rl/run/loop.py)."""
+        slower than its timeout, or at a stop (`forge_rl.run.loop`)."""
         async with self._batch_events:  # the state is read under the lock its notifier holds
             await self._batch_events.wait_for(lambda: step <= max(self._taken_through, self._withheld_through))
         return self.taken[step].ready_s if step <= self._taken_through else None
@@ -412,7 +412,7 @@ class Rollouts:
         }
 
     def state_dict(self, include_episodes: bool) -> dict:
-        """What a checkpoint keeps of this plane (forge_rl/core/checkpoint.py). The buffer is read before
+        """What a checkpoint keeps of this plane (`forge_rl.core.checkpoint`). The buffer is read before
         the prompts' cursor, so every prompt in the buffer's snapshot is below that cursor; one
         handed out after the read is above it and is simply handed out again."""
         buffer = self.buffer.buffer.state_dict(include_episodes)
@@ -705,7 +705,7 @@ class Rollouts:
     async def _play(self, index: int, prompt: Episode) -> Episode:
         """`prompt` as group_size episodes of the environment played on generator `index` (each made
         with the prompt's data row, when it has one): one completion per agent of each episode (one
-        for a single-agent environment), its reward the environment's (forge_rl/envs/rollout.py);
+        for a single-agent environment), its reward the environment's (`forge_rl.envs.rollout`);
         with branch rollouts, the episodes' forks too (`Brancher.fork`)."""
         config = self.config
         renderer = self.actors.renderer

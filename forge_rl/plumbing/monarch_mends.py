@@ -1,6 +1,6 @@
 """Mends for races in torchmonarch that forge_rl's processes meet, each installed once per process
-before any actor runs (`install`): in every process forge_rl spawns (forge_rl/plumbing/proc_main.py) and in a
-controller or worker that spawns them (forge_rl/run/launch.py)."""
+before any actor runs (`install`): in every process forge_rl spawns (`forge_rl.plumbing.proc_main`) and in a
+controller or worker that spawns them (`forge_rl.run.launch`)."""
 
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ def reference_hosts(placement: PlacementConfig) -> tuple[int, ...]:
 
 def ranked_devices(placement: PlacementConfig, demand: RoleDemand, host: int) -> int:
     """CUDA devices the trainer and reference ranks on `host` use: each rank takes device
-    LOCAL_RANK (forge_rl/training/trainer.py, `_select_device`), and both worlds number their local ranks
+    LOCAL_RANK (`forge_rl.training.trainer._select_device`), and both worlds number their local ranks
     from 0, so reference ranks on a trainer host run on the trainer ranks' devices."""
     per_world = [0]
     for num_procs, hosts in (

@@ -173,7 +173,7 @@ class PortCalls:
         answers = self._pending[request] = _Answers(mesh.size())
         served_by = mesh.call_on_port if is_concurrent_endpoint(actor_class, name) else mesh.call_on_port_in_turn
         try:
-            # Arguments and answers cross as the C pickler's bytes (forge_rl/plumbing/wire.py): a prompt or a
+            # Arguments and answers cross as the C pickler's bytes (`forge_rl.plumbing.wire`): a prompt or a
             # scored group is one object to Monarch's Python-level pickler instead of hundreds.
             served_by.broadcast(
                 self._reply_to_pickled, request, name, packed(args), packed(kwargs) if kwargs else kwargs
@@ -247,7 +247,7 @@ class BlockingPortCalls:
 class PortCalled:
     """`actor` as the loops call it (`handle.generate.call_one(...)`), its endpoints `only` (all,
     if None) answered on `calls`' port and the others as Monarch's own: hands the functional core
-    (forge_rl/pipeline/rollouts.py, forge_rl/run/loop.py, which never import Monarch) a handle whose frequent
+    (`forge_rl.pipeline.rollouts`, `forge_rl.run.loop`, which never import Monarch) a handle whose frequent
     calls keep nothing behind. Sent to another actor, it arrives as `actor` itself."""
 
     def __init__(self, actor, calls: PortCalls, only: tuple[str, ...] | None = None):
@@ -271,5 +271,5 @@ class _PortEndpoint:
 
     async def call(self, *args, **kwargs) -> list:
         """Every actor of the mesh: their answers in rank order (a list, where Monarch's `call`
-        gives a ValueMesh; forge_rl/plumbing/replies.py `rank_zero` reads both)."""
+        gives a ValueMesh; `forge_rl.plumbing.replies.rank_zero` reads both)."""
         return await self._calls.call_each(self._actor, self._name, *args, **kwargs)

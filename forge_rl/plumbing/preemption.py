@@ -7,7 +7,7 @@ A worker that simply died at the SIGTERM would take its generators' work in flig
     SIGTERM ──▶ the worker writes the notice file (whole or not at all) and keeps serving
               ──▶ every process it spawned (they inherit PREEMPTION_NOTICE_ENV) sees the file
                   (`wait_for_preemption_notice`): a generator's pool takes it out of the run within
-                  the grace (forge_rl/run/scaling.py `Scaling`), its groups finish or continue elsewhere
+                  the grace (`forge_rl.run.scaling.Scaling`), its groups finish or continue elsewhere
               ──▶ the grace is over (or a second SIGTERM): the worker dies of SIGTERM, as it would have
 
 The notice travels as a file, not a message, because the worker runs no code of forge_rl's once

@@ -1,7 +1,7 @@
 """The entry point of every process forge_rl spawns on a Monarch host: torchmonarch's races mended
-(forge_rl/plumbing/monarch_mends.py), then Monarch's own bootstrap (`monarch._src.actor.bootstrap_main`),
+(`forge_rl.plumbing.monarch_mends`), then Monarch's own bootstrap (`monarch._src.actor.bootstrap_main`),
 ended by `forge_rl.plumbing.process_exit.exit_now` instead of the interpreter's finalization, which spends
-seconds collecting garbage at the end of every run (forge_rl/plumbing/process_exit.py). Spawn with
+seconds collecting garbage at the end of every run (`forge_rl.plumbing.process_exit`). Spawn with
 `spawn_procs`."""
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ A process that imported torch, TorchTitan or vLLM holds millions of objects, and
 finalization collects them all before it exits: seconds of CPU for the trainer's, the services'
 and the controller's processes (py-spy: `gc_collect_main`), paid at the end of every run, after
 everything of the run is already saved and stopped. The trainer's can even outlast the
-controller's stop timeout (forge_rl/run/launch.py), which cuts its stop rather than finishing it.
+controller's stop timeout (`forge_rl.run.launch`), which cuts its stop rather than finishing it.
 Freezing the objects at exit (`gc.freeze`) skips the collection too, but leaves native objects
 alive through module teardown, where nanobind reports triton's as leaked
-(forge_rl/plumbing/gc_freeze.py).
+(`forge_rl.plumbing.gc_freeze`).
 
 `exit_now` does what finalization does that anyone relies on, in the order the interpreter does
 it, and then leaves with `os._exit`: wait for the non-daemon threads, run the atexit handlers

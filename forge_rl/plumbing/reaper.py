@@ -12,7 +12,7 @@ has exited on its own (and it has no paths to remove), or when dismissed.
 
 Why a separate process: a killed process runs no cleanup, and what it leaves is not always something
 that dies with it. Processes that we start ourselves die with their parent through PR_SET_PDEATHSIG
-(Monarch's bootstrap sets it for every proc it spawns; forge_rl/scoring/reward_workers.py for reward workers), but
+(Monarch's bootstrap sets it for every proc it spawns; `forge_rl.scoring.reward_workers` for reward workers), but
 vLLM starts its engine core itself, with no hook to run code in that process, and a directory in
 /dev/shm has no death signal. A start-time sweep (`store.shm.sweep_stale_roots`) removes what a dead
 launch left only when the next run starts on that host, which may be never.

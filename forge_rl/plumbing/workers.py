@@ -37,7 +37,7 @@ class WorkerArgs:
     preemption_grace_s: float = 30.0
     """Seconds from this worker's SIGTERM (a preemption notice) to its end: the run takes this
     host's generators out meanwhile, their groups finishing or continuing on other hosts
-    (forge_rl/plumbing/preemption.py). Set it a few seconds under the scheduler's grace."""
+    (`forge_rl.plumbing.preemption`). Set it a few seconds under the scheduler's grace."""
 
     def __post_init__(self) -> None:
         if not self.preemption_grace_s >= 0:

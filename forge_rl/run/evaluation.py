@@ -103,7 +103,7 @@ def load_eval_set(
 
 class Evaluation:
     """The run's evaluations (module docstring). `generators` is the evaluation's own generator
-    pool (forge_rl/actors/generator_pool.py), `store_index` the weight store's index actor.
+    pool (`forge_rl.actors.generator_pool`), `store_index` the weight store's index actor.
     `on_sampled(num_prompts)` hears of each generate call's prompts as they come back.
 
     `forge-rl eval` uses the same object without a store: `load_sets`, then `evaluate_served` on
@@ -353,7 +353,7 @@ class Evaluation:
 
     async def _sample_pinned(self, prompts: list[EvalPrompt], version: int) -> list[Episode]:
         """eval.placement shared: every prompt's samples from the run's generators, each taking its
-        share of the prompts in one pinned call (forge_rl/actors/generator.py `generate_pinned`):
+        share of the prompts in one pinned call (`forge_rl.actors.generator.GeneratorActor.generate_pinned`):
         sampled while it serves exactly `version`, its weight updates waiting behind the call, at
         most eval.shared_prompts_in_flight prompts at once beside the run's requests."""
         num_generators = self.config.num_generators

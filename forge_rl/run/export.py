@@ -1,8 +1,8 @@
 """A run's trained policy as an HF model directory: `forge-rl export RUN_DIR OUT_DIR`.
 
-Loads the run's newest complete checkpoint (forge_rl/core/checkpoint.py) into one trainer process on
+Loads the run's newest complete checkpoint (`forge_rl.core.checkpoint`) into one trainer process on
 this machine and writes its weights with the run's config and tokenizer files
-(forge_rl/models/hf_checkpoint.py `export_hf_model_dir`): what vLLM, `transformers`, a later run's
+(`forge_rl.models.hf_checkpoint.export_hf_model_dir`): what vLLM, `transformers`, a later run's
 `--model.path` and a distillation teacher's `--scorer.teacher.path` read. One process, whatever
 parallelism trained it: DCP reshards on load.
 """

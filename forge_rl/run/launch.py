@@ -12,7 +12,7 @@ The only module besides actors/ that imports Monarch.
 With `launch.hosts: local` every mesh is spawned on this machine (`this_host()`). Otherwise this
 process (the controller) attaches to one Monarch worker per host (`attach_to_workers`) after
 checking that each worker's port answers, and probes every host (GPUs, cores, RDMA backend, the
-run directory) before placing anything there: the checks are in forge_rl/plumbing/placement.py. The
+run directory) before placing anything there: the checks are in `forge_rl.plumbing.placement`. The
 controller itself runs no actor of the run; every role lives on a worker host.
 """
 
@@ -123,7 +123,7 @@ class Hosts:
         return None if self.host_mesh is None else self.host(index)
 
     def owned_ranks(self, num_procs: int) -> tuple[HostMesh | None, int]:
-        """Where a frozen model's supervisor (forge_rl/actors/frozen_model_supervisor.py) spawns (and
+        """Where a frozen model's supervisor (`forge_rl.actors.frozen_model_supervisor`) spawns (and
         respawns) its `num_procs` ranks: the reference hosts, split evenly as `spawn_ranks` does,
         and the ranks per host. The host is None with hosts=local (it spawns on its own host)."""
         hosts = reference_hosts(self.launch.placement)
@@ -142,7 +142,7 @@ class Hosts:
         return self.spawn_procs("services", 1, self.launch.placement.services_host)
 
     def spawn_rollouts(self) -> ProcMesh:
-        """The rollouts' process (forge_rl/pipeline/rollouts.py), on the services' host: its own, so that its
+        """The rollouts' process (`forge_rl.pipeline.rollouts`), on the services' host: its own, so that its
         calls (per prompt, per generator) share an event loop with nothing else."""
         return self.spawn_procs("rollouts", 1, self.launch.placement.services_host)
 
@@ -290,7 +290,7 @@ async def _probe(host_mesh: HostMesh, addresses: list[str], model_dir: str) -> l
 def run_worker(port: int, host: str | None = None, preemption_grace_s: float = 30.0) -> None:
     """This host's Monarch worker (`forge-rl worker`): serves tcp://HOST:PORT until killed; a run's
     controller attaches to it, spawns processes here, and releases it when the run ends. Its
-    SIGTERM is a preemption notice: it ends `preemption_grace_s` later (forge_rl/plumbing/preemption.py)."""
+    SIGTERM is a preemption notice: it ends `preemption_grace_s` later (`forge_rl.plumbing.preemption`)."""
     import socket
 
     from monarch.actor import run_worker_loop_forever

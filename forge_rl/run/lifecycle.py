@@ -8,11 +8,11 @@
                                   message names the resume command
     lifecycle.resume(pipeline)    loads the checkpoint into trainer, buffer, dataset and the loops'
                                   state, and has every generator serve its version (fresh run: no-op)
-    lifecycle.run_loops(pipeline) the loops (forge_rl/run/loop.py) until config.steps; a checkpoint every
+    lifecycle.run_loops(pipeline) the loops (`forge_rl.run.loop`) until config.steps; a checkpoint every
                                   checkpoint.every_n_steps and, on Ctrl-C/SIGTERM, at the stop
     lifecycle.summary(...)        the summary line (and RUN_DIR/summary.json)
 
-The checkpoint layout, and why it is consistent while generation goes on, is forge_rl/core/checkpoint.py.
+The checkpoint layout, and why it is consistent while generation goes on, is `forge_rl.core.checkpoint`.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Lifecycle:
         """When a stop (or failure) began to unwind the run: the clock of _STOP_BUDGET_S."""
         self.scaling = Scaling(run_path)
         """`forge-rl scale` requests, read after each step, and the generators' hosts' preemption
-        notices (forge_rl/run/scaling.py)."""
+        notices (`forge_rl.run.scaling`)."""
 
     @classmethod
     def open(cls, config: GRPOConfig) -> Lifecycle:
@@ -307,7 +307,7 @@ class Lifecycle:
     @property
     def stop_waits_for_steps(self) -> bool:
         """Whether a stop (Ctrl-C, SIGTERM) now lets the step in flight finish, for the shutdown
-        checkpoint (forge_rl/run/loop.py `Pipeline._trained`); a dead process cancels at once."""
+        checkpoint (`forge_rl.run.loop.Pipeline._trained`); a dead process cancels at once."""
         checkpoints = self.config.checkpoint
         return checkpoints.enabled and checkpoints.on_shutdown and not self.process_failures
 
@@ -333,7 +333,7 @@ class Lifecycle:
     # Checkpoints ------------------------------------------------------------------------------
 
     async def save_checkpoint(self, pipeline: Pipeline) -> None:
-        """Checkpoint after step `pipeline.step` (forge_rl/core/checkpoint.py); generation goes on meanwhile.
+        """Checkpoint after step `pipeline.step` (`forge_rl.core.checkpoint`); generation goes on meanwhile.
 
         Only taking the state holds the train loop: the trainer copies its state to host memory
         and writes the copy in the background (PolicyTrainer.start_checkpoint) while the rollouts

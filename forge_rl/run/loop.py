@@ -1,5 +1,5 @@
 """The run's loops: the train loop here, in the controller; the rollout loops in the rollouts'
-process (forge_rl/pipeline/rollouts.py), which hold the admission gate, the replay buffer and the prompts.
+process (`forge_rl.pipeline.rollouts`), which hold the admission gate, the replay buffer and the prompts.
 
     rollout loops (the rollouts' process; prompts_in_flight_per_generator per generator)
         produce    scored episodes into the buffer, paced by the admission gate
@@ -8,7 +8,7 @@ process (forge_rl/pipeline/rollouts.py), which hold the admission gate, the repl
                    the trainer takes from the rollouts itself; asked for while the step before it
                    trains (one step ahead)
         produces   policy version v+1 in the weight store; the rollouts tell every generator;
-                   a checkpoint every checkpoint.every_n_steps (forge_rl/run/lifecycle.py)
+                   a checkpoint every checkpoint.every_n_steps (`forge_rl.run.lifecycle`)
         waits for  the gate's "taking the buffer's batch now leaves every episode in flight enough
                    steps before its deadline", then the buffer to hold a full batch
         unblocked  by rollouts
@@ -46,7 +46,7 @@ from forge_rl.plumbing.replies import rank_zero
 _STOP_ROLLOUTS_TIMEOUT_S = 3.0
 """A stopped or failed run waits at most this long for each answer of the rollouts' it needs to
 stop (a batch withheld, the loops stopped), cut to what is left of the stop's budget
-(forge_rl/run/lifecycle.py `stop_timeout`); then the stop goes on without them."""
+(`forge_rl.run.lifecycle.Lifecycle.stop_timeout`); then the stop goes on without them."""
 
 if TYPE_CHECKING:
     from forge_rl.config import GRPOConfig
@@ -86,7 +86,7 @@ class RunActors:
     """The actor handles the train loop calls; a recipe spawns them (apps/grpo/main.py)."""
 
     rollouts: Any
-    """The data plane (forge_rl/actors/rollouts.py): `start`, `step_done`, `batch_taken`, `withhold_batch`,
+    """The data plane (`forge_rl.actors.rollouts`): `start`, `step_done`, `batch_taken`, `withhold_batch`,
     `stop_loops`, `wait_for_failure`, `state_dict`, `load_state_dict`; the trainer
     calls its `batch_for_trainer`."""
     trainer: Any
@@ -100,7 +100,7 @@ class RunActors:
     generators: Any = None
     """The generator pool, for what watches a run (bench scale's faults); the loop never calls it."""
     evaluation: Any = None
-    """The run's evaluation at exact policy versions (forge_rl/run/evaluation.py `Evaluation`), or
+    """The run's evaluation at exact policy versions (`forge_rl.run.evaluation.Evaluation`), or
     None: started with the loops, told of every step's version (`published`, which returns at once),
     waited for once training ends; the loop never waits for an evaluation."""
     policy_trainers: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -110,7 +110,7 @@ class RunActors:
     checkpointed: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The recipe's other parts a checkpoint holds, by name: each has async `save_checkpoint(dir)`
     and `load_checkpoint(dir)`, with dir RUN_DIR/checkpoints/step-N/<name> (a self-distillation
-    teacher's schedule and weights, forge_rl/scoring/teacher.py `PinnedTeacherRefresh`)."""
+    teacher's schedule and weights, `forge_rl.scoring.teacher.PinnedTeacherRefresh`)."""
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ class SentStep:
     the buffer (the timeline's clock), or None if it was withheld."""
     prefetch_next: bool = False
     """The trainer was told the loop sends step + 1 next, so it asks for step + 1's batch as soon
-    as this step's is in hand (forge_rl/training/trainer_steps.py `BatchPrefetch`)."""
+    as this step's is in hand (`forge_rl.training.trainer_steps.BatchPrefetch`)."""
     replied: float | None = None
     """When the trainer's reply arrived (set as it arrives, whatever the loop is doing then)."""
     policy_replies: dict[str, asyncio.Future] = dataclasses.field(default_factory=dict)
@@ -253,7 +253,7 @@ class Pipeline:
 
     def _send_step(self, step: int, prefetch_next: bool) -> SentStep:
         """Ask the trainer for step `step`: each rank takes the step's batch from the rollouts
-        itself once the gate lets it go (forge_rl/training/trainer_steps.py `train_on_pulled_batch`), so the
+        itself once the gate lets it go (`forge_rl.training.trainer_steps.train_on_pulled_batch`), so the
         batch's last episode is one message from the trainer. Sent ahead, while the step before
         trains."""
         actors, timeline = self.actors, self.timeline

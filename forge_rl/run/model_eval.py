@@ -11,7 +11,7 @@ What is evaluated: the eval sets of `eval.sets` (the `eval:` section of the YAML
 --config, else of a run's own config.yaml), one more set given by the --data.* flags, and the
 built-in benchmark of --benchmark. Sets are sampled and scored as beside training
 (`Evaluation.evaluate_served`: the task's prompt format and reward functions, pass@k by the
-unbiased estimator); HumanEval's problems (forge_rl/evaluation/humaneval.py) are sampled as a base
+unbiased estimator); HumanEval's problems (`forge_rl.evaluation.humaneval`) are sampled as a base
 model continues code, their plain prompts without a chat template, each sample made a completion
 by `completion_of` and checked by its unit tests in the sandbox (`humaneval.evaluate`).
 

@@ -51,7 +51,7 @@ def check_machine(config: GRPOConfig) -> None:
     check_gpus(config.launch, demand_of(config), 0, num_gpus, "this machine")
     if num_gpus:
         return
-    if config.simulated:  # timed waits: no compute threads, no KV cache (forge_rl/engines/simulated.py)
+    if config.simulated:  # timed waits: no compute threads, no KV cache (`forge_rl.engines.simulated`)
         return
     _check_cpu_threads(config)
     _check_kv_cache_memory(config)
@@ -151,7 +151,7 @@ def _available_memory_gib() -> float | None:
 def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
     """The tokenizer of `model_dir` loads and renders every checked task prompt, and each prompt
     plus `generator.max_new_tokens` fits in the model's context; a distillation teacher has the
-    same tokenizer (forge_rl/scoring/teacher.py)."""
+    same tokenizer (`forge_rl.scoring.teacher`)."""
     tokenizer = _load_tokenizer(model_dir)
     if config.scorer.teacher.path is not None:
         check_same_tokenizer(config.scorer.teacher.path, model_dir)
@@ -199,7 +199,7 @@ def check_model_inputs(config: GRPOConfig, model_dir: Path) -> None:
 
 
 def check_data(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
-    """The data file opens (its columns and values checked, forge_rl/data/checks.py), its rows carry
+    """The data file opens (its columns and values checked, `forge_rl.data.checks`), its rows carry
     the answers the reward compares against, a chat prompt finds a chat template, and with
     data.too_long refuse no row's prompt is too long (every row counted here, not when it comes up)."""
     if config.data is None:
@@ -264,7 +264,7 @@ def check_eval_sets(config: GRPOConfig, tokenizer, max_model_len: int) -> None:
 def check_reward_columns(config: GRPOConfig, source) -> None:
     """Each reward function of the task gets what it reads from the data file `source`: the row's
     answer (every reward is called with (completion, answer)) and each column it names as a
-    parameter without a default (forge_rl/tasks/rewards.py `RewardColumns`). An environment's
+    parameter without a default (`forge_rl.tasks.rewards.RewardColumns`). An environment's
     episodes take its rewards instead: nothing to check."""
     if config.environment.name is not None:
         return

@@ -50,7 +50,7 @@ def config_to_dict(config: DataclassInstance) -> dict:
 
 
 def create_run_dir(config: GRPOConfig) -> Path:
-    """Check what the run needs from this machine and its files (forge_rl/run/preflight.py), then create
+    """Check what the run needs from this machine and its files (`forge_rl.run.preflight`), then create
     the run directory with config.yaml (and the tiny model, for from-scratch runs).
 
     The directory is built as RUN_DIR/.NAME.partial and renamed into place only once it is complete
@@ -146,8 +146,8 @@ def _check_same_data(config: GRPOConfig, fingerprint: str, run_path: Path, check
 
 
 def _check_partial_groups(config: GRPOConfig, controller: ControllerState, run_path: Path, checkpoint: Path) -> None:
-    """The checkpoint's partial groups can be continued by `config`'s model (forge_rl/pipeline/rollouts.py
-    `partial_groups_problem`); otherwise ConfigError naming the file, or, with
+    """The checkpoint's partial groups can be continued by `config`'s model
+    (`forge_rl.pipeline.partial_groups.partial_groups_problem`); otherwise ConfigError naming the file, or, with
     checkpoint.partial_groups_on_error regenerate, a warning (the rollouts then generate them afresh)."""
     problem = partial_groups_problem(
         controller.partial_groups,

@@ -8,14 +8,14 @@ RUN_DIR/control/scale-request.json (whole or not at all) and waits for the answe
 RUN_DIR/control/scale-answer.json, which names the request. The run's controller looks for a new
 request after every step (`Scaling.after_step`) and carries it out beside training, which goes
 on: a generator added starts on this host, loads the newest published version and gets its
-rollout loops (forge_rl/pipeline/rollouts.py `add_generator`); one removed (the newest first)
+rollout loops (`forge_rl.pipeline.rollouts.Rollouts.add_generator`); one removed (the newest first)
 takes no more admissions, the groups it decodes get `--grace-s` to finish, then it is stopped and
 what is still in flight on it is continued on the others (with generator.segment_tokens, from the
 tokens it had returned) or handed out again (`remove_generator`). The pool never goes below one
 generator. A request the run cannot carry out (a GPU or multi-host placement the pool cannot
 extend) is answered with its error; the run goes on as it was. A checkpoint records the pool's size, and a resume
-starts as many generators unless --num-generators chooses (forge_rl/run/run_dir.py
-`open_run_dir_for_resume`).
+starts as many generators unless --num-generators chooses
+(`forge_rl.run.run_dir.open_run_dir_for_resume`).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class Scaling:
         self._notices = asyncio.create_task(self._answer_preemption_notices(actors))
 
     async def _answer_preemption_notices(self, actors) -> None:
-        """A generator whose host is being preempted (forge_rl/plumbing/preemption.py) is removed
+        """A generator whose host is being preempted (`forge_rl.plumbing.preemption`) is removed
         as `forge-rl scale` removes one, its groups given the notice's grace left (less a margin for
         the removal itself); the pool's last generator is not: the run cannot go on without one."""
         while True:

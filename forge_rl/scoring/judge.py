@@ -16,12 +16,12 @@ reliably than it grades one on an absolute scale.
 
 A judge fails like a model: it rambles, answers in another format, or is slow. A verdict the parser
 cannot read (no score, or one out of range) and a judge call past `timeout_s` each fail that
-completion only (forge_rl/scoring/scorers.py `JudgeScorer` returns a `ScoreFailure`, kinds "unparsable
+completion only (`forge_rl.scoring.scorers.JudgeScorer` returns a `ScoreFailure`, kinds "unparsable
 verdict" and "timeout"): it is ERRORED, never
 trained, its reward kept out of its group's statistics, and counted (`scorer/judge/unparsable`,
 `scorer/judge/timed_out`, `scorer/errored`). The run never stops for a verdict.
 
-The judge model is served by the same GeneratorActor (forge_rl/actors/generator.py) as the policy,
+The judge model is served by the same GeneratorActor (`forge_rl.actors.generator`) as the policy,
 on a process of its own, with the judge's directory and sampling settings and no weight store (its
 weights never change). `judge_client` adapts that actor's `generate` endpoint to "prompt text in,
 verdict text out". Plain Python: no Monarch here.
@@ -106,7 +106,7 @@ class JudgeConfig:
     """The judge engine's context: the rendered template plus generator.max_new_tokens must fit."""
     replicas: int = 1
     """Judge engines, one process each; each verdict request goes to the one with the fewest in
-    flight (`LeastBusyReplica`, forge_rl/actors/reward_model.py). Each engine is a whole copy of the
+    flight (`LeastBusyReplica`, `forge_rl.actors.reward_model`). Each engine is a whole copy of the
     judge with generator.cpu_threads threads (preflight counts them all)."""
 
     def __post_init__(self) -> None:
@@ -203,7 +203,7 @@ def judge_client(
 ) -> Callable[[str], Awaitable[str]]:
     """ "Prompt text in, verdict text out" over a generator's `generate(episodes, group_size)`
     (GeneratorActor.generate: episodes whose first completion's text is the verdict). `tokenizer`:
-    the judge's PromptTokenizer (forge_rl/tasks/tokenizer.py)."""
+    the judge's PromptTokenizer (`forge_rl.tasks.tokenizer`)."""
 
     async def verdict(prompt: str) -> str:
         if prompt_format == "chat":

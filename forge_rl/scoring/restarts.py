@@ -8,7 +8,7 @@ A scoring call carries episodes that are generated already, and the caller (the 
 sent the scorer a copy) still holds them untouched: a call in flight on the dead scorer, or made
 while it restarts, waits for the replacement and sends them again. Nothing is generated again,
 nothing is marked ERRORED for a death no completion caused, and each episode comes back once, so
-the rollout loop sees one slow call and its prompt accounting (forge_rl/core/accounting.py) needs no
+the rollout loop sees one slow call and its prompt accounting (`forge_rl.core.accounting`) needs no
 new case. Calls in flight on the dead incarnation are cancelled when the death is detected, so a
 lost call never waits for Monarch's own (slower) report.
 
@@ -19,11 +19,11 @@ rescored after a death is counted once, by the replacement; completions the dead
 its last read are missing from the counters (at most one step's worth), never counted twice.
 
 The same core restarts the frozen models that score tokens (the reference model, a distillation
-teacher: forge_rl/actors/frozen_model_supervisor.py), whose calls (per-token logprobs of generated
+teacher: `forge_rl.actors.frozen_model_supervisor`), whose calls (per-token logprobs of generated
 episodes) are sent again just the same; `role`, `budget_flag` and `restarts_metric` name the
 model in the progress lines, the final error and the counter.
 
-No Monarch here: the actor shell (forge_rl/actors/scorer_supervisor.py) supplies `start` (spawn
+No Monarch here: the actor shell (`forge_rl.actors.scorer_supervisor`) supplies `start` (spawn
 fresh processes, return a handle) and `retire` (stop them without waiting), and turns a dead
 process into ScorerLost.
 """

@@ -5,8 +5,8 @@ directory, nothing from a hub) that reads prompt + completion and returns one sc
     SequenceClassifier  the model itself: tokenizer + AutoModelForSequenceClassification, one forward
     train_reward_model  a tiny reward model trained from scratch on a synthetic task's correctness labels
 
-forge_rl/scoring/scorers.py `RewardModelScorer` is the scorer, calling the model through a client. The
-model runs in its own actor on its own processes (forge_rl/actors/reward_model.py), so it scales
+`forge_rl.scoring.scorers.RewardModelScorer` is the scorer, calling the model through a client. The
+model runs in its own actor on its own processes (`forge_rl.actors.reward_model`), so it scales
 apart from the generators and its faults stay there. A non-finite score (a NaN from the model)
 marks that completion ERRORED and is counted, like any scorer failure.
 
@@ -172,7 +172,7 @@ def model_inputs(tokenizer, texts: list[str]):
 
 def synthetic_reward_examples(task: str, seed: int, count: int) -> list[tuple[str, float]]:
     """(prompt + completion, correctness label) pairs for `task`, labelled by the task's verifier
-    (forge_rl/tasks/synthetic.py `leading_number_reward`). Completions cover what a policy can
+    (`forge_rl.tasks.synthetic.leading_number_reward`). Completions cover what a policy can
     sample there: 40% are the answer, alone or followed by one non-digit; 60% are any one or two
     characters of the alphabet (what a fresh policy emits, mostly wrong). A policy trained on the
     model pushes wherever the model errs, so the wrong answers must cover its whole support, not

@@ -11,8 +11,8 @@ multiprocessing's spawn, which would re-import the parent's __main__ (a Monarch 
 actor). They ignore SIGINT (the controller decides when to stop) and die with their parent
 (PR_SET_PDEATHSIG on Linux), so no worker outlives the run.
 
-No Monarch here; `forge_rl/scoring/scorers.py` wraps the pool as a scorer (`RewardFunctionScorer`) and
-holds its config, `forge_rl/actors/scorer.py` is the actor shell.
+No Monarch here; `forge_rl.scoring.scorers` wraps the pool as a scorer (`RewardFunctionScorer`) and
+holds its config, `forge_rl.actors.scorer` is the actor shell.
 """
 
 from __future__ import annotations

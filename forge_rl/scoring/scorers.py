@@ -14,11 +14,12 @@ turns every failure (a failure returned, an exception raised, a non-finite rewar
 score) into an ERRORED completion with its reason, counts it, and never raises for one.
 
 Implementations: `RewardFunctionScorer` (below: reward functions in the sandboxed worker processes
-of forge_rl/scoring/reward_workers.py), `RewardModelScorer` (forge_rl/scoring/reward_model.py: a sequence-classification model served
-by its own actor mesh), `TeacherScorer` (forge_rl/scoring/teacher.py: on-policy distillation, a
-frozen teacher's per-token logprobs as dense rewards) and `JudgeScorer` (forge_rl/scoring/judge.py: an LLM
+of `forge_rl.scoring.reward_workers`), `RewardModelScorer` (`forge_rl.scoring.reward_model`: a sequence-classification
+model served
+by its own actor mesh), `TeacherScorer` (`forge_rl.scoring.teacher`: on-policy distillation, a
+frozen teacher's per-token logprobs as dense rewards) and `JudgeScorer` (`forge_rl.scoring.judge`: an LLM
 judge on a generator mesh of its own, its verdicts parsed; unparsable ones and timeouts counted). How per-step and per-token rewards become advantages:
-forge_rl/core/advantages.py `token_advantages`, docs/scoring.md.
+`forge_rl.core.advantages.token_advantages`, docs/scoring.md.
 
 No Monarch here: a model-backed scorer holds a client, an async function the actor shell supplies.
 """
@@ -92,18 +93,18 @@ class ScorerConfig:
     (how to see that the policy learns the task, not the reward model's mistakes). 0 with a
     teacher: distillation alone."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    """A learned reward model added to the reward (forge_rl/scoring/reward_model.py); off unless its path is set."""
+    """A learned reward model added to the reward (`forge_rl.scoring.reward_model`); off unless its path is set."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    """On-policy distillation (forge_rl/scoring/teacher.py): a frozen teacher's per-token reverse KL added to
+    """On-policy distillation (`forge_rl.scoring.teacher`): a frozen teacher's per-token reverse KL added to
     every token's advantage; off unless its path is set."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """An LLM judge's verdict added to the reward (forge_rl/scoring/judge.py); off unless its path is set."""
+    """An LLM judge's verdict added to the reward (`forge_rl.scoring.judge`); off unless its path is set."""
     max_restarts: int = 3
     """Times the scorer-side processes (scorer, reward model, judge) are restarted after one dies,
-    their in-flight episodes scored again (forge_rl/scoring/restarts.py); one more death stops the
+    their in-flight episodes scored again (`forge_rl.scoring.restarts`); one more death stops the
     run (a scorer that keeps dying will not recover). 0: the first death stops the run."""
     overlong_buffer: int | None = None
-    """DAPO's soft overlong penalty (forge_rl/core/advantages.py, `overlong_penalty`): a completion
+    """DAPO's soft overlong penalty (`forge_rl.core.advantages.overlong_penalty`): a completion
     ending within the last `overlong_buffer` tokens of generator.max_new_tokens loses reward
     linearly, down to -1 for one that is truncated. Unset: no penalty."""
 
@@ -192,7 +193,7 @@ async def guarded_group(scorer: Scorer, episode: Episode) -> list[ScoreResult]:
     """`scorer.score_group(episode)`, with anything that goes wrong made a failure of each completion:
     an exception, a wrong number of results, a non-finite reward, steps that do not tile the tokens.
     Messages do not name the scorer (`WeightedSum` prefixes its parts' names). ScorerLost (a model's
-    process died) is raised instead: it is no completion's failure (forge_rl/scoring/restarts.py);
+    process died) is raised instead: it is no completion's failure (`forge_rl.scoring.restarts`);
     so is ScorerFailed (a model that kept dying past its restart budget: the run stops)."""
     try:
         results = await scorer.score_group(episode)
@@ -301,7 +302,7 @@ class WeightedSum(Scorer):
 
 class RewardFunctionScorer(Scorer):
     """The reward function `reward` (a registered name or "module:function", see
-    forge_rl/tasks/rewards.py) on each completion's text, its row's answer and the row's columns the
+    `forge_rl.tasks.rewards`) on each completion's text, its row's answer and the row's columns the
     function names (`RewardColumns`), in `config.num_workers` worker processes: a group per round
     trip; a raise, a hang past `config.reward_timeout_s` or a dead worker fails that completion only.
     `name` keys its component in a weighted sum."""
@@ -328,8 +329,8 @@ class RewardFunctionScorer(Scorer):
 
 
 class EnvironmentRewardScorer(Scorer):
-    """An environment's episodes as the environment rewarded them (forge_rl/envs/rollout.py
-    `trajectory_completion`): each trajectory's final reward and per-turn rewards (as steps),
+    """An environment's episodes as the environment rewarded them (`forge_rl.envs.rollout.trajectory_completion`):
+    each trajectory's final reward and per-turn rewards (as steps),
     returned as they are. In a weighted sum it takes the task's reward function's place, so a
     teacher's per-token rewards are added to the environment's, which scorer.reward_fn_weight
     weights."""
@@ -362,7 +363,7 @@ class RewardModelScorer(Scorer):
 
 
 class TeacherScorer(Scorer):
-    """On-policy distillation (forge_rl/scoring/teacher.py): `client(episodes)` returns the teacher's logprob
+    """On-policy distillation (`forge_rl.scoring.teacher`): `client(episodes)` returns the teacher's logprob
     of every completion token ([episode][completion][token], the frozen-model actor's
     `token_logprobs`), one request per group. Each token's reward is the negative reverse KL on the
     sampled token, teacher logprob - student (behaviour) logprob, raw: the group baseline
@@ -398,7 +399,7 @@ class TeacherScorer(Scorer):
 
 
 class JudgeScorer(Scorer):
-    """An LLM judge (forge_rl/scoring/judge.py), asked through `client(prompt_text) -> verdict_text`. Mode
+    """An LLM judge (`forge_rl.scoring.judge`), asked through `client(prompt_text) -> verdict_text`. Mode
     grade: about each completion on its own (concurrently: the judge's engine batches them), its
     verdict parsed into a score. Mode rank: about the whole group at once, its verdict parsed into
     an order of the group. A verdict that cannot be parsed, or that comes too late, fails what it

@@ -2,14 +2,14 @@
 
 The student (the policy) samples completions as in GRPO; the teacher, a larger or better model
 sharing the student's tokenizer, returns the logprob of each sampled token under its own
-distribution (the frozen-model actor of forge_rl/actors/frozen_model.py, the same one that serves
+distribution (the frozen-model actor of `forge_rl.actors.frozen_model`, the same one that serves
 the KL penalty's reference model). The per-token reverse KL on the sampled token,
 
     k_t = log pi_student(x_t | x_<t) - log pi_teacher(x_t | x_<t)
 
 is a one-sample estimate of KL(student || teacher) at position t; its negative is the token's dense
 reward (`Score.token_rewards`), added to the token's advantage unnormalized
-(forge_rl/core/advantages.py `token_advantages`): a token the teacher finds likelier than the student
+(`forge_rl.core.advantages.token_advantages`): a token the teacher finds likelier than the student
 did is pushed up, one it finds unlikely is pushed down, on every token, in every group, even when
 every sample of the group gets the same task reward (where GRPO has no signal). Agarwal et al.
 2024 (GKD), Gu et al. 2024 (MiniLLM), Thinking Machines' "On-Policy Distillation" (2025).
@@ -198,7 +198,7 @@ def teacher_store_reader(incarnation: str, rank: int) -> str:
 class TeacherVersions:
     """The policy versions a pinned teacher's replacement must load again, and the weight-store
     leases that keep them there (the store keeps only the newest versions otherwise). Plain
-    Python; the teacher's supervisor (forge_rl/actors/frozen_model_supervisor.py) acquires and
+    Python; the teacher's supervisor (`forge_rl.actors.frozen_model_supervisor`) acquires and
     releases the leases this names.
 
         lease v (`leased`), stage v: staged = v, and every lease beyond one each on served and
@@ -292,7 +292,7 @@ class TeacherVersions:
 
 class PinnedTeacherRefresh:
     """The recipe's `RunActors.after_publish` for self-distillation: `TeacherPin`'s schedule carried
-    out on the teacher's supervisor (`stage`, `swap`, forge_rl/actors/frozen_model_supervisor.py);
+    out on the teacher's supervisor (`stage`, `swap`, `forge_rl.actors.frozen_model_supervisor`);
     logs the version it serves. Each stage and swap is a busy interval on the run's timeline
     (components "teacher_stage" and "teacher_swap"): the swap is the moment the teacher's version
     changes, which the generators take no part in (they decode across it:

@@ -1,8 +1,8 @@
 """What the service asks of the meshes: the four primitives of a user's own loop (forward_backward,
 optim_step, save weights for the sampler, sample) and what surrounds them, in forge_rl's own terms.
 
-The HTTP face (forge_rl/service/server.py) turns the Tinker API's requests into these calls and
-their results back into its responses; the meshes (forge_rl/service/meshes.py: the TorchTitan
+The HTTP face (`forge_rl.service.server`) turns the Tinker API's requests into these calls and
+their results back into its responses; the meshes (`forge_rl.service.meshes`: the TorchTitan
 trainer, the vLLM generators and the weight store) answer them. Neither side knows the other's
 details: the wire format stays in the face, Monarch and the actors in the meshes.
 
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 LOSS_FUNCTIONS = tuple(REQUIRED_INPUTS)
-"""The Tinker losses the trainer computes (forge_rl/training/tinker_losses.py); the SDK's others
+"""The Tinker losses the trainer computes (`forge_rl.training.tinker_losses`); the SDK's others
 ("gspo", "stable_reinforce", "custom") are refused by name."""
 
 

@@ -1,12 +1,12 @@
 """The service's backend on the meshes: the trainer mesh holding every tenant's adapters
-(forge_rl/actors/service_trainer.py), the generator pool serving them (vLLM multi-LoRA), the
+(`forge_rl.actors.service_trainer`), the generator pool serving them (vLLM multi-LoRA), the
 weight store between them.
 
 How a tenant's weights reach a sampler: `save_for_sampler` publishes the tenant's adapters as the
 next version of the weight store (versions count saves over all tenants, so every adapter a
 generator holds has a name of its own); the path handed back names that version. A sample of it
 runs on that adapter exactly, loaded from the store by the generator that takes the request if it
-does not hold it (forge_rl/actors/generator.py, `sample`). An "inflight" save moves the tenant's
+does not hold it (`forge_rl.actors.generator.GeneratorActor.sample`). An "inflight" save moves the tenant's
 inflight path to the new version: samples of that path from then on use it.
 
 Calls on one training model are carried out in the order they were made (each model's lock);
@@ -101,7 +101,7 @@ class MeshBackend:
 
     @classmethod
     async def spawn(cls, config: ServeConfig, hosts, lifecycle) -> MeshBackend:
-        """The service's processes on `hosts` (forge_rl/run/launch.py): the services process (the
+        """The service's processes on `hosts` (`forge_rl.run.launch`): the services process (the
         store's index and volume, the generator pool) and the trainer ranks."""
         run = lifecycle.config  # the run these meshes are (ServeConfig.run_config)
         model_dir, store_root = str(lifecycle.model_dir), str(lifecycle.store.root)
@@ -357,7 +357,7 @@ class MeshBackend:
 
     def _check_vocabulary(self, tokens: list[int], where: str) -> None:
         """Token ids the model has. The face has checked the rest of a request's shape (empty,
-        negative ids, the context, num_samples, the loss: forge_rl/service/wire.py); the vocabulary
+        negative ids, the context, num_samples, the loss: `forge_rl.service.wire`); the vocabulary
         is the model's, known here."""
         bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
         if bad is not None:

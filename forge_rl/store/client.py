@@ -96,7 +96,7 @@ class WeightStore:
     ):
         self.index = index
         self._calls = PortCalls()
-        """The index's calls (forge_rl/plumbing/port_calls.py): a reader leases every version it loads."""
+        """The index's calls (`forge_rl.plumbing.port_calls`): a reader leases every version it loads."""
         self._blocking_calls = BlockingPortCalls()
         """The same for `put_state_dict_blocking`, which runs in a writer thread without an event loop."""
         self.local = SharedMemorySnapshots(Path(root), Path(extra_files_dir) if extra_files_dir else None)
@@ -210,7 +210,7 @@ class WeightStore:
         """Publish policy version `policy_version` as LoRA adapters only: its directory is a PEFT
         adapter directory (adapter_config.json + adapter_model.safetensors, a link to the store's
         weights file) that vLLM loads by path, and its record says it is an adapter of `base`
-        (index rule 5). `peft_tensors` in PEFT names (forge_rl/models/peft_format.py)."""
+        (index rule 5). `peft_tensors` in PEFT names (`forge_rl.models.peft_format`)."""
         from forge_rl.models.peft_format import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
         info = {

@@ -1,7 +1,8 @@
 """Tasks: prompt generators with exact verifiers (`synthetic.py`, and reasoning-gym's datasets
 through `reasoning_gym.py`), reward functions (`rewards.py`), and the config the dataset and the
 scorer read. `make_task_prompt` and `encode_task_prompt` are the one way to get a task's prompt
-and its token ids (the rollouts' prompts (forge_rl/pipeline/prompts.py), the preflight checks and `forge-rl bench task-baseline`)."""
+and its token ids (the rollouts' prompts (`forge_rl.pipeline.prompts`), the preflight checks and
+`forge-rl bench task-baseline`)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ DEFAULT_REWARD = "leading_number"
 @dataclass(frozen=True)
 class TaskConfig:
     name: TaskName = "max_of_two"
-    """Synthetic task: max_of_two, copy_digit, add_mod10 or repeat_digit (see forge_rl/tasks/synthetic.py); or
-    reasoning_gym: the questions of `reasoning_gym_dataset` (optional extra, forge_rl/tasks/reasoning_gym.py)."""
+    """Synthetic task: max_of_two, copy_digit, add_mod10 or repeat_digit (see `forge_rl.tasks.synthetic`); or
+    reasoning_gym: the questions of `reasoning_gym_dataset` (optional extra, `forge_rl.tasks.reasoning_gym`)."""
     seed: int = 0
     """Seed of the prompt sequence; prompt i depends only on (name, seed, i)."""
     reward: str | None = None
     """The reward function: a registered name (leading_number, trailing_number, final_integer, exact_match, prefix_match, math_verify,
     reasoning_gym) or "package.module:function" taking (completion_text, answer, **columns by name)
-    -> float (see forge_rl/tasks/rewards.py). Unset: leading_number, unless `rewards` is set. Task
+    -> float (see `forge_rl.tasks.rewards`). Unset: leading_number, unless `rewards` is set. Task
     reasoning_gym needs reward reasoning_gym (its answers are question keys, not strings)."""
     rewards: dict[str, float] | None = None
     """Several reward functions, instead of `reward`: each spec (as `reward` takes it) with its weight.

@@ -164,7 +164,7 @@ def document_mask(microbatch: MicroBatch, lengths: list[int]) -> tuple[torch.Ten
 
 
 # forward(input_ids [R, W], positions [R, W] or None, mask [R, 1, W, W] or None) -> logits [R, W, V];
-# with a routing replay, forward(..., (expert ids [R, W, X, K], has-record [R, W])) (forge_rl/routing.py)
+# with a routing replay, forward(..., (expert ids [R, W, X, K], has-record [R, W])) (`forge_rl.routing`)
 Forward = Callable[..., torch.Tensor]
 
 
@@ -172,7 +172,7 @@ def _replay_layout(
     mb: MicroBatch, lengths: list[int], expert_ids_NLXK: torch.Tensor, routed_NL: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's replay: token t's record at the position of token t-1 (see
-    forge_rl/routing.py: the routing of the pass that sampled a token is its predecessor's)."""
+    `forge_rl.routing`: the routing of the pass that sampled a token is its predecessor's)."""
     replay_RWXK = expert_ids_NLXK.new_zeros((mb.num_rows, mb.width, *expert_ids_NLXK.shape[2:]))
     replay_RW = torch.zeros((mb.num_rows, mb.width), dtype=torch.bool)
     for i, row, offset in mb.placements:

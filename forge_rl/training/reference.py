@@ -1,8 +1,9 @@
 """The frozen reference policy of the KL penalty (`trainer.loss.kl_beta` > 0). Plain PyTorch.
 
 The reference model is the initial policy, never trained. It runs on its own processes
-(forge_rl/actors/frozen_model.py, the frozen-model actor that also serves a distillation teacher,
-forge_rl/scoring/teacher.py; restarted if one dies, forge_rl/actors/frozen_model_supervisor.py), between the scorer and the replay buffer: every completion enters
+(`forge_rl.actors.frozen_model`, the frozen-model actor that also serves a distillation teacher,
+`forge_rl.scoring.teacher`; restarted if one dies, `forge_rl.actors.frozen_model_supervisor`), between the scorer and
+the replay buffer: every completion enters
 the buffer with `Completion.reference_logprobs`, so the trainer step needs no second model. Its
 logprobs are taken like the trainer's (the generator's temperature and top-k/top-p kept sets,
 `forge_rl.core.batching.token_logprobs`), so the KL compares two distributions over the same support.
@@ -37,7 +38,7 @@ class ReferenceConfig:
     """Torch CPU threads per reference process."""
     max_restarts: int = 3
     """Times this model's processes are restarted on fresh ones after one dies, the calls in flight
-    sent again to the replacement (forge_rl/actors/frozen_model_supervisor.py); one more death
+    sent again to the replacement (`forge_rl.actors.frozen_model_supervisor`); one more death
     stops the run. 0: the first death stops the run."""
 
     def __post_init__(self) -> None:

@@ -8,10 +8,10 @@ adapters (3% of the weights at rank 16) and a handover of the gradient and momen
 gradients of two tenants never meet in one tensor and calls of different tenants may interleave
 in any order.
 
-Losses are those of the Tinker API (forge_rl/training/tinker_losses.py): sums over positions, the
+Losses are those of the Tinker API (`forge_rl.training.tinker_losses`): sums over positions, the
 gradients of successive forward_backward calls add up until `optim_step`, whose Adam
 hyperparameters come with each call. No Monarch here (the actor shell is
-forge_rl/actors/service_trainer.py).
+`forge_rl.actors.service_trainer`).
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ class PolicyTrainer:
         whose weights and KV were all the trainer's version (`TrainBatch.exact_version_NL`),
         `mismatch_kl_fresh/generator/<i>` (absent when a generator has none). Only the fresh KL
         compares a generator's weights with what its version labels say, so a generator serving
-        other weights stands out there long before the reward shows it (forge_rl/observability/health.py)."""
+        other weights stands out there long before the reward shows it (`forge_rl.observability.health`)."""
         generators = sorted({g for g in batch.generator_N.tolist() if g >= 0}) if batch.generator_N is not None else []
         if not generators:
             return {}
@@ -300,7 +300,7 @@ class PolicyTrainer:
         if self._routing_shape is not None:
             metrics.update(self._keep_routing_metrics(batch))
         # The step's phases on this rank (rank 0's reach the log): the trainer's compute, which the
-        # loop's overhead breakdown subtracts from the step's critical path (forge_rl/run/loop.py).
+        # loop's overhead breakdown subtracts from the step's critical path (`forge_rl.run.loop`).
         backward_start = time.perf_counter()
         metrics[TRAINER_FORWARD_S] = backward_start - start
         if not math.isfinite(metrics["loss"]):

@@ -1,6 +1,6 @@
 """The trainer's settings (`TrainerConfig`): no torch here, so the controller, the CLI and the
 processes that only pass a config on validate and unpickle it without importing torch (the trainer
-itself: forge_rl/training/trainer.py; tests/unit/test_package_boundaries.py)."""
+itself: `forge_rl.training.trainer`; tests/unit/test_package_boundaries.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from forge_rl.models.parallel import ParallelConfig
 from forge_rl.training.losses.config import LossConfig
 
 BATCHING_MODES = ("pad", "bucket", "pack", "tree")
-"""How a trainer rank lays its rows out (`TrainerConfig.batching`, forge_rl/training/packing.py)."""
+"""How a trainer rank lays its rows out (`TrainerConfig.batching`, `forge_rl.training.packing`)."""
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     engine: Literal["torchtitan", "sim"] = "torchtitan"
     """"torchtitan": the real trainer. "sim": a SIMULATED step with no model (a wait computed from
-    the batch's tokens, then a new policy version with no weights: forge_rl/actors/simulated_trainer.py),
+    the batch's tokens, then a new policy version with no weights: `forge_rl.actors.simulated_trainer`),
     for testing the control plane at scale; needs generator.engine sim too."""
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
     """The simulated step's timing (read only with engine sim)."""
@@ -53,7 +53,7 @@ class TrainerConfig:
     version untouched); this many non-finite steps in a row stop the run with an error (so 1 stops
     at the first)."""
     batching: str = "pack"
-    """How each rank lays its rows out for the forward pass (forge_rl/training/packing.py): "pad" (one row
+    """How each rank lays its rows out for the forward pass (`forge_rl.training.packing`): "pad" (one row
     per completion, padded to the longest), "bucket" (rows sorted by length into a few micro-batches,
     each padded to its own longest) or "pack" (several completions per row, attention kept within
     each, positions restarting at 0) or "tree" (sequences that begin alike, a group's prompt or a
@@ -70,7 +70,7 @@ class TrainerConfig:
     keep_routing: bool = False
     """Mixture-of-experts policies: replay the expert routing the generator recorded for each
     generated token (`Completion.routed_experts`) in the trainer's forward, so the trainer
-    optimizes the function that sampled (forge_rl/routing.py). Tokens without a record (the prompt,
+    optimizes the function that sampled (`forge_rl.routing`). Tokens without a record (the prompt,
     completions from an engine that records none) route normally; such completions are counted
     (`keep_routing/completions_without_record`). Refused on a dense model."""
 

@@ -31,7 +31,7 @@ class TrainStepResult:
 @dataclass
 class PulledBatch:
     """A step's batch as the rollouts hand it to each trainer rank (`Rollouts.batch_for_trainer`):
-    the episodes as columns (forge_rl/core/columns.py), built once in the rollouts' process."""
+    the episodes as columns (`forge_rl.core.columns`), built once in the rollouts' process."""
 
     train_version: int
     """The policy version it trains at (the gate counts it from then)."""
@@ -144,8 +144,9 @@ async def train_on_pulled_batch(
     prefetch: BatchPrefetch,
     prefetch_next: bool,
 ) -> PulledStep | None:
-    """What a trainer rank does for step `step`: ask the rollouts (forge_rl/pipeline/rollouts.py
-    `batch_for_trainer`) for the step's batch (unless `prefetch` asked already), which they hand to
+    """What a trainer rank does for step `step`: ask the rollouts
+    (`forge_rl.pipeline.rollouts.Rollouts.batch_for_trainer`) for the step's batch (unless `prefetch` asked
+    already), which they hand to
     each of the `num_ranks` ranks once the admission gate lets it go, then, with `prefetch_next`,
     ask for step + 1's, and `train` on this one. The batch then crosses one message from where its
     last episode arrived to the trainer, instead of two through the controller. None if a stop

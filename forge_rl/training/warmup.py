@@ -2,10 +2,10 @@
 
 From scratch, the tiny model never writes a well-formed tool call, so every reward is 0 and GRPO
 has no signal. `warm_up_model` trains the freshly created model with cross-entropy on the
-generated tokens of a few hundred demonstration episodes (forge_rl/envs/demonstrations.py: the
+generated tokens of a few hundred demonstration episodes (`forge_rl.envs.demonstrations`: the
 environment's own turns, laid out by the same runner and renderer as RL's episodes), then writes
 the weights back into the model directory the run starts from. It runs once, when the run
-directory is created (forge_rl/run/run_dir.py), in the controller process: the tiny model trains in
+directory is created (`forge_rl.run.run_dir`), in the controller process: the tiny model trains in
 seconds on one thread. The model is TorchTitan's, as the trainer builds it (build_titan_model),
 and the weights go back through the HF export the weight store publishes with.
 """

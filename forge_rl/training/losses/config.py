@@ -43,7 +43,7 @@ class LossConfig:
     name: LossName = "grpo"
     """Policy loss: grpo (token-level clipped surrogate), dr_grpo (no length or std normalization),
     dapo (clip-higher), gspo (sequence-level ratio), cispo (clipped IS weight, detached). See
-    forge_rl/training/losses/policy.py."""
+    `forge_rl.training.losses.policy`."""
     clip_eps_low: float | None = None
     """Lower clip: ratios below 1 - clip_eps_low get no further push. None: the loss's default
     (0.2; gspo 3e-4; cispo 1.0, i.e. no lower bound)."""

@@ -4,7 +4,7 @@ One entry point, `policy_loss`, configured by `LossConfig` (`--trainer.loss.*`).
 completions (rows), L positions; `_NL` per token, `_N` per completion. Notation: pi = the trainer's
 current policy (`logprobs_NL`, differentiable), b = the generator that sampled each token
 (`behaviour_logprobs_NL`), A = the token's advantage (its completion's group advantage, plus process
-and dense rewards: forge_rl/core/advantages.py `token_advantages`), lo = 1 - eps_low, hi = 1 + eps_high,
+and dense rewards: `forge_rl.core.advantages.token_advantages`), lo = 1 - eps_low, hi = 1 + eps_high,
 sg = stop-gradient (detach).
 
 The ratio
