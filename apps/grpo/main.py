@@ -95,7 +95,6 @@ async def run(config: GRPOConfig) -> dict:
                     config,
                     actors.eval_generators or actors.generators,
                     actors.store_index,
-                    lifecycle.store.root,
                     lifecycle.run_path,
                     lifecycle.model_dir,
                 ),

@@ -3,9 +3,9 @@ the simulated one (`forge_rl.engines.simulated.SimulatedEngine`) both meet it, s
 calls either the same way and never asks which it holds.
 
 What only a real model can do (segments, branches, the service's sampling and adapters) the simulated
-engine refuses with `EngineCannot`, naming the setting that asked for it; the configs refuse those
-settings with a simulated engine before anything starts, so a run meets the error only through code
-that calls the engine directly.
+engine refuses with `EngineCannot`, naming the setting that asked for it. `GRPOConfig` refuses
+segments and branches with a simulated engine before anything starts; the error is what code that
+calls the engine directly meets.
 """
 
 from __future__ import annotations

@@ -309,9 +309,7 @@ class SimulatedEngine:
                 f"generator.max_new_tokens ({self.config.max_new_tokens}) = {limit}. Shorten the prompt, lower "
                 "--generator.max-new-tokens, or raise max_model_len."
             )
-        budget = (
-            self.config.max_new_tokens if max_new_tokens is None else min(max_new_tokens, self.config.max_new_tokens)
-        )
+        budget = min(max_new_tokens or self.config.max_new_tokens, self.config.max_new_tokens)  # as VLLMEngine's
         max_tokens = min(forced_length or budget, budget)
         loop = asyncio.get_running_loop()
         sequences = []

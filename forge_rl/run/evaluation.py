@@ -114,7 +114,6 @@ class Evaluation:
         config: GRPOConfig,
         generators,
         store_index,
-        store_root: Path | None,
         run_path: Path,
         model_dir: Path,
         on_sampled: Callable[[int], None] | None = None,
@@ -123,7 +122,6 @@ class Evaluation:
         self.eval: EvalConfig = config.eval
         self.generators = generators
         self.store_index = store_index
-        self.store_root = None if store_root is None else Path(store_root)
         self.on_sampled = on_sampled
         self.run_path = Path(run_path)
         self.tokenizer = PromptTokenizer(model_dir)

@@ -343,7 +343,7 @@ async def _evaluate_target(args: EvalArgs, target: Target, model_dir: Path, out:
     summary: dict[str, Any] = {"step": step, "policy_version": version}
     async with _generators(config, model_dir) as generators:
         meter = _SamplingProgress(config.eval.num_samples)
-        evaluation = Evaluation(config, generators, None, None, out, model_dir, on_sampled=meter.sampled)
+        evaluation = Evaluation(config, generators, None, out, model_dir, on_sampled=meter.sampled)
         try:
             evaluation.load_sets()
             meter.num_prompts = sum(map(len, evaluation.sets.values())) + len(humaneval or ())

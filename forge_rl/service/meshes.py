@@ -70,20 +70,12 @@ class MeshBackend:
     """`ServiceBackend` on spawned meshes; built by `spawn`, started by `start`."""
 
     def __init__(
-        self,
-        config: ServeConfig,
-        trainer,
-        generators,
-        store_index: StoreIndexActor,
-        store_root: Path,
-        service_dir: Path,
-        model_dir: Path,
+        self, config: ServeConfig, trainer, generators, store_index: StoreIndexActor, service_dir: Path, model_dir: Path
     ) -> None:
         self.config = config
         self.trainer = trainer
         self.generators = generators
         self.store_index = store_index
-        self.store_root = store_root
         self.service_dir = service_dir
         self.base_model = config.served_name
         hf_config = read_hf_config(model_dir)
@@ -139,9 +131,7 @@ class MeshBackend:
             config.launch.placement.trainer_cpus,
         )
         lifecycle.stop_engines_first(generators)
-        return cls(
-            config, trainer, generators, store_index, lifecycle.store.root, lifecycle.run_path, lifecycle.model_dir
-        )
+        return cls(config, trainer, generators, store_index, lifecycle.run_path, lifecycle.model_dir)
 
     async def start(self) -> dict:
         """Start every engine and trainer rank at once; returns their start figures."""

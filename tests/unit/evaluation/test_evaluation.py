@@ -235,7 +235,7 @@ def test_every_due_version_is_evaluated_exactly_though_the_next_one_commits_befo
     lets the evaluation load exactly s (the fake generators lease it and fail if it is gone)."""
     store = FakeIndexActor()
     config = run_config(tmp_path, tiny_model, every_n_steps=2, max_waiting=10)
-    evaluation = Evaluation(config, FakeEvalGenerators(store), store, tmp_path / "store", tmp_path, tiny_model)
+    evaluation = Evaluation(config, FakeEvalGenerators(store), store, tmp_path, tiny_model)
     logger = FakeMetricsLogger()
 
     async def run():
@@ -261,7 +261,7 @@ def test_a_skipped_step_before_a_due_one_releases_its_reservation_and_the_due_st
     itself (3, not 4): the evaluation takes it, and the reservation that no step made is withdrawn."""
     store = FakeIndexActor()
     config = run_config(tmp_path, tiny_model, every_n_steps=2, max_waiting=10, at_start=False)
-    evaluation = Evaluation(config, FakeEvalGenerators(store), store, tmp_path / "store", tmp_path, tiny_model)
+    evaluation = Evaluation(config, FakeEvalGenerators(store), store, tmp_path, tiny_model)
 
     async def run():
         await evaluation.start(0, 0, FakeMetricsLogger())
@@ -286,7 +286,7 @@ def test_an_evaluation_slower_than_training_falls_behind_in_versions_and_holds_n
     generators = FakeEvalGenerators(store)
     release, sampling = asyncio.Event(), asyncio.Event()
     config = run_config(tmp_path, tiny_model, every_n_steps=1, max_waiting=1)
-    evaluation = Evaluation(config, generators, store, tmp_path / "store", tmp_path, tiny_model)
+    evaluation = Evaluation(config, generators, store, tmp_path, tiny_model)
     answer = generators.generate.function
 
     async def held_generate(index, episodes, num_samples):
@@ -355,7 +355,7 @@ def test_an_eval_set_sharing_prompts_with_the_training_data_is_warned_about_with
 
 def test_an_eval_set_larger_than_max_prompts_is_cut_to_a_fixed_sample_with_a_warning(tmp_path, tiny_model, capsys):
     config = run_config(tmp_path, tiny_model)  # its set: 10 rows, max_prompts 6
-    evaluation = Evaluation(config, None, None, tmp_path / "store", tmp_path, tiny_model)
+    evaluation = Evaluation(config, None, None, tmp_path, tiny_model)
 
     def load():
         return load_eval_set(
@@ -422,7 +422,7 @@ def test_a_shared_evaluation_splits_its_prompts_over_the_runs_generators_pinned_
         num_generators=2,
     )
     generators = FakeRunGenerators(2)
-    evaluation = Evaluation(config, generators, None, None, tmp_path, tiny_model)
+    evaluation = Evaluation(config, generators, None, tmp_path, tiny_model)
     logger = FakeMetricsLogger()
 
     async def run():

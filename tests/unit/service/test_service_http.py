@@ -685,7 +685,7 @@ def test_a_save_for_sampler_answers_once_its_adapter_is_written_so_a_sample_of_t
     )
 
     async def scenario() -> None:
-        backend = MeshBackend(ServeConfig(), trainer, None, None, tmp_path / "store", tmp_path, model_dir)
+        backend = MeshBackend(ServeConfig(), trainer, None, None, tmp_path, model_dir)
         model_id = await backend.create_model(LoraSpec(rank=32, seed=0))
         for kind in ("snapshot", "inflight"):
             saved = await backend.save_for_sampler(model_id, None, kind)
